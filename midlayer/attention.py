@@ -1,0 +1,175 @@
+"""Grouped-query self-attention with RoPE and the paper's *gated attention* (eq. 3).
+
+Gated attention (Lawson & Aitchison 2025, section 2.2):
+
+    o_i = sum_{j<=i} g_j exp(q_i.k_j) v_j / sum_{j<=i} g_j exp(q_i.k_j)
+
+i.e. the pre-softmax logit of **key** j gets `ln(max(g_j, eps))` added, for every query and every head
+(one gate per token, shared by the heads). A token whose gate is 0 at a block therefore becomes invisible to
+every other token there. The bias must be indexed by the key position: a constant added to a whole softmax
+*row* (query-indexed) cancels in the normalisation and hides nothing -- the public reference code has that
+bug, and `tests/test_attention.py` shows ours does not.
+
+Two backends give the same result:
+  * "sdpa": `scaled_dot_product_attention` with an additive float mask = causal mask + key bias. Runs
+    everywhere; the CPU path.
+  * "flex": FlexAttention with a `score_mod` on `kv_idx` and a causal block mask. Compiled on CUDA; on CPU
+    it runs eagerly (slow) and is only used to check it against SDPA.
+
+Under bf16 autocast the attention logits and softmax are computed in fp32 (paper 3.1).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+_TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+_SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
+
+try:  # FlexAttention: torch >= 2.5
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    HAS_FLEX = True
+except ImportError:  # pragma: no cover - old torch
+    HAS_FLEX = False
+
+
+# --------------------------------------------------------------------------------------------- RoPE
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] for RoPE (Su et al.), no scaling.
+
+    We rotate the two *halves* of each head (x[:d/2], x[d/2:]) as Hugging Face's Llama does, rather than
+    interleaved pairs as Meta's reference does: the two are the same model up to a fixed permutation of the
+    q/k projection rows, and this layout loads Hugging Face checkpoints without permuting weights.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    t = torch.arange(max_seq_len, dtype=torch.float64, device=device)
+    freqs = torch.outer(t, inv_freq)  # [T, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, d]; cos/sin [T, d] (or broadcastable [B, 1, T, d]). x*cos + rotate_half(x)*sin."""
+    d2 = x.shape[-1] // 2
+    x1, x2 = x[..., :d2], x[..., d2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------ gate -> bias
+def key_gate_bias(gates: torch.Tensor, eps: float) -> torch.Tensor:
+    """ln(max(g_j, eps)) per key position: [B, T] -> [B, 1, 1, T] (broadcast over heads and queries)."""
+    return torch.log(gates.float().clamp_min(eps))[:, None, None, :]
+
+
+@lru_cache(maxsize=16)
+def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Additive causal mask [q_len, kv_len]; the last query sits at the last key (works with a KV prefix)."""
+    offset = kv_len - q_len
+    i = torch.arange(q_len, device=device)[:, None] + offset
+    j = torch.arange(kv_len, device=device)[None, :]
+    return torch.zeros(q_len, kv_len, device=device).masked_fill(j > i, float("-inf"))
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal GQA attention through SDPA. q [B,H,Tq,d]; k,v [B,Hkv,Tk,d]; key_bias [B,1,1,Tk] or None."""
+    n_rep = q.shape[1] // k.shape[1]
+    kwargs = {}
+    if n_rep > 1:
+        if _SDPA_HAS_GQA:
+            kwargs["enable_gqa"] = True
+        else:  # pragma: no cover - torch 2.4
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    if key_bias is None and q.shape[2] == k.shape[2]:
+        # Dense path: let SDPA pick its fused causal kernel (flash / memory-efficient).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+    mask = _causal_mask(q.shape[2], k.shape[2], q.device)
+    if key_bias is not None:
+        mask = mask + key_bias  # [B, 1, Tq, Tk]: the same bias for every query row and head
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), **kwargs)
+
+
+_compiled_flex = None
+
+
+def _flex(*args, **kwargs):
+    """FlexAttention, compiled on CUDA (its fast path); eager elsewhere (a slow reference path)."""
+    global _compiled_flex
+    if args[0].is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(*args, **kwargs)
+    return flex_attention(*args, **kwargs)
+
+
+def flex_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same causal gated attention as `sdpa_attention`, as a FlexAttention `score_mod` on kv_idx."""
+    if not HAS_FLEX:  # pragma: no cover
+        raise RuntimeError("attn_backend='flex' needs torch >= 2.5 (torch.nn.attention.flex_attention)")
+    B, _, Tq, _ = q.shape
+    Tk = k.shape[2]
+    offset = Tk - Tq
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=Tq, KV_LEN=Tk, device=q.device)
+    score_mod = None
+    if key_bias is not None:
+        bias = key_bias.reshape(B, Tk).to(torch.float32)
+
+        def score_mod(score, b, h, q_idx, kv_idx):  # eq. 3: + ln g_j, indexed by the KEY position
+            return score + bias[b, kv_idx]
+
+    enable_gqa = q.shape[1] != k.shape[1]
+    return _flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+class Attention(nn.Module):
+    """GQA self-attention. Projection names follow the Llama reference (wq, wk, wv, wo); no biases."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.backend = cfg.attn_backend
+
+    def use_flex(self, x: torch.Tensor) -> bool:
+        if self.backend == "flex":
+            return True
+        return self.backend == "auto" and HAS_FLEX and x.is_cuda
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_bias: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attend(q, k, v, key_bias)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               key_bias: torch.Tensor | None) -> torch.Tensor:
+        dtype = q.dtype
+        if self.use_flex(q):
+            # FlexAttention accumulates logits and softmax in fp32 from bf16 inputs inside its kernel.
+            return flex_gated_attention(q, k, v, key_bias).to(dtype)
+        if dtype != torch.float32:
+            # Paper 3.1: attention logits in fp32 under bf16 autocast.
+            with torch.autocast(q.device.type, enabled=False):
+                return sdpa_attention(q.float(), k.float(), v.float(), key_bias).to(dtype)
+        return sdpa_attention(q, k, v, key_bias)

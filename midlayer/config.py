@@ -1,0 +1,217 @@
+"""Configuration: one dataclass per concern, defaults are the paper's numbers.
+
+`ModelConfig` defaults are Table 2 of Lawson & Aitchison, *Learning to Skip the Middle Layers of
+Transformers* (arXiv 2506.21103): a Llama-3-style model of GPT-2-small size. `SparsityConfig` holds the
+gate-sparsity controller of section 2.4 (gamma, delta from the text below eq. 6). `TrainConfig` holds the
+optimiser, schedule and batch of section 3.1 / Table 2.
+
+Named presets (`PRESETS`) are overrides of these three; `get_preset(name)` builds the configs. Every field
+is also a command-line flag (see `midlayer.cli`), so this file is the single source of truth for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+NORM_PLACEMENTS = ("pre", "sandwich")
+ATTN_BACKENDS = ("auto", "sdpa", "flex")
+CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture. Defaults: paper Table 2 (the gated 12-layer model, sandwich/peri-LN)."""
+
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int = 12
+    vocab_size: int = 50257
+    ffn_dim_multiplier: float = 4.0  # hidden = multiplier * dim, rounded up to `multiple_of`
+    multiple_of: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 1024
+    init_std: float = 0.02  # every non-norm parameter ~ N(0, init_std); norm weights start at 1
+    norm_placement: str = "sandwich"  # "pre": x + M(N(x)); "sandwich" (peri-LN): x + N(M(N(x)))
+    gating: bool = True  # skip-middle routers and gated attention; False is the dense baseline
+    gate_eps: float = 1e-6  # floor on g before ln(g) in gated attention (paper 2.2)
+    attn_backend: str = "auto"  # "auto": FlexAttention on CUDA when available, else SDPA with a key bias
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, f"must be a positive int, got {v!r}")
+        _check(self.dim % self.n_heads == 0, "n_heads", f"must divide dim={self.dim}, got {self.n_heads}")
+        _check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+               f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}")
+        _check(self.head_dim % 2 == 0, "n_heads", f"head_dim={self.head_dim} must be even for RoPE")
+        _check(self.ffn_dim_multiplier > 0, "ffn_dim_multiplier", f"must be > 0, got {self.ffn_dim_multiplier}")
+        _check(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
+        _check(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        _check(self.init_std > 0, "init_std", f"must be > 0, got {self.init_std}")
+        _check(0 < self.gate_eps < 1, "gate_eps", f"must be in (0, 1), got {self.gate_eps}")
+        _check(self.norm_placement in NORM_PLACEMENTS, "norm_placement",
+               f"must be one of {NORM_PLACEMENTS}, got {self.norm_placement!r}")
+        _check(self.attn_backend in ATTN_BACKENDS, "attn_backend",
+               f"must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        if self.gating:
+            # Block l mirrors block L-1-l (eq. 2), so the layer count must split into two equal halves.
+            _check(self.n_layers % 2 == 0, "n_layers",
+                   f"a gated model needs an even number of layers (block l mirrors L-1-l), got {self.n_layers}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size: multiplier * dim, rounded up to a multiple of `multiple_of` (Llama)."""
+        h = int(self.ffn_dim_multiplier * self.dim)
+        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def n_routers(self) -> int:
+        return self.n_layers // 2 if self.gating else 0
+
+
+@dataclass
+class SparsityConfig:
+    """Gate-sparsity controller (paper 2.4, Table 1). Only used by gated models.
+
+    Mean targets run linearly from `mu0` (block 0) to `mu_final` (block L/2-1) and are mirrored over the
+    second half; variance targets are mu (1 - mu). The paper sweeps `mu_final` from 1 to 0 (Figure 2);
+    0.5 is our default, not a number the paper singles out.
+    """
+
+    controller: str = "proportional"
+    mu0: float = 1.0
+    mu_final: float = 0.5
+    gamma: float = 1e-3  # coefficient step (eq. 6)
+    delta: float = 1e-2  # dead band: no update while |diff| <= delta (two-sided, as the authors' code)
+    alpha: float = 1e-2  # fixed mean coefficient for the non-adaptive `sparsity*` controllers
+    beta: float = 1e-2  # fixed variance coefficient for the non-adaptive `sparsity*` controllers
+
+    def __post_init__(self) -> None:
+        _check(self.controller in CONTROLLERS, "controller",
+               f"must be one of {CONTROLLERS}, got {self.controller!r}")
+        for name in ("mu0", "mu_final"):
+            v = getattr(self, name)
+            _check(0.0 <= v <= 1.0, name, f"a mean gate target must be in [0, 1], got {v}")
+        for name in ("gamma", "delta", "alpha", "beta"):
+            v = getattr(self, name)
+            _check(v >= 0, name, f"must be >= 0, got {v}")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and run settings. Defaults: paper section 3.1 / Table 2 (FineWeb, 10B tokens)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.8
+    beta2: float = 0.95
+    adam_eps: float = 1e-10
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.1  # linear warmup over this fraction of steps ...
+    warmup_start_factor: float = 0.1  # ... starting at this fraction of lr, then cosine decay to 0
+    batch_size: int = 512  # global batch, in sequences (data parallel x grad accumulation)
+    micro_batch_size: int = 32  # sequences per forward on one device ("device_batch_size")
+    seq_len: int = 1024
+    steps: int = 19073  # 10B tokens / (512 x 1024)
+    grad_clip: float = 0.0  # 0 disables clipping
+    dtype: str = "auto"  # "auto": bf16 autocast on CUDA, fp32 on CPU
+    data: str = "shakespeare"  # "shakespeare" (embedded) or a glob of .bin shards, e.g. data/fineweb10B/*.bin
+    val_data: str = ""  # glob of validation shards when `data` is a glob
+    tokenizer_vocab: int = 4096  # BPE vocab trained on the embedded corpus (ignored for .bin shards)
+    eval_tokens: int = 1_000_000  # validation tokens per evaluation (0 = the whole split)
+    eval_every: int = 0  # 0: only at the end
+    log_every: int = 10
+    ckpt_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    seed: int = 0
+    out_dir: str = "runs/default"
+    compile: bool = False
+    grad_norm_spike: float = 0.0  # warn when the grad norm exceeds this multiple of its running mean (0 = off)
+    tensorboard: bool = False
+    wandb: str = ""  # wandb project name; empty disables
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "micro_batch_size", "seq_len", "steps", "log_every", "keep_last"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v > 0, name, f"must be a positive int, got {v!r}")
+        for name in ("eval_tokens", "eval_every", "ckpt_every"):
+            _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1/beta2", "must be in [0, 1)")
+        _check(0 <= self.warmup_frac < 1, "warmup_frac", f"must be in [0, 1), got {self.warmup_frac}")
+        _check(0 < self.warmup_start_factor <= 1, "warmup_start_factor",
+               f"must be in (0, 1], got {self.warmup_start_factor}")
+        _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.batch_size % self.micro_batch_size == 0, "batch_size",
+               f"must be a multiple of micro_batch_size={self.micro_batch_size}, got {self.batch_size}")
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(self.warmup_frac * self.steps)
+
+
+# Presets: name -> overrides of each config. `paper-*` follow Table 2; dense baselines keep the gated
+# model's sandwich norm so that the only difference from the gated model is the gating itself.
+_TINY_MODEL = dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=4, vocab_size=4096, max_seq_len=256,
+                   multiple_of=32)
+_TINY_TRAIN = dict(lr=3e-3, batch_size=16, micro_batch_size=16, seq_len=256, steps=600, eval_tokens=200_000,
+                   log_every=20, out_dir="runs/tiny")
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "paper-12l": {"model": {}, "train": {}},
+    **{f"paper-dense-{n}": {"model": {"n_layers": n, "gating": False}, "train": {}} for n in range(2, 13)},
+    # Trains on a 2-core CPU at several thousand tokens/s (see benchmarks/train_throughput.py).
+    "tiny": {"model": dict(_TINY_MODEL), "train": dict(_TINY_TRAIN)},
+    "tiny-dense": {"model": dict(_TINY_MODEL, gating=False), "train": dict(_TINY_TRAIN, out_dir="runs/tiny-dense")},
+    # For unit tests: seconds on a CPU.
+    "debug": {"model": dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64,
+                            multiple_of=16),
+              "train": dict(batch_size=4, micro_batch_size=2, seq_len=32, steps=20, eval_tokens=2048,
+                            log_every=5, out_dir="runs/debug")},
+}
+
+
+def get_preset(name: str, **sections: dict[str, Any]) -> tuple[ModelConfig, SparsityConfig, TrainConfig]:
+    """Build (model, sparsity, train) configs for a named preset, with optional per-section overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    p = PRESETS[name]
+    unknown = set(sections) - {"model", "sparsity", "train"}
+    if unknown:
+        raise ValueError(f"unknown config sections {sorted(unknown)}")
+    return (
+        ModelConfig(**{**p.get("model", {}), **sections.get("model", {})}),
+        SparsityConfig(**{**p.get("sparsity", {}), **sections.get("sparsity", {})}),
+        TrainConfig(**{**p.get("train", {}), **sections.get("train", {})}),
+    )
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, d: dict[str, Any]) -> Any:
+    """Rebuild a config from a dict, refusing unknown keys (e.g. a checkpoint from another version)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    return cls(**d)
+
+
+__all__ = ["ModelConfig", "SparsityConfig", "TrainConfig", "PRESETS", "get_preset", "to_dict", "from_dict"]

@@ -1,0 +1,67 @@
+"""Skip-middle gating (Lawson & Aitchison 2025, section 2.1, eqs. 1-2) and per-block gate statistics.
+
+For each first-half block l < L/2 a router reads the residual stream h(i, l) *entering* block l:
+
+    s(i, l) = ReLU(w_l . h(i, l) + b_l)              (eq. 1)
+    S(i, l) = sum_{l' <= l} s(i, l')                 (cumulative, non-decreasing)
+    g(i, l) = 1 - clamp(S(i, l), 0, 1)   for l < L/2  (eq. 2)
+    g(i, l) = g(i, L-1-l)                for l >= L/2 (block l mirrors block L-1-l)
+
+Once S >= 1 at block l the token skips the symmetric middle span [l, L-1-l] and resumes at block L-l.
+All-zero routers give g = 1 everywhere, i.e. the dense model; but ReLU'(0) = 0 passes no gradient, so the
+dense baseline is an explicit mode (`ModelConfig.gating = False`), never a zero-initialised router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def mirror_index(layer: int, n_layers: int) -> int:
+    """The first-half block whose gate block `layer` uses: l for l < L/2, else L-1-l (eq. 2)."""
+    return layer if layer < n_layers // 2 else n_layers - 1 - layer
+
+
+def skipped_span(first_zero_block: int, n_layers: int) -> range:
+    """Blocks a token skips when its gate first becomes 0 at first-half block l: [l, L-1-l]."""
+    return range(first_zero_block, n_layers - first_zero_block)
+
+
+class Routers(nn.ModuleList):
+    """One `nn.Linear(dim, 1)` per first-half block, and the cumulative gate of eqs. 1-2."""
+
+    def __init__(self, dim: int, n_layers: int) -> None:
+        super().__init__([nn.Linear(dim, 1) for _ in range(n_layers // 2)])
+
+    @staticmethod
+    def step(router: nn.Linear, h: torch.Tensor, cum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One first-half block: returns (gate g [B, T], new cumulative S [B, T]) from h [B, T, d]."""
+        s = torch.relu(router(h).squeeze(-1).float())
+        cum = s if cum is None else cum + s
+        return 1.0 - cum.clamp(0.0, 1.0), cum
+
+
+@dataclass
+class GateStats:
+    """Per-block gate statistics over the token positions of one forward pass (eq. 4).
+
+    `mean` and `var` ([L], differentiable) feed the controller's loss; `zero_frac` ([L]) is the paper's
+    sparsity, the fraction of gates exactly 0. Second-half entries repeat their mirrored first-half block.
+    """
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    zero_frac: torch.Tensor
+    n_tokens: int
+
+    @staticmethod
+    def from_gates(first_half: list[torch.Tensor], n_layers: int) -> "GateStats":
+        g = torch.stack([x.reshape(-1) for x in first_half])  # [L/2, N]
+        mean = g.mean(dim=1)
+        var = ((g - mean[:, None]) ** 2).mean(dim=1)  # population variance over token positions
+        zero = (g.detach() == 0).float().mean(dim=1)
+        idx = [mirror_index(layer, n_layers) for layer in range(n_layers)]
+        return GateStats(mean[idx], var[idx], zero[idx], g.shape[1])

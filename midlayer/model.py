@@ -1,0 +1,180 @@
+"""The Transformer: Llama-3 style, with optional skip-middle gating (arXiv 2506.21103).
+
+Architecture choices (paper section 3 / Table 2, SPEC section 1):
+  * decoder-only; token embedding -> RMSNorm (a norm after the embedding) -> L blocks -> RMSNorm -> LM head;
+  * grouped-query attention with RoPE (theta 1e4, no scaling), through SDPA or FlexAttention;
+  * SwiGLU FFN with hidden size ffn_dim_multiplier * dim rounded up to multiple_of;
+  * RMSNorm (eps 1e-5, weight 1); every other parameter ~ N(0, 0.02);
+  * norm placement `pre` (y = x + M(N(x))) or `sandwich`/peri-LN (y = x + N(M(N(x))), the paper's choice);
+  * gated models (`gating=True`): routers on the first L/2 blocks; each block computes
+        a = h + g * GatedAttn(h, g),   h' = a + g * FFN(a)
+    with g the token's gate at that block (gating.py) and gated attention hiding keys with g = 0.
+
+Names follow the Llama reference (tok_embeddings, layers, norm, output; attention.wq/wk/wv/wo,
+feed_forward.w1/w2/w3, attention_norm, ffn_norm) so that checkpoints map by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, key_gate_bias, rope_tables
+from .config import ModelConfig
+from .gating import GateStats, Routers
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.float()).to(x.dtype)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.sandwich = cfg.norm_placement == "sandwich"
+        if self.sandwich:  # peri-LN: also normalise each module's output before it joins the residual
+            self.attention_out_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.ffn_out_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                gate: torch.Tensor | None = None, key_bias: torch.Tensor | None = None) -> torch.Tensor:
+        a = self.attention(self.attention_norm(x), cos, sin, key_bias)
+        if self.sandwich:
+            a = self.attention_out_norm(a)
+        if gate is not None:
+            a = a * gate[..., None].to(a.dtype)
+        h = x + a
+        f = self.feed_forward(self.ffn_norm(h))
+        if self.sandwich:
+            f = self.ffn_out_norm(f)
+        if gate is not None:
+            f = f * gate[..., None].to(f.dtype)
+        return h + f
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [B, T, V] (None when only the loss was asked for)
+    loss: torch.Tensor | None  # mean cross-entropy over target positions (targets == -100 ignored)
+    gate_stats: GateStats | None  # per-block gate statistics, gated models only
+    gates: torch.Tensor | None  # [L/2, B, T] first-half gates, gated models only
+    hidden_states: list[torch.Tensor] | None  # residual entering each block, then the final residual
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.emb_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.routers = Routers(cfg.dim, cfg.n_layers) if cfg.gating else None
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.check_inputs = True  # set False to skip the token-id range check (it syncs with the GPU)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Paper 3 / Table 2: RMSNorm weights 1, every other parameter (routers included) ~ N(0, init_std)."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, mean=0.0, std=self.cfg.init_std)
+
+    def _validate(self, tokens: torch.Tensor) -> None:
+        if not isinstance(tokens, torch.Tensor):
+            raise ValueError(f"tokens: expected a torch.Tensor, got {type(tokens).__name__}")
+        if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise ValueError(f"tokens: expected an integer tensor of token ids, got dtype {tokens.dtype}")
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected shape [batch, seq_len], got {tuple(tokens.shape)}")
+        T = tokens.shape[1]
+        if T == 0:
+            raise ValueError("tokens: empty sequence (seq_len 0)")
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"tokens: sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
+        if self.check_inputs:
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"tokens: ids must be in [0, {self.cfg.vocab_size}), got range [{lo}, {hi}]")
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                return_logits: bool = True, output_hidden_states: bool = False) -> ModelOutput:
+        """tokens [B, T] -> logits [B, T, V]; with `targets` [B, T] also the mean cross-entropy.
+
+        Gated models also return their first-half gates and per-block `GateStats` (from this same pass, so
+        the training loop needs no second forward for the controller).
+        """
+        self._validate(tokens)
+        cfg = self.cfg
+        T = tokens.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.emb_norm(self.tok_embeddings(tokens.long()))
+        hidden = [] if output_hidden_states else None
+        first_half: list[torch.Tensor] = []
+        cum = None
+        half = cfg.n_layers // 2
+        for layer, block in enumerate(self.layers):
+            if hidden is not None:
+                hidden.append(h)
+            gate = key_bias = None
+            if self.routers is not None:
+                if layer < half:
+                    gate, cum = Routers.step(self.routers[layer], h, cum)  # router reads h entering block l
+                    first_half.append(gate)
+                else:
+                    gate = first_half[cfg.n_layers - 1 - layer]  # eq. 2: mirror of block L-1-l
+                key_bias = key_gate_bias(gate, cfg.gate_eps)
+            h = block(h, cos, sin, gate, key_bias)
+        if hidden is not None:
+            hidden.append(h)
+        h = self.norm(h)
+        logits = self.output(h)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1).long(),
+                                   ignore_index=-100)
+        stats = gates = None
+        if first_half:
+            stats = GateStats.from_gates(first_half, cfg.n_layers)
+            gates = torch.stack(first_half)
+        return ModelOutput(logits if return_logits else None, loss, stats, gates, hidden)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
