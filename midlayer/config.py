@@ -169,7 +169,7 @@ class TrainConfig:
 # model's sandwich norm so that the only difference from the gated model is the gating itself.
 _TINY_MODEL = dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=4, vocab_size=4096, max_seq_len=256,
                    multiple_of=32)
-_TINY_TRAIN = dict(lr=3e-3, batch_size=16, micro_batch_size=16, seq_len=256, steps=600, eval_tokens=200_000,
+_TINY_TRAIN = dict(lr=3e-3, batch_size=16, micro_batch_size=16, seq_len=256, steps=250, eval_tokens=200_000,
                    log_every=20, out_dir="runs/tiny")
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -179,10 +179,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {"model": dict(_TINY_MODEL), "train": dict(_TINY_TRAIN)},
     "tiny-dense": {"model": dict(_TINY_MODEL, gating=False), "train": dict(_TINY_TRAIN, out_dir="runs/tiny-dense")},
     # For unit tests: seconds on a CPU.
-    "debug": {"model": dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64,
+    "debug": {"model": dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=64,
                             multiple_of=16),
               "train": dict(batch_size=4, micro_batch_size=2, seq_len=32, steps=20, eval_tokens=2048,
-                            log_every=5, out_dir="runs/debug")},
+                            tokenizer_vocab=512, log_every=5, out_dir="runs/debug")},
 }
 
 

@@ -179,7 +179,8 @@ class SparsityController:
             getattr(self, name).copy_(value)
 
     def __repr__(self) -> str:
-        return f"SparsityController(kind={self.kind!r}, n_layers={self.n_layers}, gamma={self.gamma}, delta={self.delta})"
+        return (f"SparsityController(kind={self.kind!r}, n_layers={self.n_layers}, "
+                f"gamma={self.gamma}, delta={self.delta})")
 
 
 def make_controller(cfg: SparsityConfig, n_layers: int) -> SparsityController:

@@ -4,7 +4,7 @@ Why byte-level BPE: like GPT-2's tokenizer it can encode any string (no unknown 
 vocabulary (default 4096) trained on the corpus itself gives a small embedding table for CPU-sized models.
 `<|endoftext|>` (id 0, the only special token) separates documents in the token stream.
 
-Training on the ~4.7 MB training split takes about 1 s on 2 CPU cores and is deterministic (same texts and
+Training on the 4.6 MB training split takes about 1 s on 2 CPU cores and is deterministic (same texts and
 vocab size give byte-identical `tokenizer.json`; checked in tests/test_data.py).
 
 Cache: `<cache_dir>/tokenizer.json` plus `<cache_dir>/tokenizer_meta.json` with the data fingerprint, the
@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -73,9 +73,11 @@ def eot_id(tok: Tokenizer) -> int:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    # A unique name in the same folder (os.replace is atomic only within a filesystem); open(..., "xb")
+    # rather than mkstemp so the file gets the usual umask permissions, not 0600.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:

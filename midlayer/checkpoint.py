@@ -1,0 +1,97 @@
+"""Checkpoints that carry everything a run needs to continue exactly, written atomically.
+
+A checkpoint `ckpt_{step:07d}.pt` in the run directory holds: the model, optimizer, LR-scheduler and
+sparsity-controller states, the torch RNG states, the step (which is also the data position: the data
+reader is a pure function of (seed, step), see data.py), and the three configs as plain dicts. The configs
+are also written as `config.json` beside it for people and tools.
+
+Writes go to a temporary file in the same directory, then `os.replace` -- a killed process never leaves a
+half-written checkpoint under the real name. Loading refuses, with a clear message and without touching
+anything on disk, a file that is not a midlayer checkpoint, is truncated/corrupt, or whose model config
+differs from the run being resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "midlayer-checkpoint-v1"
+_NAME = re.compile(r"ckpt_(\d{7})\.pt$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / f"ckpt_{step:07d}.pt"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoints in `run_dir`, oldest first (temporary files are ignored)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def atomic_write_bytes(path: Path, write) -> None:
+    """Call write(tmp_path), fsync, then rename over `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], configs: dict[str, dict],
+                    keep_last: int) -> Path:
+    """Write ckpt for `step` atomically, then `config.json`, then prune to the newest `keep_last`."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = checkpoint_path(run_dir, step)
+    payload = {"format": FORMAT, "step": step, "configs": configs, **state}
+    atomic_write_bytes(path, lambda p: torch.save(payload, p))
+    atomic_write_bytes(run_dir / "config.json",
+                       lambda p: p.write_text(json.dumps(configs, indent=2, sort_keys=True)))
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        old.unlink()
+    return path
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load and sanity-check a checkpoint; raise CheckpointError with the reason on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, random bytes, pickle of something else ...
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a torch file ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} file")
+    for key in ("step", "configs", "model"):
+        if key not in ckpt:
+            raise CheckpointError(f"checkpoint {path} lacks '{key}'")
+    bad = [k for k, v in ckpt["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"checkpoint {path} has non-finite weights in {bad[:5]}")
+    return ckpt
+
+
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Fields whose values differ between two config dicts, as 'name: saved -> current'."""
+    keys = sorted(set(saved) | set(current))
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]

@@ -1,0 +1,76 @@
+"""One code path for 1 and N processes: read torchrun's environment, rank-0 printing.
+
+`torchrun --nproc_per_node N -m midlayer train ...` sets RANK / LOCAL_RANK / WORLD_SIZE; a plain
+`midlayer train ...` has none of them and runs as rank 0 of 1 without initialising a process group.
+Backend: nccl on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def setup(device: str | None = None) -> DistInfo:
+    """Initialise the process group when launched by torchrun; pick this process's device."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return DistInfo(rank, local_rank, world, dev)
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (identity in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        x /= dist.get_world_size()
+    return x
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def print0(*args, **kwargs) -> None:
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)

@@ -1,0 +1,312 @@
+"""Training loop: one code path for a single process and `torchrun --nproc_per_node N` (DDP).
+
+Per optimizer step (paper section 3.1 defaults, every value a TrainConfig field):
+  1. the global batch of `batch_size` sequences is split over ranks, then into micro-batches of
+     `micro_batch_size` (gradient accumulation); the windows are a pure function of (seed, step), so a
+     run resumed at step s sees exactly the data an uninterrupted run would, and N ranks see exactly the
+     batch one process would;
+  2. loss = cross-entropy + the sparsity controller's regulariser (eq. 5), each divided by the number of
+     micro-batches; DDP averages gradients over ranks;
+  3. optional gradient clipping; the gradient norm is always measured and logged; a non-finite loss or
+     gradient stops the run *before* the optimizer step, so no poisoned weights are ever saved;
+  4. AdamW step, LR schedule step (linear warmup from warmup_start_factor x lr over warmup_frac of the
+     steps, then cosine decay to 0);
+  5. the controller's coefficients are updated from the gate statistics of the whole global batch,
+     all-reduced over ranks (eq. 6), so every rank holds the same coefficients.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import distributed as dist_utils
+from .checkpoint import CheckpointError, config_mismatch, list_checkpoints, load_checkpoint, save_checkpoint
+from .config import ModelConfig, SparsityConfig, TrainConfig
+from .data import TokenWindows, resolve_data
+from .evaluate import autocast_context, evaluate
+from .flops import forward_flops
+from .model import Transformer
+from .sparsity import GateStatsAccumulator, make_controller
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """LR multiplier at optimizer step `step` (0-based): linear warmup from `warmup_start_factor` to 1 over
+    `warmup_steps`, then cosine from 1 to 0 over the remaining steps (reaching 0 after the last step)."""
+    w = cfg.warmup_steps
+    if step < w:
+        return cfg.warmup_start_factor + (1.0 - cfg.warmup_start_factor) * step / w
+    progress = (step - w) / max(1, cfg.steps - w)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MIDLAYER_CACHE", Path.home() / ".cache" / "midlayer"))
+
+
+class MetricsLogger:
+    """JSONL always (rank 0); TensorBoard and wandb when asked for. Other ranks log nothing."""
+
+    def __init__(self, run_dir: Path, cfg: TrainConfig, configs: dict, enabled: bool) -> None:
+        self.enabled = enabled
+        self.file = open(Path(run_dir) / "metrics.jsonl", "a") if enabled else None
+        self.tb = self.wandb = None
+        if enabled and cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("--tensorboard needs: pip install 'midlayer[tensorboard]'") from e
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        if enabled and cfg.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("--wandb needs: pip install 'midlayer[wandb]'") from e
+            self.wandb = wandb.init(project=cfg.wandb, config=configs, dir=str(run_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record.get("step", 0)
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _configs(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: TrainConfig) -> dict[str, dict]:
+    return {"model": asdict(model_cfg), "sparsity": asdict(sparsity_cfg), "train": asdict(train_cfg)}
+
+
+def train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: TrainConfig, *,
+          resume: bool = False, device: str | None = None, cache_dir: Path | None = None,
+          progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+    """Train (or resume) a run in `train_cfg.out_dir`; returns the final evaluation dict.
+
+    `stop_after` ends the process's work after that many optimizer steps of this call (with a checkpoint),
+    simulating a killed job for tests and letting long runs be cut into sessions.
+    """
+    info = dist_utils.setup(device)
+    try:
+        return _train(model_cfg, sparsity_cfg, train_cfg, info, resume, cache_dir or default_cache_dir(),
+                      progress, stop_after)
+    finally:
+        dist_utils.teardown()
+
+
+def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo, resume: bool,
+           cache_dir: Path, progress: bool, stop_after: int | None) -> dict[str, Any]:
+    dev, world, rank = info.device, info.world_size, info.rank
+    run_dir = Path(cfg.out_dir)
+    configs = _configs(model_cfg, sparsity_cfg, cfg)
+    per_rank = cfg.batch_size // world
+    if cfg.batch_size % world or per_rank % cfg.micro_batch_size:
+        raise ValueError(f"batch_size={cfg.batch_size} must split into {world} ranks x whole micro-batches of "
+                         f"micro_batch_size={cfg.micro_batch_size}")
+    accum = per_rank // cfg.micro_batch_size
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
+
+    # ---- refuse to clobber or to resume something else: decided before anything is written
+    existing = list_checkpoints(run_dir)
+    ckpt = None
+    if resume and existing:
+        ckpt = load_checkpoint(existing[-1], map_location=dev)
+        for section in ("model", "sparsity"):
+            diff = config_mismatch(ckpt["configs"][section], configs[section])
+            if diff:
+                raise CheckpointError(f"cannot resume {existing[-1]}: its {section} config differs: " + "; ".join(diff))
+        diff = config_mismatch({k: ckpt["configs"]["train"][k] for k in ("seed", "batch_size", "seq_len", "data")},
+                               {k: configs["train"][k] for k in ("seed", "batch_size", "seq_len", "data")})
+        if diff:
+            raise CheckpointError(f"cannot resume {existing[-1]}: data/batch settings differ: " + "; ".join(diff))
+    elif existing and not resume:
+        raise CheckpointError(f"{run_dir} already holds checkpoints ({existing[-1].name}); pass --resume to "
+                              "continue that run or choose another --out-dir")
+
+    # ---- data: rank 0 builds caches first so ranks never race on them
+    if info.is_main:
+        files = resolve_data(cfg.data, cache_dir, cfg.tokenizer_vocab, cfg.val_data)
+    dist_utils.barrier()
+    if not info.is_main:
+        files = resolve_data(cfg.data, cache_dir, cfg.tokenizer_vocab, cfg.val_data)
+    if files.vocab_size is not None and files.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {files.vocab_size}")
+    train_windows = TokenWindows(files.train, cfg.seq_len)
+    val_windows = TokenWindows(files.val, cfg.seq_len)
+
+    # ---- model, optimizer, schedule, controller (same seed on every rank -> same initial weights)
+    torch.manual_seed(cfg.seed)
+    model = Transformer(model_cfg).to(dev)
+    model.check_inputs = dev.type == "cpu"  # the range check syncs with the GPU; data ids are known-good
+    dtype = resolve_dtype(cfg.dtype, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    controller = make_controller(sparsity_cfg, model_cfg.n_layers).to(dev) if model_cfg.gating else None
+    start = 0
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        if controller is not None:
+            controller.load_state_dict(ckpt["controller"])
+        torch.set_rng_state(ckpt["rng_cpu"].cpu())
+        if dev.type == "cuda" and "rng_cuda" in ckpt:
+            torch.cuda.set_rng_state(ckpt["rng_cuda"].cpu())
+        start = int(ckpt["step"])
+    run_model = torch.compile(model) if cfg.compile else model
+    ddp = DDP(run_model, device_ids=[dev.index] if dev.type == "cuda" else None) if info.enabled else None
+    fwd = ddp if ddp is not None else run_model
+
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    logger = MetricsLogger(run_dir, cfg, configs, info.is_main)
+    if ckpt is not None:
+        logger.log({"event": "resumed", "step": start})
+
+    def save(step: int) -> None:
+        if info.is_main:
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                     "rng_cpu": torch.get_rng_state()}
+            if controller is not None:
+                state["controller"] = controller.state_dict()
+            if dev.type == "cuda":
+                state["rng_cuda"] = torch.cuda.get_rng_state()
+            save_checkpoint(run_dir, step, state, configs, cfg.keep_last)
+        dist_utils.barrier()
+
+    def run_eval(step: int) -> dict[str, Any]:
+        res = evaluate(model, val_windows, eval_tokens=cfg.eval_tokens, batch_size=cfg.micro_batch_size,
+                       device=dev, dtype=dtype, rank=rank, world_size=world)
+        res["step"] = step
+        logger.log({"event": "eval", **res})
+        return res
+
+    bar = None
+    if progress and info.is_main:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}", dynamic_ncols=True)
+    acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if controller is not None else None
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    grad_norm_ema = None
+    t_last, steps_since = time.perf_counter(), 0
+    t_start = t_last
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    model.train()
+    for step in range(start, end):
+        ce_sum = torch.zeros((), device=dev)
+        reg_sum = torch.zeros((), device=dev)
+        if acc is not None:
+            acc.reset()
+        for m in range(accum):
+            x, y = train_windows.batch(step, cfg.seed, cfg.batch_size, rank * per_rank + m * cfg.micro_batch_size,
+                                       cfg.micro_batch_size)
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            sync = nullcontext() if (ddp is None or m == accum - 1) else ddp.no_sync()
+            with sync:
+                with autocast_context(dev, dtype):
+                    out = fwd(x, y, return_logits=False)
+                    reg = controller.loss(out.gate_stats.mean, out.gate_stats.var) if controller is not None \
+                        else torch.zeros((), device=dev)
+                ((out.loss + reg) / accum).backward()
+            ce_sum += out.loss.detach()
+            reg_sum += reg.detach()
+            if acc is not None:
+                s = out.gate_stats
+                acc.add(s.mean, s.var, s.zero_frac, s.n_tokens)
+        ce = dist_utils.all_reduce_mean(ce_sum / accum)
+        reg_v = dist_utils.all_reduce_mean(reg_sum / accum)
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if not (torch.isfinite(ce) and torch.isfinite(grad_norm)):
+            logger.log({"event": "non_finite", "step": step, "ce": ce.item(), "grad_norm": grad_norm.item()})
+            logger.close()
+            last = list_checkpoints(run_dir)
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient at step {step} (ce={ce.item()}, grad_norm={grad_norm.item()}); "
+                "stopped before the optimizer step, nothing saved. "
+                + (f"Resume from {last[-1]} with --resume and a lower --lr or a --grad-clip."
+                   if last else "Restart with a lower --lr or a --grad-clip."))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        record: dict[str, Any] = {"step": step + 1, "ce": ce.item(), "reg_loss": reg_v.item(),
+                                  "grad_norm": grad_norm.item(), "lr": sched.get_last_lr()[0]}
+        gn = record["grad_norm"]
+        if cfg.grad_norm_spike > 0 and grad_norm_ema is not None and gn > cfg.grad_norm_spike * grad_norm_ema:
+            record["grad_norm_spike"] = gn / grad_norm_ema
+            if bar is not None:
+                bar.write(f"step {step + 1}: gradient-norm spike {gn:.3g} ({gn / grad_norm_ema:.1f}x the running mean)")
+        grad_norm_ema = gn if grad_norm_ema is None else 0.95 * grad_norm_ema + 0.05 * gn
+        if acc is not None:
+            g_mean, g_var, g_zero = acc.reduce()
+            controller.update(g_mean, g_var)
+            record.update(sparsity=float(g_zero.mean()), gate_mean=float(g_mean.mean()),
+                          **{f"ctrl_{k}": v for k, v in controller.metrics().items()})
+        steps_since += 1
+        if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+            now = time.perf_counter()
+            record["tokens_per_s"] = steps_since * tokens_per_step / (now - t_last)
+            t_last, steps_since = now, 0
+            logger.log(record)
+        if bar is not None:
+            post = {"ce": f"{record['ce']:.3f}"}
+            if "tokens_per_s" in record:
+                post["tok/s"] = f"{record['tokens_per_s']:.0f}"
+            if "sparsity" in record:
+                post["sparsity"] = f"{record['sparsity']:.3f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < end:
+            save(step + 1)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            run_eval(step + 1)
+    if bar is not None:
+        bar.close()
+    if end > start or not existing:
+        save(end)
+    train_time = time.perf_counter() - t_start
+    result: dict[str, Any] = {"step": end, "finished": end == cfg.steps}
+    if end == cfg.steps:
+        result = run_eval(end)
+        result["finished"] = True
+    if end > start:
+        result["train_tokens_per_s"] = (end - start) * tokens_per_step / train_time
+        if info.is_main:
+            result["flops_per_token_train_est"] = 3 * forward_flops(model_cfg, cfg.seq_len).total / cfg.seq_len
+            (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+            logger.log({"event": "final", **result})
+    logger.close()
+    return result

@@ -1,0 +1,215 @@
+"""Training loop: schedule, learning, exact resume, DDP == single process, checkpoint refusals, CLI surface."""
+
+import math
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from midlayer import cli
+from midlayer.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from midlayer.config import TrainConfig, get_preset
+from midlayer.data import write_shard
+from midlayer.train import NonFiniteLossError, lr_factor, train
+
+
+def synthetic_shards(tmp: Path, vocab: int = 512, n: int = 40_000) -> str:
+    """A learnable stream: mostly 'next = (prev * 7 + 3) % vocab', with 10% random tokens."""
+    rng = np.random.default_rng(0)
+    toks = np.empty(n, dtype=np.int64)
+    toks[0] = 1
+    noise = rng.random(n) < 0.1
+    rand = rng.integers(0, vocab, n)
+    for i in range(1, n):
+        toks[i] = rand[i] if noise[i] else (toks[i - 1] * 7 + 3) % vocab
+    d = tmp / "shards"
+    d.mkdir(exist_ok=True)
+    write_shard(d / "syn_train_000.bin", toks[: n * 3 // 4])
+    write_shard(d / "syn_val_000.bin", toks[n * 3 // 4:])
+    return str(d / "*.bin")
+
+
+def debug_configs(tmp: Path, **train_kw):
+    data = synthetic_shards(tmp)
+    return get_preset("debug", train=dict(data=data, out_dir=str(tmp / "run"), **train_kw))
+
+
+# ----------------------------------------------------------------------------------------- schedule
+def test_lr_schedule_values_by_hand():
+    cfg = TrainConfig(steps=100, warmup_frac=0.1, warmup_start_factor=0.1, lr=1.0)
+    assert lr_factor(0, cfg) == pytest.approx(0.1)  # warmup starts at 0.1 x lr
+    assert lr_factor(5, cfg) == pytest.approx(0.1 + 0.9 * 5 / 10)
+    assert lr_factor(10, cfg) == pytest.approx(1.0)  # end of warmup: full lr
+    assert lr_factor(55, cfg) == pytest.approx(0.5)  # half way through the cosine: cos(pi/2) -> 0.5
+    assert lr_factor(99, cfg) == pytest.approx(0.5 * (1 + math.cos(math.pi * 89 / 90)))
+    assert lr_factor(100, cfg) == pytest.approx(0.0, abs=1e-12)  # end of training
+
+
+# ------------------------------------------------------------------------------------------ learning
+def test_loss_decreases_on_tiny_preset(tmp_path):
+    m, s, t = get_preset("tiny", train=dict(data=synthetic_shards(tmp_path), out_dir=str(tmp_path / "run"),
+                                            steps=30, batch_size=8, micro_batch_size=8, seq_len=64,
+                                            eval_tokens=4096, log_every=1))
+    m.vocab_size = 512
+    res = train(m, s, t, progress=False)
+    import json
+    ce = [json.loads(line)["ce"] for line in open(tmp_path / "run" / "metrics.jsonl") if '"ce"' in line]
+    assert len(ce) == 30
+    assert np.mean(ce[-5:]) < np.mean(ce[:3]) - 1.0, ce
+    assert res["val_ce"] < ce[0] - 1.0
+    assert res["finished"] and 0.0 <= res["mean_sparsity"] <= 1.0
+    assert (tmp_path / "run" / "eval.json").exists()
+
+
+# -------------------------------------------------------------------------------------------- resume
+@pytest.mark.parametrize("gating", [True, False])
+def test_resume_reaches_identical_weights(tmp_path, gating):
+    m, s, t = debug_configs(tmp_path, steps=8, ckpt_every=2, keep_last=2)
+    m.gating = gating
+    t_full = TrainConfig(**{**t.__dict__, "out_dir": str(tmp_path / "full")})
+    train(m, s, t_full, progress=False)
+    # A run "killed" after 3 steps, then resumed: the checkpoint at 3 carries optimizer, schedule, controller.
+    part = train(m, s, t, progress=False, stop_after=3)
+    assert part["step"] == 3 and not part["finished"]
+    train(m, s, t, progress=False, resume=True)
+    a = load_checkpoint(list_checkpoints(tmp_path / "full")[-1])
+    b = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
+    assert a["step"] == b["step"] == 8
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    if gating:
+        assert a["controller"]["alpha"].abs().sum() > 0
+        assert torch.equal(a["controller"]["alpha"], b["controller"]["alpha"])
+    assert len(list_checkpoints(tmp_path / "full")) == 2  # keep_last
+
+
+def test_fresh_run_refuses_to_overwrite_existing_checkpoints(tmp_path):
+    m, s, t = debug_configs(tmp_path, steps=2)
+    train(m, s, t, progress=False)
+    before = {p: p.read_bytes() for p in list_checkpoints(tmp_path / "run")}
+    with pytest.raises(CheckpointError, match="--resume"):
+        train(m, s, t, progress=False)
+    assert {p: p.read_bytes() for p in list_checkpoints(tmp_path / "run")} == before
+
+
+def test_corrupt_or_mismatched_checkpoint_is_refused_and_nothing_overwritten(tmp_path):
+    m, s, t = debug_configs(tmp_path, steps=4)
+    train(m, s, t, progress=False, stop_after=2)
+    ckpt = list_checkpoints(tmp_path / "run")[-1]
+    good = ckpt.read_bytes()
+    # mismatched model config
+    m2 = type(m)(**{**m.__dict__, "dim": 64})
+    with pytest.raises(CheckpointError, match="dim: 32 -> 64"):
+        train(m2, s, t, progress=False, resume=True)
+    assert ckpt.read_bytes() == good
+    # truncated file
+    ckpt.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        train(m, s, t, progress=False, resume=True)
+    assert len(ckpt.read_bytes()) == len(good) // 2 and len(list_checkpoints(tmp_path / "run")) == 1
+    # not a checkpoint at all
+    torch.save({"hello": 1}, ckpt)
+    with pytest.raises(CheckpointError, match="not a midlayer-checkpoint"):
+        load_checkpoint(ckpt)
+
+
+def test_non_finite_loss_stops_without_saving(tmp_path, monkeypatch):
+    import midlayer.train as train_mod
+
+    class Exploding(train_mod.Transformer):
+        calls = 0
+
+        def forward(self, *a, **kw):
+            out = super().forward(*a, **kw)
+            Exploding.calls += 1
+            if Exploding.calls > 6 and self.training:  # from the 4th optimizer step (2 micro-batches each)
+                out.loss = out.loss * float("nan")
+            return out
+
+    monkeypatch.setattr(train_mod, "Transformer", Exploding)
+    m, s, t = debug_configs(tmp_path, steps=10, ckpt_every=2)
+    with pytest.raises(NonFiniteLossError, match="step 3"):
+        train(m, s, t, progress=False)
+    ckpts = list_checkpoints(tmp_path / "run")
+    assert [int(p.stem.split("_")[1]) for p in ckpts] == [2]
+    load_checkpoint(ckpts[-1])  # finite weights
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    m, s, t = debug_configs(Path(tmp), steps=4, batch_size=8, micro_batch_size=2)
+    train(m, s, t, progress=False, device="cpu")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_ddp_two_gloo_processes_equal_single_process(tmp_path):
+    ddp_dir = tmp_path / "ddp"
+    ddp_dir.mkdir()
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(ddp_dir)), nprocs=2, join=True)
+    single_dir = tmp_path / "single"
+    single_dir.mkdir()
+    m, s, t = debug_configs(single_dir, steps=4, batch_size=8, micro_batch_size=2)
+    train(m, s, t, progress=False, device="cpu")
+    a = load_checkpoint(list_checkpoints(ddp_dir / "run")[-1])
+    b = load_checkpoint(list_checkpoints(single_dir / "run")[-1])
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], atol=1e-5, rtol=1e-4, msg=k)
+    torch.testing.assert_close(a["controller"]["alpha"], b["controller"]["alpha"], atol=1e-7, rtol=1e-5)
+    assert not torch.equal(a["model"]["output.weight"], get_init_output_weight(m))
+
+
+def get_init_output_weight(m):
+    from midlayer.model import Transformer
+    torch.manual_seed(0)
+    return Transformer(m).output.weight.detach()
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_cli_surface_is_frozen():
+    """Renaming or dropping a flag breaks users' scripts: change this list deliberately."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
+    assert sorted(flags) == ["eval", "flops", "presets", "train"]
+    model_flags = ["--attn-backend", "--dim", "--ffn-dim-multiplier", "--gate-eps", "--gating", "--init-std",
+                   "--max-seq-len", "--multiple-of", "--n-heads", "--n-kv-heads", "--n-layers", "--no-gating",
+                   "--no-tie-embeddings", "--norm-eps", "--norm-placement", "--rope-theta", "--tie-embeddings",
+                   "--vocab-size"]
+    sparsity_flags = ["--alpha", "--beta", "--controller", "--delta", "--gamma", "--mu-final", "--mu0"]
+    train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--data",
+                   "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--keep-last",
+                   "--log-every", "--lr", "--micro-batch-size", "--no-compile", "--no-tensorboard", "--out-dir",
+                   "--seed", "--seq-len", "--steps", "--tensorboard", "--tokenizer-vocab", "--val-data",
+                   "--wandb", "--warmup-frac", "--warmup-start-factor", "--weight-decay"]
+    assert flags["train"] == sorted(["-h", "--help", "--resume", "--device", "--stop-after", "--no-progress"]
+                                    + model_flags + sparsity_flags + train_flags)
+    assert flags["flops"] == sorted(["-h", "--help", "--seq-len", "--sparsity"] + model_flags)
+    assert flags["eval"] == sorted(["-h", "--help", "--eval-tokens", "--batch-size", "--device", "--output"])
+
+
+def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):
+    args = cli.build_parser().parse_args(["train", "tiny", "--mu-final", "0.25", "--no-gating", "--steps", "7"])
+    over = cli.overrides_from_args(args)
+    m, s, t = get_preset("tiny", **over)
+    assert (s.mu_final, m.gating, t.steps, m.dim) == (0.25, False, 7, 128)
+    assert cli.main(["train", "tiny", "--mu-final", "1.5"]) == 2
+    assert "mu_final" in capsys.readouterr().err
+
+
+def test_cli_flops_prints_breakdown(capsys):
+    assert cli.main(["flops", "paper-12l", "--seq-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "lm_head" in out and "total" in out
