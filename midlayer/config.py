@@ -37,6 +37,7 @@ class ModelConfig:
     vocab_size: int = 50257
     ffn_dim_multiplier: float = 4.0  # hidden = multiplier * dim, rounded up to `multiple_of`
     multiple_of: int = 256
+    ffn_hidden: int = 0  # explicit SwiGLU hidden size (pretrained checkpoints); 0 derives it from the two above
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 1024
@@ -46,6 +47,8 @@ class ModelConfig:
     gate_eps: float = 1e-6  # floor on g before ln(g) in gated attention (paper 2.2)
     attn_backend: str = "auto"  # "auto": FlexAttention on CUDA when available, else SDPA with a key bias
     tie_embeddings: bool = False
+    embed_norm: bool = True  # RMSNorm after the embedding (the paper's models); Llama checkpoints have none
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2); Llama has none
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
@@ -55,6 +58,7 @@ class ModelConfig:
         _check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
                f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}")
         _check(self.head_dim % 2 == 0, "n_heads", f"head_dim={self.head_dim} must be even for RoPE")
+        _check(self.ffn_hidden >= 0, "ffn_hidden", f"must be >= 0 (0 = derived), got {self.ffn_hidden}")
         _check(self.ffn_dim_multiplier > 0, "ffn_dim_multiplier", f"must be > 0, got {self.ffn_dim_multiplier}")
         _check(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _check(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
@@ -76,6 +80,8 @@ class ModelConfig:
     @property
     def ffn_hidden_dim(self) -> int:
         """SwiGLU hidden size: multiplier * dim, rounded up to a multiple of `multiple_of` (Llama)."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
         h = int(self.ffn_dim_multiplier * self.dim)
         return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
 

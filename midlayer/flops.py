@@ -178,7 +178,7 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         n_tokens=T,
         n_pairs=P,
         **{name: float(v) * kept for name, v in one.items()},
-        embed_norm=float(RMSNORM_FLOPS_PER_ELEM * T * d),
+        embed_norm=float(RMSNORM_FLOPS_PER_ELEM * T * d) if cfg.embed_norm else 0.0,
         final_norm=float(RMSNORM_FLOPS_PER_ELEM * T * d),
         lm_head=float(2 * T * d * V),
         router=float(R * T * (2 * d + 2)),
@@ -232,7 +232,8 @@ def block_param_count(cfg: ModelConfig) -> int:
     """N_B (paper 2.1): parameters of one Transformer block (attention, FFN, its norms; no router)."""
     d, kv, h = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden_dim
     n_norm = 2 if cfg.norm_placement == "pre" else 4
-    return d * d + 2 * d * kv + d * d + 3 * d * h + n_norm * d
+    bias = (d + 2 * kv) if cfg.qkv_bias else 0  # Qwen2-style q/k/v biases
+    return d * d + 2 * d * kv + d * d + 3 * d * h + n_norm * d + bias
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -242,7 +243,8 @@ def param_count(cfg: ModelConfig) -> int:
     """
     d, V = cfg.dim, cfg.vocab_size
     head = 0 if cfg.tie_embeddings else V * d
-    return V * d + cfg.n_layers * block_param_count(cfg) + 2 * d + head + cfg.n_routers * (d + 1)
+    norms = (2 if cfg.embed_norm else 1) * d
+    return V * d + cfg.n_layers * block_param_count(cfg) + norms + head + cfg.n_routers * (d + 1)
 
 
 def active_param_count(cfg: ModelConfig, sparsity: Sequence[float] | None = None) -> float:

@@ -96,7 +96,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.emb_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.emb_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.embed_norm else nn.Identity()
         self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

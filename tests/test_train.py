@@ -183,8 +183,9 @@ def test_cli_surface_is_frozen():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
-    assert sorted(flags) == ["eval", "flops", "presets", "train"]
-    model_flags = ["--attn-backend", "--dim", "--ffn-dim-multiplier", "--gate-eps", "--gating", "--init-std",
+    assert sorted(flags) == ["eval", "flops", "plot", "presets", "sweep", "train"]
+    model_flags = ["--attn-backend", "--dim", "--embed-norm", "--ffn-dim-multiplier", "--ffn-hidden", "--gate-eps",
+                   "--gating", "--init-std", "--no-embed-norm", "--no-qkv-bias", "--qkv-bias",
                    "--max-seq-len", "--multiple-of", "--n-heads", "--n-kv-heads", "--n-layers", "--no-gating",
                    "--no-tie-embeddings", "--norm-eps", "--norm-placement", "--rope-theta", "--tie-embeddings",
                    "--vocab-size"]
@@ -198,6 +199,8 @@ def test_cli_surface_is_frozen():
                                     + model_flags + sparsity_flags + train_flags)
     assert flags["flops"] == sorted(["-h", "--help", "--seq-len", "--sparsity"] + model_flags)
     assert flags["eval"] == sorted(["-h", "--help", "--eval-tokens", "--batch-size", "--device", "--output"])
+    assert flags["sweep"] == sorted(["-h", "--help", "--out-dir", "--launcher", "--nproc", "--only", "--data"])
+    assert flags["plot"] == sorted(["-h", "--help", "--out"])
 
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):
