@@ -154,13 +154,23 @@ class Attention(nn.Module):
         return self.backend == "auto" and HAS_FLEX and x.is_cuda
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_bias: torch.Tensor | None = None) -> torch.Tensor:
+                key_bias: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]. Without `cache`: causal (gated) attention over these T tokens.
+
+        With `cache` (a `kv_cache.LayerView`), the new keys/values are written into the KV cache and the
+        queries attend over every position the cache holds for this layer, through the mask it returns
+        (causality, padding, skipped tokens and the gate bias are all in that mask).
+        """
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, key_bias)
+        if cache is None:
+            out = self.attend(q, k, v, key_bias)
+        else:
+            k, v, mask = cache.update(k, v)
+            out = self.attend_masked(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -174,3 +184,17 @@ class Attention(nn.Module):
             with torch.autocast(q.device.type, enabled=False):
                 return sdpa_attention(q.float(), k.float(), v.float(), key_bias).to(dtype)
         return sdpa_attention(q, k, v, key_bias)
+
+    def attend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention with an explicit additive mask [B, 1, Tq, Tk] (None: every key visible)."""
+        kwargs = {}
+        if q.shape[1] != k.shape[1]:
+            if _SDPA_HAS_GQA:
+                kwargs["enable_gqa"] = True
+            else:  # pragma: no cover - torch 2.4
+                n_rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)

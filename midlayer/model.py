@@ -67,8 +67,10 @@ class Block(nn.Module):
             self.ffn_out_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                gate: torch.Tensor | None = None, key_bias: torch.Tensor | None = None) -> torch.Tensor:
-        a = self.attention(self.attention_norm(x), cos, sin, key_bias)
+                gate: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """a = x + g * Attn(x), h = a + g * FFN(a), with the norm scheme inside (paper section 2)."""
+        a = self.attention(self.attention_norm(x), cos, sin, key_bias, cache)
         if self.sandwich:
             a = self.attention_out_norm(a)
         if gate is not None:

@@ -1,0 +1,264 @@
+"""Generation over a static KV cache, with *real* skipping of gated blocks.
+
+Small named functions (prefill, decode_one_token, generate_stream, generate) over `forward_cached`, and a
+naive reference (`generate_naive`: the whole sequence recomputed by `Transformer.forward` at every step)
+that every fast path is tested against.
+
+Real skipping (beyond the paper, which only estimates the saving; the reference code multiplies by 0):
+in a gated model a token whose gate is exactly 0 at block l is not processed by block l at all -- no
+projections, no attention, no FFN, no K/V entry -- and, having no K/V entry there, gets zero attention
+weight from every other token. Only the tokens still active at a block are gathered into it and scattered
+back. Since g = 0 at block l implies g = 0 at every block up to the mirror L-1-l (eqs. 1-2), such a token
+skips the whole span [l, L-1-l]. The result equals the multiply-by-gate forward up to float rounding and
+the eps floor of gated attention (a gated key has weight 1e-6 there, 0 here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .gating import Routers
+from .kv_cache import KVCache, LayerView
+from .model import Transformer
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None
+    stop_tokens: Sequence[int] = field(default_factory=tuple)
+    skip: bool = True  # real skipping of gated blocks (False: compute them, multiplied by the gate)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+# ------------------------------------------------------------------------------------ cached forward
+@torch.no_grad()
+def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor, *,
+                   active: torch.Tensor | None = None, skip: bool = True,
+                   extra_mask: torch.Tensor | None = None, last_only: bool = False,
+                   return_hidden: bool = False):
+    """Run `tokens` [B, T] at the next T cache slots; returns logits [B, T, V] ([B, V] if `last_only`).
+
+    positions [B, T]: RoPE positions. active [B, T] (None: all): tokens to compute at all (False for
+    padding). extra_mask [B, 1, T, S_after] or None: an additive mask on top of causality (tree attention).
+    With `return_hidden` also returns the final residual [B, T, d] (before the last norm).
+    """
+    cfg = model.cfg
+    B, T = tokens.shape
+    start = cache.length
+    slots = cache.reserve(T)
+    cache.pos[:, start:start + T] = positions
+    cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]  # [B, 1, T, hd]
+    h = model.emb_norm(model.tok_embeddings(tokens))
+    query_slots = slots[None, :].expand(B, T)
+    gated = model.routers is not None
+    half = cfg.n_layers // 2
+    first_half: list[torch.Tensor] = []
+    cum = None
+    for layer, block in enumerate(model.layers):
+        gate = gate_bias = None
+        act = active
+        if gated:
+            if layer < half:
+                gate, cum = Routers.step(model.routers[layer], h, cum)
+                first_half.append(gate)
+            else:
+                gate = first_half[cfg.n_layers - 1 - layer]
+            gate_bias = torch.log(gate.clamp_min(cfg.gate_eps))
+            if skip:
+                act = gate > 0 if act is None else act & (gate > 0)
+        if act is None or bool(act.all()):
+            view = LayerView(cache, layer, query_slots, start=start, gate_bias=gate_bias, extra_mask=extra_mask)
+            h = block(h, cos, sin, gate, None, view)
+        else:
+            h = _sparse_block(block, layer, h, cos, sin, gate, gate_bias, act, cache, query_slots, extra_mask)
+    if last_only:
+        h = h[:, -1:]
+    logits = model.output(model.norm(h))
+    logits = logits[:, 0] if last_only else logits
+    return (logits, h) if return_hidden else logits
+
+
+def _sparse_block(block, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  gate: torch.Tensor | None, gate_bias: torch.Tensor | None, act: torch.Tensor, cache: KVCache,
+                  query_slots: torch.Tensor, extra_mask: torch.Tensor | None) -> torch.Tensor:
+    """Run `block` on the active tokens only (gathered, row-padded to the largest count), scatter back."""
+    B, T, d = h.shape
+    counts = act.sum(1)
+    M = int(counts.max())
+    if M == 0:
+        return h  # nobody computes this block: the residual passes unchanged, no K/V is written
+    order = torch.argsort((~act).to(torch.int8), dim=1, stable=True)[:, :M]  # active tokens first, in order
+    valid = torch.arange(M, device=h.device)[None, :] < counts[:, None]
+
+    def take(x: torch.Tensor) -> torch.Tensor:  # gather along the token axis (dim 1)
+        idx = order.view(B, M, *([1] * (x.dim() - 2))).expand(B, M, *x.shape[2:])
+        return x.gather(1, idx)
+
+    xa = take(h)
+    cos_a, sin_a = take(cos[:, 0])[:, None], take(sin[:, 0])[:, None]
+    ga = take(gate) if gate is not None else None
+    gb = take(gate_bias) if gate_bias is not None else None
+    em = None
+    if extra_mask is not None:
+        em = extra_mask.gather(2, order[:, None, :, None].expand(B, 1, M, extra_mask.shape[-1]))
+    view = LayerView(cache, layer, take(query_slots), valid=valid, gate_bias=gb, extra_mask=em)
+    ya = block(xa, cos_a, sin_a, ga, None, view)
+    b_idx, m_idx = valid.nonzero(as_tuple=True)
+    out = h.clone()
+    out[b_idx, order[b_idx, m_idx]] = ya[b_idx, m_idx]
+    return out
+
+
+# ----------------------------------------------------------------------------------------- sampling
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token per row from logits [B, V]: argmax at temperature 0, else top-k / top-p sampling."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass (keep at least one).
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+# --------------------------------------------------------------------------------------- generation
+def validate_prompts(model: Transformer, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    out = []
+    V, ctx = model.cfg.vocab_size, model.cfg.max_seq_len
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} is empty: give at least one token (e.g. the BOS token)")
+        if len(p) > ctx:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the model's context of {ctx}")
+        bad = [t for t in p if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {V}): {bad[:5]}")
+        out.append(p)
+    return out
+
+
+def prefill(model: Transformer, prompts: list[list[int]], cache: KVCache, skip: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad the prompts into one batch and fill the cache. Returns (last logits [B, V], next pos [B])."""
+    dev = cache.k.device
+    lengths = torch.tensor([len(p) for p in prompts], device=dev)
+    P = int(lengths.max())
+    pad = P - lengths
+    tokens = torch.zeros(len(prompts), P, dtype=torch.long, device=dev)
+    for b, p in enumerate(prompts):
+        tokens[b, P - len(p):] = torch.tensor(p, device=dev)
+    cols = torch.arange(P, device=dev)[None, :]
+    active = cols >= pad[:, None]
+    positions = (cols - pad[:, None]).clamp_min(0)
+    logits = forward_cached(model, tokens, cache, positions, active=None if bool(active.all()) else active,
+                            skip=skip, last_only=True)
+    return logits, lengths.clone()
+
+
+def decode_one_token(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                     skip: bool = True) -> torch.Tensor:
+    """One step: tokens [B] at positions [B] -> next-token logits [B, V]."""
+    return forward_cached(model, tokens[:, None], cache, positions[:, None], skip=skip, last_only=True)
+
+
+@torch.no_grad()
+def generate_stream(model: Transformer, prompts: Sequence[Sequence[int]], cfg: GenerationConfig | None = None
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield (tokens [B], done [B]) once per generated position. A row is done after a stop token (which
+    is yielded) or when the context is full; rows that are done keep computing but their tokens are
+    meaningless (batched decoding), so consumers drop tokens where `done` was already set."""
+    cfg = cfg or GenerationConfig()
+    model.eval()
+    prompts = validate_prompts(model, prompts)
+    dev = model.tok_embeddings.weight.device
+    ctx = model.cfg.max_seq_len
+    P = max(len(p) for p in prompts)
+    budget = min(cfg.max_new_tokens, ctx - P + 1)  # the last token generated needs no cache slot
+    if budget <= 0:
+        return
+    cache = KVCache.for_model(model.cfg, len(prompts), max_len=min(ctx, P + budget), device=dev,
+                              dtype=model.tok_embeddings.weight.dtype)
+    gen = None
+    if cfg.temperature > 0:
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+    stop = torch.tensor(list(cfg.stop_tokens), device=dev, dtype=torch.long)
+    logits, pos = prefill(model, prompts, cache, cfg.skip)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
+    for i in range(budget):
+        tok = sample_next(logits, cfg.temperature, cfg.top_k, cfg.top_p, gen)
+        done = done | (torch.isin(tok, stop) if len(stop) else torch.zeros_like(done))
+        yield tok, done
+        if bool(done.all()) or i == budget - 1:
+            return
+        logits = decode_one_token(model, cache, tok, pos, cfg.skip)
+        pos = pos + 1
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg: GenerationConfig | None = None
+             ) -> list[list[int]]:
+    """New tokens for each prompt (a stop token, when hit, is included and ends the row)."""
+    out: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    for tok, done in generate_stream(model, prompts, cfg):
+        for b, t in enumerate(tok.tolist()):
+            if not finished[b]:
+                out[b].append(t)
+                finished[b] = bool(done[b])
+    return out
+
+
+@torch.no_grad()
+def generate_naive(model: Transformer, prompts: Sequence[Sequence[int]], cfg: GenerationConfig | None = None
+                   ) -> list[list[int]]:
+    """Reference: each prompt alone, the whole sequence re-run through `Transformer.forward` per token
+    (multiply-by-gate, no cache, no padding, no skipping)."""
+    cfg = cfg or GenerationConfig()
+    model.eval()
+    prompts = validate_prompts(model, prompts)
+    dev = model.tok_embeddings.weight.device
+    gen = None
+    if cfg.temperature > 0:
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+    outs = []
+    for p in prompts:
+        seq = list(p)
+        new: list[int] = []
+        for _ in range(min(cfg.max_new_tokens, model.cfg.max_seq_len - len(p) + 1)):
+            logits = model(torch.tensor([seq[-model.cfg.max_seq_len:]], device=dev)).logits[:, -1]
+            t = int(sample_next(logits, cfg.temperature, cfg.top_k, cfg.top_p, gen)[0])
+            new.append(t)
+            seq.append(t)
+            if t in cfg.stop_tokens:
+                break
+        outs.append(new)
+    return outs

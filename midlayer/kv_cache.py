@@ -1,0 +1,124 @@
+"""A static KV cache with explicit slots, per-layer occupancy and per-key gate bias.
+
+Layout: preallocated buffers `k`, `v` [L, B, H_kv, S, d] and `bias` [L, B, S]. A *slot* is a column of
+the buffers; slots are filled left to right, the same slot for every row of the batch (prompts of
+different lengths are left-padded, their pad slots never written). `pos` [B, S] is the RoPE position of the
+token in each slot, so a row's positions start at 0 at its first real token whatever its padding.
+
+`bias[l, b, s]` is what the attention adds to the logit of key s at layer l:
+  * -inf where layer l holds nothing at slot s: padding, a slot not yet written, a token that skipped
+    block l (real skipping: it has no K/V there, and every other token gives it zero weight), or a slot
+    dropped after speculative verification;
+  * ln(max(g, eps)) for a held token with gate g (gated attention, eq. 3 of arXiv 2506.21103); 0 for dense.
+So one additive mask carries causality-free occupancy, skipping and gating; the step adds causality.
+
+`keep(slots)` compacts a chosen subset of slots to the front (tree verification keeps the accepted path);
+`truncate(n)` forgets everything from slot n on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.bias = torch.full((n_layers, batch, max_len), float("-inf"), device=device)
+        self.pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.length = 0  # slots in use
+        self.max_len = max_len
+        # True while every slot < length is held by every layer with bias 0 (dense, no padding): the
+        # attention then needs no mask at all in a decode step, the fast path of batch-1 decoding.
+        self.dense_prefix = True
+
+    @classmethod
+    def for_model(cls, cfg, batch: int, max_len: int | None = None, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> "KVCache":
+        return cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.max_seq_len, device, dtype)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """Claim the next n slots; returns their indices. Refuses to overflow with a clear message."""
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} slots used + {n} new > max_len {self.max_len} "
+                             "(the model's context length)")
+        slots = torch.arange(self.length, self.length + n, device=self.pos.device)
+        self.length += n
+        return slots
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate: length {length} not in [0, {self.length}]")
+        self.bias[:, :, length:self.length] = float("-inf")
+        self.length = length
+
+    def keep(self, slots: torch.Tensor, start: int) -> None:
+        """Move slots `slots` [B, n] (per row, increasing, all >= start) to start..start+n-1 and drop every
+        other slot from `start` on. Used after verifying a draft tree: only the accepted path stays."""
+        n = slots.shape[1]
+        for b in range(self.batch):  # B is small; per-row copies keep the indexing obvious
+            src = slots[b]
+            self.k[:, b, :, start:start + n] = self.k[:, b, :, src].clone()
+            self.v[:, b, :, start:start + n] = self.v[:, b, :, src].clone()
+            self.bias[:, b, start:start + n] = self.bias[:, b, src].clone()
+            self.pos[b, start:start + n] = self.pos[b, src].clone()
+        self.bias[:, :, start + n:self.length] = float("-inf")
+        self.length = start + n
+
+
+@dataclass
+class LayerView:
+    """What one layer's attention needs in one step: where to write, and the mask to read with.
+
+    Dense step (`valid` None): the M new tokens of every row go to the contiguous slots start..start+M-1.
+    Sparse step: row b's M entries are padded (rows have different numbers of active tokens); `valid`
+    [B, M] says which are real, `query_slots` [B, M] where each goes. `gate_bias` [B, M] or None:
+    ln(max(g, eps)) of the new tokens (0 when None). `extra_mask` [B, 1, M, S] or None: an additional
+    additive mask (tree attention).
+    """
+
+    cache: KVCache
+    layer: int
+    query_slots: torch.Tensor  # [B, M] slot of each query (for causality and for sparse writes)
+    start: int | None = None  # dense step: first slot of the contiguous block
+    valid: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    extra_mask: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        c, l = self.cache, self.layer
+        B, _, M, _ = k.shape
+        bias = self.gate_bias if self.gate_bias is not None else torch.zeros(B, M, device=k.device)
+        if self.gate_bias is not None or self.valid is not None:
+            c.dense_prefix = False  # some key is gated or missing: from now on attention needs the mask
+        if self.valid is None:
+            s = slice(self.start, self.start + M)
+            c.k[l, :, :, s] = k
+            c.v[l, :, :, s] = v
+            c.bias[l, :, s] = bias.float()
+        else:
+            b_idx, m_idx = self.valid.nonzero(as_tuple=True)
+            s_idx = self.query_slots[b_idx, m_idx]
+            # Mixed advanced indexing: both sides come out as [N, H_kv, d].
+            c.k[l, b_idx, :, s_idx] = k[b_idx, :, m_idx]
+            c.v[l, b_idx, :, s_idx] = v[b_idx, :, m_idx]
+            c.bias[l, b_idx, s_idx] = bias[b_idx, m_idx].float()
+        S = c.length
+        keys, values = c.k[l, :, :, :S], c.v[l, :, :, :S]
+        if c.dense_prefix and M == 1 and self.extra_mask is None:
+            return keys, values, None  # every held key is visible to the one new query
+        key_slots = torch.arange(S, device=k.device)
+        causal = torch.where(key_slots[None, None, :] <= self.query_slots[:, :, None], 0.0, float("-inf"))
+        mask = (causal + c.bias[l, :, None, :S])[:, None]  # [B, 1, M, S]
+        if self.extra_mask is not None:
+            mask = mask + self.extra_mask
+        return keys, values, mask

@@ -1,0 +1,165 @@
+"""Generation engine: cached decoding == naive reference, real skipping == multiply-by-gate, KV cache ops."""
+
+import pytest
+import torch
+
+from midlayer.config import ModelConfig
+from midlayer.generate import (GenerationConfig, forward_cached, generate, generate_naive, generate_stream,
+                               sample_next)
+from midlayer.kv_cache import KVCache
+from midlayer.model import Transformer
+
+SMALL = dict(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=48, multiple_of=16)
+
+
+def make(gating=True, seed=0, sparse=True, **kw) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**{**SMALL, "gating": gating, **kw})).eval()
+    if gating and sparse:
+        # Routers strong enough that many tokens reach S >= 1 (gate exactly 0) at various blocks, while
+        # others keep fractional gates: every code path of real skipping is exercised.
+        with torch.no_grad():
+            for i, r in enumerate(model.routers):
+                r.weight.normal_(0, 0.4)
+                r.bias.fill_(0.1 * i)
+    return model
+
+
+def test_fixture_gates_are_mixed():
+    model = make()
+    out = model(torch.randint(0, 64, (2, 40)))
+    g = out.gates
+    assert (g == 0).float().mean() > 0.1 and ((g > 0) & (g < 1)).float().mean() > 0.1
+    z = out.gate_stats.zero_frac[:3]
+    assert z[0] < z[1] < z[2] or (z[0] <= z[1] <= z[2] and z[2] > 0)  # sparsity grows toward the middle
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("gating", [True, False])
+def test_prefill_then_decode_logits_equal_full_forward(gating, skip):
+    model = make(gating)
+    x = torch.randint(0, 64, (2, 30))
+    ref = model(x).logits
+    cache = KVCache.for_model(model.cfg, 2)
+    pos = torch.arange(30)[None].expand(2, 30)
+    got = [forward_cached(model, x[:, :17], cache, pos[:, :17], skip=skip)]  # prefill 17
+    got.append(forward_cached(model, x[:, 17:20], cache, pos[:, 17:20], skip=skip))  # a 3-token chunk
+    for t in range(20, 30):  # then one token at a time
+        got.append(forward_cached(model, x[:, t:t + 1], cache, pos[:, t:t + 1], skip=skip))
+    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_real_skipping_writes_no_kv_for_skipped_tokens():
+    model = make()
+    x = torch.randint(0, 64, (1, 40))
+    gates = model(x).gates  # [L/2, 1, T]
+    cache = KVCache.for_model(model.cfg, 1)
+    forward_cached(model, x, cache, torch.arange(40)[None], skip=True)
+    L = model.cfg.n_layers
+    for layer in range(L):
+        g = gates[min(layer, L - 1 - layer), 0]
+        held = torch.isfinite(cache.bias[layer, 0, :40])
+        assert torch.equal(held, g > 0), layer
+        assert (cache.k[layer, 0, :, :40][:, ~held] == 0).all()  # never written
+    # without skipping every token is held everywhere
+    cache2 = KVCache.for_model(model.cfg, 1)
+    forward_cached(model, x, cache2, torch.arange(40)[None], skip=False)
+    assert torch.isfinite(cache2.bias[:, 0, :40]).all()
+
+
+@pytest.mark.parametrize("gating", [True, False])
+def test_cached_greedy_equals_naive_batch1(gating):
+    model = make(gating)
+    prompt = torch.randint(0, 64, (11,)).tolist()
+    cfg = GenerationConfig(max_new_tokens=25)
+    assert generate(model, [prompt], cfg) == generate_naive(model, [prompt], cfg)
+
+
+@pytest.mark.parametrize("gating", [True, False])
+def test_batched_prompts_of_different_lengths_equal_naive(gating):
+    model = make(gating)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 12, 7, 1)]
+    cfg = GenerationConfig(max_new_tokens=20)
+    assert generate(model, prompts, cfg) == generate_naive(model, prompts, cfg)
+
+
+def test_generation_until_context_is_full():
+    model = make(False)
+    prompt = list(range(40))
+    out = generate(model, [prompt], GenerationConfig(max_new_tokens=100))[0]
+    assert len(out) == 48 - 40 + 1  # the last token needs no slot
+    assert out == generate_naive(model, [prompt], GenerationConfig(max_new_tokens=100))[0]
+
+
+def test_stop_tokens_and_stream():
+    model = make(False)
+    prompt = [1, 2, 3]
+    full = generate(model, [prompt], GenerationConfig(max_new_tokens=20))[0]
+    stop = full[5]
+    cut = generate(model, [prompt], GenerationConfig(max_new_tokens=20, stop_tokens=(stop,)))[0]
+    assert cut == full[: full.index(stop) + 1]
+    streamed = [int(t[0]) for t, _ in generate_stream(model, [prompt], GenerationConfig(max_new_tokens=20))]
+    assert streamed == full
+
+
+def test_sampling_is_seeded_and_degenerates_to_greedy():
+    model = make(False)
+    prompt = [5, 6, 7]
+    greedy = generate(model, [prompt], GenerationConfig(max_new_tokens=10))
+    assert generate(model, [prompt], GenerationConfig(max_new_tokens=10, temperature=1.0, top_k=1, seed=1)) == greedy
+    assert generate(model, [prompt], GenerationConfig(max_new_tokens=10, temperature=0.7, top_p=1e-6, seed=1)) == greedy
+    a = generate(model, [prompt], GenerationConfig(max_new_tokens=10, temperature=1.5, seed=4))
+    b = generate(model, [prompt], GenerationConfig(max_new_tokens=10, temperature=1.5, seed=4))
+    assert a == b
+    # naive and cached draw the same random numbers per step at batch 1
+    assert a == generate_naive(model, [prompt], GenerationConfig(max_new_tokens=10, temperature=1.5, seed=4))
+
+
+def test_top_k_top_p_filter_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    draws = torch.stack([sample_next(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(i))
+                         for i in range(200)])
+    assert set(draws.flatten().tolist()) == {0, 1}
+    draws = torch.stack([sample_next(logits, 1.0, top_p=0.85, generator=torch.Generator().manual_seed(i))
+                         for i in range(300)])
+    assert set(draws.flatten().tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.85: the third token is still needed
+
+
+def test_bad_prompts_are_refused_clearly():
+    model = make(False)
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [[]])
+    with pytest.raises(ValueError, match="longer than the model's context of 48"):
+        generate(model, [list(range(49))])
+    with pytest.raises(ValueError, match=r"outside \[0, 64\)"):
+        generate(model, [[1, 99]])
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationConfig(temperature=-1)
+
+
+def test_cache_keep_compacts_to_the_accepted_path():
+    """Verify-then-keep: a cache that saw a rejected branch, compacted, equals one that never saw it."""
+    model = make(False)
+    a = torch.tensor([[4, 8, 15, 16]])
+    branch = torch.tensor([[23, 42, 7]])  # candidates at positions 4, 5, 6; only the first is accepted
+    c1 = KVCache.for_model(model.cfg, 1)
+    forward_cached(model, a, c1, torch.arange(4)[None])
+    forward_cached(model, branch, c1, torch.arange(4, 7)[None])
+    c1.keep(torch.tensor([[4]]), start=4)
+    c2 = KVCache.for_model(model.cfg, 1)
+    forward_cached(model, torch.cat([a, branch[:, :1]], 1), c2, torch.arange(5)[None])
+    assert c1.length == c2.length == 5
+    torch.testing.assert_close(c1.k[:, :, :, :5], c2.k[:, :, :, :5])
+    torch.testing.assert_close(c1.v[:, :, :, :5], c2.v[:, :, :, :5])
+    assert torch.equal(c1.pos[:, :5], c2.pos[:, :5]) and torch.isinf(c1.bias[:, :, 5:7]).all()
+    nxt = torch.tensor([[9]])
+    torch.testing.assert_close(forward_cached(model, nxt, c1, torch.tensor([[5]])),
+                               forward_cached(model, nxt, c2, torch.tensor([[5]])), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_overflow_is_a_clear_error():
+    model = make(False)
+    cache = KVCache.for_model(model.cfg, 1, max_len=4)
+    with pytest.raises(ValueError, match="KV cache full"):
+        forward_cached(model, torch.zeros(1, 5, dtype=torch.long), cache, torch.arange(5)[None])
