@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .sparsity import gate_stats
+
 
 def mirror_index(layer: int, n_layers: int) -> int:
     """The first-half block whose gate block `layer` uses: l for l < L/2, else L-1-l (eq. 2)."""
@@ -60,8 +62,6 @@ class GateStats:
     @staticmethod
     def from_gates(first_half: list[torch.Tensor], n_layers: int) -> "GateStats":
         g = torch.stack([x.reshape(-1) for x in first_half])  # [L/2, N]
-        mean = g.mean(dim=1)
-        var = ((g - mean[:, None]) ** 2).mean(dim=1)  # population variance over token positions
-        zero = (g.detach() == 0).float().mean(dim=1)
+        mean, var, zero = gate_stats(g)
         idx = [mirror_index(layer, n_layers) for layer in range(n_layers)]
         return GateStats(mean[idx], var[idx], zero[idx], g.shape[1])

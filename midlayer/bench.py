@@ -1,0 +1,220 @@
+"""Inference benchmarks (`midlayer bench generate`): each prints a Markdown table of ratios measured in one
+run on one machine, interleaving the things compared so that drift on a shared machine hits both.
+
+1. `decode`: batch-1 greedy decode speed on a pretrained model (default SmolLM2-135M-Instruct from the
+   GGUF), ours vs Hugging Face `transformers` `generate` on the same dequantised weights, with the
+   memory-bandwidth bound (weight bytes read per token / measured GEMV bandwidth).
+2. `skipping`: real skipping in a gated model (paper-12l shape, random weights) with a forced fraction z of
+   tokens skipping the middle span [k, L-1-k]; prefill and decode time with skipping on vs off, against
+   the speedup the FLOPs model (flops.py) predicts at the measured per-block sparsity.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .config import ModelConfig, get_preset
+from .flops import decode_flops, forward_flops
+from .generate import GenerationConfig, forward_cached, generate
+from .kv_cache import KVCache
+from .model import Transformer
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def gemv_bandwidth(n_bytes: int = 256 * 2**20, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """Bytes/s of a one-row matmul over an n_bytes matrix: the ceiling of batch-1 decoding."""
+    cols = 4096
+    rows = n_bytes // (cols * torch.finfo(dtype).bits // 8)
+    w = torch.randn(rows, cols, dtype=dtype)
+    x = torch.randn(cols, dtype=dtype)
+    w @ x
+    return n_bytes / _median_time(lambda: w @ x, repeats)
+
+
+# ------------------------------------------------------------------------------------------ skipping
+def force_skip_fraction(model: Transformer, z: float, skip_from: int, seq_len: int, seed: int = 0
+                        ) -> torch.Tensor:
+    """Make a random fraction z of the tokens of a returned sequence skip blocks [skip_from, L-1-skip_from].
+
+    Marked tokens carry a dominant feature 0 in their embedding (~sqrt(d) after the embedding RMSNorm);
+    router `skip_from` reads that feature (weight e_0, bias -sqrt(d)/2), so a marked token reaches S >= 1
+    exactly there and the others (feature 0 only block noise) stay at 0; every other router is 0. The
+    benchmark measures the sparsity it gets rather than trusting this construction.
+    Returns token ids [1, seq_len] (marked ids come from the first half of the vocabulary).
+    """
+    V = model.cfg.vocab_size
+    with torch.no_grad():
+        emb = model.tok_embeddings.weight
+        emb[:, 0] = 0.0
+        emb[: V // 2, 0] = 10.0
+        for r in model.routers:
+            r.weight.zero_()
+            r.bias.zero_()
+        model.routers[skip_from].weight[0, 0] = 1.0
+        model.routers[skip_from].bias.fill_(-0.5 * model.cfg.dim ** 0.5)
+    g = torch.Generator().manual_seed(seed)
+    marked = torch.rand(seq_len, generator=g) < z
+    ids = torch.where(marked, torch.randint(0, V // 2, (seq_len,), generator=g),
+                      torch.randint(V // 2, V, (seq_len,), generator=g))
+    return ids[None]
+
+
+def bench_skipping(preset: str = "paper-12l", seq_len: int = 1024, fractions=(0.0, 0.25, 0.5, 0.75, 0.9),
+                   skip_from: int = 2, decode_steps: int = 64, repeats: int = 3,
+                   dtype: torch.dtype = torch.float32) -> list[dict]:
+    cfg, _, _ = get_preset(preset)
+    if not cfg.gating:
+        raise ValueError(f"{preset} is not a gated model")
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval().to(dtype)
+    rows = []
+    for z in fractions:
+        ids = force_skip_fraction(model, z, skip_from, seq_len + decode_steps)
+        prompt, cont = ids[:, :seq_len], ids[:, seq_len:]
+        with torch.no_grad():
+            sparsity = model(ids[:, :seq_len]).gate_stats.zero_frac[: cfg.n_layers // 2].tolist()
+        pos = torch.arange(seq_len + decode_steps)[None]
+
+        def run_prefill(skip: bool):
+            cache = KVCache.for_model(cfg, 1, seq_len + decode_steps, dtype=dtype)
+            forward_cached(model, prompt, cache, pos[:, :seq_len], skip=skip, last_only=True)
+            return cache
+
+        def run_decode(skip: bool):
+            cache = run_prefill(skip)
+            t = time.perf_counter()
+            for i in range(decode_steps):
+                forward_cached(model, cont[:, i:i + 1], cache, pos[:, seq_len + i:seq_len + i + 1], skip=skip,
+                               last_only=True)
+            return time.perf_counter() - t
+
+        run_prefill(True), run_prefill(False)  # warm-up: allocator, kernels
+        pre_on, pre_off, dec_on, dec_off = [], [], [], []
+        for _ in range(repeats):  # interleaved: on, off, on, off ...
+            pre_on.append(_median_time(lambda: run_prefill(True), 1))
+            pre_off.append(_median_time(lambda: run_prefill(False), 1))
+            dec_on.append(run_decode(True))
+            dec_off.append(run_decode(False))
+        f_dense = forward_flops(cfg, seq_len).total
+        f_sparse = forward_flops(cfg, seq_len, sparsity).total
+        ctx = seq_len + decode_steps // 2
+        d_dense = decode_flops(cfg, ctx).total
+        d_sparse = decode_flops(cfg, ctx, sparsity).total
+        pred_pre, real_pre = f_dense / f_sparse, statistics.median(pre_off) / statistics.median(pre_on)
+        pred_dec, real_dec = d_dense / d_sparse, statistics.median(dec_off) / statistics.median(dec_on)
+        rows.append(dict(z=z, sparsity=[round(s, 3) for s in sparsity],
+                         prefill_off_s=statistics.median(pre_off), prefill_on_s=statistics.median(pre_on),
+                         prefill_pred=pred_pre, prefill_real=real_pre,
+                         decode_off_ms=1e3 * statistics.median(dec_off) / decode_steps,
+                         decode_on_ms=1e3 * statistics.median(dec_on) / decode_steps,
+                         decode_pred=pred_dec, decode_real=real_dec))
+    return rows
+
+
+def skipping_table(rows: list[dict]) -> str:
+    out = ["| forced z | per-block sparsity (first half) | prefill off / on (s) | prefill speedup real / predicted "
+           "| decode off / on (ms/token) | decode speedup real / predicted |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['z']:.2f} | {r['sparsity']} | {r['prefill_off_s']:.3f} / {r['prefill_on_s']:.3f} | "
+                   f"{r['prefill_real']:.2f}x / {r['prefill_pred']:.2f}x ({r['prefill_real'] / r['prefill_pred']:.0%}) | "
+                   f"{r['decode_off_ms']:.1f} / {r['decode_on_ms']:.1f} | "
+                   f"{r['decode_real']:.2f}x / {r['decode_pred']:.2f}x ({r['decode_real'] / r['decode_pred']:.0%}) |")
+    return "\n".join(out)
+
+
+# -------------------------------------------------------------------------------------------- decode
+CHAT_PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip.",
+]
+
+
+def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats: int = 3,
+                 prompts: list[str] | None = None) -> dict:
+    """Ours vs transformers `generate`, greedy, batch 1, fp32, same weights; plus the bandwidth bound."""
+    from .pretrained import load_pretrained, resolve_pretrained
+
+    model, tok = load_pretrained(model_name)
+    model.eval()
+    prompts = prompts or CHAT_PROMPTS
+    encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    hf = _load_hf_same_weights(resolve_pretrained(model_name))
+    cfg = GenerationConfig(max_new_tokens=new_tokens)
+    ours_t, hf_t, equal = [], [], []
+    for ids in encoded:
+        ours_tokens = generate(model, [ids], cfg)[0]  # warm-up, and the tokens to compare
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            hf_tokens = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
+        equal.append(ours_tokens == hf_tokens)
+        for _ in range(repeats):
+            ours_t.append(_median_time(lambda: generate(model, [ids], cfg), 1))
+            with torch.no_grad():
+                hf_t.append(_median_time(lambda: hf.generate(x, attention_mask=torch.ones_like(x),
+                                                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                             do_sample=False), 1))
+    # Per-step decode time of ours alone (prefill excluded), for the bandwidth comparison.
+    cache_ids = encoded[0]
+    from .generate import decode_one_token, prefill
+    cache = KVCache.for_model(model.cfg, 1, len(cache_ids) + new_tokens + 1)
+    logits, pos = prefill(model, [cache_ids], cache)
+    tok_ = logits.argmax(-1)
+    t = time.perf_counter()
+    for _ in range(new_tokens):
+        logits = decode_one_token(model, cache, tok_, pos)
+        tok_, pos = logits.argmax(-1), pos + 1
+    step_s = (time.perf_counter() - t) / new_tokens
+    n_params = sum(p.numel() for p in model.parameters())
+    # Bytes read per decode step: every weight once (a tied embedding is read by the head; the embedding
+    # lookup itself reads one row), in the model's dtype.
+    weight_bytes = n_params * model.tok_embeddings.weight.element_size()
+    bw = gemv_bandwidth()
+    return dict(model=model_name, prompts=len(prompts), new_tokens=new_tokens,
+                ours_tok_s=new_tokens / statistics.median(ours_t), hf_tok_s=new_tokens / statistics.median(hf_t),
+                ours_decode_step_ms=1e3 * step_s, weight_mb=weight_bytes / 2**20, bandwidth_gb_s=bw / 1e9,
+                bound_step_ms=1e3 * weight_bytes / bw, tokens_equal=equal)
+
+
+def _load_hf_same_weights(path):
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise ImportError("the decode benchmark compares with transformers: pip install transformers") from e
+    path = str(path)
+    if path.endswith(".gguf"):
+        import os
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def decode_table(r: dict) -> str:
+    return "\n".join([
+        "| model | new tokens | ours tok/s | transformers tok/s | ratio | ours ms/step | bound ms/step "
+        "(weights / GEMV bandwidth) | of bound | greedy tokens equal |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {r['model']} | {r['new_tokens']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | "
+        f"{r['ours_tok_s'] / r['hf_tok_s']:.2f}x | {r['ours_decode_step_ms']:.1f} | "
+        f"{r['bound_step_ms']:.1f} ({r['weight_mb']:.0f} MB / {r['bandwidth_gb_s']:.1f} GB/s) | "
+        f"{r['bound_step_ms'] / r['ours_decode_step_ms']:.0%} | {sum(r['tokens_equal'])}/{len(r['tokens_equal'])} |",
+    ])
+
+
+__all__ = ["bench_skipping", "skipping_table", "bench_decode", "decode_table", "gemv_bandwidth",
+           "force_skip_fraction", "ModelConfig"]
