@@ -81,7 +81,56 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(p, ["model"])
 
     sub.add_parser("presets", help="list the named presets")
+
+    # ---- Figure-2 sweep and plot (midlayer/sweep.py, midlayer/plot.py)
+    p = sub.add_parser("sweep", help="train a named grid of runs (Figure 2), skipping finished runs and "
+                                     "resuming unfinished ones")
+    p.add_argument("grid", help="grid name: cpu (~90 min on 2 CPU cores), smoke (seconds), paper (GPUs, FineWeb)")
+    p.add_argument("--out-dir", default="runs/sweep", help="runs go to OUT_DIR/GRID/RUN (default runs/sweep)")
+    p.add_argument("--launcher", choices=["inline", "torchrun"], default="inline",
+                   help="inline: train in this process; torchrun: one `torchrun -m midlayer train` per run")
+    p.add_argument("--nproc", type=int, default=1, help="processes per run with --launcher torchrun")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these runs of the grid")
+    p.add_argument("--data", default=None, metavar="GLOB",
+                   help="training data of every run (the paper grid defaults to data/fineweb10B/fineweb_*.bin)")
+
+    _add_generate_parser(sub)
+
+    p = sub.add_parser("plot", help="Figure 2 (PNG) and tables (CSV, Markdown) of a sweep's results")
+    p.add_argument("sweep_dir", help="a sweep folder, e.g. runs/sweep/cpu")
+    p.add_argument("--out", default=None, metavar="PREFIX",
+                   help="writes PREFIX.png/.csv/.md (default docs/results/figure2-<grid>)")
     return parser
+
+
+def _add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a pretrained model or one of our checkpoints")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="pretrained: a short name (smollm2-135m), a Hugging Face directory or a .gguf file")
+    src.add_argument("--checkpoint", help="one of our runs (directory or ckpt_*.pt); its corpus's tokenizer is used")
+    p.add_argument("--prompt", default=None, help="the prompt (default: read standard input)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--system", default=None, help="a system message (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-skip", action="store_true", help="gated models: compute skipped blocks (multiplied by 0)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default=None)
+
+    p = sub.add_parser("bench", help="benchmarks that print a table")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("generate", help="decode speed vs transformers, and real skipping vs the FLOPs model")
+    b.add_argument("--what", choices=["decode", "skipping", "all"], default="all")
+    b.add_argument("--model", default="smollm2-135m", help="pretrained model for the decode benchmark")
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--preset", default="paper-12l", help="gated preset for the skipping benchmark")
+    b.add_argument("--seq-len", type=int, default=1024, help="prefill length for the skipping benchmark")
+    b.add_argument("--fractions", default="0,0.25,0.5,0.75,0.9", help="forced skip fractions")
+    b.add_argument("--skip-from", type=int, default=2, help="first skipped block (span [k, L-1-k])")
+    b.add_argument("--repeats", type=int, default=3)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -95,38 +144,118 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
+def load_run(checkpoint: str, device: str | None = None):
+    """(model, checkpoint dict, train config) from a run directory (newest checkpoint) or a ckpt file."""
     import torch
 
     from .checkpoint import list_checkpoints, load_checkpoint
     from .config import from_dict
-    from .data import TokenWindows, resolve_data
-    from .evaluate import evaluate
     from .model import Transformer
-    from .train import default_cache_dir, resolve_dtype
 
-    path = Path(args.checkpoint)
+    path = Path(checkpoint)
     if path.is_dir():
         found = list_checkpoints(path)
         if not found:
             raise ValueError(f"no checkpoints in {path}")
         path = found[-1]
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ckpt = load_checkpoint(path, map_location=dev)
-    model_cfg = from_dict(ModelConfig, ckpt["configs"]["model"])
-    train_cfg = from_dict(TrainConfig, ckpt["configs"]["train"])
-    model = Transformer(model_cfg).to(dev)
+    ckpt["path"] = str(path)
+    model = Transformer(from_dict(ModelConfig, ckpt["configs"]["model"])).to(dev)
     model.load_state_dict(ckpt["model"])
+    return model, ckpt, from_dict(TrainConfig, ckpt["configs"]["train"])
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .data import TokenWindows, resolve_data
+    from .evaluate import evaluate
+    from .train import default_cache_dir, resolve_dtype
+
+    model, ckpt, train_cfg = load_run(args.checkpoint, args.device)
+    dev = model.tok_embeddings.weight.device
     files = resolve_data(train_cfg.data, default_cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
     res = evaluate(model, TokenWindows(files.val, train_cfg.seq_len),
                    eval_tokens=train_cfg.eval_tokens if args.eval_tokens is None else args.eval_tokens,
                    batch_size=args.batch_size or train_cfg.micro_batch_size, device=dev,
                    dtype=resolve_dtype(train_cfg.dtype, dev))
-    res.update(checkpoint=str(path), step=int(ckpt["step"]))
+    res.update(checkpoint=ckpt["path"], step=int(ckpt["step"]))
     text = json.dumps(res, indent=2)
     if args.output:
         Path(args.output).write_text(text)
     print(text)
+    return 0
+
+
+def _run_tokenizer(train_cfg: TrainConfig):
+    """The tokenizer a run of ours was trained with (the embedded corpus's BPE)."""
+    from tokenizers import Tokenizer
+
+    from .data import resolve_data
+    from .pretrained_tokenizer import TextTokenizer
+    from .train import default_cache_dir
+
+    files = resolve_data(train_cfg.data, default_cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
+    if files.tokenizer_path is None:
+        raise ValueError(f"this run was trained on {train_cfg.data!r}, whose tokenizer midlayer does not know "
+                         "(GPT-2 shards); generation from it is not supported from the command line")
+    return TextTokenizer(Tokenizer.from_file(str(files.tokenizer_path)), bos_id=None, eos_ids=[files.eot_id])
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .generate import GenerationConfig, generate_stream
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    if args.model:
+        from .pretrained import load_pretrained
+
+        model, tok = load_pretrained(args.model, dtype)
+        if args.device:
+            model = model.to(args.device)
+    else:
+        model, _, train_cfg = load_run(args.checkpoint, args.device)
+        model = model.to(dtype)
+        tok = _run_tokenizer(train_cfg)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        ids = tok.encode_chat(messages)
+    else:
+        ids = tok.encode(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed, stop_tokens=tuple(sorted(tok.eos_ids)),
+                           skip=not args.no_skip)
+    new: list[int] = []
+    shown = ""
+    for t, done in generate_stream(model, [ids], cfg):
+        if int(t[0]) in tok.eos_ids:
+            break
+        new.append(int(t[0]))
+        text = tok.decode(new)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write(tok.decode(new)[len(shown):] + "\n")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    if args.what in ("decode", "all"):
+        r = bench.bench_decode(args.model, new_tokens=args.new_tokens, repeats=args.repeats)
+        print(bench.decode_table(r))
+        print()
+    if args.what in ("skipping", "all"):
+        fractions = tuple(float(x) for x in args.fractions.split(","))
+        rows = bench.bench_skipping(args.preset, seq_len=args.seq_len, fractions=fractions,
+                                    skip_from=args.skip_from, repeats=args.repeats)
+        print(bench.skipping_table(rows))
     return 0
 
 
@@ -150,9 +279,26 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import run_sweep
+
+    extra = {"data": args.data} if args.data is not None else None
+    return run_sweep(args.grid, Path(args.out_dir), launcher=args.launcher, nproc=args.nproc, only=args.only,
+                     extra_train=extra)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import write_report
+
+    for path in write_report(Path(args.sweep_dir), args.out).values():
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"train": _cmd_train, "eval": _cmd_eval, "flops": _cmd_flops, "presets": _cmd_presets}[args.command]
+    handler = {"train": _cmd_train, "eval": _cmd_eval, "flops": _cmd_flops, "presets": _cmd_presets,
+               "sweep": _cmd_sweep, "plot": _cmd_plot, "generate": _cmd_generate, "bench": _cmd_bench}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError, ImportError) as e:

@@ -299,11 +299,10 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         save(end)
     train_time = time.perf_counter() - t_start
     result: dict[str, Any] = {"step": end, "finished": end == cfg.steps}
-    if end == cfg.steps:
-        result = run_eval(end)
-        result["finished"] = True
     if end > start:
         result["train_tokens_per_s"] = (end - start) * tokens_per_step / train_time
+    if end == cfg.steps:  # finished (also when resuming a run whose last checkpoint is the final step)
+        result = {**run_eval(end), **result}
         if info.is_main:
             result["flops_per_token_train_est"] = 3 * forward_flops(model_cfg, cfg.seq_len).total / cfg.seq_len
             (run_dir / "eval.json").write_text(json.dumps(result, indent=2))

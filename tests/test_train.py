@@ -87,6 +87,16 @@ def test_resume_reaches_identical_weights(tmp_path, gating):
     assert len(list_checkpoints(tmp_path / "full")) == 2  # keep_last
 
 
+def test_resuming_a_finished_run_only_evaluates_and_writes_eval_json(tmp_path):
+    m, s, t = debug_configs(tmp_path, steps=3)
+    train(m, s, t, progress=False)
+    (tmp_path / "run" / "eval.json").unlink()
+    before = [p.read_bytes() for p in list_checkpoints(tmp_path / "run")]
+    res = train(m, s, t, progress=False, resume=True)
+    assert res["finished"] and (tmp_path / "run" / "eval.json").exists()
+    assert [p.read_bytes() for p in list_checkpoints(tmp_path / "run")] == before
+
+
 def test_fresh_run_refuses_to_overwrite_existing_checkpoints(tmp_path):
     m, s, t = debug_configs(tmp_path, steps=2)
     train(m, s, t, progress=False)
@@ -183,7 +193,7 @@ def test_cli_surface_is_frozen():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
-    assert sorted(flags) == ["eval", "flops", "plot", "presets", "sweep", "train"]
+    assert sorted(flags) == ["bench", "eval", "flops", "generate", "plot", "presets", "sweep", "train"]
     model_flags = ["--attn-backend", "--dim", "--embed-norm", "--ffn-dim-multiplier", "--ffn-hidden", "--gate-eps",
                    "--gating", "--init-std", "--no-embed-norm", "--no-qkv-bias", "--qkv-bias",
                    "--max-seq-len", "--multiple-of", "--n-heads", "--n-kv-heads", "--n-layers", "--no-gating",
@@ -201,6 +211,13 @@ def test_cli_surface_is_frozen():
     assert flags["eval"] == sorted(["-h", "--help", "--eval-tokens", "--batch-size", "--device", "--output"])
     assert flags["sweep"] == sorted(["-h", "--help", "--out-dir", "--launcher", "--nproc", "--only", "--data"])
     assert flags["plot"] == sorted(["-h", "--help", "--out"])
+    assert flags["generate"] == sorted(["-h", "--help", "--model", "--checkpoint", "--prompt", "--chat", "--system",
+                                        "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
+                                        "--no-skip", "--dtype", "--device"])
+    bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
+    assert sorted(o for a in bench["generate"]._actions for o in a.option_strings) == sorted(
+        ["-h", "--help", "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
+         "--repeats"])
 
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):

@@ -1,0 +1,303 @@
+"""Tables and the Figure-2 plot of a finished (or partly finished) sweep (`midlayer.sweep`).
+
+`collect(sweep_dir)` reads every run's `eval.json` with its config; `write_table` writes a CSV and a Markdown
+report; `plot_figure2` draws the paper's Figure 2: validation cross-entropy against estimated forward FLOPs
+per sequence (left) and against mean gate sparsity (right).
+
+The Markdown report also answers whether the sparsity controller met its layer-wise targets: for each gated
+run it lists, per first-half block l, the measured mean gate, the sparsity (fraction of exactly-zero gates)
+and the target mu*_l (linear from mu0 at block 0 to mu_final at block L/2-1, `sparsity.mean_targets`), and
+whether |mean gate - mu*_l| <= delta, the controller's dead band (within it the controller stops adjusting,
+so that is the precision it aims for). Gate statistics are those of the final evaluation.
+
+    midlayer plot runs/sweep/cpu                   # docs/results/figure2-cpu.{png,csv,md}
+    midlayer plot runs/sweep/cpu --out /tmp/fig2   # /tmp/fig2.{png,csv,md}
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import SparsityConfig
+from .sweep import KIND_DENSE, KIND_GATED, KIND_NO_CONTROL
+
+CSV_COLUMNS = ("run", "kind", "n_layers", "controller", "mu0", "mu_final", "val_ce", "val_ppl", "mean_sparsity",
+               "flops_per_seq", "flops_per_seq_dense_equiv", "flops_ratio", "params", "active_params",
+               "train_tokens_per_s", "step", "finished")
+DEFAULT_DELTA = 0.01  # SparsityConfig.delta's default, for runs whose config is not on disk
+_TOL = 1e-9  # so that a difference of exactly delta counts as met despite binary rounding
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _run_dirs(sweep_dir: Path, sweep: dict | None) -> list[Path]:
+    """Run folders in the sweep's order (sweep.json), then any other folder holding an eval.json."""
+    ordered: list[Path] = []
+    if sweep:
+        ordered = [sweep_dir / r["name"] for r in sweep.get("runs", []) if isinstance(r, dict) and "name" in r]
+    rest = sorted(p.parent for p in sweep_dir.glob("*/eval.json") if p.parent not in ordered)
+    return ordered + rest
+
+
+def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
+    """One row per run of `sweep_dir` whose eval.json holds a final evaluation (val_ce).
+
+    Metadata (kind, depth, controller, mu0, mu_final, delta) comes from the run's config.json, else from
+    sweep.json, else from eval.json alone. Unfinished runs (no val_ce yet) are left out with a note.
+    """
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"{sweep_dir} is not a folder")
+    sweep = _read_json(sweep_dir / "sweep.json")
+    sweep = sweep if isinstance(sweep, dict) else None
+    meta_by_name = {r["name"]: r for r in (sweep or {}).get("runs", []) if isinstance(r, dict) and "name" in r}
+    rows: list[dict[str, Any]] = []
+    for run_dir in _run_dirs(sweep_dir, sweep):
+        res = _read_json(run_dir / "eval.json")
+        if not isinstance(res, dict) or "val_ce" not in res:
+            if run_dir.is_dir():
+                print(f"plot: {run_dir.name}: no final evaluation yet, left out", file=sys.stderr)
+            continue
+        cfg = _read_json(run_dir / "config.json") or {}
+        meta = meta_by_name.get(run_dir.name, {})
+        model, sparsity = cfg.get("model") or {}, cfg.get("sparsity") or {}
+        gating = bool(model.get("gating", res.get("gating", meta.get("kind", KIND_DENSE) != KIND_DENSE)))
+        controller = sparsity.get("controller", meta.get("controller")) if gating else None
+        if not gating:
+            kind = KIND_DENSE
+        elif controller == "none":
+            kind = KIND_NO_CONTROL
+        else:
+            kind = KIND_GATED
+        # The fixed-coefficient controllers ignore mu*; only the target-tracking ones are judged against it.
+        has_targets = kind == KIND_GATED and controller not in ("sparsity", "sparsity_variance")
+        dense_equiv = res.get("flops_per_seq_dense_equiv")
+        row = {
+            "run": run_dir.name,
+            "kind": kind,
+            "n_layers": int(model.get("n_layers", res.get("n_layers", meta.get("n_layers", 0)))),
+            "controller": controller,
+            "mu0": sparsity.get("mu0", meta.get("mu0")) if has_targets else None,
+            "mu_final": sparsity.get("mu_final", meta.get("mu_final")) if has_targets else None,
+            "delta": sparsity.get("delta", DEFAULT_DELTA) if has_targets else None,
+            "val_ce": res["val_ce"],
+            "val_ppl": res.get("val_ppl", math.exp(min(res["val_ce"], 50.0))),
+            "mean_sparsity": res.get("mean_sparsity", 0.0),
+            "flops_per_seq": res.get("flops_per_seq"),
+            "flops_per_seq_dense_equiv": dense_equiv,
+            "flops_ratio": (res["flops_per_seq"] / dense_equiv
+                            if dense_equiv and res.get("flops_per_seq") is not None else None),
+            "params": res.get("params"),
+            "active_params": res.get("active_params"),
+            "train_tokens_per_s": res.get("train_tokens_per_s"),
+            "step": res.get("step"),
+            "finished": res.get("finished"),
+            "gate_mean": list(res.get("gate_mean") or []),
+            "gate_sparsity": list(res.get("gate_sparsity") or []),
+            "grid": (sweep or {}).get("grid", sweep_dir.name),
+        }
+        rows.append(row)
+    return rows
+
+
+def block_targets(mu0: float, mu_final: float, n_layers: int) -> list[float]:
+    """Mean-gate targets mu*_l of the first-half blocks, as the controller computes them."""
+    from .sparsity import mean_targets
+
+    t = mean_targets(SparsityConfig(mu0=mu0, mu_final=mu_final), n_layers)
+    return [float(x) for x in t[: n_layers // 2]]
+
+
+def block_check(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per first-half block of a gated row: mean gate, sparsity, target, |diff| and whether it is <= delta.
+    Runs without a controller (or without targets) get target/diff/met = None."""
+    half = row["n_layers"] // 2
+    means, zeros = row.get("gate_mean") or [], row.get("gate_sparsity") or []
+    targets: list[float | None] = [None] * half
+    if row["kind"] == KIND_GATED and row.get("mu0") is not None and row.get("mu_final") is not None:
+        targets = block_targets(float(row["mu0"]), float(row["mu_final"]), row["n_layers"])
+    delta = row.get("delta") if row.get("delta") is not None else DEFAULT_DELTA
+    out = []
+    for b in range(half):
+        mean = means[b] if b < len(means) else None
+        target = targets[b]
+        diff = abs(mean - target) if (mean is not None and target is not None) else None
+        out.append({"block": b, "gate_mean": mean, "sparsity": zeros[b] if b < len(zeros) else None,
+                    "target": target, "diff": diff, "delta": delta,
+                    "met": (diff <= delta + _TOL) if diff is not None else None})
+    return out
+
+
+def _sort_key(row: dict[str, Any]) -> tuple:
+    # Dense by depth, then no control, then the controller sweep from the weakest target (mu_final 1) down.
+    order = {KIND_DENSE: 0, KIND_NO_CONTROL: 1, KIND_GATED: 2}
+    mu = row.get("mu_final")
+    return (order.get(row["kind"], 3), row["n_layers"] if row["kind"] == KIND_DENSE else 0,
+            -(mu if mu is not None else 0.0), row["run"])
+
+
+def _fmt(v: Any, spec: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return format(v, spec) if spec else str(v)
+
+
+def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path | str,
+                png_name: str | None = None) -> None:
+    """Write the runs as CSV (one row each, `CSV_COLUMNS`) and a Markdown report with the per-block
+    target check of the gated runs. `png_name`, if given, is linked from the Markdown."""
+    rows = sorted(rows, key=_sort_key)
+    csv_path, md_path = Path(csv_path), Path(md_path)
+    for p in (csv_path, md_path):
+        p.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for r in rows:
+            w.writerow(["" if r.get(c) is None else r.get(c) for c in CSV_COLUMNS])
+
+    grid = rows[0].get("grid", "") if rows else ""
+    lines = [f"# Figure 2 reproduction: sweep `{grid}`", ""]
+    if png_name:
+        lines += [f"![val CE vs estimated FLOPs and vs sparsity]({png_name})", ""]
+    lines += [
+        "Estimated FLOPs: one forward pass over one sequence at batch 1, at the measured gate sparsity, assuming "
+        "the full benefit of skipped tokens (paper section 3; `midlayer/flops.py`). `vs dense-equiv.`: that "
+        "estimate over the same model's count at sparsity 0.",
+        "",
+        "| run | kind | layers | mu_final | val CE | val ppl | mean sparsity | est. MFLOPs/seq | vs dense-equiv. "
+        "| params | train tok/s | steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mf = r["flops_per_seq"] / 1e6 if r.get("flops_per_seq") is not None else None
+        lines.append(f"| {r['run']} | {r['kind']} | {r['n_layers']} | {_fmt(r.get('mu_final'), '.2f')} | "
+                     f"{r['val_ce']:.4f} | {_fmt(r.get('val_ppl'), '.2f')} | {_fmt(r.get('mean_sparsity'), '.3f')} | "
+                     f"{_fmt(mf, ',.1f')} | {_fmt(r.get('flops_ratio'), '.3f')} | {_fmt(r.get('params'), ',')} | "
+                     f"{_fmt(r.get('train_tokens_per_s'), ',.0f')} | {_fmt(r.get('step'))} |")
+    gated = [r for r in rows if r["kind"] != KIND_DENSE]
+    if gated:
+        lines += [
+            "",
+            "## Did the controller meet its layer-wise targets?",
+            "",
+            "Per first-half block l (block L-1-l shares its gate): mean gate and sparsity (fraction of gates "
+            "exactly 0) at the final evaluation, against the target mu*_l = linspace(mu0, mu_final, L/2)[l]; "
+            "met = |mean gate - mu*_l| <= delta (the controller's dead band). Runs without control have no "
+            "target.",
+            "",
+            "| run | mu0 -> mu_final | block | target mu*_l | mean gate | sparsity | abs diff | met |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        summary = []
+        for r in gated:
+            checks = block_check(r)
+            span = (f"{r['mu0']:.2f} -> {r['mu_final']:.2f}" if r.get("mu0") is not None
+                    and r.get("mu_final") is not None else "no control")
+            for c in checks:
+                lines.append(f"| {r['run']} | {span} | {c['block']} | {_fmt(c['target'], '.3f')} | "
+                             f"{_fmt(c['gate_mean'], '.3f')} | {_fmt(c['sparsity'], '.3f')} | "
+                             f"{_fmt(c['diff'], '.3f')} | {_fmt(c['met'])} |")
+            judged = [c["met"] for c in checks if c["met"] is not None]
+            if judged:
+                summary.append(f"- {r['run']}: {sum(judged)}/{len(judged)} blocks within delta = "
+                               f"{checks[0]['delta']:g} of their target")
+        if summary:
+            lines += [""] + summary
+    md_path.write_text("\n".join(lines) + "\n")
+
+
+def _label(row: dict[str, Any]) -> str:
+    if row["kind"] == KIND_DENSE:
+        return f"{row['n_layers']}L"
+    if row["kind"] == KIND_NO_CONTROL:
+        return "no control"
+    return rf"$\mu^*$={row['mu_final']:.2f}" if row.get("mu_final") is not None else row["run"]
+
+
+def plot_figure2(rows: list[dict[str, Any]], png_path: Path | str, title: str | None = None) -> None:
+    """Left: val CE vs estimated forward FLOPs per sequence; right: val CE vs mean sparsity. Dense runs are
+    a line labelled by depth, gated runs separate points labelled by mu_final or "no control"."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("plotting needs matplotlib: pip install 'midlayer[plot]'") from e
+    if not rows:
+        raise ValueError("nothing to plot: no run has a final evaluation")
+    dense = sorted((r for r in rows if r["kind"] == KIND_DENSE), key=lambda r: r["n_layers"])
+    ctrl = sorted((r for r in rows if r["kind"] == KIND_GATED), key=lambda r: -(r.get("mu_final") or 0.0))
+    free = [r for r in rows if r["kind"] == KIND_NO_CONTROL]
+
+    # Figure + Agg canvas directly (not pyplot): no global backend state, works headless and in threads.
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_f, ax_s = fig.subplots(1, 2, sharey=True)
+
+    def annotate(ax, x: float, y: float, text: str) -> None:
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+
+    gated_label = f"gated {ctrl[0]['n_layers']}L, controlled" if ctrl else None
+    for ax, xkey, scale in ((ax_f, "flops_per_seq", 1e-9), (ax_s, "mean_sparsity", 1.0)):
+        if dense:
+            xs = [r[xkey] * scale for r in dense]
+            ys = [r["val_ce"] for r in dense]
+            # A line through the depths on the FLOPs axis; on the sparsity axis they all sit at 0.
+            ax.plot(xs, ys, "o-" if ax is ax_f else "o", color="C0", label="dense baselines")
+            for r, x, y in zip(dense, xs, ys):
+                annotate(ax, x, y, _label(r))
+        if ctrl:
+            xs = [r[xkey] * scale for r in ctrl]
+            ys = [r["val_ce"] for r in ctrl]
+            ax.plot(xs, ys, "D", color="C1", label=gated_label)
+            for r, x, y in zip(ctrl, xs, ys):
+                annotate(ax, x, y, _label(r))
+        for r in free:
+            x = r[xkey] * scale
+            ax.plot([x], [r["val_ce"]], "s", color="C2", label=f"gated {r['n_layers']}L, no control")
+            annotate(ax, x, r["val_ce"], _label(r))
+        ax.grid(True, alpha=0.3)
+    ax_f.set_xlabel("estimated forward GFLOPs per sequence")
+    ax_s.set_xlabel("mean gate sparsity")
+    ax_f.set_ylabel("validation cross-entropy")
+    ax_f.legend(fontsize=8)
+    grid = title if title is not None else rows[0].get("grid", "")
+    fig.suptitle(f"Figure 2 reproduction ({grid})" if grid else "Figure 2 reproduction")
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=150)
+
+
+def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dict[str, Path]:
+    """collect + write_table + plot_figure2 into PREFIX.csv/.md/.png (default docs/results/figure2-<grid>).
+    The tables are written before the figure, so they exist even without matplotlib."""
+    rows = collect(sweep_dir)
+    if not rows:
+        raise ValueError(f"{sweep_dir}: no run has a final evaluation (eval.json with val_ce) yet")
+    if prefix is None:
+        prefix = Path("docs/results") / f"figure2-{rows[0]['grid']}"
+    prefix = Path(prefix)
+    paths = {"csv": prefix.with_name(prefix.name + ".csv"), "md": prefix.with_name(prefix.name + ".md"),
+             "png": prefix.with_name(prefix.name + ".png")}
+    write_table(rows, paths["csv"], paths["md"], png_name=paths["png"].name)
+    try:
+        plot_figure2(rows, paths["png"])
+    except ImportError as e:
+        raise ImportError(f"{e} (the tables {paths['csv']} and {paths['md']} were written)") from e
+    return paths
+
+
+__all__ = ["collect", "write_table", "plot_figure2", "block_targets", "block_check", "write_report",
+           "CSV_COLUMNS"]

@@ -1,0 +1,395 @@
+"""Tokenizers of pretrained checkpoints: a Hugging Face folder or the metadata of a GGUF file.
+
+`TextTokenizer` wraps a `tokenizers.Tokenizer` and adds what generation needs around it: the BOS id and
+whether to prepend it, the set of ids that end a reply (`eos_ids`), and the checkpoint's chat template,
+rendered with Jinja2 in a sandbox the way Hugging Face renders it (trim_blocks and lstrip_blocks on, the
+loop-controls extension, a `raise_exception` helper, a `tojson` filter that keeps non-ASCII text).
+
+Two sources:
+
+* `from_hf_dir(path)`: `tokenizer.json` plus `tokenizer_config.json` (bos/eos tokens, add_bos_token,
+  chat_template), `chat_template.jinja` when the template was saved on its own (transformers >= 4.5x),
+  and `generation_config.json` / `config.json` for further end-of-sequence ids.
+* `from_gguf_metadata(reader)`: llama.cpp writes no tokenizer.json into a GGUF; it stores the vocabulary
+  (`tokenizer.ggml.tokens`, spelled in GPT-2's byte-to-unicode alphabet for byte-level BPE), the merges,
+  per-token types (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte), the special ids, the
+  chat template and a *name* for the pre-tokenizer (`tokenizer.ggml.pre`). We rebuild a byte-level BPE from
+  those. The pre-tokenizer name maps to the split regexes llama.cpp uses for it (src/llama-vocab.cpp,
+  `llama_vocab::impl::load`; the same regexes appear in the models' own tokenizer.json files).
+
+Note on "smollm" (SmolLM/SmolLM2): llama.cpp splits on every digit first (`\\p{N}`), then applies GPT-2's
+regex; SmolLM2's own tokenizer.json does the same with `Digits(individual_digits=True)` before
+`ByteLevel`. transformers' GGUF loader (5.x) has no entry for "smollm" and falls back to GPT-2's regex
+alone. The two agree on nearly all text (the vocabulary has no multi-digit or space+digit tokens) but not
+on a run of two or more spaces right before a digit: "a  1" is [a, ĠĠ, 1] here and in llama.cpp and
+[a, Ġ, Ġ, 1] in transformers' GGUF tokenizer. We follow llama.cpp and the model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# Markers that end an assistant turn in common chat templates; added to `eos_ids` when the template uses
+# them, so that generation stops at the end of a reply even if the checkpoint's eos is another token.
+END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+# GGUF token types (llama.cpp `llama_token_type` / gguf-py `TokenType`).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# Split regexes by `tokenizer.ggml.pre` name (facts from llama.cpp src/llama-vocab.cpp and the models'
+# tokenizer.json files). GPT-2's own regex is what `ByteLevel(use_regex=True)` applies.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2_PRE = ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais")  # GPT-2's regex only
+_DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell")  # \p{N} first, then GPT-2
+_REGEX_PRE = {
+    **{name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3")},
+    **{name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen")},
+}
+SUPPORTED_GGUF_PRE = (*_GPT2_PRE, *_DIGITS_THEN_GPT2_PRE, *_REGEX_PRE)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (Radford et al. 2019): printable Latin-1 bytes
+    map to themselves, the other 68 bytes to code points 256 upwards, in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    table: dict[int, str] = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_ALPHABET = frozenset(_bytes_to_unicode().values())
+
+
+def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp applies for GGUF pre-tokenizer name `pre`; ValueError if unknown."""
+    if pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in _REGEX_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported; supported pre-tokenizers: "
+                     f"{', '.join(SUPPORTED_GGUF_PRE)}")
+
+
+# ------------------------------------------------------------------------------------- chat templates
+def _raise_exception(message: str) -> None:
+    # Templates call raise_exception('...') to reject bad conversations (e.g. roles out of order).
+    raise ValueError(f"chat template error: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's built-in tojson HTML-escapes '<', '>' and '&' and forces ASCII; chat templates expect plain
+    # JSON (tool schemas are shown to the model verbatim), so override it as Hugging Face does.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def render_chat_template(template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                         **variables: Any) -> str:
+    """Render a chat template in a sandboxed Jinja2 environment configured like Hugging Face's.
+
+    The sandbox matters: templates come with downloaded checkpoints, and an unsandboxed Jinja template can
+    reach Python internals through attribute access.
+    """
+    try:
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover - jinja2 comes with torch
+        raise ImportError("chat templates need jinja2: pip install jinja2") from e
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        compiled = env.from_string(template)
+        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)
+    except TemplateError as e:
+        raise ValueError(f"chat template failed to render: {e}") from e
+
+
+# --------------------------------------------------------------------------------------- the wrapper
+class TextTokenizer:
+    """A pretrained model's tokenizer: text <-> ids, special ids, and the chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, *, bos_id: int | None, eos_ids: Iterable[int],
+                 chat_template: str | None = None, add_bos: bool = False, vocab_size: int | None = None,
+                 special_tokens: dict[str, str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.bos_id = bos_id
+        ordered = [int(i) for i in eos_ids]
+        self.eos_ids: set[int] = set(ordered)
+        # The first id given is the one the checkpoint itself calls eos (used e.g. as a pad id).
+        self.eos_id: int | None = ordered[0] if ordered else None
+        self.chat_template = chat_template
+        self.add_bos = add_bos  # whether encode() prepends BOS by default (the checkpoint's own setting)
+        # The model's vocabulary size can exceed the tokenizer's (padded embeddings); keep the larger.
+        self.vocab_size = max(vocab_size or 0, tokenizer.get_vocab_size(with_added_tokens=True))
+        self.special_tokens = dict(special_tokens or {})  # bos_token/eos_token/... strings for templates
+        if add_bos and bos_id is None:
+            raise ValueError("add_bos=True but the tokenizer has no BOS token")
+
+    # -- text <-> ids
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Ids for `text`. Special-token markup in the text (e.g. "<|im_start|>") becomes its single id.
+        `add_bos=None` follows the checkpoint's own default (`self.add_bos`)."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode: expected str, got {type(text).__name__}")
+        # Never let a tokenizer.json post-processor add tokens: BOS is decided here, exactly once.
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise ValueError("add_bos=True but the tokenizer has no BOS token")
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    # -- chat
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            **variables: Any) -> str:
+        """The conversation as the prompt text the model was fine-tuned on."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (the checkpoint did not ship one)")
+        _check_messages(messages)
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    **{**self.special_tokens, **variables})
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    **variables: Any) -> list[int]:
+        """Token ids of the rendered conversation. No extra BOS: templates that want one write it
+        themselves (`{{ bos_token }}`), as Hugging Face's apply_chat_template(tokenize=True) assumes."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables), add_bos=False)
+
+    def __repr__(self) -> str:
+        return (f"TextTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={sorted(self.eos_ids)}, "
+                f"chat_template={'yes' if self.chat_template else 'no'})")
+
+    # -- constructors
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> TextTokenizer:
+        """Load `tokenizer.json` (+ tokenizer_config.json, chat_template.jinja, generation_config.json)."""
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"{path}: no tokenizer.json (only fast-tokenizer files are supported)")
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as e:
+            raise ValueError(f"{tok_file}: cannot load tokenizer ({e})") from e
+        tcfg = _read_json(path / "tokenizer_config.json")
+        smap = _read_json(path / "special_tokens_map.json")
+        mcfg = _read_json(path / "config.json")
+        gcfg = _read_json(path / "generation_config.json")
+
+        def token_str(name: str) -> str | None:
+            v = tcfg.get(name, smap.get(name))
+            if isinstance(v, dict):  # serialised AddedToken
+                v = v.get("content")
+            return v if isinstance(v, str) else None
+
+        special = {n: s for n in ("bos_token", "eos_token", "unk_token", "pad_token") if (s := token_str(n))}
+        bos_id = tokenizer.token_to_id(special["bos_token"]) if "bos_token" in special else None
+        if bos_id is None and isinstance(mcfg.get("bos_token_id"), int):
+            bos_id = mcfg["bos_token_id"]
+        eos_list: list[int] = []
+        if "eos_token" in special and tokenizer.token_to_id(special["eos_token"]) is not None:
+            eos_list.append(tokenizer.token_to_id(special["eos_token"]))
+        for cfg in (gcfg, mcfg):
+            eos_list.extend(_as_int_list(cfg.get("eos_token_id")))
+        if bos_id is not None and "bos_token" not in special:
+            special["bos_token"] = tokenizer.id_to_token(bos_id)
+        if eos_list and "eos_token" not in special:
+            special["eos_token"] = tokenizer.id_to_token(eos_list[0])
+
+        template = _hf_chat_template(path, tcfg)
+        if "add_bos_token" in tcfg:
+            add_bos = bool(tcfg["add_bos_token"]) and bos_id is not None
+        else:
+            # No flag: the tokenizer.json post-processor decides (Llama-3's adds BOS, GPT-2 style ones do not).
+            probe = tokenizer.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and len(probe) > 0 and probe[0] == bos_id
+        eos_list.extend(_template_end_markers(tokenizer, template))
+        return cls(tokenizer, bos_id=bos_id, eos_ids=list(dict.fromkeys(eos_list)), chat_template=template,
+                   add_bos=add_bos, vocab_size=mcfg.get("vocab_size"), special_tokens=special)
+
+    @classmethod
+    def from_gguf_metadata(cls, reader: Any) -> TextTokenizer:
+        """Build the tokenizer described by a `gguf.GGUFReader`'s metadata (byte-level BPE only)."""
+        fields = reader.fields
+
+        def get(key: str, default: Any = None) -> Any:
+            f = fields.get(key)
+            return default if f is None else f.contents()
+
+        model_type = get("tokenizer.ggml.model")
+        if model_type is None:
+            raise ValueError("GGUF file has no tokenizer metadata (tokenizer.ggml.model missing)")
+        if model_type != "gpt2":
+            raise ValueError(f"GGUF tokenizer.ggml.model={model_type!r} is not supported: only byte-level BPE "
+                             "('gpt2', used by Llama-3, SmolLM, Qwen2, ...) is; sentencepiece ('llama'), "
+                             "'t5', 'bert', 'rwkv' vocabularies are not")
+        tokens: list[str] = get("tokenizer.ggml.tokens") or []
+        merges_raw: list[str] = get("tokenizer.ggml.merges") or []
+        if not tokens or not merges_raw:
+            raise ValueError("GGUF byte-level BPE tokenizer needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
+        types = get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise ValueError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        pre = get("tokenizer.ggml.pre", "default")
+
+        special_types = (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
+        vocab: dict[str, int] = {}
+        for i, (tok, ttype) in enumerate(zip(tokens, types)):
+            # Normal tokens are spelled in the byte alphabet; a few converters store some as raw UTF-8:
+            # respell those so BPE can reach them. Control/user-defined tokens keep their literal text
+            # (they are matched whole in the raw text, never produced by merges).
+            if ttype not in special_types and not set(tok) <= _BYTE_ALPHABET:
+                table = _bytes_to_unicode()
+                tok = "".join(table[b] for b in tok.encode("utf-8"))
+            if tok in vocab:
+                # Two ids with one spelling cannot both live in a BPE vocabulary; the later one can never be
+                # produced by encoding (llama.cpp has the same behaviour), but it still decodes.
+                warnings.warn(f"GGUF vocabulary spells ids {vocab[tok]} and {i} the same ({tok!r}); "
+                              f"encoding yields {vocab[tok]}")
+                continue
+            vocab[tok] = i
+        merges: list[tuple[str, str]] = []
+        for m in merges_raw:
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise ValueError(f"GGUF merge {m!r} is not two space-separated tokens")
+            merges.append((a, b))
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        except Exception as e:
+            raise ValueError(f"GGUF tokenizer: cannot build BPE from vocabulary and merges ({e})") from e
+        tokenizer = Tokenizer(bpe)
+        tokenizer.pre_tokenizer = byte_level_pre_tokenizer(pre)
+        tokenizer.decoder = decoders.ByteLevel()
+        # Control tokens (<|im_start|>, <|endoftext|>, ...) must be matched whole in the text before
+        # pre-tokenization, and are "special" (skip_special_tokens drops them); user-defined ones are matched
+        # whole but are ordinary text.
+        control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
+                   if ty == TOKEN_CONTROL and vocab.get(t) is not None]
+        user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+                if ty == TOKEN_USER_DEFINED and vocab.get(t) is not None]
+        n_before = tokenizer.get_vocab_size(with_added_tokens=True)
+        if control:
+            tokenizer.add_special_tokens(control)
+        if user:
+            tokenizer.add_tokens(user)
+        if tokenizer.get_vocab_size(with_added_tokens=True) != n_before:  # pragma: no cover - defensive
+            raise ValueError("GGUF tokenizer: adding special tokens changed the vocabulary size")
+
+        def tok_id(key: str) -> int | None:
+            v = get(key)
+            return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+
+        bos_id, eos_id = tok_id("tokenizer.ggml.bos_token_id"), tok_id("tokenizer.ggml.eos_token_id")
+        eot_id = tok_id("tokenizer.ggml.eot_token_id")
+        special = {name: tokens[i] for name, i in (("bos_token", bos_id), ("eos_token", eos_id),
+                                                   ("unk_token", tok_id("tokenizer.ggml.unknown_token_id")),
+                                                   ("pad_token", tok_id("tokenizer.ggml.padding_token_id")))
+                   if i is not None}
+        template = get("tokenizer.chat_template")
+        # llama.cpp's default for byte-level BPE vocabularies is no BOS unless the file says otherwise.
+        add_bos = bool(get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        eos = [i for i in (eos_id, eot_id) if i is not None]
+        eos.extend(_template_end_markers(tokenizer, template))
+        return cls(tokenizer, bos_id=bos_id, eos_ids=list(dict.fromkeys(eos)), chat_template=template,
+                   add_bos=add_bos, vocab_size=len(tokens), special_tokens=special)
+
+    def save_hf(self, out_dir: str | Path) -> None:
+        """Write tokenizer.json + tokenizer_config.json (+ chat_template) that `from_hf_dir` and
+        transformers' AutoTokenizer both read."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(str(out / "tokenizer.json"))
+        cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos,
+                               "add_eos_token": False, "clean_up_tokenization_spaces": False,
+                               "model_max_length": 1_000_000}
+        cfg.update(self.special_tokens)
+        if self.chat_template is not None:
+            cfg["chat_template"] = self.chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError("messages: expected a list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}]: expected a dict with a 'role' key, got {m!r}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _as_int_list(v: Any) -> list[int]:
+    if isinstance(v, bool) or v is None:
+        return []
+    if isinstance(v, int):
+        return [v]
+    if isinstance(v, list):
+        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
+    return []
+
+
+def _hf_chat_template(path: Path, tcfg: dict[str, Any]) -> str | None:
+    # Newer transformers save the template beside the config; older ones inside tokenizer_config.json,
+    # either as a string or as a list of named templates (the one named "default" is the chat template).
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    t = tcfg.get("chat_template")
+    if t is None:
+        t = _read_json(path / "chat_template.json").get("chat_template")
+    if isinstance(t, list):
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        t = named.get("default")
+    return t if isinstance(t, str) else None
+
+
+def _template_end_markers(tokenizer: Tokenizer, template: str | None) -> list[int]:
+    if not template:
+        return []
+    return [i for m in END_OF_TURN_MARKERS if m in template and (i := tokenizer.token_to_id(m)) is not None]
+
+
+__all__ = ["TextTokenizer", "render_chat_template", "byte_level_pre_tokenizer", "SUPPORTED_GGUF_PRE"]

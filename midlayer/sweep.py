@@ -1,0 +1,405 @@
+"""Figure-2 sweeps: named grids of runs, run one after another, restartable.
+
+The paper's Figure 2 (Lawson & Aitchison, arXiv 2506.21103) compares, at one width and one token budget,
+dense baselines of increasing depth with a gated model trained without sparsity control and with the
+proportional controller at several final targets mu*_{L/2-1} (mu*_0 = 1). A grid (`GRIDS`) is that list of
+runs as data: each `RunSpec` is a preset plus per-section overrides, and `Grid.shared_train` (steps, batch,
+sequence length, seed, data) is applied to every run so that all runs see the same tokens.
+
+`run_sweep` trains the runs into `<out_root>/<grid>/<run>/`, one after another:
+
+* a run whose `eval.json` says `finished` at the run's step count is skipped;
+* a run with checkpoints but no finished evaluation is resumed (`resume=True`);
+* anything else is started from scratch.
+
+So a killed sweep is continued by running the same command again. A failing run is reported and the sweep
+goes on with the next one; the return value is nonzero if any run failed. `<out_root>/<grid>/sweep.json`
+records every run's action, status and wall time (rewritten atomically after each change).
+
+    midlayer sweep cpu                       # ~90 minutes on 2 CPU cores
+    midlayer sweep paper --launcher torchrun --nproc 8 --data 'data/fineweb10B/fineweb_*.bin'
+    midlayer plot runs/sweep/cpu             # -> docs/results/figure2-cpu.{png,csv,md}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob as globlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .checkpoint import atomic_write_bytes, config_mismatch, list_checkpoints
+from .config import ModelConfig, SparsityConfig, TrainConfig, get_preset
+
+SECTION_CLASSES: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig}
+LAUNCHERS = ("inline", "torchrun")
+
+# The three kinds of run in Figure 2; `midlayer.plot` draws each differently.
+KIND_DENSE = "dense"
+KIND_GATED = "gated"
+KIND_NO_CONTROL = "gated-no-control"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a grid: a preset plus overrides of its model / sparsity / train sections."""
+
+    name: str
+    preset: str
+    model: dict[str, Any] = field(default_factory=dict)
+    sparsity: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A named list of runs. `shared_train` is applied to every run (after the run's own train overrides,
+    so a run cannot silently change the token budget, data or seed that the comparison depends on)."""
+
+    name: str
+    description: str
+    runs: tuple[RunSpec, ...]
+    shared_train: dict[str, Any] = field(default_factory=dict)
+    # The paper grid needs real shards; refuse up front rather than fail every run the same way.
+    requires_data_glob: bool = False
+
+    def run(self, name: str) -> RunSpec:
+        for r in self.runs:
+            if r.name == name:
+                return r
+        raise ValueError(f"grid {self.name!r} has no run {name!r}; runs: {', '.join(r.name for r in self.runs)}")
+
+
+def _figure2_runs(dense_presets: list[tuple[int, str]], gated_preset: str, mu_finals: list[float],
+                  dense_model: dict[str, Any] | None = None,
+                  gated_model: dict[str, Any] | None = None) -> tuple[RunSpec, ...]:
+    """Dense baselines (depth, preset), the gated model without control, then the controller sweep."""
+    runs = [RunSpec(f"dense-{n}", preset, model={"n_layers": n, "gating": False, **(dense_model or {})})
+            for n, preset in dense_presets]
+    gm = {"gating": True, **(gated_model or {})}
+    runs.append(RunSpec("gated-none", gated_preset, model=dict(gm), sparsity={"controller": "none"}))
+    for mu in mu_finals:
+        runs.append(RunSpec(f"gated-mu{mu:.2f}", gated_preset, model=dict(gm),
+                            sparsity={"controller": "proportional", "mu0": 1.0, "mu_final": mu}))
+    return tuple(runs)
+
+
+# ---- cpu: the tiny width (dim 128, 4 heads, vocab 4096, seq 256, batch 16 x 256 = 4096 tokens/step,
+# lr 3e-3), a 6-layer gated model standing in for the paper's 12-layer one, dense baselines at 1..6 layers.
+#
+# Time budget (2 cores, fp32), measured: gated 6 layers ~6,400 tok/s (156 us/token), dense 6 layers
+# ~7,500 tok/s (133 us/token). A dense model's cost per token is modelled as fixed + L * per_block. The
+# fixed part (embedding, the 128 x 4096 head, softmax cross-entropy over 4096 logits, AdamW on the ~1.05M
+# embedding/head parameters) is ~23% of the 6-layer forward FLOPs (flops.py: head 1.05 of 4.64 MFLOP/token);
+# a rough back-to-back timing of dense 1 vs 6 layers (on a busy machine) put dense-1 at 0.2-0.3x dense-6,
+# i.e. fixed ~20%. We budget with a pessimistic fixed ~40 us/token (30%), per_block ~15.6 us/token:
+#   dense 1..6: 55.6 + 71.1 + 86.7 + 102.2 + 117.8 + 133.3 = 567 us/token   (fixed 20%: 526)
+#   gated x5 (no control + 4 targets; sparsity saves no wall time in training): 5 x 156 = 781 us/token
+#   all 11 runs: ~1,348 us per token of the per-run budget                   (fixed 20%: 1,307)
+# Training: 800 steps x 4,096 tokens = 3.28M tokens per run (~2.2 passes over the 1.49M-token
+#   Shakespeare training split) -> 3.28M x 1,348 us = 4,417 s = 73.6 min        (fixed 20%: 71.4 min).
+# Evaluation: 200k tokens requested (the split holds ~163k; the evaluator stops there), forward only,
+#   ~1/3 of a training token: 11 runs x 200k x 122 us / 3 ~ 90 s = 1.5 min.
+# Start-up + 8 checkpoints per run (~30 MB each): ~5 s x 11 ~ 1 min.
+# Total ~76 min on an otherwise idle machine (~74 min if fixed is 20%); the margin to 90 min absorbs a
+# busy machine (the real run's wall time is recorded in docs/results/figure2-cpu.md).
+CPU_STEPS = 800
+CPU_MU_FINALS = [0.75, 0.5, 0.25, 0.0]
+_CPU = Grid(
+    name="cpu",
+    description="tiny width on 2 CPU cores (~90 min): dense 1..6 layers, 6-layer gated without control and "
+                "with the proportional controller, mu0 = 1, mu_final in 0.75, 0.5, 0.25, 0",
+    runs=_figure2_runs([(n, "tiny-dense") for n in range(1, 7)], "tiny", CPU_MU_FINALS,
+                       gated_model={"n_layers": 6}),
+    shared_train=dict(steps=CPU_STEPS, batch_size=16, micro_batch_size=16, seq_len=256, lr=3e-3, seed=0,
+                      data="shakespeare", eval_tokens=200_000, ckpt_every=100, log_every=20),
+)
+
+# ---- smoke: the same structure at the `debug` width and a few steps, for tests and quick checks.
+_SMOKE = Grid(
+    name="smoke",
+    description="debug width, a few steps: dense 1, 2, 4 layers, 4-layer gated without control and with "
+                "mu_final 0.5 and 0 (for tests)",
+    runs=_figure2_runs([(n, "debug") for n in (1, 2, 4)], "debug", [0.5, 0.0], gated_model={"n_layers": 4}),
+    shared_train=dict(steps=4, batch_size=4, micro_batch_size=2, seq_len=32, seed=0, data="shakespeare",
+                      eval_tokens=1024, ckpt_every=2, log_every=2),
+)
+
+# ---- paper: Table 2 sizes (GPT-2-small width, 12-layer gated, dense 2..12), FineWeb shards, the presets'
+# 10B-token budget. The paper sweeps mu_final from 1 down to 0; the five points here are our choice.
+PAPER_MU_FINALS = [1.0, 0.75, 0.5, 0.25, 0.0]
+PAPER_DATA = "data/fineweb10B/fineweb_*.bin"
+_PAPER = Grid(
+    name="paper",
+    description="paper Table 2 on FineWeb (10B tokens per run; for GPUs): dense 2..12 layers, 12-layer gated "
+                "without control and with mu_final in 1, 0.75, 0.5, 0.25, 0",
+    runs=_figure2_runs([(n, f"paper-dense-{n}") for n in range(2, 13)], "paper-12l", PAPER_MU_FINALS),
+    # A checkpoint every 1000 of the 19,073 steps, so a preempted GPU job loses at most ~5% of a run.
+    shared_train=dict(data=PAPER_DATA, seed=0, ckpt_every=1000),
+    requires_data_glob=True,
+)
+
+GRIDS: dict[str, Grid] = {g.name: g for g in (_CPU, _SMOKE, _PAPER)}
+
+
+def get_grid(name: str) -> Grid:
+    if name not in GRIDS:
+        raise ValueError(f"unknown grid {name!r}; known grids: {', '.join(GRIDS)}")
+    return GRIDS[name]
+
+
+def run_kind(model: dict[str, Any], sparsity: dict[str, Any]) -> str:
+    """dense / gated / gated-no-control, from the resolved config dicts."""
+    if not model.get("gating", True):
+        return KIND_DENSE
+    return KIND_NO_CONTROL if sparsity.get("controller") == "none" else KIND_GATED
+
+
+def train_overrides(grid: Grid, spec: RunSpec, out_dir: Path | str,
+                    extra_train: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The train-section overrides of one run: its own, then the grid's shared ones, then the caller's
+    (e.g. `--data`), then its output folder."""
+    return {**spec.train, **grid.shared_train, **(extra_train or {}), "out_dir": str(out_dir)}
+
+
+def _check_override_names(section: str, overrides: dict[str, Any]) -> None:
+    names = {f.name for f in dataclasses.fields(SECTION_CLASSES[section])}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"{section} overrides: unknown fields {unknown}")
+
+
+def resolve_run(grid: Grid, spec: RunSpec, out_dir: Path | str,
+                extra_train: dict[str, Any] | None = None) -> tuple[ModelConfig, SparsityConfig, TrainConfig]:
+    """The three configs of one run (validated by the dataclasses)."""
+    train = train_overrides(grid, spec, out_dir, extra_train)
+    for section, over in (("model", spec.model), ("sparsity", spec.sparsity), ("train", train)):
+        _check_override_names(section, over)
+    return get_preset(spec.preset, model=spec.model, sparsity=spec.sparsity, train=train)
+
+
+def check_grid(grid: Grid, extra_train: dict[str, Any] | None = None) -> None:
+    """Raise ValueError unless every run shares width, vocabulary, data, token budget and seed: the
+    comparison in Figure 2 is only meaningful at a fixed width and a fixed number of training tokens."""
+    names = [r.name for r in grid.runs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"grid {grid.name!r}: duplicate run names")
+    shared_model = ("dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier", "norm_placement")
+    shared_train = ("steps", "batch_size", "seq_len", "seed", "data", "val_data", "tokenizer_vocab", "eval_tokens")
+    ref = None
+    for spec in grid.runs:
+        m, _, t = resolve_run(grid, spec, Path("unused"), extra_train)
+        key = {**{k: getattr(m, k) for k in shared_model}, **{k: getattr(t, k) for k in shared_train}}
+        if ref is None:
+            ref = (spec.name, key)
+        elif key != ref[1]:
+            diff = config_mismatch(ref[1], key)
+            raise ValueError(f"grid {grid.name!r}: run {spec.name!r} differs from {ref[0]!r}: " + "; ".join(diff))
+
+
+# ------------------------------------------------------------------------------------------- launchers
+def _flag(name: str) -> str:
+    # Same field -> flag mapping as midlayer.cli.flag_name (kept local so cli can import this module).
+    return "--" + name.replace("_", "-")
+
+
+def config_flags(model: dict[str, Any], sparsity: dict[str, Any], train: dict[str, Any]) -> list[str]:
+    """`midlayer train` flags for the given overrides: `--field-name VALUE`, booleans as --x / --no-x."""
+    out: list[str] = []
+    for section, over in (("model", model), ("sparsity", sparsity), ("train", train)):
+        _check_override_names(section, over)
+        for name, value in over.items():
+            if isinstance(value, bool):
+                out.append(_flag(name) if value else "--no-" + name.replace("_", "-"))
+            else:
+                out += [_flag(name), str(value)]
+    return out
+
+
+def _torchrun_executable() -> str:
+    # Prefer the torchrun of the running interpreter's environment (a venv not on PATH still works).
+    beside = Path(sys.executable).with_name("torchrun")
+    return str(beside) if beside.exists() else (shutil.which("torchrun") or "torchrun")
+
+
+def torchrun_command(grid: Grid, spec: RunSpec, out_dir: Path | str, nproc: int, resume: bool,
+                     extra_train: dict[str, Any] | None = None, torchrun: str | None = None,
+                     progress: bool = True) -> list[str]:
+    """`torchrun --standalone --nproc_per_node N -m midlayer train <preset> <flags...> [--resume]`
+    (plus `--no-progress` when `progress` is False, for logs that are files)."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    cmd = [torchrun or _torchrun_executable(), "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "midlayer", "train", spec.preset,
+           *config_flags(spec.model, spec.sparsity, train_overrides(grid, spec, out_dir, extra_train))]
+    if not progress:
+        cmd.append("--no-progress")
+    if resume:
+        cmd.append("--resume")
+    return cmd
+
+
+# ------------------------------------------------------------------------------------------- the sweep
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, lambda p: p.write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def is_finished(run_dir: Path, steps: int) -> bool:
+    """True when `run_dir/eval.json` records a finished run at `steps` steps."""
+    res = _read_json(Path(run_dir) / "eval.json")
+    return bool(res and res.get("finished") is True and res.get("step") == steps)
+
+
+def _other_run_here(run_dir: Path, model: ModelConfig, sparsity: SparsityConfig) -> list[str]:
+    """Differences between the run recorded in `run_dir/config.json` and this one (empty if none/same):
+    a finished folder from an edited grid must not be taken for this run's result."""
+    saved = _read_json(run_dir / "config.json")
+    if not saved:
+        return []
+    diffs = []
+    for section, cfg in (("model", model), ("sparsity", sparsity)):
+        if isinstance(saved.get(section), dict):
+            diffs += [f"{section}.{d}" for d in config_mismatch(saved[section], dataclasses.asdict(cfg))]
+    return diffs
+
+
+def _check_data(grid: Grid, extra_train: dict[str, Any] | None) -> None:
+    data = {**grid.shared_train, **(extra_train or {})}.get("data", "shakespeare")
+    if grid.requires_data_glob:
+        if data == "shakespeare":
+            raise ValueError(f"grid {grid.name!r} trains on FineWeb shards: pass --data GLOB")
+        if not globlib.glob(os.path.expanduser(data)):
+            raise ValueError(f"grid {grid.name!r}: --data {data!r} matches no files; download FineWeb first "
+                             "(python -m midlayer.fineweb --out-dir data/fineweb10B) or pass --data GLOB")
+
+
+def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: int = 1,
+              only: list[str] | None = None, extra_train: dict[str, Any] | None = None, *,
+              train_fn: Callable[..., dict[str, Any]] | None = None, progress: bool = True,
+              runner: Callable[[list[str]], int] | None = None) -> int:
+    """Run grid `grid_name` into `out_root/<grid>/<run>/`; return 0 if every selected run finished, else 1.
+
+    `only` selects runs by name; `extra_train` overrides train fields of every run (e.g. `data`).
+    `train_fn` (default `midlayer.train.train`) and `runner` (runs a torchrun command line, returns its exit
+    status; default `subprocess.call`) exist so that tests can stand in for real training.
+    """
+    grid = get_grid(grid_name)
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    if launcher == "inline" and nproc != 1:
+        raise ValueError("--nproc needs --launcher torchrun (the inline launcher is one process)")
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    runs = list(grid.runs)
+    if only:
+        for name in only:
+            grid.run(name)  # raises with the list of known names
+        runs = [r for r in runs if r.name in set(only)]
+    check_grid(grid, extra_train)
+    _check_data(grid, extra_train)
+    if launcher == "torchrun":
+        # Every rank takes batch_size / nproc sequences in whole micro-batches (train.py); refuse a
+        # process count that cannot split the batch before any run starts, not once per run.
+        t = resolve_run(grid, runs[0], Path(out_root), extra_train)[2]
+        per_rank = t.batch_size // nproc
+        if t.batch_size % nproc or per_rank % t.micro_batch_size:
+            raise ValueError(f"grid {grid.name!r}: batch_size={t.batch_size} does not split into --nproc {nproc} "
+                             f"ranks of whole micro-batches of {t.micro_batch_size} sequences")
+    if train_fn is None and launcher == "inline":
+        from .train import train as train_fn
+    runner = runner or (lambda cmd: subprocess.call(cmd))
+
+    sweep_dir = Path(out_root) / grid.name
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    sweep_json = sweep_dir / "sweep.json"
+    previous = {r.get("name"): r for r in (_read_json(sweep_json) or {}).get("runs", []) if isinstance(r, dict)}
+    records: list[dict[str, Any]] = []
+    for spec in runs:
+        m, s, t = resolve_run(grid, spec, sweep_dir / spec.name, extra_train)
+        records.append({"name": spec.name, "preset": spec.preset, "kind": run_kind(dataclasses.asdict(m),
+                                                                                    dataclasses.asdict(s)),
+                        "n_layers": m.n_layers, "controller": s.controller if m.gating else None,
+                        "mu0": s.mu0 if m.gating else None, "mu_final": s.mu_final if m.gating else None,
+                        "steps": t.steps, "tokens": t.steps * t.batch_size * t.seq_len,
+                        "out_dir": t.out_dir, "action": None, "status": "pending", "wall_s": None})
+    state = {"grid": grid.name, "description": grid.description, "launcher": launcher, "nproc": nproc,
+             "extra_train": dict(extra_train or {}), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "runs": records}
+
+    def save_state() -> None:
+        _write_json(sweep_json, state)
+
+    save_state()
+    n, failed, t_sweep = len(runs), [], time.perf_counter()
+    for i, (spec, rec) in enumerate(zip(runs, records), 1):
+        run_dir = sweep_dir / spec.name
+        m, s, t = resolve_run(grid, spec, run_dir, extra_train)
+        head = f"[sweep {grid.name} {i}/{n}] {spec.name}"
+        try:
+            other = _other_run_here(run_dir, m, s)
+            if other:
+                raise ValueError(f"{run_dir} holds a different run ({'; '.join(other)}); move it away")
+            if is_finished(run_dir, t.steps):
+                old = previous.get(spec.name, {})
+                rec.update(action="skip", status="done", wall_s=old.get("wall_s"))
+                val_ce = (_read_json(run_dir / "eval.json") or {}).get("val_ce")
+                print(f"{head}: finished earlier, skipped (val_ce {val_ce})", flush=True)
+                save_state()
+                continue
+            ckpts = list_checkpoints(run_dir)
+            resume = bool(ckpts)
+            rec.update(action="resume" if resume else "start", status="running")
+            save_state()
+            print(f"{head}: " + (f"resuming from {ckpts[-1].name}" if resume else "starting")
+                  + f" ({t.steps} steps x {t.batch_size} x {t.seq_len} tokens)", flush=True)
+            t0 = time.perf_counter()
+            if launcher == "inline":
+                train_fn(m, s, t, resume=resume, progress=progress)
+            else:
+                cmd = torchrun_command(grid, spec, run_dir, nproc, resume, extra_train, progress=progress)
+                print("  " + shlex.join(cmd), flush=True)
+                rc = runner(cmd)
+                if rc != 0:
+                    raise RuntimeError(f"torchrun exited with status {rc}")
+            rec["wall_s"] = round(time.perf_counter() - t0, 3)
+            if not is_finished(run_dir, t.steps):
+                raise RuntimeError(f"training returned but {run_dir / 'eval.json'} does not record a finished "
+                                   f"run at step {t.steps}")
+            rec["status"] = "done"
+            res = _read_json(run_dir / "eval.json") or {}
+            print(f"{head}: done in {rec['wall_s']:.1f} s, val_ce {res.get('val_ce')}", flush=True)
+        except Exception as e:  # one bad run must not cost the rest of a long sweep
+            rec.update(status="failed", error=f"{type(e).__name__}: {e}")
+            failed.append(spec.name)
+            print(f"{head}: FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if os.environ.get("MIDLAYER_DEBUG"):
+                traceback.print_exc()
+        save_state()
+    state["wall_s"] = round(time.perf_counter() - t_sweep, 3)
+    state["failed"] = failed
+    save_state()
+    print(f"[sweep {grid.name}] {n - len(failed)}/{n} runs done"
+          + (f"; failed: {', '.join(failed)}" if failed else "") + f"; results in {sweep_dir}", flush=True)
+    return 1 if failed else 0
+
+
+__all__ = ["RunSpec", "Grid", "GRIDS", "get_grid", "check_grid", "resolve_run", "train_overrides", "run_kind",
+           "config_flags", "torchrun_command", "is_finished", "run_sweep"]

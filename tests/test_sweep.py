@@ -1,0 +1,378 @@
+"""Figure-2 sweep bookkeeping (skip / resume / start / failure), the torchrun command line, grid consistency,
+and the tables and plot of midlayer.plot -- with a stand-in for training, plus one real run of the smoke grid."""
+
+import csv
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from midlayer import cli
+from midlayer.config import get_preset
+from midlayer.data import write_shard
+from midlayer.plot import block_check, block_targets, collect, plot_figure2, write_table
+from midlayer.sweep import (CPU_MU_FINALS, CPU_STEPS, GRIDS, Grid, RunSpec, check_grid, config_flags, get_grid,
+                            resolve_run, run_sweep, torchrun_command)
+from midlayer.train import train
+
+
+def _fake_eval(m, s, t, step=None) -> dict:
+    """An eval.json as train() writes it, with numbers that depend on the config (so rows are tellable)."""
+    step = t.steps if step is None else step
+    res = {"step": step, "finished": step == t.steps, "val_ce": 5.0 - 0.1 * m.n_layers + (0.05 if m.gating else 0),
+           "val_ppl": 100.0, "gating": m.gating, "n_layers": m.n_layers, "params": 1000 * m.n_layers,
+           "flops_per_seq_dense_equiv": 1e6 * m.n_layers, "train_tokens_per_s": 5000.0}
+    if m.gating:
+        half = m.n_layers // 2
+        first = [1.0 - (1.0 - s.mu_final) * i / max(1, half - 1) for i in range(half)]
+        res.update(gate_mean=first + first[::-1], gate_sparsity=[1 - g for g in first + first[::-1]])
+        res["mean_sparsity"] = float(np.mean(res["gate_sparsity"]))
+    else:
+        res["mean_sparsity"] = 0.0
+    res["flops_per_seq"] = res["flops_per_seq_dense_equiv"] * (1 - res["mean_sparsity"])
+    return res
+
+
+def _write_run(run_dir: Path, m, s, t, step=None, ckpt_step=None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({"model": dataclasses.asdict(m), "sparsity": dataclasses.asdict(s),
+                                                     "train": dataclasses.asdict(t)}))
+    (run_dir / f"ckpt_{(ckpt_step or t.steps):07d}.pt").write_bytes(b"marker")
+    (run_dir / "eval.json").write_text(json.dumps(_fake_eval(m, s, t, step)))
+
+
+class FakeTrain:
+    """Stands in for midlayer.train.train: records calls, writes what a finished run leaves behind."""
+
+    def __init__(self, fail: tuple[str, ...] = ()):
+        self.calls: list[tuple[str, bool]] = []
+        self.fail = fail
+
+    def __call__(self, m, s, t, *, resume=False, progress=True):
+        name = Path(t.out_dir).name
+        self.calls.append((name, resume))
+        if name in self.fail:
+            raise RuntimeError(f"boom in {name}")
+        _write_run(Path(t.out_dir), m, s, t)
+        return _fake_eval(m, s, t)
+
+
+def _cfgs(grid: str, run: str, root: Path):
+    g = get_grid(grid)
+    return resolve_run(g, g.run(run), root / grid / run)
+
+
+# --------------------------------------------------------------------------------------------- grids
+def test_every_grid_is_consistent():
+    for grid in GRIDS.values():
+        check_grid(grid)  # same width, vocab, data, steps x batch x seq_len, seed for every run
+        budgets = set()
+        for spec in grid.runs:
+            m, s, t = resolve_run(grid, spec, Path("x"))
+            budgets.add((t.steps * t.batch_size * t.seq_len, t.seed, t.data, m.dim, m.vocab_size))
+        assert len(budgets) == 1, (grid.name, budgets)
+
+
+def test_cpu_grid_is_the_papers_figure2_at_tiny_width():
+    grid = get_grid("cpu")
+    rows = [resolve_run(grid, spec, Path("x")) for spec in grid.runs]
+    dense = sorted(m.n_layers for m, s, t in rows if not m.gating)
+    assert dense == [1, 2, 3, 4, 5, 6]
+    gated = [(m, s) for m, s, t in rows if m.gating]
+    assert all(m.n_layers == 6 for m, s in gated)
+    assert [s.controller for m, s in gated].count("none") == 1
+    prop = sorted((s.mu_final for m, s in gated if s.controller == "proportional"), reverse=True)
+    assert prop == [0.75, 0.5, 0.25, 0.0] == CPU_MU_FINALS
+    assert all(s.mu0 == 1.0 for m, s in gated)
+    m, s, t = rows[0]
+    assert (m.dim, m.n_heads, m.vocab_size, t.seq_len, t.batch_size, t.lr, t.steps) == \
+        (128, 4, 4096, 256, 16, 3e-3, CPU_STEPS)
+    assert t.eval_tokens == 200_000 and t.data == "shakespeare"
+
+
+def test_paper_grid_uses_table2_presets_and_fineweb():
+    grid = get_grid("paper")
+    presets = {spec.name: spec.preset for spec in grid.runs}
+    assert all(presets[f"dense-{n}"] == f"paper-dense-{n}" for n in range(2, 13))
+    assert {p for n, p in presets.items() if n.startswith("gated")} == {"paper-12l"}
+    m, s, t = resolve_run(grid, grid.run("gated-mu0.00"), Path("x"))
+    assert (m.n_layers, m.dim, t.steps, t.batch_size, t.seq_len) == (12, 768, 19073, 512, 1024)
+    assert t.data == "data/fineweb10B/fineweb_*.bin"
+    with pytest.raises(ValueError, match="--data"):  # no shards here: refused before any run starts
+        run_sweep("paper", Path("/nonexistent-out"), train_fn=FakeTrain())
+
+
+def test_check_grid_refuses_a_run_of_another_width():
+    bad = Grid("bad", "", (RunSpec("a", "debug"), RunSpec("b", "debug", model={"dim": 64})),
+               shared_train={"steps": 3})
+    with pytest.raises(ValueError, match="dim"):
+        check_grid(bad)
+    # A run's own train overrides cannot change the shared budget: the grid's shared values win.
+    g = Grid("g", "", (RunSpec("a", "debug", train={"steps": 99}),), shared_train={"steps": 3})
+    assert resolve_run(g, g.runs[0], Path("x"))[2].steps == 3
+
+
+# ------------------------------------------------------------------------------------- bookkeeping
+def test_sweep_skips_finished_resumes_partial_starts_new_and_survives_a_failure(tmp_path, capsys):
+    root = tmp_path / "out"
+    # dense-1: finished earlier.
+    m, s, t = _cfgs("smoke", "dense-1", root)
+    _write_run(root / "smoke" / "dense-1", m, s, t)
+    # dense-2: killed after 3 steps: a checkpoint, no eval.json.
+    m, s, t = _cfgs("smoke", "dense-2", root)
+    (root / "smoke" / "dense-2").mkdir(parents=True)
+    (root / "smoke" / "dense-2" / "ckpt_0000003.pt").write_bytes(b"marker")
+    # dense-4: stopped early with stop_after: checkpoint + an unfinished eval.json.
+    m, s, t = _cfgs("smoke", "dense-4", root)
+    _write_run(root / "smoke" / "dense-4", m, s, t, step=2, ckpt_step=2)
+
+    fake = FakeTrain(fail=("gated-mu0.50",))
+    rc = run_sweep("smoke", root, train_fn=fake, progress=False)
+    assert rc != 0  # one run failed
+    assert fake.calls == [("dense-2", True), ("dense-4", True), ("gated-none", False), ("gated-mu0.50", False),
+                          ("gated-mu0.00", False)]  # dense-1 skipped; the run after the failure still ran
+    out = capsys.readouterr()
+    assert "dense-1: finished earlier, skipped" in out.out
+    assert "dense-2: resuming from ckpt_0000003.pt" in out.out
+    assert "[sweep smoke 6/6] gated-mu0.00: starting" in out.out
+    assert "gated-mu0.50: FAILED: RuntimeError: boom in gated-mu0.50" in out.err
+
+    state = json.loads((root / "smoke" / "sweep.json").read_text())
+    by = {r["name"]: r for r in state["runs"]}
+    assert [r["name"] for r in state["runs"]] == [s.name for s in get_grid("smoke").runs]
+    assert (by["dense-1"]["action"], by["dense-1"]["status"]) == ("skip", "done")
+    assert (by["dense-2"]["action"], by["dense-2"]["status"]) == ("resume", "done")
+    assert (by["gated-none"]["action"], by["gated-none"]["status"]) == ("start", "done")
+    assert by["gated-mu0.50"]["status"] == "failed" and "boom" in by["gated-mu0.50"]["error"]
+    assert state["failed"] == ["gated-mu0.50"]
+    assert all(isinstance(by[n]["wall_s"], float) for n in ("dense-2", "gated-none"))
+    assert by["gated-mu0.00"]["mu_final"] == 0.0 and by["gated-none"]["kind"] == "gated-no-control"
+
+    # Second pass: only the failed run is trained; its earlier attempt left nothing, so it starts afresh.
+    fake2 = FakeTrain()
+    assert run_sweep("smoke", root, train_fn=fake2, progress=False) == 0
+    assert fake2.calls == [("gated-mu0.50", False)]
+    state = json.loads((root / "smoke" / "sweep.json").read_text())
+    assert {r["status"] for r in state["runs"]} == {"done"} and state["failed"] == []
+    # Skipped runs keep the wall time of the pass that trained them.
+    assert state["runs"][1]["wall_s"] == by["dense-2"]["wall_s"]
+
+
+def test_sweep_only_selects_runs_and_rejects_unknown_names(tmp_path):
+    fake = FakeTrain()
+    assert run_sweep("smoke", tmp_path, only=["dense-4", "gated-none"], train_fn=fake, progress=False) == 0
+    assert fake.calls == [("dense-4", False), ("gated-none", False)]
+    with pytest.raises(ValueError, match="no run 'dense-9'"):
+        run_sweep("smoke", tmp_path, only=["dense-9"], train_fn=fake)
+    with pytest.raises(ValueError, match="unknown grid"):
+        run_sweep("nope", tmp_path, train_fn=fake)
+    with pytest.raises(ValueError, match="torchrun"):
+        run_sweep("smoke", tmp_path, nproc=2, train_fn=fake)
+    with pytest.raises(ValueError, match="does not split"):  # 4 sequences over 3 ranks: refused up front
+        run_sweep("smoke", tmp_path, launcher="torchrun", nproc=3, runner=lambda cmd: 0)
+
+
+def test_extra_train_reaches_every_run(tmp_path):
+    fake = FakeTrain()
+    seen = []
+
+    def spy(m, s, t, **kw):
+        seen.append(t.data)
+        return fake(m, s, t, **kw)
+
+    assert run_sweep("smoke", tmp_path, only=["dense-1", "gated-none"], extra_train={"data": "x/*.bin"},
+                     train_fn=spy, progress=False) == 0
+    assert seen == ["x/*.bin", "x/*.bin"]
+
+
+def test_a_finished_folder_of_another_run_is_not_taken_as_this_one(tmp_path):
+    # The grid was edited (mu_final changed) but the old finished run sits in the folder: refuse, don't skip.
+    m, s, t = _cfgs("smoke", "gated-mu0.50", tmp_path)
+    s = dataclasses.replace(s, mu_final=0.3)
+    _write_run(tmp_path / "smoke" / "gated-mu0.50", m, s, t)
+    fake = FakeTrain()
+    assert run_sweep("smoke", tmp_path, only=["gated-mu0.50"], train_fn=fake, progress=False) == 1
+    assert fake.calls == []
+    state = json.loads((tmp_path / "smoke" / "sweep.json").read_text())
+    assert "mu_final" in state["runs"][0]["error"]
+
+def test_a_run_that_returns_unfinished_counts_as_failed(tmp_path):
+    def stops_early(m, s, t, *, resume=False, progress=True):
+        _write_run(Path(t.out_dir), m, s, t, step=1, ckpt_step=1)
+        return _fake_eval(m, s, t, step=1)
+
+    assert run_sweep("smoke", tmp_path, only=["dense-1"], train_fn=stops_early, progress=False) == 1
+
+
+# ----------------------------------------------------------------------------------------- torchrun
+def test_torchrun_command_line():
+    grid = get_grid("cpu")
+    spec = grid.run("gated-mu0.25")
+    cmd = torchrun_command(grid, spec, "runs/sweep/cpu/gated-mu0.25", 4, resume=False, torchrun="torchrun")
+    assert cmd[:9] == ["torchrun", "--standalone", "--nproc_per_node", "4", "-m", "midlayer", "train", "tiny",
+                       "--gating"]
+    flags = cmd[8:]
+    pairs = dict(zip(flags[1::2], flags[2::2]))  # after the lone --gating: --flag value pairs
+    assert pairs["--n-layers"] == "6" and pairs["--controller"] == "proportional"
+    assert pairs["--mu0"] == "1.0" and pairs["--mu-final"] == "0.25"
+    assert pairs["--steps"] == str(CPU_STEPS) and pairs["--out-dir"] == "runs/sweep/cpu/gated-mu0.25"
+    assert "--resume" not in cmd
+    assert torchrun_command(grid, spec, "o", 4, resume=True, torchrun="torchrun")[-1] == "--resume"
+    dense = torchrun_command(grid, grid.run("dense-3"), "o", 1, resume=False, torchrun="torchrun")
+    assert "--no-gating" in dense and "--gating" not in dense
+    assert torchrun_command(grid, spec, "o", 1, False, progress=False)[-1] == "--no-progress"
+
+
+def test_torchrun_flags_parse_back_to_the_same_configs():
+    # The flag list must mean, to `midlayer train`, exactly the configs the inline launcher would use.
+    for grid in GRIDS.values():
+        for spec in grid.runs:
+            cmd = torchrun_command(grid, spec, "some/dir", 2, resume=True, extra_train={"data": "d/*.bin"})
+            args = cli.build_parser().parse_args(cmd[cmd.index("train"):])
+            assert args.resume and args.preset == spec.preset
+            assert get_preset(args.preset, **cli.overrides_from_args(args)) == \
+                resolve_run(grid, spec, "some/dir", {"data": "d/*.bin"})
+
+
+def test_config_flags_rejects_unknown_fields():
+    assert config_flags({"gating": False}, {}, {"lr": 0.5}) == ["--no-gating", "--lr", "0.5"]
+    with pytest.raises(ValueError, match="unknown fields"):
+        config_flags({"width": 3}, {}, {})
+
+
+def test_sweep_with_torchrun_launcher_runs_one_command_per_run(tmp_path):
+    commands = []
+
+    def runner(cmd):  # stands in for subprocess.call: "trains" by writing the finished run's files
+        commands.append(cmd)
+        name = Path(cmd[cmd.index("--out-dir") + 1]).name
+        _write_run(tmp_path / "smoke" / name, *_cfgs("smoke", name, tmp_path))
+        return 0 if name != "dense-2" else 3
+
+    (tmp_path / "smoke" / "dense-4").mkdir(parents=True)
+    (tmp_path / "smoke" / "dense-4" / "ckpt_0000002.pt").write_bytes(b"marker")
+    rc = run_sweep("smoke", tmp_path, launcher="torchrun", nproc=2, only=["dense-1", "dense-2", "dense-4"],
+                   runner=runner, progress=False)
+    assert rc == 1  # dense-2's torchrun exited with 3
+    assert [c[3] for c in commands] == ["2", "2", "2"]
+    assert ["--resume" in c for c in commands] == [False, False, True]
+    state = json.loads((tmp_path / "smoke" / "sweep.json").read_text())
+    assert [r["status"] for r in state["runs"]] == ["done", "failed", "done"]
+    assert "status 3" in state["runs"][1]["error"]
+
+
+# --------------------------------------------------------------------------------------------- plot
+def _fake_sweep(root: Path) -> Path:
+    """Finished runs of the cpu grid (hand-made eval.json + config.json), no real training."""
+    fake = FakeTrain()
+    assert run_sweep("cpu", root, only=["dense-1", "dense-2", "dense-6", "gated-none", "gated-mu0.50",
+                                        "gated-mu0.00"], train_fn=fake, progress=False) == 0
+    return root / "cpu"
+
+
+def test_collect_and_tables_hold_every_run_with_its_numbers(tmp_path):
+    sweep_dir = _fake_sweep(tmp_path)
+    rows = collect(sweep_dir)
+    by = {r["run"]: r for r in rows}
+    assert set(by) == {"dense-1", "dense-2", "dense-6", "gated-none", "gated-mu0.50", "gated-mu0.00"}
+    assert by["dense-2"]["kind"] == "dense" and by["dense-2"]["n_layers"] == 2 and by["dense-2"]["mu_final"] is None
+    assert by["gated-none"]["kind"] == "gated-no-control" and by["gated-none"]["mu_final"] is None
+    assert by["gated-mu0.50"]["kind"] == "gated" and by["gated-mu0.50"]["mu_final"] == 0.5
+    assert by["gated-mu0.50"]["n_layers"] == 6 and by["gated-mu0.50"]["mu0"] == 1.0
+
+    write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
+    table = {r["run"]: r for r in csv.DictReader(open(tmp_path / "t.csv"))}
+    assert set(table) == set(by)
+    for name, r in by.items():
+        assert float(table[name]["val_ce"]) == pytest.approx(r["val_ce"])
+        assert float(table[name]["flops_per_seq"]) == pytest.approx(r["flops_per_seq"])
+        assert float(table[name]["mean_sparsity"]) == pytest.approx(r["mean_sparsity"])
+        assert table[name]["kind"] == r["kind"]
+    assert table["gated-mu0.00"]["mu_final"] == "0.0" and table["dense-1"]["mu_final"] == ""
+    md = (tmp_path / "t.md").read_text()
+    for name, r in by.items():
+        assert f"| {name} | {r['kind']} | {r['n_layers']} |" in md
+        assert f"{r['val_ce']:.4f}" in md
+    # The fake gated runs hit their targets exactly (see _fake_eval): every block is met.
+    assert "- gated-mu0.50: 3/3 blocks within delta = 0.01 of their target" in md
+    assert "| gated-mu0.00 | 1.00 -> 0.00 | 2 | 0.000 | 0.000 | 1.000 | 0.000 | yes |" in md
+    assert "| gated-none | no control | 0 | - |" in md
+
+
+def test_block_targets_and_check_by_hand():
+    assert block_targets(1.0, 0.5, 6) == pytest.approx([1.0, 0.75, 0.5])
+    assert block_targets(1.0, 0.0, 12) == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2, 0.0])
+    row = {"run": "g", "kind": "gated", "n_layers": 6, "mu0": 1.0, "mu_final": 0.5, "delta": 0.01,
+           # block 0: |0.995 - 1| = 0.005 met; block 1: |0.70 - 0.75| = 0.05 not; block 2: |0.51 - 0.5| = 0.01,
+           # exactly the dead band: met. The mirror half (blocks 3..5) is ignored.
+           "gate_mean": [0.995, 0.70, 0.51, 0.0, 0.0, 0.0], "gate_sparsity": [0.0, 0.2, 0.45, 0, 0, 0]}
+    checks = block_check(row)
+    assert [c["target"] for c in checks] == pytest.approx([1.0, 0.75, 0.5])
+    assert [c["diff"] for c in checks] == pytest.approx([0.005, 0.05, 0.01])
+    assert [c["met"] for c in checks] == [True, False, True]
+    assert [c["sparsity"] for c in checks] == [0.0, 0.2, 0.45]
+    assert [c["met"] for c in block_check({**row, "delta": 0.1})] == [True, True, True]
+    free = block_check({**row, "kind": "gated-no-control", "mu0": None, "mu_final": None})
+    assert [c["met"] for c in free] == [None, None, None] and free[1]["gate_mean"] == 0.70
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = collect(_fake_sweep(tmp_path))
+    plot_figure2(rows, tmp_path / "fig" / "f.png")
+    data = (tmp_path / "fig" / "f.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_cli_plot_writes_prefix_files(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    sweep_dir = _fake_sweep(tmp_path)
+    assert cli.main(["plot", str(sweep_dir), "--out", str(tmp_path / "res" / "fig2")]) == 0
+    for ext in ("png", "csv", "md"):
+        assert (tmp_path / "res" / f"fig2.{ext}").exists()
+    assert "![" in (tmp_path / "res" / "fig2.md").read_text()
+    assert cli.main(["plot", str(tmp_path / "missing")]) == 2
+
+
+# ----------------------------------------------------------------------------- real smoke grid, ~5 s
+def _shards(tmp: Path, vocab: int = 512, n: int = 20_000) -> str:
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, vocab, n)
+    d = tmp / "shards"
+    d.mkdir()
+    write_shard(d / "syn_train_000.bin", toks[: n * 3 // 4])
+    write_shard(d / "syn_val_000.bin", toks[n * 3 // 4:])
+    return str(d / "*.bin")
+
+
+def test_smoke_grid_really_trains_then_skips(tmp_path, capsys):
+    data = _shards(tmp_path)
+    out = tmp_path / "sweep"
+    assert cli.main(["sweep", "smoke", "--out-dir", str(out), "--data", data]) == 0
+    names = [s.name for s in get_grid("smoke").runs]
+    for name in names:
+        res = json.loads((out / "smoke" / name / "eval.json").read_text())
+        assert res["finished"] and res["step"] == get_grid("smoke").shared_train["steps"]
+    capsys.readouterr()
+    assert cli.main(["sweep", "smoke", "--out-dir", str(out), "--data", data]) == 0
+    assert capsys.readouterr().out.count("finished earlier, skipped") == len(names)
+    rows = collect(out / "smoke")
+    assert sorted(r["run"] for r in rows) == sorted(names)
+
+
+def test_smoke_run_killed_midway_is_resumed_by_the_next_sweep(tmp_path):
+    data = _shards(tmp_path)
+    # First pass "dies" after 2 of 4 steps (stop_after leaves a checkpoint and an unfinished eval.json) ...
+    killed = functools.partial(train, stop_after=2)
+    assert run_sweep("smoke", tmp_path, only=["gated-mu0.50"], extra_train={"data": data}, train_fn=killed,
+                     progress=False) == 1
+    run_dir = tmp_path / "smoke" / "gated-mu0.50"
+    assert [p.name for p in run_dir.glob("ckpt_*.pt")] == ["ckpt_0000002.pt"]
+    # ... the next pass resumes it to the end.
+    assert run_sweep("smoke", tmp_path, only=["gated-mu0.50"], extra_train={"data": data}, progress=False) == 0
+    state = json.loads((tmp_path / "smoke" / "sweep.json").read_text())
+    assert state["runs"][0]["action"] == "resume"
+    assert json.loads((run_dir / "eval.json").read_text())["step"] == 4
