@@ -153,7 +153,7 @@ def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats
     model.eval()
     prompts = prompts or CHAT_PROMPTS
     encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    hf = _load_hf_same_weights(resolve_pretrained(model_name))
+    hf = _load_hf_same_weights(resolve_pretrained(model_name).path)
     cfg = GenerationConfig(max_new_tokens=new_tokens)
     ours_t, hf_t, equal = [], [], []
     for ids in encoded:

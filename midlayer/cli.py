@@ -211,6 +211,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from .pretrained import load_pretrained
 
         model, tok = load_pretrained(args.model, dtype)
+        if tok is None:
+            raise ValueError(f"{args.model} has no tokenizer.json: midlayer cannot turn a prompt into tokens for it")
         if args.device:
             model = model.to(args.device)
     else:

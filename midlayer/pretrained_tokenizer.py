@@ -22,7 +22,8 @@ regex; SmolLM2's own tokenizer.json does the same with `Digits(individual_digits
 `ByteLevel`. transformers' GGUF loader (5.x) has no entry for "smollm" and falls back to GPT-2's regex
 alone. The two agree on nearly all text (the vocabulary has no multi-digit or space+digit tokens) but not
 on a run of two or more spaces right before a digit: "a  1" is [a, ĠĠ, 1] here and in llama.cpp and
-[a, Ġ, Ġ, 1] in transformers' GGUF tokenizer. We follow llama.cpp and the model's own tokenizer.
+[a, Ġ, Ġ, 1] in transformers' GGUF tokenizer; nor on a space before a non-ASCII numeric (" ½" is [Ġ, Â½]
+here, [ĠÂ, ½] there). We follow llama.cpp and the model's own tokenizer.
 """
 
 from __future__ import annotations
