@@ -1,0 +1,407 @@
+"""Hidden transfer (Wu et al. 2024, "Parallel Decoding via Hidden Transfer for Lossless LLM Acceleration",
+arXiv 2404.12022): training, the inference drafter, and the one attention mask both use.
+
+Method (sec. 3.2-3.3). A frozen base of L blocks; k transfer steps; step i (1-based) owns a trainable
+d x d map W_i applied at block t_i (t_1 <= t_2 <= ... <= t_k, 0 <= t_i <= L). For a real token at
+position j ("the anchor") with residual h_j entering block t_i, the pseudo state
+
+    hhat_{j,i} = W_i h_j                                          (sec. 3.3, first equation)
+
+stands for position j + i: it gets RoPE position id j + i, joins the sequence at block t_i, runs through
+blocks t_i..L-1 together with the real tokens, and the base's own final norm + LM head decode it. Its
+output is a guess of the base distribution at position j + i, i.e. of token j + i + 1.
+
+Indexing at inference. The anchor is the last committed token that is in the KV cache, at position
+j = len(tokens) - 2 (the pending token tokens[-1] at j + 1 is not in the cache yet; `speculative`'s
+invariant). The base logits at j predicted the pending token; step i predicts the token at j + i + 1,
+which is depth i of the next draft tree. That matches the paper's fused round, where the anchor is the
+last accepted node and its ordinary logits give the bonus token.
+
+THE mask (one definition, `visible`, used verbatim by training and inference). Each row carries
+(anchor, step): a real token at position p is (p, 0); the pseudo state of anchor j for step i is (j, i).
+A query row q may attend to a key row k iff
+
+    step_k == 0 and anchor_k <= anchor_q                        (real keys up to the anchor; for a real
+                                                                 query this is ordinary causality)
+ or step_q >= 1 and anchor_k == anchor_q and step_k >= 1 and
+    (step_k == step_q  or  (not masked and step_k < step_q))    (itself, and in the default "not masked"
+                                                                 setting the earlier steps of its anchor)
+
+and only rows that exist at the block attend or are attended to (pseudo rows of step i exist from block
+t_i up; since the t_i are non-decreasing, the earlier steps of an anchor exist wherever a later one does).
+Consequences: real tokens never see pseudo states, so the real rows of the training pass are exactly the
+base model's forward; pseudo states of different anchors never see each other. The `masked` variant
+(sec. 4.5 ablation, "Masked") hides the earlier pseudo steps: a pseudo state sees real states <= j and
+itself only. Gated bases: pseudo rows have gate 1 at every block (never skipped, key bias 0); real rows
+keep their own gates, so their keys carry the usual ln(max(g, eps)) bias.
+
+Why this mask and not the paper's training mask. Sec. 3.3 lets hhat_{j,i} see the real states 1..j+i-1
+and itself. At inference (sec. 3.4, Fig. 2) the real states j+1..j+i-1 do not exist yet; there the earlier
+pseudo states of the same anchor stand in for them (the "No masked" setting of sec. 4.5, which the paper
+finds better than hiding them). Training with real j+1..j+i-1 but drafting with pseudo ones is a train /
+test mismatch; we remove it by training with exactly the inference visibility: every anchor of the
+training sequence is treated as if it were the last committed token. Teacher forcing then still covers
+all anchors in one pass: the training sequence is [real 0..T-1 ; step-1 pseudo rows of anchors
+0..T-2 ; step-2 pseudo rows of anchors 0..T-3 ; ...] (an anchor j is kept for step i only if its target
+position j + i < T exists), one forward with this mask through SDPA. Consistency guarantee: (1) the same
+`visible` function builds both masks; (2) the last anchor's pseudo rows in training see exactly the keys
+the inference pass sees (the real context 0..j, which the KV cache holds as the same causal function of
+the prefix, and the same pseudo rows), with the same positions, gates and weights, so their logits agree
+to float rounding -- `tests/test_drafters.py` checks 1e-5 through a real speculative run. (Gated bases
+with real skipping: a skipped real key has bias -inf in the cache instead of ln(1e-6) in the training
+pass, an O(1e-6) difference.)
+
+Initialisation of W_i: the identity (the paper does not say). The first pseudo state is then a copy of
+h_j moved to position j + i -- the "copy mechanism" the paper discusses in sec. 3.2 (Elbayad et al. 2019)
+as the natural untrained guess -- which the upper blocks already process as an in-distribution residual;
+zero would feed RMSNorm a null vector (pure eps) and a random map an off-distribution state.
+
+Training (sec. 3.3): loss = sum over steps i of KL(p_base(. | position j+i) || p_pseudo(i, anchor j)),
+averaged over the anchors whose target exists; the teacher is the base model's own next-token distribution
+at that real position (self-distillation), taken from the real rows of the same pass. The base is frozen.
+`schedule='sequential'` trains W_1 alone, then W_2 with W_1 fixed, ... (the paper trains the k maps one
+after another); 'joint' trains all k at once on the summed loss.
+
+Inference (`HiddenTransferDrafter`). After each verification the drafter runs only the pseudo rows of the
+last anchor through blocks t_1..L-1 against the KV cache: they are written into k scratch slots after
+cache.length (slot s0 + i - 1 for step i), read the cached context through the `visible` mask, and the
+slots are truncated back. This is one extra partial forward per round over <= k rows. The paper fuses it
+into the verification forward (sec. 3.4: "verify the candidates and generate new candidates at the same
+time"); that needs engine support, see `FUSED_PASS_NOTES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .drafters import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device,
+                       optimise, placeholder_candidates, topk_lists)
+from .gating import Routers
+from .kv_cache import KVCache, LayerView
+from .model import Transformer
+from .speculative import DraftContext
+
+FUSED_PASS_NOTES = """What a fused verify-and-draft pass (the paper's sec. 3.4) needs from the engine:
+1. forward_cached must accept rows that *join mid-network*: a hook called with the residual entering block
+   t_i of the tree rows [root, nodes] that returns the new pseudo rows (W_i h for every row as anchor), their
+   RoPE positions (anchor position + i) and their cache slots; the row set then grows from block t_i up.
+2. A per-block mask for the grown row set: tree rows as now (context + ancestors); the pseudo row
+   (anchor a, step i) sees the context, a's ancestors-or-self in the tree (the real tokens <= a on a's
+   path) and the pseudo rows of the same anchor with step <= i (`visible` with "anchor_k <= anchor_q"
+   read as "k is an ancestor-or-self of a"). Nobody else sees pseudo rows.
+3. Pseudo K/V go to slots after the tree; `KVCache.keep` already drops everything but root + accepted path.
+4. Gates: pseudo rows gate 1 (no router), real rows unchanged.
+5. VerifyResult must return the final-layer pseudo logits of the anchor = the last accepted node (or the
+   root when nothing was accepted); DraftContext would carry them, and the drafter becomes a top-k.
+Cost: (n_nodes + 1) * k extra rows from block t_1 up in the verification forward (the paper's
+"Limitations": the input sequence grows), instead of a second partial forward over k rows per round.
+"""
+
+
+# ============================================================================================ the mask
+def visible(q_anchor: torch.Tensor, q_step: torch.Tensor, k_anchor: torch.Tensor, k_step: torch.Tensor,
+            masked: bool) -> torch.Tensor:
+    """THE hidden-transfer visibility rule (module docstring): bool [Nq, Nk], True where query row q may
+    attend to key row k. Rows are described by (anchor, step): real token at position p = (p, 0)."""
+    qa, qs = q_anchor[:, None], q_step[:, None]
+    ka, ks = k_anchor[None, :], k_step[None, :]
+    real_key = (ks == 0) & (ka <= qa)
+    earlier = torch.zeros_like(real_key) if masked else ks < qs
+    same_anchor = (qs >= 1) & (ka == qa) & (ks >= 1) & ((ks == qs) | earlier)
+    return real_key | same_anchor
+
+
+def training_rows(T: int, k: int, all_anchors: bool = False, device: torch.device | str = "cpu"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchor, step) of the rows of the training sequence [real 0..T-1 ; step 1 ; ... ; step k].
+
+    Step i has anchors 0..T-1-i (those whose target position j + i < T exists), or 0..T-1 with all_anchors.
+    """
+    anchors = [torch.arange(T, device=device)]
+    steps = [torch.zeros(T, dtype=torch.long, device=device)]
+    for i in range(1, k + 1):
+        A = T if all_anchors else max(T - i, 0)
+        anchors.append(torch.arange(A, device=device))
+        steps.append(torch.full((A,), i, dtype=torch.long, device=device))
+    return torch.cat(anchors), torch.cat(steps)
+
+
+def training_mask(T: int, k: int, masked: bool, all_anchors: bool = False) -> torch.Tensor:
+    """bool [N, N] visibility of the full training sequence (every step present; for inspection/tests)."""
+    a, s = training_rows(T, k, all_anchors)
+    return visible(a, s, a, s, masked)
+
+
+def _additive(vis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill(~vis, float("-inf"))
+
+
+class _MaskedView:
+    """A stand-in for `kv_cache.LayerView` that stores nothing: Attention calls update(k, v) and attends over
+    the returned keys with the returned additive mask. It lets the base model's own blocks run any mask."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return k, v, self.mask
+
+
+# ============================================================================================ the module
+class HiddenTransfer(nn.Module):
+    """k trainable d x d maps W_i at blocks t_i (identity init); `masked` selects the ablation mask."""
+
+    KIND = "hidden_transfer"
+
+    def __init__(self, dim: int, layers: Sequence[int], k: int | None = None, masked: bool = False) -> None:
+        super().__init__()
+        layers = [int(t) for t in layers]
+        if k is None:
+            k = len(layers)
+        if len(layers) == 1 and k > 1:
+            layers = layers * k  # one layer given: every step transfers there
+        if k < 1 or len(layers) != k:
+            raise ValueError(f"need k >= 1 transfer layers, one per step; got k={k}, layers={layers}")
+        if any(t < 0 for t in layers) or any(b < a for a, b in zip(layers, layers[1:])):
+            raise ValueError(f"transfer layers must be >= 0 and non-decreasing (t_1 <= ... <= t_k), got {layers}")
+        self.dim, self.k, self.layers, self.masked = dim, k, layers, bool(masked)
+        self.maps = nn.ModuleList([nn.Linear(dim, dim, bias=False) for _ in range(k)])
+        with torch.no_grad():
+            for m in self.maps:
+                m.weight.copy_(torch.eye(dim))
+
+    def config(self) -> dict[str, Any]:
+        return {"dim": self.dim, "layers": list(self.layers), "k": self.k, "masked": self.masked}
+
+    def transfer(self, h: torch.Tensor, step: int) -> torch.Tensor:
+        """hhat = W_step h (step is 1-based)."""
+        return apply_linear(self.maps[step - 1], h)
+
+    def check_model(self, model: Transformer) -> None:
+        if self.dim != model.cfg.dim:
+            raise ValueError(f"hidden transfer of dim {self.dim} for a model of dim {model.cfg.dim}")
+        if max(self.layers) > model.cfg.n_layers:
+            raise ValueError(f"transfer layers {self.layers} exceed the model's {model.cfg.n_layers} blocks")
+
+
+# ========================================================================================= training pass
+def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor, *,
+                     n_steps: int | None = None, all_anchors: bool = False
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward over [real tokens ; pseudo rows of steps 1..n_steps] with the `visible` mask.
+
+    tokens [B, T]. Returns (real logits [B, T, V] -- the base model's own, the teacher -- and for each step
+    i the pseudo logits [B, A_i, V] of anchors 0..A_i-1, A_i = T - i, or T with all_anchors). Blocks below
+    t_1 run on the real rows only; at block t_i step i's rows are appended (W_i of the real rows entering
+    block t_i) and the mask is rebuilt; gradients flow into the W_i only when the base is frozen.
+    """
+    transfer.check_model(model)
+    cfg = model.cfg
+    L, half = cfg.n_layers, cfg.n_layers // 2
+    n_steps = transfer.k if n_steps is None else n_steps
+    if not 1 <= n_steps <= transfer.k:
+        raise ValueError(f"n_steps must be in [1, {transfer.k}], got {n_steps}")
+    B, T = tokens.shape
+    if all_anchors and T - 1 + n_steps >= cfg.max_seq_len:
+        raise ValueError(f"pseudo positions up to {T - 1 + n_steps} exceed the context {cfg.max_seq_len}")
+    x = model.emb_norm(model.tok_embeddings(tokens))
+    dev = x.device
+    anchor = torch.arange(T, device=dev)
+    step = torch.zeros(T, dtype=torch.long, device=dev)
+    mask = cos = sin = None
+    first_half: list[torch.Tensor] = []
+    cum = None
+    for layer in range(L + 1):
+        for i in range(1, n_steps + 1):
+            if transfer.layers[i - 1] != layer:
+                continue
+            A = T if all_anchors else max(T - i, 0)
+            p = transfer.transfer(x[:, :A], i)  # the first T rows are the real tokens entering block t_i
+            x = torch.cat([x, p], 1)
+            anchor = torch.cat([anchor, torch.arange(A, device=dev)])
+            step = torch.cat([step, torch.full((A,), i, dtype=torch.long, device=dev)])
+            mask = None
+        if layer == L:
+            break
+        if mask is None:  # rebuilt only when rows were appended (once per distinct t_i)
+            mask = _additive(visible(anchor, step, anchor, step, transfer.masked), x.dtype)[None, None]
+            pos = anchor + step
+            cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+        gate = None
+        attn_mask = mask
+        if model.routers is not None:
+            real = x[:, :T]
+            if layer < half:
+                g, cum = Routers.step(model.routers[layer], real, cum)
+                first_half.append(g)
+            else:
+                g = first_half[L - 1 - layer]
+            gate = torch.cat([g, g.new_ones(B, x.shape[1] - T)], 1)  # pseudo rows: gate 1, never skipped
+            attn_mask = mask + torch.log(gate.clamp_min(cfg.gate_eps))[:, None, None, :].to(mask.dtype)
+        x = model.layers[layer](x, cos, sin, gate, None, _MaskedView(attn_mask))
+    logits = model.output(model.norm(x))
+    pseudo = [logits[:, step == i] for i in range(1, n_steps + 1)]
+    return logits[:, :T], pseudo
+
+
+def hidden_transfer_loss(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor, *,
+                         n_steps: int | None = None, only_step: int | None = None
+                         ) -> tuple[torch.Tensor, list[float]]:
+    """sum_i KL(p_base(. | j+i) || p_pseudo(i, j)) averaged over anchors j with j + i < T (sec. 3.3).
+
+    `only_step` restricts the sum to one step (the sequential schedule); the per-step KLs are returned
+    for every computed step."""
+    real, pseudo = transfer_forward(model, transfer, tokens, n_steps=n_steps)
+    total = real.new_zeros((), dtype=torch.float32)
+    per: list[float] = []
+    for i, p in enumerate(pseudo, start=1):
+        if p.shape[1] == 0:
+            per.append(float("nan"))
+            continue
+        kl = kl_to_base(real[:, i:], p)
+        per.append(float(kl.detach()))
+        if only_step is None or only_step == i:
+            total = total + kl
+    return total, per
+
+
+def train_hidden_transfer(model: Transformer, transfer: HiddenTransfer, batches: Any, steps: int,
+                          lr: float = 1e-3, schedule: str = "joint", *, clip: float = 1.0,
+                          log: Callable[[int, float, list[float]], None] | None = None) -> list[dict[str, Any]]:
+    """Train the W_i on `batches` (LongTensors [B, T], cycled) for `steps` optimiser steps in total.
+
+    schedule 'joint': all steps on the summed KL. 'sequential' (the paper, sec. 3.3): phase i = 1..k trains
+    W_i alone on step i's KL (rows of later steps are not even built: no earlier step can see them), the
+    steps split as evenly as possible between phases. Returns one record per optimiser step:
+    {'loss', 'per_step', 'phase'} (phase 0 for joint).
+    """
+    if schedule not in ("joint", "sequential"):
+        raise ValueError(f"schedule must be 'joint' or 'sequential', got {schedule!r}")
+    transfer.check_model(model)
+    dev = model_device(model)
+    transfer.to(dev).train()
+    stream = batch_stream(batches)
+    hist: list[dict[str, Any]] = []
+    with FrozenBase(model):
+        if schedule == "joint":
+            hist = optimise(list(transfer.parameters()),
+                            lambda b: hidden_transfer_loss(model, transfer, b.to(dev)), stream, steps, lr, clip, log)
+            for h in hist:
+                h["phase"] = 0
+        else:
+            k = transfer.k
+            flags = [p.requires_grad for p in transfer.parameters()]
+            try:
+                for i in range(1, k + 1):
+                    n = steps // k + (1 if i - 1 < steps % k else 0)
+                    for j, m in enumerate(transfer.maps, start=1):
+                        m.weight.requires_grad_(j == i)
+
+                    def loss_fn(b: torch.Tensor, i: int = i) -> tuple[torch.Tensor, list[float]]:
+                        return hidden_transfer_loss(model, transfer, b.to(dev), n_steps=i, only_step=i)
+
+                    part = optimise([transfer.maps[i - 1].weight], loss_fn, stream, n, lr, clip, log)
+                    for h in part:
+                        h["phase"] = i
+                    hist.extend(part)
+            finally:
+                for p, f in zip(transfer.parameters(), flags):
+                    p.requires_grad_(f)
+    transfer.eval()
+    return hist
+
+
+@torch.no_grad()
+def draft_top1_accuracy(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor) -> list[float]:
+    """Per step i: fraction of anchors j whose pseudo argmax equals the base argmax at position j + i (the
+    token greedy decoding emits at j + i + 1 given the true prefix; the sec. 4.4 draft-accuracy probe)."""
+    with FrozenBase(model):
+        real, pseudo = transfer_forward(model, transfer, tokens.to(model_device(model)))
+    out = []
+    for i, p in enumerate(pseudo, start=1):
+        out.append(float((p.argmax(-1) == real[:, i:].argmax(-1)).float().mean()) if p.shape[1] else float("nan"))
+    return out
+
+
+# ============================================================================================ inference
+@torch.no_grad()
+def pseudo_logits_cached(model: Transformer, transfer: HiddenTransfer, cache: KVCache, anchor_pos: int,
+                         anchor_hidden: dict[int, torch.Tensor], n_steps: int) -> torch.Tensor:
+    """Final-layer pseudo logits [n_steps, V] of the anchor at `anchor_pos` = the last cached position.
+
+    anchor_hidden[t]: the anchor's residual entering block t [d], for every t_i of the first n_steps steps.
+    Step i's row is written to scratch slot s0 + i - 1 (s0 = cache.length) from block t_i up, attends
+    through `visible` (context rows = (cache.pos, 0), pseudo rows = (anchor_pos, i)), and the cache is
+    truncated back to s0 before returning (also on error).
+    """
+    cfg = model.cfg
+    L = cfg.n_layers
+    if cache.batch != 1:
+        raise ValueError("hidden-transfer drafting supports batch 1 only")
+    s0 = cache.length
+    if s0 == 0 or int(cache.pos[0, s0 - 1]) != anchor_pos:
+        raise ValueError(f"the anchor (position {anchor_pos}) must be the last cached token")
+    dev = cache.pos.device
+    q_anchor = torch.full((n_steps,), anchor_pos, dtype=torch.long, device=dev)
+    q_step = torch.arange(1, n_steps + 1, device=dev)
+    k_anchor = torch.cat([cache.pos[0, :s0], q_anchor])
+    k_step = torch.cat([torch.zeros(s0, dtype=torch.long, device=dev), q_step])
+    extra = _additive(visible(q_anchor, q_step, k_anchor, k_step, transfer.masked))[None, None]  # [1,1,n,s0+n]
+    cache.reserve(n_steps)
+    try:
+        x: torch.Tensor | None = None
+        for layer in range(L + 1):
+            for i in range(1, n_steps + 1):
+                if transfer.layers[i - 1] == layer:
+                    p = transfer.transfer(anchor_hidden[layer].reshape(1, 1, -1), i)
+                    x = p if x is None else torch.cat([x, p], 1)
+            if layer == L or x is None:
+                continue
+            m = x.shape[1]  # steps 1..m exist at this block (non-decreasing t_i)
+            pos = anchor_pos + torch.arange(1, m + 1, device=dev)
+            view = LayerView(cache, layer, torch.arange(s0, s0 + m, device=dev)[None], start=s0,
+                             extra_mask=extra[:, :, :m])
+            x = model.layers[layer](x, model.rope_cos[pos], model.rope_sin[pos], None, None, view)
+        assert x is not None and x.shape[1] == n_steps
+        return model.output(model.norm(x))[0]
+    finally:
+        cache.truncate(s0)
+
+
+class HiddenTransferDrafter:
+    """Per-depth top-k candidates from the pseudo states of the last committed anchor (step i -> depth i)."""
+
+    def __init__(self, model: Transformer, transfer: HiddenTransfer, topk_per_depth: Sequence[int] | None = None
+                 ) -> None:
+        transfer.check_model(model)
+        self.model, self.transfer = model, transfer.to(model_device(model)).eval()
+        self.topk_per_depth = None if topk_per_depth is None else [int(k) for k in topk_per_depth]
+        self.hidden_layers = tuple(sorted(set(transfer.layers)))  # what speculative_generate captures for us
+        self.last_logits: torch.Tensor | None = None  # the last round's pseudo logits (for analysis)
+
+    def pseudo_logits(self, ctx: DraftContext, n_steps: int | None = None) -> torch.Tensor:
+        n = self.transfer.k if n_steps is None else n_steps
+        anchor = {t: ctx.layer_hidden[t][-1] for t in set(self.transfer.layers[:n])}
+        return pseudo_logits_cached(self.model, self.transfer, ctx.cache, len(ctx.tokens) - 2, anchor, n)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> list[list[int]]:
+        tree = ctx.tree
+        if tree.max_depth > self.transfer.k:
+            raise ValueError(f"the tree has depth {tree.max_depth} but hidden transfer drafts {self.transfer.k} steps")
+        need = candidate_counts(tree, self.topk_per_depth)
+        if tree.max_depth == 0:
+            return []
+        if ctx.hidden.shape[0] == 0:  # 1-token prompt, first round: no cached anchor yet
+            return placeholder_candidates(need, self.model.cfg.vocab_size)
+        logits = self.pseudo_logits(ctx, tree.max_depth)  # only the steps this (possibly pruned) tree uses
+        self.last_logits = logits
+        return topk_lists(logits, need)
+
+
+__all__ = ["HiddenTransfer", "HiddenTransferDrafter", "visible", "training_rows", "training_mask",
+           "transfer_forward", "hidden_transfer_loss", "train_hidden_transfer", "pseudo_logits_cached",
+           "draft_top1_accuracy", "FUSED_PASS_NOTES"]
