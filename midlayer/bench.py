@@ -75,6 +75,8 @@ def bench_skipping(preset: str = "paper-12l", seq_len: int = 1024, fractions=(0.
                    skip_from: int = 2, decode_steps: int = 64, repeats: int = 3,
                    dtype: torch.dtype = torch.float32) -> list[dict]:
     cfg, _, _ = get_preset(preset)
+    if seq_len + decode_steps > cfg.max_seq_len:
+        raise ValueError(f"seq_len {seq_len} + decode_steps {decode_steps} exceeds max_seq_len {cfg.max_seq_len}")
     if not cfg.gating:
         raise ValueError(f"{preset} is not a gated model")
     torch.manual_seed(0)

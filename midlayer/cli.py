@@ -127,7 +127,7 @@ def _add_generate_parser(sub) -> None:
     b.add_argument("--model", default="smollm2-135m", help="pretrained model for the decode benchmark")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--preset", default="paper-12l", help="gated preset for the skipping benchmark")
-    b.add_argument("--seq-len", type=int, default=1024, help="prefill length for the skipping benchmark")
+    b.add_argument("--seq-len", type=int, default=960, help="prefill length for the skipping benchmark (+64 decoded)")
     b.add_argument("--fractions", default="0,0.25,0.5,0.75,0.9", help="forced skip fractions")
     b.add_argument("--skip-from", type=int, default=2, help="first skipped block (span [k, L-1-k])")
     b.add_argument("--repeats", type=int, default=3)
