@@ -63,7 +63,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import atomic_write_bytes
-from .gating import Routers
+from .gating import MirroredGates
 from .kv_cache import KVCache, LayerView
 from .model import Transformer
 from .speculative import Draft, DraftContext, DraftTree
@@ -139,17 +139,11 @@ def run_blocks_cached(model: Transformer, tokens: torch.Tensor, positions: torch
     cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]
     M = tokens.shape[1]
     query_slots = torch.arange(start, start + M, device=h.device)[None]
-    half = cfg.n_layers // 2
-    first_half: list[torch.Tensor] = []
-    cum = None
+    gates = MirroredGates(model.routers, cfg.n_layers) if model.routers is not None else None
     for layer in range(n_blocks):
         gate = gate_bias = None
-        if model.routers is not None:
-            if layer < half:
-                gate, cum = Routers.step(model.routers[layer], h, cum)
-                first_half.append(gate)
-            else:
-                gate = first_half[cfg.n_layers - 1 - layer]
+        if gates is not None:
+            gate = gates(layer, h)
             gate_bias = torch.log(gate.clamp_min(cfg.gate_eps))
         if not run(layer):
             continue

@@ -46,6 +46,23 @@ class Routers(nn.ModuleList):
         return 1.0 - cum.clamp(0.0, 1.0), cum
 
 
+class MirroredGates:
+    """Gives each block's gate in order, for one forward pass: routers on the first half (cumulative,
+    eqs. 1-2), the mirror of block L-1-l on the second. Call with layer = 0, 1, ..., L-1 in order."""
+
+    def __init__(self, routers: Routers, n_layers: int) -> None:
+        self.routers, self.n_layers = routers, n_layers
+        self.first_half: list[torch.Tensor] = []
+        self.cum: torch.Tensor | None = None
+
+    def __call__(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        if layer < self.n_layers // 2:
+            gate, self.cum = Routers.step(self.routers[layer], h, self.cum)  # reads h entering block l
+            self.first_half.append(gate)
+            return gate
+        return self.first_half[self.n_layers - 1 - layer]  # eq. 2: mirror of block L-1-l
+
+
 @dataclass
 class GateStats:
     """Per-block gate statistics over the token positions of one forward pass (eq. 4).

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .gating import Routers
+from .gating import MirroredGates
 from .kv_cache import KVCache, LayerView
 from .model import Transformer
 
@@ -68,21 +68,14 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]  # [B, 1, T, hd]
     h = model.emb_norm(model.tok_embeddings(tokens))
     query_slots = slots[None, :].expand(B, T)
-    gated = model.routers is not None
-    half = cfg.n_layers // 2
-    first_half: list[torch.Tensor] = []
-    cum = None
+    gates = MirroredGates(model.routers, cfg.n_layers) if model.routers is not None else None
     for layer, block in enumerate(model.layers):
         if capture is not None and layer in capture:
             capture[layer] = h
         gate = gate_bias = None
         act = active
-        if gated:
-            if layer < half:
-                gate, cum = Routers.step(model.routers[layer], h, cum)
-                first_half.append(gate)
-            else:
-                gate = first_half[cfg.n_layers - 1 - layer]
+        if gates is not None:
+            gate = gates(layer, h)
             gate_bias = torch.log(gate.clamp_min(cfg.gate_eps))
             if skip:
                 act = gate > 0 if act is None else act & (gate > 0)

@@ -24,7 +24,7 @@ from torch import nn
 
 from .attention import Attention, key_gate_bias, rope_tables
 from .config import ModelConfig
-from .gating import GateStats, Routers
+from .gating import GateStats, MirroredGates, Routers
 
 
 class RMSNorm(nn.Module):
@@ -149,19 +149,13 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.emb_norm(self.tok_embeddings(tokens.long()))
         hidden = [] if output_hidden_states else None
-        first_half: list[torch.Tensor] = []
-        cum = None
-        half = cfg.n_layers // 2
+        gates = MirroredGates(self.routers, cfg.n_layers) if self.routers is not None else None
         for layer, block in enumerate(self.layers):
             if hidden is not None:
                 hidden.append(h)
             gate = key_bias = None
-            if self.routers is not None:
-                if layer < half:
-                    gate, cum = Routers.step(self.routers[layer], h, cum)  # router reads h entering block l
-                    first_half.append(gate)
-                else:
-                    gate = first_half[cfg.n_layers - 1 - layer]  # eq. 2: mirror of block L-1-l
+            if gates is not None:
+                gate = gates(layer, h)
                 key_bias = key_gate_bias(gate, cfg.gate_eps)
             h = block(h, cos, sin, gate, key_bias)
         if hidden is not None:
@@ -172,11 +166,12 @@ class Transformer(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1).long(),
                                    ignore_index=-100)
-        stats = gates = None
-        if first_half:
-            stats = GateStats.from_gates(first_half, cfg.n_layers)
-            gates = torch.stack(first_half)
-        return ModelOutput(logits if return_logits else None, loss, stats, gates, hidden)
+        stats = None
+        first = None
+        if gates is not None:
+            stats = GateStats.from_gates(gates.first_half, cfg.n_layers)
+            first = torch.stack(gates.first_half)
+        return ModelOutput(logits if return_logits else None, loss, stats, first, hidden)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
