@@ -79,7 +79,7 @@ from torch import nn
 
 from .drafters import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device,
                        optimise, placeholder_candidates, topk_lists)
-from .gating import Routers
+from .gating import MirroredGates
 from .kv_cache import KVCache, LayerView
 from .model import Transformer
 from .speculative import DraftContext
@@ -200,7 +200,7 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     """
     transfer.check_model(model)
     cfg = model.cfg
-    L, half = cfg.n_layers, cfg.n_layers // 2
+    L = cfg.n_layers
     n_steps = transfer.k if n_steps is None else n_steps
     if not 1 <= n_steps <= transfer.k:
         raise ValueError(f"n_steps must be in [1, {transfer.k}], got {n_steps}")
@@ -212,8 +212,7 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     anchor = torch.arange(T, device=dev)
     step = torch.zeros(T, dtype=torch.long, device=dev)
     mask = cos = sin = None
-    first_half: list[torch.Tensor] = []
-    cum = None
+    gates = MirroredGates(model.routers, L) if model.routers is not None else None
     for layer in range(L + 1):
         for i in range(1, n_steps + 1):
             if transfer.layers[i - 1] != layer:
@@ -232,13 +231,8 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
             cos, sin = model.rope_cos[pos], model.rope_sin[pos]
         gate = None
         attn_mask = mask
-        if model.routers is not None:
-            real = x[:, :T]
-            if layer < half:
-                g, cum = Routers.step(model.routers[layer], real, cum)
-                first_half.append(g)
-            else:
-                g = first_half[L - 1 - layer]
+        if gates is not None:
+            g = gates(layer, x[:, :T])  # the real tokens' gates; pseudo rows get 1 below
             gate = torch.cat([g, g.new_ones(B, x.shape[1] - T)], 1)  # pseudo rows: gate 1, never skipped
             attn_mask = mask + torch.log(gate.clamp_min(cfg.gate_eps))[:, None, None, :].to(mask.dtype)
         x = model.layers[layer](x, cos, sin, gate, None, _MaskedView(attn_mask))
