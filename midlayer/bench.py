@@ -19,7 +19,7 @@ import torch
 
 from .config import ModelConfig, get_preset
 from .flops import decode_flops, forward_flops
-from .generate import GenerationConfig, forward_cached, generate
+from .generate import GenerationConfig, decode_one_token, forward_cached, generate, prefill
 from .kv_cache import KVCache
 from .model import Transformer
 
@@ -146,51 +146,84 @@ CHAT_PROMPTS = [
 ]
 
 
-def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats: int = 3,
-                 prompts: list[str] | None = None) -> dict:
-    """Ours vs transformers `generate`, greedy, batch 1, fp32, same weights; plus the bandwidth bound."""
-    from .pretrained import load_pretrained, resolve_pretrained
+def first_divergence(model: Transformer, prompt: list[int], a: list[int], b: list[int]) -> dict | None:
+    """Where two greedy continuations first differ, and the fp32 top-2 logit margin of `model` there.
 
-    model, tok = load_pretrained(model_name)
-    model.eval()
+    A small margin (a near-tie) means the two runs broke a tie differently through summation order; a
+    large one would mean a real disagreement between the two implementations."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if n is None:
+        return None
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + a[:n]])).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return dict(index=n, margin=float(top[0] - top[1]))
+
+
+def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats: int = 3,
+                 prompts: list[str] | None = None, formats: tuple[str, ...] = ("fp32", "bf16", "int4")
+                 ) -> dict:
+    """Ours (in each weight format) vs transformers `generate` (fp32, the same dequantised weights),
+    greedy, batch 1; tokens compared with transformers' and with our fp32 run; plus the bandwidth bound."""
+    from .pretrained import load_pretrained, resolve_pretrained
+    from .quantization import compress_weights, weight_bytes
+
     prompts = prompts or CHAT_PROMPTS
+    models = {}
+    for fmt in formats:
+        m, tok = load_pretrained(model_name)
+        models[fmt] = compress_weights(m, fmt).eval()
+    ref_model = load_pretrained(model_name)[0].eval()  # fp32, for the near-tie margins
     encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     hf = _load_hf_same_weights(resolve_pretrained(model_name).path)
     cfg = GenerationConfig(max_new_tokens=new_tokens)
-    ours_t, hf_t, equal = [], [], []
-    for ids in encoded:
-        ours_tokens = generate(model, [ids], cfg)[0]  # warm-up, and the tokens to compare
-        x = torch.tensor([ids])
+
+    # Both sides generate exactly new_tokens tokens, through end-of-turn tokens: no stop token (ours:
+    # stop_tokens empty; transformers: no eos). `min_new_tokens` would instead *suppress* the eos logit
+    # and make the two token streams differ for a reason unrelated to the forward pass.
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+
+    def hf_generate(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            hf_tokens = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                                    min_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
-        equal.append(ours_tokens == hf_tokens)
-        for _ in range(repeats):
-            ours_t.append(_median_time(lambda: generate(model, [ids], cfg), 1))
-            with torch.no_grad():
-                hf_t.append(_median_time(lambda: hf.generate(x, attention_mask=torch.ones_like(x),
-                                                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                             do_sample=False), 1))
-    # Per-step decode time of ours alone (prefill excluded), for the bandwidth comparison.
-    cache_ids = encoded[0]
-    from .generate import decode_one_token, prefill
-    cache = KVCache.for_model(model.cfg, 1, len(cache_ids) + new_tokens + 1)
-    logits, pos = prefill(model, [cache_ids], cache)
-    tok_ = logits.argmax(-1)
-    t = time.perf_counter()
-    for _ in range(new_tokens):
-        logits = decode_one_token(model, cache, tok_, pos)
-        tok_, pos = logits.argmax(-1), pos + 1
-    step_s = (time.perf_counter() - t) / new_tokens
-    n_params = sum(p.numel() for p in model.parameters())
-    # Bytes read per decode step: every weight once (a tied embedding is read by the head; the embedding
-    # lookup itself reads one row), in the model's dtype.
-    weight_bytes = n_params * model.tok_embeddings.weight.element_size()
+            return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False)
+
+    times: dict[str, list[float]] = {f: [] for f in (*formats, "transformers")}
+    tokens: dict[str, list[list[int]]] = {f: [] for f in (*formats, "transformers")}
+    for ids in encoded:
+        x = torch.tensor([ids])
+        tokens["transformers"].append(hf_generate(x)[0, len(ids):].tolist())  # also the warm-up
+        for fmt in formats:
+            tokens[fmt].append(generate(models[fmt], [ids], cfg)[0])
+        for _ in range(repeats):  # interleaved, so drift on a shared machine hits every side
+            times["transformers"].append(_median_time(lambda: hf_generate(x), 1))
+            for fmt in formats:
+                times[fmt].append(_median_time(lambda: generate(models[fmt], [ids], cfg), 1))
     bw = gemv_bandwidth()
-    return dict(model=model_name, prompts=len(prompts), new_tokens=new_tokens,
-                ours_tok_s=new_tokens / statistics.median(ours_t), hf_tok_s=new_tokens / statistics.median(hf_t),
-                ours_decode_step_ms=1e3 * step_s, weight_mb=weight_bytes / 2**20, bandwidth_gb_s=bw / 1e9,
-                bound_step_ms=1e3 * weight_bytes / bw, tokens_equal=equal)
+    rows = []
+    for fmt in formats:
+        model = models[fmt]
+        # Per-step decode time alone (prefill excluded), for the bandwidth comparison.
+        ids = encoded[0]
+        cache = KVCache.for_model(model.cfg, 1, len(ids) + new_tokens + 1)
+        logits, pos = prefill(model, [ids], cache)
+        tok_ = logits.argmax(-1)
+        t = time.perf_counter()
+        for _ in range(new_tokens):
+            logits = decode_one_token(model, cache, tok_, pos)
+            tok_, pos = logits.argmax(-1), pos + 1
+        step_s = (time.perf_counter() - t) / new_tokens
+        # Bytes read per step: every linear weight once (a tied head reads the embedding matrix).
+        wb = weight_bytes(model)
+        divergences = [first_divergence(ref_model, p, a, b)
+                       for p, a, b in zip(encoded, tokens[fmt], tokens["transformers"])]
+        rows.append(dict(weights=fmt, tok_s=new_tokens / statistics.median(times[fmt]),
+                         step_ms=1e3 * step_s, weight_mb=wb / 2**20, bound_step_ms=1e3 * wb / bw,
+                         equal_hf=[a == b for a, b in zip(tokens[fmt], tokens["transformers"])],
+                         equal_fp32=[a == b for a, b in zip(tokens[fmt], tokens[formats[0]])],
+                         divergences=divergences))
+    return dict(model=model_name, prompts=len(prompts), new_tokens=new_tokens, bandwidth_gb_s=bw / 1e9,
+                hf_tok_s=new_tokens / statistics.median(times["transformers"]), rows=rows, formats=formats)
 
 
 def _load_hf_same_weights(path):
@@ -202,21 +235,25 @@ def _load_hf_same_weights(path):
     if path.endswith(".gguf"):
         import os
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                    torch_dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+                                                    dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def decode_table(r: dict) -> str:
-    return "\n".join([
-        "| model | new tokens | ours tok/s | transformers tok/s | ratio | ours ms/step | bound ms/step "
-        "(weights / GEMV bandwidth) | of bound | greedy tokens equal |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| {r['model']} | {r['new_tokens']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | "
-        f"{r['ours_tok_s'] / r['hf_tok_s']:.2f}x | {r['ours_decode_step_ms']:.1f} | "
-        f"{r['bound_step_ms']:.1f} ({r['weight_mb']:.0f} MB / {r['bandwidth_gb_s']:.1f} GB/s) | "
-        f"{r['bound_step_ms'] / r['ours_decode_step_ms']:.0%} | {sum(r['tokens_equal'])}/{len(r['tokens_equal'])} |",
-    ])
+    first = r["formats"][0]
+    out = [f"transformers `generate` (fp32): {r['hf_tok_s']:.1f} tok/s; GEMV bandwidth {r['bandwidth_gb_s']:.1f} GB/s; "
+           f"{r['prompts']} chat prompts x {r['new_tokens']} new tokens",
+           "",
+           "| weights | ours tok/s | vs transformers | ms/step | bound ms/step (weight MB / bandwidth) | of bound "
+           f"| tokens = transformers | tokens = ours {first} | first divergence from transformers (index: fp32 top-2 margin) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        div = ", ".join(f"{d['index']}: {d['margin']:.4f}" for d in row["divergences"] if d) or "-"
+        out.append(f"| {row['weights']} | {row['tok_s']:.1f} | {row['tok_s'] / r['hf_tok_s']:.2f}x | {row['step_ms']:.1f} | "
+                   f"{row['bound_step_ms']:.1f} ({row['weight_mb']:.0f} MB) | {row['bound_step_ms'] / row['step_ms']:.0%} | "
+                   f"{sum(row['equal_hf'])}/{len(row['equal_hf'])} | {sum(row['equal_fp32'])}/{len(row['equal_fp32'])} | {div} |")
+    return "\n".join(out)
 
 
 __all__ = ["bench_skipping", "skipping_table", "bench_decode", "decode_table", "gemv_bandwidth",
-           "force_skip_fraction", "ModelConfig"]
+           "force_skip_fraction", "first_divergence", "ModelConfig"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .config import PRESETS, ModelConfig, SparsityConfig, TrainConfig, get_preset
+from .quantization import WEIGHT_FORMATS
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig}
 
@@ -117,7 +118,9 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-skip", action="store_true", help="gated models: compute skipped blocks (multiplied by 0)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32",
+                   help="linear-weight format: fp32 (exact), bf16, or int4 (group-32, Q4_1 layout; fastest on CPU); "
+                        "activations, residual and LM head stay fp32")
     p.add_argument("--device", default=None)
 
     p = sub.add_parser("bench", help="benchmarks that print a table")
@@ -131,6 +134,8 @@ def _add_generate_parser(sub) -> None:
     b.add_argument("--fractions", default="0,0.25,0.5,0.75,0.9", help="forced skip fractions")
     b.add_argument("--skip-from", type=int, default=2, help="first skipped block (span [k, L-1-k])")
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--weights", default=",".join(WEIGHT_FORMATS),
+                   help="comma-separated weight formats for the decode benchmark (first is the reference)")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -202,23 +207,21 @@ def _run_tokenizer(train_cfg: TrainConfig):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
     from .generate import GenerationConfig, generate_stream
+    from .quantization import compress_weights
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     if args.model:
         from .pretrained import load_pretrained
 
-        model, tok = load_pretrained(args.model, dtype)
+        model, tok = load_pretrained(args.model)
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer.json: midlayer cannot turn a prompt into tokens for it")
         if args.device:
             model = model.to(args.device)
     else:
         model, _, train_cfg = load_run(args.checkpoint, args.device)
-        model = model.to(dtype)
         tok = _run_tokenizer(train_cfg)
+    model = compress_weights(model.float(), args.weights)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -250,7 +253,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     if args.what in ("decode", "all"):
-        r = bench.bench_decode(args.model, new_tokens=args.new_tokens, repeats=args.repeats)
+        formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
+        bad = [f for f in formats if f not in WEIGHT_FORMATS]
+        if bad or not formats:
+            raise ValueError(f"--weights: unknown format(s) {bad}; choose from {', '.join(WEIGHT_FORMATS)}")
+        r = bench.bench_decode(args.model, new_tokens=args.new_tokens, repeats=args.repeats, formats=formats)
         print(bench.decode_table(r))
         print()
     if args.what in ("skipping", "all"):

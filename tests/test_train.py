@@ -213,11 +213,11 @@ def test_cli_surface_is_frozen():
     assert flags["plot"] == sorted(["-h", "--help", "--out"])
     assert flags["generate"] == sorted(["-h", "--help", "--model", "--checkpoint", "--prompt", "--chat", "--system",
                                         "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
-                                        "--no-skip", "--dtype", "--device"])
+                                        "--no-skip", "--weights", "--device"])
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
     assert sorted(o for a in bench["generate"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
-         "--repeats"])
+         "--repeats", "--weights"])
 
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):

@@ -1,0 +1,145 @@
+"""Weight-only compression of a model's linear layers for inference: `bf16` and group-wise `int4`.
+
+Batch-1 decoding reads every weight once per token, so its speed is set by the bytes of the weights, not
+by FLOPs (MACHINE.md: fp32 GEMV streams ~23 GB/s here). Weight-only formats keep activations, the residual
+stream, norms, softmax and the KV cache in the model's dtype (fp32) and store only the linear weights
+compactly; each linear casts its input to bf16, multiplies, and returns in the input's dtype. Keeping the
+residual in fp32 matters: SmolLM2's residual reaches |h| ~ 770, where bf16's spacing is 4, and a bf16
+residual stream turns its greedy answers to nonsense (measured; see docs/results/decode-cpu.md).
+
+Formats (`weights=` setting of `midlayer generate` / `bench generate`):
+  * `fp32`: unchanged (the exact mode: equals transformers' fp32 forward to ~1e-4).
+  * `bf16`: weights rounded to bf16 (8-bit mantissa), matmuls on AMX-BF16 where the CPU has it.
+  * `int4`: every block linear as 4-bit codes in groups of 32 input columns with an fp scale and offset
+    per group, w = d * q + m, q in 0..15 -- the layout of llama.cpp's Q4_1. Quantising a tensor that came
+    from a Q4_1 GGUF (each group's minimum and maximum are codes 0 and 15) recovers the file's codes
+    exactly; only the scale d and the kernel's offset m + 8d are rounded to bf16, as the CPU kernel
+    takes them.
+The LM head stays fp32 in every format: bf16 *outputs* round logits of ~25 to steps of 0.125, which
+flips near-ties (SmolLM2's first answer token to "What is the capital of France?" leads its runner-up by
+0.08), and CPU matmuls have no bf16-in/fp32-out kernel.
+
+Fast path: PyTorch's CPU kernel `aten._weight_int4pack_mm_for_cpu` (AVX-512). Where it is missing (older
+torch, non-CPU devices) the layer dequantises and uses a plain matmul: the same numbers, slower.
+`Int4Linear.reference` is that naive path, and the tests check the kernel against it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightFormat = Literal["fp32", "bf16", "int4"]
+WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int4")
+GROUP_SIZE = 32  # Q4_1's block size
+
+
+def _has_int4_cpu_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+class BF16Linear(nn.Module):
+    """y = x W^T (+ b) with W stored in bf16; x and y keep their dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def quantize_q4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per group of `group_size` input columns (Q4_1 style).
+
+    w [N, K] -> (q [N, K] int32 in 0..15, d [N, K/g], m [N, K/g]) with w ~ d * q + m; d = (max-min)/15,
+    m = min, so a group's minimum and maximum are represented exactly (up to float rounding)."""
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"int4: in_features {K} is not a multiple of the group size {group_size}")
+    g = w.detach().float().reshape(N, K // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = (hi - lo) / 15
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.int32)
+    return q.reshape(N, K), d, lo
+
+
+class Int4Linear(nn.Module):
+    """Group-wise asymmetric 4-bit weight-only linear (w = d * q + m per group of 32 inputs)."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = GROUP_SIZE) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group_size = group_size
+        q, d, m = quantize_q4(linear.weight, group_size)
+        # The kernel's convention is w = (q - 8) * scale + zero: scale = d, zero = m + 8 d. Stored as
+        # [K/g, N, 2] in bf16, the dtype of the activations it multiplies.
+        sz = torch.stack([d, m + 8 * d], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.register_buffer("scales_zeros", sz)
+        self.register_buffer("codes", q.to(torch.uint8))  # kept for the reference path and for export
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.packed: torch.Tensor | None = None
+        if _has_int4_cpu_kernel() and linear.weight.device.type == "cpu" and self.out_features % 32 == 0:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] the codes and bf16 scales/offsets represent, in fp32."""
+        sz = self.scales_zeros.float()  # [K/g, N, 2]
+        d, z = sz[..., 0].t(), sz[..., 1].t()  # [N, K/g]
+        N, K = self.out_features, self.in_features
+        q = self.codes.float().reshape(N, K // self.group_size, self.group_size)
+        return ((q - 8) * d[..., None] + z[..., None]).reshape(N, K)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        # What the kernel computes: bf16-rounded activations times the represented weight.
+        y = F.linear(x.to(torch.bfloat16).float(), self.dequantized()).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.device.type != "cpu":
+            return self.reference(x)
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed,
+                                                        self.group_size, self.scales_zeros)
+        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def compress_weights(model: nn.Module, fmt: str) -> nn.Module:
+    """Replace the model's linear layers, in place, by weight-only `fmt` layers (for inference only).
+
+    Block linears (attention and FFN) take `fmt`; the LM head, the embedding and the routers of gated
+    models stay as they are (see the module docstring for the head; routers are tiny and decide which
+    blocks run)."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    if fmt == "fp32":
+        return model
+    for block in model.layers:
+        for parent in (block.attention, block.feed_forward):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Int4Linear(child) if fmt == "int4" else BF16Linear(child))
+    model.weight_format = fmt
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes read per decode step: every linear weight (and a head) once; the embedding contributes one row."""
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear):
+            total += mod.weight.numel() * mod.weight.element_size()
+        elif isinstance(mod, BF16Linear):
+            total += mod.weight.numel() * 2
+        elif isinstance(mod, Int4Linear):
+            total += mod.codes.numel() // 2 + mod.scales_zeros.numel() * 2
+    return total

