@@ -16,7 +16,7 @@ the eps floor of gated attention (a gated key has weight 1e-6 there, 0 here).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -47,43 +47,77 @@ class GenerationConfig:
 
 
 # ------------------------------------------------------------------------------------ cached forward
+@dataclass
+class JoinedRows:
+    """Rows that join a cached forward *mid-network* (hidden transfer's pseudo states, arXiv 2404.12022
+    sec. 3.4: one forward verifies the last draft and drafts the next).
+
+    at[l](h) is called with the residual entering block l of the rows present there, [B, M, d], and returns
+    the rows that join from block l up, [B, m, d]; they are appended after the present rows. `count` is the
+    total number of joined rows J. Joined rows are never skipped (gate 1) and take the next cache slots
+    after the token rows, in order, so the rows present at any block are a prefix of all rows.
+    """
+
+    at: dict[int, Callable[[torch.Tensor], torch.Tensor]]
+    count: int
+
+
 @torch.no_grad()
 def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor, *,
                    active: torch.Tensor | None = None, skip: bool = True,
                    extra_mask: torch.Tensor | None = None, last_only: bool = False,
-                   return_hidden: bool = False, capture: dict[int, torch.Tensor | None] | None = None):
+                   return_hidden: bool = False, capture: dict[int, torch.Tensor | None] | None = None,
+                   joins: JoinedRows | None = None):
     """Run `tokens` [B, T] at the next T cache slots; returns logits [B, T, V] ([B, V] if `last_only`).
 
     positions [B, T]: RoPE positions. active [B, T] (None: all): tokens to compute at all (False for
     padding). extra_mask [B, 1, T, S_after] or None: an additive mask on top of causality (tree attention).
     With `return_hidden` also returns the final residual [B, T, d] (before the last norm). `capture`: a
-    dict whose keys are block indices; each value is set to the residual entering that block, [B, T, d]
+    dict whose keys are block indices; each value is set to the residual entering that block, [B, M, d]
     (tokens that skip the block carry their unchanged residual), for drafters that read middle layers.
+    `joins`: rows that join mid-network (`JoinedRows`); then positions and extra_mask cover all T + J rows
+    and the outputs have T + J rows.
     """
     cfg = model.cfg
     B, T = tokens.shape
+    J = joins.count if joins is not None else 0
     start = cache.length
-    slots = cache.reserve(T)
-    cache.pos[:, start:start + T] = positions
-    cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]  # [B, 1, T, hd]
+    slots = cache.reserve(T + J)
+    if positions.shape[-1] != T + J:
+        raise ValueError(f"positions cover {positions.shape[-1]} rows, expected {T + J}")
+    cache.pos[:, start:start + T + J] = positions
+    cos_all, sin_all = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]  # [B, 1, T+J, hd]
     h = model.emb_norm(model.tok_embeddings(tokens))
-    query_slots = slots[None, :].expand(B, T)
+    query_all = slots[None, :].expand(B, T + J)
     gates = MirroredGates(model.routers, cfg.n_layers) if model.routers is not None else None
     for layer, block in enumerate(model.layers):
+        if joins is not None and layer in joins.at:
+            h = torch.cat([h, joins.at[layer](h).to(h.dtype)], 1)
+        M = h.shape[1]
+        cos, sin, query_slots = cos_all[:, :, :M], sin_all[:, :, :M], query_all[:, :M]
+        em = extra_mask[:, :, :M] if extra_mask is not None and M < extra_mask.shape[2] else extra_mask
         if capture is not None and layer in capture:
             capture[layer] = h
         gate = gate_bias = None
         act = active
+        if act is not None and M > T:
+            act = torch.cat([act, act.new_ones(B, M - T)], 1)
         if gates is not None:
-            gate = gates(layer, h)
+            gate = gates(layer, h[:, :T])  # routers see the token rows; joined rows have gate 1
+            if M > T:
+                gate = torch.cat([gate, gate.new_ones(B, M - T)], 1)
             gate_bias = torch.log(gate.clamp_min(cfg.gate_eps))
             if skip:
                 act = gate > 0 if act is None else act & (gate > 0)
         if act is None or bool(act.all()):
-            view = LayerView(cache, layer, query_slots, start=start, gate_bias=gate_bias, extra_mask=extra_mask)
+            view = LayerView(cache, layer, query_slots, start=start, gate_bias=gate_bias, extra_mask=em)
             h = block(h, cos, sin, gate, None, view)
         else:
-            h = _sparse_block(block, layer, h, cos, sin, gate, gate_bias, act, cache, query_slots, extra_mask)
+            h = _sparse_block(block, layer, h, cos, sin, gate, gate_bias, act, cache, query_slots, em)
+    if joins is not None and cfg.n_layers in joins.at:  # rows joining at the final residual skip every block
+        h = torch.cat([h, joins.at[cfg.n_layers](h).to(h.dtype)], 1)
+    if h.shape[1] != T + J:
+        raise ValueError(f"joined rows: {h.shape[1] - T} rows joined, JoinedRows.count says {J}")
     if last_only:
         h = h[:, -1:]
     logits = model.output(model.norm(h))

@@ -62,12 +62,17 @@ at that real position (self-distillation), taken from the real rows of the same 
 `schedule='sequential'` trains W_1 alone, then W_2 with W_1 fixed, ... (the paper trains the k maps one
 after another); 'joint' trains all k at once on the summed loss.
 
-Inference (`HiddenTransferDrafter`). After each verification the drafter runs only the pseudo rows of the
-last anchor through blocks t_1..L-1 against the KV cache: they are written into k scratch slots after
-cache.length (slot s0 + i - 1 for step i), read the cached context through the `visible` mask, and the
-slots are truncated back. This is one extra partial forward per round over <= k rows. The paper fuses it
-into the verification forward (sec. 3.4: "verify the candidates and generate new candidates at the same
-time"); that needs engine support, see `FUSED_PASS_NOTES`.
+Inference (`HiddenTransferDrafter`), fused as in the paper (sec. 3.4: "verify the candidates and generate
+new candidates at the same time"). Every verification forward over [root, tree nodes] also carries, from
+block t_i up, the step-i pseudo rows W_i h of *every* tree row -- any of them may turn out to be the last
+accepted token, the next anchor. Rows are [tree ; step 1 of each row ; step 2 ; ...]; `tree_visible` is
+`visible` with "real key at a position <= the anchor" read as "real key on the anchor's root path" (the
+same rule along a chain, tested). After acceptance only the rows of the actual anchor (last accepted
+node, or the root) are kept as the next draft; all pseudo K/V slots are dropped with the rejected nodes.
+Cost: (n_nodes + 1) * k extra rows from block t_1 up in each verification, instead of a second partial
+forward. The first round after the prefill has no previous verification: it drafts with a separate
+partial forward over the k pseudo rows of the last cached token (`pseudo_logits_cached`, scratch slots
+truncated afterwards); `fused=False` drafts that way every round (same drafts, tested).
 """
 
 from __future__ import annotations
@@ -82,23 +87,9 @@ from .drafters import (FrozenBase, apply_linear, batch_stream, candidate_counts,
 from .gating import MirroredGates
 from .kv_cache import KVCache, LayerView
 from .model import Transformer
-from .speculative import DraftContext
+from .generate import JoinedRows
+from .speculative import DraftContext, DraftTree
 
-FUSED_PASS_NOTES = """What a fused verify-and-draft pass (the paper's sec. 3.4) needs from the engine:
-1. forward_cached must accept rows that *join mid-network*: a hook called with the residual entering block
-   t_i of the tree rows [root, nodes] that returns the new pseudo rows (W_i h for every row as anchor), their
-   RoPE positions (anchor position + i) and their cache slots; the row set then grows from block t_i up.
-2. A per-block mask for the grown row set: tree rows as now (context + ancestors); the pseudo row
-   (anchor a, step i) sees the context, a's ancestors-or-self in the tree (the real tokens <= a on a's
-   path) and the pseudo rows of the same anchor with step <= i (`visible` with "anchor_k <= anchor_q"
-   read as "k is an ancestor-or-self of a"). Nobody else sees pseudo rows.
-3. Pseudo K/V go to slots after the tree; `KVCache.keep` already drops everything but root + accepted path.
-4. Gates: pseudo rows gate 1 (no router), real rows unchanged.
-5. VerifyResult must return the final-layer pseudo logits of the anchor = the last accepted node (or the
-   root when nothing was accepted); DraftContext would carry them, and the drafter becomes a top-k.
-Cost: (n_nodes + 1) * k extra rows from block t_1 up in the verification forward (the paper's
-"Limitations": the input sequence grows), instead of a second partial forward over k rows per round.
-"""
 
 
 # ============================================================================================ the mask
@@ -109,6 +100,25 @@ def visible(q_anchor: torch.Tensor, q_step: torch.Tensor, k_anchor: torch.Tensor
     qa, qs = q_anchor[:, None], q_step[:, None]
     ka, ks = k_anchor[None, :], k_step[None, :]
     real_key = (ks == 0) & (ka <= qa)
+    earlier = torch.zeros_like(real_key) if masked else ks < qs
+    same_anchor = (qs >= 1) & (ka == qa) & (ks >= 1) & ((ks == qs) | earlier)
+    return real_key | same_anchor
+
+
+def tree_visible(ancestor: torch.Tensor, k: int, masked: bool) -> torch.Tensor:
+    """`visible` for the fused verify-and-draft pass over a draft tree: bool [R, R], R = N(1 + k).
+
+    Rows: the N tree rows (root = 0, then the nodes in tree order) followed by the pseudo rows of step 1
+    for anchors 0..N-1, then step 2, ... (row N*i + a is (anchor a, step i)). ancestor [N, N]: [a, b] True
+    iff row b is row a or one of its ancestors (the root is everyone's). This is `visible` with "real key
+    at a position <= the anchor" read as "real key on the anchor's root path": along a chain the two are
+    the same rule (tested), and in a tree a node's path is exactly the real context it stands on."""
+    N = ancestor.shape[0]
+    dev = ancestor.device
+    anchor = torch.arange(N, device=dev).repeat(k + 1)
+    step = torch.arange(k + 1, device=dev).repeat_interleave(N)
+    qa, qs, ka, ks = anchor[:, None], step[:, None], anchor[None, :], step[None, :]
+    real_key = (ks == 0) & ancestor[qa, ka]
     earlier = torch.zeros_like(real_key) if masked else ks < qs
     same_anchor = (qs >= 1) & (ka == qa) & (ks >= 1) & ((ks == qs) | earlier)
     return real_key | same_anchor
@@ -366,15 +376,61 @@ def pseudo_logits_cached(model: Transformer, transfer: HiddenTransfer, cache: KV
 
 
 class HiddenTransferDrafter:
-    """Per-depth top-k candidates from the pseudo states of the last committed anchor (step i -> depth i)."""
+    """Per-depth top-k candidates from the pseudo states of the last committed anchor (step i -> depth i).
 
-    def __init__(self, model: Transformer, transfer: HiddenTransfer, topk_per_depth: Sequence[int] | None = None
-                 ) -> None:
+    fused=True (default): the pseudo rows ride along in every verification forward (`verify_tree(fused=)`,
+    paper sec. 3.4) for every possible anchor of the tree -- the root and each node -- and the rows of the
+    anchor that verification actually stops at are the next draft; only the first round, right after the
+    prefill, drafts with a separate partial forward (`pseudo_logits_cached`). fused=False drafts every
+    round with that separate forward. Both see the same mask, so they propose the same tokens (tested).
+    """
+
+    def __init__(self, model: Transformer, transfer: HiddenTransfer, topk_per_depth: Sequence[int] | None = None,
+                 fused: bool = True) -> None:
         transfer.check_model(model)
         self.model, self.transfer = model, transfer.to(model_device(model)).eval()
         self.topk_per_depth = None if topk_per_depth is None else [int(k) for k in topk_per_depth]
         self.hidden_layers = tuple(sorted(set(transfer.layers)))  # what speculative_generate captures for us
         self.last_logits: torch.Tensor | None = None  # the last round's pseudo logits (for analysis)
+        self.fused = bool(fused)
+        self._mask_memo: dict[tuple, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------------------ fused pass
+    def extra_slots(self, tree: DraftTree) -> int:
+        return (len(tree) + 1) * self.transfer.k
+
+    def fused_rows(self, tree: DraftTree, last_pos: int, start: int
+                   ) -> tuple[JoinedRows, torch.Tensor, torch.Tensor] | None:
+        """JoinedRows (W_i of every tree row at block t_i), their positions and the tree+pseudo mask."""
+        N, k = len(tree) + 1, self.transfer.k
+        # Pseudo positions reach last_pos + depth + k: stay inside the RoPE table / context.
+        k = min(k, self.model.cfg.max_seq_len - 1 - last_pos - tree.max_depth)
+        if k < 1:
+            return None
+        depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])  # [N], root at depth 0
+        positions = torch.cat([last_pos + depth + i for i in range(1, k + 1)])  # step-major, like the rows
+        key = (tree, k, start)
+        extra = self._mask_memo.get(key)
+        if extra is None:
+            anc = torch.ones(N, N, dtype=torch.bool)
+            anc[0, 1:] = False
+            anc[1:, 1:] = tree.ancestor_mask
+            vis = tree_visible(anc, k, self.transfer.masked)
+            extra = torch.cat([torch.zeros(vis.shape[0], start), _additive(vis)], 1)[None, None]
+            if len(self._mask_memo) > 64:
+                self._mask_memo.clear()
+            self._mask_memo[key] = extra
+        at: dict[int, Any] = {}
+        for t in sorted(set(self.transfer.layers[:k])):
+            steps = [i for i in range(1, k + 1) if self.transfer.layers[i - 1] == t]
+            # The tree rows are the first N rows present at every block.
+            at[t] = lambda h, steps=steps: torch.cat([self.transfer.transfer(h[:, :N], i) for i in steps], 1)
+        return JoinedRows(at, N * k), positions, extra.to(model_device(self.model))
+
+    def fused_draft(self, join_logits: torch.Tensor, tree: DraftTree, anchor_row: int) -> torch.Tensor:
+        """Rows (anchor_row, step 1..k) of the joined-row logits [N*k, V] -> [k, V]."""
+        N = len(tree) + 1
+        return join_logits.reshape(-1, N, join_logits.shape[-1])[:, anchor_row]
 
     def pseudo_logits(self, ctx: DraftContext, n_steps: int | None = None) -> torch.Tensor:
         n = self.transfer.k if n_steps is None else n_steps
@@ -389,13 +445,16 @@ class HiddenTransferDrafter:
         need = candidate_counts(tree, self.topk_per_depth)
         if tree.max_depth == 0:
             return []
-        if ctx.hidden.shape[0] == 0:  # 1-token prompt, first round: no cached anchor yet
+        if ctx.draft_logits is not None and ctx.draft_logits.shape[0] >= tree.max_depth:
+            logits = ctx.draft_logits[:tree.max_depth]  # drafted by the last verification forward
+        elif ctx.hidden.shape[0] == 0:  # 1-token prompt, first round: no cached anchor yet
             return placeholder_candidates(need, self.model.cfg.vocab_size)
-        logits = self.pseudo_logits(ctx, tree.max_depth)  # only the steps this (possibly pruned) tree uses
+        else:
+            logits = self.pseudo_logits(ctx, tree.max_depth)  # only the steps this (possibly pruned) tree uses
         self.last_logits = logits
         return topk_lists(logits, need)
 
 
-__all__ = ["HiddenTransfer", "HiddenTransferDrafter", "visible", "training_rows", "training_mask",
+__all__ = ["HiddenTransfer", "HiddenTransferDrafter", "visible", "tree_visible", "training_rows", "training_mask",
            "transfer_forward", "hidden_transfer_loss", "train_hidden_transfer", "pseudo_logits_cached",
-           "draft_top1_accuracy", "FUSED_PASS_NOTES"]
+           "draft_top1_accuracy"]

@@ -63,7 +63,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -334,6 +334,7 @@ class VerifyResult(NamedTuple):
     hidden: torch.Tensor  # [1 + a, d] final residual (before the last norm) at the same rows
     nodes: list[int]  # accepted node indices in the tree
     layer_hidden: dict[int, torch.Tensor]  # requested intermediate residuals at the same rows
+    draft_logits: torch.Tensor | None = None  # fused drafter: its next-round logits [k, V] (see verify_tree)
 
 
 def _capture_request(model: Transformer, layers: Sequence[int]) -> dict[int, torch.Tensor | None]:
@@ -356,8 +357,8 @@ def _collect_layers(model: Transformer, layers: Sequence[int], store: dict[int, 
             out[layer] = hidden
             continue
         h = store[layer]
-        assert h is not None and h.shape[1] == T, "forward_cached did not capture the requested layer"
-        out[layer] = h[0, rows]
+        assert h is not None and h.shape[1] >= T, "forward_cached did not capture the requested layer"
+        out[layer] = h[0, rows]  # rows index the first T (token) rows; joined rows come after them
     return out
 
 
@@ -370,7 +371,7 @@ def _base_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: int, tree: DraftTree,
                 node_tokens: torch.Tensor | Sequence[int], *, skip: bool = True, temperature: float = 0.0,
                 generator: torch.Generator | None = None, draft_q: torch.Tensor | None = None,
-                hidden_layers: Sequence[int] = ()) -> VerifyResult:
+                hidden_layers: Sequence[int] = (), fused: "FusedDrafter | None" = None) -> VerifyResult:
     """Verify a filled draft tree with one base forward, commit the accepted path, compact the cache.
 
     Before: the cache (batch 1) holds the committed context except `last_token`, the pending root at
@@ -379,6 +380,11 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
     child whose token equals the base argmax there; the bonus is the argmax at the last accepted node.
     Temperature > 0: the exact rules of `speculative_accept` / `accept_among` (module docstring). After:
     `cache.keep` leaves committed context + root + accepted nodes; the bonus is the new pending token.
+
+    `fused` (a drafter with `fused_rows` / `fused_draft`, e.g. hidden transfer): the same forward also
+    drafts the next round (arXiv 2404.12022 sec. 3.4): the drafter's rows join mid-network for every
+    possible anchor (root and each node), and after acceptance the rows of the actual anchor -- the last
+    accepted node, or the root -- give `VerifyResult.draft_logits`. Their K/V slots are dropped by `keep`.
     """
     if cache.batch != 1:
         raise ValueError(f"speculative decoding supports batch 1 only; the cache has batch {cache.batch}")
@@ -404,9 +410,18 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
     # exactly like plain decoding.
     extra = tree.verify_mask(start, dev) if n else None
     store = _capture_request(model, hidden_layers)
+    joins = None
+    rows_spec = fused.fused_rows(tree, last_pos, start) if fused is not None else None
+    if rows_spec is None:
+        fused = None  # e.g. no room left in the context for the joined rows' positions
+    else:
+        joins, join_pos, extra = rows_spec
+        positions = torch.cat([positions, join_pos.to(dev)[None]], 1)
+        extra = extra.to(dev)
     logits, hidden = forward_cached(model, tokens, cache, positions, skip=skip, extra_mask=extra,
-                                    return_hidden=True, capture=store)
-    logits, hidden = logits[0], hidden[0]  # [n+1, V], [n+1, d]; row 0 = root, row i+1 = node i
+                                    return_hidden=True, capture=store, joins=joins)
+    join_logits = logits[0, n + 1:]
+    logits, hidden = logits[0, :n + 1], hidden[0, :n + 1]  # row 0 = root, row i+1 = node i
     tok_list = nt.tolist()
     path: list[int] = []  # accepted nodes, root-included numbering (node i -> i + 1)
     if temperature == 0:
@@ -441,8 +456,9 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
     rows = torch.tensor([0] + path, device=dev)
     cache.keep((start + rows)[None], start)
     layer_hidden = _collect_layers(model, hidden_layers, store, hidden[rows], n + 1, rows)
+    draft_logits = fused.fused_draft(join_logits, tree, path[-1] if path else 0) if fused is not None else None
     return VerifyResult([tok_list[c - 1] for c in path], int(bonus), logits[rows], hidden[rows],
-                        [c - 1 for c in path], layer_hidden)
+                        [c - 1 for c in path], layer_hidden, draft_logits)
 
 
 # ======================================================================================== drafters
@@ -460,6 +476,7 @@ class DraftContext:
     tree: DraftTree  # the tree to fill this round (the configured one, possibly pruned)
     temperature: float
     generator: torch.Generator | None  # the run's generator, for drafters that sample
+    draft_logits: torch.Tensor | None = None  # a fused drafter's logits from the last verification forward
 
 
 @dataclass
@@ -471,6 +488,23 @@ class Draft:
     per_depth_topk: Sequence[Sequence[int]] | None = None
     node_tokens: torch.Tensor | Sequence[int] | None = None
     q: torch.Tensor | None = None
+
+
+@runtime_checkable
+class FusedDrafter(Protocol):
+    """A drafter whose next draft comes out of the verification forward itself (`verify_tree(fused=...)`).
+
+    fused_rows(tree, last_pos, start) -> (JoinedRows, positions [J], extra_mask [1, 1, n+1+J, start+n+1+J]),
+    or None to verify without joined rows this round;
+    fused_draft(join_logits [J, V], tree, anchor_row) -> the next round's logits, anchor_row being 0 for
+    the root or 1 + the index of the last accepted node; extra_slots(tree) -> J (for sizing the cache)."""
+
+    def fused_rows(self, tree: "DraftTree", last_pos: int, start: int
+                   ) -> tuple[Any, torch.Tensor, torch.Tensor] | None: ...
+
+    def fused_draft(self, join_logits: torch.Tensor, tree: "DraftTree", anchor_row: int) -> torch.Tensor: ...
+
+    def extra_slots(self, tree: "DraftTree") -> int: ...
 
 
 @runtime_checkable
@@ -573,7 +607,11 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     if budget <= 0:
         return [], stats
     dev = model.tok_embeddings.weight.device
-    cache = KVCache.for_model(cfg, 1, max_len=min(ctx_len, P + budget + len(tree)), device=dev,
+    fused = drafter if getattr(drafter, "fused", False) else None
+    extra_slots = fused.extra_slots(tree) if fused is not None else 0
+    # Slots: the committed text, the largest tree in flight and, for a fused drafter, its joined rows
+    # (slots are not positions: the context limit applies to positions, checked in verify_tree).
+    cache = KVCache.for_model(cfg, 1, max_len=P + budget + len(tree) + extra_slots, device=dev,
                               dtype=model.tok_embeddings.weight.dtype)
     gen = None
     if temperature > 0:
@@ -599,6 +637,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     tokens = list(prompt)
     new: list[int] = []
     pruned: dict[tuple[int, int], DraftTree] = {}
+    draft_logits = None
     while len(new) < budget:
         # Drafting deeper than the remaining budget is wasted work (and would make tau depend on it).
         depth_cap = budget - len(new) - 1
@@ -607,7 +646,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
         t = pruned.get(key)
         if t is None:
             t = pruned[key] = tree.prune(*key)
-        dctx = DraftContext(model, cache, tokens, hidden, logits, layer_hidden, t, temperature, gen)
+        dctx = DraftContext(model, cache, tokens, hidden, logits, layer_hidden, t, temperature, gen, draft_logits)
         length_before = cache.length
         node_tokens, q = _node_tokens(drafter.propose(dctx), t)
         if cache.length != length_before:
@@ -615,14 +654,14 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
                                "truncate back after drafting with the model")
         res = verify_tree(model, cache, tokens[-1], len(tokens) - 1, t, node_tokens, skip=skip,
                           temperature=temperature, generator=gen, draft_q=q if temperature > 0 else None,
-                          hidden_layers=hidden_layers)
+                          hidden_layers=hidden_layers, fused=fused)
         stats.base_forwards += 1
         stats.accept_hist[len(res.accepted)] += 1
         round_tokens = res.accepted + [res.bonus]
         tokens.extend(round_tokens)
         if on_round is not None:
             on_round(cache, tokens)
-        hidden, logits, layer_hidden = res.hidden, res.logits, res.layer_hidden
+        hidden, logits, layer_hidden, draft_logits = res.hidden, res.logits, res.layer_hidden, res.draft_logits
         for tok in round_tokens:
             new.append(tok)
             if tok in stop or len(new) >= budget:

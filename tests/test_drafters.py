@@ -15,7 +15,7 @@ from midlayer.drafters import (DraftMismatchError, EarlyExitDrafter, EarlyExitHe
 from midlayer.generate import GenerationConfig, forward_cached, generate
 from midlayer.hidden_transfer import (HiddenTransfer, HiddenTransferDrafter, draft_top1_accuracy,
                                       hidden_transfer_loss, pseudo_logits_cached, train_hidden_transfer,
-                                      training_mask, training_rows, transfer_forward, visible)
+                                      training_mask, training_rows, transfer_forward, tree_visible, visible)
 from midlayer.kv_cache import KVCache
 from midlayer.model import Transformer
 from midlayer.speculative import DraftContext, DraftTree, speculative_generate
@@ -179,11 +179,68 @@ def test_drafter_matches_training_pass_inside_speculative_generate(gating):
     assert max(errs) < (1e-5 if not gating else 1e-4)
 
 
+# ============================================================================ fused verify-and-draft
+def test_tree_visible_on_a_chain_is_visible():
+    """Along a chain, "on the anchor's root path" is "at a position <= the anchor": the fused mask is THE
+    mask, with the rows ordered [tree rows ; step 1 of every anchor ; step 2 ; ...]."""
+    N, k = 5, 3
+    chain = torch.tril(torch.ones(N, N, dtype=torch.bool))  # row a's ancestors-or-self: rows <= a
+    for masked in (False, True):
+        a = torch.arange(N).repeat(k + 1)
+        st = torch.arange(k + 1).repeat_interleave(N)
+        assert torch.equal(tree_visible(chain, k, masked), visible(a, st, a, st, masked))
+
+
+def test_tree_visible_hand_example():
+    """Root r with children x, y; pseudo rows of x see r, x and (not masked) x's own earlier steps only."""
+    anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # r; x (child of r); y (child of r)
+    vis = tree_visible(anc, 2, masked=False)  # rows: r x y | r1 x1 y1 | r2 x2 y2
+    assert vis[4].tolist() == [1, 1, 0, 0, 1, 0, 0, 0, 0]  # x1: r, x, itself
+    assert vis[7].tolist() == [1, 1, 0, 0, 1, 0, 0, 1, 0]  # x2: r, x, x1, itself
+    assert vis[2].tolist() == [1, 0, 1, 0, 0, 0, 0, 0, 0]  # y: tree attention, no pseudo keys
+    assert tree_visible(anc, 2, masked=True)[7].tolist() == [1, 1, 0, 0, 0, 0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("tree_name", list(TREES))
+@pytest.mark.parametrize("gating", [False, True])
+def test_fused_pass_drafts_what_the_training_pass_drafts(gating, tree_name):
+    """The fused round (pseudo rows of every tree row riding along in verification, the accepted anchor's
+    rows kept) drafts the same logits as the training pass for the same anchor, round after round."""
+    model = MODELS[gating]
+    ht = perturbed_transfer([1, 2, 3])
+    inner = HiddenTransferDrafter(model, ht, fused=True)
+    errs: list[float] = []
+
+    class Checking:
+        fused = True
+        hidden_layers = inner.hidden_layers
+        extra_slots, fused_rows, fused_draft = inner.extra_slots, inner.fused_rows, inner.fused_draft
+
+        def propose(self, ctx: DraftContext):
+            n = ctx.tree.max_depth
+            if ctx.draft_logits is not None and n:
+                with torch.no_grad():
+                    _, pseudo = transfer_forward(model, ht, torch.tensor([ctx.tokens[:-1]]), all_anchors=True,
+                                                 n_steps=n)
+                ref = torch.stack([p[0, -1] for p in pseudo])
+                errs.append(float((ctx.draft_logits[:n] - ref).abs().max()))
+            return inner.propose(ctx)
+
+    tree = TREES[tree_name]
+    out, stats = speculative_generate(model, PROMPT, Checking(), tree, 20)
+    assert out == greedy(model, PROMPT, 20)
+    assert len(errs) >= stats.base_forwards - 2 > 3  # every round after the first drafts from the fused pass
+    assert max(errs) < (1e-5 if not gating else 1e-4)
+    separate, stats2 = speculative_generate(model, PROMPT, HiddenTransferDrafter(model, ht, fused=False), tree, 20)
+    assert separate == out and stats2.accept_hist == stats.accept_hist  # same drafts, same acceptances
+
+
 # ============================================================================== lossless, every drafter
 def drafter_for(kind: str, model: Transformer):
     g = torch.Generator().manual_seed(5)
-    if kind in ("ht", "ht_masked"):
-        return HiddenTransferDrafter(model, perturbed_transfer([1, 2, 2], masked=kind == "ht_masked"))
+    if kind in ("ht", "ht_masked", "ht_separate"):
+        return HiddenTransferDrafter(model, perturbed_transfer([1, 2, 2], masked=kind == "ht_masked"),
+                                     fused=kind != "ht_separate")
     if kind == "medusa":
         heads = MedusaHeads(D, 3)
         with torch.no_grad():
@@ -200,7 +257,7 @@ def drafter_for(kind: str, model: Transformer):
     raise KeyError(kind)
 
 
-KINDS = ["ht", "ht_masked", "medusa", "early_exit", "layer_skip"]
+KINDS = ["ht", "ht_masked", "ht_separate", "medusa", "early_exit", "layer_skip"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
