@@ -255,5 +255,173 @@ def decode_table(r: dict) -> str:
     return "\n".join(out)
 
 
+
+
+# --------------------------------------------------------------------------------- speculative decode
+class DraftRecorder:
+    """Wraps a drafter; records, per round, the position of the pending token and the rank-0 candidate of
+    every depth (the node with path (0,)*d), so the per-depth draft accuracy can be scored afterwards
+    against the (lossless, hence plain-greedy) output."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.rounds: list[tuple[int, list[int]]] = []
+        for name in ("hidden_layers", "fused", "extra_slots", "fused_rows", "fused_draft"):
+            if hasattr(inner, name):
+                setattr(self, name, getattr(inner, name))
+
+    def propose(self, ctx):
+        from .speculative import _node_tokens
+
+        draft = self.inner.propose(ctx)
+        nodes, _ = _node_tokens(draft, ctx.tree)
+        index = {p: i for i, p in enumerate(ctx.tree.paths)}
+        top = [int(nodes[index[(0,) * d]]) for d in range(1, ctx.tree.max_depth + 1) if (0,) * d in index]
+        self.rounds.append((len(ctx.tokens) - 1, top))
+        return draft
+
+    def accuracy(self, full: list[int], depth: int) -> tuple[list[int], list[int]]:
+        """(hits, counts) per depth: rank-0 candidate at depth d == the output token at pending + d."""
+        hits, counts = [0] * depth, [0] * depth
+        for pos, top in self.rounds:
+            for d, tok in enumerate(top[:depth], start=1):
+                if pos + d < len(full):
+                    counts[d - 1] += 1
+                    hits[d - 1] += int(tok == full[pos + d])
+        return hits, counts
+
+
+def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] | None = None,
+                      layer_skip: tuple[int, int] | None = None, tree: str = "chain", nodes: int = 10,
+                      new_tokens: int = 64, max_prompts: int = 12, weights: str = "fp32",
+                      compare_transformers: bool = True, progress: bool = True) -> dict:
+    """Speculative decoding per method on held-out prompts of the prompt set (batch 1, greedy, stop at
+    end of turn): tau, per-depth draft top-1 accuracy, tokens/s, speedup over our plain decoding and over
+    transformers `generate`, and whether every output equals plain greedy decoding.
+
+    drafts: label -> draft directory (train-draft output); "<label>-separate" rows are added for hidden
+    transfer (drafting with a separate forward instead of the fused one). layer_skip (a, b): a layer-skip
+    drafter skipping blocks a..b-1. tree: "chain" (the top-1 chain of depth k) or "sparse" (the `nodes`
+    nodes of highest estimated acceptance, `DraftTree.greedy_from_accuracies` on the draft's held-out
+    per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden transfer's tree, or
+    Medusa's, so every method runs the same tree size).
+    """
+    from .drafters import LayerSkipDrafter, load_drafter
+    from .pretrained import load_pretrained, resolve_pretrained
+    from .prompts import prompt_set
+    from .quantization import compress_weights
+    from .speculative import DraftTree, speculative_generate
+
+    model, tok = load_pretrained(model_name)
+    model = compress_weights(model, weights).eval()
+    stop = tuple(sorted(tok.eos_ids))
+    held = [p for p in prompt_set() if p.split == "heldout"]
+    # Spread the prompts over the categories: round-robin over categories in prompt-set order.
+    by_cat: dict[str, list] = {}
+    for p in held:
+        by_cat.setdefault(p.category, []).append(p)
+    chosen = []
+    while len(chosen) < min(max_prompts, len(held)):
+        for cat in list(by_cat):
+            if by_cat[cat] and len(chosen) < max_prompts:
+                chosen.append(by_cat[cat].pop(0))
+    encoded = [tok.encode_chat([{"role": "user", "content": p.text}]) for p in chosen]
+
+    methods: dict[str, tuple] = {}  # label -> (drafter factory, meta acc or None)
+    accs: dict[str, list] = {}
+    for label, path in (drafts or {}).items():
+        d, module, meta = load_drafter(path, model)
+        acc = meta.get("heldout", {}).get("acc")
+        k = getattr(module, "k", None) or len(acc or [])
+        methods[label] = (lambda path=path: load_drafter(path, model)[0], k)
+        if acc and len(acc) > 1:
+            accs[label] = acc
+        if type(d).__name__ == "HiddenTransferDrafter":
+            methods[f"{label}-separate"] = (lambda path=path: load_drafter(path, model, fused=False)[0], k)
+    depth = max([k for _, k in methods.values()] + [3])
+    if layer_skip is not None:
+        a, b = layer_skip
+        methods[f"layer-skip {a}-{b - 1}"] = (lambda: LayerSkipDrafter(model, range(a, b)), depth)
+
+    def tree_for(label: str, k: int) -> DraftTree:
+        if tree == "chain":
+            return DraftTree.chain(k if k > 1 else depth)
+        src = accs.get(label.removesuffix("-separate")) or next(iter(accs.values()), None)
+        if src is None:
+            raise ValueError("tree 'sparse' needs a draft with held-out per-rank accuracies (hidden transfer or Medusa)")
+        return DraftTree.greedy_from_accuracies(src, nodes)
+
+    hf = _load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
+    if hf is not None:
+        hf.generation_config.pad_token_id = stop[0]
+    gcfg = GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop)
+    warm = encoded[0][:8]
+    generate(model, [warm], GenerationConfig(max_new_tokens=4))
+    rows: dict[str, dict] = {name: dict(time=0.0, tokens=0, forwards=0, equal=0, hits=[0] * depth,
+                                        counts=[0] * depth, tree=None) for name in ["plain", *methods]}
+    if hf is not None:
+        rows["transformers"] = dict(time=0.0, tokens=0, equal=0)
+    it = encoded
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(encoded, desc="bench decode", unit="prompt")
+    for ids in it:
+        t = time.perf_counter()
+        plain = generate(model, [ids], gcfg)[0]
+        rows["plain"]["time"] += time.perf_counter() - t
+        rows["plain"]["tokens"] += len(plain)
+        rows["plain"]["forwards"] += len(plain)
+        rows["plain"]["equal"] += 1
+        if hf is not None:
+            x = torch.tensor([ids])
+            t = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                                  eos_token_id=list(stop))[0, len(ids):].tolist()
+            rows["transformers"]["time"] += time.perf_counter() - t
+            rows["transformers"]["tokens"] += len(out)
+            rows["transformers"]["equal"] += int(out == plain)
+        for label, (make, k) in methods.items():
+            rec = DraftRecorder(make())
+            tr = tree_for(label, k)
+            rows[label]["tree"] = len(tr)
+            t = time.perf_counter()
+            out, stats = speculative_generate(model, ids, rec, tr, new_tokens, stop_tokens=stop)
+            r = rows[label]
+            r["time"] += time.perf_counter() - t
+            r["tokens"] += len(out)
+            r["forwards"] += stats.base_forwards
+            r["equal"] += int(out == plain)
+            h, c = rec.accuracy(list(ids) + out, depth)
+            r["hits"] = [x + y for x, y in zip(r["hits"], h)]
+            r["counts"] = [x + y for x, y in zip(r["counts"], c)]
+    plain_tps = rows["plain"]["tokens"] / rows["plain"]["time"]
+    hf_tps = rows["transformers"]["tokens"] / rows["transformers"]["time"] if hf is not None else None
+    table = []
+    for name, r in rows.items():
+        tps = r["tokens"] / r["time"]
+        table.append(dict(method=name, tree_nodes=r.get("tree"), tau=r["tokens"] / r["forwards"] if r.get("forwards") else None,
+                          top1=[round(h / c, 3) if c else None for h, c in zip(r.get("hits", []), r.get("counts", []))],
+                          tok_s=tps, vs_plain=tps / plain_tps, vs_hf=tps / hf_tps if hf_tps else None,
+                          lossless=f"{r['equal']}/{len(encoded)}"))
+    return dict(model=model_name, weights=weights, prompts=len(encoded), new_tokens=new_tokens, tree=tree,
+                nodes=nodes, rows=table)
+
+
+def speculative_table(r: dict) -> str:
+    out = [f"{r['model']} ({r['weights']} weights), {r['prompts']} held-out chat prompts, up to {r['new_tokens']} "
+           f"new tokens, batch 1, greedy; tree: {r['tree']}" + (f" ({r['nodes']} nodes)" if r['tree'] == 'sparse' else ""),
+           "",
+           "| method | tree nodes | tau | draft top-1 by depth | tok/s | vs our plain | vs transformers | output = plain greedy |",
+           "|---|---|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        tau = f"{x['tau']:.2f}" if x["tau"] else "-"
+        top1 = ", ".join("-" if a is None else f"{a:.2f}" for a in x["top1"]) or "-"
+        vs_hf = f"{x['vs_hf']:.2f}x" if x["vs_hf"] else "-"
+        out.append(f"| {x['method']} | {x['tree_nodes'] or '-'} | {tau} | {top1} | {x['tok_s']:.1f} | "
+                   f"{x['vs_plain']:.2f}x | {vs_hf} | {x['lossless']} |")
+    return "\n".join(out)
+
+
 __all__ = ["bench_skipping", "skipping_table", "bench_decode", "decode_table", "gemv_bandwidth",
-           "force_skip_fraction", "first_divergence", "ModelConfig"]
+           "force_skip_fraction", "first_divergence", "bench_speculative", "speculative_table", "DraftRecorder"]

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .config import PRESETS, ModelConfig, SparsityConfig, TrainConfig, get_preset
+from .draft_training import DraftTrainConfig
 from .quantization import WEIGHT_FORMATS
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig}
+SECTIONS: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig,
+                             "draft": DraftTrainConfig}
 
 
 def flag_name(field_name: str) -> str:
@@ -40,9 +42,19 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str]) -
             if typ is bool:
                 group.add_argument(flag_name(f.name), dest=f"{section}.{f.name}", default=None,
                                    action=argparse.BooleanOptionalAction, help=help_text)
+            elif typing.get_origin(typ) is tuple:  # comma-separated ints, e.g. --layers 14,19,19
+                group.add_argument(flag_name(f.name), dest=f"{section}.{f.name}", default=None, type=_int_tuple,
+                                   metavar="INT,INT,...", help=help_text)
             else:
                 group.add_argument(flag_name(f.name), dest=f"{section}.{f.name}", default=None, type=typ,
                                    metavar=typ.__name__.upper(), help=help_text)
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -97,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_generate_parser(sub)
 
+    p = sub.add_parser("train-draft", help="train a drafter (hidden transfer, Medusa, early exit) on a frozen base "
+                                           "by self-distillation (data: python -m midlayer.distill)")
+    p.add_argument("--stop-after", type=int, default=None, help="stop (with a resumable state) after N steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_flags(p, ["draft"])
+
     p = sub.add_parser("plot", help="Figure 2 (PNG) and tables (CSV, Markdown) of a sweep's results")
     p.add_argument("sweep_dir", help="a sweep folder, e.g. runs/sweep/cpu")
     p.add_argument("--out", default=None, metavar="PREFIX",
@@ -122,6 +140,11 @@ def _add_generate_parser(sub) -> None:
                    help="linear-weight format: fp32 (exact), bf16, or int4 (group-32, Q4_1 layout; fastest on CPU); "
                         "activations, residual and LM head stay fp32")
     p.add_argument("--device", default=None)
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="speculative decoding with a train-draft output (lossless: same tokens as without)")
+    p.add_argument("--tree", default="chain", metavar="chain|sparse:N",
+                   help="draft tree with --draft: the top-1 chain, or the N nodes most likely accepted")
+    p.add_argument("--stats", action="store_true", help="with --draft: print tau and timing to stderr")
 
     p = sub.add_parser("bench", help="benchmarks that print a table")
     bsub = p.add_subparsers(dest="bench", required=True)
@@ -136,6 +159,19 @@ def _add_generate_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--weights", default=",".join(WEIGHT_FORMATS),
                    help="comma-separated weight formats for the decode benchmark (first is the reference)")
+    b = bsub.add_parser("decode", help="speculative decoding per drafter: tau, draft accuracy, speedup, losslessness")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--drafts", default="hidden-transfer=runs/draft/hidden-transfer,medusa=runs/draft/medusa,"
+                                       "early-exit=runs/draft/early-exit",
+                   help="comma-separated LABEL=DIR of train-draft outputs")
+    b.add_argument("--layer-skip", default="10:20", help="A:B = a layer-skip drafter skipping blocks A..B-1 ('' = none)")
+    b.add_argument("--tree", choices=["chain", "sparse"], default="chain")
+    b.add_argument("--nodes", type=int, default=10, help="nodes of the sparse tree")
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--max-prompts", type=int, default=12, help="held-out prompts, spread over the categories")
+    b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32")
+    b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate comparison")
+    b.add_argument("--output", default=None, help="also write the results as JSON here")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -234,6 +270,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop_tokens=tuple(sorted(tok.eos_ids)),
                            skip=not args.no_skip)
+    if args.draft:
+        return _generate_with_draft(args, model, tok, ids, cfg)
     new: list[int] = []
     shown = ""
     for t, done in generate_stream(model, [ids], cfg):
@@ -249,8 +287,58 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], cfg) -> int:
+    import time
+
+    from .drafters import load_drafter
+    from .speculative import DraftTree, speculative_generate
+
+    drafter, module, meta = load_drafter(args.draft, model)
+    k = getattr(module, "k", 3)
+    if args.tree == "chain":
+        tree = DraftTree.chain(k)
+    elif args.tree.startswith("sparse:"):
+        acc = meta.get("heldout", {}).get("acc")
+        if not acc or len(acc) < 2:
+            raise ValueError(f"{args.draft}: no per-depth held-out accuracies to build a sparse tree; use --tree chain")
+        tree = DraftTree.greedy_from_accuracies(acc, int(args.tree.split(":", 1)[1]))
+    else:
+        raise ValueError(f"--tree: expected chain or sparse:N, got {args.tree!r}")
+    t = time.perf_counter()
+    out, stats = speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens, stop_tokens=cfg.stop_tokens,
+                                      temperature=cfg.temperature, seed=cfg.seed, skip=cfg.skip)
+    dt = time.perf_counter() - t
+    text = tok.decode([x for x in out if x not in tok.eos_ids])
+    sys.stdout.write(text + "\n")
+    if args.stats:
+        print(f"{len(out)} tokens in {dt:.2f} s ({len(out) / dt:.1f} tok/s), tau {stats.tau:.2f} over "
+              f"{stats.base_forwards} base forwards, tree of {len(tree)} nodes", file=sys.stderr)
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
+
+    if args.bench == "decode":
+        drafts = {}
+        for item in filter(None, (x.strip() for x in args.drafts.split(","))):
+            label, sep, path = item.partition("=")
+            if not sep or not path:
+                raise ValueError(f"--drafts: expected LABEL=DIR, got {item!r}")
+            drafts[label] = path
+        skip = None
+        if args.layer_skip:
+            a, sep, b = args.layer_skip.partition(":")
+            try:
+                skip = (int(a), int(b))
+            except ValueError:
+                raise ValueError(f"--layer-skip: expected A:B, got {args.layer_skip!r}") from None
+        r = bench.bench_speculative(args.model, drafts, skip, args.tree, args.nodes, args.new_tokens,
+                                    args.max_prompts, args.weights, not args.no_transformers)
+        print(bench.speculative_table(r))
+        if args.output:
+            Path(args.output).write_text(json.dumps(r, indent=2))
+        return 0
 
     if args.what in ("decode", "all"):
         formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
@@ -304,10 +392,21 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_draft(args: argparse.Namespace) -> int:
+    from .draft_training import train_draft
+
+    over = overrides_from_args(args).get("draft", {})
+    if "out_dir" not in over:
+        over["out_dir"] = f"runs/draft/{over.get('method', DraftTrainConfig.method)}"
+    train_draft(DraftTrainConfig(**over), progress=not args.no_progress, stop_after=args.stop_after)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"train": _cmd_train, "eval": _cmd_eval, "flops": _cmd_flops, "presets": _cmd_presets,
-               "sweep": _cmd_sweep, "plot": _cmd_plot, "generate": _cmd_generate, "bench": _cmd_bench}[args.command]
+               "sweep": _cmd_sweep, "plot": _cmd_plot, "generate": _cmd_generate, "bench": _cmd_bench,
+               "train-draft": _cmd_train_draft}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError, ImportError) as e:

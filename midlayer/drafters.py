@@ -84,12 +84,26 @@ def lm_logits(model: Transformer, h: torch.Tensor) -> torch.Tensor:
     return model.output(model.norm(h))
 
 
-def kl_to_base(base_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+def kl_to_base(base_logits: torch.Tensor, draft_logits: torch.Tensor, weight: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Mean over rows of KL(p_base || p_draft) (forward KL, the self-distillation target of Wu et al. 2024
-    sec. 3.3; the teacher is detached). Logits [..., V]; computed in fp32."""
+    sec. 3.3; the teacher is detached). Logits [..., V]; computed in fp32. `weight` [...] (bool or float):
+    rows to count (padding excluded); the mean is over the counted rows."""
     t = F.log_softmax(base_logits.detach().float(), -1)
     s = F.log_softmax(draft_logits.float(), -1)
-    return (t.exp() * (t - s)).sum(-1).mean()
+    kl = (t.exp() * (t - s)).sum(-1)
+    if weight is None:
+        return kl.mean()
+    w = weight.to(kl.dtype)
+    return (kl * w).sum() / w.sum().clamp_min(1.0)
+
+
+def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A training batch is tokens [B, T] or (tokens, mask [B, T] of real, non-padding tokens)."""
+    if isinstance(batch, (tuple, list)):
+        tokens, mask = batch
+        return tokens, mask
+    return batch, None
 
 
 def topk_lists(logits: torch.Tensor, need: Sequence[int]) -> list[list[int]]:
@@ -355,7 +369,8 @@ def base_states(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,
-                states: tuple[torch.Tensor, list[torch.Tensor]] | None = None) -> tuple[torch.Tensor, list[float]]:
+                states: tuple[torch.Tensor, list[torch.Tensor]] | None = None, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[float]]:
     """sum_i KL(p_base(. | position t+1+i) || p_head_i(. | h_t)) averaged over anchors t with t+1+i < T.
 
     Head i predicts token t+2+i, which the base predicts at position t+1+i: the same target as hidden-
@@ -368,18 +383,20 @@ def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,
         A = T - 1 - i
         if A <= 0:
             break
-        kl = kl_to_base(logits[:, 1 + i:], heads.logits(model, hs[-1][:, :A], i))
+        kl = kl_to_base(logits[:, 1 + i:], heads.logits(model, hs[-1][:, :A], i),
+                        None if mask is None else mask[:, 1 + i:])  # the target position must be real
         total = total + kl
         per.append(float(kl.detach()))
     return total, per
 
 
 def early_exit_loss(model: Transformer, head: EarlyExitHead, tokens: torch.Tensor,
-                    states: tuple[torch.Tensor, list[torch.Tensor]] | None = None) -> tuple[torch.Tensor, list[float]]:
+                    states: tuple[torch.Tensor, list[torch.Tensor]] | None = None, mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, list[float]]:
     """KL(p_base(. | t) || p_exit(. | h^(layer)_t)) averaged over all positions t (the next-token target
     the exit head drafts with, autoregressively)."""
     logits, hs = states if states is not None else base_states(model, tokens)
-    kl = kl_to_base(logits, head.logits(model, hs[head.layer]))
+    kl = kl_to_base(logits, head.logits(model, hs[head.layer]), mask)
     return kl, [float(kl.detach())]
 
 
@@ -413,8 +430,12 @@ def train_medusa(model: Transformer, heads: MedusaHeads, batches: Any, steps: in
     heads.to(model_device(model)).train()
     with FrozenBase(model):
         dev = model_device(model)
-        return optimise(list(heads.parameters()), lambda b: medusa_loss(model, heads, b.to(dev)),
-                        batch_stream(batches), steps, lr, clip, log)
+
+        def loss_fn(b: Any) -> tuple[torch.Tensor, list[float]]:
+            tokens, mask = split_batch(b)
+            return medusa_loss(model, heads, tokens.to(dev), mask=None if mask is None else mask.to(dev))
+
+        return optimise(list(heads.parameters()), loss_fn, batch_stream(batches), steps, lr, clip, log)
 
 
 def train_early_exit(model: Transformer, head: EarlyExitHead, batches: Any, steps: int, lr: float = 1e-3, *,
@@ -425,8 +446,12 @@ def train_early_exit(model: Transformer, head: EarlyExitHead, batches: Any, step
     head.to(model_device(model)).train()
     with FrozenBase(model):
         dev = model_device(model)
-        return optimise(list(head.parameters()), lambda b: early_exit_loss(model, head, b.to(dev)),
-                        batch_stream(batches), steps, lr, clip, log)
+
+        def loss_fn(b: Any) -> tuple[torch.Tensor, list[float]]:
+            tokens, mask = split_batch(b)
+            return early_exit_loss(model, head, tokens.to(dev), mask=None if mask is None else mask.to(dev))
+
+        return optimise(list(head.parameters()), loss_fn, batch_stream(batches), steps, lr, clip, log)
 
 
 # ============================================================================================ save / load
@@ -442,7 +467,8 @@ def base_signature(model: Transformer, name: str | None = None) -> dict[str, Any
     evenly spaced entries of the LM head (cheap; robust to a dtype change, different for other weights)."""
     cfg = model.cfg
     w = model.output.weight.detach().reshape(-1)
-    idx = torch.linspace(0, w.numel() - 1, _PROBE).round().long().to(w.device)
+    # float64: float32 rounds the last index of a 28M-entry head (SmolLM2) past the end
+    idx = torch.linspace(0, w.numel() - 1, _PROBE, dtype=torch.float64).round().long().to(w.device)
     return {"name": name, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "gating": bool(cfg.gating),
             "norm_placement": cfg.norm_placement, "probe": [float(x) for x in w[idx].float().cpu()]}
@@ -518,7 +544,22 @@ def load_draft(path: str | Path, base: Transformer | None = None, base_name: str
     return module, doc.get("meta", {})
 
 
+def load_drafter(path: str | Path, model: Transformer, base_name: str | None = None, **kw: Any
+                 ) -> tuple[Any, nn.Module, dict[str, Any]]:
+    """(drafter, module, meta) for a saved draft directory (refused if written for another base). `kw` go to
+    the drafter (e.g. fused=False for hidden transfer)."""
+    from .hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+
+    module, meta = load_draft(path, model, base_name)
+    module.eval()
+    if isinstance(module, HiddenTransfer):
+        return HiddenTransferDrafter(model, module, **kw), module, meta
+    if isinstance(module, MedusaHeads):
+        return MedusaDrafter(model, module, **kw), module, meta
+    return EarlyExitDrafter(model, module, **kw), module, meta
+
+
 __all__ = ["MedusaHeads", "MedusaDrafter", "EarlyExitHead", "EarlyExitDrafter", "LayerSkipDrafter",
            "train_medusa", "train_early_exit", "medusa_loss", "early_exit_loss", "kl_to_base",
            "save_draft", "load_draft", "DraftMismatchError", "base_signature", "run_blocks_cached",
-           "draft_tree_autoregressive"]
+           "draft_tree_autoregressive", "load_drafter"]

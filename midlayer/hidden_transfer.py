@@ -83,7 +83,7 @@ import torch
 from torch import nn
 
 from .drafters import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device,
-                       optimise, placeholder_candidates, topk_lists)
+                       optimise, placeholder_candidates, split_batch, topk_lists)
 from .gating import MirroredGates
 from .kv_cache import KVCache, LayerView
 from .model import Transformer
@@ -199,7 +199,7 @@ class HiddenTransfer(nn.Module):
 
 # ========================================================================================= training pass
 def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor, *,
-                     n_steps: int | None = None, all_anchors: bool = False
+                     n_steps: int | None = None, all_anchors: bool = False, collect: dict | None = None
                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One forward over [real tokens ; pseudo rows of steps 1..n_steps] with the `visible` mask.
 
@@ -207,6 +207,9 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     i the pseudo logits [B, A_i, V] of anchors 0..A_i-1, A_i = T - i, or T with all_anchors). Blocks below
     t_1 run on the real rows only; at block t_i step i's rows are appended (W_i of the real rows entering
     block t_i) and the mask is rebuilt; gradients flow into the W_i only when the base is frozen.
+    `collect` (a dict, for analysis): filled with the rows entering every block l (and l = L, the final
+    residual) under key l, and the final "anchor" / "step" of each row (row indices never change once a
+    row has joined).
     """
     transfer.check_model(model)
     cfg = model.cfg
@@ -233,6 +236,8 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
             anchor = torch.cat([anchor, torch.arange(A, device=dev)])
             step = torch.cat([step, torch.full((A,), i, dtype=torch.long, device=dev)])
             mask = None
+        if collect is not None:
+            collect[layer] = x
         if layer == L:
             break
         if mask is None:  # rebuilt only when rows were appended (once per distinct t_i)
@@ -246,18 +251,21 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
             gate = torch.cat([g, g.new_ones(B, x.shape[1] - T)], 1)  # pseudo rows: gate 1, never skipped
             attn_mask = mask + torch.log(gate.clamp_min(cfg.gate_eps))[:, None, None, :].to(mask.dtype)
         x = model.layers[layer](x, cos, sin, gate, None, _MaskedView(attn_mask))
+    if collect is not None:
+        collect["anchor"], collect["step"] = anchor, step
     logits = model.output(model.norm(x))
     pseudo = [logits[:, step == i] for i in range(1, n_steps + 1)]
     return logits[:, :T], pseudo
 
 
 def hidden_transfer_loss(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor, *,
-                         n_steps: int | None = None, only_step: int | None = None
-                         ) -> tuple[torch.Tensor, list[float]]:
+                         n_steps: int | None = None, only_step: int | None = None,
+                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """sum_i KL(p_base(. | j+i) || p_pseudo(i, j)) averaged over anchors j with j + i < T (sec. 3.3).
 
     `only_step` restricts the sum to one step (the sequential schedule); the per-step KLs are returned
-    for every computed step."""
+    for every computed step. `mask` [B, T]: real (non-padding) tokens; an anchor counts for step i only if
+    its target position j + i is real (right padding: then so is the anchor)."""
     real, pseudo = transfer_forward(model, transfer, tokens, n_steps=n_steps)
     total = real.new_zeros((), dtype=torch.float32)
     per: list[float] = []
@@ -265,7 +273,7 @@ def hidden_transfer_loss(model: Transformer, transfer: HiddenTransfer, tokens: t
         if p.shape[1] == 0:
             per.append(float("nan"))
             continue
-        kl = kl_to_base(real[:, i:], p)
+        kl = kl_to_base(real[:, i:], p, None if mask is None else mask[:, i:])
         per.append(float(kl.detach()))
         if only_step is None or only_step == i:
             total = total + kl
@@ -291,8 +299,12 @@ def train_hidden_transfer(model: Transformer, transfer: HiddenTransfer, batches:
     hist: list[dict[str, Any]] = []
     with FrozenBase(model):
         if schedule == "joint":
-            hist = optimise(list(transfer.parameters()),
-                            lambda b: hidden_transfer_loss(model, transfer, b.to(dev)), stream, steps, lr, clip, log)
+            def joint_loss(b: Any) -> tuple[torch.Tensor, list[float]]:
+                tokens, mask = split_batch(b)
+                return hidden_transfer_loss(model, transfer, tokens.to(dev),
+                                            mask=None if mask is None else mask.to(dev))
+
+            hist = optimise(list(transfer.parameters()), joint_loss, stream, steps, lr, clip, log)
             for h in hist:
                 h["phase"] = 0
         else:
@@ -304,8 +316,10 @@ def train_hidden_transfer(model: Transformer, transfer: HiddenTransfer, batches:
                     for j, m in enumerate(transfer.maps, start=1):
                         m.weight.requires_grad_(j == i)
 
-                    def loss_fn(b: torch.Tensor, i: int = i) -> tuple[torch.Tensor, list[float]]:
-                        return hidden_transfer_loss(model, transfer, b.to(dev), n_steps=i, only_step=i)
+                    def loss_fn(b: Any, i: int = i) -> tuple[torch.Tensor, list[float]]:
+                        tokens, mask = split_batch(b)
+                        return hidden_transfer_loss(model, transfer, tokens.to(dev), n_steps=i, only_step=i,
+                                                    mask=None if mask is None else mask.to(dev))
 
                     part = optimise([transfer.maps[i - 1].weight], loss_fn, stream, n, lr, clip, log)
                     for h in part:

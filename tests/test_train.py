@@ -193,7 +193,7 @@ def test_cli_surface_is_frozen():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
-    assert sorted(flags) == ["bench", "eval", "flops", "generate", "plot", "presets", "sweep", "train"]
+    assert sorted(flags) == ["bench", "eval", "flops", "generate", "plot", "presets", "sweep", "train", "train-draft"]
     model_flags = ["--attn-backend", "--dim", "--embed-norm", "--ffn-dim-multiplier", "--ffn-hidden", "--gate-eps",
                    "--gating", "--init-std", "--no-embed-norm", "--no-qkv-bias", "--qkv-bias",
                    "--max-seq-len", "--multiple-of", "--n-heads", "--n-kv-heads", "--n-layers", "--no-gating",
@@ -213,11 +213,18 @@ def test_cli_surface_is_frozen():
     assert flags["plot"] == sorted(["-h", "--help", "--out"])
     assert flags["generate"] == sorted(["-h", "--help", "--model", "--checkpoint", "--prompt", "--chat", "--system",
                                         "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
-                                        "--no-skip", "--weights", "--device"])
+                                        "--no-skip", "--weights", "--device", "--draft", "--tree", "--stats"])
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
     assert sorted(o for a in bench["generate"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
          "--repeats", "--weights"])
+    assert sorted(o for a in bench["decode"]._actions for o in a.option_strings) == sorted(
+        ["-h", "--help", "--model", "--drafts", "--layer-skip", "--tree", "--nodes", "--new-tokens", "--max-prompts",
+         "--weights", "--no-transformers", "--output"])
+    assert flags["train-draft"] == sorted(
+        ["-h", "--help", "--stop-after", "--no-progress", "--method", "--model", "--data", "--out-dir", "--k",
+         "--layers", "--exit-layer", "--masked", "--no-masked", "--schedule", "--epochs", "--lr", "--batch-tokens",
+         "--seq-len", "--bf16", "--no-bf16", "--seed", "--ckpt-every", "--max-eval-batches"])
 
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):

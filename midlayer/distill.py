@@ -1,0 +1,338 @@
+"""Self-distillation data for draft models: the base model's own greedy answers to the prompt set.
+
+A draft model is trained to predict what the *base* model would say, so its training text is the base's
+own output, not human-written text (self-distillation, as in Medusa-2 and the hidden-transfer paper). Each
+prompt (`midlayer.prompts.Prompt`) is sent as one chat user message; the base answers greedily with
+`midlayer.generate.generate` until a stop token (kept, so drafts learn where answers end) or
+`max_new_tokens`. Generation is batched (left-padded) with prompts of similar length together.
+
+File format (JSON lines, written incrementally so an interrupted run loses at most one batch):
+
+* line 1, the header: {"format": "midlayer-distill-v1", "base": drafters.base_signature(model, name),
+  "max_new_tokens", "stop_tokens", "weights"}. Resuming checks it: another model (dimensions, name or
+  LM-head probe) or other settings are refused with `DistillMismatchError`, because mixing responses of
+  two models or two length limits would silently give a draft the wrong target.
+* one line per prompt: {"id", "category", "split", "prompt_ids", "response_ids"}.
+
+Resuming skips ids already in the file. A last line cut off by an interruption (no trailing newline or
+not valid JSON) is dropped with a warning and the file truncated to the last complete record; damage
+anywhere else (header included) raises `DistillFormatError`, since guessing there could lose data.
+
+`python -m midlayer.distill --model smollm2-135m --out runs/distill/smollm2-135m.jsonl` builds the set for
+the full prompt set (`prompts.prompt_set()`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+import warnings
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .drafters import DraftMismatchError, base_signature, check_base
+from .generate import GenerationConfig, generate
+from .model import Transformer
+from .prompts import Prompt
+
+DISTILL_FORMAT = "midlayer-distill-v1"
+_SETTINGS = ("max_new_tokens", "stop_tokens", "weights")  # header fields that must match to resume
+
+
+class DistillFormatError(ValueError):
+    """The file is not a (readable) distillation file."""
+
+
+class DistillMismatchError(ValueError):
+    """The file was made by another base model or with other settings."""
+
+
+@dataclass
+class DistillRecord:
+    id: str
+    category: str
+    split: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+    def to_json(self) -> str:
+        # fixed key order and separators: a resumed run writes byte-identical lines
+        return json.dumps(asdict(self), separators=(",", ":"), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str) -> DistillRecord:
+        try:
+            rec = cls(str(d["id"]), str(d["category"]), str(d["split"]), d["prompt_ids"], d["response_ids"])
+        except (KeyError, TypeError) as e:
+            raise DistillFormatError(f"{where}: record lacks a field ({e!r}): {str(d)[:200]}") from e
+        for name in ("prompt_ids", "response_ids"):
+            v = getattr(rec, name)
+            if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+                raise DistillFormatError(f"{where}: {name} of {rec.id!r} is not a list of ints")
+        return rec
+
+
+def _header_line(header: dict[str, Any]) -> str:
+    return json.dumps(header, separators=(",", ":"), sort_keys=True)
+
+
+def _read(path: Path) -> tuple[dict[str, Any], list[DistillRecord], int, bool]:
+    """(header, records, byte length of the intact part, whether a damaged last line was found)."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")  # the last element is b"" when the file ends with a newline
+    try:
+        header = json.loads(lines[0].decode("utf-8"))
+        if len(lines) < 2:
+            raise ValueError("no newline after the header")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DistillFormatError(f"{path}: corrupt header line ({e}); this is not a complete distillation file, "
+                                 "delete it to start over") from e
+    if not isinstance(header, dict) or header.get("format") != DISTILL_FORMAT:
+        got = header.get("format") if isinstance(header, dict) else type(header).__name__
+        raise DistillFormatError(f"{path}: format {got!r}, expected {DISTILL_FORMAT!r}")
+    records: list[DistillRecord] = []
+    good = len(lines[0]) + 1
+    damaged = False
+    body = lines[1:]
+    for i, raw in enumerate(body):
+        is_last = i == len(body) - 1 or (i == len(body) - 2 and body[-1] == b"")
+        if raw == b"" and i == len(body) - 1:
+            break
+        try:
+            rec = DistillRecord.from_dict(json.loads(raw.decode("utf-8")), f"{path}:{i + 2}")
+            complete = i < len(body) - 1  # has its newline
+        except (ValueError, UnicodeDecodeError) as e:
+            if not is_last:
+                raise DistillFormatError(f"{path}:{i + 2}: corrupt record in the middle of the file ({e})") from e
+            complete = False
+        if not complete:
+            damaged = True
+            break
+        records.append(rec)
+        good += len(raw) + 1
+    ids = Counter(r.id for r in records)
+    dup = [k for k, c in ids.items() if c > 1]
+    if dup:
+        raise DistillFormatError(f"{path}: ids appear more than once: {dup[:5]}")
+    return header, records, good, damaged
+
+
+@dataclass
+class DistillSet:
+    """The records of a distillation file, with helpers for draft training."""
+
+    records: list[DistillRecord]
+    header: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> DistillSet:
+        """Read a file; a truncated last line is ignored with a warning (the file is not modified)."""
+        p = Path(path)
+        header, records, _, damaged = _read(p)
+        if damaged:
+            warnings.warn(f"{p}: ignoring a truncated last line (interrupted write)", stacklevel=2)
+        return cls(records, header, p)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def split(self, name: str) -> list[DistillRecord]:
+        """Records of one split ("train" or "heldout"), in file order."""
+        if name not in ("train", "heldout"):
+            raise ValueError(f"unknown split {name!r}: use 'train' or 'heldout'")
+        return [r for r in self.records if r.split == name]
+
+    def _pick(self, split: str | None) -> list[DistillRecord]:
+        return self.records if split is None else self.split(split)
+
+    def sequences(self, split: str | None = None) -> list[list[int]]:
+        """prompt_ids + response_ids per record (all records if split is None)."""
+        return [r.prompt_ids + r.response_ids for r in self._pick(split)]
+
+    def prompt_lens(self, split: str | None = None) -> list[int]:
+        """Prompt length per record, aligned with `sequences(split)` (the response starts there)."""
+        return [len(r.prompt_ids) for r in self._pick(split)]
+
+    @property
+    def stop_tokens(self) -> list[int]:
+        return list(self.header.get("stop_tokens", []))
+
+    @property
+    def pad_id(self) -> int:
+        """The id to pad training batches with: the smallest stop token (an EOS id), else 0."""
+        return min(self.stop_tokens) if self.stop_tokens else 0
+
+
+def _check_resumable(old: dict[str, Any], new: dict[str, Any], model: Transformer, name: str | None,
+                     path: Path) -> None:
+    try:
+        check_base(old.get("base", {}), model, name, str(path))
+    except (DraftMismatchError, KeyError, TypeError) as e:
+        raise DistillMismatchError(f"{path} was made by a different base model; use another --out or delete "
+                                   f"it ({e})") from e
+    for key in _SETTINGS:
+        if old.get(key) != new[key]:
+            raise DistillMismatchError(f"{path} was made with {key}={old.get(key)!r}, this run has "
+                                       f"{key}={new[key]!r}; use another output file or delete it")
+
+
+@torch.no_grad()
+def distill(model: Transformer, tok: Any, prompts: Sequence[Prompt], out_path: str | Path, *,
+            max_new_tokens: int = 128, batch_size: int = 8, weights_note: str = "fp32",
+            model_name: str | None = None, progress: bool = True) -> DistillSet:
+    """Greedy responses of `model` to each prompt (a chat user message), appended to `out_path` as JSON
+    lines; resumes an existing file made by the same model and settings. Returns the whole file's set.
+
+    `tok` needs `encode_chat(messages) -> list[int]` and `eos_ids`. `weights_note` names the weights'
+    precision (it changes greedy outputs, and the LM-head probe cannot tell fp32 from bf16).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    out = Path(out_path)
+    stop = tuple(sorted(int(t) for t in tok.eos_ids))
+    header = {"format": DISTILL_FORMAT, "base": base_signature(model, model_name),
+              "max_new_tokens": int(max_new_tokens), "stop_tokens": list(stop), "weights": weights_note}
+    ids = Counter(p.id for p in prompts)
+    if any(c > 1 for c in ids.values()):
+        raise ValueError(f"duplicate prompt ids: {[k for k, c in ids.items() if c > 1][:5]}")
+    # encode everything first: cheap, and a changed tokenizer/template is caught before any generation
+    encoded = {p.id: tok.encode_chat([{"role": "user", "content": p.text}]) for p in prompts}
+
+    done: set[str] = set()
+    if out.is_file() and out.stat().st_size > 0:
+        old, records, good, damaged = _read(out)
+        _check_resumable(old, header, model, model_name, out)
+        for r in records:
+            if r.id in encoded and r.prompt_ids != encoded[r.id]:
+                raise DistillMismatchError(f"{out}: prompt {r.id!r} was tokenised differently (another tokenizer "
+                                           "or prompt text); use another output file or delete it")
+        if damaged:
+            warnings.warn(f"{out}: dropping a truncated last line (interrupted write) and resuming", stacklevel=2)
+            with open(out, "r+b") as f:
+                f.truncate(good)
+        done = {r.id for r in records}
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(_header_line(header) + "\n", encoding="utf-8")
+
+    # similar lengths together: less padding per batch; (length, id) makes the order and so the file
+    # content independent of the order of `prompts`
+    pending = sorted((p for p in prompts if p.id not in done), key=lambda p: (len(encoded[p.id]), p.id))
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_tokens=stop)
+    from tqdm import tqdm
+
+    t0, new_tokens = time.perf_counter(), 0
+    with open(out, "a", encoding="utf-8") as f, \
+            tqdm(total=len(pending), unit="prompt", disable=not progress, desc="distill") as bar:
+        for i in range(0, len(pending), batch_size):
+            batch = pending[i:i + batch_size]
+            responses = generate(model, [encoded[p.id] for p in batch], cfg)
+            for p, resp in zip(batch, responses):
+                f.write(DistillRecord(p.id, p.category, p.split, encoded[p.id], resp).to_json() + "\n")
+            # one fsync per batch: an interruption loses at most this batch, and costs nothing next to it
+            f.flush()
+            os.fsync(f.fileno())
+            new_tokens += sum(len(r) for r in responses)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
+    return DistillSet.load(out)
+
+
+def batches(sequences: Sequence[Sequence[int]], batch_tokens: int, seq_len: int, seed: int, *,
+            pad_id: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Training batches for draft training: a list of (tokens [B, T] long, mask [B, T] bool).
+
+    Sequences are cut to their first `seq_len` tokens and grouped by length (ascending, ties broken by a
+    seeded draw) so little of a batch is padding; a batch takes sequences while B * T <= batch_tokens (T the
+    longest in it; at least one sequence per batch). Padding (right, with `pad_id`, e.g. an EOS id) has
+    mask False so losses can ignore it. Sequences shorter than 2 tokens give no next-token pair and are
+    dropped. The batch order is shuffled by `seed`; the same inputs and seed give the same batches.
+    """
+    if batch_tokens < 1 or seq_len < 2:
+        raise ValueError(f"need batch_tokens >= 1 and seq_len >= 2, got {batch_tokens}, {seq_len}")
+    seqs = [[int(t) for t in s[:seq_len]] for s in sequences if len(s) >= 2]
+    rng = random.Random(seed)
+    ties = [rng.random() for _ in seqs]
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), ties[i]))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * len(seqs[i]) > batch_tokens:  # ascending: seqs[i] is the longest so far
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    rng.shuffle(groups)
+    out = []
+    for g in groups:
+        T = max(len(seqs[i]) for i in g)
+        tokens = torch.full((len(g), T), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(g), T), dtype=torch.bool)
+        for b, i in enumerate(g):
+            tokens[b, :len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
+            mask[b, :len(seqs[i])] = True
+        out.append((tokens, mask))
+    return out
+
+
+def describe(ds: DistillSet) -> str:
+    """Counts per split: records, prompt/response tokens, share of responses that ended with a stop token."""
+    stop = set(ds.stop_tokens)
+    rows = []
+    for name in ("train", "heldout"):
+        recs = ds.split(name)
+        p = sum(len(r.prompt_ids) for r in recs)
+        g = sum(len(r.response_ids) for r in recs)
+        fin = sum(1 for r in recs if r.response_ids and r.response_ids[-1] in stop)
+        rows.append(f"{name:<8} {len(recs):>4} records  prompt tokens {p:>6}  response tokens {g:>6}  "
+                    f"ended by a stop token {fin}/{len(recs)}")
+    return "\n".join(rows)
+
+
+def _main(argv: list[str] | None = None) -> None:
+    from .pretrained import load_pretrained
+    from .prompts import prompt_set
+
+    ap = argparse.ArgumentParser(description="Generate the self-distillation set (greedy base responses).")
+    ap.add_argument("--model", required=True, help="pretrained name or path (see midlayer.pretrained)")
+    ap.add_argument("--out", required=True, help="JSON-lines output; resumed if it exists")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0, help="prompt-set seed (which Shakespeare passages)")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all), for quick tries")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    model, tok = load_pretrained(args.model, dtype)
+    if tok is None:
+        raise SystemExit(f"{args.model}: no tokenizer found; distillation needs one for the chat template")
+    model.to(args.device)
+    prompts = prompt_set(args.seed)
+    if args.limit:
+        prompts = prompts[:args.limit]
+    t0 = time.perf_counter()
+    ds = distill(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                 weights_note=args.dtype, model_name=args.model, progress=not args.no_progress)
+    print(f"{args.out}: {len(ds)} records, this run {time.perf_counter() - t0:.1f} s on {args.device}")
+    print(describe(ds))
+
+
+if __name__ == "__main__":
+    _main()
+
+
+__all__ = ["distill", "batches", "DistillSet", "DistillRecord", "DistillFormatError", "DistillMismatchError",
+           "describe", "DISTILL_FORMAT"]

@@ -1,0 +1,299 @@
+"""`midlayer train-draft`: train a drafter (hidden transfer, Medusa heads or an early-exit head) on a frozen
+base model by self-distillation, evaluate it on the held-out prompts, save only the draft weights.
+
+Data: a distillation file (`midlayer.distill`: the base model's own greedy responses to the prompt set of
+`midlayer.prompts`), split into train / held-out by prompt. Every method sees the same batches (same
+sequences, order and number of optimiser steps): the baselines get the same data and budget.
+
+Loss (Wu et al. 2024 sec. 3.3, and the same KL for the baselines): forward KL from the base model's own
+next-token distribution at the position a draft stands for to the draft's distribution, over real
+(non-padding) target positions. The base is frozen; Adam on the draft parameters only.
+
+Held-out metrics, written to `metrics.json` and into the draft's meta:
+  * `acc[d][r]`: fraction of held-out anchors whose rank-r draft candidate at depth d + 1 equals the base
+    model's argmax there (given the true prefix). acc[d][0] is the draft top-1 accuracy of step d + 1
+    (the paper's Fig. 3 probe); the rows feed `DraftTree.greedy_from_accuracies`. Early exit drafts
+    autoregressively, so only its depth-1 accuracy is defined here; the decode benchmark measures every
+    method's per-depth accuracy inside real decoding.
+  * hidden transfer only: `cosine[i][l]`, mean cosine similarity between the step-i pseudo state and the
+    real state of the position it stands for, entering block l (l = t_i .. L, L = final residual) -- Fig. 4.
+
+Resume: every `ckpt_every` steps the draft weights, the Adam state and the step are saved atomically to
+`out_dir/train_state.pt`; a rerun with the same settings continues from there (the batch sequence is a pure
+function of the seed and the step, so the continuation is the one an uninterrupted run would have made).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .checkpoint import atomic_write_bytes
+from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, early_exit_loss, medusa_loss,
+                       model_device, save_draft)
+from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
+from .model import Transformer
+
+METHODS = ("hidden-transfer", "medusa", "early-exit")
+
+
+def paper_layers(n_layers: int, k: int = 3) -> list[int]:
+    """Transfer layers at the paper's relative depths: steps 1 and 2 at blocks 15 and 20 of 32 (sec. 4.4,
+    Figs. 5-6), later steps at step 2's block (the paper names only two); SmolLM2 (30 blocks): 14, 19, 19."""
+    t1, t2 = round(n_layers * 15 / 32), round(n_layers * 20 / 32)
+    return [t1] + [t2] * (k - 1) if k > 1 else [t1]
+
+
+@dataclass
+class DraftTrainConfig:
+    method: str = "hidden-transfer"  # hidden-transfer | medusa | early-exit
+    model: str = "smollm2-135m"  # the frozen base: a short name, a Hugging Face folder or a .gguf file
+    data: str = "runs/distill/smollm2-135m.jsonl"  # a `midlayer.distill` file made with this base
+    out_dir: str = "runs/draft/hidden-transfer"
+    k: int = 3  # draft depth: transfer steps / Medusa heads (paper: 3)
+    layers: tuple[int, ...] = ()  # hidden transfer t_1..t_k; () = paper_layers(n_layers, k)
+    exit_layer: int = -1  # early exit: the block whose input residual is decoded; -1 = t_1 of paper_layers
+    masked: bool = False  # hidden transfer: the sec. 4.5 "masked" ablation (pseudo rows hide earlier steps)
+    schedule: str = "joint"  # hidden transfer: joint | sequential (the paper: one step after another)
+    epochs: float = 1.0  # passes over the training split (fractions allowed)
+    lr: float = 1e-3
+    batch_tokens: int = 1024  # tokens per batch (B * T)
+    seq_len: int = 256  # sequences cut to this many tokens
+    bf16: bool = True  # bf16 autocast for the frozen base's matmuls (CPUs with AMX, GPUs); the KL is fp32
+    seed: int = 0
+    ckpt_every: int = 20
+    max_eval_batches: int = 0  # 0: the whole held-out split
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.schedule not in ("joint", "sequential"):
+            raise ValueError(f"schedule must be 'joint' or 'sequential', got {self.schedule!r}")
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+        if self.epochs <= 0 or self.lr <= 0 or self.batch_tokens < 2 or self.seq_len < 2:
+            raise ValueError("epochs and lr must be > 0, batch_tokens and seq_len >= 2")
+        self.layers = tuple(int(t) for t in self.layers)
+
+
+def build_module(cfg: DraftTrainConfig, model: Transformer) -> nn.Module:
+    L = model.cfg.n_layers
+    if cfg.method == "hidden-transfer":
+        layers = list(cfg.layers) or paper_layers(L, cfg.k)
+        return HiddenTransfer(model.cfg.dim, layers, cfg.k, masked=cfg.masked)
+    if cfg.method == "medusa":
+        return MedusaHeads(model.cfg.dim, cfg.k)
+    layer = cfg.exit_layer if cfg.exit_layer >= 0 else paper_layers(L, 1)[0]
+    if not 0 < layer <= L:
+        raise ValueError(f"exit_layer must be in [1, {L}], got {layer}")
+    return EarlyExitHead(model.cfg.dim, layer)
+
+
+def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
+          phase: int) -> tuple[torch.Tensor, list[float]]:
+    if cfg.method == "hidden-transfer":
+        if phase:  # sequential: step `phase` alone, later steps' rows not even built
+            return hidden_transfer_loss(model, module, tokens, n_steps=phase, only_step=phase, mask=mask)
+        return hidden_transfer_loss(model, module, tokens, mask=mask)
+    if cfg.method == "medusa":
+        return medusa_loss(model, module, tokens, mask=mask)
+    return early_exit_loss(model, module, tokens, mask=mask)
+
+
+def _phases(cfg: DraftTrainConfig, total: int) -> list[tuple[int, int]]:
+    """(phase, steps): phase 0 = all parameters; sequential hidden transfer: phase i trains W_i only."""
+    if cfg.method == "hidden-transfer" and cfg.schedule == "sequential":
+        return [(i, total // cfg.k + (1 if i - 1 < total % cfg.k else 0)) for i in range(1, cfg.k + 1)]
+    return [(0, total)]
+
+
+def _trainable(cfg: DraftTrainConfig, module: nn.Module, phase: int) -> list[nn.Parameter]:
+    if phase:
+        return [module.maps[phase - 1].weight]
+    return list(module.parameters())
+
+
+# ================================================================================================ eval
+@torch.no_grad()
+def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module,
+                    batches: list[tuple[torch.Tensor, torch.Tensor]], ranks: int = 4) -> dict[str, Any]:
+    """acc[d][r] (per-rank accuracy at depth d + 1), the KL per step, and for hidden transfer the cosine
+    similarity of pseudo vs real states by block (module docstring)."""
+    dev = model_device(model)
+    hits: list[torch.Tensor] = []
+    counts: list[float] = []
+    L = model.cfg.n_layers
+    cos_sum: dict[tuple[int, int], float] = {}
+    cos_n: dict[tuple[int, int], float] = {}
+    with FrozenBase(model):
+        for tokens, mask in batches:
+            tokens, mask = tokens.to(dev), mask.to(dev)
+            T = tokens.shape[1]
+            pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (draft logits, target, valid)
+            if cfg.method == "hidden-transfer":
+                states: dict[int, torch.Tensor] = {}
+                real, pseudo = transfer_forward(model, module, tokens, collect=states)
+                for i, p in enumerate(pseudo, start=1):
+                    pairs.append((p, real[:, i:].argmax(-1), mask[:, i:]))
+                    # Fig. 4: the step-i pseudo row of anchor j vs the real row at j + i, entering each block.
+                    anchor, step = states["anchor"], states["step"]
+                    rows = (step == i).nonzero().flatten()
+                    tgt = anchor[rows] + i
+                    for layer in range(module.layers[i - 1], L + 1):
+                        x = states[layer]
+                        c = torch.cosine_similarity(x[:, rows].float(), x[:, tgt].float(), dim=-1)
+                        w = mask[:, i:].float()
+                        cos_sum[(i, layer)] = cos_sum.get((i, layer), 0.0) + float((c * w).sum())
+                        cos_n[(i, layer)] = cos_n.get((i, layer), 0.0) + float(w.sum())
+            else:
+                logits, hs = base_states(model, tokens)
+                target = logits.argmax(-1)
+                if cfg.method == "medusa":
+                    for i in range(module.k):
+                        A = T - 1 - i
+                        if A > 0:
+                            pairs.append((module.logits(model, hs[-1][:, :A], i), target[:, 1 + i:], mask[:, 1 + i:]))
+                else:
+                    pairs.append((module.logits(model, hs[module.layer]), target, mask))
+            for d, (lg, tgt, valid) in enumerate(pairs):
+                top = lg.float().topk(ranks, -1).indices  # [B, A, ranks]
+                h = ((top == tgt[..., None]) & valid[..., None]).sum((0, 1)).float().cpu()
+                if d >= len(hits):
+                    hits.append(torch.zeros(ranks))
+                    counts.append(0.0)
+                hits[d] += h
+                counts[d] += float(valid.sum())
+    acc = [[round(float(x) / max(c, 1.0), 4) for x in h] for h, c in zip(hits, counts)]
+    out: dict[str, Any] = {"acc": acc, "top1": [a[0] for a in acc], "anchors": counts}
+    if cos_sum:
+        steps = sorted({i for i, _ in cos_sum})
+        out["cosine"] = {str(i): {str(layer): round(cos_sum[(i, layer)] / max(cos_n[(i, layer)], 1.0), 4)
+                                  for (j, layer) in sorted(cos_sum) if j == i} for i in steps}
+    return out
+
+
+# =============================================================================================== train
+@dataclass
+class DraftRun:
+    module: nn.Module
+    metrics: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    out_dir: Path | None = None
+
+
+def _state_path(out: Path) -> Path:
+    return out / "train_state.pt"
+
+
+def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: Any = None, *,
+                progress: bool = True, stop_after: int | None = None,
+                log: Callable[[str], None] = print) -> DraftRun:
+    """Train, evaluate on held-out, save (module docstring). `model`/`data` (a DistillSet) may be given to
+    skip loading; `stop_after` stops after that many steps in this call (for tests of resume)."""
+    from .distill import DistillSet, batches as make_batches
+
+    if model is None:
+        from .pretrained import load_pretrained
+
+        model = load_pretrained(cfg.model)[0]
+    model.eval()
+    ds = data if data is not None else DistillSet.load(cfg.data)
+    train_b = make_batches(ds.sequences("train"), cfg.batch_tokens, cfg.seq_len, cfg.seed, pad_id=ds.pad_id)
+    held_b = make_batches(ds.sequences("heldout"), cfg.batch_tokens, cfg.seq_len, cfg.seed, pad_id=ds.pad_id)
+    if not train_b or not held_b:
+        raise ValueError(f"{cfg.data}: needs records in both the train and the heldout split")
+    if cfg.max_eval_batches:
+        held_b = held_b[:cfg.max_eval_batches]
+    total = max(1, math.ceil(cfg.epochs * len(train_b)))
+    torch.manual_seed(cfg.seed)
+    module = build_module(cfg, model).to(model_device(model))
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    phases = _phases(cfg, total)
+    step, history, opt_state = 0, [], None
+    sp = _state_path(out)
+    settings = dataclasses.asdict(cfg)
+    if sp.is_file():
+        st = torch.load(sp, map_location="cpu", weights_only=False)
+        if st.get("settings") != settings:
+            raise ValueError(f"{sp}: made with other settings; use another --out-dir or delete it to start over")
+        module.load_state_dict(st["module"])
+        step, history, opt_state = st["step"], st["history"], st["opt"]
+        log(f"resuming {cfg.method} at step {step}/{total}")
+    autocast = torch.autocast(model_device(model).type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    t0 = time.time()
+    done_here = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=step, desc=f"train-draft {cfg.method}", unit="step")
+    with FrozenBase(model):
+        first = 0
+        for phase, n in phases:
+            if step >= first + n:
+                first += n
+                continue
+            params = _trainable(cfg, module, phase)
+            for p in module.parameters():
+                p.requires_grad_(False)
+            for p in params:
+                p.requires_grad_(True)
+            opt = torch.optim.Adam(params, lr=cfg.lr)
+            if opt_state is not None and opt_state.get("phase") == phase:
+                opt.load_state_dict(opt_state["state"])
+            module.train()
+            while step < first + n:
+                tokens, mask = train_b[step % len(train_b)]
+                dev = model_device(model)
+                with torch.enable_grad(), autocast:
+                    loss, per = _loss(cfg, model, module, tokens.to(dev), mask.to(dev), phase)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                step += 1
+                done_here += 1
+                history.append({"step": step, "phase": phase, "loss": float(loss.detach()), "per_step": per})
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+                last = step == first + n
+                if step % cfg.ckpt_every == 0 or last or (stop_after and done_here >= stop_after):
+                    state = {"settings": settings, "module": module.state_dict(), "step": step, "history": history,
+                             "opt": {"phase": phase if not last else -1, "state": opt.state_dict()}}
+                    atomic_write_bytes(sp, lambda tmp: torch.save(state, tmp))
+                if stop_after and done_here >= stop_after and step < total:
+                    if bar is not None:
+                        bar.close()
+                    return DraftRun(module, {}, history, out)
+            first += n
+            opt_state = None
+    if bar is not None:
+        bar.close()
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    train_s = time.time() - t0
+    with autocast:
+        metrics = heldout_metrics(cfg, model, module, held_b)
+    metrics.update(steps=total, train_seconds_this_call=round(train_s, 1), train_batches=len(train_b),
+                   heldout_batches=len(held_b), final_loss=history[-1]["loss"] if history else None,
+                   settings=settings, data_header={k: ds.header.get(k) for k in ("model_name", "max_new_tokens")})
+    save_draft(out, module, {"train": settings, "heldout": metrics}, base=model,
+               base_name=cfg.model if not Path(cfg.model).exists() else None)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    (out / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    log(f"{cfg.method}: held-out top-1 per step {metrics['top1']}; saved to {out}")
+    return DraftRun(module, metrics, history, out)
+
+
+__all__ = ["DraftTrainConfig", "train_draft", "heldout_metrics", "paper_layers", "build_module", "METHODS"]
