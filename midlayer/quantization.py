@@ -3,9 +3,9 @@
 Batch-1 decoding reads every weight once per token, so its speed is set by the bytes of the weights, not
 by FLOPs (MACHINE.md: fp32 GEMV streams ~23 GB/s here). Weight-only formats keep activations, the residual
 stream, norms, softmax and the KV cache in the model's dtype (fp32) and store only the linear weights
-compactly; each linear casts its input to bf16, multiplies, and returns in the input's dtype. Keeping the
-residual in fp32 matters: SmolLM2's residual reaches |h| ~ 770, where bf16's spacing is 4, and a bf16
-residual stream turns its greedy answers to nonsense (measured; see docs/results/decode-cpu.md).
+compactly; each linear casts its input to bf16, multiplies, and returns in the input's dtype. The
+residual stays fp32 because SmolLM2's reaches |h| ~ 25,000 in its middle blocks, where bf16's spacing is
+128.
 
 Formats (`weights=` setting of `midlayer generate` / `bench generate`):
   * `fp32`: unchanged (the exact mode: equals transformers' fp32 forward to ~1e-4).

