@@ -425,3 +425,28 @@ def test_save_load_roundtrip_and_refusals(tmp_path):
         load_draft(tmp_path / "missing", model)
     with pytest.raises(ValueError, match="not a draft module"):
         save_draft(tmp_path / "x", torch.nn.Linear(2, 2), base=model)
+
+
+def test_draft_recorder_scores_per_depth_accuracy():
+    """The benchmark's per-depth accuracy: an oracle scores 1 at every depth, a random drafter ~0, and the
+    recorder passes the fused-drafter hooks through (same output, same rounds as the bare drafter)."""
+    from midlayer.bench import DraftRecorder
+    from midlayer.speculative import OracleDrafter, RandomDrafter
+
+    model = MODELS[False]
+    ref = greedy(model, PROMPT, 20)
+    full = PROMPT + ref
+    rec = DraftRecorder(OracleDrafter(full, V))
+    out, _ = speculative_generate(model, PROMPT, rec, SMALL_TREE, 20)
+    hits, counts = rec.accuracy(full, 3)
+    assert out == ref and hits == counts and counts[0] > 0
+    rec = DraftRecorder(RandomDrafter(V, seed=1))
+    speculative_generate(model, PROMPT, rec, SMALL_TREE, 20)
+    hits, counts = rec.accuracy(full, 3)
+    assert sum(hits) <= 2 and counts[0] >= 15  # ~one round per token; the last is pruned to depth 0
+    ht = HiddenTransferDrafter(model, perturbed_transfer([1, 2, 3]))
+    rec = DraftRecorder(ht)
+    assert rec.fused and rec.fused_rows == ht.fused_rows
+    a, sa = speculative_generate(model, PROMPT, rec, SMALL_TREE, 20)
+    b, sb = speculative_generate(model, PROMPT, ht, SMALL_TREE, 20)
+    assert a == b == ref and sa.accept_hist == sb.accept_hist
