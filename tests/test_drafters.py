@@ -18,6 +18,7 @@ from midlayer.hidden_transfer import (HiddenTransfer, HiddenTransferDrafter, dra
                                       training_mask, training_rows, transfer_forward, tree_visible, visible)
 from midlayer.kv_cache import KVCache
 from midlayer.model import Transformer
+from tiny_models import make_tiny
 from midlayer.speculative import DraftContext, DraftTree, speculative_generate
 
 V = 64
@@ -28,14 +29,7 @@ TREES = {"chain3": DraftTree.chain(3), "tree6": SMALL_TREE}
 
 
 def make(gating: bool, seed: int = 0, **over) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**{**TINY, "gating": gating, **over})).eval()
-    if gating:  # strong routers: many gates exactly 0 (real skipping), others fractional (as test_speculative)
-        with torch.no_grad():
-            for i, r in enumerate(model.routers):
-                r.weight.normal_(0, 0.4)
-                r.bias.fill_(0.1 * i)
-    return model
+    return make_tiny(TINY, gating, seed, **over)
 
 
 MODELS = {g: make(g) for g in (False, True)}

@@ -8,21 +8,13 @@ from midlayer.generate import (GenerationConfig, forward_cached, generate, gener
                                sample_next)
 from midlayer.kv_cache import KVCache
 from midlayer.model import Transformer
+from tiny_models import make_tiny
 
 SMALL = dict(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=48, multiple_of=16)
 
 
 def make(gating=True, seed=0, sparse=True, **kw) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**{**SMALL, "gating": gating, **kw})).eval()
-    if gating and sparse:
-        # Routers strong enough that many tokens reach S >= 1 (gate exactly 0) at various blocks, while
-        # others keep fractional gates: every code path of real skipping is exercised.
-        with torch.no_grad():
-            for i, r in enumerate(model.routers):
-                r.weight.normal_(0, 0.4)
-                r.bias.fill_(0.1 * i)
-    return model
+    return make_tiny(SMALL, gating, seed, sparse, **kw)
 
 
 def test_fixture_gates_are_mixed():

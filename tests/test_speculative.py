@@ -11,6 +11,7 @@ from midlayer.config import ModelConfig
 from midlayer.generate import GenerationConfig, forward_cached, generate
 from midlayer.kv_cache import KVCache
 from midlayer.model import Transformer
+from tiny_models import make_tiny
 from midlayer.speculative import (Draft, DraftContext, DraftTree, OracleDrafter, RandomDrafter, SpecStats,
                                   accept_among, candidates_from_topk, speculative_accept, speculative_generate,
                                   verify_tree)
@@ -21,16 +22,7 @@ MEDUSA_LIKE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 
 
 def make(gating: bool, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**{**TINY, "gating": gating})).eval()
-    if gating:
-        # Routers strong enough that many tokens reach a gate of exactly 0 (real skipping: no K/V, no compute)
-        # while others keep fractional gates, as in test_generate.
-        with torch.no_grad():
-            for i, r in enumerate(model.routers):
-                r.weight.normal_(0, 0.4)
-                r.bias.fill_(0.1 * i)
-    return model
+    return make_tiny(TINY, gating, seed)
 
 
 MODELS = {g: make(g) for g in (False, True)}
