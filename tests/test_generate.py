@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from midlayer.config import ModelConfig
 from midlayer.generate import (GenerationConfig, forward_cached, generate, generate_naive, generate_stream,
                                sample_next)
 from midlayer.kv_cache import KVCache

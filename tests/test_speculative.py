@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from midlayer.config import ModelConfig
 from midlayer.generate import GenerationConfig, forward_cached, generate
 from midlayer.kv_cache import KVCache
 from midlayer.model import Transformer
