@@ -424,4 +424,42 @@ def speculative_table(r: dict) -> str:
 
 
 __all__ = ["bench_skipping", "skipping_table", "bench_decode", "decode_table", "gemv_bandwidth",
-           "force_skip_fraction", "first_divergence", "bench_speculative", "speculative_table", "DraftRecorder"]
+           "force_skip_fraction", "first_divergence", "bench_speculative", "speculative_table", "DraftRecorder",
+           "bench_rows", "rows_table"]
+
+
+def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("fp32", "bf16", "int4"),
+               rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32), context: int = 128, repeats: int = 5) -> dict:
+    """Time of one cached forward over T new rows (after a `context`-token prefill) per weight format: what
+    a verification round costs relative to a one-token decode step. Speculative decoding's speedup is at
+    most tau / (cost of its forward / cost of one step)."""
+    from .pretrained import load_pretrained
+    from .quantization import compress_weights
+
+    out: dict = {"model": model_name, "context": context, "rows": list(rows), "ms": {}}
+    for fmt in formats:
+        model = compress_weights(load_pretrained(model_name)[0], fmt).eval()
+        ids = torch.randint(0, model.cfg.vocab_size, (1, context + max(rows)), generator=torch.Generator().manual_seed(0))
+        cache = KVCache.for_model(model.cfg, 1, context + max(rows))
+        forward_cached(model, ids[:, :context], cache, torch.arange(context)[None], last_only=True)
+        times = []
+        for T in rows:
+            pos = torch.arange(context, context + T)[None]
+
+            def step(T=T, pos=pos):
+                cache.truncate(context)
+                forward_cached(model, ids[:, context:context + T], cache, pos)
+
+            step()
+            times.append(1e3 * _median_time(step, repeats))
+        out["ms"][fmt] = times
+    return out
+
+
+def rows_table(r: dict) -> str:
+    out = [f"{r['model']}: one cached forward over T new rows after a {r['context']}-token context, ms (and x the "
+           "one-row step)", "", "| weights | " + " | ".join(f"T={t}" for t in r["rows"]) + " |",
+           "|---|" + "---|" * len(r["rows"])]
+    for fmt, ms in r["ms"].items():
+        out.append(f"| {fmt} | " + " | ".join(f"{m:.1f} ({m / ms[0]:.2f}x)" for m in ms) + " |")
+    return "\n".join(out)

@@ -149,7 +149,8 @@ def _add_generate_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print a table")
     bsub = p.add_subparsers(dest="bench", required=True)
     b = bsub.add_parser("generate", help="decode speed vs transformers, and real skipping vs the FLOPs model")
-    b.add_argument("--what", choices=["decode", "skipping", "all"], default="all")
+    b.add_argument("--what", choices=["decode", "skipping", "rows", "all"], default="all",
+                   help="rows: cost of a forward over T rows vs one row, per weight format (what verification costs)")
     b.add_argument("--model", default="smollm2-135m", help="pretrained model for the decode benchmark")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--preset", default="paper-12l", help="gated preset for the skipping benchmark")
@@ -347,6 +348,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--weights: unknown format(s) {bad}; choose from {', '.join(WEIGHT_FORMATS)}")
         r = bench.bench_decode(args.model, new_tokens=args.new_tokens, repeats=args.repeats, formats=formats)
         print(bench.decode_table(r))
+        print()
+    if args.what in ("rows", "all"):
+        formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
+        print(bench.rows_table(bench.bench_rows(args.model, formats, repeats=args.repeats + 2)))
         print()
     if args.what in ("skipping", "all"):
         fractions = tuple(float(x) for x in args.fractions.split(","))

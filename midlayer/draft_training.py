@@ -9,7 +9,8 @@ Loss (Wu et al. 2024 sec. 3.3, and the same KL for the baselines): forward KL fr
 next-token distribution at the position a draft stands for to the draft's distribution, over real
 (non-padding) target positions. The base is frozen; Adam on the draft parameters only.
 
-Held-out metrics, written to `metrics.json` and into the draft's meta:
+Held-out metrics, written to `metrics.json` and into the draft's meta, over the drafts of *response*
+tokens of the held-out records (`response_batches`):
   * `acc[d][r]`: fraction of held-out anchors whose rank-r draft candidate at depth d + 1 equals the base
     model's argmax there (given the true prefix). acc[d][0] is the draft top-1 accuracy of step d + 1
     (the paper's Fig. 3 probe); the rows feed `DraftTree.greedy_from_accuracies`. Early exit drafts
@@ -70,7 +71,7 @@ class DraftTrainConfig:
     bf16: bool = True  # bf16 autocast for the frozen base's matmuls (CPUs with AMX, GPUs); the KL is fp32
     seed: int = 0
     ckpt_every: int = 20
-    max_eval_batches: int = 0  # 0: the whole held-out split
+    max_eval_batches: int = 0  # held-out records to evaluate (one per batch); 0: all
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -122,6 +123,52 @@ def _trainable(cfg: DraftTrainConfig, module: nn.Module, phase: int) -> list[nn.
 
 
 # ================================================================================================ eval
+def response_batches(ds: Any, seq_len: int, limit: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Held-out records one per batch, masked so that only drafts of *response* tokens count: position t is
+    valid iff the token the base predicts there (index t + 1) is a response token or the one after the
+    response. Prompt positions -- SmolLM2's chat template repeats a fixed system prompt -- are far easier
+    to predict and are never drafted at decode time, so they would inflate the accuracies."""
+    out = []
+    for seq, P in zip(ds.sequences("heldout"), ds.prompt_lens("heldout")):
+        seq = seq[:seq_len]
+        if len(seq) <= P:
+            continue
+        t = torch.arange(len(seq))
+        out.append((torch.tensor([seq]), (t >= P - 1)[None]))
+        if limit and len(out) == limit:
+            break
+    return out
+
+
+def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any = None) -> dict[str, Any]:
+    """Recompute a saved draft's held-out metrics (e.g. after a change of the metric); rewrites
+    metrics.json and the draft's meta. Returns the metrics."""
+    from .distill import DistillSet
+    from .drafters import load_draft
+
+    out = Path(path)
+    meta = json.loads((out / "draft.json").read_text())["meta"]
+    cfg = DraftTrainConfig(**meta["train"])
+    if model is None:
+        from .pretrained import load_pretrained
+
+        model = load_pretrained(cfg.model)[0].eval()
+    module, _ = load_draft(out, model)
+    ds = data if data is not None else DistillSet.load(cfg.data)
+    autocast = torch.autocast(model_device(model).type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    with autocast:
+        metrics = heldout_metrics(cfg, model, module, response_batches(ds, cfg.seq_len, cfg.max_eval_batches))
+    old = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else {}
+    for key in ("steps", "train_seconds_this_call", "train_batches", "final_loss", "settings", "data_header"):
+        if key in old:
+            metrics[key] = old[key]
+    metrics["heldout_batches"] = len(response_batches(ds, cfg.seq_len, cfg.max_eval_batches))
+    save_draft(out, module, {"train": meta["train"], "heldout": metrics}, base=model,
+               base_name=cfg.model if not Path(cfg.model).exists() else None)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
 @torch.no_grad()
 def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module,
                     batches: list[tuple[torch.Tensor, torch.Tensor]], ranks: int = 4) -> dict[str, Any]:
@@ -207,11 +254,9 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
     model.eval()
     ds = data if data is not None else DistillSet.load(cfg.data)
     train_b = make_batches(ds.sequences("train"), cfg.batch_tokens, cfg.seq_len, cfg.seed, pad_id=ds.pad_id)
-    held_b = make_batches(ds.sequences("heldout"), cfg.batch_tokens, cfg.seq_len, cfg.seed, pad_id=ds.pad_id)
+    held_b = response_batches(ds, cfg.seq_len, cfg.max_eval_batches)
     if not train_b or not held_b:
         raise ValueError(f"{cfg.data}: needs records in both the train and the heldout split")
-    if cfg.max_eval_batches:
-        held_b = held_b[:cfg.max_eval_batches]
     total = max(1, math.ceil(cfg.epochs * len(train_b)))
     torch.manual_seed(cfg.seed)
     module = build_module(cfg, model).to(model_device(model))
@@ -296,4 +341,4 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
     return DraftRun(module, metrics, history, out)
 
 
-__all__ = ["DraftTrainConfig", "train_draft", "heldout_metrics", "paper_layers", "build_module", "METHODS"]
+__all__ = ["DraftTrainConfig", "train_draft", "heldout_metrics", "evaluate_draft", "response_batches", "paper_layers", "build_module", "METHODS"]

@@ -111,3 +111,22 @@ def test_bad_settings_are_refused():
         DraftTrainConfig(method="eagle")
     with pytest.raises(ValueError, match="schedule"):
         DraftTrainConfig(schedule="random")
+
+
+def test_heldout_metrics_count_only_response_drafts(tmp_path):
+    """Held-out accuracy covers the drafts of response tokens only: position t counts iff token t + 1 is
+    a response token (or the one after the response)."""
+    from midlayer.draft_training import evaluate_draft, response_batches
+
+    data = tiny_data()
+    batches = response_batches(data, 32)
+    held = data.split("heldout")
+    assert len(batches) == len(held)
+    for (tokens, mask), rec in zip(batches, held):
+        P, L = len(rec.prompt_ids), len(rec.prompt_ids) + len(rec.response_ids)
+        assert tokens[0].tolist() == (rec.prompt_ids + rec.response_ids)[:32]
+        assert mask[0].tolist() == [t >= P - 1 for t in range(min(L, 32))]
+    base = tiny_base()
+    run = train_draft(cfg(tmp_path, "medusa", epochs=1), base, data, progress=False, log=lambda s: None)
+    again = evaluate_draft(tmp_path / "medusa", base, data)
+    assert again["acc"] == run.metrics["acc"] and again["steps"] == run.metrics["steps"]
