@@ -38,7 +38,7 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str]) -
         for f in dataclasses.fields(cls):
             typ = hints[f.name]
             default = f.default
-            help_text = f"default {default!r} (before the preset's overrides)"
+            help_text = f"default {default!r}" + (" (before the preset's overrides)" if section != "draft" else "")
             if typ is bool:
                 group.add_argument(flag_name(f.name), dest=f"{section}.{f.name}", default=None,
                                    action=argparse.BooleanOptionalAction, help=help_text)
