@@ -6,7 +6,7 @@ Reads the held-out metrics each run saved (`runs/draft/<name>/metrics.json`) and
   * Figs. 5-6: step-1 accuracy by its transfer block (k = 1 runs), step-2 accuracy by its block (t_1 = 14);
   * masked vs not masked, joint vs sequential training.
 
-    .venv/bin/python benchmarks/draft_analyses.py [--root runs/draft]
+    .venv/bin/python benchmarks/draft_analyses.py [--root runs/draft] [--fig5 fig5-e2 --fig6 fig6-e2]
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ def pct(x: float | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", default="runs/draft")
-    root = Path(ap.parse_args().root)
+    ap.add_argument("--fig5", default="fig5", help="run-name prefix of the step-1 layer study (PREFIX-tT)")
+    ap.add_argument("--fig6", default="fig6", help="run-name prefix of the step-2 layer study (PREFIX-tT)")
+    args = ap.parse_args()
+    root = Path(args.root)
     out: list[str] = []
 
     out += ["### Draft top-1 accuracy per step, held-out (Fig. 3)", "",
@@ -53,13 +56,13 @@ def main() -> None:
             out.append(f"| {step} | " + " | ".join(f"{c[str(layer)]:.3f}" if str(layer) in c else "" for layer in layers) + " |")
         out += ["", "(block 30 = the final residual, before the last norm)", ""]
 
-    rows = [(t, load(root, f"fig5-t{t}")) for t in (5, 10, 14, 20, 25)]
+    rows = [(t, load(root, f"{args.fig5}-t{t}")) for t in (5, 10, 14, 20, 25)]
     if any(m for _, m in rows):
         out += ["### Step-1 accuracy by transfer block, k = 1 (Fig. 5)", "", "| block t_1 | step-1 top-1 | steps |",
                 "|---|---|---|"]
         out += [f"| {t} | {pct(m['top1'][0])} | {m['steps']} |" for t, m in rows if m]
         out.append("")
-    rows = [(t, load(root, f"fig6-t{t}")) for t in (14, 19, 24)]
+    rows = [(t, load(root, f"{args.fig6}-t{t}")) for t in (14, 19, 24)]
     if any(m for _, m in rows):
         out += ["### Step-2 accuracy by its transfer block, t_1 = 14, k = 2 (Fig. 6)", "",
                 "| block t_2 | step-1 top-1 | step-2 top-1 | steps |", "|---|---|---|---|"]
