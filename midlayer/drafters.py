@@ -368,6 +368,20 @@ def base_states(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor,
     return out.logits, out.hidden_states
 
 
+@torch.no_grad()
+def lower_states(model: Transformer, tokens: torch.Tensor, upto: int) -> torch.Tensor:
+    """The residual entering block `upto` [B, T, d] of a dense base (causal attention, no cache): what a
+    drafter reading block `upto` or above can cache, since the frozen blocks below never change."""
+    if model.routers is not None:
+        raise ValueError("lower_states: gated bases need their gates from every lower block; run the full forward")
+    T = tokens.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    h = model.emb_norm(model.tok_embeddings(tokens))
+    for layer in range(upto):
+        h = model.layers[layer](h, cos, sin)
+    return h
+
+
 def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,
                 states: tuple[torch.Tensor, list[torch.Tensor]] | None = None, mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, list[float]]:
@@ -562,4 +576,4 @@ def load_drafter(path: str | Path, model: Transformer, base_name: str | None = N
 __all__ = ["MedusaHeads", "MedusaDrafter", "EarlyExitHead", "EarlyExitDrafter", "LayerSkipDrafter",
            "train_medusa", "train_early_exit", "medusa_loss", "early_exit_loss", "kl_to_base",
            "save_draft", "load_draft", "DraftMismatchError", "base_signature", "run_blocks_cached",
-           "draft_tree_autoregressive", "load_drafter"]
+           "draft_tree_autoregressive", "load_drafter", "lower_states"]

@@ -199,8 +199,8 @@ class HiddenTransfer(nn.Module):
 
 # ========================================================================================= training pass
 def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor, *,
-                     n_steps: int | None = None, all_anchors: bool = False, collect: dict | None = None
-                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                     n_steps: int | None = None, all_anchors: bool = False, collect: dict | None = None,
+                     start: tuple[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One forward over [real tokens ; pseudo rows of steps 1..n_steps] with the `visible` mask.
 
     tokens [B, T]. Returns (real logits [B, T, V] -- the base model's own, the teacher -- and for each step
@@ -210,6 +210,8 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     `collect` (a dict, for analysis): filled with the rows entering every block l (and l = L, the final
     residual) under key l, and the final "anchor" / "step" of each row (row indices never change once a
     row has joined).
+    `start` = (s, h): the real rows' residual entering block s <= t_1, cached from an earlier pass of the
+    frozen base (dense bases only: a gated base's gates need the blocks below); blocks < s are not run.
     """
     transfer.check_model(model)
     cfg = model.cfg
@@ -220,13 +222,19 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     B, T = tokens.shape
     if all_anchors and T - 1 + n_steps >= cfg.max_seq_len:
         raise ValueError(f"pseudo positions up to {T - 1 + n_steps} exceed the context {cfg.max_seq_len}")
-    x = model.emb_norm(model.tok_embeddings(tokens))
+    first = 0
+    if start is not None:
+        first, x = start
+        if model.routers is not None or first > min(transfer.layers[:n_steps]) or x.shape[:2] != (B, T):
+            raise ValueError("start: needs a dense base, a block <= t_1 and states [B, T, d] of the tokens")
+    else:
+        x = model.emb_norm(model.tok_embeddings(tokens))
     dev = x.device
     anchor = torch.arange(T, device=dev)
     step = torch.zeros(T, dtype=torch.long, device=dev)
     mask = cos = sin = None
     gates = MirroredGates(model.routers, L) if model.routers is not None else None
-    for layer in range(L + 1):
+    for layer in range(first, L + 1):
         for i in range(1, n_steps + 1):
             if transfer.layers[i - 1] != layer:
                 continue
@@ -260,13 +268,14 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
 
 def hidden_transfer_loss(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor, *,
                          n_steps: int | None = None, only_step: int | None = None,
-                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+                         mask: torch.Tensor | None = None, start: tuple[int, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, list[float]]:
     """sum_i KL(p_base(. | j+i) || p_pseudo(i, j)) averaged over anchors j with j + i < T (sec. 3.3).
 
     `only_step` restricts the sum to one step (the sequential schedule); the per-step KLs are returned
     for every computed step. `mask` [B, T]: real (non-padding) tokens; an anchor counts for step i only if
     its target position j + i is real (right padding: then so is the anchor)."""
-    real, pseudo = transfer_forward(model, transfer, tokens, n_steps=n_steps)
+    real, pseudo = transfer_forward(model, transfer, tokens, n_steps=n_steps, start=start)
     total = real.new_zeros((), dtype=torch.float32)
     per: list[float] = []
     for i, p in enumerate(pseudo, start=1):

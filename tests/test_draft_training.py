@@ -130,3 +130,30 @@ def test_heldout_metrics_count_only_response_drafts(tmp_path):
     run = train_draft(cfg(tmp_path, "medusa", epochs=1), base, data, progress=False, log=lambda s: None)
     again = evaluate_draft(tmp_path / "medusa", base, data)
     assert again["acc"] == run.metrics["acc"] and again["steps"] == run.metrics["steps"]
+
+
+@pytest.mark.parametrize("method", ["hidden-transfer", "medusa", "early-exit"])
+def test_cached_frozen_states_give_the_same_loss(tmp_path, method):
+    """Reusing the frozen base's states (FrozenStates) changes nothing but the cost: the loss and its
+    gradient equal the ones computed from scratch."""
+    from midlayer.draft_training import FrozenStates, _loss, build_module
+
+    base = tiny_base()
+    c = cfg(tmp_path, method)
+    module = build_module(c, base)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tokens = torch.randint(0, V, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    frozen = FrozenStates(c, base, module)
+    grads = []
+    for cached in (None, frozen.get(0, tokens), frozen.get(0, tokens)):  # fresh, cached, reused
+        module.zero_grad()
+        loss, _ = _loss(c, base, module, tokens, mask, 0, cached)
+        loss.backward()
+        grads.append((float(loss), [p.grad.clone() for p in module.parameters()]))
+    assert len(frozen.store) == 1
+    for value, g in grads[1:]:
+        assert abs(value - grads[0][0]) < 1e-5
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g, grads[0][1]))
