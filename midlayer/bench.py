@@ -11,6 +11,7 @@ run on one machine, interleaving the things compared so that drift on a shared m
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from typing import Callable
@@ -169,11 +170,9 @@ def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats
     from .quantization import compress_weights, weight_bytes
 
     prompts = prompts or CHAT_PROMPTS
-    models = {}
-    for fmt in formats:
-        m, tok = load_pretrained(model_name)
-        models[fmt] = compress_weights(m, fmt).eval()
-    ref_model = load_pretrained(model_name)[0].eval()  # fp32, for the near-tie margins
+    ref_model, tok = load_pretrained(model_name)  # fp32, kept as loaded: the near-tie margins
+    ref_model.eval()
+    models = {fmt: compress_weights(copy.deepcopy(ref_model), fmt).eval() for fmt in formats}
     encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     hf = _load_hf_same_weights(resolve_pretrained(model_name).path)
     cfg = GenerationConfig(max_new_tokens=new_tokens)
@@ -255,8 +254,6 @@ def decode_table(r: dict) -> str:
     return "\n".join(out)
 
 
-
-
 # --------------------------------------------------------------------------------- speculative decode
 class DraftRecorder:
     """Wraps a drafter; records, per round, the position of the pending token and the rank-0 candidate of
@@ -307,6 +304,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     Medusa's, so every method runs the same tree size).
     """
     from .drafters import LayerSkipDrafter, load_drafter
+    from .hidden_transfer import HiddenTransferDrafter
     from .pretrained import load_pretrained, resolve_pretrained
     from .prompts import prompt_set
     from .quantization import compress_weights
@@ -327,21 +325,21 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
                 chosen.append(by_cat[cat].pop(0))
     encoded = [tok.encode_chat([{"role": "user", "content": p.text}]) for p in chosen]
 
-    methods: dict[str, tuple] = {}  # label -> (drafter factory, meta acc or None)
-    accs: dict[str, list] = {}
+    methods: dict[str, tuple] = {}  # label -> (drafter, draft depth k); drafters keep no per-run state
+    accs: dict[str, list] = {}  # label -> held-out per-rank accuracies (for sparse trees)
     for label, path in (drafts or {}).items():
         d, module, meta = load_drafter(path, model)
         acc = meta.get("heldout", {}).get("acc")
         k = getattr(module, "k", None) or len(acc or [])
-        methods[label] = (lambda path=path: load_drafter(path, model)[0], k)
+        methods[label] = (d, k)
         if acc and len(acc) > 1:
             accs[label] = acc
-        if type(d).__name__ == "HiddenTransferDrafter":
-            methods[f"{label}-separate"] = (lambda path=path: load_drafter(path, model, fused=False)[0], k)
+        if isinstance(d, HiddenTransferDrafter):
+            methods[f"{label}-separate"] = (HiddenTransferDrafter(model, module, fused=False), k)
     depth = max([k for _, k in methods.values()] + [3])
     if layer_skip is not None:
         a, b = layer_skip
-        methods[f"layer-skip {a}-{b - 1}"] = (lambda: LayerSkipDrafter(model, range(a, b)), depth)
+        methods[f"layer-skip {a}-{b - 1}"] = (LayerSkipDrafter(model, range(a, b)), depth)
 
     def tree_for(label: str, k: int) -> DraftTree:
         if tree == "chain":
@@ -381,8 +379,8 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
             rows["transformers"]["time"] += time.perf_counter() - t
             rows["transformers"]["tokens"] += len(out)
             rows["transformers"]["equal"] += int(out == plain)
-        for label, (make, k) in methods.items():
-            rec = DraftRecorder(make())
+        for label, (drafter, k) in methods.items():
+            rec = DraftRecorder(drafter)
             tr = tree_for(label, k)
             rows[label]["tree"] = len(tr)
             t = time.perf_counter()
@@ -423,11 +421,6 @@ def speculative_table(r: dict) -> str:
     return "\n".join(out)
 
 
-__all__ = ["bench_skipping", "skipping_table", "bench_decode", "decode_table", "gemv_bandwidth",
-           "force_skip_fraction", "first_divergence", "bench_speculative", "speculative_table", "DraftRecorder",
-           "bench_rows", "rows_table"]
-
-
 def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("fp32", "bf16", "int4"),
                rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32), context: int = 128, repeats: int = 5) -> dict:
     """Time of one cached forward over T new rows (after a `context`-token prefill) per weight format: what
@@ -437,8 +430,9 @@ def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("fp
     from .quantization import compress_weights
 
     out: dict = {"model": model_name, "context": context, "rows": list(rows), "ms": {}}
+    base = load_pretrained(model_name)[0]
     for fmt in formats:
-        model = compress_weights(load_pretrained(model_name)[0], fmt).eval()
+        model = compress_weights(copy.deepcopy(base), fmt).eval()
         ids = torch.randint(0, model.cfg.vocab_size, (1, context + max(rows)), generator=torch.Generator().manual_seed(0))
         cache = KVCache.for_model(model.cfg, 1, context + max(rows))
         forward_cached(model, ids[:, :context], cache, torch.arange(context)[None], last_only=True)
@@ -463,3 +457,8 @@ def rows_table(r: dict) -> str:
     for fmt, ms in r["ms"].items():
         out.append(f"| {fmt} | " + " | ".join(f"{m:.1f} ({m / ms[0]:.2f}x)" for m in ms) + " |")
     return "\n".join(out)
+
+
+__all__ = ["bench_skipping", "skipping_table", "bench_decode", "decode_table", "gemv_bandwidth",
+           "force_skip_fraction", "first_divergence", "bench_speculative", "speculative_table", "DraftRecorder",
+           "bench_rows", "rows_table"]

@@ -341,16 +341,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             Path(args.output).write_text(json.dumps(r, indent=2))
         return 0
 
+    formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
+    bad = [f for f in formats if f not in WEIGHT_FORMATS]
+    if bad or not formats:
+        raise ValueError(f"--weights: unknown format(s) {bad}; choose from {', '.join(WEIGHT_FORMATS)}")
     if args.what in ("decode", "all"):
-        formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
-        bad = [f for f in formats if f not in WEIGHT_FORMATS]
-        if bad or not formats:
-            raise ValueError(f"--weights: unknown format(s) {bad}; choose from {', '.join(WEIGHT_FORMATS)}")
         r = bench.bench_decode(args.model, new_tokens=args.new_tokens, repeats=args.repeats, formats=formats)
         print(bench.decode_table(r))
         print()
     if args.what in ("rows", "all"):
-        formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
         print(bench.rows_table(bench.bench_rows(args.model, formats, repeats=args.repeats + 2)))
         print()
     if args.what in ("skipping", "all"):

@@ -200,25 +200,34 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
         model = load_pretrained(cfg.model)[0].eval()
     module, _ = load_draft(out, model)
     ds = data if data is not None else DistillSet.load(cfg.data)
-    autocast = torch.autocast(model_device(model).type, dtype=torch.bfloat16, enabled=cfg.bf16)
-    with autocast:
-        metrics = heldout_metrics(cfg, model, module, response_batches(ds, cfg.seq_len, cfg.max_eval_batches))
+    held = response_batches(ds, cfg.seq_len, cfg.max_eval_batches)
+    with _autocast(cfg, model):
+        metrics = heldout_metrics(cfg, model, module, held)
     old = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else {}
     for key in ("steps", "train_seconds_this_call", "train_batches", "final_loss", "settings", "data_header"):
         if key in old:
             metrics[key] = old[key]
-    metrics["heldout_batches"] = len(response_batches(ds, cfg.seq_len, cfg.max_eval_batches))
-    save_draft(out, module, {"train": meta["train"], "heldout": metrics}, base=model,
+    metrics["heldout_batches"] = len(held)
+    _save(cfg, out, model, module, metrics)
+    return metrics
+
+
+def _autocast(cfg: DraftTrainConfig, model: Transformer) -> torch.autocast:
+    return torch.autocast(model_device(model).type, dtype=torch.bfloat16, enabled=cfg.bf16)
+
+
+def _save(cfg: DraftTrainConfig, out: Path, model: Transformer, module: nn.Module, metrics: dict[str, Any]) -> None:
+    """The draft (weights + JSON with the training settings and held-out metrics) and metrics.json."""
+    save_draft(out, module, {"train": dataclasses.asdict(cfg), "heldout": metrics}, base=model,
                base_name=cfg.model if not Path(cfg.model).exists() else None)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    return metrics
 
 
 @torch.no_grad()
 def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module,
                     batches: list[tuple[torch.Tensor, torch.Tensor]], ranks: int = 4) -> dict[str, Any]:
-    """acc[d][r] (per-rank accuracy at depth d + 1), the KL per step, and for hidden transfer the cosine
-    similarity of pseudo vs real states by block (module docstring)."""
+    """acc[d][r] (per-rank accuracy at depth d + 1), top1, the anchors counted per depth, and for hidden
+    transfer the cosine similarity of pseudo vs real states by block (module docstring)."""
     dev = model_device(model)
     hits: list[torch.Tensor] = []
     counts: list[float] = []
@@ -318,7 +327,7 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
         module.load_state_dict(st["module"])
         step, history, opt_state = st["step"], st["history"], st["opt"]
         log(f"resuming {cfg.method} at step {step}/{total}")
-    autocast = torch.autocast(model_device(model).type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    autocast = _autocast(cfg, model)
     t0 = time.time()
     done_here = 0
     bar = None
@@ -382,9 +391,7 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
     metrics.update(steps=total, train_seconds_this_call=round(train_s, 1), train_batches=len(train_b),
                    heldout_batches=len(held_b), final_loss=history[-1]["loss"] if history else None,
                    settings=settings, data_header={k: ds.header.get(k) for k in ("model_name", "max_new_tokens")})
-    save_draft(out, module, {"train": settings, "heldout": metrics}, base=model,
-               base_name=cfg.model if not Path(cfg.model).exists() else None)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    _save(cfg, out, model, module, metrics)
     (out / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     log(f"{cfg.method}: held-out top-1 per step {metrics['top1']}; saved to {out}")
     return DraftRun(module, metrics, history, out)

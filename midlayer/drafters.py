@@ -98,12 +98,13 @@ def kl_to_base(base_logits: torch.Tensor, draft_logits: torch.Tensor, weight: to
     return (kl * w).sum() / w.sum().clamp_min(1.0)
 
 
-def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A training batch is tokens [B, T] or (tokens, mask [B, T] of real, non-padding tokens)."""
+def split_batch(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A training batch is tokens [B, T] or (tokens, mask [B, T] of real, non-padding tokens); both are
+    returned on `device`."""
     if isinstance(batch, (tuple, list)):
         tokens, mask = batch
-        return tokens, mask
-    return batch, None
+        return tokens.to(device), mask.to(device)
+    return batch.to(device), None
 
 
 def topk_lists(logits: torch.Tensor, need: Sequence[int]) -> list[list[int]]:
@@ -446,8 +447,8 @@ def train_medusa(model: Transformer, heads: MedusaHeads, batches: Any, steps: in
         dev = model_device(model)
 
         def loss_fn(b: Any) -> tuple[torch.Tensor, list[float]]:
-            tokens, mask = split_batch(b)
-            return medusa_loss(model, heads, tokens.to(dev), mask=None if mask is None else mask.to(dev))
+            tokens, mask = split_batch(b, dev)
+            return medusa_loss(model, heads, tokens, mask=mask)
 
         return optimise(list(heads.parameters()), loss_fn, batch_stream(batches), steps, lr, clip, log)
 
@@ -462,8 +463,8 @@ def train_early_exit(model: Transformer, head: EarlyExitHead, batches: Any, step
         dev = model_device(model)
 
         def loss_fn(b: Any) -> tuple[torch.Tensor, list[float]]:
-            tokens, mask = split_batch(b)
-            return early_exit_loss(model, head, tokens.to(dev), mask=None if mask is None else mask.to(dev))
+            tokens, mask = split_batch(b, dev)
+            return early_exit_loss(model, head, tokens, mask=mask)
 
         return optimise(list(head.parameters()), loss_fn, batch_stream(batches), steps, lr, clip, log)
 

@@ -309,9 +309,8 @@ def train_hidden_transfer(model: Transformer, transfer: HiddenTransfer, batches:
     with FrozenBase(model):
         if schedule == "joint":
             def joint_loss(b: Any) -> tuple[torch.Tensor, list[float]]:
-                tokens, mask = split_batch(b)
-                return hidden_transfer_loss(model, transfer, tokens.to(dev),
-                                            mask=None if mask is None else mask.to(dev))
+                tokens, mask = split_batch(b, dev)
+                return hidden_transfer_loss(model, transfer, tokens, mask=mask)
 
             hist = optimise(list(transfer.parameters()), joint_loss, stream, steps, lr, clip, log)
             for h in hist:
@@ -326,9 +325,8 @@ def train_hidden_transfer(model: Transformer, transfer: HiddenTransfer, batches:
                         m.weight.requires_grad_(j == i)
 
                     def loss_fn(b: Any, i: int = i) -> tuple[torch.Tensor, list[float]]:
-                        tokens, mask = split_batch(b)
-                        return hidden_transfer_loss(model, transfer, tokens.to(dev), n_steps=i, only_step=i,
-                                                    mask=None if mask is None else mask.to(dev))
+                        tokens, mask = split_batch(b, dev)
+                        return hidden_transfer_loss(model, transfer, tokens, n_steps=i, only_step=i, mask=mask)
 
                     part = optimise([transfer.maps[i - 1].weight], loss_fn, stream, n, lr, clip, log)
                     for h in part:
@@ -432,17 +430,13 @@ class HiddenTransferDrafter:
             return None
         depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])  # [N], root at depth 0
         positions = torch.cat([last_pos + depth + i for i in range(1, k + 1)])  # step-major, like the rows
-        key = (tree, k, start)
-        extra = self._mask_memo.get(key)
-        if extra is None:
+        block = self._mask_memo.get((tree, k))  # the tree + pseudo block depends on the tree only
+        if block is None:
             anc = torch.ones(N, N, dtype=torch.bool)
             anc[0, 1:] = False
             anc[1:, 1:] = tree.ancestor_mask
-            vis = tree_visible(anc, k, self.transfer.masked)
-            extra = torch.cat([torch.zeros(vis.shape[0], start), _additive(vis)], 1)[None, None]
-            if len(self._mask_memo) > 64:
-                self._mask_memo.clear()
-            self._mask_memo[key] = extra
+            block = self._mask_memo[(tree, k)] = _additive(tree_visible(anc, k, self.transfer.masked))
+        extra = torch.cat([block.new_zeros(block.shape[0], start), block], 1)[None, None]  # + every context key
         at: dict[int, Any] = {}
         for t in sorted(set(self.transfer.layers[:k])):
             steps = [i for i in range(1, k + 1) if self.transfer.layers[i - 1] == t]
