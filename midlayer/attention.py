@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
 
 _TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -57,7 +58,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, d]; cos/sin [T, d] (or broadcastable [B, 1, T, d]). x*cos + rotate_half(x)*sin."""
+    """x [..., d] with cos/sin broadcastable to it. x*cos + rotate_half(x)*sin."""
     d2 = x.shape[-1] // 2
     x1, x2 = x[..., :d2], x[..., d2:]
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -137,7 +138,8 @@ def flex_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 class Attention(nn.Module):
     """GQA self-attention. Projection names follow the Llama reference (wq, wk, wv, wo); no biases unless
-    `qkv_bias` (Qwen2)."""
+    `qkv_bias` (Qwen2). `fuse()` (inference) joins q|k|v into one projection `wqkv`; `row_invariant` (set by
+    the q4 weight format) routes cached attention through the row-invariant kernel (kernels.attention)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -146,7 +148,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wqkv: nn.Module | None = None
+        self.row_invariant = False
         self.backend = cfg.attn_backend
+
+    def fuse(self) -> None:
+        """Replace wq, wk, wv by one projection wqkv = [wq; wk; wv] (inference only)."""
+        if self.wqkv is None:
+            from .model import fuse_linears
+
+            self.wqkv = fuse_linears([self.wq, self.wk, self.wv])
+            del self.wq, self.wk, self.wv
 
     def use_flex(self, x: torch.Tensor) -> bool:
         if self.backend == "flex":
@@ -160,18 +172,47 @@ class Attention(nn.Module):
         With `cache` (a `kv_cache.LayerView`), the new keys/values are written into the KV cache and the
         queries attend over every position the cache holds for this layer, through the mask it returns
         (causality, padding, skipped tokens and the gate bias are all in that mask).
+        cos/sin: [T, hd] (one sequence of positions) or [B, 1, T, hd] / [B, T, hd] (per row).
         """
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, Hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        if cos.dim() == 4:
+            cos, sin = cos[:, 0], sin[:, 0]
+        if (cache is not None and self.row_invariant and self.wqkv is not None and x.device.type == "cpu"
+                and cache.cache.k.dtype == torch.float32 and kernels.available()):
+            return self._forward_kernels(x, cos, sin, cache)
+        # RoPE in the projection's own [B, T, heads, hd] layout: no copy before the attention kernel.
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        if self.wqkv is not None:
+            qkv = self.wqkv(x).view(B, T, H + 2 * Hk, hd)
+            qk = apply_rope(qkv[:, :, :H + Hk], cos, sin)  # q and k rotated in one go
+            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hk:]
+        else:
+            q = apply_rope(self.wq(x).view(B, T, H, hd), cos, sin)
+            k = apply_rope(self.wk(x).view(B, T, Hk, hd), cos, sin)
+            v = self.wv(x).view(B, T, Hk, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is None:
             out = self.attend(q, k, v, key_bias)
         else:
             k, v, mask = cache.update(k, v)
             out = self.attend_masked(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        """The cached step of the q4 format: projection, RoPE + cache store and attention in three C calls,
+        every one row-invariant (kernels.py). Same result as the PyTorch path up to float rounding."""
+        B, T, _ = x.shape
+        H, Hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        c, l = cache.cache, cache.layer
+        qkv = self.wqkv(x).float()
+        if cos.shape[0] != B:  # one sequence of positions for every row
+            cos, sin = cos.expand(B, T, hd), sin.expand(B, T, hd)
+        kernels.rope_store(qkv, H, Hk, cos, sin, c.k_layers[l], c.v_layers[l], cache.query_slots)
+        mask = cache.finish(T, x.device)
+        q = qkv.view(B, T, H + 2 * Hk, hd)[:, :, :H].transpose(1, 2)
+        out = kernels.attention(q, c.k_layers[l], c.v_layers[l], mask, n_keys=c.length)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                key_bias: torch.Tensor | None) -> torch.Tensor:
@@ -187,7 +228,11 @@ class Attention(nn.Module):
 
     def attend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
-        """Attention with an explicit additive mask [B, 1, Tq, Tk] (None: every key visible)."""
+        """Attention with an explicit additive mask [B, 1, Tq, Tk] (None: every key visible), logits and
+        softmax in fp32 whatever the cache dtype (the module's promise)."""
+        if self.row_invariant and q.device.type == "cpu":
+            return kernels.attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
+        dtype = q.dtype
         kwargs = {}
         if q.shape[1] != k.shape[1]:
             if _SDPA_HAS_GQA:
@@ -196,5 +241,6 @@ class Attention(nn.Module):
                 n_rep = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         if mask is not None:
-            mask = mask.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+            mask = mask.float()
+        with torch.autocast(q.device.type, enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, **kwargs).to(dtype)

@@ -33,6 +33,9 @@ class KVCache:
         self.pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.length = 0  # slots in use
         self.max_len = max_len
+        # Per-layer views, taken once: the decode step indexes no 5-d buffer.
+        self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
+        self.bias_layers = list(self.bias.unbind(0))
         # True while every slot < length is held by every layer with bias 0 (dense, no padding): the
         # attention then needs no mask at all in a decode step, the fast path of batch-1 decoding.
         self.dense_prefix = True
@@ -95,30 +98,47 @@ class LayerView:
     extra_mask: torch.Tensor | None = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store k, v [B, Hk, M, d] at this step's slots; return (keys, values [B, Hk, S, d], mask)."""
+        self.store(k, v)
+        mask = self.finish(k.shape[2], k.device)
+        S = self.cache.length
+        return self.cache.k_layers[self.layer][:, :, :S], self.cache.v_layers[self.layer][:, :, :S], mask
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         c, l = self.cache, self.layer
-        B, _, M, _ = k.shape
-        bias = self.gate_bias if self.gate_bias is not None else torch.zeros(B, M, device=k.device)
-        if self.gate_bias is not None or self.valid is not None:
-            c.dense_prefix = False  # some key is gated or missing: from now on attention needs the mask
         if self.valid is None:
-            s = slice(self.start, self.start + M)
-            c.k[l, :, :, s] = k
-            c.v[l, :, :, s] = v
-            c.bias[l, :, s] = bias.float()
+            c.k_layers[l].narrow(2, self.start, k.shape[2]).copy_(k)
+            c.v_layers[l].narrow(2, self.start, k.shape[2]).copy_(v)
         else:
             b_idx, m_idx = self.valid.nonzero(as_tuple=True)
             s_idx = self.query_slots[b_idx, m_idx]
             # Mixed advanced indexing: both sides come out as [N, H_kv, d].
-            c.k[l, b_idx, :, s_idx] = k[b_idx, :, m_idx]
-            c.v[l, b_idx, :, s_idx] = v[b_idx, :, m_idx]
-            c.bias[l, b_idx, s_idx] = bias[b_idx, m_idx].float()
+            c.k_layers[l][b_idx, :, s_idx] = k[b_idx, :, m_idx]
+            c.v_layers[l][b_idx, :, s_idx] = v[b_idx, :, m_idx]
+
+    def finish(self, M: int, device: torch.device) -> torch.Tensor | None:
+        """After this layer's K/V of the step are stored (by `store` or by a kernel that writes the cache
+        itself): record each written key's bias and return the additive mask [B, 1, M, S] the M queries
+        read the cache with, or None when every held key is visible (the dense decode step)."""
+        c, l = self.cache, self.layer
+        if self.gate_bias is not None or self.valid is not None:
+            c.dense_prefix = False  # some key is gated or missing: from now on attention needs the mask
+        bias_l = c.bias_layers[l]
+        if self.valid is None:
+            if self.gate_bias is None:
+                bias_l.narrow(1, self.start, M).zero_()
+            else:
+                bias_l.narrow(1, self.start, M).copy_(self.gate_bias)
+        else:
+            b_idx, m_idx = self.valid.nonzero(as_tuple=True)
+            s_idx = self.query_slots[b_idx, m_idx]
+            bias_l[b_idx, s_idx] = 0.0 if self.gate_bias is None else self.gate_bias[b_idx, m_idx].float()
         S = c.length
-        keys, values = c.k[l, :, :, :S], c.v[l, :, :, :S]
         if c.dense_prefix and M == 1 and self.extra_mask is None:
-            return keys, values, None  # every held key is visible to the one new query
-        key_slots = torch.arange(S, device=k.device)
+            return None  # every held key is visible to the one new query
+        key_slots = torch.arange(S, device=device)
         causal = torch.where(key_slots[None, None, :] <= self.query_slots[:, :, None], 0.0, float("-inf"))
-        mask = (causal + c.bias[l, :, None, :S])[:, None]  # [B, 1, M, S]
+        mask = (causal + bias_l[:, None, :S])[:, None]  # [B, 1, M, S]
         if self.extra_mask is not None:
             mask = mask + self.extra_mask
-        return keys, values, mask
+        return mask

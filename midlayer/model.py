@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import Attention, key_gate_bias, rope_tables
 from .config import ModelConfig
 from .gating import GateStats, MirroredGates, Routers
@@ -36,21 +37,48 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and x.dtype == torch.float32:
+            y = kernels.rmsnorm(x, self.weight, self.eps)  # inference on CPU: one C call instead of six ops
+            if y is not None:
+                return y
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * self.weight.float()).to(x.dtype)
 
 
+def fuse_linears(parts: list[nn.Module]) -> nn.Linear:
+    """One frozen nn.Linear computing the concatenation of the parts' outputs (inference: one matmul)."""
+    out = sum(p.out_features for p in parts)
+    has_bias = any(p.bias is not None for p in parts)
+    w = parts[0].weight
+    fused = nn.Linear(parts[0].in_features, out, bias=has_bias, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts], 0))
+        if has_bias:
+            fused.bias.copy_(torch.cat([p.bias if p.bias is not None else w.new_zeros(p.out_features) for p in parts]))
+    return fused.requires_grad_(False)
+
+
 class FeedForward(nn.Module):
-    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x). `fuse()` (inference) joins w1|w3 into one `w13`."""
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w13: nn.Module | None = None
+
+    def fuse(self) -> None:
+        """Replace w1, w3 by one projection w13 = [w1; w3] (inference only; checkpoints keep w1/w3)."""
+        if self.w13 is None:
+            self.w13 = fuse_linears([self.w1, self.w3])
+            del self.w1, self.w3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:
+            a, b = self.w13(x).chunk(2, -1)
+            return self.w2(F.silu(a) * b)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

