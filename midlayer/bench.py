@@ -4,6 +4,9 @@ run on one machine, interleaving the things compared so that drift on a shared m
 1. `decode`: batch-1 greedy decode speed on a pretrained model (default SmolLM2-135M-Instruct from the
    GGUF), ours vs Hugging Face `transformers` `generate` on the same dequantised weights, with the
    memory-bandwidth bound (weight bytes read per token / measured GEMV bandwidth).
+   With `llama-cpp-python` installed (`pip install -e .[bench]`, built from source), also the anchor of
+   SPEC section 9: llama.cpp on the same GGUF, same thread count, same prompts, interleaved prompt by
+   prompt: decode ms/token (prefill excluded) and prefill tokens/s, as ratios to llama.cpp.
 2. `skipping`: real skipping in a gated model (paper-12l shape, random weights) with a forced fraction z of
    tokens skipping the middle span [k, L-1-k]; prefill and decode time with skipping on vs off, against
    the speedup the FLOPs model (flops.py) predicts at the measured per-block sparsity.
@@ -18,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from . import kernels
 from .config import ModelConfig, get_preset
 from .flops import decode_flops, forward_flops
 from .generate import GenerationConfig, decode_one_token, forward_cached, generate, prefill
@@ -127,7 +131,7 @@ def bench_skipping(preset: str = "paper-12l", seq_len: int = 1024, fractions=(0.
 
 
 def skipping_table(rows: list[dict]) -> str:
-    out = ["| forced z | per-block sparsity (first half) | prefill off / on (s) | prefill speedup real / predicted "
+    out = [machine_line(), "", "| forced z | per-block sparsity (first half) | prefill off / on (s) | prefill speedup real / predicted "
            "| decode off / on (ms/token) | decode speedup real / predicted |",
            "|---|---|---|---|---|---|"]
     for r in rows:
@@ -161,8 +165,101 @@ def first_divergence(model: Transformer, prompt: list[int], a: list[int], b: lis
     return dict(index=n, margin=float(top[0] - top[1]))
 
 
+def machine_line() -> str:
+    """What every benchmark table is measured on: CPU model and flags, threads, library versions."""
+    return f"machine: {kernels.cpu_info().summary()}; q4 kernels: {'built' if kernels.available() else 'not built'}"
+
+
+class LlamaCppAnchor:
+    """llama.cpp through llama-cpp-python on a GGUF file: greedy decode, batch 1, `threads` threads."""
+
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int = 2048) -> None:
+        import llama_cpp
+        import numpy as np
+
+        self._lc, self._np = llama_cpp, np
+        self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   n_batch=512, verbose=False)
+        self.version = getattr(llama_cpp, "__version__", "?")
+
+    def _argmax(self) -> int:
+        ptr = self._lc.llama_get_logits_ith(self.llm._ctx.ctx, -1)  # the last evaluated row's logits
+        return int(self._np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),)).argmax())
+
+    def run(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        """(prefill seconds, decode seconds per token, greedy tokens)."""
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        t1 = time.perf_counter()
+        out = [self._argmax()]
+        for _ in range(new_tokens - 1):
+            self.llm.eval([out[-1]])
+            out.append(self._argmax())
+        return t1 - t0, (time.perf_counter() - t1) / max(new_tokens - 1, 1), out
+
+
+def ours_run(model: Transformer, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+    """Our engine, timed like `LlamaCppAnchor.run`: (prefill seconds, decode seconds per token, tokens)."""
+    cache = KVCache.for_model(model.cfg, 1, len(ids) + new_tokens)
+    t0 = time.perf_counter()
+    logits, pos = prefill(model, [ids], cache)
+    t1 = time.perf_counter()
+    tok = logits.argmax(-1)
+    out = [int(tok)]
+    for _ in range(new_tokens - 1):
+        logits = decode_one_token(model, cache, tok, pos)
+        tok, pos = logits.argmax(-1), pos + 1
+        out.append(int(tok))
+    return t1 - t0, (time.perf_counter() - t1) / max(new_tokens - 1, 1), out
+
+
+def bench_anchor(models: dict[str, Transformer], gguf_path: str, encoded: list[list[int]], new_tokens: int,
+                 repeats: int) -> dict | None:
+    """Ours per weight format vs llama.cpp, interleaved per prompt; None if llama-cpp-python is missing."""
+    try:
+        anchor = LlamaCppAnchor(gguf_path, torch.get_num_threads())
+    except ImportError:
+        return None
+    names = [*models, "llama.cpp"]
+    pre = {n: [0.0, 0] for n in names}  # seconds, tokens
+    dec: dict[str, list[float]] = {n: [] for n in names}
+    toks: dict[str, list[list[int]]] = {n: [] for n in names}
+    for ids in encoded:
+        for name in names:  # warm-up, and the tokens
+            toks[name].append(anchor.run(ids, new_tokens)[2] if name == "llama.cpp" else ours_run(models[name], ids, new_tokens)[2])
+        for _ in range(repeats):
+            for name in names:
+                p, d, _ = anchor.run(ids, new_tokens) if name == "llama.cpp" else ours_run(models[name], ids, new_tokens)
+                pre[name][0] += p
+                pre[name][1] += len(ids)
+                dec[name].append(d)
+    ref = names[-1]
+    rows = []
+    for name in names:
+        d_ms = 1e3 * statistics.median(dec[name])
+        tps = pre[name][1] / pre[name][0]
+        rows.append(dict(engine=name, decode_ms=d_ms, prefill_tok_s=tps,
+                         decode_ratio=d_ms / (1e3 * statistics.median(dec[ref])),
+                         prefill_ratio=tps / (pre[ref][1] / pre[ref][0]),
+                         equal_llama=sum(a == b for a, b in zip(toks[name], toks[ref]))))
+    return dict(llama_cpp_version=anchor.version, rows=rows, prompts=len(encoded),
+                prompt_tokens=[len(x) for x in encoded])
+
+
+def anchor_table(a: dict) -> str:
+    out = [f"llama.cpp anchor (llama-cpp-python {a['llama_cpp_version']}, same GGUF, same threads), {a['prompts']} "
+           f"prompts of {min(a['prompt_tokens'])}-{max(a['prompt_tokens'])} tokens, interleaved",
+           "", "| engine | decode ms/token | x llama.cpp | prefill tok/s | x llama.cpp | greedy tokens = llama.cpp |",
+           "|---|---|---|---|---|---|"]
+    for r in a["rows"]:
+        out.append(f"| {r['engine']} | {r['decode_ms']:.1f} | {r['decode_ratio']:.2f}x | {r['prefill_tok_s']:.0f} | "
+                   f"{r['prefill_ratio']:.2f}x | {r['equal_llama']}/{a['prompts']} |")
+    return "\n".join(out)
+
+
 def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats: int = 3,
-                 prompts: list[str] | None = None, formats: tuple[str, ...] = ("fp32", "bf16", "int4")
+                 prompts: list[str] | None = None, formats: tuple[str, ...] = ("fp32", "bf16", "int4", "q4")
                  ) -> dict:
     """Ours (in each weight format) vs transformers `generate` (fp32, the same dequantised weights),
     greedy, batch 1; tokens compared with transformers' and with our fp32 run; plus the bandwidth bound."""
@@ -199,6 +296,8 @@ def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats
             for fmt in formats:
                 times[fmt].append(_median_time(lambda: generate(models[fmt], [ids], cfg), 1))
     bw = gemv_bandwidth()
+    src = resolve_pretrained(model_name).path
+    anchor = bench_anchor(models, str(src), encoded, new_tokens, repeats) if str(src).endswith(".gguf") else None
     rows = []
     for fmt in formats:
         model = models[fmt]
@@ -222,7 +321,8 @@ def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats
                          equal_fp32=[a == b for a, b in zip(tokens[fmt], tokens[formats[0]])],
                          divergences=divergences))
     return dict(model=model_name, prompts=len(prompts), new_tokens=new_tokens, bandwidth_gb_s=bw / 1e9,
-                hf_tok_s=new_tokens / statistics.median(times["transformers"]), rows=rows, formats=formats)
+                hf_tok_s=new_tokens / statistics.median(times["transformers"]), rows=rows, formats=formats,
+                anchor=anchor)
 
 
 def _load_hf_same_weights(path):
@@ -240,7 +340,7 @@ def _load_hf_same_weights(path):
 
 def decode_table(r: dict) -> str:
     first = r["formats"][0]
-    out = [f"transformers `generate` (fp32): {r['hf_tok_s']:.1f} tok/s; GEMV bandwidth {r['bandwidth_gb_s']:.1f} GB/s; "
+    out = [machine_line(), "", f"transformers `generate` (fp32): {r['hf_tok_s']:.1f} tok/s; GEMV bandwidth {r['bandwidth_gb_s']:.1f} GB/s; "
            f"{r['prompts']} chat prompts x {r['new_tokens']} new tokens",
            "",
            "| weights | ours tok/s | vs transformers | ms/step | bound ms/step (weight MB / bandwidth) | of bound "
@@ -251,6 +351,10 @@ def decode_table(r: dict) -> str:
         out.append(f"| {row['weights']} | {row['tok_s']:.1f} | {row['tok_s'] / r['hf_tok_s']:.2f}x | {row['step_ms']:.1f} | "
                    f"{row['bound_step_ms']:.1f} ({row['weight_mb']:.0f} MB) | {row['bound_step_ms'] / row['step_ms']:.0%} | "
                    f"{sum(row['equal_hf'])}/{len(row['equal_hf'])} | {sum(row['equal_fp32'])}/{len(row['equal_fp32'])} | {div} |")
+    if r.get("anchor"):
+        out += ["", anchor_table(r["anchor"])]
+    else:
+        out += ["", "(no llama.cpp column: pip install -e .[bench] builds llama-cpp-python from source)"]
     return "\n".join(out)
 
 
@@ -407,7 +511,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
 
 
 def speculative_table(r: dict) -> str:
-    out = [f"{r['model']} ({r['weights']} weights), {r['prompts']} held-out chat prompts, up to {r['new_tokens']} "
+    out = [machine_line(), "", f"{r['model']} ({r['weights']} weights), {r['prompts']} held-out chat prompts, up to {r['new_tokens']} "
            f"new tokens, batch 1, greedy; tree: {r['tree']}" + (f" ({r['nodes']} nodes)" if r['tree'] == 'sparse' else ""),
            "",
            "| method | tree nodes | tau | draft top-1 by depth | tok/s | vs our plain | vs transformers | output = plain greedy |",
@@ -421,7 +525,7 @@ def speculative_table(r: dict) -> str:
     return "\n".join(out)
 
 
-def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("fp32", "bf16", "int4"),
+def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("q4", "fp32", "bf16", "int4"),
                rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32), context: int = 128, repeats: int = 5) -> dict:
     """Time of one cached forward over T new rows (after a `context`-token prefill) per weight format: what
     a verification round costs relative to a one-token decode step. Speculative decoding's speedup is at
@@ -451,7 +555,7 @@ def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("fp
 
 
 def rows_table(r: dict) -> str:
-    out = [f"{r['model']}: one cached forward over T new rows after a {r['context']}-token context, ms (and x the "
+    out = [machine_line(), "", f"{r['model']}: one cached forward over T new rows after a {r['context']}-token context, ms (and x the "
            "one-row step)", "", "| weights | " + " | ".join(f"T={t}" for t in r["rows"]) + " |",
            "|---|" + "---|" * len(r["rows"])]
     for fmt, ms in r["ms"].items():

@@ -141,7 +141,8 @@ def _add_generate_parser(sub) -> None:
                         "activations, residual and LM head stay fp32")
     p.add_argument("--device", default=None)
     p.add_argument("--draft", default=None, metavar="DIR",
-                   help="speculative decoding with a train-draft output (lossless: same tokens as without)")
+                   help="speculative decoding with a train-draft output (greedy: the same tokens as without in the "
+                        "q4 format; sampling: the same distribution, plain softmax only, no --top-k/--top-p)")
     p.add_argument("--tree", default="chain", metavar="chain|sparse:N",
                    help="draft tree with --draft: the top-1 chain, or the N nodes most likely accepted")
     p.add_argument("--stats", action="store_true", help="with --draft: print tau and timing to stderr")
@@ -170,7 +171,7 @@ def _add_generate_parser(sub) -> None:
     b.add_argument("--nodes", type=int, default=10, help="nodes of the sparse tree")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--max-prompts", type=int, default=12, help="held-out prompts, spread over the categories")
-    b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32")
+    b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4", help="weight format (q4: the row-invariant, lossless one)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate comparison")
     b.add_argument("--output", default=None, help="also write the results as JSON here")
 
@@ -294,6 +295,12 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
     from .drafters import load_drafter
     from .speculative import DraftTree, speculative_generate
 
+    if cfg.temperature > 0 and (cfg.top_k or cfg.top_p < 1.0):
+        raise ValueError("--draft samples from the plain softmax (exact speculative sampling); --top-k/--top-p "
+                         "would change the distribution it must reproduce: drop them, or drop --draft")
+    if cfg.temperature == 0 and not getattr(model, "batch_invariant", False):
+        print(f"note: {args.weights} weights are not row-invariant, so speculative output can differ from plain "
+              "greedy output at near-ties; --weights q4 is bit-identical", file=sys.stderr)
     drafter, module, meta = load_drafter(args.draft, model)
     k = getattr(module, "k", 3)
     if args.tree == "chain":

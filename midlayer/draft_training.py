@@ -321,7 +321,7 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
     sp = _state_path(out)
     settings = dataclasses.asdict(cfg)
     if sp.is_file():
-        st = torch.load(sp, map_location="cpu", weights_only=False)
+        st = torch.load(sp, map_location="cpu", weights_only=True)  # plain dicts, lists, tensors
         if st.get("settings") != settings:
             raise ValueError(f"{sp}: made with other settings; use another --out-dir or delete it to start over")
         module.load_state_dict(st["module"])

