@@ -302,15 +302,7 @@ def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats
     for fmt in formats:
         model = models[fmt]
         # Per-step decode time alone (prefill excluded), for the bandwidth comparison.
-        ids = encoded[0]
-        cache = KVCache.for_model(model.cfg, 1, len(ids) + new_tokens + 1)
-        logits, pos = prefill(model, [ids], cache)
-        tok_ = logits.argmax(-1)
-        t = time.perf_counter()
-        for _ in range(new_tokens):
-            logits = decode_one_token(model, cache, tok_, pos)
-            tok_, pos = logits.argmax(-1), pos + 1
-        step_s = (time.perf_counter() - t) / new_tokens
+        step_s = ours_run(model, encoded[0], new_tokens + 1)[1]
         # Bytes read per step: every linear weight once (a tied head reads the embedding matrix).
         wb = weight_bytes(model)
         divergences = [first_divergence(ref_model, p, a, b)

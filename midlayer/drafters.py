@@ -481,7 +481,8 @@ def base_signature(model: Transformer, name: str | None = None) -> dict[str, Any
     """What identifies the base a draft module was trained for: dimensions, an optional name, and 64
     evenly spaced entries of the LM head (cheap; robust to a dtype change, different for other weights)."""
     cfg = model.cfg
-    w = model.output.weight.detach().reshape(-1)
+    head = model.output  # an nn.Linear, or a compressed head (q8) that carries its weight as codes
+    w = (head.weight if isinstance(head, nn.Linear) else head.dequantized()).detach().reshape(-1)
     # float64: float32 rounds the last index of a 28M-entry head (SmolLM2) past the end
     idx = torch.linspace(0, w.numel() - 1, _PROBE, dtype=torch.float64).round().long().to(w.device)
     return {"name": name, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,

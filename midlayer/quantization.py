@@ -131,44 +131,41 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
-class Q4Linear(nn.Module):
-    """Q4_1 weights x Q8 activations through `kernels.gemm_q4_1` (exact block sums: row-invariant)."""
+class BlockQuantLinear(nn.Module):
+    """A linear whose weight is block-quantised codes + fp16 scales, multiplied by a batch-invariant kernel
+    (kernels.py). Subclasses name the layout: its quantiser, dequantiser and GEMM."""
+
+    quantize = dequantize = gemm = staticmethod(lambda *a: None)  # set by the subclasses
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed, scales = kernels.quantize_q4_1(linear.weight)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
-
-    def dequantized(self) -> torch.Tensor:
-        return kernels.dequantize_q4_1(self.packed, self.scales)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.gemm_q4_1(x.reshape(-1, self.in_features), self.packed, self.scales)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
-class Q8Linear(nn.Module):
-    """Q8_0 weights x Q8 activations through `kernels.gemm_q8_0` (the compressed LM head)."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        codes, scales = kernels.quantize_q8_0(linear.weight)
+        codes, scales = type(self).quantize(linear.weight)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def dequantized(self) -> torch.Tensor:
-        return kernels.dequantize_q8_0(self.codes, self.scales)
+        return type(self).dequantize(self.codes, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.gemm_q8_0(x.reshape(-1, self.in_features), self.codes, self.scales)
+        y = type(self).gemm(x.reshape(-1, self.in_features), self.codes, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class Q4Linear(BlockQuantLinear):
+    """Q4_1 weights (codes packed two per byte) x Q8 activations: the q4 format's block linears."""
+
+    quantize, dequantize, gemm = (staticmethod(kernels.quantize_q4_1), staticmethod(kernels.dequantize_q4_1),
+                                  staticmethod(kernels.gemm_q4_1))
+
+
+class Q8Linear(BlockQuantLinear):
+    """Q8_0 weights x Q8 activations: the compressed LM head."""
+
+    quantize, dequantize, gemm = (staticmethod(kernels.quantize_q8_0), staticmethod(kernels.dequantize_q8_0),
+                                  staticmethod(kernels.gemm_q8_0))
 
 
 def _convert(linear: nn.Linear, fmt: str) -> nn.Module:
@@ -225,8 +222,6 @@ def weight_bytes(model: nn.Module) -> int:
             total += mod.weight.numel() * 2
         elif isinstance(mod, Int4Linear):
             total += mod.codes.numel() // 2 + mod.scales_zeros.numel() * 2
-        elif isinstance(mod, Q4Linear):
-            total += mod.packed.numel() + mod.scales.numel() * 2
-        elif isinstance(mod, Q8Linear):
-            total += mod.codes.numel() + mod.scales.numel() * 2
+        elif isinstance(mod, BlockQuantLinear):
+            total += mod.codes.numel() * mod.codes.element_size() + mod.scales.numel() * 2
     return total

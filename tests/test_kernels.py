@@ -192,6 +192,24 @@ def test_q4_speculative_output_equals_plain_greedy(tree):
             assert out == ref
 
 
+def test_draft_trained_on_fp32_base_loads_onto_q4_model_and_stays_lossless(tmp_path):
+    """A q4 model's head is Q8_0 codes, not an nn.Linear: the draft's base check must still recognise it
+    (the LM-head probe reads the dequantised head), and decoding with the draft stays lossless."""
+    from midlayer.drafters import MedusaHeads, load_drafter, save_draft
+
+    base = make_tiny(DIMS, gating=False, seed=2)
+    heads = MedusaHeads(DIMS["dim"], 2)
+    with torch.no_grad():
+        for lin in heads.heads:
+            lin.weight.normal_(0, 0.1)
+    save_draft(tmp_path / "medusa", heads, base=base)
+    model = compress_weights(base, "q4")
+    drafter, _, _ = load_drafter(tmp_path / "medusa", model)
+    prompt = [3, 14, 15, 92, 65, 35]
+    ref = generate(model, [prompt], GenerationConfig(max_new_tokens=16))[0]
+    assert speculative_generate(model, prompt, drafter, DraftTree.chain(2), 16)[0] == ref
+
+
 def test_only_q4_is_called_lossless():
     for fmt in ("fp32", "bf16", "int4"):
         assert not compress_weights(make_tiny(DIMS, gating=False), fmt).batch_invariant

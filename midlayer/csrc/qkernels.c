@@ -436,22 +436,30 @@ void qk_attention(const float *q, long qb, long qt, const float *k, const float 
     }
 }
 
-/* y = x W^T for Q4_1 / Q8_0 weights: quantises x into the caller's workspace (M*K bytes + 2*M*K/32 floats),
- * then multiplies. One call per linear. */
+/* y = x W^T for Q4_1 / Q8_0 weights, one call per linear: x is quantised to Q8 into the caller's workspace
+ * -- codes (M*K bytes, padded to 64), then the scales d and sums s (M*K/32 floats each); kernels.py's
+ * _q8_bytes gives its size -- and multiplied. */
+typedef struct { int8_t *q; float *d, *s; } q8_rows;
+
+static q8_rows quantize_into(const float *x, int M, int K, void *work) {
+    q8_rows r;
+    r.q = (int8_t *)work;
+    r.d = (float *)(r.q + (((long)M * K + 63) & ~63L));
+    r.s = r.d + (long)M * (K / QK);
+    qk_quantize_q8(x, K, M, K, r.q, r.d, r.s);
+    return r;
+}
+
 void qk_linear_q4_1(const float *x, int M, int K, const uint8_t *wq, const uint16_t *wdm, int N, float *y,
                     void *work) {
-    int8_t *q = (int8_t *)work;
-    float *d = (float *)(q + (((long)M * K + 63) & ~63L)), *s = d + (long)M * (K / QK);
-    qk_quantize_q8(x, K, M, K, q, d, s);
-    qk_gemm_q4_1(q, d, s, M, K, wq, wdm, N, y, N);
+    q8_rows r = quantize_into(x, M, K, work);
+    qk_gemm_q4_1(r.q, r.d, r.s, M, K, wq, wdm, N, y, N);
 }
 
 void qk_linear_q8_0(const float *x, int M, int K, const int8_t *wq, const uint16_t *wd, int N, float *y,
                     void *work) {
-    int8_t *q = (int8_t *)work;
-    float *d = (float *)(q + (((long)M * K + 63) & ~63L)), *s = d + (long)M * (K / QK);
-    qk_quantize_q8(x, K, M, K, q, d, s);
-    qk_gemm_q8_0(q, d, M, K, wq, wd, N, y, N);
+    q8_rows r = quantize_into(x, M, K, work);
+    qk_gemm_q8_0(r.q, r.d, M, K, wq, wd, N, y, N);
 }
 
 /* RMSNorm of M rows: y = x / sqrt(mean(x^2) + eps) * w, sum of squares in 8 lanes (j & 7) then the fixed
