@@ -1,10 +1,11 @@
 """CPU capability detection and the batch-invariant kernels of the `q4` inference format.
 
 Why our own kernels. Speculative decoding is lossless only if a row's logits do not depend on how many rows
-share its forward (SPEC section 9). On CPU, PyTorch's dense matmuls (MKL) and SDPA are not row-invariant,
-and its row-invariant weight-packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`, bf16
-`F.linear`) cost about M times their one-row time on AVX2 (docs/results/decode-cpu.md), which makes a
-verification forward as slow as M decode steps. The kernels in `csrc/qkernels.c` give both properties:
+share its forward (SPEC section 9). On CPU, PyTorch's dense matmuls (MKL), FBGEMM's fp16/int8 linears and
+SDPA are not row-invariant; its weight-packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
+and bf16 `F.linear` are, but are slower at one row than these kernels on AVX2 (bf16 about M times its
+one-row cost), and PyTorch has no row-invariant attention (`python benchmarks/kernel_survey.py`,
+docs/results/decode-cpu.md). The kernels in `csrc/qkernels.c` give both properties:
 
   * linears: weights in llama.cpp's Q4_1 (block linears) or Q8_0 (LM head) layouts, activations quantised
     per row and per group of 32 to int8 (Q8). Each 32-element block product is an *exact* int32 sum, and
