@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from . import kernels
-from .config import ModelConfig, get_preset
+from .config import get_preset
 from .flops import decode_flops, forward_flops
 from .generate import GenerationConfig, decode_one_token, forward_cached, generate, prefill
 from .kv_cache import KVCache
@@ -532,18 +532,85 @@ def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("q4
         ids = torch.randint(0, model.cfg.vocab_size, (1, context + max(rows)), generator=torch.Generator().manual_seed(0))
         cache = KVCache.for_model(model.cfg, 1, context + max(rows))
         forward_cached(model, ids[:, :context], cache, torch.arange(context)[None], last_only=True)
-        times = []
+        def step(T: int) -> float:
+            cache.truncate(context)
+            t0 = time.perf_counter()
+            forward_cached(model, ids[:, context:context + T], cache, torch.arange(context, context + T)[None])
+            return time.perf_counter() - t0
+
         for T in rows:
-            pos = torch.arange(context, context + T)[None]
-
-            def step(T=T, pos=pos):
-                cache.truncate(context)
-                forward_cached(model, ids[:, context:context + T], cache, pos)
-
-            step()
-            times.append(1e3 * _median_time(step, repeats))
-        out["ms"][fmt] = times
+            step(T)  # warm-up
+        samples: dict[int, list[float]] = {T: [] for T in rows}
+        for _ in range(repeats):  # interleaved: drift on a shared machine hits every T alike
+            for T in rows:
+                samples[T].append(step(T))
+        out["ms"][fmt] = [1e3 * statistics.median(samples[T]) for T in rows]
     return out
+
+
+def long_prompts(tok, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Chat prompts of about `lengths` tokens: "Summarise this passage" over a stretch of the embedded corpus
+    (the same text for every length, cut at a line boundary), chat template included."""
+    from .corpus import corpus_documents
+
+    lines = corpus_documents()[0][1].splitlines()
+    out = []
+    for n in lengths:
+        words: list[str] = []
+        for line in lines:
+            words.append(line)
+            if len(tok.encode("\n".join(words))) >= n - 30:  # room for the instruction and the template
+                break
+        out.append(tok.encode_chat([{"role": "user", "content": "Summarise this passage:\n\n" + "\n".join(words)}]))
+    return out
+
+
+def bench_prefill(model_name: str = "smollm2-135m", fmt: str = "q4", lengths: tuple[int, ...] = (64, 256, 700),
+                  repeats: int = 3) -> dict:
+    """Prefill only (the prompt's forward into an empty cache), ours in `fmt` vs llama.cpp on the same GGUF
+    and threads, interleaved per repeat; seconds per prompt (median) and tokens/s. Without llama-cpp-python
+    the llama.cpp columns are empty."""
+    from .pretrained import load_pretrained, resolve_pretrained
+    from .quantization import compress_weights
+
+    base, tok = load_pretrained(model_name)
+    model = compress_weights(base, fmt).eval()
+    encoded = long_prompts(tok, lengths)
+    anchor = None
+    src = str(resolve_pretrained(model_name).path)
+    if src.endswith(".gguf"):
+        try:
+            anchor = LlamaCppAnchor(src, torch.get_num_threads(), n_ctx=max(map(len, encoded)) + 8)
+        except ImportError:
+            pass
+    rows = []
+    for ids in encoded:
+        ours_run(model, ids, 1)  # warm-up
+        if anchor is not None:
+            anchor.run(ids, 1)
+        t_ours, t_ref = [], []
+        for _ in range(repeats):
+            t_ours.append(ours_run(model, ids, 1)[0])
+            if anchor is not None:
+                t_ref.append(anchor.run(ids, 1)[0])
+        row = dict(tokens=len(ids), ours_s=statistics.median(t_ours))
+        if t_ref:
+            row["llama_s"] = statistics.median(t_ref)
+        rows.append(row)
+    return dict(model=model_name, weights=fmt, rows=rows, llama_cpp_version=getattr(anchor, "version", None))
+
+
+def prefill_table(r: dict) -> str:
+    out = [machine_line(), "", f"{r['model']} prefill, ours ({r['weights']} weights) vs llama.cpp "
+           f"(llama-cpp-python {r['llama_cpp_version']}, same GGUF, same threads), median of interleaved repeats", "",
+           "| prompt tokens | ours s | ours tok/s | llama.cpp s | llama.cpp tok/s | ours tok/s / llama.cpp's |",
+           "|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        n, a = row["tokens"], row["ours_s"]
+        b = row.get("llama_s")
+        ref = f"{b:.3f} | {n / b:.0f} | {b / a:.2f}x" if b else "- | - | -"
+        out.append(f"| {n} | {a:.3f} | {n / a:.0f} | {ref} |")
+    return "\n".join(out)
 
 
 def rows_table(r: dict) -> str:
@@ -557,4 +624,4 @@ def rows_table(r: dict) -> str:
 
 __all__ = ["bench_skipping", "skipping_table", "bench_decode", "decode_table", "gemv_bandwidth",
            "force_skip_fraction", "first_divergence", "bench_speculative", "speculative_table", "DraftRecorder",
-           "bench_rows", "rows_table"]
+           "bench_rows", "rows_table", "bench_prefill", "prefill_table"]

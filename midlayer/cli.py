@@ -150,8 +150,10 @@ def _add_generate_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print a table")
     bsub = p.add_subparsers(dest="bench", required=True)
     b = bsub.add_parser("generate", help="decode speed vs transformers, and real skipping vs the FLOPs model")
-    b.add_argument("--what", choices=["decode", "skipping", "rows", "all"], default="all",
-                   help="rows: cost of a forward over T rows vs one row, per weight format (what verification costs)")
+    b.add_argument("--what", choices=["decode", "prefill", "skipping", "rows", "all"], default="all",
+                   help="rows: cost of a forward over T rows vs one row, per weight format (what verification "
+                        "costs); prefill: long-prompt prefill vs llama.cpp (first --weights format)")
+    b.add_argument("--prompt-lengths", default="64,256,700", help="prompt tokens for --what prefill")
     b.add_argument("--model", default="smollm2-135m", help="pretrained model for the decode benchmark")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--preset", default="paper-12l", help="gated preset for the skipping benchmark")
@@ -355,6 +357,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what in ("decode", "all"):
         r = bench.bench_decode(args.model, new_tokens=args.new_tokens, repeats=args.repeats, formats=formats)
         print(bench.decode_table(r))
+        print()
+    if args.what in ("prefill", "all"):
+        lengths = tuple(int(x) for x in args.prompt_lengths.split(","))
+        if not lengths or min(lengths) < 40:
+            raise ValueError(f"--prompt-lengths: expected comma-separated lengths >= 40, got {args.prompt_lengths!r}")
+        print(bench.prefill_table(bench.bench_prefill(args.model, formats[0], lengths, args.repeats)))
         print()
     if args.what in ("rows", "all"):
         print(bench.rows_table(bench.bench_rows(args.model, formats, repeats=args.repeats + 2)))

@@ -63,9 +63,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import atomic_write_bytes
-from .gating import MirroredGates
-from .kv_cache import KVCache, LayerView
-from .model import Transformer
+from .generate import CachedStep
+from .kv_cache import KVCache
+from .model import Transformer, causal_step
 from .speculative import Draft, DraftContext, DraftTree
 
 DRAFT_FORMAT = "midlayer-draft-v1"
@@ -149,22 +149,12 @@ def run_blocks_cached(model: Transformer, tokens: torch.Tensor, positions: torch
     Gated bases: routers at every first-half block (run or not), mirrored gates in the second half,
     multiply-by-gate with key bias ln(max(g, eps)) (module docstring).
     """
-    cfg = model.cfg
     h = model.emb_norm(model.tok_embeddings(tokens))
     cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]
     M = tokens.shape[1]
     query_slots = torch.arange(start, start + M, device=h.device)[None]
-    gates = MirroredGates(model.routers, cfg.n_layers) if model.routers is not None else None
-    for layer in range(n_blocks):
-        gate = gate_bias = None
-        if gates is not None:
-            gate = gates(layer, h)
-            gate_bias = torch.log(gate.clamp_min(cfg.gate_eps))
-        if not run(layer):
-            continue
-        view = LayerView(cache, layer, query_slots, start=start, gate_bias=gate_bias, extra_mask=extra_mask)
-        h = model.layers[layer](h, cos, sin, gate, None, view)
-    return h
+    step = CachedStep(cache, start, query_slots, cos, sin, skip=False, extra_mask=extra_mask)
+    return model.run_blocks(h, step, stop=n_blocks, run=run)
 
 
 def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor],
@@ -376,11 +366,8 @@ def lower_states(model: Transformer, tokens: torch.Tensor, upto: int) -> torch.T
     if model.routers is not None:
         raise ValueError("lower_states: gated bases need their gates from every lower block; run the full forward")
     T = tokens.shape[1]
-    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     h = model.emb_norm(model.tok_embeddings(tokens))
-    for layer in range(upto):
-        h = model.layers[layer](h, cos, sin)
-    return h
+    return model.run_blocks(h, causal_step(model.rope_cos[:T], model.rope_sin[:T]), stop=upto)
 
 
 def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,

@@ -57,7 +57,7 @@ token, and causal attention over its triangle.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from midlayer.config import ModelConfig

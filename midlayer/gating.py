@@ -48,14 +48,21 @@ class Routers(nn.ModuleList):
 
 class MirroredGates:
     """Gives each block's gate in order, for one forward pass: routers on the first half (cumulative,
-    eqs. 1-2), the mirror of block L-1-l on the second. Call with layer = 0, 1, ..., L-1 in order."""
+    eqs. 1-2), the mirror of block L-1-l on the second. Must be called with layer = 0, 1, ..., L-1 in order
+    (the cumulative sum S of eq. 2 needs every lower block): any other call is refused, so that a partial
+    forward cannot silently start a gated model mid-network with S = 0."""
 
     def __init__(self, routers: Routers, n_layers: int) -> None:
         self.routers, self.n_layers = routers, n_layers
         self.first_half: list[torch.Tensor] = []
         self.cum: torch.Tensor | None = None
+        self.next_layer = 0
 
     def __call__(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        if layer != self.next_layer:
+            raise ValueError(f"gates: block {layer} asked for out of order (expected block {self.next_layer}); a "
+                             "gated model's gates need every block from 0 up, in order (eqs. 1-2)")
+        self.next_layer += 1
         if layer < self.n_layers // 2:
             gate, self.cum = Routers.step(self.routers[layer], h, self.cum)  # reads h entering block l
             self.first_half.append(gate)

@@ -20,7 +20,6 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .gating import MirroredGates
 from .kv_cache import KVCache, LayerView
 from .model import Transformer
 
@@ -78,44 +77,18 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     `joins`: rows that join mid-network (`JoinedRows`); then positions and extra_mask cover all T + J rows
     and the outputs have T + J rows.
     """
-    cfg = model.cfg
     B, T = tokens.shape
     J = joins.count if joins is not None else 0
-    start = cache.length
-    slots = cache.reserve(T + J)
     if positions.shape[-1] != T + J:
         raise ValueError(f"positions cover {positions.shape[-1]} rows, expected {T + J}")
+    start = cache.length
+    slots = cache.reserve(T + J)
     cache.pos[:, start:start + T + J] = positions
     cos_all, sin_all = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]  # [B, 1, T+J, hd]
     h = model.emb_norm(model.tok_embeddings(tokens))
-    query_all = slots[None, :].expand(B, T + J)
-    gates = MirroredGates(model.routers, cfg.n_layers) if model.routers is not None else None
-    for layer, block in enumerate(model.layers):
-        if joins is not None and layer in joins.at:
-            h = torch.cat([h, joins.at[layer](h).to(h.dtype)], 1)
-        M = h.shape[1]
-        cos, sin, query_slots = cos_all[:, :, :M], sin_all[:, :, :M], query_all[:, :M]
-        em = extra_mask[:, :, :M] if extra_mask is not None and M < extra_mask.shape[2] else extra_mask
-        if capture is not None and layer in capture:
-            capture[layer] = h
-        gate = gate_bias = None
-        act = active
-        if act is not None and M > T:
-            act = torch.cat([act, act.new_ones(B, M - T)], 1)
-        if gates is not None:
-            gate = gates(layer, h[:, :T])  # routers see the token rows; joined rows have gate 1
-            if M > T:
-                gate = torch.cat([gate, gate.new_ones(B, M - T)], 1)
-            gate_bias = torch.log(gate.clamp_min(cfg.gate_eps))
-            if skip:
-                act = gate > 0 if act is None else act & (gate > 0)
-        if act is None or bool(act.all()):
-            view = LayerView(cache, layer, query_slots, start=start, gate_bias=gate_bias, extra_mask=em)
-            h = block(h, cos, sin, gate, None, view)
-        else:
-            h = _sparse_block(block, layer, h, cos, sin, gate, gate_bias, act, cache, query_slots, em)
-    if joins is not None and cfg.n_layers in joins.at:  # rows joining at the final residual skip every block
-        h = torch.cat([h, joins.at[cfg.n_layers](h).to(h.dtype)], 1)
+    step = CachedStep(cache, start, slots[None, :].expand(B, T + J), cos_all, sin_all, active=active,
+                      skip=skip, extra_mask=extra_mask)
+    h = model.run_blocks(h, step, routed=T, capture=capture, joins=None if joins is None else joins.at)
     if h.shape[1] != T + J:
         raise ValueError(f"joined rows: {h.shape[1] - T} rows joined, JoinedRows.count says {J}")
     if last_only:
@@ -123,6 +96,38 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     logits = model.output(model.norm(h))
     logits = logits[:, 0] if last_only else logits
     return (logits, h) if return_hidden else logits
+
+
+class CachedStep:
+    """How rows go through a block over the KV cache (a `Transformer.run_blocks` step): the rows present at
+    a block (a prefix of all rows, as rows only ever join) write their K/V at their slots and attend
+    through the cache's mask (kv_cache.LayerView), with real skipping of tokens whose gate is 0 (or that
+    are inactive padding) when `skip`."""
+
+    def __init__(self, cache: KVCache, start: int, query_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 *, active: torch.Tensor | None = None, skip: bool = True,
+                 extra_mask: torch.Tensor | None = None) -> None:
+        self.cache, self.start, self.query_slots = cache, start, query_slots  # query_slots [B, all rows]
+        self.cos, self.sin = cos, sin  # [B, 1, all rows, hd]
+        self.active, self.skip, self.extra_mask = active, skip, extra_mask
+
+    def __call__(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
+                 key_bias: torch.Tensor | None) -> torch.Tensor:
+        B, M = h.shape[:2]
+        cos, sin, query_slots = self.cos[:, :, :M], self.sin[:, :, :M], self.query_slots[:, :M]
+        em = self.extra_mask
+        if em is not None and M < em.shape[2]:
+            em = em[:, :, :M]
+        gate_bias = None if key_bias is None else key_bias[:, 0, 0]  # [B, M]: the cache keeps it per key
+        act = self.active
+        if act is not None and M > act.shape[1]:  # joined rows are always active
+            act = torch.cat([act, act.new_ones(B, M - act.shape[1])], 1)
+        if gate is not None and self.skip:
+            act = gate > 0 if act is None else act & (gate > 0)
+        if act is None or bool(act.all()):
+            view = LayerView(self.cache, layer, query_slots, start=self.start, gate_bias=gate_bias, extra_mask=em)
+            return block(h, cos, sin, gate, None, view)
+        return _sparse_block(block, layer, h, cos, sin, gate, gate_bias, act, self.cache, query_slots, em)
 
 
 def _sparse_block(block, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

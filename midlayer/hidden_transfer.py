@@ -84,10 +84,9 @@ from torch import nn
 
 from .drafters import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device,
                        optimise, placeholder_candidates, split_batch, topk_lists)
-from .gating import MirroredGates
-from .kv_cache import KVCache, LayerView
+from .generate import JoinedRows, forward_cached
+from .kv_cache import KVCache
 from .model import Transformer
-from .generate import JoinedRows
 from .speculative import DraftContext, DraftTree
 
 
@@ -149,6 +148,40 @@ def _additive(vis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill(~vis, float("-inf"))
 
 
+class _TransferRows:
+    """The rows of a training pass (real tokens, then pseudo rows joining at blocks t_i) and how they go
+    through a block (a `Transformer.run_blocks` step): attention through the `visible` mask of their
+    (anchor, step) pairs, plus eq. 3's key bias for gated bases. The mask is rebuilt only when rows join."""
+
+    def __init__(self, model: Transformer, T: int, device: torch.device, masked: bool) -> None:
+        self.model, self.T, self.masked = model, T, masked
+        self.anchor = torch.arange(T, device=device)
+        self.step = torch.zeros(T, dtype=torch.long, device=device)
+        self.mask: torch.Tensor | None = None
+
+    def joiner(self, transfer: "HiddenTransfer", steps: list[int], all_anchors: bool) -> Callable:
+        def join(x: torch.Tensor) -> torch.Tensor:
+            """Step i's rows: W_i of the real rows entering block t_i, for anchors 0..A-1."""
+            dev, parts = x.device, []
+            for i in steps:
+                A = self.T if all_anchors else max(self.T - i, 0)
+                parts.append(transfer.transfer(x[:, :A], i))
+                self.anchor = torch.cat([self.anchor, torch.arange(A, device=dev)])
+                self.step = torch.cat([self.step, torch.full((A,), i, dtype=torch.long, device=dev)])
+            self.mask = None
+            return torch.cat(parts, 1)
+        return join
+
+    def __call__(self, layer: int, block, x: torch.Tensor, gate: torch.Tensor | None,
+                 key_bias: torch.Tensor | None) -> torch.Tensor:
+        if self.mask is None:
+            self.mask = _additive(visible(self.anchor, self.step, self.anchor, self.step, self.masked), x.dtype)[None, None]
+            pos = self.anchor + self.step
+            self.cos, self.sin = self.model.rope_cos[pos], self.model.rope_sin[pos]
+        mask = self.mask if key_bias is None else self.mask + key_bias.to(self.mask.dtype)
+        return block(x, self.cos, self.sin, gate, None, _MaskedView(mask))
+
+
 class _MaskedView:
     """A stand-in for `kv_cache.LayerView` that stores nothing: Attention calls update(k, v) and attends over
     the returned keys with the returned additive mask. It lets the base model's own blocks run any mask."""
@@ -190,6 +223,13 @@ class HiddenTransfer(nn.Module):
         """hhat = W_step h (step is 1-based)."""
         return apply_linear(self.maps[step - 1], h)
 
+    def steps_at(self, n_steps: int) -> dict[int, list[int]]:
+        """Block t -> the steps i <= n_steps whose rows join there (t_i = t), in order."""
+        out: dict[int, list[int]] = {}
+        for i in range(1, n_steps + 1):
+            out.setdefault(self.layers[i - 1], []).append(i)
+        return out
+
     def check_model(self, model: Transformer) -> None:
         if self.dim != model.cfg.dim:
             raise ValueError(f"hidden transfer of dim {self.dim} for a model of dim {model.cfg.dim}")
@@ -229,37 +269,13 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
             raise ValueError("start: needs a dense base, a block <= t_1 and states [B, T, d] of the tokens")
     else:
         x = model.emb_norm(model.tok_embeddings(tokens))
-    dev = x.device
-    anchor = torch.arange(T, device=dev)
-    step = torch.zeros(T, dtype=torch.long, device=dev)
-    mask = cos = sin = None
-    gates = MirroredGates(model.routers, L) if model.routers is not None else None
-    for layer in range(first, L + 1):
-        for i in range(1, n_steps + 1):
-            if transfer.layers[i - 1] != layer:
-                continue
-            A = T if all_anchors else max(T - i, 0)
-            p = transfer.transfer(x[:, :A], i)  # the first T rows are the real tokens entering block t_i
-            x = torch.cat([x, p], 1)
-            anchor = torch.cat([anchor, torch.arange(A, device=dev)])
-            step = torch.cat([step, torch.full((A,), i, dtype=torch.long, device=dev)])
-            mask = None
-        if collect is not None:
-            collect[layer] = x
-        if layer == L:
-            break
-        if mask is None:  # rebuilt only when rows were appended (once per distinct t_i)
-            mask = _additive(visible(anchor, step, anchor, step, transfer.masked), x.dtype)[None, None]
-            pos = anchor + step
-            cos, sin = model.rope_cos[pos], model.rope_sin[pos]
-        gate = None
-        attn_mask = mask
-        if gates is not None:
-            g = gates(layer, x[:, :T])  # the real tokens' gates; pseudo rows get 1 below
-            gate = torch.cat([g, g.new_ones(B, x.shape[1] - T)], 1)  # pseudo rows: gate 1, never skipped
-            attn_mask = mask + torch.log(gate.clamp_min(cfg.gate_eps))[:, None, None, :].to(mask.dtype)
-        x = model.layers[layer](x, cos, sin, gate, None, _MaskedView(attn_mask))
+    rows = _TransferRows(model, T, x.device, transfer.masked)
+    joins = {t: rows.joiner(transfer, steps, all_anchors) for t, steps in transfer.steps_at(n_steps).items()}
+    capture = None if collect is None else dict.fromkeys(range(first, L + 1))
+    x = model.run_blocks(x, rows, start=first, routed=T, joins=joins, capture=capture)
+    anchor, step = rows.anchor, rows.step
     if collect is not None:
+        collect.update(capture)
         collect["anchor"], collect["step"] = anchor, step
     logits = model.output(model.norm(x))
     pseudo = [logits[:, step == i] for i in range(1, n_steps + 1)]
@@ -362,8 +378,6 @@ def pseudo_logits_cached(model: Transformer, transfer: HiddenTransfer, cache: KV
     through `visible` (context rows = (cache.pos, 0), pseudo rows = (anchor_pos, i)), and the cache is
     truncated back to s0 before returning (also on error).
     """
-    cfg = model.cfg
-    L = cfg.n_layers
     if cache.batch != 1:
         raise ValueError("hidden-transfer drafting supports batch 1 only")
     s0 = cache.length
@@ -375,23 +389,13 @@ def pseudo_logits_cached(model: Transformer, transfer: HiddenTransfer, cache: KV
     k_anchor = torch.cat([cache.pos[0, :s0], q_anchor])
     k_step = torch.cat([torch.zeros(s0, dtype=torch.long, device=dev), q_step])
     extra = _additive(visible(q_anchor, q_step, k_anchor, k_step, transfer.masked))[None, None]  # [1,1,n,s0+n]
-    cache.reserve(n_steps)
-    try:
-        x: torch.Tensor | None = None
-        for layer in range(L + 1):
-            for i in range(1, n_steps + 1):
-                if transfer.layers[i - 1] == layer:
-                    p = transfer.transfer(anchor_hidden[layer].reshape(1, 1, -1), i)
-                    x = p if x is None else torch.cat([x, p], 1)
-            if layer == L or x is None:
-                continue
-            m = x.shape[1]  # steps 1..m exist at this block (non-decreasing t_i)
-            pos = anchor_pos + torch.arange(1, m + 1, device=dev)
-            view = LayerView(cache, layer, torch.arange(s0, s0 + m, device=dev)[None], start=s0,
-                             extra_mask=extra[:, :, :m])
-            x = model.layers[layer](x, model.rope_cos[pos], model.rope_sin[pos], None, None, view)
-        assert x is not None and x.shape[1] == n_steps
-        return model.output(model.norm(x))[0]
+    at = {t: (lambda h, t=t, steps=steps:
+              torch.cat([transfer.transfer(anchor_hidden[t].reshape(1, 1, -1), i) for i in steps], 1))
+          for t, steps in transfer.steps_at(n_steps).items()}
+    positions = anchor_pos + torch.arange(1, n_steps + 1, device=dev)[None]
+    try:  # no token rows: the n pseudo rows join at their blocks t_i, at scratch slots s0..s0+n-1
+        return forward_cached(model, torch.zeros(1, 0, dtype=torch.long, device=dev), cache, positions,
+                              extra_mask=extra, joins=JoinedRows(at, n_steps))[0]
     finally:
         cache.truncate(s0)
 
@@ -437,11 +441,9 @@ class HiddenTransferDrafter:
             anc[1:, 1:] = tree.ancestor_mask
             block = self._mask_memo[(tree, k)] = _additive(tree_visible(anc, k, self.transfer.masked))
         extra = torch.cat([block.new_zeros(block.shape[0], start), block], 1)[None, None]  # + every context key
-        at: dict[int, Any] = {}
-        for t in sorted(set(self.transfer.layers[:k])):
-            steps = [i for i in range(1, k + 1) if self.transfer.layers[i - 1] == t]
-            # The tree rows are the first N rows present at every block.
-            at[t] = lambda h, steps=steps: torch.cat([self.transfer.transfer(h[:, :N], i) for i in steps], 1)
+        # The tree rows are the first N rows present at every block.
+        at = {t: (lambda h, steps=steps: torch.cat([self.transfer.transfer(h[:, :N], i) for i in steps], 1))
+              for t, steps in self.transfer.steps_at(k).items()}
         return JoinedRows(at, N * k), positions, extra.to(model_device(self.model))
 
     def fused_draft(self, join_logits: torch.Tensor, tree: DraftTree, anchor_row: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ feed_forward.w1/w2/w3, attention_norm, ffn_norm) so that checkpoints map by name
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +113,18 @@ class Block(nn.Module):
         return h + f
 
 
+# step(layer, block, h, gate, key_bias) -> h: how one forward's rows go through a block (Transformer.run_blocks)
+BlockStep = Callable[[int, "Block", torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
+
+
+def causal_step(cos: torch.Tensor, sin: torch.Tensor) -> BlockStep:
+    """The step of a forward without a cache: causal (gated, eq. 3) attention over the rows themselves."""
+    def step(layer: int, block: Block, h: torch.Tensor, gate: torch.Tensor | None,
+             key_bias: torch.Tensor | None) -> torch.Tensor:
+        return block(h, cos, sin, gate, key_bias)
+    return step
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None  # [B, T, V] (None when only the loss was asked for)
@@ -176,18 +189,12 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.emb_norm(self.tok_embeddings(tokens.long()))
-        hidden = [] if output_hidden_states else None
-        gates = MirroredGates(self.routers, cfg.n_layers) if self.routers is not None else None
-        for layer, block in enumerate(self.layers):
-            if hidden is not None:
-                hidden.append(h)
-            gate = key_bias = None
-            if gates is not None:
-                gate = gates(layer, h)
-                key_bias = key_gate_bias(gate, cfg.gate_eps)
-            h = block(h, cos, sin, gate, key_bias)
-        if hidden is not None:
-            hidden.append(h)
+        states: dict[int, torch.Tensor | None] | None = None
+        if output_hidden_states:
+            states = dict.fromkeys(range(cfg.n_layers + 1))
+        gates = self.gate_walker()
+        h = self.run_blocks(h, causal_step(cos, sin), gates=gates, capture=states)
+        hidden = None if states is None else [states[layer] for layer in range(cfg.n_layers + 1)]
         h = self.norm(h)
         logits = self.output(h)
         loss = None
@@ -200,6 +207,57 @@ class Transformer(nn.Module):
             stats = GateStats.from_gates(gates.first_half, cfg.n_layers)
             first = torch.stack(gates.first_half)
         return ModelOutput(logits if return_logits else None, loss, stats, first, hidden)
+
+    def gate_walker(self) -> MirroredGates | None:
+        """A fresh in-order gate walker for one forward (None for dense models)."""
+        return MirroredGates(self.routers, self.cfg.n_layers) if self.routers is not None else None
+
+    def run_blocks(self, h: torch.Tensor, step: BlockStep, *, start: int = 0, stop: int | None = None,
+                   gates: MirroredGates | None = None, routed: int | None = None,
+                   joins: dict[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+                   capture: dict[int, torch.Tensor | None] | None = None,
+                   run: Callable[[int], bool] | None = None) -> torch.Tensor:
+        """THE block loop: every forward of this model -- training, prefill, decode, tree verification,
+        rows joining mid-network, captures of middle layers, drafters' partial forwards -- runs its blocks
+        here. Returns the residual leaving block stop - 1 (stop defaults to L), [B, M, d].
+
+        h [B, M, d]: the residual entering block `start`. For each block l in start..stop-1, in order:
+          * `joins[l](h)` -> rows [B, m, d] appended after the present ones (rows joining mid-network);
+          * `capture[l]` (when l is a key) <- the residual entering block l (stop: the one leaving the loop);
+          * gated models: the gate g of every row (eqs. 1-2) from `gates`, an in-order walker (default: a
+            fresh one; pass your own to read its gates afterwards) that refuses to start mid-network. The
+            routers read the first `routed` rows (None: the rows present at `start`; 0: no row is routed,
+            no walker); later rows have gate 1 and are never skipped. And eq. 3's key bias ln(max(g, eps)),
+            computed here and nowhere else;
+          * unless `run(l)` is False (a drafter skipping the block: the residual passes unchanged), the
+            block itself through `step(l, block, h, gate, key_bias)`, which decides how the rows attend
+            (causally, over a KV cache with real skipping, or through an explicit mask).
+        Blocks are skipped when no row is present (rows that all join later).
+        """
+        stop = self.cfg.n_layers if stop is None else stop
+        if not 0 <= start <= stop <= self.cfg.n_layers:
+            raise ValueError(f"blocks {start}..{stop} outside 0..{self.cfg.n_layers}")
+        routed = h.shape[1] if routed is None else routed
+        if gates is None and routed > 0:
+            gates = self.gate_walker()
+        eps = self.cfg.gate_eps
+        for layer in range(start, stop + 1):
+            if joins is not None and layer in joins:
+                h = torch.cat([h, joins[layer](h).to(h.dtype)], 1)
+            if capture is not None and layer in capture:
+                capture[layer] = h
+            if layer == stop:
+                break
+            gate = key_bias = None
+            if gates is not None:
+                gate = gates(layer, h[:, :routed])
+                if h.shape[1] > routed:  # joined rows: gate 1
+                    gate = torch.cat([gate, gate.new_ones(h.shape[0], h.shape[1] - routed)], 1)
+                key_bias = key_gate_bias(gate, eps)  # eq. 3: ln(max(g_j, eps)) per key, [B, 1, 1, M]
+            if (run is not None and not run(layer)) or h.shape[1] == 0:
+                continue
+            h = step(layer, self.layers[layer], h, gate, key_bias)
+        return h
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

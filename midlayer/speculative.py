@@ -63,7 +63,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 

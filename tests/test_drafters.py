@@ -472,3 +472,62 @@ def test_committed_smollm2_drafts_load_and_are_lossless(capsys):
     plain = capsys.readouterr().out
     assert cli.main(args + ["--draft", str(root / "hidden-transfer")]) == 0
     assert capsys.readouterr().out == plain and "Paris" in plain
+
+
+# ====================================================================================== one block loop
+def test_every_block_call_goes_through_the_one_loop(monkeypatch):
+    """Training pass, prefill/decode, tree verification with joined rows, every drafter's partial forward,
+    the hidden-transfer training pass and cached lower states: each block runs inside Transformer.run_blocks."""
+    from midlayer import model as model_mod
+    from midlayer.drafters import lower_states
+
+    depth, calls = [0], [0]
+    loop, block_forward = model_mod.Transformer.run_blocks, model_mod.Block.forward
+
+    def counted_loop(self, *a, **k):
+        depth[0] += 1
+        try:
+            return loop(self, *a, **k)
+        finally:
+            depth[0] -= 1
+
+    def checked_block(self, *a, **k):
+        assert depth[0] == 1, "a block ran outside Transformer.run_blocks"
+        calls[0] += 1
+        return block_forward(self, *a, **k)
+
+    monkeypatch.setattr(model_mod.Transformer, "run_blocks", counted_loop)
+    monkeypatch.setattr(model_mod.Block, "forward", checked_block)
+    for gating in (False, True):
+        model = MODELS[gating]
+        model(torch.tensor([PROMPT]), output_hidden_states=True)
+        greedy(model, PROMPT, 3)
+        for kind in KINDS:
+            speculative_generate(model, PROMPT, drafter_for(kind, model), SMALL_TREE, 6)
+        transfer_forward(model, perturbed_transfer([1, 2, 2]), torch.tensor([PROMPT]), collect={})
+    lower_states(MODELS[False], torch.tensor([PROMPT]), 2)
+    assert calls[0] > 100
+
+
+def test_gates_refuse_out_of_order_and_partial_gated_forwards():
+    from midlayer.gating import MirroredGates
+    from midlayer.model import causal_step
+
+    model = MODELS[True]
+    h = model.tok_embeddings(torch.tensor([PROMPT]))
+    gates = MirroredGates(model.routers, model.cfg.n_layers)
+    gates(0, h)
+    with pytest.raises(ValueError, match="out of order"):
+        gates(2, h)  # block 1 was never asked: S would miss its router
+    T = len(PROMPT)
+    step = causal_step(model.rope_cos[:T], model.rope_sin[:T])
+    with pytest.raises(ValueError, match="out of order"):
+        model.run_blocks(h, step, start=1)  # a gated model cannot start mid-network
+    # the dense model can; and capture at `stop` holds what the loop returns
+    dense = MODELS[False]
+    cap = dict.fromkeys([1, 3])
+    out = dense.run_blocks(h, step, start=1, stop=3, capture=cap)
+    assert cap[1] is h and torch.equal(cap[3], out)
+    full = dense(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    ref = dense.run_blocks(full[1], step, start=1, stop=3)
+    assert torch.equal(ref, full[3])
