@@ -41,7 +41,15 @@ class Routers(nn.ModuleList):
     @staticmethod
     def step(router: nn.Linear, h: torch.Tensor, cum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One first-half block: returns (gate g [B, T], new cumulative S [B, T]) from h [B, T, d]."""
-        s = torch.relu(router(h).squeeze(-1).float())
+        if torch.is_grad_enabled():
+            score = router(h).squeeze(-1)
+        else:
+            # Inference: the same w.h + b as a per-row product and sum over d. PyTorch reduces each row in
+            # the same order however many rows share the call, so a token's gate -- and which blocks it
+            # skips -- is the same bits in a decode step, a verification forward or a prefill (batch
+            # invariance; the MKL matrix-vector product behind nn.Linear is not: tests/test_kernels.py).
+            score = (h * router.weight[0].to(h.dtype)).sum(-1) + router.bias[0].to(h.dtype)
+        s = torch.relu(score.float())
         cum = s if cum is None else cum + s
         return 1.0 - cum.clamp(0.0, 1.0), cum
 

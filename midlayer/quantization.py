@@ -205,10 +205,9 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.
         model.output = Q8Linear(model.output)  # unties: the embedding keeps its fp32 copy for lookups
     model.weight_format = fmt
     model.head_format = head
-    # Gated models: the routers stay fp32 nn.Linear (MKL), not row-invariant, so a gate -- and which blocks
-    # run -- could differ between a decode step and a verification row: not called lossless.
-    model.batch_invariant = (fmt in LOSSLESS_FORMATS and head != "fp32" and kernels.batch_invariant()
-                             and getattr(model, "routers", None) is None)
+    # Gated models: the routers stay fp32 and compute a row-invariant dot product at inference (gating.py),
+    # so gates, and which blocks a token skips, do not depend on the rows sharing a forward either.
+    model.batch_invariant = fmt in LOSSLESS_FORMATS and head != "fp32" and kernels.batch_invariant()
     return model
 
 
