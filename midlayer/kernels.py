@@ -7,10 +7,12 @@ and bf16 `F.linear` are, but are slower at one row than these kernels on AVX2 (b
 one-row cost), and PyTorch has no row-invariant attention (`python benchmarks/kernel_survey.py`,
 docs/results/decode-cpu.md). The kernels in `csrc/qkernels.c` give both properties:
 
-  * linears: weights in llama.cpp's Q4_1 (block linears) or Q8_0 (LM head) layouts, activations quantised
-    per row and per group of 32 to int8 (Q8). Each 32-element block product is an *exact* int32 sum, and
-    the float combination runs per row in a fixed order (documented in the C file). So a row's output is
-    bit-identical whatever M is, and the weights are streamed once for all M rows.
+  * linears: weights in llama.cpp's Q4_1 (block linears) or Q8_0 (LM head) block formats, stored with the
+    outputs interleaved by groups of 8 so that one AVX2 register holds 8 outputs' codes; activations
+    quantised per row and per group of 32 to int8 (Q8). Each 32-element block product is an *exact* int32
+    sum, and the float combination runs per row in a fixed order (the "canonical order" in the C file's
+    header, which `gemm_*_reference` reproduces). So a row's output is bit-identical whatever M is, and the
+    weights are streamed once for all M rows.
   * attention: one query row at a time, with a fixed reduction order over the keys, so a decode step and
     a row of a verification forward agree bit for bit.
 
@@ -231,120 +233,175 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 # ===================================================================================== weights
+# Both weight layouts interleave the outputs by groups of 8 (csrc/qkernels.c's header has the byte map):
+# N is padded up to a multiple of 8 with zero codes and zero scales, so the layout alone does not say how
+# many outputs are real -- the dequantisers and GEMMs take `n` (default: all 8 * groups, padding included).
+def _groups(N: int) -> int:
+    return (N + 7) // 8
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _out_features(n: int | None, groups: int) -> int:
+    if n is None:
+        return 8 * groups
+    if not 8 * groups - 8 < n <= 8 * groups:
+        raise ValueError(f"{n} outputs do not fit a layout of {groups} groups of 8")
+    return n
+
+
 def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (packed codes uint8 [N, K/32, 16], scales fp16 [N, K/32, 2] = (d, m)), w ~ d q + m.
+    """w [N, K] -> (codes uint8 [ceil(N/8), K/32, 128], scales fp16 [ceil(N/8), K/32, 2, 8]), w ~ d q + m.
 
     llama.cpp's Q4_1 block: d = (max - min)/15 and m = min, both stored in fp16; codes q in 0..15 are
-    computed against the fp16 values, so a tensor that came from a Q4_1 file is recovered exactly. Byte j
-    of a block holds element j (low nibble) and element j + 16 (high nibble)."""
+    computed against the fp16 values, so a tensor that came from a Q4_1 file is recovered exactly. Layout,
+    per group o of 8 outputs and block g: byte 32 v + 4 j + i holds element 4 v + i of output 8 o + j in its
+    low nibble and element 16 + 4 v + i in its high nibble (v = 0..3, i = 0..3); scales[o, g] = (d of the 8
+    outputs, m of the 8 outputs)."""
     N, K = w.shape
     if K % QK:
         raise ValueError(f"q4: in_features {K} is not a multiple of {QK}")
-    g = w.detach().float().reshape(N, K // QK, QK)
+    G, O = K // QK, _groups(N)
+    g = w.detach().float().reshape(N, G, QK)
     lo, hi = g.amin(-1), g.amax(-1)
     d = ((hi - lo) / 15).half()
     m = lo.half()
     df = d.float()
     safe = torch.where(df > 0, df, torch.ones_like(df))
     q = ((g - m.float()[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8)
-    packed = q[..., :16] | (q[..., 16:] << 4)
-    return packed.contiguous(), torch.stack([d, m], -1).contiguous()
+    q, d, m = _pad_rows(q, 8 * O), _pad_rows(d, 8 * O), _pad_rows(m, 8 * O)
+    q = q.reshape(O, 8, G, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # (o, g, nibble, v, j, i)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(O, G, 128)
+    scales = torch.stack([d.reshape(O, 8, G), m.reshape(O, 8, G)], 2).permute(0, 3, 2, 1)  # (o, g, d|m, j)
+    return packed.contiguous(), scales.contiguous()
 
 
-def unpack_q4_1(packed: torch.Tensor) -> torch.Tensor:
-    """Codes [N, G, 32] (0..15) from packed [N, G, 16]."""
-    return torch.cat([packed & 0xF, packed >> 4], -1)
+def unpack_q4_1(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """Codes [n, G, 32] (0..15, natural element order) from the interleaved layout."""
+    O, G, _ = packed.shape
+    p = packed.reshape(O, G, 4, 8, 4)  # (o, g, v, j, i)
+    q = torch.stack([p & 0xF, p >> 4], 2)  # (o, g, nibble, v, j, i)
+    return q.permute(0, 4, 1, 2, 3, 5).reshape(8 * O, G, QK)[:_out_features(n, O)]
 
 
-def dequantize_q4_1(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    q = unpack_q4_1(packed).float()
-    N, G, _ = q.shape
-    d, m = scales.float().unbind(-1)
-    return (d[..., None] * q + m[..., None]).reshape(N, G * QK)
+def _q4_1_scales(scales: torch.Tensor, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, m), each fp32 [n, G], from scales [O, G, 2, 8]."""
+    O, G = scales.shape[:2]
+    s = scales.float().permute(2, 0, 3, 1).reshape(2, 8 * O, G)[:, :_out_features(n, O)]
+    return s[0], s[1]
+
+
+def dequantize_q4_1(packed: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """The weight [n, K] fp32 the codes and scales represent."""
+    q = unpack_q4_1(packed, n).float()
+    d, m = _q4_1_scales(scales, n)
+    return (d[..., None] * q + m[..., None]).reshape(q.shape[0], -1)
 
 
 def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (codes int8 [N, K/32, 32], scales fp16 [N, K/32]), w ~ d q with d = amax/127 (fp16)."""
+    """w [N, K] -> (codes int8 [ceil(N/8), K/32, 256], scales fp16 [ceil(N/8), K/32, 8]), w ~ d q with
+    d = amax/127 (fp16). Layout, per group o of 8 outputs and block g: byte 32 c + 4 j + i holds element
+    4 c + i of output 8 o + j (c = 0..7, i = 0..3); scales[o, g] = d of the 8 outputs."""
     N, K = w.shape
     if K % QK:
         raise ValueError(f"q8: in_features {K} is not a multiple of {QK}")
-    g = w.detach().float().reshape(N, K // QK, QK)
+    G, O = K // QK, _groups(N)
+    g = w.detach().float().reshape(N, G, QK)
     d = (g.abs().amax(-1) / 127).half()
     df = d.float()
     safe = torch.where(df > 0, df, torch.ones_like(df))
     q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), d.contiguous()
+    q, d = _pad_rows(q, 8 * O), _pad_rows(d, 8 * O)
+    codes = q.reshape(O, 8, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(O, G, 256)  # (o, g, c, j, i)
+    return codes.contiguous(), d.reshape(O, 8, G).permute(0, 2, 1).contiguous()
 
 
-def dequantize_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    N, G, _ = codes.shape
-    return (scales.float()[..., None] * codes.float()).reshape(N, G * QK)
+def unpack_q8_0(codes: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """Codes [n, G, 32] (int8, natural element order) from the interleaved layout."""
+    O, G, _ = codes.shape
+    q = codes.reshape(O, G, 8, 8, 4).permute(0, 3, 1, 2, 4)  # (o, j, g, c, i)
+    return q.reshape(8 * O, G, QK)[:_out_features(n, O)]
+
+
+def _q8_0_scales(scales: torch.Tensor, n: int | None) -> torch.Tensor:
+    O, G, _ = scales.shape
+    return scales.float().permute(0, 2, 1).reshape(8 * O, G)[:_out_features(n, O)]
+
+
+def dequantize_q8_0(codes: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """The weight [n, K] fp32 the codes and scales represent."""
+    q = unpack_q8_0(codes, n).float()
+    return (_q8_0_scales(scales, n)[..., None] * q).reshape(q.shape[0], -1)
 
 
 # ======================================================================================== GEMMs
-def _lane_sums(qw: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:
-    """Exact integer block products per lane: qw [N, 32], qx [M, 32] (float, integer-valued) -> [M, N, 8]
-    where lane l sums elements 4l..4l+3 (every partial sum is an integer below 2^24: exact in fp32)."""
-    return torch.einsum("nla,mla->mnl", qw.reshape(-1, 8, 4), qx.reshape(-1, 8, 4))
+def _block_dots(qw: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:
+    """Exact integer block products: codes qw [N, G, 32], qx [M, G, 32] -> isum [M, N, G] as fp32.
+    Computed in float64, where every product and partial sum is an integer below 2^53 (exact whatever
+    the summation order); |isum| <= 32 * 127 * 127 < 2^24, so the fp32 result is exact too."""
+    return torch.einsum("ngk,mgk->mng", qw.double(), qx.double()).float()
 
 
-def _hsum8(acc: torch.Tensor) -> torch.Tensor:
-    a = acc.unbind(-1)
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
-
-
-def gemm_q4_1_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """y [M, N] = x [M, K] times the Q4_1 weight, with Q8 activations, in the C kernel's exact order."""
+def gemm_q4_1_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int | None = None
+                        ) -> torch.Tensor:
+    """y [M, n] = x [M, K] times the Q4_1 weight, with Q8 activations, in the C kernel's canonical order:
+    acc <- (acc + (d_w d_x) isum) + m_w s_x over the blocks g in order, each op rounded to fp32."""
     qx, dx, sx = quantize_q8_reference(x)
-    qw = unpack_q4_1(packed).float()  # [N, G, 32]
-    dw, mw = scales.float().unbind(-1)  # [N, G]
+    qw = unpack_q4_1(packed, n)  # [N, G, 32]
+    dw, mw = _q4_1_scales(scales, n)  # [N, G]
     M, N, G = x.shape[0], qw.shape[0], qw.shape[1]
-    qxf = qx.float().reshape(M, G, QK)
-    acc = torch.zeros(M, N, 8)
-    macc = torch.zeros(M, N)
+    isum = _block_dots(qw, qx.reshape(M, G, QK))  # [M, N, G]
+    acc = torch.zeros(M, N)
     for g in range(G):
-        sc = dw[None, :, g] * dx[:, None, g]  # [M, N]
-        acc = acc + sc[..., None] * _lane_sums(qw[:, g], qxf[:, g])
-        macc = macc + mw[None, :, g] * sx[:, None, g]
-    return _hsum8(acc) + macc
+        acc = acc + (dw[None, :, g] * dx[:, None, g]) * isum[:, :, g]
+        acc = acc + mw[None, :, g] * sx[:, None, g]
+    return acc
 
 
-def gemm_q8_0_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def gemm_q8_0_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int | None = None
+                        ) -> torch.Tensor:
+    """y [M, n] for Q8_0 weights: acc <- acc + (d_w d_x) isum over the blocks g in order."""
     qx, dx, _ = quantize_q8_reference(x)
-    qw = codes.float()
-    dw = scales.float()
+    qw = unpack_q8_0(codes, n)
+    dw = _q8_0_scales(scales, n)
     M, N, G = x.shape[0], qw.shape[0], qw.shape[1]
-    qxf = qx.float().reshape(M, G, QK)
-    acc = torch.zeros(M, N, 8)
+    isum = _block_dots(qw, qx.reshape(M, G, QK))
+    acc = torch.zeros(M, N)
     for g in range(G):
-        acc = acc + (dw[None, :, g] * dx[:, None, g])[..., None] * _lane_sums(qw[:, g], qxf[:, g])
-    return _hsum8(acc)
+        acc = acc + (dw[None, :, g] * dx[:, None, g]) * isum[:, :, g]
+    return acc
 
 
-def gemm_q4_1(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 (CPU) -> [M, N]; bit-identical to `gemm_q4_1_reference` (one C call)."""
+def gemm_q4_1(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32 (CPU) -> [M, n]; bit-identical to `gemm_q4_1_reference` (one C call)."""
     lib = library()
     if lib is None or x.device.type != "cpu":
-        return gemm_q4_1_reference(x.cpu(), packed.cpu(), scales.cpu()).to(x.device)
+        return gemm_q4_1_reference(x.cpu(), packed.cpu(), scales.cpu(), n).to(x.device)
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
     M, K = x.shape
-    N = packed.shape[0]
+    if K != packed.shape[1] * QK:
+        raise ValueError(f"x has {K} features, the weight {packed.shape[1] * QK}")
+    N = _out_features(n, packed.shape[0])
     y = torch.empty(M, N)
     lib.qk_linear_q4_1(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(),
                        _workspace(_q8_bytes(M, K)).data_ptr())
     return y
 
 
-def gemm_q8_0(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 (CPU) -> [M, N]; bit-identical to `gemm_q8_0_reference` (one C call)."""
+def gemm_q8_0(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32 (CPU) -> [M, n]; bit-identical to `gemm_q8_0_reference` (one C call)."""
     lib = library()
     if lib is None or x.device.type != "cpu":
-        return gemm_q8_0_reference(x.cpu(), codes.cpu(), scales.cpu()).to(x.device)
+        return gemm_q8_0_reference(x.cpu(), codes.cpu(), scales.cpu(), n).to(x.device)
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
     M, K = x.shape
-    N = codes.shape[0]
+    if K != codes.shape[1] * QK:
+        raise ValueError(f"x has {K} features, the weight {codes.shape[1] * QK}")
+    N = _out_features(n, codes.shape[0])
     y = torch.empty(M, N)
     lib.qk_linear_q8_0(x.data_ptr(), M, K, codes.data_ptr(), scales.data_ptr(), N, y.data_ptr(),
                        _workspace(_q8_bytes(M, K)).data_ptr())

@@ -133,7 +133,9 @@ class Int4Linear(nn.Module):
 
 class BlockQuantLinear(nn.Module):
     """A linear whose weight is block-quantised codes + fp16 scales, multiplied by a batch-invariant kernel
-    (kernels.py). Subclasses name the layout: its quantiser, dequantiser and GEMM."""
+    (kernels.py). Subclasses name the layout: its quantiser, dequantiser and GEMM. The layouts interleave
+    the outputs by groups of 8 (padded with zero weights), so the buffers hold ceil(N/8) groups and the
+    dequantiser and GEMM are told the real N."""
 
     quantize = dequantize = gemm = staticmethod(lambda *a: None)  # set by the subclasses
 
@@ -146,10 +148,11 @@ class BlockQuantLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def dequantized(self) -> torch.Tensor:
-        return type(self).dequantize(self.codes, self.scales)
+        """The weight [out_features, in_features] fp32 the codes and scales represent."""
+        return type(self).dequantize(self.codes, self.scales, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = type(self).gemm(x.reshape(-1, self.in_features), self.codes, self.scales)
+        y = type(self).gemm(x.reshape(-1, self.in_features), self.codes, self.scales, self.out_features)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -212,7 +215,8 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes read per decode step: every linear weight (and a head) once; the embedding contributes one row."""
+    """Bytes read per decode step: every linear weight (and a head) once; the embedding contributes one row.
+    Block-quantised layouts count their stored bytes (codes and fp16 scales, padding to 8 outputs included)."""
     total = 0
     for mod in model.modules():
         if isinstance(mod, nn.Linear):

@@ -59,7 +59,7 @@ def test_quantisation_hand_example():
     assert float(s) == pytest.approx(0.02 * 77)
 
 
-def test_gemm_rows_are_invariant():
+def test_gemm_rows_are_invariant(simd):
     """Row 0 computed alone, or among 2..17 rows: the same bits (exact int32 block sums, per-row order)."""
     w, x = _weights(200, 128, seed=1)
     packed, scales = kernels.quantize_q4_1(w)
@@ -68,6 +68,96 @@ def test_gemm_rows_are_invariant():
     for m in range(2, 18):
         assert torch.equal(kernels.gemm_q4_1(x[:m], packed, scales)[:1], alone4)
         assert torch.equal(kernels.gemm_q8_0(x[:m], codes, d)[:1], alone8)
+
+
+@pytest.mark.parametrize("N", [1, 3, 13, 45])
+def test_gemms_with_outputs_not_a_multiple_of_8(simd, N):
+    """The layouts pad N up to a multiple of 8 with zero weights; the padded outputs are never written, and
+    the real ones equal the reference and the dense product of the dequantised weight's rows."""
+    w, x = _weights(N, 64, seed=7)
+    packed, scales = kernels.quantize_q4_1(w)
+    codes, d = kernels.quantize_q8_0(w)
+    assert packed.shape == (-(-N // 8), 2, 128) and scales.shape == (-(-N // 8), 2, 2, 8)
+    assert codes.shape == (-(-N // 8), 2, 256) and d.shape == (-(-N // 8), 2, 8)
+    assert kernels.dequantize_q4_1(packed, scales, N).shape == (N, 64)
+    full4 = kernels.gemm_q4_1_reference(x, packed, scales)  # all 8 * groups outputs, the padding gives 0
+    full8 = kernels.gemm_q8_0_reference(x, codes, d)
+    assert float(full4[:, N:].abs().sum()) == 0.0 and float(full8[:, N:].abs().sum()) == 0.0
+    for M in (1, 2, 4, 7):
+        y4, y8 = kernels.gemm_q4_1(x[:M], packed, scales, N), kernels.gemm_q8_0(x[:M], codes, d, N)
+        assert y4.shape == y8.shape == (M, N)
+        assert torch.equal(y4, kernels.gemm_q4_1_reference(x[:M], packed, scales, N))
+        assert torch.equal(y8, kernels.gemm_q8_0_reference(x[:M], codes, d, N))
+        assert torch.equal(y4, full4[:M, :N]) and torch.equal(y8, full8[:M, :N])
+    with pytest.raises(ValueError):
+        kernels.gemm_q4_1(x[:1], packed, scales, N + 8)
+
+
+def test_odd_row_counts_equal_single_rows(simd):
+    """7 rows run as tiles of 4 + 2 + 1 (and 5 = 4 + 1, 3 = 2 + 1): every row equals its one-row result."""
+    w, x = _weights(77, 160, seed=8)
+    packed, scales = kernels.quantize_q4_1(w)
+    codes, d = kernels.quantize_q8_0(w)
+    for M in (7, 5, 3):
+        y4, y8 = kernels.gemm_q4_1(x[:M], packed, scales, 77), kernels.gemm_q8_0(x[:M], codes, d, 77)
+        for m in range(M):
+            assert torch.equal(y4[m:m + 1], kernels.gemm_q4_1(x[m:m + 1], packed, scales, 77)), (M, m)
+            assert torch.equal(y8[m:m + 1], kernels.gemm_q8_0(x[m:m + 1], codes, d, 77)), (M, m)
+
+
+def test_gemms_avx2_equal_scalar():
+    w, x = _weights(101, 256, seed=9)
+    packed, scales = kernels.quantize_q4_1(w)
+    codes, d = kernels.quantize_q8_0(w)
+    fast = [(kernels.gemm_q4_1(x[:M], packed, scales, 101), kernels.gemm_q8_0(x[:M], codes, d, 101))
+            for M in (1, 2, 3, 4, 8, 9)]
+    kernels.set_simd(False)
+    try:
+        slow = [(kernels.gemm_q4_1(x[:M], packed, scales, 101), kernels.gemm_q8_0(x[:M], codes, d, 101))
+                for M in (1, 2, 3, 4, 8, 9)]
+    finally:
+        kernels.set_simd(True)
+    for (f4, f8), (s4, s8) in zip(fast, slow):
+        assert torch.equal(f4, s4) and torch.equal(f8, s8)
+
+
+def test_canonical_order_by_hand(simd):
+    """One output of one row, step by step in fp32 as the C header documents: isum_g exact, then
+    acc <- (acc + (d_w d_x) isum) + m_w s_x (Q4_1) or acc <- acc + (d_w d_x) isum (Q8_0), g in order."""
+    w, x = _weights(11, 96, seed=10)
+    packed, scales = kernels.quantize_q4_1(w)
+    codes, d8 = kernels.quantize_q8_0(w)
+    qx, dx, sx = kernels.quantize_q8(x[3:4])
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    for n in (0, 5, 10):
+        qw = kernels.unpack_q4_1(packed, 11)[n].long()
+        s = scales.float()[n // 8, :, :, n % 8]  # [G, (d, m)]
+        c8 = kernels.unpack_q8_0(codes, 11)[n].long()
+        acc4, acc8 = f32(0.0), f32(0.0)
+        for g in range(3):
+            a = qx[0, 32 * g:32 * g + 32].long()
+            isum4, isum8 = f32(float(int((qw[g] * a).sum()))), f32(float(int((c8[g] * a).sum())))
+            acc4 = (acc4 + (s[g, 0] * dx[0, g]) * isum4) + s[g, 1] * sx[0, g]
+            acc8 = acc8 + (d8.float()[n // 8, g, n % 8] * dx[0, g]) * isum8
+        assert torch.equal(kernels.gemm_q4_1(x[3:4], packed, scales, 11)[0, n], acc4)
+        assert torch.equal(kernels.gemm_q8_0(x[3:4], codes, d8, 11)[0, n], acc8)
+
+
+def test_interleaved_layout():
+    """Q4_1: byte 32 v + 4 j + i of (group, block) holds element 4v + i of output j (low nibble) and element
+    16 + 4v + i (high nibble); Q8_0: byte 32 c + 4 j + i holds element 4c + i of output j."""
+    q = torch.randint(0, 16, (16, 64), generator=torch.Generator().manual_seed(11))
+    q[:, ::32], q[:, 1::32] = 0, 15
+    w = q.float() * 0.5 - 1.0  # d = 0.5, m = -1 in every block: codes recovered exactly
+    packed, scales = kernels.quantize_q4_1(w)
+    n, g, e = 13, 1, 22  # group 1, output j = 5, block 1, element 22 = 16 + 4 * 1 + 2: high nibble
+    assert int(packed[1, g, 32 * 1 + 4 * 5 + 2]) >> 4 == int(q[n, 32 * g + e])
+    assert int(packed[1, g, 32 * 1 + 4 * 5 + 2]) & 15 == int(q[n, 32 * g + 6])
+    assert float(scales[1, g, 0, 5]) == 0.5 and float(scales[1, g, 1, 5]) == -1.0
+    c = torch.randint(-127, 128, (16, 64), generator=torch.Generator().manual_seed(12))
+    c[:, 0] = 127
+    codes, d = kernels.quantize_q8_0(c.float() * 0.25)
+    assert int(codes[1, g, 32 * (e // 4) + 4 * 5 + e % 4]) == int(c[n, 32 * g + e])
 
 
 def test_quantisers_recover_file_codes_and_approximate_the_matmul():
@@ -86,7 +176,7 @@ def test_quantisers_recover_file_codes_and_approximate_the_matmul():
     c8[:, :, 0] = 127
     w8 = (d.float()[..., None] * c8).reshape(64, 128)
     codes, d8 = kernels.quantize_q8_0(w8)
-    assert torch.equal(codes.long(), c8) and torch.equal(kernels.dequantize_q8_0(codes, d8), w8)
+    assert torch.equal(kernels.unpack_q8_0(codes).long(), c8) and torch.equal(kernels.dequantize_q8_0(codes, d8), w8)
     x = torch.randn(5, 128, generator=g)
     for y, ref in ((kernels.gemm_q4_1(x, packed, scales), x @ w.t()), (kernels.gemm_q8_0(x, codes, d8), x @ w8.t())):
         assert float((y - ref).norm() / ref.norm()) < 0.02

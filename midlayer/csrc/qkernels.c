@@ -1,10 +1,10 @@
 /* Batch-invariant CPU kernels for midlayer's `q4` inference format (see midlayer/kernels.py).
  *
- * Three computations, each with a portable scalar version and an AVX2 version that return bit-identical
- * results (the AVX2 functions are compiled with a target attribute and picked at run time):
+ * Each computation has a portable scalar version and an AVX2 version that return bit-identical results
+ * (the AVX2 functions are compiled with a target attribute and picked at run time):
  *
  *   quantize_q8   x [M, K] fp32 -> per row, per group of 32: int8 codes q, scale d = amax / 127 and
- *                 s = d * sum(q)  (llama.cpp's Q8_1 activation layout, arXiv-free: Gerganov et al., ggml).
+ *                 s = d * sum(q)  (llama.cpp's Q8_1 activation layout: Gerganov et al., ggml).
  *   gemm_q4_1     y[m, n] = sum_g (d_w d_x) isum + m_w s_x  with 4-bit weights w = d_w q + m_w (Q4_1).
  *   gemm_q8_0     y[m, n] = sum_g (d_w d_x) isum            with 8-bit weights w = d_w q (Q8_0).
  *   attention     one query row at a time over an additive mask: softmax(q k^T / sqrt(d) + mask) v.
@@ -12,12 +12,30 @@
  * Why these are batch-invariant (a row's result does not depend on how many rows share the call): the
  * block dot products isum are exact int32 sums, and every float operation is done per row in a fixed
  * order that does not depend on M (or, for attention, on how many query rows there are). That order is
- * the contract that kernels.py's pure-PyTorch reference reproduces bit for bit:
+ * the contract that kernels.py's pure-PyTorch reference reproduces bit for bit ("canonical order"):
  *
- *   lane l (0..7) of a 32-wide block holds the exact integer sum over elements 4l..4l+3;
- *   acc_l <- acc_l + (d_w * d_x) * float(isum_l)        for g = 0, 1, ..., G-1   (no fused multiply-add)
- *   macc  <- macc  + m_w * s_x                          for g = 0, 1, ..., G-1   (Q4_1 only)
- *   y = ((acc_0 + acc_4) + (acc_2 + acc_6)) + ((acc_1 + acc_5) + (acc_3 + acc_7))  [+ macc]
+ *   isum_g = the exact integer dot product of block g (32 weight codes x 32 activation codes), int32;
+ *   acc = 0.0f;  for g = 0, 1, ..., G-1 in order:
+ *     Q4_1:  acc <- (acc + (d_w,g * d_x,g) * float(isum_g)) + m_w,g * s_x,g
+ *     Q8_0:  acc <- acc + (d_w,g * d_x,g) * float(isum_g)
+ *   y = acc.
+ * Every * and + is a separately rounded fp32 operation (no fused multiply-add): first d_w * d_x, then
+ * times float(isum) (exact: |isum| < 2^24), then added to acc; for Q4_1 then m_w * s_x, added to acc.
+ *
+ * Weight layout (built by kernels.quantize_q4_1 / quantize_q8_0): outputs are interleaved by groups of 8
+ * (N padded up to a multiple of 8 with zero codes and zero scales; padded outputs are never written).
+ * For output group o (outputs 8o..8o+7, j = n - 8o), block g, element e = 4c + i (chunk c = 0..7, i = 0..3):
+ *   Q4_1 codes: 128 bytes at (o G + g) * 128; byte 32 (c mod 4) + 4 j + i holds element e of output j in
+ *               its low nibble if c < 4, in its high nibble if c >= 4 (so one 32-byte load, after `& 15`
+ *               or `>> 4 & 15`, is 8 outputs x 4 consecutive elements);
+ *               scales: 16 fp16 at (o G + g) * 16: d_w of outputs j = 0..7, then m_w of outputs 0..7.
+ *   Q8_0 codes: 256 bytes at (o G + g) * 256; byte 32 c + 4 j + i holds element e of output j (int8,
+ *               in [-127, 127]); scales: 8 fp16 at (o G + g) * 8, d_w of outputs 0..7.
+ * The AVX2 GEMMs broadcast a row's 4 activation bytes of chunk c to all 8 outputs, so the 8 outputs' block
+ * sums come out in the 8 int32 lanes of one register and the float work is one vector op per 8 outputs
+ * (no horizontal sums). Q4_1: pair products |w a| <= 15 * 127, so the 16 int16 pair sums of a block's 8
+ * chunks stay below 8 * 3810 = 30480 and are summed in int16 before one madd; Q8_0 (|w a| <= 127^2) widens
+ * every chunk to int32.
  *
  * Compile with -ffp-contract=off so that the compiler does not fuse the multiply-adds of the scalar path.
  */
@@ -79,49 +97,51 @@ static void quantize_q8_scalar(const float *x, long ldx, int M, int K, int8_t *q
     }
 }
 
+/* Code of output n, element e of block g in the interleaved layouts (see the header). */
+static inline int q4_code(const uint8_t *wq, int G, int n, int g, int e) {
+    int c = e >> 2, byte = wq[((long)(n >> 3) * G + g) * 128 + 32 * (c & 3) + 4 * (n & 7) + (e & 3)];
+    return c < 4 ? (byte & 0xf) : (byte >> 4);
+}
+
+static inline int q8_code(const int8_t *wq, int G, int n, int g, int e) {
+    return wq[((long)(n >> 3) * G + g) * 256 + 32 * (e >> 2) + 4 * (n & 7) + (e & 3)];
+}
+
+/* Output groups [o0, o1) (outputs 8 o0 .. min(8 o1, N) - 1) of all M rows, in the canonical order. */
 static void gemm_q4_1_scalar(const int8_t *xq, const float *xd, const float *xs, int M, int K,
-                             const uint8_t *wq, const uint16_t *wdm, int n0, int n1, float *y, long ldy) {
-    int G = K / QK;
-    for (int n = n0; n < n1; n++) {
+                             const uint8_t *wq, const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy) {
+    int G = K / QK, n1 = 8 * o1 < N ? 8 * o1 : N;
+    for (int n = 8 * o0; n < n1; n++) {
         for (int m = 0; m < M; m++) {
-            float acc[8] = {0}, macc = 0.0f;
+            float acc = 0.0f;
             for (int g = 0; g < G; g++) {
-                const uint8_t *b = wq + ((long)n * G + g) * 16;
                 const int8_t *a = xq + (long)m * K + g * QK;
-                float dw = f16_to_f32(wdm[((long)n * G + g) * 2]), mw = f16_to_f32(wdm[((long)n * G + g) * 2 + 1]);
-                float sc = dw * xd[(long)m * G + g];
-                for (int l = 0; l < 8; l++) {
-                    int isum = 0;
-                    for (int j = 4 * l; j < 4 * l + 4; j++) {
-                        int qw = j < 16 ? (b[j] & 0xf) : (b[j - 16] >> 4);
-                        isum += qw * a[j];
-                    }
-                    acc[l] = acc[l] + sc * (float)isum;
-                }
-                macc = macc + mw * xs[(long)m * G + g];
+                const uint16_t *sc = wdm + ((long)(n >> 3) * G + g) * 16;
+                float dw = f16_to_f32(sc[n & 7]), mw = f16_to_f32(sc[8 + (n & 7)]);
+                int isum = 0;
+                for (int e = 0; e < QK; e++) isum += q4_code(wq, G, n, g, e) * a[e];
+                acc = acc + (dw * xd[(long)m * G + g]) * (float)isum;
+                acc = acc + mw * xs[(long)m * G + g];
             }
-            y[(long)m * ldy + n] = hsum8_scalar(acc) + macc;
+            y[(long)m * ldy + n] = acc;
         }
     }
 }
 
 static void gemm_q8_0_scalar(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq,
-                             const uint16_t *wd, int n0, int n1, float *y, long ldy) {
-    int G = K / QK;
-    for (int n = n0; n < n1; n++) {
+                             const uint16_t *wd, int o0, int o1, int N, float *y, long ldy) {
+    int G = K / QK, n1 = 8 * o1 < N ? 8 * o1 : N;
+    for (int n = 8 * o0; n < n1; n++) {
         for (int m = 0; m < M; m++) {
-            float acc[8] = {0};
+            float acc = 0.0f;
             for (int g = 0; g < G; g++) {
-                const int8_t *b = wq + ((long)n * G + g) * QK;
                 const int8_t *a = xq + (long)m * K + g * QK;
-                float sc = f16_to_f32(wd[(long)n * G + g]) * xd[(long)m * G + g];
-                for (int l = 0; l < 8; l++) {
-                    int isum = 0;
-                    for (int j = 4 * l; j < 4 * l + 4; j++) isum += (int)b[j] * (int)a[j];
-                    acc[l] = acc[l] + sc * (float)isum;
-                }
+                float dw = f16_to_f32(wd[((long)(n >> 3) * G + g) * 8 + (n & 7)]);
+                int isum = 0;
+                for (int e = 0; e < QK; e++) isum += q8_code(wq, G, n, g, e) * a[e];
+                acc = acc + (dw * xd[(long)m * G + g]) * (float)isum;
             }
-            y[(long)m * ldy + n] = hsum8_scalar(acc);
+            y[(long)m * ldy + n] = acc;
         }
     }
 }
@@ -225,81 +245,124 @@ AVX2 static void quantize_q8_avx2(const float *x, long ldx, int M, int K, int8_t
     }
 }
 
-#define ROWS 8 /* rows per register tile; the per-row arithmetic does not depend on it */
+#define INLINE static inline __attribute__((always_inline))
+#define NOINLINE static __attribute__((noinline))
 
-/* One tile of R rows (R a compile-time constant after inlining: the accumulators stay in registers). */
-#define Q4_TILE(R)                                                                                          \
-    do {                                                                                                    \
-        __m256 acc[R];                                                                                      \
-        float macc[R];                                                                                      \
-        for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }                       \
-        for (int g = 0; g < G; g++) {                                                                       \
-            __m128i b = _mm_loadu_si128((const __m128i *)(wn + g * 16));                                    \
-            __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), _mm_and_si128(b, lo4));  \
-            float mw = _cvtsh_ss(dm[2 * g + 1]);                                                            \
-            __m256 vdw = _mm256_set1_ps(_cvtsh_ss(dm[2 * g]));                                              \
-            for (int r = 0; r < R; r++) {                                                                   \
-                long m = m0 + r;                                                                            \
-                __m256i a = _mm256_loadu_si256((const __m256i *)(xq + m * K + g * QK));                     \
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);                            \
-                __m256 sc = _mm256_mul_ps(vdw, _mm256_broadcast_ss(xd + m * G + g)); /* = d_w * d_x */      \
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(sc, _mm256_cvtepi32_ps(p)));                   \
-                macc[r] = macc[r] + mw * xs[m * G + g];                                                     \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int r = 0; r < R; r++) y[(long)(m0 + r) * ldy + n] = hsum8_avx2(acc[r]) + macc[r];             \
-    } while (0)
+/* 4 activation bytes (one chunk of 4 consecutive elements) broadcast to all 8 int32 lanes */
+AVX2 INLINE __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
 
-AVX2 static void gemm_q4_1_avx2(const int8_t *xq, const float *xd, const float *xs, int M, int K,
-                                const uint8_t *wq, const uint16_t *wdm, int n0, int n1, float *y, long ldy) {
-    int G = K / QK;
-    const __m128i lo4 = _mm_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *wn = wq + (long)n * G * 16;
-        const uint16_t *dm = wdm + (long)n * G * 2;
-        for (int m0 = 0; m0 < M;) {
-            int R = M - m0;
-            if (R >= 8) { Q4_TILE(8); m0 += 8; }
-            else if (R >= 4) { Q4_TILE(4); m0 += 4; }
-            else if (R >= 2) { Q4_TILE(2); m0 += 2; }
-            else { Q4_TILE(1); m0 += 1; }
-        }
+/* the first nv lanes of v to dst: a group of 8 outputs, of which the last may be padding */
+AVX2 INLINE void store_outputs(float *dst, __m256 v, int nv) {
+    if (nv >= 8) {
+        _mm256_storeu_ps(dst, v);
+    } else { /* (a copy through a stack buffer would make the accumulators addressable: they would spill) */
+        __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_maskstore_ps(dst, _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), lane), v);
     }
 }
 
-#define Q8_TILE(R)                                                                                          \
-    do {                                                                                                    \
-        __m256 acc[R];                                                                                      \
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                           \
-        for (int g = 0; g < G; g++) {                                                                       \
-            __m256i w = _mm256_loadu_si256((const __m256i *)(wn + g * QK));                                 \
-            __m256i aw = _mm256_sign_epi8(w, w); /* |w| as unsigned bytes (|-128| = 128) */                 \
-            __m256 vdw = _mm256_set1_ps(_cvtsh_ss(wd[(long)n * G + g]));                                    \
-            for (int r = 0; r < R; r++) {                                                                   \
-                long m = m0 + r;                                                                            \
-                __m256i a = _mm256_loadu_si256((const __m256i *)(xq + m * K + g * QK));                     \
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w)), ones);      \
-                __m256 sc = _mm256_mul_ps(vdw, _mm256_broadcast_ss(xd + m * G + g));                        \
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(sc, _mm256_cvtepi32_ps(p)));                   \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int r = 0; r < R; r++) y[(long)(m0 + r) * ldy + n] = hsum8_avx2(acc[r]);                       \
-    } while (0)
+/* One register tile: the 8 outputs of group o x R rows (R = 4, 2 or 1: DEFINE_Q4_TILE(R) defines
+ * q4_tile_<R>), all K. R is a literal, so the block sums stay in registers (16 ymm: with R = 4 the inner
+ * loop fits, the float accumulators may go to the stack once per block). Each weight register is used by
+ * all R rows; a row's arithmetic does not depend on R. The empty asm after each int16 accumulation keeps
+ * the sums in chunk order: without it GCC reassociates the integer adds into a tree whose partial products
+ * spill (same result, slower). Timed on Zen 2: vpmaddubsw and vpmaddwd share one pipe at 1/cycle, so a
+ * row costs at least 9 cycles per group of 8 outputs and block (Q4_1), 16 (Q8_0); measured ~13 and ~20
+ * with R = 4. Two output groups per tile for one row (sharing the broadcasts) spilled and was slower. */
+#define DEFINE_Q4_TILE(R)                                                                                    \
+    AVX2 NOINLINE void q4_tile_##R(const int8_t *xq, const float *xd, const float *xs, int K, const uint8_t *wq, \
+                                   const uint16_t *wdm, int o, int m0, int N, float *y, long ldy) {          \
+        const int G = K / QK;                                                                                \
+        const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                             \
+        const uint8_t *wo = wq + (long)o * G * 128;                                                          \
+        const uint16_t *so = wdm + (long)o * G * 16;                                                         \
+        __m256 acc[R];                                                                                       \
+        __m256i s16[R];                                                                                      \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
+        for (int g = 0; g < G; g++) {                                                                        \
+            for (int v = 0; v < 4; v++) {                                                                    \
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(wo + g * 128 + 32 * v));                  \
+                __m256i wl = _mm256_and_si256(raw, lo4);                       /* chunk v: elements 4v..4v+3 */ \
+                __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4); /* chunk v + 4: 16+4v.. */    \
+                for (int r = 0; r < R; r++) {                                                                \
+                    const int8_t *a = xq + (long)(m0 + r) * K + g * QK;                                      \
+                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, bcast4(a + 4 * v)),                \
+                                                 _mm256_maddubs_epi16(wh, bcast4(a + 16 + 4 * v)));          \
+                    s16[r] = v ? _mm256_add_epi16(s16[r], p) : p; /* |.| <= 8 * 2 * 15 * 127 < 2^15 */       \
+                    __asm__("" : "+x"(s16[r]));                                                              \
+                }                                                                                            \
+            }                                                                                                \
+            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 16)));                    \
+            __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 16 + 8)));                \
+            for (int r = 0; r < R; r++) {                                                                    \
+                long m = m0 + r;                                                                             \
+                __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)); /* exact int32 sums */    \
+                __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + m * G + g));                          \
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, isum));                                     \
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, _mm256_broadcast_ss(xs + m * G + g)));      \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) store_outputs(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);     \
+    }
+
+#define DEFINE_Q8_TILE(R)                                                                                    \
+    AVX2 NOINLINE void q8_tile_##R(const int8_t *xq, const float *xd, int K, const int8_t *wq, const uint16_t *wd, \
+                                   int o, int m0, int N, float *y, long ldy) {                               \
+        const int G = K / QK;                                                                                \
+        const __m256i ones = _mm256_set1_epi16(1);                                                           \
+        const int8_t *wo = wq + (long)o * G * 256;                                                           \
+        const uint16_t *so = wd + (long)o * G * 8;                                                           \
+        __m256 acc[R];                                                                                       \
+        __m256i s32[R];                                                                                      \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
+        for (int g = 0; g < G; g++) {                                                                        \
+            for (int c = 0; c < 8; c++) {                                                                    \
+                __m256i w = _mm256_loadu_si256((const __m256i *)(wo + g * 256 + 32 * c));                    \
+                __m256i aw = _mm256_sign_epi8(w, w); /* |w| as unsigned bytes, shared by the rows */         \
+                for (int r = 0; r < R; r++) {                                                                \
+                    __m256i a = bcast4(xq + (long)(m0 + r) * K + g * QK + 4 * c);                            \
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w)), ones);   \
+                    s32[r] = c ? _mm256_add_epi32(s32[r], p) : p;                                            \
+                }                                                                                            \
+            }                                                                                                \
+            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 8)));                     \
+            for (int r = 0; r < R; r++) {                                                                    \
+                __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + (long)(m0 + r) * G + g));             \
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(s32[r])));               \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) store_outputs(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);     \
+    }
+
+DEFINE_Q4_TILE(4)
+DEFINE_Q4_TILE(2)
+DEFINE_Q4_TILE(1)
+DEFINE_Q8_TILE(4)
+DEFINE_Q8_TILE(2)
+DEFINE_Q8_TILE(1)
+
+/* Output groups [o0, o1) of all M rows, rows in tiles of 4, 2, 1 (e.g. 7 = 4 + 2 + 1). */
+AVX2 static void gemm_q4_1_avx2(const int8_t *xq, const float *xd, const float *xs, int M, int K,
+                                const uint8_t *wq, const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy) {
+    for (int o = o0; o < o1; o++) {
+        int m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) q4_tile_4(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy);
+        if (m0 + 2 <= M) { q4_tile_2(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy); m0 += 2; }
+        if (m0 < M) q4_tile_1(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy);
+    }
+}
 
 AVX2 static void gemm_q8_0_avx2(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq,
-                                const uint16_t *wd, int n0, int n1, float *y, long ldy) {
-    int G = K / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int n = n0; n < n1; n++) {
-        const int8_t *wn = wq + (long)n * G * QK;
-        for (int m0 = 0; m0 < M;) {
-            int R = M - m0;
-            if (R >= 8) { Q8_TILE(8); m0 += 8; }
-            else if (R >= 4) { Q8_TILE(4); m0 += 4; }
-            else if (R >= 2) { Q8_TILE(2); m0 += 2; }
-            else { Q8_TILE(1); m0 += 1; }
-        }
+                                const uint16_t *wd, int o0, int o1, int N, float *y, long ldy) {
+    for (int o = o0; o < o1; o++) {
+        int m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) q8_tile_4(xq, xd, K, wq, wd, o, m0, N, y, ldy);
+        if (m0 + 2 <= M) { q8_tile_2(xq, xd, K, wq, wd, o, m0, N, y, ldy); m0 += 2; }
+        if (m0 < M) q8_tile_1(xq, xd, K, wq, wd, o, m0, N, y, ldy);
     }
 }
 
@@ -386,30 +449,29 @@ void qk_quantize_q8(const float *x, long ldx, int M, int K, int8_t *q, float *d,
     else quantize_q8_scalar(x, ldx, M, K, q, d, s);
 }
 
-/* Output columns are split between threads; each column's arithmetic is the same whoever computes it. */
-#define NCHUNK 16
-
+/* Output groups are split between threads, two groups (16 outputs) per work item; each output's arithmetic
+ * is the same whoever computes it. N = the real number of outputs (the layout holds ceil(N / 8) groups). */
 void qk_gemm_q4_1(const int8_t *xq, const float *xd, const float *xs, int M, int K, const uint8_t *wq,
                   const uint16_t *wdm, int N, float *y, long ldy) {
-    int chunks = (N + NCHUNK - 1) / NCHUNK;
+    int groups = (N + 7) / 8, items = (groups + 1) / 2;
     int avx2 = qk_has_avx2();
 #pragma omp parallel for schedule(static)
-    for (int c = 0; c < chunks; c++) {
-        int n0 = c * NCHUNK, n1 = n0 + NCHUNK < N ? n0 + NCHUNK : N;
-        if (avx2) gemm_q4_1_avx2(xq, xd, xs, M, K, wq, wdm, n0, n1, y, ldy);
-        else gemm_q4_1_scalar(xq, xd, xs, M, K, wq, wdm, n0, n1, y, ldy);
+    for (int c = 0; c < items; c++) {
+        int o0 = 2 * c, o1 = o0 + 2 < groups ? o0 + 2 : groups;
+        if (avx2) gemm_q4_1_avx2(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
+        else gemm_q4_1_scalar(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
     }
 }
 
 void qk_gemm_q8_0(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq, const uint16_t *wd, int N,
                   float *y, long ldy) {
-    int chunks = (N + NCHUNK - 1) / NCHUNK;
+    int groups = (N + 7) / 8, items = (groups + 1) / 2;
     int avx2 = qk_has_avx2();
 #pragma omp parallel for schedule(static)
-    for (int c = 0; c < chunks; c++) {
-        int n0 = c * NCHUNK, n1 = n0 + NCHUNK < N ? n0 + NCHUNK : N;
-        if (avx2) gemm_q8_0_avx2(xq, xd, M, K, wq, wd, n0, n1, y, ldy);
-        else gemm_q8_0_scalar(xq, xd, M, K, wq, wd, n0, n1, y, ldy);
+    for (int c = 0; c < items; c++) {
+        int o0 = 2 * c, o1 = o0 + 2 < groups ? o0 + 2 : groups;
+        if (avx2) gemm_q8_0_avx2(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
+        else gemm_q8_0_scalar(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
     }
 }
 
