@@ -210,9 +210,8 @@ class Attention(nn.Module):
             cos, sin = cos.expand(B, T, hd), sin.expand(B, T, hd)
         kernels.rope_store(qkv, H, Hk, cos, sin, c.k_layers[l], c.v_layers[l], cache.query_slots)
         mask = cache.finish(T, x.device)
-        q = qkv.view(B, T, H + 2 * Hk, hd)[:, :, :H].transpose(1, 2)
-        out = kernels.attention(q, c.k_layers[l], c.v_layers[l], mask, n_keys=c.length)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
+        out = kernels.attention_fused(qkv, H, c.k_layers[l], c.v_layers[l], mask, c.length)
+        return self.wo(out.to(x.dtype))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                key_bias: torch.Tensor | None) -> torch.Tensor:

@@ -110,6 +110,7 @@ class CachedStep:
         self.cache, self.start, self.query_slots = cache, start, query_slots  # query_slots [B, all rows]
         self.cos, self.sin = cos, sin  # [B, 1, all rows, hd]
         self.active, self.skip, self.extra_mask = active, skip, extra_mask
+        cache.mask_memo = None  # a mask is shared by the layers of one forward only (LayerView.finish)
 
     def __call__(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
                  key_bias: torch.Tensor | None) -> torch.Tensor:

@@ -480,6 +480,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out.transpose(1, 2)
 
 
+def attention_fused(qkv: torch.Tensor, n_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    mask: torch.Tensor | None, n_keys: int) -> torch.Tensor:
+    """`attention` for the cached step, straight from the fused projection: the queries are the first
+    n_heads * d columns of qkv [B, T, (H + 2 Hk) d] (contiguous fp32, RoPE applied), keys/values the first
+    n_keys slots of the cache layers [B, Hk, S_max, d]; mask [B, 1, T, n_keys] fp32 contiguous or None.
+    Returns [B, T, H d]. The same C call and bits as `attention`, without its views and copies (one
+    tensor allocated): the decode step calls this once per layer."""
+    B, T, _ = qkv.shape
+    Hk, D = k_cache.shape[1], k_cache.shape[3]
+    if mask is not None and not (mask.dtype == torch.float32 and mask.is_contiguous()
+                                 and mask.shape == (B, 1, T, n_keys)):
+        mask = mask.float().expand(B, 1, T, n_keys).contiguous()
+    out = torch.empty(B, T, n_heads * D)
+    ks = k_cache.stride()
+    library().qk_attention(qkv.data_ptr(), qkv.stride(0), qkv.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                           ks[0], ks[1], ks[2], None if mask is None else mask.data_ptr(), B, T, n_heads, Hk,
+                           n_keys, D, float(D ** -0.5), out.data_ptr(), _workspace(4 * B * T * n_heads * n_keys).data_ptr())
+    return out
+
+
 if __name__ == "__main__":  # `python -m midlayer.kernels`: build now (scripts/setup.sh) and report
     try:
         path = build(verbose=True)

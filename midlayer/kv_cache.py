@@ -39,6 +39,7 @@ class KVCache:
         # True while every slot < length is held by every layer with bias 0 (dense, no padding): the
         # attention then needs no mask at all in a decode step, the fast path of batch-1 decoding.
         self.dense_prefix = True
+        self.mask_memo: tuple | None = None  # (key, mask): this forward's dense-prefix mask (LayerView.finish)
 
     @classmethod
     def for_model(cls, cfg, batch: int, max_len: int | None = None, device: torch.device | str = "cpu",
@@ -136,9 +137,18 @@ class LayerView:
         S = c.length
         if c.dense_prefix and M == 1 and self.extra_mask is None:
             return None  # every held key is visible to the one new query
+        if c.dense_prefix:
+            # Every held key has bias 0 at every layer: the mask (causality [+ tree]) is the same for all
+            # layers of this forward, so it is built once and reused (keyed on what it depends on).
+            em = self.extra_mask
+            key = (self.start, M, S, None if em is None else (em.data_ptr(), tuple(em.shape), tuple(em.stride())))
+            if c.mask_memo is not None and c.mask_memo[0] == key:
+                return c.mask_memo[1]
         key_slots = torch.arange(S, device=device)
         causal = torch.where(key_slots[None, None, :] <= self.query_slots[:, :, None], 0.0, float("-inf"))
         mask = (causal + bias_l[:, None, :S])[:, None]  # [B, 1, M, S]
         if self.extra_mask is not None:
             mask = mask + self.extra_mask
+        if c.dense_prefix:
+            c.mask_memo = (key, mask)
         return mask

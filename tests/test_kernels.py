@@ -182,11 +182,11 @@ def test_quantisers_recover_file_codes_and_approximate_the_matmul():
         assert float((y - ref).norm() / ref.norm()) < 0.02
 
 
-def _attention_inputs(T: int, S: int, seed: int = 0):
+def _attention_inputs(T: int, S: int, seed: int = 0, D: int = 16):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 6, T, 16, generator=g)
-    k = torch.randn(1, 2, S, 16, generator=g)
-    v = torch.randn(1, 2, S, 16, generator=g)
+    q = torch.randn(1, 6, T, D, generator=g)
+    k = torch.randn(1, 2, S, D, generator=g)
+    v = torch.randn(1, 2, S, D, generator=g)
     mask = torch.zeros(1, 1, T, S)
     for t in range(T):  # causal over the last T slots, plus one hidden context key (a skipped token)
         mask[0, 0, t, S - T + t + 1:] = float("-inf")
@@ -207,9 +207,11 @@ def test_attention_matches_reference_and_rows_are_invariant(simd):
     assert torch.equal(alone, out[:, :, :1])
 
 
-def test_attention_avx2_equals_scalar():
-    q, k, v, mask = _attention_inputs(5, 70, seed=3)
+@pytest.mark.parametrize("D", [16, 64, 80])  # the AVX2 path takes 64 columns at a time, then 8
+def test_attention_avx2_equals_scalar(D):
+    q, k, v, mask = _attention_inputs(5, 70, seed=3, D=D)
     fast = kernels.attention(q, k, v, mask)
+    torch.testing.assert_close(fast, kernels.attention_reference(q, k, v, mask), rtol=1e-5, atol=1e-6)
     kernels.set_simd(False)
     try:
         slow = kernels.attention(q, k, v, mask)

@@ -386,23 +386,51 @@ AVX2 static inline __m256 exp_avx2(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
 
+AVX2 static inline float dot_avx2(const float *q, const float *kk, int D) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < D; j += 8)
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kk + j)));
+    return hsum8_avx2(acc);
+}
+
 AVX2 static void attention_row_avx2(const float *q, const float *k, const float *v, long sk, const float *mask,
                                     int S, int D, float scale, float *scores, float *out) {
+    /* Same arithmetic as attention_row_scalar, element by element; only independent chains are interleaved
+     * (four keys' dot products at once, eight output columns at once) to hide the add latency. */
     float mx = -INFINITY;
-    for (int s = 0; s < S; s++) {
-        if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; continue; } /* invisible: skip the dot */
-        const float *kk = k + s * sk;
-        __m256 acc = _mm256_setzero_ps();
-        for (int j = 0; j < D; j += 8)
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kk + j)));
-        float sc = hsum8_avx2(acc) * scale;
+    int s = 0;
+    for (; s + 4 <= S; s += 4) {
+        const float *k0 = k + s * sk, *k1 = k0 + sk, *k2 = k1 + sk, *k3 = k2 + sk;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < D; j += 8) {
+            __m256 qj = _mm256_loadu_ps(q + j);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(qj, _mm256_loadu_ps(k0 + j)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(qj, _mm256_loadu_ps(k1 + j)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(qj, _mm256_loadu_ps(k2 + j)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(qj, _mm256_loadu_ps(k3 + j)));
+        }
+        float d4[4] = {hsum8_avx2(a0), hsum8_avx2(a1), hsum8_avx2(a2), hsum8_avx2(a3)};
+        for (int i = 0; i < 4; i++) {
+            float sc;
+            if (mask && mask[s + i] == -INFINITY) sc = -INFINITY; /* invisible (its dot is discarded) */
+            else {
+                sc = d4[i] * scale;
+                if (mask) sc = sc + mask[s + i];
+            }
+            scores[s + i] = sc;
+            mx = sc > mx ? sc : mx;
+        }
+    }
+    for (; s < S; s++) {
+        if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; continue; }
+        float sc = dot_avx2(q, k + s * sk, D) * scale;
         if (mask) sc = sc + mask[s];
         scores[s] = sc;
         mx = sc > mx ? sc : mx;
     }
     /* lanes[s & 7] accumulation, as in the scalar version: vector i holds s = 8i..8i+7 */
     __m256 lanes = _mm256_setzero_ps(), vmx = _mm256_set1_ps(mx);
-    int s = 0;
+    s = 0;
     for (; s + 8 <= S; s += 8) {
         __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + s), vmx));
         _mm256_storeu_ps(scores + s, p);
@@ -415,15 +443,41 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
         scores[s] = p;
         ln[s & 7] = ln[s & 7] + p;
     }
-    float inv = 1.0f / hsum8_scalar(ln);
-    for (int j = 0; j < D; j += 8) {
+    __m256 vinv = _mm256_set1_ps(1.0f / hsum8_scalar(ln));
+    int j = 0;
+    for (; j + 64 <= D; j += 64) { /* eight output vectors at once: out[j] accumulates over t in order */
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
+        for (int t = 0; t < S; t++) {
+            float p = scores[t];
+            if (p == 0.0f) continue;
+            __m256 vp = _mm256_set1_ps(p);
+            const float *vv = v + t * sk + j;
+            o0 = _mm256_add_ps(o0, _mm256_mul_ps(vp, _mm256_loadu_ps(vv)));
+            o1 = _mm256_add_ps(o1, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 8)));
+            o2 = _mm256_add_ps(o2, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 16)));
+            o3 = _mm256_add_ps(o3, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 24)));
+            o4 = _mm256_add_ps(o4, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 32)));
+            o5 = _mm256_add_ps(o5, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 40)));
+            o6 = _mm256_add_ps(o6, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 48)));
+            o7 = _mm256_add_ps(o7, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 56)));
+        }
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(o0, vinv));
+        _mm256_storeu_ps(out + j + 8, _mm256_mul_ps(o1, vinv));
+        _mm256_storeu_ps(out + j + 16, _mm256_mul_ps(o2, vinv));
+        _mm256_storeu_ps(out + j + 24, _mm256_mul_ps(o3, vinv));
+        _mm256_storeu_ps(out + j + 32, _mm256_mul_ps(o4, vinv));
+        _mm256_storeu_ps(out + j + 40, _mm256_mul_ps(o5, vinv));
+        _mm256_storeu_ps(out + j + 48, _mm256_mul_ps(o6, vinv));
+        _mm256_storeu_ps(out + j + 56, _mm256_mul_ps(o7, vinv));
+    }
+    for (; j < D; j += 8) {
         __m256 o = _mm256_setzero_ps();
         for (int t = 0; t < S; t++) {
             float p = scores[t];
             if (p == 0.0f) continue;
             o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + t * sk + j)));
         }
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(o, _mm256_set1_ps(inv)));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(o, vinv));
     }
 }
 
