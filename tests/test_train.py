@@ -217,7 +217,7 @@ def test_cli_surface_is_frozen():
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
     assert sorted(o for a in bench["generate"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
-         "--repeats", "--weights"])
+         "--repeats", "--weights", "--prompt-lengths"])
     assert sorted(o for a in bench["decode"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--model", "--drafts", "--layer-skip", "--tree", "--nodes", "--new-tokens", "--max-prompts",
          "--weights", "--no-transformers", "--output"])
