@@ -354,14 +354,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     bad = [f for f in formats if f not in WEIGHT_FORMATS]
     if bad or not formats:
         raise ValueError(f"--weights: unknown format(s) {bad}; choose from {', '.join(WEIGHT_FORMATS)}")
+    try:  # checked before any benchmark runs
+        lengths = tuple(int(x) for x in args.prompt_lengths.split(","))
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 40:
+        raise ValueError(f"--prompt-lengths: expected comma-separated integers >= 40, got {args.prompt_lengths!r}")
     if args.what in ("decode", "all"):
         r = bench.bench_decode(args.model, new_tokens=args.new_tokens, repeats=args.repeats, formats=formats)
         print(bench.decode_table(r))
         print()
     if args.what in ("prefill", "all"):
-        lengths = tuple(int(x) for x in args.prompt_lengths.split(","))
-        if not lengths or min(lengths) < 40:
-            raise ValueError(f"--prompt-lengths: expected comma-separated lengths >= 40, got {args.prompt_lengths!r}")
         print(bench.prefill_table(bench.bench_prefill(args.model, formats[0], lengths, args.repeats)))
         print()
     if args.what in ("rows", "all"):

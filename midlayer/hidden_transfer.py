@@ -157,7 +157,8 @@ class _TransferRows:
         self.model, self.T, self.masked = model, T, masked
         self.anchor = torch.arange(T, device=device)
         self.step = torch.zeros(T, dtype=torch.long, device=device)
-        self.mask: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None  # rebuilt (with cos, sin) when rows join
+        self.cos = self.sin = None
 
     def joiner(self, transfer: "HiddenTransfer", steps: list[int], all_anchors: bool) -> Callable:
         def join(x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -374,28 +375,13 @@ def gemm_q8_0_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     return acc
 
 
-def gemm_q4_1(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
-    """x [M, K] fp32 (CPU) -> [M, n]; bit-identical to `gemm_q4_1_reference` (one C call)."""
+def _linear(c_name: str, reference: Callable, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+            n: int | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, n] through the fused C linear `c_name` (quantise x to Q8 in the workspace, then
+    the GEMM), or through `reference` (same bits) where the library is missing or x is not on the CPU."""
     lib = library()
     if lib is None or x.device.type != "cpu":
-        return gemm_q4_1_reference(x.cpu(), packed.cpu(), scales.cpu(), n).to(x.device)
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
-    M, K = x.shape
-    if K != packed.shape[1] * QK:
-        raise ValueError(f"x has {K} features, the weight {packed.shape[1] * QK}")
-    N = _out_features(n, packed.shape[0])
-    y = torch.empty(M, N)
-    lib.qk_linear_q4_1(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(),
-                       _workspace(_q8_bytes(M, K)).data_ptr())
-    return y
-
-
-def gemm_q8_0(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
-    """x [M, K] fp32 (CPU) -> [M, n]; bit-identical to `gemm_q8_0_reference` (one C call)."""
-    lib = library()
-    if lib is None or x.device.type != "cpu":
-        return gemm_q8_0_reference(x.cpu(), codes.cpu(), scales.cpu(), n).to(x.device)
+        return reference(x.cpu(), codes.cpu(), scales.cpu(), n).to(x.device)
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
     M, K = x.shape
@@ -403,9 +389,19 @@ def gemm_q8_0(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
         raise ValueError(f"x has {K} features, the weight {codes.shape[1] * QK}")
     N = _out_features(n, codes.shape[0])
     y = torch.empty(M, N)
-    lib.qk_linear_q8_0(x.data_ptr(), M, K, codes.data_ptr(), scales.data_ptr(), N, y.data_ptr(),
-                       _workspace(_q8_bytes(M, K)).data_ptr())
+    getattr(lib, c_name)(x.data_ptr(), M, K, codes.data_ptr(), scales.data_ptr(), N, y.data_ptr(),
+                         _workspace(_q8_bytes(M, K)).data_ptr())
     return y
+
+
+def gemm_q4_1(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32 (CPU) -> [M, n]; bit-identical to `gemm_q4_1_reference` (one C call)."""
+    return _linear("qk_linear_q4_1", gemm_q4_1_reference, x, packed, scales, n)
+
+
+def gemm_q8_0(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32 (CPU) -> [M, n]; bit-identical to `gemm_q8_0_reference` (one C call)."""
+    return _linear("qk_linear_q8_0", gemm_q8_0_reference, x, codes, scales, n)
 
 
 # ====================================================================================== RMSNorm
