@@ -25,6 +25,7 @@ the full prompt set (`prompts.prompt_set()`).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -43,7 +44,8 @@ from .model import Transformer
 from .prompts import Prompt
 
 DISTILL_FORMAT = "midlayer-distill-v1"
-_SETTINGS = ("max_new_tokens", "stop_tokens", "weights")  # header fields that must match to resume
+_SETTINGS = ("max_new_tokens", "stop_tokens", "weights", "temperature", "sample_seed")
+_DEFAULTS = {"temperature": 0.0, "sample_seed": 0}  # what files written before these settings existed used  # header fields that must match to resume
 
 
 class DistillFormatError(ValueError):
@@ -179,7 +181,7 @@ def _check_resumable(old: dict[str, Any], new: dict[str, Any], model: Transforme
         raise DistillMismatchError(f"{path} was made by a different base model; use another --out or delete "
                                    f"it ({e})") from e
     for key in _SETTINGS:
-        if old.get(key) != new[key]:
+        if old.get(key, _DEFAULTS.get(key)) != new[key]:
             raise DistillMismatchError(f"{path} was made with {key}={old.get(key)!r}, this run has "
                                        f"{key}={new[key]!r}; use another output file or delete it")
 
@@ -187,12 +189,18 @@ def _check_resumable(old: dict[str, Any], new: dict[str, Any], model: Transforme
 @torch.no_grad()
 def distill(model: Transformer, tok: Any, prompts: Sequence[Prompt], out_path: str | Path, *,
             max_new_tokens: int = 128, batch_size: int = 8, weights_note: str = "fp32",
-            model_name: str | None = None, progress: bool = True) -> DistillSet:
+            model_name: str | None = None, progress: bool = True, temperature: float = 0.0,
+            sample_seed: int = 0) -> DistillSet:
     """Greedy responses of `model` to each prompt (a chat user message), appended to `out_path` as JSON
     lines; resumes an existing file made by the same model and settings. Returns the whole file's set.
 
     `tok` needs `encode_chat(messages) -> list[int]` and `eos_ids`. `weights_note` names the weights'
     precision (it changes greedy outputs, and the LM-head probe cannot tell fp32 from bf16).
+
+    temperature > 0 samples instead (plain temperature sampling). Each batch draws from its own generator
+    seeded by (sample_seed, the batch's first prompt id); batches are fixed chunks of a fixed order of all
+    the prompts, so an interrupted and resumed run writes the same responses as an uninterrupted one (for
+    the same prompt list and batch size).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -200,8 +208,11 @@ def distill(model: Transformer, tok: Any, prompts: Sequence[Prompt], out_path: s
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     out = Path(out_path)
     stop = tuple(sorted(int(t) for t in tok.eos_ids))
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     header = {"format": DISTILL_FORMAT, "base": base_signature(model, model_name),
-              "max_new_tokens": int(max_new_tokens), "stop_tokens": list(stop), "weights": weights_note}
+              "max_new_tokens": int(max_new_tokens), "stop_tokens": list(stop), "weights": weights_note,
+              "temperature": float(temperature), "sample_seed": int(sample_seed) if temperature > 0 else 0}
     ids = Counter(p.id for p in prompts)
     if any(c > 1 for c in ids.values()):
         raise ValueError(f"duplicate prompt ids: {[k for k, c in ids.items() if c > 1][:5]}")
@@ -226,24 +237,31 @@ def distill(model: Transformer, tok: Any, prompts: Sequence[Prompt], out_path: s
         out.write_text(_header_line(header) + "\n", encoding="utf-8")
 
     # similar lengths together: less padding per batch; (length, id) makes the order and so the file
-    # content independent of the order of `prompts`
-    pending = sorted((p for p in prompts if p.id not in done), key=lambda p: (len(encoded[p.id]), p.id))
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_tokens=stop)
+    # content independent of the order of `prompts`. Batches are fixed chunks of the order over *all*
+    # prompts, done or not: a chunk that an interruption left half-written is generated again whole (same
+    # rows, same seed, so the same responses) and only its missing records are written.
+    order = sorted(prompts, key=lambda p: (len(encoded[p.id]), p.id))
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    chunks = [c for c in chunks if any(p.id not in done for p in c)]
     from tqdm import tqdm
 
     t0, new_tokens = time.perf_counter(), 0
     with open(out, "a", encoding="utf-8") as f, \
-            tqdm(total=len(pending), unit="prompt", disable=not progress, desc="distill") as bar:
-        for i in range(0, len(pending), batch_size):
-            batch = pending[i:i + batch_size]
+            tqdm(total=sum(p.id not in done for p in prompts), unit="prompt", disable=not progress,
+                 desc="distill") as bar:
+        for batch in chunks:
+            seed = int.from_bytes(hashlib.sha256(f"{sample_seed}-{batch[0].id}".encode()).digest()[:7], "big")
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_tokens=stop, temperature=temperature,
+                                   seed=seed if temperature > 0 else None)
             responses = generate(model, [encoded[p.id] for p in batch], cfg)
-            for p, resp in zip(batch, responses):
+            todo = [(p, r) for p, r in zip(batch, responses) if p.id not in done]
+            for p, resp in todo:
                 f.write(DistillRecord(p.id, p.category, p.split, encoded[p.id], resp).to_json() + "\n")
             # one fsync per batch: an interruption loses at most this batch, and costs nothing next to it
             f.flush()
             os.fsync(f.fileno())
-            new_tokens += sum(len(r) for r in responses)
-            bar.update(len(batch))
+            new_tokens += sum(len(r) for _, r in todo)
+            bar.update(len(todo))
             bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
     return DistillSet.load(out)
 
@@ -303,6 +321,7 @@ def describe(ds: DistillSet) -> str:
 def _main(argv: list[str] | None = None) -> None:
     from .pretrained import load_pretrained
     from .prompts import prompt_set
+    from .quantization import compress_weights
 
     ap = argparse.ArgumentParser(description="Generate the self-distillation set (greedy base responses).")
     ap.add_argument("--model", required=True, help="pretrained name or path (see midlayer.pretrained)")
@@ -312,6 +331,13 @@ def _main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0, help="prompt-set seed (which Shakespeare passages)")
+    ap.add_argument("--prompts", choices=("base", "scaled"), default="base",
+                    help="base: the 268 prompts of midlayer.prompts; scaled: the ~22k of midlayer.prompt_recipe")
+    ap.add_argument("--split", choices=("all", "train", "heldout"), default="all")
+    ap.add_argument("--weights", choices=("dtype", "q4"), default="dtype",
+                    help="q4: generate with the batch-invariant q4 kernels (CPU; the default speculative format)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
+    ap.add_argument("--sample-seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all), for quick tries")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -320,12 +346,23 @@ def _main(argv: list[str] | None = None) -> None:
     if tok is None:
         raise SystemExit(f"{args.model}: no tokenizer found; distillation needs one for the chat template")
     model.to(args.device)
-    prompts = prompt_set(args.seed)
+    note = args.dtype
+    if args.weights == "q4":
+        model, note = compress_weights(model, "q4").eval(), "q4"
+    if args.prompts == "scaled":
+        from .prompt_recipe import load as load_scaled
+
+        prompts = load_scaled()
+    else:
+        prompts = prompt_set(args.seed)
+    if args.split != "all":
+        prompts = [p for p in prompts if p.split == args.split]
     if args.limit:
         prompts = prompts[:args.limit]
     t0 = time.perf_counter()
     ds = distill(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                 weights_note=args.dtype, model_name=args.model, progress=not args.no_progress)
+                 weights_note=note, model_name=args.model, progress=not args.no_progress,
+                 temperature=args.temperature, sample_seed=args.sample_seed)
     print(f"{args.out}: {len(ds)} records, this run {time.perf_counter() - t0:.1f} s on {args.device}")
     print(describe(ds))
 

@@ -198,3 +198,22 @@ def test_batches_masks_grouping_and_determinism():
     assert sorted(rows) == sorted(expect)
     with pytest.raises(ValueError):
         batches(seqs, batch_tokens=0, seq_len=24, seed=0)
+
+
+def test_sampled_distill_is_seeded_and_resumes_identically(model, tok, tmp_path):
+    path = tmp_path / "s.jsonl"
+    full = run(model, tok, path, temperature=1.0, sample_seed=3)
+    data = path.read_bytes()
+    greedy = run(model, tok, tmp_path / "g.jsonl")
+    assert [r.response_ids for r in full.records] != [r.response_ids for r in greedy.records]
+    # cut in the middle of the second batch (and of a line): the batch is generated again whole, and only
+    # its missing records are appended, so the file is byte-identical to the uninterrupted one
+    lines = data.split(b"\n")
+    path.write_bytes(b"\n".join(lines[:5]) + b"\n" + lines[5][:9])
+    with pytest.warns(UserWarning, match="truncated"):
+        run(model, tok, path, temperature=1.0, sample_seed=3)
+    assert path.read_bytes() == data
+    with pytest.raises(DistillMismatchError, match="sample_seed"):
+        run(model, tok, path, temperature=1.0, sample_seed=4)
+    with pytest.raises(DistillMismatchError, match="temperature"):
+        run(model, tok, path)
