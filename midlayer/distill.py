@@ -341,6 +341,10 @@ def _main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all), for quick tries")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.temperature < 0:
+        ap.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        ap.error("--batch-size and --max-new-tokens must be >= 1")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model, tok = load_pretrained(args.model, dtype)
     if tok is None:
@@ -360,9 +364,12 @@ def _main(argv: list[str] | None = None) -> None:
     if args.limit:
         prompts = prompts[:args.limit]
     t0 = time.perf_counter()
-    ds = distill(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                 weights_note=note, model_name=args.model, progress=not args.no_progress,
-                 temperature=args.temperature, sample_seed=args.sample_seed)
+    try:
+        ds = distill(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                     batch_size=args.batch_size, weights_note=note, model_name=args.model,
+                     progress=not args.no_progress, temperature=args.temperature, sample_seed=args.sample_seed)
+    except (DistillMismatchError, DistillFormatError) as e:  # the file is left as it was
+        raise SystemExit(f"error: {e}") from None
     print(f"{args.out}: {len(ds)} records, this run {time.perf_counter() - t0:.1f} s on {args.device}")
     print(describe(ds))
 
