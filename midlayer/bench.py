@@ -397,7 +397,8 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     drafter skipping blocks a..b-1. tree: "chain" (the top-1 chain of depth k) or "sparse" (the `nodes`
     nodes of highest estimated acceptance, `DraftTree.greedy_from_accuracies` on the draft's held-out
     per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden transfer's tree, or
-    Medusa's, so every method runs the same tree size).
+    Medusa's, so every method runs the same tree size) or "auto" (per drafter, `tree_cost.auto_tree`: the
+    tree of highest expected tokens/s from those accuracies and this machine's measured row costs).
     """
     from .drafters import LayerSkipDrafter, load_drafter
     from .hidden_transfer import HiddenTransferDrafter
@@ -423,6 +424,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
 
     methods: dict[str, tuple] = {}  # label -> (drafter, draft depth k); drafters keep no per-run state
     accs: dict[str, list] = {}  # label -> held-out per-rank accuracies (for sparse trees)
+    own_acc: dict[str, list] = {}  # label -> its own accuracies, depth 1 only for early exit (for auto trees)
     for label, path in (drafts or {}).items():
         d, module, meta = load_drafter(path, model)
         acc = meta.get("heldout", {}).get("acc")
@@ -430,6 +432,8 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
         methods[label] = (d, k)
         if acc and len(acc) > 1:
             accs[label] = acc
+        if acc:
+            own_acc[label] = acc
         if isinstance(d, HiddenTransferDrafter):
             methods[f"{label}-separate"] = (HiddenTransferDrafter(model, module, fused=False), k)
     depth = max([k for _, k in methods.values()] + [3])
@@ -437,12 +441,22 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
         a, b = layer_skip
         methods[f"layer-skip {a}-{b - 1}"] = (LayerSkipDrafter(model, range(a, b)), depth)
 
+    costs = None
+    if tree == "auto":
+        from .tree_cost import auto_tree, row_costs
+        costs = row_costs(model, model_name, weights, progress=progress)
+
     def tree_for(label: str, k: int) -> DraftTree:
         if tree == "chain":
             return DraftTree.chain(k if k > 1 else depth)
         src = accs.get(label.removesuffix("-separate")) or next(iter(accs.values()), None)
+        if tree == "auto":
+            src = own_acc.get(label.removesuffix("-separate")) or src
         if src is None:
-            raise ValueError("tree 'sparse' needs a draft with held-out per-rank accuracies (hidden transfer or Medusa)")
+            raise ValueError(f"tree {tree!r} needs a draft with held-out per-rank accuracies (hidden transfer or "
+                             "Medusa)")
+        if tree == "auto":
+            return auto_tree(model, methods[label][0], src, costs, max_depth=k if k > 1 else depth)[0]
         return DraftTree.greedy_from_accuracies(src, nodes)
 
     hf = _load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None

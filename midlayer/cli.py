@@ -143,8 +143,10 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="speculative decoding with a train-draft output (greedy: the same tokens as without in the "
                         "q4 format; sampling: the same distribution, plain softmax only, no --top-k/--top-p)")
-    p.add_argument("--tree", default="chain", metavar="chain|sparse:N",
-                   help="draft tree with --draft: the top-1 chain, or the N nodes most likely accepted")
+    p.add_argument("--tree", default="auto", metavar="auto|chain|sparse:N",
+                   help="draft tree with --draft: auto (the tree of highest expected tokens/s from the draft's "
+                        "held-out accuracies and this machine's measured row costs), the top-1 chain, or the N "
+                        "nodes most likely accepted")
     p.add_argument("--stats", action="store_true", help="with --draft: print tau and timing to stderr")
 
     p = sub.add_parser("bench", help="benchmarks that print a table")
@@ -169,7 +171,9 @@ def _add_generate_parser(sub) -> None:
                                        "medusa=drafts/smollm2-135m/medusa,early-exit=drafts/smollm2-135m/early-exit",
                    help="comma-separated LABEL=DIR of train-draft outputs (default: the committed SmolLM2 drafts)")
     b.add_argument("--layer-skip", default="10:20", help="A:B = a layer-skip drafter skipping blocks A..B-1 ('' = none)")
-    b.add_argument("--tree", choices=["chain", "sparse"], default="chain")
+    b.add_argument("--tree", choices=["auto", "chain", "sparse"], default="auto",
+                   help="auto: per drafter, the tree of highest expected tokens/s (held-out accuracies x measured "
+                        "row costs); chain: top-1 chain; sparse: the --nodes nodes most likely accepted")
     b.add_argument("--nodes", type=int, default=10, help="nodes of the sparse tree")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--max-prompts", type=int, default=12, help="held-out prompts, spread over the categories")
@@ -305,7 +309,18 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
               "greedy output at near-ties; --weights q4 is bit-identical", file=sys.stderr)
     drafter, module, meta = load_drafter(args.draft, model)
     k = getattr(module, "k", 3)
-    if args.tree == "chain":
+    acc = meta.get("heldout", {}).get("acc")
+    if args.tree == "auto" and not acc:
+        print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
+              file=sys.stderr)
+    if args.tree == "auto" and acc:
+        from .tree_cost import auto_tree, row_costs, table_text
+
+        costs = row_costs(model, args.model or args.checkpoint, args.weights, progress=True)
+        tree, table = auto_tree(model, drafter, acc, costs)
+        if args.stats:
+            print(table_text(table, tree), file=sys.stderr)
+    elif args.tree in ("chain", "auto"):
         tree = DraftTree.chain(k)
     elif args.tree.startswith("sparse:"):
         acc = meta.get("heldout", {}).get("acc")
@@ -313,7 +328,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
             raise ValueError(f"{args.draft}: no per-depth held-out accuracies to build a sparse tree; use --tree chain")
         tree = DraftTree.greedy_from_accuracies(acc, int(args.tree.split(":", 1)[1]))
     else:
-        raise ValueError(f"--tree: expected chain or sparse:N, got {args.tree!r}")
+        raise ValueError(f"--tree: expected auto, chain or sparse:N, got {args.tree!r}")
     t = time.perf_counter()
     out, stats = speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens, stop_tokens=cfg.stop_tokens,
                                       temperature=cfg.temperature, seed=cfg.seed, skip=cfg.skip)

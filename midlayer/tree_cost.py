@@ -1,0 +1,279 @@
+"""Draft trees sized by measured cost (issue 11, item 5): `--tree auto`.
+
+Speculative decoding's speed is (tokens per round) / (time per round). Both depend on the tree:
+
+* tokens per round. Verification walks down from the root (`speculative.verify_tree`), so a node is accepted
+  iff every node on its path is. With the draft's held-out per-rank accuracies acc[d][r] (the probability
+  that the rank-r candidate at depth d + 1 is the base model's token, `DraftTree.greedy_from_accuracies`),
+  treating depths as independent,
+
+      E[tokens per round] = 1 + sum over nodes (r_1..r_D) of prod_d acc[d-1][r_d],
+
+  the 1 being the token the base model adds after the accepted path (its own prediction at the last
+  accepted node). For a given number of nodes n, `greedy_from_accuracies(acc, n)` maximises this sum.
+* time per round: the verification forward plus whatever the drafter runs. Each forward is described by
+  the rows present at every block and the rows that go through the final norm + LM head, and costs
+
+      ms(forward) = sum over blocks b of blocks_ms(R_b) / L  +  head_ms(R_head),
+
+  with blocks_ms(T) and head_ms(T) the measured cost of a forward over T rows of all L blocks and of the
+  head (`RowCosts`, `measure_row_costs`: measured once per model, weight format and CPU and cached). Rows
+  that join mid-network (hidden transfer's fused pass) or drafts that run only some blocks (early exit,
+  layer skip, an EAGLE layer) are thereby costed by the blocks they actually run.
+
+`choose_tree` evaluates n = 0, 1, ..., max_nodes (n = 0 is plain decoding: one token per one-row forward)
+and returns the tree of highest expected tokens per second with the whole table, so the choice can be
+inspected (`midlayer generate --draft DIR --tree auto --stats`).
+
+Autoregressive drafters (early exit, layer skip, EAGLE) report held-out accuracy at depth 1 only; their
+deeper depths are assumed to be as accurate as depth 1 (an optimistic guess: acceptance usually falls with
+depth, so `auto` may pick slightly deep trees for them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .speculative import DraftTree
+
+Forward = tuple[list[int], int]  # (rows at each block 0..L-1, rows through the final norm + LM head)
+DEFAULT_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+
+
+# ================================================================================== the row-cost curve
+@dataclass(frozen=True)
+class RowCosts:
+    """Measured ms of one cached forward over T new rows: `total_ms` (all blocks + head) and `head_ms`
+    (final norm + LM head alone), at the row counts `rows` (increasing); linear in between and beyond."""
+
+    rows: tuple[int, ...]
+    total_ms: tuple[float, ...]
+    head_ms: tuple[float, ...]
+    n_layers: int
+
+    def __post_init__(self) -> None:
+        if not (len(self.rows) == len(self.total_ms) == len(self.head_ms) >= 1):
+            raise ValueError("rows, total_ms and head_ms need the same (non-zero) length")
+        if list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
+            raise ValueError(f"rows must be increasing positive ints, got {self.rows}")
+        if self.n_layers < 1:
+            raise ValueError(f"n_layers must be >= 1, got {self.n_layers}")
+
+    @staticmethod
+    def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        i = 1
+        while i < len(xs) - 1 and xs[i] < x:
+            i += 1
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def head(self, T: int) -> float:
+        return 0.0 if T <= 0 else max(self._interp(self.rows, self.head_ms, T), 0.0)
+
+    def blocks(self, T: int) -> float:
+        """ms of all L blocks over T rows (the total minus the head)."""
+        if T <= 0:
+            return 0.0
+        return max(self._interp(self.rows, [t - h for t, h in zip(self.total_ms, self.head_ms)], T), 0.0)
+
+
+def forward_ms(costs: RowCosts, forward: Forward) -> float:
+    """ms of one forward: sum over blocks of blocks_ms(R_b) / L, plus head_ms(R_head)."""
+    rows_per_block, head_rows = forward
+    if len(rows_per_block) != costs.n_layers:
+        raise ValueError(f"{len(rows_per_block)} block row counts for a model of {costs.n_layers} blocks")
+    return sum(costs.blocks(r) for r in rows_per_block) / costs.n_layers + costs.head(head_rows)
+
+
+# ========================================================================== what a round of a drafter runs
+def _levels(tree: DraftTree) -> list[int]:
+    """Rows an autoregressive drafter runs per level: the root, then every depth that has children."""
+    counts = [1] + [int((tree.depth == d).sum()) for d in range(1, tree.max_depth)]
+    return counts[:tree.max_depth]
+
+
+def round_forwards(drafter: object, tree: DraftTree, n_layers: int) -> list[Forward]:
+    """The forwards one speculative round runs with `drafter` and `tree`: the verification forward (root +
+    nodes; with hidden transfer's fused pass also the pseudo rows, each from the block it joins at), then
+    the drafter's own. Drafters may describe themselves with a method `draft_forwards(tree, n_layers)`;
+    the ones of this package are known here."""
+    from .drafters import EarlyExitDrafter, LayerSkipDrafter, MedusaDrafter
+    from .hidden_transfer import HiddenTransferDrafter
+
+    N, L = len(tree) + 1, n_layers
+    if N == 1:  # no draft: plain decoding
+        return [([1] * L, 1)]
+    if isinstance(drafter, HiddenTransferDrafter) and drafter.fused:
+        layers, k = drafter.transfer.layers, drafter.transfer.k
+        rows = [N + N * sum(1 for t in layers[:k] if t <= b) for b in range(L)]
+        return [(rows, N + N * k)]
+    out: list[Forward] = [([N] * L, N)]
+    own = getattr(drafter, "draft_forwards", None)
+    if own is not None:
+        return out + list(own(tree, n_layers))
+    if isinstance(drafter, HiddenTransferDrafter):  # a separate partial forward over the k pseudo rows
+        layers, k = drafter.transfer.layers, tree.max_depth
+        out.append(([sum(1 for t in layers[:k] if t <= b) for b in range(L)], k))
+    elif isinstance(drafter, MedusaDrafter):  # k heads over the last row, each through the LM head
+        out.append(([0] * L, tree.max_depth))
+    elif isinstance(drafter, EarlyExitDrafter):
+        ell = drafter.head.layer
+        out += [([r if b < ell else 0 for b in range(L)], r) for r in _levels(tree)]
+    elif isinstance(drafter, LayerSkipDrafter):
+        out += [([0 if b in drafter.skip_span else r for b in range(L)], r) for r in _levels(tree)]
+    return out
+
+
+def round_ms(costs: RowCosts, drafter: object, tree: DraftTree) -> float:
+    return sum(forward_ms(costs, f) for f in round_forwards(drafter, tree, costs.n_layers))
+
+
+# ================================================================================== choosing the tree
+def expected_tokens(tree: DraftTree, acc: Sequence[Sequence[float]]) -> float:
+    """1 + sum over nodes of prod_d acc[d-1][r_d]; ranks or depths beyond acc count as never accepted,
+    and an autoregressive draft's single row is used at every depth (module docstring)."""
+    total = 1.0
+    for path in tree.paths:
+        p = 1.0
+        for d, r in enumerate(path):
+            row = acc[min(d, len(acc) - 1)] if acc else []
+            p *= row[r] if r < len(row) else 0.0
+        total += p
+    return total
+
+
+def choose_tree(acc: Sequence[Sequence[float]], round_cost: Callable[[DraftTree], float], max_nodes: int = 64,
+                max_depth: int | None = None) -> tuple[DraftTree, list[dict]]:
+    """The tree of highest expected tokens per ms among `greedy_from_accuracies(acc', n)` for n = 0..max_nodes
+    (acc' = acc repeated down to max_depth when it has fewer rows: autoregressive drafters). Returns
+    (tree, table) with one row {nodes, depth, tokens, ms, tok_per_s} per candidate."""
+    if not acc:
+        raise ValueError("choose_tree needs held-out per-rank accuracies (acc[d][r]) of the draft")
+    depth = max_depth if max_depth is not None else len(acc)
+    full = [list(acc[min(d, len(acc) - 1)]) for d in range(depth)]
+    best, table = None, []
+    for n in range(max_nodes + 1):
+        tree = DraftTree.greedy_from_accuracies(full, n)
+        if len(tree) < n:
+            break  # every path of the accuracy table is already in: nothing new beyond here
+        tokens, ms = expected_tokens(tree, full), round_cost(tree)
+        row = dict(nodes=len(tree), depth=tree.max_depth, tokens=tokens, ms=ms, tok_per_s=1e3 * tokens / ms)
+        table.append(row)
+        if best is None or row["tok_per_s"] > best[1]["tok_per_s"]:
+            best = (tree, row)
+    return best[0], table
+
+
+def auto_tree(model, drafter: object, acc: Sequence[Sequence[float]], costs: RowCosts, max_nodes: int = 64,
+              max_depth: int | None = None) -> tuple[DraftTree, list[dict]]:
+    """`choose_tree` with the round cost of `drafter` on `model` from the measured `costs`; depth limited to
+    what the drafter can draft (hidden transfer and Medusa: k steps)."""
+    k = getattr(getattr(drafter, "transfer", None), "k", None) or getattr(getattr(drafter, "heads", None), "k", None)
+    depth = min(x for x in (max_depth, k) if x is not None) if (max_depth or k) else None
+    return choose_tree(acc, lambda t: round_ms(costs, drafter, t), max_nodes, depth)
+
+
+# ============================================================================= measuring (and caching) it
+def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 128, repeats: int = 5,
+                      timer: Callable[[], float] = time.perf_counter) -> RowCosts:
+    """Median ms of a cached forward over T new rows after `context` tokens, and of the final norm + head
+    over T rows, for each T (T values interleaved per repeat, so drift hits all alike)."""
+    from .generate import forward_cached
+    from .kv_cache import KVCache
+
+    rows = sorted(set(int(r) for r in rows))
+    cfg = model.cfg
+    context = min(context, cfg.max_seq_len - max(rows))
+    if context < 1:
+        raise ValueError(f"max_seq_len {cfg.max_seq_len} leaves no room for {max(rows)} rows after a context")
+    dev = model.tok_embeddings.weight.device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, context + max(rows)), generator=g).to(dev)
+    cache = KVCache.for_model(cfg, 1, context + max(rows), device=dev)
+    h = torch.randn(1, max(rows), cfg.dim, generator=g).to(dev)
+    total: dict[int, list[float]] = {T: [] for T in rows}
+    head: dict[int, list[float]] = {T: [] for T in rows}
+    with torch.no_grad():
+        forward_cached(model, ids[:, :context], cache, torch.arange(context, device=dev)[None], last_only=True)
+        for rep in range(repeats + 1):  # the first pass warms up
+            for T in rows:
+                cache.truncate(context)
+                t0 = timer()
+                forward_cached(model, ids[:, context:context + T], cache,
+                               torch.arange(context, context + T, device=dev)[None])
+                t1 = timer()
+                model.output(model.norm(h[:, :T]))
+                t2 = timer()
+                if rep:
+                    total[T].append(1e3 * (t1 - t0))
+                    head[T].append(1e3 * (t2 - t1))
+    return RowCosts(tuple(rows), tuple(statistics.median(total[T]) for T in rows),
+                    tuple(statistics.median(head[T]) for T in rows), cfg.n_layers)
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("MIDLAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "midlayer")
+    return Path(root) / "row_costs.json"
+
+
+def cost_key(model_name: str, weights: str, model=None) -> str:
+    """What a row-cost curve depends on: the model, its weight format, the CPU (or GPU) and thread count."""
+    from .kernels import cpu_info
+
+    dev = "cpu"
+    if model is not None:
+        d = model.tok_embeddings.weight.device
+        if d.type == "cuda":
+            dev = torch.cuda.get_device_name(d)
+    info = cpu_info()
+    return f"{model_name}|{weights}|{dev}|{info.model}|{','.join(sorted(info.flags & {'avx2', 'avx512f', 'amx_bf16', 'avx512_vnni', 'avx_vnni'}))}|{torch.get_num_threads()}t|torch {torch.__version__}"
+
+
+def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, progress: bool = False,
+              **measure_kw) -> RowCosts:
+    """The cached row-cost curve for (model, weights, machine), measured now if absent (~10-30 s)."""
+    path, key = _cache_file(), cost_key(model_name, weights, model)
+    store: dict = {}
+    if path.is_file():
+        try:
+            store = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            store = {}  # a damaged cache is re-measured, never trusted
+    if not refresh and key in store:
+        try:
+            r = store[key]
+            return RowCosts(tuple(r["rows"]), tuple(r["total_ms"]), tuple(r["head_ms"]), r["n_layers"])
+        except (KeyError, TypeError, ValueError):
+            pass
+    if progress:
+        print(f"measuring the row-cost curve for {key} (once; cached in {path})", flush=True)
+    costs = measure_row_costs(model, **measure_kw)
+    store[key] = asdict(costs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(store, indent=1))
+    os.replace(tmp, path)
+    return costs
+
+
+def table_text(table: list[dict], chosen: DraftTree) -> str:
+    """The candidates of `choose_tree` as a Markdown table, the chosen one marked."""
+    out = ["| nodes | depth | E[tokens/round] | ms/round | E[tok/s] |", "|---|---|---|---|---|"]
+    for r in table:
+        mark = " **<-**" if r["nodes"] == len(chosen) else ""
+        out.append(f"| {r['nodes']} | {r['depth']} | {r['tokens']:.2f} | {r['ms']:.1f} | {r['tok_per_s']:.1f}{mark} |")
+    return "\n".join(out)
+
+
+__all__ = ["RowCosts", "forward_ms", "round_forwards", "round_ms", "expected_tokens", "choose_tree", "auto_tree",
+           "measure_row_costs", "row_costs", "cost_key", "table_text"]

@@ -1,0 +1,101 @@
+"""Trees sized by measured cost (midlayer.tree_cost): the cost model against hand computations, the choice
+against a known optimum, the forwards each drafter runs, and the cached measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from midlayer import tree_cost as tc
+from midlayer.drafters import EarlyExitDrafter, EarlyExitHead, LayerSkipDrafter, MedusaDrafter, MedusaHeads
+from midlayer.generate import GenerationConfig, generate
+from midlayer.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+from midlayer.speculative import DraftTree, speculative_generate
+from tiny_models import make_tiny
+
+V, D = 64, 32
+TINY = dict(dim=D, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=48, multiple_of=16)
+LINEAR = tc.RowCosts(rows=(1, 2, 4, 8), total_ms=(12.0, 14.0, 18.0, 26.0), head_ms=(0.0, 0.0, 0.0, 0.0), n_layers=2)
+ACC = [[0.9, 0.05], [0.8, 0.05], [0.7, 0.05]]
+
+
+def test_row_costs_interpolate_and_split_blocks_from_head():
+    c = tc.RowCosts(rows=(1, 4), total_ms=(10.0, 16.0), head_ms=(2.0, 5.0), n_layers=4)
+    assert c.head(1) == 2.0 and c.head(2) == 3.0 and c.head(7) == 8.0  # linear, extrapolated beyond 4
+    assert c.blocks(1) == 8.0 and c.blocks(4) == 11.0 and c.blocks(0) == 0.0
+    # a forward with rows [1, 1, 4, 4] at the 4 blocks and 4 head rows: (8 + 8 + 11 + 11) / 4 + 5
+    assert tc.forward_ms(c, ([1, 1, 4, 4], 4)) == pytest.approx(14.5)
+    with pytest.raises(ValueError):
+        tc.forward_ms(c, ([1, 1], 1))
+    with pytest.raises(ValueError):
+        tc.RowCosts(rows=(4, 1), total_ms=(1.0, 2.0), head_ms=(0.0, 0.0), n_layers=1)
+
+
+def test_expected_tokens_hand_computation():
+    acc = [[0.5, 0.2], [0.4]]
+    assert tc.expected_tokens(DraftTree.chain(2), acc) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
+    tree = DraftTree([(0,), (1,), (0, 0), (1, 0)])
+    assert tc.expected_tokens(tree, acc) == pytest.approx(1 + 0.5 + 0.2 + 0.2 + 0.08)
+    assert tc.expected_tokens(DraftTree([(0,), (0, 1)]), acc) == pytest.approx(1.5)  # rank 1 at depth 2: never
+
+
+def test_choose_tree_finds_the_known_optimum():
+    # verification only (an unknown drafter drafts for free): round = total(n + 1) = 10 + 2 (n + 1) ms.
+    # By hand: n=0 1/12, n=1 1.9/14, n=2 2.62/16, n=3 3.124/18 = 0.1736 (best), n=4 adds (1,) 0.05: 3.174/20.
+    tree, table = tc.choose_tree(ACC, lambda t: tc.round_ms(LINEAR, object(), t))
+    assert tree == DraftTree.chain(3)
+    assert [r["nodes"] for r in table[:5]] == [0, 1, 2, 3, 4]
+    assert table[3]["tok_per_s"] == pytest.approx(1e3 * 3.124 / 18)
+    # verification far dearer per row: plain decoding wins; free rows: every path is taken
+    steep = tc.RowCosts(rows=(1, 2), total_ms=(12.0, 24.0), head_ms=(0.0, 0.0), n_layers=1)
+    assert len(tc.choose_tree(ACC, lambda t: tc.round_ms(steep, object(), t))[0]) == 0
+    flat = tc.RowCosts(rows=(1, 2), total_ms=(12.0, 12.0), head_ms=(0.0, 0.0), n_layers=1)
+    assert len(tc.choose_tree(ACC, lambda t: tc.round_ms(flat, object(), t), max_nodes=100)[0]) == 2 + 4 + 8
+
+
+def test_round_forwards_per_drafter():
+    model = make_tiny(TINY, False)
+    chain = DraftTree.chain(3)
+    ht = HiddenTransferDrafter(model, HiddenTransfer(D, [1, 2, 2]))
+    # fused pass: 4 tree rows everywhere, + 4 pseudo rows per step joined at or below the block
+    assert tc.round_forwards(ht, chain, 4) == [([4, 8, 16, 16], 16)]
+    sep = HiddenTransferDrafter(model, HiddenTransfer(D, [1, 2, 2]), fused=False)
+    assert tc.round_forwards(sep, chain, 4) == [([4] * 4, 4), ([0, 1, 3, 3], 3)]
+    assert tc.round_forwards(MedusaDrafter(model, MedusaHeads(D, 3)), chain, 4) == [([4] * 4, 4), ([0] * 4, 3)]
+    tree = DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])  # levels run: root, 2 at depth 1, 3 at depth 2
+    ee = EarlyExitDrafter(model, EarlyExitHead(D, 2))
+    assert tc.round_forwards(ee, tree, 4) == [([7] * 4, 7), ([1, 1, 0, 0], 1), ([2, 2, 0, 0], 2), ([3, 3, 0, 0], 3)]
+    ls = LayerSkipDrafter(model, [1, 2])
+    assert tc.round_forwards(ls, chain, 4)[1:] == [([1, 0, 0, 1], 1)] * 3
+    assert tc.round_forwards(ht, DraftTree.chain(0), 4) == [([1] * 4, 1)]
+
+
+def test_measured_costs_are_cached_per_machine_and_damage_is_remeasured(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path))
+    model = make_tiny(TINY, False)
+    ticks = iter(range(10 ** 6))
+    costs = tc.row_costs(model, "tiny", "fp32", rows=(1, 2, 4), context=8, repeats=2,
+                         timer=lambda: float(next(ticks)))
+    # the fake clock advances 1 s per call: every forward and every head "takes" exactly 1000 ms
+    assert costs.total_ms == (1000.0,) * 3 and costs.head_ms == (1000.0,) * 3 and costs.n_layers == 4
+    store = json.loads((tmp_path / "row_costs.json").read_text())
+    assert list(store) == [tc.cost_key("tiny", "fp32", model)]
+    again = tc.row_costs(model, "tiny", "fp32", timer=lambda: pytest.fail("measured again despite the cache"))
+    assert again == costs
+    (tmp_path / "row_costs.json").write_text("{not json")
+    ticks = iter(range(0, 10 ** 6, 2))
+    remeasured = tc.row_costs(model, "tiny", "fp32", rows=(1, 2), context=8, repeats=1,
+                              timer=lambda: float(next(ticks)))
+    assert remeasured.total_ms == (2000.0, 2000.0)
+
+
+def test_auto_tree_speculation_stays_lossless():
+    model = make_tiny(TINY, True)
+    prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    drafter = MedusaDrafter(model, MedusaHeads(D, 3))
+    tree, _ = tc.auto_tree(model, drafter, ACC, LINEAR.__class__(LINEAR.rows, LINEAR.total_ms, LINEAR.head_ms, 4))
+    assert len(tree) > 0
+    out, _ = speculative_generate(model, prompt, drafter, tree, 12)
+    assert out == generate(model, [prompt], GenerationConfig(max_new_tokens=12))[0]
