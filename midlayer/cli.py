@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_generate_parser(sub)
 
-    p = sub.add_parser("train-draft", help="train a drafter (hidden transfer, Medusa, early exit) on a frozen base "
+    p = sub.add_parser("train-draft", help="train a drafter (hidden transfer, Medusa, early exit, EAGLE) on a frozen base "
                                            "by self-distillation (data: python -m midlayer.distill)")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a resumable state) after N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

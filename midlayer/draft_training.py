@@ -1,5 +1,5 @@
-"""`midlayer train-draft`: train a drafter (hidden transfer, Medusa heads or an early-exit head) on a frozen
-base model by self-distillation, evaluate it on the held-out prompts, save only the draft weights.
+"""`midlayer train-draft`: train a drafter (hidden transfer, Medusa heads, an early-exit head or an EAGLE head) on
+a frozen base model by self-distillation, evaluate it on the held-out prompts, save only the draft weights.
 
 Data: a distillation file (`midlayer.distill`: the base model's own greedy responses to the prompt set of
 `midlayer.prompts`), split into train / held-out by prompt. Every method sees the same batches (same
@@ -7,7 +7,9 @@ sequences, order and number of optimiser steps): the baselines get the same data
 
 Loss (Wu et al. 2024 sec. 3.3, and the same KL for the baselines): forward KL from the base model's own
 next-token distribution at the position a draft stands for to the draft's distribution, over real
-(non-padding) target positions. The base is frozen; Adam on the draft parameters only.
+(non-padding) target positions. The base is frozen; Adam on the draft parameters only. EAGLE adds its
+feature regression: L = SmoothL1(fhat, f) + 0.1 KL (eagle.py; arXiv 2401.15077 sec. 4), with the paper's
+U(-0.1, 0.1) input-feature noise drawn from a generator seeded by (seed, step), so resume stays exact.
 
 Held-out metrics, written to `metrics.json` and into the draft's meta, over the drafts of *response*
 tokens of the held-out records (`response_batches`):
@@ -15,13 +17,15 @@ tokens of the held-out records (`response_batches`):
     model's argmax there (given the true prefix). acc[d][0] is the draft top-1 accuracy of step d + 1
     (the paper's Fig. 3 probe); the rows feed `DraftTree.greedy_from_accuracies`. Early exit drafts
     autoregressively, so only its depth-1 accuracy is defined here; the decode benchmark measures every
-    method's per-depth accuracy inside real decoding.
+    method's per-depth accuracy inside real decoding. EAGLE (also autoregressive) gets k depths: depth
+    d + 1 chains its own predicted features from the anchor but is fed the TRUE tokens of the prefix
+    (`eagle.eagle_forward`), i.e. it is scored on the path where every earlier draft was right.
   * hidden transfer only: `cosine[i][l]`, mean cosine similarity between the step-i pseudo state and the
     real state of the position it stands for, entering block l (l = t_i .. L, L = final residual) -- Fig. 4.
 
 Frozen states (`FrozenStates`): what the frozen base computes for a batch below the draft -- the residual
-entering block t_1 for hidden transfer, the final and exit residuals for Medusa / early exit -- is computed
-once and reused in later epochs (dense bases).
+entering block t_1 for hidden transfer, the final residual for Medusa / EAGLE, the final and exit residuals
+for early exit -- is computed once and reused in later epochs (dense bases).
 
 Resume: every `ckpt_every` steps the draft weights, the Adam state and the step are saved atomically to
 `out_dir/train_state.pt`; a rerun with the same settings continues from there (the batch sequence is a pure
@@ -44,10 +48,11 @@ from torch import nn
 from .checkpoint import atomic_write_bytes
 from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, early_exit_loss, lower_states,
                        medusa_loss, model_device, save_draft)
+from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
 from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
 from .model import Transformer
 
-METHODS = ("hidden-transfer", "medusa", "early-exit")
+METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle")
 
 
 def paper_layers(n_layers: int, k: int = 3) -> list[int]:
@@ -59,11 +64,11 @@ def paper_layers(n_layers: int, k: int = 3) -> list[int]:
 
 @dataclass
 class DraftTrainConfig:
-    method: str = "hidden-transfer"  # hidden-transfer | medusa | early-exit
+    method: str = "hidden-transfer"  # hidden-transfer | medusa | early-exit | eagle
     model: str = "smollm2-135m"  # the frozen base: a short name, a Hugging Face folder or a .gguf file
     data: str = "runs/distill/smollm2-135m.jsonl"  # a `midlayer.distill` file made with this base
     out_dir: str = "runs/draft/hidden-transfer"
-    k: int = 3  # draft depth: transfer steps / Medusa heads (paper: 3)
+    k: int = 3  # draft depth: transfer steps / Medusa heads (paper: 3) / EAGLE depths scored on held-out
     layers: tuple[int, ...] = ()  # hidden transfer t_1..t_k; () = paper_layers(n_layers, k)
     exit_layer: int = -1  # early exit: the block whose input residual is decoded; -1 = t_1 of paper_layers
     masked: bool = False  # hidden transfer: the sec. 4.5 "masked" ablation (pseudo rows hide earlier steps)
@@ -96,6 +101,8 @@ def build_module(cfg: DraftTrainConfig, model: Transformer) -> nn.Module:
         return HiddenTransfer(model.cfg.dim, layers, cfg.k, masked=cfg.masked)
     if cfg.method == "medusa":
         return MedusaHeads(model.cfg.dim, cfg.k)
+    if cfg.method == "eagle":
+        return EagleHead.for_model(model)
     layer = cfg.exit_layer if cfg.exit_layer >= 0 else paper_layers(L, 1)[0]
     if not 0 < layer <= L:
         raise ValueError(f"exit_layer must be in [1, {L}], got {layer}")
@@ -106,10 +113,11 @@ class FrozenStates:
     """Per-batch states of the frozen base, computed once and reused every epoch (the base never changes).
 
     Hidden transfer (dense bases): the real rows' residual entering block t_1 -- the blocks below are not
-    run again. Medusa / early exit: the final residual (the teacher logits are recomputed from it by the
-    frozen norm + head, far cheaper than the forward) and the exit block's residual: after the first
-    epoch their steps cost only the draft module. Gated bases: nothing is cached (their routers need the
-    lower blocks). Kept in fp32 on the base's device: ~2.3 KB per token per cached state for SmolLM2."""
+    run again. Medusa / EAGLE / early exit: the final residual (the teacher logits are recomputed from it by
+    the frozen norm + head, far cheaper than the forward; it is also EAGLE's feature and regression target)
+    and the exit block's residual: after the first epoch their steps cost only the draft module. Gated
+    bases: nothing is cached (their routers need the lower blocks). Kept in fp32 on the base's device:
+    ~2.3 KB per token per cached state for SmolLM2."""
 
     def __init__(self, cfg: DraftTrainConfig, model: Transformer, module: nn.Module) -> None:
         self.cfg, self.model, self.module = cfg, model, module
@@ -143,7 +151,7 @@ class FrozenStates:
 
 
 def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
-          phase: int, cached: Any = None) -> tuple[torch.Tensor, list[float]]:
+          phase: int, cached: Any = None, step: int = 0) -> tuple[torch.Tensor, list[float]]:
     if cfg.method == "hidden-transfer":
         if phase:  # sequential: step `phase` alone, later steps' rows not even built
             return hidden_transfer_loss(model, module, tokens, n_steps=phase, only_step=phase, mask=mask,
@@ -151,6 +159,10 @@ def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: 
         return hidden_transfer_loss(model, module, tokens, mask=mask, start=cached)
     if cfg.method == "medusa":
         return medusa_loss(model, module, tokens, cached, mask=mask)
+    if cfg.method == "eagle":
+        # the noise is a pure function of (seed, step): a resumed run draws what the uninterrupted one did
+        gen = torch.Generator(device=tokens.device).manual_seed(cfg.seed * 1_000_003 + step)
+        return eagle_loss(model, module, tokens, cached, mask=mask, noise=FEATURE_NOISE, generator=gen)
     return early_exit_loss(model, module, tokens, cached, mask=mask)
 
 
@@ -262,6 +274,11 @@ def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module
                         A = T - 1 - i
                         if A > 0:
                             pairs.append((module.logits(model, hs[-1][:, :A], i), target[:, 1 + i:], mask[:, 1 + i:]))
+                elif cfg.method == "eagle":
+                    if T >= 2:  # depth i: anchors 0..T-1-i, target the base argmax at a + i
+                        preds = eagle_forward(model, module, tokens, hs[-1], min(cfg.k, T - 1))
+                        for i, fhat in enumerate(preds, start=1):
+                            pairs.append((feature_logits(model, fhat), target[:, i:], mask[:, i:]))
                 else:
                     pairs.append((module.logits(model, hs[module.layer]), target, mask))
             for d, (lg, tgt, valid) in enumerate(pairs):
@@ -358,7 +375,7 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
                 with autocast:
                     cached = frozen.get(step % len(train_b), tokens)
                 with torch.enable_grad(), autocast:
-                    loss, per = _loss(cfg, model, module, tokens, mask, phase, cached)
+                    loss, per = _loss(cfg, model, module, tokens, mask, phase, cached, step)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)

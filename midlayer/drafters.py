@@ -25,16 +25,19 @@ Trainable draft modules (the base model stays frozen; all decode through its fro
     the single-step early-exit probe of Wu et al. 2024 sec. 4.4 does; for a comparison at equal tree size
     every drafter has to fill a whole tree). See "Autoregressive tree drafting" below.
 
+  * `eagle.EagleHead` / `eagle.EagleDrafter` (Li et al. 2024, "EAGLE"): one decoder layer, autoregressive
+    over the base's top-layer features, drafting the tree level by level like early exit (see eagle.py).
+
   * `LayerSkipDrafter(model, skip_span)` (Zhang et al. 2023, "Draft & Verify", self-speculative decoding):
     the base model with a set of blocks skipped (residual passed through unchanged) drafts autoregressively.
     Nothing to train. With an empty span it *is* the base model, an oracle under greedy decoding.
 
-Autoregressive tree drafting (early exit, layer skip). The draft tree (`ctx.tree`, nodes in breadth-first
-order) is filled level by level with the same flattened layout that verification uses: the pending root
-token at cache slot s0 = cache.length, node i at slot s0 + 1 + i, RoPE position last_pos + depth, and the
-tree-attention mask `DraftTree.verify_mask(s0)` (each node sees the context, its ancestors and itself).
-Level d (the root for d = 0) is run through the draft network in one call, writing its K/V into those
-scratch slots; the rank-r child of a node gets the r-th most likely token of that node's draft
+Autoregressive tree drafting (early exit, layer skip, EAGLE). The draft tree (`ctx.tree`, nodes in
+breadth-first order) is filled level by level with the same flattened layout that verification uses: the
+pending root token at cache slot s0 = cache.length, node i at slot s0 + 1 + i, RoPE position last_pos +
+depth, and the tree-attention mask `DraftTree.verify_mask(s0)` (each node sees the context, its ancestors
+and itself). Level d (the root for d = 0) is run through the draft network in one call, writing its K/V
+into those scratch slots; the rank-r child of a node gets the r-th most likely token of that node's draft
 distribution. So max_depth partial forwards fill any tree, each node's token depends on its own path (a
 chain is ordinary autoregressive drafting), and afterwards `cache.truncate(s0)` forgets the scratch slots
 (the contract of `DraftContext`). Leaves at the last level are never run.
@@ -494,9 +497,11 @@ def check_base(saved: dict[str, Any], model: Transformer, name: str | None = Non
 
 
 def _kinds() -> dict[str, type[nn.Module]]:
-    from .hidden_transfer import HiddenTransfer  # import here: hidden_transfer imports this module
+    from .eagle import EagleHead  # import here: eagle and hidden_transfer import this module
+    from .hidden_transfer import HiddenTransfer
 
-    return {MedusaHeads.KIND: MedusaHeads, EarlyExitHead.KIND: EarlyExitHead, HiddenTransfer.KIND: HiddenTransfer}
+    return {MedusaHeads.KIND: MedusaHeads, EarlyExitHead.KIND: EarlyExitHead, HiddenTransfer.KIND: HiddenTransfer,
+            EagleHead.KIND: EagleHead}
 
 
 def save_draft(path: str | Path, module: nn.Module, meta: dict[str, Any] | None = None, *, base: Transformer,
@@ -551,12 +556,15 @@ def load_drafter(path: str | Path, model: Transformer, base_name: str | None = N
                  ) -> tuple[Any, nn.Module, dict[str, Any]]:
     """(drafter, module, meta) for a saved draft directory (refused if written for another base). `kw` go to
     the drafter (e.g. fused=False for hidden transfer)."""
+    from .eagle import EagleDrafter, EagleHead
     from .hidden_transfer import HiddenTransfer, HiddenTransferDrafter
 
     module, meta = load_draft(path, model, base_name)
     module.eval()
     if isinstance(module, HiddenTransfer):
         return HiddenTransferDrafter(model, module, **kw), module, meta
+    if isinstance(module, EagleHead):
+        return EagleDrafter(model, module, **kw), module, meta
     if isinstance(module, MedusaHeads):
         return MedusaDrafter(model, module, **kw), module, meta
     return EarlyExitDrafter(model, module, **kw), module, meta

@@ -66,12 +66,13 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
                    active: torch.Tensor | None = None, skip: bool = True,
                    extra_mask: torch.Tensor | None = None, last_only: bool = False,
                    return_hidden: bool = False, capture: dict[int, torch.Tensor | None] | None = None,
-                   joins: JoinedRows | None = None):
+                   joins: JoinedRows | None = None, all_hidden: bool = False):
     """Run `tokens` [B, T] at the next T cache slots; returns logits [B, T, V] ([B, V] if `last_only`).
 
     positions [B, T]: RoPE positions. active [B, T] (None: all): tokens to compute at all (False for
     padding). extra_mask [B, 1, T, S_after] or None: an additive mask on top of causality (tree attention).
-    With `return_hidden` also returns the final residual [B, T, d] (before the last norm). `capture`: a
+    With `return_hidden` also returns the final residual [B, T, d] (before the last norm; only the last row
+    with `last_only`, unless `all_hidden`: then every row, while the logits stay last-only). `capture`: a
     dict whose keys are block indices; each value is set to the residual entering that block, [B, M, d]
     (tokens that skip the block carry their unchanged residual), for drafters that read middle layers.
     `joins`: rows that join mid-network (`JoinedRows`); then positions and extra_mask cover all T + J rows
@@ -91,11 +92,12 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     h = model.run_blocks(h, step, routed=T, capture=capture, joins=None if joins is None else joins.at)
     if h.shape[1] != T + J:
         raise ValueError(f"joined rows: {h.shape[1] - T} rows joined, JoinedRows.count says {J}")
+    hidden = h
     if last_only:
         h = h[:, -1:]
     logits = model.output(model.norm(h))
     logits = logits[:, 0] if last_only else logits
-    return (logits, h) if return_hidden else logits
+    return (logits, hidden if all_hidden else h) if return_hidden else logits
 
 
 class CachedStep:

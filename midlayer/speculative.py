@@ -621,13 +621,16 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     stop = set(int(t) for t in stop_tokens)
 
     if P > 1:
+        # A drafter that reads the features of the whole prompt (EAGLE's draft rows of the context) says so
+        # with `prefill_features`; the others get the last row only.
+        every = bool(getattr(drafter, "prefill_features", False))
         store = _capture_request(model, hidden_layers)
         logits, hidden = forward_cached(model, torch.tensor([prompt[:-1]], device=dev),
                                         cache, torch.arange(P - 1, device=dev)[None], skip=skip,
-                                        last_only=True, return_hidden=True, capture=store)
+                                        last_only=True, return_hidden=True, capture=store, all_hidden=every)
         last = torch.tensor([P - 2], device=dev)
-        hidden = hidden[0]  # [1, d]; logits is already [1, V] (last_only)
-        layer_hidden = _collect_layers(model, hidden_layers, store, hidden, P - 1, last)
+        hidden = hidden[0]  # [1, d] or [P - 1, d]; logits is already [1, V] (last_only)
+        layer_hidden = _collect_layers(model, hidden_layers, store, hidden[-1:], P - 1, last)
         stats.prefill_forwards = 1
     else:
         hidden = torch.zeros(0, cfg.dim, device=dev)

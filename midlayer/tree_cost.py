@@ -25,9 +25,10 @@ Speculative decoding's speed is (tokens per round) / (time per round). Both depe
 and returns the tree of highest expected tokens per second with the whole table, so the choice can be
 inspected (`midlayer generate --draft DIR --tree auto --stats`).
 
-Autoregressive drafters (early exit, layer skip, EAGLE) report held-out accuracy at depth 1 only; their
-deeper depths are assumed to be as accurate as depth 1 (an optimistic guess: acceptance usually falls with
-depth, so `auto` may pick slightly deep trees for them).
+Early exit reports held-out accuracy at depth 1 only (and layer skip none: it borrows another draft's);
+their deeper depths are assumed to be as accurate as depth 1 (an optimistic guess: acceptance usually
+falls with depth, so `auto` may pick slightly deep trees for them). EAGLE reports every depth, scored with
+its own predicted features but the true tokens above (draft_training.heldout_metrics).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def test_padding_does_not_change_the_losses():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="method"):
-        DraftTrainConfig(method="eagle")
+        DraftTrainConfig(method="lookahead")
     with pytest.raises(ValueError, match="schedule"):
         DraftTrainConfig(schedule="random")
 

@@ -1,0 +1,373 @@
+"""EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", arXiv
+2401.15077): a one-layer draft network that is autoregressive over the base model's top-layer features.
+
+What it is. The base's feature f_t is its final residual at position t (before the final norm: the state
+whose LMHead(norm(.)) gives the base's distribution of token t + 1; `ctx.hidden` in `speculative`). The
+draft network reads, at each position t, the feature f_t together with the embedding of the NEXT token,
+e_{t+1} (the "shifted" token, which tells the draft which of the possible continuations was actually
+taken, EAGLE sec. 3), and predicts the next feature:
+
+    x_t       = W_fc [f_t ; e_{t+1}] + b_fc                       W_fc: R^{2d} -> R^d
+    fhat_{t+1} = Block(x_{<=t})_t                                 one decoder layer (attention + SwiGLU FFN,
+                                                                  causal over the draft rows, RoPE position t+1)
+    q(. | x_{<=t+1}) = softmax(LMHead(norm(fhat_{t+1})))           the base's frozen final norm + LM head:
+                                                                  a guess of the distribution of token t + 2
+Drafting is autoregressive over features: the predicted feature and the embedding of the token drafted from
+it feed the next step (EAGLE sec. 4, "drafting phase"), so depth d of the tree costs one draft-layer call.
+e_t is the embedding the base's first block reads, emb_norm(tok_embeddings(x_t)) (the paper's models
+normalise the embedding, Llama checkpoints do not); both tables are the base's own and stay frozen.
+
+Training (EAGLE sec. 4, "training of the draft models"), teacher-forced on the base's own features:
+
+    L = L_reg + w_cls L_cls,    L_reg = SmoothL1(fhat_{t+1}, f_{t+1}),
+                                L_cls = KL(p_base(. | t+1) || q(. | fhat_{t+1})),    w_cls = 0.1 (paper),
+
+averaged over the positions whose target t + 1 is a real token. The paper's L_cls is the cross-entropy to
+the base's distribution; we use the forward KL (the same gradient: the two differ by the teacher's entropy,
+a constant) so that every drafter of this repo shares one teacher and one loss scale. The paper also adds
+U(-0.1, 0.1) noise to the input features during training (its data augmentation against the draft's own
+feature errors at depth > 1); `noise` does that, drawn from a seeded generator (exact resume).
+
+How it differs from the other drafters. Medusa (drafters.py) decodes every depth from the same f_t with
+independent heads: no head knows which token was drafted before it, so depth-d candidates do not depend on
+the path. Hidden transfer (hidden_transfer.py) also predicts states, but as pseudo rows *inside* the base's
+upper blocks, all depths in one (fused) base forward, again without the drafted tokens. EAGLE is a
+separate small autoregressive network: it runs max_depth one-layer calls per round (cheap next to a base
+forward), and each node's guess is conditioned on its own path -- the tokens and predicted features above
+it -- like early exit / layer skip, but on a network that is one layer deep rather than part of the base.
+
+Module layout. `EagleHead` (the trainable fc + decoder layer; the layer is the repo's own `model.Block`,
+with its attention, RoPE tables and KV-cache views) and `eagle_forward`, the one teacher-forced pass used
+by training and held-out evaluation. `EagleDrafter` drafts over a KV cache of its own (one layer, batch 1)
+that holds the draft rows of the committed context; each round it appends the rows of the newly committed
+positions (their features are the rows of `ctx.hidden`) and fills the tree level by level through
+`drafters.draft_tree_autoregressive`, in scratch slots that are truncated afterwards. Cost: the first round
+runs the prompt's rows through the draft layer (`prefill_features`: speculative_generate hands over every
+prefill row's feature, so no extra base forward is needed); every later round costs the (1 + accepted) new
+context rows plus one row per drafted node, all through the one draft layer. (Without those features --
+a caller that passes only the last row -- the drafter recomputes them with one base forward.)
+
+Initialisation (the paper does not say; ours): W_fc = [I | 0], b_fc = 0, the layer's output projections
+(attention wo, FFN w2) zero, every other weight ~ N(0, init_std). An untrained head is then the identity on
+the feature, fhat_{t+1} = f_t, i.e. it re-uses the base's own next-token prediction -- the same starting
+point as an untrained Medusa head -- and training starts from a defined, in-distribution residual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .drafters import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, kl_to_base, lm_logits,
+                       model_device, optimise, placeholder_candidates, split_batch)
+from .generate import CachedStep
+from .hidden_transfer import _additive, _MaskedView, visible
+from .kv_cache import KVCache
+from .model import Block, Transformer, causal_step
+from .speculative import Draft, DraftContext, DraftTree
+
+W_CLS = 0.1  # EAGLE sec. 4: L = L_reg + 0.1 L_cls
+FEATURE_NOISE = 0.1  # EAGLE sec. 4: U(-0.1, 0.1) added to the input features during training
+
+
+# ============================================================================================ the module
+class EagleHead(nn.Module):
+    """The EAGLE draft network: fc [f ; e] -> d, then one decoder layer (module docstring).
+
+    The layer is a `model.Block` built from the base's dimensions (`for_model`): same width, heads, KV
+    heads and SwiGLU hidden size as a base block, so it reads the base's RoPE tables. Its attention is
+    SDPA (no gates: the draft layer is dense whatever the base)."""
+
+    KIND = "eagle"
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, norm_eps: float = 1e-5,
+                 norm_placement: str = "pre", qkv_bias: bool = False, init_std: float = 0.02) -> None:
+        super().__init__()
+        # vocab_size / max_seq_len are required by ModelConfig but unused by a Block
+        self.block_cfg = ModelConfig(dim=dim, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=1,
+                                     ffn_hidden=ffn_hidden, norm_eps=norm_eps, norm_placement=norm_placement,
+                                     gating=False, qkv_bias=qkv_bias, init_std=init_std, attn_backend="sdpa")
+        self.dim = dim
+        self.fc = nn.Linear(2 * dim, dim, bias=True)
+        self.layer = Block(self.block_cfg)
+        self.reset_parameters()
+
+    @classmethod
+    def for_model(cls, model: Transformer) -> "EagleHead":
+        """A head shaped like one block of `model`."""
+        c = model.cfg
+        return cls(c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden_dim, c.norm_eps, c.norm_placement, c.qkv_bias,
+                   c.init_std)
+
+    def reset_parameters(self) -> None:
+        """The identity-on-the-feature start (module docstring)."""
+        c = self.block_cfg
+        with torch.no_grad():
+            for name, p in self.layer.named_parameters():
+                if name.endswith("norm.weight"):
+                    nn.init.ones_(p)
+                else:
+                    nn.init.normal_(p, 0.0, c.init_std)
+            # zero output projections: the block's residual branches add nothing until trained
+            nn.init.zeros_(self.layer.attention.wo.weight)
+            nn.init.zeros_(self.layer.feed_forward.w2.weight)
+            self.fc.weight.zero_()
+            self.fc.weight[:, :self.dim].copy_(torch.eye(self.dim))
+            self.fc.bias.zero_()
+
+    def config(self) -> dict[str, Any]:
+        c = self.block_cfg
+        return {"dim": c.dim, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "ffn_hidden": c.ffn_hidden,
+                "norm_eps": c.norm_eps, "norm_placement": c.norm_placement, "qkv_bias": c.qkv_bias}
+
+    def check_model(self, model: Transformer) -> None:
+        c = self.block_cfg
+        if c.dim != model.cfg.dim or c.head_dim != model.cfg.head_dim:
+            raise ValueError(f"EAGLE head of dim {c.dim} / head_dim {c.head_dim} for a model of dim "
+                             f"{model.cfg.dim} / head_dim {model.cfg.head_dim} (it uses the base's RoPE tables)")
+
+    def forward(self, features: torch.Tensor, emb: torch.Tensor, step: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """features f [B, M, d] and next-token embeddings e [B, M, d] -> predicted next features [B, M, d],
+        in the head's dtype. `step(layer, block, h, gate, key_bias)` (a `model.BlockStep`: causal, cached or
+        masked) decides how the M rows attend, exactly as for the base's own blocks."""
+        w = self.fc.weight
+        x = self.fc(torch.cat([features.to(w.dtype), emb.to(w.dtype)], -1))
+        return step(0, self.layer, x, None, None)
+
+
+def embed(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """e_t: the embedding the base's first block reads (module docstring)."""
+    return model.emb_norm(model.tok_embeddings(tokens))
+
+
+def feature_logits(model: Transformer, fhat: torch.Tensor) -> torch.Tensor:
+    """The base's decoding of a predicted feature, LMHead(norm(fhat)), in the base's dtype."""
+    return lm_logits(model, fhat.to(model.tok_embeddings.weight.dtype))
+
+
+# ===================================================================================== teacher-forced pass
+def eagle_forward(model: Transformer, head: EagleHead, tokens: torch.Tensor, features: torch.Tensor,
+                  n_steps: int = 1, noise: float = 0.0, generator: torch.Generator | None = None
+                  ) -> list[torch.Tensor]:
+    """Predicted features of every depth, teacher-forced on `tokens` [B, T] and their base features [B, T, d].
+
+    Depth 1: the real rows t = 0..T-2, input (f_t, e_{t+1}) at RoPE position t + 1, causal; output [B, T-1, d]
+    predicts f_{t+1} (anchor t, in `speculative` terms the last cached position, t + 1 the pending token).
+    Depth i > 1 (held-out metrics, consistency tests): for anchor a = 0..T-1-i a row (fhat, e_{a+i}) at
+    position a + i, fhat being the depth-(i-1) output of the same anchor, e the TRUE token (given the true
+    prefix); it sees the real rows <= a and the earlier-depth rows of its own anchor -- what the drafter's
+    chain row sees at inference. That is hidden transfer's `visible` rule (not masked), with real row a as
+    step 0; the passes are run depth after depth (each needs the previous depth's outputs). Returns one
+    tensor per depth, [B, T - i, d] in the head's dtype.
+    `noise` > 0: U(-noise, noise) added to the real input features (EAGLE's training augmentation).
+    """
+    head.check_model(model)
+    B, T = tokens.shape
+    if T < 2:
+        raise ValueError("EAGLE needs at least 2 tokens (a feature and the next token)")
+    if not 1 <= n_steps <= T - 1:
+        raise ValueError(f"n_steps must be in [1, {T - 1}] for {T} tokens, got {n_steps}")
+    e = embed(model, tokens)
+    f = features[:, :T - 1]
+    if noise > 0:
+        f = f + (torch.rand(f.shape, generator=generator, device=f.device, dtype=torch.float32) * 2 - 1
+                 ).mul_(noise).to(f.dtype)
+    if n_steps == 1:  # training: one causal pass (SDPA's fused causal kernel)
+        cos, sin = model.rope_cos[1:T], model.rope_sin[1:T]
+        return [head(f, e[:, 1:], causal_step(cos, sin))]
+    dev = tokens.device
+    anchor = torch.arange(T - 1, device=dev)
+    step = torch.zeros(T - 1, dtype=torch.long, device=dev)
+    inputs = [(f, e[:, 1:])]  # per depth: (input features, input embeddings)
+    outs: list[torch.Tensor] = []
+    for i in range(1, n_steps + 1):
+        if i > 1:
+            A = T - i  # anchors 0..T-1-i: their depth-i token a + i is in the sequence
+            inputs.append((outs[-1][:, :A], e[:, i:]))
+            anchor = torch.cat([anchor, torch.arange(A, device=dev)])
+            step = torch.cat([step, torch.full((A,), i - 1, dtype=torch.long, device=dev)])
+        mask = _additive(visible(anchor, step, anchor, step, masked=False))[None, None]
+        pos = anchor + step + 1
+        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+        x_f = torch.cat([a for a, _ in inputs], 1)
+        x_e = torch.cat([b for _, b in inputs], 1)
+        # rows of earlier depths never see the new ones, so re-running them gives their outputs unchanged
+        y = head(x_f, x_e, lambda layer, block, h, gate, kb: block(h, cos, sin, None, None, _MaskedView(mask)))
+        outs.append(y[:, step == i - 1])
+    return outs
+
+
+def eagle_loss(model: Transformer, head: EagleHead, tokens: torch.Tensor,
+               states: tuple[torch.Tensor, list[torch.Tensor]] | None = None, mask: torch.Tensor | None = None, *,
+               w_cls: float = W_CLS, noise: float = 0.0, generator: torch.Generator | None = None
+               ) -> tuple[torch.Tensor, list[float]]:
+    """L_reg + w_cls L_cls over the positions t + 1 < T whose target is real (module docstring).
+
+    states: (base logits [B, T, V], hidden states whose last entry is the final residual), e.g. from
+    `FrozenStates`; computed here when None. Returns (loss, [L_cls (the depth-1 KL, comparable with the other
+    methods' step-1 KL), L_reg])."""
+    logits, hs = states if states is not None else base_states(model, tokens)
+    feats = hs[-1]
+    fhat = eagle_forward(model, head, tokens, feats, 1, noise, generator)[0]  # predicts f_1..f_{T-1}
+    valid = None if mask is None else mask[:, 1:]
+    reg = F.smooth_l1_loss(fhat.float(), feats[:, 1:].detach().float(), reduction="none").mean(-1)  # [B, T-1]
+    if valid is None:
+        reg = reg.mean()
+    else:
+        w = valid.to(reg.dtype)
+        reg = (reg * w).sum() / w.sum().clamp_min(1.0)
+    kl = kl_to_base(logits[:, 1:], feature_logits(model, fhat), valid)
+    return reg + w_cls * kl, [float(kl.detach()), float(reg.detach())]
+
+
+def train_eagle(model: Transformer, head: EagleHead, batches: Any, steps: int, lr: float = 1e-3, *,
+                w_cls: float = W_CLS, noise: float = FEATURE_NOISE, seed: int = 0, clip: float = 1.0,
+                log: Callable[[int, float, list[float]], None] | None = None) -> list[dict[str, Any]]:
+    """Train the head with `eagle_loss` on a frozen base (LongTensor batches [B, T] or (tokens, mask), cycled)."""
+    head.check_model(model)
+    dev = model_device(model)
+    head.to(dev).train()
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    with FrozenBase(model):
+        def loss_fn(b: Any) -> tuple[torch.Tensor, list[float]]:
+            tokens, mask = split_batch(b, dev)
+            return eagle_loss(model, head, tokens, mask=mask, w_cls=w_cls, noise=noise, generator=gen)
+
+        hist = optimise(list(head.parameters()), loss_fn, batch_stream(batches), steps, lr, clip, log)
+    head.eval()
+    return hist
+
+
+# ============================================================================================ inference
+class EagleDrafter:
+    """Drafts `ctx.tree` autoregressively with an `EagleHead` (module docstring, "Module layout").
+
+    State between rounds: the draft KV cache with the rows of positions 0..held-1, the tokens they were
+    computed from, and the feature of position `held` (last round's root row is recomputed with it once its
+    token is committed). Every round checks the state against ctx.tokens and keeps only the rows whose
+    tokens still match, so one drafter can serve any sequence of generations (a new prompt starts over).
+    """
+
+    prefill_features = True  # speculative_generate hands over the features of every prompt row
+
+    def __init__(self, model: Transformer, head: EagleHead) -> None:
+        head.check_model(model)
+        self.model, self.head = model, head.to(model_device(model)).eval()
+        self.cache: KVCache | None = None
+        self.last_logits: torch.Tensor | None = None  # the last round's logits, one row per level row run
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the draft rows of the context (the next round rebuilds them)."""
+        self.held = 0
+        self.held_tokens: list[int] = []  # tokens[:held + 1]: what rows 0..held-1 depend on
+        self.tail: torch.Tensor | None = None  # feature f_held [d] (None: unknown)
+        if self.cache is not None:
+            self.cache.truncate(0)
+
+    # ------------------------------------------------------------------------------------ the state
+    def _ensure_cache(self, n_nodes: int) -> KVCache:
+        need = self.model.cfg.max_seq_len + n_nodes + 1  # context rows (positions) + one tree in scratch slots
+        if self.cache is None or self.cache.max_len < need:
+            c = self.head.block_cfg
+            w = self.head.fc.weight
+            self.cache = KVCache(1, 1, c.n_kv_heads, c.head_dim, need, device=w.device, dtype=w.dtype)
+            self.held, self.held_tokens, self.tail = 0, [], None
+        return self.cache
+
+    def _valid_rows(self, tokens: list[int]) -> int:
+        """How many held rows still belong to `tokens` (row t depends on tokens[:t + 2])."""
+        n = len(self.held_tokens)
+        if tokens[:n] == self.held_tokens:
+            return self.held
+        same = next((i for i, (a, b) in enumerate(zip(tokens, self.held_tokens)) if a != b), min(len(tokens), n))
+        return max(0, min(self.held, same - 1))
+
+    def _features(self, ctx: DraftContext, start: int, p: int) -> torch.Tensor:
+        """Base features f_start..f_{p-1} [p - start, d]: from ctx.hidden (positions p-m..p-1), with the
+        kept feature of position `held` in front when needed, else recomputed by one base forward."""
+        m = ctx.hidden.shape[0]
+        first = p - m
+        if start >= first:
+            return ctx.hidden[start - first:]
+        if self.tail is not None and start == self.held and start + 1 >= first:
+            return torch.cat([self.tail[None].to(ctx.hidden.dtype), ctx.hidden[start + 1 - first:]])
+        toks = torch.tensor([ctx.tokens[:p]], device=model_device(self.model))
+        out = self.model(toks, output_hidden_states=True, return_logits=False)
+        return out.hidden_states[-1][0, start:]
+
+    def _run(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start: int,
+             extra: torch.Tensor | None) -> torch.Tensor:
+        """The head over the draft cache: rows [1, M] at the (reserved) slots start..start+M-1."""
+        cache = self.cache
+        M = tokens.shape[1]
+        cos, sin = self.model.rope_cos[positions][:, None], self.model.rope_sin[positions][:, None]
+        slots = torch.arange(start, start + M, device=cache.pos.device)[None]
+        cache.pos[:, start:start + M] = positions
+        step = CachedStep(cache, start, slots, cos, sin, skip=False, extra_mask=extra)
+        return self.head(feats, embed(self.model, tokens), step)
+
+    def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[tuple[list[int], int]]:
+        """What one round drafts, for `tree_cost.round_forwards` (its (rows per base block, head rows) format):
+        the draft layer has a base block's shape, so a level of r rows is costed as r rows through ONE block
+        (the fc's 2d x d adds a little) plus r rows through the LM head. The context rows committed each
+        round (1 + accepted, one block, no head) are counted as 1 row, their minimum."""
+        one = [1] + [0] * (n_layers - 1)
+        out = [(one, 0)]
+        counts = [1] + [int((tree.depth == d).sum()) for d in range(1, tree.max_depth)]
+        out += [([r] + [0] * (n_layers - 1), r) for r in counts[:tree.max_depth]]
+        return out
+
+    # ------------------------------------------------------------------------------------ drafting
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> Draft | list[list[int]]:
+        tree, model = ctx.tree, self.model
+        p = len(ctx.tokens) - 1  # the pending root token's position
+        if ctx.hidden.shape[0] == 0:  # 1-token prompt, first round: no feature yet
+            return placeholder_candidates(tree.ranks_per_depth, model.cfg.vocab_size)
+        cache = self._ensure_cache(len(tree))
+        dev = cache.pos.device
+        valid = min(self._valid_rows(ctx.tokens), p - 1)  # row p - 1 is this round's root: always rebuilt
+        feats = self._features(ctx, valid, p)  # f_valid..f_{p-1}
+        cache.truncate(valid)
+        # Commit the draft rows of positions valid..p-2: (f_t, e_{t+1}) at RoPE position t + 1, causal.
+        M = p - 1 - valid
+        if M > 0:
+            cache.reserve(M)
+            toks = torch.tensor([ctx.tokens[valid + 1:p]], device=dev)
+            self._run(feats[None, :M], toks, torch.arange(valid + 1, p, device=dev)[None], valid, None)
+        self.held, self.held_tokens, self.tail = p - 1, list(ctx.tokens[:p]), feats[-1]
+        # The tree: level 0 is the root row (f_{p-1}, e_p) at slot s0 = p - 1; a node's row is (its parent's
+        # predicted feature, its own token), so row r's input feature is row parent(r)'s output.
+        s0 = cache.length
+        n = len(tree)
+        parent_row = [0] + [int(x) + 1 for x in tree.parent.tolist()]
+        pred: list[torch.Tensor | None] = [None] * (n + 1)
+        level_logits: list[torch.Tensor] = []
+        root_feat = feats[-1]
+
+        def step(tok: torch.Tensor, pos: torch.Tensor, start: int, extra: torch.Tensor) -> torch.Tensor:
+            a, m = start - s0, tok.shape[1]
+            if a == 0:
+                inp = root_feat[None, None]
+            else:
+                inp = torch.stack([pred[parent_row[r]] for r in range(a, a + m)])[None]
+            out = self._run(inp, tok, pos, start, extra)[0]  # [m, d]
+            for j in range(m):
+                pred[a + j] = out[j]
+            logits = feature_logits(model, out)
+            level_logits.append(logits)
+            return logits
+
+        draft = draft_tree_autoregressive(dataclasses.replace(ctx, cache=cache), step)
+        self.last_logits = torch.cat(level_logits) if level_logits else None
+        return draft
+
+
+__all__ = ["EagleHead", "EagleDrafter", "eagle_forward", "eagle_loss", "train_eagle", "embed", "feature_logits",
+           "W_CLS", "FEATURE_NOISE"]
