@@ -27,6 +27,17 @@ Frozen states (`FrozenStates`): what the frozen base computes for a batch below 
 entering block t_1 for hidden transfer, the final residual for Medusa / EAGLE, the final and exit residuals
 for early exit -- is computed once and reused in later epochs (dense bases).
 
+Training at scale:
+  * learning curve: every `eval_every` steps the training loss on a fixed subset of `curve_batches`
+    held-out records (response positions only) goes into `metrics["curve"]` with the mean training loss
+    since the last evaluation;
+  * early stopping: with `patience`, training stops after that many evaluations without a new best
+    held-out loss, and the best evaluated weights are the ones saved (`best_step`);
+  * `cache_gb` bounds the memory of the frozen states below; batches past it are recomputed each epoch
+    (same values, only the cost differs), so 2M-token sets train in fixed memory;
+  * bf16 autocast (`bf16`) is used only where bf16 is native (GPUs, AVX512-BF16 / AMX CPUs): emulated
+    bf16 is slower than fp32.
+
 Resume: every `ckpt_every` steps the draft weights, the Adam state and the step are saved atomically to
 `out_dir/train_state.pt`; a rerun with the same settings continues from there (the batch sequence is a pure
 function of the seed and the step, so the continuation is the one an uninterrupted run would have made).
@@ -77,10 +88,16 @@ class DraftTrainConfig:
     lr: float = 1e-3
     batch_tokens: int = 1024  # tokens per batch (B * T)
     seq_len: int = 256  # sequences cut to this many tokens
-    bf16: bool = True  # bf16 autocast for the frozen base's matmuls (CPUs with AMX, GPUs); the KL is fp32
+    bf16: bool = True  # bf16 autocast for the frozen base's matmuls, where bf16 is native (GPUs, AMX /
+    #                    AVX512-BF16 CPUs; ignored elsewhere, where it is emulated and slow); the KL is fp32
     seed: int = 0
     ckpt_every: int = 20
     max_eval_batches: int = 0  # held-out records to evaluate (one per batch); 0: all
+    eval_every: int = 0  # steps between held-out loss evaluations (the learning curve); 0: only at the end
+    patience: int = 0  # stop after this many evaluations without a new best held-out loss (0: never);
+    #                    the best evaluated weights are the ones saved
+    curve_batches: int = 64  # held-out records per curve evaluation (a fixed subset; 0: all)
+    cache_gb: float = 4.0  # memory for frozen base states reused across epochs; beyond it, recomputed
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -91,6 +108,10 @@ class DraftTrainConfig:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if self.epochs <= 0 or self.lr <= 0 or self.batch_tokens < 2 or self.seq_len < 2:
             raise ValueError("epochs and lr must be > 0, batch_tokens and seq_len >= 2")
+        if self.eval_every < 0 or self.patience < 0 or self.curve_batches < 0 or self.cache_gb < 0:
+            raise ValueError("eval_every, patience, curve_batches and cache_gb must be >= 0")
+        if self.patience and not self.eval_every:
+            raise ValueError("patience needs eval_every > 0 (early stopping compares held-out evaluations)")
         self.layers = tuple(int(t) for t in self.layers)
 
 
@@ -123,6 +144,7 @@ class FrozenStates:
         self.cfg, self.model, self.module = cfg, model, module
         self.enabled = model.routers is None
         self.store: dict[int, Any] = {}
+        self.budget, self.used = int(cfg.cache_gb * 2**30), 0  # bytes; batches past the budget are recomputed
 
     def get(self, index: int, tokens: torch.Tensor) -> Any:
         if not self.enabled:
@@ -140,7 +162,10 @@ class FrozenStates:
                     if self.cfg.method == "early-exit":
                         keep[self.module.layer] = hs[self.module.layer]
                     got = keep
-            self.store[index] = got
+            size = sum(t.numel() * t.element_size() for t in _tensors(got))
+            if self.used + size <= self.budget:  # same values either way: only the cost differs
+                self.store[index] = got
+                self.used += size
         if self.cfg.method == "hidden-transfer":
             return got
         L = self.model.cfg.n_layers
@@ -150,8 +175,16 @@ class FrozenStates:
         return logits, hs
 
 
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    return [t for v in x for t in _tensors(v)] if isinstance(x, (list, tuple)) else []
+
+
 def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
-          phase: int, cached: Any = None, step: int = 0) -> tuple[torch.Tensor, list[float]]:
+          phase: int, cached: Any = None, step: int = 0, noise: bool = True) -> tuple[torch.Tensor, list[float]]:
     if cfg.method == "hidden-transfer":
         if phase:  # sequential: step `phase` alone, later steps' rows not even built
             return hidden_transfer_loss(model, module, tokens, n_steps=phase, only_step=phase, mask=mask,
@@ -162,7 +195,8 @@ def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: 
     if cfg.method == "eagle":
         # the noise is a pure function of (seed, step): a resumed run draws what the uninterrupted one did
         gen = torch.Generator(device=tokens.device).manual_seed(cfg.seed * 1_000_003 + step)
-        return eagle_loss(model, module, tokens, cached, mask=mask, noise=FEATURE_NOISE, generator=gen)
+        return eagle_loss(model, module, tokens, cached, mask=mask, noise=FEATURE_NOISE if noise else 0.0,
+                          generator=gen)
     return early_exit_loss(model, module, tokens, cached, mask=mask)
 
 
@@ -216,7 +250,8 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
     with _autocast(cfg, model):
         metrics = heldout_metrics(cfg, model, module, held)
     old = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else {}
-    for key in ("steps", "train_seconds_this_call", "train_batches", "final_loss", "settings", "data_header"):
+    for key in ("steps", "planned_steps", "curve", "best_step", "train_seconds_this_call", "train_batches",
+                "final_loss", "settings", "data_header"):
         if key in old:
             metrics[key] = old[key]
     metrics["heldout_batches"] = len(held)
@@ -224,8 +259,36 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
     return metrics
 
 
+def bf16_native(model: Transformer) -> bool:
+    """bf16 autocast pays off on GPUs and on CPUs with AVX512-BF16 / AMX; elsewhere bf16 matmuls are emulated
+    and slower than fp32 (docs/results/decode-cpu.md: 8.1 s vs 1.3 s for a 693-token prefill on Zen 2)."""
+    from .kernels import cpu_info
+
+    dev = model_device(model)
+    return dev.type == "cuda" or (dev.type == "cpu" and cpu_info().native_bf16)
+
+
 def _autocast(cfg: DraftTrainConfig, model: Transformer) -> torch.autocast:
-    return torch.autocast(model_device(model).type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    return torch.autocast(model_device(model).type, dtype=torch.bfloat16, enabled=cfg.bf16 and bf16_native(model))
+
+
+@torch.no_grad()
+def heldout_loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The training loss on held-out records (response positions only, `response_batches`), weighted by
+    their valid positions: the learning curve and the early-stopping criterion."""
+    was = module.training
+    module.eval()
+    total = weight = 0.0
+    dev = model_device(model)
+    for tokens, mask in batches:
+        tokens, mask = tokens.to(dev), mask.to(dev)
+        loss, _ = _loss(cfg, model, module, tokens, mask, 0, None, 0, noise=False)
+        w = float(mask.sum())
+        total += float(loss) * w
+        weight += w
+    module.train(was)
+    return total / max(weight, 1.0)
 
 
 def _save(cfg: DraftTrainConfig, out: Path, model: Transformer, module: nn.Module, metrics: dict[str, Any]) -> None:
@@ -335,6 +398,11 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
     out.mkdir(parents=True, exist_ok=True)
     phases = _phases(cfg, total)
     step, history, opt_state = 0, [], None
+    curve_b = held_b[:cfg.curve_batches] if cfg.curve_batches else held_b
+    # learning curve and early stopping: evaluations so far, the best one's weights, evaluations since it
+    curve: list[dict[str, Any]] = []
+    best: dict[str, Any] = {"loss": math.inf, "step": 0, "module": None}
+    stale = 0
     sp = _state_path(out)
     settings = dataclasses.asdict(cfg)
     if sp.is_file():
@@ -343,6 +411,7 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
             raise ValueError(f"{sp}: made with other settings; use another --out-dir or delete it to start over")
         module.load_state_dict(st["module"])
         step, history, opt_state = st["step"], st["history"], st["opt"]
+        curve, best, stale = st.get("curve", []), st.get("best", best), st.get("stale", 0)
         log(f"resuming {cfg.method} at step {step}/{total}")
     autocast = _autocast(cfg, model)
     t0 = time.time()
@@ -353,9 +422,12 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
 
         bar = tqdm(total=total, initial=step, desc=f"train-draft {cfg.method}", unit="step")
     frozen = FrozenStates(cfg, model, module)
+    stopped = False  # early stop (patience)
     with FrozenBase(model):
         first = 0
         for phase, n in phases:
+            if stopped:
+                break
             if step >= first + n:
                 first += n
                 continue
@@ -386,11 +458,32 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-                last = step == first + n
-                if step % cfg.ckpt_every == 0 or last or (stop_after and done_here >= stop_after):
+                evaluated = False
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    with autocast:
+                        hl = heldout_loss(cfg, model, module, curve_b)
+                    recent = [h["loss"] for h in history[-cfg.eval_every:]]
+                    curve.append({"step": step, "heldout_loss": round(hl, 6),
+                                  "train_loss": round(sum(recent) / len(recent), 6)})
+                    if hl < best["loss"]:
+                        best = {"loss": hl, "step": step,
+                                "module": {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}}
+                        stale = 0
+                    else:
+                        stale += 1
+                    evaluated = True
+                    log(f"step {step}: held-out loss {hl:.4f} (best {best['loss']:.4f} at step {best['step']})")
+                    stopped = bool(cfg.patience) and stale >= cfg.patience
+                last = step == first + n or stopped
+                if step % cfg.ckpt_every == 0 or last or evaluated or (stop_after and done_here >= stop_after):
                     state = {"settings": settings, "module": module.state_dict(), "step": step, "history": history,
-                             "opt": {"phase": phase if not last else -1, "state": opt.state_dict()}}
+                             "opt": {"phase": phase if not last else -1, "state": opt.state_dict()},
+                             "curve": curve, "best": best, "stale": stale}
                     atomic_write_bytes(sp, lambda tmp: torch.save(state, tmp))
+                if stopped:
+                    log(f"early stop at step {step}: no better held-out loss in {cfg.patience} evaluations; "
+                        f"keeping step {best['step']}")
+                    break
                 if stop_after and done_here >= stop_after and step < total:
                     if bar is not None:
                         bar.close()
@@ -399,13 +492,16 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
             opt_state = None
     if bar is not None:
         bar.close()
+    if best["module"] is not None:  # the best evaluated weights (early stopping's choice)
+        module.load_state_dict(best["module"])
     module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
     train_s = time.time() - t0
     with autocast:
         metrics = heldout_metrics(cfg, model, module, held_b)
-    metrics.update(steps=total, train_seconds_this_call=round(train_s, 1), train_batches=len(train_b),
+    metrics.update(steps=step, planned_steps=total, curve=curve, best_step=best["step"] if curve else step,
+                   train_seconds_this_call=round(train_s, 1), train_batches=len(train_b),
                    heldout_batches=len(held_b), final_loss=history[-1]["loss"] if history else None,
                    settings=settings, data_header={k: ds.header.get(k) for k in ("model_name", "max_new_tokens")})
     _save(cfg, out, model, module, metrics)

@@ -157,3 +157,58 @@ def test_cached_frozen_states_give_the_same_loss(tmp_path, method):
     for value, g in grads[1:]:
         assert abs(value - grads[0][0]) < 1e-5
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g, grads[0][1]))
+
+
+def test_learning_curve_early_stopping_keeps_the_best_weights_and_resumes(tmp_path, monkeypatch):
+    import midlayer.draft_training as dt
+
+    base, data = tiny_base(), tiny_data()
+    script = [3.0, 2.0, 2.5, 2.6, 1.0, 0.5]  # best at the 2nd evaluation, then 2 worse ones: stop at step 8
+
+    calls: list[int] = []
+
+    def scripted(*a, **k) -> float:
+        calls.append(0)
+        return script[len(calls) - 1]
+
+    monkeypatch.setattr(dt, "heldout_loss", scripted)
+    c = cfg(tmp_path / "a", "medusa", eval_every=2, patience=2, epochs=20)
+    run = train_draft(c, base, data, progress=False, log=lambda s: None)
+    m = run.metrics
+    assert m["steps"] == 8 and m["best_step"] == 4 and m["planned_steps"] > 8
+    assert [p["step"] for p in m["curve"]] == [2, 4, 6, 8]
+    assert [p["heldout_loss"] for p in m["curve"]] == script[:4]
+    # the saved weights are those of step 4: a plain 4-step run (same batches) ends with them
+    plain = train_draft(cfg(tmp_path / "b", "medusa", epochs=20), base, data, progress=False, stop_after=4,
+                        log=lambda s: None)
+    saved, _ = load_draft(tmp_path / "a" / "medusa", base)
+    for a, b in zip(saved.state_dict().values(), plain.module.state_dict().values()):
+        assert torch.equal(a, b)
+    # interrupted after 5 steps and resumed: the same curve, stop and weights
+    calls.clear()
+    c2 = cfg(tmp_path / "c", "medusa", eval_every=2, patience=2, epochs=20)
+    train_draft(c2, base, data, progress=False, stop_after=5, log=lambda s: None)
+    rest = train_draft(c2, base, data, progress=False, log=lambda s: None)
+    assert rest.metrics["curve"] == m["curve"] and rest.metrics["best_step"] == 4
+    for a, b in zip(rest.module.state_dict().values(), saved.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="patience needs eval_every"):
+        DraftTrainConfig(patience=2)
+
+
+def test_frozen_state_budget_changes_only_the_cost(tmp_path):
+    import midlayer.draft_training as dt
+
+    base, data = tiny_base(), tiny_data()
+    runs = {}
+    for gb in (0.0, 4.0):
+        c = cfg(tmp_path / str(gb), "early-exit", epochs=2, cache_gb=gb)
+        runs[gb] = train_draft(c, base, data, progress=False, log=lambda s: None)
+    assert [h["loss"] for h in runs[0.0].history] == [h["loss"] for h in runs[4.0].history]
+    fs = dt.FrozenStates(cfg(tmp_path, "early-exit", cache_gb=0.0), base, runs[0.0].module)
+    tokens = torch.randint(0, V, (2, 8))
+    fs.get(0, tokens)
+    assert fs.store == {} and fs.used == 0
+    fs = dt.FrozenStates(cfg(tmp_path, "early-exit"), base, runs[0.0].module)
+    fs.get(0, tokens)
+    assert list(fs.store) == [0] and fs.used == 2 * 2 * 8 * D * 4  # final + exit residual, fp32

@@ -224,7 +224,8 @@ def test_cli_surface_is_frozen():
     assert flags["train-draft"] == sorted(
         ["-h", "--help", "--stop-after", "--no-progress", "--method", "--model", "--data", "--out-dir", "--k",
          "--layers", "--exit-layer", "--masked", "--no-masked", "--schedule", "--epochs", "--lr", "--batch-tokens",
-         "--seq-len", "--bf16", "--no-bf16", "--seed", "--ckpt-every", "--max-eval-batches"])
+         "--seq-len", "--bf16", "--no-bf16", "--seed", "--ckpt-every", "--max-eval-batches", "--eval-every",
+             "--patience", "--curve-batches", "--cache-gb"])
 
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):
