@@ -1,8 +1,12 @@
 """EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", arXiv
 2401.15077): a one-layer draft network that is autoregressive over the base model's top-layer features.
 
-What it is. The base's feature f_t is its final residual at position t (before the final norm: the state
-whose LMHead(norm(.)) gives the base's distribution of token t + 1; `ctx.hidden` in `speculative`). The
+What it is. The base's feature f_t is its final residual at position t after the final norm, f_t =
+norm(h_t): the state its LM head reads to give the distribution of token t + 1 (what EAGLE's code takes
+from the last hidden state of a Llama, which is normalised). Features. Our residuals are large and
+unevenly scaled (SmolLM2's reach ~10^4 in a few dimensions), so a regression on the raw residual h_t
+would be dominated by those dimensions; the normalised feature has the scale the LM head expects, and the
+predicted feature is decoded by the LM head alone. The
 draft network reads, at each position t, the feature f_t together with the embedding of the NEXT token,
 e_{t+1} (the "shifted" token, which tells the draft which of the possible continuations was actually
 taken, EAGLE sec. 3), and predicts the next feature:
@@ -10,7 +14,7 @@ taken, EAGLE sec. 3), and predicts the next feature:
     x_t       = W_fc [f_t ; e_{t+1}] + b_fc                       W_fc: R^{2d} -> R^d
     fhat_{t+1} = Block(x_{<=t})_t                                 one decoder layer (attention + SwiGLU FFN,
                                                                   causal over the draft rows, RoPE position t+1)
-    q(. | x_{<=t+1}) = softmax(LMHead(norm(fhat_{t+1})))           the base's frozen final norm + LM head:
+    q(. | x_{<=t+1}) = softmax(LMHead(fhat_{t+1}))                 the base's frozen LM head:
                                                                   a guess of the distribution of token t + 2
 Drafting is autoregressive over features: the predicted feature and the embedding of the token drafted from
 it feed the next step (EAGLE sec. 4, "drafting phase"), so depth d of the tree costs one draft-layer call.
@@ -145,9 +149,15 @@ def embed(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     return model.emb_norm(model.tok_embeddings(tokens))
 
 
+def feature(model: Transformer, h: torch.Tensor) -> torch.Tensor:
+    """The feature EAGLE works in: the base's final residual after its final norm, f = norm(h) -- the
+    state its LM head reads (module docstring, "Features")."""
+    return model.norm(h)
+
+
 def feature_logits(model: Transformer, fhat: torch.Tensor) -> torch.Tensor:
-    """The base's decoding of a predicted feature, LMHead(norm(fhat)), in the base's dtype."""
-    return lm_logits(model, fhat.to(model.tok_embeddings.weight.dtype))
+    """The base's decoding of a predicted feature, LMHead(fhat) (fhat is already normalised), base dtype."""
+    return model.output(fhat.to(model.tok_embeddings.weight.dtype))
 
 
 # ===================================================================================== teacher-forced pass
@@ -173,7 +183,7 @@ def eagle_forward(model: Transformer, head: EagleHead, tokens: torch.Tensor, fea
     if not 1 <= n_steps <= T - 1:
         raise ValueError(f"n_steps must be in [1, {T - 1}] for {T} tokens, got {n_steps}")
     e = embed(model, tokens)
-    f = features[:, :T - 1]
+    f = feature(model, features[:, :T - 1])
     if noise > 0:
         f = f + (torch.rand(f.shape, generator=generator, device=f.device, dtype=torch.float32) * 2 - 1
                  ).mul_(noise).to(f.dtype)
@@ -215,7 +225,8 @@ def eagle_loss(model: Transformer, head: EagleHead, tokens: torch.Tensor,
     feats = hs[-1]
     fhat = eagle_forward(model, head, tokens, feats, 1, noise, generator)[0]  # predicts f_1..f_{T-1}
     valid = None if mask is None else mask[:, 1:]
-    reg = F.smooth_l1_loss(fhat.float(), feats[:, 1:].detach().float(), reduction="none").mean(-1)  # [B, T-1]
+    target = feature(model, feats[:, 1:]).detach().float()
+    reg = F.smooth_l1_loss(fhat.float(), target, reduction="none").mean(-1)  # [B, T-1]
     if valid is None:
         reg = reg.mean()
     else:
@@ -289,17 +300,17 @@ class EagleDrafter:
         return max(0, min(self.held, same - 1))
 
     def _features(self, ctx: DraftContext, start: int, p: int) -> torch.Tensor:
-        """Base features f_start..f_{p-1} [p - start, d]: from ctx.hidden (positions p-m..p-1), with the
+        """Base features f_start..f_{p-1} [p - start, d] (normalised): from ctx.hidden (positions p-m..p-1), with the
         kept feature of position `held` in front when needed, else recomputed by one base forward."""
         m = ctx.hidden.shape[0]
         first = p - m
         if start >= first:
-            return ctx.hidden[start - first:]
+            return feature(self.model, ctx.hidden[start - first:])
         if self.tail is not None and start == self.held and start + 1 >= first:
-            return torch.cat([self.tail[None].to(ctx.hidden.dtype), ctx.hidden[start + 1 - first:]])
+            return torch.cat([self.tail[None].to(ctx.hidden.dtype), feature(self.model, ctx.hidden[start + 1 - first:])])
         toks = torch.tensor([ctx.tokens[:p]], device=model_device(self.model))
         out = self.model(toks, output_hidden_states=True, return_logits=False)
-        return out.hidden_states[-1][0, start:]
+        return feature(self.model, out.hidden_states[-1][0, start:])
 
     def _run(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start: int,
              extra: torch.Tensor | None) -> torch.Tensor:

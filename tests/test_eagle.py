@@ -40,10 +40,16 @@ def random_head(model: Transformer, seed: int = 0, scale: float = 0.3) -> EagleH
     return head
 
 
-def features(model: Transformer, tokens: list[int]) -> torch.Tensor:
-    """The base's final residual (before the final norm) at every position, [1, T, d]."""
+def raw_features(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    """The base's final residual (before the final norm) at every position, [1, T, d]: eagle_forward's input."""
     with torch.no_grad():
         return model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1]
+
+
+def features(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    """EAGLE's features, the normalised final residual norm(h) [1, T, d]: what the head predicts."""
+    with torch.no_grad():
+        return model.norm(raw_features(model, tokens))
 
 
 # ============================================================================================ the module
@@ -57,7 +63,7 @@ def test_untrained_head_is_the_identity_on_the_feature():
                                  "norm_eps": 1e-5, "norm_placement": model.cfg.norm_placement, "qkv_bias": False}
         f = features(model, PROMPT)
         with torch.no_grad():
-            fhat = eagle_forward(model, head, torch.tensor([PROMPT]), f, n_steps=3)
+            fhat = eagle_forward(model, head, torch.tensor([PROMPT]), raw_features(model, PROMPT), n_steps=3)
         assert torch.equal(fhat[0], f[:, :-1])
         assert [x.shape[1] for x in fhat] == [8, 7, 6]
         assert torch.equal(fhat[1], f[:, :-2]) and torch.equal(fhat[2], f[:, :-3])  # copies of the copy
@@ -120,7 +126,7 @@ def test_drafts_equal_the_teacher_forced_pass(gating, tree_name):
                     node = int(tree.parent[node])
                 seq = ctx.tokens + path
                 with torch.no_grad():
-                    fhat = eagle_forward(model, inner.head, torch.tensor([seq]), features(model, seq), len(path) + 1)
+                    fhat = eagle_forward(model, inner.head, torch.tensor([seq]), raw_features(model, seq), len(path) + 1)
                 ref = feature_logits(model, fhat[-1][0, p - 1])  # depth len(path) + 1 of anchor p - 1
                 errs.append(float((inner.last_logits[row] - ref).abs().max()))
             return draft
@@ -169,11 +175,12 @@ def test_oracle_features_accept_every_draft(gating):
 
 @pytest.mark.parametrize("gating", [False, True])
 def test_real_head_is_an_oracle_on_a_bigram_base(gating):
-    """A base whose blocks add nothing has the feature f_t = e_t (the normalised embedding of token t). The
-    real head with fc = [0 | I] (and its zero-initialised layer) then predicts fhat_{t+1} = e_{t+1} = f_{t+1}
+    """A base whose blocks add nothing (and, here, no final norm) has the feature f_t = e_t (the normalised
+    embedding of token t). The real head with fc = [0 | I] (and its zero-initialised layer) then predicts fhat_{t+1} = e_{t+1} = f_{t+1}
     exactly, through the real KV-cache path: every draft is accepted. The untrained head (fc = [I | 0],
     fhat_{t+1} = f_t) repeats the pending token's prediction and is rejected almost always."""
     model = make_tiny(TINY, gating, seed=4)
+    model.norm = torch.nn.Identity()  # so that the feature norm(h_t) is e_t exactly (h_t = e_t below)
     with torch.no_grad():
         for block in model.layers:
             block.attention.wo.weight.zero_()
