@@ -387,10 +387,13 @@ class DraftRecorder:
 def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] | None = None,
                       layer_skip: tuple[int, int] | None = None, tree: str = "chain", nodes: int = 10,
                       new_tokens: int = 64, max_prompts: int = 12, weights: str = "fp32",
-                      compare_transformers: bool = True, progress: bool = True) -> dict:
+                      compare_transformers: bool = True, progress: bool = True, prompts: str = "scaled") -> dict:
     """Speculative decoding per method on held-out prompts of the prompt set (batch 1, greedy, stop at
     end of turn): tau, per-depth draft top-1 accuracy, tokens/s, speedup over our plain decoding and over
-    transformers `generate`, and whether every output equals plain greedy decoding.
+    transformers `generate` and over llama.cpp's plain greedy decoding (same GGUF and threads, the same
+    number of new tokens per prompt as our plain output; when llama-cpp-python is installed), and whether
+    every output equals plain greedy decoding. prompts: "scaled" (the held-out split of
+    `prompt_recipe`, 12 categories) or "base" (that of `prompts.prompt_set`).
 
     drafts: label -> draft directory (train-draft output); "<label>-separate" rows are added for hidden
     transfer (drafting with a separate forward instead of the fused one). layer_skip (a, b): a layer-skip
@@ -410,7 +413,13 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     model, tok = load_pretrained(model_name)
     model = compress_weights(model, weights).eval()
     stop = tuple(sorted(tok.eos_ids))
-    held = [p for p in prompt_set() if p.split == "heldout"]
+    if prompts not in ("scaled", "base"):
+        raise ValueError(f"prompts must be 'scaled' or 'base', got {prompts!r}")
+    if prompts == "scaled":
+        from .prompt_recipe import load as load_scaled
+        held = [p for p in load_scaled() if p.split == "heldout"]
+    else:
+        held = [p for p in prompt_set() if p.split == "heldout"]
     # Spread the prompts over the categories: round-robin over categories in prompt-set order.
     by_cat: dict[str, list] = {}
     for p in held:
@@ -460,6 +469,13 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
         return DraftTree.greedy_from_accuracies(src, nodes)
 
     hf = _load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
+    anchor = None
+    src = str(resolve_pretrained(model_name).path)
+    if src.endswith(".gguf"):
+        try:
+            anchor = LlamaCppAnchor(src, torch.get_num_threads(), n_ctx=max(map(len, encoded)) + new_tokens + 8)
+        except ImportError:
+            pass
     if hf is not None:
         hf.generation_config.pad_token_id = stop[0]
     gcfg = GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop)
@@ -469,6 +485,8 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
                                         counts=[0] * depth, tree=None) for name in ["plain", *methods]}
     if hf is not None:
         rows["transformers"] = dict(time=0.0, tokens=0, equal=0)
+    if anchor is not None:
+        rows["llama.cpp"] = dict(time=0.0, tokens=0, equal=0)
     it = encoded
     if progress:
         from tqdm import tqdm
@@ -489,6 +507,12 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
             rows["transformers"]["time"] += time.perf_counter() - t
             rows["transformers"]["tokens"] += len(out)
             rows["transformers"]["equal"] += int(out == plain)
+        if anchor is not None and plain:
+            t = time.perf_counter()
+            _, _, out = anchor.run(ids, len(plain))  # prefill + as many greedy tokens as ours, no stop
+            rows["llama.cpp"]["time"] += time.perf_counter() - t
+            rows["llama.cpp"]["tokens"] += len(plain)
+            rows["llama.cpp"]["equal"] += int(out == plain)
         for label, (drafter, k) in methods.items():
             rec = DraftRecorder(drafter)
             tr = tree_for(label, k)
@@ -505,29 +529,33 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
             r["counts"] = [x + y for x, y in zip(r["counts"], c)]
     plain_tps = rows["plain"]["tokens"] / rows["plain"]["time"]
     hf_tps = rows["transformers"]["tokens"] / rows["transformers"]["time"] if hf is not None else None
+    lc_tps = rows["llama.cpp"]["tokens"] / rows["llama.cpp"]["time"] if anchor is not None else None
     table = []
     for name, r in rows.items():
         tps = r["tokens"] / r["time"]
         table.append(dict(method=name, tree_nodes=r.get("tree"), tau=r["tokens"] / r["forwards"] if r.get("forwards") else None,
                           top1=[round(h / c, 3) if c else None for h, c in zip(r.get("hits", []), r.get("counts", []))],
                           tok_s=tps, vs_plain=tps / plain_tps, vs_hf=tps / hf_tps if hf_tps else None,
+                          vs_llama_cpp=tps / lc_tps if lc_tps else None,
                           lossless=f"{r['equal']}/{len(encoded)}"))
-    return dict(model=model_name, weights=weights, prompts=len(encoded), new_tokens=new_tokens, tree=tree,
-                nodes=nodes, rows=table)
+    return dict(model=model_name, weights=weights, prompts=len(encoded), prompt_set=prompts, new_tokens=new_tokens,
+                tree=tree, nodes=nodes, rows=table, llama_cpp_version=getattr(anchor, "version", None))
 
 
 def speculative_table(r: dict) -> str:
-    out = [machine_line(), "", f"{r['model']} ({r['weights']} weights), {r['prompts']} held-out chat prompts, up to {r['new_tokens']} "
+    out = [machine_line(), "", f"{r['model']} ({r['weights']} weights), {r['prompts']} held-out chat prompts ({r.get('prompt_set', 'base')} set), up to {r['new_tokens']} "
            f"new tokens, batch 1, greedy; tree: {r['tree']}" + (f" ({r['nodes']} nodes)" if r['tree'] == 'sparse' else ""),
            "",
-           "| method | tree nodes | tau | draft top-1 by depth | tok/s | vs our plain | vs transformers | output = plain greedy |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| method | tree nodes | tau | draft top-1 by depth | tok/s | vs our plain | vs transformers | vs llama.cpp "
+           "| output = plain greedy |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         tau = f"{x['tau']:.2f}" if x["tau"] else "-"
         top1 = ", ".join("-" if a is None else f"{a:.2f}" for a in x["top1"]) or "-"
         vs_hf = f"{x['vs_hf']:.2f}x" if x["vs_hf"] else "-"
+        vs_lc = f"{x['vs_llama_cpp']:.2f}x" if x.get("vs_llama_cpp") else "-"
         out.append(f"| {x['method']} | {x['tree_nodes'] or '-'} | {tau} | {top1} | {x['tok_s']:.1f} | "
-                   f"{x['vs_plain']:.2f}x | {vs_hf} | {x['lossless']} |")
+                   f"{x['vs_plain']:.2f}x | {vs_hf} | {vs_lc} | {x['lossless']} |")
     return "\n".join(out)
 
 

@@ -177,6 +177,8 @@ def _add_generate_parser(sub) -> None:
     b.add_argument("--nodes", type=int, default=10, help="nodes of the sparse tree")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--max-prompts", type=int, default=12, help="held-out prompts, spread over the categories")
+    b.add_argument("--prompts", choices=["scaled", "base"], default="scaled",
+                   help="held-out prompts of the scaled set (12 categories, midlayer.prompt_recipe) or of the base set")
     b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4", help="weight format (q4: the row-invariant, lossless one)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate comparison")
     b.add_argument("--output", default=None, help="also write the results as JSON here")
@@ -359,7 +361,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             except ValueError:
                 raise ValueError(f"--layer-skip: expected A:B, got {args.layer_skip!r}") from None
         r = bench.bench_speculative(args.model, drafts, skip, args.tree, args.nodes, args.new_tokens,
-                                    args.max_prompts, args.weights, not args.no_transformers)
+                                    args.max_prompts, args.weights, not args.no_transformers, prompts=args.prompts)
         print(bench.speculative_table(r))
         if args.output:
             Path(args.output).write_text(json.dumps(r, indent=2))

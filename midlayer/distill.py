@@ -163,6 +163,14 @@ class DistillSet:
         """Prompt length per record, aligned with `sequences(split)` (the response starts there)."""
         return [len(r.prompt_ids) for r in self._pick(split)]
 
+    def fingerprint(self) -> str:
+        """sha256 (16 hex) of every record's id, split and tokens in file order: what draft training's resume
+        compares, so that a run is never continued on other data (e.g. a distill file that has grown)."""
+        h = hashlib.sha256()
+        for r in self.records:
+            h.update(json.dumps([r.id, r.split, r.prompt_ids, r.response_ids]).encode())
+        return h.hexdigest()[:16]
+
     @property
     def stop_tokens(self) -> list[int]:
         return list(self.header.get("stop_tokens", []))

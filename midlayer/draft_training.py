@@ -405,10 +405,14 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
     stale = 0
     sp = _state_path(out)
     settings = dataclasses.asdict(cfg)
+    data_fp = ds.fingerprint()
     if sp.is_file():
         st = torch.load(sp, map_location="cpu", weights_only=True)  # plain dicts, lists, tensors
         if st.get("settings") != settings:
             raise ValueError(f"{sp}: made with other settings; use another --out-dir or delete it to start over")
+        if st.get("data", data_fp) != data_fp:
+            raise ValueError(f"{sp}: made on other data ({cfg.data} changed since: records added or edited); "
+                             "continuing would train on other batches. Use another --out-dir or delete it")
         module.load_state_dict(st["module"])
         step, history, opt_state = st["step"], st["history"], st["opt"]
         curve, best, stale = st.get("curve", []), st.get("best", best), st.get("stale", 0)
@@ -478,7 +482,7 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
                 if step % cfg.ckpt_every == 0 or last or evaluated or (stop_after and done_here >= stop_after):
                     state = {"settings": settings, "module": module.state_dict(), "step": step, "history": history,
                              "opt": {"phase": phase if not last else -1, "state": opt.state_dict()},
-                             "curve": curve, "best": best, "stale": stale}
+                             "curve": curve, "best": best, "stale": stale, "data": data_fp}
                     atomic_write_bytes(sp, lambda tmp: torch.save(state, tmp))
                 if stopped:
                     log(f"early stop at step {step}: no better held-out loss in {cfg.patience} evaluations; "

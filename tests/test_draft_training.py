@@ -212,3 +212,14 @@ def test_frozen_state_budget_changes_only_the_cost(tmp_path):
     fs = dt.FrozenStates(cfg(tmp_path, "early-exit"), base, runs[0.0].module)
     fs.get(0, tokens)
     assert list(fs.store) == [0] and fs.used == 2 * 2 * 8 * D * 4  # final + exit residual, fp32
+
+
+def test_resume_refuses_changed_data(tmp_path):
+    base, data = tiny_base(), tiny_data()
+    c = cfg(tmp_path, "medusa", epochs=2)
+    train_draft(c, base, data, progress=False, stop_after=3, log=lambda s: None)
+    grown = DistillSet(data.records + [DistillRecord("extra", "writing", "train", [1, 2, 3], [4, 5, 6])],
+                       data.header)
+    with pytest.raises(ValueError, match="other data"):
+        train_draft(c, base, grown, progress=False, log=lambda s: None)
+    assert train_draft(c, base, data, progress=False, log=lambda s: None).metrics["steps"] > 3

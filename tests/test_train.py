@@ -220,7 +220,7 @@ def test_cli_surface_is_frozen():
          "--repeats", "--weights", "--prompt-lengths"])
     assert sorted(o for a in bench["decode"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--model", "--drafts", "--layer-skip", "--tree", "--nodes", "--new-tokens", "--max-prompts",
-         "--weights", "--no-transformers", "--output"])
+         "--prompts", "--weights", "--no-transformers", "--output"])
     assert flags["train-draft"] == sorted(
         ["-h", "--help", "--stop-after", "--no-progress", "--method", "--model", "--data", "--out-dir", "--k",
          "--layers", "--exit-layer", "--masked", "--no-masked", "--schedule", "--epochs", "--lr", "--batch-tokens",
