@@ -396,7 +396,8 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     `prompt_recipe`, 12 categories) or "base" (that of `prompts.prompt_set`).
 
     drafts: label -> draft directory (train-draft output); "<label>-separate" rows are added for hidden
-    transfer (drafting with a separate forward instead of the fused one). layer_skip (a, b): a layer-skip
+    transfer (drafting with a separate forward instead of the fused one), "<label>-dynamic" rows for EAGLE
+    (EAGLE-2's dynamic tree within the same node budget). layer_skip (a, b): a layer-skip
     drafter skipping blocks a..b-1. tree: "chain" (the top-1 chain of depth k) or "sparse" (the `nodes`
     nodes of highest estimated acceptance, `DraftTree.greedy_from_accuracies` on the draft's held-out
     per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden transfer's tree, or
@@ -404,6 +405,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     tree of highest expected tokens/s from those accuracies and this machine's measured row costs).
     """
     from .drafters import LayerSkipDrafter, load_drafter
+    from .eagle import EagleDrafter
     from .hidden_transfer import HiddenTransferDrafter
     from .pretrained import load_pretrained, resolve_pretrained
     from .prompts import prompt_set
@@ -445,6 +447,8 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
             own_acc[label] = acc
         if isinstance(d, HiddenTransferDrafter):
             methods[f"{label}-separate"] = (HiddenTransferDrafter(model, module, fused=False), k)
+        if isinstance(d, EagleDrafter):  # EAGLE-2's dynamic tree within the same node budget
+            methods[f"{label}-dynamic"] = (EagleDrafter(model, module, dynamic_k=4), k)
     depth = max([k for _, k in methods.values()] + [3])
     if layer_skip is not None:
         a, b = layer_skip
@@ -458,9 +462,10 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     def tree_for(label: str, k: int) -> DraftTree:
         if tree == "chain":
             return DraftTree.chain(k if k > 1 else depth)
-        src = accs.get(label.removesuffix("-separate")) or next(iter(accs.values()), None)
+        own = label.removesuffix("-separate").removesuffix("-dynamic")
+        src = accs.get(own) or next(iter(accs.values()), None)
         if tree == "auto":
-            src = own_acc.get(label.removesuffix("-separate")) or src
+            src = own_acc.get(own) or src
         if src is None:
             raise ValueError(f"tree {tree!r} needs a draft with held-out per-rank accuracies (hidden transfer or "
                              "Medusa)")

@@ -143,10 +143,10 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="speculative decoding with a train-draft output (greedy: the same tokens as without in the "
                         "q4 format; sampling: the same distribution, plain softmax only, no --top-k/--top-p)")
-    p.add_argument("--tree", default="auto", metavar="auto|chain|sparse:N",
+    p.add_argument("--tree", default="auto", metavar="auto|chain|sparse:N|dynamic:N",
                    help="draft tree with --draft: auto (the tree of highest expected tokens/s from the draft's "
-                        "held-out accuracies and this machine's measured row costs), the top-1 chain, or the N "
-                        "nodes most likely accepted")
+                        "held-out accuracies and this machine's measured row costs), the top-1 chain, the N "
+                        "nodes most likely accepted, or (EAGLE drafts) EAGLE-2's dynamic tree of N nodes")
     p.add_argument("--stats", action="store_true", help="with --draft: print tau and timing to stderr")
 
     p = sub.add_parser("bench", help="benchmarks that print a table")
@@ -328,9 +328,18 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         acc = meta.get("heldout", {}).get("acc")
         if not acc or len(acc) < 2:
             raise ValueError(f"{args.draft}: no per-depth held-out accuracies to build a sparse tree; use --tree chain")
-        tree = DraftTree.greedy_from_accuracies(acc, int(args.tree.split(":", 1)[1]))
+        tree = DraftTree.greedy_from_accuracies(acc, _tree_nodes(args.tree))
+    elif args.tree.startswith("dynamic:"):
+        from .eagle import EagleDrafter
+
+        if not isinstance(drafter, EagleDrafter):
+            raise ValueError(f"--tree dynamic:N needs an EAGLE draft; {args.draft} is a {type(module).__name__}")
+        n = _tree_nodes(args.tree)
+        # the budget: N nodes at most, as deep as the chain of k; each depth expands the best min(4, N) nodes
+        tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(n)]] * k, n)
+        drafter.dynamic_k = min(4, n)
     else:
-        raise ValueError(f"--tree: expected auto, chain or sparse:N, got {args.tree!r}")
+        raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
     t = time.perf_counter()
     out, stats = speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens, stop_tokens=cfg.stop_tokens,
                                       temperature=cfg.temperature, seed=cfg.seed, skip=cfg.skip)
@@ -341,6 +350,17 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         print(f"{len(out)} tokens in {dt:.2f} s ({len(out) / dt:.1f} tok/s), tau {stats.tau:.2f} over "
               f"{stats.base_forwards} base forwards, tree of {len(tree)} nodes", file=sys.stderr)
     return 0
+
+
+def _tree_nodes(spec: str) -> int:
+    """N of 'sparse:N' / 'dynamic:N' (a positive int), or a clear error."""
+    try:
+        n = int(spec.split(":", 1)[1])
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--tree {spec!r}: N must be a positive integer")
+    return n
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

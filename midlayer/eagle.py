@@ -266,9 +266,12 @@ class EagleDrafter:
 
     prefill_features = True  # speculative_generate hands over the features of every prompt row
 
-    def __init__(self, model: Transformer, head: EagleHead) -> None:
+    def __init__(self, model: Transformer, head: EagleHead, dynamic_k: int = 0) -> None:
         head.check_model(model)
+        if dynamic_k < 0:
+            raise ValueError(f"dynamic_k must be >= 0, got {dynamic_k}")
         self.model, self.head = model, head.to(model_device(model)).eval()
+        self.dynamic_k = int(dynamic_k)  # > 0: EAGLE-2 dynamic trees, expanding the top-k nodes per depth
         self.cache: KVCache | None = None
         self.last_logits: torch.Tensor | None = None  # the last round's logits, one row per level row run
         self.reset()
@@ -282,6 +285,12 @@ class EagleDrafter:
             self.cache.truncate(0)
 
     # ------------------------------------------------------------------------------------ the state
+    def _scratch_rows(self, tree: DraftTree) -> int:
+        """Draft rows one round runs: the tree's nodes + the root (static), or root + k per depth (dynamic)."""
+        if self.dynamic_k:
+            return 1 + self.dynamic_k * max(tree.max_depth - 1, 0)
+        return len(tree) + 1
+
     def _ensure_cache(self, n_nodes: int) -> KVCache:
         need = self.model.cfg.max_seq_len + n_nodes + 1  # context rows (positions) + one tree in scratch slots
         if self.cache is None or self.cache.max_len < need:
@@ -330,7 +339,10 @@ class EagleDrafter:
         round (1 + accepted, one block, no head) are counted as 1 row, their minimum."""
         one = [1] + [0] * (n_layers - 1)
         out = [(one, 0)]
-        counts = [1] + [int((tree.depth == d).sum()) for d in range(1, tree.max_depth)]
+        if self.dynamic_k:  # the root, then the k best nodes of every depth but the last
+            counts = [1] + [self.dynamic_k] * max(tree.max_depth - 1, 0)
+        else:
+            counts = [1] + [int((tree.depth == d).sum()) for d in range(1, tree.max_depth)]
         out += [([r] + [0] * (n_layers - 1), r) for r in counts[:tree.max_depth]]
         return out
 
@@ -341,7 +353,7 @@ class EagleDrafter:
         p = len(ctx.tokens) - 1  # the pending root token's position
         if ctx.hidden.shape[0] == 0:  # 1-token prompt, first round: no feature yet
             return placeholder_candidates(tree.ranks_per_depth, model.cfg.vocab_size)
-        cache = self._ensure_cache(len(tree))
+        cache = self._ensure_cache(self._scratch_rows(tree) - 1)
         dev = cache.pos.device
         valid = min(self._valid_rows(ctx.tokens), p - 1)  # row p - 1 is this round's root: always rebuilt
         feats = self._features(ctx, valid, p)  # f_valid..f_{p-1}
@@ -353,6 +365,8 @@ class EagleDrafter:
             toks = torch.tensor([ctx.tokens[valid + 1:p]], device=dev)
             self._run(feats[None, :M], toks, torch.arange(valid + 1, p, device=dev)[None], valid, None)
         self.held, self.held_tokens, self.tail = p - 1, list(ctx.tokens[:p]), feats[-1]
+        if self.dynamic_k and len(tree):
+            return self._dynamic(ctx, feats[-1], p, cache)
         # The tree: level 0 is the root row (f_{p-1}, e_p) at slot s0 = p - 1; a node's row is (its parent's
         # predicted feature, its own token), so row r's input feature is row parent(r)'s output.
         s0 = cache.length
@@ -378,6 +392,54 @@ class EagleDrafter:
         draft = draft_tree_autoregressive(dataclasses.replace(ctx, cache=cache), step)
         self.last_logits = torch.cat(level_logits) if level_logits else None
         return draft
+
+    def _dynamic(self, ctx: DraftContext, root_feat: torch.Tensor, p: int, cache: KVCache) -> Draft:
+        """EAGLE-2's dynamic draft tree (Li et al. 2024b, arXiv 2406.16858, sec. 4): a node's score is the
+        product of the draft probabilities along its path (its estimated acceptance). Expansion: at every
+        depth the k highest-scoring new nodes are run through the draft layer, and each proposes its top-k
+        children. Reranking: of all nodes proposed, the len(ctx.tree) highest-scoring ones form this round's
+        tree (depth <= ctx.tree.max_depth). A child never scores above its parent, and ties go to the
+        shallower, then lexicographically smaller path, so the chosen set is prefix-closed."""
+        k, n_budget, D = self.dynamic_k, len(ctx.tree), ctx.tree.max_depth
+        model, dev = self.model, cache.pos.device
+        s0 = cache.length
+        R = self._scratch_rows(ctx.tree)
+        run_paths: list[tuple[int, ...]] = [()]  # rows in the order of their scratch slots s0, s0 + 1, ...
+        pred: dict[tuple[int, ...], torch.Tensor] = {}
+        cand: dict[tuple[int, ...], tuple[int, float]] = {}  # path -> (token, log score)
+        level, tokens = [()], [int(ctx.tokens[-1])]
+        cache.reserve(R)
+        try:
+            for d in range(D):
+                a = len(run_paths) - len(level)  # the level's first row
+                mask = torch.full((len(level), s0 + R), float("-inf"), device=dev)
+                mask[:, :s0] = 0.0
+                for i, path in enumerate(level):  # itself and its ancestors (the run rows that prefix it)
+                    for j, q in enumerate(run_paths):
+                        if path[:len(q)] == q:
+                            mask[i, s0 + j] = 0.0
+                inp = (root_feat[None, None] if d == 0 else torch.stack([pred[x[:-1]] for x in level])[None])
+                out = self._run(inp, torch.tensor([tokens], device=dev),
+                                torch.full((1, len(level)), p + d, device=dev, dtype=torch.long), s0 + a,
+                                mask[None, None])[0]
+                logp = torch.log_softmax(feature_logits(model, out).float(), -1)
+                top = logp.topk(min(k, logp.shape[-1]), -1)
+                for i, path in enumerate(level):
+                    pred[path] = out[i]
+                    base = cand[path][1] if path else 0.0
+                    for r, (tok, lp) in enumerate(zip(top.indices[i].tolist(), top.values[i].tolist())):
+                        cand[path + (r,)] = (tok, base + lp)
+                if d + 1 == D:
+                    break
+                new = sorted((x for x in cand if len(x) == d + 1), key=lambda x: (-cand[x][1], x))[:k]
+                level, tokens = new, [cand[x][0] for x in new]
+                run_paths += new
+        finally:
+            cache.truncate(s0)
+        self.last_scores = cand  # every proposed node's (token, log score), for inspection and tests
+        chosen = sorted(cand, key=lambda x: (-cand[x][1], len(x), x))[:n_budget]
+        tree = DraftTree(chosen)
+        return Draft(node_tokens=torch.tensor([cand[x][0] for x in tree.paths], dtype=torch.long), tree=tree)
 
 
 __all__ = ["EagleHead", "EagleDrafter", "eagle_forward", "eagle_loss", "train_eagle", "embed", "feature_logits",

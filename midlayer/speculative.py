@@ -488,6 +488,9 @@ class Draft:
     per_depth_topk: Sequence[Sequence[int]] | None = None
     node_tokens: torch.Tensor | Sequence[int] | None = None
     q: torch.Tensor | None = None
+    # A tree the drafter chose this round (dynamic trees, EAGLE-2), with node_tokens aligned to it: at most
+    # as many nodes and as deep as ctx.tree, which is then the budget (cache slots, depth). None: ctx.tree.
+    tree: DraftTree | None = None
 
 
 @runtime_checkable
@@ -651,7 +654,14 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
             t = pruned[key] = tree.prune(*key)
         dctx = DraftContext(model, cache, tokens, hidden, logits, layer_hidden, t, temperature, gen, draft_logits)
         length_before = cache.length
-        node_tokens, q = _node_tokens(drafter.propose(dctx), t)
+        draft = drafter.propose(dctx)
+        if isinstance(draft, Draft) and draft.tree is not None:  # a dynamic tree within the budget t
+            if len(draft.tree) > len(t) or draft.tree.max_depth > t.max_depth or fused is not None:
+                raise ValueError(f"a drafter's own tree must fit the round's budget ({len(t)} nodes, depth "
+                                 f"{t.max_depth}) and cannot ride a fused pass; got {len(draft.tree)} nodes, "
+                                 f"depth {draft.tree.max_depth}")
+            t = draft.tree
+        node_tokens, q = _node_tokens(draft, t)
         if cache.length != length_before:
             raise RuntimeError(f"the drafter left the cache at length {cache.length}, not {length_before}: "
                                "truncate back after drafting with the model")

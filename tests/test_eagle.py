@@ -331,3 +331,68 @@ def test_round_cost_for_auto_trees():
     assert len(tree) > 0 and tree.max_depth <= 3  # at most the depths the accuracies cover
     out, _ = speculative_generate(model, PROMPT, drafter, tree, 12)
     assert out == greedy(model, PROMPT, 12)
+
+
+# ============================================================================== EAGLE-2 dynamic trees
+@pytest.mark.parametrize("gating", [False, True])
+def test_dynamic_trees_are_lossless_and_pick_the_best_scoring_nodes(gating):
+    model = MODELS[gating]
+    head = random_head(model, seed=5)
+    drafter = EagleDrafter(model, head, dynamic_k=2)
+    budget = SMALL_TREE  # 6 nodes, depth 3: the round's budget, not its shape
+    seen: list[DraftTree] = []
+
+    class Watch:
+        prefill_features = True
+
+        def propose(self, ctx):
+            d = drafter.propose(ctx)
+            if len(ctx.tree) == 0:  # the last round of the budget: nothing to draft
+                return d
+            seen.append(d.tree)
+            scores = drafter.last_scores
+            best = sorted(scores, key=lambda x: (-scores[x][1], len(x), x))[:len(ctx.tree)]  # the (pruned) budget
+            assert set(d.tree.paths) == set(best)  # the top-scoring nodes, prefix-closed (DraftTree checks)
+            assert all(scores[x][1] <= scores[x[:-1]][1] for x in best if len(x) > 1)
+            assert d.node_tokens.tolist() == [scores[x][0] for x in d.tree.paths]
+            return d
+
+    out, stats = speculative_generate(model, PROMPT, Watch(), budget, 16)
+    assert out == greedy(model, PROMPT, 16)
+    assert all(len(t) <= len(budget) and t.max_depth <= budget.max_depth for t in seen)
+    assert len({t.paths for t in seen}) > 1  # the shape changes with the drafts
+
+
+def test_dynamic_with_one_child_per_node_is_the_static_chain():
+    model = MODELS[False]
+    head = random_head(model, seed=6)
+    a, b = EagleDrafter(model, head, dynamic_k=1), EagleDrafter(model, head)
+    drafts: dict[str, list] = {"dyn": [], "static": []}
+
+    def rec(name, inner):
+        class R:
+            prefill_features = True
+
+            def propose(self, ctx):
+                d = inner.propose(ctx)
+                drafts[name].append(d.node_tokens.tolist())
+                if name == "dyn" and len(ctx.tree):
+                    assert d.tree == ctx.tree  # the (possibly pruned) chain itself
+                return d
+        return R()
+
+    out_a, _ = speculative_generate(model, PROMPT, rec("dyn", a), DraftTree.chain(3), 16)
+    out_b, _ = speculative_generate(model, PROMPT, rec("static", b), DraftTree.chain(3), 16)
+    assert out_a == out_b == greedy(model, PROMPT, 16)
+    assert drafts["dyn"] == drafts["static"]
+
+
+def test_a_drafter_tree_over_budget_is_refused():
+    model = MODELS[False]
+
+    class Greedy:
+        def propose(self, ctx):
+            return Draft(node_tokens=[0] * 4, tree=DraftTree.chain(4))
+
+    with pytest.raises(ValueError, match="budget"):
+        speculative_generate(model, PROMPT, Greedy(), DraftTree.chain(3), 8)
