@@ -359,7 +359,7 @@ class DraftRecorder:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.rounds: list[tuple[int, list[int]]] = []
-        for name in ("hidden_layers", "fused", "extra_slots", "fused_rows", "fused_draft"):
+        for name in ("hidden_layers", "fused", "extra_slots", "fused_rows", "fused_draft", "prefill_features"):
             if hasattr(inner, name):
                 setattr(self, name, getattr(inner, name))
 
@@ -367,9 +367,10 @@ class DraftRecorder:
         from .speculative import _node_tokens
 
         draft = self.inner.propose(ctx)
-        nodes, _ = _node_tokens(draft, ctx.tree)
-        index = {p: i for i, p in enumerate(ctx.tree.paths)}
-        top = [int(nodes[index[(0,) * d]]) for d in range(1, ctx.tree.max_depth + 1) if (0,) * d in index]
+        tree = getattr(draft, "tree", None) or ctx.tree  # a dynamic draft carries its own tree
+        nodes, _ = _node_tokens(draft, tree)
+        index = {p: i for i, p in enumerate(tree.paths)}
+        top = [int(nodes[index[(0,) * d]]) for d in range(1, tree.max_depth + 1) if (0,) * d in index]
         self.rounds.append((len(ctx.tokens) - 1, top))
         return draft
 
@@ -492,6 +493,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
         rows["transformers"] = dict(time=0.0, tokens=0, equal=0)
     if anchor is not None:
         rows["llama.cpp"] = dict(time=0.0, tokens=0, equal=0)
+        anchor.run(warm, 4)  # warm-up, as ours above
     it = encoded
     if progress:
         from tqdm import tqdm

@@ -310,8 +310,9 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         print(f"note: {args.weights} weights are not row-invariant, so speculative output can differ from plain "
               "greedy output at near-ties; --weights q4 is bit-identical", file=sys.stderr)
     drafter, module, meta = load_drafter(args.draft, model)
-    k = getattr(module, "k", 3)
     acc = meta.get("heldout", {}).get("acc")
+    # draft depth: k steps / heads; EAGLE: the depths it was scored at; early exit (acc of depth 1): 3
+    k = getattr(module, "k", None) or (len(acc) if acc and len(acc) > 1 else 3)
     if args.tree == "auto" and not acc:
         print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
               file=sys.stderr)
@@ -319,7 +320,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         from .tree_cost import auto_tree, row_costs, table_text
 
         costs = row_costs(model, args.model or args.checkpoint, args.weights, progress=True)
-        tree, table = auto_tree(model, drafter, acc, costs)
+        tree, table = auto_tree(model, drafter, acc, costs, max_depth=k)
         if args.stats:
             print(table_text(table, tree), file=sys.stderr)
     elif args.tree in ("chain", "auto"):

@@ -44,8 +44,11 @@ from .model import Transformer
 from .prompts import Prompt
 
 DISTILL_FORMAT = "midlayer-distill-v1"
-_SETTINGS = ("max_new_tokens", "stop_tokens", "weights", "temperature", "sample_seed")
-_DEFAULTS = {"temperature": 0.0, "sample_seed": 0}  # what files written before these settings existed used  # header fields that must match to resume
+# header fields that must match to resume (batch_size: batches fix the sampling seeds and, in formats that
+# are not row-invariant, even greedy outputs)
+_SETTINGS = ("max_new_tokens", "stop_tokens", "weights", "temperature", "sample_seed", "batch_size")
+# what files written before these settings existed used (batch_size was not recorded: any is accepted)
+_DEFAULTS = {"temperature": 0.0, "sample_seed": 0}
 
 
 class DistillFormatError(ValueError):
@@ -189,9 +192,12 @@ def _check_resumable(old: dict[str, Any], new: dict[str, Any], model: Transforme
         raise DistillMismatchError(f"{path} was made by a different base model; use another --out or delete "
                                    f"it ({e})") from e
     for key in _SETTINGS:
+        if key == "batch_size" and key not in old:
+            continue
         if old.get(key, _DEFAULTS.get(key)) != new[key]:
-            raise DistillMismatchError(f"{path} was made with {key}={old.get(key)!r}, this run has "
-                                       f"{key}={new[key]!r}; use another output file or delete it")
+            was = old.get(key, _DEFAULTS.get(key))
+            raise DistillMismatchError(f"{path} was made with {key}={was!r}, this run has {key}={new[key]!r}; "
+                                       "use another output file or delete it")
 
 
 @torch.no_grad()
@@ -220,7 +226,8 @@ def distill(model: Transformer, tok: Any, prompts: Sequence[Prompt], out_path: s
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     header = {"format": DISTILL_FORMAT, "base": base_signature(model, model_name),
               "max_new_tokens": int(max_new_tokens), "stop_tokens": list(stop), "weights": weights_note,
-              "temperature": float(temperature), "sample_seed": int(sample_seed) if temperature > 0 else 0}
+              "temperature": float(temperature), "sample_seed": int(sample_seed) if temperature > 0 else 0,
+              "batch_size": int(batch_size)}
     ids = Counter(p.id for p in prompts)
     if any(c > 1 for c in ids.values()):
         raise ValueError(f"duplicate prompt ids: {[k for k, c in ids.items() if c > 1][:5]}")

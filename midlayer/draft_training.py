@@ -426,7 +426,7 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
 
         bar = tqdm(total=total, initial=step, desc=f"train-draft {cfg.method}", unit="step")
     frozen = FrozenStates(cfg, model, module)
-    stopped = False  # early stop (patience)
+    stopped = bool(cfg.patience) and stale >= cfg.patience  # early stop (patience); True: already stopped
     with FrozenBase(model):
         first = 0
         for phase, n in phases:
@@ -496,7 +496,7 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
             opt_state = None
     if bar is not None:
         bar.close()
-    if best["module"] is not None:  # the best evaluated weights (early stopping's choice)
+    if cfg.patience and best["module"] is not None:  # early stopping keeps the best evaluated weights
         module.load_state_dict(best["module"])
     module.eval()
     for p in module.parameters():

@@ -401,6 +401,7 @@ class EagleDrafter:
         tree (depth <= ctx.tree.max_depth). A child never scores above its parent, and ties go to the
         shallower, then lexicographically smaller path, so the chosen set is prefix-closed."""
         k, n_budget, D = self.dynamic_k, len(ctx.tree), ctx.tree.max_depth
+        self.last_logits = None  # (the static path's per-level logits; not kept here)
         model, dev = self.model, cache.pos.device
         s0 = cache.length
         R = self._scratch_rows(ctx.tree)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -209,17 +210,25 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
         for rep in range(repeats + 1):  # the first pass warms up
             for T in rows:
                 cache.truncate(context)
+                _sync(dev)
                 t0 = timer()
                 forward_cached(model, ids[:, context:context + T], cache,
                                torch.arange(context, context + T, device=dev)[None])
+                _sync(dev)
                 t1 = timer()
                 model.output(model.norm(h[:, :T]))
+                _sync(dev)
                 t2 = timer()
                 if rep:
                     total[T].append(1e3 * (t1 - t0))
                     head[T].append(1e3 * (t2 - t1))
     return RowCosts(tuple(rows), tuple(statistics.median(total[T]) for T in rows),
                     tuple(statistics.median(head[T]) for T in rows), cfg.n_layers)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":  # kernels run asynchronously: time them, not their launch
+        torch.cuda.synchronize(dev)
 
 
 def _cache_file() -> Path:
@@ -256,8 +265,8 @@ def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, pr
             return RowCosts(tuple(r["rows"]), tuple(r["total_ms"]), tuple(r["head_ms"]), r["n_layers"])
         except (KeyError, TypeError, ValueError):
             pass
-    if progress:
-        print(f"measuring the row-cost curve for {key} (once; cached in {path})", flush=True)
+    if progress:  # stderr: generated text alone goes to stdout
+        print(f"measuring the row-cost curve for {key} (once; cached in {path})", file=sys.stderr, flush=True)
     costs = measure_row_costs(model, **measure_kw)
     store[key] = asdict(costs)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -217,3 +217,5 @@ def test_sampled_distill_is_seeded_and_resumes_identically(model, tok, tmp_path)
         run(model, tok, path, temperature=1.0, sample_seed=4)
     with pytest.raises(DistillMismatchError, match="temperature"):
         run(model, tok, path)
+    with pytest.raises(DistillMismatchError, match="batch_size"):  # other batches, other seeds
+        run(model, tok, path, temperature=1.0, sample_seed=3, batch_size=2)

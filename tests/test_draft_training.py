@@ -192,6 +192,9 @@ def test_learning_curve_early_stopping_keeps_the_best_weights_and_resumes(tmp_pa
     assert rest.metrics["curve"] == m["curve"] and rest.metrics["best_step"] == 4
     for a, b in zip(rest.module.state_dict().values(), saved.state_dict().values()):
         assert torch.equal(a, b)
+    # run again after the stop: nothing more is trained (a finished run stays finished)
+    again = train_draft(c2, base, data, progress=False, log=lambda s: None)
+    assert again.metrics["steps"] == 8 and again.metrics["curve"] == m["curve"] and len(calls) == 4
     with pytest.raises(ValueError, match="patience needs eval_every"):
         DraftTrainConfig(patience=2)
 

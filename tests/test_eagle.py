@@ -4,6 +4,8 @@ with resume. Tiny models only; run with OMP_NUM_THREADS=1."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -355,6 +357,10 @@ def test_dynamic_trees_are_lossless_and_pick_the_best_scoring_nodes(gating):
             assert set(d.tree.paths) == set(best)  # the top-scoring nodes, prefix-closed (DraftTree checks)
             assert all(scores[x][1] <= scores[x[:-1]][1] for x in best if len(x) > 1)
             assert d.node_tokens.tolist() == [scores[x][0] for x in d.tree.paths]
+            # the same tree drafted statically (tested against the teacher-forced pass) gives the same tokens:
+            # the multi-row levels of the dynamic pass see what they should (masks, positions, features)
+            static = EagleDrafter(model, head).propose(dataclasses.replace(ctx, tree=d.tree))
+            assert static.node_tokens.tolist() == d.node_tokens.tolist()
             return d
 
     out, stats = speculative_generate(model, PROMPT, Watch(), budget, 16)
