@@ -1,8 +1,8 @@
 """`midlayer train-draft`: train a drafter (hidden transfer, Medusa heads, an early-exit head or an EAGLE head) on
 a frozen base model by self-distillation, evaluate it on the held-out prompts, save only the draft weights.
 
-Data: a distillation file (`midlayer.distill`: the base model's own greedy responses to the prompt set of
-`midlayer.prompts`), split into train / held-out by prompt. Every method sees the same batches (same
+Data: a distillation file (`midlayer.distill`: the base model's own responses, greedy or sampled, to the
+prompt set of `midlayer.prompts` or the scaled one of `midlayer.prompt_recipe`), split into train / held-out by prompt. Every method sees the same batches (same
 sequences, order and number of optimiser steps): the baselines get the same data and budget.
 
 Loss (Wu et al. 2024 sec. 3.3, and the same KL for the baselines): forward KL from the base model's own

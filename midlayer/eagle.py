@@ -48,8 +48,9 @@ positions (their features are the rows of `ctx.hidden`) and fills the tree level
 `drafters.draft_tree_autoregressive`, in scratch slots that are truncated afterwards. Cost: the first round
 runs the prompt's rows through the draft layer (`prefill_features`: speculative_generate hands over every
 prefill row's feature, so no extra base forward is needed); every later round costs the (1 + accepted) new
-context rows plus one row per drafted node, all through the one draft layer. (Without those features --
-a caller that passes only the last row -- the drafter recomputes them with one base forward.)
+context rows plus one row per node above the last level (leaves are never run), all through the one
+draft layer. (Without those features -- a caller that passes only the last row -- the drafter recomputes
+them with one base forward.)
 
 Initialisation (the paper does not say; ours): W_fc = [I | 0], b_fc = 0, the layer's output projections
 (attention wo, FFN w2) zero, every other weight ~ N(0, init_std). An untrained head is then the identity on
@@ -340,10 +341,10 @@ class EagleDrafter:
         one = [1] + [0] * (n_layers - 1)
         out = [(one, 0)]
         if self.dynamic_k:  # the root, then the k best nodes of every depth but the last
-            counts = [1] + [self.dynamic_k] * max(tree.max_depth - 1, 0)
+            counts = [1] + [self.dynamic_k] * (tree.max_depth - 1) if tree.max_depth else []
         else:
-            counts = [1] + [int((tree.depth == d).sum()) for d in range(1, tree.max_depth)]
-        out += [([r] + [0] * (n_layers - 1), r) for r in counts[:tree.max_depth]]
+            counts = tree.level_sizes()
+        out += [([r] + [0] * (n_layers - 1), r) for r in counts]
         return out
 
     # ------------------------------------------------------------------------------------ drafting

@@ -1,4 +1,4 @@
-"""The prompt set at scale for draft training (issue 11): about 24,000 chat requests in the 12 categories that
+"""The prompt set at scale for draft training (issue 11): 22,152 chat requests (seed 0) in the 12 categories that
 chat benchmarks use, built offline from team-written templates and content that ships with midlayer or Python.
 
 Why a recipe and not a list: published drafters train on 68k-500k conversations (EAGLE: ShareGPT 68k);
@@ -502,7 +502,8 @@ def minhash(texts: list[str], num_perm: int = 64, seed: int = 1) -> np.ndarray:
     sig = np.empty((len(texts), num_perm), dtype=np.uint64)
     for i, t in enumerate(texts):
         x = np.fromiter(_shingles(t), dtype=np.uint64)
-        # (a x + b) mod p without overflow: x < 2^32, a < 2^61 -> split a into 2^30-bit halves
+        # a fixed hash family of x (a, b seeded): the uint64 products wrap around (mod 2^64), so this is not
+        # exactly (a x + b) mod p, but each of the num_perm functions is deterministic, which is all MinHash needs
         lo, hi = a & ((1 << 30) - 1), a >> 30
         h = ((hi[None, :] * x[:, None] % p) * (1 << 30) % p + lo[None, :] * x[:, None] + b[None, :]) % p
         sig[i] = h.min(0)

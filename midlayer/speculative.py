@@ -44,7 +44,7 @@ Losslessness (what is exact, not approximate):
   the random stream differs from `generate(..., seed)`, so sampled tokens are not equal token for token.
 
 Drafter protocol (`Drafter`): `propose(ctx: DraftContext) -> per-depth top-k lists | Draft`, called once per
-round before verification. `DraftContext` carries everything the four planned drafters need:
+round before verification. `DraftContext` carries everything the drafters need:
   * Medusa: `ctx.hidden[-1]`, the final residual at position len(tokens) - 2, whose LM-head output
     predicted the pending token; it is taken before the final norm (apply `model.norm` for the normed
     state that Medusa heads usually read); head i (0-based) predicts depth i + 1.
@@ -214,6 +214,11 @@ class DraftTree:
     def is_chain(self) -> bool:
         """True when every depth has exactly one node (a single root-to-leaf path)."""
         return len(self) == self.max_depth
+
+    def level_sizes(self) -> list[int]:
+        """Rows an autoregressive drafter runs per level to fill the tree: the root, then all nodes of every
+        depth below the deepest (each proposes its children; the last level's nodes are never run)."""
+        return [1] + [int((self.depth == d).sum()) for d in range(1, self.max_depth)] if self.max_depth else []
 
     def children(self, node: int) -> list[int]:
         """Child node indices of node `node` (-1: of the root)."""
@@ -470,8 +475,10 @@ class DraftContext:
     cache: KVCache  # holds tokens[:-1]; a drafter may append after cache.length but must truncate back
     tokens: list[int]  # prompt + committed tokens; tokens[-1] is pending (position len(tokens) - 1)
     hidden: torch.Tensor  # [m, d] final residual of the last m committed-and-cached positions (m >= 1 except
-    #                       for a 1-token prompt, m = 0); hidden[-1] is at position len(tokens) - 2
-    logits: torch.Tensor  # [m, V] base logits at the same rows (logits[-1] predicted tokens[-1])
+    #                       for a 1-token prompt, m = 0); hidden[-1] is at position len(tokens) - 2. In the
+    #                       first round m = 1, or every prompt row for a drafter with `prefill_features`
+    logits: torch.Tensor  # base logits of the last rows (logits[-1] predicted tokens[-1]); after the prefill
+    #                       only the last row's, [1, V], even when hidden has every prompt row
     layer_hidden: dict[int, torch.Tensor]  # residual entering block l at the same rows, for drafter.hidden_layers
     tree: DraftTree  # the tree to fill this round (the configured one, possibly pruned)
     temperature: float

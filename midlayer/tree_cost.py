@@ -98,12 +98,6 @@ def forward_ms(costs: RowCosts, forward: Forward) -> float:
 
 
 # ========================================================================== what a round of a drafter runs
-def _levels(tree: DraftTree) -> list[int]:
-    """Rows an autoregressive drafter runs per level: the root, then every depth that has children."""
-    counts = [1] + [int((tree.depth == d).sum()) for d in range(1, tree.max_depth)]
-    return counts[:tree.max_depth]
-
-
 def round_forwards(drafter: object, tree: DraftTree, n_layers: int) -> list[Forward]:
     """The forwards one speculative round runs with `drafter` and `tree`: the verification forward (root +
     nodes; with hidden transfer's fused pass also the pseudo rows, each from the block it joins at), then
@@ -130,9 +124,9 @@ def round_forwards(drafter: object, tree: DraftTree, n_layers: int) -> list[Forw
         out.append(([0] * L, tree.max_depth))
     elif isinstance(drafter, EarlyExitDrafter):
         ell = drafter.head.layer
-        out += [([r if b < ell else 0 for b in range(L)], r) for r in _levels(tree)]
+        out += [([r if b < ell else 0 for b in range(L)], r) for r in tree.level_sizes()]
     elif isinstance(drafter, LayerSkipDrafter):
-        out += [([0 if b in drafter.skip_span else r for b in range(L)], r) for r in _levels(tree)]
+        out += [([0 if b in drafter.skip_span else r for b in range(L)], r) for r in tree.level_sizes()]
     return out
 
 

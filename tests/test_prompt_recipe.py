@@ -61,6 +61,11 @@ def test_committed_file_is_the_recipes_output_at_scale(tmp_path):
     with gzip.open(pr.SCALED_FILE, "rt") as f:
         header = json.loads(f.readline())
     assert header["recipe"] == pr.recipe_hash(), "prompt_recipe.py changed: rewrite the file with --write"
+    # and its content is the recipe's: one category rebuilt alone gives the committed texts and splits
+    # (math: numbers drawn by the recipe, nothing from the corpus or the Python version)
+    rebuilt = pr.build(seed=header["seed"], categories=("math",))
+    assert [(p.id, p.text, p.split) for p in rebuilt] == \
+        [(p.id, p.text, p.split) for p in prompts if p.category == "math"]
 
 
 def test_damaged_files_are_refused(tmp_path):

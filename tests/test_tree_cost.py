@@ -99,3 +99,12 @@ def test_auto_tree_speculation_stays_lossless():
     assert len(tree) > 0
     out, _ = speculative_generate(model, prompt, drafter, tree, 12)
     assert out == generate(model, [prompt], GenerationConfig(max_new_tokens=12))[0]
+
+
+def test_tree_specs_on_the_command_line():
+    from midlayer.cli import _tree_nodes
+
+    assert _tree_nodes("sparse:5") == 5 and _tree_nodes("dynamic:12") == 12
+    for bad in ("sparse:0", "dynamic:x", "sparse:-3", "dynamic:"):
+        with pytest.raises(ValueError, match="positive integer"):
+            _tree_nodes(bad)

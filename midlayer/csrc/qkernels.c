@@ -255,11 +255,13 @@ AVX2 INLINE __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* Software prefetch of the weight stream: `lines` cache lines of codes and the scales' line, PREFETCH bytes
- * of codes ahead of the block being read (one contiguous stream per output group, and the groups of a work
- * item follow each other, so "ahead" runs on into the next group). The hardware prefetcher alone left the
- * tiles waiting on memory: on Zen 2, streaming 40 distinct 3072x576 Q4_1 weights (more than the L3), one
- * row went from 52 to 44 us per linear and four rows from 71 to 58 us. Prefetches change no bits. */
+/* Software prefetch of the weight stream: `lines` cache lines of codes PREFETCH bytes ahead of the block
+ * being read, and a line of scales PREFETCH / 4 bytes ahead (level with the codes for Q4_1, whose scales
+ * are a quarter of its codes; further ahead for Q8_0's). Each output group is one contiguous stream and the
+ * groups of a work item follow each other, so "ahead" runs on into the next group. The hardware prefetcher
+ * alone left the tiles waiting on memory: on Zen 2, streaming 40 distinct 3072x576 Q4_1 weights (more than
+ * the L3), one row went from 52 to 44 us per linear and four rows from 71 to 58 us. Prefetches change no
+ * bits. */
 #define PREFETCH 1024
 AVX2 INLINE void prefetch_ahead(const void *codes, int lines, const void *scales) {
     for (int i = 0; i < lines; i++) _mm_prefetch((const char *)codes + PREFETCH + 64 * i, _MM_HINT_T0);
