@@ -426,9 +426,15 @@ def rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tens
     rotate-half), and write rotated k and v to k_cache/v_cache [B, Hk, S_max, d] at slots [B, T]."""
     B, T, _ = qkv.shape
     D = k_cache.shape[-1]
-    cos = cos.reshape(B, T, D).contiguous()
-    sin = sin.reshape(B, T, D).contiguous()
-    slots = slots.reshape(B, T).to(torch.long).contiguous()
+    # reshape/convert only when needed: each costs ~2 us, and this runs once per layer per decode step
+    if cos.shape != (B, T, D) or not cos.is_contiguous():
+        cos = cos.reshape(B, T, D).contiguous()
+    if sin.shape != (B, T, D) or not sin.is_contiguous():
+        sin = sin.reshape(B, T, D).contiguous()
+    if slots.numel() != B * T:
+        raise ValueError(f"{slots.numel()} slots for {B} x {T} rows")
+    if slots.dtype != torch.long or not slots.is_contiguous():
+        slots = slots.to(torch.long).contiguous()
     library().qk_rope_store(qkv.data_ptr(), qkv.stride(0), B, T, n_heads, n_kv_heads, D, cos.data_ptr(),
                             sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                             k_cache.stride(1), slots.data_ptr())
