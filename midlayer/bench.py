@@ -80,6 +80,12 @@ def bench_skipping(preset: str = "paper-12l", seq_len: int = 1024, fractions=(0.
                    skip_from: int = 2, decode_steps: int = 64, repeats: int = 3,
                    dtype: torch.dtype = torch.float32) -> list[dict]:
     cfg, _, _ = get_preset(preset)
+    if seq_len < 1 or decode_steps < 1 or repeats < 1:
+        raise ValueError(f"seq_len, decode_steps and repeats must be >= 1, got {seq_len}, {decode_steps}, {repeats}")
+    if not all(0 <= z <= 1 for z in fractions):  # NaN fails too
+        raise ValueError(f"forced skip fractions must be in [0, 1], got {list(fractions)}")
+    if not 0 <= skip_from < cfg.n_layers // 2:
+        raise ValueError(f"skip_from must be in [0, {cfg.n_layers // 2}) (the routed blocks), got {skip_from}")
     if seq_len + decode_steps > cfg.max_seq_len:
         raise ValueError(f"seq_len {seq_len} + decode_steps {decode_steps} exceeds max_seq_len {cfg.max_seq_len}")
     if not cfg.gating:
@@ -413,6 +419,8 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     from .quantization import compress_weights
     from .speculative import DraftTree, speculative_generate
 
+    if new_tokens < 1 or max_prompts < 1 or nodes < 1:
+        raise ValueError(f"new_tokens, max_prompts and nodes must be >= 1, got {new_tokens}, {max_prompts}, {nodes}")
     model, tok = load_pretrained(model_name)
     model = compress_weights(model, weights).eval()
     stop = tuple(sorted(tok.eos_ids))

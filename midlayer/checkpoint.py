@@ -23,6 +23,7 @@ import torch
 
 FORMAT = "midlayer-checkpoint-v1"
 _NAME = re.compile(r"ckpt_(\d{7})\.pt$")
+_TEMP = re.compile(r"\.(ckpt_\d{7}\.pt|config\.json)\.tmp\.(\d+)$")  # atomic_write_bytes' temporary files
 
 
 class CheckpointError(ValueError):
@@ -40,6 +41,30 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
         return []
     found = [p for p in run_dir.iterdir() if _NAME.match(p.name)]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process (or an absurd pid): leave its file alone
+    return True
+
+
+def remove_stale_temp_files(run_dir: Path) -> list[Path]:
+    """Delete the temporary files a killed checkpoint write left in `run_dir` (`.ckpt_NNNNNNN.pt.tmp.PID`,
+    `.config.json.tmp.PID` whose process is gone); nothing else is touched. Returns the deleted paths. Call it
+    before this process writes a checkpoint there (its own PID's files are then stale too: a reused PID)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    stale = [p for p in sorted(run_dir.iterdir()) if (m := _TEMP.match(p.name)) and p.is_file()
+             and (int(m.group(2)) == os.getpid() or not _pid_alive(int(m.group(2))))]
+    for p in stale:
+        p.unlink()
+    return stale
 
 
 def atomic_write_bytes(path: Path, write) -> None:
@@ -79,16 +104,38 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, random bytes, pickle of something else ...
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a torch file ({type(e).__name__}: {e})") from None
+        why = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]  # torch's messages run to paragraphs
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a torch file ({type(e).__name__}: {why})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} file")
     for key in ("step", "configs", "model"):
         if key not in ckpt:
             raise CheckpointError(f"checkpoint {path} lacks '{key}'")
-    bad = [k for k, v in ckpt["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    from .model import nonfinite_tensors  # the one rule every weight loader applies
+
+    bad = nonfinite_tensors(ckpt["model"])
     if bad:
         raise CheckpointError(f"checkpoint {path} has non-finite weights in {bad[:5]}")
     return ckpt
+
+
+def load_newest_checkpoint(paths: list[Path], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load the newest of `paths` (oldest first, as `list_checkpoints`); if it is refused, the error also names
+    the newest one that loads, so the user knows what remains. Nothing on disk is changed."""
+    try:
+        return load_checkpoint(paths[-1], map_location=map_location)
+    except CheckpointError as e:
+        good = None
+        for p in reversed(paths[:-1]):
+            try:
+                load_checkpoint(p, map_location="cpu")
+            except CheckpointError:
+                continue
+            good = p
+            break
+        hint = (f"the newest good checkpoint is {good}: move {paths[-1].name} out of {paths[-1].parent} to use it"
+                if good else f"no other checkpoint in {paths[-1].parent} loads either")
+        raise CheckpointError(f"{e}; {hint}; nothing was changed") from None
 
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (one process, or under torchrun)")
     p.add_argument("preset", choices=list(PRESETS), help="named preset (config.PRESETS)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its last checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out-dir from its last checkpoint; refused when there is none, or when "
+                        "a setting that changes the result differs from the run's (only --lr and --grad-clip may "
+                        "change, to recover from a divergence)")
     p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N steps of this call")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -191,7 +194,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = train(model_cfg, sparsity_cfg, train_cfg, resume=args.resume, device=args.device,
                    progress=not args.no_progress, stop_after=args.stop_after)
     from .distributed import print0
-    print0(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=2))
+    from .train import json_safe
+    print0(json.dumps(json_safe({k: v for k, v in result.items() if not isinstance(v, list)}), indent=2))
     return 0
 
 
@@ -199,18 +203,20 @@ def load_run(checkpoint: str, device: str | None = None):
     """(model, checkpoint dict, train config) from a run directory (newest checkpoint) or a ckpt file."""
     import torch
 
-    from .checkpoint import list_checkpoints, load_checkpoint
+    from .checkpoint import list_checkpoints, load_checkpoint, load_newest_checkpoint
     from .config import from_dict
     from .model import Transformer
 
     path = Path(checkpoint)
+    found = None
     if path.is_dir():
         found = list_checkpoints(path)
         if not found:
             raise ValueError(f"no checkpoints in {path}")
         path = found[-1]
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    ckpt = load_checkpoint(path, map_location=dev)
+    # a directory's newest checkpoint; if it is refused, the error names the newest good one
+    ckpt = load_newest_checkpoint(found, map_location=dev) if found else load_checkpoint(path, map_location=dev)
     ckpt["path"] = str(path)
     model = Transformer(from_dict(ModelConfig, ckpt["configs"]["model"])).to(dev)
     model.load_state_dict(ckpt["model"])
@@ -218,11 +224,28 @@ def load_run(checkpoint: str, device: str | None = None):
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from .data import TokenWindows, resolve_data
-    from .evaluate import evaluate
-    from .train import default_cache_dir, resolve_dtype
+    import re
 
+    from .data import TokenWindows, resolve_data
+    from .distributed import resolve_device
+    from .evaluate import evaluate
+    from .train import default_cache_dir, json_safe, resolve_dtype
+
+    # every flag checked before the checkpoint is read, so no evaluation is run and then lost
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.eval_tokens is not None and args.eval_tokens < 0:
+        raise ValueError(f"--eval-tokens must be >= 0 (0 = the whole split), got {args.eval_tokens}")
+    _check_output("--output", args.output)
+    if args.output and (re.fullmatch(r"ckpt_\d{7}\.pt", Path(args.output).name)
+                        or Path(args.output).resolve() == Path(args.checkpoint).resolve()):
+        raise ValueError(f"--output {args.output}: that is a checkpoint's name; the JSON would overwrite it")
+    if args.device is not None:
+        resolve_device(args.device)
     model, ckpt, train_cfg = load_run(args.checkpoint, args.device)
+    if args.eval_tokens and args.eval_tokens < train_cfg.seq_len:
+        raise ValueError(f"--eval-tokens must be 0 (the whole split) or at least one window of the run's "
+                         f"seq_len={train_cfg.seq_len} tokens, got {args.eval_tokens}")
     dev = model.tok_embeddings.weight.device
     files = resolve_data(train_cfg.data, default_cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
     res = evaluate(model, TokenWindows(files.val, train_cfg.seq_len),
@@ -230,7 +253,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                    batch_size=args.batch_size or train_cfg.micro_batch_size, device=dev,
                    dtype=resolve_dtype(train_cfg.dtype, dev))
     res.update(checkpoint=ckpt["path"], step=int(ckpt["step"]))
-    text = json.dumps(res, indent=2)
+    text = json.dumps(json_safe(res), indent=2)
     if args.output:
         Path(args.output).write_text(text)
     print(text)
@@ -256,14 +279,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .generate import GenerationConfig, generate_stream
     from .quantization import compress_weights
 
+    _check_generate_args(args)  # before any file is read: a bad flag is never blamed on a model file
     if args.model:
+        from .distributed import resolve_device
         from .pretrained import load_pretrained
 
         model, tok = load_pretrained(args.model)
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer.json: midlayer cannot turn a prompt into tokens for it")
         if args.device:
-            model = model.to(args.device)
+            model = model.to(resolve_device(args.device))
     else:
         model, _, train_cfg = load_run(args.checkpoint, args.device)
         tok = _run_tokenizer(train_cfg)
@@ -303,13 +328,10 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
     from .drafters import load_drafter
     from .speculative import DraftTree, speculative_generate
 
-    if cfg.temperature > 0 and (cfg.top_k or cfg.top_p < 1.0):
-        raise ValueError("--draft samples from the plain softmax (exact speculative sampling); --top-k/--top-p "
-                         "would change the distribution it must reproduce: drop them, or drop --draft")
+    drafter, module, meta = load_drafter(args.draft, model)  # first: a bad draft is refused before any note
     if cfg.temperature == 0 and not getattr(model, "batch_invariant", False):
         print(f"note: {args.weights} weights are not row-invariant, so speculative output can differ from plain "
               "greedy output at near-ties; --weights q4 is bit-identical", file=sys.stderr)
-    drafter, module, meta = load_drafter(args.draft, model)
     acc = meta.get("heldout", {}).get("acc")
     # draft depth: k steps / heads; EAGLE: the depths it was scored at; early exit (acc of depth 1): 3
     k = getattr(module, "k", None) or (len(acc) if acc and len(acc) > 1 else 3)
@@ -364,23 +386,124 @@ def _tree_nodes(spec: str) -> int:
     return n
 
 
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """Refuse, naming the flag, every generate value outside its meaning; nothing is loaded yet."""
+    import math
+
+    from .distributed import resolve_device
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:  # NaN fails too
+        raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    if args.seed is not None and not -2**63 <= args.seed < 2**64:
+        raise ValueError(f"--seed must be an integer in [-2**63, 2**64), got {args.seed}")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat (the system message is part of the chat template)")
+    if args.device is not None:
+        resolve_device(args.device)
+    if args.tree.startswith(("sparse:", "dynamic:")):
+        _tree_nodes(args.tree)
+    elif args.tree not in ("auto", "chain"):
+        raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
+    if args.draft is not None:
+        if not Path(args.draft).is_dir():
+            raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output)")
+        if args.temperature > 0 and (args.top_k or args.top_p < 1.0):
+            raise ValueError("--draft samples from the plain softmax (exact speculative sampling); --top-k/--top-p "
+                             "would change the distribution it must reproduce: drop them, or drop --draft")
+
+
+def _positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{flag} must be a positive integer, got {value}")
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """A results file that can be written: checked before the work whose result it would hold."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file name")
+    if not p.parent.is_dir():
+        raise ValueError(f"{flag} {path}: folder {p.parent} does not exist")
+
+
+def _check_bench_decode_args(args: argparse.Namespace) -> tuple[dict[str, str], tuple[int, int] | None]:
+    """(drafts, layer skip) of `bench decode`, every flag checked before any model or draft is loaded; the
+    layer indices against the model's metadata."""
+    for flag, value in (("--new-tokens", args.new_tokens), ("--max-prompts", args.max_prompts),
+                        ("--nodes", args.nodes)):
+        _positive(flag, value)
+    _check_output("--output", args.output)
+    drafts: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in args.drafts.split(","))):
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"--drafts: expected LABEL=DIR, got {item!r}")
+        if label in drafts:
+            raise ValueError(f"--drafts: label {label!r} given twice")
+        if not Path(path).is_dir():
+            raise ValueError(f"--drafts {label}={path}: no such directory (expected a train-draft output)")
+        drafts[label] = path
+    skip = None
+    if args.layer_skip:
+        from .pretrained import pretrained_config
+
+        a, sep, b = args.layer_skip.partition(":")
+        try:
+            skip = (int(a), int(b))
+        except ValueError:
+            raise ValueError(f"--layer-skip: expected A:B (integers, skipping blocks A..B-1), "
+                             f"got {args.layer_skip!r}") from None
+        n = pretrained_config(args.model).n_layers
+        if not 0 <= skip[0] < skip[1] <= n or skip[1] - skip[0] >= n:
+            raise ValueError(f"--layer-skip {args.layer_skip}: need 0 <= A < B <= {n} and fewer than {n} blocks "
+                             f"skipped ({args.model} has {n} blocks)")
+    return drafts, skip
+
+
+def _check_bench_generate_args(args: argparse.Namespace) -> tuple[float, ...]:
+    """The forced skip fractions of `bench generate`; every flag checked before any benchmark runs."""
+    import math
+
+    _positive("--new-tokens", args.new_tokens)
+    _positive("--repeats", args.repeats)
+    _positive("--seq-len", args.seq_len)
+    try:
+        fractions = tuple(float(x) for x in args.fractions.split(","))
+    except ValueError:
+        fractions = ()
+    if not fractions or not all(math.isfinite(z) and 0 <= z <= 1 for z in fractions):
+        raise ValueError(f"--fractions: expected comma-separated numbers in [0, 1], got {args.fractions!r}")
+    if args.preset not in PRESETS:
+        raise ValueError(f"--preset: unknown preset {args.preset!r}; known presets: {', '.join(PRESETS)}")
+    if args.skip_from < 0:
+        raise ValueError(f"--skip-from must be >= 0, got {args.skip_from}")
+    if args.what not in ("skipping", "all"):
+        return fractions
+    cfg = get_preset(args.preset)[0]  # the preset-dependent checks: only where the skipping benchmark runs
+    if not cfg.gating:
+        raise ValueError(f"--preset {args.preset}: not a gated model (the skipping benchmark needs routers)")
+    if not 0 <= args.skip_from < cfg.n_layers // 2:
+        raise ValueError(f"--skip-from must be in [0, {cfg.n_layers // 2}) for {args.preset} ({cfg.n_layers} "
+                         f"blocks, routers on the first {cfg.n_layers // 2}), got {args.skip_from}")
+    if args.seq_len + 64 > cfg.max_seq_len:
+        raise ValueError(f"--seq-len {args.seq_len}: + 64 decoded tokens exceeds {args.preset}'s max_seq_len "
+                         f"{cfg.max_seq_len}")
+    return fractions
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     if args.bench == "decode":
-        drafts = {}
-        for item in filter(None, (x.strip() for x in args.drafts.split(","))):
-            label, sep, path = item.partition("=")
-            if not sep or not path:
-                raise ValueError(f"--drafts: expected LABEL=DIR, got {item!r}")
-            drafts[label] = path
-        skip = None
-        if args.layer_skip:
-            a, sep, b = args.layer_skip.partition(":")
-            try:
-                skip = (int(a), int(b))
-            except ValueError:
-                raise ValueError(f"--layer-skip: expected A:B, got {args.layer_skip!r}") from None
+        drafts, skip = _check_bench_decode_args(args)
         r = bench.bench_speculative(args.model, drafts, skip, args.tree, args.nodes, args.new_tokens,
                                     args.max_prompts, args.weights, not args.no_transformers, prompts=args.prompts)
         print(bench.speculative_table(r))
@@ -388,6 +511,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             Path(args.output).write_text(json.dumps(r, indent=2))
         return 0
 
+    fractions = _check_bench_generate_args(args)
     formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
     bad = [f for f in formats if f not in WEIGHT_FORMATS]
     if bad or not formats:
@@ -409,7 +533,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(bench.rows_table(bench.bench_rows(args.model, formats, repeats=args.repeats + 2)))
         print()
     if args.what in ("skipping", "all"):
-        fractions = tuple(float(x) for x in args.fractions.split(","))
         rows = bench.bench_skipping(args.preset, seq_len=args.seq_len, fractions=fractions,
                                     skip_from=args.skip_from, repeats=args.repeats)
         print(bench.skipping_table(rows))
@@ -426,7 +549,9 @@ def _cmd_flops(args: argparse.Namespace) -> int:
             sparsity = [float(x) for x in args.sparsity.split(",")]
         except ValueError:
             raise ValueError(f"--sparsity: expected comma-separated numbers, got {args.sparsity!r}") from None
-    print(format_breakdown(model_cfg, args.seq_len or model_cfg.max_seq_len, sparsity))
+    if args.seq_len is not None and args.seq_len < 1:  # 0 must not quietly become the default
+        raise ValueError(f"--seq-len must be a positive integer, got {args.seq_len}")
+    print(format_breakdown(model_cfg, model_cfg.max_seq_len if args.seq_len is None else args.seq_len, sparsity))
     return 0
 
 
@@ -463,19 +588,50 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     handler = {"train": _cmd_train, "eval": _cmd_eval, "flops": _cmd_flops, "presets": _cmd_presets,
                "sweep": _cmd_sweep, "plot": _cmd_plot, "generate": _cmd_generate, "bench": _cmd_bench,
                "train-draft": _cmd_train_draft}[args.command]
+    import os
+
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        # Bad input: one clear line, no stack trace (set MIDLAYER_DEBUG=1 to see it).
-        import os
+    except KeyboardInterrupt as e:
+        # Ctrl-C: one line (train's says which checkpoint --resume continues from), exit status 130.
         if os.environ.get("MIDLAYER_DEBUG"):
             raise
-        print(f"midlayer {args.command}: error: {e}", file=sys.stderr)
+        why = {"train": str(e), "sweep": "run the same command again to resume its unfinished runs"}.get(args.command)
+        print(f"midlayer {args.command}: interrupted" + (f": {why}" if why else ""), file=sys.stderr)
+        return 130
+    except Exception as e:
+        # Bad input (a bad value, path or file) or a diverged run: one clear line, no stack trace (set
+        # MIDLAYER_DEBUG=1 to see it). Anything else is a bug and keeps its traceback.
+        if os.environ.get("MIDLAYER_DEBUG") or not _one_line_error(e):
+            raise
+        print(f"midlayer {args.command}: error: {_with_flag_name(parser, args.command, str(e))}", file=sys.stderr)
         return 2
+
+
+def _with_flag_name(parser: argparse.ArgumentParser, command: str, msg: str) -> str:
+    """'lr: must be > 0' -> '--lr: must be > 0' where the command has that flag: the config checks name the
+    field, the user typed the flag."""
+    name, sep, rest = msg.partition(": ")
+    if not sep or not name.isidentifier():
+        return msg
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = {o for a in sub._actions for o in a.option_strings}
+    return f"{flag_name(name)}: {rest}" if flag_name(name) in flags else msg
+
+
+def _one_line_error(e: Exception) -> bool:
+    if isinstance(e, (ValueError, OSError, ImportError)):  # OSError: a missing, unreadable or misplaced path
+        return True
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+            isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):  # sizes too large for this machine
+        return True
+    train = sys.modules.get("midlayer.train")  # loaded by every command that can raise its errors
+    return train is not None and isinstance(e, train.NonFiniteLossError)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ is also a command-line flag (see `midlayer.cli`), so this file is the single sou
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,16 @@ DTYPES = ("auto", "float32", "bfloat16")
 def _check(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {msg}")
+
+
+def check_finite(cfg: Any) -> None:
+    """Every float field must be a finite number: argparse's float() accepts 'nan', 'inf' and '1e999', and a
+    range check such as `lr > 0` lets inf through (a run that diverges on its first step)."""
+    for f in dataclasses.fields(cfg):
+        if f.type in ("float", float):
+            v = getattr(cfg, f.name)
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), f.name,
+                   f"must be a finite number, got {v!r}")
 
 
 @dataclass
@@ -51,9 +62,11 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2); Llama has none
 
     def __post_init__(self) -> None:
+        check_finite(self)
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, f"must be a positive int, got {v!r}")
+            _check(v < 2**31, name, f"must be < 2**31 (a tensor dimension), got {v}")
         _check(self.dim % self.n_heads == 0, "n_heads", f"must divide dim={self.dim}, got {self.n_heads}")
         _check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
                f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}")
@@ -108,6 +121,7 @@ class SparsityConfig:
     beta: float = 1e-2  # fixed variance coefficient for the non-adaptive `sparsity*` controllers
 
     def __post_init__(self) -> None:
+        check_finite(self)
         _check(self.controller in CONTROLLERS, "controller",
                f"must be one of {CONTROLLERS}, got {self.controller!r}")
         for name in ("mu0", "mu_final"):
@@ -151,18 +165,26 @@ class TrainConfig:
     wandb: str = ""  # wandb project name; empty disables
 
     def __post_init__(self) -> None:
+        check_finite(self)
         for name in ("batch_size", "micro_batch_size", "seq_len", "steps", "log_every", "keep_last"):
             v = getattr(self, name)
             _check(isinstance(v, int) and v > 0, name, f"must be a positive int, got {v!r}")
         for name in ("eval_tokens", "eval_every", "ckpt_every"):
             _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        _check(0 <= self.seed < 2**64, "seed", f"must be in [0, 2**64), got {self.seed}")  # torch's seed range
+        _check(self.eval_tokens == 0 or self.eval_tokens >= self.seq_len, "eval_tokens",
+               f"must be 0 (the whole split) or at least one window of seq_len={self.seq_len} tokens, "
+               f"got {self.eval_tokens}")
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1/beta2", "must be in [0, 1)")
+        for name in ("adam_eps", "weight_decay", "grad_norm_spike"):
+            _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _check(0 <= self.warmup_frac < 1, "warmup_frac", f"must be in [0, 1), got {self.warmup_frac}")
         _check(0 < self.warmup_start_factor <= 1, "warmup_start_factor",
                f"must be in (0, 1], got {self.warmup_start_factor}")
         _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(bool(self.out_dir.strip()), "out_dir", "must name a folder, got ''")  # '' would mean the cwd
         _check(self.batch_size % self.micro_batch_size == 0, "batch_size",
                f"must be a multiple of micro_batch_size={self.micro_batch_size}, got {self.batch_size}")
 
@@ -220,4 +242,5 @@ def from_dict(cls: type, d: dict[str, Any]) -> Any:
     return cls(**d)
 
 
-__all__ = ["ModelConfig", "SparsityConfig", "TrainConfig", "PRESETS", "get_preset", "to_dict", "from_dict"]
+__all__ = ["ModelConfig", "SparsityConfig", "TrainConfig", "PRESETS", "get_preset", "to_dict", "from_dict",
+           "check_finite"]

@@ -30,6 +30,31 @@ class DistInfo:
         return self.world_size > 1
 
 
+def resolve_device(spec: str | None, flag: str = "--device") -> torch.device:
+    """The torch device a `--device` value names, or a ValueError naming `flag` that says why it cannot be
+    used here (not a device string; CUDA/MPS not available on this machine; no such CUDA index). None: cuda
+    when available, else cpu. Call it before loading anything, so no load error is blamed on a file."""
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{flag} {spec!r}: not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"{flag} {spec}: CUDA is not available on this machine ({why}); use --device cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"{flag} {spec}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"{flag} {spec}: MPS is not available on this machine; use --device cpu")
+    elif dev.type != "cpu":
+        raise ValueError(f"{flag} {spec!r}: midlayer runs on cpu, cuda[:N] or mps, not {dev.type}")
+    return dev
+
+
 def setup(device: str | None = None) -> DistInfo:
     """Initialise the process group when launched by torchrun; pick this process's device."""
     rank = int(os.environ.get("RANK", 0))

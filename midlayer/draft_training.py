@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from .checkpoint import atomic_write_bytes
+from .config import check_finite
 from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, early_exit_loss, lower_states,
                        medusa_loss, model_device, save_draft)
 from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
@@ -100,6 +101,7 @@ class DraftTrainConfig:
     cache_gb: float = 4.0  # memory for frozen base states reused across epochs; beyond it, recomputed
 
     def __post_init__(self) -> None:
+        check_finite(self)  # --lr inf, --epochs nan, ...
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.schedule not in ("joint", "sequential"):

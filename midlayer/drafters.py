@@ -68,7 +68,7 @@ from torch import nn
 from .checkpoint import atomic_write_bytes
 from .generate import CachedStep
 from .kv_cache import KVCache
-from .model import Transformer, causal_step
+from .model import Transformer, causal_step, nonfinite_tensors
 from .speculative import Draft, DraftContext, DraftTree
 
 DRAFT_FORMAT = "midlayer-draft-v1"
@@ -489,7 +489,10 @@ def check_base(saved: dict[str, Any], model: Transformer, name: str | None = Non
                                      f"this model has {key}={now[key]!r}")
     if name is not None and saved.get("name") is not None and saved["name"] != name:
         raise DraftMismatchError(f"{where}: draft trained for base {saved['name']!r}, not {name!r}")
-    a, b = torch.tensor(saved["probe"]), torch.tensor(now["probe"])
+    try:
+        a, b = torch.tensor(saved["probe"], dtype=torch.float32), torch.tensor(now["probe"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise DraftMismatchError(f"{where}: the draft's base signature has no valid 'probe' ({e!r})") from None
     # 2% of the largest probe value: far above bf16 rounding (0.4%), far below the gap between two models
     if a.shape != b.shape or not bool(((a - b).abs() <= 0.02 * a.abs().max().clamp_min(1e-12)).all()):
         raise DraftMismatchError(f"{where}: the LM-head weights differ from the base this draft was trained "
@@ -531,19 +534,36 @@ def load_draft(path: str | Path, base: Transformer | None = None, base_name: str
     if not cfg_path.is_file() or not w_path.is_file():
         raise DraftMismatchError(f"{p}: not a draft directory (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
     try:
-        doc = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+        doc = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DraftMismatchError(f"{cfg_path}: not valid JSON ({e})") from e
-    if doc.get("format") != DRAFT_FORMAT:
-        raise DraftMismatchError(f"{cfg_path}: format {doc.get('format')!r}, expected {DRAFT_FORMAT!r}")
+    if not isinstance(doc, dict) or doc.get("format") != DRAFT_FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise DraftMismatchError(f"{cfg_path}: format {found!r}, expected {DRAFT_FORMAT!r}")
     kinds = _kinds()
-    if doc.get("kind") not in kinds:
+    if not isinstance(doc.get("kind"), str) or doc["kind"] not in kinds:
         raise DraftMismatchError(f"{cfg_path}: unknown draft kind {doc.get('kind')!r}")
+    for key in ("base", "config", "meta"):
+        if not isinstance(doc.get(key, {} if key == "meta" else None), dict):
+            raise DraftMismatchError(f"{cfg_path}: {key!r} is missing or not a JSON object")
     if base is not None:
         check_base(doc["base"], base, base_name, str(p))
-    module = kinds[doc["kind"]](**doc["config"])
-    state = load_file(str(w_path))
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    try:
+        module = kinds[doc["kind"]](**doc["config"])
+    except (TypeError, ValueError) as e:
+        raise DraftMismatchError(f"{cfg_path}: invalid {doc['kind']} config ({e})") from e
+    try:
+        state = load_file(str(w_path))
+    except Exception as e:  # SafetensorError: truncated file, bad header, random bytes ...
+        raise DraftMismatchError(f"{w_path}: corrupt or truncated safetensors file ({type(e).__name__}: {e})") from e
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise DraftMismatchError(f"{w_path}: non-finite weights (NaN or inf) in {bad[:5]}: the file is corrupt")
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of the wrong shape
+        raise DraftMismatchError(f"{w_path}: weights do not match {CONFIG_NAME} "
+                                 f"({' '.join(str(e).split())})") from e
     if missing or unexpected:
         raise DraftMismatchError(f"{w_path}: weights do not match the config (missing {missing}, "
                                  f"unexpected {unexpected})")

@@ -44,7 +44,11 @@ class KVCache:
     @classmethod
     def for_model(cls, cfg, batch: int, max_len: int | None = None, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> "KVCache":
-        return cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.max_seq_len, device, dtype)
+        if max_len is None:
+            max_len = cfg.max_seq_len
+        elif max_len < 1:  # never silently the default: 0 is a caller's bug
+            raise ValueError(f"KV cache max_len must be >= 1, got {max_len}")
+        return cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype)
 
     @property
     def batch(self) -> int:

@@ -17,7 +17,7 @@ feed_forward.w1/w2/w3, attention_norm, ffn_norm) so that checkpoints map by name
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -261,3 +261,15 @@ class Transformer(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors that hold a NaN or an infinity, in order. The one rule every weight
+    loader applies before using weights (pretrained GGUF / Hugging Face files, drafts): such weights are a
+    corrupt file, never something to compute with."""
+    def bad(v: torch.Tensor) -> bool:
+        # Fast path: a sum that is finite had no NaN or inf among its terms; only a non-finite sum (or an
+        # overflow of a finite one) pays for the element-wise test.
+        return not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all())
+
+    return [k for k, v in tensors.items() if v.is_floating_point() and bad(v)]

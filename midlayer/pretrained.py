@@ -41,10 +41,14 @@ activations other than SiLU; attention/MLP biases other than Qwen2's q/k/v biase
 layers; mixture-of-experts; sentencepiece GGUF vocabularies. Mistral's sliding window is handled exactly by
 capping `max_seq_len` at the window (for sequences no longer than the window, sliding-window attention *is*
 full causal attention); the model then refuses longer inputs instead of silently attending too far.
+
+Corrupt files: a tensor holding NaN or inf (for GGUF: after dequantisation, where corrupt bytes in a block's
+scale show) is refused by name, the rule every weight loader applies (`model.nonfinite_tensors`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -58,7 +62,7 @@ import torch
 
 from .attention import rope_tables
 from .config import ModelConfig
-from .model import Transformer
+from .model import Transformer, nonfinite_tensors
 from .pretrained_tokenizer import TextTokenizer
 
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -325,6 +329,8 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq
             if tuple(tensor.shape) != shapes[ours]:
                 raise ValueError(f"{f}: tensor {key!r} has shape {tuple(tensor.shape)}, config.json implies "
                                  f"{shapes[ours]}")
+            if nonfinite_tensors({key: tensor}):
+                raise ValueError(f"{f}: tensor {key!r} holds non-finite values (NaN or inf): the file is corrupt")
             state[ours], origin[ours] = tensor.to(dtype), f
     if unused:
         raise ValueError(f"{path}: {len(unused)} checkpoint tensors have no place in a {cfg.n_layers}-layer "
@@ -357,10 +363,20 @@ def _open_gguf(path: Path) -> Any:
         raise ImportError("reading GGUF files needs the gguf package: pip install gguf") from e
     if not path.is_file():
         raise ValueError(f"{path}: no such GGUF file")
+    st = path.stat()
     try:
-        return gguf.GGUFReader(str(path))
+        return _gguf_reader(str(path.resolve()), st.st_mtime_ns, st.st_size)
     except Exception as e:  # bad magic, truncated header or tensor data, ...
         raise ValueError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: str, mtime_ns: int, size: int) -> Any:
+    """The reader of the last GGUF opened, kept while the file is unchanged: parsing the metadata (a 49k-token
+    vocabulary) takes seconds, and `pretrained_config` then `load_gguf` of one file should pay it once."""
+    import gguf
+
+    return gguf.GGUFReader(path)
 
 
 def _gguf_field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
@@ -426,8 +442,10 @@ def _dequantize(t: Any, path: Path) -> torch.Tensor:
 
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (fastest) first
     try:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+        # Corrupt bytes can decode to inf/NaN scales: no numpy warning, load_gguf refuses the tensor by name.
+        with np.errstate(over="ignore", invalid="ignore"):
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
     except NotImplementedError as e:
         raise ValueError(f"{path}: tensor {t.name}: quantisation {t.tensor_type.name} cannot be dequantised "
                          f"by this gguf version ({e})") from e
@@ -455,6 +473,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq_l
             unused.append(t.name)
             continue
         w = _dequantize(t, path)
+        if nonfinite_tensors({t.name: w}):
+            raise ValueError(f"{path}: tensor {t.name} holds non-finite values (NaN or inf) after dequantisation: "
+                             "the file is corrupt")
         if tuple(w.shape) != shapes[ours]:
             raise ValueError(f"{path}: tensor {t.name} has shape {tuple(w.shape)}, the metadata implies {shapes[ours]}")
         if ours.endswith("attention.wq.weight"):
@@ -510,6 +531,15 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32
     if src.kind == "gguf":
         return load_gguf(src.path, dtype, max_seq_len=max_seq_len)
     return load_hf_dir(src.path, dtype, max_seq_len=max_seq_len)
+
+
+def pretrained_config(name_or_path: str | Path, *, max_seq_len: int | None = None) -> ModelConfig:
+    """The ModelConfig of a short name, Hugging Face folder or GGUF file from its metadata alone (no weight is
+    read): for checking arguments against the model (layer indices, lengths) before loading it."""
+    src = resolve_pretrained(name_or_path)
+    if src.kind == "gguf":
+        return config_from_gguf(_open_gguf(src.path), src.path, max_seq_len=max_seq_len)
+    return config_from_hf(_read_config(src.path), max_seq_len=max_seq_len)
 
 
 # ----------------------------------------------------------------------------------------------- export
@@ -578,6 +608,6 @@ def export_hf(model: Transformer, out_dir: str | Path, tokenizer: TextTokenizer 
 
 __all__ = [
     "KNOWN_MODELS", "PretrainedSource", "config_from_hf", "config_from_gguf", "load_hf_dir", "load_gguf",
-    "resolve_pretrained", "load_pretrained", "export_hf", "hf_config_for", "hf_to_midlayer_name",
+    "resolve_pretrained", "load_pretrained", "pretrained_config", "export_hf", "hf_config_for", "hf_to_midlayer_name",
     "gguf_to_midlayer_name", "midlayer_to_hf_name", "permute_qk_like_llama_cpp",
 ]

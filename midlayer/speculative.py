@@ -600,8 +600,8 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     every base forward afterwards is a verification round. `on_round(cache, tokens)` (optional, for tests
     and tracing) is called after every round with all committed tokens; the cache then holds tokens[:-1].
     """
-    if temperature < 0 or math.isnan(temperature):
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() == 2:
             if prompt_ids.shape[0] != 1:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import distributed as dist_utils
-from .checkpoint import CheckpointError, config_mismatch, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, load_newest_checkpoint,
+                         remove_stale_temp_files, save_checkpoint)
 from .config import ModelConfig, SparsityConfig, TrainConfig
 from .data import TokenWindows, resolve_data
 from .evaluate import autocast_context, evaluate
@@ -41,6 +43,37 @@ from .sparsity import GateStatsAccumulator, make_controller
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; the message says which checkpoint a `--resume` continues from."""
+
+
+# TrainConfig fields a resumed run may change: they decide how the run is logged, checkpointed, split into
+# micro-batches or compiled, not what it computes. Any other difference from the checkpoint's configs (the
+# model, the controller, the optimiser, the schedule -- `steps` too --, the data, the evaluation) is refused,
+# naming the flag: the checkpoint would otherwise be continued, or evaluated, as a run it is not.
+FREE_ON_RESUME = ("micro_batch_size", "eval_every", "log_every", "ckpt_every", "keep_last", "out_dir", "compile",
+                  "grad_norm_spike", "tensorboard", "wandb")
+# ... and these may change to recover from a divergence (what the non-finite-loss error suggests): the new
+# value applies from the resumed step on; the change is printed and logged in metrics.jsonl.
+RECOVERY_ON_RESUME = ("lr", "grad_clip")
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every NaN or infinity replaced by None (JSON null): `json.dumps` would write the tokens
+    NaN / Infinity, which are not JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -86,7 +119,7 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
         step = record.get("step", 0)
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
@@ -116,42 +149,81 @@ def train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: Train
 
     `stop_after` ends the process's work after that many optimizer steps of this call (with a checkpoint),
     simulating a killed job for tests and letting long runs be cut into sessions.
+
+    Ctrl-C raises `TrainingInterrupted` (a KeyboardInterrupt) whose message names the checkpoint to resume from.
     """
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+        raise ValueError(f"--stop-after: must be a positive number of steps, got {stop_after!r}")
+    if device is not None:
+        dev = dist_utils.resolve_device(device)  # a clear refusal, e.g. CUDA on a machine without it
+        if dev.type == "cuda" and dev.index is None:  # bare "cuda": this process's GPU, as the default picks
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     info = dist_utils.setup(device)
     try:
-        return _train(model_cfg, sparsity_cfg, train_cfg, info, resume, cache_dir or default_cache_dir(),
-                      progress, stop_after)
+        with ExitStack() as cleanup:  # closes the progress bar before an error or interruption is reported
+            return _train(model_cfg, sparsity_cfg, train_cfg, info, resume, cache_dir or default_cache_dir(),
+                          progress, stop_after, cleanup)
+    except KeyboardInterrupt:
+        last = list_checkpoints(Path(train_cfg.out_dir))
+        raise TrainingInterrupted(
+            f"continue from {last[-1]} by running the same command with --resume" if last else
+            f"no checkpoint in {train_cfg.out_dir} yet, so nothing to resume from") from None
     finally:
         dist_utils.teardown()
 
 
+def _check_resume(ckpt: dict[str, Any], path: Path, configs: dict[str, dict]) -> dict[str, tuple[Any, Any]]:
+    """Refuse to resume `ckpt` (read from `path`) under other settings; returns the recovery settings that
+    change (field -> (saved, now))."""
+    saved = ckpt["configs"]
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in configs):
+        raise CheckpointError(f"cannot resume {path}: its configs are not midlayer's model/sparsity/train configs")
+    diff = config_mismatch(saved["model"], configs["model"]) + config_mismatch(saved["sparsity"], configs["sparsity"])
+    skip = FREE_ON_RESUME + RECOVERY_ON_RESUME
+    diff += config_mismatch({k: v for k, v in saved["train"].items() if k not in skip},
+                            {k: v for k, v in configs["train"].items() if k not in skip})
+    if diff:
+        raise CheckpointError(
+            f"cannot resume {path}: it was made with other settings (the run's -> this command's): "
+            + "; ".join(_flag(d) for d in diff)
+            + f". Pass the run's own values (see {path.parent / 'config.json'}) or choose another --out-dir")
+    return {k: (saved["train"].get(k), configs["train"][k]) for k in RECOVERY_ON_RESUME
+            if saved["train"].get(k) != configs["train"][k]}
+
+
 def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo, resume: bool,
-           cache_dir: Path, progress: bool, stop_after: int | None) -> dict[str, Any]:
+           cache_dir: Path, progress: bool, stop_after: int | None, cleanup: ExitStack) -> dict[str, Any]:
     dev, world, rank = info.device, info.world_size, info.rank
     run_dir = Path(cfg.out_dir)
     configs = _configs(model_cfg, sparsity_cfg, cfg)
     per_rank = cfg.batch_size // world
     if cfg.batch_size % world or per_rank % cfg.micro_batch_size:
-        raise ValueError(f"batch_size={cfg.batch_size} must split into {world} ranks x whole micro-batches of "
-                         f"micro_batch_size={cfg.micro_batch_size}")
+        raise ValueError(f"--batch-size {cfg.batch_size} must split into {world} ranks x whole micro-batches of "
+                         f"--micro-batch-size {cfg.micro_batch_size}")
     accum = per_rank // cfg.micro_batch_size
     if cfg.seq_len > model_cfg.max_seq_len:
-        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's --max-seq-len {model_cfg.max_seq_len}")
+
+    if model_cfg.attn_backend == "flex" and dev.type != "cuda":
+        raise ValueError(f"--attn-backend flex: FlexAttention cannot train on {dev.type} (no backward pass there); "
+                         "use --attn-backend auto or sdpa")
+    for parent in (run_dir, *run_dir.parents):  # the first part of --out-dir that exists must be a folder
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out-dir {run_dir}: {parent} is a file, not a folder")
+            break
 
     # ---- refuse to clobber or to resume something else: decided before anything is written
     existing = list_checkpoints(run_dir)
     ckpt = None
+    changed: dict[str, tuple[Any, Any]] = {}
     if resume and existing:
-        ckpt = load_checkpoint(existing[-1], map_location=dev)
-        for section in ("model", "sparsity"):
-            diff = config_mismatch(ckpt["configs"][section], configs[section])
-            if diff:
-                raise CheckpointError(f"cannot resume {existing[-1]}: its {section} config differs: " + "; ".join(diff))
-        diff = config_mismatch({k: ckpt["configs"]["train"][k] for k in ("seed", "batch_size", "seq_len", "data")},
-                               {k: configs["train"][k] for k in ("seed", "batch_size", "seq_len", "data")})
-        if diff:
-            raise CheckpointError(f"cannot resume {existing[-1]}: data/batch settings differ: " + "; ".join(diff))
-    elif existing and not resume:
+        ckpt = load_newest_checkpoint(existing, map_location=dev)
+        changed = _check_resume(ckpt, existing[-1], configs)
+    elif resume:
+        raise CheckpointError(f"--resume: {run_dir} holds no checkpoint (ckpt_*.pt) to resume from; check --out-dir, "
+                              "or leave out --resume to start a new run there")
+    elif existing:
         raise CheckpointError(f"{run_dir} already holds checkpoints ({existing[-1].name}); pass --resume to "
                               "continue that run or choose another --out-dir")
 
@@ -162,7 +234,7 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     if not info.is_main:
         files = resolve_data(cfg.data, cache_dir, cfg.tokenizer_vocab, cfg.val_data)
     if files.vocab_size is not None and files.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {files.vocab_size}")
+        raise ValueError(f"--vocab-size {model_cfg.vocab_size} is smaller than the tokenizer's {files.vocab_size}")
     train_windows = TokenWindows(files.train, cfg.seq_len)
     val_windows = TokenWindows(files.val, cfg.seq_len)
 
@@ -186,15 +258,29 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         if dev.type == "cuda" and "rng_cuda" in ckpt:
             torch.cuda.set_rng_state(ckpt["rng_cuda"].cpu())
         start = int(ckpt["step"])
+        if "lr" in changed:  # the optimizer and scheduler states carry the run's lr: apply this command's
+            sched.base_lrs = [cfg.lr for _ in opt.param_groups]
+            for group in opt.param_groups:
+                group["initial_lr"] = cfg.lr
+                group["lr"] = cfg.lr * lr_factor(start, cfg)
     run_model = torch.compile(model) if cfg.compile else model
     ddp = DDP(run_model, device_ids=[dev.index] if dev.type == "cuda" else None) if info.enabled else None
     fwd = ddp if ddp is not None else run_model
 
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        stale = remove_stale_temp_files(run_dir)
+        if stale:
+            print(f"note: removed {len(stale)} temporary file(s) left in {run_dir} by an interrupted checkpoint "
+                  f"write ({', '.join(p.name for p in stale)})", file=sys.stderr)
+        if changed:
+            print(f"note: resuming {existing[-1]} with " + "; ".join(f"{_flag(k)} {now} (the run had {was})"
+                                                                    for k, (was, now) in changed.items()),
+                  file=sys.stderr)
     logger = MetricsLogger(run_dir, cfg, configs, info.is_main)
     if ckpt is not None:
-        logger.log({"event": "resumed", "step": start})
+        logger.log({"event": "resumed", "step": start,
+                    **({"changed": {k: list(v) for k, v in changed.items()}} if changed else {})})
 
     def save(step: int) -> None:
         if info.is_main:
@@ -217,7 +303,8 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     bar = None
     if progress and info.is_main:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}", dynamic_ncols=True)
+        bar = cleanup.enter_context(tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}",
+                                         dynamic_ncols=True))
     acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if controller is not None else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     grad_norm_ema = None
@@ -305,7 +392,7 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         result = {**run_eval(end), **result}
         if info.is_main:
             result["flops_per_token_train_est"] = 3 * forward_flops(model_cfg, cfg.seq_len).total / cfg.seq_len
-            (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+            (run_dir / "eval.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False))
             logger.log({"event": "final", **result})
     logger.close()
     return result

@@ -1,0 +1,370 @@
+"""Bad inputs to the loaders, `midlayer generate` and `midlayer bench` (issue 12): each one is refused with one
+line naming the flag (or the file) the user gave, exit code 2, before any model work where possible, and no
+file is changed or left behind. Tiny synthetic models only; nothing here reads the real SmolLM2 weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from midlayer.cli import main
+from midlayer.config import get_preset, to_dict
+from midlayer.distributed import resolve_device
+from midlayer.model import Transformer, nonfinite_tensors
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def snapshot(*roots: Path) -> dict[str, str]:
+    """sha256 of every file under `roots` (names included: a new or removed file shows too)."""
+    out = {}
+    for root in roots:
+        for p in sorted(Path(root).rglob("*")):
+            if p.is_file():
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def refused(capsys, argv: list[str], *must: str, roots: tuple[Path, ...] = ()) -> str:
+    """Run the CLI on argv: exit code 2, one line on stderr starting 'midlayer <cmd>: error:' and holding every
+    string of `must`, nothing on stdout, and no file under `roots` changed, added or removed."""
+    before = snapshot(*roots)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning before the error line is a second line
+        rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"midlayer {argv[0]}: error: "), err
+    for s in must:
+        assert s in lines[0], (s, lines[0])
+    assert "Traceback" not in err and out == ""
+    assert snapshot(*roots) == before
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama as a GGUF file (its embedding Q4_1, as in the SmolLM2 file; the rest F32, with a BPE
+    tokenizer) and as a Hugging Face folder, written with the helpers of test_pretrained."""
+    tp = pytest.importorskip("test_pretrained")  # needs transformers and gguf
+    import gguf
+
+    root = tmp_path_factory.mktemp("tiny")
+    tok = tp.train_tiny_bpe()
+    hf_dir, ref = tp.tiny_hf_llama(root / "hf", tie=True, vocab=tok.get_vocab_size())
+    original = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self, name, tensor, *args, **kw):
+        if name == "token_embd.weight":
+            q = gguf.quants.quantize(np.asarray(tensor, dtype=np.float32), gguf.GGMLQuantizationType.Q4_1)
+            return original(self, name, q, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        return original(self, name, tensor, *args, **kw)
+
+    gguf.GGUFWriter.add_tensor = add_tensor
+    try:
+        tp.write_tiny_gguf(root / "tiny.gguf", ref, tok)
+    finally:
+        gguf.GGUFWriter.add_tensor = original
+    return root / "tiny.gguf", hf_dir
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """An empty working directory (anything a refused command wrote would show in it)."""
+    d = tmp_path / "cwd"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d
+
+
+def tensor_offset(path: Path, name: str) -> int:
+    import gguf
+
+    return next(int(t.data_offset) for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+
+
+# ------------------------------------------------------------------- 1. non-finite pretrained weights
+def test_nonfinite_rule_is_one_function():
+    t = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")]), "c": torch.tensor([float("-inf")]),
+         "i": torch.tensor([1, 2]), "big": torch.full((4,), 3e38), "h": torch.full((4,), 6e4, dtype=torch.float16)}
+    assert nonfinite_tensors(t) == ["b", "c"]  # finite values whose sum overflows are not refused
+
+
+def test_corrupt_quantised_gguf_is_refused_naming_the_tensor(tiny, tmp_path, work, capsys):
+    """Corrupt bytes in a Q4_1 block (scale +inf, quants 0: inf * 0 = NaN after dequantisation, the issue's
+    case) -> refused by name, without numpy's RuntimeWarning, through the loader and the CLI."""
+    from midlayer.pretrained import load_gguf
+
+    good, _ = tiny
+    bad = tmp_path / "bad.gguf"
+    blob = bytearray(good.read_bytes())
+    off = tensor_offset(good, "token_embd.weight")
+    blob[off:off + 20] = b"\x00\x7c" + bytes(18)  # block 0: d = +inf (f16), m = 0, 32 zero quants
+    bad.write_bytes(bytes(blob))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"bad\.gguf: tensor token_embd\.weight holds non-finite values"):
+            load_gguf(bad)
+    refused(capsys, ["generate", "--model", str(bad), "--prompt", "hi"], "bad.gguf", "token_embd.weight",
+            "non-finite", roots=(tmp_path,))
+    load_gguf(good)  # the intact file still loads
+
+
+def test_nan_in_f32_gguf_tensor_is_refused(tiny, tmp_path, work, capsys):
+    good, _ = tiny
+    bad = tmp_path / "nan.gguf"
+    blob = bytearray(good.read_bytes())
+    off = tensor_offset(good, "blk.1.ffn_up.weight")
+    blob[off + 400:off + 4400] = b"\xff" * 4000  # F32 0xffffffff: NaN
+    bad.write_bytes(bytes(blob))
+    refused(capsys, ["generate", "--model", str(bad), "--prompt", "hi"], "nan.gguf", "blk.1.ffn_up.weight",
+            "non-finite", roots=(tmp_path,))
+
+
+def test_nonfinite_safetensors_in_hf_folder_is_refused(tiny, tmp_path, work, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from midlayer.pretrained import load_hf_dir
+
+    _, hf_dir = tiny
+    bad = tmp_path / "hf-inf"
+    shutil.copytree(hf_dir, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    state["model.layers.0.mlp.down_proj.weight"][3, 5] = float("inf")
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.down_proj\.weight' "
+                                         r"holds non-finite values"):
+        load_hf_dir(bad)
+    refused(capsys, ["generate", "--model", str(bad), "--prompt", "hi"], "model.safetensors",
+            "model.layers.0.mlp.down_proj.weight", "non-finite", roots=(tmp_path,))
+    load_hf_dir(hf_dir)
+
+
+# --------------------------------------------------------------------------------- 2. --device
+@pytest.fixture(scope="module")
+def healthy_ckpt(tmp_path_factory) -> Path:
+    from midlayer.checkpoint import load_checkpoint, save_checkpoint
+
+    run = tmp_path_factory.mktemp("run")
+    m, s, t = get_preset("debug")
+    save_checkpoint(run, 1, {"model": Transformer(m).state_dict()},
+                    {"model": to_dict(m), "sparsity": to_dict(s), "train": to_dict(t)}, keep_last=1)
+    load_checkpoint(run / "ckpt_0000001.pt")  # healthy
+    return run
+
+
+@NO_CUDA
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:1"])
+def test_generate_cuda_device_without_cuda(device, healthy_ckpt, tiny, work, capsys):
+    for src in (["--checkpoint", str(healthy_ckpt)], ["--model", str(tiny[0])]):
+        line = refused(capsys, ["generate", *src, "--prompt", "hi", "--device", device],
+                       f"--device {device}", "CUDA is not available", roots=(healthy_ckpt, work))
+        assert "corrupt" not in line
+
+
+@pytest.mark.parametrize("device", ["bogus", "CPU", " cpu", "cuda:-1", "meta"])
+def test_generate_invalid_device(device, healthy_ckpt, work, capsys):
+    line = refused(capsys, ["generate", "--checkpoint", str(healthy_ckpt), "--prompt", "hi", "--device", device],
+                   "--device", roots=(healthy_ckpt, work))
+    assert "corrupt" not in line and ("not a device" in line or "runs on cpu" in line)
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        assert resolve_device(f"cuda:{n - 1}").index == n - 1
+        with pytest.raises(ValueError, match=f"--device cuda:{n}: this machine has {n} CUDA"):
+            resolve_device(f"cuda:{n}")
+
+
+# ------------------------------------------------------------------------------ 3. corrupt drafts
+@pytest.fixture
+def draft_dir(tiny, tmp_path) -> Path:
+    from midlayer.drafters import MedusaHeads, save_draft
+    from midlayer.pretrained import load_gguf
+
+    base, _ = load_gguf(tiny[0])
+    return save_draft(tmp_path / "draft", MedusaHeads(base.cfg.dim, 2), {"note": "test"}, base=base)
+
+
+def _corrupt(kind: str, d: Path) -> str:
+    """Damage the draft in `d` one way; returns the file the error must name."""
+    w, c = d / "draft.safetensors", d / "draft.json"
+    if kind == "truncated":
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    elif kind == "random":
+        w.write_bytes(np.random.default_rng(0).bytes(w.stat().st_size))
+    elif kind == "empty":
+        w.write_bytes(b"")
+    elif kind == "nan":
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(w))
+        next(iter(state.values())).view(-1)[0] = float("nan")
+        save_file(state, str(w))
+    elif kind == "shape":
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(w))
+        k = next(iter(state))
+        state[k] = torch.zeros(3, 3)
+        save_file(state, str(w))
+    elif kind == "json-binary":
+        c.write_bytes(b"\xff\xfe\x00garbage")
+        return "draft.json"
+    elif kind == "json-list":
+        c.write_text("[1, 2]")
+        return "draft.json"
+    elif kind == "json-config":
+        doc = json.loads(c.read_text())
+        doc["config"] = {"dim": doc["config"]["dim"], "bogus": 1}
+        c.write_text(json.dumps(doc))
+        return "draft.json"
+    return "draft.safetensors"
+
+
+DAMAGE = ["truncated", "random", "empty", "nan", "shape", "json-binary", "json-list", "json-config"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_corrupt_draft_is_refused_naming_the_file(kind, draft_dir, tiny, work, capsys):
+    from midlayer.drafters import DraftMismatchError, load_draft
+    from midlayer.pretrained import load_gguf
+
+    name = _corrupt(kind, draft_dir)
+    base, _ = load_gguf(tiny[0])
+    with pytest.raises(DraftMismatchError, match=name.replace(".", r"\.")):
+        load_draft(draft_dir, base)
+    line = refused(capsys, ["generate", "--model", str(tiny[0]), "--prompt", "hi", "--max-new-tokens", "2",
+                            "--draft", str(draft_dir), "--tree", "chain"], name, roots=(draft_dir, work))
+    assert str(draft_dir) in line
+
+
+def test_intact_draft_generates(draft_dir, tiny, work, capsys):
+    assert main(["generate", "--model", str(tiny[0]), "--prompt", "hi", "--max-new-tokens", "3",
+                 "--draft", str(draft_dir), "--tree", "chain"]) == 0
+
+
+# ---------------------------------------------------------------------- 4. sampling flags of generate
+@pytest.mark.parametrize("flag,value", [
+    ("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-inf"), ("--temperature", "-0.5"),
+    ("--top-p", "0"), ("--top-p", "1.5"), ("--top-p", "nan"), ("--top-p", "-1"), ("--top-p", "inf"),
+    ("--top-k", "-1"), ("--max-new-tokens", "-1"), ("--seed", str(2**64)),
+])
+def test_generate_sampling_flags_refused_before_loading(flag, value, work, capsys):
+    # a model that does not exist: the flag must be refused before anything is looked up
+    refused(capsys, ["generate", "--model", "no-such-model", "--prompt", "hi", f"{flag}={value}"], flag, roots=(work,))
+
+
+def test_generate_other_flags_refused_before_loading(work, capsys):
+    base = ["generate", "--model", "no-such-model", "--prompt", "hi"]
+    refused(capsys, [*base, "--system", "be brief"], "--system", "--chat", roots=(work,))
+    refused(capsys, [*base, "--draft", "no/such/dir"], "--draft no/such/dir", roots=(work,))
+    refused(capsys, [*base, "--draft", str(work), "--temperature", "0.7", "--top-k", "5"], "--top-k", roots=(work,))
+    refused(capsys, [*base, "--tree", "bushy"], "--tree", "'bushy'", roots=(work,))
+
+
+def test_generation_config_and_speculative_refuse_nonfinite_temperature():
+    from midlayer.generate import GenerationConfig
+
+    for t in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            GenerationConfig(temperature=t)
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationConfig(top_p=float("nan"))
+    GenerationConfig(temperature=0.0, max_new_tokens=0)  # greedy, nothing to generate: valid
+
+
+# ----------------------------------------------------------------------------------- 5. benchmarks
+def test_bench_decode_layer_skip_out_of_range(tiny, work, capsys):
+    model = str(tiny[0])  # 2 blocks
+    for spec in ("40:50", "1:5", "1:1", "2:1", "-1:1", "0:2"):
+        refused(capsys, ["bench", "decode", "--model", model, "--drafts", "", f"--layer-skip={spec}"],
+                f"--layer-skip {spec}", "2 blocks", roots=(work,))
+    refused(capsys, ["bench", "decode", "--model", model, "--drafts", "", "--layer-skip", "a:b"],
+            "--layer-skip", "'a:b'", roots=(work,))
+
+
+@pytest.mark.parametrize("flag,value", [("--max-prompts", "0"), ("--max-prompts", "-2"), ("--new-tokens", "0"),
+                                        ("--new-tokens", "-5"), ("--nodes", "0")])
+def test_bench_decode_counts(flag, value, work, capsys):
+    refused(capsys, ["bench", "decode", "--model", "no-such-model", f"{flag}={value}"], flag, roots=(work,))
+
+
+def test_bench_decode_drafts_and_output(tiny, work, capsys):
+    base = ["bench", "decode", "--model", str(tiny[0]), "--layer-skip", ""]
+    refused(capsys, [*base, "--drafts", "a=missing/dir"], "--drafts a=missing/dir", roots=(work,))
+    refused(capsys, [*base, "--drafts", f"a={work},a={work}"], "--drafts", "'a' given twice", roots=(work,))
+    refused(capsys, [*base, "--drafts", "noequals"], "--drafts", roots=(work,))
+    # --output is checked before the benchmark, not after it (the result would be lost)
+    refused(capsys, [*base, "--drafts", "", "--output", str(work)], "--output", "is a directory", roots=(work,))
+    refused(capsys, [*base, "--drafts", "", "--output", "nope/r.json"], "--output", "does not exist", roots=(work,))
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--skip-from", "40"), ("--skip-from", "6"), ("--skip-from", "-1"), ("--fractions", "0,1.5"),
+    ("--fractions", "-0.1"), ("--fractions", "nan"), ("--fractions", "0.5,abc"), ("--fractions", ""),
+    ("--new-tokens", "0"), ("--new-tokens", "-1"), ("--repeats", "0"), ("--repeats", "-2"), ("--seq-len", "0"),
+    ("--seq-len", "-3"), ("--seq-len", "5000"), ("--preset", "nope"), ("--preset", "tiny-dense"),
+])
+def test_bench_generate_refusals_before_any_benchmark(flag, value, work, capsys):
+    # --model does not exist: had any benchmark started first, the error would name the model instead
+    refused(capsys, ["bench", "generate", "--model", "no-such-model", f"{flag}={value}"], flag, roots=(work,))
+
+
+def test_bench_generate_skipping_checks_only_where_skipping_runs(work, capsys):
+    """A preset that the skipping benchmark cannot run is no reason to refuse --what rows."""
+    from midlayer.cli import _check_bench_generate_args, build_parser
+
+    args = build_parser().parse_args(["bench", "generate", "--what", "rows", "--preset", "tiny"])
+    assert _check_bench_generate_args(args) == (0.0, 0.25, 0.5, 0.75, 0.9)
+    refused(capsys, ["bench", "generate", "--what", "skipping", "--preset", "tiny"], "--seq-len 960", "256",
+            roots=(work,))
+
+
+def test_bench_library_guards():
+    from midlayer.bench import bench_skipping
+
+    for kw in (dict(fractions=(1.5,)), dict(fractions=(math.nan,)), dict(skip_from=6), dict(skip_from=-1),
+               dict(seq_len=0), dict(repeats=0)):
+        with pytest.raises(ValueError):
+            bench_skipping("paper-12l", **{"seq_len": 8, **kw})  # all refused before a model is built
+
+
+# --------------------------------------------------------------------------------------- 6. --tree N
+@pytest.mark.parametrize("spec", ["sparse:abc", "sparse:", "sparse:0", "dynamic:0", "dynamic:-3", "dynamic:1.5"])
+def test_tree_n_names_the_flag(spec, work, capsys):
+    line = refused(capsys, ["generate", "--model", "no-such-model", "--prompt", "hi", "--tree", spec],
+                   f"--tree {spec!r}", "N must be a positive integer", roots=(work,))
+    assert "invalid literal" not in line
+
+
+# --------------------------------------------------------------------------- 7. length 0 is no default
+def test_zero_lengths_are_refused_not_defaulted(work, capsys):
+    from midlayer.kv_cache import KVCache
+
+    cfg = get_preset("debug")[0]
+    with pytest.raises(ValueError, match="max_len must be >= 1, got 0"):
+        KVCache.for_model(cfg, 1, 0)
+    assert KVCache.for_model(cfg, 1).max_len == cfg.max_seq_len  # None still means the model's length
+    refused(capsys, ["flops", "tiny", "--seq-len", "0"], "--seq-len", "0", roots=(work,))
+    refused(capsys, ["bench", "generate", "--what", "skipping", "--seq-len", "0"], "--seq-len", roots=(work,))
+    capsys.readouterr()
+    assert main(["flops", "tiny", "--seq-len", "16"]) == 0
+    assert "16" in capsys.readouterr().out

@@ -1,0 +1,441 @@
+"""Issue 12, training side: every bad input to `midlayer train` / `midlayer eval` ends in one clear line and
+exit status 2 (130 for Ctrl-C), or in the correct result, and no file is changed or lost.
+
+Everything runs `cli.main` in this process on the `debug` preset over small synthetic shards (seconds in all);
+one test sends a real SIGINT to a `midlayer train` subprocess.
+"""
+
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from midlayer import cli
+from midlayer.checkpoint import list_checkpoints, load_checkpoint
+from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
+from midlayer.data import write_shard
+
+
+@pytest.fixture
+def shards(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 512, 12_000)
+    d = tmp_path / "shards"
+    d.mkdir()
+    write_shard(d / "syn_train_000.bin", toks[:9_000])
+    write_shard(d / "syn_val_000.bin", toks[9_000:])
+    return str(d / "*.bin")
+
+
+def train_argv(shards: str, out: Path, *flags: str) -> list[str]:
+    return ["train", "debug", "--data", shards, "--no-progress", "--out-dir", str(out), *flags]
+
+
+def run(capsys, argv: list[str]) -> tuple[int, str, str]:
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(err: str, command: str = "train") -> str:
+    """The single line a refusal prints (asserted: one line, no traceback)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"midlayer {command}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root` (hidden ones too), by relative path."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def strict_json_lines(path: Path) -> list[dict]:
+    def refuse(token):
+        raise AssertionError(f"{path} holds {token}, which is not JSON")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def ckpt_steps(run_dir: Path) -> list[int]:
+    return [int(load_checkpoint(p)["step"]) for p in list_checkpoints(run_dir)]
+
+
+# ------------------------------------------------------------------------- 1. resume under other settings
+def test_resume_with_fewer_steps_is_refused_and_nothing_changes(tmp_path, shards, capsys):
+    """The issue's silent wrong result: a 12-step run stopped at 6, resumed as a 4-step run, exited 0 and
+    reported the step-6 weights as "step 4, finished"."""
+    run_dir = tmp_path / "run"
+    assert run(capsys, train_argv(shards, run_dir, "--steps", "12", "--ckpt-every", "2", "--stop-after", "6"))[0] == 0
+    before = snapshot(tmp_path)
+    rc, out, err = run(capsys, train_argv(shards, run_dir, "--steps", "4", "--resume"))
+    line = one_line_error(err)
+    assert rc == 2 and out == ""
+    assert "--steps: 12 -> 4" in line and "ckpt_0000006.pt" in line and "config.json" in line
+    assert snapshot(tmp_path) == before and not (run_dir / "eval.json").exists()
+    # leaving --steps out means the preset's 20 steps: refused as well, not continued as another schedule
+    rc, _, err = run(capsys, train_argv(shards, run_dir, "--resume"))
+    assert rc == 2 and "--steps: 12 -> 20" in one_line_error(err)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--seed", "1"], "--seed: 0 -> 1"),
+    (["--warmup-frac", "0.2"], "--warmup-frac: 0.1 -> 0.2"),
+    (["--weight-decay", "0.1"], "--weight-decay: 0.0 -> 0.1"),
+    (["--eval-tokens", "1024"], "--eval-tokens: 2048 -> 1024"),
+    (["--mu-final", "0.25"], "--mu-final: 0.5 -> 0.25"),
+    (["--dim", "64"], "--dim: 32 -> 64"),
+    (["--no-gating"], "--gating: True -> False"),
+])
+def test_resume_refuses_any_setting_that_changes_the_result(tmp_path, shards, capsys, flags, named):
+    run_dir = tmp_path / "run"
+    assert run(capsys, train_argv(shards, run_dir, "--steps", "4", "--stop-after", "2"))[0] == 0
+    before = snapshot(tmp_path)
+    rc, _, err = run(capsys, train_argv(shards, run_dir, "--steps", "4", "--resume", *flags))
+    assert rc == 2 and named in one_line_error(err)
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_accepts_bookkeeping_changes(tmp_path, shards, capsys):
+    """Logging, checkpointing and micro-batching settings may change on resume: they do not change the run."""
+    run_dir = tmp_path / "run"
+    assert run(capsys, train_argv(shards, run_dir, "--steps", "4", "--stop-after", "2"))[0] == 0
+    rc, out, err = run(capsys, train_argv(shards, run_dir, "--steps", "4", "--resume", "--log-every", "1",
+                                          "--keep-last", "3", "--micro-batch-size", "4", "--ckpt-every", "1"))
+    assert rc == 0 and json.loads(out)["finished"] and err == ""
+    assert ckpt_steps(run_dir) == [2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------- 2. --stop-after
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_stop_after_must_be_positive(tmp_path, shards, capsys, value):
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "4", "--stop-after", value))
+    assert rc == 2 and "--stop-after" in one_line_error(err)
+    assert not (tmp_path / "run").exists()
+    # nor on resume: the run is left as it was (the issue: ckpt_-000001.pt, which resume never sees)
+    assert run(capsys, train_argv(shards, tmp_path / "run", "--steps", "4", "--stop-after", "2"))[0] == 0
+    before = snapshot(tmp_path)
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "4", "--resume", "--stop-after", value))
+    assert rc == 2 and "--stop-after" in one_line_error(err)
+    assert snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------- 3. --resume with nothing there
+def test_resume_without_a_checkpoint_is_refused(tmp_path, shards, capsys):
+    """A typo in --out-dir must not silently start the run again from scratch."""
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "typo", "--steps", "2", "--resume"))
+    line = one_line_error(err)
+    assert rc == 2 and "--resume" in line and "no checkpoint" in line and str(tmp_path / "typo") in line
+    assert not (tmp_path / "typo").exists()
+    # a directory with files but no checkpoint: refused too, and left as it was
+    (tmp_path / "typo").mkdir()
+    (tmp_path / "typo" / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = snapshot(tmp_path)
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "typo", "--steps", "2", "--resume"))
+    assert rc == 2 and "no checkpoint" in one_line_error(err)
+    assert snapshot(tmp_path) == before
+
+
+# --------------------------------------------------------------------- 4. non-finite and negative values
+FLOAT_FIELDS = [f.name for cls in (ModelConfig, SparsityConfig, TrainConfig) for f in dataclasses.fields(cls)
+                if f.type in ("float", float)]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999"])
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_non_finite_float_flags_are_refused_naming_the_flag(tmp_path, shards, capsys, field, value):
+    flag = cli.flag_name(field)
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", f"{flag}={value}"))
+    line = one_line_error(err)
+    assert rc == 2 and f"{flag}:" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--seed", "-1"], "--seed: must be in [0, 2**64)"),
+    (["--seed", str(2**64)], "--seed: must be in [0, 2**64)"),
+    (["--adam-eps", "-1"], "--adam-eps: must be >= 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay: must be >= 0"),
+    (["--grad-norm-spike", "-2"], "--grad-norm-spike: must be >= 0"),
+    (["--eval-tokens", "1"], "--eval-tokens: must be 0 (the whole split) or at least one window"),
+    (["--seq-len", "1000"], "--seq-len 1000 exceeds the model's --max-seq-len 64"),
+    (["--device", "bogus"], "--device 'bogus': not a device"),
+    (["--out-dir", ""], "--out-dir: must name a folder"),
+])
+def test_out_of_range_train_flags_are_refused_naming_the_flag(tmp_path, shards, capsys, flags, named):
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", *flags))
+    assert rc == 2 and named in one_line_error(err)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("flag", ["--lr", "--epochs", "--cache-gb"])
+def test_train_draft_non_finite_float_flags_are_refused(tmp_path, capsys, flag, value):
+    rc, _, err = run(capsys, ["train-draft", "--out-dir", str(tmp_path / "draft"), f"{flag}={value}"])
+    assert rc == 2 and f"{flag}: must be a finite number" in one_line_error(err, "train-draft")
+    assert not (tmp_path / "draft").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_cuda_device_without_cuda_is_refused(tmp_path, shards, capsys, device):
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", "--device", device))
+    assert rc == 2 and "CUDA is not available" in one_line_error(err)
+    assert not (tmp_path / "run").exists()
+
+
+def _exploding_transformer(monkeypatch, after_calls: int):
+    """Training forwards return a NaN loss after `after_calls` calls (debug: 2 micro-batches per step)."""
+    import midlayer.train as train_mod
+
+    class Exploding(train_mod.Transformer):
+        calls = 0
+
+        def forward(self, *a, **kw):
+            out = super().forward(*a, **kw)
+            if self.training:
+                Exploding.calls += 1
+                if Exploding.calls > after_calls:
+                    out.loss = out.loss * float("nan")
+            return out
+
+    monkeypatch.setattr(train_mod, "Transformer", Exploding)
+
+
+def test_diverging_run_stops_with_one_line_naming_the_last_good_checkpoint(tmp_path, shards, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    _exploding_transformer(monkeypatch, after_calls=6)  # NaN from the 4th optimizer step (step index 3)
+    rc, out, err = run(capsys, train_argv(shards, run_dir, "--steps", "8", "--ckpt-every", "2", "--log-every", "1"))
+    line = one_line_error(err)
+    assert rc == 2 and out == ""
+    assert "non-finite loss" in line and str(run_dir / "ckpt_0000002.pt") in line and "--resume" in line
+    assert ckpt_steps(run_dir) == [2]  # nothing poisoned was saved
+    # 10. metrics.jsonl stays JSON: the NaN loss is written as null
+    records = strict_json_lines(run_dir / "metrics.jsonl")
+    assert records[-1]["event"] == "non_finite" and records[-1]["ce"] is None
+    # what the message suggests works: resume with a lower --lr, which is applied (not the checkpoint's)
+    monkeypatch.undo()
+    before = snapshot(tmp_path)
+    rc, out, err = run(capsys, train_argv(shards, run_dir, "--steps", "8", "--ckpt-every", "2", "--log-every", "1",
+                                          "--resume", "--lr", "5e-4", "--stop-after", "1"))
+    assert rc == 0 and json.loads(out)["step"] == 3
+    assert "note: resuming" in err and "--lr 0.0005 (the run had 0.001)" in err
+    records = strict_json_lines(run_dir / "metrics.jsonl")
+    assert records[-2] == {"event": "resumed", "step": 2, "changed": {"lr": [0.001, 0.0005]}}
+    from midlayer.config import get_preset
+    from midlayer.train import lr_factor
+    t = get_preset("debug", train=dict(steps=8, lr=5e-4))[2]
+    assert records[-1]["lr"] == pytest.approx(5e-4 * lr_factor(3, t))
+    assert all(snapshot(tmp_path)[k] == v for k, v in before.items() if "ckpt_0000002" in k)  # kept
+
+
+def test_metrics_logger_writes_null_for_non_finite_values(tmp_path):
+    from midlayer.train import MetricsLogger
+
+    log = MetricsLogger(tmp_path, TrainConfig(), {}, enabled=True)
+    log.log({"step": 1, "ce": float("nan"), "grad_norm": float("inf"), "per_block": [1.0, float("-inf")]})
+    log.close()
+    assert strict_json_lines(tmp_path / "metrics.jsonl") == [{"step": 1, "ce": None, "grad_norm": None,
+                                                              "per_block": [1.0, None]}]
+
+
+# ------------------------------------------------------------------------------ 5. --out-dir is a file
+@pytest.mark.parametrize("sub", ["", "sub/run"])
+def test_out_dir_naming_a_file_is_refused(tmp_path, shards, capsys, sub):
+    f = tmp_path / "afile"
+    f.write_text("keep me\n")
+    out = f / sub if sub else f
+    before = snapshot(tmp_path)
+    rc, _, err = run(capsys, train_argv(shards, out, "--steps", "2"))
+    line = one_line_error(err)
+    assert rc == 2 and "--out-dir" in line and "is a file, not a folder" in line
+    assert snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------- 6. eval's flags, before it runs
+@pytest.fixture
+def finished_run(tmp_path, shards, capsys):
+    run_dir = tmp_path / "run"
+    assert run(capsys, train_argv(shards, run_dir, "--steps", "2"))[0] == 0
+    return run_dir
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--output", "{tmp}"], "is a directory"),
+    (["--output", "{tmp}/missing/eval.json"], "does not exist"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    (["--eval-tokens", "-1"], "--eval-tokens must be >= 0"),
+    (["--eval-tokens", "5"], "at least one window of the run's seq_len=32"),
+    (["--device", "bogus"], "--device 'bogus': not a device"),
+    (["--output", "{tmp}/run/ckpt_0000002.pt"], "that is a checkpoint's name"),
+])
+def test_eval_refuses_bad_flags_before_evaluating(tmp_path, finished_run, capsys, monkeypatch, flags, named):
+    import midlayer.evaluate
+
+    def must_not_run(*a, **kw):
+        raise AssertionError("evaluate ran before the flags were checked")
+
+    monkeypatch.setattr(midlayer.evaluate, "evaluate", must_not_run)
+    before = snapshot(tmp_path)
+    rc, out, err = run(capsys, ["eval", str(finished_run), *[f.format(tmp=tmp_path) for f in flags]])
+    assert rc == 2 and out == "" and named in one_line_error(err, "eval")
+    assert snapshot(tmp_path) == before
+
+
+def test_eval_output_file_is_written(tmp_path, finished_run, capsys):
+    rc, out, _ = run(capsys, ["eval", str(finished_run), "--output", str(tmp_path / "e.json")])
+    assert rc == 0 and json.loads((tmp_path / "e.json").read_text()) == json.loads(out)
+
+
+# ----------------------------------------------------------------------------------- 7. flex on CPU
+def test_flex_attention_training_on_cpu_is_refused(tmp_path, shards, capsys):
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", "--attn-backend", "flex",
+                                        "--device", "cpu"))
+    assert rc == 2 and "--attn-backend flex" in one_line_error(err)
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------ 8. Ctrl-C
+def _interrupting_transformer(monkeypatch, after_calls: int):
+    import midlayer.train as train_mod
+
+    class Interrupted(train_mod.Transformer):
+        calls = 0
+
+        def forward(self, *a, **kw):
+            if self.training:
+                Interrupted.calls += 1
+                if Interrupted.calls > after_calls:
+                    raise KeyboardInterrupt
+            return super().forward(*a, **kw)
+
+    monkeypatch.setattr(train_mod, "Transformer", Interrupted)
+
+
+def test_ctrl_c_stops_with_one_line_naming_the_checkpoint_and_resume_loses_nothing(tmp_path, shards, capsys,
+                                                                                    monkeypatch):
+    run_dir = tmp_path / "run"
+    argv = train_argv(shards, run_dir, "--steps", "6", "--ckpt-every", "2")
+    _interrupting_transformer(monkeypatch, after_calls=7)  # during the 4th step, after the checkpoint at 2
+    rc, out, err = cli.main(argv), *capsys.readouterr()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 130 and out == "" and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0] == (f"midlayer train: interrupted: continue from {run_dir / 'ckpt_0000002.pt'} by running "
+                        "the same command with --resume")
+    assert ckpt_steps(run_dir) == [2] and not glob.glob(str(run_dir / ".*tmp*"))
+    monkeypatch.undo()
+    assert run(capsys, argv + ["--resume"])[0] == 0
+    # the resumed run ends with the weights of an uninterrupted one
+    assert run(capsys, train_argv(shards, tmp_path / "whole", "--steps", "6", "--ckpt-every", "2"))[0] == 0
+    a = load_checkpoint(list_checkpoints(run_dir)[-1])
+    b = load_checkpoint(list_checkpoints(tmp_path / "whole")[-1])
+    assert a["step"] == b["step"] == 6
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path, shards, capsys, monkeypatch):
+    _interrupting_transformer(monkeypatch, after_calls=1)
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "6", "--ckpt-every", "2"))
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 130 and len(lines) == 1 and "nothing to resume from" in lines[0], err
+    assert list_checkpoints(tmp_path / "run") == []
+
+
+def test_real_sigint_to_a_training_process(tmp_path, shards):
+    """The signal itself (progress bar on): exit 130, the last stderr line says where to resume, no trace."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "midlayer", "train", "debug", "--data", shards, "--steps", "100000",
+                          "--ckpt-every", "2", "--out-dir", str(run_dir)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell's `&` ignores it
+    try:
+        for _ in range(600):
+            if list_checkpoints(run_dir) or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert p.poll() is None, p.communicate()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"midlayer train: interrupted: continue from {run_dir}{os.sep}ckpt_"), err
+    assert last.endswith("with --resume")
+    named = Path(last.split("continue from ")[1].split(" by running")[0])
+    assert named == list_checkpoints(run_dir)[-1]
+    load_checkpoint(named)
+
+
+# ------------------------------------------------------------------ 9. temp files of a killed checkpoint write
+def test_stale_checkpoint_temp_files_are_removed_when_a_run_resumes(tmp_path, shards, capsys):
+    run_dir = tmp_path / "run"
+    argv = train_argv(shards, run_dir, "--steps", "4", "--ckpt-every", "2")
+    assert run(capsys, argv + ["--stop-after", "2"])[0] == 0
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its PID names no process (as a writer killed by kill -9)
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        stale = [run_dir / f".ckpt_0000004.pt.tmp.{dead.pid}", run_dir / f".config.json.tmp.{dead.pid}"]
+        kept = [run_dir / f".ckpt_0000004.pt.tmp.{live.pid}",  # a writer still running: not ours to delete
+                run_dir / ".ckpt_0000004.pt.tmp.x", run_dir / "ckpt_0000004.pt.tmp.1", run_dir / "notes.txt"]
+        for p in stale + kept:
+            p.write_bytes(b"half a checkpoint")
+        # a refused command touches nothing
+        before = snapshot(tmp_path)
+        rc, _, err = run(capsys, train_argv(shards, run_dir, "--steps", "5", "--resume"))
+        assert rc == 2 and "--steps: 4 -> 5" in one_line_error(err)
+        assert snapshot(tmp_path) == before
+        rc, _, err = run(capsys, argv + ["--resume"])
+        assert rc == 0
+        assert "note: removed 2 temporary file(s)" in err
+        assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
+        assert ckpt_steps(run_dir) == [2, 4]
+    finally:
+        live.kill()
+        live.wait()
+
+
+# ---------------------------------------------------------------------- 11. the newest checkpoint is corrupt
+def test_corrupt_newest_checkpoint_names_the_newest_good_one(tmp_path, shards, capsys):
+    run_dir = tmp_path / "run"
+    argv = train_argv(shards, run_dir, "--steps", "8", "--ckpt-every", "2", "--keep-last", "3")
+    assert run(capsys, argv + ["--stop-after", "6"])[0] == 0
+    c2, c4, c6 = list_checkpoints(run_dir)
+    c6.write_bytes(c6.read_bytes()[:5000])  # truncated
+    c4.write_bytes(b"\0" * 4096)  # garbage
+    before = snapshot(tmp_path)
+    for cmd, rc_argv in (("train", argv + ["--resume"]), ("eval", ["eval", str(run_dir)])):
+        rc, _, err = run(capsys, rc_argv)
+        line = one_line_error(err, cmd)
+        assert rc == 2 and f"checkpoint {c6} is corrupt" in line
+        assert f"the newest good checkpoint is {c2}" in line and "nothing was changed" in line
+        assert snapshot(tmp_path) == before
+    c2.write_bytes(b"")
+    rc, _, err = run(capsys, argv + ["--resume"])
+    assert rc == 2 and "no other checkpoint" in one_line_error(err)
+
+
+def test_json_outputs_of_a_run_are_strict_json(tmp_path, shards, capsys):
+    run_dir = tmp_path / "run"
+    assert run(capsys, train_argv(shards, run_dir, "--steps", "2", "--log-every", "1"))[0] == 0
+    strict_json_lines(run_dir / "metrics.jsonl")
+    assert math.isfinite(json.loads((run_dir / "eval.json").read_text(), parse_constant=float)["val_ce"])
