@@ -580,6 +580,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_train_draft(args: argparse.Namespace) -> int:
     from .draft_training import train_draft
 
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
     over = overrides_from_args(args).get("draft", {})
     if "out_dir" not in over:
         over["out_dir"] = f"runs/draft/{over.get('method', DraftTrainConfig.method)}"

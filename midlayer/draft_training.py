@@ -63,6 +63,7 @@ from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, earl
 from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
 from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
 from .model import Transformer
+from .train import json_safe
 
 METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle")
 
@@ -297,7 +298,7 @@ def _save(cfg: DraftTrainConfig, out: Path, model: Transformer, module: nn.Modul
     """The draft (weights + JSON with the training settings and held-out metrics) and metrics.json."""
     save_draft(out, module, {"train": dataclasses.asdict(cfg), "heldout": metrics}, base=model,
                base_name=cfg.model if not Path(cfg.model).exists() else None)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    (out / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=2))  # NaN -> null: strict JSON
 
 
 @torch.no_grad()
@@ -454,6 +455,12 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
                     cached = frozen.get(step % len(train_b), tokens)
                 with torch.enable_grad(), autocast:
                     loss, per = _loss(cfg, model, module, tokens, mask, phase, cached, step)
+                if not torch.isfinite(loss.detach()):  # nothing is saved from here on: the state stays good
+                    if bar is not None:
+                        bar.close()
+                    saved = f"{sp} (step {torch.load(sp, weights_only=True)['step']})" if sp.is_file() else "none"
+                    raise ValueError(f"non-finite draft loss at step {step + 1}; last saved state: {saved}. "
+                                     "Resume with a lower --lr (in a new --out-dir: settings must match)")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -511,7 +518,7 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
                    heldout_batches=len(held_b), final_loss=history[-1]["loss"] if history else None,
                    settings=settings, data_header={k: ds.header.get(k) for k in ("model_name", "max_new_tokens")})
     _save(cfg, out, model, module, metrics)
-    (out / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    (out / "history.jsonl").write_text("".join(json.dumps(json_safe(h)) + "\n" for h in history))
     log(f"{cfg.method}: held-out top-1 per step {metrics['top1']}; saved to {out}")
     return DraftRun(module, metrics, history, out)
 

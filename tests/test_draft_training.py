@@ -226,3 +226,35 @@ def test_resume_refuses_changed_data(tmp_path):
     with pytest.raises(ValueError, match="other data"):
         train_draft(c, base, grown, progress=False, log=lambda s: None)
     assert train_draft(c, base, data, progress=False, log=lambda s: None).metrics["steps"] > 3
+
+
+def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_state(tmp_path, monkeypatch):
+    import midlayer.draft_training as dt
+
+    base, data = tiny_base(), tiny_data()
+    c = cfg(tmp_path, "medusa", epochs=2)  # ckpt_every 5
+    real = dt._loss
+    calls = [0]
+
+    def diverging(*a, **k):
+        calls[0] += 1
+        loss, per = real(*a, **k)
+        return (loss * float("nan"), per) if calls[0] == 7 else (loss, per)
+
+    monkeypatch.setattr(dt, "_loss", diverging)
+    with pytest.raises(ValueError, match=r"non-finite draft loss at step 7; last saved state: .*\(step 5\)"):
+        train_draft(c, base, data, progress=False, log=lambda s: None)
+    state = torch.load(tmp_path / "medusa" / "train_state.pt", weights_only=True)
+    assert state["step"] == 5 and all(torch.isfinite(v).all() for v in state["module"].values())
+    assert dt.json_safe({"a": [float("nan"), 1.0]}) == {"a": [None, 1.0]}
+
+
+def test_train_draft_cli_refuses_stop_after_below_one(tmp_path, capsys):
+    from midlayer import cli
+
+    for bad in ("0", "-1"):
+        assert cli.main(["train-draft", "--stop-after", bad, "--data", str(tmp_path / "none.jsonl"),
+                         "--out-dir", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--stop-after must be >= 1" in err[0]
+    assert not (tmp_path / "o").exists()
