@@ -443,15 +443,12 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     encoded = [tok.encode_chat([{"role": "user", "content": p.text}]) for p in chosen]
 
     methods: dict[str, tuple] = {}  # label -> (drafter, draft depth k); drafters keep no per-run state
-    accs: dict[str, list] = {}  # label -> held-out per-rank accuracies (for sparse trees)
-    own_acc: dict[str, list] = {}  # label -> its own accuracies, depth 1 only for early exit (for auto trees)
+    own_acc: dict[str, list] = {}  # label -> its held-out per-rank accuracies (depth 1 only for early exit)
     for label, path in (drafts or {}).items():
         d, module, meta = load_drafter(path, model)
         acc = meta.get("heldout", {}).get("acc")
         k = getattr(module, "k", None) or len(acc or [])
         methods[label] = (d, k)
-        if acc and len(acc) > 1:
-            accs[label] = acc
         if acc:
             own_acc[label] = acc
         if isinstance(d, HiddenTransferDrafter):
@@ -472,6 +469,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
         if tree == "chain":
             return DraftTree.chain(k if k > 1 else depth)
         own = label.removesuffix("-separate").removesuffix("-dynamic")
+        accs = {lab: a for lab, a in own_acc.items() if len(a) > 1}  # every depth measured (sparse trees)
         src = accs.get(own) or next(iter(accs.values()), None)
         if tree == "auto":
             src = own_acc.get(own) or src

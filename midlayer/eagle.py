@@ -286,11 +286,17 @@ class EagleDrafter:
             self.cache.truncate(0)
 
     # ------------------------------------------------------------------------------------ the state
-    def _scratch_rows(self, tree: DraftTree) -> int:
-        """Draft rows one round runs: the tree's nodes + the root (static), or root + k per depth (dynamic)."""
+    def _level_rows(self, tree: DraftTree) -> list[int]:
+        """Draft rows run per level: the tree's level sizes (static), or the root and then the k expanded
+        nodes of every depth but the last (dynamic)."""
         if self.dynamic_k:
-            return 1 + self.dynamic_k * max(tree.max_depth - 1, 0)
-        return len(tree) + 1
+            return [1] + [self.dynamic_k] * (tree.max_depth - 1) if tree.max_depth else []
+        return tree.level_sizes()
+
+    def _scratch_rows(self, tree: DraftTree) -> int:
+        """Scratch slots one round needs: every row run (dynamic), or every node + the root (static: the
+        leaves get slots too, though they are never run)."""
+        return sum(self._level_rows(tree)) if self.dynamic_k else len(tree) + 1
 
     def _ensure_cache(self, n_nodes: int) -> KVCache:
         need = self.model.cfg.max_seq_len + n_nodes + 1  # context rows (positions) + one tree in scratch slots
@@ -340,11 +346,7 @@ class EagleDrafter:
         round (1 + accepted, one block, no head) are counted as 1 row, their minimum."""
         one = [1] + [0] * (n_layers - 1)
         out = [(one, 0)]
-        if self.dynamic_k:  # the root, then the k best nodes of every depth but the last
-            counts = [1] + [self.dynamic_k] * (tree.max_depth - 1) if tree.max_depth else []
-        else:
-            counts = tree.level_sizes()
-        out += [([r] + [0] * (n_layers - 1), r) for r in counts]
+        out += [([r] + [0] * (n_layers - 1), r) for r in self._level_rows(tree)]
         return out
 
     # ------------------------------------------------------------------------------------ drafting

@@ -38,13 +38,13 @@ import random
 import re
 import sys
 import zlib
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
 from .prompts import PROMPT_DATA, Prompt, assign_splits
+from .prompts import summary as base_summary
 
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
               "translation", "summarisation", "qa", "reading")
@@ -617,12 +617,8 @@ def load(path: str | Path = SCALED_FILE) -> list[Prompt]:
 
 
 def summary(prompts: list[Prompt]) -> str:
-    c = Counter((p.category, p.split) for p in prompts)
-    cats = [k for k in CATEGORIES if any(p.category == k for p in prompts)]
-    rows = [f"{k:<14} train {c[(k, 'train')]:>5}  heldout {c[(k, 'heldout')]:>4}" for k in cats]
-    rows.append(f"{'total':<14} train {sum(v for (_, s), v in c.items() if s == 'train'):>5}  "
-                f"heldout {sum(v for (_, s), v in c.items() if s == 'heldout'):>4}")
-    return "\n".join(rows)
+    """Counts per category and split (`prompts.summary` over this set's categories)."""
+    return base_summary(prompts, CATEGORIES, name_width=14, count_width=5)
 
 
 def _main(argv: list[str] | None = None) -> None:

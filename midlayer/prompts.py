@@ -282,12 +282,14 @@ def prompt_set(seed: int = 0) -> list[Prompt]:
     return assign_splits(items)
 
 
-def summary(prompts: list[Prompt]) -> str:
-    """Counts per category and split, one line per category."""
+def summary(prompts: list[Prompt], categories: tuple[str, ...] = CATEGORIES, name_width: int = 18,
+            count_width: int = 4) -> str:
+    """Counts per category (in the order of `categories`) and split, one line per category, then the total."""
     c = Counter((p.category, p.split) for p in prompts)
-    cats = [k for k in CATEGORIES if any(p.category == k for p in prompts)]
-    rows = [f"{k:<18} train {c[(k, 'train')]:>4}  heldout {c[(k, 'heldout')]:>4}" for k in cats]
-    rows.append(f"{'total':<18} train {sum(v for (_, s), v in c.items() if s == 'train'):>4}  "
+    cats = [k for k in categories if any(p.category == k for p in prompts)]
+    rows = [f"{k:<{name_width}} train {c[(k, 'train')]:>{count_width}}  heldout {c[(k, 'heldout')]:>4}"
+            for k in cats]
+    rows.append(f"{'total':<{name_width}} train {sum(v for (_, s), v in c.items() if s == 'train'):>{count_width}}  "
                 f"heldout {sum(v for (_, s), v in c.items() if s == 'heldout'):>4}")
     return "\n".join(rows)
 

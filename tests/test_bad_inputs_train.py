@@ -198,22 +198,32 @@ def test_cuda_device_without_cuda_is_refused(tmp_path, shards, capsys, device):
     assert not (tmp_path / "run").exists()
 
 
-def _exploding_transformer(monkeypatch, after_calls: int):
-    """Training forwards return a NaN loss after `after_calls` calls (debug: 2 micro-batches per step)."""
+def _faulty_training_forwards(monkeypatch, after_calls: int, fault) -> None:
+    """`train.Transformer`'s training forwards return `fault(output)` after `after_calls` calls (debug: 2
+    micro-batches per step)."""
     import midlayer.train as train_mod
 
-    class Exploding(train_mod.Transformer):
+    class Faulty(train_mod.Transformer):
         calls = 0
 
         def forward(self, *a, **kw):
             out = super().forward(*a, **kw)
             if self.training:
-                Exploding.calls += 1
-                if Exploding.calls > after_calls:
-                    out.loss = out.loss * float("nan")
+                Faulty.calls += 1
+                if Faulty.calls > after_calls:
+                    return fault(out)
             return out
 
-    monkeypatch.setattr(train_mod, "Transformer", Exploding)
+    monkeypatch.setattr(train_mod, "Transformer", Faulty)
+
+
+def _exploding_transformer(monkeypatch, after_calls: int) -> None:
+    """A NaN loss after `after_calls` training forwards."""
+    def nan_loss(out):
+        out.loss = out.loss * float("nan")
+        return out
+
+    _faulty_training_forwards(monkeypatch, after_calls, nan_loss)
 
 
 def test_diverging_run_stops_with_one_line_naming_the_last_good_checkpoint(tmp_path, shards, capsys, monkeypatch):
@@ -310,20 +320,12 @@ def test_flex_attention_training_on_cpu_is_refused(tmp_path, shards, capsys):
 
 
 # ------------------------------------------------------------------------------------------ 8. Ctrl-C
-def _interrupting_transformer(monkeypatch, after_calls: int):
-    import midlayer.train as train_mod
+def _interrupting_transformer(monkeypatch, after_calls: int) -> None:
+    """Ctrl-C (KeyboardInterrupt) during a training forward after `after_calls` of them."""
+    def interrupt(out):
+        raise KeyboardInterrupt
 
-    class Interrupted(train_mod.Transformer):
-        calls = 0
-
-        def forward(self, *a, **kw):
-            if self.training:
-                Interrupted.calls += 1
-                if Interrupted.calls > after_calls:
-                    raise KeyboardInterrupt
-            return super().forward(*a, **kw)
-
-    monkeypatch.setattr(train_mod, "Transformer", Interrupted)
+    _faulty_training_forwards(monkeypatch, after_calls, interrupt)
 
 
 def test_ctrl_c_stops_with_one_line_naming_the_checkpoint_and_resume_loses_nothing(tmp_path, shards, capsys,

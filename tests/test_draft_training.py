@@ -66,12 +66,13 @@ def test_train_draft_lowers_loss_and_saves(tmp_path, method):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("schedule", ["joint", "sequential"])
-def test_resume_continues_exactly(tmp_path, schedule):
+@pytest.mark.parametrize("method,schedule", [("hidden-transfer", "joint"), ("hidden-transfer", "sequential"),
+                                             ("eagle", "joint")])  # eagle: its seeded feature noise too
+def test_resume_continues_exactly(tmp_path, method, schedule):
     base, data = tiny_base(), tiny_data()
-    full = train_draft(cfg(tmp_path / "a", "hidden-transfer", schedule=schedule, epochs=3), base, data,
+    full = train_draft(cfg(tmp_path / "a", method, schedule=schedule, epochs=3), base, data,
                        progress=False, log=lambda s: None)
-    c = cfg(tmp_path / "b", "hidden-transfer", schedule=schedule, epochs=3)
+    c = cfg(tmp_path / "b", method, schedule=schedule, epochs=3)
     part = train_draft(c, base, data, progress=False, stop_after=7, log=lambda s: None)
     assert len(part.history) == 7
     rest = train_draft(c, base, data, progress=False, log=lambda s: None)
@@ -79,7 +80,7 @@ def test_resume_continues_exactly(tmp_path, schedule):
     for a, b in zip(rest.module.state_dict().values(), full.module.state_dict().values()):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="other settings"):
-        train_draft(cfg(tmp_path / "b", "hidden-transfer", schedule=schedule, epochs=3, lr=0.5), base, data,
+        train_draft(cfg(tmp_path / "b", method, schedule=schedule, epochs=3, lr=0.5), base, data,
                     progress=False, log=lambda s: None)
 
 

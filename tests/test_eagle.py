@@ -281,18 +281,6 @@ def test_train_draft_eagle_lowers_loss_saves_and_scores(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), run.module.state_dict().values()))
 
 
-def test_train_draft_eagle_resume_continues_exactly(tmp_path):
-    base, data = tiny_base(), tiny_data()
-    full = train_draft(eagle_cfg(tmp_path / "a", epochs=3), base, data, progress=False, log=lambda s: None)
-    c = eagle_cfg(tmp_path / "b", epochs=3)
-    part = train_draft(c, base, data, progress=False, stop_after=7, log=lambda s: None)
-    assert len(part.history) == 7
-    rest = train_draft(c, base, data, progress=False, log=lambda s: None)
-    assert [h["loss"] for h in rest.history] == [h["loss"] for h in full.history]
-    for a, b in zip(rest.module.state_dict().values(), full.module.state_dict().values()):
-        assert torch.equal(a, b)
-
-
 def test_cached_frozen_states_give_the_same_loss(tmp_path):
     from midlayer.draft_training import FrozenStates, _loss, build_module
 
