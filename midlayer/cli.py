@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                                            "by self-distillation (data: python -m midlayer.distill)")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a resumable state) after N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--methods", default=None, metavar="M1,M2,...",
+                   help="train these drafters together on the same batches, one base forward per batch shared "
+                        "(each to OUT_DIR/<method>); replaces --method")
     add_config_flags(p, ["draft"])
 
     p = sub.add_parser("plot", help="Figure 2 (PNG) and tables (CSV, Markdown) of a sweep's results")
@@ -146,8 +149,8 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="speculative decoding with a train-draft output (greedy: the same tokens as without in the "
                         "q4 format; sampling: the same distribution, plain softmax only, no --top-k/--top-p)")
-    p.add_argument("--tree", default="auto", metavar="auto|chain|sparse:N|dynamic:N",
-                   help="draft tree with --draft: auto (the tree of highest expected tokens/s from the draft's "
+    p.add_argument("--tree", default=None, metavar="auto|chain|sparse:N|dynamic:N",
+                   help="draft tree with --draft (default auto): auto (the tree of highest expected tokens/s from the draft's "
                         "held-out accuracies and this machine's measured row costs), the top-1 chain, the N "
                         "nodes most likely accepted, or (EAGLE drafts) EAGLE-2's dynamic tree of N nodes")
     p.add_argument("--stats", action="store_true", help="with --draft: print tau and timing to stderr")
@@ -223,15 +226,12 @@ def load_run(checkpoint: str, device: str | None = None):
     return model, ckpt, from_dict(TrainConfig, ckpt["configs"]["train"])
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
+def _check_eval_args(args: argparse.Namespace) -> None:
+    """What `eval` checks before reading the checkpoint (ValueError naming the flag)."""
     import re
 
-    from .data import TokenWindows, resolve_data
     from .distributed import resolve_device
-    from .evaluate import evaluate
-    from .train import default_cache_dir, json_safe, resolve_dtype
 
-    # every flag checked before the checkpoint is read, so no evaluation is run and then lost
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if args.eval_tokens is not None and args.eval_tokens < 0:
@@ -242,6 +242,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {args.output}: that is a checkpoint's name; the JSON would overwrite it")
     if args.device is not None:
         resolve_device(args.device)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .data import TokenWindows, resolve_data
+    from .evaluate import evaluate
+    from .train import default_cache_dir, json_safe, resolve_dtype
+
+    _check_eval_args(args)  # every flag checked before the checkpoint is read: no evaluation run and then lost
     model, ckpt, train_cfg = load_run(args.checkpoint, args.device)
     if args.eval_tokens and args.eval_tokens < train_cfg.seq_len:
         raise ValueError(f"--eval-tokens must be 0 (the whole split) or at least one window of the run's "
@@ -406,6 +414,12 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         raise ValueError("--system needs --chat (the system message is part of the chat template)")
     if args.device is not None:
         resolve_device(args.device)
+    if args.draft is None and (args.tree is not None or args.stats):
+        # both only describe speculative decoding: taking them silently would suggest they did something
+        raise ValueError(f"{'--tree' if args.tree is not None else '--stats'} needs --draft (it sets/reports the "
+                         "speculative decoding of a trained drafter)")
+    if args.tree is None:
+        args.tree = "auto"
     if args.tree.startswith(("sparse:", "dynamic:")):
         _tree_nodes(args.tree)
     elif args.tree not in ("auto", "chain"):
@@ -564,29 +578,70 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import run_sweep
 
-    extra = {"data": args.data} if args.data is not None else None
     return run_sweep(args.grid, Path(args.out_dir), launcher=args.launcher, nproc=args.nproc, only=args.only,
-                     extra_train=extra)
+                     extra_train=_check_sweep_args(args))
+
+
+def _check_sweep_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """What `sweep` checks before its first run; returns the train overrides of every run."""
+    from .sweep import check_sweep
+
+    if args.data is not None and not args.data.strip():
+        raise ValueError("--data: an empty glob; give the training data's files, e.g. 'data/fineweb10B/*.bin'")
+    if not str(args.out_dir).strip():
+        raise ValueError("--out-dir: an empty path")
+    extra = {"data": args.data} if args.data is not None else None
+    check_sweep(args.grid, Path(args.out_dir), launcher=args.launcher, nproc=args.nproc, only=args.only,
+                extra_train=extra)
+    return extra
+
+
+def _check_plot_args(args: argparse.Namespace) -> None:
+    """What `plot` checks before reading the sweep: an output prefix with a file name, an existing folder."""
+    if args.out is not None and (not args.out.strip() or not Path(args.out).name or args.out.endswith(("/", "."))):
+        raise ValueError(f"--out {args.out!r}: give a file prefix, e.g. docs/results/figure2-cpu")
+    if args.out is not None and Path(args.out).parent.exists() and not Path(args.out).parent.is_dir():
+        raise ValueError(f"--out {args.out}: {Path(args.out).parent} is a file, not a folder")
+    if not Path(args.sweep_dir).is_dir():
+        raise FileNotFoundError(f"{args.sweep_dir} is not a folder (a sweep's output, e.g. runs/sweep/cpu)")
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from .plot import write_report
 
+    _check_plot_args(args)
     for path in write_report(Path(args.sweep_dir), args.out).values():
         print(f"wrote {path}")
     return 0
 
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
-    from .draft_training import train_draft
+    from .draft_training import train_drafts
+
+    train_drafts(draft_configs(args), progress=not args.no_progress, stop_after=args.stop_after)
+    return 0
+
+
+def draft_configs(args: argparse.Namespace) -> list[DraftTrainConfig]:
+    """The configs `train-draft` trains (one, or one per --methods entry into OUT_DIR/<method>), checked."""
+    from .draft_training import METHODS
 
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
     over = overrides_from_args(args).get("draft", {})
-    if "out_dir" not in over:
-        over["out_dir"] = f"runs/draft/{over.get('method', DraftTrainConfig.method)}"
-    train_draft(DraftTrainConfig(**over), progress=not args.no_progress, stop_after=args.stop_after)
-    return 0
+    if args.methods is None:
+        if "out_dir" not in over:
+            over["out_dir"] = f"runs/draft/{over.get('method', DraftTrainConfig.method)}"
+        return [DraftTrainConfig(**over)]
+    if "method" in over:
+        raise ValueError("give --methods or --method, not both")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if not methods or unknown or len(set(methods)) != len(methods):
+        raise ValueError(f"--methods: a comma-separated list of distinct methods among {', '.join(METHODS)}, "
+                         f"got {args.methods!r}")
+    root = Path(over.pop("out_dir", "runs/draft"))
+    return [DraftTrainConfig(**over, method=m, out_dir=str(root / m)) for m in methods]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -185,6 +185,12 @@ class TrainConfig:
         _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(bool(self.out_dir.strip()), "out_dir", "must name a folder, got ''")  # '' would mean the cwd
+        from .tokenizer import MAX_VOCAB, MIN_VOCAB  # the BPE trainer's own limits, checked before any data work
+
+        v = self.tokenizer_vocab
+        _check(isinstance(v, int) and not isinstance(v, bool) and MIN_VOCAB <= v <= MAX_VOCAB, "tokenizer_vocab",
+               f"must be an int in [{MIN_VOCAB}, {MAX_VOCAB}] (256 bytes + end-of-text + at least one merge; ids "
+               f"must fit uint16 shards), got {v!r}")
         _check(self.batch_size % self.micro_batch_size == 0, "batch_size",
                f"must be a multiple of micro_batch_size={self.micro_batch_size}, got {self.batch_size}")
 

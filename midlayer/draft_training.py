@@ -58,11 +58,12 @@ from torch import nn
 
 from .checkpoint import atomic_write_bytes
 from .config import check_finite
-from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, early_exit_loss, lower_states,
+from .draft_vocab import draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab, to_token_ids
+from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, early_exit_loss,
                        medusa_loss, model_device, save_draft)
 from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
 from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
-from .model import Transformer
+from .model import Transformer, causal_step
 from .train import json_safe
 
 METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle")
@@ -100,6 +101,8 @@ class DraftTrainConfig:
     #                    the best evaluated weights are the ones saved
     curve_batches: int = 64  # held-out records per curve evaluation (a fixed subset; 0: all)
     cache_gb: float = 4.0  # memory for frozen base states reused across epochs; beyond it, recomputed
+    draft_vocab: int = 16384  # drafts score only the N most frequent training-response tokens (draft_vocab.py;
+    #                           FR-Spec / EAGLE-3); 0: the full vocabulary
 
     def __post_init__(self) -> None:
         check_finite(self)  # --lr inf, --epochs nan, ...
@@ -111,8 +114,8 @@ class DraftTrainConfig:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if self.epochs <= 0 or self.lr <= 0 or self.batch_tokens < 2 or self.seq_len < 2:
             raise ValueError("epochs and lr must be > 0, batch_tokens and seq_len >= 2")
-        if self.eval_every < 0 or self.patience < 0 or self.curve_batches < 0 or self.cache_gb < 0:
-            raise ValueError("eval_every, patience, curve_batches and cache_gb must be >= 0")
+        if self.eval_every < 0 or self.patience < 0 or self.curve_batches < 0 or self.cache_gb < 0 or self.draft_vocab < 0:
+            raise ValueError("eval_every, patience, curve_batches, cache_gb and draft_vocab must be >= 0")
         if self.patience and not self.eval_every:
             raise ValueError("patience needs eval_every > 0 (early stopping compares held-out evaluations)")
         self.layers = tuple(int(t) for t in self.layers)
@@ -134,56 +137,88 @@ def build_module(cfg: DraftTrainConfig, model: Transformer) -> nn.Module:
 
 
 class FrozenStates:
-    """Per-batch states of the frozen base, computed once and reused every epoch (the base never changes).
+    """Residuals of the frozen base for a batch, computed once and shared: by every drafter trained in the
+    same loop (`train_drafts`: one base forward per batch serves them all) and by later epochs (the base
+    never changes).
 
-    Hidden transfer (dense bases): the real rows' residual entering block t_1 -- the blocks below are not
-    run again. Medusa / EAGLE / early exit: the final residual (the teacher logits are recomputed from it by
-    the frozen norm + head, far cheaper than the forward; it is also EAGLE's feature and regression target)
-    and the exit block's residual: after the first epoch their steps cost only the draft module. Gated
-    bases: nothing is cached (their routers need the lower blocks). Kept in fp32 on the base's device:
-    ~2.3 KB per token per cached state for SmolLM2."""
+    `layers`: the blocks whose entering residual is kept (L = n_layers is the final residual): the final
+    one for Medusa / EAGLE / the teacher, the exit block for early exit, t_1 for hidden transfer. With L
+    among them the full forward runs; otherwise the blocks up to the deepest one (`lower_states`). States
+    are kept in fp16 when they fit its range (half the memory; the teacher and the drafts read them through
+    RMSNorm or a d x d map, where fp16's 2^-11 relative rounding is far below what training resolves), else
+    fp32; `cache_gb` bounds the memory, batches past it are recomputed (same values, only the cost differs).
+    Gated bases: nothing is cached (their routers need the lower blocks) and each loss runs its own forward.
+    """
 
-    def __init__(self, cfg: DraftTrainConfig, model: Transformer, module: nn.Module) -> None:
-        self.cfg, self.model, self.module = cfg, model, module
+    def __init__(self, model: Transformer, layers: set[int], cache_gb: float) -> None:
+        self.model, self.layers = model, sorted(layers)
         self.enabled = model.routers is None
-        self.store: dict[int, Any] = {}
-        self.budget, self.used = int(cfg.cache_gb * 2**30), 0  # bytes; batches past the budget are recomputed
+        self.store: dict[Any, dict[int, torch.Tensor]] = {}
+        self.budget, self.used = int(cache_gb * 2**30), 0  # bytes
 
-    def get(self, index: int, tokens: torch.Tensor) -> Any:
+    def states(self, key: Any, tokens: torch.Tensor) -> dict[int, torch.Tensor] | None:
+        """{layer: residual [B, T, d]} of `tokens` (fp32), from the store when `key` was seen."""
         if not self.enabled:
             return None
-        got = self.store.get(index)
+        got = self.store.get(key)
         if got is None:
-            model = self.model
+            model, L = self.model, self.model.cfg.n_layers
             with torch.no_grad():
-                if self.cfg.method == "hidden-transfer":
-                    t1 = min(self.module.layers)
-                    got = (t1, lower_states(model, tokens, t1))
-                else:
+                if L in self.layers:
                     hs = model(tokens, output_hidden_states=True, return_logits=False).hidden_states
-                    keep = {model.cfg.n_layers: hs[-1]}
-                    if self.cfg.method == "early-exit":
-                        keep[self.module.layer] = hs[self.module.layer]
-                    got = keep
-            size = sum(t.numel() * t.element_size() for t in _tensors(got))
-            if self.used + size <= self.budget:  # same values either way: only the cost differs
-                self.store[index] = got
+                    got = {layer: hs[layer] for layer in self.layers}
+                else:
+                    top = max(self.layers)
+                    cap = dict.fromkeys(self.layers)
+                    h = model.emb_norm(model.tok_embeddings(tokens))
+                    model.run_blocks(h, causal_step(model.rope_cos[:tokens.shape[1]], model.rope_sin[:tokens.shape[1]]),
+                                     stop=top, capture=cap)
+                    got = {layer: cap[layer] for layer in self.layers}
+            packed = {k: _pack(v) for k, v in got.items()}
+            size = sum(v.numel() * v.element_size() for v in packed.values())
+            if self.used + size <= self.budget:
+                self.store[key] = packed
                 self.used += size
-        if self.cfg.method == "hidden-transfer":
-            return got
-        L = self.model.cfg.n_layers
-        hs = [got.get(layer) for layer in range(L + 1)]
-        with torch.no_grad():
-            logits = self.model.output(self.model.norm(hs[L]))
-        return logits, hs
+            got = packed  # stored or not, the same values: a resumed or uncached run sees what a cached one did
+        return {k: v.float() for k, v in got.items()}
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    return [t for v in x for t in _tensors(v)] if isinstance(x, (list, tuple)) else []
+def _pack(x: torch.Tensor) -> torch.Tensor:
+    """fp16 when every value is inside its range with margin, else the tensor as it is (FrozenStates)."""
+    if x.dtype == torch.float32 and bool(x.abs().max() < 30000.0):
+        return x.half()
+    return x
+
+
+def needed_layers(cfg: DraftTrainConfig, model: Transformer, module: nn.Module) -> set[int]:
+    """The base residuals a method's loss reads (FrozenStates)."""
+    L = model.cfg.n_layers
+    if cfg.method == "hidden-transfer":
+        return {min(module.layers)}
+    if cfg.method == "early-exit":
+        return {L, module.layer}
+    return {L}
+
+
+def loss_inputs(cfg: DraftTrainConfig, model: Transformer, module: nn.Module,
+                states: dict[int, torch.Tensor] | None, memo: dict[Any, torch.Tensor]) -> Any:
+    """What `_loss` takes as `cached` from the shared states: (t_1, residual) for hidden transfer; (teacher
+    logits over the module's draft vocabulary, residuals by layer) for the others. `memo` shares the
+    teacher logits between modules with the same draft vocabulary within one batch."""
+    if states is None:
+        return None
+    if cfg.method == "hidden-transfer":
+        t1 = min(module.layers)
+        return t1, states[t1]
+    L = model.cfg.n_layers
+    vocab = draft_vocab(module)
+    key = None if vocab is None else (vocab.numel(), int(vocab.sum()), int(vocab[-1]))
+    logits = memo.get(key)
+    if logits is None:
+        with torch.no_grad():  # the teacher
+            logits = memo[key] = head_logits(module, model, model.norm(states[L]))
+    hs = [states.get(layer) for layer in range(L + 1)]
+    return logits, hs
 
 
 def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
@@ -277,16 +312,19 @@ def _autocast(cfg: DraftTrainConfig, model: Transformer) -> torch.autocast:
 
 @torch.no_grad()
 def heldout_loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module,
-                 batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+                 batches: list[tuple[torch.Tensor, torch.Tensor]], frozen: FrozenStates | None = None) -> float:
     """The training loss on held-out records (response positions only, `response_batches`), weighted by
-    their valid positions: the learning curve and the early-stopping criterion."""
+    their valid positions: the learning curve and the early-stopping criterion. `frozen`: the base's states
+    of these records are computed once and shared by every evaluation and drafter (key ("held", i))."""
     was = module.training
     module.eval()
     total = weight = 0.0
     dev = model_device(model)
-    for tokens, mask in batches:
+    for i, (tokens, mask) in enumerate(batches):
         tokens, mask = tokens.to(dev), mask.to(dev)
-        loss, _ = _loss(cfg, model, module, tokens, mask, 0, None, 0, noise=False)
+        states = None if frozen is None else frozen.states(("held", i), tokens)
+        cached = loss_inputs(cfg, model, module, states, {})
+        loss, _ = _loss(cfg, model, module, tokens, mask, 0, cached, 0, noise=False)
         w = float(mask.sum())
         total += float(loss) * w
         weight += w
@@ -307,6 +345,7 @@ def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module
     """acc[d][r] (per-rank accuracy at depth d + 1), top1, the anchors counted per depth, and for hidden
     transfer the cosine similarity of pseudo vs real states by block (module docstring)."""
     dev = model_device(model)
+    vocab = draft_vocab(module)  # candidates are draft-vocabulary tokens; targets the base's full argmax
     hits: list[torch.Tensor] = []
     counts: list[float] = []
     L = model.cfg.n_layers
@@ -319,9 +358,9 @@ def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module
             pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (draft logits, target, valid)
             if cfg.method == "hidden-transfer":
                 states: dict[int, torch.Tensor] = {}
-                real, pseudo = transfer_forward(model, module, tokens, collect=states)
+                real, pseudo = transfer_forward(model, module, tokens, collect=states, full=True)
                 for i, p in enumerate(pseudo, start=1):
-                    pairs.append((p, real[:, i:].argmax(-1), mask[:, i:]))
+                    pairs.append((restrict_logits(p, vocab), real[:, i:].argmax(-1), mask[:, i:]))
                     # Fig. 4: the step-i pseudo row of anchor j vs the real row at j + i, entering each block.
                     anchor, step = states["anchor"], states["step"]
                     rows = (step == i).nonzero().flatten()
@@ -344,11 +383,11 @@ def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module
                     if T >= 2:  # depth i: anchors 0..T-1-i, target the base argmax at a + i
                         preds = eagle_forward(model, module, tokens, hs[-1], min(cfg.k, T - 1))
                         for i, fhat in enumerate(preds, start=1):
-                            pairs.append((feature_logits(model, fhat), target[:, i:], mask[:, i:]))
+                            pairs.append((feature_logits(model, fhat, module), target[:, i:], mask[:, i:]))
                 else:
                     pairs.append((module.logits(model, hs[module.layer]), target, mask))
             for d, (lg, tgt, valid) in enumerate(pairs):
-                top = lg.float().topk(ranks, -1).indices  # [B, A, ranks]
+                top = to_token_ids(lg.float().topk(ranks, -1).indices, vocab)  # [B, A, ranks] token ids
                 h = ((top == tgt[..., None]) & valid[..., None]).sum((0, 1)).float().cpu()
                 if d >= len(hits):
                     hits.append(torch.zeros(ranks))
@@ -377,150 +416,244 @@ def _state_path(out: Path) -> Path:
     return out / "train_state.pt"
 
 
+# Settings every drafter of one `train_drafts` loop must share: they fix the batches, their order and the
+# number of steps (the equal-data, equal-budget comparison), or what the shared frozen states are.
+SHARED = ("model", "data", "epochs", "batch_tokens", "seq_len", "bf16", "seed", "ckpt_every", "max_eval_batches",
+          "eval_every", "patience", "curve_batches", "cache_gb", "draft_vocab")
+
+
+class _Run:
+    """One drafter's training state inside the shared loop: module, optimiser, step, learning curve, early
+    stopping, and its resumable state file `out_dir/train_state.pt`."""
+
+    def __init__(self, cfg: DraftTrainConfig, model: Transformer, total: int, data_fp: str, vocab: torch.Tensor | None,
+                 log: Callable[[str], None]) -> None:
+        self.cfg, self.model, self.total, self.log = cfg, model, total, log
+        torch.manual_seed(cfg.seed)  # the same initial weights as when trained alone
+        self.module = build_module(cfg, model).to(model_device(model))
+        if vocab is not None:
+            set_draft_vocab(self.module, vocab)
+        self.out = Path(cfg.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.sp = _state_path(self.out)
+        self.settings, self.data_fp = dataclasses.asdict(cfg), data_fp
+        self.phases = _phases(cfg, total)
+        self.step, self.history, self.opt_state = 0, [], None
+        self.curve: list[dict[str, Any]] = []
+        self.best: dict[str, Any] = {"loss": math.inf, "step": 0, "module": None}
+        self.stale, self.done_here = 0, 0
+        self.opt: torch.optim.Optimizer | None = None
+        self.phase = -1
+        if self.sp.is_file():
+            st = torch.load(self.sp, map_location="cpu", weights_only=True)  # plain dicts, lists, tensors
+            if st.get("settings") != self.settings:
+                raise ValueError(f"{self.sp}: made with other settings; use another --out-dir or delete it to start over")
+            if st.get("data", data_fp) != data_fp:
+                raise ValueError(f"{self.sp}: made on other data ({cfg.data} changed since: records added or edited); "
+                                 "continuing would train on other batches. Use another --out-dir or delete it")
+            self.module.load_state_dict(st["module"])
+            self.step, self.history, self.opt_state = st["step"], st["history"], st["opt"]
+            self.curve, self.best, self.stale = st.get("curve", []), st.get("best", self.best), st.get("stale", 0)
+            log(f"resuming {cfg.method} at step {self.step}/{total}")
+        self.stopped = bool(cfg.patience) and self.stale >= cfg.patience  # early stop; True: already stopped
+
+    def save_state(self, phase_done: bool = False) -> None:
+        """The resumable state, atomically (a finished phase saves no optimiser moments to resume with)."""
+        state = {"settings": self.settings, "module": self.module.state_dict(), "step": self.step,
+                 "history": self.history, "opt": {"phase": -1 if phase_done or self.opt is None else self.phase,
+                                                  "state": {} if self.opt is None else self.opt.state_dict()},
+                 "curve": self.curve, "best": self.best, "stale": self.stale, "data": self.data_fp}
+        atomic_write_bytes(self.sp, lambda tmp: torch.save(state, tmp))
+
+    @property
+    def active(self) -> bool:
+        return self.step < self.total and not self.stopped
+
+    def _phase_at(self, step: int) -> tuple[int, int]:
+        """(phase, last step of the phase + 1) of `step` (module `_phases`)."""
+        first = 0
+        for phase, n in self.phases:
+            if step < first + n:
+                return phase, first + n
+            first += n
+        return self.phases[-1][0], first
+
+    def _optimiser(self) -> None:
+        """The phase's Adam on its parameters (the others frozen), with the saved moments when resuming."""
+        phase, _ = self._phase_at(self.step)
+        if phase == self.phase and self.opt is not None:
+            return
+        params = _trainable(self.cfg, self.module, phase)
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        self.params, self.phase = params, phase
+        self.opt = torch.optim.Adam(params, lr=self.cfg.lr)
+        if self.opt_state is not None and self.opt_state.get("phase") == phase:
+            self.opt.load_state_dict(self.opt_state["state"])
+        self.opt_state = None
+        self.module.train()
+
+    def train_step(self, tokens: torch.Tensor, mask: torch.Tensor, states: dict[int, torch.Tensor] | None,
+                   memo: dict[Any, torch.Tensor], autocast: torch.autocast, curve_b: list, frozen: FrozenStates
+                   ) -> float:
+        """One optimiser step on the batch; evaluates, checkpoints and early-stops as configured."""
+        cfg = self.cfg
+        self._optimiser()
+        with autocast:
+            cached = loss_inputs(cfg, self.model, self.module, states, memo)
+        with torch.enable_grad(), autocast:
+            loss, per = _loss(cfg, self.model, self.module, tokens, mask, self.phase, cached, self.step)
+        if not torch.isfinite(loss.detach()):  # nothing is saved from here on: the state stays good
+            sp = self.sp
+            saved = f"{sp} (step {torch.load(sp, weights_only=True)['step']})" if sp.is_file() else "none"
+            raise ValueError(f"non-finite {cfg.method} draft loss at step {self.step + 1}; last saved state: "
+                             f"{saved}. Resume with a lower --lr (in a new --out-dir: settings must match)")
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.step += 1
+        self.done_here += 1
+        value = float(loss.detach())
+        self.history.append({"step": self.step, "phase": self.phase, "loss": value, "per_step": per})
+        evaluated = False
+        if cfg.eval_every and self.step % cfg.eval_every == 0:
+            with autocast:
+                hl = heldout_loss(cfg, self.model, self.module, curve_b, frozen)
+            recent = [h["loss"] for h in self.history[-cfg.eval_every:]]
+            self.curve.append({"step": self.step, "heldout_loss": round(hl, 6),
+                               "train_loss": round(sum(recent) / len(recent), 6)})
+            if hl < self.best["loss"]:
+                self.best = {"loss": hl, "step": self.step,
+                             "module": {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()}}
+                self.stale = 0
+            else:
+                self.stale += 1
+            evaluated = True
+            self.log(f"{cfg.method} step {self.step}: held-out loss {hl:.4f} "
+                     f"(best {self.best['loss']:.4f} at step {self.best['step']})")
+            self.stopped = bool(cfg.patience) and self.stale >= cfg.patience
+        _, phase_end = self._phase_at(self.step - 1)
+        last = self.step == phase_end or self.stopped
+        if self.step % cfg.ckpt_every == 0 or last or evaluated:
+            self.save_state(last)
+        if last:
+            self.opt = None  # the next phase starts a fresh optimiser
+        if self.stopped:
+            self.log(f"{cfg.method}: early stop at step {self.step}: no better held-out loss in {cfg.patience} "
+                     f"evaluations; keeping step {self.best['step']}")
+        return value
+
+    def finish(self, ds: Any, held_b: list, n_train: int, autocast: torch.autocast, train_s: float) -> DraftRun:
+        """Best weights (with patience), held-out metrics, saved draft and history."""
+        cfg, module = self.cfg, self.module
+        if cfg.patience and self.best["module"] is not None:  # early stopping keeps the best evaluated weights
+            module.load_state_dict(self.best["module"])
+        module.eval()
+        for p in module.parameters():
+            p.requires_grad_(False)
+        with autocast:
+            metrics = heldout_metrics(cfg, self.model, module, held_b)
+        metrics.update(steps=self.step, planned_steps=self.total, curve=self.curve,
+                       best_step=self.best["step"] if self.curve else self.step,
+                       train_seconds_this_call=round(train_s, 1), train_batches=n_train,
+                       heldout_batches=len(held_b), final_loss=self.history[-1]["loss"] if self.history else None,
+                       settings=self.settings, draft_vocab_size=None if draft_vocab(module) is None
+                       else int(draft_vocab(module).numel()),
+                       data_header={k: ds.header.get(k) for k in ("model_name", "max_new_tokens")})
+        _save(cfg, self.out, self.model, module, metrics)
+        (self.out / "history.jsonl").write_text("".join(json.dumps(json_safe(h)) + "\\n" for h in self.history))
+        self.log(f"{cfg.method}: held-out top-1 per step {metrics['top1']}; saved to {self.out}")
+        return DraftRun(module, metrics, self.history, self.out)
+
+
 def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: Any = None, *,
                 progress: bool = True, stop_after: int | None = None,
                 log: Callable[[str], None] = print) -> DraftRun:
-    """Train, evaluate on held-out, save (module docstring). `model`/`data` (a DistillSet) may be given to
-    skip loading; `stop_after` stops after that many steps in this call (for tests of resume)."""
+    """Train one drafter (`train_drafts` with one config)."""
+    return train_drafts([cfg], model, data, progress=progress, stop_after=stop_after, log=log)[0]
+
+
+def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None, data: Any = None, *,
+                 progress: bool = True, stop_after: int | None = None,
+                 log: Callable[[str], None] = print) -> list[DraftRun]:
+    """Train drafters in lockstep on the same batches, evaluate each on held-out, save each to its out_dir
+    (module docstring). Every step draws one batch, runs the frozen base once (`FrozenStates`, shared) and
+    gives each drafter whose own step has reached it one optimiser step; a drafter resumed at a later step
+    waits for the loop to catch up, so each one's continuation is the one it would have made alone.
+    `model`/`data` (a DistillSet) may be given to skip loading; `stop_after` stops after that many loop
+    steps in this call (a resumable state is saved)."""
     from .distill import DistillSet, batches as make_batches
 
+    if not cfgs:
+        raise ValueError("no drafter to train")
+    c0 = cfgs[0]
+    for c in cfgs[1:]:
+        diff = [k for k in SHARED if getattr(c, k) != getattr(c0, k)]
+        if diff:
+            raise ValueError(f"drafters trained together must share {', '.join(diff)} ({c.method} vs {c0.method})")
+    outs = [str(Path(c.out_dir).resolve()) for c in cfgs]
+    if len(set(outs)) != len(outs):
+        raise ValueError("drafters trained together need distinct out_dir")
     if model is None:
         from .pretrained import load_pretrained
 
-        model = load_pretrained(cfg.model)[0]
+        model = load_pretrained(c0.model)[0]
     model.eval()
-    ds = data if data is not None else DistillSet.load(cfg.data)
-    train_b = make_batches(ds.sequences("train"), cfg.batch_tokens, cfg.seq_len, cfg.seed, pad_id=ds.pad_id)
-    held_b = response_batches(ds, cfg.seq_len, cfg.max_eval_batches)
+    ds = data if data is not None else DistillSet.load(c0.data)
+    train_b = make_batches(ds.sequences("train"), c0.batch_tokens, c0.seq_len, c0.seed, pad_id=ds.pad_id)
+    held_b = response_batches(ds, c0.seq_len, c0.max_eval_batches)
     if not train_b or not held_b:
-        raise ValueError(f"{cfg.data}: needs records in both the train and the heldout split")
-    total = max(1, math.ceil(cfg.epochs * len(train_b)))
-    torch.manual_seed(cfg.seed)
-    module = build_module(cfg, model).to(model_device(model))
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    phases = _phases(cfg, total)
-    step, history, opt_state = 0, [], None
-    curve_b = held_b[:cfg.curve_batches] if cfg.curve_batches else held_b
-    # learning curve and early stopping: evaluations so far, the best one's weights, evaluations since it
-    curve: list[dict[str, Any]] = []
-    best: dict[str, Any] = {"loss": math.inf, "step": 0, "module": None}
-    stale = 0
-    sp = _state_path(out)
-    settings = dataclasses.asdict(cfg)
+        raise ValueError(f"{c0.data}: needs records in both the train and the heldout split")
+    total = max(1, math.ceil(c0.epochs * len(train_b)))
+    vocab = None
+    if c0.draft_vocab:
+        vocab = frequent_tokens((r.response_ids for r in ds.split("train")), c0.draft_vocab, model.cfg.vocab_size)
     data_fp = ds.fingerprint()
-    if sp.is_file():
-        st = torch.load(sp, map_location="cpu", weights_only=True)  # plain dicts, lists, tensors
-        if st.get("settings") != settings:
-            raise ValueError(f"{sp}: made with other settings; use another --out-dir or delete it to start over")
-        if st.get("data", data_fp) != data_fp:
-            raise ValueError(f"{sp}: made on other data ({cfg.data} changed since: records added or edited); "
-                             "continuing would train on other batches. Use another --out-dir or delete it")
-        module.load_state_dict(st["module"])
-        step, history, opt_state = st["step"], st["history"], st["opt"]
-        curve, best, stale = st.get("curve", []), st.get("best", best), st.get("stale", 0)
-        log(f"resuming {cfg.method} at step {step}/{total}")
-    autocast = _autocast(cfg, model)
+    runs = [_Run(c, model, total, data_fp, vocab, log) for c in cfgs]
+    curve_b = held_b[:c0.curve_batches] if c0.curve_batches else held_b
+    autocast = _autocast(c0, model)
+    frozen = FrozenStates(model, set().union(*(needed_layers(r.cfg, model, r.module) for r in runs)), c0.cache_gb)
     t0 = time.time()
-    done_here = 0
+    step = min((r.step for r in runs if r.active), default=total)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, initial=step, desc=f"train-draft {cfg.method}", unit="step")
-    frozen = FrozenStates(cfg, model, module)
-    stopped = bool(cfg.patience) and stale >= cfg.patience  # early stop (patience); True: already stopped
-    with FrozenBase(model):
-        first = 0
-        for phase, n in phases:
-            if stopped:
-                break
-            if step >= first + n:
-                first += n
-                continue
-            params = _trainable(cfg, module, phase)
-            for p in module.parameters():
-                p.requires_grad_(False)
-            for p in params:
-                p.requires_grad_(True)
-            opt = torch.optim.Adam(params, lr=cfg.lr)
-            if opt_state is not None and opt_state.get("phase") == phase:
-                opt.load_state_dict(opt_state["state"])
-            module.train()
-            while step < first + n:
-                tokens, mask = train_b[step % len(train_b)]
-                dev = model_device(model)
-                tokens, mask = tokens.to(dev), mask.to(dev)
-                with autocast:
-                    cached = frozen.get(step % len(train_b), tokens)
-                with torch.enable_grad(), autocast:
-                    loss, per = _loss(cfg, model, module, tokens, mask, phase, cached, step)
-                if not torch.isfinite(loss.detach()):  # nothing is saved from here on: the state stays good
+        names = "+".join(c.method for c in cfgs)
+        bar = tqdm(total=total, initial=step, desc=f"train-draft {names}", unit="step")
+    done_here = 0
+    dev = model_device(model)
+    try:
+        with FrozenBase(model):
+            while any(r.active for r in runs):
+                due = [r for r in runs if r.active and r.step == step]
+                if due:
+                    index = step % len(train_b)
+                    tokens, mask = (t.to(dev) for t in train_b[index])
+                    with autocast:
+                        states = frozen.states(index, tokens)
+                    memo: dict[Any, torch.Tensor] = {}
+                    losses = {r.cfg.method: r.train_step(tokens, mask, states, memo, autocast, curve_b, frozen)
+                              for r in due}
                     if bar is not None:
-                        bar.close()
-                    saved = f"{sp} (step {torch.load(sp, weights_only=True)['step']})" if sp.is_file() else "none"
-                    raise ValueError(f"non-finite draft loss at step {step + 1}; last saved state: {saved}. "
-                                     "Resume with a lower --lr (in a new --out-dir: settings must match)")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
+                        bar.set_postfix({k: f"{v:.3f}" for k, v in losses.items()})
                 step += 1
                 done_here += 1
-                history.append({"step": step, "phase": phase, "loss": float(loss.detach()), "per_step": per})
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-                evaluated = False
-                if cfg.eval_every and step % cfg.eval_every == 0:
-                    with autocast:
-                        hl = heldout_loss(cfg, model, module, curve_b)
-                    recent = [h["loss"] for h in history[-cfg.eval_every:]]
-                    curve.append({"step": step, "heldout_loss": round(hl, 6),
-                                  "train_loss": round(sum(recent) / len(recent), 6)})
-                    if hl < best["loss"]:
-                        best = {"loss": hl, "step": step,
-                                "module": {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}}
-                        stale = 0
-                    else:
-                        stale += 1
-                    evaluated = True
-                    log(f"step {step}: held-out loss {hl:.4f} (best {best['loss']:.4f} at step {best['step']})")
-                    stopped = bool(cfg.patience) and stale >= cfg.patience
-                last = step == first + n or stopped
-                if step % cfg.ckpt_every == 0 or last or evaluated or (stop_after and done_here >= stop_after):
-                    state = {"settings": settings, "module": module.state_dict(), "step": step, "history": history,
-                             "opt": {"phase": phase if not last else -1, "state": opt.state_dict()},
-                             "curve": curve, "best": best, "stale": stale, "data": data_fp}
-                    atomic_write_bytes(sp, lambda tmp: torch.save(state, tmp))
-                if stopped:
-                    log(f"early stop at step {step}: no better held-out loss in {cfg.patience} evaluations; "
-                        f"keeping step {best['step']}")
-                    break
-                if stop_after and done_here >= stop_after and step < total:
-                    if bar is not None:
-                        bar.close()
-                    return DraftRun(module, {}, history, out)
-            first += n
-            opt_state = None
-    if bar is not None:
-        bar.close()
-    if cfg.patience and best["module"] is not None:  # early stopping keeps the best evaluated weights
-        module.load_state_dict(best["module"])
-    module.eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
+                if stop_after and done_here >= stop_after and any(r.active for r in runs):
+                    for r in runs:  # a resumable state for each drafter trained in this call
+                        if r.done_here:
+                            r.save_state()
+                    return [DraftRun(r.module, {}, r.history, r.out) for r in runs]
+    finally:
+        if bar is not None:
+            bar.close()
     train_s = time.time() - t0
-    with autocast:
-        metrics = heldout_metrics(cfg, model, module, held_b)
-    metrics.update(steps=step, planned_steps=total, curve=curve, best_step=best["step"] if curve else step,
-                   train_seconds_this_call=round(train_s, 1), train_batches=len(train_b),
-                   heldout_batches=len(held_b), final_loss=history[-1]["loss"] if history else None,
-                   settings=settings, data_header={k: ds.header.get(k) for k in ("model_name", "max_new_tokens")})
-    _save(cfg, out, model, module, metrics)
-    (out / "history.jsonl").write_text("".join(json.dumps(json_safe(h)) + "\n" for h in history))
-    log(f"{cfg.method}: held-out top-1 per step {metrics['top1']}; saved to {out}")
-    return DraftRun(module, metrics, history, out)
+    return [r.finish(ds, held_b, len(train_b), autocast, train_s) for r in runs]
 
 
-__all__ = ["DraftTrainConfig", "train_draft", "heldout_metrics", "evaluate_draft", "response_batches", "paper_layers", "build_module", "METHODS"]
+__all__ = ["DraftTrainConfig", "train_draft", "train_drafts", "heldout_metrics", "evaluate_draft", "response_batches", "paper_layers", "build_module", "METHODS"]

@@ -66,6 +66,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import atomic_write_bytes
+from .draft_vocab import draft_vocab, head_logits, restrict_logits, set_draft_vocab, teacher_logits, to_token_ids
 from .generate import CachedStep
 from .kv_cache import KVCache
 from .model import Transformer, causal_step, nonfinite_tensors
@@ -110,12 +111,16 @@ def split_batch(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.T
     return batch.to(device), None
 
 
-def topk_lists(logits: torch.Tensor, need: Sequence[int]) -> list[list[int]]:
-    """Per-depth candidate lists: the need[d] most likely tokens of logits[d] (one host sync)."""
+def topk_lists(logits: torch.Tensor, need: Sequence[int], vocab: torch.Tensor | None = None) -> list[list[int]]:
+    """Per-depth candidate lists: the need[d] most likely tokens of logits[d] (one host sync). With a draft
+    vocabulary (draft_vocab.py), logits are over its tokens (or are restricted to them first) and the
+    indices are mapped back to token ids."""
     if len(need) == 0:
         return []
     kmax = max(need)
-    idx = logits[:len(need)].topk(min(kmax, logits.shape[-1]), -1).indices.tolist()
+    if vocab is not None and logits.shape[-1] != vocab.numel():
+        logits = restrict_logits(logits, vocab)
+    idx = to_token_ids(logits[:len(need)].topk(min(kmax, logits.shape[-1]), -1).indices, vocab).tolist()
     return [row[:k] for row, k in zip(idx, need)]
 
 
@@ -161,11 +166,13 @@ def run_blocks_cached(model: Transformer, tokens: torch.Tensor, positions: torch
 
 
 def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor],
-                                                                torch.Tensor]) -> Draft:
+                                                                torch.Tensor], vocab: torch.Tensor | None = None
+                               ) -> Draft:
     """Fill ctx.tree level by level with an autoregressive draft network (module docstring).
 
     step(tokens [1, M], positions [1, M], start_slot, extra_mask [1, 1, M, S]) -> logits [M, V] runs one
-    level whose rows sit at the (reserved) slots start_slot..start_slot+M-1.
+    level whose rows sit at the (reserved) slots start_slot..start_slot+M-1. With a draft vocabulary the
+    logits are over its tokens and candidates are mapped back to token ids.
     """
     tree, cache = ctx.tree, ctx.cache
     n = len(tree)
@@ -195,7 +202,7 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
             if not kids:
                 continue
             kmax = max(ranks[i] for i in kids) + 1
-            top = logits.topk(min(kmax, logits.shape[-1]), -1).indices.tolist()
+            top = to_token_ids(logits.topk(min(kmax, logits.shape[-1]), -1).indices, vocab).tolist()
             for i in kids:
                 row = parent[i] + 1  # root-included numbering of the parent
                 node_tok[i] = top[row - a][ranks[i]]
@@ -225,10 +232,10 @@ class MedusaHeads(nn.Module):
 
     def logits(self, model: Transformer, hidden: torch.Tensor, head: int | None = None) -> torch.Tensor:
         """hidden [..., d]: final residual (before the last norm). Returns [..., k, V] (all heads) or
-        [..., V] (one head)."""
+        [..., V] (one head); V is the draft vocabulary's size when the heads have one (draft_vocab.py)."""
         x = model.norm(hidden)
         heads = range(self.k) if head is None else [head]
-        outs = [model.output(x + F.silu(apply_linear(self.heads[i], x))) for i in heads]
+        outs = [head_logits(self, model, x + F.silu(apply_linear(self.heads[i], x))) for i in heads]
         return torch.stack(outs, -2) if head is None else outs[0]
 
 
@@ -250,7 +257,7 @@ class MedusaDrafter:
         if ctx.hidden.shape[0] == 0:
             return placeholder_candidates(need, self.model.cfg.vocab_size)
         logits = self.heads.logits(self.model, ctx.hidden[-1])  # [k, V]
-        return topk_lists(logits, need)
+        return topk_lists(logits, need, draft_vocab(self.heads))
 
 
 # ============================================================================================ early exit
@@ -272,8 +279,9 @@ class EarlyExitHead(nn.Module):
         return {"dim": self.dim, "layer": self.layer}
 
     def logits(self, model: Transformer, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., d]: the residual entering block `layer`. Returns [..., V]."""
-        return lm_logits(model, apply_linear(self.proj, hidden))
+        """hidden [..., d]: the residual entering block `layer`. Returns [..., V] (V: the draft vocabulary's
+        size when the head has one)."""
+        return head_logits(self, model, model.norm(apply_linear(self.proj, hidden)))
 
 
 class EarlyExitDrafter:
@@ -293,7 +301,8 @@ class EarlyExitDrafter:
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:
-        return draft_tree_autoregressive(ctx, lambda t, p, s, m: self._step(t, p, s, m, ctx.cache))
+        return draft_tree_autoregressive(ctx, lambda t, p, s, m: self._step(t, p, s, m, ctx.cache),
+                                         draft_vocab(self.head))
 
 
 # ============================================================================================ layer skip
@@ -382,6 +391,7 @@ def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,
     transfer step i+1 at anchor t, so the two are trained on identical (anchor, target) pairs.
     """
     logits, hs = states if states is not None else base_states(model, tokens)
+    logits = teacher_logits(logits, heads)
     T = tokens.shape[1]
     total, per = logits.new_zeros((), dtype=torch.float32), []
     for i in range(heads.k):
@@ -401,7 +411,7 @@ def early_exit_loss(model: Transformer, head: EarlyExitHead, tokens: torch.Tenso
     """KL(p_base(. | t) || p_exit(. | h^(layer)_t)) averaged over all positions t (the next-token target
     the exit head drafts with, autoregressively)."""
     logits, hs = states if states is not None else base_states(model, tokens)
-    kl = kl_to_base(logits, head.logits(model, hs[head.layer]), mask)
+    kl = kl_to_base(teacher_logits(logits, head), head.logits(model, hs[head.layer]), mask)
     return kl, [float(kl.detach())]
 
 
@@ -559,6 +569,14 @@ def load_draft(path: str | Path, base: Transformer | None = None, base_name: str
     bad = nonfinite_tensors(state)
     if bad:
         raise DraftMismatchError(f"{w_path}: non-finite weights (NaN or inf) in {bad[:5]}: the file is corrupt")
+    if "vocab" in state:  # a draft vocabulary (draft_vocab.py): the buffer takes the saved size first
+        try:
+            set_draft_vocab(module, state["vocab"])
+        except ValueError as e:
+            raise DraftMismatchError(f"{w_path}: invalid draft vocabulary ({e})") from e
+        if base is not None and state["vocab"].numel() and int(state["vocab"].max()) >= base.cfg.vocab_size:
+            raise DraftMismatchError(f"{w_path}: draft vocabulary has token ids beyond the base's "
+                                     f"{base.cfg.vocab_size}")
     try:
         missing, unexpected = module.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape

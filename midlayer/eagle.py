@@ -68,8 +68,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .drafters import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, kl_to_base, lm_logits,
+from .drafters import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, kl_to_base,
                        model_device, optimise, placeholder_candidates, split_batch)
+from .draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
 from .generate import CachedStep
 from .hidden_transfer import _additive, _MaskedView, visible
 from .kv_cache import KVCache
@@ -156,9 +157,11 @@ def feature(model: Transformer, h: torch.Tensor) -> torch.Tensor:
     return model.norm(h)
 
 
-def feature_logits(model: Transformer, fhat: torch.Tensor) -> torch.Tensor:
-    """The base's decoding of a predicted feature, LMHead(fhat) (fhat is already normalised), base dtype."""
-    return model.output(fhat.to(model.tok_embeddings.weight.dtype))
+def feature_logits(model: Transformer, fhat: torch.Tensor, head: EagleHead | None = None) -> torch.Tensor:
+    """The base's decoding of a predicted feature, LMHead(fhat) (fhat is already normalised), base dtype;
+    over the head's draft vocabulary when it has one (draft_vocab.py)."""
+    x = fhat.to(model.tok_embeddings.weight.dtype)
+    return model.output(x) if head is None else head_logits(head, model, x)
 
 
 # ===================================================================================== teacher-forced pass
@@ -233,7 +236,7 @@ def eagle_loss(model: Transformer, head: EagleHead, tokens: torch.Tensor,
     else:
         w = valid.to(reg.dtype)
         reg = (reg * w).sum() / w.sum().clamp_min(1.0)
-    kl = kl_to_base(logits[:, 1:], feature_logits(model, fhat), valid)
+    kl = kl_to_base(teacher_logits(logits, head)[:, 1:], feature_logits(model, fhat, head), valid)
     return reg + w_cls * kl, [float(kl.detach()), float(reg.detach())]
 
 
@@ -388,11 +391,11 @@ class EagleDrafter:
             out = self._run(inp, tok, pos, start, extra)[0]  # [m, d]
             for j in range(m):
                 pred[a + j] = out[j]
-            logits = feature_logits(model, out)
+            logits = feature_logits(model, out, self.head)
             level_logits.append(logits)
             return logits
 
-        draft = draft_tree_autoregressive(dataclasses.replace(ctx, cache=cache), step)
+        draft = draft_tree_autoregressive(dataclasses.replace(ctx, cache=cache), step, draft_vocab(self.head))
         self.last_logits = torch.cat(level_logits) if level_logits else None
         return draft
 
@@ -426,12 +429,13 @@ class EagleDrafter:
                 out = self._run(inp, torch.tensor([tokens], device=dev),
                                 torch.full((1, len(level)), p + d, device=dev, dtype=torch.long), s0 + a,
                                 mask[None, None])[0]
-                logp = torch.log_softmax(feature_logits(model, out).float(), -1)
+                logp = torch.log_softmax(feature_logits(model, out, self.head).float(), -1)
                 top = logp.topk(min(k, logp.shape[-1]), -1)
+                ids = to_token_ids(top.indices, draft_vocab(self.head))
                 for i, path in enumerate(level):
                     pred[path] = out[i]
                     base = cand[path][1] if path else 0.0
-                    for r, (tok, lp) in enumerate(zip(top.indices[i].tolist(), top.values[i].tolist())):
+                    for r, (tok, lp) in enumerate(zip(ids[i].tolist(), top.values[i].tolist())):
                         cand[path + (r,)] = (tok, base + lp)
                 if d + 1 == D:
                     break

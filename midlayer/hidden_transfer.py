@@ -82,6 +82,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .draft_vocab import draft_vocab, head_logits, restrict_logits, to_token_ids
 from .drafters import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device,
                        optimise, placeholder_candidates, split_batch, topk_lists)
 from .generate import JoinedRows, forward_cached
@@ -241,7 +242,8 @@ class HiddenTransfer(nn.Module):
 # ========================================================================================= training pass
 def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor, *,
                      n_steps: int | None = None, all_anchors: bool = False, collect: dict | None = None,
-                     start: tuple[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                     start: tuple[int, torch.Tensor] | None = None, full: bool = False
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One forward over [real tokens ; pseudo rows of steps 1..n_steps] with the `visible` mask.
 
     tokens [B, T]. Returns (real logits [B, T, V] -- the base model's own, the teacher -- and for each step
@@ -253,6 +255,8 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     row has joined).
     `start` = (s, h): the real rows' residual entering block s <= t_1, cached from an earlier pass of the
     frozen base (dense bases only: a gated base's gates need the blocks below); blocks < s are not run.
+    Logits of every row are over the transfer's draft vocabulary when it has one (draft_vocab.py: the
+    teacher renormalised on it, as the training loss wants), over the full vocabulary with `full`.
     """
     transfer.check_model(model)
     cfg = model.cfg
@@ -278,7 +282,8 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     if collect is not None:
         collect.update(capture)
         collect["anchor"], collect["step"] = anchor, step
-    logits = model.output(model.norm(x))
+    x = model.norm(x)
+    logits = model.output(x) if full else head_logits(transfer, model, x)
     pseudo = [logits[:, step == i] for i in range(1, n_steps + 1)]
     return logits[:, :T], pseudo
 
@@ -361,10 +366,11 @@ def draft_top1_accuracy(model: Transformer, transfer: HiddenTransfer, tokens: to
     """Per step i: fraction of anchors j whose pseudo argmax equals the base argmax at position j + i (the
     token greedy decoding emits at j + i + 1 given the true prefix; the sec. 4.4 draft-accuracy probe)."""
     with FrozenBase(model):
-        real, pseudo = transfer_forward(model, transfer, tokens.to(model_device(model)))
-    out = []
+        real, pseudo = transfer_forward(model, transfer, tokens.to(model_device(model)), full=True)
+    out, vocab = [], draft_vocab(transfer)
     for i, p in enumerate(pseudo, start=1):
-        out.append(float((p.argmax(-1) == real[:, i:].argmax(-1)).float().mean()) if p.shape[1] else float("nan"))
+        guess = to_token_ids(restrict_logits(p, vocab).argmax(-1), vocab)  # candidates: draft-vocabulary tokens
+        out.append(float((guess == real[:, i:].argmax(-1)).float().mean()) if p.shape[1] else float("nan"))
     return out
 
 
@@ -472,7 +478,7 @@ class HiddenTransferDrafter:
         else:
             logits = self.pseudo_logits(ctx, tree.max_depth)  # only the steps this (possibly pruned) tree uses
         self.last_logits = logits
-        return topk_lists(logits, need)
+        return topk_lists(logits, need, draft_vocab(self.transfer))
 
 
 __all__ = ["HiddenTransfer", "HiddenTransferDrafter", "visible", "tree_visible", "training_rows", "training_mask",

@@ -291,16 +291,10 @@ def _check_data(grid: Grid, extra_train: dict[str, Any] | None) -> None:
                              "(python -m midlayer.fineweb --out-dir data/fineweb10B) or pass --data GLOB")
 
 
-def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: int = 1,
-              only: list[str] | None = None, extra_train: dict[str, Any] | None = None, *,
-              train_fn: Callable[..., dict[str, Any]] | None = None, progress: bool = True,
-              runner: Callable[[list[str]], int] | None = None) -> int:
-    """Run grid `grid_name` into `out_root/<grid>/<run>/`; return 0 if every selected run finished, else 1.
-
-    `only` selects runs by name; `extra_train` overrides train fields of every run (e.g. `data`).
-    `train_fn` (default `midlayer.train.train`) and `runner` (runs a torchrun command line, returns its exit
-    status; default `subprocess.call`) exist so that tests can stand in for real training.
-    """
+def check_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: int = 1,
+                only: list[str] | None = None, extra_train: dict[str, Any] | None = None) -> tuple[Grid, list[Any]]:
+    """Every check `run_sweep` makes before it starts a run (grid, launcher, process count, run names, the
+    runs' resolved configs, data); returns (grid, the selected runs). Raises ValueError naming the problem."""
     grid = get_grid(grid_name)
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
@@ -323,6 +317,20 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
         if t.batch_size % nproc or per_rank % t.micro_batch_size:
             raise ValueError(f"grid {grid.name!r}: batch_size={t.batch_size} does not split into --nproc {nproc} "
                              f"ranks of whole micro-batches of {t.micro_batch_size} sequences")
+    return grid, runs
+
+
+def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: int = 1,
+              only: list[str] | None = None, extra_train: dict[str, Any] | None = None, *,
+              train_fn: Callable[..., dict[str, Any]] | None = None, progress: bool = True,
+              runner: Callable[[list[str]], int] | None = None) -> int:
+    """Run grid `grid_name` into `out_root/<grid>/<run>/`; return 0 if every selected run finished, else 1.
+
+    `only` selects runs by name; `extra_train` overrides train fields of every run (e.g. `data`).
+    `train_fn` (default `midlayer.train.train`) and `runner` (runs a torchrun command line, returns its exit
+    status; default `subprocess.call`) exist so that tests can stand in for real training.
+    """
+    grid, runs = check_sweep(grid_name, out_root, launcher, nproc, only, extra_train)
     if train_fn is None and launcher == "inline":
         from .train import train as train_fn
     runner = runner or (lambda cmd: subprocess.call(cmd))

@@ -277,7 +277,10 @@ def test_generate_other_flags_refused_before_loading(work, capsys):
     refused(capsys, [*base, "--system", "be brief"], "--system", "--chat", roots=(work,))
     refused(capsys, [*base, "--draft", "no/such/dir"], "--draft no/such/dir", roots=(work,))
     refused(capsys, [*base, "--draft", str(work), "--temperature", "0.7", "--top-k", "5"], "--top-k", roots=(work,))
-    refused(capsys, [*base, "--tree", "bushy"], "--tree", "'bushy'", roots=(work,))
+    refused(capsys, [*base, "--draft", str(work), "--tree", "bushy"], "--tree", "'bushy'", roots=(work,))
+    # flags of speculative decoding without a drafter are refused, not silently ignored
+    refused(capsys, [*base, "--tree", "chain"], "--tree needs --draft", roots=(work,))
+    refused(capsys, [*base, "--stats"], "--stats needs --draft", roots=(work,))
 
 
 def test_generation_config_and_speculative_refuse_nonfinite_temperature():
@@ -350,7 +353,7 @@ def test_bench_library_guards():
 # --------------------------------------------------------------------------------------- 6. --tree N
 @pytest.mark.parametrize("spec", ["sparse:abc", "sparse:", "sparse:0", "dynamic:0", "dynamic:-3", "dynamic:1.5"])
 def test_tree_n_names_the_flag(spec, work, capsys):
-    line = refused(capsys, ["generate", "--model", "no-such-model", "--prompt", "hi", "--tree", spec],
+    line = refused(capsys, ["generate", "--model", "no-such-model", "--prompt", "hi", "--draft", str(work), "--tree", spec],
                    f"--tree {spec!r}", "N must be a positive integer", roots=(work,))
     assert "invalid literal" not in line
 
@@ -368,3 +371,10 @@ def test_zero_lengths_are_refused_not_defaulted(work, capsys):
     capsys.readouterr()
     assert main(["flops", "tiny", "--seq-len", "16"]) == 0
     assert "16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["3", "257", "65537", "100000"])
+def test_tokenizer_vocab_is_refused_by_its_flag_before_any_data_work(value, work, capsys):
+    # 257 = 256 bytes + end-of-text and no merge; 65537 would not fit the uint16 shards
+    refused(capsys, ["train", "debug", "--tokenizer-vocab", value, "--out-dir", str(work / "run")],
+            "--tokenizer-vocab: must be an int in [258, 65536]", f"got {value}", roots=(work,))

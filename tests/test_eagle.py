@@ -281,32 +281,6 @@ def test_train_draft_eagle_lowers_loss_saves_and_scores(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), run.module.state_dict().values()))
 
 
-def test_cached_frozen_states_give_the_same_loss(tmp_path):
-    from midlayer.draft_training import FrozenStates, _loss, build_module
-
-    base = tiny_base()
-    c = eagle_cfg(tmp_path)
-    module = build_module(c, base)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    tokens = torch.randint(0, 48, (2, 20))
-    mask = torch.ones(2, 20, dtype=torch.bool)
-    frozen = FrozenStates(c, base, module)
-    grads = []
-    for cached in (None, frozen.get(0, tokens), frozen.get(0, tokens)):  # fresh, cached, reused
-        module.zero_grad()
-        loss, _ = _loss(c, base, module, tokens, mask, 0, cached, step=4)
-        loss.backward()
-        grads.append((float(loss.detach()), [p.grad.clone() for p in module.parameters()]))
-    assert len(frozen.store) == 1
-    for value, g in grads[1:]:
-        assert abs(value - grads[0][0]) < 1e-5
-        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g, grads[0][1]))
-    # the training noise is a function of the step: another step, another draw, another loss
-    assert abs(float(_loss(c, base, module, tokens, mask, 0, None, step=5)[0].detach()) - grads[0][0]) > 1e-6
-
-
 def test_round_cost_for_auto_trees():
     """`tree_cost` costs an EAGLE round by what it runs: the verification forward, the committed context
     row, and per level r rows through the one draft layer (a block's shape) and the LM head."""

@@ -1,5 +1,5 @@
-"""Fuzz over the generated command surface (issue 12): every flag of `train`, `train-draft`, `generate` and
-`bench` with out-of-range, non-finite, empty and wrong-type values must end in a clean refusal -- argparse's
+"""Fuzz over the generated command surface (issue 12): every flag of `train`, `train-draft`, `generate`,
+`eval`, `sweep`, `flops`, `plot` and `bench` with out-of-range, non-finite, empty and wrong-type values must end in a clean refusal -- argparse's
 usage error (exit 2) or a ValueError naming the problem -- or in valid settings, never in another exception
 (a traceback). Only the validation layer runs (configs and the CLI's argument checks), so it takes seconds;
 the end-to-end refusals of each defect are in tests/test_bad_inputs_*.py."""
@@ -14,7 +14,6 @@ import pytest
 from midlayer import cli
 from midlayer.cli import overrides_from_args
 from midlayer.config import get_preset
-from midlayer.draft_training import DraftTrainConfig
 
 BAD = ["", "nan", "inf", "-inf", "-1", "0", "1e999", "abc", "3.5", "-0.5", "99999999999"]
 
@@ -27,14 +26,16 @@ def _value_flags(parser: argparse.ArgumentParser) -> list[str]:
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
     root = cli.build_parser()
     subs = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction)).choices
-    out = {name: subs[name] for name in ("train", "train-draft", "generate")}
+    out = {name: subs[name] for name in ("train", "train-draft", "generate", "eval", "sweep", "flops", "plot")}
     bench = next(a for a in subs["bench"]._actions if isinstance(a, argparse._SubParsersAction)).choices
     out.update({f"bench {k}": v for k, v in bench.items()})
     return out
 
 
 BASE = {"train": ["train", "debug"], "train-draft": ["train-draft"], "generate": ["generate", "--model", "m"],
-        "bench generate": ["bench", "generate"], "bench decode": ["bench", "decode"]}
+        "eval": ["eval", "runs/no-such-run"], "sweep": ["sweep", "smoke"], "flops": ["flops", "tiny"],
+        "plot": ["plot", "runs/no-such-sweep"], "bench generate": ["bench", "generate"],
+        "bench decode": ["bench", "decode"]}
 
 
 def _validate(cmd: str, args: argparse.Namespace) -> None:
@@ -44,7 +45,18 @@ def _validate(cmd: str, args: argparse.Namespace) -> None:
         if args.stop_after is not None and args.stop_after < 1:
             raise ValueError("--stop-after")
     elif cmd == "train-draft":
-        DraftTrainConfig(**overrides_from_args(args).get("draft", {}))
+        cli.draft_configs(args)
+    elif cmd == "eval":
+        cli._check_eval_args(args)
+    elif cmd == "sweep":
+        cli._check_sweep_args(args)
+    elif cmd == "flops":
+        cli._cmd_flops(args)  # pure arithmetic: the whole command
+    elif cmd == "plot":
+        try:
+            cli._check_plot_args(args)
+        except FileNotFoundError:  # the sweep folder of BASE does not exist: a clean refusal in cli.main too
+            pass
     elif cmd == "generate":
         cli._check_generate_args(args)
     elif cmd == "bench generate":

@@ -1,0 +1,165 @@
+"""The draft vocabulary (midlayer/draft_vocab.py): the frequency rule by hand, the restricted head against the
+full one (fp32 and the q4 format's Q8 head), every drafter lossless with it and proposing only its tokens,
+save/load, and training scoring candidates against the base's full-vocabulary argmax."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from midlayer.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
+                                  teacher_logits, to_token_ids)
+from midlayer.drafters import DraftMismatchError, EarlyExitDrafter, EarlyExitHead, MedusaDrafter, MedusaHeads, \
+    load_draft, save_draft
+from midlayer.eagle import EagleDrafter, EagleHead
+from midlayer.hidden_transfer import HiddenTransferDrafter
+from midlayer.speculative import Draft, DraftTree, speculative_generate
+from test_drafters import D, MODELS, PROMPT, SMALL_TREE, V, greedy, perturbed_transfer
+
+
+def test_frequent_tokens_by_hand():
+    # counts: 5 x3, 3 x2, 7 x1, 9 x1 -> top 3 = {5, 3, 7} (7 before 9: the tie goes to the smaller id)
+    responses = [[5, 5, 3], [3, 7, 5], [9]]
+    assert frequent_tokens(responses, 3, 16).tolist() == [3, 5, 7]
+    assert frequent_tokens(responses, 1, 16).tolist() == [5]
+    assert frequent_tokens(responses, 100, 16).tolist() == [3, 5, 7, 9]  # never padded with unseen tokens
+    with pytest.raises(ValueError, match="n >= 1"):
+        frequent_tokens(responses, 0, 16)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        frequent_tokens([[3, 16]], 4, 16)
+    with pytest.raises(ValueError, match="no response tokens"):
+        frequent_tokens([[], []], 4, 16)
+
+
+def test_restrict_map_and_teacher():
+    vocab = torch.tensor([1, 4, 6])
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0, 9.0, 3.0, 4.0]])
+    r = restrict_logits(logits, vocab)
+    assert r.tolist() == [[5.0, 9.0, 4.0]]
+    assert to_token_ids(r.topk(2, -1).indices, vocab).tolist() == [[4, 1]]
+    assert restrict_logits(logits, None) is logits and to_token_ids(torch.tensor([2]), None).tolist() == [2]
+    m = torch.nn.Linear(2, 2)
+    set_draft_vocab(m, vocab)
+    assert teacher_logits(logits, m).tolist() == r.tolist() and teacher_logits(r, m) is r  # already restricted
+    with pytest.raises(ValueError, match="increasing order"):
+        set_draft_vocab(m, torch.tensor([4, 1]))
+    set_draft_vocab(m, None)
+    assert draft_vocab(m) is None
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+def test_sub_head_equals_the_full_head_restricted(fmt):
+    from midlayer.quantization import compress_weights
+
+    model = copy.deepcopy(MODELS[False])
+    if fmt == "q4":
+        compress_weights(model, "q4")
+    module = MedusaHeads(D, 1)
+    vocab = torch.tensor([0, 3, 5, 17, 40, 63])
+    set_draft_vocab(module, vocab)
+    x = torch.randn(7, D)
+    with torch.no_grad():
+        full = model.output(x)
+        sub = head_logits(module, model, x)
+    assert sub.shape == (7, 6)
+    if fmt == "q4":  # a Q8 head rebuilt from the dequantised rows: the same codes, the same integer sums
+        assert torch.equal(sub, full[:, vocab])
+    else:  # MKL's fp32 GEMM sums in an order that depends on the output width: equal to rounding
+        assert torch.allclose(sub, full[:, vocab], rtol=1e-5, atol=1e-6)
+
+
+def _recording(drafter):
+    """Wrap propose to collect every proposed token."""
+    seen: list[int] = []
+    inner = drafter.propose
+
+    def propose(ctx):
+        out = inner(ctx)
+        if isinstance(out, Draft):
+            seen.extend(out.node_tokens.tolist())
+        else:
+            seen.extend(t for row in out for t in row)
+        return out
+
+    drafter.propose = propose
+    return seen
+
+
+def _module(kind: str):
+    g = torch.Generator().manual_seed(5)
+    if kind == "ht":
+        return perturbed_transfer([1, 2, 2])
+    if kind == "medusa":
+        m = MedusaHeads(D, 3)
+        with torch.no_grad():
+            for lin in m.heads:
+                lin.weight.copy_(0.3 * torch.randn(D, D, generator=g))
+        return m
+    if kind == "early_exit":
+        return EarlyExitHead(D, 2)
+    m = EagleHead.for_model(MODELS[False])
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def _drafter(kind: str, model, module):
+    return {"ht": HiddenTransferDrafter, "medusa": MedusaDrafter, "early_exit": EarlyExitDrafter,
+            "eagle": EagleDrafter}[kind](model, module)
+
+
+@pytest.mark.parametrize("kind", ["ht", "medusa", "early_exit", "eagle"])
+def test_drafters_with_a_draft_vocabulary_are_lossless_and_propose_only_its_tokens(kind):
+    model = MODELS[False]
+    ref = greedy(model, PROMPT, 24)
+    # a subset holding half of what greedy emits and every third token: some drafts must miss
+    vocab = torch.tensor(sorted(set(ref[::2]) | set(range(0, V, 3))))
+    module = _module(kind)
+    set_draft_vocab(module, vocab)
+    drafter = _drafter(kind, model, module)
+    seen = _recording(drafter)
+    for tree in (DraftTree.chain(3), SMALL_TREE):
+        seen.clear()
+        out, stats = speculative_generate(model, PROMPT, drafter, tree, 24)
+        assert out == ref
+        assert seen and set(seen) <= set(vocab.tolist())
+
+
+def test_early_exit_at_full_depth_with_a_draft_vocabulary_accepts_exactly_the_in_vocabulary_tokens():
+    """The exit after the last block is the base itself: restricted to a subset it drafts the base's argmax
+    whenever that is in the subset, so a chain of 1 accepts exactly at those steps."""
+    model = MODELS[False]
+    ref = greedy(model, PROMPT, 16)
+    vocab = torch.tensor(sorted(set(ref[1::2]) | {0}))
+    head = EarlyExitHead(D, model.cfg.n_layers)
+    set_draft_vocab(head, vocab)
+    out, stats = speculative_generate(model, PROMPT, EarlyExitDrafter(model, head), DraftTree.chain(1), 16)
+    assert out == ref
+    full = EarlyExitHead(D, model.cfg.n_layers)
+    _, oracle = speculative_generate(model, PROMPT, EarlyExitDrafter(model, full), DraftTree.chain(1), 16)
+    assert oracle.tau == 2.0 and stats.tau < 2.0  # the oracle always accepts; the subset misses some
+
+
+def test_save_load_keeps_the_draft_vocabulary(tmp_path):
+    model = MODELS[False]
+    module = _module("medusa")
+    set_draft_vocab(module, torch.tensor([2, 9, 11]))
+    path = save_draft(tmp_path / "m", module, base=model)
+    loaded, _ = load_draft(path, model)
+    assert draft_vocab(loaded).tolist() == [2, 9, 11]
+    plain = save_draft(tmp_path / "p", _module("medusa"), base=model)  # no subset: none after loading
+    assert draft_vocab(load_draft(plain, model)[0]) is None
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path / "draft.safetensors"))
+    state["vocab"] = torch.tensor([9, 2, 11])
+    save_file(state, str(path / "draft.safetensors"))
+    with pytest.raises(DraftMismatchError, match="invalid draft vocabulary"):
+        load_draft(path, model)
+    state["vocab"] = torch.tensor([2, 9, V])
+    save_file(state, str(path / "draft.safetensors"))
+    with pytest.raises(DraftMismatchError, match="beyond the base"):
+        load_draft(path, model)
