@@ -422,6 +422,15 @@ SHARED = ("model", "data", "epochs", "batch_tokens", "seq_len", "bf16", "seed", 
           "eval_every", "patience", "curve_batches", "cache_gb", "draft_vocab")
 
 
+def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """True when `new` only trains longer than `old`: more epochs, the same everything else, and one phase
+    (the sequential schedule's phase lengths depend on the total). The batch of a step is a function of the
+    seed and the step alone, so the longer run's first steps are the shorter run's."""
+    rest = [k for k in set(old) | set(new) if k != "epochs" and old.get(k) != new.get(k)]
+    one_phase = not (new.get("method") == "hidden-transfer" and new.get("schedule") == "sequential")
+    return not rest and one_phase and float(new.get("epochs", 0)) >= float(old.get("epochs", math.inf))
+
+
 class _Run:
     """One drafter's training state inside the shared loop: module, optimiser, step, learning curve, early
     stopping, and its resumable state file `out_dir/train_state.pt`."""
@@ -446,8 +455,13 @@ class _Run:
         self.phase = -1
         if self.sp.is_file():
             st = torch.load(self.sp, map_location="cpu", weights_only=True)  # plain dicts, lists, tensors
-            if st.get("settings") != self.settings:
-                raise ValueError(f"{self.sp}: made with other settings; use another --out-dir or delete it to start over")
+            old = st.get("settings") or {}
+            if old != self.settings:
+                if not _extends(old, self.settings):
+                    changed = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+                    raise ValueError(f"{self.sp}: made with other settings ({', '.join(changed)}); use another "
+                                     "--out-dir or delete it to start over (only --epochs may grow)")
+                log(f"{cfg.method}: extending the run from epochs={old['epochs']} to {cfg.epochs}")
             if st.get("data", data_fp) != data_fp:
                 raise ValueError(f"{self.sp}: made on other data ({cfg.data} changed since: records added or edited); "
                                  "continuing would train on other batches. Use another --out-dir or delete it")
@@ -538,7 +552,8 @@ class _Run:
         _, phase_end = self._phase_at(self.step - 1)
         last = self.step == phase_end or self.stopped
         if self.step % cfg.ckpt_every == 0 or last or evaluated:
-            self.save_state(last)
+            # a finished phase drops its optimiser moments, except the final one: --epochs may grow later
+            self.save_state(last and self.step < self.total)
         if last:
             self.opt = None  # the next phase starts a fresh optimiser
         if self.stopped:

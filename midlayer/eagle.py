@@ -347,9 +347,12 @@ class EagleDrafter:
         the draft layer has a base block's shape, so a level of r rows is costed as r rows through ONE block
         (the fc's 2d x d adds a little) plus r rows through the LM head. The context rows committed each
         round (1 + accepted, one block, no head) are counted as 1 row, their minimum."""
+        from .tree_cost import head_share
+
+        share = head_share(self.head, self.model.cfg.vocab_size)  # a draft vocabulary reads part of the head
         one = [1] + [0] * (n_layers - 1)
         out = [(one, 0)]
-        out += [([r] + [0] * (n_layers - 1), r) for r in self._level_rows(tree)]
+        out += [([r] + [0] * (n_layers - 1), r, share) for r in self._level_rows(tree)]
         return out
 
     # ------------------------------------------------------------------------------------ drafting

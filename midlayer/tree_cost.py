@@ -46,7 +46,9 @@ import torch
 
 from .speculative import DraftTree
 
-Forward = tuple[list[int], int]  # (rows at each block 0..L-1, rows through the final norm + LM head)
+# (rows at each block 0..L-1, rows through the final norm + LM head[, the share of the head's rows they read:
+# a draft vocabulary (draft_vocab.py) reads |vocab| of V rows, and batch-1 head rows cost what they read])
+Forward = tuple  # tuple[list[int], int] | tuple[list[int], int, float]
 DEFAULT_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 
@@ -90,11 +92,20 @@ class RowCosts:
 
 
 def forward_ms(costs: RowCosts, forward: Forward) -> float:
-    """ms of one forward: sum over blocks of blocks_ms(R_b) / L, plus head_ms(R_head)."""
-    rows_per_block, head_rows = forward
+    """ms of one forward: sum over blocks of blocks_ms(R_b) / L, plus share * head_ms(R_head)."""
+    rows_per_block, head_rows, *rest = forward
+    share = float(rest[0]) if rest else 1.0
     if len(rows_per_block) != costs.n_layers:
         raise ValueError(f"{len(rows_per_block)} block row counts for a model of {costs.n_layers} blocks")
-    return sum(costs.blocks(r) for r in rows_per_block) / costs.n_layers + costs.head(head_rows)
+    return sum(costs.blocks(r) for r in rows_per_block) / costs.n_layers + share * costs.head(head_rows)
+
+
+def head_share(module: object, vocab_size: int) -> float:
+    """The share of the LM head a draft module's candidates read: |draft vocabulary| / V, or 1."""
+    from .draft_vocab import draft_vocab
+
+    v = draft_vocab(module) if module is not None else None
+    return 1.0 if v is None else min(1.0, v.numel() / vocab_size)
 
 
 # ========================================================================== what a round of a drafter runs
@@ -121,10 +132,10 @@ def round_forwards(drafter: object, tree: DraftTree, n_layers: int) -> list[Forw
         layers, k = drafter.transfer.layers, tree.max_depth
         out.append(([sum(1 for t in layers[:k] if t <= b) for b in range(L)], k))
     elif isinstance(drafter, MedusaDrafter):  # k heads over the last row, each through the LM head
-        out.append(([0] * L, tree.max_depth))
+        out.append(([0] * L, tree.max_depth, head_share(drafter.heads, drafter.model.cfg.vocab_size)))
     elif isinstance(drafter, EarlyExitDrafter):
-        ell = drafter.head.layer
-        out += [([r if b < ell else 0 for b in range(L)], r) for r in tree.level_sizes()]
+        ell, share = drafter.head.layer, head_share(drafter.head, drafter.model.cfg.vocab_size)
+        out += [([r if b < ell else 0 for b in range(L)], r, share) for r in tree.level_sizes()]
     elif isinstance(drafter, LayerSkipDrafter):
         out += [([0 if b in drafter.skip_span else r for b in range(L)], r) for r in tree.level_sizes()]
     return out

@@ -303,3 +303,24 @@ def test_the_draft_vocabulary_comes_from_training_responses_and_is_saved(tmp_pat
     full = train_draft(cfg(tmp_path / "full", "medusa", epochs=1, draft_vocab=0), base, data, progress=False,
                        log=lambda s: None)
     assert draft_vocab(full.module) is None and full.metrics["draft_vocab_size"] is None
+
+
+def test_a_finished_run_extended_with_more_epochs_continues_exactly(tmp_path):
+    """--epochs may grow on resume (the batch of a step depends on the seed and the step only, and the final
+    state keeps Adam's moments): 2 epochs then 4 = 4 epochs straight. Any other change is refused."""
+    base, data = tiny_base(), tiny_data()
+    quiet = dict(progress=False, log=lambda s: None)
+    straight = train_draft(cfg(tmp_path / "a", "eagle", epochs=4), base, data, **quiet)
+    short = train_draft(cfg(tmp_path / "b", "eagle", epochs=2), base, data, **quiet)
+    assert 0 < len(short.history) < len(straight.history)
+    longer = train_draft(cfg(tmp_path / "b", "eagle", epochs=4), base, data, **quiet)
+    assert [h["loss"] for h in longer.history] == [h["loss"] for h in straight.history]
+    assert longer.metrics["acc"] == straight.metrics["acc"]
+    with pytest.raises(ValueError, match=r"other settings \(epochs\)"):  # shorter: not an extension
+        train_draft(cfg(tmp_path / "b", "eagle", epochs=1), base, data, **quiet)
+    with pytest.raises(ValueError, match=r"other settings \(epochs, lr\)"):
+        train_draft(cfg(tmp_path / "b", "eagle", epochs=6, lr=0.5), base, data, **quiet)
+    seq = cfg(tmp_path / "c", "hidden-transfer", schedule="sequential", epochs=1)
+    train_draft(seq, base, data, **quiet)
+    with pytest.raises(ValueError, match="other settings"):  # its phase lengths depend on the total
+        train_draft(cfg(tmp_path / "c", "hidden-transfer", schedule="sequential", epochs=2), base, data, **quiet)

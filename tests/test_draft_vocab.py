@@ -163,3 +163,21 @@ def test_save_load_keeps_the_draft_vocabulary(tmp_path):
     save_file(state, str(path / "draft.safetensors"))
     with pytest.raises(DraftMismatchError, match="beyond the base"):
         load_draft(path, model)
+
+
+def test_round_cost_counts_the_draft_vocabularys_share_of_the_head():
+    from midlayer import tree_cost as tc
+
+    costs = tc.RowCosts((1, 8), (10.0, 24.0), (2.0, 9.0), 4)
+    # by hand: head(3) = 2 + (9 - 2) * (3 - 1) / (8 - 1) = 4.0; a quarter of the head's rows: 1.0; no block rows
+    assert tc.forward_ms(costs, ([0] * 4, 3, 0.25)) == pytest.approx(1.0)
+    assert tc.forward_ms(costs, ([0] * 4, 3)) == pytest.approx(4.0)
+    model = MODELS[False]
+    heads = _module("medusa")
+    set_draft_vocab(heads, torch.arange(0, V, 4))  # 16 of 64 tokens
+    forwards = tc.round_forwards(MedusaDrafter(model, heads), DraftTree.chain(3), 4)
+    assert forwards[-1] == ([0] * 4, 3, 0.25)
+    ee = EarlyExitHead(D, 2)
+    set_draft_vocab(ee, torch.arange(0, V, 2))
+    forwards = tc.round_forwards(EarlyExitDrafter(model, ee), SMALL_TREE, 4)
+    assert [f[2] for f in forwards[1:]] == [0.5] * 3 and [f[1] for f in forwards[1:]] == [1, 2, 3]

@@ -288,8 +288,8 @@ def test_round_cost_for_auto_trees():
 
     model = MODELS[True]
     drafter = EagleDrafter(model, random_head(model))
-    assert tc.round_forwards(drafter, SMALL_TREE, 4) == [([7] * 4, 7), ([1, 0, 0, 0], 0), ([1, 0, 0, 0], 1),
-                                                         ([2, 0, 0, 0], 2), ([3, 0, 0, 0], 3)]
+    assert tc.round_forwards(drafter, SMALL_TREE, 4) == [([7] * 4, 7), ([1, 0, 0, 0], 0), ([1, 0, 0, 0], 1, 1.0),
+                                                         ([2, 0, 0, 0], 2, 1.0), ([3, 0, 0, 0], 3, 1.0)]
     costs = tc.RowCosts((1, 8), (10.0, 11.0), (1.0, 1.2), 4)  # rows nearly free: drafting pays
     tree, _ = tc.auto_tree(model, drafter, [[0.9, 0.1], [0.8, 0.1], [0.7, 0.1]], costs)
     assert len(tree) > 0 and tree.max_depth <= 3  # at most the depths the accuracies cover

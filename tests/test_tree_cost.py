@@ -63,10 +63,11 @@ def test_round_forwards_per_drafter():
     assert tc.round_forwards(ht, chain, 4) == [([4, 8, 16, 16], 16)]
     sep = HiddenTransferDrafter(model, HiddenTransfer(D, [1, 2, 2]), fused=False)
     assert tc.round_forwards(sep, chain, 4) == [([4] * 4, 4), ([0, 1, 3, 3], 3)]
-    assert tc.round_forwards(MedusaDrafter(model, MedusaHeads(D, 3)), chain, 4) == [([4] * 4, 4), ([0] * 4, 3)]
+    assert tc.round_forwards(MedusaDrafter(model, MedusaHeads(D, 3)), chain, 4) == [([4] * 4, 4), ([0] * 4, 3, 1.0)]
     tree = DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])  # levels run: root, 2 at depth 1, 3 at depth 2
     ee = EarlyExitDrafter(model, EarlyExitHead(D, 2))
-    assert tc.round_forwards(ee, tree, 4) == [([7] * 4, 7), ([1, 1, 0, 0], 1), ([2, 2, 0, 0], 2), ([3, 3, 0, 0], 3)]
+    assert tc.round_forwards(ee, tree, 4) == [([7] * 4, 7), ([1, 1, 0, 0], 1, 1.0), ([2, 2, 0, 0], 2, 1.0),
+                                              ([3, 3, 0, 0], 3, 1.0)]
     ls = LayerSkipDrafter(model, [1, 2])
     assert tc.round_forwards(ls, chain, 4)[1:] == [([1, 0, 0, 1], 1)] * 3
     assert tc.round_forwards(ht, DraftTree.chain(0), 4) == [([1] * 4, 1)]
