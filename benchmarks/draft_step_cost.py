@@ -77,7 +77,7 @@ def main() -> None:
     feats = ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in info.flags)
     print(f"CPU: {info.model} ({feats}; torch {info.torch_capability}); torch threads {torch.get_num_threads()}; batch {tuple(tokens.shape)}, "
           f"{int(mask.sum())} real tokens; median of {args.repeats}")
-    print(f"| draft vocab | method | teacher s | loss forward s | backward s | step s (after the base forward) |")
+    print("| draft vocab | method | teacher s | loss forward s | backward s | step s (after the base forward) |")
     print("|---|---|---|---|---|---|")
     for n in sizes:
         base = statistics.median(times[(n, "(base forward)", "states")])
