@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import random
+import sys
 import time
 import warnings
 from collections import Counter
@@ -333,18 +334,14 @@ def describe(ds: DistillSet) -> str:
     return "\n".join(rows)
 
 
-def _main(argv: list[str] | None = None) -> None:
-    from .pretrained import load_pretrained
-    from .prompts import prompt_set
-    from .quantization import compress_weights
-
+def build_parser() -> argparse.ArgumentParser:
+    """`python -m midlayer.distill`'s flags."""
     ap = argparse.ArgumentParser(description="Generate the self-distillation set (greedy base responses).")
     ap.add_argument("--model", required=True, help="pretrained name or path (see midlayer.pretrained)")
     ap.add_argument("--out", required=True, help="JSON-lines output; resumed if it exists")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0, help="prompt-set seed (which Shakespeare passages)")
     ap.add_argument("--prompts", choices=("base", "scaled"), default="base",
                     help="base: the 268 prompts of midlayer.prompts; scaled: the ~22k of midlayer.prompt_recipe")
@@ -355,11 +352,44 @@ def _main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sample-seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all), for quick tries")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    return ap
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse (ValueError naming the flag) every value outside its meaning, before any model is loaded."""
+    import math
+
+    from .distributed import resolve_device
+
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    for flag, v in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    if args.limit < 0:  # prompts[:-1] would silently drop the last prompt
+        raise ValueError(f"--limit must be >= 0 (0 = every prompt), got {args.limit}")
+    if not args.out.strip() or Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r}: give a .jsonl file path, not a folder")
+    if Path(args.out).parent.exists() and not Path(args.out).parent.is_dir():
+        raise ValueError(f"--out {args.out}: {Path(args.out).parent} is a file, not a folder")
+    dev = resolve_device(args.device)
+    args.device = str(dev)
+    if args.weights == "q4" and dev.type != "cpu":
+        raise ValueError(f"--weights q4 runs the CPU kernels; use --device cpu (got {args.device})")
+
+
+def _main(argv: list[str] | None = None) -> None:
+    from .pretrained import load_pretrained
+    from .prompts import prompt_set
+    from .quantization import compress_weights
+
+    ap = build_parser()
     args = ap.parse_args(argv)
-    if args.temperature < 0:
-        ap.error(f"--temperature must be >= 0, got {args.temperature}")
-    if args.batch_size < 1 or args.max_new_tokens < 1:
-        ap.error("--batch-size and --max-new-tokens must be >= 1")
+    try:
+        check_args(args)
+    except ValueError as e:  # one line, exit 2, before anything is loaded or written
+        ap.error(str(e))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model, tok = load_pretrained(args.model, dtype)
     if tok is None:
@@ -385,6 +415,10 @@ def _main(argv: list[str] | None = None) -> None:
                      progress=not args.no_progress, temperature=args.temperature, sample_seed=args.sample_seed)
     except (DistillMismatchError, DistillFormatError) as e:  # the file is left as it was
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # whole batches only are ever appended: the file is a valid prefix
+        print(f"\ninterrupted: {args.out} keeps every finished batch; the same command continues it",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     print(f"{args.out}: {len(ds)} records, this run {time.perf_counter() - t0:.1f} s on {args.device}")
     print(describe(ds))
 

@@ -90,3 +90,44 @@ def test_every_flag_refuses_cleanly_or_validates(cmd, flag, value, capsys):
         _validate(cmd, args)
     except ValueError as e:
         assert str(e) and "\n" not in str(e).strip()  # one line
+
+
+DISTILL_CASES = [(flag, v) for flag in _value_flags(__import__("midlayer.distill", fromlist=["x"]).build_parser())
+                 for v in BAD]
+
+
+@pytest.mark.parametrize("flag,value", DISTILL_CASES, ids=[f"distill:{f}={v}" for f, v in DISTILL_CASES])
+def test_every_distill_flag_refuses_cleanly_or_validates(flag, value, tmp_path):
+    """`python -m midlayer.distill`, the other command line of the project: the same rule."""
+    from midlayer import distill
+
+    argv = ["--model", "m", "--out", str(tmp_path / "d.jsonl"), f"{flag}={value}"]
+    try:
+        args = distill.build_parser().parse_args(argv)
+    except SystemExit as e:
+        assert e.code == 2
+        return
+    dest = next(a.dest for a in distill.build_parser()._actions if flag in a.option_strings)
+    parsed = getattr(args, dest)
+    if isinstance(parsed, float) and not math.isfinite(parsed):
+        with pytest.raises(ValueError):
+            distill.check_args(args)
+        return
+    try:
+        distill.check_args(args)
+    except ValueError as e:
+        assert str(e) and "\n" not in str(e).strip()
+    assert list(tmp_path.iterdir()) == []  # validation writes nothing
+
+
+def test_distill_limit_and_temperature_refusals(tmp_path, capsys):
+    from midlayer import distill
+
+    for argv, must in ((["--limit", "-1"], "--limit must be >= 0"), (["--temperature", "nan"], "--temperature"),
+                       (["--out", str(tmp_path)], "not a folder"), (["--device", "bogus"], "not a device")):
+        with pytest.raises(SystemExit) as e:
+            distill._main(["--model", "no-such-model", "--out", str(tmp_path / "d.jsonl"), *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert must in err[-1] and "Traceback" not in "\n".join(err)
+    assert list(tmp_path.iterdir()) == []
