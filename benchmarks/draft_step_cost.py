@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=384)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--loss-positions", choices=("response", "all"), default="response",
+                    help="the positions the loss counts (train-draft's setting of the same name)")
     args = ap.parse_args()
 
     from midlayer.distill import DistillSet, batches
@@ -41,7 +43,9 @@ def main() -> None:
 
     model = load_pretrained(args.model)[0].eval()
     ds = DistillSet.load(args.data)
-    tokens, mask = batches(ds.sequences("train"), args.batch_tokens, args.seq_len, 0, pad_id=ds.pad_id)[0]
+    lens = ds.prompt_lens("train") if args.loss_positions == "response" else None
+    tokens, mask = batches(ds.sequences("train"), args.batch_tokens, args.seq_len, 0, pad_id=ds.pad_id,
+                           prompt_lens=lens)[0]
     sizes = [int(v) for v in args.vocab.split(",")]
     methods = args.methods.split(",")
     times: dict[tuple[int, str, str], list[float]] = {}
@@ -76,7 +80,7 @@ def main() -> None:
     info = cpu_info()
     feats = ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in info.flags)
     print(f"CPU: {info.model} ({feats}; torch {info.torch_capability}); torch threads {torch.get_num_threads()}; batch {tuple(tokens.shape)}, "
-          f"{int(mask.sum())} real tokens; median of {args.repeats}")
+          f"{int(mask.sum())} counted positions ({args.loss_positions}); median of {args.repeats}")
     print("| draft vocab | method | teacher s | loss forward s | backward s | step s (after the base forward) |")
     print("|---|---|---|---|---|---|")
     for n in sizes:

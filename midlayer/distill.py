@@ -283,7 +283,7 @@ def distill(model: Transformer, tok: Any, prompts: Sequence[Prompt], out_path: s
 
 
 def batches(sequences: Sequence[Sequence[int]], batch_tokens: int, seq_len: int, seed: int, *,
-            pad_id: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            pad_id: int = 0, prompt_lens: Sequence[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Training batches for draft training: a list of (tokens [B, T] long, mask [B, T] bool).
 
     Sequences are cut to their first `seq_len` tokens and grouped by length (ascending, ties broken by a
@@ -291,10 +291,17 @@ def batches(sequences: Sequence[Sequence[int]], batch_tokens: int, seq_len: int,
     longest in it; at least one sequence per batch). Padding (right, with `pad_id`, e.g. an EOS id) has
     mask False so losses can ignore it. Sequences shorter than 2 tokens give no next-token pair and are
     dropped. The batch order is shuffled by `seed`; the same inputs and seed give the same batches.
+    `prompt_lens` (one per sequence): the mask keeps only the positions whose next token is a response
+    token (or the one after the response), t >= P - 1 -- the positions a drafter guesses from at decode
+    time; the batches themselves (grouping, order, padding) are the same as without it.
     """
+    if prompt_lens is not None and len(prompt_lens) != len(sequences):
+        raise ValueError(f"prompt_lens: {len(prompt_lens)} lengths for {len(sequences)} sequences")
     if batch_tokens < 1 or seq_len < 2:
         raise ValueError(f"need batch_tokens >= 1 and seq_len >= 2, got {batch_tokens}, {seq_len}")
-    seqs = [[int(t) for t in s[:seq_len]] for s in sequences if len(s) >= 2]
+    keep = [i for i, s in enumerate(sequences) if len(s) >= 2]
+    seqs = [[int(t) for t in sequences[i][:seq_len]] for i in keep]
+    first = [0] * len(keep) if prompt_lens is None else [max(int(prompt_lens[i]) - 1, 0) for i in keep]
     rng = random.Random(seed)
     ties = [rng.random() for _ in seqs]
     order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), ties[i]))
@@ -315,7 +322,7 @@ def batches(sequences: Sequence[Sequence[int]], batch_tokens: int, seq_len: int,
         mask = torch.zeros((len(g), T), dtype=torch.bool)
         for b, i in enumerate(g):
             tokens[b, :len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
-            mask[b, :len(seqs[i])] = True
+            mask[b, first[i]:len(seqs[i])] = True
         out.append((tokens, mask))
     return out
 

@@ -6,8 +6,14 @@ prompt set of `midlayer.prompts` or the scaled one of `midlayer.prompt_recipe`),
 sequences, order and number of optimiser steps): the baselines get the same data and budget.
 
 Loss (Wu et al. 2024 sec. 3.3, and the same KL for the baselines): forward KL from the base model's own
-next-token distribution at the position a draft stands for to the draft's distribution, over real
-(non-padding) target positions. The base is frozen; Adam on the draft parameters only. EAGLE adds its
+next-token distribution at the position a draft stands for to the draft's distribution, over the target
+positions that count: with `loss_positions="response"` (default) those whose next token is a response token
+(a drafter guesses only there at decode time; SmolLM2's chat template repeats a fixed system prompt, which
+would otherwise be ~20% of the positions), with "all" every real (non-padding) one. Rows that do not count
+skip the LM head and the KL (`drafters.gather_counted`), and hidden transfer builds no pseudo rows for
+anchors whose targets all lie before the batch's first counted position (`hidden_transfer.anchor_range`).
+With a draft vocabulary (`draft_vocab`, draft_vocab.py) the KL is over its tokens, the teacher renormalised
+on them. The base is frozen; Adam on the draft parameters only. EAGLE adds its
 feature regression: L = SmoothL1(fhat, f) + 0.1 KL (eagle.py; arXiv 2401.15077 sec. 4), with the paper's
 U(-0.1, 0.1) input-feature noise drawn from a generator seeded by (seed, step), so resume stays exact.
 
@@ -101,6 +107,8 @@ class DraftTrainConfig:
     #                    the best evaluated weights are the ones saved
     curve_batches: int = 64  # held-out records per curve evaluation (a fixed subset; 0: all)
     cache_gb: float = 4.0  # memory for frozen base states reused across epochs; beyond it, recomputed
+    loss_positions: str = "response"  # "response": only positions whose next token is a response token count
+    #                                   (what a drafter guesses from at decode time); "all": every real token
     draft_vocab: int = 16384  # drafts score only the N most frequent training-response tokens (draft_vocab.py;
     #                           FR-Spec / EAGLE-3); 0: the full vocabulary
 
@@ -108,6 +116,8 @@ class DraftTrainConfig:
         check_finite(self)  # --lr inf, --epochs nan, ...
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.loss_positions not in ("response", "all"):
+            raise ValueError(f"loss_positions must be 'response' or 'all', got {self.loss_positions!r}")
         if self.schedule not in ("joint", "sequential"):
             raise ValueError(f"schedule must be 'joint' or 'sequential', got {self.schedule!r}")
         if self.k < 1:
@@ -419,7 +429,7 @@ def _state_path(out: Path) -> Path:
 # Settings every drafter of one `train_drafts` loop must share: they fix the batches, their order and the
 # number of steps (the equal-data, equal-budget comparison), or what the shared frozen states are.
 SHARED = ("model", "data", "epochs", "batch_tokens", "seq_len", "bf16", "seed", "ckpt_every", "max_eval_batches",
-          "eval_every", "patience", "curve_batches", "cache_gb", "draft_vocab")
+          "eval_every", "patience", "curve_batches", "cache_gb", "draft_vocab", "loss_positions")
 
 
 def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
@@ -618,7 +628,8 @@ def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None,
         model = load_pretrained(c0.model)[0]
     model.eval()
     ds = data if data is not None else DistillSet.load(c0.data)
-    train_b = make_batches(ds.sequences("train"), c0.batch_tokens, c0.seq_len, c0.seed, pad_id=ds.pad_id)
+    train_b = make_batches(ds.sequences("train"), c0.batch_tokens, c0.seq_len, c0.seed, pad_id=ds.pad_id,
+                           prompt_lens=ds.prompt_lens("train") if c0.loss_positions == "response" else None)
     held_b = response_batches(ds, c0.seq_len, c0.max_eval_batches)
     if not train_b or not held_b:
         raise ValueError(f"{c0.data}: needs records in both the train and the heldout split")

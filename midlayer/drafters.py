@@ -398,11 +398,21 @@ def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,
         A = T - 1 - i
         if A <= 0:
             break
-        kl = kl_to_base(logits[:, 1 + i:], heads.logits(model, hs[-1][:, :A], i),
-                        None if mask is None else mask[:, 1 + i:])  # the target position must be real
+        h, t, valid = gather_counted(hs[-1][:, :A], logits[:, 1 + i:], None if mask is None else mask[:, 1 + i:])
+        kl = kl_to_base(t, heads.logits(model, h, i), valid)  # the target position must count
         total = total + kl
         per.append(float(kl.detach()))
     return total, per
+
+
+def gather_counted(x: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keep only the rows a loss counts (valid [B, A] True) before they pay for the LM head and the KL:
+    (x [n, d], teacher [n, V], None). Without a mask, or when no row counts (the weighted mean is then 0
+    and still has a graph), everything is returned as it is."""
+    if valid is None or not bool(valid.any()):
+        return x, teacher, valid
+    return x[valid], teacher[valid], None
 
 
 def early_exit_loss(model: Transformer, head: EarlyExitHead, tokens: torch.Tensor,
@@ -411,7 +421,8 @@ def early_exit_loss(model: Transformer, head: EarlyExitHead, tokens: torch.Tenso
     """KL(p_base(. | t) || p_exit(. | h^(layer)_t)) averaged over all positions t (the next-token target
     the exit head drafts with, autoregressively)."""
     logits, hs = states if states is not None else base_states(model, tokens)
-    kl = kl_to_base(teacher_logits(logits, head), head.logits(model, hs[head.layer]), mask)
+    h, t, valid = gather_counted(hs[head.layer], teacher_logits(logits, head), mask)
+    kl = kl_to_base(t, head.logits(model, h), valid)
     return kl, [float(kl.detach())]
 
 

@@ -68,8 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .drafters import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, kl_to_base,
-                       model_device, optimise, placeholder_candidates, split_batch)
+from .drafters import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, gather_counted,
+                       kl_to_base, model_device, optimise, placeholder_candidates, split_batch)
 from .draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
 from .generate import CachedStep
 from .hidden_transfer import _additive, _MaskedView, visible
@@ -228,15 +228,18 @@ def eagle_loss(model: Transformer, head: EagleHead, tokens: torch.Tensor,
     logits, hs = states if states is not None else base_states(model, tokens)
     feats = hs[-1]
     fhat = eagle_forward(model, head, tokens, feats, 1, noise, generator)[0]  # predicts f_1..f_{T-1}
-    valid = None if mask is None else mask[:, 1:]
-    target = feature(model, feats[:, 1:]).detach().float()
-    reg = F.smooth_l1_loss(fhat.float(), target, reduction="none").mean(-1)  # [B, T-1]
+    # every row runs the draft layer (the later rows attend to it); only the counted ones pay for the head
+    pair = torch.cat([fhat.float(), feature(model, feats[:, 1:]).detach().float()], -1)
+    pair, teacher, valid = gather_counted(pair, teacher_logits(logits, head)[:, 1:],
+                                          None if mask is None else mask[:, 1:])
+    fhat, target = pair.split(fhat.shape[-1], -1)
+    reg = F.smooth_l1_loss(fhat, target, reduction="none").mean(-1)
     if valid is None:
         reg = reg.mean()
     else:
         w = valid.to(reg.dtype)
         reg = (reg * w).sum() / w.sum().clamp_min(1.0)
-    kl = kl_to_base(teacher_logits(logits, head)[:, 1:], feature_logits(model, fhat, head), valid)
+    kl = kl_to_base(teacher, feature_logits(model, fhat, head), valid)
     return reg + w_cls * kl, [float(kl.detach()), float(reg.detach())]
 
 

@@ -133,9 +133,9 @@ def training_rows(T: int, k: int, all_anchors: bool = False, device: torch.devic
     anchors = [torch.arange(T, device=device)]
     steps = [torch.zeros(T, dtype=torch.long, device=device)]
     for i in range(1, k + 1):
-        A = T if all_anchors else max(T - i, 0)
-        anchors.append(torch.arange(A, device=device))
-        steps.append(torch.full((A,), i, dtype=torch.long, device=device))
+        a, A = anchor_range(T, i, all_anchors)
+        anchors.append(torch.arange(a, A, device=device))
+        steps.append(torch.full((A - a,), i, dtype=torch.long, device=device))
     return torch.cat(anchors), torch.cat(steps)
 
 
@@ -147,6 +147,14 @@ def training_mask(T: int, k: int, masked: bool, all_anchors: bool = False) -> to
 
 def _additive(vis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill(~vis, float("-inf"))
+
+
+def anchor_range(T: int, step: int, all_anchors: bool = False, first_anchor: int = 0) -> tuple[int, int]:
+    """[a, A): the anchors of a training pass's step-`step` rows. A = T - step (the target position j + step
+    must exist) or T with all_anchors; a = first_anchor (capped at A), the same for every step, because a
+    pseudo row sees the earlier steps' rows of its anchor ("not masked"), which must then exist too."""
+    A = T if all_anchors else max(T - step, 0)
+    return min(first_anchor, A), A
 
 
 class _TransferRows:
@@ -161,15 +169,16 @@ class _TransferRows:
         self.mask: torch.Tensor | None = None  # rebuilt (with cos, sin) when rows join
         self.cos = self.sin = None
 
-    def joiner(self, transfer: "HiddenTransfer", steps: list[int], all_anchors: bool) -> Callable:
+    def joiner(self, transfer: "HiddenTransfer", steps: list[int], all_anchors: bool, first_anchor: int = 0
+               ) -> Callable:
         def join(x: torch.Tensor) -> torch.Tensor:
-            """Step i's rows: W_i of the real rows entering block t_i, for anchors 0..A-1."""
+            """Step i's rows: W_i of the real rows entering block t_i, for anchors a_i..A-1 (`anchors`)."""
             dev, parts = x.device, []
             for i in steps:
-                A = self.T if all_anchors else max(self.T - i, 0)
-                parts.append(transfer.transfer(x[:, :A], i))
-                self.anchor = torch.cat([self.anchor, torch.arange(A, device=dev)])
-                self.step = torch.cat([self.step, torch.full((A,), i, dtype=torch.long, device=dev)])
+                a, A = anchor_range(self.T, i, all_anchors, first_anchor)
+                parts.append(transfer.transfer(x[:, a:A], i))
+                self.anchor = torch.cat([self.anchor, torch.arange(a, A, device=dev)])
+                self.step = torch.cat([self.step, torch.full((A - a,), i, dtype=torch.long, device=dev)])
             self.mask = None
             return torch.cat(parts, 1)
         return join
@@ -242,7 +251,7 @@ class HiddenTransfer(nn.Module):
 # ========================================================================================= training pass
 def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor, *,
                      n_steps: int | None = None, all_anchors: bool = False, collect: dict | None = None,
-                     start: tuple[int, torch.Tensor] | None = None, full: bool = False
+                     start: tuple[int, torch.Tensor] | None = None, full: bool = False, first_anchor: int = 0
                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One forward over [real tokens ; pseudo rows of steps 1..n_steps] with the `visible` mask.
 
@@ -255,6 +264,8 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     row has joined).
     `start` = (s, h): the real rows' residual entering block s <= t_1, cached from an earlier pass of the
     frozen base (dense bases only: a gated base's gates need the blocks below); blocks < s are not run.
+    `first_anchor`: pseudo rows only for anchors >= it (`anchor_range`; a loss that counts no earlier target
+    need not build them); step i's logits are then those of anchors first_anchor..A_i-1.
     Logits of every row are over the transfer's draft vocabulary when it has one (draft_vocab.py: the
     teacher renormalised on it, as the training loss wants), over the full vocabulary with `full`.
     """
@@ -275,7 +286,8 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     else:
         x = model.emb_norm(model.tok_embeddings(tokens))
     rows = _TransferRows(model, T, x.device, transfer.masked)
-    joins = {t: rows.joiner(transfer, steps, all_anchors) for t, steps in transfer.steps_at(n_steps).items()}
+    joins = {t: rows.joiner(transfer, steps, all_anchors, first_anchor)
+             for t, steps in transfer.steps_at(n_steps).items()}
     capture = None if collect is None else dict.fromkeys(range(first, L + 1))
     x = model.run_blocks(x, rows, start=first, routed=T, joins=joins, capture=capture)
     anchor, step = rows.anchor, rows.step
@@ -297,14 +309,20 @@ def hidden_transfer_loss(model: Transformer, transfer: HiddenTransfer, tokens: t
     `only_step` restricts the sum to one step (the sequential schedule); the per-step KLs are returned
     for every computed step. `mask` [B, T]: real (non-padding) tokens; an anchor counts for step i only if
     its target position j + i is real (right padding: then so is the anchor)."""
-    real, pseudo = transfer_forward(model, transfer, tokens, n_steps=n_steps, start=start)
+    # the first position any sequence counts: an anchor all of whose targets (j + 1 .. j + n) lie before it
+    # gets no pseudo rows
+    n = transfer.k if n_steps is None else n_steps
+    first = 0 if mask is None or not bool(mask.any()) else max(int(mask.any(0).nonzero()[0]) - n, 0)
+    real, pseudo = transfer_forward(model, transfer, tokens, n_steps=n_steps, start=start, first_anchor=first)
+    T = tokens.shape[1]
     total = real.new_zeros((), dtype=torch.float32)
     per: list[float] = []
     for i, p in enumerate(pseudo, start=1):
         if p.shape[1] == 0:
             per.append(float("nan"))
             continue
-        kl = kl_to_base(real[:, i:], p, None if mask is None else mask[:, i:])
+        a = anchor_range(T, i, False, first)[0]  # p holds anchors a..T-1-i; their targets are a+i..T-1
+        kl = kl_to_base(real[:, a + i:], p, None if mask is None else mask[:, a + i:])
         per.append(float(kl.detach()))
         if only_step is None or only_step == i:
             total = total + kl

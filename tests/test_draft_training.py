@@ -324,3 +324,65 @@ def test_a_finished_run_extended_with_more_epochs_continues_exactly(tmp_path):
     train_draft(seq, base, data, **quiet)
     with pytest.raises(ValueError, match="other settings"):  # its phase lengths depend on the total
         train_draft(cfg(tmp_path / "c", "hidden-transfer", schedule="sequential", epochs=2), base, data, **quiet)
+
+
+def test_response_positions_mask_and_the_trimmed_losses_equal_the_weighted_ones():
+    """batches(prompt_lens=) keeps only positions t >= P - 1 (same batches otherwise); the losses that skip the
+    rows a mask does not count (the LM head, the KL, hidden transfer's pseudo rows of early anchors) equal
+    the plain mask-weighted losses computed over every row."""
+    from midlayer.distill import batches
+    from midlayer.drafters import base_states, kl_to_base
+    from midlayer.drafters import EarlyExitHead, MedusaHeads
+    from midlayer.eagle import W_CLS, EagleHead, eagle_forward, eagle_loss, feature, feature_logits
+    from midlayer.hidden_transfer import transfer_forward
+
+    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [1, 1, 2, 2, 3, 3, 4]]
+    plain = batches(seqs, 64, 16, 0, pad_id=0)
+    resp = batches(seqs, 64, 16, 0, pad_id=0, prompt_lens=[2, 1, 5])
+    (tok, m_all), (tok2, m_resp) = plain[0], resp[0]
+    assert torch.equal(tok, tok2)
+    order = [next(i for i, s in enumerate(seqs) if tok[b, :len(s)].tolist() == s) for b in range(3)]
+    for b, i in enumerate(order):  # by hand: positions P-1 .. len-1 of each sequence
+        want = [False] * tok.shape[1]
+        for t in range([2, 1, 5][i] - 1, len(seqs[i])):
+            want[t] = True
+        assert m_resp[b].tolist() == want and m_all[b, :len(seqs[i])].all()
+    with pytest.raises(ValueError, match="prompt_lens"):
+        batches(seqs, 64, 16, 0, prompt_lens=[1])
+
+    base = tiny_base()
+    torch.manual_seed(1)
+    tokens = torch.randint(0, V, (3, 14))
+    mask = torch.zeros(3, 14, dtype=torch.bool)
+    mask[0, 5:] = True
+    mask[1, 7:12] = True
+    mask[2, 9:] = True
+    logits, hs = base_states(base, tokens)
+    heads = MedusaHeads(D, 3)
+    ee = EarlyExitHead(D, 2)
+    with torch.no_grad():
+        for p in [*heads.parameters(), *ee.parameters()]:
+            p.add_(0.1 * torch.randn_like(p))
+    ref = sum(kl_to_base(logits[:, 1 + i:], heads.logits(base, hs[-1][:, :13 - i], i), mask[:, 1 + i:])
+              for i in range(3))
+    assert torch.allclose(medusa_loss(base, heads, tokens, (logits, hs), mask)[0], ref, atol=1e-5)
+    ref = kl_to_base(logits, ee.logits(base, hs[2]), mask)
+    assert torch.allclose(early_exit_loss(base, ee, tokens, (logits, hs), mask)[0], ref, atol=1e-5)
+    eagle = EagleHead.for_model(base)
+    with torch.no_grad():
+        for p in eagle.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    fhat = eagle_forward(base, eagle, tokens, hs[-1], 1)[0]
+    w = mask[:, 1:].float()
+    reg = (torch.nn.functional.smooth_l1_loss(fhat, feature(base, hs[-1][:, 1:]), reduction="none").mean(-1) * w
+           ).sum() / w.sum()
+    ref = reg + W_CLS * kl_to_base(logits[:, 1:], feature_logits(base, fhat, eagle), mask[:, 1:])
+    assert torch.allclose(eagle_loss(base, eagle, tokens, (logits, hs), mask)[0], ref, atol=1e-5)
+    for masked in (False, True):  # not masked: a pseudo row sees its anchor's earlier steps, which must exist
+        ht = HiddenTransfer(D, [1, 2, 2], masked=masked)
+        with torch.no_grad():
+            for m in ht.maps:
+                m.weight.add_(0.2 * torch.randn(D, D))
+        real, pseudo = transfer_forward(base, ht, tokens)  # every anchor, no trimming
+        ref = sum(kl_to_base(real[:, i:], p, mask[:, i:]) for i, p in enumerate(pseudo, start=1))
+        assert torch.allclose(hidden_transfer_loss(base, ht, tokens, mask=mask)[0], ref, atol=1e-5)

@@ -225,7 +225,7 @@ def test_cli_surface_is_frozen():
         ["-h", "--help", "--stop-after", "--no-progress", "--methods", "--method", "--model", "--data", "--out-dir",
          "--k", "--layers", "--exit-layer", "--masked", "--no-masked", "--schedule", "--epochs", "--lr",
          "--batch-tokens", "--seq-len", "--bf16", "--no-bf16", "--seed", "--ckpt-every", "--max-eval-batches",
-         "--eval-every", "--patience", "--curve-batches", "--cache-gb", "--draft-vocab"])
+         "--eval-every", "--patience", "--curve-batches", "--cache-gb", "--loss-positions", "--draft-vocab"])
 
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):
