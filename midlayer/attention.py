@@ -81,10 +81,11 @@ def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   key_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal GQA attention through SDPA. q [B,H,Tq,d]; k,v [B,Hkv,Tk,d]; key_bias [B,1,1,Tk] or None."""
+                   key_bias: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal GQA attention through SDPA. q [B,H,Tq,d]; k,v [B,Hkv,Tk,d]; key_bias [B,1,1,Tk] or None;
+    dropout_p on the attention probabilities (training)."""
     n_rep = q.shape[1] // k.shape[1]
-    kwargs = {}
+    kwargs: dict = {"dropout_p": dropout_p} if dropout_p else {}
     if n_rep > 1:
         if _SDPA_HAS_GQA:
             kwargs["enable_gqa"] = True
@@ -151,6 +152,12 @@ class Attention(nn.Module):
         self.wqkv: nn.Module | None = None
         self.row_invariant = False
         self.backend = cfg.attn_backend
+        self.attn_dropout = cfg.attn_dropout
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3): per-head norm of q and k before RoPE
+            from .model import make_norm
+
+            self.q_norm, self.k_norm = make_norm(cfg, cfg.head_dim), make_norm(cfg, cfg.head_dim)
 
     def fuse(self) -> None:
         """Replace wq, wk, wv by one projection wqkv = [wq; wk; wv] (inference only)."""
@@ -163,7 +170,9 @@ class Attention(nn.Module):
     def use_flex(self, x: torch.Tensor) -> bool:
         if self.backend == "flex":
             return True
-        return self.backend == "auto" and HAS_FLEX and x.is_cuda
+        # "auto" trains with SDPA when attention dropout is on: FlexAttention has none
+        return (self.backend == "auto" and HAS_FLEX and x.is_cuda
+                and not (self.attn_dropout and self.training))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_bias: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -179,18 +188,24 @@ class Attention(nn.Module):
         if cos.dim() == 4:
             cos, sin = cos[:, 0], sin[:, 0]
         if (cache is not None and self.row_invariant and self.wqkv is not None and x.device.type == "cpu"
-                and cache.cache.k.dtype == torch.float32 and kernels.available()):
+                and cache.cache.k.dtype == torch.float32 and kernels.available() and self.q_norm is None):
             return self._forward_kernels(x, cos, sin, cache)
         # RoPE in the projection's own [B, T, heads, hd] layout: no copy before the attention kernel.
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         if self.wqkv is not None:
             qkv = self.wqkv(x).view(B, T, H + 2 * Hk, hd)
-            qk = apply_rope(qkv[:, :, :H + Hk], cos, sin)  # q and k rotated in one go
-            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hk:]
+            q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hk], qkv[:, :, H + Hk:]
         else:
-            q = apply_rope(self.wq(x).view(B, T, H, hd), cos, sin)
-            k = apply_rope(self.wk(x).view(B, T, Hk, hd), cos, sin)
+            q, k = self.wq(x).view(B, T, H, hd), self.wk(x).view(B, T, Hk, hd)
             v = self.wv(x).view(B, T, Hk, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif self.wqkv is not None:
+            qk = apply_rope(qkv[:, :, :H + Hk], cos, sin)  # q and k rotated in one go
+            q, k = qk[:, :, :H], qk[:, :, H:]
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is None:
             out = self.attend(q, k, v, key_bias)
@@ -216,14 +231,15 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                key_bias: torch.Tensor | None) -> torch.Tensor:
         dtype = q.dtype
+        p = self.attn_dropout if self.training else 0.0
         if self.use_flex(q):
             # FlexAttention accumulates logits and softmax in fp32 from bf16 inputs inside its kernel.
             return flex_gated_attention(q, k, v, key_bias).to(dtype)
         if dtype != torch.float32:
             # Paper 3.1: attention logits in fp32 under bf16 autocast.
             with torch.autocast(q.device.type, enabled=False):
-                return sdpa_attention(q.float(), k.float(), v.float(), key_bias).to(dtype)
-        return sdpa_attention(q, k, v, key_bias)
+                return sdpa_attention(q.float(), k.float(), v.float(), key_bias, p).to(dtype)
+        return sdpa_attention(q, k, v, key_bias, p)
 
     def attend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:

@@ -16,7 +16,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-NORM_PLACEMENTS = ("pre", "sandwich")
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+NORM_TYPES = ("rmsnorm", "layernorm", "layernorm_nobias")
+FFN_TYPES = ("swiglu", "geglu", "reglu", "relu", "gelu", "silu")  # GLU variants first, then plain MLPs
+INIT_SCHEMES = ("normal", "scaled_residual")
 ATTN_BACKENDS = ("auto", "sdpa", "flex")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -53,7 +56,17 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 1024
     init_std: float = 0.02  # every non-norm parameter ~ N(0, init_std); norm weights start at 1
-    norm_placement: str = "sandwich"  # "pre": x + M(N(x)); "sandwich" (peri-LN): x + N(M(N(x)))
+    norm_placement: str = "sandwich"  # "pre": x + M(N(x)); "sandwich" (peri-LN): x + N(M(N(x)));
+    #                                   "post" (the 2017 Transformer): N(x + M(x))
+    norm_type: str = "rmsnorm"  # rmsnorm | layernorm (with bias) | layernorm_nobias, for every norm of the model
+    qk_norm: bool = False  # normalise each head's query and key (the norm_type, over head_dim) before RoPE
+    ffn_type: str = "swiglu"  # GLU: swiglu | geglu | reglu (w2(act(w1 x) * w3 x)); MLP: relu | gelu | silu
+    #                           (w2 act(w1 x)); the hidden size is the same rule for both (ffn_hidden_dim)
+    init_scheme: str = "normal"  # normal: N(0, init_std) everywhere; scaled_residual: the projections that
+    #                              write into the residual (wo, w2) get init_std / sqrt(2 n_layers) (GPT-2)
+    dropout: float = 0.0  # on each module's output before it joins the residual (training only)
+    attn_dropout: float = 0.0  # on the attention probabilities (training only)
+    emb_dropout: float = 0.0  # on the embedding (training only)
     gating: bool = True  # skip-middle routers and gated attention; False is the dense baseline
     gate_eps: float = 1e-6  # floor on g before ln(g) in gated attention (paper 2.2)
     attn_backend: str = "auto"  # "auto": FlexAttention on CUDA when available, else SDPA with a key bias
@@ -81,18 +94,39 @@ class ModelConfig:
                f"must be one of {NORM_PLACEMENTS}, got {self.norm_placement!r}")
         _check(self.attn_backend in ATTN_BACKENDS, "attn_backend",
                f"must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        _check(self.norm_type in NORM_TYPES, "norm_type", f"must be one of {NORM_TYPES}, got {self.norm_type!r}")
+        _check(self.ffn_type in FFN_TYPES, "ffn_type", f"must be one of {FFN_TYPES}, got {self.ffn_type!r}")
+        _check(self.init_scheme in INIT_SCHEMES, "init_scheme",
+               f"must be one of {INIT_SCHEMES}, got {self.init_scheme!r}")
+        for name in ("dropout", "attn_dropout", "emb_dropout"):
+            v = getattr(self, name)
+            _check(0.0 <= v < 1.0, name, f"a dropout probability must be in [0, 1), got {v}")
+        _check(not (self.attn_dropout and self.attn_backend == "flex"), "attn_dropout",
+               "FlexAttention has no attention dropout; use attn_backend='sdpa' or attn_dropout=0")
         if self.gating:
             # Block l mirrors block L-1-l (eq. 2), so the layer count must split into two equal halves.
             _check(self.n_layers % 2 == 0, "n_layers",
                    f"a gated model needs an even number of layers (block l mirrors L-1-l), got {self.n_layers}")
+            # A skipped block must hand its input on unchanged (g = 0 => h' = h, what real skipping does);
+            # post-LN normalises the residual itself, N(h + 0) != h, so skipping would change the token.
+            _check(self.norm_placement != "post", "norm_placement",
+                   "post-LN normalises the residual after every block, so a skipped block (gate 0) would still "
+                   "change the token; gating needs 'pre' or 'sandwich'")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     @property
+    def ffn_glu(self) -> bool:
+        """The FFN is a gated linear unit (three matrices: w1 gate, w3 up, w2 down), else a two-matrix MLP."""
+        return self.ffn_type in ("swiglu", "geglu", "reglu")
+
+    @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size: multiplier * dim, rounded up to a multiple of `multiple_of` (Llama)."""
+        """FFN hidden size: multiplier * dim, rounded up to a multiple of `multiple_of` (Llama). The same rule
+        for GLU and MLP types: a GLU FFN then has 3/2 the parameters of an MLP at the same multiplier (set
+        ffn_dim_multiplier to 2/3 of the MLP's for equal parameters, as Shazeer 2020 does)."""
         if self.ffn_hidden:
             return self.ffn_hidden
         h = int(self.ffn_dim_multiplier * self.dim)

@@ -24,13 +24,21 @@ softmax             5 H P                                            scale, max-
 attn_values         2 d P                                            weights times v, each pair and head
 key_bias (gated)    H P + 2 T                                        add ln(g_j) to each score (eq. 3) and
                                                                      ln(max(g, eps)) once per token
-ffn_proj            3 * 2 T d h                                      w1, w3 (d -> h) and w2 (h -> d)
+ffn_proj            3 * 2 T d h                                      w1, w3 (d -> h) and w2 (h -> d); a
+                                                                     plain MLP (ffn_type relu/gelu/silu):
+                                                                     2 * 2 T d h, no w3
 swiglu              5 T h                                            silu(a) = a / (1 + exp(-a)): negate, exp,
-                                                                     add, divide (4), times w3 output (1)
+                                                                     add, divide (4), times w3 output (1);
+                                                                     every activation is counted so (GELU's
+                                                                     erf and ReLU's max differ by O(T h)), a
+                                                                     plain MLP without the product: 4 T h
 norms               n_norm * 4 T d                                   RMSNorm: square, sum, scale by rsqrt,
                                                                      scale by weight; per-row rsqrt and eps
                                                                      (O(T)) neglected. n_norm = 2 for
-                                                                     "pre", 4 for "sandwich"
+                                                                     "pre" and "post", 4 for "sandwich";
+                                                                     LayerNorm: + subtract the mean (and + bias)
+                                                                     = 5 (6) per element; qk_norm: + 2 norms
+                                                                     over (H + K) hd per token
 residual            2 T d                                            two residual adds
 gate_mul (gated)    2 T d                                            g * attn_out and g * ffn_out
 embed_norm          4 T d                 (once)                     the norm after the embedding
@@ -64,6 +72,19 @@ from midlayer.config import ModelConfig
 
 # Per-element constants (see the module docstring for the operation counts behind each).
 RMSNORM_FLOPS_PER_ELEM = 4
+LAYERNORM_EXTRA_FLOPS_PER_ELEM = 1  # subtract the mean; + 1 more for the bias
+
+
+def norm_flops_per_elem(cfg: ModelConfig) -> int:
+    """FLOPs per normalised element of the model's norm_type (module docstring, `norms`)."""
+    if cfg.norm_type == "rmsnorm":
+        return RMSNORM_FLOPS_PER_ELEM
+    return RMSNORM_FLOPS_PER_ELEM + LAYERNORM_EXTRA_FLOPS_PER_ELEM + (1 if cfg.norm_type == "layernorm" else 0)
+
+
+def norms_per_block(cfg: ModelConfig) -> int:
+    """Norms over d features in one block: 2 (pre, post) or 4 (sandwich)."""
+    return 4 if cfg.norm_placement == "sandwich" else 2
 ROPE_FLOPS_PER_ELEM = 3
 SOFTMAX_FLOPS_PER_SCORE = 5
 SWIGLU_FLOPS_PER_HIDDEN = 5
@@ -154,7 +175,8 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
     keep = _block_keep(cfg, sparsity)
     T, P = n_tokens, n_pairs
     d, H, K, hd, h, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden_dim, cfg.vocab_size
-    n_norm = 2 if cfg.norm_placement == "pre" else 4
+    n_norm, nf = norms_per_block(cfg), norm_flops_per_elem(cfg)
+    n_ffn = 3 if cfg.ffn_glu else 2
     g = 1 if cfg.gating else 0
     # One dense-compute block, term by term (formulas in the module docstring).
     one = {
@@ -165,9 +187,9 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         "softmax": SOFTMAX_FLOPS_PER_SCORE * H * P,
         "attn_values": 2 * H * hd * P,
         "key_bias": g * (H * P + KEY_BIAS_LOG_FLOPS_PER_TOKEN * T),
-        "ffn_proj": 3 * 2 * T * d * h,
-        "swiglu": SWIGLU_FLOPS_PER_HIDDEN * T * h,
-        "norms": n_norm * RMSNORM_FLOPS_PER_ELEM * T * d,
+        "ffn_proj": n_ffn * 2 * T * d * h,
+        "swiglu": (SWIGLU_FLOPS_PER_HIDDEN - (0 if cfg.ffn_glu else 1)) * T * h,
+        "norms": n_norm * nf * T * d + (2 * nf * T * (H + K) * hd if cfg.qk_norm else 0),
         "residual": 2 * T * d,
         "gate_mul": g * 2 * T * d,
     }
@@ -178,8 +200,8 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         n_tokens=T,
         n_pairs=P,
         **{name: float(v) * kept for name, v in one.items()},
-        embed_norm=float(RMSNORM_FLOPS_PER_ELEM * T * d) if cfg.embed_norm else 0.0,
-        final_norm=float(RMSNORM_FLOPS_PER_ELEM * T * d),
+        embed_norm=float(nf * T * d) if cfg.embed_norm else 0.0,
+        final_norm=float(nf * T * d),
         lm_head=float(2 * T * d * V),
         router=float(R * T * (2 * d + 2)),
         router_gates=float(T * (max(R - 1, 0) + GATE_FN_FLOPS_PER_TOKEN * R)),
@@ -231,9 +253,11 @@ def prefill_decode_split(cfg: ModelConfig, prompt_len: int, new_tokens: int,
 def block_param_count(cfg: ModelConfig) -> int:
     """N_B (paper 2.1): parameters of one Transformer block (attention, FFN, its norms; no router)."""
     d, kv, h = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden_dim
-    n_norm = 2 if cfg.norm_placement == "pre" else 4
+    per_norm = 2 if cfg.norm_type == "layernorm" else 1  # weight (+ bias) per feature
     bias = (d + 2 * kv) if cfg.qkv_bias else 0  # Qwen2-style q/k/v biases
-    return d * d + 2 * d * kv + d * d + 3 * d * h + n_norm * d + bias
+    qk = 2 * cfg.head_dim * per_norm if cfg.qk_norm else 0
+    ffn = (3 if cfg.ffn_glu else 2) * d * h
+    return d * d + 2 * d * kv + d * d + ffn + norms_per_block(cfg) * d * per_norm + bias + qk
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -243,7 +267,7 @@ def param_count(cfg: ModelConfig) -> int:
     """
     d, V = cfg.dim, cfg.vocab_size
     head = 0 if cfg.tie_embeddings else V * d
-    norms = (2 if cfg.embed_norm else 1) * d
+    norms = (2 if cfg.embed_norm else 1) * d * (2 if cfg.norm_type == "layernorm" else 1)
     return V * d + cfg.n_layers * block_param_count(cfg) + norms + head + cfg.n_routers * (d + 1)
 
 

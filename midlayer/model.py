@@ -16,6 +16,7 @@ feed_forward.w1/w2/w3, attention_norm, ffn_norm) so that checkpoints map by name
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -47,6 +48,28 @@ class RMSNorm(nn.Module):
         return (out * self.weight.float()).to(x.dtype)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm (Ba et al. 2016): (x - mean) / sqrt(var + eps) * weight (+ bias), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), b, self.eps).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """The model's normalisation (`norm_type`) over `dim` features (default cfg.dim)."""
+    dim = cfg.dim if dim is None else dim
+    if cfg.norm_type == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps)
+    return LayerNorm(dim, cfg.norm_eps, bias=cfg.norm_type == "layernorm")
+
+
 def fuse_linears(parts: list[nn.Module]) -> nn.Linear:
     """One frozen nn.Linear computing the concatenation of the parts' outputs (inference: one matmul)."""
     out = sum(p.out_features for p in parts)
@@ -60,57 +83,78 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Linear:
     return fused.requires_grad_(False)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x). `fuse()` (inference) joins w1|w3 into one `w13`."""
+_ACTIVATIONS = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu, "silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
-    def __init__(self, dim: int, hidden: int) -> None:
+
+class FeedForward(nn.Module):
+    """The FFN (`ffn_type`). GLU variants (Shazeer 2020, "GLU Variants Improve Transformer"):
+    w2(act(w1 x) * w3 x) with act = SiLU (SwiGLU), GELU (GeGLU) or ReLU (ReGLU); plain MLPs (Vaswani et al.
+    2017: ReLU; GPT-2: GELU): w2 act(w1 x). `fuse()` (inference) joins a GLU's w1|w3 into one `w13`."""
+
+    def __init__(self, dim: int, hidden: int, kind: str = "swiglu") -> None:
         super().__init__()
+        self.kind, self.act = kind, _ACTIVATIONS[kind]
+        self.glu = kind in ("swiglu", "geglu", "reglu")
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        if self.glu:
+            self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w13: nn.Module | None = None
 
     def fuse(self) -> None:
-        """Replace w1, w3 by one projection w13 = [w1; w3] (inference only; checkpoints keep w1/w3)."""
-        if self.w13 is None:
+        """GLU: replace w1, w3 by one projection w13 = [w1; w3] (inference only; checkpoints keep w1/w3)."""
+        if self.glu and self.w13 is None:
             self.w13 = fuse_linears([self.w1, self.w3])
             del self.w1, self.w3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
             a, b = self.w13(x).chunk(2, -1)
-            return self.w2(F.silu(a) * b)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(self.act(a) * b)
+        if self.glu:
+            return self.w2(self.act(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attention = Attention(cfg)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.sandwich = cfg.norm_placement == "sandwich"
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.ffn_type)
+        self.attention_norm = make_norm(cfg)
+        self.ffn_norm = make_norm(cfg)
+        self.placement = cfg.norm_placement
+        self.sandwich = self.placement == "sandwich"
         if self.sandwich:  # peri-LN: also normalise each module's output before it joins the residual
-            self.attention_out_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-            self.ffn_out_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.attention_out_norm = make_norm(cfg)
+            self.ffn_out_norm = make_norm(cfg)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 gate: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
-        """a = x + g * Attn(x), h = a + g * FFN(a), with the norm scheme inside (paper section 2)."""
-        a = self.attention(self.attention_norm(x), cos, sin, key_bias, cache)
+        """a = x + g * Attn(x), h = a + g * FFN(a), with the norm scheme inside (paper section 2):
+        pre-LN x + M(N(x)); sandwich/peri-LN x + N(M(N(x))); post-LN N(x + M(x)) (Vaswani et al. 2017;
+        refused for gated models, config.py). Dropout (training) on M's output before the residual add."""
+        post = self.placement == "post"
+        a = self.attention(x if post else self.attention_norm(x), cos, sin, key_bias, cache)
         if self.sandwich:
             a = self.attention_out_norm(a)
+        if self.drop is not None:
+            a = self.drop(a)
         if gate is not None:
             a = a * gate[..., None].to(a.dtype)
         h = x + a
-        f = self.feed_forward(self.ffn_norm(h))
+        if post:
+            h = self.attention_norm(h)
+        f = self.feed_forward(h if post else self.ffn_norm(h))
         if self.sandwich:
             f = self.ffn_out_norm(f)
+        if self.drop is not None:
+            f = self.drop(f)
         if gate is not None:
             f = f * gate[..., None].to(f.dtype)
-        return h + f
+        return self.ffn_norm(h + f) if post else h + f
 
 
 # step(layer, block, h, gate, key_bias) -> h: how one forward's rows go through a block (Transformer.run_blocks)
@@ -139,9 +183,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.emb_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.embed_norm else nn.Identity()
+        self.emb_norm = make_norm(cfg) if cfg.embed_norm else nn.Identity()
+        self.emb_drop = nn.Dropout(cfg.emb_dropout) if cfg.emb_dropout else nn.Identity()
         self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -153,10 +198,19 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Paper 3 / Table 2: RMSNorm weights 1, every other parameter (routers included) ~ N(0, init_std)."""
+        """Paper 3 / Table 2: norm weights 1 (LayerNorm biases 0), every other parameter (routers included)
+        ~ N(0, init_std). init_scheme="scaled_residual" (GPT-2, Radford et al. 2019): the projections that
+        write into the residual stream, attention.wo and feed_forward.w2, get init_std / sqrt(2 n_layers), so
+        the residual's variance does not grow with depth."""
+        small = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
+            elif name.endswith("norm.bias"):
+                nn.init.zeros_(p)
+            elif self.cfg.init_scheme == "scaled_residual" and name.endswith(("attention.wo.weight",
+                                                                               "feed_forward.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=small)
             else:
                 nn.init.normal_(p, mean=0.0, std=self.cfg.init_std)
 
@@ -188,7 +242,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        h = self.emb_norm(self.tok_embeddings(tokens.long()))
+        h = self.emb_drop(self.emb_norm(self.tok_embeddings(tokens.long())))
         states: dict[int, torch.Tensor | None] | None = None
         if output_hidden_states:
             states = dict.fromkeys(range(cfg.n_layers + 1))

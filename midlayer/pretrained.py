@@ -553,6 +553,12 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
         problems.append(f"norm_placement={cfg.norm_placement!r} (Llama is pre-LN only)")
     if cfg.embed_norm:
         problems.append("embed_norm=True (Llama has no norm after the embedding)")
+    if cfg.norm_type != "rmsnorm":
+        problems.append(f"norm_type={cfg.norm_type!r} (Llama uses RMSNorm)")
+    if cfg.ffn_type != "swiglu":
+        problems.append(f"ffn_type={cfg.ffn_type!r} (Llama's MLP is SwiGLU)")
+    if cfg.qk_norm:
+        problems.append("qk_norm=True (Llama has no QK-norm)")
     if problems:
         raise ValueError("cannot export to a Hugging Face Llama: " + "; ".join(problems))
     arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else ("LlamaForCausalLM", "llama")

@@ -201,7 +201,10 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.
         ff.fuse()
         att.wqkv = _convert(att.wqkv, fmt)
         att.wo = _convert(att.wo, fmt)
-        ff.w13 = _convert(ff.w13, fmt)
+        if ff.w13 is not None:  # a GLU: w1|w3 fused
+            ff.w13 = _convert(ff.w13, fmt)
+        else:  # a plain MLP: w1 alone
+            ff.w1 = _convert(ff.w1, fmt)
         ff.w2 = _convert(ff.w2, fmt)
         att.row_invariant = fmt == "q4"
     if head == "q8":

@@ -1,0 +1,220 @@
+"""The Transformer's parts as settings (issue 13): each against a hand computation or a naive reference, and
+every setting through training, cached generation (with gating and real skipping where it makes sense), the
+cost model and a checkpoint round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from midlayer.config import ModelConfig, from_dict, to_dict
+from midlayer.flops import param_count
+from midlayer.generate import GenerationConfig, forward_cached, generate, generate_naive
+from midlayer.kv_cache import KVCache
+from midlayer.model import Block, FeedForward, LayerNorm, RMSNorm, Transformer
+
+SMALL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=48, multiple_of=16)
+
+# every non-default part, one at a time (gating: whether it combines with skip-middle gating)
+PARTS = {
+    "layernorm": dict(norm_type="layernorm"),
+    "layernorm_nobias": dict(norm_type="layernorm_nobias"),
+    "post_ln": dict(norm_placement="post"),
+    "pre_ln": dict(norm_placement="pre"),
+    "qk_norm": dict(qk_norm=True),
+    "qk_layernorm": dict(qk_norm=True, norm_type="layernorm"),
+    "geglu": dict(ffn_type="geglu"),
+    "reglu": dict(ffn_type="reglu"),
+    "relu_mlp": dict(ffn_type="relu"),
+    "gelu_mlp": dict(ffn_type="gelu"),
+    "silu_mlp": dict(ffn_type="silu"),
+    "scaled_init": dict(init_scheme="scaled_residual"),
+    "dropouts": dict(dropout=0.1, attn_dropout=0.1, emb_dropout=0.1),
+}
+GATED = {name for name, over in PARTS.items() if over.get("norm_placement") != "post"}
+
+
+def model_with(over: dict, gating: bool, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(ModelConfig(**{**SMALL, "gating": gating, **over})).eval()
+    if gating:  # routers strong enough that some tokens are skipped (gate exactly 0) and some are not
+        with torch.no_grad():
+            for i, r in enumerate(m.routers):
+                r.weight.normal_(0, 0.4)
+                r.bias.fill_(0.1 * i)
+    return m
+
+
+# ==================================================================================== hand computations
+def test_layernorm_equals_torch_layernorm():
+    x = torch.randn(3, 5, 8)
+    ln = LayerNorm(8, 1e-5, bias=True)
+    ref = torch.nn.LayerNorm(8, eps=1e-5)
+    with torch.no_grad():
+        for p, q in ((ln.weight, ref.weight), (ln.bias, ref.bias)):
+            v = torch.randn(8)
+            p.copy_(v)
+            q.copy_(v)
+    torch.testing.assert_close(ln(x), ref(x))
+    nb = LayerNorm(8, 1e-5, bias=False)
+    assert nb.bias is None
+    torch.testing.assert_close(nb(x), F.layer_norm(x, (8,), nb.weight, None, 1e-5))
+    # by hand: [1, 3] has mean 2, variance 1 -> [-1, 1] (eps aside)
+    torch.testing.assert_close(LayerNorm(2, 0.0)(torch.tensor([[1.0, 3.0]])), torch.tensor([[-1.0, 1.0]]))
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "reglu", "relu", "gelu", "silu"])
+def test_ffn_variants_on_hand_inputs(kind):
+    ff = FeedForward(2, 2, kind)
+    with torch.no_grad():
+        ff.w1.weight.copy_(torch.eye(2))
+        ff.w2.weight.copy_(torch.eye(2))
+        if ff.glu:
+            ff.w3.weight.copy_(2 * torch.eye(2))
+    x = torch.tensor([[1.0, -1.0]])
+    act = {"swiglu": lambda a: a / (1 + math.exp(-a)), "silu": lambda a: a / (1 + math.exp(-a)),
+           "geglu": lambda a: 0.5 * a * (1 + math.erf(a / math.sqrt(2))),
+           "gelu": lambda a: 0.5 * a * (1 + math.erf(a / math.sqrt(2))),
+           "reglu": lambda a: max(a, 0.0), "relu": lambda a: max(a, 0.0)}[kind]
+    # GLU: w2(act(w1 x) * w3 x) = act(x_i) * 2 x_i; MLP: act(x_i)
+    want = [act(v) * (2 * v if kind in ("swiglu", "geglu", "reglu") else 1.0) for v in (1.0, -1.0)]
+    torch.testing.assert_close(ff(x), torch.tensor([want]))
+    assert hasattr(ff, "w3") == (kind in ("swiglu", "geglu", "reglu"))
+    if ff.glu:  # the inference fusion of w1|w3 computes the same
+        ff.fuse()
+        torch.testing.assert_close(ff(x), torch.tensor([want]))
+
+
+def test_post_ln_block_by_hand():
+    """With both branches zeroed (wo = w2 = 0) a pre-LN block is the identity and a post-LN block is
+    N(N(x)) = N(x): for x = [3, 4], RMS = sqrt(12.5), so [3, 4] / 3.5355 = [0.8485, 1.1314]."""
+    out = {}
+    for placement in ("pre", "post"):
+        cfg = ModelConfig(dim=2, n_layers=1, n_heads=1, n_kv_heads=1, vocab_size=4, max_seq_len=4, multiple_of=2,
+                          gating=False, norm_placement=placement, norm_eps=1e-12)
+        block = Block(cfg)
+        with torch.no_grad():
+            block.attention.wo.weight.zero_()
+            block.feed_forward.w2.weight.zero_()
+        cos, sin = torch.ones(1, 2), torch.zeros(1, 2)
+        out[placement] = block(torch.tensor([[[3.0, 4.0]]]), cos, sin)
+    torch.testing.assert_close(out["pre"], torch.tensor([[[3.0, 4.0]]]))
+    r = math.sqrt(12.5)
+    torch.testing.assert_close(out["post"], torch.tensor([[[3.0 / r, 4.0 / r]]]))
+
+
+def test_qk_norm_normalises_each_heads_query_and_key():
+    m = model_with({"qk_norm": True}, gating=False)
+    att = m.layers[0].attention
+    seen = {}
+    def hook(mod, inputs, out) -> None:  # returns None: the output is not replaced
+        seen.setdefault("q", (inputs[0], out))
+
+    att.q_norm.register_forward_hook(hook)
+    m(torch.randint(0, 64, (1, 6)))
+    q_in, q = seen["q"]  # [B, T, H, hd]: each head's query over head_dim, weight 1
+    assert q.shape == (1, 6, m.cfg.n_heads, m.cfg.head_dim)
+    torch.testing.assert_close(q, q_in * torch.rsqrt(q_in.pow(2).mean(-1, keepdim=True) + m.cfg.norm_eps))
+    assert isinstance(att.q_norm, RMSNorm) and att.q_norm.weight.shape == (m.cfg.head_dim,)
+
+
+def test_scaled_residual_init_shrinks_the_residual_writers():
+    torch.manual_seed(0)
+    big = ModelConfig(**{**SMALL, "dim": 128, "n_layers": 8, "gating": False})
+    a = Transformer(big)
+    b = Transformer(dataclasses.replace(big, init_scheme="scaled_residual"))
+    want = 0.02 / math.sqrt(16)
+    assert abs(b.layers[0].attention.wo.weight.std().item() - want) < 0.2 * want
+    assert abs(b.layers[3].feed_forward.w2.weight.std().item() - want) < 0.2 * want
+    assert abs(a.layers[0].attention.wo.weight.std().item() - 0.02) < 0.004
+    assert abs(b.layers[0].attention.wq.weight.std().item() - 0.02) < 0.004  # the others unchanged
+
+
+def test_dropout_acts_only_in_training():
+    on = model_with(PARTS["dropouts"], gating=False)
+    off = model_with({}, gating=False)
+    off.load_state_dict(on.state_dict())
+    x = torch.randint(0, 64, (2, 12))
+    torch.testing.assert_close(on(x).logits, off(x).logits)  # eval: no dropout anywhere
+    on.train()
+    torch.manual_seed(1)
+    a = on(x).logits
+    torch.manual_seed(2)
+    assert not torch.allclose(a, on(x).logits)
+
+
+def test_settings_that_make_no_sense_are_refused():
+    with pytest.raises(ValueError, match="norm_placement: post-LN"):
+        ModelConfig(**SMALL, norm_placement="post", gating=True)
+    with pytest.raises(ValueError, match="norm_type"):
+        ModelConfig(**SMALL, norm_type="batchnorm")
+    with pytest.raises(ValueError, match="ffn_type"):
+        ModelConfig(**SMALL, ffn_type="swish")
+    with pytest.raises(ValueError, match="dropout"):
+        ModelConfig(**SMALL, dropout=1.0)
+    with pytest.raises(ValueError, match="attn_dropout"):
+        ModelConfig(**SMALL, attn_dropout=0.1, attn_backend="flex")
+    from midlayer.pretrained import hf_config_for
+
+    for over, what in ((dict(norm_type="layernorm"), "norm_type"), (dict(ffn_type="gelu"), "ffn_type"),
+                       (dict(qk_norm=True), "qk_norm")):
+        cfg = ModelConfig(**{**SMALL, "gating": False, "norm_placement": "pre", "embed_norm": False, **over})
+        with pytest.raises(ValueError, match=what):
+            hf_config_for(cfg)
+
+
+# ============================================================================ every setting, end to end
+@pytest.mark.parametrize("gating", [False, True])
+@pytest.mark.parametrize("name", list(PARTS))
+def test_every_part_trains_generates_counts_and_roundtrips(name, gating):
+    if gating and name not in GATED:
+        pytest.skip("refused with gating (tested above)")
+    model = model_with(PARTS[name], gating)
+    # training: one step with finite loss and gradients, parameters move
+    model.train()
+    x = torch.randint(0, 64, (2, 16))
+    loss = model(x[:, :-1], x[:, 1:]).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    # the cost model counts exactly the parameters the module has
+    assert param_count(model.cfg) == sum(p.numel() for p in model.parameters())
+    # cached generation (real skipping for gated models) equals the full-forward reference
+    prompt = torch.randint(0, 64, (9,)).tolist()
+    cfg = GenerationConfig(max_new_tokens=12)
+    assert generate(model, [prompt], cfg) == generate_naive(model, [prompt], cfg)
+    ref = model(x).logits
+    for skip in ([True, False] if gating else [False]):
+        cache = KVCache.for_model(model.cfg, 2)
+        pos = torch.arange(16)[None].expand(2, 16)
+        got = [forward_cached(model, x[:, :9], cache, pos[:, :9], skip=skip)]
+        got += [forward_cached(model, x[:, t:t + 1], cache, pos[:, t:t + 1], skip=skip) for t in range(9, 16)]
+        torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-4, rtol=1e-4)
+    # checkpoint round trip: config dict and weights rebuild the same model
+    again = Transformer(from_dict(ModelConfig, to_dict(model.cfg))).eval()
+    again.load_state_dict(model.state_dict())
+    torch.testing.assert_close(again(x).logits, ref)
+
+
+@pytest.mark.parametrize("name", ["relu_mlp", "gelu_mlp", "qk_norm", "layernorm", "post_ln"])
+def test_parts_in_the_q4_engine(name):
+    """compress_weights handles every FFN type and QK-norm; the q4 model stays close to fp32 and its cached
+    decoding equals its own full forward (the engine path of these parts)."""
+    from midlayer.quantization import compress_weights
+
+    model = model_with(PARTS[name], gating=False)
+    x = torch.randint(0, 64, (1, 14))
+    ref = model(x).logits
+    q = compress_weights(model_with(PARTS[name], gating=False), "q4")
+    got = q(x).logits
+    cos = F.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
+    assert cos > 0.98
+    cache = KVCache.for_model(q.cfg, 1)
+    pos = torch.arange(14)[None]
+    steps = [forward_cached(q, x[:, :6], cache, pos[:, :6])]
+    steps += [forward_cached(q, x[:, t:t + 1], cache, pos[:, t:t + 1]) for t in range(6, 14)]
+    torch.testing.assert_close(torch.cat(steps, 1), got, atol=2e-3, rtol=2e-3)
