@@ -42,16 +42,25 @@ except ImportError:  # pragma: no cover - old torch
 
 
 # --------------------------------------------------------------------------------------------- RoPE
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_seq_len, head_dim] for RoPE (Su et al.), no scaling.
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None,
+                scaling: str = "none", scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] for RoPE (Su et al.): angle(t, i) = t * theta^(-2i/d).
+
+    Context extension by a factor s (`scaling`): "linear" position interpolation (Chen et al. 2023, arXiv
+    2306.15595) uses t / s, so s times longer contexts fall inside the trained angle range; "ntk"-aware
+    scaling (bloc97 2023) keeps t and raises the base to theta * s^(d / (d - 2)), which slows the low
+    frequencies by ~s and leaves the highest one unchanged.
 
     We rotate the two *halves* of each head (x[:d/2], x[d/2:]) as Hugging Face's Llama does, rather than
     interleaved pairs as Meta's reference does: the two are the same model up to a fixed permutation of the
     q/k projection rows, and this layout loads Hugging Face checkpoints without permuting weights.
     """
+    if scaling == "ntk":
+        theta = theta * scale ** (head_dim / (head_dim - 2))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
     t = torch.arange(max_seq_len, dtype=torch.float64, device=device)
+    if scaling == "linear":
+        t = t / scale
     freqs = torch.outer(t, inv_freq)  # [T, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
     return emb.cos().float(), emb.sin().float()

@@ -20,6 +20,8 @@ NORM_PLACEMENTS = ("pre", "sandwich", "post")
 NORM_TYPES = ("rmsnorm", "layernorm", "layernorm_nobias")
 FFN_TYPES = ("swiglu", "geglu", "reglu", "relu", "gelu", "silu")  # GLU variants first, then plain MLPs
 INIT_SCHEMES = ("normal", "scaled_residual")
+POS_ENCODINGS = ("rope", "none", "sinusoidal", "learned")
+ROPE_SCALINGS = ("none", "linear", "ntk")
 ATTN_BACKENDS = ("auto", "sdpa", "flex")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -54,6 +56,10 @@ class ModelConfig:
     ffn_hidden: int = 0  # explicit SwiGLU hidden size (pretrained checkpoints); 0 derives it from the two above
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    pos_encoding: str = "rope"  # rope | none (NoPE) | sinusoidal / learned absolute, added to the embedding
+    rope_scaling: str = "none"  # longer contexts: linear position interpolation (Chen et al. 2023) or
+    #                             NTK-aware base scaling (bloc97 2023)
+    rope_scale: float = 1.0  # the factor s of rope_scaling: positions / s (linear), theta * s^(d/(d-2)) (ntk)
     max_seq_len: int = 1024
     init_std: float = 0.02  # every non-norm parameter ~ N(0, init_std); norm weights start at 1
     norm_placement: str = "sandwich"  # "pre": x + M(N(x)); "sandwich" (peri-LN): x + N(M(N(x)));
@@ -94,6 +100,15 @@ class ModelConfig:
                f"must be one of {NORM_PLACEMENTS}, got {self.norm_placement!r}")
         _check(self.attn_backend in ATTN_BACKENDS, "attn_backend",
                f"must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        _check(self.pos_encoding in POS_ENCODINGS, "pos_encoding",
+               f"must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")
+        _check(self.rope_scaling in ROPE_SCALINGS, "rope_scaling",
+               f"must be one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
+        _check(self.rope_scale >= 1.0, "rope_scale", f"must be >= 1 (a context s times longer), got {self.rope_scale}")
+        _check(self.rope_scaling == "none" or self.pos_encoding == "rope", "rope_scaling",
+               f"scales RoPE, but pos_encoding={self.pos_encoding!r}")
+        _check(self.rope_scaling != "none" or self.rope_scale == 1.0, "rope_scale",
+               f"needs rope_scaling='linear' or 'ntk' to mean anything, got {self.rope_scale} with 'none'")
         _check(self.norm_type in NORM_TYPES, "norm_type", f"must be one of {NORM_TYPES}, got {self.norm_type!r}")
         _check(self.ffn_type in FFN_TYPES, "ffn_type", f"must be one of {FFN_TYPES}, got {self.ffn_type!r}")
         _check(self.init_scheme in INIT_SCHEMES, "init_scheme",

@@ -180,7 +180,7 @@ class FrozenStates:
                 else:
                     top = max(self.layers)
                     cap = dict.fromkeys(self.layers)
-                    h = model.emb_norm(model.tok_embeddings(tokens))
+                    h = model.embed(tokens)
                     model.run_blocks(h, causal_step(model.rope_cos[:tokens.shape[1]], model.rope_sin[:tokens.shape[1]]),
                                      stop=top, capture=cap)
                     got = {layer: cap[layer] for layer in self.layers}

@@ -157,7 +157,7 @@ def run_blocks_cached(model: Transformer, tokens: torch.Tensor, positions: torch
     Gated bases: routers at every first-half block (run or not), mirrored gates in the second half,
     multiply-by-gate with key bias ln(max(g, eps)) (module docstring).
     """
-    h = model.emb_norm(model.tok_embeddings(tokens))
+    h = model.embed(tokens, positions)
     cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]
     M = tokens.shape[1]
     query_slots = torch.arange(start, start + M, device=h.device)[None]
@@ -378,7 +378,7 @@ def lower_states(model: Transformer, tokens: torch.Tensor, upto: int) -> torch.T
     if model.routers is not None:
         raise ValueError("lower_states: gated bases need their gates from every lower block; run the full forward")
     T = tokens.shape[1]
-    h = model.emb_norm(model.tok_embeddings(tokens))
+    h = model.embed(tokens)
     return model.run_blocks(h, causal_step(model.rope_cos[:T], model.rope_sin[:T]), stop=upto)
 
 

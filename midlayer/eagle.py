@@ -146,9 +146,10 @@ class EagleHead(nn.Module):
         return step(0, self.layer, x, None, None)
 
 
-def embed(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """e_t: the embedding the base's first block reads (module docstring)."""
-    return model.emb_norm(model.tok_embeddings(tokens))
+def embed(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """e_t: the embedding the base's first block reads (module docstring), at `positions` (default 0..T-1;
+    they matter only for bases with absolute position embeddings)."""
+    return model.embed(tokens, positions)
 
 
 def feature(model: Transformer, h: torch.Tensor) -> torch.Tensor:
@@ -343,7 +344,7 @@ class EagleDrafter:
         slots = torch.arange(start, start + M, device=cache.pos.device)[None]
         cache.pos[:, start:start + M] = positions
         step = CachedStep(cache, start, slots, cos, sin, skip=False, extra_mask=extra)
-        return self.head(feats, embed(self.model, tokens), step)
+        return self.head(feats, embed(self.model, tokens, positions), step)
 
     def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[tuple[list[int], int]]:
         """What one round drafts, for `tree_cost.round_forwards` (its (rows per base block, head rows) format):

@@ -182,7 +182,7 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
     one = {
         "qkv_proj": 2 * T * d * d + 2 * 2 * T * d * (K * hd),
         "out_proj": 2 * T * d * d,
-        "rope": ROPE_FLOPS_PER_ELEM * T * (H + K) * hd,
+        "rope": ROPE_FLOPS_PER_ELEM * T * (H + K) * hd if cfg.pos_encoding == "rope" else 0,
         "attn_scores": 2 * H * hd * P,
         "softmax": SOFTMAX_FLOPS_PER_SCORE * H * P,
         "attn_values": 2 * H * hd * P,
@@ -268,7 +268,8 @@ def param_count(cfg: ModelConfig) -> int:
     d, V = cfg.dim, cfg.vocab_size
     head = 0 if cfg.tie_embeddings else V * d
     norms = (2 if cfg.embed_norm else 1) * d * (2 if cfg.norm_type == "layernorm" else 1)
-    return V * d + cfg.n_layers * block_param_count(cfg) + norms + head + cfg.n_routers * (d + 1)
+    pos = cfg.max_seq_len * d if cfg.pos_encoding == "learned" else 0  # a learned absolute position table
+    return V * d + cfg.n_layers * block_param_count(cfg) + norms + head + cfg.n_routers * (d + 1) + pos
 
 
 def active_param_count(cfg: ModelConfig, sparsity: Sequence[float] | None = None) -> float:

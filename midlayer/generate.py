@@ -86,7 +86,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     slots = cache.reserve(T + J)
     cache.pos[:, start:start + T + J] = positions
     cos_all, sin_all = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]  # [B, 1, T+J, hd]
-    h = model.emb_norm(model.tok_embeddings(tokens))
+    h = model.embed(tokens, positions[..., :T])
     step = CachedStep(cache, start, slots[None, :].expand(B, T + J), cos_all, sin_all, active=active,
                       skip=skip, extra_mask=extra_mask)
     h = model.run_blocks(h, step, routed=T, capture=capture, joins=None if joins is None else joins.at)

@@ -284,7 +284,7 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
         if model.routers is not None or first > min(transfer.layers[:n_steps]) or x.shape[:2] != (B, T):
             raise ValueError("start: needs a dense base, a block <= t_1 and states [B, T, d] of the tokens")
     else:
-        x = model.emb_norm(model.tok_embeddings(tokens))
+        x = model.embed(tokens)
     rows = _TransferRows(model, T, x.device, transfer.masked)
     joins = {t: rows.joiner(transfer, steps, all_anchors, first_anchor)
              for t, steps in transfer.steps_at(n_steps).items()}

@@ -178,6 +178,25 @@ class ModelOutput:
     hidden_states: list[torch.Tensor] | None  # residual entering each block, then the final residual
 
 
+def position_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin tables every attention path rotates q and k by: RoPE's (with its scaling), or, for the
+    schemes without RoPE (NoPE, absolute embeddings), cos = 1 and sin = 0, i.e. no rotation."""
+    if cfg.pos_encoding == "rope":
+        return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling, cfg.rope_scale)
+    shape = (cfg.max_seq_len, cfg.head_dim)
+    return torch.ones(shape, device=device), torch.zeros(shape, device=device)
+
+
+def sinusoidal_table(n: int, dim: int) -> torch.Tensor:
+    """Vaswani et al. 2017 sec. 3.5: PE[t, 2i] = sin(t / 10000^(2i/d)), PE[t, 2i+1] = cos(t / 10000^(2i/d))."""
+    t = torch.arange(n, dtype=torch.float64)[:, None]
+    freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    pe = torch.zeros(n, dim, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(t * freq)
+    pe[:, 1::2] = torch.cos(t * freq[:dim // 2])
+    return pe.float()
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -191,9 +210,12 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.routers = Routers(cfg.dim, cfg.n_layers) if cfg.gating else None
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = position_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos_encoding == "learned" else None
+        self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim)
+                             if cfg.pos_encoding == "sinusoidal" else None, persistent=False)
         self.check_inputs = True  # set False to skip the token-id range check (it syncs with the GPU)
         self.reset_parameters()
 
@@ -213,6 +235,18 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=small)
             else:
                 nn.init.normal_(p, mean=0.0, std=self.cfg.init_std)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual entering block 0: token embedding (+ the absolute position embedding of
+        `positions`, [T] or [B, T], default 0..T-1), the embedding norm, embedding dropout. Every forward --
+        training, cached, drafters' partial ones -- starts here."""
+        x = self.tok_embeddings(tokens.long())
+        table = self.pos_table if self.pos_embeddings is None else self.pos_embeddings.weight
+        if table is not None:
+            if positions is None:
+                positions = torch.arange(tokens.shape[-1], device=tokens.device)
+            x = x + table[positions].to(x.dtype)
+        return self.emb_drop(self.emb_norm(x))
 
     def _validate(self, tokens: torch.Tensor) -> None:
         if not isinstance(tokens, torch.Tensor):
@@ -242,7 +276,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        h = self.emb_drop(self.emb_norm(self.tok_embeddings(tokens.long())))
+        h = self.embed(tokens)
         states: dict[int, torch.Tensor | None] | None = None
         if output_hidden_states:
             states = dict.fromkeys(range(cfg.n_layers + 1))

@@ -60,9 +60,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .attention import rope_tables
 from .config import ModelConfig
-from .model import Transformer, nonfinite_tensors
+from .model import Transformer, nonfinite_tensors, position_tables, sinusoidal_table
 from .pretrained_tokenizer import TextTokenizer
 
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -241,9 +240,10 @@ def _build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str) 
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
-    # Non-persistent buffers were created on the meta device: compute the real RoPE tables.
-    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-    model.rope_cos, model.rope_sin = cos, sin
+    # Non-persistent buffers were created on the meta device: compute the real position tables.
+    model.rope_cos, model.rope_sin = position_tables(cfg)
+    if cfg.pos_encoding == "sinusoidal":
+        model.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.dim)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_meta:  # pragma: no cover - defensive
             raise RuntimeError(f"{source}: {name} was not loaded")
@@ -559,6 +559,9 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
         problems.append(f"ffn_type={cfg.ffn_type!r} (Llama's MLP is SwiGLU)")
     if cfg.qk_norm:
         problems.append("qk_norm=True (Llama has no QK-norm)")
+    if cfg.pos_encoding != "rope" or cfg.rope_scaling != "none":
+        problems.append(f"pos_encoding={cfg.pos_encoding!r}, rope_scaling={cfg.rope_scaling!r} "
+                        "(the export writes plain RoPE)")
     if problems:
         raise ValueError("cannot export to a Hugging Face Llama: " + "; ".join(problems))
     arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else ("LlamaForCausalLM", "llama")

@@ -34,6 +34,11 @@ PARTS = {
     "silu_mlp": dict(ffn_type="silu"),
     "scaled_init": dict(init_scheme="scaled_residual"),
     "dropouts": dict(dropout=0.1, attn_dropout=0.1, emb_dropout=0.1),
+    "nope": dict(pos_encoding="none"),
+    "sinusoidal": dict(pos_encoding="sinusoidal"),
+    "learned_pos": dict(pos_encoding="learned"),
+    "rope_linear": dict(rope_scaling="linear", rope_scale=2.0),
+    "rope_ntk": dict(rope_scaling="ntk", rope_scale=4.0),
 }
 GATED = {name for name, over in PARTS.items() if over.get("norm_placement") != "post"}
 
@@ -50,6 +55,48 @@ def model_with(over: dict, gating: bool, seed: int = 0) -> Transformer:
 
 
 # ==================================================================================== hand computations
+def test_sinusoidal_table_by_hand():
+    from midlayer.model import sinusoidal_table
+
+    pe = sinusoidal_table(3, 4)  # frequencies 10000^0 = 1 and 10000^(-2/4) = 0.01
+    want = [[0.0, 1.0, 0.0, 1.0], [math.sin(1), math.cos(1), math.sin(0.01), math.cos(0.01)],
+            [math.sin(2), math.cos(2), math.sin(0.02), math.cos(0.02)]]
+    torch.testing.assert_close(pe, torch.tensor(want))
+
+
+def test_rope_scaling_at_the_scaled_positions():
+    """Linear interpolation by s: position t gets the angles of t / s (so t = 2 s has those of 2);
+    NTK-aware: base theta * s^(d/(d-2)) -- the highest frequency (i = 0) is unchanged, the lowest
+    (i = d/2 - 1) becomes exactly s times slower."""
+    from midlayer.attention import rope_tables
+
+    d, s = 8, 4.0
+    cos, sin = rope_tables(d, 64, 10000.0)
+    lc, ls = rope_tables(d, 64, 10000.0, scaling="linear", scale=s)
+    torch.testing.assert_close(lc[8], cos[2])
+    torch.testing.assert_close(ls[12], sin[3])
+    nc, ns = rope_tables(d, 64, 10000.0, scaling="ntk", scale=s)
+    t = 10
+    angle = torch.atan2(ns[t], nc[t])  # first half of the head: one angle per frequency
+    assert abs(float(angle[0]) - t * 1.0) < 1e-4 or abs(float(angle[0]) - (t - 4 * math.pi)) < 1e-4
+    lowest = t * 10000.0 ** (-(d - 2) / d)
+    assert abs(float(angle[d // 2 - 1]) - lowest / s) < 1e-6
+    with pytest.raises(ValueError, match="rope_scaling"):
+        ModelConfig(**SMALL, pos_encoding="none", rope_scaling="linear", rope_scale=2.0)
+    with pytest.raises(ValueError, match="rope_scale"):
+        ModelConfig(**SMALL, rope_scale=2.0)
+
+
+def test_absolute_positions_enter_through_the_embedding():
+    m = model_with(PARTS["learned_pos"], gating=False)
+    x = torch.randint(0, 64, (1, 5))
+    want = m.emb_norm(m.tok_embeddings(x) + m.pos_embeddings.weight[:5])
+    torch.testing.assert_close(m.embed(x), want)
+    torch.testing.assert_close(m.embed(x, torch.tensor([[3, 4, 5, 6, 7]])),
+                               m.emb_norm(m.tok_embeddings(x) + m.pos_embeddings.weight[3:8]))
+    assert torch.equal(m.rope_cos, torch.ones_like(m.rope_cos)) and not m.rope_sin.any()  # no RoPE
+
+
 def test_layernorm_equals_torch_layernorm():
     x = torch.randn(3, 5, 8)
     ln = LayerNorm(8, 1e-5, bias=True)
