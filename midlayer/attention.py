@@ -81,18 +81,27 @@ def key_gate_bias(gates: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @lru_cache(maxsize=16)
-def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """Additive causal mask [q_len, kv_len]; the last query sits at the last key (works with a KV prefix)."""
+def _causal_mask(q_len: int, kv_len: int, device: torch.device, window: int = 0) -> torch.Tensor:
+    """Additive causal mask [q_len, kv_len]; the last query sits at the last key (works with a KV prefix).
+    window > 0 (sliding-window attention): query i also hides the keys j <= i - window."""
     offset = kv_len - q_len
     i = torch.arange(q_len, device=device)[:, None] + offset
     j = torch.arange(kv_len, device=device)[None, :]
-    return torch.zeros(q_len, kv_len, device=device).masked_fill(j > i, float("-inf"))
+    hidden = (j > i) | ((i - j >= window) if window > 0 else torch.zeros_like(j > i))
+    return torch.zeros(q_len, kv_len, device=device).masked_fill(hidden, float("-inf"))
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Additive [..., Tq, Tk]: -inf where a key lies `window` or more positions before the query (sliding-
+    window attention over explicit positions, e.g. the KV cache's), 0 elsewhere."""
+    far = (q_pos[..., :, None] - k_pos[..., None, :]) >= window
+    return torch.zeros(far.shape, device=far.device).masked_fill(far, float("-inf"))
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   key_bias: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+                   key_bias: torch.Tensor | None = None, dropout_p: float = 0.0, window: int = 0) -> torch.Tensor:
     """Causal GQA attention through SDPA. q [B,H,Tq,d]; k,v [B,Hkv,Tk,d]; key_bias [B,1,1,Tk] or None;
-    dropout_p on the attention probabilities (training)."""
+    dropout_p on the attention probabilities (training); window > 0: sliding-window attention."""
     n_rep = q.shape[1] // k.shape[1]
     kwargs: dict = {"dropout_p": dropout_p} if dropout_p else {}
     if n_rep > 1:
@@ -100,10 +109,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kwargs["enable_gqa"] = True
         else:  # pragma: no cover - torch 2.4
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    if key_bias is None and q.shape[2] == k.shape[2]:
+    local = 0 < window < k.shape[2]  # a window shorter than the keys hides some of them
+    if key_bias is None and q.shape[2] == k.shape[2] and not local:
         # Dense path: let SDPA pick its fused causal kernel (flash / memory-efficient).
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
-    mask = _causal_mask(q.shape[2], k.shape[2], q.device)
+    mask = _causal_mask(q.shape[2], k.shape[2], q.device, window if local else 0)
     if key_bias is not None:
         mask = mask + key_bias  # [B, 1, Tq, Tk]: the same bias for every query row and head
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), **kwargs)
@@ -123,8 +133,9 @@ def _flex(*args, **kwargs):
 
 
 def flex_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         key_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same causal gated attention as `sdpa_attention`, as a FlexAttention `score_mod` on kv_idx."""
+                         key_bias: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """The same causal gated (sliding-window) attention as `sdpa_attention`, as a FlexAttention `score_mod`
+    on kv_idx and a block mask."""
     if not HAS_FLEX:  # pragma: no cover
         raise RuntimeError("attn_backend='flex' needs torch >= 2.5 (torch.nn.attention.flex_attention)")
     B, _, Tq, _ = q.shape
@@ -132,6 +143,8 @@ def flex_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     offset = Tk - Tq
 
     def causal(b, h, q_idx, kv_idx):
+        if window > 0:
+            return (kv_idx <= q_idx + offset) & (q_idx + offset - kv_idx < window)
         return kv_idx <= q_idx + offset
 
     block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=Tq, KV_LEN=Tk, device=q.device)
@@ -162,6 +175,7 @@ class Attention(nn.Module):
         self.row_invariant = False
         self.backend = cfg.attn_backend
         self.attn_dropout = cfg.attn_dropout
+        self.window = cfg.sliding_window
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:  # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3): per-head norm of q and k before RoPE
             from .model import make_norm
@@ -243,12 +257,12 @@ class Attention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
         if self.use_flex(q):
             # FlexAttention accumulates logits and softmax in fp32 from bf16 inputs inside its kernel.
-            return flex_gated_attention(q, k, v, key_bias).to(dtype)
+            return flex_gated_attention(q, k, v, key_bias, self.window).to(dtype)
         if dtype != torch.float32:
             # Paper 3.1: attention logits in fp32 under bf16 autocast.
             with torch.autocast(q.device.type, enabled=False):
-                return sdpa_attention(q.float(), k.float(), v.float(), key_bias, p).to(dtype)
-        return sdpa_attention(q, k, v, key_bias, p)
+                return sdpa_attention(q.float(), k.float(), v.float(), key_bias, p, self.window).to(dtype)
+        return sdpa_attention(q, k, v, key_bias, p, self.window)
 
     def attend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:

@@ -70,6 +70,8 @@ class ModelConfig:
     #                           (w2 act(w1 x)); the hidden size is the same rule for both (ffn_hidden_dim)
     init_scheme: str = "normal"  # normal: N(0, init_std) everywhere; scaled_residual: the projections that
     #                              write into the residual (wo, w2) get init_std / sqrt(2 n_layers) (GPT-2)
+    sliding_window: int = 0  # > 0: a query sees only the keys of the last `sliding_window` positions
+    #                          (itself included; Mistral / Longformer-style local attention); 0: all
     dropout: float = 0.0  # on each module's output before it joins the residual (training only)
     attn_dropout: float = 0.0  # on the attention probabilities (training only)
     emb_dropout: float = 0.0  # on the embedding (training only)
@@ -113,6 +115,8 @@ class ModelConfig:
         _check(self.ffn_type in FFN_TYPES, "ffn_type", f"must be one of {FFN_TYPES}, got {self.ffn_type!r}")
         _check(self.init_scheme in INIT_SCHEMES, "init_scheme",
                f"must be one of {INIT_SCHEMES}, got {self.init_scheme!r}")
+        _check(isinstance(self.sliding_window, int) and self.sliding_window >= 0, "sliding_window",
+               f"must be an int >= 0 (0 = full attention), got {self.sliding_window!r}")
         for name in ("dropout", "attn_dropout", "emb_dropout"):
             v = getattr(self, name)
             _check(0.0 <= v < 1.0, name, f"a dropout probability must be in [0, 1), got {v}")

@@ -82,6 +82,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .attention import window_mask
 from .draft_vocab import draft_vocab, head_logits, restrict_logits, to_token_ids
 from .drafters import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device,
                        optimise, placeholder_candidates, split_batch, topk_lists)
@@ -189,6 +190,8 @@ class _TransferRows:
             self.mask = _additive(visible(self.anchor, self.step, self.anchor, self.step, self.masked), x.dtype)[None, None]
             pos = self.anchor + self.step
             self.cos, self.sin = self.model.rope_cos[pos], self.model.rope_sin[pos]
+            if self.model.cfg.sliding_window:  # by position, as the KV cache's mask does at inference
+                self.mask = self.mask + window_mask(pos, pos, self.model.cfg.sliding_window).to(x.dtype)
         mask = self.mask if key_bias is None else self.mask + key_bias.to(self.mask.dtype)
         return block(x, self.cos, self.sin, gate, None, _MaskedView(mask))
 

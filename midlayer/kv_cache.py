@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import window_mask
+
 
 class KVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
@@ -40,6 +42,7 @@ class KVCache:
         # attention then needs no mask at all in a decode step, the fast path of batch-1 decoding.
         self.dense_prefix = True
         self.mask_memo: tuple | None = None  # (key, mask): this forward's dense-prefix mask (LayerView.finish)
+        self.window = 0  # sliding-window attention (> 0): keys `window` or more positions back are hidden
 
     @classmethod
     def for_model(cls, cfg, batch: int, max_len: int | None = None, device: torch.device | str = "cpu",
@@ -48,7 +51,9 @@ class KVCache:
             max_len = cfg.max_seq_len
         elif max_len < 1:  # never silently the default: 0 is a caller's bug
             raise ValueError(f"KV cache max_len must be >= 1, got {max_len}")
-        return cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype)
+        cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype)
+        cache.window = getattr(cfg, "sliding_window", 0)
+        return cache
 
     @property
     def batch(self) -> int:
@@ -139,7 +144,8 @@ class LayerView:
             s_idx = self.query_slots[b_idx, m_idx]
             bias_l[b_idx, s_idx] = 0.0 if self.gate_bias is None else self.gate_bias[b_idx, m_idx].float()
         S = c.length
-        if c.dense_prefix and M == 1 and self.extra_mask is None:
+        local = 0 < c.window < S  # sliding window: keys far enough back are hidden too
+        if c.dense_prefix and M == 1 and self.extra_mask is None and not local:
             return None  # every held key is visible to the one new query
         if c.dense_prefix:
             # Every held key has bias 0 at every layer: the mask (causality [+ tree]) is the same for all
@@ -151,6 +157,9 @@ class LayerView:
         key_slots = torch.arange(S, device=device)
         causal = torch.where(key_slots[None, None, :] <= self.query_slots[:, :, None], 0.0, float("-inf"))
         mask = (causal + bias_l[:, None, :S])[:, None]  # [B, 1, M, S]
+        if local:  # by RoPE position, so it holds for left padding, trees and joined rows alike
+            q_pos = c.pos.gather(1, self.query_slots)
+            mask = mask + window_mask(q_pos, c.pos[:, :S], c.window)[:, None]
         if self.extra_mask is not None:
             mask = mask + self.extra_mask
         if c.dense_prefix:

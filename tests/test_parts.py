@@ -39,6 +39,7 @@ PARTS = {
     "learned_pos": dict(pos_encoding="learned"),
     "rope_linear": dict(rope_scaling="linear", rope_scale=2.0),
     "rope_ntk": dict(rope_scaling="ntk", rope_scale=4.0),
+    "sliding_window": dict(sliding_window=5),
 }
 GATED = {name for name, over in PARTS.items() if over.get("norm_placement") != "post"}
 
@@ -95,6 +96,36 @@ def test_absolute_positions_enter_through_the_embedding():
     torch.testing.assert_close(m.embed(x, torch.tensor([[3, 4, 5, 6, 7]])),
                                m.emb_norm(m.tok_embeddings(x) + m.pos_embeddings.weight[3:8]))
     assert torch.equal(m.rope_cos, torch.ones_like(m.rope_cos)) and not m.rope_sin.any()  # no RoPE
+
+
+def test_sliding_window_equals_full_attention_with_the_windowed_mask():
+    """The training path (SDPA with the window mask) against a naive softmax over a hand-built mask: query i
+    sees keys i - W + 1 .. i."""
+    from midlayer.attention import sdpa_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    W = 3
+    allowed = torch.tensor([[0 <= i - j < W for j in range(9)] for i in range(9)])
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ kk.transpose(-1, -2)) / math.sqrt(8)
+    ref = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vv
+    torch.testing.assert_close(sdpa_attention(q, k, v, window=W), ref, atol=1e-5, rtol=1e-5)
+    # a window as long as the sequence is full causal attention
+    torch.testing.assert_close(sdpa_attention(q, k, v, window=9), sdpa_attention(q, k, v), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("gating", [False, True])
+def test_sliding_window_generation_past_the_window_equals_the_naive_reference(gating):
+    m = model_with({"sliding_window": 4}, gating)
+    full = model_with({}, gating)
+    full.load_state_dict(m.state_dict())
+    prompt = torch.randint(0, 64, (11,)).tolist()  # longer than the window from the start
+    cfg = GenerationConfig(max_new_tokens=20)
+    out = generate(m, [prompt], cfg)
+    assert out == generate_naive(m, [prompt], cfg)
+    x = torch.tensor([prompt + out[0]])
+    assert not torch.allclose(m(x).logits, full(x).logits)  # the window changes the model
 
 
 def test_layernorm_equals_torch_layernorm():
@@ -265,3 +296,31 @@ def test_parts_in_the_q4_engine(name):
     steps = [forward_cached(q, x[:, :6], cache, pos[:, :6])]
     steps += [forward_cached(q, x[:, t:t + 1], cache, pos[:, t:t + 1]) for t in range(6, 14)]
     torch.testing.assert_close(torch.cat(steps, 1), got, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "learned_pos", "qk_norm", "gelu_mlp"])
+def test_speculative_decoding_stays_lossless_with_the_parts(name):
+    """Tree verification, hidden transfer's fused pass, EAGLE and early exit go through the same cached
+    masks and embedding: with these parts the speculative output is still plain greedy's, in fp32 and q4."""
+    from midlayer.drafters import EarlyExitDrafter, EarlyExitHead
+    from midlayer.eagle import EagleDrafter, EagleHead
+    from midlayer.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+    from midlayer.quantization import compress_weights
+    from midlayer.speculative import DraftTree, speculative_generate
+
+    tree = DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    for fmt in ("fp32", "q4"):
+        model = model_with(PARTS[name], gating=False)
+        if fmt == "q4":
+            compress_weights(model, "q4")
+        prompt = torch.randint(0, 64, (10,)).tolist()
+        ref = generate(model, [prompt], GenerationConfig(max_new_tokens=16))[0]
+        torch.manual_seed(3)
+        ht = HiddenTransfer(model.cfg.dim, [1, 2, 2])
+        with torch.no_grad():
+            for mp in ht.maps:
+                mp.weight.add_(0.2 * torch.randn_like(mp.weight))
+        for drafter in (HiddenTransferDrafter(model, ht), EagleDrafter(model, EagleHead.for_model(model)),
+                        EarlyExitDrafter(model, EarlyExitHead(model.cfg.dim, 2))):
+            out, _ = speculative_generate(model, prompt, drafter, tree, 16)
+            assert out == ref, (fmt, type(drafter).__name__)

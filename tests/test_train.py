@@ -199,7 +199,8 @@ def test_cli_surface_is_frozen():
                    "--max-seq-len", "--multiple-of", "--n-heads", "--n-kv-heads", "--n-layers", "--no-gating",
                    "--no-tie-embeddings", "--norm-eps", "--norm-placement", "--rope-theta", "--tie-embeddings",
                    "--vocab-size", "--norm-type", "--qk-norm", "--no-qk-norm", "--ffn-type", "--init-scheme",
-                   "--dropout", "--attn-dropout", "--emb-dropout", "--pos-encoding", "--rope-scaling", "--rope-scale"]
+                   "--dropout", "--attn-dropout", "--emb-dropout", "--pos-encoding", "--rope-scaling", "--rope-scale",
+                   "--sliding-window"]
     sparsity_flags = ["--alpha", "--beta", "--controller", "--delta", "--gamma", "--mu-final", "--mu0"]
     train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--data",
                    "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--keep-last",
