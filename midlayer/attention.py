@@ -21,6 +21,7 @@ Under bf16 autocast the attention logits and softmax are computed in fp32 (paper
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -74,6 +75,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+# -------------------------------------------------------------------------- relative position biases
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's head slopes (Press et al. 2022, sec. 3): for n a power of two, m_h = 2^(-8 h / n), h = 1..n;
+    otherwise the n' = 2^floor(log2 n) slopes of n', then every other slope of 2 n' for the rest."""
+    def pow2(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    p = 2 ** math.floor(math.log2(n_heads))
+    slopes = pow2(p) if p == n_heads else pow2(p) + pow2(2 * p)[0::2][:n_heads - p]
+    return torch.tensor(slopes)
+
+
+def t5_bucket(distance: torch.Tensor, n_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's causal relative-position bucket (Raffel et al. 2020) of distance = q_pos - k_pos >= 0: distances
+    below n/2 get their own bucket, larger ones log-spaced buckets up to max_distance, beyond it the last."""
+    exact = n_buckets // 2
+    d = distance.clamp_min(0)
+    log_bucket = exact + (torch.log(d.float().clamp_min(1) / exact) / math.log(max_distance / exact)
+                          * (n_buckets - exact)).long()
+    return torch.where(d < exact, d, log_bucket.clamp_max(n_buckets - 1))
+
+
+class PositionBias(nn.Module):
+    """The additive attention bias of a relative position scheme, shared by every layer, from the query and
+    key positions: ALiBi, -m_h (q - k); T5, a learned scalar per head and distance bucket. Returns
+    [..., H, Tq, Tk] for positions [..., Tq] and [..., Tk]. Keys after the query are masked anyway."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.kind, self.n_heads = cfg.pos_encoding, cfg.n_heads
+        self.n_buckets, self.max_distance = cfg.t5_buckets, cfg.t5_max_distance
+        if self.kind == "alibi":
+            self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        else:
+            self.table = nn.Embedding(cfg.t5_buckets, cfg.n_heads)
+
+    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        distance = (q_pos[..., :, None] - k_pos[..., None, :]).clamp_min(0)  # [..., Tq, Tk]
+        if self.kind == "alibi":
+            return -self.slopes.view(-1, 1, 1) * distance.unsqueeze(-3).float()
+        return self.table(t5_bucket(distance, self.n_buckets, self.max_distance)).movedim(-1, -3).float()
+
+
 # ------------------------------------------------------------------------------------ gate -> bias
 def key_gate_bias(gates: torch.Tensor, eps: float) -> torch.Tensor:
     """ln(max(g_j, eps)) per key position: [B, T] -> [B, 1, 1, T] (broadcast over heads and queries)."""
@@ -100,7 +144,8 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    key_bias: torch.Tensor | None = None, dropout_p: float = 0.0, window: int = 0) -> torch.Tensor:
-    """Causal GQA attention through SDPA. q [B,H,Tq,d]; k,v [B,Hkv,Tk,d]; key_bias [B,1,1,Tk] or None;
+    """Causal GQA attention through SDPA. q [B,H,Tq,d]; k,v [B,Hkv,Tk,d]; key_bias: an additive bias
+    broadcastable to [B,H,Tq,Tk] (the gate bias [B,1,1,Tk], a position bias [1,H,Tq,Tk], their sum) or None;
     dropout_p on the attention probabilities (training); window > 0: sliding-window attention."""
     n_rep = q.shape[1] // k.shape[1]
     kwargs: dict = {"dropout_p": dropout_p} if dropout_p else {}
@@ -176,6 +221,7 @@ class Attention(nn.Module):
         self.backend = cfg.attn_backend
         self.attn_dropout = cfg.attn_dropout
         self.window = cfg.sliding_window
+        self.position_biased = cfg.pos_encoding in ("alibi", "t5")  # its bias arrives with key_bias
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:  # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3): per-head norm of q and k before RoPE
             from .model import make_norm
@@ -194,7 +240,7 @@ class Attention(nn.Module):
         if self.backend == "flex":
             return True
         # "auto" trains with SDPA when attention dropout is on: FlexAttention has none
-        return (self.backend == "auto" and HAS_FLEX and x.is_cuda
+        return (self.backend == "auto" and HAS_FLEX and x.is_cuda and not self.position_biased
                 and not (self.attn_dropout and self.training))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -20,7 +20,7 @@ NORM_PLACEMENTS = ("pre", "sandwich", "post")
 NORM_TYPES = ("rmsnorm", "layernorm", "layernorm_nobias")
 FFN_TYPES = ("swiglu", "geglu", "reglu", "relu", "gelu", "silu")  # GLU variants first, then plain MLPs
 INIT_SCHEMES = ("normal", "scaled_residual")
-POS_ENCODINGS = ("rope", "none", "sinusoidal", "learned")
+POS_ENCODINGS = ("rope", "none", "sinusoidal", "learned", "alibi", "t5")
 ROPE_SCALINGS = ("none", "linear", "ntk")
 ATTN_BACKENDS = ("auto", "sdpa", "flex")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
@@ -56,7 +56,10 @@ class ModelConfig:
     ffn_hidden: int = 0  # explicit SwiGLU hidden size (pretrained checkpoints); 0 derives it from the two above
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    pos_encoding: str = "rope"  # rope | none (NoPE) | sinusoidal / learned absolute, added to the embedding
+    pos_encoding: str = "rope"  # rope | none (NoPE) | sinusoidal / learned absolute, added to the embedding |
+    #                             alibi / t5: a per-head bias of the query-key distance on the attention logits
+    t5_buckets: int = 32  # T5 relative bias: distance buckets (half exact, half log-spaced) ...
+    t5_max_distance: int = 128  # ... up to this distance (farther keys share the last bucket)
     rope_scaling: str = "none"  # longer contexts: linear position interpolation (Chen et al. 2023) or
     #                             NTK-aware base scaling (bloc97 2023)
     rope_scale: float = 1.0  # the factor s of rope_scaling: positions / s (linear), theta * s^(d/(d-2)) (ntk)
@@ -104,6 +107,11 @@ class ModelConfig:
                f"must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         _check(self.pos_encoding in POS_ENCODINGS, "pos_encoding",
                f"must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")
+        _check(self.t5_buckets >= 2 and self.t5_max_distance >= self.t5_buckets // 2, "t5_buckets",
+               f"needs >= 2 buckets and t5_max_distance >= t5_buckets / 2, got {self.t5_buckets}, "
+               f"{self.t5_max_distance}")
+        _check(not (self.pos_encoding in ("alibi", "t5") and self.attn_backend == "flex"), "attn_backend",
+               f"the FlexAttention path has no {self.pos_encoding} bias; use 'sdpa' or 'auto'")
         _check(self.rope_scaling in ROPE_SCALINGS, "rope_scaling",
                f"must be one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
         _check(self.rope_scale >= 1.0, "rope_scale", f"must be >= 1 (a context s times longer), got {self.rope_scale}")

@@ -69,7 +69,7 @@ from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, earl
                        medusa_loss, model_device, save_draft)
 from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
 from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
-from .model import Transformer, causal_step
+from .model import Transformer
 from .train import json_safe
 
 METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle")
@@ -181,8 +181,7 @@ class FrozenStates:
                     top = max(self.layers)
                     cap = dict.fromkeys(self.layers)
                     h = model.embed(tokens)
-                    model.run_blocks(h, causal_step(model.rope_cos[:tokens.shape[1]], model.rope_sin[:tokens.shape[1]]),
-                                     stop=top, capture=cap)
+                    model.run_blocks(h, model.causal(tokens.shape[1]), stop=top, capture=cap)
                     got = {layer: cap[layer] for layer in self.layers}
             packed = {k: _pack(v) for k, v in got.items()}
             size = sum(v.numel() * v.element_size() for v in packed.values())

@@ -69,7 +69,7 @@ from .checkpoint import atomic_write_bytes
 from .draft_vocab import draft_vocab, head_logits, restrict_logits, set_draft_vocab, teacher_logits, to_token_ids
 from .generate import CachedStep
 from .kv_cache import KVCache
-from .model import Transformer, causal_step, nonfinite_tensors
+from .model import Transformer, nonfinite_tensors
 from .speculative import Draft, DraftContext, DraftTree
 
 DRAFT_FORMAT = "midlayer-draft-v1"
@@ -161,7 +161,8 @@ def run_blocks_cached(model: Transformer, tokens: torch.Tensor, positions: torch
     cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]
     M = tokens.shape[1]
     query_slots = torch.arange(start, start + M, device=h.device)[None]
-    step = CachedStep(cache, start, query_slots, cos, sin, skip=False, extra_mask=extra_mask)
+    step = CachedStep(cache, start, query_slots, cos, sin, skip=False, extra_mask=extra_mask,
+                      position_bias=model.pos_bias)
     return model.run_blocks(h, step, stop=n_blocks, run=run)
 
 
@@ -379,7 +380,7 @@ def lower_states(model: Transformer, tokens: torch.Tensor, upto: int) -> torch.T
         raise ValueError("lower_states: gated bases need their gates from every lower block; run the full forward")
     T = tokens.shape[1]
     h = model.embed(tokens)
-    return model.run_blocks(h, causal_step(model.rope_cos[:T], model.rope_sin[:T]), stop=upto)
+    return model.run_blocks(h, model.causal(T), stop=upto)
 
 
 def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,

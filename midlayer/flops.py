@@ -186,7 +186,8 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         "attn_scores": 2 * H * hd * P,
         "softmax": SOFTMAX_FLOPS_PER_SCORE * H * P,
         "attn_values": 2 * H * hd * P,
-        "key_bias": g * (H * P + KEY_BIAS_LOG_FLOPS_PER_TOKEN * T),
+        # gated: + ln(g_j) on every score; ALiBi / T5: + the position bias on every score
+        "key_bias": g * (H * P + KEY_BIAS_LOG_FLOPS_PER_TOKEN * T) + (H * P if cfg.pos_encoding in ("alibi", "t5") else 0),
         "ffn_proj": n_ffn * 2 * T * d * h,
         "swiglu": (SWIGLU_FLOPS_PER_HIDDEN - (0 if cfg.ffn_glu else 1)) * T * h,
         "norms": n_norm * nf * T * d + (2 * nf * T * (H + K) * hd if cfg.qk_norm else 0),
@@ -269,6 +270,7 @@ def param_count(cfg: ModelConfig) -> int:
     head = 0 if cfg.tie_embeddings else V * d
     norms = (2 if cfg.embed_norm else 1) * d * (2 if cfg.norm_type == "layernorm" else 1)
     pos = cfg.max_seq_len * d if cfg.pos_encoding == "learned" else 0  # a learned absolute position table
+    pos += cfg.t5_buckets * cfg.n_heads if cfg.pos_encoding == "t5" else 0  # T5's bias table, shared by layers
     return V * d + cfg.n_layers * block_param_count(cfg) + norms + head + cfg.n_routers * (d + 1) + pos
 
 

@@ -88,7 +88,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     cos_all, sin_all = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]  # [B, 1, T+J, hd]
     h = model.embed(tokens, positions[..., :T])
     step = CachedStep(cache, start, slots[None, :].expand(B, T + J), cos_all, sin_all, active=active,
-                      skip=skip, extra_mask=extra_mask)
+                      skip=skip, extra_mask=extra_mask, position_bias=model.pos_bias)
     h = model.run_blocks(h, step, routed=T, capture=capture, joins=None if joins is None else joins.at)
     if h.shape[1] != T + J:
         raise ValueError(f"joined rows: {h.shape[1] - T} rows joined, JoinedRows.count says {J}")
@@ -108,10 +108,11 @@ class CachedStep:
 
     def __init__(self, cache: KVCache, start: int, query_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  *, active: torch.Tensor | None = None, skip: bool = True,
-                 extra_mask: torch.Tensor | None = None) -> None:
+                 extra_mask: torch.Tensor | None = None, position_bias=None) -> None:
         self.cache, self.start, self.query_slots = cache, start, query_slots  # query_slots [B, all rows]
         self.cos, self.sin = cos, sin  # [B, 1, all rows, hd]
         self.active, self.skip, self.extra_mask = active, skip, extra_mask
+        self.position_bias = position_bias  # Transformer.position_bias of a model with ALiBi / T5, else None
         cache.mask_memo = None  # a mask is shared by the layers of one forward only (LayerView.finish)
 
     def __call__(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
@@ -128,14 +129,16 @@ class CachedStep:
         if gate is not None and self.skip:
             act = gate > 0 if act is None else act & (gate > 0)
         if act is None or bool(act.all()):
-            view = LayerView(self.cache, layer, query_slots, start=self.start, gate_bias=gate_bias, extra_mask=em)
+            view = LayerView(self.cache, layer, query_slots, start=self.start, gate_bias=gate_bias, extra_mask=em,
+                             position_bias=self.position_bias)
             return block(h, cos, sin, gate, None, view)
-        return _sparse_block(block, layer, h, cos, sin, gate, gate_bias, act, self.cache, query_slots, em)
+        return _sparse_block(block, layer, h, cos, sin, gate, gate_bias, act, self.cache, query_slots, em,
+                             self.position_bias)
 
 
 def _sparse_block(block, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   gate: torch.Tensor | None, gate_bias: torch.Tensor | None, act: torch.Tensor, cache: KVCache,
-                  query_slots: torch.Tensor, extra_mask: torch.Tensor | None) -> torch.Tensor:
+                  query_slots: torch.Tensor, extra_mask: torch.Tensor | None, position_bias=None) -> torch.Tensor:
     """Run `block` on the active tokens only (gathered, row-padded to the largest count), scatter back."""
     B, T, d = h.shape
     counts = act.sum(1)
@@ -156,7 +159,8 @@ def _sparse_block(block, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: to
     em = None
     if extra_mask is not None:
         em = extra_mask.gather(2, order[:, None, :, None].expand(B, 1, M, extra_mask.shape[-1]))
-    view = LayerView(cache, layer, take(query_slots), valid=valid, gate_bias=gb, extra_mask=em)
+    view = LayerView(cache, layer, take(query_slots), valid=valid, gate_bias=gb, extra_mask=em,
+                     position_bias=position_bias)
     ya = block(xa, cos_a, sin_a, ga, None, view)
     b_idx, m_idx = valid.nonzero(as_tuple=True)
     out = h.clone()

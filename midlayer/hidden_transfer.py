@@ -192,6 +192,9 @@ class _TransferRows:
             self.cos, self.sin = self.model.rope_cos[pos], self.model.rope_sin[pos]
             if self.model.cfg.sliding_window:  # by position, as the KV cache's mask does at inference
                 self.mask = self.mask + window_mask(pos, pos, self.model.cfg.sliding_window).to(x.dtype)
+            bias = self.model.position_bias(pos, pos)  # ALiBi / T5: [H, N, N]
+            if bias is not None:
+                self.mask = self.mask + bias[None].to(x.dtype)
         mask = self.mask if key_bias is None else self.mask + key_bias.to(self.mask.dtype)
         return block(x, self.cos, self.sin, gate, None, _MaskedView(mask))
 

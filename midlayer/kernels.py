@@ -158,7 +158,7 @@ def library() -> ctypes.CDLL | None:
     lib.qk_quantize_q8.argtypes = [P, L, I, I, P, P, P]
     lib.qk_gemm_q4_1.argtypes = [P, P, P, I, I, P, P, I, P, L]
     lib.qk_gemm_q8_0.argtypes = [P, P, I, I, P, P, I, P, L]
-    lib.qk_attention.argtypes = [P, L, L, P, P, L, L, L, P, I, I, I, I, I, I, F, P, P]
+    lib.qk_attention.argtypes = [P, L, L, P, P, L, L, L, P, I, I, I, I, I, I, F, P, P, I]
     lib.qk_linear_q4_1.argtypes = [P, I, I, P, P, I, P, P]
     lib.qk_linear_q8_0.argtypes = [P, I, I, P, P, I, P, P]
     lib.qk_rmsnorm.argtypes = [P, P, I, I, F, P]
@@ -443,7 +443,7 @@ def rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tens
 # ===================================================================================== attention
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
                         ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v in fp32: q [B, H, T, d], k/v [B, Hk, S, d], mask [B, 1, T, S]."""
+    """softmax(q k^T / sqrt(d) + mask) v in fp32: q [B, H, T, d], k/v [B, Hk, S, d], mask [B, 1 or H, T, S]."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
     s = q.float() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
@@ -456,8 +456,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               n_keys: int | None = None) -> torch.Tensor:
     """Row-invariant attention. q [B, H, T, d] (any strides with a unit last stride), k/v [B, Hk, S, d]
     views with equal strides and a unit last stride (e.g. the KV cache buffers, of which only the first
-    `n_keys` slots are read), mask [B, 1, T, n_keys] additive or None (every key visible).
-    Returns [B, H, T, d] fp32."""
+    `n_keys` slots are read), mask [B, 1, T, n_keys] additive (or [B, H, T, n_keys]: per-head position
+    biases) or None (every key visible). Returns [B, H, T, d] fp32."""
     lib = library()
     if n_keys is not None:
         k, v = k[:, :, :n_keys], v[:, :, :n_keys]
@@ -470,35 +470,41 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     # The kernel addresses q as (b, t, h): q + b*qb + t*qt + h*D, which needs heads at stride D.
     if q.stride(1) != D:
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    m = None
-    if mask is not None:
-        m = mask if mask.dtype == torch.float32 and mask.shape == (B, 1, T, S) and mask.is_contiguous() \
-            else mask.float().expand(B, 1, T, S).contiguous()
+    m, mh = _mask_for_kernel(mask, B, H, T, S)
     out = torch.empty(B, T, H, D)
     scratch = _workspace(4 * B * T * H * S)
     lib.qk_attention(_ptr(q), q.stride(0), q.stride(2), _ptr(k), _ptr(v), k.stride(0), k.stride(1), k.stride(2),
                      _ptr(m) if m is not None else None, B, T, H, Hk, S, D, float(D ** -0.5), _ptr(out),
-                     _ptr(scratch))
+                     _ptr(scratch), mh)
     return out.transpose(1, 2)
+
+
+def _mask_for_kernel(mask: torch.Tensor | None, B: int, H: int, T: int, S: int) -> tuple[torch.Tensor | None, int]:
+    """(mask as the C kernel reads it: fp32 contiguous [B, MH, T, S], MH): MH = H for a per-head mask, else 1."""
+    if mask is None:
+        return None, 1
+    mh = H if mask.dim() == 4 and mask.shape[1] == H and H > 1 else 1
+    if mask.dtype == torch.float32 and mask.shape == (B, mh, T, S) and mask.is_contiguous():
+        return mask, mh
+    return mask.float().expand(B, mh, T, S).contiguous(), mh
 
 
 def attention_fused(qkv: torch.Tensor, n_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     mask: torch.Tensor | None, n_keys: int) -> torch.Tensor:
     """`attention` for the cached step, straight from the fused projection: the queries are the first
     n_heads * d columns of qkv [B, T, (H + 2 Hk) d] (contiguous fp32, RoPE applied), keys/values the first
-    n_keys slots of the cache layers [B, Hk, S_max, d]; mask [B, 1, T, n_keys] fp32 contiguous or None.
+    n_keys slots of the cache layers [B, Hk, S_max, d]; mask [B, 1 or H, T, n_keys] or None.
     Returns [B, T, H d]. The same C call and bits as `attention`, without its views and copies (one
     tensor allocated): the decode step calls this once per layer."""
     B, T, _ = qkv.shape
     Hk, D = k_cache.shape[1], k_cache.shape[3]
-    if mask is not None and not (mask.dtype == torch.float32 and mask.is_contiguous()
-                                 and mask.shape == (B, 1, T, n_keys)):
-        mask = mask.float().expand(B, 1, T, n_keys).contiguous()
+    mask, mh = _mask_for_kernel(mask, B, n_heads, T, n_keys)
     out = torch.empty(B, T, n_heads * D)
     ks = k_cache.stride()
     library().qk_attention(qkv.data_ptr(), qkv.stride(0), qkv.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                            ks[0], ks[1], ks[2], None if mask is None else mask.data_ptr(), B, T, n_heads, Hk,
-                           n_keys, D, float(D ** -0.5), out.data_ptr(), _workspace(4 * B * T * n_heads * n_keys).data_ptr())
+                           n_keys, D, float(D ** -0.5), out.data_ptr(), _workspace(4 * B * T * n_heads * n_keys).data_ptr(),
+                           mh)
     return out
 
 

@@ -19,6 +19,7 @@ So one additive mask carries causality-free occupancy, skipping and gating; the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -96,7 +97,8 @@ class LayerView:
     Sparse step: row b's M entries are padded (rows have different numbers of active tokens); `valid`
     [B, M] says which are real, `query_slots` [B, M] where each goes. `gate_bias` [B, M] or None:
     ln(max(g, eps)) of the new tokens (0 when None). `extra_mask` [B, 1, M, S] or None: an additional
-    additive mask (tree attention).
+    additive mask (tree attention). `position_bias(q_pos, k_pos)`: the model's relative position bias
+    (ALiBi, T5), added from the cache's positions.
     """
 
     cache: KVCache
@@ -106,6 +108,7 @@ class LayerView:
     valid: torch.Tensor | None = None
     gate_bias: torch.Tensor | None = None
     extra_mask: torch.Tensor | None = None
+    position_bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None  # ALiBi / T5
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store k, v [B, Hk, M, d] at this step's slots; return (keys, values [B, Hk, S, d], mask)."""
@@ -145,7 +148,7 @@ class LayerView:
             bias_l[b_idx, s_idx] = 0.0 if self.gate_bias is None else self.gate_bias[b_idx, m_idx].float()
         S = c.length
         local = 0 < c.window < S  # sliding window: keys far enough back are hidden too
-        if c.dense_prefix and M == 1 and self.extra_mask is None and not local:
+        if c.dense_prefix and M == 1 and self.extra_mask is None and not local and self.position_bias is None:
             return None  # every held key is visible to the one new query
         if c.dense_prefix:
             # Every held key has bias 0 at every layer: the mask (causality [+ tree]) is the same for all
@@ -157,9 +160,12 @@ class LayerView:
         key_slots = torch.arange(S, device=device)
         causal = torch.where(key_slots[None, None, :] <= self.query_slots[:, :, None], 0.0, float("-inf"))
         mask = (causal + bias_l[:, None, :S])[:, None]  # [B, 1, M, S]
-        if local:  # by RoPE position, so it holds for left padding, trees and joined rows alike
+        if local or self.position_bias is not None:  # by position: left padding, trees, joined rows alike
             q_pos = c.pos.gather(1, self.query_slots)
-            mask = mask + window_mask(q_pos, c.pos[:, :S], c.window)[:, None]
+            if local:
+                mask = mask + window_mask(q_pos, c.pos[:, :S], c.window)[:, None]
+            if self.position_bias is not None:  # [B, H, M, S]: a per-head relative position bias
+                mask = mask + self.position_bias(q_pos, c.pos[:, :S])
         if self.extra_mask is not None:
             mask = mask + self.extra_mask
         if c.dense_prefix:

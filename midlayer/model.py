@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .attention import Attention, key_gate_bias, rope_tables
+from .attention import Attention, PositionBias, key_gate_bias, rope_tables
 from .config import ModelConfig
 from .gating import GateStats, MirroredGates, Routers
 
@@ -161,10 +161,13 @@ class Block(nn.Module):
 BlockStep = Callable[[int, "Block", torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
 
 
-def causal_step(cos: torch.Tensor, sin: torch.Tensor) -> BlockStep:
-    """The step of a forward without a cache: causal (gated, eq. 3) attention over the rows themselves."""
+def causal_step(cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor | None = None) -> BlockStep:
+    """The step of a forward without a cache: causal (gated, eq. 3) attention over the rows themselves;
+    `bias` [1, H, T, T]: a relative position bias (ALiBi, T5) added to every block's logits."""
     def step(layer: int, block: Block, h: torch.Tensor, gate: torch.Tensor | None,
              key_bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not None:
+            key_bias = bias if key_bias is None else key_bias + bias
         return block(h, cos, sin, gate, key_bias)
     return step
 
@@ -214,6 +217,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos_encoding == "learned" else None
+        self.pos_bias = PositionBias(cfg) if cfg.pos_encoding in ("alibi", "t5") else None
         self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim)
                              if cfg.pos_encoding == "sinusoidal" else None, persistent=False)
         self.check_inputs = True  # set False to skip the token-id range check (it syncs with the GPU)
@@ -248,6 +252,17 @@ class Transformer(nn.Module):
             x = x + table[positions].to(x.dtype)
         return self.emb_drop(self.emb_norm(x))
 
+    def causal(self, T: int) -> BlockStep:
+        """The step of a cache-free causal forward over positions 0..T-1: its RoPE tables and position bias."""
+        t = torch.arange(T, device=self.rope_cos.device)
+        bias = self.position_bias(t, t)
+        return causal_step(self.rope_cos[:T], self.rope_sin[:T], None if bias is None else bias[None])
+
+    def position_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """The relative position bias [..., H, Tq, Tk] of ALiBi / T5 between query and key positions, or None
+        for the other schemes: every attention path (causal, KV cache, hidden transfer's rows) adds it."""
+        return None if self.pos_bias is None else self.pos_bias(q_pos, k_pos)
+
     def _validate(self, tokens: torch.Tensor) -> None:
         if not isinstance(tokens, torch.Tensor):
             raise ValueError(f"tokens: expected a torch.Tensor, got {type(tokens).__name__}")
@@ -275,13 +290,12 @@ class Transformer(nn.Module):
         self._validate(tokens)
         cfg = self.cfg
         T = tokens.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.embed(tokens)
         states: dict[int, torch.Tensor | None] | None = None
         if output_hidden_states:
             states = dict.fromkeys(range(cfg.n_layers + 1))
         gates = self.gate_walker()
-        h = self.run_blocks(h, causal_step(cos, sin), gates=gates, capture=states)
+        h = self.run_blocks(h, self.causal(T), gates=gates, capture=states)
         hidden = None if states is None else [states[layer] for layer in range(cfg.n_layers + 1)]
         h = self.norm(h)
         logits = self.output(h)

@@ -40,6 +40,8 @@ PARTS = {
     "rope_linear": dict(rope_scaling="linear", rope_scale=2.0),
     "rope_ntk": dict(rope_scaling="ntk", rope_scale=4.0),
     "sliding_window": dict(sliding_window=5),
+    "alibi": dict(pos_encoding="alibi"),
+    "t5_bias": dict(pos_encoding="t5", t5_buckets=8, t5_max_distance=20),
 }
 GATED = {name for name, over in PARTS.items() if over.get("norm_placement") != "post"}
 
@@ -126,6 +128,39 @@ def test_sliding_window_generation_past_the_window_equals_the_naive_reference(ga
     assert out == generate_naive(m, [prompt], cfg)
     x = torch.tensor([prompt + out[0]])
     assert not torch.allclose(m(x).logits, full(x).logits)  # the window changes the model
+
+
+def test_alibi_slopes_and_bias_by_hand():
+    from midlayer.attention import PositionBias, alibi_slopes
+
+    torch.testing.assert_close(alibi_slopes(4), torch.tensor([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8]))
+    # 6 heads: the 4 slopes of 4 heads, then every other slope of 8 heads (2^-1, 2^-3)
+    torch.testing.assert_close(alibi_slopes(6), torch.tensor([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3]))
+    pb = PositionBias(ModelConfig(**{**SMALL, "pos_encoding": "alibi"}))
+    b = pb(torch.arange(3), torch.arange(3))  # [H, 3, 3]: -m_h (i - j) on and below the diagonal
+    torch.testing.assert_close(b[0], -0.25 * torch.tensor([[0.0, 0, 0], [1, 0, 0], [2, 1, 0]]))
+
+
+def test_t5_buckets_by_hand():
+    from midlayer.attention import t5_bucket
+
+    # 8 buckets, max distance 20: 0..3 exact; then 4 + floor(log(d / 4) / log(5) * 4), capped at 7
+    d = torch.tensor([0, 1, 3, 4, 5, 9, 19, 20, 100])
+    want = [0, 1, 3, 4] + [min(7, 4 + int(math.log(v / 4) / math.log(5) * 4)) for v in (5, 9, 19, 20, 100)]
+    assert t5_bucket(d, 8, 20).tolist() == want
+    assert want[-1] == 7 and want[4] == 4
+
+
+def test_per_head_masks_in_the_row_invariant_kernel():
+    """The C attention kernel reads a [B, H, T, S] mask (ALiBi / T5 in the q4 engine) like the reference."""
+    from midlayer import kernels
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    mask = torch.randn(2, 4, 3, 7)
+    mask[..., 5:] = float("-inf")
+    torch.testing.assert_close(kernels.attention(q, k, v, mask), kernels.attention_reference(q, k, v, mask),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_layernorm_equals_torch_layernorm():
@@ -298,7 +333,7 @@ def test_parts_in_the_q4_engine(name):
     torch.testing.assert_close(torch.cat(steps, 1), got, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("name", ["sliding_window", "learned_pos", "qk_norm", "gelu_mlp"])
+@pytest.mark.parametrize("name", ["sliding_window", "learned_pos", "qk_norm", "gelu_mlp", "alibi", "t5_bias"])
 def test_speculative_decoding_stays_lossless_with_the_parts(name):
     """Tree verification, hidden transfer's fused pass, EAGLE and early exit go through the same cached
     masks and embedding: with these parts the speculative output is still plain greedy's, in fp32 and q4."""

@@ -548,9 +548,10 @@ void qk_gemm_q8_0(const int8_t *xq, const float *xd, int M, int K, const int8_t 
  * q: row (b, t) head h at q + b*qb + t*qt + h*D.  k, v: (b, hk, s) at k + b*kb + hk*kh + s*ks.
  * mask: additive [B, T, S] fp32 (row stride S, batch stride T*S), or NULL (every key visible).
  * out: (b, t, h) at out + (b*T + t)*H*D + h*D.  scratch: B*T*H*S floats. */
+/* mask: [B, MH, T, S] additive, MH = 1 (shared by the heads) or H (per-head position biases: ALiBi, T5). */
 void qk_attention(const float *q, long qb, long qt, const float *k, const float *v, long kb, long kh, long ks,
                   const float *mask, int B, int T, int H, int Hk, int S, int D, float scale, float *out,
-                  float *scratch) {
+                  float *scratch, int MH) {
     int rep = H / Hk;
     int avx2 = qk_has_avx2() && D % 8 == 0;
     long items = (long)B * T * H;
@@ -559,7 +560,7 @@ void qk_attention(const float *q, long qb, long qt, const float *k, const float 
         int h = it % H, t = (it / H) % T, b = it / ((long)H * T);
         const float *qq = q + b * qb + t * qt + (long)h * D;
         const float *kk = k + b * kb + (long)(h / rep) * kh, *vv = v + b * kb + (long)(h / rep) * kh;
-        const float *mm = mask ? mask + ((long)b * T + t) * S : 0;
+        const float *mm = mask ? mask + (((long)b * MH + (MH > 1 ? h : 0)) * T + t) * S : 0;
         float *oo = out + ((long)b * T + t) * H * D + (long)h * D;
         float *sc = scratch + it * S;
         if (avx2) attention_row_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, oo);
