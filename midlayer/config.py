@@ -73,6 +73,9 @@ class ModelConfig:
     #                           (w2 act(w1 x)); the hidden size is the same rule for both (ffn_hidden_dim)
     init_scheme: str = "normal"  # normal: N(0, init_std) everywhere; scaled_residual: the projections that
     #                              write into the residual (wo, w2) get init_std / sqrt(2 n_layers) (GPT-2)
+    moe_experts: int = 0  # > 0: every FFN is a mixture of this many experts (each an ffn_type FFN); 0: dense
+    moe_top_k: int = 2  # experts per token (Mixtral: 2 of 8; Switch: 1), gates renormalised over them
+    moe_aux_coef: float = 0.01  # the load-balancing loss's weight in training (Switch Transformer: 0.01)
     sliding_window: int = 0  # > 0: a query sees only the keys of the last `sliding_window` positions
     #                          (itself included; Mistral / Longformer-style local attention); 0: all
     dropout: float = 0.0  # on each module's output before it joins the residual (training only)
@@ -123,6 +126,10 @@ class ModelConfig:
         _check(self.ffn_type in FFN_TYPES, "ffn_type", f"must be one of {FFN_TYPES}, got {self.ffn_type!r}")
         _check(self.init_scheme in INIT_SCHEMES, "init_scheme",
                f"must be one of {INIT_SCHEMES}, got {self.init_scheme!r}")
+        _check(self.moe_experts >= 0, "moe_experts", f"must be >= 0 (0 = a dense FFN), got {self.moe_experts}")
+        _check(self.moe_experts == 0 or 1 <= self.moe_top_k <= self.moe_experts, "moe_top_k",
+               f"must be in [1, moe_experts={self.moe_experts}], got {self.moe_top_k}")
+        _check(self.moe_aux_coef >= 0, "moe_aux_coef", f"must be >= 0, got {self.moe_aux_coef}")
         _check(isinstance(self.sliding_window, int) and self.sliding_window >= 0, "sliding_window",
                f"must be an int >= 0 (0 = full attention), got {self.sliding_window!r}")
         for name in ("dropout", "attn_dropout", "emb_dropout"):

@@ -177,6 +177,7 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
     d, H, K, hd, h, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden_dim, cfg.vocab_size
     n_norm, nf = norms_per_block(cfg), norm_flops_per_elem(cfg)
     n_ffn = 3 if cfg.ffn_glu else 2
+    E, k = cfg.moe_experts, (cfg.moe_top_k if cfg.moe_experts else 1)  # a token runs k experts' FFNs
     g = 1 if cfg.gating else 0
     # One dense-compute block, term by term (formulas in the module docstring).
     one = {
@@ -188,8 +189,10 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         "attn_values": 2 * H * hd * P,
         # gated: + ln(g_j) on every score; ALiBi / T5: + the position bias on every score
         "key_bias": g * (H * P + KEY_BIAS_LOG_FLOPS_PER_TOKEN * T) + (H * P if cfg.pos_encoding in ("alibi", "t5") else 0),
-        "ffn_proj": n_ffn * 2 * T * d * h,
-        "swiglu": (SWIGLU_FLOPS_PER_HIDDEN - (0 if cfg.ffn_glu else 1)) * T * h,
+        # mixture of experts: k active experts per token, the router (2 d E), softmax and the weighted sum
+        "ffn_proj": k * n_ffn * 2 * T * d * h + (2 * T * d * E + SOFTMAX_FLOPS_PER_SCORE * T * E + 2 * k * T * d
+                                                 if E else 0),
+        "swiglu": k * (SWIGLU_FLOPS_PER_HIDDEN - (0 if cfg.ffn_glu else 1)) * T * h,
         "norms": n_norm * nf * T * d + (2 * nf * T * (H + K) * hd if cfg.qk_norm else 0),
         "residual": 2 * T * d,
         "gate_mul": g * 2 * T * d,
@@ -252,13 +255,18 @@ def prefill_decode_split(cfg: ModelConfig, prompt_len: int, new_tokens: int,
 
 
 def block_param_count(cfg: ModelConfig) -> int:
-    """N_B (paper 2.1): parameters of one Transformer block (attention, FFN, its norms; no router)."""
-    d, kv, h = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden_dim
+    """N_B (paper 2.1): parameters of one Transformer block (attention, FFN, its norms; no skip router; a mixture of experts counts every expert and its router)."""
+    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
     per_norm = 2 if cfg.norm_type == "layernorm" else 1  # weight (+ bias) per feature
     bias = (d + 2 * kv) if cfg.qkv_bias else 0  # Qwen2-style q/k/v biases
     qk = 2 * cfg.head_dim * per_norm if cfg.qk_norm else 0
-    ffn = (3 if cfg.ffn_glu else 2) * d * h
+    ffn = ffn_param_count(cfg) * max(cfg.moe_experts, 1) + d * cfg.moe_experts  # experts + their router
     return d * d + 2 * d * kv + d * d + ffn + norms_per_block(cfg) * d * per_norm + bias + qk
+
+
+def ffn_param_count(cfg: ModelConfig) -> int:
+    """Parameters of one FFN (one expert of a mixture): 3 d h for a GLU, 2 d h for a plain MLP."""
+    return (3 if cfg.ffn_glu else 2) * cfg.dim * cfg.ffn_hidden_dim
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -275,10 +283,11 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def active_param_count(cfg: ModelConfig, sparsity: Sequence[float] | None = None) -> float:
-    """Mean parameters used per token: total minus 2 N_B sum_{l < L/2} z_l (paper 2.1)."""
+    """Mean parameters used per token: total minus 2 N_B sum_{l < L/2} z_l (paper 2.1); a mixture of experts
+    uses k of its E experts in every block it runs, so its (E - k) idle experts are not counted."""
     keep = _block_keep(cfg, sparsity)
-    skipped = sum(1.0 - k for k in keep)  # = 2 sum_l z_l over the first half
-    return param_count(cfg) - block_param_count(cfg) * skipped
+    idle = (cfg.moe_experts - cfg.moe_top_k) * ffn_param_count(cfg) if cfg.moe_experts else 0
+    return param_count(cfg) - block_param_count(cfg) * (len(keep) - sum(keep)) - idle * sum(keep)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, sparsity: Sequence[float] | None = None) -> float:

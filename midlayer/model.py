@@ -116,11 +116,55 @@ class FeedForward(nn.Module):
         return self.w2(self.act(self.w1(x)))
 
 
+class MoEFeedForward(nn.Module):
+    """A mixture of E experts (each a `FeedForward` of the model's ffn_type) with top-k routing, dropless:
+    every token is processed by its k experts, none is dropped for capacity (Mixtral; Jiang et al. 2024):
+
+        p = softmax(W_r x),   S = the k largest p_e,   y = sum_{e in S} (p_e / sum_{j in S} p_j) FFN_e(x).
+
+    A token's experts and weights depend on that token alone, so routing does not depend on the batch.
+    `aux` (set by each forward): the Switch Transformer load-balancing loss (Fedus et al. 2022, eq. 4),
+    E * sum_e f_e P_e, with f_e the share of the (token, choice) assignments that went to expert e and P_e
+    the mean router probability of e: 1 when the load is uniform, E when one expert takes everything.
+    `load`: f_e (detached), for logging."""
+
+    def __init__(self, dim: int, hidden: int, kind: str, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = nn.ModuleList([FeedForward(dim, hidden, kind) for _ in range(n_experts)])
+        self.aux: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        for e in self.experts:
+            e.fuse()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(xf).float(), -1)  # [N, E], fp32 whatever the autocast
+        top_p, top_i = probs.topk(self.top_k, -1)
+        weights = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(xf)
+        for e, expert in enumerate(self.experts):  # in expert order: every token sums its experts alike
+            rows, slot = (top_i == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, expert(xf[rows]) * weights[rows, slot, None])
+        E, N = self.n_experts, xf.shape[0]
+        f = torch.zeros(E, device=x.device).index_add_(0, top_i.reshape(-1), torch.ones(N * self.top_k,
+                                                                                         device=x.device)) / max(N * self.top_k, 1)
+        self.aux = E * (f * probs.mean(0)).sum()
+        self.load = f.detach()
+        return out.reshape(shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attention = Attention(cfg)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.ffn_type)
+        self.feed_forward = (FeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.ffn_type) if not cfg.moe_experts else
+                             MoEFeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.ffn_type, cfg.moe_experts, cfg.moe_top_k))
         self.attention_norm = make_norm(cfg)
         self.ffn_norm = make_norm(cfg)
         self.placement = cfg.norm_placement
@@ -179,6 +223,8 @@ class ModelOutput:
     gate_stats: GateStats | None  # per-block gate statistics, gated models only
     gates: torch.Tensor | None  # [L/2, B, T] first-half gates, gated models only
     hidden_states: list[torch.Tensor] | None  # residual entering each block, then the final residual
+    moe_aux: torch.Tensor | None = None  # mixture-of-experts models: mean load-balancing loss of the blocks
+    moe_load: torch.Tensor | None = None  # [L, E] share of the assignments per block and expert (detached)
 
 
 def position_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +354,12 @@ class Transformer(nn.Module):
         if gates is not None:
             stats = GateStats.from_gates(gates.first_half, cfg.n_layers)
             first = torch.stack(gates.first_half)
-        return ModelOutput(logits if return_logits else None, loss, stats, first, hidden)
+        aux = load = None
+        if cfg.moe_experts:  # every block ran its experts in this pass (gates scale outputs, never skip here)
+            ffns = [block.feed_forward for block in self.layers]
+            aux = torch.stack([f.aux for f in ffns]).mean()
+            load = torch.stack([f.load for f in ffns])
+        return ModelOutput(logits if return_logits else None, loss, stats, first, hidden, aux, load)
 
     def gate_walker(self) -> MirroredGates | None:
         """A fresh in-order gate walker for one forward (None for dense models)."""

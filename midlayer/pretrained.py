@@ -559,6 +559,10 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
         problems.append(f"ffn_type={cfg.ffn_type!r} (Llama's MLP is SwiGLU)")
     if cfg.qk_norm:
         problems.append("qk_norm=True (Llama has no QK-norm)")
+    if cfg.moe_experts:
+        problems.append(f"moe_experts={cfg.moe_experts} (Llama's FFN is dense)")
+    if cfg.sliding_window:
+        problems.append(f"sliding_window={cfg.sliding_window} (Llama attends to the whole context)")
     if cfg.pos_encoding != "rope" or cfg.rope_scaling != "none":
         problems.append(f"pos_encoding={cfg.pos_encoding!r}, rope_scaling={cfg.rope_scaling!r} "
                         "(the export writes plain RoPE)")

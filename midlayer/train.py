@@ -5,7 +5,8 @@ Per optimizer step (paper section 3.1 defaults, every value a TrainConfig field)
      `micro_batch_size` (gradient accumulation); the windows are a pure function of (seed, step), so a
      run resumed at step s sees exactly the data an uninterrupted run would, and N ranks see exactly the
      batch one process would;
-  2. loss = cross-entropy + the sparsity controller's regulariser (eq. 5), each divided by the number of
+  2. loss = cross-entropy + the sparsity controller's regulariser (eq. 5) (+ moe_aux_coef x the experts'
+     load-balancing loss for mixture-of-experts models), each divided by the number of
      micro-batches; DDP averages gradients over ranks;
   3. optional gradient clipping; the gradient norm is always measured and logged; a non-finite loss or
      gradient stops the run *before* the optimizer step, so no poisoned weights are ever saved;
@@ -264,7 +265,9 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
                 group["initial_lr"] = cfg.lr
                 group["lr"] = cfg.lr * lr_factor(start, cfg)
     run_model = torch.compile(model) if cfg.compile else model
-    ddp = DDP(run_model, device_ids=[dev.index] if dev.type == "cuda" else None) if info.enabled else None
+    # An expert that no token of a micro-batch picked gets no gradient: DDP must then not wait for it.
+    ddp = DDP(run_model, device_ids=[dev.index] if dev.type == "cuda" else None,
+              find_unused_parameters=model_cfg.moe_experts > 0) if info.enabled else None
     fwd = ddp if ddp is not None else run_model
 
     if info.is_main:
@@ -315,6 +318,7 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     for step in range(start, end):
         ce_sum = torch.zeros((), device=dev)
         reg_sum = torch.zeros((), device=dev)
+        moe_sum = torch.zeros((), device=dev)
         if acc is not None:
             acc.reset()
         for m in range(accum):
@@ -327,6 +331,10 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
                     out = fwd(x, y, return_logits=False)
                     reg = controller.loss(out.gate_stats.mean, out.gate_stats.var) if controller is not None \
                         else torch.zeros((), device=dev)
+                    if out.moe_aux is not None:  # the experts' load-balancing loss (model.MoEFeedForward)
+                        moe = model_cfg.moe_aux_coef * out.moe_aux
+                        reg = reg + moe
+                        moe_sum += out.moe_aux.detach()
                 ((out.loss + reg) / accum).backward()
             ce_sum += out.loss.detach()
             reg_sum += reg.detach()
@@ -351,6 +359,8 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         opt.zero_grad(set_to_none=True)
         record: dict[str, Any] = {"step": step + 1, "ce": ce.item(), "reg_loss": reg_v.item(),
                                   "grad_norm": grad_norm.item(), "lr": sched.get_last_lr()[0]}
+        if model_cfg.moe_experts:  # 1 = balanced experts, E = one expert takes every token
+            record["moe_aux"] = dist_utils.all_reduce_mean(moe_sum / accum).item()
         gn = record["grad_norm"]
         if cfg.grad_norm_spike > 0 and grad_norm_ema is not None and gn > cfg.grad_norm_spike * grad_norm_ema:
             record["grad_norm_spike"] = gn / grad_norm_ema

@@ -42,6 +42,8 @@ PARTS = {
     "sliding_window": dict(sliding_window=5),
     "alibi": dict(pos_encoding="alibi"),
     "t5_bias": dict(pos_encoding="t5", t5_buckets=8, t5_max_distance=20),
+    "moe": dict(moe_experts=4, moe_top_k=2),
+    "moe_top1_gelu": dict(moe_experts=3, moe_top_k=1, ffn_type="gelu"),
 }
 GATED = {name for name, over in PARTS.items() if over.get("norm_placement") != "post"}
 
@@ -161,6 +163,59 @@ def test_per_head_masks_in_the_row_invariant_kernel():
     mask[..., 5:] = float("-inf")
     torch.testing.assert_close(kernels.attention(q, k, v, mask), kernels.attention_reference(q, k, v, mask),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_moe_with_one_expert_and_top1_is_the_dense_ffn():
+    from midlayer.model import MoEFeedForward
+
+    torch.manual_seed(0)
+    dense = FeedForward(8, 16, "swiglu")
+    moe = MoEFeedForward(8, 16, "swiglu", n_experts=1, top_k=1)
+    moe.experts[0].load_state_dict(dense.state_dict())
+    x = torch.randn(3, 5, 8)
+    torch.testing.assert_close(moe(x), dense(x))
+    assert moe.aux.item() == pytest.approx(1.0)  # one expert: f = P = 1
+
+
+def test_moe_load_balancing_loss_by_hand():
+    """E = 2, k = 1, router = identity on 2 features. Tokens [2, 0] x3 and [0, 2]: p(e0) = e^2 / (e^2 + 1) =
+    0.8808 for the first three, 0.1192 for the last; assignments f = (3/4, 1/4); mean probabilities
+    P = (0.6904, 0.3096); loss = 2 (0.75 * 0.6904 + 0.25 * 0.3096) = 1.1904."""
+    from midlayer.model import MoEFeedForward
+
+    moe = MoEFeedForward(2, 4, "relu", n_experts=2, top_k=1)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(2))
+    moe(torch.tensor([[2.0, 0.0], [2.0, 0.0], [2.0, 0.0], [0.0, 2.0]]))
+    p = math.exp(2) / (math.exp(2) + 1)
+    P = ((3 * p + (1 - p)) / 4, (3 * (1 - p) + p) / 4)
+    assert moe.aux.item() == pytest.approx(2 * (0.75 * P[0] + 0.25 * P[1]), rel=1e-5)
+    assert moe.load.tolist() == [0.75, 0.25]
+
+
+def test_moe_routing_does_not_depend_on_the_batch():
+    from midlayer.model import MoEFeedForward
+
+    torch.manual_seed(1)
+    moe = MoEFeedForward(8, 16, "swiglu", n_experts=4, top_k=2)
+    x = torch.randn(6, 8)
+    together = moe(x)
+    alone = torch.cat([moe(x[i:i + 1]) for i in range(6)])
+    torch.testing.assert_close(together, alone, atol=1e-6, rtol=1e-6)
+
+
+def test_moe_cost_model_counts_active_experts():
+    from midlayer.flops import active_param_count, ffn_param_count, forward_flops
+
+    dense = ModelConfig(**{**SMALL, "gating": False})
+    moe = dataclasses.replace(dense, moe_experts=4, moe_top_k=2)
+    per_ffn = ffn_param_count(dense)
+    # per block: 3 more experts and a router of dim x E = 32 x 4
+    assert param_count(moe) - param_count(dense) == SMALL["n_layers"] * (3 * per_ffn + 32 * 4)
+    assert active_param_count(moe) == param_count(moe) - SMALL["n_layers"] * 2 * per_ffn  # 2 of 4 idle
+    f_dense, f_moe = forward_flops(dense, 16), forward_flops(moe, 16)
+    assert f_moe.ffn_proj > 2 * f_dense.ffn_proj  # two experts per token plus the router
+    assert f_moe.ffn_proj < 2 * f_dense.ffn_proj * 1.1
 
 
 def test_layernorm_equals_torch_layernorm():
@@ -359,3 +414,27 @@ def test_speculative_decoding_stays_lossless_with_the_parts(name):
                         EarlyExitDrafter(model, EarlyExitHead(model.cfg.dim, 2))):
             out, _ = speculative_generate(model, prompt, drafter, tree, 16)
             assert out == ref, (fmt, type(drafter).__name__)
+
+
+def test_moe_training_adds_the_balancing_loss_and_resumes_exactly(tmp_path):
+    """The training loop adds moe_aux_coef x the load-balancing loss, logs it, and a resumed MoE run ends
+    with the weights of an uninterrupted one."""
+    import json
+    from pathlib import Path
+
+    from midlayer.checkpoint import list_checkpoints, load_checkpoint
+    from midlayer.train import train
+    from test_train import debug_configs
+
+    m, s, t = debug_configs(tmp_path, steps=6, ckpt_every=2, keep_last=2, log_every=1)
+    m.moe_experts, m.moe_top_k, m.gating = 3, 2, True
+    full = dataclasses.replace(t, out_dir=str(tmp_path / "full"))
+    train(m, s, full, progress=False)
+    recs = [json.loads(line) for line in open(tmp_path / "full" / "metrics.jsonl") if '"moe_aux"' in line]
+    assert len(recs) == 6 and all(1.0 <= r["moe_aux"] <= 3.0 for r in recs)  # between balanced and collapsed
+    assert all(r["reg_loss"] >= m.moe_aux_coef * r["moe_aux"] - 1e-6 for r in recs)  # it is in the loss
+    train(m, s, t, progress=False, stop_after=3)
+    train(m, s, t, progress=False, resume=True)
+    a = load_checkpoint(list_checkpoints(tmp_path / "full")[-1])["model"]
+    b = load_checkpoint(list_checkpoints(Path(t.out_dir))[-1])["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
