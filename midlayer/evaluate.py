@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
@@ -79,3 +80,39 @@ def evaluate(model: Transformer, windows: TokenWindows, *, eval_tokens: int, bat
     result["active_params"] = float(active_param_count(cfg, sparsity))
     result["kv_bytes_per_token"] = float(kv_bytes_per_token(cfg, 2, sparsity))
     return result
+
+
+def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str = "cpu") -> dict[str, Any]:
+    """Validation CE of a finished run's newest checkpoint at its training context x each of `multiples`
+    (and x1), over the same number of validation tokens (the run's eval_tokens): how the model does on
+    sequences longer than it was trained on. Writes and returns `run_dir/extrapolation.json`:
+    {"seq_len": T, "val_ce": {"T": ce, "2T": ce, ...}}. Refuses contexts beyond the model's max_seq_len."""
+    import json
+
+    from .checkpoint import atomic_write_bytes, list_checkpoints, load_checkpoint
+    from .config import ModelConfig, TrainConfig, from_dict
+    from .data import resolve_data
+    from .train import default_cache_dir, resolve_dtype
+
+    run = Path(run_dir)
+    ckpts = list_checkpoints(run)
+    if not ckpts:
+        raise ValueError(f"{run}: no checkpoint to evaluate")
+    ckpt = load_checkpoint(ckpts[-1])
+    mcfg = from_dict(ModelConfig, ckpt["configs"]["model"])
+    tcfg = from_dict(TrainConfig, ckpt["configs"]["train"])
+    lengths = [tcfg.seq_len * m for m in (1, *multiples)]
+    if max(lengths) > mcfg.max_seq_len:
+        raise ValueError(f"{run}: context {max(lengths)} exceeds the model's max_seq_len={mcfg.max_seq_len}")
+    dev = torch.device(device)
+    model = Transformer(mcfg).to(dev)
+    model.load_state_dict(ckpt["model"])
+    files = resolve_data(tcfg.data, default_cache_dir(), tcfg.tokenizer_vocab, tcfg.val_data)
+    dtype = resolve_dtype(tcfg.dtype, dev)
+    out: dict[str, Any] = {"seq_len": tcfg.seq_len, "step": ckpt["step"], "val_ce": {}}
+    for T in lengths:
+        res = evaluate(model, TokenWindows(files.val, T), eval_tokens=tcfg.eval_tokens,
+                       batch_size=max(1, tcfg.micro_batch_size * tcfg.seq_len // T), device=dev, dtype=dtype)
+        out["val_ce"][str(T)] = res["val_ce"]
+    atomic_write_bytes(run / "extrapolation.json", lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
+    return out

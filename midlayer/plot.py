@@ -280,9 +280,121 @@ def plot_figure2(rows: list[dict[str, Any]], png_path: Path | str, title: str | 
     fig.savefig(png_path, dpi=150)
 
 
+# ============================================================================ the parts ablation (issue 13)
+def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(one row per part of a `parts` sweep, aggregated over its seeds; one row per stability run).
+
+    A run `<part>-s<seed>` contributes its eval.json (val CE, params, active params, FLOPs per sequence,
+    training tokens/s) and extrapolation.json (CE at longer contexts); `<placement>-lr<k>x-s0` runs are the
+    stability rows, `diverged` when sweep.json (or the run's own log) says so."""
+    from .sweep import diverged
+
+    sweep_dir = Path(sweep_dir)
+    sweep = _read_json(sweep_dir / "sweep.json") or {}
+    status = {r.get("name"): r.get("status") for r in sweep.get("runs", []) if isinstance(r, dict)}
+    names = [r["name"] for r in sweep.get("runs", []) if isinstance(r, dict) and "name" in r] or \
+        sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
+    parts: dict[str, list[dict[str, Any]]] = {}
+    stability: list[dict[str, Any]] = []
+    for name in names:
+        run = sweep_dir / name
+        res = _read_json(run / "eval.json") or {}
+        ext = (_read_json(run / "extrapolation.json") or {}).get("val_ce") or {}
+        gone = status.get(name) == "diverged" or diverged(run)
+        if "-lr" in name:
+            placement, rest = name.split("-lr", 1)
+            stability.append({"placement": placement, "lr_multiple": int(rest.split("x")[0]),
+                              "val_ce": None if gone else res.get("val_ce"), "diverged": gone})
+            continue
+        part = name.rsplit("-s", 1)[0]
+        if res.get("val_ce") is None and not gone:
+            continue  # not finished yet
+        seq = res.get("seq_len")
+        parts.setdefault(part, []).append({
+            "val_ce": None if gone else res.get("val_ce"), "diverged": gone, "params": res.get("params"),
+            "active_params": res.get("active_params"), "tokens_per_s": res.get("train_tokens_per_s"),
+            "flops_per_token": res["flops_per_seq"] / seq if res.get("flops_per_seq") and seq else None,
+            "ext": ext, "seq_len": seq})
+    rows = []
+    for part, runs in parts.items():
+        ces = [r["val_ce"] for r in runs if r["val_ce"] is not None]
+        seq = next((r["seq_len"] for r in runs if r["seq_len"]), None)
+        row: dict[str, Any] = {"part": part, "seeds": len(runs), "diverged": sum(r["diverged"] for r in runs),
+                               "val_ce": sum(ces) / len(ces) if ces else None,
+                               "spread": max(ces) - min(ces) if len(ces) > 1 else None}
+        for key in ("params", "active_params", "flops_per_token", "tokens_per_s"):
+            vals = [r[key] for r in runs if r[key] is not None]
+            row[key] = sum(vals) / len(vals) if vals else None
+        for m in (2, 4):
+            vals = [r["ext"].get(str(seq * m)) for r in runs if seq and r["ext"].get(str(seq * m)) is not None]
+            row[f"val_ce_x{m}"] = sum(vals) / len(vals) if vals else None
+        rows.append(row)
+    base = next((r["val_ce"] for r in rows if r["part"] == "baseline"), None)
+    for r in rows:
+        r["delta"] = None if base is None or r["val_ce"] is None else r["val_ce"] - base
+    return rows, stability
+
+
+def write_parts_report(sweep_dir: Path | str, prefix: Path | str) -> dict[str, Path]:
+    """The parts table (Markdown, CSV) and a bar chart of each part's CE difference to the baseline (PNG)."""
+    rows, stability = collect_parts(sweep_dir)
+    if not rows:
+        raise ValueError(f"{sweep_dir}: no run of the parts grid has finished yet")
+    prefix = Path(prefix)
+    paths = {"csv": prefix.with_name(prefix.name + ".csv"), "md": prefix.with_name(prefix.name + ".md"),
+             "png": prefix.with_name(prefix.name + ".png")}
+    paths["md"].parent.mkdir(parents=True, exist_ok=True)
+    cols = ("part", "seeds", "val_ce", "spread", "delta", "val_ce_x2", "val_ce_x4", "params", "active_params",
+            "flops_per_token", "tokens_per_s", "diverged")
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in cols})
+    lines = ["| part | seeds | val CE (mean) | spread | vs baseline | CE at 2x context | CE at 4x context | params | "
+             "active params | FLOPs/token | train tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['part']} | {r['seeds']}{' (' + str(r['diverged']) + ' diverged)' if r['diverged'] else ''}"
+                     f" | {_fmt(r['val_ce'], '.4f')} | {_fmt(r['spread'], '.4f')} | {_fmt(r['delta'], '+.4f')} | "
+                     f"{_fmt(r['val_ce_x2'], '.3f')} | {_fmt(r['val_ce_x4'], '.3f')} | {_fmt(r['params'], ',.0f')} | "
+                     f"{_fmt(r['active_params'], ',.0f')} | {_fmt(r['flops_per_token'], ',.0f')} | "
+                     f"{_fmt(r['tokens_per_s'], ',.0f')} |")
+    if stability:
+        lines += ["", "Stability (seed 0): validation CE, or diverged, at multiples of the baseline lr.", "",
+                  "| placement | lr x | val CE |", "|---|---|---|"]
+        for r in sorted(stability, key=lambda r: (r["placement"], r["lr_multiple"])):
+            lines.append(f"| {r['placement']} | {r['lr_multiple']} | "
+                         f"{'diverged' if r['diverged'] else _fmt(r['val_ce'], '.4f')} |")
+    lines += ["", f"![CE difference to the baseline per part]({paths['png'].name})"]
+    paths["md"].write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(f"{e} (the tables {paths['csv']} and {paths['md']} were written)") from e
+    shown = [r for r in rows if r["delta"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 0.3 * len(shown) + 1.2))
+    ax.barh([r["part"] for r in shown], [r["delta"] for r in shown],
+            xerr=[(r["spread"] or 0.0) / 2 for r in shown], color=["#4477aa" if r["delta"] <= 0 else "#cc6677"
+                                                                   for r in shown])
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("validation CE minus the baseline's (lower is better; bars: half the seed spread)")
+    fig.tight_layout()
+    fig.savefig(paths["png"], dpi=120)
+    plt.close(fig)
+    return paths
+
+
 def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dict[str, Path]:
     """collect + write_table + plot_figure2 into PREFIX.csv/.md/.png (default docs/results/figure2-<grid>).
-    The tables are written before the figure, so they exist even without matplotlib."""
+    The tables are written before the figure, so they exist even without matplotlib. A `parts` sweep gets
+    its own table and plot (`write_parts_report`, default docs/results/parts-<grid>)."""
+    grid = (_read_json(Path(sweep_dir) / "sweep.json") or {}).get("grid", "")
+    if grid.startswith("parts"):
+        return write_parts_report(sweep_dir, prefix or Path("docs/results") / f"{grid}-cpu")
     rows = collect(sweep_dir)
     if not rows:
         raise ValueError(f"{sweep_dir}: no run has a final evaluation (eval.json with val_ce) yet")
@@ -300,4 +412,4 @@ def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dic
 
 
 __all__ = ["collect", "write_table", "plot_figure2", "block_targets", "block_check", "write_report",
-           "CSV_COLUMNS"]
+           "collect_parts", "write_parts_report", "CSV_COLUMNS"]

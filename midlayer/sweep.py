@@ -71,6 +71,14 @@ class Grid:
     shared_train: dict[str, Any] = field(default_factory=dict)
     # The paper grid needs real shards; refuse up front rather than fail every run the same way.
     requires_data_glob: bool = False
+    # What every run must share for the comparison to mean anything (`check_grid`); None: Figure 2's.
+    shared_model_fields: tuple[str, ...] | None = None
+    shared_train_fields: tuple[str, ...] | None = None
+    # Validation CE also at these multiples of the training context (`extrapolation.json`; length
+    # extrapolation of the position schemes), evaluated once the run is finished.
+    eval_context_multiples: tuple[int, ...] = ()
+    # A non-finite loss is a result here (the stability runs): recorded as "diverged", not a failure.
+    divergence_is_a_result: bool = False
 
     def run(self, name: str) -> RunSpec:
         for r in self.runs:
@@ -148,7 +156,82 @@ _PAPER = Grid(
     requires_data_glob=True,
 )
 
-GRIDS: dict[str, Grid] = {g.name: g for g in (_CPU, _SMOKE, _PAPER)}
+# ---- parts (issue 13): from the `tiny-dense` baseline (RMSNorm, sandwich norm, RoPE, SwiGLU, MHA), one part
+# changed at a time, two seeds each, at equal training tokens; where a part changes the parameter count the
+# run compensates (plain MLPs get a 1.5x wider hidden layer, the GLUs' third matrix). The context is 256
+# tokens in training and the models are built for 1024, so every position scheme is also evaluated at 2x and
+# 4x its training context (learned positions there use rows never trained: that is the test). Stability:
+# pre-, post- and sandwich LN at 3x and 10x the baseline's lr, seed 0, diverged runs recorded as such.
+# Time (2 cores, tiny-dense ~117 us/token): 300 steps x 4,096 tokens = 1.2M tokens, ~2.5 min per run;
+# 55 runs ~2.5 h, resumable (a run is skipped once finished).
+PARTS_STEPS = 300
+PARTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("baseline", {}),
+    ("layernorm", {"norm_type": "layernorm"}),
+    ("layernorm-nobias", {"norm_type": "layernorm_nobias"}),
+    ("pre-ln", {"norm_placement": "pre"}),
+    ("post-ln", {"norm_placement": "post"}),
+    ("qk-norm", {"qk_norm": True}),
+    ("nope", {"pos_encoding": "none"}),
+    ("sinusoidal", {"pos_encoding": "sinusoidal"}),
+    ("learned-pos", {"pos_encoding": "learned"}),
+    ("alibi", {"pos_encoding": "alibi"}),
+    ("t5-bias", {"pos_encoding": "t5"}),
+    ("rope-ntk4", {"rope_scaling": "ntk", "rope_scale": 4.0}),
+    ("geglu", {"ffn_type": "geglu"}),
+    ("reglu", {"ffn_type": "reglu"}),
+    ("relu-mlp", {"ffn_type": "relu", "ffn_dim_multiplier": 6.0}),
+    ("gelu-mlp", {"ffn_type": "gelu", "ffn_dim_multiplier": 6.0}),
+    ("silu-mlp", {"ffn_type": "silu", "ffn_dim_multiplier": 6.0}),
+    ("gqa-2", {"n_kv_heads": 2}),
+    ("mqa", {"n_kv_heads": 1}),
+    ("swa-64", {"sliding_window": 64}),
+    ("dropout-0.1", {"dropout": 0.1, "attn_dropout": 0.1, "emb_dropout": 0.1}),
+    ("tied-embeddings", {"tie_embeddings": True}),
+    ("scaled-init", {"init_scheme": "scaled_residual"}),
+    ("moe-4-top2", {"moe_experts": 4, "moe_top_k": 2}),
+    ("moe-4-top1", {"moe_experts": 4, "moe_top_k": 1}),
+)
+PARTS_LR_MULTIPLES = (3, 10)
+PARTS_SEEDS = (0, 1)
+
+
+def _parts_runs(preset: str, parts: tuple[tuple[str, dict[str, Any]], ...], seeds: tuple[int, ...],
+                lr: float, lr_multiples: tuple[int, ...], model: dict[str, Any]) -> tuple[RunSpec, ...]:
+    runs = [RunSpec(f"{name}-s{seed}", preset, model={**model, **over}, train={"seed": seed})
+            for name, over in parts for seed in seeds]
+    for placement in ("sandwich", "pre", "post"):
+        for k in lr_multiples:
+            runs.append(RunSpec(f"{placement}-lr{k}x-s0", preset, model={**model, "norm_placement": placement},
+                                train={"seed": 0, "lr": lr * k}))
+    return tuple(runs)
+
+
+_PARTS_TRAIN = dict(steps=PARTS_STEPS, batch_size=16, micro_batch_size=16, seq_len=256, data="shakespeare",
+                    eval_tokens=200_000, ckpt_every=100, log_every=20)
+_PARTS_GRID_COMMON = dict(shared_model_fields=("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"),
+                          shared_train_fields=("steps", "batch_size", "seq_len", "data", "val_data",
+                                               "tokenizer_vocab", "eval_tokens"),
+                          divergence_is_a_result=True)
+_PARTS = Grid(
+    name="parts",
+    description="issue 13: tiny-dense with one part changed at a time, 2 seeds, 300 steps each, evaluated at "
+                "1x/2x/4x the training context; post/pre/sandwich LN at 3x and 10x the lr (~2.5 h on 2 cores)",
+    runs=_parts_runs("tiny-dense", PARTS, PARTS_SEEDS, 3e-3, PARTS_LR_MULTIPLES, {"max_seq_len": 1024}),
+    shared_train=_PARTS_TRAIN, eval_context_multiples=(2, 4), **_PARTS_GRID_COMMON,
+)
+_PARTS_SMOKE = Grid(
+    name="parts-smoke",
+    description="the parts grid's machinery at the debug width, a few steps (for tests)",
+    runs=_parts_runs("debug", (("baseline", {}), ("alibi", {"pos_encoding": "alibi"}),
+                               ("relu-mlp", {"ffn_type": "relu"})), (0, 1), 1e-3, (10,),
+                     {"max_seq_len": 128, "gating": False}),
+    shared_train=dict(steps=3, batch_size=4, micro_batch_size=2, seq_len=32, data="shakespeare",
+                      eval_tokens=1024, ckpt_every=3, log_every=1),
+    eval_context_multiples=(2, 4), **_PARTS_GRID_COMMON,
+)
+
+GRIDS: dict[str, Grid] = {g.name: g for g in (_CPU, _SMOKE, _PAPER, _PARTS, _PARTS_SMOKE)}
 
 
 def get_grid(name: str) -> Grid:
@@ -193,8 +276,10 @@ def check_grid(grid: Grid, extra_train: dict[str, Any] | None = None) -> None:
     names = [r.name for r in grid.runs]
     if len(set(names)) != len(names):
         raise ValueError(f"grid {grid.name!r}: duplicate run names")
-    shared_model = ("dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier", "norm_placement")
-    shared_train = ("steps", "batch_size", "seq_len", "seed", "data", "val_data", "tokenizer_vocab", "eval_tokens")
+    shared_model = grid.shared_model_fields or ("dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier",
+                                                "norm_placement")
+    shared_train = grid.shared_train_fields or ("steps", "batch_size", "seq_len", "seed", "data", "val_data",
+                                                "tokenizer_vocab", "eval_tokens")
     ref = None
     for spec in grid.runs:
         m, _, t = resolve_run(grid, spec, Path("unused"), extra_train)
@@ -260,6 +345,34 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, lambda p: p.write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def diverged(run_dir: Path) -> bool:
+    """True when the run's metrics.jsonl records a non-finite loss (the trainer logs it before stopping)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("event") == "non_finite":
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def _context_evals(grid: Grid, run_dir: Path, t: TrainConfig, head: str) -> None:
+    """The grid's longer-context evaluations of a finished run, unless `extrapolation.json` has them."""
+    if not grid.eval_context_multiples:
+        return
+    want = {str(t.seq_len * m) for m in (1, *grid.eval_context_multiples)}
+    have = _read_json(run_dir / "extrapolation.json") or {}
+    if want <= set((have.get("val_ce") or {})):
+        return
+    from .evaluate import evaluate_contexts
+
+    got = evaluate_contexts(run_dir, grid.eval_context_multiples)
+    print(f"{head}: val_ce by context " + ", ".join(f"{k}: {v:.4f}" for k, v in got["val_ce"].items()), flush=True)
 
 
 def is_finished(run_dir: Path, steps: int) -> bool:
@@ -370,6 +483,12 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
                 rec.update(action="skip", status="done", wall_s=old.get("wall_s"))
                 val_ce = (_read_json(run_dir / "eval.json") or {}).get("val_ce")
                 print(f"{head}: finished earlier, skipped (val_ce {val_ce})", flush=True)
+                _context_evals(grid, run_dir, t, head)
+                save_state()
+                continue
+            if grid.divergence_is_a_result and diverged(run_dir):
+                rec.update(action="skip", status="diverged", wall_s=previous.get(spec.name, {}).get("wall_s"))
+                print(f"{head}: diverged earlier (a result of this grid), skipped", flush=True)
                 save_state()
                 continue
             ckpts = list_checkpoints(run_dir)
@@ -394,7 +513,13 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
             rec["status"] = "done"
             res = _read_json(run_dir / "eval.json") or {}
             print(f"{head}: done in {rec['wall_s']:.1f} s, val_ce {res.get('val_ce')}", flush=True)
+            _context_evals(grid, run_dir, t, head)
         except Exception as e:  # one bad run must not cost the rest of a long sweep
+            if grid.divergence_is_a_result and diverged(run_dir):  # the stability runs: a result
+                rec.update(status="diverged", error=f"{type(e).__name__}: {e}")
+                print(f"{head}: diverged (recorded as a result): {e}", flush=True)
+                save_state()
+                continue
             rec.update(status="failed", error=f"{type(e).__name__}: {e}")
             failed.append(spec.name)
             print(f"{head}: FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -409,5 +534,5 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
     return 1 if failed else 0
 
 
-__all__ = ["RunSpec", "Grid", "GRIDS", "get_grid", "check_grid", "resolve_run", "train_overrides", "run_kind",
-           "config_flags", "torchrun_command", "is_finished", "run_sweep"]
+__all__ = ["RunSpec", "Grid", "GRIDS", "get_grid", "check_grid", "check_sweep", "resolve_run", "train_overrides",
+           "run_kind", "config_flags", "torchrun_command", "is_finished", "diverged", "run_sweep", "PARTS"]

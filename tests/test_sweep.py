@@ -4,6 +4,7 @@ and the tables and plot of midlayer.plot -- with a stand-in for training, plus o
 import csv
 import dataclasses
 import functools
+import importlib.util
 import json
 from pathlib import Path
 
@@ -70,9 +71,11 @@ def test_every_grid_is_consistent():
     for grid in GRIDS.values():
         check_grid(grid)  # same width, vocab, data, steps x batch x seq_len, seed for every run
         budgets = set()
+        seeded = "seed" in (grid.shared_train_fields or ("seed",))  # the parts grids vary the seed per run
         for spec in grid.runs:
             m, s, t = resolve_run(grid, spec, Path("x"))
-            budgets.add((t.steps * t.batch_size * t.seq_len, t.seed, t.data, m.dim, m.vocab_size))
+            budgets.add((t.steps * t.batch_size * t.seq_len, t.seed if seeded else None, t.data, m.dim,
+                         m.vocab_size))
         assert len(budgets) == 1, (grid.name, budgets)
 
 
@@ -376,3 +379,61 @@ def test_smoke_run_killed_midway_is_resumed_by_the_next_sweep(tmp_path):
     state = json.loads((tmp_path / "smoke" / "sweep.json").read_text())
     assert state["runs"][0]["action"] == "resume"
     assert json.loads((run_dir / "eval.json").read_text())["step"] == 4
+
+
+def test_parts_grid_changes_one_part_at_a_time_with_two_seeds():
+    from midlayer.config import ModelConfig
+    from midlayer.flops import param_count
+    from midlayer.sweep import PARTS
+
+    grid = get_grid("parts")
+    base, _, tb = resolve_run(grid, grid.run("baseline-s0"), Path("x"))
+    assert not base.gating and base.max_seq_len == 4 * tb.seq_len  # room for the 4x-context evaluation
+    defaults = ModelConfig()
+    for name, over in PARTS:
+        for seed in (0, 1):
+            m, _, t = resolve_run(grid, grid.run(f"{name}-s{seed}"), Path("x"))
+            assert t.seed == seed and t.steps == tb.steps and t.lr == tb.lr
+            changed = {k for k in vars(m) if getattr(m, k) != getattr(base, k)}
+            assert changed == set(over) - {k for k, v in over.items() if getattr(base, k) == v}, name
+        if name.endswith("-mlp"):  # the plain MLPs get the GLU's parameter count back
+            assert abs(param_count(m) - param_count(base)) < 0.01 * param_count(base)
+    assert defaults.norm_placement == base.norm_placement == "sandwich"
+    lrs = {spec.name: resolve_run(grid, spec, Path("x"))[2].lr for spec in grid.runs if "-lr" in spec.name}
+    assert lrs == {f"{p}-lr{k}x-s0": pytest.approx(3e-3 * k) for p in ("sandwich", "pre", "post") for k in (3, 10)}
+
+
+def test_parts_smoke_sweep_evaluates_longer_contexts_records_divergence_and_reports(tmp_path, monkeypatch):
+    """The parts machinery for real at the debug width: every run finishes with CE at 1x/2x/4x its context;
+    a run whose loss goes non-finite is recorded as diverged (a result, not a failure) and skipped next
+    time; `midlayer plot` writes the parts table and bar chart."""
+    import dataclasses as dc
+
+    import midlayer.sweep as sw
+    from midlayer.plot import collect_parts
+
+    data = _shards(tmp_path)
+    grid = sw.get_grid("parts-smoke")
+    blowup = dc.replace(grid.runs[-1], name="post-lr1000000x-s0", train={"seed": 0, "lr": 1e3})
+    monkeypatch.setitem(sw.GRIDS, "parts-smoke", dc.replace(grid, runs=grid.runs + (blowup,)))
+    out = tmp_path / "sweep"
+    assert cli.main(["sweep", "parts-smoke", "--out-dir", str(out), "--data", data]) == 0
+    state = json.loads((out / "parts-smoke" / "sweep.json").read_text())
+    status = {r["name"]: r["status"] for r in state["runs"]}
+    assert status.pop("post-lr1000000x-s0") == "diverged" and set(status.values()) == {"done"}
+    for name in status:
+        if "-lr" not in name:
+            ext = json.loads((out / "parts-smoke" / name / "extrapolation.json").read_text())
+            assert sorted(ext["val_ce"], key=int) == ["32", "64", "128"]
+    assert cli.main(["sweep", "parts-smoke", "--out-dir", str(out), "--data", data]) == 0  # all skipped
+    rows, stability = collect_parts(out / "parts-smoke")
+    assert sorted(r["part"] for r in rows) == ["alibi", "baseline", "relu-mlp"]
+    assert all(r["seeds"] == 2 and r["val_ce_x4"] is not None for r in rows)
+    assert next(r for r in rows if r["part"] == "baseline")["delta"] == 0.0
+    assert {(r["placement"], r["lr_multiple"], r["diverged"]) for r in stability} >= {("post", 1000000, True)}
+    prefix = tmp_path / "report" / "parts"
+    has_mpl = importlib.util.find_spec("matplotlib") is not None  # an optional extra: the tables come first
+    assert cli.main(["plot", str(out / "parts-smoke"), "--out", str(prefix)]) == (0 if has_mpl else 2)
+    md = (tmp_path / "report" / "parts.md").read_text()
+    assert "| alibi | 2 |" in md and "diverged" in md
+    assert (tmp_path / "report" / "parts.png").is_file() == has_mpl
