@@ -52,7 +52,6 @@ import functools
 import importlib.util
 import json
 import re
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -139,12 +138,8 @@ def config_from_hf(hf_config: dict[str, Any], *, max_seq_len: int | None = None)
     if mt == "qwen2" and hf_config.get("use_sliding_window"):
         raise ValueError("config use_sliding_window=true (Qwen2): sliding-window layers are not supported")
     window = hf_config.get("sliding_window") if mt == "mistral" else None
-    if window is not None and int(window) < max_pos:
-        # Exact, not an approximation: while T <= window every key is inside every query's window.
-        warnings.warn(f"Mistral sliding_window={window} < max_position_embeddings={max_pos}: capping "
-                      f"max_seq_len at {window}, where full causal attention equals sliding-window attention")
-        max_pos = int(window)
-    elif layer_types is not None and window is None and any(t != "full_attention" for t in layer_types):
+    sliding = int(window) if window is not None and int(window) < max_pos else 0  # Mistral: every layer local
+    if layer_types is not None and window is None and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"config layer_types={sorted(set(layer_types))}: only full-attention layers are supported")
     if max_seq_len is not None:
         max_pos = min(max_pos, int(max_seq_len))
@@ -154,6 +149,7 @@ def config_from_hf(hf_config: dict[str, Any], *, max_seq_len: int | None = None)
         ffn_hidden=int(need("intermediate_size")), norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         rope_theta=theta, max_seq_len=max_pos, norm_placement="pre", gating=False,
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)), embed_norm=False, qkv_bias=qkv_bias,
+        sliding_window=sliding if sliding < max_pos else 0,
     )
 
 
@@ -561,14 +557,17 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
         problems.append("qk_norm=True (Llama has no QK-norm)")
     if cfg.moe_experts:
         problems.append(f"moe_experts={cfg.moe_experts} (Llama's FFN is dense)")
-    if cfg.sliding_window:
-        problems.append(f"sliding_window={cfg.sliding_window} (Llama attends to the whole context)")
     if cfg.pos_encoding != "rope" or cfg.rope_scaling != "none":
         problems.append(f"pos_encoding={cfg.pos_encoding!r}, rope_scaling={cfg.rope_scaling!r} "
                         "(the export writes plain RoPE)")
     if problems:
-        raise ValueError("cannot export to a Hugging Face Llama: " + "; ".join(problems))
+        raise ValueError("cannot export to a Hugging Face Llama/Mistral/Qwen2: " + "; ".join(problems))
+    if cfg.sliding_window and cfg.qkv_bias:
+        raise ValueError("cannot export to Hugging Face: a sliding window with q/k/v biases has no such architecture "
+                         "(Mistral has the window, Qwen2 the biases)")
     arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else ("LlamaForCausalLM", "llama")
+    if cfg.sliding_window:  # Mistral: Llama with a sliding window on every layer
+        arch, model_type = "MistralForCausalLM", "mistral"
     hf: dict[str, Any] = {
         "architectures": [arch], "model_type": model_type,
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
@@ -583,6 +582,8 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
     }
     if model_type == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
+    elif model_type == "mistral":
+        hf.update(sliding_window=cfg.sliding_window)
     else:
         hf.update(use_sliding_window=False, sliding_window=None)
     if tokenizer is not None:

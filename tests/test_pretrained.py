@@ -185,9 +185,10 @@ def test_load_hf_qwen2_with_qkv_bias_matches_transformers(tmp_path):
     assert diff < TOL, diff
 
 
-@pytest.mark.parametrize("window", [None, 32])
+@pytest.mark.parametrize("window", [None, 32, 8])
 def test_load_hf_mistral_matches_transformers(tmp_path, window):
-    """Mistral = Llama + an optional sliding window; with a window we cap max_seq_len at it (exact)."""
+    """Mistral = Llama + an optional sliding window, loaded as our sliding_window: logits equal transformers'
+    past the window (T = 32 > 8), at the full context."""
     cfg = transformers.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                      intermediate_size=96, vocab_size=128, max_position_embeddings=64,
                                      sliding_window=window, head_dim=16)
@@ -195,17 +196,15 @@ def test_load_hf_mistral_matches_transformers(tmp_path, window):
     ref = transformers.MistralForCausalLM(cfg).eval()
     randomize_(ref)
     ref.save_pretrained(tmp_path)
-    if window is None:
-        model, _ = load_hf_dir(tmp_path)
-        assert model.cfg.max_seq_len == 64
-    else:
-        with pytest.warns(UserWarning, match="sliding_window"):
-            model, _ = load_hf_dir(tmp_path)
-        assert model.cfg.max_seq_len == window
-        with pytest.raises(ValueError, match="exceeds max_seq_len"):
-            model(torch.zeros(1, window + 1, dtype=torch.long))
+    model, _ = load_hf_dir(tmp_path)
+    assert model.cfg.max_seq_len == 64 and model.cfg.sliding_window == (window or 0)
     x = tokens_for(128, T=32)
     assert (our_logits(model, x) - hf_logits(ref, x)).abs().max().item() < TOL
+    if window:  # and back: export writes a Mistral with the same window
+        export_hf(model, tmp_path / "again")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()
+        assert type(back).__name__ == "MistralForCausalLM" and back.config.sliding_window == window
+        assert (our_logits(model, x) - hf_logits(back, x)).abs().max().item() < TOL
 
 
 def test_load_hf_sharded_checkpoint_and_bf16(tmp_path):
@@ -241,9 +240,10 @@ def test_config_from_hf_refusals_and_mistral_window():
         config_from_hf({**base, "attention_bias": True})
     with pytest.raises(ValueError, match="missing 'intermediate_size'"):
         config_from_hf({k: v for k, v in base.items() if k != "intermediate_size"})
-    with pytest.warns(UserWarning, match="sliding_window=32"):
-        assert config_from_hf({**base, "model_type": "mistral", "sliding_window": 32}).max_seq_len == 32
-    assert config_from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_seq_len == 64
+    mistral = config_from_hf({**base, "model_type": "mistral", "sliding_window": 32})
+    assert mistral.max_seq_len == 64 and mistral.sliding_window == 32
+    assert config_from_hf({**base, "model_type": "mistral", "sliding_window": None}).sliding_window == 0
+    assert config_from_hf({**base, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 0
     with pytest.raises(ValueError, match="use_sliding_window"):
         config_from_hf({**base, "model_type": "qwen2", "use_sliding_window": True})
     assert config_from_hf({**base, "model_type": "qwen2"}).qkv_bias
