@@ -76,6 +76,11 @@ class ModelConfig:
     moe_experts: int = 0  # > 0: every FFN is a mixture of this many experts (each an ffn_type FFN); 0: dense
     moe_top_k: int = 2  # experts per token (Mixtral: 2 of 8; Switch: 1), gates renormalised over them
     moe_aux_coef: float = 0.01  # the load-balancing loss's weight in training (Switch Transformer: 0.01)
+    ssm_layers: tuple[int, ...] = ()  # blocks whose attention is a selective state-space mixer (ssm.py; hybrids)
+    ssm_state: int = 16  # N, state dimensions per inner channel (Mamba: 16)
+    ssm_expand: int = 2  # inner channels = ssm_expand * dim (Mamba: 2)
+    ssm_conv: int = 4  # the causal depthwise convolution's width (Mamba: 4)
+    ssm_dt_rank: int = 0  # rank of the step-size projection; 0: ceil(dim / 16) (Mamba)
     sliding_window: int = 0  # > 0: a query sees only the keys of the last `sliding_window` positions
     #                          (itself included; Mistral / Longformer-style local attention); 0: all
     dropout: float = 0.0  # on each module's output before it joins the residual (training only)
@@ -126,6 +131,15 @@ class ModelConfig:
         _check(self.ffn_type in FFN_TYPES, "ffn_type", f"must be one of {FFN_TYPES}, got {self.ffn_type!r}")
         _check(self.init_scheme in INIT_SCHEMES, "init_scheme",
                f"must be one of {INIT_SCHEMES}, got {self.init_scheme!r}")
+        self.ssm_layers = tuple(int(i) for i in self.ssm_layers)  # a JSON list from a checkpoint, too
+        _check(all(0 <= i < self.n_layers for i in self.ssm_layers) and len(set(self.ssm_layers)) == len(self.ssm_layers),
+               "ssm_layers", f"must be distinct block indices in [0, {self.n_layers}), got {list(self.ssm_layers)}")
+        _check(not (self.ssm_layers and self.gating), "ssm_layers",
+               "skip-middle gating needs every block's skipped tokens to leave no trace, but a state-space mixer's "
+               "state absorbs every token it sees: use gating=False with ssm_layers")
+        for name in ("ssm_state", "ssm_expand", "ssm_conv"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(self.ssm_dt_rank >= 0, "ssm_dt_rank", f"must be >= 0 (0 = ceil(dim / 16)), got {self.ssm_dt_rank}")
         _check(self.moe_experts >= 0, "moe_experts", f"must be >= 0 (0 = a dense FFN), got {self.moe_experts}")
         _check(self.moe_experts == 0 or 1 <= self.moe_top_k <= self.moe_experts, "moe_top_k",
                f"must be in [1, moe_experts={self.moe_experts}], got {self.moe_top_k}")

@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from midlayer.config import ModelConfig
+from midlayer.ssm import ssm_flops_per_token, ssm_param_count
 
 # Per-element constants (see the module docstring for the operation counts behind each).
 RMSNORM_FLOPS_PER_ELEM = 4
@@ -92,7 +93,8 @@ KEY_BIAS_LOG_FLOPS_PER_TOKEN = 2  # ln(max(g, eps))
 GATE_FN_FLOPS_PER_TOKEN = 3  # 1 - clamp(S, 0, 1)
 
 _BLOCK_TERMS = ("qkv_proj", "out_proj", "rope", "attn_scores", "softmax", "attn_values", "key_bias",
-                "ffn_proj", "swiglu", "norms", "residual", "gate_mul")
+                "ffn_proj", "swiglu", "norms", "residual", "gate_mul", "ssm_mixer")
+_ATTENTION_TERMS = ("qkv_proj", "out_proj", "rope", "attn_scores", "softmax", "attn_values", "key_bias")
 _OTHER_TERMS = ("embed_norm", "final_norm", "lm_head", "router", "router_gates")
 
 
@@ -119,6 +121,7 @@ class FlopsBreakdown:
     norms: float
     residual: float
     gate_mul: float
+    ssm_mixer: float  # the blocks of ssm_layers: their state-space mixer instead of the attention terms
     embed_norm: float
     final_norm: float
     lm_head: float
@@ -196,7 +199,30 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         "norms": n_norm * nf * T * d + (2 * nf * T * (H + K) * hd if cfg.qk_norm else 0),
         "residual": 2 * T * d,
         "gate_mul": g * 2 * T * d,
+        "ssm_mixer": 0,
     }
+    # Hybrids (ssm_layers; never gated, so every keep is 1): the SSM blocks have the mixer instead of attention.
+    n_ssm = len(cfg.ssm_layers)
+    mixer = {"ssm_mixer": ssm_flops_per_token(cfg) * T} if n_ssm else {}
+    if n_ssm:
+        kept_ssm, kept_attn = float(n_ssm), float(cfg.n_layers - n_ssm)
+        attn_block = sum(one.values())
+        ssm_block = attn_block - sum(one[k] for k in _ATTENTION_TERMS) + mixer["ssm_mixer"]
+        totals = {name: float(v) * (kept_attn if name in _ATTENTION_TERMS else cfg.n_layers)
+                  for name, v in one.items()}
+        totals["ssm_mixer"] = float(mixer["ssm_mixer"]) * kept_ssm
+        if cfg.qk_norm:  # QK-norm sits in the attention blocks only
+            qk = 2 * nf * T * (H + K) * hd
+            totals["norms"] -= qk * kept_ssm
+            ssm_block -= qk
+        R = cfg.n_routers
+        return FlopsBreakdown(
+            n_tokens=T, n_pairs=P, **totals,
+            embed_norm=float(nf * T * d) if cfg.embed_norm else 0.0, final_norm=float(nf * T * d),
+            lm_head=float(2 * T * d * V), router=float(R * T * (2 * d + 2)),
+            router_gates=float(T * (max(R - 1, 0) + GATE_FN_FLOPS_PER_TOKEN * R)),
+            per_block=tuple(float(ssm_block if l in cfg.ssm_layers else attn_block) for l in range(cfg.n_layers)),
+        )
     kept = sum(keep)
     block_total = sum(one.values())
     R = cfg.n_routers
@@ -264,6 +290,14 @@ def block_param_count(cfg: ModelConfig) -> int:
     return d * d + 2 * d * kv + d * d + ffn + norms_per_block(cfg) * d * per_norm + bias + qk
 
 
+def attention_param_count(cfg: ModelConfig) -> int:
+    """Parameters of one block's attention: q, k, v, o projections (+ Qwen2 biases, + QK-norm weights)."""
+    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
+    per_norm = 2 if cfg.norm_type == "layernorm" else 1
+    return 2 * d * d + 2 * d * kv + ((d + 2 * kv) if cfg.qkv_bias else 0) + (2 * cfg.head_dim * per_norm
+                                                                              if cfg.qk_norm else 0)
+
+
 def ffn_param_count(cfg: ModelConfig) -> int:
     """Parameters of one FFN (one expert of a mixture): 3 d h for a GLU, 2 d h for a plain MLP."""
     return (3 if cfg.ffn_glu else 2) * cfg.dim * cfg.ffn_hidden_dim
@@ -279,7 +313,8 @@ def param_count(cfg: ModelConfig) -> int:
     norms = (2 if cfg.embed_norm else 1) * d * (2 if cfg.norm_type == "layernorm" else 1)
     pos = cfg.max_seq_len * d if cfg.pos_encoding == "learned" else 0  # a learned absolute position table
     pos += cfg.t5_buckets * cfg.n_heads if cfg.pos_encoding == "t5" else 0  # T5's bias table, shared by layers
-    return V * d + cfg.n_layers * block_param_count(cfg) + norms + head + cfg.n_routers * (d + 1) + pos
+    mixers = len(cfg.ssm_layers) * (ssm_param_count(cfg) - attention_param_count(cfg))  # hybrids
+    return V * d + cfg.n_layers * block_param_count(cfg) + norms + head + cfg.n_routers * (d + 1) + pos + mixers
 
 
 def active_param_count(cfg: ModelConfig, sparsity: Sequence[float] | None = None) -> float:
@@ -299,7 +334,8 @@ def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, sparsity: Sequ
     if bytes_per_elem <= 0:
         raise ValueError(f"bytes_per_elem must be > 0, got {bytes_per_elem}")
     keep = _block_keep(cfg, sparsity)
-    return 2.0 * cfg.n_kv_heads * cfg.head_dim * bytes_per_elem * sum(keep)
+    attention = sum(k for l, k in enumerate(keep) if l not in cfg.ssm_layers)  # SSM blocks keep a constant state
+    return 2.0 * cfg.n_kv_heads * cfg.head_dim * bytes_per_elem * attention
 
 
 def format_breakdown(cfg: ModelConfig, seq_len: int, sparsity: Sequence[float] | None = None,

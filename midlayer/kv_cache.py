@@ -44,6 +44,7 @@ class KVCache:
         self.dense_prefix = True
         self.mask_memo: tuple | None = None  # (key, mask): this forward's dense-prefix mask (LayerView.finish)
         self.window = 0  # sliding-window attention (> 0): keys `window` or more positions back are hidden
+        self.ssm: dict[int, object] = {}  # layer -> ssm.SSMState of a state-space mixer (created on first use)
 
     @classmethod
     def for_model(cls, cfg, batch: int, max_len: int | None = None, device: torch.device | str = "cpu",
@@ -69,15 +70,30 @@ class KVCache:
         self.length += n
         return slots
 
+    def ssm_state(self, layer: int, mixer, batch: int):
+        """The state of the state-space mixer at `layer` for this cache's sequences (zero at first)."""
+        st = self.ssm.get(layer)
+        if st is None:
+            st = self.ssm[layer] = mixer.new_state(batch, self.pos.device)
+        return st
+
+    def _no_rollback(self, what: str) -> None:
+        if self.ssm:
+            raise ValueError(f"{what}: a state-space mixer's state cannot be rolled back to earlier tokens "
+                             "(speculative decoding and drafters are not supported with ssm_layers)")
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate: length {length} not in [0, {self.length}]")
+        if length < self.length:
+            self._no_rollback("truncate")
         self.bias[:, :, length:self.length] = float("-inf")
         self.length = length
 
     def keep(self, slots: torch.Tensor, start: int) -> None:
         """Move slots `slots` [B, n] (per row, increasing, all >= start) to start..start+n-1 and drop every
         other slot from `start` on. Used after verifying a draft tree: only the accepted path stays."""
+        self._no_rollback("keep")
         n = slots.shape[1]
         for b in range(self.batch):  # B is small; per-row copies keep the indexing obvious
             src = slots[b]

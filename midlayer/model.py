@@ -28,6 +28,8 @@ from . import kernels
 from .attention import Attention, PositionBias, key_gate_bias, rope_tables
 from .config import ModelConfig
 from .gating import GateStats, MirroredGates, Routers
+from .kv_cache import LayerView
+from .ssm import SelectiveSSM
 
 
 class RMSNorm(nn.Module):
@@ -160,9 +162,15 @@ class MoEFeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.attention = Attention(cfg)
+        # the token mixer: attention, or a selective state-space mixer in the blocks of `ssm_layers`
+        self.layer = layer
+        if layer in cfg.ssm_layers:
+            self.mixer = SelectiveSSM(cfg)
+        else:
+            self.attention = Attention(cfg)
+            self.mixer = None
         self.feed_forward = (FeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.ffn_type) if not cfg.moe_experts else
                              MoEFeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.ffn_type, cfg.moe_experts, cfg.moe_top_k))
         self.attention_norm = make_norm(cfg)
@@ -181,7 +189,16 @@ class Block(nn.Module):
         pre-LN x + M(N(x)); sandwich/peri-LN x + N(M(N(x))); post-LN N(x + M(x)) (Vaswani et al. 2017;
         refused for gated models, config.py). Dropout (training) on M's output before the residual add."""
         post = self.placement == "post"
-        a = self.attention(x if post else self.attention_norm(x), cos, sin, key_bias, cache)
+        xin = x if post else self.attention_norm(x)
+        if self.mixer is None:
+            a = self.attention(xin, cos, sin, key_bias, cache)
+        elif cache is None:
+            a = self.mixer(xin)
+        elif isinstance(cache, LayerView):  # generation: the state lives in the KV cache, per layer
+            a = self.mixer(xin, cache.cache.ssm_state(self.layer, self.mixer, xin.shape[0]), cache.valid)
+        else:
+            raise ValueError("a state-space mixer runs over its own state only: draft training passes and "
+                             "drafters (explicit attention masks over draft rows) are not supported with ssm_layers")
         if self.sandwich:
             a = self.attention_out_norm(a)
         if self.drop is not None:
@@ -253,7 +270,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.emb_norm = make_norm(cfg) if cfg.embed_norm else nn.Identity()
         self.emb_drop = nn.Dropout(cfg.emb_dropout) if cfg.emb_dropout else nn.Identity()
-        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layers)])
         self.norm = make_norm(cfg)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -285,6 +302,9 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=small)
             else:
                 nn.init.normal_(p, mean=0.0, std=self.cfg.init_std)
+        for block in self.layers:  # A, D and the step sizes of a state-space mixer have their own init
+            if block.mixer is not None:
+                block.mixer.reset_ssm_parameters()
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The residual entering block 0: token embedding (+ the absolute position embedding of

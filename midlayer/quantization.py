@@ -196,10 +196,12 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.
     if getattr(model, "weight_format", None) is not None:
         raise ValueError(f"this model was already compressed to {model.weight_format}")
     for block in model.layers:
-        att = block.attention
-        att.fuse()
-        att.wqkv = _convert(att.wqkv, fmt)
-        att.wo = _convert(att.wo, fmt)
+        att = getattr(block, "attention", None)  # a state-space mixer (ssm_layers) stays fp32
+        if att is not None:
+            att.fuse()
+            att.wqkv = _convert(att.wqkv, fmt)
+            att.wo = _convert(att.wo, fmt)
+            att.row_invariant = fmt == "q4"
         # a mixture of experts converts every expert; its router stays fp32 (it decides, like skip routers)
         for ff in getattr(block.feed_forward, "experts", [block.feed_forward]):
             ff.fuse()
@@ -208,7 +210,6 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.
             else:  # a plain MLP: w1 alone
                 ff.w1 = _convert(ff.w1, fmt)
             ff.w2 = _convert(ff.w2, fmt)
-        att.row_invariant = fmt == "q4"
     if head == "q8":
         model.output = Q8Linear(model.output)  # unties: the embedding keeps its fp32 copy for lookups
     model.weight_format = fmt

@@ -44,8 +44,9 @@ PARTS = {
     "t5_bias": dict(pos_encoding="t5", t5_buckets=8, t5_max_distance=20),
     "moe": dict(moe_experts=4, moe_top_k=2),
     "moe_top1_gelu": dict(moe_experts=3, moe_top_k=1, ffn_type="gelu"),
+    "ssm_hybrid": dict(ssm_layers=(1, 2)),
 }
-GATED = {name for name, over in PARTS.items() if over.get("norm_placement") != "post"}
+GATED = {name for name, over in PARTS.items() if over.get("norm_placement") != "post" and "ssm_layers" not in over}
 
 
 def model_with(over: dict, gating: bool, seed: int = 0) -> Transformer:
@@ -438,3 +439,65 @@ def test_moe_training_adds_the_balancing_loss_and_resumes_exactly(tmp_path):
     a = load_checkpoint(list_checkpoints(tmp_path / "full")[-1])["model"]
     b = load_checkpoint(list_checkpoints(Path(t.out_dir))[-1])["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+
+# ===================================================================================== state-space mixer
+def test_chunked_scan_equals_the_sequential_scan():
+    from midlayer.ssm import scan_chunked, scan_sequential
+
+    torch.manual_seed(0)
+    Bt, T, D, N = 2, 37, 6, 4  # T not a multiple of the chunk; a nonzero initial state
+    u, B, C = torch.randn(Bt, T, D), torch.randn(Bt, T, N), torch.randn(Bt, T, N)
+    delta = F.softplus(torch.randn(Bt, T, D))
+    A = -torch.rand(D, N) * 3
+    h0 = torch.randn(Bt, D, N)
+    y1, h1 = scan_sequential(u, delta, A, B, C, h0)
+    for chunk in (1, 5, 16, 64):
+        y2, h2 = scan_chunked(u, delta, A, B, C, h0, chunk=chunk)
+        torch.testing.assert_close(y2, y1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h2, h1, atol=1e-5, rtol=1e-5)
+    # by hand, one channel and one state entry: h_t = exp(d A) h_{t-1} + d u B, y = C h
+    y, h = scan_sequential(torch.tensor([[[1.0], [2.0]]]), torch.tensor([[[0.5], [0.5]]]), torch.tensor([[-2.0]]),
+                           torch.tensor([[[1.0], [1.0]]]), torch.tensor([[[1.0], [3.0]]]))
+    h1_ = 0.5
+    h2_ = math.exp(-1.0) * h1_ + 1.0
+    torch.testing.assert_close(y, torch.tensor([[[h1_], [3 * h2_]]]))
+
+
+def test_ssm_mixer_in_generation_keeps_a_constant_state_and_refuses_rollback():
+    from midlayer.speculative import DraftTree, speculative_generate
+    from midlayer.drafters import LayerSkipDrafter
+
+    m = model_with(PARTS["ssm_hybrid"], gating=False)
+    assert [b.mixer is not None for b in m.layers] == [False, True, True, False]
+    x = torch.randint(0, 64, (1, 20))
+    torch.testing.assert_close(m(x).logits, m(x).logits)
+    seq = m.layers[1].mixer(torch.randn(1, 20, 32), sequential=True)
+    cache = KVCache.for_model(m.cfg, 1)
+    forward_cached(m, x[:, :5], cache, torch.arange(5)[None])
+    shapes = {l: (st.conv.shape, st.h.shape) for l, st in cache.ssm.items()}
+    for t in range(5, 20):
+        forward_cached(m, x[:, t:t + 1], cache, torch.tensor([[t]]))
+    assert {l: (st.conv.shape, st.h.shape) for l, st in cache.ssm.items()} == shapes  # whatever the length
+    assert seq.shape == (1, 20, 32)
+    # batched prompts of different lengths (left padding: the pads leave the state alone)
+    prompts = [torch.randint(0, 64, (n,)).tolist() for n in (3, 11, 6)]
+    cfg = GenerationConfig(max_new_tokens=10)
+    assert generate(m, prompts, cfg) == generate_naive(m, prompts, cfg)
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        speculative_generate(m, prompts[1], LayerSkipDrafter(m, [0]), DraftTree.chain(2), 8)
+    with pytest.raises(ValueError, match="ssm_layers"):
+        ModelConfig(**SMALL, ssm_layers=(1,), gating=True)
+    with pytest.raises(ValueError, match="ssm_layers"):
+        ModelConfig(**SMALL, ssm_layers=(4,), gating=False)
+
+
+def test_ssm_mixer_sequential_and_chunked_forward_agree():
+    from midlayer.ssm import SelectiveSSM
+
+    torch.manual_seed(0)
+    mixer = SelectiveSSM(ModelConfig(**{**SMALL, "gating": False, "ssm_layers": (0,)}))
+    mixer.reset_ssm_parameters()
+    x = torch.randn(2, 23, 32)
+    torch.testing.assert_close(mixer(x), mixer(x, sequential=True), atol=1e-5, rtol=1e-5)
