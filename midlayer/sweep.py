@@ -163,7 +163,7 @@ _PAPER = Grid(
 # 4x its training context (learned positions there use rows never trained: that is the test). Stability:
 # pre-, post- and sandwich LN at 3x and 10x the baseline's lr, seed 0, diverged runs recorded as such.
 # Time (2 cores, tiny-dense ~117 us/token): 300 steps x 4,096 tokens = 1.2M tokens, ~2.5 min per run;
-# 55 runs ~2.5 h, resumable (a run is skipped once finished).
+# 57 runs ~2.5 h, resumable (a run is skipped once finished).
 PARTS_STEPS = 300
 PARTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("baseline", {}),
@@ -191,6 +191,7 @@ PARTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("scaled-init", {"init_scheme": "scaled_residual"}),
     ("moe-4-top2", {"moe_experts": 4, "moe_top_k": 2}),
     ("moe-4-top1", {"moe_experts": 4, "moe_top_k": 1}),
+    ("ssm-hybrid", {"ssm_layers": (2, 3)}),  # the two middle blocks' attention replaced by a selective SSM
 )
 PARTS_LR_MULTIPLES = (3, 10)
 PARTS_SEEDS = (0, 1)
