@@ -128,11 +128,10 @@ def key_gate_bias(gates: torch.Tensor, eps: float) -> torch.Tensor:
 def _causal_mask(q_len: int, kv_len: int, device: torch.device, window: int = 0) -> torch.Tensor:
     """Additive causal mask [q_len, kv_len]; the last query sits at the last key (works with a KV prefix).
     window > 0 (sliding-window attention): query i also hides the keys j <= i - window."""
-    offset = kv_len - q_len
-    i = torch.arange(q_len, device=device)[:, None] + offset
-    j = torch.arange(kv_len, device=device)[None, :]
-    hidden = (j > i) | ((i - j >= window) if window > 0 else torch.zeros_like(j > i))
-    return torch.zeros(q_len, kv_len, device=device).masked_fill(hidden, float("-inf"))
+    i = torch.arange(q_len, device=device) + (kv_len - q_len)
+    j = torch.arange(kv_len, device=device)
+    mask = torch.zeros(q_len, kv_len, device=device).masked_fill(j[None, :] > i[:, None], float("-inf"))
+    return mask + window_mask(i, j, window) if window > 0 else mask
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -160,7 +159,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
     mask = _causal_mask(q.shape[2], k.shape[2], q.device, window if local else 0)
     if key_bias is not None:
-        mask = mask + key_bias  # [B, 1, Tq, Tk]: the same bias for every query row and head
+        mask = mask + key_bias  # the gate bias [B, 1, 1, Tk] (per key), a position bias [1, H, Tq, Tk], or both
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), **kwargs)
 
 

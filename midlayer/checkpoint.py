@@ -13,6 +13,8 @@ differs from the run being resumed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import re
@@ -138,7 +140,17 @@ def load_newest_checkpoint(paths: list[Path], map_location: str | torch.device =
         raise CheckpointError(f"{e}; {hint}; nothing was changed") from None
 
 
-def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Fields whose values differ between two config dicts, as 'name: saved -> current'."""
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any], cls: type | None = None) -> list[str]:
+    """Fields whose values differ between two config dicts, as 'name: saved -> current'. Values compare as
+    JSON does (a tuple equals the list a config file stores). With the config class `cls`, a field the saved
+    dict lacks -- written before the field existed -- counts as that field's default, the behaviour the
+    older version had."""
+    if cls is not None:  # only the fields the comparison is about (the caller may have left some out)
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        saved = {**{k: defaults[k] for k in current if k in defaults and k not in saved}, **saved}
+
+    def norm(v: Any) -> Any:
+        return [norm(x) for x in v] if isinstance(v, (list, tuple)) else v
+
     keys = sorted(set(saved) | set(current))
-    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if norm(saved.get(k)) != norm(current.get(k))]

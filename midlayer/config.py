@@ -115,9 +115,11 @@ class ModelConfig:
                f"must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         _check(self.pos_encoding in POS_ENCODINGS, "pos_encoding",
                f"must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")
-        _check(self.t5_buckets >= 2 and self.t5_max_distance >= self.t5_buckets // 2, "t5_buckets",
-               f"needs >= 2 buckets and t5_max_distance >= t5_buckets / 2, got {self.t5_buckets}, "
-               f"{self.t5_max_distance}")
+        _check(self.t5_buckets >= 2 and self.t5_max_distance > self.t5_buckets // 2, "t5_buckets",
+               f"needs >= 2 buckets and t5_max_distance > t5_buckets / 2 (the exact buckets; log-spaced ones "
+               f"cover the rest), got {self.t5_buckets}, {self.t5_max_distance}")
+        _check(not (self.rope_scaling == "ntk" and self.head_dim <= 2), "rope_scaling",
+               f"ntk scaling needs head_dim > 2 (base theta * s^(d/(d-2))), got head_dim={self.head_dim}")
         _check(not (self.pos_encoding in ("alibi", "t5") and self.attn_backend == "flex"), "attn_backend",
                f"the FlexAttention path has no {self.pos_encoding} bias; use 'sdpa' or 'auto'")
         _check(self.rope_scaling in ROPE_SCALINGS, "rope_scaling",
@@ -141,10 +143,10 @@ class ModelConfig:
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(self.ssm_dt_rank >= 0, "ssm_dt_rank", f"must be >= 0 (0 = ceil(dim / 16)), got {self.ssm_dt_rank}")
         _check(self.moe_experts >= 0, "moe_experts", f"must be >= 0 (0 = a dense FFN), got {self.moe_experts}")
-        _check(self.moe_experts == 0 or 1 <= self.moe_top_k <= self.moe_experts, "moe_top_k",
+        _check(self.moe_top_k >= 1 and (self.moe_experts == 0 or self.moe_top_k <= self.moe_experts), "moe_top_k",
                f"must be in [1, moe_experts={self.moe_experts}], got {self.moe_top_k}")
         _check(self.moe_aux_coef >= 0, "moe_aux_coef", f"must be >= 0, got {self.moe_aux_coef}")
-        _check(isinstance(self.sliding_window, int) and self.sliding_window >= 0, "sliding_window",
+        _check(type(self.sliding_window) is int and self.sliding_window >= 0, "sliding_window",
                f"must be an int >= 0 (0 = full attention), got {self.sliding_window!r}")
         for name in ("dropout", "attn_dropout", "emb_dropout"):
             v = getattr(self, name)
@@ -164,6 +166,16 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def ssm_inner(self) -> int:
+        """A state-space mixer's inner channels, d_in = ssm_expand * dim."""
+        return self.ssm_expand * self.dim
+
+    @property
+    def ssm_rank(self) -> int:
+        """A state-space mixer's step-size rank R: ssm_dt_rank, or ceil(dim / 16) (Mamba)."""
+        return self.ssm_dt_rank or math.ceil(self.dim / 16)
 
     @property
     def ffn_glu(self) -> bool:

@@ -8,8 +8,9 @@ sequences, order and number of optimiser steps): the baselines get the same data
 Loss (Wu et al. 2024 sec. 3.3, and the same KL for the baselines): forward KL from the base model's own
 next-token distribution at the position a draft stands for to the draft's distribution, over the target
 positions that count: with `loss_positions="response"` (default) those whose next token is a response token
-(a drafter guesses only there at decode time; SmolLM2's chat template repeats a fixed system prompt, which
-would otherwise be ~20% of the positions), with "all" every real (non-padding) one. Rows that do not count
+(a drafter guesses only there at decode time; prompts -- SmolLM2's chat template repeats a fixed system
+prompt -- are about a quarter of the tokens: 39 of 157 per record on average in the scaled distillation
+set), with "all" every real (non-padding) one. Rows that do not count
 skip the LM head and the KL (`drafters.gather_counted`), and hidden transfer builds no pseudo rows for
 anchors whose targets all lie before the batch's first counted position (`hidden_transfer.anchor_range`).
 With a draft vocabulary (`draft_vocab`, draft_vocab.py) the KL is over its tokens, the teacher renormalised
@@ -65,7 +66,7 @@ from torch import nn
 from .checkpoint import atomic_write_bytes
 from .config import check_finite
 from .draft_vocab import draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab, to_token_ids
-from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, early_exit_loss,
+from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, early_exit_loss, lower_states,
                        medusa_loss, model_device, save_draft)
 from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
 from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
@@ -116,6 +117,8 @@ class DraftTrainConfig:
         check_finite(self)  # --lr inf, --epochs nan, ...
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if 0 < self.draft_vocab < 4:  # the held-out metrics score 4 ranks
+            raise ValueError(f"draft_vocab must be 0 (the full vocabulary) or >= 4, got {self.draft_vocab}")
         if self.loss_positions not in ("response", "all"):
             raise ValueError(f"loss_positions must be 'response' or 'all', got {self.loss_positions!r}")
         if self.schedule not in ("joint", "sequential"):
@@ -152,11 +155,11 @@ class FrozenStates:
     never changes).
 
     `layers`: the blocks whose entering residual is kept (L = n_layers is the final residual): the final
-    one for Medusa / EAGLE / the teacher, the exit block for early exit, t_1 for hidden transfer. With L
-    among them the full forward runs; otherwise the blocks up to the deepest one (`lower_states`). States
-    are kept in fp16 when they fit its range (half the memory; the teacher and the drafts read them through
-    RMSNorm or a d x d map, where fp16's 2^-11 relative rounding is far below what training resolves), else
-    fp32; `cache_gb` bounds the memory, batches past it are recomputed (same values, only the cost differs).
+    one for Medusa / EAGLE / the teacher, the exit block for early exit, t_1 for hidden transfer; the blocks
+    up to the deepest one run (`drafters.lower_states`). States are kept in fp16 when they fit its range
+    (half the memory; fp16 rounds to 2^-11 relative: the loss moves by < 1e-4 relative for every method,
+    hidden transfer included, whose t_1 residual then runs through the upper blocks --
+    tests/test_draft_training.py), else fp32; `cache_gb` bounds the memory, batches past it are recomputed (same values, only the cost differs).
     Gated bases: nothing is cached (their routers need the lower blocks) and each loss runs its own forward.
     """
 
@@ -172,17 +175,8 @@ class FrozenStates:
             return None
         got = self.store.get(key)
         if got is None:
-            model, L = self.model, self.model.cfg.n_layers
             with torch.no_grad():
-                if L in self.layers:
-                    hs = model(tokens, output_hidden_states=True, return_logits=False).hidden_states
-                    got = {layer: hs[layer] for layer in self.layers}
-                else:
-                    top = max(self.layers)
-                    cap = dict.fromkeys(self.layers)
-                    h = model.embed(tokens)
-                    model.run_blocks(h, model.causal(tokens.shape[1]), stop=top, capture=cap)
-                    got = {layer: cap[layer] for layer in self.layers}
+                got = lower_states(self.model, tokens, self.layers)
             packed = {k: _pack(v) for k, v in got.items()}
             size = sum(v.numel() * v.element_size() for v in packed.values())
             if self.used + size <= self.budget:
@@ -286,7 +280,8 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
 
     out = Path(path)
     meta = json.loads((out / "draft.json").read_text())["meta"]
-    cfg = DraftTrainConfig(**meta["train"])
+    # drafts trained before these settings existed used the full vocabulary and every position
+    cfg = DraftTrainConfig(**{"draft_vocab": 0, "loss_positions": "all", **meta["train"]})
     if model is None:
         from .pretrained import load_pretrained
 
@@ -298,7 +293,7 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
         metrics = heldout_metrics(cfg, model, module, held)
     old = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else {}
     for key in ("steps", "planned_steps", "curve", "best_step", "train_seconds_this_call", "train_batches",
-                "final_loss", "settings", "data_header"):
+                "final_loss", "settings", "data_header", "draft_vocab_size"):
         if key in old:
             metrics[key] = old[key]
     metrics["heldout_batches"] = len(held)
@@ -431,11 +426,20 @@ SHARED = ("model", "data", "epochs", "batch_tokens", "seq_len", "bf16", "seed", 
           "eval_every", "patience", "curve_batches", "cache_gb", "draft_vocab", "loss_positions")
 
 
+# Settings that change only the cost, never a value: a resume may change them.
+COST_ONLY = ("cache_gb",)
+
+
+def _same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """The saved settings and these give the same training (cost-only settings aside)."""
+    return {k: v for k, v in old.items() if k not in COST_ONLY} == {k: v for k, v in new.items() if k not in COST_ONLY}
+
+
 def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """True when `new` only trains longer than `old`: more epochs, the same everything else, and one phase
     (the sequential schedule's phase lengths depend on the total). The batch of a step is a function of the
     seed and the step alone, so the longer run's first steps are the shorter run's."""
-    rest = [k for k in set(old) | set(new) if k != "epochs" and old.get(k) != new.get(k)]
+    rest = [k for k in set(old) | set(new) if k not in ("epochs", *COST_ONLY) and old.get(k) != new.get(k)]
     one_phase = not (new.get("method") == "hidden-transfer" and new.get("schedule") == "sequential")
     return not rest and one_phase and float(new.get("epochs", 0)) >= float(old.get("epochs", math.inf))
 
@@ -465,9 +469,10 @@ class _Run:
         if self.sp.is_file():
             st = torch.load(self.sp, map_location="cpu", weights_only=True)  # plain dicts, lists, tensors
             old = st.get("settings") or {}
-            if old != self.settings:
+            if not _same_run(old, self.settings):
                 if not _extends(old, self.settings):
-                    changed = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+                    changed = sorted(k for k in set(old) | set(self.settings)
+                                     if k not in COST_ONLY and old.get(k) != self.settings.get(k))
                     raise ValueError(f"{self.sp}: made with other settings ({', '.join(changed)}); use another "
                                      "--out-dir or delete it to start over (only --epochs may grow)")
                 log(f"{cfg.method}: extending the run from epochs={old['epochs']} to {cfg.epochs}")
@@ -588,7 +593,7 @@ class _Run:
                        else int(draft_vocab(module).numel()),
                        data_header={k: ds.header.get(k) for k in ("model_name", "max_new_tokens")})
         _save(cfg, self.out, self.model, module, metrics)
-        (self.out / "history.jsonl").write_text("".join(json.dumps(json_safe(h)) + "\\n" for h in self.history))
+        (self.out / "history.jsonl").write_text("".join(json.dumps(json_safe(h)) + "\n" for h in self.history))
         self.log(f"{cfg.method}: held-out top-1 per step {metrics['top1']}; saved to {self.out}")
         return DraftRun(module, metrics, self.history, self.out)
 
@@ -661,8 +666,8 @@ def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None,
                     with autocast:
                         states = frozen.states(index, tokens)
                     memo: dict[Any, torch.Tensor] = {}
-                    losses = {r.cfg.method: r.train_step(tokens, mask, states, memo, autocast, curve_b, frozen)
-                              for r in due}
+                    losses = {(r.cfg.method if len({q.cfg.method for q in runs}) == len(runs) else r.out.name):
+                              r.train_step(tokens, mask, states, memo, autocast, curve_b, frozen) for r in due}
                     if bar is not None:
                         bar.set_postfix({k: f"{v:.3f}" for k, v in losses.items()})
                 step += 1

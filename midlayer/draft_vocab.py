@@ -30,7 +30,7 @@ the top of those logits restricted to the subset (`restrict_logits`), the same r
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,13 +98,24 @@ def head_logits(module: nn.Module, model: nn.Module, x: torch.Tensor) -> torch.T
     head = model.output
     if vocab is None:
         return head(x)
-    cache: dict[int, nn.Module] = module.__dict__.setdefault("_sub_heads", {})
-    sub = cache.get(id(head))
+    cache: dict[tuple, Any] = module.__dict__.setdefault("_sub_heads", {})
+    key = _head_key(head, vocab)
+    sub = cache.get(key)
     if sub is None:
-        sub = cache[id(head)] = _sub_head(head, vocab)
+        cache.clear()  # one base head at a time: a stale sub-head is never kept
+        sub = cache[key] = _sub_head(head, vocab)
     if isinstance(sub, torch.Tensor):
         return F.linear(x, sub)
     return sub(x)
+
+
+def _head_key(head: nn.Module, vocab: torch.Tensor) -> tuple:
+    """What a sub-head is a function of: the head's weight storage (identity, device, dtype) and the subset.
+    A head moved to another device or dtype, or replaced (compress_weights), gets a fresh sub-head."""
+    w = head.weight if isinstance(head, nn.Linear) else getattr(head, "codes", None)
+    if w is None:
+        return (id(head), vocab.data_ptr(), vocab.numel())
+    return (id(head), w.data_ptr(), str(w.device), w.dtype, vocab.data_ptr(), vocab.numel(), str(vocab.device))
 
 
 def _sub_head(head: nn.Module, vocab: torch.Tensor) -> nn.Module | torch.Tensor:

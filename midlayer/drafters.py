@@ -373,14 +373,16 @@ def base_states(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()
-def lower_states(model: Transformer, tokens: torch.Tensor, upto: int) -> torch.Tensor:
-    """The residual entering block `upto` [B, T, d] of a dense base (causal attention, no cache): what a
-    drafter reading block `upto` or above can cache, since the frozen blocks below never change."""
+def lower_states(model: Transformer, tokens: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """{l: the residual entering block l [B, T, d]} of a dense base (causal attention, no cache; l = L is the
+    final residual before the norm), running the blocks up to the deepest l only: what a drafter reading
+    those blocks can cache, since the frozen blocks below never change."""
     if model.routers is not None:
         raise ValueError("lower_states: gated bases need their gates from every lower block; run the full forward")
     T = tokens.shape[1]
-    h = model.embed(tokens)
-    return model.run_blocks(h, model.causal(T), stop=upto)
+    cap: dict[int, torch.Tensor | None] = dict.fromkeys(int(layer) for layer in layers)
+    model.run_blocks(model.embed(tokens), model.causal(T), stop=max(cap), capture=cap)
+    return {layer: h for layer, h in cap.items()}
 
 
 def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,

@@ -18,7 +18,8 @@ taken, EAGLE sec. 3), and predicts the next feature:
                                                                   a guess of the distribution of token t + 2
 Drafting is autoregressive over features: the predicted feature and the embedding of the token drafted from
 it feed the next step (EAGLE sec. 4, "drafting phase"), so depth d of the tree costs one draft-layer call.
-e_t is the embedding the base's first block reads, emb_norm(tok_embeddings(x_t)) (the paper's models
+e_t is the embedding the base's first block reads, `Transformer.embed` (emb_norm(tok_embeddings(x_t)), plus
+an absolute position embedding for bases that have one; the paper's models
 normalise the embedding, Llama checkpoints do not); both tables are the base's own and stay frozen.
 
 Training (EAGLE sec. 4, "training of the draft models"), teacher-forced on the base's own features:
@@ -346,10 +347,10 @@ class EagleDrafter:
         step = CachedStep(cache, start, slots, cos, sin, skip=False, extra_mask=extra)
         return self.head(feats, embed(self.model, tokens, positions), step)
 
-    def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[tuple[list[int], int]]:
+    def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[tuple]:
         """What one round drafts, for `tree_cost.round_forwards` (its (rows per base block, head rows) format):
         the draft layer has a base block's shape, so a level of r rows is costed as r rows through ONE block
-        (the fc's 2d x d adds a little) plus r rows through the LM head. The context rows committed each
+        (the fc's 2d x d adds a little) plus r rows through the LM head (its draft vocabulary's share of it). The context rows committed each
         round (1 + accepted, one block, no head) are counted as 1 row, their minimum."""
         from .tree_cost import head_share
 

@@ -37,8 +37,8 @@ norms               n_norm * 4 T d                                   RMSNorm: sq
                                                                      (O(T)) neglected. n_norm = 2 for
                                                                      "pre" and "post", 4 for "sandwich";
                                                                      LayerNorm: + subtract the mean (and + bias)
-                                                                     = 5 (6) per element; qk_norm: + 2 norms
-                                                                     over (H + K) hd per token
+                                                                     = 5 (6) per element; qk_norm: + the
+                                                                     (H + K) hd elements of q and k
 residual            2 T d                                            two residual adds
 gate_mul (gated)    2 T d                                            g * attn_out and g * ffn_out
 embed_norm          4 T d                 (once)                     the norm after the embedding
@@ -196,7 +196,7 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         "ffn_proj": k * n_ffn * 2 * T * d * h + (2 * T * d * E + SOFTMAX_FLOPS_PER_SCORE * T * E + 2 * k * T * d
                                                  if E else 0),
         "swiglu": k * (SWIGLU_FLOPS_PER_HIDDEN - (0 if cfg.ffn_glu else 1)) * T * h,
-        "norms": n_norm * nf * T * d + (2 * nf * T * (H + K) * hd if cfg.qk_norm else 0),
+        "norms": n_norm * nf * T * d + (nf * T * (H + K) * hd if cfg.qk_norm else 0),
         "residual": 2 * T * d,
         "gate_mul": g * 2 * T * d,
         "ssm_mixer": 0,
@@ -212,7 +212,7 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
                   for name, v in one.items()}
         totals["ssm_mixer"] = float(mixer["ssm_mixer"]) * kept_ssm
         if cfg.qk_norm:  # QK-norm sits in the attention blocks only
-            qk = 2 * nf * T * (H + K) * hd
+            qk = nf * T * (H + K) * hd
             totals["norms"] -= qk * kept_ssm
             ssm_block -= qk
         R = cfg.n_routers
@@ -280,22 +280,23 @@ def prefill_decode_split(cfg: ModelConfig, prompt_len: int, new_tokens: int,
     return PrefillDecode(prefill=prefill, decode=new_tokens * a + b * sum_ctx)
 
 
+def norm_params_per_feature(cfg: ModelConfig) -> int:
+    """A norm's parameters per normalised feature: its weight (+ a LayerNorm's bias)."""
+    return 2 if cfg.norm_type == "layernorm" else 1
+
+
 def block_param_count(cfg: ModelConfig) -> int:
-    """N_B (paper 2.1): parameters of one Transformer block (attention, FFN, its norms; no skip router; a mixture of experts counts every expert and its router)."""
-    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
-    per_norm = 2 if cfg.norm_type == "layernorm" else 1  # weight (+ bias) per feature
-    bias = (d + 2 * kv) if cfg.qkv_bias else 0  # Qwen2-style q/k/v biases
-    qk = 2 * cfg.head_dim * per_norm if cfg.qk_norm else 0
-    ffn = ffn_param_count(cfg) * max(cfg.moe_experts, 1) + d * cfg.moe_experts  # experts + their router
-    return d * d + 2 * d * kv + d * d + ffn + norms_per_block(cfg) * d * per_norm + bias + qk
+    """N_B (paper 2.1): parameters of one Transformer block -- attention, FFN, its norms; no skip router; a
+    mixture of experts counts every expert and its router."""
+    ffn = ffn_param_count(cfg) * max(cfg.moe_experts, 1) + cfg.dim * cfg.moe_experts  # experts + their router
+    return attention_param_count(cfg) + ffn + norms_per_block(cfg) * cfg.dim * norm_params_per_feature(cfg)
 
 
 def attention_param_count(cfg: ModelConfig) -> int:
     """Parameters of one block's attention: q, k, v, o projections (+ Qwen2 biases, + QK-norm weights)."""
     d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
-    per_norm = 2 if cfg.norm_type == "layernorm" else 1
-    return 2 * d * d + 2 * d * kv + ((d + 2 * kv) if cfg.qkv_bias else 0) + (2 * cfg.head_dim * per_norm
-                                                                              if cfg.qk_norm else 0)
+    qk = 2 * cfg.head_dim * norm_params_per_feature(cfg) if cfg.qk_norm else 0
+    return 2 * d * d + 2 * d * kv + ((d + 2 * kv) if cfg.qkv_bias else 0) + qk
 
 
 def ffn_param_count(cfg: ModelConfig) -> int:
@@ -310,7 +311,7 @@ def param_count(cfg: ModelConfig) -> int:
     """
     d, V = cfg.dim, cfg.vocab_size
     head = 0 if cfg.tie_embeddings else V * d
-    norms = (2 if cfg.embed_norm else 1) * d * (2 if cfg.norm_type == "layernorm" else 1)
+    norms = (2 if cfg.embed_norm else 1) * d * norm_params_per_feature(cfg)
     pos = cfg.max_seq_len * d if cfg.pos_encoding == "learned" else 0  # a learned absolute position table
     pos += cfg.t5_buckets * cfg.n_heads if cfg.pos_encoding == "t5" else 0  # T5's bias table, shared by layers
     mixers = len(cfg.ssm_layers) * (ssm_param_count(cfg) - attention_param_count(cfg))  # hybrids

@@ -70,11 +70,11 @@ class KVCache:
         self.length += n
         return slots
 
-    def ssm_state(self, layer: int, mixer, batch: int):
+    def ssm_state(self, layer: int, mixer, batch: int, dtype: torch.dtype = torch.float32):
         """The state of the state-space mixer at `layer` for this cache's sequences (zero at first)."""
         st = self.ssm.get(layer)
         if st is None:
-            st = self.ssm[layer] = mixer.new_state(batch, self.pos.device)
+            st = self.ssm[layer] = mixer.new_state(batch, self.pos.device, dtype)
         return st
 
     def _no_rollback(self, what: str) -> None:

@@ -1,6 +1,9 @@
 """The Transformer: Llama-3 style, with optional skip-middle gating (arXiv 2506.21103).
 
-Architecture choices (paper section 3 / Table 2, SPEC section 1):
+Architecture choices, the defaults (paper section 3 / Table 2, SPEC section 1); every part is a setting
+(issue 13, docs/parts.md: LayerNorm, post-LN, QK-norm, NoPE / absolute / ALiBi / T5 positions and RoPE
+scaling, GLU and MLP variants, mixture of experts, sliding windows, dropouts, a scaled init, state-space
+mixers in chosen blocks):
   * decoder-only; token embedding -> RMSNorm (a norm after the embedding) -> L blocks -> RMSNorm -> LM head;
   * grouped-query attention with RoPE (theta 1e4, no scaling), through SDPA or FlexAttention;
   * SwiGLU FFN with hidden size ffn_dim_multiplier * dim rounded up to multiple_of;
@@ -122,7 +125,9 @@ class MoEFeedForward(nn.Module):
     """A mixture of E experts (each a `FeedForward` of the model's ffn_type) with top-k routing, dropless:
     every token is processed by its k experts, none is dropped for capacity (Mixtral; Jiang et al. 2024):
 
-        p = softmax(W_r x),   S = the k largest p_e,   y = sum_{e in S} (p_e / sum_{j in S} p_j) FFN_e(x).
+        p = softmax(W_r x),   S = the k largest p_e,   y = sum_{e in S} (p_e / sum_{j in S} p_j) FFN_e(x)
+    for k > 1 (Mixtral), y = p_e FFN_e(x) for k = 1 (Switch Transformer: the router then still learns
+    from the language-model loss).
 
     A token's experts and weights depend on that token alone, so routing does not depend on the batch.
     `aux` (set by each forward): the Switch Transformer load-balancing loss (Fedus et al. 2022, eq. 4),
@@ -145,9 +150,12 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.router(xf).float(), -1)  # [N, E], fp32 whatever the autocast
+        with torch.autocast(x.device.type, enabled=False):  # routing decisions from fp32 logits
+            probs = F.softmax(F.linear(xf.float(), self.router.weight.float()), -1)  # [N, E]
         top_p, top_i = probs.topk(self.top_k, -1)
-        weights = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
+        # k > 1: the k probabilities renormalised (Mixtral); k = 1: the raw probability (Switch), so the
+        # language-model loss still reaches the router (a renormalised single weight would be 1, gradient 0)
+        weights = (top_p / top_p.sum(-1, keepdim=True) if self.top_k > 1 else top_p).to(x.dtype)
         out = torch.zeros_like(xf)
         for e, expert in enumerate(self.experts):  # in expert order: every token sums its experts alike
             rows, slot = (top_i == e).nonzero(as_tuple=True)
@@ -195,7 +203,7 @@ class Block(nn.Module):
         elif cache is None:
             a = self.mixer(xin)
         elif isinstance(cache, LayerView):  # generation: the state lives in the KV cache, per layer
-            a = self.mixer(xin, cache.cache.ssm_state(self.layer, self.mixer, xin.shape[0]), cache.valid)
+            a = self.mixer(xin, cache.cache.ssm_state(self.layer, self.mixer, xin.shape[0], xin.dtype), cache.valid)
         else:
             raise ValueError("a state-space mixer runs over its own state only: draft training passes and "
                              "drafters (explicit attention masks over draft rows) are not supported with ssm_layers")
@@ -289,7 +297,8 @@ class Transformer(nn.Module):
     def reset_parameters(self) -> None:
         """Paper 3 / Table 2: norm weights 1 (LayerNorm biases 0), every other parameter (routers included)
         ~ N(0, init_std). init_scheme="scaled_residual" (GPT-2, Radford et al. 2019): the projections that
-        write into the residual stream, attention.wo and feed_forward.w2, get init_std / sqrt(2 n_layers), so
+        write into the residual stream (attention.wo, a state-space mixer's out_proj, the FFN's -- or every
+        expert's -- w2) get init_std / sqrt(2 n_layers), so
         the residual's variance does not grow with depth."""
         small = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
@@ -297,8 +306,9 @@ class Transformer(nn.Module):
                 nn.init.ones_(p)
             elif name.endswith("norm.bias"):
                 nn.init.zeros_(p)
-            elif self.cfg.init_scheme == "scaled_residual" and name.endswith(("attention.wo.weight",
-                                                                               "feed_forward.w2.weight")):
+            elif self.cfg.init_scheme == "scaled_residual" and (
+                    name.endswith(("attention.wo.weight", "mixer.out_proj.weight"))
+                    or (".feed_forward." in name and name.endswith("w2.weight"))):  # experts' w2 too
                 nn.init.normal_(p, mean=0.0, std=small)
             else:
                 nn.init.normal_(p, mean=0.0, std=self.cfg.init_std)

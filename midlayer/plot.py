@@ -391,7 +391,7 @@ def write_parts_report(sweep_dir: Path | str, prefix: Path | str) -> dict[str, P
 def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dict[str, Path]:
     """collect + write_table + plot_figure2 into PREFIX.csv/.md/.png (default docs/results/figure2-<grid>).
     The tables are written before the figure, so they exist even without matplotlib. A `parts` sweep gets
-    its own table and plot (`write_parts_report`, default docs/results/parts-<grid>)."""
+    its own table and plot (`write_parts_report`, default docs/results/<grid>-cpu, e.g. parts-cpu)."""
     grid = (_read_json(Path(sweep_dir) / "sweep.json") or {}).get("grid", "")
     if grid.startswith("parts"):
         return write_parts_report(sweep_dir, prefix or Path("docs/results") / f"{grid}-cpu")

@@ -557,6 +557,8 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
         problems.append("qk_norm=True (Llama has no QK-norm)")
     if cfg.moe_experts:
         problems.append(f"moe_experts={cfg.moe_experts} (Llama's FFN is dense)")
+    if cfg.ssm_layers:
+        problems.append(f"ssm_layers={list(cfg.ssm_layers)} (Llama has attention in every block)")
     if cfg.pos_encoding != "rope" or cfg.rope_scaling != "none":
         problems.append(f"pos_encoding={cfg.pos_encoding!r}, rope_scaling={cfg.rope_scaling!r} "
                         "(the export writes plain RoPE)")

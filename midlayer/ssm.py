@@ -91,8 +91,7 @@ class SelectiveSSM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        d, self.d_in, self.N, self.k = cfg.dim, cfg.ssm_expand * cfg.dim, cfg.ssm_state, cfg.ssm_conv
-        self.R = cfg.ssm_dt_rank or math.ceil(d / 16)
+        d, self.d_in, self.N, self.k, self.R = cfg.dim, cfg.ssm_inner, cfg.ssm_state, cfg.ssm_conv, cfg.ssm_rank
         self.chunk = 16
         self.in_proj = nn.Linear(d, 2 * self.d_in, bias=False)
         self.conv1d = nn.Conv1d(self.d_in, self.d_in, self.k, groups=self.d_in, padding=0, bias=True)
@@ -149,6 +148,7 @@ class SelectiveSSM(nn.Module):
         return self.out_proj(y)
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype = torch.float32) -> SSMState:
+        """A zero state; the convolution's inputs in the activations' dtype, h in fp32 (the scan's)."""
         return SSMState(torch.zeros(batch, self.d_in, self.k - 1, device=device, dtype=dtype),
                         torch.zeros(batch, self.d_in, self.N, device=device, dtype=torch.float32))
 
@@ -156,16 +156,17 @@ class SelectiveSSM(nn.Module):
 def ssm_param_count(cfg: ModelConfig) -> int:
     """Parameters of one SelectiveSSM (module docstring): in_proj, conv (+ bias), x_proj, dt_proj (+ bias), A, D,
     out_proj."""
-    d, D, N, k = cfg.dim, cfg.ssm_expand * cfg.dim, cfg.ssm_state, cfg.ssm_conv
-    R = cfg.ssm_dt_rank or math.ceil(d / 16)
+    d, D, N, k, R = cfg.dim, cfg.ssm_inner, cfg.ssm_state, cfg.ssm_conv, cfg.ssm_rank
     return d * 2 * D + D * k + D + D * (R + 2 * N) + R * D + D + D * N + D + D * d
 
 
 def ssm_flops_per_token(cfg: ModelConfig) -> int:
-    """Forward FLOPs per token of one SelectiveSSM: the projections (2 per multiply-add), the convolution, the
-    scan's discretisation, update and read-out (~6 per state entry), the gate."""
-    d, D, N, k = cfg.dim, cfg.ssm_expand * cfg.dim, cfg.ssm_state, cfg.ssm_conv
-    R = cfg.ssm_dt_rank or math.ceil(d / 16)
+    """Forward FLOPs per token of one SelectiveSSM as the sequential recurrence does them: the projections (2 per
+    multiply-add), the convolution, per state entry the discretisation exp(Delta A) (2), the update (4: two
+    products, the input product, the add) and the read-out (2), the D term and the gate. The chunked scan
+    that training and prefill run does about chunk / 2 times the update's work (its masked segment sum);
+    this counts the recurrence, the model's arithmetic, as the attention terms count exact attention."""
+    d, D, N, k, R = cfg.dim, cfg.ssm_inner, cfg.ssm_state, cfg.ssm_conv, cfg.ssm_rank
     return 2 * d * 2 * D + 2 * k * D + 2 * D * (R + 2 * N) + 2 * R * D + 6 * D * N + 2 * D * N + 6 * D + 2 * D * d
 
 

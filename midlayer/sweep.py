@@ -162,8 +162,9 @@ _PAPER = Grid(
 # tokens in training and the models are built for 1024, so every position scheme is also evaluated at 2x and
 # 4x its training context (learned positions there use rows never trained: that is the test). Stability:
 # pre-, post- and sandwich LN at 3x and 10x the baseline's lr, seed 0, diverged runs recorded as such.
-# Time (2 cores, tiny-dense ~117 us/token): 300 steps x 4,096 tokens = 1.2M tokens, ~2.5 min per run;
-# 57 runs ~2.5 h, resumable (a run is skipped once finished).
+# Time (2 cores; dense 6 layers ~133 us/token, the cpu grid's measurement above): 300 steps x 4,096 tokens =
+# 1.2M tokens, ~2.7 min per run plus the 1x/2x/4x evaluations; 58 runs (26 parts x 2 seeds + 6 stability
+# runs) ~3 h, resumable (a run is skipped once finished).
 PARTS_STEPS = 300
 PARTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("baseline", {}),
@@ -217,7 +218,7 @@ _PARTS_GRID_COMMON = dict(shared_model_fields=("dim", "n_layers", "n_heads", "vo
 _PARTS = Grid(
     name="parts",
     description="issue 13: tiny-dense with one part changed at a time, 2 seeds, 300 steps each, evaluated at "
-                "1x/2x/4x the training context; post/pre/sandwich LN at 3x and 10x the lr (~2.5 h on 2 cores)",
+                "1x/2x/4x the training context; post/pre/sandwich LN at 3x and 10x the lr (~3 h on 2 cores)",
     runs=_parts_runs("tiny-dense", PARTS, PARTS_SEEDS, 3e-3, PARTS_LR_MULTIPLES, {"max_seq_len": 1024}),
     shared_train=_PARTS_TRAIN, eval_context_multiples=(2, 4), **_PARTS_GRID_COMMON,
 )
@@ -306,6 +307,8 @@ def config_flags(model: dict[str, Any], sparsity: dict[str, Any], train: dict[st
         for name, value in over.items():
             if isinstance(value, bool):
                 out.append(_flag(name) if value else "--no-" + name.replace("_", "-"))
+            elif isinstance(value, (tuple, list)):  # the CLI's comma-separated ints (e.g. --ssm-layers 2,3)
+                out += [_flag(name), ",".join(str(v) for v in value)]
             else:
                 out += [_flag(name), str(value)]
     return out
@@ -391,7 +394,7 @@ def _other_run_here(run_dir: Path, model: ModelConfig, sparsity: SparsityConfig)
     diffs = []
     for section, cfg in (("model", model), ("sparsity", sparsity)):
         if isinstance(saved.get(section), dict):
-            diffs += [f"{section}.{d}" for d in config_mismatch(saved[section], dataclasses.asdict(cfg))]
+            diffs += [f"{section}.{d}" for d in config_mismatch(saved[section], dataclasses.asdict(cfg), type(cfg))]
     return diffs
 
 

@@ -179,10 +179,11 @@ def _check_resume(ckpt: dict[str, Any], path: Path, configs: dict[str, dict]) ->
     saved = ckpt["configs"]
     if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in configs):
         raise CheckpointError(f"cannot resume {path}: its configs are not midlayer's model/sparsity/train configs")
-    diff = config_mismatch(saved["model"], configs["model"]) + config_mismatch(saved["sparsity"], configs["sparsity"])
+    diff = (config_mismatch(saved["model"], configs["model"], ModelConfig)
+            + config_mismatch(saved["sparsity"], configs["sparsity"], SparsityConfig))
     skip = FREE_ON_RESUME + RECOVERY_ON_RESUME
     diff += config_mismatch({k: v for k, v in saved["train"].items() if k not in skip},
-                            {k: v for k, v in configs["train"].items() if k not in skip})
+                            {k: v for k, v in configs["train"].items() if k not in skip}, TrainConfig)
     if diff:
         raise CheckpointError(
             f"cannot resume {path}: it was made with other settings (the run's -> this command's): "
@@ -331,11 +332,11 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
                     out = fwd(x, y, return_logits=False)
                     reg = controller.loss(out.gate_stats.mean, out.gate_stats.var) if controller is not None \
                         else torch.zeros((), device=dev)
+                    moe = torch.zeros((), device=dev)
                     if out.moe_aux is not None:  # the experts' load-balancing loss (model.MoEFeedForward)
                         moe = model_cfg.moe_aux_coef * out.moe_aux
-                        reg = reg + moe
                         moe_sum += out.moe_aux.detach()
-                ((out.loss + reg) / accum).backward()
+                ((out.loss + reg + moe) / accum).backward()
             ce_sum += out.loss.detach()
             reg_sum += reg.detach()
             if acc is not None:

@@ -4,10 +4,11 @@
 #   2. the drafters trained on it with the same batches and budget, held-out curve every EVAL_EVERY steps,
 #      early stopping after PATIENCE evaluations without a better held-out loss. The drafters of one
 #      GROUP are trained in lockstep (`train-draft --methods`): one base forward per batch serves them all.
-#      EAGLE, Medusa and early exit cost a few seconds a step beside the ~12 s base forward on 2 CPU cores;
-#      hidden transfer runs 3 pseudo rows per token through the upper 16 blocks, forward and backward
-#      (~70 s a step), so it is its own group (STAGE=ht) and is compared with the others at equal steps
-#      through the learning curves.
+#      With the draft vocabulary, EAGLE, Medusa and early exit cost 2-8 s a step beside the 11-14 s base
+#      forward on 2 CPU cores; hidden transfer runs 3 pseudo rows per token through the upper 16 blocks,
+#      forward and backward (~63 s a step): docs/results/hidden-transfer-cpu.md, benchmarks/draft_step_cost.py.
+#      So it is its own group (STAGE=ht) and is compared with the others at equal steps through the
+#      learning curves.
 # Outputs are meant to be committed (the repository is what survives a session):
 #   data/distill/smollm2-135m-q4-greedy.jsonl, drafts/smollm2-135m-scale/<method>/ (weights, metrics,
 #   history, train_state.pt). Stop at any time (Ctrl-C): distillation loses at most one batch, training at

@@ -3,6 +3,7 @@ held-out metrics have the documented shape, resume continues exactly, padding is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -386,3 +387,16 @@ def test_response_positions_mask_and_the_trimmed_losses_equal_the_weighted_ones(
         real, pseudo = transfer_forward(base, ht, tokens)  # every anchor, no trimming
         ref = sum(kl_to_base(real[:, i:], p, mask[:, i:]) for i, p in enumerate(pseudo, start=1))
         assert torch.allclose(hidden_transfer_loss(base, ht, tokens, mask=mask)[0], ref, atol=1e-5)
+
+
+def test_history_is_json_lines_and_cache_gb_may_change_on_resume(tmp_path):
+    base, data = tiny_base(), tiny_data()
+    c = cfg(tmp_path, "medusa", epochs=2)
+    part = train_draft(c, base, data, progress=False, stop_after=3, log=lambda s: None)
+    assert len(part.history) == 3
+    # --cache-gb changes only the cost: the run continues under another budget
+    run = train_draft(dataclasses.replace(c, cache_gb=0.0), base, data, progress=False, log=lambda s: None)
+    lines = (tmp_path / "medusa" / "history.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, len(run.history) + 1))
+    with pytest.raises(ValueError, match="draft_vocab must be 0"):
+        DraftTrainConfig(draft_vocab=3)

@@ -506,7 +506,7 @@ def test_every_block_call_goes_through_the_one_loop(monkeypatch):
         for kind in KINDS:
             speculative_generate(model, PROMPT, drafter_for(kind, model), SMALL_TREE, 6)
         transfer_forward(model, perturbed_transfer([1, 2, 2]), torch.tensor([PROMPT]), collect={})
-    lower_states(MODELS[False], torch.tensor([PROMPT]), 2)
+    lower_states(MODELS[False], torch.tensor([PROMPT]), [2, 4])
     assert calls[0] > 100
 
 

@@ -1,5 +1,6 @@
 """Training loop: schedule, learning, exact resume, DDP == single process, checkpoint refusals, CLI surface."""
 
+import dataclasses
 import math
 import os
 import socket
@@ -244,3 +245,23 @@ def test_cli_flops_prints_breakdown(capsys):
     assert cli.main(["flops", "paper-12l", "--seq-len", "1024"]) == 0
     out = capsys.readouterr().out
     assert "lm_head" in out and "total" in out
+
+
+def test_a_run_saved_before_new_config_fields_existed_still_resumes(tmp_path):
+    """A checkpoint whose configs lack fields added later (their defaults are the older behaviour) and a
+    config.json whose tuples are JSON lists are the same run, not "other settings"."""
+    from midlayer.checkpoint import config_mismatch
+    from midlayer.config import ModelConfig
+
+    m, s, t = debug_configs(tmp_path, steps=4, ckpt_every=2)
+    train(m, s, t, progress=False, stop_after=2)
+    path = list_checkpoints(tmp_path / "run")[-1]
+    ckpt = torch.load(path, weights_only=False)
+    for field in ("norm_type", "ffn_type", "ssm_layers", "moe_experts", "pos_encoding"):
+        del ckpt["configs"]["model"][field]
+    torch.save(ckpt, path)
+    assert train(m, s, t, progress=False, resume=True)["step"] == 4
+    saved = {**dataclasses.asdict(m), "ssm_layers": []}
+    assert config_mismatch(saved, dataclasses.asdict(m), ModelConfig) == []
+    assert config_mismatch({"n_layers": 4}, {"n_layers": 6, "norm_type": "rmsnorm"}, ModelConfig) == \
+        ["n_layers: 4 -> 6"]
