@@ -221,14 +221,22 @@ def prefill(model: Transformer, prompts: list[list[int]], cache: KVCache, skip: 
     cols = torch.arange(P, device=dev)[None, :]
     active = cols >= pad[:, None]
     positions = (cols - pad[:, None]).clamp_min(0)
-    logits = forward_cached(model, tokens, cache, positions, active=None if bool(active.all()) else active,
-                            skip=skip, last_only=True)
+    # with a bounded sliding-window cache the prompt goes in chunks of at most W tokens (the same logits:
+    # each query sees the W - 1 keys before it either way)
+    step = cache.window if cache.window and P > cache.max_len - cache.length else P
+    for a in range(0, P, step):
+        b = min(a + step, P)
+        cache.make_room(b - a)
+        act = active[:, a:b]
+        logits = forward_cached(model, tokens[:, a:b], cache, positions[:, a:b],
+                                active=None if bool(act.all()) else act, skip=skip, last_only=True)
     return logits, lengths.clone()
 
 
 def decode_one_token(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
                      skip: bool = True) -> torch.Tensor:
     """One step: tokens [B] at positions [B] -> next-token logits [B, V]."""
+    cache.make_room(1)
     return forward_cached(model, tokens[:, None], cache, positions[:, None], skip=skip, last_only=True)
 
 
@@ -247,7 +255,10 @@ def generate_stream(model: Transformer, prompts: Sequence[Sequence[int]], cfg: G
     budget = min(cfg.max_new_tokens, ctx - P + 1)  # the last token generated needs no cache slot
     if budget <= 0:
         return
-    cache = KVCache.for_model(model.cfg, len(prompts), max_len=min(ctx, P + budget), device=dev,
+    W = model.cfg.sliding_window
+    # a sliding window bounds the cache: W - 1 kept keys + a chunk of at most W new ones (`prefill`)
+    size = min(ctx, P + budget) if not W else min(ctx, P + budget, 2 * W - 1)
+    cache = KVCache.for_model(model.cfg, len(prompts), max_len=size, device=dev,
                               dtype=model.tok_embeddings.weight.dtype)
     gen = None
     if cfg.temperature > 0:

@@ -77,6 +77,29 @@ class KVCache:
             st = self.ssm[layer] = mixer.new_state(batch, self.pos.device, dtype)
         return st
 
+    def evict_before(self, first: int) -> None:
+        """Forget slots 0..first-1 and move the rest to the front (a bounded sliding-window cache: those keys
+        lie outside every later query's window). Unlike `truncate`, nothing later is undone, so a state-space
+        mixer's state stays valid."""
+        if not 0 <= first <= self.length:
+            raise ValueError(f"evict_before: {first} not in [0, {self.length}]")
+        if first == 0:
+            return
+        n = self.length - first
+        self.k[:, :, :, :n] = self.k[:, :, :, first:self.length].clone()
+        self.v[:, :, :, :n] = self.v[:, :, :, first:self.length].clone()
+        self.bias[:, :, :n] = self.bias[:, :, first:self.length].clone()
+        self.pos[:, :n] = self.pos[:, first:self.length].clone()
+        self.bias[:, :, n:self.length] = float("-inf")
+        self.length = n
+        self.mask_memo = None
+
+    def make_room(self, n_new: int) -> None:
+        """With a sliding window W: before n_new slots are reserved, evict the keys no query from the next
+        slot on can see (all but the last W - 1) if the new slots would not fit."""
+        if self.window and self.length + n_new > self.max_len:
+            self.evict_before(max(self.length - (self.window - 1), 0))
+
     def _no_rollback(self, what: str) -> None:
         if self.ssm:
             raise ValueError(f"{what}: a state-space mixer's state cannot be rolled back to earlier tokens "

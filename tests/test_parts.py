@@ -120,16 +120,33 @@ def test_sliding_window_equals_full_attention_with_the_windowed_mask():
     torch.testing.assert_close(sdpa_attention(q, k, v, window=9), sdpa_attention(q, k, v), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("over", [{}, {"ssm_layers": (2,)}])
 @pytest.mark.parametrize("gating", [False, True])
-def test_sliding_window_generation_past_the_window_equals_the_naive_reference(gating):
-    m = model_with({"sliding_window": 4}, gating)
-    full = model_with({}, gating)
+def test_sliding_window_generation_past_the_window_equals_the_naive_reference(gating, over, monkeypatch):
+    """With a window W the generation cache is bounded (2W - 1 slots: W - 1 kept keys + a chunk of at most
+    W new ones, the prompt going in in chunks) and the tokens equal the full-forward reference, for batched
+    prompts of different lengths, gated (real skipping) or dense, with a state-space block or not."""
+    if gating and over:
+        pytest.skip("state-space mixers are refused with gating")
+    W = 4
+    m = model_with({"sliding_window": W, **over}, gating)
+    full = model_with(over, gating)
     full.load_state_dict(m.state_dict())
-    prompt = torch.randint(0, 64, (11,)).tolist()  # longer than the window from the start
+    sizes = []
+    real = KVCache.for_model
+
+    def spy(cfg, batch, max_len=None, **kw):
+        sizes.append(max_len)
+        return real(cfg, batch, max_len, **kw)
+
+    monkeypatch.setattr(KVCache, "for_model", staticmethod(spy))
+    prompts = [torch.randint(0, 64, (n,)).tolist() for n in (11, 3, 7)]  # longer than the window from the start
     cfg = GenerationConfig(max_new_tokens=20)
-    out = generate(m, [prompt], cfg)
-    assert out == generate_naive(m, [prompt], cfg)
-    x = torch.tensor([prompt + out[0]])
+    out = generate(m, prompts, cfg)
+    assert sizes == [2 * W - 1]
+    monkeypatch.setattr(KVCache, "for_model", staticmethod(real))
+    assert out == generate_naive(m, prompts, cfg)
+    x = torch.tensor([prompts[0] + out[0]])
     assert not torch.allclose(m(x).logits, full(x).logits)  # the window changes the model
 
 
