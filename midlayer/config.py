@@ -50,6 +50,7 @@ class ModelConfig:
     n_layers: int = 12
     n_heads: int = 12
     n_kv_heads: int = 12
+    head_size: int = 0  # per-head width; 0: dim / n_heads (Qwen3 has wider heads: n_heads * head_size != dim)
     vocab_size: int = 50257
     ffn_dim_multiplier: float = 4.0  # hidden = multiplier * dim, rounded up to `multiple_of`
     multiple_of: int = 256
@@ -99,7 +100,9 @@ class ModelConfig:
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, f"must be a positive int, got {v!r}")
             _check(v < 2**31, name, f"must be < 2**31 (a tensor dimension), got {v}")
-        _check(self.dim % self.n_heads == 0, "n_heads", f"must divide dim={self.dim}, got {self.n_heads}")
+        _check(self.head_size >= 0, "head_size", f"must be >= 0 (0 = dim / n_heads), got {self.head_size}")
+        _check(self.head_size > 0 or self.dim % self.n_heads == 0, "n_heads",
+               f"must divide dim={self.dim} (or set head_size), got {self.n_heads}")
         _check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
                f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}")
         _check(self.head_dim % 2 == 0, "n_heads", f"head_dim={self.head_dim} must be even for RoPE")
@@ -165,7 +168,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def ssm_inner(self) -> int:

@@ -93,12 +93,14 @@ class EagleHead(nn.Module):
     KIND = "eagle"
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, norm_eps: float = 1e-5,
-                 norm_placement: str = "pre", qkv_bias: bool = False, init_std: float = 0.02) -> None:
+                 norm_placement: str = "pre", qkv_bias: bool = False, init_std: float = 0.02,
+                 head_size: int = 0) -> None:
         super().__init__()
         # vocab_size / max_seq_len are required by ModelConfig but unused by a Block
         self.block_cfg = ModelConfig(dim=dim, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=1,
                                      ffn_hidden=ffn_hidden, norm_eps=norm_eps, norm_placement=norm_placement,
-                                     gating=False, qkv_bias=qkv_bias, init_std=init_std, attn_backend="sdpa")
+                                     gating=False, qkv_bias=qkv_bias, init_std=init_std, attn_backend="sdpa",
+                                     head_size=head_size)
         self.dim = dim
         self.fc = nn.Linear(2 * dim, dim, bias=True)
         self.layer = Block(self.block_cfg)
@@ -109,7 +111,7 @@ class EagleHead(nn.Module):
         """A head shaped like one block of `model`."""
         c = model.cfg
         return cls(c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden_dim, c.norm_eps, c.norm_placement, c.qkv_bias,
-                   c.init_std)
+                   c.init_std, c.head_size)
 
     def reset_parameters(self) -> None:
         """The identity-on-the-feature start (module docstring)."""
@@ -130,7 +132,8 @@ class EagleHead(nn.Module):
     def config(self) -> dict[str, Any]:
         c = self.block_cfg
         return {"dim": c.dim, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "ffn_hidden": c.ffn_hidden,
-                "norm_eps": c.norm_eps, "norm_placement": c.norm_placement, "qkv_bias": c.qkv_bias}
+                "norm_eps": c.norm_eps, "norm_placement": c.norm_placement, "qkv_bias": c.qkv_bias,
+                **({"head_size": c.head_size} if c.head_size else {})}
 
     def check_model(self, model: Transformer) -> None:
         c = self.block_cfg

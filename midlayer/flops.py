@@ -5,7 +5,8 @@ The paper compares models by the estimated FLOPs of one forward pass over one se
 are pure functions of a `ModelConfig`, so they can be checked against a hand count and printed by
 `midlayer flops`.
 
-Notation: T tokens, d = dim, H = n_heads, K = n_kv_heads, hd = head_dim (H hd = d), h = ffn_hidden_dim,
+Notation: T tokens, d = dim, H = n_heads, K = n_kv_heads, hd = head_dim (H hd = d unless head_size is set),
+h = ffn_hidden_dim,
 V = vocab_size, L = n_layers, R = L/2 routers (gated models only), P = query-key pairs actually scored.
 Causal attention over T tokens scores P = T (T + 1) / 2 pairs (token t attends to keys 1..t, itself
 included), not the T^2 square.
@@ -184,8 +185,8 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
     g = 1 if cfg.gating else 0
     # One dense-compute block, term by term (formulas in the module docstring).
     one = {
-        "qkv_proj": 2 * T * d * d + 2 * 2 * T * d * (K * hd),
-        "out_proj": 2 * T * d * d,
+        "qkv_proj": 2 * T * d * (H * hd) + 2 * 2 * T * d * (K * hd),
+        "out_proj": 2 * T * (H * hd) * d,
         "rope": ROPE_FLOPS_PER_ELEM * T * (H + K) * hd if cfg.pos_encoding == "rope" else 0,
         "attn_scores": 2 * H * hd * P,
         "softmax": SOFTMAX_FLOPS_PER_SCORE * H * P,
@@ -294,9 +295,9 @@ def block_param_count(cfg: ModelConfig) -> int:
 
 def attention_param_count(cfg: ModelConfig) -> int:
     """Parameters of one block's attention: q, k, v, o projections (+ Qwen2 biases, + QK-norm weights)."""
-    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
+    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     qk = 2 * cfg.head_dim * norm_params_per_feature(cfg) if cfg.qk_norm else 0
-    return 2 * d * d + 2 * d * kv + ((d + 2 * kv) if cfg.qkv_bias else 0) + qk
+    return 2 * d * q + 2 * d * kv + ((q + 2 * kv) if cfg.qkv_bias else 0) + qk
 
 
 def ffn_param_count(cfg: ModelConfig) -> int:

@@ -63,7 +63,7 @@ from .config import ModelConfig
 from .model import Transformer, nonfinite_tensors, position_tables, sinusoidal_table
 from .pretrained_tokenizer import TextTokenizer
 
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 
 # Short name -> (pip package that ships the file, file name inside it, pip command that installs it).
@@ -119,23 +119,22 @@ def config_from_hf(hf_config: dict[str, Any], *, max_seq_len: int | None = None)
     dim, n_layers, n_heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
     n_kv = int(hf_config.get("num_key_value_heads") or n_heads)
     head_dim = hf_config.get("head_dim")
-    if head_dim is not None and (dim % n_heads or int(head_dim) != dim // n_heads):
-        raise ValueError(f"config head_dim={head_dim} != hidden_size/num_attention_heads={dim}/{n_heads}: "
-                         "midlayer's attention assumes head_dim = dim / n_heads")
+    # heads of another width than hidden_size / num_attention_heads (Qwen3): our head_size
+    head_size = int(head_dim) if head_dim is not None and (dim % n_heads or int(head_dim) != dim // n_heads) else 0
     act = hf_config.get("hidden_act", hf_config.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"config hidden_act={act!r}: only SwiGLU with SiLU ('silu') is supported")
     if hf_config.get("mlp_bias"):
         raise ValueError("config mlp_bias=true: biases on the MLP projections are not supported")
     qkv_bias = mt == "qwen2"  # Qwen2 always has q/k/v biases (and none on o_proj)
-    if mt in ("llama", "mistral") and hf_config.get("attention_bias"):
+    if mt in ("llama", "mistral", "qwen3") and hf_config.get("attention_bias"):
         raise ValueError("config attention_bias=true: Llama-style biases on q/k/v *and* o_proj are not supported "
                          "(only Qwen2's q/k/v biases are)")
     theta = _rope_theta(hf_config)
     max_pos = int(hf_config.get("max_position_embeddings") or 2048)
 
     layer_types = hf_config.get("layer_types")
-    if mt == "qwen2" and hf_config.get("use_sliding_window"):
+    if mt in ("qwen2", "qwen3") and hf_config.get("use_sliding_window"):
         raise ValueError("config use_sliding_window=true (Qwen2): sliding-window layers are not supported")
     window = hf_config.get("sliding_window") if mt == "mistral" else None
     sliding = int(window) if window is not None and int(window) < max_pos else 0  # Mistral: every layer local
@@ -149,7 +148,8 @@ def config_from_hf(hf_config: dict[str, Any], *, max_seq_len: int | None = None)
         ffn_hidden=int(need("intermediate_size")), norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         rope_theta=theta, max_seq_len=max_pos, norm_placement="pre", gating=False,
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)), embed_norm=False, qkv_bias=qkv_bias,
-        sliding_window=sliding if sliding < max_pos else 0,
+        sliding_window=sliding if sliding < max_pos else 0, head_size=head_size,
+        qk_norm=mt == "qwen3",  # Qwen3: RMSNorm over each head's q and k before RoPE
     )
 
 
@@ -159,6 +159,7 @@ _HF_LAYER_MAP = {
     "self_attn.q_proj.weight": "attention.wq.weight", "self_attn.k_proj.weight": "attention.wk.weight",
     "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.o_proj.weight": "attention.wo.weight",
     "self_attn.q_proj.bias": "attention.wq.bias", "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.q_norm.weight": "attention.q_norm.weight", "self_attn.k_norm.weight": "attention.k_norm.weight",
     "self_attn.v_proj.bias": "attention.wv.bias",
     "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
@@ -553,8 +554,9 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
         problems.append(f"norm_type={cfg.norm_type!r} (Llama uses RMSNorm)")
     if cfg.ffn_type != "swiglu":
         problems.append(f"ffn_type={cfg.ffn_type!r} (Llama's MLP is SwiGLU)")
-    if cfg.qk_norm:
-        problems.append("qk_norm=True (Llama has no QK-norm)")
+    if cfg.qk_norm and (cfg.qkv_bias or cfg.sliding_window or cfg.norm_type != "rmsnorm"):
+        problems.append("qk_norm=True with q/k/v biases, a sliding window or LayerNorm (Qwen3, the one export "
+                        "with QK-norm, has RMSNorm, no biases and full attention)")
     if cfg.moe_experts:
         problems.append(f"moe_experts={cfg.moe_experts} (Llama's FFN is dense)")
     if cfg.ssm_layers:
@@ -570,6 +572,8 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
     arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else ("LlamaForCausalLM", "llama")
     if cfg.sliding_window:  # Mistral: Llama with a sliding window on every layer
         arch, model_type = "MistralForCausalLM", "mistral"
+    if cfg.qk_norm:  # Qwen3: Llama with QK-norm (and heads of any width)
+        arch, model_type = "Qwen3ForCausalLM", "qwen3"
     hf: dict[str, Any] = {
         "architectures": [arch], "model_type": model_type,
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
@@ -582,8 +586,10 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
         "attention_dropout": 0.0, "initializer_range": cfg.init_std, "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if model_type == "llama":
+    if model_type in ("llama", "qwen3"):
         hf.update(attention_bias=False, mlp_bias=False)
+        if model_type == "qwen3":
+            hf.update(use_sliding_window=False, sliding_window=None)
     elif model_type == "mistral":
         hf.update(sliding_window=cfg.sliding_window)
     else:

@@ -45,6 +45,7 @@ PARTS = {
     "moe": dict(moe_experts=4, moe_top_k=2),
     "moe_top1_gelu": dict(moe_experts=3, moe_top_k=1, ffn_type="gelu"),
     "ssm_hybrid": dict(ssm_layers=(1, 2)),
+    "wide_heads": dict(head_size=16, qk_norm=True),  # n_heads * head_size = 64 != dim = 32 (Qwen3-like)
 }
 GATED = {name for name, over in PARTS.items() if over.get("norm_placement") != "post" and "ssm_layers" not in over}
 
@@ -347,7 +348,8 @@ def test_settings_that_make_no_sense_are_refused():
     from midlayer.pretrained import hf_config_for
 
     for over, what in ((dict(norm_type="layernorm"), "norm_type"), (dict(ffn_type="gelu"), "ffn_type"),
-                       (dict(qk_norm=True), "qk_norm")):
+                       (dict(qk_norm=True, qkv_bias=True), "qk_norm"), (dict(ssm_layers=(1,)), "ssm_layers"),
+                       (dict(moe_experts=2), "moe_experts"), (dict(pos_encoding="alibi"), "pos_encoding")):
         cfg = ModelConfig(**{**SMALL, "gating": False, "norm_placement": "pre", "embed_norm": False, **over})
         with pytest.raises(ValueError, match=what):
             hf_config_for(cfg)
@@ -406,7 +408,8 @@ def test_parts_in_the_q4_engine(name):
     torch.testing.assert_close(torch.cat(steps, 1), got, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("name", ["sliding_window", "learned_pos", "qk_norm", "gelu_mlp", "alibi", "t5_bias"])
+@pytest.mark.parametrize("name", ["sliding_window", "learned_pos", "qk_norm", "gelu_mlp", "alibi", "t5_bias",
+                                  "wide_heads"])
 def test_speculative_decoding_stays_lossless_with_the_parts(name):
     """Tree verification, hidden transfer's fused pass, EAGLE and early exit go through the same cached
     masks and embedding: with these parts the speculative output is still plain greedy's, in fp32 and q4."""

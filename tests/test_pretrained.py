@@ -207,6 +207,26 @@ def test_load_hf_mistral_matches_transformers(tmp_path, window):
         assert (our_logits(model, x) - hf_logits(back, x)).abs().max().item() < TOL
 
 
+def test_load_and_export_hf_qwen3_matches_transformers(tmp_path):
+    """Qwen3 = Llama + QK-norm (RMSNorm over each head's q and k) with heads wider than hidden / heads: our
+    qk_norm and head_size. Loaded, our logits equal transformers'; exported again, Qwen3 reads the same."""
+    cfg = transformers.Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=24, intermediate_size=96, vocab_size=128, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.Qwen3ForCausalLM(cfg).eval()
+    randomize_(ref)
+    ref.save_pretrained(tmp_path)
+    model, _ = load_hf_dir(tmp_path)
+    assert model.cfg.qk_norm and model.cfg.head_size == 24 and model.cfg.head_dim == 24
+    x = tokens_for(128, T=32)
+    assert (our_logits(model, x) - hf_logits(ref, x)).abs().max().item() < TOL
+    export_hf(model, tmp_path / "again")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3ForCausalLM"
+    assert (our_logits(model, x) - hf_logits(back, x)).abs().max().item() < TOL
+
+
 def test_load_hf_sharded_checkpoint_and_bf16(tmp_path):
     path, ref = tiny_hf_llama(tmp_path / "a", tie=False)
     ref.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
@@ -230,9 +250,9 @@ def test_config_from_hf_refusals_and_mistral_window():
         config_from_hf({**base, "rope_scaling": llama31})
     with pytest.raises(ValueError, match="RoPE scaling"):
         config_from_hf({**base, "rope_parameters": {**llama31, "rope_theta": 5e5}})
-    with pytest.raises(ValueError, match="head_dim"):
-        config_from_hf({**base, "head_dim": 32})
-    with pytest.raises(ValueError, match="model_type='gpt2'.*llama, mistral, qwen2"):
+    wide = config_from_hf({**base, "head_dim": 32})  # heads wider than hidden / heads: head_size
+    assert wide.head_size == 32 and wide.head_dim == 32
+    with pytest.raises(ValueError, match="model_type='gpt2'.*llama, mistral, qwen2, qwen3"):
         config_from_hf({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="hidden_act"):
         config_from_hf({**base, "hidden_act": "gelu"})
