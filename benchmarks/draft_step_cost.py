@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=384)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--joint-ht", action="store_true",
+                    help="hidden transfer's reference training pass (every row with autograd) instead of the split one")
     ap.add_argument("--loss-positions", choices=("response", "all"), default="response",
                     help="the positions the loss counts (train-draft's setting of the same name)")
     args = ap.parse_args()
@@ -40,6 +42,13 @@ def main() -> None:
     from midlayer.drafters import FrozenBase
     from midlayer.kernels import cpu_info
     from midlayer.pretrained import load_pretrained
+
+    if args.joint_ht:  # the reference pass: all rows through autograd (hidden_transfer._TransferRows)
+        import functools
+
+        import midlayer.hidden_transfer as ht_mod
+
+        ht_mod.transfer_forward = functools.partial(ht_mod.transfer_forward, split=False)
 
     model = load_pretrained(args.model)[0].eval()
     ds = DistillSet.load(args.data)

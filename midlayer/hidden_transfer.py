@@ -163,8 +163,8 @@ class _TransferRows:
     through a block (a `Transformer.run_blocks` step): attention through the `visible` mask of their
     (anchor, step) pairs, plus eq. 3's key bias for gated bases. The mask is rebuilt only when rows join."""
 
-    def __init__(self, model: Transformer, T: int, device: torch.device, masked: bool) -> None:
-        self.model, self.T, self.masked = model, T, masked
+    def __init__(self, model: Transformer, T: int, device: torch.device, masked: bool, split: bool = True) -> None:
+        self.model, self.T, self.masked, self.split = model, T, masked, split
         self.anchor = torch.arange(T, device=device)
         self.step = torch.zeros(T, dtype=torch.long, device=device)
         self.mask: torch.Tensor | None = None  # rebuilt (with cos, sin) when rows join
@@ -196,17 +196,37 @@ class _TransferRows:
             if bias is not None:
                 self.mask = self.mask + bias[None].to(x.dtype)
         mask = self.mask if key_bias is None else self.mask + key_bias.to(self.mask.dtype)
-        return block(x, self.cos, self.sin, gate, None, _MaskedView(mask))
+        T = self.T
+        if not (self.split and torch.is_grad_enabled() and x.shape[1] > T):
+            return block(x, self.cos, self.sin, gate, None, _MaskedView(mask))
+        # Training: the real rows never see a pseudo row, so they are the frozen base's own forward and need no
+        # gradient: run them without autograd, keep their K/V, and run the pseudo rows (the only ones a draft
+        # weight reaches) against [real K/V ; their own]. The same attention, without backpropagating through
+        # the real rows (~a third of the rows) -- `split=False` runs all rows together (the reference).
+        g = (lambda rows: None) if gate is None else (lambda rows: gate[:, rows])
+        real_view = _MaskedView(mask[..., :T, :T], keep=True)
+        with torch.no_grad():
+            real = block(x[:, :T].detach(), self.cos[:T], self.sin[:T], g(slice(None, T)), None, real_view)
+        pseudo = block(x[:, T:], self.cos[T:], self.sin[T:], g(slice(T, None)), None,
+                       _MaskedView(mask[..., T:, :], prefix=(real_view.k, real_view.v)))
+        return torch.cat([real, pseudo], 1)
 
 
 class _MaskedView:
     """A stand-in for `kv_cache.LayerView` that stores nothing: Attention calls update(k, v) and attends over
-    the returned keys with the returned additive mask. It lets the base model's own blocks run any mask."""
+    the returned keys with the returned additive mask. It lets the base model's own blocks run any mask.
+    `keep`: remember this call's k, v; `prefix` (k, v): keys/values of other rows placed before these."""
 
-    def __init__(self, mask: torch.Tensor) -> None:
-        self.mask = mask
+    def __init__(self, mask: torch.Tensor, keep: bool = False,
+                 prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.mask, self.keep, self.prefix = mask, keep, prefix
+        self.k = self.v = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.keep:
+            self.k, self.v = k, v
+        if self.prefix is not None:
+            k, v = torch.cat([self.prefix[0], k], 2), torch.cat([self.prefix[1], v], 2)
         return k, v, self.mask
 
 
@@ -257,8 +277,8 @@ class HiddenTransfer(nn.Module):
 # ========================================================================================= training pass
 def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch.Tensor, *,
                      n_steps: int | None = None, all_anchors: bool = False, collect: dict | None = None,
-                     start: tuple[int, torch.Tensor] | None = None, full: bool = False, first_anchor: int = 0
-                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                     start: tuple[int, torch.Tensor] | None = None, full: bool = False, first_anchor: int = 0,
+                     split: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One forward over [real tokens ; pseudo rows of steps 1..n_steps] with the `visible` mask.
 
     tokens [B, T]. Returns (real logits [B, T, V] -- the base model's own, the teacher -- and for each step
@@ -270,6 +290,8 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
     row has joined).
     `start` = (s, h): the real rows' residual entering block s <= t_1, cached from an earlier pass of the
     frozen base (dense bases only: a gated base's gates need the blocks below); blocks < s are not run.
+    `split` (training, with autograd on): the real rows run without autograd and the pseudo rows attend to
+    their keys (`_TransferRows`); False runs every row together, the reference the split is tested against.
     `first_anchor`: pseudo rows only for anchors >= it (`anchor_range`; a loss that counts no earlier target
     need not build them); step i's logits are then those of anchors first_anchor..A_i-1.
     Logits of every row are over the transfer's draft vocabulary when it has one (draft_vocab.py: the
@@ -291,7 +313,7 @@ def transfer_forward(model: Transformer, transfer: HiddenTransfer, tokens: torch
             raise ValueError("start: needs a dense base, a block <= t_1 and states [B, T, d] of the tokens")
     else:
         x = model.embed(tokens)
-    rows = _TransferRows(model, T, x.device, transfer.masked)
+    rows = _TransferRows(model, T, x.device, transfer.masked, split)
     joins = {t: rows.joiner(transfer, steps, all_anchors, first_anchor)
              for t, steps in transfer.steps_at(n_steps).items()}
     capture = None if collect is None else dict.fromkeys(range(first, L + 1))

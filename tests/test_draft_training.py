@@ -400,3 +400,33 @@ def test_history_is_json_lines_and_cache_gb_may_change_on_resume(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == list(range(1, len(run.history) + 1))
     with pytest.raises(ValueError, match="draft_vocab must be 0"):
         DraftTrainConfig(draft_vocab=3)
+
+
+@pytest.mark.parametrize("gating", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_split_training_pass_equals_the_joint_one(gating, masked):
+    """Hidden transfer's training pass runs the real rows without autograd and the pseudo rows against their
+    keys; the loss and every gradient equal those of running all rows together (`split=False`)."""
+    from midlayer.drafters import kl_to_base
+    from midlayer.hidden_transfer import transfer_forward
+
+    torch.manual_seed(0)
+    base = Transformer(ModelConfig(dim=D, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=64,
+                                   multiple_of=16, gating=gating, init_std=0.15)).eval()
+    for p in base.parameters():
+        p.requires_grad_(False)
+    ht = HiddenTransfer(D, [1, 2, 2], masked=masked)
+    with torch.no_grad():
+        for m in ht.maps:
+            m.weight.add_(0.2 * torch.randn(D, D))
+    tokens = torch.randint(0, V, (2, 15))
+    out = []
+    for split in (True, False):
+        ht.zero_grad()
+        real, pseudo = transfer_forward(base, ht, tokens, split=split)
+        loss = sum(kl_to_base(real[:, i:], p) for i, p in enumerate(pseudo, start=1))
+        loss.backward()
+        out.append((loss.detach(), [m.weight.grad.clone() for m in ht.maps]))
+    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(out[0][1], out[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
