@@ -119,9 +119,15 @@ class PositionBias(nn.Module):
 
 
 # ------------------------------------------------------------------------------------ gate -> bias
-def key_gate_bias(gates: torch.Tensor, eps: float) -> torch.Tensor:
-    """ln(max(g_j, eps)) per key position: [B, T] -> [B, 1, 1, T] (broadcast over heads and queries)."""
-    return torch.log(gates.float().clamp_min(eps))[:, None, None, :]
+def key_gate_bias(gates: torch.Tensor, eps: float, mode: str = "key") -> torch.Tensor | None:
+    """The gates' additive attention bias (`ModelConfig.gate_attention`): "key", eq. 3, ln(max(g_j, eps)) per
+    key position, [B, T] -> [B, 1, 1, T] (broadcast over heads and queries); "query", the same value per query
+    row, [B, 1, T, 1] -- a constant added to a whole softmax row, which changes nothing (the public reference
+    code's indexing; kept to show it); "none": no bias (None)."""
+    if mode == "none":
+        return None
+    b = torch.log(gates.float().clamp_min(eps))
+    return b[:, None, :, None] if mode == "query" else b[:, None, None, :]
 
 
 @lru_cache(maxsize=16)
@@ -220,7 +226,8 @@ class Attention(nn.Module):
         self.backend = cfg.attn_backend
         self.attn_dropout = cfg.attn_dropout
         self.window = cfg.sliding_window
-        self.position_biased = cfg.pos_encoding in ("alibi", "t5")  # its bias arrives with key_bias
+        # biases FlexAttention's score_mod does not take (it reads a per-key gate bias): SDPA for those
+        self.position_biased = cfg.pos_encoding in ("alibi", "t5") or cfg.gate_attention == "query"
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:  # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3): per-head norm of q and k before RoPE
             from .model import make_norm

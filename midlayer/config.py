@@ -23,6 +23,7 @@ INIT_SCHEMES = ("normal", "scaled_residual")
 POS_ENCODINGS = ("rope", "none", "sinusoidal", "learned", "alibi", "t5")
 ROPE_SCALINGS = ("none", "linear", "ntk")
 ATTN_BACKENDS = ("auto", "sdpa", "flex")
+GATE_ATTENTION = ("key", "query", "none")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -89,6 +90,9 @@ class ModelConfig:
     emb_dropout: float = 0.0  # on the embedding (training only)
     gating: bool = True  # skip-middle routers and gated attention; False is the dense baseline
     gate_eps: float = 1e-6  # floor on g before ln(g) in gated attention (paper 2.2)
+    gate_attention: str = "key"  # how gates enter attention: "key" (eq. 3: + ln g_j on key j's logits, hides
+    #                              skipped tokens), "query" (+ ln g_i on query i's row, as the public reference
+    #                              code does: a row constant, it hides nothing; for comparison), "none"
     attn_backend: str = "auto"  # "auto": FlexAttention on CUDA when available, else SDPA with a key bias
     tie_embeddings: bool = False
     embed_norm: bool = True  # RMSNorm after the embedding (the paper's models); Llama checkpoints have none
@@ -156,6 +160,11 @@ class ModelConfig:
             _check(0.0 <= v < 1.0, name, f"a dropout probability must be in [0, 1), got {v}")
         _check(not (self.attn_dropout and self.attn_backend == "flex"), "attn_dropout",
                "FlexAttention has no attention dropout; use attn_backend='sdpa' or attn_dropout=0")
+        _check(self.gate_attention in GATE_ATTENTION, "gate_attention",
+               f"must be one of {GATE_ATTENTION}, got {self.gate_attention!r}")
+        _check(not (self.gate_attention == "query" and self.attn_backend == "flex"), "attn_backend",
+               "the FlexAttention path takes key-indexed gate biases only; use 'sdpa' or 'auto' with "
+               "gate_attention='query'")
         if self.gating:
             # Block l mirrors block L-1-l (eq. 2), so the layer count must split into two equal halves.
             _check(self.n_layers % 2 == 0, "n_layers",

@@ -162,7 +162,7 @@ def run_blocks_cached(model: Transformer, tokens: torch.Tensor, positions: torch
     M = tokens.shape[1]
     query_slots = torch.arange(start, start + M, device=h.device)[None]
     step = CachedStep(cache, start, query_slots, cos, sin, skip=False, extra_mask=extra_mask,
-                      position_bias=model.pos_bias)
+                      position_bias=model.pos_bias, gate_mode=model.cfg.gate_attention)
     return model.run_blocks(h, step, stop=n_blocks, run=run)
 
 

@@ -87,8 +87,13 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     cache.pos[:, start:start + T + J] = positions
     cos_all, sin_all = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]  # [B, 1, T+J, hd]
     h = model.embed(tokens, positions[..., :T])
+    if skip and model.routers is not None and model.cfg.gate_attention != "key":
+        # Real skipping drops a skipped token's keys, which is what key-indexed gated attention (eq. 3)
+        # computes; with "query" / "none" gating skipped tokens stay visible: the multiply-by-gate path.
+        skip = False
     step = CachedStep(cache, start, slots[None, :].expand(B, T + J), cos_all, sin_all, active=active,
-                      skip=skip, extra_mask=extra_mask, position_bias=model.pos_bias)
+                      skip=skip, extra_mask=extra_mask, position_bias=model.pos_bias,
+                      gate_mode=model.cfg.gate_attention)
     h = model.run_blocks(h, step, routed=T, capture=capture, joins=None if joins is None else joins.at)
     if h.shape[1] != T + J:
         raise ValueError(f"joined rows: {h.shape[1] - T} rows joined, JoinedRows.count says {J}")
@@ -108,11 +113,14 @@ class CachedStep:
 
     def __init__(self, cache: KVCache, start: int, query_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  *, active: torch.Tensor | None = None, skip: bool = True,
-                 extra_mask: torch.Tensor | None = None, position_bias=None) -> None:
+                 extra_mask: torch.Tensor | None = None, position_bias=None, gate_mode: str = "key") -> None:
         self.cache, self.start, self.query_slots = cache, start, query_slots  # query_slots [B, all rows]
         self.cos, self.sin = cos, sin  # [B, 1, all rows, hd]
         self.active, self.skip, self.extra_mask = active, skip, extra_mask
         self.position_bias = position_bias  # Transformer.position_bias of a model with ALiBi / T5, else None
+        # "key" gating keeps each key's ln g in the cache; a "query" bias is a row constant of the softmax (no
+        # effect), so the cached path leaves it out; "none" has none
+        self.gate_mode = gate_mode
         cache.mask_memo = None  # a mask is shared by the layers of one forward only (LayerView.finish)
 
     def __call__(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
@@ -122,7 +130,7 @@ class CachedStep:
         em = self.extra_mask
         if em is not None and M < em.shape[2]:
             em = em[:, :, :M]
-        gate_bias = None if key_bias is None else key_bias[:, 0, 0]  # [B, M]: the cache keeps it per key
+        gate_bias = key_bias[:, 0, 0] if key_bias is not None and self.gate_mode == "key" else None  # per key
         act = self.active
         if act is not None and M > act.shape[1]:  # joined rows are always active
             act = torch.cat([act, act.new_ones(B, M - act.shape[1])], 1)

@@ -20,6 +20,7 @@ feed_forward.w1/w2/w3, attention_norm, ffn_norm) so that checkpoints map by name
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -292,6 +293,10 @@ class Transformer(nn.Module):
         self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim)
                              if cfg.pos_encoding == "sinusoidal" else None, persistent=False)
         self.check_inputs = True  # set False to skip the token-id range check (it syncs with the GPU)
+        if cfg.gating and cfg.gate_attention == "query":
+            warnings.warn("gate_attention='query' adds each gate's log to its query's softmax row, a constant that "
+                          "hides no token: the public reference code's indexing, for comparison with eq. 3 ('key')",
+                          stacklevel=2)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -436,7 +441,7 @@ class Transformer(nn.Module):
                 gate = gates(layer, h[:, :routed])
                 if h.shape[1] > routed:  # joined rows: gate 1
                     gate = torch.cat([gate, gate.new_ones(h.shape[0], h.shape[1] - routed)], 1)
-                key_bias = key_gate_bias(gate, eps)  # eq. 3: ln(max(g_j, eps)) per key, [B, 1, 1, M]
+                key_bias = key_gate_bias(gate, eps, self.cfg.gate_attention)  # eq. 3: ln(max(g_j, eps)) per key
             if (run is not None and not run(layer)) or h.shape[1] == 0:
                 continue
             h = step(layer, self.layers[layer], h, gate, key_bias)
