@@ -4,9 +4,10 @@ Why. A drafter's output layer is the base's LM head, V x d (SmolLM2: 49,152 x 57
 the model). In training, every drafted row pays a V-wide matmul, softmax and KL, forward and backward:
 on a 2-core CPU that was most of a Medusa or EAGLE step (docs/results/hidden-transfer-cpu.md). At decode,
 each EAGLE / early-exit level and each Medusa round reads the whole head again. Yet the responses the
-drafts are trained to guess use few tokens: in SmolLM2-135M's greedy answers to our scaled prompt set,
-15,012 distinct tokens occur, and the most frequent 16,384 cover 98.9% of the held-out response tokens
-(8,192: 97.2%). FR-Spec (Zhao et al. 2025, arXiv 2502.14856) and EAGLE-3 (Li et al. 2025, arXiv
+drafts are trained to guess use few tokens: SmolLM2-135M's greedy answers to our scaled prompt set (the
+2.31M training response tokens of data/distill/smollm2-135m-q4-greedy.jsonl) use 20,938 distinct tokens;
+the most frequent 16,384 of them cover 99.3% of the held-out response tokens, 8,192 cover 97.4%, 4,096
+93.4% (docs/results/hidden-transfer-cpu.md has the command). FR-Spec (Zhao et al. 2025, arXiv 2502.14856) and EAGLE-3 (Li et al. 2025, arXiv
 2503.01840, its 32k-of-128k "draft vocabulary") restrict the draft head to such a frequency-ranked subset.
 
 What. `frequent_tokens(responses, n)` picks the n most frequent response tokens of the TRAINING split
