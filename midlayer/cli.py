@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="train a named grid of runs (Figure 2), skipping finished runs and "
                                      "resuming unfinished ones")
     p.add_argument("grid", help="grid name: cpu (Figure 2, ~90 min on 2 CPU cores), smoke (seconds), paper (GPUs, "
-                                "FineWeb), parts (issue 13's one-part-at-a-time ablation, ~3 h), parts-smoke")
+                                "FineWeb), parts (issue 13's one-part-at-a-time ablation, ~6 h, resumable), parts-smoke")
     p.add_argument("--out-dir", default="runs/sweep", help="runs go to OUT_DIR/GRID/RUN (default runs/sweep)")
     p.add_argument("--launcher", choices=["inline", "torchrun"], default="inline",
                    help="inline: train in this process; torchrun: one `torchrun -m midlayer train` per run")

@@ -162,9 +162,9 @@ _PAPER = Grid(
 # tokens in training and the models are built for 1024, so every position scheme is also evaluated at 2x and
 # 4x its training context (learned positions there use rows never trained: that is the test). Stability:
 # pre-, post- and sandwich LN at 3x and 10x the baseline's lr, seed 0, diverged runs recorded as such.
-# Time (2 cores; dense 6 layers ~133 us/token, the cpu grid's measurement above): 300 steps x 4,096 tokens =
-# 1.2M tokens, ~2.7 min per run plus the 1x/2x/4x evaluations; 58 runs (26 parts x 2 seeds + 6 stability
-# runs) ~3 h, resumable (a run is skipped once finished).
+# Time: 300 steps x 4,096 tokens = 1.2M tokens per run. Measured on the AMD EPYC (Zen 2) 2-core machine:
+# ~1.15 s per step (the first run, baseline-s0), ~6.5 min per run with the 1x/2x/4x evaluations; 58 runs
+# (26 parts x 2 seeds + 6 stability runs) ~6 h: several sittings, resumable (a finished run is skipped).
 PARTS_STEPS = 300
 PARTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("baseline", {}),
@@ -218,7 +218,7 @@ _PARTS_GRID_COMMON = dict(shared_model_fields=("dim", "n_layers", "n_heads", "vo
 _PARTS = Grid(
     name="parts",
     description="issue 13: tiny-dense with one part changed at a time, 2 seeds, 300 steps each, evaluated at "
-                "1x/2x/4x the training context; post/pre/sandwich LN at 3x and 10x the lr (~3 h on 2 cores)",
+                "1x/2x/4x the training context; post/pre/sandwich LN at 3x and 10x the lr (~6 h on 2 cores)",
     runs=_parts_runs("tiny-dense", PARTS, PARTS_SEEDS, 3e-3, PARTS_LR_MULTIPLES, {"max_seq_len": 1024}),
     shared_train=_PARTS_TRAIN, eval_context_multiples=(2, 4), **_PARTS_GRID_COMMON,
 )
