@@ -202,41 +202,30 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         "gate_mul": g * 2 * T * d,
         "ssm_mixer": 0,
     }
-    # Hybrids (ssm_layers; never gated, so every keep is 1): the SSM blocks have the mixer instead of attention.
-    n_ssm = len(cfg.ssm_layers)
-    mixer = {"ssm_mixer": ssm_flops_per_token(cfg) * T} if n_ssm else {}
-    if n_ssm:
-        kept_ssm, kept_attn = float(n_ssm), float(cfg.n_layers - n_ssm)
-        attn_block = sum(one.values())
-        ssm_block = attn_block - sum(one[k] for k in _ATTENTION_TERMS) + mixer["ssm_mixer"]
-        totals = {name: float(v) * (kept_attn if name in _ATTENTION_TERMS else cfg.n_layers)
-                  for name, v in one.items()}
-        totals["ssm_mixer"] = float(mixer["ssm_mixer"]) * kept_ssm
-        if cfg.qk_norm:  # QK-norm sits in the attention blocks only
-            qk = nf * T * (H + K) * hd
-            totals["norms"] -= qk * kept_ssm
-            ssm_block -= qk
-        R = cfg.n_routers
-        return FlopsBreakdown(
-            n_tokens=T, n_pairs=P, **totals,
-            embed_norm=float(nf * T * d) if cfg.embed_norm else 0.0, final_norm=float(nf * T * d),
-            lm_head=float(2 * T * d * V), router=float(R * T * (2 * d + 2)),
-            router_gates=float(T * (max(R - 1, 0) + GATE_FN_FLOPS_PER_TOKEN * R)),
-            per_block=tuple(float(ssm_block if l in cfg.ssm_layers else attn_block) for l in range(cfg.n_layers)),
-        )
+    # Hybrids (ssm_layers): their blocks run the state-space mixer instead of the attention terms (and of
+    # QK-norm); every other term is the same in every block. Each term is scaled by the blocks that run it.
+    ssm = set(cfg.ssm_layers)
     kept = sum(keep)
-    block_total = sum(one.values())
+    kept_attn = sum(k for l, k in enumerate(keep) if l not in ssm)
+    kept_ssm = sum(k for l, k in enumerate(keep) if l in ssm)
+    qk = nf * T * (H + K) * hd if cfg.qk_norm and ssm else 0
+    mixer = ssm_flops_per_token(cfg) * T if ssm else 0
+    totals = {name: float(v) * (kept_attn if name in _ATTENTION_TERMS else kept) for name, v in one.items()}
+    totals["norms"] -= qk * kept_ssm
+    totals["ssm_mixer"] = float(mixer) * kept_ssm
+    attn_block = sum(one.values())
+    ssm_block = attn_block - sum(one[t] for t in _ATTENTION_TERMS) - qk + mixer
     R = cfg.n_routers
     return FlopsBreakdown(
         n_tokens=T,
         n_pairs=P,
-        **{name: float(v) * kept for name, v in one.items()},
+        **totals,
         embed_norm=float(nf * T * d) if cfg.embed_norm else 0.0,
         final_norm=float(nf * T * d),
         lm_head=float(2 * T * d * V),
         router=float(R * T * (2 * d + 2)),
         router_gates=float(T * (max(R - 1, 0) + GATE_FN_FLOPS_PER_TOKEN * R)),
-        per_block=tuple(float(block_total) * k for k in keep),
+        per_block=tuple(float(ssm_block if l in ssm else attn_block) * k for l, k in enumerate(keep)),
     )
 
 

@@ -162,9 +162,8 @@ class MoEFeedForward(nn.Module):
             rows, slot = (top_i == e).nonzero(as_tuple=True)
             if rows.numel():
                 out.index_add_(0, rows, expert(xf[rows]) * weights[rows, slot, None])
-        E, N = self.n_experts, xf.shape[0]
-        f = torch.zeros(E, device=x.device).index_add_(0, top_i.reshape(-1), torch.ones(N * self.top_k,
-                                                                                         device=x.device)) / max(N * self.top_k, 1)
+        E = self.n_experts
+        f = torch.bincount(top_i.reshape(-1), minlength=E).float() / max(top_i.numel(), 1)  # share per expert
         self.aux = E * (f * probs.mean(0)).sum()
         self.load = f.detach()
         return out.reshape(shape)

@@ -10,6 +10,7 @@ from midlayer.attention import key_gate_bias, sdpa_attention
 from midlayer.config import ModelConfig
 from midlayer.generate import GenerationConfig, generate, generate_naive
 from midlayer.model import Transformer
+from tiny_models import make_tiny
 
 SMALL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=48, multiple_of=16)
 
@@ -42,13 +43,7 @@ def test_what_each_gating_hides():
 
 
 def _gated(mode: str) -> Transformer:
-    torch.manual_seed(0)
-    m = Transformer(ModelConfig(**SMALL, gating=True, gate_attention=mode)).eval()
-    with torch.no_grad():  # routers that zero some gates
-        for i, r in enumerate(m.routers):
-            r.weight.normal_(0, 0.4)
-            r.bias.fill_(0.1 * i)
-    return m
+    return make_tiny(SMALL, True, gate_attention=mode)  # routers that zero some gates
 
 
 def test_model_level_query_gating_equals_none_and_key_differs():

@@ -16,6 +16,7 @@ from midlayer.flops import param_count
 from midlayer.generate import GenerationConfig, forward_cached, generate, generate_naive
 from midlayer.kv_cache import KVCache
 from midlayer.model import Block, FeedForward, LayerNorm, RMSNorm, Transformer
+from tiny_models import make_tiny
 
 SMALL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=48, multiple_of=16)
 
@@ -51,14 +52,8 @@ GATED = {name for name, over in PARTS.items() if over.get("norm_placement") != "
 
 
 def model_with(over: dict, gating: bool, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(ModelConfig(**{**SMALL, "gating": gating, **over})).eval()
-    if gating:  # routers strong enough that some tokens are skipped (gate exactly 0) and some are not
-        with torch.no_grad():
-            for i, r in enumerate(m.routers):
-                r.weight.normal_(0, 0.4)
-                r.bias.fill_(0.1 * i)
-    return m
+    """The shared tiny model (gated: routers that zero some gates and not others) with `over` set."""
+    return make_tiny(SMALL, gating, seed, **over)
 
 
 # ==================================================================================== hand computations
