@@ -24,6 +24,8 @@ POS_ENCODINGS = ("rope", "none", "sinusoidal", "learned", "alibi", "t5")
 ROPE_SCALINGS = ("none", "linear", "ntk")
 ATTN_BACKENDS = ("auto", "sdpa", "flex")
 GATE_ATTENTION = ("key", "query", "none")
+# Gradient of the gates (gating.straight_through): eq. 2 as written, or straight through ReLU and clamp.
+GATE_GRADS = ("exact", "straight_through")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -93,6 +95,8 @@ class ModelConfig:
     gate_attention: str = "key"  # how gates enter attention: "key" (eq. 3: + ln g_j on key j's logits, hides
     #                              skipped tokens), "query" (+ ln g_i on query i's row, as the public reference
     #                              code does: a row constant, it hides nothing; for comparison), "none"
+    gate_grad: str = "exact"  # backward through the gates: "exact" (eq. 2) or "straight_through" (ReLU and
+    #                           clamp as identity, gating.straight_through; same forward values; issue 14)
     attn_backend: str = "auto"  # "auto": FlexAttention on CUDA when available, else SDPA with a key bias
     tie_embeddings: bool = False
     embed_norm: bool = True  # RMSNorm after the embedding (the paper's models); Llama checkpoints have none
@@ -162,6 +166,7 @@ class ModelConfig:
                "FlexAttention has no attention dropout; use attn_backend='sdpa' or attn_dropout=0")
         _check(self.gate_attention in GATE_ATTENTION, "gate_attention",
                f"must be one of {GATE_ATTENTION}, got {self.gate_attention!r}")
+        _check(self.gate_grad in GATE_GRADS, "gate_grad", f"must be one of {GATE_GRADS}, got {self.gate_grad!r}")
         _check(not (self.gate_attention == "query" and self.attn_backend == "flex"), "attn_backend",
                "the FlexAttention path takes key-indexed gate biases only; use 'sdpa' or 'auto' with "
                "gate_attention='query'")
@@ -225,6 +230,8 @@ class SparsityConfig:
     delta: float = 1e-2  # dead band: no update while |diff| <= delta (two-sided, as the authors' code)
     alpha: float = 1e-2  # fixed mean coefficient for the non-adaptive `sparsity*` controllers
     beta: float = 1e-2  # fixed variance coefficient for the non-adaptive `sparsity*` controllers
+    reg_grad: str = "exact"  # what the regulariser differentiates: eq. 4 on the gates ("exact") or on their
+    #                          straight-through twins (same values; reaches saturated tokens; gating.py)
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -236,6 +243,7 @@ class SparsityConfig:
         for name in ("gamma", "delta", "alpha", "beta"):
             v = getattr(self, name)
             _check(v >= 0, name, f"must be >= 0, got {v}")
+        _check(self.reg_grad in GATE_GRADS, "reg_grad", f"must be one of {GATE_GRADS}, got {self.reg_grad!r}")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .config import GATE_GRADS
 from .sparsity import gate_stats
 
 
@@ -39,8 +40,13 @@ class Routers(nn.ModuleList):
         super().__init__([nn.Linear(dim, 1) for _ in range(n_layers // 2)])
 
     @staticmethod
-    def step(router: nn.Linear, h: torch.Tensor, cum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One first-half block: returns (gate g [B, T], new cumulative S [B, T]) from h [B, T, d]."""
+    def step(router: nn.Linear, h: torch.Tensor, cum: torch.Tensor | None,
+             lin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One first-half block: (gate g [B, T], new cumulative S [B, T], new linear sum) from h [B, T, d].
+
+        `lin` is the running sum of the raw scores w.h + b (no ReLU, no clamp), kept only while autograd
+        records: it carries the straight-through gradient of `straight_through`. Inference passes None.
+        """
         if torch.is_grad_enabled():
             score = router(h).squeeze(-1)
         else:
@@ -49,21 +55,47 @@ class Routers(nn.ModuleList):
             # skips -- is the same bits in a decode step, a verification forward or a prefill (batch
             # invariance; the MKL matrix-vector product behind nn.Linear is not: tests/test_kernels.py).
             score = (h * router.weight[0].to(h.dtype)).sum(-1) + router.bias[0].to(h.dtype)
-        s = torch.relu(score.float())
+        score = score.float()
+        s = torch.relu(score)
         cum = s if cum is None else cum + s
-        return 1.0 - cum.clamp(0.0, 1.0), cum
+        if torch.is_grad_enabled():
+            lin = score if lin is None else lin + score
+        return 1.0 - cum.clamp(0.0, 1.0), cum, lin
+
+
+def straight_through(gate: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
+    """The gate's value with the gradient of 1 - sum_{l' <= l} (w_l'.h + b_l'): ReLU and clamp of eqs. 1-2
+    taken as the identity in the backward pass (a straight-through estimator, Bengio et al. 2013).
+
+    Why: eq. 2 passes no gradient to a token whose gate is saturated -- S >= 1 (gate exactly 0: the clamp)
+    or every score so far <= 0 (gate exactly 1: the ReLU). A loss on the gate statistics then acts only
+    through the unsaturated tokens, and the saturated ones move only as a side effect of shared router
+    weights (issue 14: the controller missed its targets, the uncontrolled model kept its sparsity). The
+    value is exactly the gate's (x - x.detach() is exactly 0), so the forward pass is unchanged; the gradient
+    is the linear one alone (eq. 2's own path is detached).
+    """
+    return gate.detach() - (lin - lin.detach())
 
 
 class MirroredGates:
     """Gives each block's gate in order, for one forward pass: routers on the first half (cumulative,
     eqs. 1-2), the mirror of block L-1-l on the second. Must be called with layer = 0, 1, ..., L-1 in order
     (the cumulative sum S of eq. 2 needs every lower block): any other call is refused, so that a partial
-    forward cannot silently start a gated model mid-network with S = 0."""
+    forward cannot silently start a gated model mid-network with S = 0.
 
-    def __init__(self, routers: Routers, n_layers: int) -> None:
-        self.routers, self.n_layers = routers, n_layers
+    `gate_grad` (ModelConfig): "exact" gives the model eq. 2's gates; "straight_through" the same values
+    with the straight-through gradient (`straight_through`). While autograd records, `first_half_st` holds
+    the straight-through gates whatever `gate_grad` is, for a controller loss that differentiates them
+    (SparsityConfig.reg_grad)."""
+
+    def __init__(self, routers: Routers, n_layers: int, gate_grad: str = "exact") -> None:
+        if gate_grad not in GATE_GRADS:
+            raise ValueError(f"gate_grad must be one of {GATE_GRADS}, got {gate_grad!r}")
+        self.routers, self.n_layers, self.gate_grad = routers, n_layers, gate_grad
         self.first_half: list[torch.Tensor] = []
+        self.first_half_st: list[torch.Tensor] = []
         self.cum: torch.Tensor | None = None
+        self.lin: torch.Tensor | None = None
         self.next_layer = 0
 
     def __call__(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -72,7 +104,12 @@ class MirroredGates:
                              "gated model's gates need every block from 0 up, in order (eqs. 1-2)")
         self.next_layer += 1
         if layer < self.n_layers // 2:
-            gate, self.cum = Routers.step(self.routers[layer], h, self.cum)  # reads h entering block l
+            gate, self.cum, self.lin = Routers.step(self.routers[layer], h, self.cum, self.lin)  # h entering l
+            if self.lin is not None:
+                st = straight_through(gate, self.lin)
+                self.first_half_st.append(st)
+                if self.gate_grad == "straight_through":
+                    gate = st
             self.first_half.append(gate)
             return gate
         return self.first_half[self.n_layers - 1 - layer]  # eq. 2: mirror of block L-1-l
@@ -84,16 +121,25 @@ class GateStats:
 
     `mean` and `var` ([L], differentiable) feed the controller's loss; `zero_frac` ([L]) is the paper's
     sparsity, the fraction of gates exactly 0. Second-half entries repeat their mirrored first-half block.
+    `mean_st`, `var_st`: the same values computed from the straight-through gates (other gradient), present
+    when the pass recorded autograd (SparsityConfig.reg_grad = "straight_through" differentiates them).
     """
 
     mean: torch.Tensor
     var: torch.Tensor
     zero_frac: torch.Tensor
     n_tokens: int
+    mean_st: torch.Tensor | None = None
+    var_st: torch.Tensor | None = None
 
     @staticmethod
-    def from_gates(first_half: list[torch.Tensor], n_layers: int) -> "GateStats":
+    def from_gates(first_half: list[torch.Tensor], n_layers: int,
+                   first_half_st: list[torch.Tensor] | None = None) -> "GateStats":
         g = torch.stack([x.reshape(-1) for x in first_half])  # [L/2, N]
         mean, var, zero = gate_stats(g)
         idx = [mirror_index(layer, n_layers) for layer in range(n_layers)]
-        return GateStats(mean[idx], var[idx], zero[idx], g.shape[1])
+        mean_st = var_st = None
+        if first_half_st:
+            m, v, _ = gate_stats(torch.stack([x.reshape(-1) for x in first_half_st]))
+            mean_st, var_st = m[idx], v[idx]
+        return GateStats(mean[idx], var[idx], zero[idx], g.shape[1], mean_st, var_st)

@@ -386,7 +386,7 @@ class Transformer(nn.Module):
         stats = None
         first = None
         if gates is not None:
-            stats = GateStats.from_gates(gates.first_half, cfg.n_layers)
+            stats = GateStats.from_gates(gates.first_half, cfg.n_layers, gates.first_half_st)
             first = torch.stack(gates.first_half)
         aux = load = None
         if cfg.moe_experts:  # every block ran its experts in this pass (gates scale outputs, never skip here)
@@ -397,7 +397,7 @@ class Transformer(nn.Module):
 
     def gate_walker(self) -> MirroredGates | None:
         """A fresh in-order gate walker for one forward (None for dense models)."""
-        return MirroredGates(self.routers, self.cfg.n_layers) if self.routers is not None else None
+        return MirroredGates(self.routers, self.cfg.n_layers, self.cfg.gate_grad) if self.routers is not None else None
 
     def run_blocks(self, h: torch.Tensor, step: BlockStep, *, start: int = 0, stop: int | None = None,
                    gates: MirroredGates | None = None, routed: int | None = None,

@@ -330,8 +330,11 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
             with sync:
                 with autocast_context(dev, dtype):
                     out = fwd(x, y, return_logits=False)
-                    reg = controller.loss(out.gate_stats.mean, out.gate_stats.var) if controller is not None \
-                        else torch.zeros((), device=dev)
+                    reg = torch.zeros((), device=dev)
+                    if controller is not None:
+                        s = out.gate_stats  # the straight-through twins: same values, gradient to every token
+                        st = sparsity_cfg.reg_grad == "straight_through"
+                        reg = controller.loss(s.mean_st if st else s.mean, s.var_st if st else s.var)
                     moe = torch.zeros((), device=dev)
                     if out.moe_aux is not None:  # the experts' load-balancing loss (model.MoEFeedForward)
                         moe = model_cfg.moe_aux_coef * out.moe_aux
@@ -371,7 +374,11 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         if acc is not None:
             g_mean, g_var, g_zero = acc.reduce()
             controller.update(g_mean, g_var)
+            half = model_cfg.n_layers // 2  # per first-half block: the second half mirrors it (eq. 2)
             record.update(sparsity=float(g_zero.mean()), gate_mean=float(g_mean.mean()),
+                          **{f"gate_mean/{l}": float(g_mean[l]) for l in range(half)},
+                          **{f"gate_var/{l}": float(g_var[l]) for l in range(half)},
+                          **{f"gate_zero/{l}": float(g_zero[l]) for l in range(half)},
                           **{f"ctrl_{k}": v for k, v in controller.metrics().items()})
         steps_since += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == end:

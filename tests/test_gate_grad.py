@@ -1,0 +1,88 @@
+"""Straight-through gate gradients (issue 14): the same forward values as eq. 2, and by hand the gradient that
+eq. 2 withholds from saturated tokens (S >= 1: gate 0; every score <= 0: gate 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from midlayer.config import ModelConfig, SparsityConfig
+from midlayer.gating import straight_through
+from midlayer.model import Transformer
+
+SMALL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=64, max_seq_len=32, multiple_of=16)
+
+
+def _model(gate_grad: str, bias0: float = 0.0, scale: float = 0.5) -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(**SMALL, gate_grad=gate_grad))
+    with torch.no_grad():
+        for r in m.routers:
+            r.weight.normal_(0, scale)
+        m.routers[0].bias.fill_(bias0)
+        m.routers[1].bias.fill_(0.2)
+    return m
+
+
+def test_straight_through_value_is_the_gate_and_gradient_is_linear():
+    gate = torch.tensor([0.0, 0.3, 1.0])
+    lin = torch.tensor([2.0, 0.7, -1.0], requires_grad=True)
+    st = straight_through(gate, lin)
+    assert torch.equal(st, gate)
+    st.sum().backward()
+    assert torch.equal(lin.grad, -torch.ones(3))  # d(1 - lin)/d lin, for every token
+
+
+def test_forward_values_identical_and_stats_twins_equal():
+    x = torch.randint(0, 64, (2, 16))
+    out_e = _model("exact")(x, x)
+    out_s = _model("straight_through")(x, x)
+    assert torch.equal(out_e.logits, out_s.logits) and torch.equal(out_e.loss, out_s.loss)
+    for out in (out_e, out_s):
+        st = out.gate_stats
+        assert torch.equal(st.mean, st.mean_st) and torch.equal(st.var, st.var_st)
+    assert bool((out_e.gates == 0).any()) and bool(((out_e.gates > 0) & (out_e.gates < 1)).any())
+    with torch.no_grad():  # inference builds no twins
+        assert _model("exact")(x).gate_stats.mean_st is None
+
+
+def test_mean_gate_gradient_by_hand():
+    """Block 0: g = 1 - clamp(relu(w.h + b), 0, 1) with h the embedding. d mean(g)/d b is minus the fraction of
+    tokens with 0 < w.h + b < 1 under eq. 2, and exactly -1 straight through. Block 1's straight-through mean
+    has gradient -1 with respect to its own bias (g_1 = 1 - (score_0 + score_1) in the backward pass; b_0
+    also reaches block 1 through the residual, so only b_1 has a hand value)."""
+    x = torch.randint(0, 64, (2, 16))
+    m = _model("exact")
+    out = m(x, x)
+    with torch.no_grad():
+        score0 = m.routers[0](m.embed(x)).squeeze(-1)
+    unsaturated = ((score0 > 0) & (score0 < 1)).float().mean()
+    assert 0 < unsaturated < 1  # the test means something: some tokens saturated, some not
+    (g_exact,) = torch.autograd.grad(out.gate_stats.mean[0], m.routers[0].bias, retain_graph=True)
+    torch.testing.assert_close(g_exact, -unsaturated.reshape(1), rtol=1e-6, atol=1e-7)
+    g_st = [torch.autograd.grad(out.gate_stats.mean_st[0], m.routers[0].bias, retain_graph=True)[0],
+            torch.autograd.grad(out.gate_stats.mean_st[1], m.routers[1].bias)[0]]
+    for g in g_st:
+        torch.testing.assert_close(g, torch.tensor([-1.0]), rtol=1e-6, atol=1e-7)
+
+
+def test_saturated_router_gets_gradient_only_straight_through():
+    """Router 0's bias so large that every token has S >= 1 at block 0: every gate is 0, eq. 2 passes no
+    gradient to any router; the straight-through model's cross-entropy reaches them."""
+    x = torch.randint(0, 64, (2, 16))
+    grads = {}
+    for mode in ("exact", "straight_through"):
+        m = _model(mode, bias0=50.0)
+        out = m(x, x)
+        assert bool((out.gates == 0).all())
+        out.loss.backward()
+        grads[mode] = m.routers[0].bias.grad
+    assert grads["exact"] is None or float(grads["exact"].abs().max()) == 0.0
+    assert float(grads["straight_through"].abs().max()) > 0
+
+
+def test_bad_settings_refused():
+    with pytest.raises(ValueError, match="gate_grad"):
+        ModelConfig(**SMALL, gate_grad="soft")
+    with pytest.raises(ValueError, match="reg_grad"):
+        SparsityConfig(reg_grad="soft")
