@@ -272,6 +272,8 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: only at the end
     keep_last: int = 2
     seed: int = 0
+    init_perturb: float = 0.0  # > 0: every initial weight w becomes w (1 + init_perturb z), z ~ N(0, 1) from its own
+    #                            generator (data order unchanged): a stand-in for another CPU's rounding (issue 14)
     out_dir: str = "runs/default"
     compile: bool = False
     grad_norm_spike: float = 0.0  # warn when the grad norm exceeds this multiple of its running mean (0 = off)
@@ -286,6 +288,7 @@ class TrainConfig:
         for name in ("eval_tokens", "eval_every", "ckpt_every"):
             _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _check(0 <= self.seed < 2**64, "seed", f"must be in [0, 2**64), got {self.seed}")  # torch's seed range
+        _check(0 <= self.init_perturb < 1, "init_perturb", f"must be in [0, 1), got {self.init_perturb}")
         _check(self.eval_tokens == 0 or self.eval_tokens >= self.seq_len, "eval_tokens",
                f"must be 0 (the whole split) or at least one window of seq_len={self.seq_len} tokens, "
                f"got {self.eval_tokens}")

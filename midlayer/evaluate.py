@@ -82,17 +82,12 @@ def evaluate(model: Transformer, windows: TokenWindows, *, eval_tokens: int, bat
     return result
 
 
-def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str = "cpu") -> dict[str, Any]:
-    """Validation CE of a finished run's newest checkpoint at its training context x each of `multiples`
-    (and x1), over the same number of validation tokens (the run's eval_tokens): how the model does on
-    sequences longer than it was trained on. Writes and returns `run_dir/extrapolation.json`:
-    {"seq_len": T, "val_ce": {"T": ce, "2T": ce, ...}}. Refuses contexts beyond the model's max_seq_len."""
-    import json
-
-    from .checkpoint import atomic_write_bytes, list_checkpoints, load_checkpoint
+def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Any, Any, Any, int]:
+    """(model in eval mode, ModelConfig, TrainConfig, resolved data files, step) of a run's newest checkpoint."""
+    from .checkpoint import list_checkpoints, load_checkpoint
     from .config import ModelConfig, TrainConfig, from_dict
     from .data import resolve_data
-    from .train import default_cache_dir, resolve_dtype
+    from .train import default_cache_dir
 
     run = Path(run_dir)
     ckpts = list_checkpoints(run)
@@ -101,18 +96,101 @@ def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str
     ckpt = load_checkpoint(ckpts[-1])
     mcfg = from_dict(ModelConfig, ckpt["configs"]["model"])
     tcfg = from_dict(TrainConfig, ckpt["configs"]["train"])
+    model = Transformer(mcfg).to(torch.device(device))
+    model.load_state_dict(ckpt["model"])
+    files = resolve_data(tcfg.data, default_cache_dir(), tcfg.tokenizer_vocab, tcfg.val_data)
+    return model.eval(), mcfg, tcfg, files, int(ckpt["step"])
+
+
+def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str = "cpu") -> dict[str, Any]:
+    """Validation CE of a finished run's newest checkpoint at its training context x each of `multiples`
+    (and x1), over the same number of validation tokens (the run's eval_tokens): how the model does on
+    sequences longer than it was trained on. Writes and returns `run_dir/extrapolation.json`:
+    {"seq_len": T, "val_ce": {"T": ce, "2T": ce, ...}}. Refuses contexts beyond the model's max_seq_len."""
+    import json
+
+    from .checkpoint import atomic_write_bytes
+    from .train import resolve_dtype
+
+    run = Path(run_dir)
+    model, mcfg, tcfg, files, step = load_run(run, device)
+    dev = torch.device(device)
     lengths = [tcfg.seq_len * m for m in (1, *multiples)]
     if max(lengths) > mcfg.max_seq_len:
         raise ValueError(f"{run}: context {max(lengths)} exceeds the model's max_seq_len={mcfg.max_seq_len}")
-    dev = torch.device(device)
-    model = Transformer(mcfg).to(dev)
-    model.load_state_dict(ckpt["model"])
-    files = resolve_data(tcfg.data, default_cache_dir(), tcfg.tokenizer_vocab, tcfg.val_data)
     dtype = resolve_dtype(tcfg.dtype, dev)
-    out: dict[str, Any] = {"seq_len": tcfg.seq_len, "step": ckpt["step"], "val_ce": {}}
+    out: dict[str, Any] = {"seq_len": tcfg.seq_len, "step": step, "val_ce": {}}
     for T in lengths:
         res = evaluate(model, TokenWindows(files.val, T), eval_tokens=tcfg.eval_tokens,
                        batch_size=max(1, tcfg.micro_batch_size * tcfg.seq_len // T), device=dev, dtype=dtype)
         out["val_ce"][str(T)] = res["val_ce"]
     atomic_write_bytes(run / "extrapolation.json", lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
     return out
+
+
+@torch.no_grad()
+def compare_models(a: Transformer, b: Transformer, windows: TokenWindows, *, eval_tokens: int,
+                   batch_size: int) -> dict[str, Any]:
+    """How far apart two models of one architecture are, on the same validation tokens (issue 14: what a seed
+    or a last-bit perturbation changes, and where a gated model amplifies it).
+
+    Returned, token-weighted over the first `eval_tokens` tokens (float64 sums):
+      ce_a, ce_b: each model's cross-entropy; kl: mean KL(p_a || p_b) per token; top1_agree: fraction of
+      positions where the two argmaxes agree; param_rel_dist: ||theta_a - theta_b|| / ||theta_a||.
+    Gated models also, per first-half block l (the second half mirrors it, eq. 2):
+      gate_abs_diff[l]: mean |g_a - g_b|; zero_flip[l]: fraction of tokens whose gate is exactly 0 in one
+      model and not in the other -- the token runs blocks [l, L-1-l] in one and skips them in the other, a
+      discrete change that a tiny weight difference can cause; span_differs: fraction of tokens whose first
+      zero block (their skipped span) differs.
+    """
+    if a.cfg != b.cfg:
+        raise ValueError("compare_models: the two models have different configs")
+    cfg = a.cfg
+    a.eval(), b.eval()
+    half = cfg.n_layers // 2
+    sums = dict(n=0.0, ce_a=0.0, ce_b=0.0, kl=0.0, agree=0.0, span=0.0)
+    gate_abs = torch.zeros(half, dtype=torch.float64)
+    flips = torch.zeros(half, dtype=torch.float64)
+    for x, y in windows.sequential(batch_size, max_tokens=eval_tokens):
+        oa, ob = a(x, y), b(x, y)
+        n = float(y.numel())
+        la, lb = oa.logits.float().log_softmax(-1), ob.logits.float().log_softmax(-1)
+        sums["n"] += n
+        sums["ce_a"] += float(oa.loss) * n
+        sums["ce_b"] += float(ob.loss) * n
+        sums["kl"] += float((la.exp() * (la - lb)).sum(-1).double().sum())
+        sums["agree"] += float((la.argmax(-1) == lb.argmax(-1)).double().sum())
+        if cfg.gating:
+            ga, gb = oa.gates.reshape(half, -1), ob.gates.reshape(half, -1)  # [L/2, N]
+            gate_abs += (ga - gb).abs().double().sum(1)
+            za, zb = ga == 0, gb == 0
+            flips += (za != zb).double().sum(1)
+            sums["span"] += float((_first_zero_block(za) != _first_zero_block(zb)).double().sum())
+    if sums["n"] == 0:
+        raise ValueError("compare_models: no validation tokens")
+    n = sums["n"]
+    num = sum(float((pa - pb).double().square().sum()) for pa, pb in zip(a.parameters(), b.parameters()))
+    den = sum(float(pa.double().square().sum()) for pa in a.parameters())
+    out: dict[str, Any] = {"tokens": int(n), "ce_a": sums["ce_a"] / n, "ce_b": sums["ce_b"] / n,
+                           "kl": sums["kl"] / n, "top1_agree": sums["agree"] / n,
+                           "param_rel_dist": math.sqrt(num / den)}
+    if cfg.gating:
+        out.update(gate_abs_diff=(gate_abs / n).tolist(), zero_flip=(flips / n).tolist(), span_differs=sums["span"] / n)
+    return out
+
+
+def _first_zero_block(zero: torch.Tensor) -> torch.Tensor:
+    """[L/2, N] bool (gate == 0) -> [N]: each token's first zero block (its skipped span starts there), L/2
+    for a token that skips nothing."""
+    half = zero.shape[0]
+    return torch.where(zero.any(0), zero.int().argmax(0), torch.full_like(zero[0], half, dtype=torch.int64))
+
+
+def compare_runs(run_a: str | Path, run_b: str | Path, eval_tokens: int | None = None,
+                 device: str = "cpu") -> dict[str, Any]:
+    """`compare_models` on two runs' newest checkpoints, over run A's validation split and eval_tokens."""
+    a, _, ta, files, _ = load_run(run_a, device)
+    b, *_ = load_run(run_b, device)
+    return compare_models(a, b, TokenWindows(files.val, ta.seq_len),
+                          eval_tokens=ta.eval_tokens if eval_tokens is None else eval_tokens,
+                          batch_size=ta.micro_batch_size)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,9 +106,56 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             "gate_mean": list(res.get("gate_mean") or []),
             "gate_sparsity": list(res.get("gate_sparsity") or []),
             "grid": (sweep or {}).get("grid", sweep_dir.name),
+            "point": point_name(run_dir.name),
+            "seed": (cfg.get("train") or {}).get("seed"),
+            "gate_attention": model.get("gate_attention", "key") if gating else None,
         }
         rows.append(row)
     return rows
+
+
+def point_name(run: str) -> str:
+    """The point a run belongs to: its name without a trailing seed suffix ("dense-3-s1" -> "dense-3")."""
+    return re.sub(r"-s\d+$", "", run)
+
+
+def _stats(xs: list[float]) -> tuple[float, float, float, float]:
+    """mean, sample std (0 for one value), min, max."""
+    mean = sum(xs) / len(xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return mean, std, min(xs), max(xs)
+
+
+POINT_COLUMNS = ("point", "kind", "gate_attention", "n_layers", "mu_final", "seeds", "val_ce_mean", "val_ce_std",
+                 "val_ce_min", "val_ce_max", "mean_sparsity_mean", "mean_sparsity_std", "flops_per_seq_mean",
+                 "flops_per_seq_std", "flops_ratio_mean", "targets_met")
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per point (runs that differ only in seed): mean, sample std, min and max of val CE, and mean/std
+    of sparsity and estimated FLOPs; `targets_met` counts the seeds whose every block met its target."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r.get("point") or point_name(r["run"]), []).append(r)
+    out = []
+    for point, rs in groups.items():
+        first = rs[0]
+        ce = _stats([r["val_ce"] for r in rs])
+        sp = _stats([r.get("mean_sparsity") or 0.0 for r in rs])
+        fl = [r["flops_per_seq"] for r in rs if r.get("flops_per_seq") is not None]
+        fr = [r["flops_ratio"] for r in rs if r.get("flops_ratio") is not None]
+        met = None
+        if first["kind"] == KIND_GATED and first.get("mu_final") is not None:
+            met = sum(all(c["met"] for c in block_check(r)) for r in rs)
+        out.append({"point": point, "kind": first["kind"], "gate_attention": first.get("gate_attention"),
+                    "n_layers": first["n_layers"], "mu_final": first.get("mu_final"), "seeds": len(rs),
+                    "val_ce_mean": ce[0], "val_ce_std": ce[1], "val_ce_min": ce[2], "val_ce_max": ce[3],
+                    "mean_sparsity_mean": sp[0], "mean_sparsity_std": sp[1],
+                    "flops_per_seq_mean": _stats(fl)[0] if fl else None,
+                    "flops_per_seq_std": _stats(fl)[1] if fl else None,
+                    "flops_ratio_mean": _stats(fr)[0] if fr else None, "targets_met": met,
+                    "grid": first.get("grid")})
+    return sorted(out, key=lambda p: (_sort_key({**p, "run": p["point"]}), p.get("gate_attention") or ""))
 
 
 def block_targets(mu0: float, mu_final: float, n_layers: int) -> list[float]:
@@ -177,6 +225,36 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
         "the full benefit of skipped tokens (paper section 3; `midlayer/flops.py`). `vs dense-equiv.`: that "
         "estimate over the same model's count at sparsity 0.",
         "",
+    ]
+    points = aggregate(rows)
+    if any(p["seeds"] > 1 for p in points):
+        points_csv = csv_path.with_name(csv_path.stem + "-points.csv")
+        with open(points_csv, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(POINT_COLUMNS)
+            for p in points:
+                w.writerow(["" if p.get(c) is None else p.get(c) for c in POINT_COLUMNS])
+        lines += [
+            "## Points: mean over seeds",
+            "",
+            "val CE: mean ± sample standard deviation over the seeds (min-max in brackets); sparsity and FLOPs: "
+            "mean ± std. `targets met`: seeds whose every block is within delta of its target.",
+            "",
+            "| point | kind | gating | layers | mu_final | seeds | val CE | mean sparsity | est. MFLOPs/seq "
+            "| vs dense-equiv. | targets met |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for p in points:
+            fl = (f"{p['flops_per_seq_mean'] / 1e6:,.1f} ± {p['flops_per_seq_std'] / 1e6:,.1f}"
+                  if p.get("flops_per_seq_mean") is not None else "-")
+            met = f"{p['targets_met']}/{p['seeds']}" if p.get("targets_met") is not None else "-"
+            lines.append(f"| {p['point']} | {p['kind']} | {_fmt(p.get('gate_attention'))} | {p['n_layers']} | "
+                         f"{_fmt(p.get('mu_final'), '.2f')} | {p['seeds']} | {p['val_ce_mean']:.4f} ± "
+                         f"{p['val_ce_std']:.4f} [{p['val_ce_min']:.4f}-{p['val_ce_max']:.4f}] | "
+                         f"{p['mean_sparsity_mean']:.3f} ± {p['mean_sparsity_std']:.3f} | {fl} | "
+                         f"{_fmt(p.get('flops_ratio_mean'), '.3f')} | {met} |")
+        lines += ["", "## Runs", ""]
+    lines += [
         "| run | kind | layers | mu_final | val CE | val ppl | mean sparsity | est. MFLOPs/seq | vs dense-equiv. "
         "| params | train tok/s | steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -224,12 +302,14 @@ def _label(row: dict[str, Any]) -> str:
         return f"{row['n_layers']}L"
     if row["kind"] == KIND_NO_CONTROL:
         return "no control"
-    return rf"$\mu^*$={row['mu_final']:.2f}" if row.get("mu_final") is not None else row["run"]
+    return rf"$\mu^*$={row['mu_final']:.2f}" if row.get("mu_final") is not None else row.get("point", row.get("run"))
 
 
 def plot_figure2(rows: list[dict[str, Any]], png_path: Path | str, title: str | None = None) -> None:
     """Left: val CE vs estimated forward FLOPs per sequence; right: val CE vs mean sparsity. Dense runs are
-    a line labelled by depth, gated runs separate points labelled by mu_final or "no control"."""
+    a line labelled by depth, gated runs separate points labelled by mu_final or "no control"; key- and
+    query-indexed gating get their own markers. Runs that differ only in seed are one point at their mean,
+    with error bars of one sample standard deviation (`aggregate`)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -237,9 +317,9 @@ def plot_figure2(rows: list[dict[str, Any]], png_path: Path | str, title: str | 
         raise ImportError("plotting needs matplotlib: pip install 'midlayer[plot]'") from e
     if not rows:
         raise ValueError("nothing to plot: no run has a final evaluation")
-    dense = sorted((r for r in rows if r["kind"] == KIND_DENSE), key=lambda r: r["n_layers"])
-    ctrl = sorted((r for r in rows if r["kind"] == KIND_GATED), key=lambda r: -(r.get("mu_final") or 0.0))
-    free = [r for r in rows if r["kind"] == KIND_NO_CONTROL]
+    points = aggregate(rows)
+    dense = sorted((p for p in points if p["kind"] == KIND_DENSE), key=lambda p: p["n_layers"])
+    seeds = max(p["seeds"] for p in points)
 
     # Figure + Agg canvas directly (not pyplot): no global backend state, works headless and in threads.
     fig = Figure(figsize=(11, 4.5), layout="constrained")
@@ -249,29 +329,35 @@ def plot_figure2(rows: list[dict[str, Any]], png_path: Path | str, title: str | 
     def annotate(ax, x: float, y: float, text: str) -> None:
         ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
 
-    gated_label = f"gated {ctrl[0]['n_layers']}L, controlled" if ctrl else None
+    def draw(ax, ps: list[dict[str, Any]], xkey: str, scale: float, fmt: str, color: str, label: str | None) -> None:
+        xs = [(p[f"{xkey}_mean"] or 0.0) * scale for p in ps]
+        xerr = [(p.get(f"{xkey}_std") or 0.0) * scale for p in ps]
+        ys, yerr = [p["val_ce_mean"] for p in ps], [p["val_ce_std"] for p in ps]
+        ax.errorbar(xs, ys, yerr=yerr, xerr=xerr, fmt=fmt, color=color, label=label, capsize=2, markersize=5)
+        for p, x, y in zip(ps, xs, ys):
+            annotate(ax, x, y, _label(p))
+
+    series = []
+    modes = sorted({p.get("gate_attention") or "key" for p in points if p["kind"] != KIND_DENSE})
+    for i, mode in enumerate(modes):
+        tag = "" if modes == ["key"] else f", {mode} gating"
+        ctrl = sorted((p for p in points if p["kind"] == KIND_GATED and (p.get("gate_attention") or "key") == mode),
+                      key=lambda p: -(p.get("mu_final") or 0.0))
+        free = [p for p in points if p["kind"] == KIND_NO_CONTROL and (p.get("gate_attention") or "key") == mode]
+        if ctrl:
+            series.append((ctrl, "D^"[i % 2], ("C1", "C3")[i % 2], f"gated {ctrl[0]['n_layers']}L, controlled{tag}"))
+        if free:
+            series.append((free, "sv"[i % 2], ("C2", "C4")[i % 2], f"gated {free[0]['n_layers']}L, no control{tag}"))
     for ax, xkey, scale in ((ax_f, "flops_per_seq", 1e-9), (ax_s, "mean_sparsity", 1.0)):
         if dense:
-            xs = [r[xkey] * scale for r in dense]
-            ys = [r["val_ce"] for r in dense]
             # A line through the depths on the FLOPs axis; on the sparsity axis they all sit at 0.
-            ax.plot(xs, ys, "o-" if ax is ax_f else "o", color="C0", label="dense baselines")
-            for r, x, y in zip(dense, xs, ys):
-                annotate(ax, x, y, _label(r))
-        if ctrl:
-            xs = [r[xkey] * scale for r in ctrl]
-            ys = [r["val_ce"] for r in ctrl]
-            ax.plot(xs, ys, "D", color="C1", label=gated_label)
-            for r, x, y in zip(ctrl, xs, ys):
-                annotate(ax, x, y, _label(r))
-        for r in free:
-            x = r[xkey] * scale
-            ax.plot([x], [r["val_ce"]], "s", color="C2", label=f"gated {r['n_layers']}L, no control")
-            annotate(ax, x, r["val_ce"], _label(r))
+            draw(ax, dense, xkey, scale, "o-" if ax is ax_f else "o", "C0", "dense baselines")
+        for ps, marker, color, label in series:
+            draw(ax, ps, xkey, scale, marker, color, label)
         ax.grid(True, alpha=0.3)
     ax_f.set_xlabel("estimated forward GFLOPs per sequence")
     ax_s.set_xlabel("mean gate sparsity")
-    ax_f.set_ylabel("validation cross-entropy")
+    ax_f.set_ylabel("validation cross-entropy" + (f" (mean ± std, {seeds} seeds)" if seeds > 1 else ""))
     ax_f.legend(fontsize=8)
     grid = title if title is not None else rows[0].get("grid", "")
     fig.suptitle(f"Figure 2 reproduction ({grid})" if grid else "Figure 2 reproduction")
@@ -411,5 +497,6 @@ def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dic
     return paths
 
 
-__all__ = ["collect", "write_table", "plot_figure2", "block_targets", "block_check", "write_report",
+__all__ = ["collect", "aggregate", "point_name", "write_table", "plot_figure2", "block_targets", "block_check",
+           "write_report", "POINT_COLUMNS",
            "collect_parts", "write_parts_report", "CSV_COLUMNS"]

@@ -143,6 +143,18 @@ def _configs(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: Tr
     return {"model": asdict(model_cfg), "sparsity": asdict(sparsity_cfg), "train": asdict(train_cfg)}
 
 
+@torch.no_grad()
+def perturb_weights(model: torch.nn.Module, rel: float, seed: int) -> None:
+    """w <- w (1 + rel z), z ~ N(0, 1) per weight, from a generator of its own (seeded by `seed`), so the
+    global RNG -- dropout, data -- is untouched. With rel ~ 1e-7 (float32's unit roundoff is 6e-8) it stands
+    in for the rounding differences of another CPU: how far a run moves under it measures how much training
+    amplifies last-bit noise (issue 14). Zeros (biases at init) stay 0."""
+    gen = torch.Generator().manual_seed((seed + 0x5EED) % 2**64)
+    for p in model.parameters():
+        z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        p.mul_(1 + rel * z.to(p.dtype))
+
+
 def train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: TrainConfig, *,
           resume: bool = False, device: str | None = None, cache_dir: Path | None = None,
           progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
@@ -242,7 +254,10 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
 
     # ---- model, optimizer, schedule, controller (same seed on every rank -> same initial weights)
     torch.manual_seed(cfg.seed)
-    model = Transformer(model_cfg).to(dev)
+    model = Transformer(model_cfg)
+    if cfg.init_perturb > 0:
+        perturb_weights(model, cfg.init_perturb, cfg.seed)
+    model = model.to(dev)
     model.check_inputs = dev.type == "cpu"  # the range check syncs with the GPU; data ids are known-good
     dtype = resolve_dtype(cfg.dtype, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,

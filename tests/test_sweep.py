@@ -23,7 +23,7 @@ from midlayer.train import train
 def _fake_eval(m, s, t, step=None) -> dict:
     """An eval.json as train() writes it, with numbers that depend on the config (so rows are tellable)."""
     step = t.steps if step is None else step
-    res = {"step": step, "finished": step == t.steps, "val_ce": 5.0 - 0.1 * m.n_layers + (0.05 if m.gating else 0),
+    res = {"step": step, "finished": step == t.steps, "val_ce": 5.0 - 0.1 * m.n_layers + (0.05 if m.gating else 0) + 0.01 * t.seed,
            "val_ppl": 100.0, "gating": m.gating, "n_layers": m.n_layers, "params": 1000 * m.n_layers,
            "flops_per_seq_dense_equiv": 1e6 * m.n_layers, "train_tokens_per_s": 5000.0}
     if m.gating:
@@ -303,6 +303,34 @@ def test_collect_and_tables_hold_every_run_with_its_numbers(tmp_path):
     assert "- gated-mu0.50: 3/3 blocks within delta = 0.01 of their target" in md
     assert "| gated-mu0.00 | 1.00 -> 0.00 | 2 | 0.000 | 0.000 | 1.000 | 0.000 | yes |" in md
     assert "| gated-none | no control | 0 | - |" in md
+
+
+def test_seeds_grid_points_aggregate_by_hand(tmp_path):
+    """cpu-seeds: one point per name without its seed; the fake val CE is base + 0.01 * seed, so seeds 0, 1, 2
+    give mean base + 0.01 and sample std 0.01; key and query gated points stay apart."""
+    from midlayer.plot import aggregate, point_name
+    grid = get_grid("cpu-seeds")
+    assert {r.train["seed"] for r in grid.runs} == {0, 1, 2} and len(grid.runs) == 3 * 14
+    only = [f"{p}-s{k}" for p in ("dense-2", "gated-key-mu0.50", "gated-query-mu0.50") for k in (0, 1, 2)]
+    assert run_sweep("cpu-seeds", tmp_path, only=only, train_fn=FakeTrain(), progress=False) == 0
+    rows = collect(tmp_path / "cpu-seeds")
+    assert point_name("dense-2-s1") == "dense-2" and point_name("gated-key-none") == "gated-key-none"
+    pts = {p["point"]: p for p in aggregate(rows)}
+    assert set(pts) == {"dense-2", "gated-key-mu0.50", "gated-query-mu0.50"}
+    d = pts["dense-2"]
+    assert d["seeds"] == 3 and d["val_ce_mean"] == pytest.approx(4.8 + 0.01)
+    assert d["val_ce_std"] == pytest.approx(0.01) and d["val_ce_min"] == pytest.approx(4.8)
+    assert d["val_ce_max"] == pytest.approx(4.82) and d["targets_met"] is None
+    assert pts["gated-key-mu0.50"]["gate_attention"] == "key" and pts["gated-query-mu0.50"]["gate_attention"] == "query"
+    assert pts["gated-key-mu0.50"]["targets_met"] == 3  # the fake runs hit their targets exactly
+    write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
+    md = (tmp_path / "t.md").read_text()
+    assert "| dense-2 | dense | - | 2 | - | 3 | 4.8100 ± 0.0100 [4.8000-4.8200] |" in md
+    pcsv = {r["point"]: r for r in csv.DictReader(open(tmp_path / "t-points.csv"))}
+    assert float(pcsv["gated-query-mu0.50"]["val_ce_mean"]) == pytest.approx(4.45 + 0.01)
+    if importlib.util.find_spec("matplotlib") is not None:
+        plot_figure2(rows, tmp_path / "f.png")
+        assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_block_targets_and_check_by_hand():

@@ -86,6 +86,27 @@ def test_same_command_seed_and_machine_give_identical_weights(tmp_path, gating):
         assert torch.equal(a["controller"]["alpha"], b["controller"]["alpha"])
 
 
+def test_init_perturb_moves_weights_by_the_relative_amount_and_keeps_the_data_order():
+    from midlayer.model import Transformer
+    from midlayer.train import perturb_weights
+    m, _, _ = get_preset("debug")
+    torch.manual_seed(0)
+    a = Transformer(m)
+    b = Transformer(m)
+    b.load_state_dict(a.state_dict())
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    perturb_weights(b, 1e-3, seed=0)
+    assert torch.equal(torch.rand(3), before)  # the global generator (data, dropout) is untouched
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        nz = pa != 0
+        rel = ((pb - pa)[nz] / pa[nz])
+        assert torch.equal(pb[~nz], pa[~nz]), name  # zeros stay zero
+        if nz.sum() > 100:  # relative change ~ N(0, 1e-3)
+            assert 0.8e-3 < float(rel.std()) < 1.2e-3 and abs(float(rel.mean())) < 3e-4, name
+
+
 # -------------------------------------------------------------------------------------------- resume
 @pytest.mark.parametrize("gating", [True, False])
 def test_resume_reaches_identical_weights(tmp_path, gating):
@@ -226,7 +247,7 @@ def test_cli_surface_is_frozen():
                    "--head-size", "--gate-attention", "--gate-grad"]
     sparsity_flags = ["--alpha", "--beta", "--controller", "--delta", "--gamma", "--mu-final", "--mu0", "--reg-grad"]
     train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--data",
-                   "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--keep-last",
+                   "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--init-perturb", "--keep-last",
                    "--log-every", "--lr", "--micro-batch-size", "--no-compile", "--no-tensorboard", "--out-dir",
                    "--seed", "--seq-len", "--steps", "--tensorboard", "--tokenizer-vocab", "--val-data",
                    "--wandb", "--warmup-frac", "--warmup-start-factor", "--weight-decay"]
