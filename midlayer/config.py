@@ -230,6 +230,7 @@ class SparsityConfig:
     delta: float = 1e-2  # dead band: no update while |diff| <= delta (two-sided, as the authors' code)
     alpha: float = 1e-2  # fixed mean coefficient for the non-adaptive `sparsity*` controllers
     beta: float = 1e-2  # fixed variance coefficient for the non-adaptive `sparsity*` controllers
+    kp: float = 0.0  # proportional gain (beyond the paper; 0 = eq. 6 alone): the loss coefficient is alpha + kp e
     reg_grad: str = "exact"  # what the regulariser differentiates: eq. 4 on the gates ("exact") or on their
     #                          straight-through twins (same values; reaches saturated tokens; gating.py)
 
@@ -240,7 +241,7 @@ class SparsityConfig:
         for name in ("mu0", "mu_final"):
             v = getattr(self, name)
             _check(0.0 <= v <= 1.0, name, f"a mean gate target must be in [0, 1], got {v}")
-        for name in ("gamma", "delta", "alpha", "beta"):
+        for name in ("gamma", "delta", "alpha", "beta", "kp"):
             v = getattr(self, name)
             _check(v >= 0, name, f"must be >= 0, got {v}")
         _check(self.reg_grad in GATE_GRADS, "reg_grad", f"must be one of {GATE_GRADS}, got {self.reg_grad!r}")

@@ -91,13 +91,20 @@ class SparsityController:
             a0 = b0 = 0.0
         self.alpha = torch.full((n_layers,), a0, dtype=torch.float32)
         self.beta = torch.full((n_layers,), b0, dtype=torch.float32)
+        # Proportional term (beyond the paper, issue 14): the loss uses alpha + kp * e with e the last step's
+        # error (gbar - mu*, s2 - sigma2*, dead band applied). The paper's update makes alpha the *integral*
+        # of the error; with kp > 0 the coefficients also react to the error itself, which damps the
+        # overshoot of an integral that wound up while the gates were saturated.
+        self.kp = float(getattr(cfg, "kp", 0.0))
+        self.err_mean = torch.zeros(n_layers, dtype=torch.float32)
+        self.err_var = torch.zeros(n_layers, dtype=torch.float32)
         if self.kind == "sparsity":
             # Table 1: this variant has a mean term only.
             self.beta.zero_()
 
     def to(self, device: torch.device | str) -> "SparsityController":
         """Move coefficients and targets to `device` (saves a host-to-device copy per `loss` call)."""
-        for name in ("mu", "sigma2", "alpha", "beta"):
+        for name in ("mu", "sigma2", "alpha", "beta", "err_mean", "err_var"):
             setattr(self, name, getattr(self, name).to(device))
         return self
 
@@ -118,6 +125,9 @@ class SparsityController:
             return mean.sum() * 0
         like = dict(device=mean.device, dtype=mean.dtype)
         alpha, beta = self.alpha.to(**like), self.beta.to(**like)
+        if self.kp and self.kind in ADAPTIVE_KINDS:
+            alpha = alpha + self.kp * self.err_mean.to(**like)
+            beta = beta + self.kp * self.err_var.to(**like)
         if self.kind == "sparsity":
             per_block = alpha * mean
         elif self.kind == "sparsity_variance_l2":
@@ -144,10 +154,11 @@ class SparsityController:
         like = dict(device=self.alpha.device, dtype=self.alpha.dtype)
         d_mean = mean.detach().to(**like) - self.mu
         d_var = var.detach().to(**like) - self.sigma2
-        for coef, diff in ((self.alpha, d_mean), (self.beta, d_var)):
+        for coef, err, diff in ((self.alpha, self.err_mean, d_mean), (self.beta, self.err_var, d_var)):
             outside = diff.abs() > self.delta
             step = diff if self.kind == "proportional" else torch.sign(diff)
             coef.add_(self.gamma * torch.where(outside, step, torch.zeros_like(step)))
+            err.copy_(torch.where(outside, diff, torch.zeros_like(diff)))
 
     def metrics(self) -> dict[str, float]:
         """Per-block coefficients and targets as flat floats, for logging."""
@@ -160,7 +171,8 @@ class SparsityController:
     def state_dict(self) -> dict[str, object]:
         """Coefficients and identity, for checkpoints (targets come from the config on load)."""
         return {"kind": self.kind, "n_layers": self.n_layers,
-                "alpha": self.alpha.detach().cpu().clone(), "beta": self.beta.detach().cpu().clone()}
+                "alpha": self.alpha.detach().cpu().clone(), "beta": self.beta.detach().cpu().clone(),
+                "err_mean": self.err_mean.detach().cpu().clone(), "err_var": self.err_var.detach().cpu().clone()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore coefficients; refuse a state saved by another controller kind or layer count."""
@@ -177,6 +189,9 @@ class SparsityController:
                 raise ValueError(f"controller state {name!r} has shape {tuple(value.shape)}, "
                                  f"expected ({self.n_layers},)")
             getattr(self, name).copy_(value)
+        for name in ("err_mean", "err_var"):  # absent from checkpoints written before the kp term existed: 0
+            value = torch.as_tensor(state.get(name, torch.zeros(self.n_layers)))
+            getattr(self, name).copy_(value.reshape(self.n_layers))
 
     def __repr__(self) -> str:
         return (f"SparsityController(kind={self.kind!r}, n_layers={self.n_layers}, "

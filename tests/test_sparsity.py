@@ -60,6 +60,37 @@ def test_proportional_update_two_sided_dead_band() -> None:
     assert _list(c.beta) == pytest.approx([0, -1e-4, 1e-3, 0, 0, 0], abs=1e-9)
 
 
+def test_proportional_term_by_hand() -> None:
+    """kp > 0 (beyond the paper): the loss coefficient is alpha + kp * e, with e the last update's error
+    outside the dead band (0 inside it), so a step after an update the loss reacts to the error itself."""
+    c = make_controller(_cfg("proportional", kp=0.5), 6)
+    c.update(MEAN, VAR)
+    # errors: mean [0, 0, .3, 0, -.02, 0], var [0, -.05, .5, 0, 0, 0] (|diff| <= 0.01 -> 0)
+    assert _list(c.err_mean) == pytest.approx([0, 0, 0.3, 0, -0.02, 0], abs=1e-7)
+    assert _list(c.err_var) == pytest.approx([0, -0.05, 0.5, 0, 0, 0], abs=1e-7)
+    mean = torch.ones(6, requires_grad=True)
+    var = torch.ones(6, requires_grad=True)
+    c.loss(mean, var).backward()
+    # d loss / d mean_l = (alpha_l + kp e_l) / L, alpha from test_proportional_update_two_sided_dead_band
+    want = [(a + 0.5 * e) / 6 for a, e in zip([0, 0, 3e-4, 0, -2e-5, 0], [0, 0, 0.3, 0, -0.02, 0])]
+    assert _list(mean.grad) == pytest.approx(want, abs=1e-8)
+    want_v = [(b + 0.5 * e) / 6 for b, e in zip([0, -5e-5, 5e-4, 0, 0, 0], [0, -0.05, 0.5, 0, 0, 0])]
+    assert _list(var.grad) == pytest.approx(want_v, abs=1e-8)
+    # kp = 0 is the paper: the same update gives gradient alpha / L alone
+    c0 = make_controller(_cfg("proportional"), 6)
+    c0.update(MEAN, VAR)
+    mean0 = torch.ones(6, requires_grad=True)
+    c0.loss(mean0, torch.ones(6)).backward()
+    assert _list(mean0.grad) == pytest.approx([a / 6 for a in [0, 0, 3e-4, 0, -2e-5, 0]], abs=1e-9)
+    # the errors travel with the state (exact resume); a state saved before kp existed loads them as 0
+    c2 = make_controller(_cfg("proportional", kp=0.5), 6)
+    c2.load_state_dict(c.state_dict())
+    assert torch.equal(c2.err_mean, c.err_mean) and torch.equal(c2.err_var, c.err_var)
+    old = {k: v for k, v in c.state_dict().items() if not k.startswith("err_")}
+    c2.load_state_dict(old)
+    assert _list(c2.err_mean) == [0.0] * 6
+
+
 def test_adaptive_update_uses_sign() -> None:
     c = make_controller(_cfg("adaptive"), 6)
     c.update(MEAN, VAR)

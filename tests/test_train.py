@@ -107,6 +107,26 @@ def test_init_perturb_moves_weights_by_the_relative_amount_and_keeps_the_data_or
             assert 0.8e-3 < float(rel.std()) < 1.2e-3 and abs(float(rel.mean())) < 3e-4, name
 
 
+def test_controller_closed_loop_meets_every_target(tmp_path):
+    """Issue 14: the controller with the proportional term (gamma 1e-2, kp 0.3) drives every block's mean gate
+    to within delta of its target on a small model in 400 steps: targets [1.0, 0.5] (debug preset, 4 layers,
+    2 routers). Measured on the training batches of the last 50 steps (what the controller sees) and on the
+    final evaluation. At this size and budget the paper's rule misses: gamma 1e-3 ends at [0.765, 0.310],
+    gamma 1e-2 alone at [1.000, 0.602] (docs/results/controller-cpu.md)."""
+    import json
+    m, s, t = debug_configs(tmp_path, steps=400, batch_size=16, micro_batch_size=16, lr=3e-3, log_every=1,
+                            eval_tokens=4096)
+    s = dataclasses.replace(s, controller="proportional", mu0=1.0, mu_final=0.5, gamma=1e-2, kp=0.3)
+    res = train(m, s, t, progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"gate_mean/0"' in line]
+    last = [r for r in rows if r["step"] > 350]
+    assert len(last) == 50
+    for block, target in enumerate([1.0, 0.5]):
+        train_mean = float(np.mean([r[f"gate_mean/{block}"] for r in last]))
+        assert abs(train_mean - target) <= s.delta, (block, train_mean)
+        assert abs(res["gate_mean"][block] - target) <= s.delta, (block, res["gate_mean"][block])
+
+
 # -------------------------------------------------------------------------------------------- resume
 @pytest.mark.parametrize("gating", [True, False])
 def test_resume_reaches_identical_weights(tmp_path, gating):
@@ -245,7 +265,7 @@ def test_cli_surface_is_frozen():
                    "--sliding-window", "--t5-buckets", "--t5-max-distance", "--moe-experts", "--moe-top-k",
                    "--moe-aux-coef", "--ssm-layers", "--ssm-state", "--ssm-expand", "--ssm-conv", "--ssm-dt-rank",
                    "--head-size", "--gate-attention", "--gate-grad"]
-    sparsity_flags = ["--alpha", "--beta", "--controller", "--delta", "--gamma", "--mu-final", "--mu0", "--reg-grad"]
+    sparsity_flags = ["--alpha", "--beta", "--controller", "--delta", "--gamma", "--kp", "--mu-final", "--mu0", "--reg-grad"]
     train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--data",
                    "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--init-perturb", "--keep-last",
                    "--log-every", "--lr", "--micro-batch-size", "--no-compile", "--no-tensorboard", "--out-dir",
