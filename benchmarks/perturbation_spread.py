@@ -7,6 +7,7 @@ CPU's rounding does to the first step), then compares the two on the same valida
 one run and not the other. Also prints the first training step whose loss differs by more than 1e-3.
 
     python benchmarks/perturbation_spread.py                      # debug preset, 400 steps, ~2 min
+    python benchmarks/perturbation_spread.py --synthetic --eval-tokens 8192
     python benchmarks/perturbation_spread.py --preset tiny --steps 800 --batch-size 16 --seq-len 256
 """
 
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--data", default="shakespeare")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="train on the training tests' synthetic stream (tests/test_train.py) instead of --data")
     ap.add_argument("--perturb", type=float, default=1e-7)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--gamma", type=float, default=1e-2)
@@ -45,6 +48,10 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="perturb-"))
+    if args.synthetic:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from test_train import synthetic_shards
+        args.data = synthetic_shards(root)
     train_kw = dict(steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.batch_size, lr=args.lr,
                     data=args.data, log_every=1, eval_tokens=args.eval_tokens)
     if args.seq_len:
