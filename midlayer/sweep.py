@@ -236,13 +236,15 @@ _PARTS_SMOKE = Grid(
 # ---- cpu-seeds (issue 14): the cpu grid's Figure 2 made readable -- three seeds per point (mean and spread),
 # a longer budget, and every gated point twice: key-indexed gating (eq. 3, our default) and the public reference
 # code's query-indexed variant (a softmax-row constant: skipped tokens stay visible as keys). The controlled
-# runs use the controller setting chosen by the issue-14 study (docs/results/controller-cpu.md): the paper's
-# rule (eq. 6) with gamma = SEEDS_GAMMA, which meets the targets at this budget where 1e-3 does not.
+# runs use the controller setting of the issue-14 study (docs/results/controller-cpu.md). So far that is the
+# paper's rule (eq. 6) with gamma = SEEDS_GAMMA: it comes much closer to the targets at this budget than 1e-3,
+# but it does not yet meet every block. Settle it (SEEDS_GAMMA, SEEDS_KP) before starting the sweep.
 # Time (2 cores, the cpu grid's per-token costs): per seed, dense 1..6 ~567 us/token and 8 gated runs x
 # ~156 us/token, x SEEDS_STEPS x 4,096 tokens; ~2.5 h per seed at 1,200 steps, ~7.5 h in all: several sittings.
 SEEDS_STEPS = 1200
 SEEDS = (0, 1, 2)
 SEEDS_GAMMA = 1e-2
+SEEDS_KP = 0.0
 SEEDS_KEY_MU_FINALS = [0.75, 0.5, 0.25, 0.0]
 SEEDS_QUERY_MU_FINALS = [0.5, 0.0]
 
@@ -256,7 +258,7 @@ def _seeds_runs(seeds: tuple[int, ...]) -> tuple[RunSpec, ...]:
         for mu in mus:
             points.append(RunSpec(f"gated-{mode}-mu{mu:.2f}", "tiny", model=dict(gm),
                                   sparsity={"controller": "proportional", "mu0": 1.0, "mu_final": mu,
-                                            "gamma": SEEDS_GAMMA}))
+                                            "gamma": SEEDS_GAMMA, "kp": SEEDS_KP}))
     return tuple(dataclasses.replace(p, name=f"{p.name}-s{seed}", train={**p.train, "seed": seed})
                  for seed in seeds for p in points)
 
