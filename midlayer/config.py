@@ -231,7 +231,8 @@ class SparsityConfig:
     alpha: float = 1e-2  # fixed mean coefficient for the non-adaptive `sparsity*` controllers
     beta: float = 1e-2  # fixed variance coefficient for the non-adaptive `sparsity*` controllers
     kp: float = 0.0  # proportional gain (beyond the paper; 0 = eq. 6 alone): the loss coefficient is alpha + kp e
-    reg_grad: str = "exact"  # what the regulariser differentiates: eq. 4 on the gates ("exact") or on their
+    reg_grad: str = "exact"  # what the regulariser differentiates: eq. 4 on the model's gates ("exact"; with
+    #                          gate_grad straight_through those are already straight-through) or on their
     #                          straight-through twins (same values; reaches saturated tokens; gating.py)
 
     def __post_init__(self) -> None:
@@ -245,6 +246,8 @@ class SparsityConfig:
             v = getattr(self, name)
             _check(v >= 0, name, f"must be >= 0, got {v}")
         _check(self.reg_grad in GATE_GRADS, "reg_grad", f"must be one of {GATE_GRADS}, got {self.reg_grad!r}")
+        _check(self.kp == 0 or self.controller in ("adaptive", "proportional"), "kp",
+               f"the proportional term needs an adaptive controller (adaptive, proportional), got {self.controller!r}")
 
 
 @dataclass

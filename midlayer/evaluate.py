@@ -8,6 +8,7 @@ the estimate at the measured sparsity and the dense-equivalent count, so the sav
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -143,15 +144,19 @@ def compare_models(a: Transformer, b: Transformer, windows: TokenWindows, *, eva
       discrete change that a tiny weight difference can cause; span_differs: fraction of tokens whose first
       zero block (their skipped span) differs.
     """
-    if a.cfg != b.cfg:
+    same = lambda c: dataclasses.replace(c, gate_grad="exact", attn_backend="auto")  # noqa: E731 (no effect on outputs)
+    if same(a.cfg) != same(b.cfg):
         raise ValueError("compare_models: the two models have different configs")
     cfg = a.cfg
+    was = (a.training, b.training)
     a.eval(), b.eval()
+    dev = next(a.parameters()).device
     half = cfg.n_layers // 2
     sums = dict(n=0.0, ce_a=0.0, ce_b=0.0, kl=0.0, agree=0.0, span=0.0)
     gate_abs = torch.zeros(half, dtype=torch.float64)
     flips = torch.zeros(half, dtype=torch.float64)
     for x, y in windows.sequential(batch_size, max_tokens=eval_tokens):
+        x, y = x.to(dev), y.to(dev)
         oa, ob = a(x, y), b(x, y)
         n = float(y.numel())
         la, lb = oa.logits.float().log_softmax(-1), ob.logits.float().log_softmax(-1)
@@ -162,10 +167,11 @@ def compare_models(a: Transformer, b: Transformer, windows: TokenWindows, *, eva
         sums["agree"] += float((la.argmax(-1) == lb.argmax(-1)).double().sum())
         if cfg.gating:
             ga, gb = oa.gates.reshape(half, -1), ob.gates.reshape(half, -1)  # [L/2, N]
-            gate_abs += (ga - gb).abs().double().sum(1)
+            gate_abs += (ga - gb).abs().double().sum(1).cpu()
             za, zb = ga == 0, gb == 0
-            flips += (za != zb).double().sum(1)
+            flips += (za != zb).double().sum(1).cpu()
             sums["span"] += float((_first_zero_block(za) != _first_zero_block(zb)).double().sum())
+    a.train(was[0]), b.train(was[1])
     if sums["n"] == 0:
         raise ValueError("compare_models: no validation tokens")
     n = sums["n"]

@@ -270,7 +270,8 @@ _SEEDS_FIELDS = dict(shared_train_fields=("steps", "batch_size", "seq_len", "dat
 _CPU_SEEDS = Grid(
     name="cpu-seeds",
     description=f"issue 14: the cpu grid with seeds {SEEDS}, {SEEDS_STEPS} steps, gated points with key- and "
-                "query-indexed gating, controller gamma 1e-2 (~7.5 h on 2 cores; seed 0 of every point first)",
+                f"query-indexed gating, controller gamma {SEEDS_GAMMA:g} kp {SEEDS_KP:g} (~7.5 h on 2 cores; seed 0 "
+                "of every point first)",
     runs=_seeds_runs(SEEDS), shared_train=_SEEDS_TRAIN, **_SEEDS_FIELDS,
 )
 # ---- cpu-noise: seed 0 of two cpu-seeds points again with every initial weight moved by 1e-7 relative

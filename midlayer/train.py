@@ -151,8 +151,9 @@ def perturb_weights(model: torch.nn.Module, rel: float, seed: int) -> None:
     amplifies last-bit noise (issue 14). Zeros (biases at init) stay 0."""
     gen = torch.Generator().manual_seed((seed + 0x5EED) % 2**64)
     for p in model.parameters():
-        z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-        p.mul_(1 + rel * z.to(p.dtype))
+        z = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        # in float64: 1 + 1e-7 z is not representable in float32 (its spacing above 1 is 1.2e-7)
+        p.copy_((p.double() * (1 + rel * z)).to(p.dtype))
 
 
 def train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: TrainConfig, *,

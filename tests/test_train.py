@@ -105,6 +105,12 @@ def test_init_perturb_moves_weights_by_the_relative_amount_and_keeps_the_data_or
         assert torch.equal(pb[~nz], pa[~nz]), name  # zeros stay zero
         if nz.sum() > 100:  # relative change ~ N(0, 1e-3)
             assert 0.8e-3 < float(rel.std()) < 1.2e-3 and abs(float(rel.mean())) < 3e-4, name
+    # at 1e-7 (below float32's spacing at 1) the product is formed in float64: most weights still move
+    c = Transformer(m)
+    c.load_state_dict(a.state_dict())
+    perturb_weights(c, 1e-7, seed=0)
+    w_a, w_c = a.layers[0].attention.wq.weight, c.layers[0].attention.wq.weight
+    assert float((w_a != w_c).float().mean()) > 0.5
 
 
 def test_controller_closed_loop_meets_every_target(tmp_path):
@@ -121,10 +127,13 @@ def test_controller_closed_loop_meets_every_target(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"gate_mean/0"' in line]
     last = [r for r in rows if r["step"] > 350]
     assert len(last) == 50
+    # Within delta on this machine (0.999/0.498 train, 0.999/0.494 val). Gated training amplifies last-bit
+    # differences (docs/results/noise-cpu.md), so another CPU may land a little elsewhere: 2 delta, which the
+    # paper's rule at this budget misses by 5-10x.
     for block, target in enumerate([1.0, 0.5]):
         train_mean = float(np.mean([r[f"gate_mean/{block}"] for r in last]))
-        assert abs(train_mean - target) <= s.delta, (block, train_mean)
-        assert abs(res["gate_mean"][block] - target) <= s.delta, (block, res["gate_mean"][block])
+        assert abs(train_mean - target) <= 2 * s.delta, (block, train_mean)
+        assert abs(res["gate_mean"][block] - target) <= 2 * s.delta, (block, res["gate_mean"][block])
 
 
 # -------------------------------------------------------------------------------------------- resume
