@@ -14,7 +14,8 @@ dense baseline is an explicit mode (`ModelConfig.gating = False`), never a zero-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -123,14 +124,30 @@ class GateStats:
     sparsity, the fraction of gates exactly 0. Second-half entries repeat their mirrored first-half block.
     `mean_st`, `var_st`: the same values computed from the straight-through gates (other gradient), present
     when the pass recorded autograd (SparsityConfig.reg_grad = "straight_through" differentiates them).
+    Computed on first use, so a training step whose loss does not read them pays nothing for them.
     """
 
     mean: torch.Tensor
     var: torch.Tensor
     zero_frac: torch.Tensor
     n_tokens: int
-    mean_st: torch.Tensor | None = None
-    var_st: torch.Tensor | None = None
+    first_half_st: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    @cached_property
+    def _st(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        if not self.first_half_st:
+            return None, None
+        m, v, _ = gate_stats(torch.stack([x.reshape(-1) for x in self.first_half_st]))
+        idx = [mirror_index(layer, len(self.mean)) for layer in range(len(self.mean))]
+        return m[idx], v[idx]
+
+    @property
+    def mean_st(self) -> torch.Tensor | None:
+        return self._st[0]
+
+    @property
+    def var_st(self) -> torch.Tensor | None:
+        return self._st[1]
 
     @staticmethod
     def from_gates(first_half: list[torch.Tensor], n_layers: int,
@@ -138,8 +155,4 @@ class GateStats:
         g = torch.stack([x.reshape(-1) for x in first_half])  # [L/2, N]
         mean, var, zero = gate_stats(g)
         idx = [mirror_index(layer, n_layers) for layer in range(n_layers)]
-        mean_st = var_st = None
-        if first_half_st:
-            m, v, _ = gate_stats(torch.stack([x.reshape(-1) for x in first_half_st]))
-            mean_st, var_st = m[idx], v[idx]
-        return GateStats(mean[idx], var[idx], zero[idx], g.shape[1], mean_st, var_st)
+        return GateStats(mean[idx], var[idx], zero[idx], g.shape[1], first_half_st or None)

@@ -202,6 +202,15 @@ def _fmt(v: Any, spec: str = "") -> str:
     return format(v, spec) if spec else str(v)
 
 
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+    """One line per row, `columns` in order, None as an empty cell."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for r in rows:
+            w.writerow(["" if r.get(c) is None else r.get(c) for c in columns])
+
+
 def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path | str,
                 png_name: str | None = None) -> None:
     """Write the runs as CSV (one row each, `CSV_COLUMNS`) and a Markdown report with the per-block
@@ -210,11 +219,7 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
     csv_path, md_path = Path(csv_path), Path(md_path)
     for p in (csv_path, md_path):
         p.parent.mkdir(parents=True, exist_ok=True)
-    with open(csv_path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for r in rows:
-            w.writerow(["" if r.get(c) is None else r.get(c) for c in CSV_COLUMNS])
+    _write_csv(csv_path, CSV_COLUMNS, rows)
 
     grid = rows[0].get("grid", "") if rows else ""
     lines = [f"# Figure 2 reproduction: sweep `{grid}`", ""]
@@ -228,12 +233,7 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
     ]
     points = aggregate(rows)
     if any(p["seeds"] > 1 for p in points):
-        points_csv = csv_path.with_name(csv_path.stem + "-points.csv")
-        with open(points_csv, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(POINT_COLUMNS)
-            for p in points:
-                w.writerow(["" if p.get(c) is None else p.get(c) for c in POINT_COLUMNS])
+        _write_csv(csv_path.with_name(csv_path.stem + "-points.csv"), POINT_COLUMNS, points)
         lines += [
             "## Points: mean over seeds",
             "",
@@ -392,7 +392,7 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
             stability.append({"placement": placement, "lr_multiple": int(rest.split("x")[0]),
                               "val_ce": None if gone else res.get("val_ce"), "diverged": gone})
             continue
-        part = name.rsplit("-s", 1)[0]
+        part = point_name(name)
         if res.get("val_ce") is None and not gone:
             continue  # not finished yet
         seq = res.get("seq_len")

@@ -95,7 +95,7 @@ class SparsityController:
         # error (gbar - mu*, s2 - sigma2*, dead band applied). The paper's update makes alpha the *integral*
         # of the error; with kp > 0 the coefficients also react to the error itself, which damps the
         # overshoot of an integral that wound up while the gates were saturated.
-        self.kp = float(getattr(cfg, "kp", 0.0))
+        self.kp = float(cfg.kp)  # SparsityConfig allows kp > 0 only for the adaptive kinds
         self.err_mean = torch.zeros(n_layers, dtype=torch.float32)
         self.err_var = torch.zeros(n_layers, dtype=torch.float32)
         if self.kind == "sparsity":
@@ -125,7 +125,7 @@ class SparsityController:
             return mean.sum() * 0
         like = dict(device=mean.device, dtype=mean.dtype)
         alpha, beta = self.alpha.to(**like), self.beta.to(**like)
-        if self.kp and self.kind in ADAPTIVE_KINDS:
+        if self.kp:
             alpha = alpha + self.kp * self.err_mean.to(**like)
             beta = beta + self.kp * self.err_var.to(**like)
         if self.kind == "sparsity":
