@@ -148,20 +148,21 @@ def model_device(model: Transformer) -> torch.device:
 
 # =========================================================================== draft network on the cache
 def run_blocks_cached(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                      start: int, extra_mask: torch.Tensor | None, run: Callable[[int], bool], n_blocks: int
-                      ) -> torch.Tensor:
+                      start: int, extra_mask: torch.Tensor | None, run: Callable[[int], bool], n_blocks: int,
+                      skip: bool = False) -> torch.Tensor:
     """Embed tokens [1, M] and run blocks l < n_blocks with run(l) True over the KV cache; returns the
     residual [1, M, d] after block n_blocks - 1 (skipped blocks pass it through).
 
     The M rows are written at cache slots start..start+M-1 (already reserved) of every block that runs.
     Gated bases: routers at every first-half block (run or not), mirrored gates in the second half,
-    multiply-by-gate with key bias ln(max(g, eps)) (module docstring).
+    multiply-by-gate with key bias ln(max(g, eps)) (module docstring); with `skip`, rows whose gate is 0 do
+    not run the block at all (real skipping, generate.CachedStep).
     """
     h = model.embed(tokens, positions)
     cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]
     M = tokens.shape[1]
     query_slots = torch.arange(start, start + M, device=h.device)[None]
-    step = CachedStep(cache, start, query_slots, cos, sin, skip=False, extra_mask=extra_mask,
+    step = CachedStep(cache, start, query_slots, cos, sin, skip=skip, extra_mask=extra_mask,
                       position_bias=model.pos_bias, gate_mode=model.cfg.gate_attention)
     return model.run_blocks(h, step, stop=n_blocks, run=run)
 
@@ -189,6 +190,7 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
     node_tok = [0] * n
     # rows (root-included numbering) of each level; BFS order makes each level a contiguous range
     levels: list[list[int]] = [[0]] + [[i + 1 for i in range(n) if depth[i] == d] for d in range(1, tree.max_depth)]
+    dense_prefix = cache.dense_prefix  # slots < s0 are never written here, so truncating restores it
     cache.reserve(n + 1)
     try:
         for d, rows in enumerate(levels):
@@ -209,6 +211,7 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
                 node_tok[i] = top[row - a][ranks[i]]
     finally:
         cache.truncate(s0)
+        cache.dense_prefix = dense_prefix  # a gated draft's key biases are gone with its slots
     return Draft(node_tokens=torch.tensor(node_tok, dtype=torch.long))
 
 
@@ -526,9 +529,10 @@ def check_base(saved: dict[str, Any], model: Transformer, name: str | None = Non
 def _kinds() -> dict[str, type[nn.Module]]:
     from .eagle import EagleHead  # import here: eagle and hidden_transfer import this module
     from .hidden_transfer import HiddenTransfer
+    from .skip_gates import SkipGates
 
     return {MedusaHeads.KIND: MedusaHeads, EarlyExitHead.KIND: EarlyExitHead, HiddenTransfer.KIND: HiddenTransfer,
-            EagleHead.KIND: EagleHead}
+            EagleHead.KIND: EagleHead, SkipGates.KIND: SkipGates}
 
 
 def save_draft(path: str | Path, module: nn.Module, meta: dict[str, Any] | None = None, *, base: Transformer,
@@ -610,6 +614,7 @@ def load_drafter(path: str | Path, model: Transformer, base_name: str | None = N
     the drafter (e.g. fused=False for hidden transfer)."""
     from .eagle import EagleDrafter, EagleHead
     from .hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+    from .skip_gates import GatedDrafter, SkipGates
 
     module, meta = load_draft(path, model, base_name)
     module.eval()
@@ -619,6 +624,8 @@ def load_drafter(path: str | Path, model: Transformer, base_name: str | None = N
         return EagleDrafter(model, module, **kw), module, meta
     if isinstance(module, MedusaHeads):
         return MedusaDrafter(model, module, **kw), module, meta
+    if isinstance(module, SkipGates):
+        return GatedDrafter(model, module, **kw), module, meta
     return EarlyExitDrafter(model, module, **kw), module, meta
 
 

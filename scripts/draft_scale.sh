@@ -25,6 +25,7 @@ EVAL_EVERY=${EVAL_EVERY:-100}
 PATIENCE=${PATIENCE:-4}
 CKPT_EVERY=${CKPT_EVERY:-20}
 CACHE_GB=${CACHE_GB:-9}
+CACHE_DIR=${CACHE_DIR:-runs/frozen-states}  # on-disk copy of the frozen states (~9 GB fp16; git-ignored): later epochs in later sessions skip the base forward
 STAGE=${STAGE:-all}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # polite threads if anything else shares the cores
 
@@ -32,7 +33,7 @@ train() {  # $1: comma-separated methods, trained in lockstep into $OUT/<method>
   "$PY" -m midlayer train-draft --methods "$1" --data "$DATA" --out-dir "$OUT" \
     --epochs "$EPOCHS" --batch-tokens 4096 --seq-len 384 --lr 1e-3 --draft-vocab 16384 \
     --eval-every "$EVAL_EVERY" --patience "$PATIENCE" --curve-batches 64 --max-eval-batches 300 \
-    --ckpt-every "$CKPT_EVERY" --cache-gb "$CACHE_GB" "${@:2}"
+    --ckpt-every "$CKPT_EVERY" --cache-gb "$CACHE_GB" --cache-dir "$CACHE_DIR" "${@:2}"
 }
 
 if [[ $STAGE == all || $STAGE == distill ]]; then

@@ -227,6 +227,51 @@ def test_frozen_state_budget_changes_only_the_cost(tmp_path):
     assert all(torch.allclose(got[k], again[k], rtol=1e-3, atol=1e-3) for k in layers)
 
 
+def test_disk_cache_of_frozen_states_changes_only_the_cost(tmp_path):
+    """`cache_dir`: the states of a batch are written once and read back by a later process (a fresh
+    FrozenStates, no memory cache), training is bit-identical with and without it, a corrupt entry is
+    recomputed with a warning, and another base (other weights) never reads the first base's entries."""
+    import midlayer.draft_training as dt
+
+    base, data = tiny_base(), tiny_data()
+    cache = tmp_path / "cache"
+    plain = train_draft(cfg(tmp_path / "plain", "early-exit", epochs=2, cache_gb=0.0), base, data,
+                        progress=False, log=lambda s: None)
+    disk = train_draft(cfg(tmp_path / "disk", "early-exit", epochs=2, cache_gb=0.0, cache_dir=str(cache)), base, data,
+                       progress=False, log=lambda s: None)
+    assert [h["loss"] for h in disk.history] == [h["loss"] for h in plain.history]
+    (folder,) = list(cache.iterdir())
+    entries = sorted(folder.glob("*.pt"))
+    n_batches = len(plain.history) // 2  # two epochs over the same batches: one entry per distinct batch
+    assert len(entries) == n_batches
+    assert not list(folder.glob(".*tmp*"))  # atomic writes leave no temporary files
+
+    layers = dt.needed_layers(cfg(tmp_path, "early-exit"), base, disk.module)
+    tokens = torch.randint(0, V, (2, 8))
+    first = dt.FrozenStates(base, layers, 0.0, cache)
+    want = first.states(0, tokens)
+    again = dt.FrozenStates(base, layers, 0.0, cache)  # a new process: memory is empty, the disk is not
+    got = again.states(0, tokens)
+    assert again.disk_hits == 1 and all(torch.equal(want[k], got[k]) for k in layers)
+
+    path = again._disk_path(tokens)
+    path.write_bytes(b"not a tensor file")
+    third = dt.FrozenStates(base, layers, 0.0, cache)
+    with pytest.warns(UserWarning, match="unreadable"):
+        got = third.states(0, tokens)
+    assert third.disk_hits == 0 and all(torch.equal(want[k], got[k]) for k in layers)
+    fourth = dt.FrozenStates(base, layers, 0.0, cache)
+    fourth.states(0, tokens)
+    assert fourth.disk_hits == 1  # the recomputed entry was rewritten and reads back
+
+    other = tiny_base()
+    with torch.no_grad():
+        other.norm.weight.mul_(2.0)
+    fs = dt.FrozenStates(other, layers, 0.0, cache)
+    fs.states(0, tokens)
+    assert fs.disk_hits == 0 and len(list(cache.iterdir())) == 2
+
+
 def test_resume_refuses_changed_data(tmp_path):
     base, data = tiny_base(), tiny_data()
     c = cfg(tmp_path, "medusa", epochs=2)

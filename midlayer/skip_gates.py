@@ -1,0 +1,237 @@
+"""Skip-middle gates for a pretrained dense model (issue 15), and the gated model as a self-drafter.
+
+The paper (Lawson & Aitchison 2025, arXiv 2506.21103) trains gated models from scratch. Here the routers of
+eqs. 1-2 -- and, as a setting, low-rank adapters on each block's output projections -- are *added* to a
+frozen pretrained model and trained by self-distillation: the loss is the forward KL from the dense model's
+own next-token distribution to the gated model's (Wu et al. 2024 sec. 3.3, the loss of every drafter in
+draft_training.py) plus the sparsity controller's term (eqs. 4-6, sparsity.py) on the gates of the counted
+(response) positions.
+
+Starting dense, and why it still learns. Routers initialised to w = 0, b = 0 give s = ReLU(0) = 0 at every
+block, S = 0, g = 1 - clamp(0, 0, 1) = 1 exactly (eq. 2): the gated model computes the dense model's logits
+bit for bit (Block: a * 1.0 == a; eq. 3's key bias ln(max(1, eps)) = 0). But ReLU'(0) = 0, so eq. 2 passes
+no gradient to a router whose score is exactly 0 -- the routers would never move. Training therefore uses
+the straight-through gate gradient (gating.straight_through, `ModelConfig.gate_grad = "straight_through"`):
+the same forward values, with the gradient of 1 - sum(w.h + b) -- non-zero from the first step. The
+adapters start with B = 0 (Hu et al. 2021, LoRA), so they too leave the dense function unchanged.
+
+`SkipGates` holds everything trained (routers, adapters) and the controller's coefficients (buffers, so
+they are saved and resumed with the weights); `gated_twin(model, gates)` is the gated model: a Transformer
+that *shares* every weight of the dense one (nothing is copied) with the routers attached, `gating=True`
+and the adapters wrapped around the shared projections. The twin runs everywhere a gated model runs --
+training forward, real skipping in the KV-cache engine (generate.py), FLOPs accounting -- through the one
+block loop (`Transformer.run_blocks`).
+
+Self-drafting (`GatedDrafter`): the twin drafts autoregressively over the dense model's KV cache (the
+context's keys and values are the dense model's: the twin only adds draft rows, as Draft & Verify's layer
+skipping does, Zhang et al. 2023), with real skipping of the blocks its gates close; the dense model
+verifies. Verification decides every committed token, so the output equals plain greedy decoding whatever
+the gates are (speculative.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import SparsityConfig
+from .gating import Routers
+from .model import Transformer
+from .sparsity import SparsityController, gate_stats
+
+
+class LowRankLinear(nn.Module):
+    """y = base(x) + (alpha / r) (x A^T) B^T: a frozen projection plus a trainable rank-r update (LoRA,
+    Hu et al. 2021, eq. 3). A and B are owned by `SkipGates`; this wrapper only borrows them."""
+
+    def __init__(self, base: nn.Module, a: nn.Parameter, b: nn.Parameter, scale: float) -> None:
+        super().__init__()
+        self.base, self.a, self.b, self.scale = base, a, b, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        up = (x.to(self.a.dtype) @ self.a.t()) @ self.b.t()
+        return y + (self.scale * up).to(y.dtype)
+
+
+class SkipGates(nn.Module):
+    """Routers (+ optional adapters, + controller state) for a dense model of `n_layers` blocks.
+
+    Adapters (`lora_rank` > 0) update each block's attention output projection (`attention.wo`,
+    `attn_in` -> dim) and FFN down projection (`feed_forward.w2`, `ffn_hidden` -> dim): the two matrices that
+    write into the residual stream, which is where a skipped span's missing contribution shows up.
+    The controller (`sparsity_config()`) targets mean gates linearly from `mu0` at block 0 to `mu_final` at
+    block L/2 - 1, mirrored (sparsity.mean_targets).
+    """
+
+    KIND = "skip-gates"
+
+    def __init__(self, dim: int, n_layers: int, lora_rank: int = 0, attn_in: int = 0, ffn_hidden: int = 0,
+                 lora_alpha: float = 16.0, mu0: float = 1.0, mu_final: float = 0.5, gamma: float = 1e-2,
+                 delta: float = 1e-2, kp: float = 0.0, controller: str = "proportional",
+                 reg_grad: str = "exact") -> None:
+        super().__init__()
+        if n_layers < 2 or n_layers % 2:
+            raise ValueError(f"skip gates need an even number of blocks >= 2 (block l mirrors L-1-l), got {n_layers}")
+        if lora_rank < 0 or (lora_rank and (attn_in < 1 or ffn_hidden < 1)):
+            raise ValueError("lora_rank must be >= 0, and adapters need attn_in and ffn_hidden >= 1")
+        self.dim, self.n_layers, self.lora_rank = dim, n_layers, lora_rank
+        self.attn_in, self.ffn_hidden, self.lora_alpha = attn_in, ffn_hidden, lora_alpha
+        self._sparsity = dict(mu0=mu0, mu_final=mu_final, gamma=gamma, delta=delta, kp=kp, controller=controller,
+                              reg_grad=reg_grad)
+        self.sparsity_config()  # validate now
+        self.routers = Routers(dim, n_layers)
+        with torch.no_grad():  # gates exactly 1: the dense model (module docstring)
+            for r in self.routers:
+                r.weight.zero_()
+                r.bias.zero_()
+        self.lora = nn.ParameterDict()
+        for layer in range(n_layers if lora_rank else 0):
+            for name, d_in in (("wo", attn_in), ("w2", ffn_hidden)):
+                a = torch.empty(lora_rank, d_in)
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # LoRA's A init; B = 0 keeps the start dense
+                self.lora[f"{layer}_{name}_a"] = nn.Parameter(a)
+                self.lora[f"{layer}_{name}_b"] = nn.Parameter(torch.zeros(dim, lora_rank))
+        for name in ("alpha", "beta", "err_mean", "err_var"):  # the controller's state (eq. 6), resumed with us
+            self.register_buffer(f"ctrl_{name}", torch.zeros(n_layers))
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        object.__setattr__(self, "_twins", {})  # not submodules: the twin shares the base, it is not ours
+
+    @classmethod
+    def for_model(cls, model: Transformer, **kw: Any) -> "SkipGates":
+        cfg = model.cfg
+        if cfg.gating:
+            raise ValueError("skip gates are added to a dense model; this one is gated already")
+        if kw.get("lora_rank") and cfg.moe_experts:
+            raise ValueError("adapters need a dense FFN (feed_forward.w2); this model has experts")
+        return cls(cfg.dim, cfg.n_layers, attn_in=cfg.n_heads * cfg.head_dim, ffn_hidden=cfg.ffn_hidden_dim, **kw)
+
+    def config(self) -> dict[str, Any]:
+        return dict(dim=self.dim, n_layers=self.n_layers, lora_rank=self.lora_rank, attn_in=self.attn_in,
+                    ffn_hidden=self.ffn_hidden, lora_alpha=self.lora_alpha, **self._sparsity)
+
+    def sparsity_config(self) -> SparsityConfig:
+        s = self._sparsity
+        return SparsityConfig(controller=s["controller"], mu0=s["mu0"], mu_final=s["mu_final"], gamma=s["gamma"],
+                              delta=s["delta"], kp=s["kp"], reg_grad=s["reg_grad"])
+
+    def controller(self) -> SparsityController:
+        """The controller, its coefficients bound to this module's buffers (updates land in them)."""
+        c = SparsityController(self.sparsity_config(), self.n_layers)
+        c.to(self.ctrl_alpha.device)
+        c.alpha, c.beta, c.err_mean, c.err_var = self.ctrl_alpha, self.ctrl_beta, self.ctrl_err_mean, self.ctrl_err_var
+        return c
+
+    def record(self, mean: torch.Tensor, var: torch.Tensor) -> None:
+        """The gate statistics of this step's loss, for `after_step` (eq. 6 updates after the optimiser)."""
+        self._last = (mean.detach(), var.detach())
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Eq. 6: move the controller's coefficients by this step's gate statistics (called by the training
+        loop after the optimiser step: updating before backward would change the loss's constants)."""
+        if self._last is not None:
+            self.controller().update(*self._last)
+            self._last = None
+
+    def twin(self, model: Transformer, gate_grad: str = "exact") -> Transformer:
+        """`gated_twin(model, self)`, built once per (model, gate_grad)."""
+        key = (id(model), gate_grad)
+        got = self._twins.get(key)
+        if got is None or got[0] is not model:
+            got = self._twins[key] = (model, gated_twin(model, self, gate_grad))
+        return got[1]
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A new module object sharing every parameter, buffer and submodule of `module`; its own submodule
+    table, so that replacing a child in the copy leaves the original untouched."""
+    out = copy.copy(module)
+    out._modules = dict(module._modules)  # noqa: SLF001 -- the point of a shallow module copy
+    return out
+
+
+def gated_twin(model: Transformer, gates: SkipGates, gate_grad: str = "exact") -> Transformer:
+    """The gated model: `model`'s weights (shared, not copied) with `gates`' routers (and adapters)."""
+    cfg = model.cfg
+    if cfg.gating:
+        raise ValueError("gated_twin takes the dense model; this one is gated already")
+    if (gates.dim, gates.n_layers) != (cfg.dim, cfg.n_layers):
+        raise ValueError(f"skip gates for dim {gates.dim} and {gates.n_layers} blocks, the model has dim "
+                         f"{cfg.dim} and {cfg.n_layers} blocks")
+    twin = _shallow(model)
+    twin.cfg = dataclasses.replace(cfg, gating=True, gate_grad=gate_grad)
+    twin.routers = gates.routers
+    if gates.lora_rank:
+        scale = gates.lora_alpha / gates.lora_rank
+        blocks = []
+        for layer, block in enumerate(model.layers):
+            b = _shallow(block)
+            att, ffn = _shallow(block.attention), _shallow(block.feed_forward)
+            att.wo = LowRankLinear(block.attention.wo, gates.lora[f"{layer}_wo_a"], gates.lora[f"{layer}_wo_b"], scale)
+            ffn.w2 = LowRankLinear(block.feed_forward.w2, gates.lora[f"{layer}_w2_a"], gates.lora[f"{layer}_w2_b"],
+                                   scale)
+            b.attention, b.feed_forward = att, ffn
+            blocks.append(b)
+        twin.layers = nn.ModuleList(blocks)
+    return twin
+
+
+def gate_loss(model: Transformer, gates: SkipGates, tokens: torch.Tensor, teacher: torch.Tensor,
+              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+    """KL(p_dense || p_gated) over the counted positions + the controller's term (eq. 5) on their gates.
+
+    teacher [B, T, V]: the dense model's logits (FrozenStates' final residual through the head). Returns
+    (loss, [kl, regulariser]); the step's gate statistics are recorded for `SkipGates.after_step`.
+    """
+    from .drafters import gather_counted, kl_to_base
+
+    sc = gates.sparsity_config()
+    twin = gates.twin(model, "straight_through")
+    out = twin(tokens, return_logits=False, output_hidden_states=True)
+    h, t, valid = gather_counted(out.hidden_states[-1], teacher, mask)
+    kl = kl_to_base(t, twin.output(twin.norm(h)), valid)
+    mean, var = counted_stats(out.gates, mask, gates.n_layers)
+    reg = gates.controller().loss(mean, var)
+    gates.record(mean, var)
+    return kl + reg, [float(kl.detach()), float(reg.detach())]
+
+
+def counted_stats(first_half: torch.Tensor, mask: torch.Tensor | None, n_layers: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 4's per-block mean and variance of the gates [L/2, B, T] over the counted positions (all when
+    `mask` is None), mirrored to [L] (block l >= L/2 has the gate of L-1-l)."""
+    g = first_half.flatten(1) if mask is None else first_half[:, mask]
+    mean, var, _ = gate_stats(g)
+    idx = [min(layer, n_layers - 1 - layer) for layer in range(n_layers)]
+    return mean[idx], var[idx]
+
+
+class GatedDrafter:
+    """Self-speculation with learned per-token skipping: the gated twin drafts (greedy, autoregressively,
+    over the dense model's cache, real skipping of closed blocks), the dense model verifies (lossless)."""
+
+    def __init__(self, model: Transformer, gates: SkipGates) -> None:
+        self.model, self.gates = model, gates
+        self.twin = gates.twin(model)
+
+    @torch.no_grad()
+    def propose(self, ctx: Any) -> Any:
+        from .drafters import draft_tree_autoregressive, lm_logits, run_blocks_cached
+
+        twin = self.twin
+
+        def step(tokens: torch.Tensor, positions: torch.Tensor, start: int, extra: torch.Tensor) -> torch.Tensor:
+            h = run_blocks_cached(twin, tokens, positions, ctx.cache, start, extra, lambda layer: True,
+                                  twin.cfg.n_layers, skip=True)
+            return lm_logits(twin, h)[0]
+
+        return draft_tree_autoregressive(ctx, step)
+
+
+__all__ = ["SkipGates", "LowRankLinear", "gated_twin", "gate_loss", "counted_stats", "GatedDrafter"]

@@ -1,0 +1,170 @@
+"""Skip gates on a pretrained dense model (midlayer/skip_gates.py, issue 15): fresh routers give the dense
+logits exactly, gradients reach them from the first step, the twin shares the dense weights, the adapters
+start at zero, the loss and statistics match a hand computation, and self-drafting with any gates (fresh,
+random, all-skip) is lossless."""
+
+from __future__ import annotations
+
+import torch
+
+from midlayer.drafters import kl_to_base, load_drafter, save_draft
+from midlayer.generate import GenerationConfig, generate
+from midlayer.skip_gates import GatedDrafter, SkipGates, counted_stats, gate_loss, gated_twin
+from midlayer.speculative import DraftTree, speculative_generate
+from tiny_models import make_tiny
+
+V, D = 64, 32
+TINY = dict(dim=D, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=64, multiple_of=16,
+            norm_placement="pre")
+PROMPT = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def dense():
+    return make_tiny(TINY, gating=False, seed=0)
+
+
+def randomised(gates: SkipGates, seed: int, scale: float = 0.4, bias: float = 0.15) -> SkipGates:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for i, r in enumerate(gates.routers):
+            r.weight.copy_(scale * torch.randn(r.weight.shape, generator=g))
+            r.bias.fill_(bias * i)
+        for p in gates.lora.values():
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return gates
+
+
+def test_fresh_routers_and_adapters_give_the_dense_logits_exactly():
+    model = dense()
+    tokens = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(tokens).logits
+    for rank in (0, 4):
+        gates = SkipGates.for_model(model, lora_rank=rank)
+        twin = gated_twin(model, gates)
+        with torch.no_grad():
+            out = twin(tokens)
+        assert torch.equal(out.logits, want)
+        assert bool((out.gates == 1).all())
+        # the twin shares the dense weights (no copy) and leaves the dense model dense
+        assert twin.layers[0].attention.wq.weight is model.layers[0].attention.wq.weight
+        assert model.routers is None and not model.cfg.gating and twin.cfg.gating
+        with torch.no_grad():
+            assert torch.equal(model(tokens).logits, want)
+        # with autograd the gated attention keeps its (zero) key bias, whose gradient reaches the gates: the
+        # same function through another attention kernel, equal to float rounding
+        assert torch.allclose(twin(tokens).logits, want, atol=1e-6, rtol=0)
+
+
+def test_gradients_reach_the_routers_and_adapters_from_the_first_step():
+    """ReLU'(0) = 0 would leave zero-initialised routers frozen under eq. 2's exact gradient; the loss uses
+    the straight-through gradient, so the very first backward reaches every router."""
+    model = dense()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gates = SkipGates.for_model(model, lora_rank=2, mu_final=0.0)
+    gates.ctrl_alpha.fill_(0.5)  # a controller that already pushes: the regulariser has a gradient
+    tokens = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        teacher = model(tokens).logits
+    loss, (kl, reg) = gate_loss(model, gates, tokens, teacher)
+    assert abs(kl) < 1e-6 and reg > 0  # dense start: nothing to distil yet (float rounding aside)
+    loss.backward()
+    for r in gates.routers:
+        assert r.weight.grad is not None and bool(r.weight.grad.abs().sum() > 0) and float(r.bias.grad) != 0
+    # the adapters are in the graph; B = 0 at the start, so dL/dA = B^T (...) is exactly 0, as in LoRA
+    assert all(p.grad is not None for p in gates.lora.values())
+    assert all(float(p.grad.abs().sum()) == 0 for n, p in gates.lora.items() if n.endswith("_a"))
+    # with an exact gradient nothing reaches the routers at the start
+    gates.zero_grad()
+    twin = gates.twin(model, "exact")
+    out = twin(tokens)
+    (gates.controller().loss(*counted_stats(out.gates, None, TINY["n_layers"]))).backward()
+    assert all(r.weight.grad is None or float(r.weight.grad.abs().sum()) == 0 for r in gates.routers)
+
+
+def test_gate_loss_matches_a_hand_computation():
+    model = dense()
+    gates = randomised(SkipGates.for_model(model, lora_rank=2, mu_final=0.25, kp=0.0), seed=4)
+    gates.ctrl_alpha.copy_(torch.linspace(0.1, 0.6, 6))
+    gates.ctrl_beta.copy_(torch.linspace(0.2, 0.0, 6))
+    tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[:, 5:] = True
+    with torch.no_grad():
+        teacher = model(tokens).logits
+        loss, (kl, reg) = gate_loss(model, gates, tokens, teacher, mask)
+        out = gated_twin(model, gates)(tokens)
+        g = out.gates[:, mask]  # [3, n]: first-half gates of the counted positions
+        mean, var = g.mean(1), g.var(1, unbiased=False)
+        mean6, var6 = torch.cat([mean, mean.flip(0)]), torch.cat([var, var.flip(0)])
+        want_reg = (gates.ctrl_alpha * mean6 + gates.ctrl_beta * var6).sum() / 6  # eq. 5
+        want_kl = kl_to_base(teacher[mask], out.logits[mask])
+    assert abs(reg - float(want_reg)) < 1e-6 and abs(kl - float(want_kl)) < 1e-6
+    assert abs(float(loss) - float(want_reg + want_kl)) < 1e-5
+    assert 0 < float(mean.min()) < 1  # the random routers do gate: the statistics are not trivial
+    # eq. 6 after the optimiser step: alpha += gamma (mean - mu*) outside the dead band
+    before = gates.ctrl_alpha.clone()
+    gates.after_step()
+    mu = torch.tensor([1.0, 0.625, 0.25, 0.25, 0.625, 1.0])
+    diff = mean6 - mu
+    step = torch.where(diff.abs() > 1e-2, 1e-2 * diff, torch.zeros(6))
+    assert torch.allclose(gates.ctrl_alpha, before + step, atol=1e-7)
+
+
+def greedy(model, prompt, n):
+    return generate(model, [prompt], GenerationConfig(max_new_tokens=n))[0]
+
+
+def test_self_drafting_is_lossless_with_any_gates(tmp_path):
+    model = dense()
+    ref = greedy(model, PROMPT, 24)
+    fresh = SkipGates.for_model(model)
+    rand = randomised(SkipGates.for_model(model, lora_rank=2), seed=6)
+    all_skip = SkipGates.for_model(model)
+    with torch.no_grad():
+        all_skip.routers[0].bias.fill_(5.0)  # S >= 1 at block 0: every draft token skips every block
+    twin = gated_twin(model, rand)
+    with torch.no_grad():
+        g = twin(torch.tensor([PROMPT])).gates
+    assert bool((g == 0).any()) and bool(((g > 0) & (g < 1)).any())  # real skipping and fractional gates
+    for gates in (fresh, rand, all_skip):
+        for tree in (DraftTree.chain(3), DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])):
+            out, stats = speculative_generate(model, PROMPT, GatedDrafter(model, gates), tree, 24)
+            assert out == ref
+            if gates is fresh:  # gates 1: the draft is the dense model itself, every draft is accepted
+                assert stats.accept_hist[tree.max_depth] == stats.base_forwards
+    # saved and loaded like every drafter
+    save_draft(tmp_path / "g", rand, base=model)
+    drafter, module, _ = load_drafter(tmp_path / "g", model)
+    assert isinstance(drafter, GatedDrafter) and module.config() == rand.config()
+    assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), rand.state_dict().values()))
+    out, _ = speculative_generate(model, PROMPT, drafter, DraftTree.chain(3), 24)
+    assert out == ref
+
+
+def test_twin_decodes_with_real_skipping_like_its_full_forward():
+    """The gated twin in the KV-cache engine (real skipping) generates what its own full forward predicts."""
+    model = dense()
+    twin = gated_twin(model, randomised(SkipGates.for_model(model), seed=7))
+    out = greedy(twin, PROMPT, 12)
+    seq = list(PROMPT)
+    for _ in range(12):
+        with torch.no_grad():
+            seq.append(int(twin(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert out == seq[len(PROMPT):]
+
+
+def test_refusals():
+    import pytest
+
+    model = dense()
+    gated = make_tiny(TINY, gating=True, seed=0)
+    with pytest.raises(ValueError, match="gated already"):
+        SkipGates.for_model(gated)
+    with pytest.raises(ValueError, match="even number"):
+        SkipGates(D, 5)
+    with pytest.raises(ValueError, match="dim"):
+        gated_twin(model, SkipGates(D, 8))
+    with pytest.raises(ValueError, match="mu_final"):
+        SkipGates.for_model(model, mu_final=1.5)
