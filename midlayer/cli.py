@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(each to OUT_DIR/<method>); replaces --method")
     add_config_flags(p, ["draft"])
 
+    p = sub.add_parser("train-gates", help="teach a pretrained dense model to skip its middle blocks per token: skip-middle "
+                                           "routers (+ adapters with --lora-rank) trained by self-distillation under "
+                                           "the sparsity controller (skip_gates.py); train-draft's settings")
+    p.add_argument("--stop-after", type=int, default=None, help="stop (with a resumable state) after N steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_flags(p, ["draft"])
+
     p = sub.add_parser("plot", help="Figure 2 (PNG) and tables (CSV, Markdown) of a sweep's results")
     p.add_argument("sweep_dir", help="a sweep folder, e.g. runs/sweep/cpu")
     p.add_argument("--out", default=None, metavar="PREFIX",
@@ -155,6 +162,10 @@ def _add_generate_parser(sub) -> None:
                         "held-out accuracies and this machine's measured row costs), the top-1 chain, the N "
                         "nodes most likely accepted, or (EAGLE drafts) EAGLE-2's dynamic tree of N nodes")
     p.add_argument("--stats", action="store_true", help="with --draft: print tau and timing to stderr")
+    p.add_argument("--gates", default=None, metavar="DIR",
+                   help="generate with the model gated by a train-gates output (per-token skipping of middle blocks, "
+                        "real skipping; lossy). For lossless decoding give the same DIR as --draft instead: the gated "
+                        "model then drafts and the dense model verifies")
 
     p = sub.add_parser("bench", help="benchmarks that print a table")
     bsub = p.add_subparsers(dest="bench", required=True)
@@ -302,6 +313,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model, _, train_cfg = load_run(args.checkpoint, args.device)
         tok = _run_tokenizer(train_cfg)
     model = compress_weights(model.float(), args.weights)
+    if args.gates:
+        from .drafters import load_draft
+        from .skip_gates import SkipGates, gated_twin
+
+        gates, _ = load_draft(args.gates, model)
+        if not isinstance(gates, SkipGates):
+            raise ValueError(f"--gates {args.gates}: a {type(gates).__name__} draft, not a train-gates output")
+        model = gated_twin(model, gates.eval())
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -425,6 +444,12 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         _tree_nodes(args.tree)
     elif args.tree not in ("auto", "chain"):
         raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
+    if args.gates is not None:
+        if args.draft is not None:
+            raise ValueError("--gates and --draft together: give the gates DIR as --draft to self-draft losslessly, "
+                             "or as --gates alone to generate with the gated model")
+        if not Path(args.gates).is_dir():
+            raise ValueError(f"--gates {args.gates}: no such directory (expected a train-gates output)")
     if args.draft is not None:
         if not Path(args.draft).is_dir():
             raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output)")
@@ -623,6 +648,20 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_gates(args: argparse.Namespace) -> int:
+    from .draft_training import train_drafts
+
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    over = overrides_from_args(args).get("draft", {})
+    if over.get("method", "gates") != "gates":
+        raise ValueError(f"train-gates trains skip gates; --method {over['method']} belongs to train-draft")
+    over.update(method="gates")
+    over.setdefault("out_dir", "runs/gates")
+    train_drafts([DraftTrainConfig(**over)], progress=not args.no_progress, stop_after=args.stop_after)
+    return 0
+
+
 def draft_configs(args: argparse.Namespace) -> list[DraftTrainConfig]:
     """The configs `train-draft` trains (one, or one per --methods entry into OUT_DIR/<method>), checked."""
     from .draft_training import METHODS
@@ -650,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler = {"train": _cmd_train, "eval": _cmd_eval, "flops": _cmd_flops, "presets": _cmd_presets,
                "sweep": _cmd_sweep, "plot": _cmd_plot, "generate": _cmd_generate, "bench": _cmd_bench,
-               "train-draft": _cmd_train_draft}[args.command]
+               "train-draft": _cmd_train_draft, "train-gates": _cmd_train_gates}[args.command]
     import os
 
     try:

@@ -75,9 +75,10 @@ from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, earl
 from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
 from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
 from .model import Transformer
+from .skip_gates import SkipGates, gate_loss
 from .train import json_safe
 
-METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle")
+METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle", "gates")
 
 
 def paper_layers(n_layers: int, k: int = 3) -> list[int]:
@@ -117,7 +118,12 @@ class DraftTrainConfig:
     loss_positions: str = "response"  # "response": only positions whose next token is a response token count
     #                                   (what a drafter guesses from at decode time); "all": every real token
     draft_vocab: int = 16384  # drafts score only the N most frequent training-response tokens (draft_vocab.py;
-    #                           FR-Spec / EAGLE-3); 0: the full vocabulary
+    #                           FR-Spec / EAGLE-3); 0: the full vocabulary (gates: always the full vocabulary)
+    # method "gates" (skip_gates.py): routers (+ adapters) on the frozen base, KL + the sparsity controller
+    gate_target: float = 0.5  # mean-gate target of the innermost gated block (mu_final; 1 at block 0, linear)
+    gate_gamma: float = 1e-2  # controller step (eq. 6); 1e-2, not the paper's 1e-3: docs/results/controller-cpu.md
+    gate_kp: float = 0.0  # controller proportional gain (SparsityConfig.kp)
+    lora_rank: int = 0  # rank of the adapters on each block's wo and w2; 0: routers alone
 
     def __post_init__(self) -> None:
         check_finite(self)  # --lr inf, --epochs nan, ...
@@ -137,6 +143,11 @@ class DraftTrainConfig:
             raise ValueError("eval_every, patience, curve_batches, cache_gb and draft_vocab must be >= 0")
         if self.patience and not self.eval_every:
             raise ValueError("patience needs eval_every > 0 (early stopping compares held-out evaluations)")
+        if self.method == "gates" and self.patience:
+            raise ValueError("patience: early stopping on the held-out KL would keep the densest gates seen (the KL "
+                             "is lowest at the dense start); gates train for their planned steps")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
         self.layers = tuple(int(t) for t in self.layers)
 
 
@@ -149,6 +160,9 @@ def build_module(cfg: DraftTrainConfig, model: Transformer) -> nn.Module:
         return MedusaHeads(model.cfg.dim, cfg.k)
     if cfg.method == "eagle":
         return EagleHead.for_model(model)
+    if cfg.method == "gates":
+        return SkipGates.for_model(model, lora_rank=cfg.lora_rank, mu_final=cfg.gate_target, gamma=cfg.gate_gamma,
+                                   kp=cfg.gate_kp)
     layer = cfg.exit_layer if cfg.exit_layer >= 0 else paper_layers(L, 1)[0]
     if not 0 < layer <= L:
         raise ValueError(f"exit_layer must be in [1, {L}], got {layer}")
@@ -301,6 +315,9 @@ def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: 
         gen = torch.Generator(device=tokens.device).manual_seed(cfg.seed * 1_000_003 + step)
         return eagle_loss(model, module, tokens, cached, mask=mask, noise=FEATURE_NOISE if noise else 0.0,
                           generator=gen)
+    if cfg.method == "gates":
+        teacher = cached[0] if cached is not None else base_states(model, tokens)[0]
+        return gate_loss(model, module, tokens, teacher, mask)
     return early_exit_loss(model, module, tokens, cached, mask=mask)
 
 
@@ -391,9 +408,10 @@ def heldout_loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module,
         tokens, mask = tokens.to(dev), mask.to(dev)
         states = None if frozen is None else frozen.states(("held", i), tokens)
         cached = loss_inputs(cfg, model, module, states, {})
-        loss, _ = _loss(cfg, model, module, tokens, mask, 0, cached, 0, noise=False)
+        loss, per = _loss(cfg, model, module, tokens, mask, 0, cached, 0, noise=False)
         w = float(mask.sum())
-        total += float(loss) * w
+        total += (per[0] if cfg.method == "gates" else float(loss)) * w  # gates: the KL (the controller's term
+        #                                                                    measures no quality)
         weight += w
     module.train(was)
     return total / max(weight, 1.0)
@@ -418,6 +436,7 @@ def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module
     L = model.cfg.n_layers
     cos_sum: dict[tuple[int, int], float] = {}
     cos_n: dict[tuple[int, int], float] = {}
+    gated = _GateTally(L)
     with FrozenBase(model):
         for tokens, mask in batches:
             tokens, mask = tokens.to(dev), mask.to(dev)
@@ -446,6 +465,10 @@ def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module
                         A = T - 1 - i
                         if A > 0:
                             pairs.append((module.logits(model, hs[-1][:, :A], i), target[:, 1 + i:], mask[:, 1 + i:]))
+                elif cfg.method == "gates":
+                    out = module.twin(model)(tokens)
+                    pairs.append((out.logits, target, mask))
+                    gated.add(out, logits, mask)
                 elif cfg.method == "eagle":
                     if T >= 2:  # depth i: anchors 0..T-1-i, target the base argmax at a + i
                         preds = eagle_forward(model, module, tokens, hs[-1], min(cfg.k, T - 1))
@@ -463,11 +486,45 @@ def heldout_metrics(cfg: DraftTrainConfig, model: Transformer, module: nn.Module
                 counts[d] += float(valid.sum())
     acc = [[round(float(x) / max(c, 1.0), 4) for x in h] for h, c in zip(hits, counts)]
     out: dict[str, Any] = {"acc": acc, "top1": [a[0] for a in acc], "anchors": counts}
+    out.update(gated.metrics())
     if cos_sum:
         steps = sorted({i for i, _ in cos_sum})
         out["cosine"] = {str(i): {str(layer): round(cos_sum[(i, layer)] / max(cos_n[(i, layer)], 1.0), 4)
                                   for (j, layer) in sorted(cos_sum) if j == i} for i in steps}
     return out
+
+
+class _GateTally:
+    """Held-out quality and sparsity of skip gates over the counted positions: the KL to the dense model,
+    per-block mean gate and fraction of gates exactly 0 (tokens that skip the block: real compute saved),
+    and the mean fraction of the L blocks a token skips."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.L, self.kl, self.n = n_layers, 0.0, 0.0
+        self.gate_sum = torch.zeros(n_layers // 2)
+        self.zero_sum = torch.zeros(n_layers // 2)
+
+    def add(self, out: Any, dense_logits: torch.Tensor, mask: torch.Tensor) -> None:
+        from .drafters import kl_to_base
+
+        w = float(mask.sum())
+        if not w:
+            return
+        self.kl += float(kl_to_base(dense_logits[mask], out.logits[mask])) * w
+        g = out.gates[:, mask].float().cpu()  # [L/2, n]
+        self.gate_sum += g.sum(1)
+        self.zero_sum += (g == 0).float().sum(1)
+        self.n += w
+
+    def metrics(self) -> dict[str, Any]:
+        if not self.n:
+            return {}
+        half = [round(float(x) / self.n, 4) for x in self.gate_sum]
+        zero = [round(float(x) / self.n, 4) for x in self.zero_sum]
+        mirror = [min(layer, self.L - 1 - layer) for layer in range(self.L)]
+        return {"kl": round(self.kl / self.n, 6), "gate_mean": [half[i] for i in mirror],
+                "gate_zero": [zero[i] for i in mirror],
+                "skipped_blocks_frac": round(sum(zero[i] for i in mirror) / self.L, 4)}
 
 
 # =============================================================================================== train
@@ -516,7 +573,7 @@ class _Run:
         self.cfg, self.model, self.total, self.log = cfg, model, total, log
         torch.manual_seed(cfg.seed)  # the same initial weights as when trained alone
         self.module = build_module(cfg, model).to(model_device(model))
-        if vocab is not None:
+        if vocab is not None and cfg.method != "gates":  # gates are the base's own head: the full vocabulary
             set_draft_vocab(self.module, vocab)
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -605,6 +662,9 @@ class _Run:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
+        after = getattr(self.module, "after_step", None)
+        if after is not None:  # SkipGates: the controller's eq. 6 update, after the optimiser step
+            after()
         self.step += 1
         self.done_here += 1
         value = float(loss.detach())

@@ -15,6 +15,14 @@ the straight-through gate gradient (gating.straight_through, `ModelConfig.gate_g
 the same forward values, with the gradient of 1 - sum(w.h + b) -- non-zero from the first step. The
 adapters start with B = 0 (Hu et al. 2021, LoRA), so they too leave the dense function unchanged.
 
+Router scale. A pretrained residual stream is large (its L1 norm over d = 576 dimensions runs to thousands
+in SmolLM2's middle blocks), and Adam moves every weight by about the learning rate per step whatever the
+gradient's size: a step changes w.h by ~ lr ||h||_1, so at lr 1e-2 a few steps of noise (the KL's gradient
+is ~0 at the dense start) closed the middle gates of SmolLM2 outright (gate means ~0.01, KL 49, measured).
+Each router's weight is therefore w_l = v_l c_l (a parametrization; `router_scale`), c_l = 1 / the mean
+L1 norm of the residual entering block l on the first training batch (`calibrate`, once, saved with the
+weights): an Adam step then moves a score by about lr, on any model. Eq. 1 is unchanged (w_l is a weight).
+
 `SkipGates` holds everything trained (routers, adapters) and the controller's coefficients (buffers, so
 they are saved and resumed with the weights); `gated_twin(model, gates)` is the gated model: a Transformer
 that *shares* every weight of the dense one (nothing is copied) with the routers attached, `gating=True`
@@ -38,6 +46,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from torch.nn.utils import parametrize
 
 from .config import SparsityConfig
 from .gating import Routers
@@ -86,10 +96,13 @@ class SkipGates(nn.Module):
                               reg_grad=reg_grad)
         self.sparsity_config()  # validate now
         self.routers = Routers(dim, n_layers)
+        self.register_buffer("router_scale", torch.ones(n_layers // 2))  # c_l (module docstring)
+        self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
         with torch.no_grad():  # gates exactly 1: the dense model (module docstring)
-            for r in self.routers:
+            for layer, r in enumerate(self.routers):
                 r.weight.zero_()
                 r.bias.zero_()
+                parametrize.register_parametrization(r, "weight", _Scaled(self.router_scale, layer))
         self.lora = nn.ParameterDict()
         for layer in range(n_layers if lora_rank else 0):
             for name, d_in in (("wo", attn_in), ("w2", ffn_hidden)):
@@ -127,6 +140,17 @@ class SkipGates(nn.Module):
         c.alpha, c.beta, c.err_mean, c.err_var = self.ctrl_alpha, self.ctrl_beta, self.ctrl_err_mean, self.ctrl_err_var
         return c
 
+    @torch.no_grad()
+    def calibrate(self, model: Transformer, tokens: torch.Tensor) -> None:
+        """Set c_l = 1 / mean_t ||h(t, l)||_1 from the dense model's residuals on `tokens` (once; the first
+        training batch). Routers still at v = 0 stay at w = 0: the start is dense whatever c_l is."""
+        if bool(self.calibrated):
+            return
+        hs = model(tokens, return_logits=False, output_hidden_states=True).hidden_states
+        for layer in range(self.n_layers // 2):
+            self.router_scale[layer] = 1.0 / hs[layer].float().abs().sum(-1).mean().clamp_min(1e-6)
+        self.calibrated.fill_(True)
+
     def record(self, mean: torch.Tensor, var: torch.Tensor) -> None:
         """The gate statistics of this step's loss, for `after_step` (eq. 6 updates after the optimiser)."""
         self._last = (mean.detach(), var.detach())
@@ -146,6 +170,18 @@ class SkipGates(nn.Module):
         if got is None or got[0] is not model:
             got = self._twins[key] = (model, gated_twin(model, self, gate_grad))
         return got[1]
+
+
+class _Scaled(nn.Module):
+    """The parametrization w = v c_l of router l (SkipGates.router_scale)."""
+
+    def __init__(self, scale: torch.Tensor, layer: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "scale", scale)  # SkipGates' buffer, not a second copy of it
+        self.layer = layer
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        return v * self.scale[self.layer].to(v.dtype)
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -191,14 +227,15 @@ def gate_loss(model: Transformer, gates: SkipGates, tokens: torch.Tensor, teache
     """
     from .drafters import gather_counted, kl_to_base
 
-    sc = gates.sparsity_config()
+    gates.calibrate(model, tokens)
     twin = gates.twin(model, "straight_through")
     out = twin(tokens, return_logits=False, output_hidden_states=True)
     h, t, valid = gather_counted(out.hidden_states[-1], teacher, mask)
     kl = kl_to_base(t, twin.output(twin.norm(h)), valid)
     mean, var = counted_stats(out.gates, mask, gates.n_layers)
     reg = gates.controller().loss(mean, var)
-    gates.record(mean, var)
+    if torch.is_grad_enabled():  # a training step (not a held-out evaluation): eq. 6 updates on it
+        gates.record(mean, var)
     return kl + reg, [float(kl.detach()), float(reg.detach())]
 
 

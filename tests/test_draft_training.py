@@ -68,7 +68,8 @@ def test_train_draft_lowers_loss_and_saves(tmp_path, method):
 
 
 @pytest.mark.parametrize("method,schedule", [("hidden-transfer", "joint"), ("hidden-transfer", "sequential"),
-                                             ("eagle", "joint")])  # eagle: its seeded feature noise too
+                                             ("eagle", "joint"), ("gates", "joint")])
+# eagle: its seeded feature noise too; gates: the controller's coefficients (module buffers) too
 def test_resume_continues_exactly(tmp_path, method, schedule):
     base, data = tiny_base(), tiny_data()
     full = train_draft(cfg(tmp_path / "a", method, schedule=schedule, epochs=3), base, data,
@@ -83,6 +84,27 @@ def test_resume_continues_exactly(tmp_path, method, schedule):
     with pytest.raises(ValueError, match="other settings"):
         train_draft(cfg(tmp_path / "b", method, schedule=schedule, epochs=3, lr=0.5), base, data,
                     progress=False, log=lambda s: None)
+
+
+def test_gates_train_towards_their_targets_and_report_the_tradeoff(tmp_path):
+    """method "gates" (skip_gates.py): starting dense (held-out KL 0 at step 0), the controller pushes the
+    gates down (a target of 0 at the inner block), the KL to the dense model rises from 0, eq. 6 moved the
+    coefficients, and the held-out metrics report agreement, KL, per-block gates and the skipped share."""
+    from midlayer.skip_gates import SkipGates
+
+    base, data = tiny_base(), tiny_data()
+    c = cfg(tmp_path, "gates", epochs=8, lr=3e-2, gate_target=0.0, gate_gamma=0.05, lora_rank=2, eval_every=5)
+    run = train_draft(c, base, data, progress=False, log=lambda s: None)
+    m = run.metrics
+    assert isinstance(run.module, SkipGates) and float(run.module.ctrl_alpha[1]) > 0  # eq. 6 pushed block 1
+    kl = [h["per_step"][0] for h in run.history]
+    assert abs(kl[0]) < 1e-6 < kl[-1]  # dense at the start (straight-through gradients moved it anyway)
+    assert m["gate_mean"][1] < 0.9 and m["gate_mean"] == m["gate_mean"][::-1]  # mirrored, and gated
+    assert m["kl"] > 0 and 0 < m["top1"][0] <= 1 and len(m["gate_zero"]) == 4
+    assert m["skipped_blocks_frac"] == pytest.approx(sum(m["gate_zero"]) / 4, abs=1e-3)
+    assert [p["heldout_loss"] for p in m["curve"]][0] < m["curve"][-1]["heldout_loss"]  # the held-out KL rises
+    with pytest.raises(ValueError, match="densest"):
+        cfg(tmp_path, "gates", eval_every=5, patience=2)
 
 
 def test_padding_does_not_change_the_losses():

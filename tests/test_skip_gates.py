@@ -27,7 +27,8 @@ def randomised(gates: SkipGates, seed: int, scale: float = 0.4, bias: float = 0.
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for i, r in enumerate(gates.routers):
-            r.weight.copy_(scale * torch.randn(r.weight.shape, generator=g))
+            v = r.parametrizations.weight.original  # w = v c_l, c_l = 1 until calibrated
+            v.copy_(scale * torch.randn(v.shape, generator=g))
             r.bias.fill_(bias * i)
         for p in gates.lora.values():
             p.copy_(0.05 * torch.randn(p.shape, generator=g))
@@ -70,8 +71,9 @@ def test_gradients_reach_the_routers_and_adapters_from_the_first_step():
     loss, (kl, reg) = gate_loss(model, gates, tokens, teacher)
     assert abs(kl) < 1e-6 and reg > 0  # dense start: nothing to distil yet (float rounding aside)
     loss.backward()
-    for r in gates.routers:
-        assert r.weight.grad is not None and bool(r.weight.grad.abs().sum() > 0) and float(r.bias.grad) != 0
+    for r in gates.routers:  # w = v c_l: the trained parameter is v (parametrizations.weight.original)
+        v = r.parametrizations.weight.original
+        assert v.grad is not None and bool(v.grad.abs().sum() > 0) and float(r.bias.grad) != 0
     # the adapters are in the graph; B = 0 at the start, so dL/dA = B^T (...) is exactly 0, as in LoRA
     assert all(p.grad is not None for p in gates.lora.values())
     assert all(float(p.grad.abs().sum()) == 0 for n, p in gates.lora.items() if n.endswith("_a"))
@@ -80,7 +82,7 @@ def test_gradients_reach_the_routers_and_adapters_from_the_first_step():
     twin = gates.twin(model, "exact")
     out = twin(tokens)
     (gates.controller().loss(*counted_stats(out.gates, None, TINY["n_layers"]))).backward()
-    assert all(r.weight.grad is None or float(r.weight.grad.abs().sum()) == 0 for r in gates.routers)
+    assert all(p.grad is None or float(p.grad.abs().sum()) == 0 for p in gates.routers.parameters())
 
 
 def test_gate_loss_matches_a_hand_computation():
@@ -93,7 +95,8 @@ def test_gate_loss_matches_a_hand_computation():
     mask[:, 5:] = True
     with torch.no_grad():
         teacher = model(tokens).logits
-        loss, (kl, reg) = gate_loss(model, gates, tokens, teacher, mask)
+    loss, (kl, reg) = gate_loss(model, gates, tokens, teacher, mask)  # a training step: records eq. 4's stats
+    with torch.no_grad():
         out = gated_twin(model, gates)(tokens)
         g = out.gates[:, mask]  # [3, n]: first-half gates of the counted positions
         mean, var = g.mean(1), g.var(1, unbiased=False)
@@ -101,7 +104,7 @@ def test_gate_loss_matches_a_hand_computation():
         want_reg = (gates.ctrl_alpha * mean6 + gates.ctrl_beta * var6).sum() / 6  # eq. 5
         want_kl = kl_to_base(teacher[mask], out.logits[mask])
     assert abs(reg - float(want_reg)) < 1e-6 and abs(kl - float(want_kl)) < 1e-6
-    assert abs(float(loss) - float(want_reg + want_kl)) < 1e-5
+    assert abs(float(loss.detach()) - float(want_reg + want_kl)) < 1e-5
     assert 0 < float(mean.min()) < 1  # the random routers do gate: the statistics are not trivial
     # eq. 6 after the optimiser step: alpha += gamma (mean - mu*) outside the dead band
     before = gates.ctrl_alpha.clone()
@@ -168,3 +171,27 @@ def test_refusals():
         gated_twin(model, SkipGates(D, 8))
     with pytest.raises(ValueError, match="mu_final"):
         SkipGates.for_model(model, mu_final=1.5)
+
+
+def test_router_scale_is_calibrated_once_and_keeps_the_dense_start():
+    """w_l = v_l c_l with c_l = 1 / mean ||h_l||_1 of the first batch (skip_gates.py, "Router scale"): set
+    once, saved with the weights, the effective weight scales as c_l, and zero routers stay exactly dense."""
+    model = dense()
+    gates = SkipGates.for_model(model)
+    tokens = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        hs = model(tokens, output_hidden_states=True).hidden_states
+        teacher = model(tokens).logits
+    gate_loss(model, gates, tokens, teacher)
+    want = torch.stack([1.0 / hs[layer].abs().sum(-1).mean() for layer in range(3)])
+    assert bool(gates.calibrated) and torch.allclose(gates.router_scale, want)
+    other = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(9))
+    gate_loss(model, gates, other, teacher)
+    assert torch.allclose(gates.router_scale, want)  # not re-measured on later batches
+    assert all(float(r.weight.abs().sum()) == 0 for r in gates.routers)  # still dense
+    with torch.no_grad():
+        gates.routers[1].parametrizations.weight.original.fill_(2.0)
+    assert torch.allclose(gates.routers[1].weight, torch.full((1, D), 2.0) * want[1])
+    loaded = SkipGates(**gates.config())
+    loaded.load_state_dict(gates.state_dict())
+    assert torch.equal(loaded.routers[1].weight, gates.routers[1].weight) and bool(loaded.calibrated)
