@@ -10,6 +10,9 @@ run on one machine, interleaving the things compared so that drift on a shared m
 2. `skipping`: real skipping in a gated model (paper-12l shape, random weights) with a forced fraction z of
    tokens skipping the middle span [k, L-1-k]; prefill and decode time with skipping on vs off, against
    the speedup the FLOPs model (flops.py) predicts at the measured per-block sparsity.
+3. `gates` (`bench_gates`): learned skip gates on a pretrained model (skip_gates.py, `midlayer train-gates`)
+   vs the dense model and static layer skipping of equal compute: held-out KL, greedy-token agreement,
+   sparsity, and real prefill / decode speedups against the FLOPs model.
 """
 
 from __future__ import annotations
@@ -680,3 +683,128 @@ def rows_table(r: dict) -> str:
 __all__ = ["bench_skipping", "skipping_table", "bench_decode", "decode_table", "gemv_bandwidth",
            "force_skip_fraction", "first_divergence", "bench_speculative", "speculative_table", "DraftRecorder",
            "bench_rows", "rows_table", "bench_prefill", "prefill_table"]
+
+
+# ================================================================================ skip gates (issue 15)
+def static_skip_gates(model: Transformer, first: int):
+    """Skip gates that make EVERY token skip the span [first, L-1-first]: router `first` has bias 1 (S = 1,
+    gate 0 there, eq. 2), every other router is 0. The static layer-skip baseline then runs through the
+    same engine, real skipping and all, as the learned gates it is compared with."""
+    from .skip_gates import SkipGates
+
+    L = model.cfg.n_layers
+    if not 0 <= first < L // 2:
+        raise ValueError(f"a static skip starts at a routed block, 0 <= first < {L // 2}, got {first}")
+    gates = SkipGates.for_model(model)
+    with torch.no_grad():
+        gates.routers[first].bias.fill_(1.0)
+    gates.calibrated.fill_(True)  # nothing to calibrate: the weights are 0
+    return gates.eval()
+
+
+def static_first_for(n_layers: int, skipped_frac: float) -> int:
+    """The static span [a, L-1-a] closest in size to a mean skipped share of the L blocks: L - 2a ~ f L
+    (equal compute in the blocks; ties to the smaller span). a <= L/2 - 1: at least the innermost pair."""
+    want = skipped_frac * n_layers
+    best = min(range(n_layers // 2), key=lambda a: (abs((n_layers - 2 * a) - want), -a))
+    return best
+
+
+def bench_gates(model_name: str, gates: dict[str, str], data, static: str = "auto", prompts: int = 8,
+                new_tokens: int = 64, weights: str = "q4", seq_len: int = 384, records: int = 64,
+                model: Transformer | None = None) -> dict:
+    """Learned skip gates vs the dense model and static layer skipping (issue 15), on held-out records and
+    prompts of a distillation file (never trained on):
+      * quality, teacher-forced on `records` held-out records (response positions): KL to the dense model,
+        greedy-token agreement (gated argmax = dense argmax), per-block share of gates exactly 0;
+      * generation, greedy, `prompts` held-out prompts: tokens until the first divergence from the dense
+        model's output, and prefill / decode wall time with real skipping, interleaved variant by variant
+        per prompt, as speedups over dense, against the FLOPs model's prediction at the measured sparsity.
+    static: "auto" (for each gates variant the static span of nearest compute), "none", or comma-separated
+    first blocks a (span [a, L-1-a]). `data`: a distillation file or a DistillSet; `model`: the loaded base
+    (tests), else `model_name` is loaded in the `weights` format."""
+    from .distill import DistillSet
+    from .draft_training import DraftTrainConfig, heldout_metrics, response_batches
+    from .drafters import load_draft
+    from .pretrained import load_pretrained
+    from .quantization import compress_weights
+    from .skip_gates import SkipGates
+
+    if model is None:
+        model = compress_weights(load_pretrained(model_name)[0].float(), weights)
+    model.eval()
+    L = model.cfg.n_layers
+    ds = data if isinstance(data, DistillSet) else DistillSet.load(data)
+    held = response_batches(ds, seq_len, records)
+    plist = [r.prompt_ids for r in ds.split("heldout")][:prompts]
+    if not held or not plist:
+        raise ValueError(f"{data}: no held-out records")
+    variants: dict[str, SkipGates | None] = {"dense": None}
+    for label, path in gates.items():
+        module, _ = load_draft(path, model)
+        if not isinstance(module, SkipGates):
+            raise ValueError(f"{label}={path}: a {type(module).__name__} draft, not a train-gates output")
+        variants[label] = module.eval()
+    cfg = DraftTrainConfig(method="gates", bf16=False)
+    quality: dict[str, dict] = {}
+    for label, g in list(variants.items()):
+        if g is not None:
+            quality[label] = heldout_metrics(cfg, model, g, held)
+    if static == "auto":
+        firsts = sorted({static_first_for(L, q["skipped_blocks_frac"]) for q in quality.values()})
+    elif static in ("none", ""):
+        firsts = []
+    else:
+        firsts = [int(x) for x in static.split(",")]
+    for a in firsts:
+        label = f"static-skip {a}-{L - 1 - a}"
+        variants[label] = static_skip_gates(model, a)
+        quality[label] = heldout_metrics(cfg, model, variants[label], held)
+    twins = {label: model if g is None else g.twin(model) for label, g in variants.items()}
+    runs: dict[str, list[tuple[float, float, list[int]]]] = {label: [] for label in twins}
+    for ids in plist:
+        ours_run(model, ids, 2)  # warm-up
+        for label, m in twins.items():  # interleaved per prompt: drift hits every variant alike
+            runs[label].append(ours_run(m, ids, new_tokens))
+    dense_runs = runs["dense"]
+    pre_dense = sum(r[0] for r in dense_runs)
+    dec_dense = statistics.mean(r[1] for r in dense_runs)
+    mean_prompt = round(statistics.mean(len(p) for p in plist))
+    rows = []
+    for label, m in twins.items():
+        q = quality.get(label, {})
+        first_div = []
+        for (_, _, out), (_, _, ref) in zip(runs[label], dense_runs):
+            n = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            first_div.append(n)
+        sparsity = q.get("gate_zero", [0.0] * L)[: L // 2]
+        gcfg = m.cfg if m.cfg.gating else None
+        pred_pre = pred_dec = 1.0
+        if gcfg is not None:
+            pred_pre = forward_flops(gcfg, mean_prompt).total / forward_flops(gcfg, mean_prompt, sparsity).total
+            ctx = mean_prompt + new_tokens // 2
+            pred_dec = decode_flops(gcfg, ctx).total / decode_flops(gcfg, ctx, sparsity).total
+        rows.append(dict(
+            variant=label, kl=q.get("kl", 0.0), agreement=q["top1"][0] if q else 1.0,
+            skipped_blocks_frac=q.get("skipped_blocks_frac", 0.0), gate_zero=sparsity,
+            tokens_to_divergence=statistics.mean(first_div),
+            prefill_speedup=pre_dense / sum(r[0] for r in runs[label]), prefill_pred=pred_pre,
+            decode_ms=1e3 * statistics.mean(r[1] for r in runs[label]),
+            decode_speedup=dec_dense / statistics.mean(r[1] for r in runs[label]), decode_pred=pred_dec))
+    return dict(model=model_name, weights=weights, data=str(data) if not isinstance(data, DistillSet) else "given",
+                prompts=len(plist), records=len(held),
+                new_tokens=new_tokens, mean_prompt_tokens=mean_prompt, rows=rows)
+
+
+def gates_table(r: dict) -> str:
+    out = [machine_line(), "", f"{r['model']} ({r['weights']} weights); quality on {r['records']} held-out records "
+           f"(teacher-forced, response positions); speed on {r['prompts']} held-out prompts (mean "
+           f"{r['mean_prompt_tokens']} tokens) + {r['new_tokens']} greedy tokens, batch 1, real skipping", "",
+           "| variant | KL to dense | greedy-token agreement | blocks skipped | tokens to first divergence | "
+           "prefill speedup real / FLOPs | decode ms/token | decode speedup real / FLOPs |",
+           "|---|---|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        out.append(f"| {x['variant']} | {x['kl']:.4f} | {x['agreement']:.3f} | {x['skipped_blocks_frac']:.1%} | "
+                   f"{x['tokens_to_divergence']:.1f} | {x['prefill_speedup']:.2f}x / {x['prefill_pred']:.2f}x | "
+                   f"{x['decode_ms']:.1f} | {x['decode_speedup']:.2f}x / {x['decode_pred']:.2f}x |")
+    return "\n".join(out)

@@ -183,6 +183,20 @@ def _add_generate_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--weights", default=",".join(WEIGHT_FORMATS),
                    help="comma-separated weight formats for the decode benchmark (first is the reference)")
+    b = bsub.add_parser("gates", help="learned skip gates (train-gates) vs dense and static layer skipping: held-out KL, "
+                                      "agreement, sparsity, real prefill/decode speedups vs the FLOPs model")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--gates", required=True, metavar="LABEL=DIR,...", help="comma-separated train-gates outputs")
+    b.add_argument("--data", default="data/distill/smollm2-135m-q4-greedy.jsonl",
+                   help="distillation file whose held-out split gives the records and prompts")
+    b.add_argument("--static", default="auto", help="static layer-skip baselines: auto (the span of nearest compute "
+                                                    "per gates variant), none, or comma-separated first blocks A "
+                                                    "(span [A, L-1-A])")
+    b.add_argument("--prompts", type=int, default=8, help="held-out prompts timed")
+    b.add_argument("--records", type=int, default=64, help="held-out records for KL / agreement / sparsity")
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4")
+    b.add_argument("--output", default=None, help="also write the results as JSON here")
     b = bsub.add_parser("decode", help="speculative decoding per drafter: tau, draft accuracy, speedup, losslessness")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--drafts", default="hidden-transfer=drafts/smollm2-135m/hidden-transfer,"
@@ -542,6 +556,28 @@ def _check_bench_generate_args(args: argparse.Namespace) -> tuple[float, ...]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    if args.bench == "gates":
+        for flag, value in (("--prompts", args.prompts), ("--records", args.records), ("--new-tokens", args.new_tokens)):
+            _positive(flag, value)
+        _check_output("--output", args.output)
+        gates: dict[str, str] = {}
+        for item in filter(None, (x.strip() for x in args.gates.split(","))):
+            label, sep, path = item.partition("=")
+            if not sep or not label or not path or label in gates or label == "dense":
+                raise ValueError(f"--gates: expected distinct LABEL=DIR (not 'dense'), got {item!r}")
+            if not Path(path).is_dir():
+                raise ValueError(f"--gates {label}={path}: no such directory (expected a train-gates output)")
+            gates[label] = path
+        if args.static not in ("auto", "none") and not all(x.strip().isdigit() for x in args.static.split(",")):
+            raise ValueError(f"--static: auto, none or comma-separated block indices, got {args.static!r}")
+        if not Path(args.data).is_file():
+            raise ValueError(f"--data {args.data}: no such file (a midlayer.distill output)")
+        r = bench.bench_gates(args.model, gates, args.data, args.static, args.prompts, args.new_tokens, args.weights,
+                              records=args.records)
+        print(bench.gates_table(r))
+        if args.output:
+            Path(args.output).write_text(json.dumps(r, indent=2))
+        return 0
     if args.bench == "decode":
         drafts, skip = _check_bench_decode_args(args)
         r = bench.bench_speculative(args.model, drafts, skip, args.tree, args.nodes, args.new_tokens,

@@ -190,7 +190,7 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
     node_tok = [0] * n
     # rows (root-included numbering) of each level; BFS order makes each level a contiguous range
     levels: list[list[int]] = [[0]] + [[i + 1 for i in range(n) if depth[i] == d] for d in range(1, tree.max_depth)]
-    dense_prefix = cache.dense_prefix  # slots < s0 are never written here, so truncating restores it
+    dense_layers = list(cache.dense_layers)  # slots < s0 are never written here, so truncating restores them
     cache.reserve(n + 1)
     try:
         for d, rows in enumerate(levels):
@@ -211,7 +211,7 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
                 node_tok[i] = top[row - a][ranks[i]]
     finally:
         cache.truncate(s0)
-        cache.dense_prefix = dense_prefix  # a gated draft's key biases are gone with its slots
+        cache.dense_layers = dense_layers  # a gated draft's key biases and skipped slots are gone with its slots
     return Draft(node_tokens=torch.tensor(node_tok, dtype=torch.long))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -98,22 +99,54 @@ class MirroredGates:
         self.cum: torch.Tensor | None = None
         self.lin: torch.Tensor | None = None
         self.next_layer = 0
+        # inference only: whether every gate of the last block asked for is exactly 1 (None while autograd
+        # records); `Transformer.run_blocks` then runs the block as a dense one. Kept per first-half block for
+        # the mirrored second half.
+        self.open: bool | None = None
+        self.first_open: list[bool | None] = []
+        self._cum1: np.float32 | None = None  # one-row inference: S as a float32 scalar
+
+    def _one_row(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """`Routers.step` for a single row at inference (the batch-1 decode step), with eq. 1-2's scalar
+        arithmetic on the host in float32 (numpy): the same bits as the tensor path -- the score is the same
+        per-row product and sum, then ReLU, the running sum and the clamp are single IEEE float32
+        operations -- at a fraction of the cost of six tiny tensor ops."""
+        router = self.routers[layer]
+        score = (h * router.weight[0].to(h.dtype)).sum(-1) + router.bias[0].to(h.dtype)
+        s = np.float32(max(float(score.float()), 0.0))  # ReLU (float32 -> float64 -> float32 is exact)
+        cum = s if self._cum1 is None else np.float32(self._cum1 + s)
+        self._cum1 = cum
+        self.cum = None  # the tensor S is not kept in this mode (only `_cum1` is read)
+        return torch.full((1, 1), float(np.float32(1.0) - np.float32(min(max(cum, 0.0), 1.0))), device=h.device)
 
     def __call__(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         if layer != self.next_layer:
             raise ValueError(f"gates: block {layer} asked for out of order (expected block {self.next_layer}); a "
                              "gated model's gates need every block from 0 up, in order (eqs. 1-2)")
         self.next_layer += 1
-        if layer < self.n_layers // 2:
+        if layer >= self.n_layers // 2:
+            self.open = self.first_open[self.n_layers - 1 - layer]
+            return self.first_half[self.n_layers - 1 - layer]  # eq. 2: mirror of block L-1-l
+        infer = not torch.is_grad_enabled()
+        if infer and ((self._cum1 is not None and self._cum1 >= 1)
+                      or (self.cum is not None and bool((self.cum >= 1).all()))):
+            # inference, every row already at S >= 1: S never decreases (ReLU scores), so g = 0 here
+            # whatever this router says -- skip computing it (the rows skip this block anyway)
+            gate, self.open = torch.zeros(h.shape[:2], device=h.device), False
+        elif infer and h.shape[0] * h.shape[1] == 1 and self.cum is None:
+            gate = self._one_row(layer, h)
+            self.open = float(gate) == 1.0
+        else:
             gate, self.cum, self.lin = Routers.step(self.routers[layer], h, self.cum, self.lin)  # h entering l
             if self.lin is not None:
                 st = straight_through(gate, self.lin)
                 self.first_half_st.append(st)
                 if self.gate_grad == "straight_through":
                     gate = st
-            self.first_half.append(gate)
-            return gate
-        return self.first_half[self.n_layers - 1 - layer]  # eq. 2: mirror of block L-1-l
+            self.open = bool((gate == 1).all()) if infer else None
+        self.first_half.append(gate)
+        self.first_open.append(self.open)
+        return gate
 
 
 @dataclass

@@ -149,6 +149,9 @@ def _sparse_block(block, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: to
                   query_slots: torch.Tensor, extra_mask: torch.Tensor | None, position_bias=None) -> torch.Tensor:
     """Run `block` on the active tokens only (gathered, row-padded to the largest count), scatter back."""
     B, T, d = h.shape
+    # some slot of this forward is not held at this layer (skipped or padding): later queries need the mask
+    # (kv_cache.LayerView's unmasked dense step would read its stale keys), even when no row computes here
+    cache.dense_layers[layer] = False
     counts = act.sum(1)
     M = int(counts.max())
     if M == 0:

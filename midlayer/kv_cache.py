@@ -39,9 +39,10 @@ class KVCache:
         # Per-layer views, taken once: the decode step indexes no 5-d buffer.
         self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
         self.bias_layers = list(self.bias.unbind(0))
-        # True while every slot < length is held by every layer with bias 0 (dense, no padding): the
-        # attention then needs no mask at all in a decode step, the fast path of batch-1 decoding.
-        self.dense_prefix = True
+        # Per layer: True while every slot < length is held by that layer with bias 0 (dense, no padding,
+        # nothing skipped there): its attention then needs no mask at all in a decode step, the fast path of
+        # batch-1 decoding. Per layer, so that a layer no token skips keeps it while others lose it.
+        self.dense_layers = [True] * n_layers
         self.mask_memo: tuple | None = None  # (key, mask): this forward's dense-prefix mask (LayerView.finish)
         self.window = 0  # sliding-window attention (> 0): keys `window` or more positions back are hidden
         self.ssm: dict[int, object] = {}  # layer -> ssm.SSMState of a state-space mixer (created on first use)
@@ -56,6 +57,15 @@ class KVCache:
         cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype)
         cache.window = getattr(cfg, "sliding_window", 0)
         return cache
+
+    @property
+    def dense_prefix(self) -> bool:
+        """Every layer dense (`dense_layers`)."""
+        return all(self.dense_layers)
+
+    @dense_prefix.setter
+    def dense_prefix(self, value: bool) -> None:
+        self.dense_layers = [bool(value)] * len(self.dense_layers)
 
     @property
     def batch(self) -> int:
@@ -174,7 +184,8 @@ class LayerView:
         read the cache with, or None when every held key is visible (the dense decode step)."""
         c, l = self.cache, self.layer
         if self.gate_bias is not None or self.valid is not None:
-            c.dense_prefix = False  # some key is gated or missing: from now on attention needs the mask
+            c.dense_layers[l] = False  # some key is gated or missing here: from now on this layer needs the mask
+        dense = c.dense_layers[l]
         bias_l = c.bias_layers[l]
         if self.valid is None:
             if self.gate_bias is None:
@@ -187,10 +198,15 @@ class LayerView:
             bias_l[b_idx, s_idx] = 0.0 if self.gate_bias is None else self.gate_bias[b_idx, m_idx].float()
         S = c.length
         local = 0 < c.window < S  # sliding window: keys far enough back are hidden too
-        if c.dense_prefix and M == 1 and self.extra_mask is None and not local and self.position_bias is None:
+        if dense and M == 1 and self.extra_mask is None and not local and self.position_bias is None:
             return None  # every held key is visible to the one new query
-        if c.dense_prefix:
-            # Every held key has bias 0 at every layer: the mask (causality [+ tree]) is the same for all
+        if (M == 1 and self.valid is None and self.start == S - 1 and self.extra_mask is None and not local
+                and self.position_bias is None):
+            # one query in the last slot (a decode step): causality hides nothing, so the mask is this layer's
+            # key biases as they are -- a view, no tensor built (skipped slots -inf, gated keys ln g)
+            return bias_l[:, None, None, :S]
+        if dense:
+            # Every held key has bias 0 at this layer: the mask (causality [+ tree]) is the same for all dense
             # layers of this forward, so it is built once and reused (keyed on what it depends on).
             em = self.extra_mask
             key = (self.start, M, S, None if em is None else (em.data_ptr(), tuple(em.shape), tuple(em.stride())))
@@ -207,6 +223,6 @@ class LayerView:
                 mask = mask + self.position_bias(q_pos, c.pos[:, :S])
         if self.extra_mask is not None:
             mask = mask + self.extra_mask
-        if c.dense_prefix:
+        if dense:
             c.mask_memo = (key, mask)
         return mask

@@ -438,14 +438,17 @@ class Transformer(nn.Module):
             gate = key_bias = None
             if gates is not None:
                 gate = gates(layer, h[:, :routed])
-                if h.shape[1] > routed:  # joined rows: gate 1
-                    gate = torch.cat([gate, gate.new_ones(h.shape[0], h.shape[1] - routed)], 1)
-                # eq. 3: ln(max(g_j, eps)) per key. Inference with every gate 1 (ln 1 = 0): no bias at all, so
-                # the attention takes the dense kernel path -- bit-identical to the dense model (fresh routers,
-                # skip_gates.py) and, in the KV cache, the unmasked dense decode step. Training keeps the bias:
-                # its gradient reaches the gates through ln g.
-                open_all = not torch.is_grad_enabled() and bool((gate == 1).all())
-                key_bias = None if open_all else key_gate_bias(gate, eps, self.cfg.gate_attention)
+                # eq. 3: ln(max(g_j, eps)) per key. Inference with every gate 1 (ln 1 = 0, g * x = x; joined
+                # rows have gate 1): the block runs as a dense one -- no bias, no multiply, no skipping test --
+                # bit-identical to the dense model (fresh routers, skip_gates.py), on the dense attention
+                # kernel and, in the KV cache, the unmasked decode step; and cheaper. Training keeps both:
+                # their gradient reaches the gates.
+                if gates.open:
+                    gate = None
+                else:
+                    if h.shape[1] > routed:  # joined rows: gate 1
+                        gate = torch.cat([gate, gate.new_ones(h.shape[0], h.shape[1] - routed)], 1)
+                    key_bias = key_gate_bias(gate, eps, self.cfg.gate_attention)
             if (run is not None and not run(layer)) or h.shape[1] == 0:
                 continue
             h = step(layer, self.layers[layer], h, gate, key_bias)

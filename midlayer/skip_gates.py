@@ -19,7 +19,7 @@ Router scale. A pretrained residual stream is large (its L1 norm over d = 576 di
 in SmolLM2's middle blocks), and Adam moves every weight by about the learning rate per step whatever the
 gradient's size: a step changes w.h by ~ lr ||h||_1, so at lr 1e-2 a few steps of noise (the KL's gradient
 is ~0 at the dense start) closed the middle gates of SmolLM2 outright (gate means ~0.01, KL 49, measured).
-Each router's weight is therefore w_l = v_l c_l (a parametrization; `router_scale`), c_l = 1 / the mean
+Each router's weight is therefore w_l = v_l c_l (`ScaledRouter`; c_l in `router_scale`), c_l = 1 / the mean
 L1 norm of the residual entering block l on the first training batch (`calibrate`, once, saved with the
 weights): an Adam step then moves a score by about lr, on any model. Eq. 1 is unchanged (w_l is a weight).
 
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch.nn.utils import parametrize
+import torch.nn.functional as F
 
 from .config import SparsityConfig
 from .gating import Routers
@@ -98,11 +98,8 @@ class SkipGates(nn.Module):
         self.routers = Routers(dim, n_layers)
         self.register_buffer("router_scale", torch.ones(n_layers // 2))  # c_l (module docstring)
         self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
-        with torch.no_grad():  # gates exactly 1: the dense model (module docstring)
-            for layer, r in enumerate(self.routers):
-                r.weight.zero_()
-                r.bias.zero_()
-                parametrize.register_parametrization(r, "weight", _Scaled(self.router_scale, layer))
+        for layer in range(n_layers // 2):  # v = 0, b = 0: gates exactly 1, the dense model (module docstring)
+            self.routers[layer] = ScaledRouter(dim, self.router_scale, layer)
         self.lora = nn.ParameterDict()
         for layer in range(n_layers if lora_rank else 0):
             for name, d_in in (("wo", attn_in), ("w2", ffn_hidden)):
@@ -172,16 +169,30 @@ class SkipGates(nn.Module):
         return got[1]
 
 
-class _Scaled(nn.Module):
-    """The parametrization w = v c_l of router l (SkipGates.router_scale)."""
+class ScaledRouter(nn.Module):
+    """Router l of eq. 1 with weight w = v c_l (module docstring, "Router scale"): trains v, exposes `weight`
+    and `bias` as an `nn.Linear(dim, 1)` does, so the gate code (gating.Routers.step) reads it unchanged.
+    Inference reuses w until v or c_l changes (the decode step reads it once per block and token)."""
 
-    def __init__(self, scale: torch.Tensor, layer: int) -> None:
+    def __init__(self, dim: int, scale: torch.Tensor, layer: int) -> None:
         super().__init__()
-        object.__setattr__(self, "scale", scale)  # SkipGates' buffer, not a second copy of it
+        self.v = nn.Parameter(torch.zeros(1, dim))
+        self.bias = nn.Parameter(torch.zeros(1))
+        object.__setattr__(self, "scale", scale)  # SkipGates' buffer (c), not a copy of it
         self.layer = layer
+        self._memo: tuple | None = None
 
-    def forward(self, v: torch.Tensor) -> torch.Tensor:
-        return v * self.scale[self.layer].to(v.dtype)
+    @property
+    def weight(self) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return self.v * self.scale[self.layer]
+        key = (self.v.data_ptr(), self.v._version, self.scale.data_ptr(), self.scale._version)
+        if self._memo is None or self._memo[0] != key:
+            self._memo = (key, self.v * self.scale[self.layer])
+        return self._memo[1]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight.to(h.dtype), self.bias.to(h.dtype))
 
 
 def _shallow(module: nn.Module) -> nn.Module:

@@ -5,6 +5,7 @@ random, all-skip) is lossless."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from midlayer.drafters import kl_to_base, load_drafter, save_draft
@@ -27,7 +28,7 @@ def randomised(gates: SkipGates, seed: int, scale: float = 0.4, bias: float = 0.
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for i, r in enumerate(gates.routers):
-            v = r.parametrizations.weight.original  # w = v c_l, c_l = 1 until calibrated
+            v = r.v  # w = v c_l, c_l = 1 until calibrated
             v.copy_(scale * torch.randn(v.shape, generator=g))
             r.bias.fill_(bias * i)
         for p in gates.lora.values():
@@ -71,8 +72,8 @@ def test_gradients_reach_the_routers_and_adapters_from_the_first_step():
     loss, (kl, reg) = gate_loss(model, gates, tokens, teacher)
     assert abs(kl) < 1e-6 and reg > 0  # dense start: nothing to distil yet (float rounding aside)
     loss.backward()
-    for r in gates.routers:  # w = v c_l: the trained parameter is v (parametrizations.weight.original)
-        v = r.parametrizations.weight.original
+    for r in gates.routers:  # w = v c_l: the trained parameter is v (ScaledRouter.v)
+        v = r.v
         assert v.grad is not None and bool(v.grad.abs().sum() > 0) and float(r.bias.grad) != 0
     # the adapters are in the graph; B = 0 at the start, so dL/dA = B^T (...) is exactly 0, as in LoRA
     assert all(p.grad is not None for p in gates.lora.values())
@@ -188,10 +189,125 @@ def test_router_scale_is_calibrated_once_and_keeps_the_dense_start():
     other = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(9))
     gate_loss(model, gates, other, teacher)
     assert torch.allclose(gates.router_scale, want)  # not re-measured on later batches
-    assert all(float(r.weight.abs().sum()) == 0 for r in gates.routers)  # still dense
+    assert all(float(r.weight.detach().abs().sum()) == 0 for r in gates.routers)  # still dense
     with torch.no_grad():
-        gates.routers[1].parametrizations.weight.original.fill_(2.0)
+        gates.routers[1].v.fill_(2.0)
     assert torch.allclose(gates.routers[1].weight, torch.full((1, D), 2.0) * want[1])
     loaded = SkipGates(**gates.config())
     loaded.load_state_dict(gates.state_dict())
     assert torch.equal(loaded.routers[1].weight, gates.routers[1].weight) and bool(loaded.calibrated)
+
+
+def test_static_skip_gates_skip_the_span_for_every_token():
+    """The static baseline (bench.static_skip_gates) equals running the dense model without blocks
+    [a, L-1-a], by hand; and the span of nearest compute is picked from a skipped share."""
+    from midlayer.bench import static_first_for, static_skip_gates
+
+    model = dense()
+    tokens = torch.randint(0, V, (1, 15), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        out = static_skip_gates(model, 1).twin(model)(tokens)
+        h = model.embed(tokens)
+        step = model.causal(15)
+        for layer in (0, 5):  # blocks 1..4 skipped
+            h = step(layer, model.layers[layer], h, None, None)
+        want = model.output(model.norm(h))
+    assert bool((out.gates[0] == 1).all()) and bool((out.gates[1:] == 0).all())
+    assert torch.allclose(out.logits, want, atol=1e-5)
+    assert static_first_for(6, 4 / 6) == 1 and static_first_for(6, 0.0) == 2 and static_first_for(30, 0.2) == 12
+
+
+def test_bench_gates_reports_quality_and_speed_rows():
+    from midlayer.bench import bench_gates
+    from midlayer.distill import DistillRecord, DistillSet
+
+    model = dense()
+    g = torch.Generator().manual_seed(11)
+    recs = [DistillRecord(f"p{i}", "writing", "heldout", torch.randint(1, V, (5,), generator=g).tolist(),
+                          torch.randint(1, V, (8,), generator=g).tolist()) for i in range(4)]
+    data = DistillSet(recs, {"stop_tokens": [0]})
+    gates = randomised(SkipGates.for_model(model), seed=12)
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp()) / "g"
+    save_draft(d, gates, base=model)
+    r = bench_gates("tiny", {"learned": str(d)}, data, static="auto", prompts=2, new_tokens=6, seq_len=32,
+                    records=4, model=model)
+    rows = {x["variant"]: x for x in r["rows"]}
+    assert rows["dense"]["kl"] == 0.0 and rows["dense"]["agreement"] == 1.0
+    assert rows["dense"]["tokens_to_divergence"] == 6 and rows["dense"]["decode_pred"] == 1.0
+    learned = rows["learned"]
+    static = [x for x in rows if x.startswith("static-skip")]
+    assert len(static) == 1 and 0 < learned["skipped_blocks_frac"] < 1 and learned["kl"] > 0
+    a = int(static[0].split()[1].split("-")[0])
+    assert rows[static[0]]["skipped_blocks_frac"] == pytest.approx((6 - 2 * a) / 6, abs=1e-4)  # every token
+    assert learned["prefill_pred"] > 1 and learned["decode_pred"] > 1  # FLOPs model at the measured sparsity
+
+
+def test_decode_with_open_gates_and_whole_steps_skipping_matches_the_full_forward():
+    """Tokens whose gates are exactly 1 (ReLU scores <= 0) take the unbiased attention path, and a decode
+    step whose one token skips a block writes nothing there: the next token at that block must still hide
+    that slot (regression: the cache's dense fast path once attended to the stale keys)."""
+    model = dense()
+    gates = SkipGates.for_model(model)
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        v = gates.routers[1].v
+        v.copy_(5.0 * torch.randn(v.shape, generator=g))  # scores either <= 0 (gate exactly 1) or >> 1 (skip)
+    twin = gates.twin(model)
+    for _ in range(100):  # a prompt that opens with 3 open tokens (a prefill without skipping) and skips later
+        prompt = torch.randint(0, V, (24,), generator=g).tolist()
+        with torch.no_grad():
+            first = twin(torch.tensor([prompt])).gates[1, 0]
+        if bool((first[:3] == 1).all()) and bool((first[3:] == 0).any()):
+            break
+    else:
+        raise AssertionError("no such prompt")
+    got = greedy(twin, prompt[:6], 18)
+    seq = list(prompt[:6])
+    for _ in range(18):
+        with torch.no_grad():
+            seq.append(int(twin(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert got == seq[6:]
+    # teacher-forced through the cache: every step's logits equal the full forward's, row by row
+    from midlayer.generate import decode_one_token, prefill
+    from midlayer.kv_cache import KVCache
+
+    cache = KVCache.for_model(twin.cfg, 1, 32)
+    with torch.no_grad():
+        logits, pos = prefill(twin, [prompt[:3]], cache)
+        full = twin(torch.tensor([prompt])).logits[0]
+        for t in range(3, len(prompt)):
+            logits = decode_one_token(twin, cache, torch.tensor([prompt[t]]), pos)
+            pos = pos + 1
+            assert torch.allclose(logits[0], full[t], atol=1e-4), t
+
+
+def test_one_row_gate_path_gives_the_tensor_paths_bits():
+    """gating.MirroredGates: a single row at inference takes eq. 1-2 on the host in float32; its gates
+    equal, bit for bit, those the same row gets inside a batch (the tensor path), fractional, 1 and 0 alike,
+    and the `open` flags say exactly which blocks have gate 1."""
+    from midlayer.gating import MirroredGates, Routers
+
+    L, d = 8, 16
+    g = torch.Generator().manual_seed(14)
+    routers = Routers(d, L)
+    with torch.no_grad():
+        for i, r in enumerate(routers):
+            r.weight.copy_(0.3 * torch.randn(1, d, generator=g))
+            r.bias.fill_(0.05 * i - 0.1)
+    hs = [torch.randn(3, 1, d, generator=g) * 2 for _ in range(L)]
+    seen = set()
+    with torch.no_grad():
+        batch = MirroredGates(routers, L)
+        full = [batch(layer, hs[layer]) for layer in range(L)]
+        for row in range(3):
+            one = MirroredGates(routers, L)
+            for layer in range(L):
+                got = one(layer, hs[layer][row:row + 1])
+                assert got.dtype == torch.float32 and torch.equal(got[0], full[layer][row]), (row, layer)
+                assert one.open == bool(got[0, 0] == 1)
+                v = float(got)
+                seen.add("one" if v == 1 else "zero" if v == 0 else "frac")
+    assert seen == {"one", "zero", "frac"}
