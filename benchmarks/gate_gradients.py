@@ -10,6 +10,11 @@ gradient through eq. 2 -- the clamp's derivative is 0 -- and neither does a toke
 gradient path, not by the loss: the hypothesis of issue 14. How far past 1 their S lies (the margin the
 router would have to move) is printed too.
 
+What it leaves out: the gate's other use, eq. 3's key bias ln(max(g, eps)). A gate that is exactly 0 sits
+under the clamp_min floor (ln eps), whose derivative in g is 0, so that path passes nothing back either;
+the dCE/dg measured here is the multiply-by-gate path of blocks l and L-1-l (what reopening would change
+in the residual), not the attention-visibility path of a gate moving off 0.
+
     python benchmarks/gate_gradients.py runs/sweep/cpu/gated-none [--batches 8]
 """
 

@@ -245,13 +245,15 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for p in points:
-            fl = (f"{p['flops_per_seq_mean'] / 1e6:,.1f} ± {p['flops_per_seq_std'] / 1e6:,.1f}"
-                  if p.get("flops_per_seq_mean") is not None else "-")
+            one = p["seeds"] < 2  # a single seed has no spread to show: no "± 0" that would read as a measured one
+            fl = "-" if p.get("flops_per_seq_mean") is None else (
+                f"{p['flops_per_seq_mean'] / 1e6:,.1f}" + ("" if one else f" ± {p['flops_per_seq_std'] / 1e6:,.1f}"))
+            ce = (f"{p['val_ce_mean']:.4f}" if one else f"{p['val_ce_mean']:.4f} ± {p['val_ce_std']:.4f} "
+                  f"[{p['val_ce_min']:.4f}-{p['val_ce_max']:.4f}]")
+            sp = f"{p['mean_sparsity_mean']:.3f}" + ("" if one else f" ± {p['mean_sparsity_std']:.3f}")
             met = f"{p['targets_met']}/{p['seeds']}" if p.get("targets_met") is not None else "-"
             lines.append(f"| {p['point']} | {p['kind']} | {_fmt(p.get('gate_attention'))} | {p['n_layers']} | "
-                         f"{_fmt(p.get('mu_final'), '.2f')} | {p['seeds']} | {p['val_ce_mean']:.4f} ± "
-                         f"{p['val_ce_std']:.4f} [{p['val_ce_min']:.4f}-{p['val_ce_max']:.4f}] | "
-                         f"{p['mean_sparsity_mean']:.3f} ± {p['mean_sparsity_std']:.3f} | {fl} | "
+                         f"{_fmt(p.get('mu_final'), '.2f')} | {p['seeds']} | {ce} | {sp} | {fl} | "
                          f"{_fmt(p.get('flops_ratio_mean'), '.3f')} | {met} |")
         lines += ["", "## Runs", ""]
     lines += [
@@ -357,7 +359,9 @@ def plot_figure2(rows: list[dict[str, Any]], png_path: Path | str, title: str | 
         ax.grid(True, alpha=0.3)
     ax_f.set_xlabel("estimated forward GFLOPs per sequence")
     ax_s.set_xlabel("mean gate sparsity")
-    ax_f.set_ylabel("validation cross-entropy" + (f" (mean ± std, {seeds} seeds)" if seeds > 1 else ""))
+    # points may have fewer seeds than the most seeded one (a sweep in progress): say so, not "N seeds"
+    ax_f.set_ylabel("validation cross-entropy" + ("" if seeds < 2 else f" (mean ± std, up to {seeds} seeds; "
+                                                  "one-seed points: no bar)"))
     ax_f.legend(fontsize=8)
     grid = title if title is not None else rows[0].get("grid", "")
     fig.suptitle(f"Figure 2 reproduction ({grid})" if grid else "Figure 2 reproduction")

@@ -378,3 +378,20 @@ def test_tokenizer_vocab_is_refused_by_its_flag_before_any_data_work(value, work
     # 257 = 256 bytes + end-of-text and no merge; 65537 would not fit the uint16 shards
     refused(capsys, ["train", "debug", "--tokenizer-vocab", value, "--out-dir", str(work / "run")],
             "--tokenizer-vocab: must be an int in [258, 65536]", f"got {value}", roots=(work,))
+
+
+def test_train_gates_and_gates_flags(tiny, work, capsys):
+    """`train-gates` (skip_gates.py) and the gates flags of generate / bench gates: refused with one line."""
+    refused(capsys, ["train-gates", "--method", "medusa"], "--method medusa", "train-draft", roots=(work,))
+    refused(capsys, ["train-gates", "--eval-every", "5", "--patience", "2"], "densest", roots=(work,))
+    refused(capsys, ["train-gates", "--lora-rank", "-1"], "lora_rank", roots=(work,))
+    refused(capsys, ["train-gates", "--stop-after", "0"], "--stop-after", roots=(work,))
+    gen = ["generate", "--model", str(tiny[0]), "--prompt", "hi"]
+    refused(capsys, [*gen, "--gates", "missing/dir"], "--gates missing/dir", roots=(work,))
+    refused(capsys, [*gen, "--gates", str(work), "--draft", str(work)], "--gates and --draft", roots=(work,))
+    bench = ["bench", "gates", "--model", str(tiny[0])]
+    refused(capsys, [*bench, "--gates", "a=missing/dir"], "--gates a=missing/dir", roots=(work,))
+    refused(capsys, [*bench, "--gates", f"dense={work}"], "--gates", roots=(work,))
+    refused(capsys, [*bench, "--gates", f"a={work}", "--static", "x"], "--static", roots=(work,))
+    refused(capsys, [*bench, "--gates", f"a={work}", "--prompts", "0"], "--prompts", roots=(work,))
+    refused(capsys, [*bench, "--gates", f"a={work}", "--data", "none.jsonl"], "--data none.jsonl", roots=(work,))

@@ -326,6 +326,10 @@ def test_seeds_grid_points_aggregate_by_hand(tmp_path):
     write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
     md = (tmp_path / "t.md").read_text()
     assert "| dense-2 | dense | - | 2 | - | 3 | 4.8100 ± 0.0100 [4.8000-4.8200] |" in md
+    # a point with one seed so far (a sweep in progress) shows its value, not a "± 0" spread
+    one = [r for r in rows if r["run"] != "dense-2-s1" and r["run"] != "dense-2-s2"]
+    write_table(one, tmp_path / "u.csv", tmp_path / "u.md")
+    assert "| dense-2 | dense | - | 2 | - | 1 | 4.8000 | 0.000 |" in (tmp_path / "u.md").read_text()
     pcsv = {r["point"]: r for r in csv.DictReader(open(tmp_path / "t-points.csv"))}
     assert float(pcsv["gated-query-mu0.50"]["val_ce_mean"]) == pytest.approx(4.45 + 0.01)
     if importlib.util.find_spec("matplotlib") is not None:
