@@ -264,7 +264,8 @@ def test_cli_surface_is_frozen():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
-    assert sorted(flags) == ["bench", "eval", "flops", "generate", "plot", "presets", "sweep", "train", "train-draft"]
+    assert sorted(flags) == ["bench", "eval", "flops", "generate", "plot", "presets", "sweep", "train", "train-draft",
+                             "train-gates"]
     model_flags = ["--attn-backend", "--dim", "--embed-norm", "--ffn-dim-multiplier", "--ffn-hidden", "--gate-eps",
                    "--gating", "--init-std", "--no-embed-norm", "--no-qkv-bias", "--qkv-bias",
                    "--max-seq-len", "--multiple-of", "--n-heads", "--n-kv-heads", "--n-layers", "--no-gating",
@@ -288,7 +289,8 @@ def test_cli_surface_is_frozen():
     assert flags["plot"] == sorted(["-h", "--help", "--out"])
     assert flags["generate"] == sorted(["-h", "--help", "--model", "--checkpoint", "--prompt", "--chat", "--system",
                                         "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
-                                        "--no-skip", "--weights", "--device", "--draft", "--tree", "--stats"])
+                                        "--no-skip", "--weights", "--device", "--draft", "--tree", "--stats",
+                                        "--gates"])
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
     assert sorted(o for a in bench["generate"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
@@ -296,11 +298,16 @@ def test_cli_surface_is_frozen():
     assert sorted(o for a in bench["decode"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--model", "--drafts", "--layer-skip", "--tree", "--nodes", "--new-tokens", "--max-prompts",
          "--prompts", "--weights", "--no-transformers", "--output"])
-    assert flags["train-draft"] == sorted(
-        ["-h", "--help", "--stop-after", "--no-progress", "--methods", "--method", "--model", "--data", "--out-dir",
-         "--k", "--layers", "--exit-layer", "--masked", "--no-masked", "--schedule", "--epochs", "--lr",
-         "--batch-tokens", "--seq-len", "--bf16", "--no-bf16", "--seed", "--ckpt-every", "--max-eval-batches",
-         "--eval-every", "--patience", "--curve-batches", "--cache-gb", "--loss-positions", "--draft-vocab"])
+    assert sorted(o for a in bench["gates"]._actions for o in a.option_strings) == sorted(
+        ["-h", "--help", "--model", "--gates", "--data", "--static", "--prompts", "--records", "--new-tokens",
+         "--weights", "--output"])
+    draft_flags = ["--method", "--model", "--data", "--out-dir", "--k", "--layers", "--exit-layer", "--masked",
+                   "--no-masked", "--schedule", "--epochs", "--lr", "--batch-tokens", "--seq-len", "--bf16", "--no-bf16",
+                   "--seed", "--ckpt-every", "--max-eval-batches", "--eval-every", "--patience", "--curve-batches",
+                   "--cache-gb", "--cache-dir", "--loss-positions", "--draft-vocab", "--gate-target", "--gate-gamma",
+                   "--gate-kp", "--lora-rank"]
+    assert flags["train-draft"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--methods"] + draft_flags)
+    assert flags["train-gates"] == sorted(["-h", "--help", "--stop-after", "--no-progress"] + draft_flags)
 
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):
