@@ -760,6 +760,9 @@ def bench_gates(model_name: str, gates: dict[str, str], data, static: str = "aut
         label = f"static-skip {a}-{L - 1 - a}"
         variants[label] = static_skip_gates(model, a)
         quality[label] = heldout_metrics(cfg, model, variants[label], held)
+    # routers at 0 (every gate 1, nothing skipped): the gated engine's own cost per token, the overhead any
+    # skipping must first pay back (its outputs are the dense model's, bit for bit)
+    variants["open gates (overhead)"] = SkipGates.for_model(model).eval()
     twins = {label: model if g is None else g.twin(model) for label, g in variants.items()}
     runs: dict[str, list[tuple[float, float, list[int]]]] = {label: [] for label in twins}
     for ids in plist:

@@ -243,10 +243,15 @@ def gate_loss(model: Transformer, gates: SkipGates, tokens: torch.Tensor, teache
     out = twin(tokens, return_logits=False, output_hidden_states=True)
     h, t, valid = gather_counted(out.hidden_states[-1], teacher, mask)
     kl = kl_to_base(t, twin.output(twin.norm(h)), valid)
-    mean, var = counted_stats(out.gates, mask, gates.n_layers)
-    reg = gates.controller().loss(mean, var)
-    if torch.is_grad_enabled():  # a training step (not a held-out evaluation): eq. 6 updates on it
-        gates.record(mean, var)
+    if mask is not None and not bool(mask.any()):
+        # no counted position (a batch of prompts only): eq. 4's statistics are undefined, so neither the
+        # controller's term nor its update takes part in this step (a zero with a graph keeps backward valid)
+        reg = out.gates.sum() * 0.0
+    else:
+        mean, var = counted_stats(out.gates, mask, gates.n_layers)
+        reg = gates.controller().loss(mean, var)
+        if torch.is_grad_enabled():  # a training step (not a held-out evaluation): eq. 6 updates on it
+            gates.record(mean, var)
     return kl + reg, [float(kl.detach()), float(reg.detach())]
 
 

@@ -37,6 +37,9 @@ fi
 if [[ $STAGE == bench ]]; then
   labels=$(for d in "$OUT"/*/; do [[ -f $d/draft.json ]] && printf '%s=%s,' "$(basename "$d")" "${d%/}"; done)
   "$PY" -m midlayer bench gates --gates "${labels%,}" --data "$DATA" --output "$OUT/bench-gates.json" | tee "$OUT/bench-gates.md"
-  "$PY" -m midlayer bench decode --drafts "${labels%,}" --layer-skip 10:20 --tree chain \
+  # the gates as self-drafters beside static layer skipping and the committed drafters, same harness
+  base=drafts/smollm2-135m
+  "$PY" -m midlayer bench decode --layer-skip 10:20 --tree chain --max-prompts "${PROMPTS:-8}" --no-transformers \
+    --drafts "${labels}hidden-transfer=$base/hidden-transfer,medusa=$base/medusa,early-exit=$base/early-exit" \
     --output "$OUT/bench-decode.json" | tee "$OUT/bench-decode.md"
 fi

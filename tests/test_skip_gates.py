@@ -240,6 +240,8 @@ def test_bench_gates_reports_quality_and_speed_rows():
     learned = rows["learned"]
     static = [x for x in rows if x.startswith("static-skip")]
     assert len(static) == 1 and 0 < learned["skipped_blocks_frac"] < 1 and learned["kl"] > 0
+    over = rows["open gates (overhead)"]  # routers at 0: the dense outputs, only the engine cost differs
+    assert over["tokens_to_divergence"] == 6 and over["kl"] == 0.0 and over["decode_pred"] == 1.0
     a = int(static[0].split()[1].split("-")[0])
     assert rows[static[0]]["skipped_blocks_frac"] == pytest.approx((6 - 2 * a) / 6, abs=1e-4)  # every token
     assert learned["prefill_pred"] > 1 and learned["decode_pred"] > 1  # FLOPs model at the measured sparsity
@@ -311,3 +313,20 @@ def test_one_row_gate_path_gives_the_tensor_paths_bits():
                 v = float(got)
                 seen.add("one" if v == 1 else "zero" if v == 0 else "frac")
     assert seen == {"one", "zero", "frac"}
+
+
+def test_a_batch_without_counted_positions_leaves_the_controller_alone():
+    """A batch whose every position is a prompt position (mask all False): finite loss, no eq. 6 update
+    (regression: eq. 4 over zero tokens gave NaN and stopped a SmolLM2 run at step 194)."""
+    model = dense()
+    gates = randomised(SkipGates.for_model(model), seed=15)
+    gates.ctrl_alpha.fill_(0.3)
+    tokens = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(16))
+    with torch.no_grad():
+        teacher = model(tokens).logits
+    loss, (kl, reg) = gate_loss(model, gates, tokens, teacher, torch.zeros(2, 10, dtype=torch.bool))
+    assert torch.isfinite(loss) and kl == 0.0 and reg == 0.0
+    loss.backward()
+    before = gates.ctrl_alpha.clone()
+    gates.after_step()
+    assert torch.equal(gates.ctrl_alpha, before)
