@@ -160,13 +160,18 @@ CHAT_PROMPTS = [
 ]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two generations share (the index of the first divergence)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def first_divergence(model: Transformer, prompt: list[int], a: list[int], b: list[int]) -> dict | None:
     """Where two greedy continuations first differ, and the fp32 top-2 logit margin of `model` there.
 
     A small margin (a near-tie) means the two runs broke a tie differently through summation order; a
     large one would mean a real disagreement between the two implementations."""
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    if n is None:
+    n = common_prefix(a, b)
+    if n == min(len(a), len(b)):  # one is a prefix of the other: no divergence
         return None
     with torch.no_grad():
         logits = model(torch.tensor([prompt + a[:n]])).logits[0, -1].float()
@@ -763,6 +768,7 @@ def bench_gates(model_name: str, gates: dict[str, str], data, static: str = "aut
     # routers at 0 (every gate 1, nothing skipped): the gated engine's own cost per token, the overhead any
     # skipping must first pay back (its outputs are the dense model's, bit for bit)
     variants["open gates (overhead)"] = SkipGates.for_model(model).eval()
+    quality["open gates (overhead)"] = heldout_metrics(cfg, model, variants["open gates (overhead)"], held)
     twins = {label: model if g is None else g.twin(model) for label, g in variants.items()}
     runs: dict[str, list[tuple[float, float, list[int]]]] = {label: [] for label in twins}
     for ids in plist:
@@ -778,15 +784,13 @@ def bench_gates(model_name: str, gates: dict[str, str], data, static: str = "aut
         q = quality.get(label, {})
         first_div = []
         for (_, _, out), (_, _, ref) in zip(runs[label], dense_runs):
-            n = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-            first_div.append(n)
+            first_div.append(common_prefix(out, ref))
         sparsity = q.get("gate_zero", [0.0] * L)[: L // 2]
-        gcfg = m.cfg if m.cfg.gating else None
         pred_pre = pred_dec = 1.0
-        if gcfg is not None:
-            pred_pre = forward_flops(gcfg, mean_prompt).total / forward_flops(gcfg, mean_prompt, sparsity).total
+        if m.cfg.gating:  # against the dense model's FLOPs, as the measured speedups are (routers included)
             ctx = mean_prompt + new_tokens // 2
-            pred_dec = decode_flops(gcfg, ctx).total / decode_flops(gcfg, ctx, sparsity).total
+            pred_pre = forward_flops(model.cfg, mean_prompt).total / forward_flops(m.cfg, mean_prompt, sparsity).total
+            pred_dec = decode_flops(model.cfg, ctx).total / decode_flops(m.cfg, ctx, sparsity).total
         rows.append(dict(
             variant=label, kl=q.get("kl", 0.0), agreement=q["top1"][0] if q else 1.0,
             skipped_blocks_frac=q.get("skipped_blocks_frac", 0.0), gate_zero=sparsity,

@@ -74,6 +74,7 @@ from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, earl
                        medusa_loss, model_device, save_draft)
 from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
 from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
+from .gating import mirror_index
 from .model import Transformer
 from .skip_gates import SkipGates, gate_loss
 from .train import json_safe
@@ -224,7 +225,10 @@ class FrozenStates:
         if self.disk is None:
             return None
         h = hashlib.sha256(tokens.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
-        h.update(repr((tuple(tokens.shape), self.layers, _autocast_tag(tokens.device.type))).encode())
+        # and how the states are computed: layers, autocast, device type (CPU and CUDA kernels round
+        # differently) and the torch version (kernels change between releases)
+        h.update(repr((tuple(tokens.shape), self.layers, _autocast_tag(tokens.device.type), tokens.device.type,
+                       torch.__version__)).encode())
         return self.disk / f"{h.hexdigest()[:32]}.pt"
 
     def _read(self, path: Path) -> dict[int, torch.Tensor] | None:
@@ -521,7 +525,7 @@ class _GateTally:
             return {}
         half = [round(float(x) / self.n, 4) for x in self.gate_sum]
         zero = [round(float(x) / self.n, 4) for x in self.zero_sum]
-        mirror = [min(layer, self.L - 1 - layer) for layer in range(self.L)]
+        mirror = [mirror_index(layer, self.L) for layer in range(self.L)]
         return {"kl": round(self.kl / self.n, 6), "gate_mean": [half[i] for i in mirror],
                 "gate_zero": [zero[i] for i in mirror],
                 "skipped_blocks_frac": round(sum(zero[i] for i in mirror) / self.L, 4)}

@@ -8,8 +8,10 @@ For each first-half block l < L/2 a router reads the residual stream h(i, l) *en
     g(i, l) = g(i, L-1-l)                for l >= L/2 (block l mirrors block L-1-l)
 
 Once S >= 1 at block l the token skips the symmetric middle span [l, L-1-l] and resumes at block L-l.
-All-zero routers give g = 1 everywhere, i.e. the dense model; but ReLU'(0) = 0 passes no gradient, so the
-dense baseline is an explicit mode (`ModelConfig.gating = False`), never a zero-initialised router.
+All-zero routers give g = 1 everywhere, i.e. the dense model; but ReLU'(0) = 0 passes no gradient, so for
+training from scratch the dense baseline is an explicit mode (`ModelConfig.gating = False`), never a
+zero-initialised router. (Routers added to a pretrained model do start at zero, and train through the
+straight-through gradient: skip_gates.py.)
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ def skipped_span(first_zero_block: int, n_layers: int) -> range:
     return range(first_zero_block, n_layers - first_zero_block)
 
 
+def inference_score(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """w.h + b of eq. 1 at inference, [B, M], as a per-row product and sum over d. PyTorch reduces each row
+    in the same order however many rows share the call, so a token's gate -- and which blocks it skips -- is
+    the same bits in a decode step, a verification forward or a prefill (batch invariance; the MKL
+    matrix-vector product behind nn.Linear is not: tests/test_kernels.py). One expression for the tensor
+    and the one-row paths of `MirroredGates`, so that they cannot drift apart."""
+    return (h * router.weight[0].to(h.dtype)).sum(-1) + router.bias[0].to(h.dtype)
+
+
 class Routers(nn.ModuleList):
     """One `nn.Linear(dim, 1)` per first-half block, and the cumulative gate of eqs. 1-2."""
 
@@ -49,15 +60,7 @@ class Routers(nn.ModuleList):
         `lin` is the running sum of the raw scores w.h + b (no ReLU, no clamp), kept only while autograd
         records: it carries the straight-through gradient of `straight_through`. Inference passes None.
         """
-        if torch.is_grad_enabled():
-            score = router(h).squeeze(-1)
-        else:
-            # Inference: the same w.h + b as a per-row product and sum over d. PyTorch reduces each row in
-            # the same order however many rows share the call, so a token's gate -- and which blocks it
-            # skips -- is the same bits in a decode step, a verification forward or a prefill (batch
-            # invariance; the MKL matrix-vector product behind nn.Linear is not: tests/test_kernels.py).
-            score = (h * router.weight[0].to(h.dtype)).sum(-1) + router.bias[0].to(h.dtype)
-        score = score.float()
+        score = (router(h).squeeze(-1) if torch.is_grad_enabled() else inference_score(router, h)).float()
         s = torch.relu(score)
         cum = s if cum is None else cum + s
         if torch.is_grad_enabled():
@@ -111,8 +114,7 @@ class MirroredGates:
         arithmetic on the host in float32 (numpy): the same bits as the tensor path -- the score is the same
         per-row product and sum, then ReLU, the running sum and the clamp are single IEEE float32
         operations -- at a fraction of the cost of six tiny tensor ops."""
-        router = self.routers[layer]
-        score = (h * router.weight[0].to(h.dtype)).sum(-1) + router.bias[0].to(h.dtype)
+        score = inference_score(self.routers[layer], h)
         s = np.float32(max(float(score.float()), 0.0))  # ReLU (float32 -> float64 -> float32 is exact)
         cum = s if self._cum1 is None else np.float32(self._cum1 + s)
         self._cum1 = cum

@@ -17,8 +17,8 @@ adapters start with B = 0 (Hu et al. 2021, LoRA), so they too leave the dense fu
 
 Router scale. A pretrained residual stream is large (its L1 norm over d = 576 dimensions runs to thousands
 in SmolLM2's middle blocks), and Adam moves every weight by about the learning rate per step whatever the
-gradient's size: a step changes w.h by ~ lr ||h||_1, so at lr 1e-2 a few steps of noise (the KL's gradient
-is ~0 at the dense start) closed the middle gates of SmolLM2 outright (gate means ~0.01, KL 49, measured).
+gradient's size: a step changes w.h by ~ lr ||h||_1, so at lr 1e-2 a few steps of noise (the KL and its
+gradient are ~0 at the dense start: only the fp16 rounding of the cached teacher states) closed the middle gates of SmolLM2 outright (gate means ~0.01, KL 49, measured).
 Each router's weight is therefore w_l = v_l c_l (`ScaledRouter`; c_l in `router_scale`), c_l = 1 / the mean
 L1 norm of the residual entering block l on the first training batch (`calibrate`, once, saved with the
 weights): an Adam step then moves a score by about lr, on any model. Eq. 1 is unchanged (w_l is a weight).
@@ -52,12 +52,16 @@ import torch.nn.functional as F
 from .config import SparsityConfig
 from .gating import Routers
 from .model import Transformer
-from .sparsity import SparsityController, gate_stats
+from .gating import mirror_index
+from .sparsity import ADAPTIVE_KINDS, SparsityController, gate_stats
 
 
 class LowRankLinear(nn.Module):
     """y = base(x) + (alpha / r) (x A^T) B^T: a frozen projection plus a trainable rank-r update (LoRA,
-    Hu et al. 2021, eq. 3). A and B are owned by `SkipGates`; this wrapper only borrows them."""
+    Hu et al. 2021, eq. 3). A and B are owned by `SkipGates`; this wrapper only borrows them. Its matmul is
+    PyTorch's, not row-invariant like the q4 kernels: with adapters, a token's residual -- and so its gates --
+    may differ in the last bits between a one-row step and a many-row forward (self-drafting stays lossless:
+    the dense model verifies)."""
 
     def __init__(self, base: nn.Module, a: nn.Parameter, b: nn.Parameter, scale: float) -> None:
         super().__init__()
@@ -83,8 +87,7 @@ class SkipGates(nn.Module):
 
     def __init__(self, dim: int, n_layers: int, lora_rank: int = 0, attn_in: int = 0, ffn_hidden: int = 0,
                  lora_alpha: float = 16.0, mu0: float = 1.0, mu_final: float = 0.5, gamma: float = 1e-2,
-                 delta: float = 1e-2, kp: float = 0.0, controller: str = "proportional",
-                 reg_grad: str = "exact") -> None:
+                 delta: float = 1e-2, kp: float = 0.0, controller: str = "proportional") -> None:
         super().__init__()
         if n_layers < 2 or n_layers % 2:
             raise ValueError(f"skip gates need an even number of blocks >= 2 (block l mirrors L-1-l), got {n_layers}")
@@ -92,14 +95,17 @@ class SkipGates(nn.Module):
             raise ValueError("lora_rank must be >= 0, and adapters need attn_in and ffn_hidden >= 1")
         self.dim, self.n_layers, self.lora_rank = dim, n_layers, lora_rank
         self.attn_in, self.ffn_hidden, self.lora_alpha = attn_in, ffn_hidden, lora_alpha
-        self._sparsity = dict(mu0=mu0, mu_final=mu_final, gamma=gamma, delta=delta, kp=kp, controller=controller,
-                              reg_grad=reg_grad)
+        if controller not in ADAPTIVE_KINDS:
+            # the coefficients live in buffers that start at 0 (eq. 6: "initialised to zero"); a fixed-coefficient
+            # controller would keep them there and do nothing
+            raise ValueError(f"skip gates need an adaptive controller ({', '.join(ADAPTIVE_KINDS)}), got {controller!r}")
+        self._sparsity = dict(mu0=mu0, mu_final=mu_final, gamma=gamma, delta=delta, kp=kp, controller=controller)
         self.sparsity_config()  # validate now
         self.routers = Routers(dim, n_layers)
         self.register_buffer("router_scale", torch.ones(n_layers // 2))  # c_l (module docstring)
         self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
         for layer in range(n_layers // 2):  # v = 0, b = 0: gates exactly 1, the dense model (module docstring)
-            self.routers[layer] = ScaledRouter(dim, self.router_scale, layer)
+            self.routers[layer] = ScaledRouter(dim, self, layer)
         self.lora = nn.ParameterDict()
         for layer in range(n_layers if lora_rank else 0):
             for name, d_in in (("wo", attn_in), ("w2", ffn_hidden)):
@@ -119,7 +125,8 @@ class SkipGates(nn.Module):
             raise ValueError("skip gates are added to a dense model; this one is gated already")
         if kw.get("lora_rank") and cfg.moe_experts:
             raise ValueError("adapters need a dense FFN (feed_forward.w2); this model has experts")
-        return cls(cfg.dim, cfg.n_layers, attn_in=cfg.n_heads * cfg.head_dim, ffn_hidden=cfg.ffn_hidden_dim, **kw)
+        gates = cls(cfg.dim, cfg.n_layers, attn_in=cfg.n_heads * cfg.head_dim, ffn_hidden=cfg.ffn_hidden_dim, **kw)
+        return gates.to(model.tok_embeddings.weight.device)
 
     def config(self) -> dict[str, Any]:
         return dict(dim=self.dim, n_layers=self.n_layers, lora_rank=self.lora_rank, attn_in=self.attn_in,
@@ -127,8 +134,10 @@ class SkipGates(nn.Module):
 
     def sparsity_config(self) -> SparsityConfig:
         s = self._sparsity
+        # the twin trained by `gate_loss` has straight-through gates already, so the controller's term
+        # differentiates those (what reg_grad = straight_through would select): no separate setting
         return SparsityConfig(controller=s["controller"], mu0=s["mu0"], mu_final=s["mu_final"], gamma=s["gamma"],
-                              delta=s["delta"], kp=s["kp"], reg_grad=s["reg_grad"])
+                              delta=s["delta"], kp=s["kp"])
 
     def controller(self) -> SparsityController:
         """The controller, its coefficients bound to this module's buffers (updates land in them)."""
@@ -138,14 +147,17 @@ class SkipGates(nn.Module):
         return c
 
     @torch.no_grad()
-    def calibrate(self, model: Transformer, tokens: torch.Tensor) -> None:
-        """Set c_l = 1 / mean_t ||h(t, l)||_1 from the dense model's residuals on `tokens` (once; the first
-        training batch). Routers still at v = 0 stay at w = 0: the start is dense whatever c_l is."""
+    def calibrate(self, model: Transformer, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Set c_l = 1 / mean_t ||h(t, l)||_1 from the dense model's residuals on `tokens`, over the counted
+        positions `mask` (all when None or empty) -- once, on the first training batch. Routers still at
+        v = 0 stay at w = 0: the start is dense whatever c_l is."""
         if bool(self.calibrated):
             return
         hs = model(tokens, return_logits=False, output_hidden_states=True).hidden_states
+        keep = mask if mask is not None and bool(mask.any()) else torch.ones(tokens.shape, dtype=torch.bool,
+                                                                               device=tokens.device)
         for layer in range(self.n_layers // 2):
-            self.router_scale[layer] = 1.0 / hs[layer].float().abs().sum(-1).mean().clamp_min(1e-6)
+            self.router_scale[layer] = 1.0 / hs[layer][keep].float().abs().sum(-1).mean().clamp_min(1e-6)
         self.calibrated.fill_(True)
 
     def record(self, mean: torch.Tensor, var: torch.Tensor) -> None:
@@ -174,21 +186,23 @@ class ScaledRouter(nn.Module):
     and `bias` as an `nn.Linear(dim, 1)` does, so the gate code (gating.Routers.step) reads it unchanged.
     Inference reuses w until v or c_l changes (the decode step reads it once per block and token)."""
 
-    def __init__(self, dim: int, scale: torch.Tensor, layer: int) -> None:
+    def __init__(self, dim: int, owner: "SkipGates", layer: int) -> None:
         super().__init__()
         self.v = nn.Parameter(torch.zeros(1, dim))
         self.bias = nn.Parameter(torch.zeros(1))
-        object.__setattr__(self, "scale", scale)  # SkipGates' buffer (c), not a copy of it
+        # c_l is read from the owner's buffer at every use (not held): `.to()` replaces buffers by new tensors
+        object.__setattr__(self, "owner", owner)  # not a submodule: the owner holds us
         self.layer = layer
         self._memo: tuple | None = None
 
     @property
     def weight(self) -> torch.Tensor:
+        c = self.owner.router_scale
         if torch.is_grad_enabled():
-            return self.v * self.scale[self.layer]
-        key = (self.v.data_ptr(), self.v._version, self.scale.data_ptr(), self.scale._version)
+            return self.v * c[self.layer]
+        key = (self.v.data_ptr(), self.v._version, c.data_ptr(), c._version)
         if self._memo is None or self._memo[0] != key:
-            self._memo = (key, self.v * self.scale[self.layer])
+            self._memo = (key, self.v * c[self.layer])
         return self._memo[1]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -238,7 +252,7 @@ def gate_loss(model: Transformer, gates: SkipGates, tokens: torch.Tensor, teache
     """
     from .drafters import gather_counted, kl_to_base
 
-    gates.calibrate(model, tokens)
+    gates.calibrate(model, tokens, mask)
     twin = gates.twin(model, "straight_through")
     out = twin(tokens, return_logits=False, output_hidden_states=True)
     h, t, valid = gather_counted(out.hidden_states[-1], teacher, mask)
@@ -261,7 +275,7 @@ def counted_stats(first_half: torch.Tensor, mask: torch.Tensor | None, n_layers:
     `mask` is None), mirrored to [L] (block l >= L/2 has the gate of L-1-l)."""
     g = first_half.flatten(1) if mask is None else first_half[:, mask]
     mean, var, _ = gate_stats(g)
-    idx = [min(layer, n_layers - 1 - layer) for layer in range(n_layers)]
+    idx = [mirror_index(layer, n_layers) for layer in range(n_layers)]
     return mean[idx], var[idx]
 
 

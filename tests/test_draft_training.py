@@ -99,9 +99,12 @@ def test_gates_train_towards_their_targets_and_report_the_tradeoff(tmp_path):
     assert isinstance(run.module, SkipGates) and float(run.module.ctrl_alpha[1]) > 0  # eq. 6 pushed block 1
     kl = [h["per_step"][0] for h in run.history]
     assert abs(kl[0]) < 1e-6 < kl[-1]  # dense at the start (straight-through gradients moved it anyway)
-    assert m["gate_mean"][1] < 0.9 and m["gate_mean"] == m["gate_mean"][::-1]  # mirrored, and gated
-    assert m["kl"] > 0 and 0 < m["top1"][0] <= 1 and len(m["gate_zero"]) == 4
-    assert m["skipped_blocks_frac"] == pytest.approx(sum(m["gate_zero"]) / 4, abs=1e-3)
+    assert m["gate_mean"][1] < 0.9  # the inner block gated (target 0)
+    assert m["kl"] > 0 and m["top1"][0] < 1 and len(m["gate_zero"]) == 4
+    # the saved gates reproduce the held-out numbers: recomputed from the draft directory
+    from midlayer.draft_training import evaluate_draft
+    again = evaluate_draft(tmp_path / "gates", base, data)
+    assert again["kl"] == pytest.approx(m["kl"], rel=1e-5) and again["gate_zero"] == m["gate_zero"]
     assert [p["heldout_loss"] for p in m["curve"]][0] < m["curve"][-1]["heldout_loss"]  # the held-out KL rises
     with pytest.raises(ValueError, match="densest"):
         cfg(tmp_path, "gates", eval_every=5, patience=2)
