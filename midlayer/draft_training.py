@@ -554,8 +554,19 @@ SHARED = ("model", "data", "epochs", "batch_tokens", "seq_len", "bf16", "seed", 
 COST_ONLY = ("cache_gb", "cache_dir")
 
 
+# Settings added after runs were saved, with the value that reproduces what those runs did: a saved state
+# without one of them was made with this value (the gates settings only act for method "gates").
+ADDED_LATER = {"cache_dir": "", "gate_target": 0.5, "gate_gamma": 1e-2, "gate_kp": 0.0, "lora_rank": 0}
+
+
+def _saved_settings(old: dict[str, Any]) -> dict[str, Any]:
+    """A saved state's settings, completed with the settings added since (ADDED_LATER)."""
+    return {**ADDED_LATER, **old}
+
+
 def _same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """The saved settings and these give the same training (cost-only settings aside)."""
+    old = _saved_settings(old)
     return {k: v for k, v in old.items() if k not in COST_ONLY} == {k: v for k, v in new.items() if k not in COST_ONLY}
 
 
@@ -563,6 +574,7 @@ def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """True when `new` only trains longer than `old`: more epochs, the same everything else, and one phase
     (the sequential schedule's phase lengths depend on the total). The batch of a step is a function of the
     seed and the step alone, so the longer run's first steps are the shorter run's."""
+    old = _saved_settings(old)
     rest = [k for k in set(old) | set(new) if k not in ("epochs", *COST_ONLY) and old.get(k) != new.get(k)]
     one_phase = not (new.get("method") == "hidden-transfer" and new.get("schedule") == "sequential")
     return not rest and one_phase and float(new.get("epochs", 0)) >= float(old.get("epochs", math.inf))
@@ -592,7 +604,7 @@ class _Run:
         self.phase = -1
         if self.sp.is_file():
             st = torch.load(self.sp, map_location="cpu", weights_only=True)  # plain dicts, lists, tensors
-            old = st.get("settings") or {}
+            old = _saved_settings(st.get("settings") or {})
             if not _same_run(old, self.settings):
                 if not _extends(old, self.settings):
                     changed = sorted(k for k in set(old) | set(self.settings)

@@ -472,6 +472,26 @@ def test_history_is_json_lines_and_cache_gb_may_change_on_resume(tmp_path):
         DraftTrainConfig(draft_vocab=3)
 
 
+def test_a_state_saved_before_settings_were_added_resumes(tmp_path):
+    """A train_state.pt written before cache_dir and the gates settings existed (its settings lack them)
+    resumes under their defaults -- the values that reproduce what it did -- and not under other values."""
+    import midlayer.draft_training as dt
+
+    base, data = tiny_base(), tiny_data()
+    c = cfg(tmp_path, "medusa", epochs=2)
+    train_draft(c, base, data, progress=False, stop_after=3, log=lambda s: None)
+    sp = tmp_path / "medusa" / "train_state.pt"
+    st = torch.load(sp, weights_only=True)
+    for k in dt.ADDED_LATER:
+        st["settings"].pop(k)
+    torch.save(st, sp)
+    with pytest.raises(ValueError, match="lora_rank"):
+        train_draft(dataclasses.replace(c, lora_rank=4), base, data, progress=False, log=lambda s: None)
+    run = train_draft(c, base, data, progress=False, log=lambda s: None)
+    full = train_draft(cfg(tmp_path / "full", "medusa", epochs=2), base, data, progress=False, log=lambda s: None)
+    assert [h["loss"] for h in run.history] == [h["loss"] for h in full.history]
+
+
 @pytest.mark.parametrize("gating", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_split_training_pass_equals_the_joint_one(gating, masked):
