@@ -351,3 +351,18 @@ def test_router_scale_follows_the_module_across_dtype_and_device_moves():
 def test_fixed_coefficient_controllers_are_refused():
     with pytest.raises(ValueError, match="adaptive controller"):
         SkipGates(D, 6, controller="sparsity")
+
+
+def test_low_rank_linear_by_hand():
+    """LowRankLinear: y = W x + (alpha / r) B (A x) (LoRA eq. 3), by hand on a 3 -> 2 projection, rank 1."""
+    from midlayer.skip_gates import LowRankLinear
+
+    base = torch.nn.Linear(3, 2, bias=False)
+    with torch.no_grad():
+        base.weight.copy_(torch.tensor([[1.0, 0.0, 2.0], [0.0, -1.0, 1.0]]))
+    a = torch.nn.Parameter(torch.tensor([[1.0, 1.0, 0.0]]))  # [r=1, 3]
+    b = torch.nn.Parameter(torch.tensor([[2.0], [-1.0]]))  # [2, r=1]
+    lin = LowRankLinear(base, a, b, scale=0.5)
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+    # W x = [7, 1]; A x = 3; B (A x) = [6, -3]; y = [7 + 3, 1 - 1.5]
+    assert torch.allclose(lin(x), torch.tensor([[10.0, -0.5]]))
