@@ -565,16 +565,16 @@ def _saved_settings(old: dict[str, Any]) -> dict[str, Any]:
 
 
 def _same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """The saved settings and these give the same training (cost-only settings aside)."""
-    old = _saved_settings(old)
+    """The saved settings (completed by `_saved_settings`) and these give the same training (cost-only
+    settings aside)."""
     return {k: v for k, v in old.items() if k not in COST_ONLY} == {k: v for k, v in new.items() if k not in COST_ONLY}
 
 
 def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """True when `new` only trains longer than `old`: more epochs, the same everything else, and one phase
     (the sequential schedule's phase lengths depend on the total). The batch of a step is a function of the
-    seed and the step alone, so the longer run's first steps are the shorter run's."""
-    old = _saved_settings(old)
+    seed and the step alone, so the longer run's first steps are the shorter run's. `old`: completed by
+    `_saved_settings`."""
     rest = [k for k in set(old) | set(new) if k not in ("epochs", *COST_ONLY) and old.get(k) != new.get(k)]
     one_phase = not (new.get("method") == "hidden-transfer" and new.get("schedule") == "sequential")
     return not rest and one_phase and float(new.get("epochs", 0)) >= float(old.get("epochs", math.inf))

@@ -312,7 +312,11 @@ class EarlyExitDrafter:
 # ============================================================================================ layer skip
 class LayerSkipDrafter:
     """Draft & Verify self-speculation (Zhang et al. 2023): the base model with `skip_span` blocks passed
-    through drafts autoregressively. skip_span: any collection of block indices (e.g. range(2, 6))."""
+    through drafts autoregressively. skip_span: any collection of block indices (e.g. range(2, 6)).
+    `real_skip`: a gated drafting model's rows whose gate is 0 do not run their blocks (run_blocks_cached's
+    `skip`); skip_gates.GatedDrafter drafts this way with the gated twin of the base."""
+
+    real_skip = False
 
     def __init__(self, model: Transformer, skip_span: Sequence[int] | range = ()) -> None:
         span = sorted(set(int(i) for i in skip_span))
@@ -330,7 +334,7 @@ class LayerSkipDrafter:
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, start: int, extra: torch.Tensor) -> torch.Tensor:
             h = run_blocks_cached(model, tokens, positions, ctx.cache, start, extra,
-                                  lambda layer: layer not in self.skip_span, model.cfg.n_layers)
+                                  lambda layer: layer not in self.skip_span, model.cfg.n_layers, skip=self.real_skip)
             return lm_logits(model, h)[0]
 
         return draft_tree_autoregressive(ctx, step)

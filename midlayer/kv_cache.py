@@ -189,13 +189,15 @@ class LayerView:
             bias_l[b_idx, s_idx] = 0.0 if self.gate_bias is None else self.gate_bias[b_idx, m_idx].float()
         S = c.length
         local = 0 < c.window < S  # sliding window: keys far enough back are hidden too
-        last = self.start == S - 1  # one query in the last slot: causality hides nothing from it
-        if dense and M == 1 and last and self.extra_mask is None and not local and self.position_bias is None:
+        # a decode step: one query in the last slot, so causality hides nothing from it, and nothing else adds
+        decode = (M == 1 and self.valid is None and self.start == S - 1 and self.extra_mask is None and not local
+                  and self.position_bias is None)
+        if decode and dense:
             return None  # every held key is visible to the one new query
-        if M == 1 and self.valid is None and last and self.extra_mask is None and not local and self.position_bias is None:
-            # a decode step: the mask is this layer's key biases as they are (skipped slots -inf, gated keys
-            # ln g) -- a view on the CPU, no tensor built; contiguous elsewhere (GPU attention kernels want an
-            # aligned bias, and the view's batch stride is the cache's max_len)
+        if decode:
+            # the mask is this layer's key biases as they are (skipped slots -inf, gated keys ln g) -- a view
+            # on the CPU, no tensor built; contiguous elsewhere (GPU attention kernels want an aligned bias,
+            # and the view's batch stride is the cache's max_len)
             mask = bias_l[:, None, None, :S]
             return mask if mask.device.type == "cpu" else mask.contiguous()
         if dense:

@@ -50,10 +50,10 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import SparsityConfig
-from .gating import Routers
+from .drafters import LayerSkipDrafter, gather_counted, kl_to_base
+from .gating import GateStats, Routers
 from .model import Transformer
-from .gating import mirror_index
-from .sparsity import ADAPTIVE_KINDS, SparsityController, gate_stats
+from .sparsity import ADAPTIVE_KINDS, SparsityController
 
 
 class LowRankLinear(nn.Module):
@@ -250,8 +250,6 @@ def gate_loss(model: Transformer, gates: SkipGates, tokens: torch.Tensor, teache
     teacher [B, T, V]: the dense model's logits (FrozenStates' final residual through the head). Returns
     (loss, [kl, regulariser]); the step's gate statistics are recorded for `SkipGates.after_step`.
     """
-    from .drafters import gather_counted, kl_to_base
-
     gates.calibrate(model, tokens, mask)
     twin = gates.twin(model, "straight_through")
     out = twin(tokens, return_logits=False, output_hidden_states=True)
@@ -273,32 +271,22 @@ def counted_stats(first_half: torch.Tensor, mask: torch.Tensor | None, n_layers:
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 4's per-block mean and variance of the gates [L/2, B, T] over the counted positions (all when
     `mask` is None), mirrored to [L] (block l >= L/2 has the gate of L-1-l)."""
-    g = first_half.flatten(1) if mask is None else first_half[:, mask]
-    mean, var, _ = gate_stats(g)
-    idx = [mirror_index(layer, n_layers) for layer in range(n_layers)]
-    return mean[idx], var[idx]
+    stats = GateStats.from_gates(list(first_half if mask is None else first_half[:, mask]), n_layers)
+    return stats.mean, stats.var
 
 
-class GatedDrafter:
-    """Self-speculation with learned per-token skipping: the gated twin drafts (greedy, autoregressively,
-    over the dense model's cache, real skipping of closed blocks), the dense model verifies (lossless)."""
+class GatedDrafter(LayerSkipDrafter):
+    """Self-speculation with learned per-token skipping: layer-skip drafting (Draft & Verify) where the
+    drafting model is the gated twin and what it skips is decided per token by its gates, with real
+    skipping of closed blocks; greedy, autoregressive, over the dense model's cache; the dense model
+    verifies (lossless). The draft cost model (tree_cost) prices it as a layer-skip draft that skips
+    nothing: an upper bound, since how much the gates skip is not known before drafting."""
+
+    real_skip = True
 
     def __init__(self, model: Transformer, gates: SkipGates) -> None:
-        self.model, self.gates = model, gates
-        self.twin = gates.twin(model)
-
-    @torch.no_grad()
-    def propose(self, ctx: Any) -> Any:
-        from .drafters import draft_tree_autoregressive, lm_logits, run_blocks_cached
-
-        twin = self.twin
-
-        def step(tokens: torch.Tensor, positions: torch.Tensor, start: int, extra: torch.Tensor) -> torch.Tensor:
-            h = run_blocks_cached(twin, tokens, positions, ctx.cache, start, extra, lambda layer: True,
-                                  twin.cfg.n_layers, skip=True)
-            return lm_logits(twin, h)[0]
-
-        return draft_tree_autoregressive(ctx, step)
+        super().__init__(gates.twin(model))
+        self.gates = gates
 
 
 __all__ = ["SkipGates", "LowRankLinear", "gated_twin", "gate_loss", "counted_stats", "GatedDrafter"]
