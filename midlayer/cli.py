@@ -477,6 +477,29 @@ def _positive(flag: str, value: int) -> None:
         raise ValueError(f"{flag} must be a positive integer, got {value}")
 
 
+def _label_dirs(flag: str, spec: str, what: str, reserved: tuple[str, ...] = ()) -> dict[str, str]:
+    """{label: directory} of a comma-separated LABEL=DIR flag, every entry checked (distinct labels, none
+    of `reserved`, existing directories)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"{flag}: expected LABEL=DIR, got {item!r}")
+        if label in out:
+            raise ValueError(f"{flag}: label {label!r} given twice")
+        if label in reserved:
+            raise ValueError(f"{flag}: label {label!r} is taken by a row of its own; choose another")
+        if not Path(path).is_dir():
+            raise ValueError(f"{flag} {label}={path}: no such directory (expected {what})")
+        out[label] = path
+    return out
+
+
+def _check_stop_after(args: argparse.Namespace) -> None:
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+
+
 def _check_output(flag: str, path: str | None) -> None:
     """A results file that can be written: checked before the work whose result it would hold."""
     if path is None:
@@ -495,16 +518,7 @@ def _check_bench_decode_args(args: argparse.Namespace) -> tuple[dict[str, str], 
                         ("--nodes", args.nodes)):
         _positive(flag, value)
     _check_output("--output", args.output)
-    drafts: dict[str, str] = {}
-    for item in filter(None, (x.strip() for x in args.drafts.split(","))):
-        label, sep, path = item.partition("=")
-        if not sep or not label or not path:
-            raise ValueError(f"--drafts: expected LABEL=DIR, got {item!r}")
-        if label in drafts:
-            raise ValueError(f"--drafts: label {label!r} given twice")
-        if not Path(path).is_dir():
-            raise ValueError(f"--drafts {label}={path}: no such directory (expected a train-draft output)")
-        drafts[label] = path
+    drafts = _label_dirs("--drafts", args.drafts, "a train-draft output")
     skip = None
     if args.layer_skip:
         from .pretrained import pretrained_config
@@ -560,14 +574,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for flag, value in (("--prompts", args.prompts), ("--records", args.records), ("--new-tokens", args.new_tokens)):
             _positive(flag, value)
         _check_output("--output", args.output)
-        gates: dict[str, str] = {}
-        for item in filter(None, (x.strip() for x in args.gates.split(","))):
-            label, sep, path = item.partition("=")
-            if not sep or not label or not path or label in gates or label == "dense":
-                raise ValueError(f"--gates: expected distinct LABEL=DIR (not 'dense'), got {item!r}")
-            if not Path(path).is_dir():
-                raise ValueError(f"--gates {label}={path}: no such directory (expected a train-gates output)")
-            gates[label] = path
+        gates = _label_dirs("--gates", args.gates, "a train-gates output", reserved=("dense",))
+        if not gates:
+            raise ValueError("--gates: give at least one LABEL=DIR (a train-gates output)")
         if args.static not in ("auto", "none") and not all(x.strip().isdigit() for x in args.static.split(",")):
             raise ValueError(f"--static: auto, none or comma-separated block indices, got {args.static!r}")
         if not Path(args.data).is_file():
@@ -687,8 +696,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
 def _cmd_train_gates(args: argparse.Namespace) -> int:
     from .draft_training import train_drafts
 
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    _check_stop_after(args)
     over = overrides_from_args(args).get("draft", {})
     if over.get("method", "gates") != "gates":
         raise ValueError(f"train-gates trains skip gates; --method {over['method']} belongs to train-draft")
@@ -702,8 +710,7 @@ def draft_configs(args: argparse.Namespace) -> list[DraftTrainConfig]:
     """The configs `train-draft` trains (one, or one per --methods entry into OUT_DIR/<method>), checked."""
     from .draft_training import METHODS
 
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    _check_stop_after(args)
     over = overrides_from_args(args).get("draft", {})
     if args.methods is None:
         if "out_dir" not in over:

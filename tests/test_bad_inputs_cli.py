@@ -392,6 +392,8 @@ def test_train_gates_and_gates_flags(tiny, work, capsys):
     bench = ["bench", "gates", "--model", str(tiny[0])]
     refused(capsys, [*bench, "--gates", "a=missing/dir"], "--gates a=missing/dir", roots=(work,))
     refused(capsys, [*bench, "--gates", f"dense={work}"], "--gates", roots=(work,))
+    refused(capsys, [*bench, "--gates", ""], "--gates", "at least one", roots=(work,))
+    refused(capsys, [*bench, "--gates", f"a={work},a={work}"], "--gates", "'a' given twice", roots=(work,))
     refused(capsys, [*bench, "--gates", f"a={work}", "--static", "x"], "--static", roots=(work,))
     refused(capsys, [*bench, "--gates", f"a={work}", "--prompts", "0"], "--prompts", roots=(work,))
     refused(capsys, [*bench, "--gates", f"a={work}", "--data", "none.jsonl"], "--data none.jsonl", roots=(work,))
