@@ -149,6 +149,11 @@ class DraftTrainConfig:
                              "is lowest at the dense start); gates train for their planned steps")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        if not 0 <= self.gate_target <= 1 or self.gate_gamma < 0 or self.gate_kp < 0:
+            raise ValueError(f"gate_target must be in [0, 1] (a mean gate), gate_gamma and gate_kp >= 0; got "
+                             f"{self.gate_target}, {self.gate_gamma}, {self.gate_kp}")
+        if self.cache_dir and Path(self.cache_dir).exists() and not Path(self.cache_dir).is_dir():
+            raise ValueError(f"cache_dir {self.cache_dir}: exists and is not a directory")
         self.layers = tuple(int(t) for t in self.layers)
 
 

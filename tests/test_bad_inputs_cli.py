@@ -386,6 +386,10 @@ def test_train_gates_and_gates_flags(tiny, work, capsys):
     refused(capsys, ["train-gates", "--eval-every", "5", "--patience", "2"], "densest", roots=(work,))
     refused(capsys, ["train-gates", "--lora-rank", "-1"], "lora_rank", roots=(work,))
     refused(capsys, ["train-gates", "--stop-after", "0"], "--stop-after", roots=(work,))
+    for flag, value in (("--gate-target", "1.5"), ("--gate-target", "-0.1"), ("--gate-gamma", "-1"), ("--gate-kp", "-1")):
+        refused(capsys, ["train-gates", flag, value], "gate_target must be in [0, 1]", roots=(work,))
+    (work / "afile").write_text("x")
+    refused(capsys, ["train-gates", "--cache-dir", str(work / "afile")], "not a directory", roots=(work,))
     gen = ["generate", "--model", str(tiny[0]), "--prompt", "hi"]
     refused(capsys, [*gen, "--gates", "missing/dir"], "--gates missing/dir", roots=(work,))
     refused(capsys, [*gen, "--gates", str(work), "--draft", str(work)], "--gates and --draft", roots=(work,))
