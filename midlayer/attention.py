@@ -242,11 +242,19 @@ class Attention(nn.Module):
             self.wqkv = fuse_linears([self.wq, self.wk, self.wv])
             del self.wq, self.wk, self.wv
 
-    def use_flex(self, x: torch.Tensor) -> bool:
+    def use_flex(self, x: torch.Tensor, key_bias: torch.Tensor | None = None) -> bool:
         if self.backend == "flex":
             return True
-        # "auto" trains with SDPA when attention dropout is on: FlexAttention has none
+        # "auto" on CUDA: FlexAttention (compiled, `_flex`) in training, where the batch shape is fixed and
+        # its kernel is the fastest measured (docs/results/cuda-h100.md: 31.8 ms/step gated vs 75.3 ms with
+        # SDPA, whose bf16 path upcasts to fp32), and wherever it replaces a materialised [Tq, Tk] mask (the
+        # gate's key bias, a sliding window). Plain causal attention outside training (a frozen dense base,
+        # generation: many sequence lengths) takes SDPA's fused causal kernel: the compiled Flex kernel is
+        # specialised to each length (dynamic=False), and draft training on the dense SmolLM2 hit dynamo's
+        # recompile limit on an H100 and fell back to eager Flex, which materialises the scores.
+        # SDPA also when attention dropout is on: FlexAttention has none.
         return (self.backend == "auto" and HAS_FLEX and x.is_cuda and not self.position_biased
+                and (self.training or key_bias is not None or self.window > 0)
                 and not (self.attn_dropout and self.training))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -307,7 +315,7 @@ class Attention(nn.Module):
                key_bias: torch.Tensor | None) -> torch.Tensor:
         dtype = q.dtype
         p = self.attn_dropout if self.training else 0.0
-        if self.use_flex(q):
+        if self.use_flex(q, key_bias):
             # FlexAttention accumulates logits and softmax in fp32 from bf16 inputs inside its kernel.
             return flex_gated_attention(q, k, v, key_bias, self.window).to(dtype)
         if dtype != torch.float32:

@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None, metavar="M1,M2,...",
                    help="train these drafters together on the same batches, one base forward per batch shared "
                         "(each to OUT_DIR/<method>); replaces --method")
+    p.add_argument("--device", default=None, help="where the frozen base and the drafters run (default: cuda if "
+                                                  "available, else cpu); a saved state resumes on any device")
     add_config_flags(p, ["draft"])
 
     p = sub.add_parser("train-gates", help="teach a pretrained dense model to skip its middle blocks per token: skip-middle "
@@ -127,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "the sparsity controller (skip_gates.py); train-draft's settings")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a resumable state) after N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     add_config_flags(p, ["draft"])
 
     p = sub.add_parser("plot", help="Figure 2 (PNG) and tables (CSV, Markdown) of a sweep's results")
@@ -687,13 +690,17 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
+    from .distributed import resolve_device
     from .draft_training import train_drafts
 
-    train_drafts(draft_configs(args), progress=not args.no_progress, stop_after=args.stop_after)
+    cfgs = draft_configs(args)
+    train_drafts(cfgs, progress=not args.no_progress, stop_after=args.stop_after,
+                 device=resolve_device(args.device))
     return 0
 
 
 def _cmd_train_gates(args: argparse.Namespace) -> int:
+    from .distributed import resolve_device
     from .draft_training import train_drafts
 
     _check_stop_after(args)
@@ -702,7 +709,8 @@ def _cmd_train_gates(args: argparse.Namespace) -> int:
         raise ValueError(f"train-gates trains skip gates; --method {over['method']} belongs to train-draft")
     over.update(method="gates")
     over.setdefault("out_dir", "runs/gates")
-    train_drafts([DraftTrainConfig(**over)], progress=not args.no_progress, stop_after=args.stop_after)
+    cfg = DraftTrainConfig(**over)
+    train_drafts([cfg], progress=not args.no_progress, stop_after=args.stop_after, device=resolve_device(args.device))
     return 0
 
 

@@ -751,13 +751,15 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
 
 def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None, data: Any = None, *,
                  progress: bool = True, stop_after: int | None = None,
-                 log: Callable[[str], None] = print) -> list[DraftRun]:
+                 log: Callable[[str], None] = print, device: torch.device | str | None = None) -> list[DraftRun]:
     """Train drafters in lockstep on the same batches, evaluate each on held-out, save each to its out_dir
     (module docstring). Every step draws one batch, runs the frozen base once (`FrozenStates`, shared) and
     gives each drafter whose own step has reached it one optimiser step; a drafter resumed at a later step
     waits for the loop to catch up, so each one's continuation is the one it would have made alone.
     `model`/`data` (a DistillSet) may be given to skip loading; `stop_after` stops after that many loop
-    steps in this call (a resumable state is saved)."""
+    steps in this call (a resumable state is saved). `device`: where a loaded base (and so the drafters)
+    runs (default: the CPU); a given `model` stays where it is. A state saved on one device resumes on any
+    other (the continuation then differs only by the devices' rounding)."""
     from .distill import DistillSet, batches as make_batches
 
     if not cfgs:
@@ -773,7 +775,7 @@ def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None,
     if model is None:
         from .pretrained import load_pretrained
 
-        model = load_pretrained(c0.model)[0]
+        model = load_pretrained(c0.model)[0].to(device or "cpu")
     model.eval()
     ds = data if data is not None else DistillSet.load(c0.data)
     train_b = make_batches(ds.sequences("train"), c0.batch_tokens, c0.seq_len, c0.seed, pad_id=ds.pad_id,

@@ -14,6 +14,7 @@
 #   history, train_state.pt). Stop at any time (Ctrl-C): distillation loses at most one batch, training at
 #   most CKPT_EVERY steps. STAGE=distill | train | ht runs one stage; METHODS picks the lockstep group.
 #   EPOCHS may grow between calls (a finished run continues exactly); other settings may not change.
+#   Extra arguments go to train-draft, e.g. --device cuda (a state resumes on any device).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -44,5 +45,7 @@ if [[ $STAGE == all || $STAGE == train ]]; then
   train "$METHODS" "$@"
 fi
 if [[ $STAGE == all || $STAGE == ht ]]; then
-  train hidden-transfer "$@"
+  # fp32 base (--no-bf16): the committed run was trained on an H100 with --device cuda, where bf16 autocast
+  # would be on (on this CPU it is off either way); docs/results/cuda-h100.md. It stopped early at step 2,100.
+  train hidden-transfer --no-bf16 "$@"
 fi

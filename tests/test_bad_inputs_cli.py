@@ -168,6 +168,15 @@ def healthy_ckpt(tmp_path_factory) -> Path:
 
 
 @NO_CUDA
+@pytest.mark.parametrize("cmd", ["train-draft", "train-gates"])
+def test_train_draft_cuda_device_without_cuda(cmd, work, capsys):
+    """--device is checked before the base loads: one line, nothing written."""
+    refused(capsys, [cmd, "--device", "cuda", "--out-dir", str(work / "d")], "--device cuda", "CUDA is not available",
+            roots=(work,))
+    refused(capsys, [cmd, "--device", "tpu", "--out-dir", str(work / "d")], "--device 'tpu'", roots=(work,))
+
+
+@NO_CUDA
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:1"])
 def test_generate_cuda_device_without_cuda(device, healthy_ckpt, tiny, work, capsys):
     for src in (["--checkpoint", str(healthy_ckpt)], ["--model", str(tiny[0])]):

@@ -307,3 +307,28 @@ def test_bf16_autocast_keeps_attention_close_to_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x).logits
     assert (out.float() - ref).abs().max() < 0.05
+
+
+@pytest.mark.skipif(not HAS_FLEX, reason="torch without FlexAttention")
+def test_auto_backend_takes_flex_only_for_a_bias_or_window():
+    """attn_backend="auto" on CUDA (a stand-in with is_cuda=True: the rule reads nothing else): FlexAttention
+    in training and where it replaces a materialised mask (the gate's key bias, a sliding window); SDPA's fused
+    causal kernel for plain causal attention outside training (a frozen dense base such as SmolLM2, whose
+    compiled Flex recompiled per length on an H100); never on CPU or with training-time attention dropout."""
+    from types import SimpleNamespace
+
+    from midlayer.attention import Attention
+    from midlayer.config import ModelConfig
+
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    small = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, multiple_of=16)
+    bias = torch.zeros(1, 1, 1, 8)
+    plain = Attention(ModelConfig(**small)).eval()
+    assert not plain.use_flex(cuda) and plain.use_flex(cuda, bias) and not plain.use_flex(cpu, bias)
+    assert plain.train().use_flex(cuda) and not plain.use_flex(cpu)  # training: one fixed shape, compiled once
+    windowed = Attention(ModelConfig(**small, sliding_window=8)).eval()
+    assert windowed.use_flex(cuda) and not windowed.use_flex(cpu)
+    dropout = Attention(ModelConfig(**small, attn_dropout=0.1)).train()
+    assert not dropout.use_flex(cuda, bias) and dropout.eval().use_flex(cuda, bias)
+    forced = Attention(ModelConfig(**small, attn_backend="flex"))
+    assert forced.use_flex(cpu) and forced.use_flex(cuda)

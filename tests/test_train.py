@@ -306,8 +306,9 @@ def test_cli_surface_is_frozen():
                    "--seed", "--ckpt-every", "--max-eval-batches", "--eval-every", "--patience", "--curve-batches",
                    "--cache-gb", "--cache-dir", "--loss-positions", "--draft-vocab", "--gate-target", "--gate-gamma",
                    "--gate-kp", "--lora-rank"]
-    assert flags["train-draft"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--methods"] + draft_flags)
-    assert flags["train-gates"] == sorted(["-h", "--help", "--stop-after", "--no-progress"] + draft_flags)
+    assert flags["train-draft"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--methods", "--device"]
+                                          + draft_flags)
+    assert flags["train-gates"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--device"] + draft_flags)
 
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):
