@@ -616,6 +616,17 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     budget = min(max_new_tokens, ctx_len - P + 1)  # as `generate_stream`: the last token needs no slot
     if budget <= 0:
         return [], stats
+    if len(tree) == 0 and on_round is None:
+        # An empty tree drafts nothing: plain decoding, through the one decode loop. The tree sizer prices it
+        # so (tree_cost.round_forwards: one row per round); run through the rounds instead, a fused drafter
+        # still paid for its joined rows (hidden transfer: 0.76x plain with the tree `--tree auto` chose
+        # empty, docs/results/cuda-h100.md). Greedy: the same tokens; sampling: the same distribution.
+        from .generate import GenerationConfig, generate
+
+        out = generate(model, [prompt], GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                         seed=seed, stop_tokens=tuple(stop_tokens), skip=skip))[0]
+        return out, SpecStats(new_tokens=len(out), base_forwards=len(out), prefill_forwards=int(P > 1),
+                              accept_hist=[len(out)])
     dev = model.tok_embeddings.weight.device
     fused = drafter if getattr(drafter, "fused", False) else None
     extra_slots = fused.extra_slots(tree) if fused is not None else 0

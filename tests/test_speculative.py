@@ -150,6 +150,32 @@ def test_plain_decoding_tree_has_tau_one():
     model = MODELS[True]
     out, stats = speculative_generate(model, PROMPT, RandomDrafter(V), DraftTree.chain(0), 12)
     assert out == greedy(model, PROMPT, 12) and stats.tau == 1.0 and stats.base_forwards == 12
+    # the round loop (taken when a caller traces the rounds) gives the same tokens and counts
+    rounds = []
+    out2, stats2 = speculative_generate(model, PROMPT, RandomDrafter(V), DraftTree.chain(0), 12,
+                                        on_round=lambda cache, toks: rounds.append(len(toks)))
+    assert out2 == out and stats2.base_forwards == 12 == len(rounds) and stats2.accept_hist == stats.accept_hist
+
+
+def test_empty_tree_never_calls_the_drafter():
+    """An empty tree is plain decoding: no draft is proposed, no fused row joins the forward (a fused hidden-
+    transfer drafter ran its pseudo rows for nothing before), and sampling draws what `generate` draws."""
+    class Refuses:
+        fused = True
+
+        def propose(self, ctx):
+            raise AssertionError("an empty tree must not draft")
+
+        def extra_slots(self, tree):
+            raise AssertionError("an empty tree must not reserve fused rows")
+
+    model = MODELS[False]
+    out, stats = speculative_generate(model, PROMPT, Refuses(), DraftTree.chain(0), 10)
+    assert out == greedy(model, PROMPT, 10) and stats.tau == 1.0
+    from midlayer.generate import GenerationConfig, generate
+
+    sampled, _ = speculative_generate(model, PROMPT, Refuses(), DraftTree.chain(0), 10, temperature=0.8, seed=3)
+    assert sampled == generate(model, [PROMPT], GenerationConfig(max_new_tokens=10, temperature=0.8, seed=3))[0]
 
 
 @pytest.mark.parametrize("gating", [False, True])
