@@ -9,9 +9,10 @@ training step's throughput per attention backend, torch.compile and dtype.
    and `sdpa_attention` with an additive key bias. The same weights run both ways; the table gives the largest
    logit difference and the relative difference of every parameter gradient, in fp32 (TF32 off) and under bf16
    autocast. CPU tests check the eager FlexAttention; this is the compiled kernel the CUDA path really runs.
-2. Throughput. One timed step is what `midlayer.train` does per optimiser step with one micro-batch (as in
-   benchmarks/train_throughput.py): forward with the LM loss plus the controller's loss (gated models),
-   backward, AdamW, `.item()` of the loss. Rows: dense and gated, SDPA and Flex, eager and compiled.
+2. Throughput. One timed step is benchmarks/train_throughput.py's step on CUDA: forward with the LM loss
+   plus the controller's loss (gated models), backward, AdamW (fused here), `.item()` of the loss; unlike
+   there and `midlayer.train`, without the gradient-norm measurement. Rows: dense and gated, SDPA and Flex,
+   eager and compiled.
    Timings: CUDA-synchronised wall time, median over --repeats rounds of --steps steps after --warmup steps.
 
 Needs a CUDA GPU (it refuses to run without one); nothing else in midlayer needs one.

@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "the sparsity controller (skip_gates.py); train-draft's settings")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a resumable state) after N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device", default=None, help="where the base and the gates run (default: cuda if available, "
+                                                  "else cpu); a saved state resumes on any device")
     add_config_flags(p, ["draft"])
 
     p = sub.add_parser("plot", help="Figure 2 (PNG) and tables (CSV, Markdown) of a sweep's results")
