@@ -9,10 +9,11 @@ training step's throughput per attention backend, torch.compile and dtype.
    and `sdpa_attention` with an additive key bias. The same weights run both ways; the table gives the largest
    logit difference and the relative difference of every parameter gradient, in fp32 (TF32 off) and under bf16
    autocast. CPU tests check the eager FlexAttention; this is the compiled kernel the CUDA path really runs.
-2. Throughput. One timed step is benchmarks/train_throughput.py's step on CUDA: forward with the LM loss
-   plus the controller's loss (gated models), backward, AdamW (fused here), `.item()` of the loss; unlike
-   there and `midlayer.train`, without the gradient-norm measurement. Rows: dense and gated, SDPA and Flex,
-   eager and compiled.
+2. Throughput. One timed step is benchmarks/train_throughput.py's `ours` on CUDA, i.e. midlayer.train's
+   step: `train.micro_batch_losses` (LM loss plus the controller's loss for gated models), backward, the
+   gradient-norm measurement, AdamW (fused here), the controller's update, `.item()` of the loss. Rows: dense
+   and gated, SDPA and Flex, eager and compiled. (The H100 rows of docs/results/cuda-h100.md were measured
+   before this step was shared, without the gradient-norm measurement.)
    Timings: CUDA-synchronised wall time, median over --repeats rounds of --steps steps after --warmup steps.
 
 Needs a CUDA GPU (it refuses to run without one); nothing else in midlayer needs one.
@@ -29,10 +30,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_throughput, beside this file
 
 from midlayer.config import get_preset  # noqa: E402
 from midlayer.model import Transformer  # noqa: E402
-from midlayer.sparsity import make_controller  # noqa: E402
+from train_throughput import ours  # noqa: E402  (benchmarks/: the one timed training step)
 
 
 def build(preset: str, **model_over) -> tuple[Transformer, object, object]:
@@ -66,26 +68,11 @@ def equality(preset: str, x: torch.Tensor, y: torch.Tensor) -> list[tuple[str, f
 
 def throughput(preset: str, x: torch.Tensor, y: torch.Tensor, gating: bool, backend: str, compiled: bool,
                dtype: torch.dtype, warmup: int, steps: int, repeats: int) -> tuple[float, float]:
-    """(median seconds per step, peak GPU memory in GiB)."""
-    model, sparsity_cfg, train_cfg = build(preset, attn_backend=backend, gating=gating)
-    model.train()
-    run = torch.compile(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
-                            eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay, fused=True)
-    controller = make_controller(sparsity_cfg, model.cfg.n_layers) if gating else None
-
-    def step() -> float:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            out = run(x, y, return_logits=False)
-            loss = out.loss
-            if controller is not None:
-                loss = loss + controller.loss(out.gate_stats.mean, out.gate_stats.var)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if controller is not None:
-            controller.update(out.gate_stats.mean.detach(), out.gate_stats.var.detach())
-        return out.loss.item()
+    """(median seconds per step, peak GPU memory in GiB) of train_throughput.py's step -- midlayer.train's --
+    on CUDA, with the fused AdamW."""
+    bench, model = ours(preset, "", "", x, y, dtype, True, compiled=compiled, fused=True,
+                        attn_backend=backend, gating=gating)
+    step = bench.step
 
     for _ in range(warmup):
         step()
@@ -99,7 +86,7 @@ def throughput(preset: str, x: torch.Tensor, y: torch.Tensor, gating: bool, back
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) / steps)
     mem = torch.cuda.max_memory_allocated() / 2**30
-    del model, run, opt
+    del model, bench, step
     torch.cuda.empty_cache()
     return statistics.median(times), mem
 

@@ -45,8 +45,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from midlayer.config import get_preset  # noqa: E402
+from midlayer.evaluate import autocast_context  # noqa: E402
 from midlayer.model import Transformer  # noqa: E402
 from midlayer.sparsity import GateStatsAccumulator, make_controller  # noqa: E402
+from midlayer.train import micro_batch_losses  # noqa: E402
 
 
 @dataclass
@@ -77,34 +79,37 @@ def cpu_steal() -> tuple[int, int]:
         return 0, 0
 
 
-def autocast(dtype: torch.dtype):
-    return torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+def autocast(dtype: torch.dtype, device: str = "cpu"):
+    return autocast_context(torch.device(device), dtype)
 
 
-def make_optimizer(params, train_cfg) -> torch.optim.Optimizer:
+def make_optimizer(params, train_cfg, fused: bool = False) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
-                             eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay)
+                             eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay,
+                             **({"fused": True} if fused else {}))
 
 
 def ours(preset: str, key: str, label: str, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype,
-         grad_norm: bool, **model_overrides) -> tuple[Bench, Transformer]:
+         grad_norm: bool, *, compiled: bool = False, fused: bool = False, **model_overrides
+         ) -> tuple[Bench, Transformer]:
+    """midlayer.train's step for `preset` on x's device: `train.micro_batch_losses` (the objective itself),
+    backward, the gradient-norm measurement (`grad_norm`), AdamW (`fused`: the fused kernel, CUDA), the
+    controller's update. `compiled`: the model under torch.compile, as `--compile` trains it."""
     model_cfg, sparsity_cfg, train_cfg = get_preset(preset, model=model_overrides)
     torch.manual_seed(0)
-    model = Transformer(model_cfg)
-    model.check_inputs = True  # as midlayer.train on CPU
+    model = Transformer(model_cfg).to(x.device)
+    model.check_inputs = x.device.type == "cpu"  # as midlayer.train does
     model.train()
-    opt = make_optimizer(model.parameters(), train_cfg)
+    fwd = torch.compile(model) if compiled else model
+    opt = make_optimizer(model.parameters(), train_cfg, fused)
     controller = make_controller(sparsity_cfg, model_cfg.n_layers) if model_cfg.gating else None
     acc = GateStatsAccumulator(model_cfg.n_layers) if controller is not None else None
     params = list(model.parameters())
 
     def step() -> float:
-        with autocast(dtype):
-            out = model(x, y, return_logits=False)
-            loss = out.loss
-            if controller is not None:
-                loss = loss + controller.loss(out.gate_stats.mean, out.gate_stats.var)
-        loss.backward()
+        with autocast(dtype, x.device.type):
+            out, reg, moe = micro_batch_losses(fwd, x, y, model_cfg, sparsity_cfg, controller)
+        (out.loss + reg + moe).backward()
         if grad_norm:
             torch.nn.utils.clip_grad_norm_(params, float("inf"))
         opt.step()

@@ -26,7 +26,7 @@ import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -154,6 +154,26 @@ def perturb_weights(model: torch.nn.Module, rel: float, seed: int) -> None:
         z = torch.randn(p.shape, generator=gen, dtype=torch.float64)
         # in float64: 1 + 1e-7 z is not representable in float32 (its spacing above 1 is 1.2e-7)
         p.copy_((p.double() * (1 + rel * z)).to(p.dtype))
+
+
+def micro_batch_losses(fwd: Callable, x: torch.Tensor, y: torch.Tensor, model_cfg: ModelConfig,
+                       sparsity_cfg: SparsityConfig, controller: Any | None
+                       ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """THE training objective of one micro-batch: (out, reg, moe) with out.loss the LM cross-entropy, reg the
+    sparsity controller's regulariser (gated models; zero otherwise) and moe the experts' load-balancing loss
+    times `moe_aux_coef` (zero without experts). The step minimises out.loss + reg + moe. `fwd` is the model or
+    its compiled / DDP / FSDP wrapper; call inside the autocast context. Used by the training loop and by the
+    throughput benchmarks (benchmarks/train_throughput.py, cuda_paths.py), so they time the same step."""
+    out = fwd(x, y, return_logits=False)
+    reg = torch.zeros((), device=x.device)
+    if controller is not None:
+        s = out.gate_stats  # the straight-through twins: same values, gradient to every token
+        st = sparsity_cfg.reg_grad == "straight_through"
+        reg = controller.loss(s.mean_st if st else s.mean, s.var_st if st else s.var)
+    moe = torch.zeros((), device=x.device)
+    if out.moe_aux is not None:  # the experts' load-balancing loss (model.MoEFeedForward)
+        moe = model_cfg.moe_aux_coef * out.moe_aux
+    return out, reg, moe
 
 
 def train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: TrainConfig, *,
@@ -345,16 +365,9 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
             sync = nullcontext() if (ddp is None or m == accum - 1) else ddp.no_sync()
             with sync:
                 with autocast_context(dev, dtype):
-                    out = fwd(x, y, return_logits=False)
-                    reg = torch.zeros((), device=dev)
-                    if controller is not None:
-                        s = out.gate_stats  # the straight-through twins: same values, gradient to every token
-                        st = sparsity_cfg.reg_grad == "straight_through"
-                        reg = controller.loss(s.mean_st if st else s.mean, s.var_st if st else s.var)
-                    moe = torch.zeros((), device=dev)
-                    if out.moe_aux is not None:  # the experts' load-balancing loss (model.MoEFeedForward)
-                        moe = model_cfg.moe_aux_coef * out.moe_aux
-                        moe_sum += out.moe_aux.detach()
+                    out, reg, moe = micro_batch_losses(fwd, x, y, model_cfg, sparsity_cfg, controller)
+                if out.moe_aux is not None:
+                    moe_sum += out.moe_aux.detach()
                 ((out.loss + reg + moe) / accum).backward()
             ce_sum += out.loss.detach()
             reg_sum += reg.detach()

@@ -101,7 +101,7 @@ def test_init_perturb_moves_weights_by_the_relative_amount_and_keeps_the_data_or
     assert torch.equal(torch.rand(3), before)  # the global generator (data, dropout) is untouched
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         nz = pa != 0
-        rel = ((pb - pa)[nz] / pa[nz])
+        rel = ((pb - pa)[nz] / pa[nz]).detach()
         assert torch.equal(pb[~nz], pa[~nz]), name  # zeros stay zero
         if nz.sum() > 100:  # relative change ~ N(0, 1e-3)
             assert 0.8e-3 < float(rel.std()) < 1.2e-3 and abs(float(rel.mean())) < 3e-4, name
@@ -344,3 +344,39 @@ def test_a_run_saved_before_new_config_fields_existed_still_resumes(tmp_path):
     assert config_mismatch(saved, dataclasses.asdict(m), ModelConfig) == []
     assert config_mismatch({"n_layers": 4}, {"n_layers": 6, "norm_type": "rmsnorm"}, ModelConfig) == \
         ["n_layers: 4 -> 6"]
+
+
+@pytest.mark.parametrize("over", [dict(gating=True), dict(gating=False, moe_experts=4, moe_top_k=2)])
+def test_micro_batch_losses_is_the_objective_and_the_benchmark_times_it(over):
+    """train.micro_batch_losses = (the model's CE, the controller's loss on the gate statistics, coef x MoE aux),
+    and benchmarks/train_throughput.py's step (which cuda_paths.py reuses) trains with exactly it."""
+    import sys
+
+    from midlayer.model import Transformer
+    from midlayer.sparsity import make_controller
+    from midlayer.train import micro_batch_losses
+
+    model_cfg, sparsity_cfg, _ = get_preset("debug", model=over)
+    torch.manual_seed(0)
+    model = Transformer(model_cfg)
+    controller = make_controller(sparsity_cfg, model_cfg.n_layers) if model_cfg.gating else None
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, model_cfg.vocab_size, (2, 16), generator=g) for _ in range(2))
+    out, reg, moe = micro_batch_losses(model, x, y, model_cfg, sparsity_cfg, controller)
+    ref = model(x, y, return_logits=False)
+    assert torch.equal(out.loss, ref.loss)
+    if controller is not None:
+        assert torch.equal(reg, controller.loss(ref.gate_stats.mean, ref.gate_stats.var)) and reg.requires_grad
+        assert float(moe) == 0.0
+    else:
+        assert float(reg) == 0.0 and torch.equal(moe, model_cfg.moe_aux_coef * ref.moe_aux) and float(moe.detach()) > 0
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from train_throughput import ours
+
+    bench, bmodel = ours("debug", "k", "label", x, y, torch.float32, True, **over)
+    first = bench.step()
+    assert first == pytest.approx(float(out.loss.detach()), rel=0, abs=0)  # same seed-0 model, same objective
+    w = next(bmodel.parameters()).detach().clone()
+    bench.step()
+    assert not torch.equal(w, next(bmodel.parameters()))  # the step trains
