@@ -26,6 +26,8 @@ ATTN_BACKENDS = ("auto", "sdpa", "flex")
 GATE_ATTENTION = ("key", "query", "none")
 # Gradient of the gates (gating.straight_through): eq. 2 as written, or straight through ReLU and clamp.
 GATE_GRADS = ("exact", "straight_through")
+# Values of the gates (gating.MirroredGates): eq. 2 as written, or eq. 2's gate rounded to 0 or 1 (issue 15).
+GATE_VALUES = ("soft", "hard")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -97,6 +99,10 @@ class ModelConfig:
     #                              code does: a row constant, it hides nothing; for comparison), "none"
     gate_grad: str = "exact"  # backward through the gates: "exact" (eq. 2) or "straight_through" (ReLU and
     #                           clamp as identity, gating.straight_through; same forward values; issue 14)
+    gate_values: str = "soft"  # "soft": eq. 2's g in [0, 1]; "hard": g = 1 while S < 1/2, else 0 (eq. 2's g
+    #                            rounded): every block either runs undamped or is skipped, so all of the
+    #                            sparsity is real skipping. Its exact gradient is 0: train it with
+    #                            gate_grad="straight_through" (issue 15, docs/results/pretrained-skipping-cpu.md)
     attn_backend: str = "auto"  # "auto": FlexAttention on CUDA when available, else SDPA with a key bias
     tie_embeddings: bool = False
     embed_norm: bool = True  # RMSNorm after the embedding (the paper's models); Llama checkpoints have none
@@ -167,6 +173,8 @@ class ModelConfig:
         _check(self.gate_attention in GATE_ATTENTION, "gate_attention",
                f"must be one of {GATE_ATTENTION}, got {self.gate_attention!r}")
         _check(self.gate_grad in GATE_GRADS, "gate_grad", f"must be one of {GATE_GRADS}, got {self.gate_grad!r}")
+        _check(self.gate_values in GATE_VALUES, "gate_values",
+               f"must be one of {GATE_VALUES}, got {self.gate_values!r}")
         _check(not (self.gate_attention == "query" and self.attn_backend == "flex"), "attn_backend",
                "the FlexAttention path takes key-indexed gate biases only; use 'sdpa' or 'auto' with "
                "gate_attention='query'")

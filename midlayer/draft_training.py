@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 from .checkpoint import atomic_write_bytes
-from .config import check_finite
+from .config import GATE_VALUES, check_finite
 from .draft_vocab import draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab, to_token_ids
 from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, early_exit_loss, lower_states,
                        medusa_loss, model_device, save_draft)
@@ -125,6 +125,8 @@ class DraftTrainConfig:
     gate_gamma: float = 1e-2  # controller step (eq. 6); 1e-2, not the paper's 1e-3: docs/results/controller-cpu.md
     gate_kp: float = 0.0  # controller proportional gain (SparsityConfig.kp)
     lora_rank: int = 0  # rank of the adapters on each block's wo and w2; 0: routers alone
+    gate_values: str = "soft"  # "soft": eq. 2's gates; "hard": rounded to 0 or 1, all sparsity is real skipping
+    #                            (ModelConfig.gate_values)
 
     def __post_init__(self) -> None:
         check_finite(self)  # --lr inf, --epochs nan, ...
@@ -147,6 +149,8 @@ class DraftTrainConfig:
         if self.method == "gates" and self.patience:
             raise ValueError("patience: early stopping on the held-out KL would keep the densest gates seen (the KL "
                              "is lowest at the dense start); gates train for their planned steps")
+        if self.gate_values not in GATE_VALUES:
+            raise ValueError(f"gate_values must be one of {', '.join(GATE_VALUES)}, got {self.gate_values!r}")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
         if not 0 <= self.gate_target <= 1 or self.gate_gamma < 0 or self.gate_kp < 0:
@@ -168,7 +172,7 @@ def build_module(cfg: DraftTrainConfig, model: Transformer) -> nn.Module:
         return EagleHead.for_model(model)
     if cfg.method == "gates":
         return SkipGates.for_model(model, lora_rank=cfg.lora_rank, mu_final=cfg.gate_target, gamma=cfg.gate_gamma,
-                                   kp=cfg.gate_kp)
+                                   kp=cfg.gate_kp, gate_values=cfg.gate_values)
     layer = cfg.exit_layer if cfg.exit_layer >= 0 else paper_layers(L, 1)[0]
     if not 0 < layer <= L:
         raise ValueError(f"exit_layer must be in [1, {L}], got {layer}")
@@ -561,7 +565,8 @@ COST_ONLY = ("cache_gb", "cache_dir")
 
 # Settings added after runs were saved, with the value that reproduces what those runs did: a saved state
 # without one of them was made with this value (the gates settings only act for method "gates").
-ADDED_LATER = {"cache_dir": "", "gate_target": 0.5, "gate_gamma": 1e-2, "gate_kp": 0.0, "lora_rank": 0}
+ADDED_LATER = {"cache_dir": "", "gate_target": 0.5, "gate_gamma": 1e-2, "gate_kp": 0.0, "lora_rank": 0,
+               "gate_values": "soft"}
 
 
 def _saved_settings(old: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import GATE_GRADS
+from .config import GATE_GRADS, GATE_VALUES
 from .sparsity import gate_stats
 
 
@@ -91,12 +91,23 @@ class MirroredGates:
     `gate_grad` (ModelConfig): "exact" gives the model eq. 2's gates; "straight_through" the same values
     with the straight-through gradient (`straight_through`). While autograd records, `first_half_st` holds
     the straight-through gates whatever `gate_grad` is, for a controller loss that differentiates them
-    (SparsityConfig.reg_grad)."""
+    (SparsityConfig.reg_grad).
 
-    def __init__(self, routers: Routers, n_layers: int, gate_grad: str = "exact") -> None:
+    `gate_values` (ModelConfig): "soft" gives eq. 2's g; "hard" rounds it, g = 1 while S < 1/2 and 0 from
+    there on, so a block either runs undamped or is skipped. Why (issue 15): trained on a pretrained model,
+    soft gates settled at uniform fractions (0.6-0.8 for every token) that skip nothing and still cost the
+    multiply; with hard gates the sparsity the controller asks for is real skipping, and the KL it costs is
+    measured on the computation the engine runs. The rounding's gradient is 0 almost everywhere, so hard
+    gates train through the straight-through gradient (the same linear one as for soft gates)."""
+
+    def __init__(self, routers: Routers, n_layers: int, gate_grad: str = "exact", gate_values: str = "soft") -> None:
         if gate_grad not in GATE_GRADS:
             raise ValueError(f"gate_grad must be one of {GATE_GRADS}, got {gate_grad!r}")
+        if gate_values not in GATE_VALUES:
+            raise ValueError(f"gate_values must be one of {GATE_VALUES}, got {gate_values!r}")
         self.routers, self.n_layers, self.gate_grad = routers, n_layers, gate_grad
+        self.hard = gate_values == "hard"
+        self.closed_at = 0.5 if self.hard else 1.0  # S at and beyond which g = 0 (S never decreases)
         self.first_half: list[torch.Tensor] = []
         self.first_half_st: list[torch.Tensor] = []
         self.cum: torch.Tensor | None = None
@@ -119,6 +130,8 @@ class MirroredGates:
         cum = s if self._cum1 is None else np.float32(self._cum1 + s)
         self._cum1 = cum
         self.cum = None  # the tensor S is not kept in this mode (only `_cum1` is read)
+        if self.hard:
+            return torch.full((1, 1), 1.0 if cum < self.closed_at else 0.0, device=h.device)
         return torch.full((1, 1), float(np.float32(1.0) - np.float32(min(max(cum, 0.0), 1.0))), device=h.device)
 
     def __call__(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -130,9 +143,10 @@ class MirroredGates:
             self.open = self.first_open[self.n_layers - 1 - layer]
             return self.first_half[self.n_layers - 1 - layer]  # eq. 2: mirror of block L-1-l
         infer = not torch.is_grad_enabled()
-        if infer and ((self._cum1 is not None and self._cum1 >= 1)
-                      or (self.cum is not None and bool((self.cum >= 1).all()))):
-            # inference, every row already at S >= 1: S never decreases (ReLU scores), so g = 0 here
+        if infer and ((self._cum1 is not None and self._cum1 >= self.closed_at)
+                      or (self.cum is not None and bool((self.cum >= self.closed_at).all()))):
+            # inference, every row already closed (S >= 1; hard gates: S >= 1/2): S never decreases (ReLU
+            # scores), so g = 0 here
             # whatever this router says -- skip computing it (the rows skip this block anyway)
             gate, self.open = torch.zeros(h.shape[:2], device=h.device), False
         elif infer and h.shape[0] * h.shape[1] == 1 and self.cum is None:
@@ -140,6 +154,8 @@ class MirroredGates:
             self.open = float(gate) == 1.0
         else:
             gate, self.cum, self.lin = Routers.step(self.routers[layer], h, self.cum, self.lin)  # h entering l
+            if self.hard:
+                gate = (self.cum < self.closed_at).to(gate.dtype)  # eq. 2's g rounded (class docstring)
             if self.lin is not None:
                 st = straight_through(gate, self.lin)
                 self.first_half_st.append(st)

@@ -49,7 +49,7 @@ from torch import nn
 
 import torch.nn.functional as F
 
-from .config import SparsityConfig
+from .config import GATE_VALUES, SparsityConfig
 from .drafters import LayerSkipDrafter, gather_counted, kl_to_base
 from .gating import GateStats, Routers
 from .model import Transformer
@@ -87,13 +87,16 @@ class SkipGates(nn.Module):
 
     def __init__(self, dim: int, n_layers: int, lora_rank: int = 0, attn_in: int = 0, ffn_hidden: int = 0,
                  lora_alpha: float = 16.0, mu0: float = 1.0, mu_final: float = 0.5, gamma: float = 1e-2,
-                 delta: float = 1e-2, kp: float = 0.0, controller: str = "proportional") -> None:
+                 delta: float = 1e-2, kp: float = 0.0, controller: str = "proportional",
+                 gate_values: str = "soft") -> None:
         super().__init__()
         if n_layers < 2 or n_layers % 2:
             raise ValueError(f"skip gates need an even number of blocks >= 2 (block l mirrors L-1-l), got {n_layers}")
         if lora_rank < 0 or (lora_rank and (attn_in < 1 or ffn_hidden < 1)):
             raise ValueError("lora_rank must be >= 0, and adapters need attn_in and ffn_hidden >= 1")
-        self.dim, self.n_layers, self.lora_rank = dim, n_layers, lora_rank
+        if gate_values not in GATE_VALUES:
+            raise ValueError(f"gate_values must be one of {GATE_VALUES}, got {gate_values!r}")
+        self.dim, self.n_layers, self.lora_rank, self.gate_values = dim, n_layers, lora_rank, gate_values
         self.attn_in, self.ffn_hidden, self.lora_alpha = attn_in, ffn_hidden, lora_alpha
         if controller not in ADAPTIVE_KINDS:
             # the coefficients live in buffers that start at 0 (eq. 6: "initialised to zero"); a fixed-coefficient
@@ -130,7 +133,8 @@ class SkipGates(nn.Module):
 
     def config(self) -> dict[str, Any]:
         return dict(dim=self.dim, n_layers=self.n_layers, lora_rank=self.lora_rank, attn_in=self.attn_in,
-                    ffn_hidden=self.ffn_hidden, lora_alpha=self.lora_alpha, **self._sparsity)
+                    ffn_hidden=self.ffn_hidden, lora_alpha=self.lora_alpha, gate_values=self.gate_values,
+                    **self._sparsity)
 
     def sparsity_config(self) -> SparsityConfig:
         s = self._sparsity
@@ -226,7 +230,7 @@ def gated_twin(model: Transformer, gates: SkipGates, gate_grad: str = "exact") -
         raise ValueError(f"skip gates for dim {gates.dim} and {gates.n_layers} blocks, the model has dim "
                          f"{cfg.dim} and {cfg.n_layers} blocks")
     twin = _shallow(model)
-    twin.cfg = dataclasses.replace(cfg, gating=True, gate_grad=gate_grad)
+    twin.cfg = dataclasses.replace(cfg, gating=True, gate_grad=gate_grad, gate_values=gates.gate_values)
     twin.routers = gates.routers
     if gates.lora_rank:
         scale = gates.lora_alpha / gates.lora_rank

@@ -5,7 +5,8 @@
 #     gated block; 1 at block 0, linear in between) x RANK (0: routers alone; > 0: + adapters of that rank on
 #     every block's wo and w2), on the self-distillation data of issue 11 (KL to the dense model on response
 #     positions + the controller). Outputs: gates/smollm2-135m/t<TARGET>-r<RANK>/ (weights, metrics,
-#     history, train_state.pt: commit them; they are small).
+#     history, train_state.pt: commit them; they are small). VALUES=hard trains hard gates (0 or 1, every
+#     closed gate a skipped block; ModelConfig.gate_values) into t<TARGET>-r<RANK>-hard/.
 #   STAGE=bench: `midlayer bench gates` (quality, sparsity, real prefill/decode speed vs dense and static
 #     layer skipping of equal compute) and `midlayer bench decode` with the gates as self-drafters.
 # Cost on 2 AMD EPYC cores (fp32; forward + backward through all 30 blocks): ~8 s a step of 512 tokens
@@ -22,14 +23,16 @@ EPOCHS=${EPOCHS:-0.04}  # of ~7,500 batches of 512 tokens: 300 steps
 LR=${LR:-1e-2}
 GAMMA=${GAMMA:-1e-2}
 KP=${KP:-0}
+VALUES=${VALUES:-soft}
+suffix=$([[ $VALUES == soft ]] || echo "-$VALUES")
 STAGE=${STAGE:-train}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
 if [[ $STAGE == train ]]; then
   for t in $TARGETS; do
     for r in $RANKS; do
-      "$PY" -m midlayer train-gates --data "$DATA" --out-dir "$OUT/t$t-r$r" --gate-target "$t" --lora-rank "$r" \
-        --gate-gamma "$GAMMA" --gate-kp "$KP" --lr "$LR" --epochs "$EPOCHS" --batch-tokens 512 --seq-len 256 \
+      "$PY" -m midlayer train-gates --data "$DATA" --out-dir "$OUT/t$t-r$r$suffix" --gate-target "$t" --lora-rank "$r" \
+        --gate-gamma "$GAMMA" --gate-kp "$KP" --gate-values "$VALUES" --lr "$LR" --epochs "$EPOCHS" --batch-tokens 512 --seq-len 256 \
         --eval-every 50 --curve-batches 16 --max-eval-batches 64 --ckpt-every 10 --cache-gb 0 "$@"
     done
   done

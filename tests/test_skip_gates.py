@@ -366,3 +366,71 @@ def test_low_rank_linear_by_hand():
     x = torch.tensor([[1.0, 2.0, 3.0]])
     # W x = [7, 1]; A x = 3; B (A x) = [6, -3]; y = [7 + 3, 1 - 1.5]
     assert torch.allclose(lin(x), torch.tensor([[10.0, -0.5]]))
+
+
+def test_hard_gates_round_eq2_by_hand_and_one_row_gives_the_tensor_bits():
+    """gate_values = "hard": g = 1 while S < 1/2, else 0 (eq. 2's gate rounded), from a hand computation of
+    eqs. 1-2; mirrored on the second half; a single row at inference gets the same bits as inside a batch;
+    only 0 and 1 occur, and the `open` flags say which."""
+    from midlayer.gating import MirroredGates, Routers
+
+    L, d = 8, 16
+    g = torch.Generator().manual_seed(21)
+    routers = Routers(d, L)
+    with torch.no_grad():
+        for i, r in enumerate(routers):
+            r.weight.copy_(0.3 * torch.randn(1, d, generator=g))
+            r.bias.fill_(0.05 * i - 0.1)
+    hs = [torch.randn(5, 1, d, generator=g) * 2 for _ in range(L)]
+    with torch.no_grad():
+        S = torch.zeros(5, 1)
+        want = []
+        for layer in range(L // 2):  # eq. 1 by hand, its running sum, and the rounding at S = 1/2
+            r = routers[layer]
+            S = S + torch.relu((hs[layer] * r.weight[0]).sum(-1) + r.bias[0])
+            want.append((S < 0.5).float())
+        want += want[::-1]
+        batch = MirroredGates(routers, L, gate_values="hard")
+        full = [batch(layer, hs[layer]) for layer in range(L)]
+        soft = MirroredGates(routers, L)
+        soft_full = [soft(layer, hs[layer]) for layer in range(L)]
+        for layer in range(L):
+            assert torch.equal(full[layer], want[layer]), layer
+            assert torch.equal(full[layer], (soft_full[layer] > 0.5).float())  # eq. 2's gate, rounded
+        assert {float(x) for x in torch.cat(full).flatten()} == {0.0, 1.0}
+        assert any(bool(((s > 0) & (s < 1)).any()) for s in soft_full)  # the soft gates were fractional
+        for row in range(5):
+            one = MirroredGates(routers, L, gate_values="hard")
+            for layer in range(L):
+                got = one(layer, hs[layer][row:row + 1])
+                assert torch.equal(got[0], full[layer][row]) and one.open == bool(got[0, 0] == 1), (row, layer)
+
+
+def test_hard_gates_train_through_the_straight_through_gradient_and_decode_losslessly():
+    """The hard twin's loss is measured on 0/1 gates (the computation the engine runs), its gradient reaches
+    every router (straight through the rounding), it decodes with real skipping like its full forward, and
+    as a self-drafter it is lossless; the setting is saved with the gates."""
+    model = dense()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gates = randomised(SkipGates.for_model(model, gate_values="hard"), seed=22, scale=0.6, bias=0.1)
+    assert gates.config()["gate_values"] == "hard" and SkipGates(**gates.config()).gate_values == "hard"
+    tokens = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(23))
+    with torch.no_grad():
+        teacher = model(tokens).logits
+        out = gates.twin(model)(tokens)
+    assert {float(x) for x in out.gates.flatten()} == {0.0, 1.0}  # some tokens skip, some run every block
+    gates.ctrl_alpha.fill_(0.3)
+    loss, (kl, _) = gate_loss(model, gates, tokens, teacher)
+    assert kl > 0
+    loss.backward()
+    assert all(float(r.v.grad.abs().sum()) > 0 and float(r.bias.grad) != 0 for r in gates.routers)
+    twin = gates.twin(model)
+    got, seq = greedy(twin, PROMPT, 12), list(PROMPT)
+    for _ in range(12):
+        with torch.no_grad():
+            seq.append(int(twin(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert got == seq[len(PROMPT):]
+    ref = greedy(model, PROMPT, 24)
+    for tree in (DraftTree.chain(3), DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])):
+        assert speculative_generate(model, PROMPT, GatedDrafter(model, gates), tree, 24)[0] == ref
