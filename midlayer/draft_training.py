@@ -127,6 +127,7 @@ class DraftTrainConfig:
     lora_rank: int = 0  # rank of the adapters on each block's wo and w2; 0: routers alone
     gate_values: str = "soft"  # "soft": eq. 2's gates; "hard": rounded to 0 or 1, all sparsity is real skipping
     #                            (ModelConfig.gate_values)
+    router_norm: bool = False  # routers read h / ||h||_1 per token, not h (skip_gates.py, "Router scale")
 
     def __post_init__(self) -> None:
         check_finite(self)  # --lr inf, --epochs nan, ...
@@ -172,7 +173,8 @@ def build_module(cfg: DraftTrainConfig, model: Transformer) -> nn.Module:
         return EagleHead.for_model(model)
     if cfg.method == "gates":
         return SkipGates.for_model(model, lora_rank=cfg.lora_rank, mu_final=cfg.gate_target, gamma=cfg.gate_gamma,
-                                   kp=cfg.gate_kp, gate_values=cfg.gate_values)
+                                   kp=cfg.gate_kp, gate_values=cfg.gate_values,
+                                   router_norm=cfg.router_norm)
     layer = cfg.exit_layer if cfg.exit_layer >= 0 else paper_layers(L, 1)[0]
     if not 0 < layer <= L:
         raise ValueError(f"exit_layer must be in [1, {L}], got {layer}")
@@ -566,7 +568,7 @@ COST_ONLY = ("cache_gb", "cache_dir")
 # Settings added after runs were saved, with the value that reproduces what those runs did: a saved state
 # without one of them was made with this value (the gates settings only act for method "gates").
 ADDED_LATER = {"cache_dir": "", "gate_target": 0.5, "gate_gamma": 1e-2, "gate_kp": 0.0, "lora_rank": 0,
-               "gate_values": "soft"}
+               "gate_values": "soft", "router_norm": False}
 
 
 def _saved_settings(old: dict[str, Any]) -> dict[str, Any]:

@@ -42,7 +42,10 @@ def inference_score(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
     in the same order however many rows share the call, so a token's gate -- and which blocks it skips -- is
     the same bits in a decode step, a verification forward or a prefill (batch invariance; the MKL
     matrix-vector product behind nn.Linear is not: tests/test_kernels.py). One expression for the tensor
-    and the one-row paths of `MirroredGates`, so that they cannot drift apart."""
+    and the one-row paths of `MirroredGates`, so that they cannot drift apart. A router with
+    `normalise_input` (skip_gates.ScaledRouter) reads h / ||h||_1, per row as well."""
+    if getattr(router, "normalise_input", False):
+        h = h / h.abs().sum(-1, keepdim=True).clamp_min(1e-30)
     return (h * router.weight[0].to(h.dtype)).sum(-1) + router.bias[0].to(h.dtype)
 
 

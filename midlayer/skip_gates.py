@@ -22,6 +22,13 @@ gradient are ~0 at the dense start: only the fp16 rounding of the cached teacher
 Each router's weight is therefore w_l = v_l c_l (`ScaledRouter`; c_l in `router_scale`), c_l = 1 / the mean
 L1 norm of the residual entering block l on the first training batch (`calibrate`, once, saved with the
 weights): an Adam step then moves a score by about lr, on any model. Eq. 1 is unchanged (w_l is a weight).
+But one scale per block does not fit every token: a pretrained model's first token (its attention sink,
+Xiao et al. 2023) carries "massive activations" (Sun et al. 2024, arXiv 2402.17762), an L1 norm ~3.7x the
+median in SmolLM2's block 4 (measured), so the same step moves its score ~3.7x as far. Trained with hard
+gates, that token closed first -- at block 7, hiding it as a key from every later token in blocks 7-22 --
+and the held-out KL went to 2.1 within 50 steps (`gates/smollm2-135m/`, docs/results/pretrained-skipping-
+cpu.md). `router_norm` makes eq. 1 read h / ||h||_1 per token instead: a step then moves every token's score
+by at most lr, whatever its norm, and the routing decision depends on the residual's direction alone.
 
 `SkipGates` holds everything trained (routers, adapters) and the controller's coefficients (buffers, so
 they are saved and resumed with the weights); `gated_twin(model, gates)` is the gated model: a Transformer
@@ -88,7 +95,7 @@ class SkipGates(nn.Module):
     def __init__(self, dim: int, n_layers: int, lora_rank: int = 0, attn_in: int = 0, ffn_hidden: int = 0,
                  lora_alpha: float = 16.0, mu0: float = 1.0, mu_final: float = 0.5, gamma: float = 1e-2,
                  delta: float = 1e-2, kp: float = 0.0, controller: str = "proportional",
-                 gate_values: str = "soft") -> None:
+                 gate_values: str = "soft", router_norm: bool = False) -> None:
         super().__init__()
         if n_layers < 2 or n_layers % 2:
             raise ValueError(f"skip gates need an even number of blocks >= 2 (block l mirrors L-1-l), got {n_layers}")
@@ -97,6 +104,7 @@ class SkipGates(nn.Module):
         if gate_values not in GATE_VALUES:
             raise ValueError(f"gate_values must be one of {GATE_VALUES}, got {gate_values!r}")
         self.dim, self.n_layers, self.lora_rank, self.gate_values = dim, n_layers, lora_rank, gate_values
+        self.router_norm = bool(router_norm)
         self.attn_in, self.ffn_hidden, self.lora_alpha = attn_in, ffn_hidden, lora_alpha
         if controller not in ADAPTIVE_KINDS:
             # the coefficients live in buffers that start at 0 (eq. 6: "initialised to zero"); a fixed-coefficient
@@ -134,7 +142,7 @@ class SkipGates(nn.Module):
     def config(self) -> dict[str, Any]:
         return dict(dim=self.dim, n_layers=self.n_layers, lora_rank=self.lora_rank, attn_in=self.attn_in,
                     ffn_hidden=self.ffn_hidden, lora_alpha=self.lora_alpha, gate_values=self.gate_values,
-                    **self._sparsity)
+                    router_norm=self.router_norm, **self._sparsity)
 
     def sparsity_config(self) -> SparsityConfig:
         s = self._sparsity
@@ -156,6 +164,10 @@ class SkipGates(nn.Module):
         positions `mask` (all when None or empty) -- once, on the first training batch. Routers still at
         v = 0 stay at w = 0: the start is dense whatever c_l is."""
         if bool(self.calibrated):
+            return
+        if self.router_norm:  # the routers read h / ||h||_1: the scale is 1 by construction (ScaledRouter)
+            self.router_scale.fill_(1.0)
+            self.calibrated.fill_(True)
             return
         hs = model(tokens, return_logits=False, output_hidden_states=True).hidden_states
         keep = mask if mask is not None and bool(mask.any()) else torch.ones(tokens.shape, dtype=torch.bool,
@@ -209,7 +221,14 @@ class ScaledRouter(nn.Module):
             self._memo = (key, self.v * c[self.layer])
         return self._memo[1]
 
+    @property
+    def normalise_input(self) -> bool:
+        """Whether eq. 1 reads h / ||h||_1 per token (SkipGates.router_norm; gating.inference_score too)."""
+        return self.owner.router_norm
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.normalise_input:
+            h = h / h.abs().sum(-1, keepdim=True).clamp_min(1e-30)
         return F.linear(h, self.weight.to(h.dtype), self.bias.to(h.dtype))
 
 

@@ -6,7 +6,8 @@
 #     every block's wo and w2), on the self-distillation data of issue 11 (KL to the dense model on response
 #     positions + the controller). Outputs: gates/smollm2-135m/t<TARGET>-r<RANK>/ (weights, metrics,
 #     history, train_state.pt: commit them; they are small). VALUES=hard trains hard gates (0 or 1, every
-#     closed gate a skipped block; ModelConfig.gate_values) into t<TARGET>-r<RANK>-hard/.
+#     closed gate a skipped block; ModelConfig.gate_values) into t<TARGET>-r<RANK>-hard/; NORM=1 routers
+#     that read h / ||h||_1 per token (--router-norm) into ...-norm/.
 #   STAGE=bench: `midlayer bench gates` (quality, sparsity, real prefill/decode speed vs dense and static
 #     layer skipping of equal compute) and `midlayer bench decode` with the gates as self-drafters.
 # Cost on 2 AMD EPYC cores (fp32; forward + backward through all 30 blocks): ~8 s a step of 512 tokens
@@ -24,7 +25,9 @@ LR=${LR:-1e-2}
 GAMMA=${GAMMA:-1e-2}
 KP=${KP:-0}
 VALUES=${VALUES:-soft}
-suffix=$([[ $VALUES == soft ]] || echo "-$VALUES")
+NORM=${NORM:-0}
+suffix=$([[ $VALUES == soft ]] || echo "-$VALUES")$([[ $NORM == 0 ]] || echo "-norm")
+norm_flag=$([[ $NORM == 0 ]] || echo "--router-norm")
 STAGE=${STAGE:-train}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
@@ -32,7 +35,7 @@ if [[ $STAGE == train ]]; then
   for t in $TARGETS; do
     for r in $RANKS; do
       "$PY" -m midlayer train-gates --data "$DATA" --out-dir "$OUT/t$t-r$r$suffix" --gate-target "$t" --lora-rank "$r" \
-        --gate-gamma "$GAMMA" --gate-kp "$KP" --gate-values "$VALUES" --lr "$LR" --epochs "$EPOCHS" --batch-tokens 512 --seq-len 256 \
+        --gate-gamma "$GAMMA" --gate-kp "$KP" --gate-values "$VALUES" $norm_flag --lr "$LR" --epochs "$EPOCHS" --batch-tokens 512 --seq-len 256 \
         --eval-every 50 --curve-batches 16 --max-eval-batches 64 --ckpt-every 10 --cache-gb 0 "$@"
     done
   done

@@ -406,15 +406,18 @@ def test_hard_gates_round_eq2_by_hand_and_one_row_gives_the_tensor_bits():
                 assert torch.equal(got[0], full[layer][row]) and one.open == bool(got[0, 0] == 1), (row, layer)
 
 
-def test_hard_gates_train_through_the_straight_through_gradient_and_decode_losslessly():
+@pytest.mark.parametrize("router_norm", [False, True])
+def test_hard_gates_train_through_the_straight_through_gradient_and_decode_losslessly(router_norm):
     """The hard twin's loss is measured on 0/1 gates (the computation the engine runs), its gradient reaches
     every router (straight through the rounding), it decodes with real skipping like its full forward, and
     as a self-drafter it is lossless; the setting is saved with the gates."""
     model = dense()
     for p in model.parameters():
         p.requires_grad_(False)
-    gates = randomised(SkipGates.for_model(model, gate_values="hard"), seed=22, scale=0.6, bias=0.1)
-    assert gates.config()["gate_values"] == "hard" and SkipGates(**gates.config()).gate_values == "hard"
+    gates = SkipGates.for_model(model, gate_values="hard", router_norm=router_norm)
+    gates = randomised(gates, seed=22, scale=20.0 if router_norm else 0.6, bias=0.1)
+    again = SkipGates(**gates.config())
+    assert (again.gate_values, again.router_norm) == ("hard", router_norm)
     tokens = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(23))
     with torch.no_grad():
         teacher = model(tokens).logits
@@ -434,3 +437,27 @@ def test_hard_gates_train_through_the_straight_through_gradient_and_decode_lossl
     ref = greedy(model, PROMPT, 24)
     for tree in (DraftTree.chain(3), DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])):
         assert speculative_generate(model, PROMPT, GatedDrafter(model, gates), tree, 24)[0] == ref
+
+
+def test_router_norm_reads_h_over_its_l1_norm_on_every_path():
+    """router_norm: eq. 1 on h / ||h||_1 per token -- by hand, the same on the training (F.linear) and the
+    inference (per-row product and sum) paths, blind to each token's scale, and still dense when fresh."""
+    from midlayer.gating import inference_score
+
+    model = dense()
+    tokens = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(24))
+    fresh = SkipGates.for_model(model, router_norm=True)
+    with torch.no_grad():
+        assert torch.equal(gated_twin(model, fresh)(tokens).logits, model(tokens).logits)
+    gates = randomised(SkipGates.for_model(model, router_norm=True), seed=25, scale=3.0)
+    r = gates.routers[1]
+    h = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(26))
+    scale = torch.tensor([0.01, 1.0, 30.0, 700.0, 5.0]).view(1, 5, 1)
+    with torch.no_grad():
+        want = (h / h.abs().sum(-1, keepdim=True) * r.v[0]).sum(-1) + r.bias[0]
+        assert torch.allclose(inference_score(r, h), want, atol=1e-6, rtol=0)
+        assert torch.allclose(r(h).squeeze(-1), want, atol=1e-6, rtol=0)
+        assert torch.allclose(inference_score(r, h * scale), want, atol=1e-6, rtol=0)  # per-token scale: no effect
+    off = randomised(SkipGates.for_model(model), seed=25, scale=3.0).routers[1]
+    with torch.no_grad():
+        assert not torch.allclose(inference_score(off, h * scale), inference_score(off, h), atol=1e-3)
