@@ -274,7 +274,7 @@ def test_cli_surface_is_frozen():
                    "--dropout", "--attn-dropout", "--emb-dropout", "--pos-encoding", "--rope-scaling", "--rope-scale",
                    "--sliding-window", "--t5-buckets", "--t5-max-distance", "--moe-experts", "--moe-top-k",
                    "--moe-aux-coef", "--ssm-layers", "--ssm-state", "--ssm-expand", "--ssm-conv", "--ssm-dt-rank",
-                   "--head-size", "--gate-attention", "--gate-grad"]
+                   "--head-size", "--gate-attention", "--gate-grad", "--gate-values"]
     sparsity_flags = ["--alpha", "--beta", "--controller", "--delta", "--gamma", "--kp", "--mu-final", "--mu0", "--reg-grad"]
     train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--data",
                    "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--init-perturb", "--keep-last",
@@ -305,7 +305,7 @@ def test_cli_surface_is_frozen():
                    "--no-masked", "--schedule", "--epochs", "--lr", "--batch-tokens", "--seq-len", "--bf16", "--no-bf16",
                    "--seed", "--ckpt-every", "--max-eval-batches", "--eval-every", "--patience", "--curve-batches",
                    "--cache-gb", "--cache-dir", "--loss-positions", "--draft-vocab", "--gate-target", "--gate-gamma",
-                   "--gate-kp", "--lora-rank"]
+                   "--gate-kp", "--lora-rank", "--gate-values", "--router-norm", "--no-router-norm"]
     assert flags["train-draft"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--methods", "--device"]
                                           + draft_flags)
     assert flags["train-gates"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--device"] + draft_flags)
