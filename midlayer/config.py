@@ -27,7 +27,7 @@ GATE_ATTENTION = ("key", "query", "none")
 # Gradient of the gates (gating.straight_through): eq. 2 as written, or straight through ReLU and clamp.
 GATE_GRADS = ("exact", "straight_through")
 # Values of the gates (gating.MirroredGates): eq. 2 as written, or eq. 2's gate rounded to 0 or 1 (issue 15).
-GATE_VALUES = ("soft", "hard")
+GATE_VALUES = ("soft", "hard", "sampled")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -102,7 +102,10 @@ class ModelConfig:
     gate_values: str = "soft"  # "soft": eq. 2's g in [0, 1]; "hard": g = 1 while S < 1/2, else 0 (eq. 2's g
     #                            rounded): every block either runs undamped or is skipped, so all of the
     #                            sparsity is real skipping. Its exact gradient is 0: train it with
-    #                            gate_grad="straight_through" (issue 15, docs/results/pretrained-skipping-cpu.md)
+    #                            gate_grad="straight_through" (issue 15, docs/results/pretrained-skipping-cpu.md).
+    #                            "sampled": in training g = 1 while S < u, u ~ U(0, 1] drawn once per token
+    #                            and forward, so E[g] = eq. 2's soft gate and closed states are visited in
+    #                            proportion to S; without autograd it is "hard" (u = 1/2). gating.MirroredGates
     attn_backend: str = "auto"  # "auto": FlexAttention on CUDA when available, else SDPA with a key bias
     tie_embeddings: bool = False
     embed_norm: bool = True  # RMSNorm after the embedding (the paper's models); Llama checkpoints have none

@@ -125,8 +125,8 @@ class DraftTrainConfig:
     gate_gamma: float = 1e-2  # controller step (eq. 6); 1e-2, not the paper's 1e-3: docs/results/controller-cpu.md
     gate_kp: float = 0.0  # controller proportional gain (SparsityConfig.kp)
     lora_rank: int = 0  # rank of the adapters on each block's wo and w2; 0: routers alone
-    gate_values: str = "soft"  # "soft": eq. 2's gates; "hard": rounded to 0 or 1, all sparsity is real skipping
-    #                            (ModelConfig.gate_values)
+    gate_values: str = "soft"  # "soft": eq. 2's gates; "hard": rounded to 0 or 1, all sparsity is real skipping;
+    #                            "sampled": hard with a random threshold in training (ModelConfig.gate_values)
     router_norm: bool = False  # routers read h / ||h||_1 per token, not h (skip_gates.py, "Router scale")
 
     def __post_init__(self) -> None:
@@ -332,7 +332,9 @@ def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: 
                           generator=gen)
     if cfg.method == "gates":
         teacher = cached[0] if cached is not None else base_states(model, tokens)[0]
-        return gate_loss(model, module, tokens, teacher, mask)
+        # sampled gates' thresholds, like EAGLE's noise, are a pure function of (seed, step)
+        gen = torch.Generator(device=tokens.device).manual_seed(cfg.seed * 1_000_003 + step)
+        return gate_loss(model, module, tokens, teacher, mask, generator=gen)
     return early_exit_loss(model, module, tokens, cached, mask=mask)
 
 

@@ -101,15 +101,27 @@ class MirroredGates:
     soft gates settled at uniform fractions (0.6-0.8 for every token) that skip nothing and still cost the
     multiply; with hard gates the sparsity the controller asks for is real skipping, and the KL it costs is
     measured on the computation the engine runs. The rounding's gradient is 0 almost everywhere, so hard
-    gates train through the straight-through gradient (the same linear one as for soft gates)."""
+    gates train through the straight-through gradient (the same linear one as for soft gates).
 
-    def __init__(self, routers: Routers, n_layers: int, gate_grad: str = "exact", gate_values: str = "soft") -> None:
+    "sampled" is "hard" with a random threshold while autograd records: g = 1 while S < u, with one
+    u ~ U(0, 1] per token and forward (from `generator`, else the global RNG), so that P(g = 1) = 1 - clamp(S)
+    = eq. 2's soft gate, and g stays 0 once it closes (S never decreases). Why: trained from the dense start,
+    hard gates oscillate -- at g = 1 the KL to the dense model is at its minimum, so its gradient says nothing
+    about which tokens could close until many cross S = 1/2 at once. With sampled thresholds a token with
+    S = 0.2 runs closed on a fifth of its steps, and the KL of those closed runs reaches its router (straight
+    through) before it closes for good. Without autograd (evaluation, generation) u = 1/2: the hard gates
+    the engine runs, which are the sampled ones' median."""
+
+    def __init__(self, routers: Routers, n_layers: int, gate_grad: str = "exact", gate_values: str = "soft",
+                 generator: torch.Generator | None = None) -> None:
         if gate_grad not in GATE_GRADS:
             raise ValueError(f"gate_grad must be one of {GATE_GRADS}, got {gate_grad!r}")
         if gate_values not in GATE_VALUES:
             raise ValueError(f"gate_values must be one of {GATE_VALUES}, got {gate_values!r}")
         self.routers, self.n_layers, self.gate_grad = routers, n_layers, gate_grad
-        self.hard = gate_values == "hard"
+        self.hard = gate_values in ("hard", "sampled")
+        self.sampled, self.generator = gate_values == "sampled", generator
+        self.threshold: torch.Tensor | None = None  # "sampled" in training: u per token, drawn at block 0
         self.closed_at = 0.5 if self.hard else 1.0  # S at and beyond which g = 0 (S never decreases)
         self.first_half: list[torch.Tensor] = []
         self.first_half_st: list[torch.Tensor] = []
@@ -158,7 +170,13 @@ class MirroredGates:
         else:
             gate, self.cum, self.lin = Routers.step(self.routers[layer], h, self.cum, self.lin)  # h entering l
             if self.hard:
-                gate = (self.cum < self.closed_at).to(gate.dtype)  # eq. 2's g rounded (class docstring)
+                u = self.closed_at
+                if self.sampled and not infer:
+                    if self.threshold is None:  # u in (0, 1]: S = 0 never closes (class docstring)
+                        r = torch.rand(self.cum.shape, generator=self.generator, device=self.cum.device)
+                        self.threshold = 1.0 - r
+                    u = self.threshold
+                gate = (self.cum < u).to(gate.dtype)  # eq. 2's g rounded (class docstring)
             if self.lin is not None:
                 st = straight_through(gate, self.lin)
                 self.first_half_st.append(st)

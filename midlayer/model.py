@@ -397,7 +397,11 @@ class Transformer(nn.Module):
 
     def gate_walker(self) -> MirroredGates | None:
         """A fresh in-order gate walker for one forward (None for dense models)."""
-        return MirroredGates(self.routers, self.cfg.n_layers, self.cfg.gate_grad, self.cfg.gate_values) if self.routers is not None else None
+        if self.routers is None:
+            return None
+        # `gate_generator`: where "sampled" gates draw their thresholds in training (None: the global RNG)
+        return MirroredGates(self.routers, self.cfg.n_layers, self.cfg.gate_grad, self.cfg.gate_values,
+                             getattr(self, "gate_generator", None))
 
     def run_blocks(self, h: torch.Tensor, step: BlockStep, *, start: int = 0, stop: int | None = None,
                    gates: MirroredGates | None = None, routed: int | None = None,

@@ -267,15 +267,21 @@ def gated_twin(model: Transformer, gates: SkipGates, gate_grad: str = "exact") -
 
 
 def gate_loss(model: Transformer, gates: SkipGates, tokens: torch.Tensor, teacher: torch.Tensor,
-              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+              mask: torch.Tensor | None = None, generator: torch.Generator | None = None
+              ) -> tuple[torch.Tensor, list[float]]:
     """KL(p_dense || p_gated) over the counted positions + the controller's term (eq. 5) on their gates.
 
     teacher [B, T, V]: the dense model's logits (FrozenStates' final residual through the head). Returns
     (loss, [kl, regulariser]); the step's gate statistics are recorded for `SkipGates.after_step`.
+    `generator`: where "sampled" gates draw their thresholds (gating.MirroredGates; None: the global RNG).
     """
     gates.calibrate(model, tokens, mask)
     twin = gates.twin(model, "straight_through")
-    out = twin(tokens, return_logits=False, output_hidden_states=True)
+    twin.gate_generator = generator
+    try:
+        out = twin(tokens, return_logits=False, output_hidden_states=True)
+    finally:
+        twin.gate_generator = None
     h, t, valid = gather_counted(out.hidden_states[-1], teacher, mask)
     kl = kl_to_base(t, twin.output(twin.norm(h)), valid)
     if mask is not None and not bool(mask.any()):

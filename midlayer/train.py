@@ -239,9 +239,9 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's --max-seq-len {model_cfg.max_seq_len}")
 
-    if model_cfg.gating and model_cfg.gate_values == "hard" and model_cfg.gate_grad == "exact":
-        raise ValueError("--gate-values hard: rounded gates have no exact gradient (0 almost everywhere), the "
-                         "routers would never move; use --gate-grad straight_through")
+    if model_cfg.gating and model_cfg.gate_values != "soft" and model_cfg.gate_grad == "exact":
+        raise ValueError(f"--gate-values {model_cfg.gate_values}: rounded gates have no exact gradient (0 almost "
+                         "everywhere), the routers would never move; use --gate-grad straight_through")
     if model_cfg.attn_backend == "flex" and dev.type != "cuda":
         raise ValueError(f"--attn-backend flex: FlexAttention cannot train on {dev.type} (no backward pass there); "
                          "use --attn-backend auto or sdpa")

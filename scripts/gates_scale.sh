@@ -6,7 +6,8 @@
 #     every block's wo and w2), on the self-distillation data of issue 11 (KL to the dense model on response
 #     positions + the controller). Outputs: gates/smollm2-135m/t<TARGET>-r<RANK>/ (weights, metrics,
 #     history, train_state.pt: commit them; they are small). VALUES=hard trains hard gates (0 or 1, every
-#     closed gate a skipped block; ModelConfig.gate_values) into t<TARGET>-r<RANK>-hard/; NORM=1 routers
+#     closed gate a skipped block; ModelConfig.gate_values) into t<TARGET>-r<RANK>-hard/, VALUES=sampled hard
+#     gates with a random threshold in training (-sampled/); NORM=1 routers
 #     that read h / ||h||_1 per token (--router-norm) into ...-norm/.
 #   STAGE=bench: `midlayer bench gates` (quality, sparsity, real prefill/decode speed vs dense and static
 #     layer skipping of equal compute) and `midlayer bench decode` with the gates as self-drafters.

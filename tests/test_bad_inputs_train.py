@@ -176,6 +176,7 @@ def test_non_finite_float_flags_are_refused_naming_the_flag(tmp_path, shards, ca
     (["--device", "bogus"], "--device 'bogus': not a device"),
     (["--out-dir", ""], "--out-dir: must name a folder"),
     (["--gate-values", "hard"], "--gate-values hard: rounded gates have no exact gradient"),
+    (["--gate-values", "sampled"], "--gate-values sampled: rounded gates have no exact gradient"),
     (["--gate-values", "rounded"], "--gate-values: must be one of"),
 ])
 def test_out_of_range_train_flags_are_refused_naming_the_flag(tmp_path, shards, capsys, flags, named):

@@ -67,14 +67,19 @@ def test_train_draft_lowers_loss_and_saves(tmp_path, method):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("method,schedule", [("hidden-transfer", "joint"), ("hidden-transfer", "sequential"),
-                                             ("eagle", "joint"), ("gates", "joint")])
-# eagle: its seeded feature noise too; gates: the controller's coefficients (module buffers) too
-def test_resume_continues_exactly(tmp_path, method, schedule):
+@pytest.mark.parametrize("method,schedule,kw", [("hidden-transfer", "joint", {}), ("hidden-transfer", "sequential", {}),
+                                                ("eagle", "joint", {}), ("gates", "joint", {}),
+                                                ("gates", "joint", {"gate_values": "sampled", "gate_target": 0.0,
+                                                                    "gate_gamma": 0.5})])
+# eagle: its seeded feature noise too; gates: the controller's coefficients (module buffers) too; sampled gates:
+# their thresholds, drawn per step
+def test_resume_continues_exactly(tmp_path, method, schedule, kw):
     base, data = tiny_base(), tiny_data()
-    full = train_draft(cfg(tmp_path / "a", method, schedule=schedule, epochs=3), base, data,
+    full = train_draft(cfg(tmp_path / "a", method, schedule=schedule, epochs=3, **kw), base, data,
                        progress=False, log=lambda s: None)
-    c = cfg(tmp_path / "b", method, schedule=schedule, epochs=3)
+    if kw:  # the sampled thresholds closed gates in training (else this would test soft-like gates only)
+        assert any(h["per_step"][0] > 0 for h in full.history)
+    c = cfg(tmp_path / "b", method, schedule=schedule, epochs=3, **kw)
     part = train_draft(c, base, data, progress=False, stop_after=7, log=lambda s: None)
     assert len(part.history) == 7
     rest = train_draft(c, base, data, progress=False, log=lambda s: None)
@@ -82,7 +87,7 @@ def test_resume_continues_exactly(tmp_path, method, schedule):
     for a, b in zip(rest.module.state_dict().values(), full.module.state_dict().values()):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="other settings"):
-        train_draft(cfg(tmp_path / "b", method, schedule=schedule, epochs=3, lr=0.5), base, data,
+        train_draft(cfg(tmp_path / "b", method, schedule=schedule, epochs=3, lr=0.5, **kw), base, data,
                     progress=False, log=lambda s: None)
 
 

@@ -461,3 +461,72 @@ def test_router_norm_reads_h_over_its_l1_norm_on_every_path():
     off = randomised(SkipGates.for_model(model), seed=25, scale=3.0).routers[1]
     with torch.no_grad():
         assert not torch.allclose(inference_score(off, h * scale), inference_score(off, h), atol=1e-3)
+
+
+def test_sampled_gates_close_at_a_random_threshold_by_hand_and_are_hard_without_autograd():
+    """gate_values = "sampled": while autograd records, g = 1 while S < u with one u = 1 - U[0, 1) per token
+    drawn from the generator at block 0 (a hand computation of eqs. 1-2 and of the draw), mirrored, closed for
+    good once closed; E[g] over the draws is eq. 2's soft gate; without autograd the gates are the hard ones."""
+    from midlayer.gating import MirroredGates, Routers
+
+    L, d, N = 8, 16, 4
+    g = torch.Generator().manual_seed(31)
+    routers = Routers(d, L)
+    with torch.no_grad():
+        for i, r in enumerate(routers):
+            r.weight.copy_(0.03 * torch.randn(1, d, generator=g))
+            r.bias.fill_(0.06 + 0.01 * i)
+    hs = [torch.randn(N, 1, d, generator=g) for _ in range(L)]
+    with torch.no_grad():
+        S, soft = torch.zeros(N, 1), []
+        for layer in range(L // 2):
+            r = routers[layer]
+            S = S + torch.relu((hs[layer] * r.weight[0]).sum(-1) + r.bias[0])
+            soft.append(1 - S.clamp(0, 1))
+    assert bool(((soft[-1] > 0.05) & (soft[-1] < 0.95)).all())  # fractional gates: the draw decides
+    u = 1.0 - torch.rand((N, 1), generator=torch.Generator().manual_seed(32))
+    walker = MirroredGates(routers, L, "straight_through", "sampled", torch.Generator().manual_seed(32))
+    got = [walker(layer, hs[layer]).detach() for layer in range(L)]
+    for layer in range(L // 2):
+        assert torch.equal(got[layer], (1 - soft[layer] < u).float()), layer  # S < u
+        assert torch.equal(got[L - 1 - layer], got[layer])
+        if layer:
+            assert bool((got[layer] <= got[layer - 1]).all())  # once closed, closed
+    with torch.no_grad():  # evaluation and generation: the hard gates (u = 1/2)
+        hard = MirroredGates(routers, L, gate_values="hard")
+        plain = MirroredGates(routers, L, gate_values="sampled", generator=torch.Generator().manual_seed(32))
+        for layer in range(L):
+            assert torch.equal(plain(layer, hs[layer]), hard(layer, hs[layer]))
+    # E[g] = 1 - S: 2,000 draws of each token (copies along the batch), within 4.5 standard errors
+    reps = 2000
+    walker = MirroredGates(routers, L, "straight_through", "sampled", torch.Generator().manual_seed(33))
+    for layer in range(L // 2):
+        gl = walker(layer, hs[layer].repeat_interleave(reps, 0)).detach().view(N, reps).mean(1)
+        p = soft[layer].view(N)
+        assert bool(((gl - p).abs() <= 4.5 * (p * (1 - p) / reps).sqrt() + 1e-6).all()), (layer, gl, p)
+
+
+def test_sampled_gates_train_on_their_draws_and_evaluate_as_hard():
+    """gate_loss with sampled gates: the same generator seed gives the same loss, another seed other closed
+    gates and another loss; the gradient reaches every router; the twin outside training is the hard one."""
+    model = dense()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gates = randomised(SkipGates.for_model(model, gate_values="sampled"), seed=34, scale=0.3, bias=0.12)
+    tokens = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(35))
+    with torch.no_grad():
+        teacher = model(tokens).logits
+    gates.ctrl_alpha.fill_(0.3)
+
+    def loss_at(seed: int) -> torch.Tensor:
+        gates.zero_grad()
+        return gate_loss(model, gates, tokens, teacher, generator=torch.Generator().manual_seed(seed))[0]
+
+    a, b, c = loss_at(1), loss_at(1), loss_at(2)
+    assert float(a.detach()) == float(b.detach()) and float(a.detach()) != float(c.detach())
+    a.backward()
+    assert all(float(r.v.grad.abs().sum()) > 0 for r in gates.routers)
+    hard = SkipGates.for_model(model, gate_values="hard")
+    hard.load_state_dict(gates.state_dict())  # the calibration of the first gate_loss included
+    with torch.no_grad():
+        assert torch.equal(gates.twin(model)(tokens).logits, hard.twin(model)(tokens).logits)
