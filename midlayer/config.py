@@ -272,6 +272,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_frac: float = 0.1  # linear warmup over this fraction of steps ...
     warmup_start_factor: float = 0.1  # ... starting at this fraction of lr, then cosine decay to 0
+    router_lr_floor: float = 0.0  # after warm-up the routers' lr multiplier stays >= this (1: constant lr), so
+    #                               that they can still follow the controller's coefficients in the cosine tail,
+    #                               where the paper's schedule leaves them no step to take (issue 14; beyond the
+    #                               paper, whose routers share the schedule: 0)
     batch_size: int = 512  # global batch, in sequences (data parallel x grad accumulation)
     micro_batch_size: int = 32  # sequences per forward on one device ("device_batch_size")
     seq_len: int = 1024
@@ -314,6 +318,7 @@ class TrainConfig:
         _check(0 <= self.warmup_frac < 1, "warmup_frac", f"must be in [0, 1), got {self.warmup_frac}")
         _check(0 < self.warmup_start_factor <= 1, "warmup_start_factor",
                f"must be in (0, 1], got {self.warmup_start_factor}")
+        _check(0 <= self.router_lr_floor <= 1, "router_lr_floor", f"must be in [0, 1], got {self.router_lr_floor}")
         _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(bool(self.out_dir.strip()), "out_dir", "must name a folder, got ''")  # '' would mean the cwd

@@ -87,6 +87,12 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def router_lr_factor(step: int, cfg: TrainConfig) -> float:
+    """The routers' LR multiplier: `lr_factor`, held at or above `router_lr_floor` once warm-up is over."""
+    f = lr_factor(step, cfg)
+    return f if step < cfg.warmup_steps else max(f, cfg.router_lr_floor)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -284,9 +290,16 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     model = model.to(dev)
     model.check_inputs = dev.type == "cpu"  # the range check syncs with the GPU; data ids are known-good
     dtype = resolve_dtype(cfg.dtype, dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+    factors = [lambda s: lr_factor(s, cfg)]
+    groups: Any = model.parameters()
+    if cfg.router_lr_floor > 0 and model.routers is not None:  # the routers in a group of their own
+        ids = {id(p) for p in model.routers.parameters()}
+        groups = [{"params": [p for p in model.parameters() if id(p) not in ids]},
+                  {"params": list(model.routers.parameters())}]
+        factors.append(lambda s: router_lr_factor(s, cfg))
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factors if len(factors) > 1 else factors[0])
     controller = make_controller(sparsity_cfg, model_cfg.n_layers).to(dev) if model_cfg.gating else None
     start = 0
     if ckpt is not None:
@@ -301,9 +314,9 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         start = int(ckpt["step"])
         if "lr" in changed:  # the optimizer and scheduler states carry the run's lr: apply this command's
             sched.base_lrs = [cfg.lr for _ in opt.param_groups]
-            for group in opt.param_groups:
+            for group, factor in zip(opt.param_groups, factors):
                 group["initial_lr"] = cfg.lr
-                group["lr"] = cfg.lr * lr_factor(start, cfg)
+                group["lr"] = cfg.lr * factor(start)
     run_model = torch.compile(model) if cfg.compile else model
     # An expert that no token of a micro-batch picked gets no gradient: DDP must then not wait for it.
     ddp = DDP(run_model, device_ids=[dev.index] if dev.type == "cuda" else None,

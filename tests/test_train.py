@@ -15,7 +15,7 @@ from midlayer import cli
 from midlayer.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from midlayer.config import TrainConfig, get_preset
 from midlayer.data import write_shard
-from midlayer.train import NonFiniteLossError, lr_factor, train
+from midlayer.train import NonFiniteLossError, lr_factor, router_lr_factor, train
 
 
 def synthetic_shards(tmp: Path, vocab: int = 512, n: int = 40_000) -> str:
@@ -48,6 +48,20 @@ def test_lr_schedule_values_by_hand():
     assert lr_factor(55, cfg) == pytest.approx(0.5)  # half way through the cosine: cos(pi/2) -> 0.5
     assert lr_factor(99, cfg) == pytest.approx(0.5 * (1 + math.cos(math.pi * 89 / 90)))
     assert lr_factor(100, cfg) == pytest.approx(0.0, abs=1e-12)  # end of training
+
+
+def test_router_lr_floor_holds_the_routers_lr_after_warmup_and_trains_them_in_their_own_group(tmp_path):
+    """router_lr_floor: the routers' multiplier is the schedule's until warm-up ends, then never below the
+    floor (by hand); in a run the routers' group ends at lr x floor while the rest ends at the schedule's."""
+    cfg = TrainConfig(steps=100, warmup_frac=0.1, warmup_start_factor=0.1, lr=1.0, router_lr_floor=0.3)
+    assert router_lr_factor(5, cfg) == pytest.approx(0.55)  # warm-up as for every parameter
+    assert router_lr_factor(55, cfg) == pytest.approx(0.5)  # above the floor: the cosine
+    assert router_lr_factor(99, cfg) == pytest.approx(0.3) and router_lr_factor(100, cfg) == pytest.approx(0.3)
+    m, s, t = debug_configs(tmp_path, steps=6, ckpt_every=6, router_lr_floor=1.0)
+    train(m, s, t, progress=False)
+    groups = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])["optimizer"]["param_groups"]
+    assert len(groups) == 2 and len(groups[1]["params"]) == 2 * (m.n_layers // 2)  # each router's weight, bias
+    assert groups[1]["lr"] == pytest.approx(t.lr) and groups[0]["lr"] == pytest.approx(t.lr * lr_factor(6, t))
 
 
 # ------------------------------------------------------------------------------------------ learning
@@ -279,7 +293,7 @@ def test_cli_surface_is_frozen():
     train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--data",
                    "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--init-perturb", "--keep-last",
                    "--log-every", "--lr", "--micro-batch-size", "--no-compile", "--no-tensorboard", "--out-dir",
-                   "--seed", "--seq-len", "--steps", "--tensorboard", "--tokenizer-vocab", "--val-data",
+                   "--router-lr-floor", "--seed", "--seq-len", "--steps", "--tensorboard", "--tokenizer-vocab", "--val-data",
                    "--wandb", "--warmup-frac", "--warmup-start-factor", "--weight-decay"]
     assert flags["train"] == sorted(["-h", "--help", "--resume", "--device", "--stop-after", "--no-progress"]
                                     + model_flags + sparsity_flags + train_flags)
