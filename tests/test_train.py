@@ -151,10 +151,13 @@ def test_controller_closed_loop_meets_every_target(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- resume
-@pytest.mark.parametrize("gating", [True, False])
+@pytest.mark.parametrize("gating", [True, False, "sampled"])
 def test_resume_reaches_identical_weights(tmp_path, gating):
+    """gating "sampled": gate_values = "sampled", whose thresholds come from the global RNG (checkpointed)."""
     m, s, t = debug_configs(tmp_path, steps=8, ckpt_every=2, keep_last=2)
-    m.gating = gating
+    m.gating = bool(gating)
+    if gating == "sampled":
+        m.gate_values, m.gate_grad = "sampled", "straight_through"
     t_full = TrainConfig(**{**t.__dict__, "out_dir": str(tmp_path / "full")})
     train(m, s, t_full, progress=False)
     # A run "killed" after 3 steps, then resumed: the checkpoint at 3 carries optimizer, schedule, controller.
