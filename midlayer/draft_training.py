@@ -325,15 +325,14 @@ def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: 
         return hidden_transfer_loss(model, module, tokens, mask=mask, start=cached)
     if cfg.method == "medusa":
         return medusa_loss(model, module, tokens, cached, mask=mask)
+    # EAGLE's feature noise and sampled gates' thresholds are a pure function of (seed, step): a resumed run
+    # draws what the uninterrupted one did
+    gen = torch.Generator(device=tokens.device).manual_seed(cfg.seed * 1_000_003 + step)
     if cfg.method == "eagle":
-        # the noise is a pure function of (seed, step): a resumed run draws what the uninterrupted one did
-        gen = torch.Generator(device=tokens.device).manual_seed(cfg.seed * 1_000_003 + step)
         return eagle_loss(model, module, tokens, cached, mask=mask, noise=FEATURE_NOISE if noise else 0.0,
                           generator=gen)
     if cfg.method == "gates":
         teacher = cached[0] if cached is not None else base_states(model, tokens)[0]
-        # sampled gates' thresholds, like EAGLE's noise, are a pure function of (seed, step)
-        gen = torch.Generator(device=tokens.device).manual_seed(cfg.seed * 1_000_003 + step)
         return gate_loss(model, module, tokens, teacher, mask, generator=gen)
     return early_exit_loss(model, module, tokens, cached, mask=mask)
 

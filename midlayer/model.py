@@ -292,6 +292,8 @@ class Transformer(nn.Module):
         self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim)
                              if cfg.pos_encoding == "sinusoidal" else None, persistent=False)
         self.check_inputs = True  # set False to skip the token-id range check (it syncs with the GPU)
+        # where "sampled" gates draw their thresholds in training (ModelConfig.gate_values; None: the global RNG)
+        self.gate_generator: torch.Generator | None = None
         if cfg.gating and cfg.gate_attention == "query":
             warnings.warn("gate_attention='query' adds each gate's log to its query's softmax row, a constant that "
                           "hides no token: the public reference code's indexing, for comparison with eq. 3 ('key')",
@@ -399,9 +401,8 @@ class Transformer(nn.Module):
         """A fresh in-order gate walker for one forward (None for dense models)."""
         if self.routers is None:
             return None
-        # `gate_generator`: where "sampled" gates draw their thresholds in training (None: the global RNG)
         return MirroredGates(self.routers, self.cfg.n_layers, self.cfg.gate_grad, self.cfg.gate_values,
-                             getattr(self, "gate_generator", None))
+                             self.gate_generator)
 
     def run_blocks(self, h: torch.Tensor, step: BlockStep, *, start: int = 0, stop: int | None = None,
                    gates: MirroredGates | None = None, routed: int | None = None,

@@ -299,7 +299,7 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         factors.append(lambda s: router_lr_factor(s, cfg))
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factors if len(factors) > 1 else factors[0])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factors)  # one factor per parameter group
     controller = make_controller(sparsity_cfg, model_cfg.n_layers).to(dev) if model_cfg.gating else None
     start = 0
     if ckpt is not None:
