@@ -108,6 +108,9 @@ class ModelConfig:
     #                            proportion to S; without autograd it is "hard" (u = 1/2). gating.MirroredGates
     attn_backend: str = "auto"  # "auto": FlexAttention on CUDA when available, else SDPA with a key bias
     tie_embeddings: bool = False
+    scale_embeddings: bool = False  # token embeddings x sqrt(dim) (Vaswani et al. 2017 sec. 3.4; Gemma): with
+    #                                 absolute positions, keeps the token signal on the scale of the position
+    #                                 table (unscaled N(0, 0.02) rows are ~1/35 of a sinusoid's RMS 1/sqrt(2))
     embed_norm: bool = True  # RMSNorm after the embedding (the paper's models); Llama checkpoints have none
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2); Llama has none
 

@@ -323,10 +323,12 @@ class Transformer(nn.Module):
                 block.mixer.reset_ssm_parameters()
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The residual entering block 0: token embedding (+ the absolute position embedding of
+        """The residual entering block 0: token embedding (x sqrt(dim) with scale_embeddings; + the absolute position embedding of
         `positions`, [T] or [B, T], default 0..T-1), the embedding norm, embedding dropout. Every forward --
         training, cached, drafters' partial ones -- starts here."""
         x = self.tok_embeddings(tokens.long())
+        if self.cfg.scale_embeddings:  # Vaswani et al. 2017 sec. 3.4: the embedding layers' weights x sqrt(d_model)
+            x = x * math.sqrt(self.cfg.dim)
         table = self.pos_table if self.pos_embeddings is None else self.pos_embeddings.weight
         if table is not None:
             if positions is None:

@@ -550,6 +550,8 @@ def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
         problems.append(f"norm_placement={cfg.norm_placement!r} (Llama is pre-LN only)")
     if cfg.embed_norm:
         problems.append("embed_norm=True (Llama has no norm after the embedding)")
+    if cfg.scale_embeddings:
+        problems.append("scale_embeddings=True (Llama does not scale its embeddings by sqrt(dim))")
     if cfg.norm_type != "rmsnorm":
         problems.append(f"norm_type={cfg.norm_type!r} (Llama uses RMSNorm)")
     if cfg.ffn_type != "swiglu":

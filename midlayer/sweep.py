@@ -163,8 +163,8 @@ _PAPER = Grid(
 # 4x its training context (learned positions there use rows never trained: that is the test). Stability:
 # pre-, post- and sandwich LN at 3x and 10x the baseline's lr, seed 0, diverged runs recorded as such.
 # Time: 300 steps x 4,096 tokens = 1.2M tokens per run. Measured on the AMD EPYC (Zen 2) 2-core machine:
-# ~1.15 s per step (the first run, baseline-s0), ~6.5 min per run with the 1x/2x/4x evaluations; 58 runs
-# (26 parts x 2 seeds + 6 stability runs) ~6 h: several sittings, resumable (a finished run is skipped).
+# ~1.15 s per step (the first run, baseline-s0), ~6.5 min per run with the 1x/2x/4x evaluations; 62 runs
+# (28 parts x 2 seeds + 6 stability runs) ~6.5 h: several sittings, resumable (a finished run is skipped).
 PARTS_STEPS = 300
 PARTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("baseline", {}),
@@ -176,6 +176,12 @@ PARTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("nope", {"pos_encoding": "none"}),
     ("sinusoidal", {"pos_encoding": "sinusoidal"}),
     ("learned-pos", {"pos_encoding": "learned"}),
+    # The 2017 Transformer scales its token embeddings by sqrt(d_model) (Vaswani et al. sec. 3.4). Without that,
+    # N(0, 0.02) token rows are ~1/35 of the sinusoid table's RMS, and the embedding RMSNorm that follows leaves
+    # mostly position: "sinusoidal" above measures that handicap, these two the scheme as published, and the
+    # scale alone on the RoPE baseline.
+    ("sinusoidal-scaled", {"pos_encoding": "sinusoidal", "scale_embeddings": True}),
+    ("emb-scaled", {"scale_embeddings": True}),
     ("alibi", {"pos_encoding": "alibi"}),
     ("t5-bias", {"pos_encoding": "t5"}),
     ("rope-ntk4", {"rope_scaling": "ntk", "rope_scale": 4.0}),
@@ -218,7 +224,7 @@ _PARTS_GRID_COMMON = dict(shared_model_fields=("dim", "n_layers", "n_heads", "vo
 _PARTS = Grid(
     name="parts",
     description="issue 13: tiny-dense with one part changed at a time, 2 seeds, 300 steps each, evaluated at "
-                "1x/2x/4x the training context; post/pre/sandwich LN at 3x and 10x the lr (~6 h on 2 cores)",
+                "1x/2x/4x the training context; post/pre/sandwich LN at 3x and 10x the lr (~6.5 h on 2 cores)",
     runs=_parts_runs("tiny-dense", PARTS, PARTS_SEEDS, 3e-3, PARTS_LR_MULTIPLES, {"max_seq_len": 1024}),
     shared_train=_PARTS_TRAIN, eval_context_multiples=(2, 4), **_PARTS_GRID_COMMON,
 )

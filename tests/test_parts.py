@@ -37,6 +37,7 @@ PARTS = {
     "dropouts": dict(dropout=0.1, attn_dropout=0.1, emb_dropout=0.1),
     "nope": dict(pos_encoding="none"),
     "sinusoidal": dict(pos_encoding="sinusoidal"),
+    "sinusoidal_scaled": dict(pos_encoding="sinusoidal", scale_embeddings=True),
     "learned_pos": dict(pos_encoding="learned"),
     "rope_linear": dict(rope_scaling="linear", rope_scale=2.0),
     "rope_ntk": dict(rope_scaling="ntk", rope_scale=4.0),
@@ -97,6 +98,22 @@ def test_absolute_positions_enter_through_the_embedding():
     torch.testing.assert_close(m.embed(x, torch.tensor([[3, 4, 5, 6, 7]])),
                                m.emb_norm(m.tok_embeddings(x) + m.pos_embeddings.weight[3:8]))
     assert torch.equal(m.rope_cos, torch.ones_like(m.rope_cos)) and not m.rope_sin.any()  # no RoPE
+
+
+def test_scaled_embeddings_by_hand():
+    """Vaswani et al. 2017 sec. 3.4: the token embedding x sqrt(d_model) (here sqrt(32)), then + PE[t]; the
+    position table and the tied output head are not scaled."""
+    from midlayer.model import sinusoidal_table
+
+    m = model_with(dict(PARTS["sinusoidal_scaled"], tie_embeddings=True), gating=False)
+    x = torch.tensor([[3, 0, 63, 3]])
+    row = m.tok_embeddings.weight[x[0]]
+    want = m.emb_norm(row * 32 ** 0.5 + sinusoidal_table(4, 32))
+    torch.testing.assert_close(m.embed(x), want[None])
+    assert torch.equal(m.output.weight, m.tok_embeddings.weight)  # the head reads the unscaled rows
+    plain = model_with(PARTS["sinusoidal"], gating=False)
+    torch.testing.assert_close(plain.embed(x), plain.emb_norm(plain.tok_embeddings.weight[x[0]]
+                                                               + sinusoidal_table(4, 32))[None])
 
 
 def test_sliding_window_equals_full_attention_with_the_windowed_mask():
@@ -344,7 +361,8 @@ def test_settings_that_make_no_sense_are_refused():
 
     for over, what in ((dict(norm_type="layernorm"), "norm_type"), (dict(ffn_type="gelu"), "ffn_type"),
                        (dict(qk_norm=True, qkv_bias=True), "qk_norm"), (dict(ssm_layers=(1,)), "ssm_layers"),
-                       (dict(moe_experts=2), "moe_experts"), (dict(pos_encoding="alibi"), "pos_encoding")):
+                       (dict(moe_experts=2), "moe_experts"), (dict(pos_encoding="alibi"), "pos_encoding"),
+                       (dict(scale_embeddings=True), "scale_embeddings")):
         cfg = ModelConfig(**{**SMALL, "gating": False, "norm_placement": "pre", "embed_norm": False, **over})
         with pytest.raises(ValueError, match=what):
             hf_config_for(cfg)
