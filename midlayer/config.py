@@ -26,6 +26,9 @@ ATTN_BACKENDS = ("auto", "sdpa", "flex")
 GATE_ATTENTION = ("key", "query", "none")
 # Gradient of the gates (gating.straight_through): eq. 2 as written, or straight through ReLU and clamp.
 GATE_GRADS = ("exact", "straight_through")
+# what the controller's regulariser differentiates (SparsityConfig.reg_grad): a gate gradient, or the
+# straight-through one with the residual stream detached, so that only the routers' weights feel it
+REG_GRADS = (*GATE_GRADS, "straight_through_routers")
 # Values of the gates (gating.MirroredGates): eq. 2 as written, or eq. 2's gate rounded to 0 or 1 (issue 15).
 GATE_VALUES = ("soft", "hard", "sampled")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
@@ -247,7 +250,9 @@ class SparsityConfig:
     kp: float = 0.0  # proportional gain (beyond the paper; 0 = eq. 6 alone): the loss coefficient is alpha + kp e
     reg_grad: str = "exact"  # what the regulariser differentiates: eq. 4 on the model's gates ("exact"; with
     #                          gate_grad straight_through those are already straight-through) or on their
-    #                          straight-through twins (same values; reaches saturated tokens; gating.py)
+    #                          straight-through twins (same values; reaches saturated tokens; gating.py);
+    #                          "straight_through_routers": the twins with each router's input h detached, so
+    #                          the regulariser moves the routers' weights only, never the residual stream
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -259,7 +264,7 @@ class SparsityConfig:
         for name in ("gamma", "delta", "alpha", "beta", "kp"):
             v = getattr(self, name)
             _check(v >= 0, name, f"must be >= 0, got {v}")
-        _check(self.reg_grad in GATE_GRADS, "reg_grad", f"must be one of {GATE_GRADS}, got {self.reg_grad!r}")
+        _check(self.reg_grad in REG_GRADS, "reg_grad", f"must be one of {REG_GRADS}, got {self.reg_grad!r}")
         _check(self.kp == 0 or self.controller in ("adaptive", "proportional"), "kp",
                f"the proportional term needs an adaptive controller (adaptive, proportional), got {self.controller!r}")
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import GATE_GRADS, GATE_VALUES
+from .config import GATE_GRADS, GATE_VALUES, REG_GRADS
 from .sparsity import gate_stats
 
 
@@ -125,6 +125,7 @@ class MirroredGates:
         self.closed_at = 0.5 if self.hard else 1.0  # S at and beyond which g = 0 (S never decreases)
         self.first_half: list[torch.Tensor] = []
         self.first_half_st: list[torch.Tensor] = []
+        self.router_reads: list[tuple[nn.Module, torch.Tensor]] = []  # (router l, h entering l), autograd only
         self.cum: torch.Tensor | None = None
         self.lin: torch.Tensor | None = None
         self.next_layer = 0
@@ -180,6 +181,7 @@ class MirroredGates:
             if self.lin is not None:
                 st = straight_through(gate, self.lin)
                 self.first_half_st.append(st)
+                self.router_reads.append((self.routers[layer], h))
                 if self.gate_grad == "straight_through":
                     gate = st
             self.open = bool((gate == 1).all()) if infer else None
@@ -196,7 +198,8 @@ class GateStats:
     sparsity, the fraction of gates exactly 0. Second-half entries repeat their mirrored first-half block.
     `mean_st`, `var_st`: the same values computed from the straight-through gates (other gradient), present
     when the pass recorded autograd (SparsityConfig.reg_grad = "straight_through" differentiates them).
-    Computed on first use, so a training step whose loss does not read them pays nothing for them.
+    `regulariser_inputs` picks the pair a controller's loss differentiates. Each is computed on first use, so
+    a training step whose loss does not read it pays nothing for it.
     """
 
     mean: torch.Tensor
@@ -204,6 +207,7 @@ class GateStats:
     zero_frac: torch.Tensor
     n_tokens: int
     first_half_st: list[torch.Tensor] | None = field(default=None, repr=False)
+    router_reads: list[tuple[nn.Module, torch.Tensor]] | None = field(default=None, repr=False)
 
     @cached_property
     def _st(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
@@ -212,6 +216,38 @@ class GateStats:
         m, v, _ = gate_stats(torch.stack([x.reshape(-1) for x in self.first_half_st]))
         idx = [mirror_index(layer, len(self.mean)) for layer in range(len(self.mean))]
         return m[idx], v[idx]
+
+    @cached_property
+    def _st_routers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The straight-through twins again, with the running sum of raw scores taken over w_l . h.detach() + b_l:
+        the same values, and a gradient that reaches the routers' weights and biases but not h, hence not the
+        residual stream, the blocks or the embedding. Why (issue 14, docs/results/controller-cpu.md item 9):
+        through h the twins' gradient, alpha w per token, enters every token's residual stream, and the
+        hypothesis under test is that this is what costs the straight-through regulariser its quality."""
+        if not self.first_half_st or not self.router_reads:
+            raise ValueError("straight_through_routers needs a forward pass that recorded autograd")
+        lin, twins = None, []
+        for st, (router, h) in zip(self.first_half_st, self.router_reads):
+            score = router(h.detach()).squeeze(-1).float()  # Routers.step's training score, h detached
+            lin = score if lin is None else lin + score
+            twins.append(straight_through(st.detach(), lin))
+        m, v, _ = gate_stats(torch.stack([x.reshape(-1) for x in twins]))
+        idx = [mirror_index(layer, len(self.mean)) for layer in range(len(self.mean))]
+        return m[idx], v[idx]
+
+    def regulariser_inputs(self, reg_grad: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, var) per block for the controller's loss, differentiated as SparsityConfig.reg_grad says:
+        "exact" the model's own gates, "straight_through" their twins, "straight_through_routers" the twins
+        with the routers' inputs detached (`_st_routers`). Same values in all three."""
+        if reg_grad == "exact":
+            return self.mean, self.var
+        if reg_grad == "straight_through":
+            if self.mean_st is None:
+                raise ValueError("straight_through needs a forward pass that recorded autograd")
+            return self.mean_st, self.var_st
+        if reg_grad == "straight_through_routers":
+            return self._st_routers
+        raise ValueError(f"reg_grad must be one of {REG_GRADS}, got {reg_grad!r}")
 
     @property
     def mean_st(self) -> torch.Tensor | None:
@@ -223,8 +259,9 @@ class GateStats:
 
     @staticmethod
     def from_gates(first_half: list[torch.Tensor], n_layers: int,
-                   first_half_st: list[torch.Tensor] | None = None) -> "GateStats":
+                   first_half_st: list[torch.Tensor] | None = None,
+                   router_reads: list[tuple[nn.Module, torch.Tensor]] | None = None) -> "GateStats":
         g = torch.stack([x.reshape(-1) for x in first_half])  # [L/2, N]
         mean, var, zero = gate_stats(g)
         idx = [mirror_index(layer, n_layers) for layer in range(n_layers)]
-        return GateStats(mean[idx], var[idx], zero[idx], g.shape[1], first_half_st or None)
+        return GateStats(mean[idx], var[idx], zero[idx], g.shape[1], first_half_st or None, router_reads or None)

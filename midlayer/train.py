@@ -173,9 +173,8 @@ def micro_batch_losses(fwd: Callable, x: torch.Tensor, y: torch.Tensor, model_cf
     out = fwd(x, y, return_logits=False)
     reg = torch.zeros((), device=x.device)
     if controller is not None:
-        s = out.gate_stats  # the straight-through twins: same values, gradient to every token
-        st = sparsity_cfg.reg_grad == "straight_through"
-        reg = controller.loss(s.mean_st if st else s.mean, s.var_st if st else s.var)
+        # eq. 4's statistics, differentiated as reg_grad says (same values: gating.GateStats.regulariser_inputs)
+        reg = controller.loss(*out.gate_stats.regulariser_inputs(sparsity_cfg.reg_grad))
     moe = torch.zeros((), device=x.device)
     if out.moe_aux is not None:  # the experts' load-balancing loss (model.MoEFeedForward)
         moe = model_cfg.moe_aux_coef * out.moe_aux

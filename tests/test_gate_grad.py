@@ -86,3 +86,37 @@ def test_bad_settings_refused():
         ModelConfig(**SMALL, gate_grad="soft")
     with pytest.raises(ValueError, match="reg_grad"):
         SparsityConfig(reg_grad="soft")
+
+
+def test_router_only_regulariser_same_values_gradient_to_routers_alone():
+    """reg_grad = "straight_through_routers": eq. 4's statistics with the same values as the other two; their
+    gradient with respect to the routers' biases is the straight-through one by hand (d mean_1 / d b_1 = -1),
+    with respect to router 0's weight exactly -mean(h_0) (h_0 = the embedding, a constant on this path), and
+    no other parameter (embedding, blocks) receives any -- unlike "straight_through", whose gradient reaches
+    them through each router's input."""
+    x = torch.randint(0, 64, (2, 16))
+    m = _model("exact")
+    out = m(x, x)
+    s = out.gate_stats
+    for kind in ("exact", "straight_through", "straight_through_routers"):
+        mean, var = s.regulariser_inputs(kind)
+        assert torch.equal(mean, s.mean) and torch.equal(var, s.var)
+    mean_r, _ = s.regulariser_inputs("straight_through_routers")
+    (gb1,) = torch.autograd.grad(mean_r[1], m.routers[1].bias, retain_graph=True)
+    torch.testing.assert_close(gb1, torch.tensor([-1.0]), rtol=1e-6, atol=1e-7)
+    (gw0,) = torch.autograd.grad(mean_r[0], m.routers[0].weight, retain_graph=True)
+    with torch.no_grad():
+        h0 = m.embed(x)
+    torch.testing.assert_close(gw0, -h0.reshape(-1, h0.shape[-1]).mean(0, keepdim=True), rtol=1e-5, atol=1e-6)
+    others = [p for n, p in m.named_parameters() if not n.startswith("routers.")]
+    for kind, reaches in (("straight_through_routers", False), ("straight_through", True)):
+        grads = torch.autograd.grad(s.regulariser_inputs(kind)[0].sum(), others, retain_graph=True,
+                                    allow_unused=True)
+        moved = any(g is not None and bool(g.abs().max() > 0) for g in grads)
+        assert moved is reaches, kind
+    with pytest.raises(ValueError, match="reg_grad"):
+        s.regulariser_inputs("soft")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="autograd"):
+            m(x).gate_stats.regulariser_inputs("straight_through_routers")
+

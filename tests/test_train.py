@@ -151,13 +151,16 @@ def test_controller_closed_loop_meets_every_target(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- resume
-@pytest.mark.parametrize("gating", [True, False, "sampled"])
+@pytest.mark.parametrize("gating", [True, False, "sampled", "router_reg"])
 def test_resume_reaches_identical_weights(tmp_path, gating):
-    """gating "sampled": gate_values = "sampled", whose thresholds come from the global RNG (checkpointed)."""
+    """gating "sampled": gate_values = "sampled", whose thresholds come from the global RNG (checkpointed);
+    "router_reg": the controller's regulariser differentiated with the routers' inputs detached."""
     m, s, t = debug_configs(tmp_path, steps=8, ckpt_every=2, keep_last=2)
     m.gating = bool(gating)
     if gating == "sampled":
         m.gate_values, m.gate_grad = "sampled", "straight_through"
+    if gating == "router_reg":
+        s.reg_grad, s.kp = "straight_through_routers", 1.0
     t_full = TrainConfig(**{**t.__dict__, "out_dir": str(tmp_path / "full")})
     train(m, s, t_full, progress=False)
     # A run "killed" after 3 steps, then resumed: the checkpoint at 3 carries optimizer, schedule, controller.
