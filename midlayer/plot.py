@@ -376,7 +376,11 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
 
     A run `<part>-s<seed>` contributes its eval.json (val CE, params, active params, FLOPs per sequence,
     training tokens/s) and extrapolation.json (CE at longer contexts); `<placement>-lr<k>x-s0` runs are the
-    stability rows, `diverged` when sweep.json (or the run's own log) says so."""
+    stability rows, `diverged` when sweep.json (or the run's own log) says so.
+
+    Training speed: from `throughput.json` in the sweep folder when present (benchmarks/parts_throughput.py,
+    every part timed interleaved on a quiet machine; `speed_vs_baseline` is its same-round ratio), else the
+    runs' own tokens/s (measured hours apart, often beside other jobs: `speed_source` says which)."""
     from .sweep import diverged
 
     sweep_dir = Path(sweep_dir)
@@ -422,6 +426,16 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
     base = next((r["val_ce"] for r in rows if r["part"] == "baseline"), None)
     for r in rows:
         r["delta"] = None if base is None or r["val_ce"] is None else r["val_ce"] - base
+    bench = (_read_json(sweep_dir / "throughput.json") or {}).get("parts") or {}
+    base_speed = next((r["tokens_per_s"] for r in rows if r["part"] == "baseline"), None)
+    for r in rows:
+        timed = bench.get(r["part"])
+        if isinstance(timed, dict) and timed.get("tokens_per_s") is not None:
+            r.update(tokens_per_s=timed["tokens_per_s"], speed_vs_baseline=timed.get("speed_vs_baseline"),
+                     speed_source="benchmark")
+        else:
+            r.update(speed_vs_baseline=None if not base_speed or r["tokens_per_s"] is None
+                     else r["tokens_per_s"] / base_speed, speed_source="runs")
     return rows, stability
 
 
@@ -435,20 +449,27 @@ def write_parts_report(sweep_dir: Path | str, prefix: Path | str) -> dict[str, P
              "png": prefix.with_name(prefix.name + ".png")}
     paths["md"].parent.mkdir(parents=True, exist_ok=True)
     cols = ("part", "seeds", "val_ce", "spread", "delta", "val_ce_x2", "val_ce_x4", "params", "active_params",
-            "flops_per_token", "tokens_per_s", "diverged")
+            "flops_per_token", "tokens_per_s", "speed_vs_baseline", "speed_source", "diverged")
     with open(paths["csv"], "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         for r in rows:
             w.writerow({k: r.get(k) for k in cols})
-    lines = ["| part | seeds | val CE (mean) | spread | vs baseline | CE at 2x context | CE at 4x context | params | "
-             "active params | FLOPs/token | train tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    timed = all(r["speed_source"] == "benchmark" for r in rows)
+    lines = [("Training speed: benchmarks/parts_throughput.py (every part interleaved on a quiet machine; speed is "
+              "the median same-round ratio to the baseline)." if timed else
+              "Training speed: each run's own tokens/s, measured hours apart and often beside other jobs (rough; "
+              "benchmarks/parts_throughput.py times every part together; '(bench)' marks its numbers)."), "",
+             "| part | seeds | val CE (mean) | spread | vs baseline | CE at 2x context | CE at 4x context | params | "
+             "active params | FLOPs/token | train tok/s | speed vs baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['part']} | {r['seeds']}{' (' + str(r['diverged']) + ' diverged)' if r['diverged'] else ''}"
                      f" | {_fmt(r['val_ce'], '.4f')} | {_fmt(r['spread'], '.4f')} | {_fmt(r['delta'], '+.4f')} | "
                      f"{_fmt(r['val_ce_x2'], '.3f')} | {_fmt(r['val_ce_x4'], '.3f')} | {_fmt(r['params'], ',.0f')} | "
                      f"{_fmt(r['active_params'], ',.0f')} | {_fmt(r['flops_per_token'], ',.0f')} | "
-                     f"{_fmt(r['tokens_per_s'], ',.0f')} |")
+                     f"{_fmt(r['tokens_per_s'], ',.0f')}{' (bench)' if r['speed_source'] == 'benchmark' and not timed else ''}"
+                     f" | {_fmt(r['speed_vs_baseline'], '.2f')} |")
     if stability:
         lines += ["", "Stability (seed 0): validation CE, or diverged, at multiples of the baseline lr.", "",
                   "| placement | lr x | val CE |", "|---|---|---|"]

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -463,6 +464,20 @@ def test_parts_smoke_sweep_evaluates_longer_contexts_records_divergence_and_repo
     assert all(r["seeds"] == 2 and r["val_ce_x4"] is not None for r in rows)
     assert next(r for r in rows if r["part"] == "baseline")["delta"] == 0.0
     assert {(r["placement"], r["lr_multiple"], r["diverged"]) for r in stability} >= {("post", 1000000, True)}
+    assert {r["speed_source"] for r in rows} == {"runs"}  # no throughput.json yet: the runs' own speeds
+    # benchmarks/parts_throughput.py times every part of the grid (seed 0's config) and writes throughput.json
+    # into the sweep folder; the report then takes its speeds instead of the runs' own.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import parts_throughput
+
+    bench_json = out / "parts-smoke" / "throughput.json"
+    assert parts_throughput.main(["--grid", "parts-smoke", "--repeats", "1", "--warmup", "0",
+                                  "--out", str(bench_json)]) == 0
+    timed = json.loads(bench_json.read_text())["parts"]
+    assert list(timed) == ["baseline", "alibi", "relu-mlp"] and timed["baseline"]["speed_vs_baseline"] == 1.0
+    rows, _ = collect_parts(out / "parts-smoke")
+    for r in rows:
+        assert r["speed_source"] == "benchmark" and r["tokens_per_s"] == timed[r["part"]]["tokens_per_s"]
     prefix = tmp_path / "report" / "parts"
     has_mpl = importlib.util.find_spec("matplotlib") is not None  # an optional extra: the tables come first
     assert cli.main(["plot", str(out / "parts-smoke"), "--out", str(prefix)]) == (0 if has_mpl else 2)
