@@ -103,11 +103,21 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Any
     return model.eval(), mcfg, tcfg, files, int(ckpt["step"])
 
 
+def rescalable_rope(cfg: Any) -> bool:
+    """Whether a model's positions are plain RoPE, which `evaluate_contexts` also rescales zero-shot."""
+    return cfg.pos_encoding == "rope" and cfg.rope_scaling == "none"
+
+
 def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str = "cpu") -> dict[str, Any]:
     """Validation CE of a finished run's newest checkpoint at its training context x each of `multiples`
     (and x1), over the same number of validation tokens (the run's eval_tokens): how the model does on
     sequences longer than it was trained on. Writes and returns `run_dir/extrapolation.json`:
-    {"seq_len": T, "val_ce": {"T": ce, "2T": ce, ...}}. Refuses contexts beyond the model's max_seq_len."""
+    {"seq_len": T, "val_ce": {"T": ce, "2T": ce, ...}}. Refuses contexts beyond the model's max_seq_len.
+
+    A model trained with plain RoPE is also evaluated at each m x T with its RoPE tables rescaled by m and
+    no training: "val_ce_rope_linear" (position interpolation, Chen et al. 2023: positions / m) and
+    "val_ce_rope_ntk" (NTK-aware: theta x m^(d/(d-2))). Seed 004 (L191-193) claims such rescaling extends
+    RoPE without fine-tuning; these numbers test that at our scale."""
     import json
 
     from .checkpoint import atomic_write_bytes
@@ -125,6 +135,21 @@ def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str
         res = evaluate(model, TokenWindows(files.val, T), eval_tokens=tcfg.eval_tokens,
                        batch_size=max(1, tcfg.micro_batch_size * tcfg.seq_len // T), device=dev, dtype=dtype)
         out["val_ce"][str(T)] = res["val_ce"]
+    if rescalable_rope(mcfg):
+        from .model import position_tables
+
+        plain = (model.rope_cos, model.rope_sin)
+        for scaling in ("linear", "ntk"):
+            key = f"val_ce_rope_{scaling}"
+            out[key] = {}
+            for m in multiples:
+                T = tcfg.seq_len * m
+                cos, sin = position_tables(dataclasses.replace(mcfg, rope_scaling=scaling, rope_scale=float(m)), dev)
+                model.rope_cos, model.rope_sin = cos, sin
+                res = evaluate(model, TokenWindows(files.val, T), eval_tokens=tcfg.eval_tokens,
+                               batch_size=max(1, tcfg.micro_batch_size * tcfg.seq_len // T), device=dev, dtype=dtype)
+                out[key][str(T)] = res["val_ce"]
+        model.rope_cos, model.rope_sin = plain
     atomic_write_bytes(run / "extrapolation.json", lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
     return out
 

@@ -426,18 +426,29 @@ def diverged(run_dir: Path) -> bool:
     return False
 
 
-def _context_evals(grid: Grid, run_dir: Path, t: TrainConfig, head: str) -> None:
+def _context_evals(grid: Grid, run_dir: Path, m: ModelConfig, t: TrainConfig, head: str) -> None:
     """The grid's longer-context evaluations of a finished run, unless `extrapolation.json` has them."""
     if not grid.eval_context_multiples:
         return
+    from .evaluate import evaluate_contexts, rescalable_rope
+
     want = {str(t.seq_len * m) for m in (1, *grid.eval_context_multiples)}
+    longer = {str(t.seq_len * m) for m in grid.eval_context_multiples}
     have = _read_json(run_dir / "extrapolation.json") or {}
-    if want <= set((have.get("val_ce") or {})):
+    rope = rescalable_rope(m)
+    missing = not want <= set(have.get("val_ce") or {}) or (rope and any(
+        not longer <= set(have.get(f"val_ce_rope_{s}") or {}) for s in ("linear", "ntk")))
+    if not missing:
         return
-    from .evaluate import evaluate_contexts
+    if not list_checkpoints(run_dir):  # e.g. a run finished on another machine (checkpoints are not committed)
+        print(f"{head}: no checkpoint here to evaluate its longer contexts (RoPE rescaled zero-shot); skipped",
+              flush=True)
+        return
 
     got = evaluate_contexts(run_dir, grid.eval_context_multiples)
-    print(f"{head}: val_ce by context " + ", ".join(f"{k}: {v:.4f}" for k, v in got["val_ce"].items()), flush=True)
+    print(f"{head}: val_ce by context " + ", ".join(f"{k}: {v:.4f}" for k, v in got["val_ce"].items())
+          + "".join(f"; RoPE {s} " + ", ".join(f"{k}: {v:.4f}" for k, v in got[f"val_ce_rope_{s}"].items())
+                    for s in ("linear", "ntk") if f"val_ce_rope_{s}" in got), flush=True)
 
 
 def is_finished(run_dir: Path, steps: int) -> bool:
@@ -548,7 +559,7 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
                 rec.update(action="skip", status="done", wall_s=old.get("wall_s"))
                 val_ce = (_read_json(run_dir / "eval.json") or {}).get("val_ce")
                 print(f"{head}: finished earlier, skipped (val_ce {val_ce})", flush=True)
-                _context_evals(grid, run_dir, t, head)
+                _context_evals(grid, run_dir, m, t, head)
                 save_state()
                 continue
             if grid.divergence_is_a_result and diverged(run_dir):
@@ -578,7 +589,7 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
             rec["status"] = "done"
             res = _read_json(run_dir / "eval.json") or {}
             print(f"{head}: done in {rec['wall_s']:.1f} s, val_ce {res.get('val_ce')}", flush=True)
-            _context_evals(grid, run_dir, t, head)
+            _context_evals(grid, run_dir, m, t, head)
         except Exception as e:  # one bad run must not cost the rest of a long sweep
             if grid.divergence_is_a_result and diverged(run_dir):  # the stability runs: a result
                 rec.update(status="diverged", error=f"{type(e).__name__}: {e}")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from midlayer import cli
 from midlayer.config import get_preset
@@ -458,6 +459,25 @@ def test_parts_smoke_sweep_evaluates_longer_contexts_records_divergence_and_repo
         if "-lr" not in name:
             ext = json.loads((out / "parts-smoke" / name / "extrapolation.json").read_text())
             assert sorted(ext["val_ce"], key=int) == ["32", "64", "128"]
+            # plain-RoPE runs are also evaluated with their RoPE rescaled zero-shot (PI and NTK, by the multiple)
+            rope = not name.startswith("alibi")
+            for scaling in ("linear", "ntk"):
+                assert (sorted(ext.get(f"val_ce_rope_{scaling}", {}), key=int) == ["64", "128"]) is rope, name
+    # the rescaled number is the CE of the same weights in a model built with that scaling
+    from midlayer.data import TokenWindows
+    from midlayer.evaluate import evaluate, load_run
+    from midlayer.model import Transformer
+
+    run = out / "parts-smoke" / "baseline-s0"
+    model, mcfg, tcfg, files, _ = load_run(run)
+    twin = Transformer(dataclasses.replace(mcfg, rope_scaling="linear", rope_scale=4.0))
+    twin.load_state_dict(model.state_dict())
+    want = evaluate(twin.eval(), TokenWindows(files.val, 128), eval_tokens=tcfg.eval_tokens,
+                    batch_size=max(1, tcfg.micro_batch_size * tcfg.seq_len // 128), device=torch.device("cpu"),
+                    dtype=torch.float32)["val_ce"]
+    ext = json.loads((run / "extrapolation.json").read_text())
+    assert ext["val_ce_rope_linear"]["128"] == pytest.approx(want, rel=1e-6)
+    assert ext["val_ce_rope_linear"]["128"] != ext["val_ce"]["128"]
     assert cli.main(["sweep", "parts-smoke", "--out-dir", str(out), "--data", data]) == 0  # all skipped
     rows, stability = collect_parts(out / "parts-smoke")
     assert sorted(r["part"] for r in rows) == ["alibi", "baseline", "relu-mlp"]
