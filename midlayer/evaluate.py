@@ -131,10 +131,14 @@ def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str
         raise ValueError(f"{run}: context {max(lengths)} exceeds the model's max_seq_len={mcfg.max_seq_len}")
     dtype = resolve_dtype(tcfg.dtype, dev)
     out: dict[str, Any] = {"seq_len": tcfg.seq_len, "step": step, "val_ce": {}}
+
+    def ce_at(T: int) -> float:  # the same validation tokens at every length, as many tokens per batch
+        return evaluate(model, TokenWindows(files.val, T), eval_tokens=tcfg.eval_tokens,
+                        batch_size=max(1, tcfg.micro_batch_size * tcfg.seq_len // T), device=dev,
+                        dtype=dtype)["val_ce"]
+
     for T in lengths:
-        res = evaluate(model, TokenWindows(files.val, T), eval_tokens=tcfg.eval_tokens,
-                       batch_size=max(1, tcfg.micro_batch_size * tcfg.seq_len // T), device=dev, dtype=dtype)
-        out["val_ce"][str(T)] = res["val_ce"]
+        out["val_ce"][str(T)] = ce_at(T)
     if rescalable_rope(mcfg):
         from .model import position_tables
 
@@ -146,9 +150,7 @@ def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str
                 T = tcfg.seq_len * m
                 cos, sin = position_tables(dataclasses.replace(mcfg, rope_scaling=scaling, rope_scale=float(m)), dev)
                 model.rope_cos, model.rope_sin = cos, sin
-                res = evaluate(model, TokenWindows(files.val, T), eval_tokens=tcfg.eval_tokens,
-                               batch_size=max(1, tcfg.micro_batch_size * tcfg.seq_len // T), device=dev, dtype=dtype)
-                out[key][str(T)] = res["val_ce"]
+                out[key][str(T)] = ce_at(T)
         model.rope_cos, model.rope_sin = plain
     atomic_write_bytes(run / "extrapolation.json", lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
     return out
