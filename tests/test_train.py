@@ -294,7 +294,8 @@ def test_cli_surface_is_frozen():
                    "--dropout", "--attn-dropout", "--emb-dropout", "--pos-encoding", "--rope-scaling", "--rope-scale",
                    "--sliding-window", "--t5-buckets", "--t5-max-distance", "--moe-experts", "--moe-top-k",
                    "--moe-aux-coef", "--ssm-layers", "--ssm-state", "--ssm-expand", "--ssm-conv", "--ssm-dt-rank",
-                   "--head-size", "--gate-attention", "--gate-grad", "--gate-values"]
+                   "--head-size", "--gate-attention", "--gate-grad", "--gate-values", "--scale-embeddings",
+                   "--no-scale-embeddings"]
     sparsity_flags = ["--alpha", "--beta", "--controller", "--delta", "--gamma", "--kp", "--mu-final", "--mu0", "--reg-grad"]
     train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--data",
                    "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--init-perturb", "--keep-last",
