@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,9 +38,8 @@ from midlayer.sweep import get_grid, resolve_run  # noqa: E402
 from train_throughput import cpu_model, ours  # noqa: E402
 
 
-def part_models(grid_name: str, only: list[str] | None) -> dict[str, dict]:
-    """{part: model overrides of its seed-0 run} in grid order, without the stability (lr) runs."""
-    grid = get_grid(grid_name)
+def part_models(grid, only: list[str] | None) -> dict[str, tuple[str, Any]]:
+    """{part: (preset, ModelConfig of its seed-0 run)} in grid order, without the stability (lr) runs."""
     parts = {}
     for spec in grid.runs:
         if "-lr" in spec.name or not spec.name.endswith("-s0"):
@@ -49,10 +49,10 @@ def part_models(grid_name: str, only: list[str] | None) -> dict[str, dict]:
     if only:
         unknown = [p for p in only if p not in parts]
         if unknown:
-            raise SystemExit(f"--only: unknown parts {unknown}; known: {', '.join(parts)}")
+            raise ValueError(f"--only: unknown parts {unknown}; known: {', '.join(parts)}")
         parts = {p: parts[p] for p in parts if p in only or p == "baseline"}
     if "baseline" not in parts:
-        raise SystemExit(f"grid {grid_name!r} has no baseline part to compare with")
+        raise ValueError(f"grid {grid.name!r} has no baseline part to compare with")
     return parts
 
 
@@ -73,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
-    parts = part_models(args.grid, only)
-    grid = get_grid(args.grid)
+    try:
+        grid = get_grid(args.grid)
+        parts = part_models(grid, only)
+    except ValueError as e:  # an unknown grid or part: one line, exit 2
+        p.error(str(e))
     t = resolve_run(grid, grid.runs[0], Path("unused"))[2]
     vocab = next(iter(parts.values()))[1].vocab_size
     g = torch.Generator().manual_seed(0)
@@ -84,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     benches = {}
     for name, (preset, m) in parts.items():
-        fields = {k: v for k, v in m.__dict__.items()}
-        benches[name] = ours(preset, name, name, x, y, torch.float32, True, **fields)[0]
+        benches[name] = ours(preset, name, name, x, y, torch.float32, True, **vars(m))[0]
     order = list(benches)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     for _ in range(args.warmup):

@@ -142,16 +142,14 @@ def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str
     if rescalable_rope(mcfg):
         from .model import position_tables
 
-        plain = (model.rope_cos, model.rope_sin)
         for scaling in ("linear", "ntk"):
             key = f"val_ce_rope_{scaling}"
             out[key] = {}
             for m in multiples:
                 T = tcfg.seq_len * m
                 cos, sin = position_tables(dataclasses.replace(mcfg, rope_scaling=scaling, rope_scale=float(m)), dev)
-                model.rope_cos, model.rope_sin = cos, sin
+                model.rope_cos, model.rope_sin = cos, sin  # this function's own copy of the run's model
                 out[key][str(T)] = ce_at(T)
-        model.rope_cos, model.rope_sin = plain
     atomic_write_bytes(run / "extrapolation.json", lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
     return out
 

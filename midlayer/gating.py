@@ -190,6 +190,16 @@ class MirroredGates:
         return gate
 
 
+def mirrored_gate_stats(first_half: list[torch.Tensor], n_layers: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """eq. 4's (mean, var, zero fraction) per block [L] from the first-half gates (each [B, T]; block l >= L/2
+    repeats its mirror L-1-l, eq. 2), and the number of token positions."""
+    g = torch.stack([x.reshape(-1) for x in first_half])  # [L/2, N]
+    mean, var, zero = gate_stats(g)
+    idx = [mirror_index(layer, n_layers) for layer in range(n_layers)]
+    return mean[idx], var[idx], zero[idx], g.shape[1]
+
+
 @dataclass
 class GateStats:
     """Per-block gate statistics over the token positions of one forward pass (eq. 4).
@@ -213,9 +223,7 @@ class GateStats:
     def _st(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         if not self.first_half_st:
             return None, None
-        m, v, _ = gate_stats(torch.stack([x.reshape(-1) for x in self.first_half_st]))
-        idx = [mirror_index(layer, len(self.mean)) for layer in range(len(self.mean))]
-        return m[idx], v[idx]
+        return mirrored_gate_stats(self.first_half_st, len(self.mean))[:2]
 
     @cached_property
     def _st_routers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,9 +239,7 @@ class GateStats:
             score = router(h.detach()).squeeze(-1).float()  # Routers.step's training score, h detached
             lin = score if lin is None else lin + score
             twins.append(straight_through(st.detach(), lin))
-        m, v, _ = gate_stats(torch.stack([x.reshape(-1) for x in twins]))
-        idx = [mirror_index(layer, len(self.mean)) for layer in range(len(self.mean))]
-        return m[idx], v[idx]
+        return mirrored_gate_stats(twins, len(self.mean))[:2]
 
     def regulariser_inputs(self, reg_grad: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, var) per block for the controller's loss, differentiated as SparsityConfig.reg_grad says:
@@ -261,7 +267,4 @@ class GateStats:
     def from_gates(first_half: list[torch.Tensor], n_layers: int,
                    first_half_st: list[torch.Tensor] | None = None,
                    router_reads: list[tuple[nn.Module, torch.Tensor]] | None = None) -> "GateStats":
-        g = torch.stack([x.reshape(-1) for x in first_half])  # [L/2, N]
-        mean, var, zero = gate_stats(g)
-        idx = [mirror_index(layer, n_layers) for layer in range(n_layers)]
-        return GateStats(mean[idx], var[idx], zero[idx], g.shape[1], first_half_st or None, router_reads or None)
+        return GateStats(*mirrored_gate_stats(first_half, n_layers), first_half_st or None, router_reads or None)

@@ -432,8 +432,8 @@ def _context_evals(grid: Grid, run_dir: Path, m: ModelConfig, t: TrainConfig, he
         return
     from .evaluate import evaluate_contexts, rescalable_rope
 
-    want = {str(t.seq_len * m) for m in (1, *grid.eval_context_multiples)}
-    longer = {str(t.seq_len * m) for m in grid.eval_context_multiples}
+    longer = {str(t.seq_len * k) for k in grid.eval_context_multiples}
+    want = longer | {str(t.seq_len)}
     have = _read_json(run_dir / "extrapolation.json") or {}
     rope = rescalable_rope(m)
     missing = not want <= set(have.get("val_ce") or {}) or (rope and any(
