@@ -38,6 +38,17 @@ from midlayer.sweep import get_grid, resolve_run  # noqa: E402
 from train_throughput import cpu_model, ours  # noqa: E402
 
 
+def cpu_flags() -> str:
+    """The vector extensions that pick PyTorch's CPU kernels (timings differ between these machines)."""
+    try:
+        have = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    names = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+    flags = set(have.split(":", 1)[1].split())
+    return ",".join(n for n in names if n in flags) or "none of " + ",".join(names)
+
+
 def part_models(grid, only: list[str] | None) -> dict[str, tuple[str, Any]]:
     """{part: (preset, ModelConfig of its seed-0 run)} in grid order, without the stability (lr) runs."""
     parts = {}
@@ -109,13 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         ratio = statistics.median(secs["baseline"][r] / secs[name][r] for r in range(args.repeats))
         rows[name] = {"tokens_per_s": tokens / statistics.median(secs[name]), "speed_vs_baseline": ratio,
                       "params": benches[name].n_params, "cpu_util": statistics.median(util[name])}
-    meta = {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu_model(),
+    meta = {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu_model(), "cpu_flags": cpu_flags(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "grid": args.grid,
             "tokens_per_step": tokens, "repeats": args.repeats, "warmup": args.warmup,
             "load_before": load_before,
             "command": " ".join(["python benchmarks/parts_throughput.py", *(sys.argv[1:] if argv is None else argv)])}
     print(f"Training throughput per part ({args.grid} grid), fp32, {t.micro_batch_size} x {t.seq_len} tokens/step, "
-          f"{args.repeats} interleaved rounds after {args.warmup} warm-up rounds; {meta['cpu']}, "
+          f"{args.repeats} interleaved rounds after {args.warmup} warm-up rounds; {meta['cpu']} ({meta['cpu_flags']}), "
           f"{meta['threads']} threads, torch {meta['torch']}, load before {load_before:.2f}.")
     print()
     print("| part | params | median tokens/s | speed vs baseline (median per-round ratio) | CPU util |")
