@@ -396,6 +396,8 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
         ext = (_read_json(run / "extrapolation.json") or {}).get("val_ce") or {}
         gone = status.get(name) == "diverged" or diverged(run)
         if "-lr" in name:
+            if res.get("val_ce") is None and not gone:
+                continue  # not finished yet
             placement, rest = name.split("-lr", 1)
             stability.append({"placement": placement, "lr_multiple": int(rest.split("x")[0]),
                               "val_ce": None if gone else res.get("val_ce"), "diverged": gone})
@@ -409,6 +411,16 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
             "active_params": res.get("active_params"), "tokens_per_s": res.get("train_tokens_per_s"),
             "flops_per_token": res["flops_per_seq"] / seq if res.get("flops_per_seq") and seq else None,
             "ext": ext, "seq_len": seq})
+    # lr x 1 of the stability curves: the placement's own seed-0 run in the grid (PARTS_PLACEMENT_PART)
+    from .sweep import PARTS_PLACEMENT_PART
+
+    for placement, part in PARTS_PLACEMENT_PART.items():
+        run = sweep_dir / f"{part}-s0"
+        res = _read_json(run / "eval.json") or {}
+        gone = status.get(run.name) == "diverged" or diverged(run)
+        if any(r["placement"] == placement for r in stability) and (gone or res.get("val_ce") is not None):
+            stability.append({"placement": placement, "lr_multiple": 1,
+                              "val_ce": None if gone else res.get("val_ce"), "diverged": gone})
     rows = []
     for part, runs in parts.items():
         ces = [r["val_ce"] for r in runs if r["val_ce"] is not None]
@@ -486,13 +498,59 @@ def write_parts_report(sweep_dir: Path | str, prefix: Path | str) -> dict[str, P
     except ImportError as e:
         raise ImportError(f"{e} (the tables {paths['csv']} and {paths['md']} were written)") from e
     shown = [r for r in rows if r["delta"] is not None]
-    fig, ax = plt.subplots(figsize=(7, 0.3 * len(shown) + 1.2))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 0.3 * len(shown) + 1.6), width_ratios=(1.3, 1, 1))
+    ax = axes[0]
     ax.barh([r["part"] for r in shown], [r["delta"] for r in shown],
             xerr=[(r["spread"] or 0.0) / 2 for r in shown], color=["#4477aa" if r["delta"] <= 0 else "#cc6677"
                                                                    for r in shown])
     ax.axvline(0.0, color="black", linewidth=0.8)
     ax.invert_yaxis()
-    ax.set_xlabel("validation CE minus the baseline's (lower is better; bars: half the seed spread)")
+    ax.set_xlabel("validation CE minus the baseline's\n(lower is better; bars: half the seed spread)")
+    # CE against parameters: every part at its total count (hollow); where only some parameters work per token
+    # (MoE), also at its active count (filled), joined to its total -- the "CE against active and total".
+    ax = axes[1]
+    pts = [r for r in shown if r["params"]]
+    ax.scatter([r["params"] / 1e6 for r in pts], [r["val_ce"] for r in pts], facecolors="none",
+               edgecolors="#4477aa", label="total parameters")
+    sparse = [r for r in pts if r["active_params"] and r["active_params"] < r["params"]]
+    for r in sparse:
+        ax.plot([r["active_params"] / 1e6, r["params"] / 1e6], [r["val_ce"]] * 2, color="#cc6677", linewidth=0.8)
+        ax.annotate(r["part"], (r["params"] / 1e6, r["val_ce"]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    if sparse:
+        ax.scatter([r["active_params"] / 1e6 for r in sparse], [r["val_ce"] for r in sparse], color="#cc6677",
+                   label="active parameters (MoE)")
+    base = next((r for r in pts if r["part"] == "baseline"), None)
+    if base:
+        ax.annotate("baseline", (base["params"] / 1e6, base["val_ce"]), fontsize=7, xytext=(3, -9),
+                    textcoords="offset points")
+        for r in pts:  # name the parts that change the parameter count (the others sit on the baseline's)
+            if r not in sparse and abs(r["params"] - base["params"]) > 0.01 * base["params"]:
+                ax.annotate(r["part"], (r["params"] / 1e6, r["val_ce"]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+    ax.set_xlabel("parameters (millions)")
+    ax.set_ylabel("validation CE (mean over seeds)")
+    ax.legend(fontsize=8)
+    # Stability: CE against lr multiple per norm placement; a diverged run is drawn as an x on the top edge.
+    ax = axes[2]
+    if stability:
+        finite = [r["val_ce"] for r in stability if r["val_ce"] is not None]
+        top = max(finite) + 0.1 if finite else 1.0
+        for i, placement in enumerate(sorted({r["placement"] for r in stability})):
+            curve = sorted((r for r in stability if r["placement"] == placement), key=lambda r: r["lr_multiple"])
+            color = ("#4477aa", "#cc6677", "#228833", "#aa3377")[i % 4]
+            ok = [r for r in curve if not r["diverged"] and r["val_ce"] is not None]
+            ax.plot([r["lr_multiple"] for r in ok], [r["val_ce"] for r in ok], "o-", color=color, label=placement)
+            bad = [r for r in curve if r["diverged"]]
+            if bad:
+                ax.plot([r["lr_multiple"] for r in bad], [top] * len(bad), "x", color=color, markersize=10,
+                        label=f"{placement}: diverged")
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate / the baseline's (seed 0)")
+        ax.set_ylabel("validation CE")
+        ax.legend(fontsize=8)
+    else:
+        ax.set_axis_off()
     fig.tight_layout()
     fig.savefig(paths["png"], dpi=120)
     plt.close(fig)

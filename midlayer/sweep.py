@@ -202,6 +202,8 @@ PARTS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 PARTS_LR_MULTIPLES = (3, 10)
 PARTS_SEEDS = (0, 1)
+# The stability runs at 1x the lr are the seed-0 runs of these parts (same config, same seed): not run twice.
+PARTS_PLACEMENT_PART = {"sandwich": "baseline", "pre": "pre-ln", "post": "post-ln"}
 
 
 def _parts_runs(preset: str, parts: tuple[tuple[str, dict[str, Any]], ...], seeds: tuple[int, ...],

@@ -484,6 +484,11 @@ def test_parts_smoke_sweep_evaluates_longer_contexts_records_divergence_and_repo
     assert all(r["seeds"] == 2 and r["val_ce_x4"] is not None for r in rows)
     assert next(r for r in rows if r["part"] == "baseline")["delta"] == 0.0
     assert {(r["placement"], r["lr_multiple"], r["diverged"]) for r in stability} >= {("post", 1000000, True)}
+    # lr x 1 of each stability curve is its placement's seed-0 run of the grid: sandwich's is baseline-s0; pre-
+    # and post-LN have no part in the smoke grid, so no 1x point is made up for them
+    base_ce = json.loads((out / "parts-smoke" / "baseline-s0" / "eval.json").read_text())["val_ce"]
+    assert [r for r in stability if r["lr_multiple"] == 1] == [
+        {"placement": "sandwich", "lr_multiple": 1, "val_ce": base_ce, "diverged": False}]
     assert {r["speed_source"] for r in rows} == {"runs"}  # no throughput.json yet: the runs' own speeds
     # benchmarks/parts_throughput.py times every part of the grid (seed 0's config) and writes throughput.json
     # into the sweep folder; the report then takes its speeds instead of the runs' own.
