@@ -27,8 +27,9 @@ GATE_ATTENTION = ("key", "query", "none")
 # Gradient of the gates (gating.straight_through): eq. 2 as written, or straight through ReLU and clamp.
 GATE_GRADS = ("exact", "straight_through")
 # what the controller's regulariser differentiates (SparsityConfig.reg_grad): a gate gradient, or the
-# straight-through one with the residual stream detached, so that only the routers' weights feel it
-REG_GRADS = (*GATE_GRADS, "straight_through_routers")
+# straight-through one with the residual stream detached, so that only the routers' weights feel it, or the
+# straight-through one only where it points a saturated gate back into (0, 1) (gating.inward_straight_through)
+REG_GRADS = (*GATE_GRADS, "straight_through_routers", "straight_through_inward")
 # Values of the gates (gating.MirroredGates): eq. 2 as written, or eq. 2's gate rounded to 0 or 1 (issue 15).
 GATE_VALUES = ("soft", "hard", "sampled")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
@@ -252,7 +253,9 @@ class SparsityConfig:
     #                          gate_grad straight_through those are already straight-through) or on their
     #                          straight-through twins (same values; reaches saturated tokens; gating.py);
     #                          "straight_through_routers": the twins with each router's input h detached, so
-    #                          the regulariser moves the routers' weights only, never the residual stream
+    #                          the regulariser moves the routers' weights only, never the residual stream;
+    #                          "straight_through_inward": eq. 2's gradient, plus the straight-through one
+    #                          only for saturated gates the loss would move back into (0, 1)
 
     def __post_init__(self) -> None:
         check_finite(self)

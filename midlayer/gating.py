@@ -85,6 +85,36 @@ def straight_through(gate: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
     return gate.detach() - (lin - lin.detach())
 
 
+class _InwardStraightThrough(torch.autograd.Function):
+    """Value: the gate. Backward: the gate's own (eq. 2) gradient for every token, and in addition the
+    straight-through one (d g / d lin = -1) for a saturated token whose incoming gradient points back into
+    (0, 1): a closed gate (g = 0) the loss would open, or an open one (g = 1) it would close."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate.detach())
+        return gate.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (g,) = ctx.saved_tensors
+        # descent moves g by -grad: up (opening) where grad < 0, down (closing) where grad > 0
+        inward = ((g <= 0) & (grad < 0)) | ((g >= 1) & (grad > 0))
+        return grad, torch.where(inward, -grad, torch.zeros_like(grad))
+
+
+def inward_straight_through(gate: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
+    """The gate's value with eq. 2's gradient, plus the straight-through gradient of `straight_through` only
+    for saturated tokens the incoming gradient would move back into (0, 1).
+
+    Why (issue 14, docs/results/controller-cpu.md items 9-11): the straight-through regulariser meets every
+    block's target but costs validation CE, and half of that cost enters through the routers' inputs h. It
+    also pushes tokens that are saturated on the side the loss wants -- with a target of 1.0, ~99% of block
+    0's gates already sit at exactly 1 and are pushed further open, into every one of their residual streams,
+    for no change in any gate. Here only the gates that the loss wants to leave saturation feel it."""
+    return _InwardStraightThrough.apply(gate, lin)
+
+
 class MirroredGates:
     """Gives each block's gate in order, for one forward pass: routers on the first half (cumulative,
     eqs. 1-2), the mirror of block L-1-l on the second. Must be called with layer = 0, 1, ..., L-1 in order
@@ -126,6 +156,7 @@ class MirroredGates:
         self.first_half: list[torch.Tensor] = []
         self.first_half_st: list[torch.Tensor] = []
         self.router_reads: list[tuple[nn.Module, torch.Tensor]] = []  # (router l, h entering l), autograd only
+        self.gate_lin: list[tuple[torch.Tensor, torch.Tensor]] = []  # (eq. 2's gate, running score sum), autograd
         self.cum: torch.Tensor | None = None
         self.lin: torch.Tensor | None = None
         self.next_layer = 0
@@ -182,6 +213,7 @@ class MirroredGates:
                 st = straight_through(gate, self.lin)
                 self.first_half_st.append(st)
                 self.router_reads.append((self.routers[layer], h))
+                self.gate_lin.append((gate, self.lin))
                 if self.gate_grad == "straight_through":
                     gate = st
             self.open = bool((gate == 1).all()) if infer else None
@@ -218,6 +250,7 @@ class GateStats:
     n_tokens: int
     first_half_st: list[torch.Tensor] | None = field(default=None, repr=False)
     router_reads: list[tuple[nn.Module, torch.Tensor]] | None = field(default=None, repr=False)
+    gate_lin: list[tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     @cached_property
     def _st(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
@@ -241,12 +274,23 @@ class GateStats:
             twins.append(straight_through(st.detach(), lin))
         return mirrored_gate_stats(twins, len(self.mean))[:2]
 
+    @cached_property
+    def _st_inward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.gate_lin:
+            raise ValueError("straight_through_inward needs a forward pass that recorded autograd")
+        twins = [inward_straight_through(gate, lin) for gate, lin in self.gate_lin]
+        return mirrored_gate_stats(twins, len(self.mean))[:2]
+
     def regulariser_inputs(self, reg_grad: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, var) per block for the controller's loss, differentiated as SparsityConfig.reg_grad says:
         "exact" the model's own gates, "straight_through" their twins, "straight_through_routers" the twins
-        with the routers' inputs detached (`_st_routers`). Same values in all three."""
+        with the routers' inputs detached (`_st_routers`), "straight_through_inward" eq. 2's gates with the
+        straight-through gradient added only where it leads a saturated gate back into (0, 1)
+        (`inward_straight_through`). Same values in all four."""
         if reg_grad == "exact":
             return self.mean, self.var
+        if reg_grad == "straight_through_inward":
+            return self._st_inward
         if reg_grad == "straight_through":
             if self.mean_st is None:
                 raise ValueError("straight_through needs a forward pass that recorded autograd")
@@ -266,5 +310,7 @@ class GateStats:
     @staticmethod
     def from_gates(first_half: list[torch.Tensor], n_layers: int,
                    first_half_st: list[torch.Tensor] | None = None,
-                   router_reads: list[tuple[nn.Module, torch.Tensor]] | None = None) -> "GateStats":
-        return GateStats(*mirrored_gate_stats(first_half, n_layers), first_half_st or None, router_reads or None)
+                   router_reads: list[tuple[nn.Module, torch.Tensor]] | None = None,
+                   gate_lin: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> "GateStats":
+        return GateStats(*mirrored_gate_stats(first_half, n_layers), first_half_st or None, router_reads or None,
+                         gate_lin or None)

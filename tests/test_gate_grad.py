@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from midlayer.config import ModelConfig, SparsityConfig
-from midlayer.gating import straight_through
+from midlayer.gating import inward_straight_through, straight_through
 from midlayer.model import Transformer
 
 SMALL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=64, max_seq_len=32, multiple_of=16)
@@ -120,3 +120,52 @@ def test_router_only_regulariser_same_values_gradient_to_routers_alone():
         with pytest.raises(ValueError, match="autograd"):
             m(x).gate_stats.regulariser_inputs("straight_through_routers")
 
+
+
+def test_inward_straight_through_by_hand():
+    """reg_grad = "straight_through_inward": eq. 2's gradient everywhere, plus the straight-through one (d g / d
+    lin = -1) only for a saturated gate the incoming gradient would move back into (0, 1). Hand example,
+    g = 1 - clamp(ReLU(lin)) = [0, 0.7, 1, 1, 0], loss = sum(w g), w = [-1, 2, 3, -4, 5] (descent moves g by -w):
+      token 0: closed, opened by the loss -> straight-through: d/d lin = -w = +1
+      token 1: unsaturated -> eq. 2's own gradient: -w = -2
+      token 2: open, closed by the loss -> straight-through: -3
+      token 3: open, pushed further open -> 0 (plain straight-through would give +4)
+      token 4: closed, pushed further closed -> 0 (plain straight-through: -5)"""
+    w = torch.tensor([-1.0, 2.0, 3.0, -4.0, 5.0])
+    lin = torch.tensor([2.0, 0.3, -0.5, -1.0, 1.5], requires_grad=True)
+    gate = 1.0 - torch.relu(lin).clamp(0.0, 1.0)
+    twin = inward_straight_through(gate, lin)
+    assert torch.equal(twin, gate)
+    (twin * w).sum().backward()
+    assert torch.equal(lin.grad, torch.tensor([1.0, -2.0, -3.0, 0.0, 0.0]))
+    lin.grad = None
+    (straight_through(gate.detach(), lin) * w).sum().backward()
+    assert torch.equal(lin.grad, -w)
+
+
+def test_inward_regulariser_leaves_gates_saturated_its_way_alone():
+    """A model whose gates are all exactly 1 (router biases very negative) under a loss that wants them open
+    (-mean, what a target of 1.0 asks): the inward variant passes no gradient to any parameter, where plain
+    straight-through pushes every token's residual stream; under a loss that wants them closed (+mean) it
+    passes the straight-through gradient (d mean_0 / d b_0 = -1, as plain straight-through). Same values as
+    the other variants."""
+    x = torch.randint(0, 64, (2, 16))
+    m = _model("exact")
+    with torch.no_grad():
+        for r in m.routers:
+            r.bias.fill_(-50.0)
+    s = m(x, x).gate_stats
+    assert bool((s.mean == 1).all())
+    mean_i, var_i = s.regulariser_inputs("straight_through_inward")
+    assert torch.equal(mean_i, s.mean) and torch.equal(var_i, s.var)
+    params = [p for p in m.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(-mean_i.sum(), params, retain_graph=True, allow_unused=True)
+    assert all(g is None or bool((g == 0).all()) for g in grads)
+    grads = torch.autograd.grad(-s.regulariser_inputs("straight_through")[0].sum(), params, retain_graph=True,
+                                allow_unused=True)
+    assert any(g is not None and bool(g.abs().max() > 0) for g in grads)
+    (gb0,) = torch.autograd.grad(mean_i[0], m.routers[0].bias, retain_graph=True)
+    torch.testing.assert_close(gb0, torch.tensor([-1.0]), rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="autograd"):
+            m(x).gate_stats.regulariser_inputs("straight_through_inward")
