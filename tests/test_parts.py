@@ -496,6 +496,13 @@ def test_chunked_scan_equals_the_sequential_scan():
         y2, h2 = scan_chunked(u, delta, A, B, C, h0, chunk=chunk)
         torch.testing.assert_close(y2, y1, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(h2, h1, atol=1e-5, rtol=1e-5)
+    # and the same gradients (training differentiates the chunked scan)
+    ins = [x.clone().requires_grad_() for x in (u, delta, A, B, C, h0)]
+    w_y, w_h = torch.randn_like(y1), torch.randn_like(h1)
+    ref = torch.autograd.grad(sum((o * w).sum() for o, w in zip(scan_sequential(*ins), (w_y, w_h))), ins)
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(scan_chunked(*ins, chunk=5), (w_y, w_h))), ins)
+    for g_ref, g in zip(ref, got):
+        torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-4)
     # by hand, one channel and one state entry: h_t = exp(d A) h_{t-1} + d u B, y = C h
     y, h = scan_sequential(torch.tensor([[[1.0], [2.0]]]), torch.tensor([[[0.5], [0.5]]]), torch.tensor([[-2.0]]),
                            torch.tensor([[[1.0], [1.0]]]), torch.tensor([[[1.0], [3.0]]]))
@@ -512,7 +519,7 @@ def test_ssm_mixer_in_generation_keeps_a_constant_state_and_refuses_rollback():
     assert [b.mixer is not None for b in m.layers] == [False, True, True, False]
     x = torch.randint(0, 64, (1, 20))
     torch.testing.assert_close(m(x).logits, m(x).logits)
-    seq = m.layers[1].mixer(torch.randn(1, 20, 32), sequential=True)
+    seq = m.layers[1].mixer(torch.randn(1, 20, 32), scan="chunked")
     cache = KVCache.for_model(m.cfg, 1)
     forward_cached(m, x[:, :5], cache, torch.arange(5)[None])
     shapes = {l: (st.conv.shape, st.h.shape) for l, st in cache.ssm.items()}
@@ -539,4 +546,7 @@ def test_ssm_mixer_sequential_and_chunked_forward_agree():
     mixer = SelectiveSSM(ModelConfig(**{**SMALL, "gating": False, "ssm_layers": (0,)}))
     mixer.reset_ssm_parameters()
     x = torch.randn(2, 23, 32)
-    torch.testing.assert_close(mixer(x), mixer(x, sequential=True), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixer(x, scan="chunked"), mixer(x, scan="sequential"), atol=1e-5, rtol=1e-5)
+    assert torch.equal(mixer(x), mixer(x, scan="sequential"))  # "auto" on CPU
+    with pytest.raises(ValueError, match="scan"):
+        mixer(x, scan="parallel")
