@@ -530,8 +530,14 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
     sweep_dir.mkdir(parents=True, exist_ok=True)
     sweep_json = sweep_dir / "sweep.json"
     previous = {r.get("name"): r for r in (_read_json(sweep_json) or {}).get("runs", []) if isinstance(r, dict)}
+    # One record per run of the whole grid: a sweep of a few runs (`only`) keeps the others' records as they
+    # were (status, wall time), so that sweep.json always describes the grid, not the last invocation.
+    selected = {spec.name for spec in runs}
     records: list[dict[str, Any]] = []
-    for spec in runs:
+    for spec in grid.runs:
+        if spec.name not in selected and spec.name in previous:
+            records.append(previous[spec.name])
+            continue
         m, s, t = resolve_run(grid, spec, sweep_dir / spec.name, extra_train)
         records.append({"name": spec.name, "preset": spec.preset, "kind": run_kind(dataclasses.asdict(m),
                                                                                     dataclasses.asdict(s)),
@@ -548,7 +554,9 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
 
     save_state()
     n, failed, t_sweep = len(runs), [], time.perf_counter()
-    for i, (spec, rec) in enumerate(zip(runs, records), 1):
+    by_name = {rec["name"]: rec for rec in records}
+    for i, spec in enumerate(runs, 1):
+        rec = by_name[spec.name]
         run_dir = sweep_dir / spec.name
         m, s, t = resolve_run(grid, spec, run_dir, extra_train)
         head = f"[sweep {grid.name} {i}/{n}] {spec.name}"

@@ -170,6 +170,15 @@ def test_sweep_only_selects_runs_and_rejects_unknown_names(tmp_path):
     fake = FakeTrain()
     assert run_sweep("smoke", tmp_path, only=["dense-4", "gated-none"], train_fn=fake, progress=False) == 0
     assert fake.calls == [("dense-4", False), ("gated-none", False)]
+    # sweep.json describes the whole grid: a later sweep of other runs keeps these two's records
+    grid_names = [r.name for r in get_grid("smoke").runs]
+    first = {r["name"]: r for r in json.loads((tmp_path / "smoke" / "sweep.json").read_text())["runs"]}
+    assert list(first) == grid_names and first["dense-4"]["status"] == "done"
+    assert run_sweep("smoke", tmp_path, only=["dense-1"], train_fn=fake, progress=False) == 0
+    state = {r["name"]: r for r in json.loads((tmp_path / "smoke" / "sweep.json").read_text())["runs"]}
+    assert list(state) == grid_names
+    assert state["dense-4"] == first["dense-4"] and state["gated-none"] == first["gated-none"]
+    assert state["dense-1"]["status"] == "done" and state["dense-2"]["status"] == "pending"
     with pytest.raises(ValueError, match="no run 'dense-9'"):
         run_sweep("smoke", tmp_path, only=["dense-9"], train_fn=fake)
     with pytest.raises(ValueError, match="unknown grid"):
@@ -202,7 +211,7 @@ def test_a_finished_folder_of_another_run_is_not_taken_as_this_one(tmp_path):
     assert run_sweep("smoke", tmp_path, only=["gated-mu0.50"], train_fn=fake, progress=False) == 1
     assert fake.calls == []
     state = json.loads((tmp_path / "smoke" / "sweep.json").read_text())
-    assert "mu_final" in state["runs"][0]["error"]
+    assert "mu_final" in {r["name"]: r for r in state["runs"]}["gated-mu0.50"]["error"]
 
 def test_a_run_that_returns_unfinished_counts_as_failed(tmp_path):
     def stops_early(m, s, t, *, resume=False, progress=True):
@@ -264,9 +273,9 @@ def test_sweep_with_torchrun_launcher_runs_one_command_per_run(tmp_path):
     assert rc == 1  # dense-2's torchrun exited with 3
     assert [c[3] for c in commands] == ["2", "2", "2"]
     assert ["--resume" in c for c in commands] == [False, False, True]
-    state = json.loads((tmp_path / "smoke" / "sweep.json").read_text())
-    assert [r["status"] for r in state["runs"]] == ["done", "failed", "done"]
-    assert "status 3" in state["runs"][1]["error"]
+    state = {r["name"]: r for r in json.loads((tmp_path / "smoke" / "sweep.json").read_text())["runs"]}
+    assert [state[n]["status"] for n in ("dense-1", "dense-2", "dense-4")] == ["done", "failed", "done"]
+    assert "status 3" in state["dense-2"]["error"]
 
 
 # --------------------------------------------------------------------------------------------- plot
@@ -411,7 +420,7 @@ def test_smoke_run_killed_midway_is_resumed_by_the_next_sweep(tmp_path):
     # ... the next pass resumes it to the end.
     assert run_sweep("smoke", tmp_path, only=["gated-mu0.50"], extra_train={"data": data}, progress=False) == 0
     state = json.loads((tmp_path / "smoke" / "sweep.json").read_text())
-    assert state["runs"][0]["action"] == "resume"
+    assert {r["name"]: r for r in state["runs"]}["gated-mu0.50"]["action"] == "resume"
     assert json.loads((run_dir / "eval.json").read_text())["step"] == 4
 
 
