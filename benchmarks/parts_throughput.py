@@ -33,20 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from midlayer.kernels import cpu_info  # noqa: E402
 from midlayer.plot import point_name  # noqa: E402
 from midlayer.sweep import get_grid, resolve_run  # noqa: E402
 from train_throughput import cpu_model, ours  # noqa: E402
-
-
-def cpu_flags() -> str:
-    """The vector extensions that pick PyTorch's CPU kernels (timings differ between these machines)."""
-    try:
-        have = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "unknown"
-    names = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
-    flags = set(have.split(":", 1)[1].split())
-    return ",".join(n for n in names if n in flags) or "none of " + ",".join(names)
 
 
 def part_models(grid, only: list[str] | None) -> dict[str, tuple[str, Any]]:
@@ -120,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = statistics.median(secs["baseline"][r] / secs[name][r] for r in range(args.repeats))
         rows[name] = {"tokens_per_s": tokens / statistics.median(secs[name]), "speed_vs_baseline": ratio,
                       "params": benches[name].n_params, "cpu_util": statistics.median(util[name])}
-    meta = {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu_model(), "cpu_flags": cpu_flags(),
+    meta = {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu_model(),
+            "cpu_flags": ",".join(cpu_info().vector_flags()) or "no AVX2",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "grid": args.grid,
             "tokens_per_step": tokens, "repeats": args.repeats, "warmup": args.warmup,
             "load_before": load_before,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from midlayer.kernels import cpu_info  # noqa: E402
 from midlayer.ssm import scan_chunked, scan_sequential  # noqa: E402
 
 
@@ -32,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunks", default="4,16", help="chunk sizes of the chunked form, comma-separated")
     args = ap.parse_args(argv)
+    try:
+        chunks = [int(x) for x in args.chunks.split(",")]
+    except ValueError:
+        ap.error(f"--chunks must be comma-separated integers, got {args.chunks!r}")
+    if min(args.batch, args.T, args.d_in, args.N, args.repeats, *chunks) < 1:
+        ap.error("--batch, --T, --d-in, --N, --repeats and every chunk must be >= 1")
     torch.manual_seed(0)
     Bt, T, D, N = args.batch, args.T, args.d_in, args.N
     u = torch.randn(Bt, T, D, requires_grad=True)
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     delta = F.softplus(torch.randn(Bt, T, D) - 3)
     A = -torch.arange(1, N + 1.0).expand(D, N)  # Mamba's S4D-real initialisation
     forms = {"sequential": lambda: scan_sequential(u, delta, A, B, C)}
-    for c in (int(x) for x in args.chunks.split(",")):
+    for c in chunks:
         forms[f"chunked (chunk {c})"] = lambda c=c: scan_chunked(u, delta, A, B, C, chunk=c)
     times: dict[str, list[float]] = {k: [] for k in forms}
     names = list(forms)
@@ -52,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             if r:  # round 0 warms up
                 times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["sequential"])
-    print(f"selective scan, forward + backward: Bt {Bt}, T {T}, d_in {D}, N {N}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"selective scan, forward + backward: Bt {Bt}, T {T}, d_in {D}, N {N}, median of {args.repeats} "
+          f"interleaved rounds; {cpu_info().summary()}")
     print("| form | seconds | vs sequential |\n|---|---|---|")
     for name in names:
         med = statistics.median(times[name])

@@ -122,8 +122,9 @@ class MirroredGates:
     forward cannot silently start a gated model mid-network with S = 0.
 
     `gate_grad` (ModelConfig): "exact" gives the model eq. 2's gates; "straight_through" the same values
-    with the straight-through gradient (`straight_through`). While autograd records, `first_half_st` holds
-    the straight-through gates whatever `gate_grad` is, for a controller loss that differentiates them
+    with the straight-through gradient (`straight_through`). While autograd records, `gate_lin` holds each
+    first-half block's eq. 2 gate and running score sum, and `router_reads` its router and input, whatever
+    `gate_grad` is: GateStats derives from them, on demand, the twins a controller loss may differentiate
     (SparsityConfig.reg_grad).
 
     `gate_values` (ModelConfig): "soft" gives eq. 2's g; "hard" rounds it, g = 1 while S < 1/2 and 0 from
@@ -154,7 +155,6 @@ class MirroredGates:
         self.threshold: torch.Tensor | None = None  # "sampled" in training: u per token, drawn at block 0
         self.closed_at = 0.5 if self.hard else 1.0  # S at and beyond which g = 0 (S never decreases)
         self.first_half: list[torch.Tensor] = []
-        self.first_half_st: list[torch.Tensor] = []
         self.router_reads: list[tuple[nn.Module, torch.Tensor]] = []  # (router l, h entering l), autograd only
         self.gate_lin: list[tuple[torch.Tensor, torch.Tensor]] = []  # (eq. 2's gate, running score sum), autograd
         self.cum: torch.Tensor | None = None
@@ -210,12 +210,10 @@ class MirroredGates:
                     u = self.threshold
                 gate = (self.cum < u).to(gate.dtype)  # eq. 2's g rounded (class docstring)
             if self.lin is not None:
-                st = straight_through(gate, self.lin)
-                self.first_half_st.append(st)
                 self.router_reads.append((self.routers[layer], h))
                 self.gate_lin.append((gate, self.lin))
                 if self.gate_grad == "straight_through":
-                    gate = st
+                    gate = straight_through(gate, self.lin)
             self.open = bool((gate == 1).all()) if infer else None
         self.first_half.append(gate)
         self.first_open.append(self.open)
@@ -248,15 +246,14 @@ class GateStats:
     var: torch.Tensor
     zero_frac: torch.Tensor
     n_tokens: int
-    first_half_st: list[torch.Tensor] | None = field(default=None, repr=False)
     router_reads: list[tuple[nn.Module, torch.Tensor]] | None = field(default=None, repr=False)
     gate_lin: list[tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     @cached_property
     def _st(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-        if not self.first_half_st:
+        if not self.gate_lin:
             return None, None
-        return mirrored_gate_stats(self.first_half_st, len(self.mean))[:2]
+        return mirrored_gate_stats([straight_through(gate, lin) for gate, lin in self.gate_lin], len(self.mean))[:2]
 
     @cached_property
     def _st_routers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,13 +262,13 @@ class GateStats:
         residual stream, the blocks or the embedding. Why (issue 14, docs/results/controller-cpu.md item 9):
         through h the twins' gradient, alpha w per token, enters every token's residual stream, and the
         hypothesis under test is that this is what costs the straight-through regulariser its quality."""
-        if not self.first_half_st or not self.router_reads:
+        if not self.gate_lin or not self.router_reads:
             raise ValueError("straight_through_routers needs a forward pass that recorded autograd")
         lin, twins = None, []
-        for st, (router, h) in zip(self.first_half_st, self.router_reads):
+        for (gate, _), (router, h) in zip(self.gate_lin, self.router_reads):
             score = router(h.detach()).squeeze(-1).float()  # Routers.step's training score, h detached
             lin = score if lin is None else lin + score
-            twins.append(straight_through(st.detach(), lin))
+            twins.append(straight_through(gate, lin))
         return mirrored_gate_stats(twins, len(self.mean))[:2]
 
     @cached_property
@@ -309,8 +306,6 @@ class GateStats:
 
     @staticmethod
     def from_gates(first_half: list[torch.Tensor], n_layers: int,
-                   first_half_st: list[torch.Tensor] | None = None,
                    router_reads: list[tuple[nn.Module, torch.Tensor]] | None = None,
                    gate_lin: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> "GateStats":
-        return GateStats(*mirrored_gate_stats(first_half, n_layers), first_half_st or None, router_reads or None,
-                         gate_lin or None)
+        return GateStats(*mirrored_gate_stats(first_half, n_layers), router_reads or None, gate_lin or None)

@@ -61,9 +61,13 @@ class CpuInfo:
         """bf16 matmuls run natively (AVX512-BF16 or AMX-BF16); elsewhere bf16 is emulated and slow."""
         return self.has("avx512_bf16") or self.has("amx_bf16")
 
-    def summary(self) -> str:
+    def vector_flags(self) -> list[str]:
+        """The vector extensions that pick CPU kernels, ours and ATen's (timings differ between machines)."""
         keys = ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16"]
-        have = [k for k in keys if self.has(k)]
+        return [k for k in keys if self.has(k)]
+
+    def summary(self) -> str:
+        have = self.vector_flags()
         return (f"{self.model}; {', '.join(have) or 'no AVX2'}; torch {torch.__version__} "
                 f"({self.torch_capability}), {self.threads} threads")
 

@@ -390,8 +390,7 @@ class Transformer(nn.Module):
         stats = None
         first = None
         if gates is not None:
-            stats = GateStats.from_gates(gates.first_half, cfg.n_layers, gates.first_half_st, gates.router_reads,
-                                         gates.gate_lin)
+            stats = GateStats.from_gates(gates.first_half, cfg.n_layers, gates.router_reads, gates.gate_lin)
             first = torch.stack(gates.first_half)
         aux = load = None
         if cfg.moe_experts:  # every block ran its experts in this pass (gates scale outputs, never skip here)

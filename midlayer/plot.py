@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import SparsityConfig
-from .sweep import KIND_DENSE, KIND_GATED, KIND_NO_CONTROL
+from .sweep import KIND_DENSE, KIND_GATED, KIND_NO_CONTROL, PARTS_PLACEMENT_PART, diverged
 
 CSV_COLUMNS = ("run", "kind", "n_layers", "controller", "mu0", "mu_final", "val_ce", "val_ppl", "mean_sparsity",
                "flops_per_seq", "flops_per_seq_dense_equiv", "flops_ratio", "params", "active_params",
@@ -381,8 +381,6 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
     Training speed: from `throughput.json` in the sweep folder when present (benchmarks/parts_throughput.py,
     every part timed interleaved on a quiet machine; `speed_vs_baseline` is its same-round ratio), else the
     runs' own tokens/s (measured hours apart, often beside other jobs: `speed_source` says which)."""
-    from .sweep import diverged
-
     sweep_dir = Path(sweep_dir)
     sweep = _read_json(sweep_dir / "sweep.json") or {}
     status = {r.get("name"): r.get("status") for r in sweep.get("runs", []) if isinstance(r, dict)}
@@ -412,8 +410,6 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
             "flops_per_token": res["flops_per_seq"] / seq if res.get("flops_per_seq") and seq else None,
             "ext": ext, "seq_len": seq})
     # lr x 1 of the stability curves: the placement's own seed-0 run in the grid (PARTS_PLACEMENT_PART)
-    from .sweep import PARTS_PLACEMENT_PART
-
     for placement, part in PARTS_PLACEMENT_PART.items():
         run = sweep_dir / f"{part}-s0"
         res = _read_json(run / "eval.json") or {}

@@ -135,9 +135,9 @@ class SelectiveSSM(nn.Module):
         place. `valid` [Bt, T] (generation): only the True entries are tokens, in order and first in each
         row; the others leave the state unchanged. `scan`: "sequential", "chunked", or "auto": sequential on
         CPU, chunked elsewhere. Why: on CPU the token loop's [Bt, d_in, N] steps stay in cache and it is the
-        fastest (forward + backward at the parts sweep's shapes, Bt 16, T 256, d_in 256, N 16, 1 thread:
-        0.24 s against 1.1-1.7 s chunked, benchmarks/ssm_scan.py); on a GPU T small kernels are the cost the
-        chunked form removes."""
+        fastest (forward + backward at the parts sweep's shapes, Bt 16, T 256, d_in 256, N 16, AMD EPYC AVX2,
+        2 threads: the chunked form takes 4.6-6.4x the sequential's time, `python benchmarks/ssm_scan.py`);
+        on a GPU T small kernels are the cost the chunked form removes."""
         if scan not in ("auto", "sequential", "chunked"):
             raise ValueError(f"scan must be 'auto', 'sequential' or 'chunked', got {scan!r}")
         Bt, T, _ = x.shape
@@ -185,7 +185,7 @@ def ssm_flops_per_token(cfg: ModelConfig) -> int:
     """Forward FLOPs per token of one SelectiveSSM as the sequential recurrence does them: the projections (2 per
     multiply-add), the convolution, per state entry the discretisation exp(Delta A) (2), the update (4: two
     products, the input product, the add) and the read-out (2), the D term and the gate. The chunked scan
-    that training and prefill run does about twice the update's work (its decay products and the
+    (training and prefill off CPU) does about twice the update's work (its decay products and the
     correction by the entering state); this counts the recurrence, the model's arithmetic, as the attention
     terms count exact attention."""
     d, D, N, k, R = cfg.dim, cfg.ssm_inner, cfg.ssm_state, cfg.ssm_conv, cfg.ssm_rank

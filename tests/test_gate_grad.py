@@ -121,7 +121,6 @@ def test_router_only_regulariser_same_values_gradient_to_routers_alone():
             m(x).gate_stats.regulariser_inputs("straight_through_routers")
 
 
-
 def test_inward_straight_through_by_hand():
     """reg_grad = "straight_through_inward": eq. 2's gradient everywhere, plus the straight-through one (d g / d
     lin = -1) only for a saturated gate the incoming gradient would move back into (0, 1). Hand example,
