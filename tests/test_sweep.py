@@ -16,6 +16,7 @@ import torch
 from midlayer import cli
 from midlayer.config import get_preset
 from midlayer.data import write_shard
+from midlayer.kernels import cpu_info
 from midlayer.plot import block_check, block_targets, collect, plot_figure2, write_table
 from midlayer.sweep import (CPU_MU_FINALS, CPU_STEPS, GRIDS, Grid, RunSpec, check_grid, config_flags, get_grid,
                             resolve_run, run_sweep, torchrun_command)
@@ -164,6 +165,9 @@ def test_sweep_skips_finished_resumes_partial_starts_new_and_survives_a_failure(
     assert {r["status"] for r in state["runs"]} == {"done"} and state["failed"] == []
     # Skipped runs keep the wall time of the pass that trained them.
     assert state["runs"][1]["wall_s"] == by["dense-2"]["wall_s"]
+    # ... and the machine it trained on (a sweep of several sittings may change CPU between them).
+    assert by["dense-2"]["machine"] == cpu_info().summary() == state["runs"][1]["machine"]
+    assert state["runs"][0].get("machine") is None  # finished before any sweep recorded it
 
 
 def test_sweep_only_selects_runs_and_rejects_unknown_names(tmp_path):
@@ -322,6 +326,11 @@ def test_seeds_grid_points_aggregate_by_hand(tmp_path):
     from midlayer.plot import aggregate, point_name
     grid = get_grid("cpu-seeds")
     assert {r.train["seed"] for r in grid.runs} == {0, 1, 2} and len(grid.runs) == 3 * 14
+    # the controlled runs train with the setting the controller study chose (SEEDS_*), the others without control
+    s = resolve_run(grid, grid.run("gated-query-mu0.00-s2"), tmp_path / "x")[1]
+    assert (s.controller, s.mu_final, s.gamma, s.kp, s.reg_grad) == ("proportional", 0.0, 1e-2, 1.0,
+                                                                     "straight_through_inward")
+    assert resolve_run(grid, grid.run("gated-key-none-s0"), tmp_path / "y")[1].controller == "none"
     only = [f"{p}-s{k}" for p in ("dense-2", "gated-key-mu0.50", "gated-query-mu0.50") for k in (0, 1, 2)]
     assert run_sweep("cpu-seeds", tmp_path, only=only, train_fn=FakeTrain(), progress=False) == 0
     rows = collect(tmp_path / "cpu-seeds")
