@@ -530,3 +530,41 @@ def test_sampled_gates_train_on_their_draws_and_evaluate_as_hard():
     hard.load_state_dict(gates.state_dict())  # the calibration of the first gate_loss included
     with torch.no_grad():
         assert torch.equal(gates.twin(model)(tokens).logits, hard.twin(model)(tokens).logits)
+
+
+def test_skip_oracle_per_token_costs_and_choice_by_hand():
+    """benchmarks/skip_oracle.py: per-token KL(dense || static skip) equals a hand computation from the two
+    models' logits, and the oracle gives each token the largest span under the threshold whose greedy token
+    is the dense one (hand-made costs)."""
+    import sys
+    from pathlib import Path
+
+    from midlayer.bench import static_skip_gates
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import skip_oracle
+
+    model = dense()
+    tokens = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(13))
+    mask = (torch.arange(12) >= 4)[None]
+    costs = skip_oracle.per_token_costs(model, [(tokens, mask)])
+    assert sorted(costs["kl"]) == [0, 1, 2] and costs["kl"][0].shape == (8,)
+    with torch.no_grad():
+        p = model(tokens).logits[0, 4:].softmax(-1)
+        q = static_skip_gates(model, 1).twin(model)(tokens).logits[0, 4:].softmax(-1)
+    assert torch.allclose(costs["kl"][1], (p * (p.log() - q.log())).sum(-1), atol=1e-5)
+    assert torch.equal(costs["agree"][1], p.argmax(-1) == q.argmax(-1))
+    assert bool((costs["kl"][1] > 0).all())  # random blocks: skipping them changes every position
+
+    # 3 tokens, L = 6: spans a = 0 (6 blocks), 1 (4), 2 (2)
+    hand = {"kl": {0: torch.tensor([0.005, 0.5, 0.5]), 1: torch.tensor([0.001, 0.02, 0.5]),
+                   2: torch.tensor([0.0, 0.001, 0.3])},
+            "agree": {0: torch.tensor([True, True, True]), 1: torch.tensor([True, True, True]),
+                      2: torch.tensor([True, False, True])}}
+    o = skip_oracle.oracle(hand, 6, 0.01)
+    # token 0: span 0 (6 blocks, KL 0.005); token 1: span 1 fails (0.02), span 2 is cheap but not greedy-
+    # equal: nothing; token 2: nothing
+    assert o["skipped_frac"] == pytest.approx(6 / 6 / 3) and o["kl"] == pytest.approx(0.005 / 3)
+    assert o["tokens_skipping"] == pytest.approx(1 / 3)
+    o = skip_oracle.oracle(hand, 6, 0.05)  # token 1 now takes span 1 (4 blocks, 0.02)
+    assert o["skipped_frac"] == pytest.approx((6 + 4) / 6 / 3) and o["kl"] == pytest.approx((0.005 + 0.02) / 3)
