@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from midlayer.bench import static_skip_gates  # noqa: E402
+from midlayer.drafters import kl_rows  # noqa: E402
 from midlayer.model import Transformer  # noqa: E402
 
 THRESHOLDS = (0.01, 0.05, 0.1, 0.5)
@@ -43,10 +44,10 @@ def per_token_costs(model: Transformer, batches: list[tuple[torch.Tensor, torch.
     with torch.no_grad():
         for tokens, mask in batches:
             valid = mask[0]
-            dense = model(tokens).logits[0, valid].float().log_softmax(-1)
+            dense = model(tokens).logits[0, valid]
             for a, twin in twins.items():
-                skip = twin(tokens).logits[0, valid].float().log_softmax(-1)
-                kl[a].append((dense.exp() * (dense - skip)).sum(-1))  # KL(dense || skipped) per position
+                skip = twin(tokens).logits[0, valid]
+                kl[a].append(kl_rows(dense, skip))  # KL(dense || skipped) per position
                 agree[a].append(dense.argmax(-1) == skip.argmax(-1))
     return {"kl": {a: torch.cat(v) for a, v in kl.items()}, "agree": {a: torch.cat(v) for a, v in agree.items()}}
 

@@ -88,14 +88,19 @@ def lm_logits(model: Transformer, h: torch.Tensor) -> torch.Tensor:
     return model.output(model.norm(h))
 
 
+def kl_rows(base_logits: torch.Tensor, other_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_base || p_other) per row, logits [..., V] -> [...], in fp32 (gradient only through `other`)."""
+    t = F.log_softmax(base_logits.detach().float(), -1)
+    s = F.log_softmax(other_logits.float(), -1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
 def kl_to_base(base_logits: torch.Tensor, draft_logits: torch.Tensor, weight: torch.Tensor | None = None
                ) -> torch.Tensor:
     """Mean over rows of KL(p_base || p_draft) (forward KL, the self-distillation target of Wu et al. 2024
     sec. 3.3; the teacher is detached). Logits [..., V]; computed in fp32. `weight` [...] (bool or float):
     rows to count (padding excluded); the mean is over the counted rows."""
-    t = F.log_softmax(base_logits.detach().float(), -1)
-    s = F.log_softmax(draft_logits.float(), -1)
-    kl = (t.exp() * (t - s)).sum(-1)
+    kl = kl_rows(base_logits, draft_logits)
     if weight is None:
         return kl.mean()
     w = weight.to(kl.dtype)

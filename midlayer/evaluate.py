@@ -169,6 +169,8 @@ def compare_models(a: Transformer, b: Transformer, windows: TokenWindows, *, eva
       discrete change that a tiny weight difference can cause; span_differs: fraction of tokens whose first
       zero block (their skipped span) differs.
     """
+    from .drafters import kl_rows  # the one per-row KL (drafters imports the generation stack: not at module load)
+
     same = lambda c: dataclasses.replace(c, gate_grad="exact", attn_backend="auto")  # noqa: E731 (no effect on outputs)
     if same(a.cfg) != same(b.cfg):
         raise ValueError("compare_models: the two models have different configs")
@@ -184,12 +186,11 @@ def compare_models(a: Transformer, b: Transformer, windows: TokenWindows, *, eva
         x, y = x.to(dev), y.to(dev)
         oa, ob = a(x, y), b(x, y)
         n = float(y.numel())
-        la, lb = oa.logits.float().log_softmax(-1), ob.logits.float().log_softmax(-1)
         sums["n"] += n
         sums["ce_a"] += float(oa.loss) * n
         sums["ce_b"] += float(ob.loss) * n
-        sums["kl"] += float((la.exp() * (la - lb)).sum(-1).double().sum())
-        sums["agree"] += float((la.argmax(-1) == lb.argmax(-1)).double().sum())
+        sums["kl"] += float(kl_rows(oa.logits, ob.logits).double().sum())
+        sums["agree"] += float((oa.logits.argmax(-1) == ob.logits.argmax(-1)).double().sum())
         if cfg.gating:
             ga, gb = oa.gates.reshape(half, -1), ob.gates.reshape(half, -1)  # [L/2, N]
             gate_abs += (ga - gb).abs().double().sum(1).cpu()

@@ -569,8 +569,8 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
             other = _other_run_here(run_dir, m, s)
             if other:
                 raise ValueError(f"{run_dir} holds a different run ({'; '.join(other)}); move it away")
+            old = previous.get(spec.name, {})  # a skipped run keeps the wall time and machine that trained it
             if is_finished(run_dir, t.steps):
-                old = previous.get(spec.name, {})
                 rec.update(action="skip", status="done", wall_s=old.get("wall_s"), machine=old.get("machine"))
                 val_ce = (_read_json(run_dir / "eval.json") or {}).get("val_ce")
                 print(f"{head}: finished earlier, skipped (val_ce {val_ce})", flush=True)
@@ -578,7 +578,6 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
                 save_state()
                 continue
             if grid.divergence_is_a_result and diverged(run_dir):
-                old = previous.get(spec.name, {})
                 rec.update(action="skip", status="diverged", wall_s=old.get("wall_s"), machine=old.get("machine"))
                 print(f"{head}: diverged earlier (a result of this grid), skipped", flush=True)
                 save_state()
