@@ -8,7 +8,10 @@ The Markdown report also answers whether the sparsity controller met its layer-w
 run it lists, per first-half block l, the measured mean gate, the sparsity (fraction of exactly-zero gates)
 and the target mu*_l (linear from mu0 at block 0 to mu_final at block L/2-1, `sparsity.mean_targets`), and
 whether |mean gate - mu*_l| <= delta, the controller's dead band (within it the controller stops adjusting,
-so that is the precision it aims for). Gate statistics are those of the final evaluation.
+so that is the precision it aims for). Gate statistics are those of the final evaluation (validation text) and,
+since the controller acts on training batches and the two differ by more than delta at small budgets, the mean of
+the logged training steps over the last TRAIN_GATE_WINDOW steps (`train_gate_means`). A sweep with seeds also gets
+one row per point and block: the mean over seeds on both sides and the number of seeds within delta.
 
     midlayer plot runs/sweep/cpu                   # docs/results/figure2-cpu.{png,csv,md}
     midlayer plot runs/sweep/cpu --out /tmp/fig2   # /tmp/fig2.{png,csv,md}
@@ -31,6 +34,9 @@ CSV_COLUMNS = ("run", "kind", "n_layers", "controller", "mu0", "mu_final", "val_
                "flops_per_seq", "flops_per_seq_dense_equiv", "flops_ratio", "params", "active_params",
                "train_tokens_per_s", "step", "finished")
 DEFAULT_DELTA = 0.01  # SparsityConfig.delta's default, for runs whose config is not on disk
+# The controller acts on training batches, so the report also judges each block on them: the mean of the logged
+# training steps (`gate_mean/l` in metrics.jsonl, every log_every-th step) over this many final steps.
+TRAIN_GATE_WINDOW = 100
 _TOL = 1e-9  # so that a difference of exactly delta counts as met despite binary rounding
 
 
@@ -39,6 +45,30 @@ def _read_json(path: Path) -> Any:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+def train_gate_means(run_dir: Path | str, window: int = TRAIN_GATE_WINDOW) -> list[float] | None:
+    """Per first-half block, the mean gate on the training batches the controller saw over the run's last `window`
+    steps: the average of the logged `gate_mean/l` of steps in (last - window, last]. A resumed run may have
+    logged a step twice; its last record counts. None when the log holds no gate statistics."""
+    by_step: dict[int, dict[str, Any]] = {}
+    try:
+        with open(Path(run_dir) / "metrics.jsonl") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a kill: the steps around it still count
+                if isinstance(rec, dict) and "gate_mean/0" in rec and isinstance(rec.get("step"), int):
+                    by_step[rec["step"]] = rec
+    except OSError:
+        return None
+    if not by_step:
+        return None
+    last = max(by_step)
+    recs = [r for k, r in by_step.items() if k > last - window]
+    half = sum(1 for k in recs[0] if k.startswith("gate_mean/"))
+    return [sum(r[f"gate_mean/{l}"] for r in recs) / len(recs) for l in range(half)]
 
 
 def _run_dirs(sweep_dir: Path, sweep: dict | None) -> list[Path]:
@@ -109,6 +139,7 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             "point": point_name(run_dir.name),
             "seed": (cfg.get("train") or {}).get("seed"),
             "gate_attention": model.get("gate_attention", "key") if gating else None,
+            "train_gate_mean": train_gate_means(run_dir) if gating else None,
         }
         rows.append(row)
     return rows
@@ -167,10 +198,12 @@ def block_targets(mu0: float, mu_final: float, n_layers: int) -> list[float]:
 
 
 def block_check(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per first-half block of a gated row: mean gate, sparsity, target, |diff| and whether it is <= delta.
+    """Per first-half block of a gated row: mean gate, sparsity, target, |diff| and whether it is <= delta, on the
+    final evaluation (validation text) and, where the row has them, on the last training batches (`train_*`).
     Runs without a controller (or without targets) get target/diff/met = None."""
     half = row["n_layers"] // 2
     means, zeros = row.get("gate_mean") or [], row.get("gate_sparsity") or []
+    train = row.get("train_gate_mean") or []
     targets: list[float | None] = [None] * half
     if row["kind"] == KIND_GATED and row.get("mu0") is not None and row.get("mu_final") is not None:
         targets = block_targets(float(row["mu0"]), float(row["mu_final"]), row["n_layers"])
@@ -180,9 +213,32 @@ def block_check(row: dict[str, Any]) -> list[dict[str, Any]]:
         mean = means[b] if b < len(means) else None
         target = targets[b]
         diff = abs(mean - target) if (mean is not None and target is not None) else None
+        tmean = train[b] if b < len(train) else None
+        tdiff = abs(tmean - target) if (tmean is not None and target is not None) else None
         out.append({"block": b, "gate_mean": mean, "sparsity": zeros[b] if b < len(zeros) else None,
                     "target": target, "diff": diff, "delta": delta,
-                    "met": (diff <= delta + _TOL) if diff is not None else None})
+                    "met": (diff <= delta + _TOL) if diff is not None else None,
+                    "train_gate_mean": tmean, "train_diff": tdiff,
+                    "train_met": (tdiff <= delta + _TOL) if tdiff is not None else None})
+    return out
+
+
+def _block_point_table(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: per controlled point and first-half block, the mean gate over seeds (± sample std) on
+    validation and on the last training batches, and how many seeds met the target within delta on each."""
+    out = ["Mean over seeds (± sample std); `met`: seeds within delta of the target.", "",
+           "| point | block | target | val mean gate | met (val) | train mean gate | met (train) |",
+           "|---|---|---|---|---|---|---|"]
+    for p in points:
+        checks = [block_check(r) for r in rows if (r.get("point") or point_name(r["run"])) == p["point"]]
+        for b, c0 in enumerate(checks[0]):
+            cols = []
+            for key, met in (("gate_mean", "met"), ("train_gate_mean", "train_met")):
+                xs = [c[b][key] for c in checks if c[b][key] is not None]
+                m = _stats(xs) if xs else None
+                cols.append("-" if m is None else f"{m[0]:.3f} ± {m[1]:.3f}")
+                cols.append(f"{sum(bool(c[b][met]) for c in checks)}/{len(checks)}" if xs else "-")
+            out.append(f"| {p['point']} | {b} | {_fmt(c0['target'], '.3f')} | " + " | ".join(cols) + " |")
     return out
 
 
@@ -274,12 +330,19 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
             "## Did the controller meet its layer-wise targets?",
             "",
             "Per first-half block l (block L-1-l shares its gate): mean gate and sparsity (fraction of gates "
-            "exactly 0) at the final evaluation, against the target mu*_l = linspace(mu0, mu_final, L/2)[l]; "
-            "met = |mean gate - mu*_l| <= delta (the controller's dead band). Runs without control have no "
-            "target.",
+            "exactly 0) at the final evaluation (validation text), against the target mu*_l = linspace(mu0, "
+            "mu_final, L/2)[l]; met = |mean gate - mu*_l| <= delta (the controller's dead band). `train`: the "
+            "mean gate on the training batches the controller acted on, averaged over the logged steps of the "
+            f"last {TRAIN_GATE_WINDOW}. Runs without control have no target.",
             "",
-            "| run | mu0 -> mu_final | block | target mu*_l | mean gate | sparsity | abs diff | met |",
-            "|---|---|---|---|---|---|---|---|",
+        ]
+        controlled = [p for p in aggregate(gated) if p["seeds"] > 1 and p.get("mu_final") is not None]
+        if controlled:
+            lines += _block_point_table(gated, controlled) + [""]
+        lines += [
+            "| run | mu0 -> mu_final | block | target mu*_l | mean gate | sparsity | abs diff | met "
+            "| train mean gate | train abs diff | met on train |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         summary = []
         for r in gated:
@@ -289,11 +352,14 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
             for c in checks:
                 lines.append(f"| {r['run']} | {span} | {c['block']} | {_fmt(c['target'], '.3f')} | "
                              f"{_fmt(c['gate_mean'], '.3f')} | {_fmt(c['sparsity'], '.3f')} | "
-                             f"{_fmt(c['diff'], '.3f')} | {_fmt(c['met'])} |")
+                             f"{_fmt(c['diff'], '.3f')} | {_fmt(c['met'])} | {_fmt(c['train_gate_mean'], '.3f')} | "
+                             f"{_fmt(c['train_diff'], '.3f')} | {_fmt(c['train_met'])} |")
             judged = [c["met"] for c in checks if c["met"] is not None]
             if judged:
+                judged_t = [c["train_met"] for c in checks if c["train_met"] is not None]
+                train = f", {sum(judged_t)}/{len(judged_t)} on training batches" if judged_t else ""
                 summary.append(f"- {r['run']}: {sum(judged)}/{len(judged)} blocks within delta = "
-                               f"{checks[0]['delta']:g} of their target")
+                               f"{checks[0]['delta']:g} of their target{train}")
         if summary:
             lines += [""] + summary
     md_path.write_text("\n".join(lines) + "\n")

@@ -17,7 +17,7 @@ from midlayer import cli
 from midlayer.config import get_preset
 from midlayer.data import write_shard
 from midlayer.kernels import cpu_info
-from midlayer.plot import block_check, block_targets, collect, plot_figure2, write_table
+from midlayer.plot import block_check, block_targets, collect, plot_figure2, train_gate_means, write_table
 from midlayer.sweep import (CPU_MU_FINALS, CPU_STEPS, GRIDS, Grid, RunSpec, check_grid, config_flags, get_grid,
                             resolve_run, run_sweep, torchrun_command)
 from midlayer.train import train
@@ -372,6 +372,50 @@ def test_block_targets_and_check_by_hand():
     assert [c["met"] for c in block_check({**row, "delta": 0.1})] == [True, True, True]
     free = block_check({**row, "kind": "gated-no-control", "mu0": None, "mu_final": None})
     assert [c["met"] for c in free] == [None, None, None] and free[1]["gate_mean"] == 0.70
+
+
+def test_train_gate_means_by_hand(tmp_path):
+    """The last 100 steps' logged training gates, per block: steps 1110 and 1200 of a 1200-step run count, 1100
+    (and 1000) do not; a step logged twice (a resumed run) counts once with its last record; a cut line is skipped."""
+    recs = [{"step": 1000, "gate_mean/0": 0.0, "gate_mean/1": 0.0},
+            {"step": 1100, "gate_mean/0": 0.0, "gate_mean/1": 0.0},
+            {"step": 1110, "gate_mean/0": 0.9, "gate_mean/1": 0.1},
+            {"step": 1200, "gate_mean/0": 0.5, "gate_mean/1": 0.5},  # overwritten by the resumed run's record
+            {"step": 1200, "gate_mean/0": 1.0, "gate_mean/1": 0.6},
+            {"event": "final", "val_ce": 4.0, "gate_mean": [0.2, 0.3]}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + '\n{"step": 12')
+    assert train_gate_means(tmp_path) == pytest.approx([0.95, 0.35])
+    assert train_gate_means(tmp_path, window=200) == pytest.approx([(0.0 + 0.9 + 1.0) / 3, (0.0 + 0.1 + 0.6) / 3])
+    assert train_gate_means(tmp_path, window=201) == pytest.approx([1.9 / 4, 0.7 / 4])
+    assert train_gate_means(tmp_path / "missing") is None
+    row = {"run": "g", "kind": "gated", "n_layers": 4, "mu0": 1.0, "mu_final": 0.5, "delta": 0.01,
+           "gate_mean": [0.995, 0.45, 0.45, 0.995], "gate_sparsity": [0.0, 0.5, 0.5, 0.0],
+           "train_gate_mean": train_gate_means(tmp_path)}
+    checks = block_check(row)  # targets 1.0, 0.5: train 0.95 (0.05 off), 0.35 (0.15 off); val 0.005, 0.05 off
+    assert [c["met"] for c in checks] == [True, False]
+    assert [c["train_diff"] for c in checks] == pytest.approx([0.05, 0.15])
+    assert [c["train_met"] for c in checks] == [False, False]
+    assert [c["train_met"] for c in block_check({**row, "delta": 0.16})] == [True, True]
+    assert block_check({**row, "train_gate_mean": None})[0]["train_met"] is None
+
+
+def test_report_judges_controlled_points_on_training_batches_over_seeds(tmp_path):
+    """Three seeds of one controlled point with logged training gates: the per-point block table gives the
+    mean ± std over seeds on both sides and counts the seeds within delta."""
+    only = [f"gated-key-mu0.50-s{k}" for k in (0, 1, 2)]
+    assert run_sweep("cpu-seeds", tmp_path, only=only, train_fn=FakeTrain(), progress=False) == 0
+    # training gates of block 1 (target 0.75): 0.75, 0.76, 0.80 -> mean 0.77, std 0.02646; 2 of 3 within 0.01
+    for k, g1 in enumerate((0.75, 0.76, 0.80)):
+        (tmp_path / "cpu-seeds" / only[k] / "metrics.jsonl").write_text(json.dumps(
+            {"step": 1200, "gate_mean/0": 1.0, "gate_mean/1": g1, "gate_mean/2": 0.5}) + "\n")
+    rows = collect(tmp_path / "cpu-seeds")
+    assert [r["train_gate_mean"][1] for r in rows] == pytest.approx([0.75, 0.76, 0.80])
+    write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
+    md = (tmp_path / "t.md").read_text()
+    # the fake evaluation hits every target exactly (_fake_eval): 3/3 on validation
+    assert "| gated-key-mu0.50 | 1 | 0.750 | 0.750 ± 0.000 | 3/3 | 0.770 ± 0.026 | 2/3 |" in md
+    assert "| gated-key-mu0.50 | 0 | 1.000 | 1.000 ± 0.000 | 3/3 | 1.000 ± 0.000 | 3/3 |" in md
+    assert "- gated-key-mu0.50-s2: 3/3 blocks within delta = 0.01 of their target, 2/3 on training batches" in md
 
 
 def test_plot_writes_png(tmp_path):
