@@ -12,8 +12,14 @@ is measured with the spans' keys gone for all positions; a per-token policy woul
 tokens' keys in place (eq. 3 hides only skipped keys). Cheap tokens under collective skipping should be no
 dearer alone, but that is not proved here.
 
+With `--gates DIR` (a `midlayer train-gates` output with adapters, `--lora-rank` > 0) the spans are skipped
+in the *adapted* model (its low-rank adapters kept, its routers replaced by the static spans) and every cost is
+still measured against the frozen dense model: does training the blocks make skipping cheaper? An extra row,
+span "none", is the adapted model skipping nothing; a token that takes no span pays that row's KL.
+
     python benchmarks/skip_oracle.py                         # SmolLM2-135M-Instruct, 32 held-out records
     python benchmarks/skip_oracle.py --records 64 --json out.json
+    python benchmarks/skip_oracle.py --gates gates/smollm2-135m/t0.5-r8-sampled-norm
 """
 
 from __future__ import annotations
@@ -30,17 +36,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from midlayer.bench import static_skip_gates  # noqa: E402
 from midlayer.drafters import kl_rows  # noqa: E402
 from midlayer.model import Transformer  # noqa: E402
+from midlayer.skip_gates import SkipGates  # noqa: E402
 
 THRESHOLDS = (0.01, 0.05, 0.1, 0.5)
 
 
-def per_token_costs(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+def per_token_costs(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                    adapters: SkipGates | None = None) -> dict:
     """kl[a], agree[a]: 1-D tensors over the valid positions of `batches`, for the static span starting at
-    routed block a (a = 0 .. L/2 - 1; span [a, L-1-a], L - 2a blocks)."""
+    routed block a (a = 0 .. L/2 - 1; span [a, L-1-a], L - 2a blocks), against the dense `model`. With
+    `adapters` carrying low-rank adapters, the spans are skipped in the adapted model, and a = L/2 (no block
+    skipped) is the adapted model itself."""
     L = model.cfg.n_layers
-    kl: dict[int, list[torch.Tensor]] = {a: [] for a in range(L // 2)}
-    agree: dict[int, list[torch.Tensor]] = {a: [] for a in range(L // 2)}
-    twins = {a: static_skip_gates(model, a).twin(model) for a in range(L // 2)}
+    firsts: list[int | None] = list(range(L // 2))
+    if adapters is not None and adapters.lora_rank:
+        firsts.append(None)
+    twins = {L // 2 if a is None else a: static_skip_gates(model, a, adapters).twin(model) for a in firsts}
+    kl: dict[int, list[torch.Tensor]] = {a: [] for a in twins}
+    agree: dict[int, list[torch.Tensor]] = {a: [] for a in twins}
     with torch.no_grad():
         for tokens, mask in batches:
             valid = mask[0]
@@ -54,12 +67,14 @@ def per_token_costs(model: Transformer, batches: list[tuple[torch.Tensor, torch.
 
 def oracle(costs: dict, n_layers: int, threshold: float) -> dict:
     """Every token takes the largest span (smallest a) whose KL for it is <= threshold and whose greedy token
-    is the dense one; none if no span qualifies. Returns the mean share of the L blocks skipped, the mean KL
-    paid and the share of tokens that skip anything."""
-    firsts = sorted(costs["kl"])
+    is the dense one; none if no span qualifies (it then pays the KL of span a = L/2, the adapted model
+    unskipped, where the costs have it; 0 otherwise). Returns the mean share of the L blocks skipped, the mean
+    KL paid and the share of tokens that skip anything."""
+    firsts = sorted(a for a in costs["kl"] if a < n_layers // 2)
     n = costs["kl"][firsts[0]].numel()
     skipped = torch.zeros(n)
-    paid = torch.zeros(n)
+    none = costs["kl"].get(n_layers // 2)
+    paid = torch.zeros(n) if none is None else none.clone().float()
     chosen = torch.zeros(n, dtype=torch.bool)
     for a in firsts:  # smallest a = largest span first; a token keeps its first qualifying span
         ok = (costs["kl"][a] <= threshold) & costs["agree"][a] & ~chosen
@@ -77,6 +92,7 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=32, help="held-out records (response positions)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--json", default="", help="also write the table's numbers here")
+    ap.add_argument("--gates", default="", help="a train-gates output with adapters: skip in the adapted model")
     args = ap.parse_args()
     if args.records < 1 or args.seq_len < 2:
         ap.error("--records must be >= 1 and --seq-len >= 2")
@@ -86,13 +102,23 @@ def main() -> None:
     from midlayer.pretrained import load_pretrained
 
     model = load_pretrained(args.model)[0].float().eval()
+    adapters = None
+    if args.gates:
+        from midlayer.drafters import load_draft
+
+        adapters = load_draft(args.gates, model, args.model)[0]
+        if not isinstance(adapters, SkipGates) or not adapters.lora_rank:
+            sys.exit(f"{args.gates}: not skip gates with adapters (--lora-rank > 0); without adapters the spans "
+                     "are the base model's, which the run without --gates measures")
+        adapters = adapters.float().eval()
     held = response_batches(DistillSet.load(args.data), args.seq_len, args.records)
     if not held:
         sys.exit(f"{args.data}: no held-out records")
     L = model.cfg.n_layers
-    costs = per_token_costs(model, held)
+    costs = per_token_costs(model, held, adapters)
     n = costs["kl"][0].numel()
-    print(f"{cpu_info().summary()}\n{args.model} (fp32), {len(held)} held-out records, {n} response positions\n")
+    what = f"{args.model} (fp32)" + (f" with the adapters of {args.gates}" if adapters is not None else "")
+    print(f"{cpu_info().summary()}\n{what}, {len(held)} held-out records, {n} response positions\n")
     print("| static span | blocks skipped | mean KL | median KL | agreement | "
           + " | ".join(f"KL <= {t:g}" for t in THRESHOLDS) + " |")
     print("|---|---|---|---|---|" + "---|" * len(THRESHOLDS))
@@ -103,7 +129,8 @@ def main() -> None:
                "agree": float(g.float().mean()), "share_below": {str(t): float((k <= t).float().mean())
                                                                  for t in THRESHOLDS}}
         rows.append(row)
-        print(f"| {a}-{L - 1 - a} | {row['blocks']} | {row['kl_mean']:.3f} | {row['kl_median']:.4f} | "
+        span = "none" if a == L // 2 else f"{a}-{L - 1 - a}"
+        print(f"| {span} | {row['blocks']} | {row['kl_mean']:.3f} | {row['kl_median']:.4f} | "
               f"{row['agree']:.3f} | " + " | ".join(f"{row['share_below'][str(t)]:.3f}" for t in THRESHOLDS) + " |")
     print("\nper-token oracle: each token skips its largest span with KL <= threshold and the dense greedy token\n")
     print("| threshold | blocks skipped (mean share) | tokens skipping | mean KL paid |")
@@ -113,7 +140,8 @@ def main() -> None:
         o = orc[str(t)] = oracle(costs, L, t)
         print(f"| {t:g} | {o['skipped_frac']:.3f} | {o['tokens_skipping']:.3f} | {o['kl']:.4f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "records": len(held), "positions": n,
+        Path(args.json).write_text(json.dumps({"model": args.model, "gates": args.gates or None,
+                                               "records": len(held), "positions": n,
                                                "spans": rows, "oracle": orc}, indent=2) + "\n")
 
 

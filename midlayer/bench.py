@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -30,6 +30,9 @@ from .flops import decode_flops, forward_flops
 from .generate import GenerationConfig, decode_one_token, forward_cached, generate, prefill
 from .kv_cache import KVCache
 from .model import Transformer
+
+if TYPE_CHECKING:
+    from .skip_gates import SkipGates
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -691,18 +694,26 @@ __all__ = ["bench_skipping", "skipping_table", "bench_decode", "decode_table", "
 
 
 # ================================================================================ skip gates (issue 15)
-def static_skip_gates(model: Transformer, first: int):
+def static_skip_gates(model: Transformer, first: int | None, adapters: SkipGates | None = None) -> SkipGates:
     """Skip gates that make EVERY token skip the span [first, L-1-first]: router `first` has bias 1 (S = 1,
     gate 0 there, eq. 2), every other router is 0. The static layer-skip baseline then runs through the
-    same engine, real skipping and all, as the learned gates it is compared with."""
+    same engine, real skipping and all, as the learned gates it is compared with.
+
+    `adapters`: trained `SkipGates` whose low-rank adapters (if any) the static skip shares, not copies -- the
+    static skip of an adapted model; their routers are not used. `first=None` skips nothing (every gate 1):
+    with adapters, the adapted model itself."""
     from .skip_gates import SkipGates
 
     L = model.cfg.n_layers
-    if not 0 <= first < L // 2:
+    if first is not None and not 0 <= first < L // 2:
         raise ValueError(f"a static skip starts at a routed block, 0 <= first < {L // 2}, got {first}")
-    gates = SkipGates.for_model(model)
+    rank = adapters.lora_rank if adapters is not None else 0
+    gates = SkipGates.for_model(model, **({"lora_rank": rank, "lora_alpha": adapters.lora_alpha} if rank else {}))
+    if rank:
+        gates.lora = adapters.lora  # shared: the twin's LowRankLinear borrows these very parameters
     with torch.no_grad():
-        gates.routers[first].bias.fill_(1.0)
+        if first is not None:
+            gates.routers[first].bias.fill_(1.0)
     gates.calibrated.fill_(True)  # nothing to calibrate: the weights are 0
     return gates.eval()
 

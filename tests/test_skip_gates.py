@@ -568,3 +568,57 @@ def test_skip_oracle_per_token_costs_and_choice_by_hand():
     assert o["tokens_skipping"] == pytest.approx(1 / 3)
     o = skip_oracle.oracle(hand, 6, 0.05)  # token 1 now takes span 1 (4 blocks, 0.02)
     assert o["skipped_frac"] == pytest.approx((6 + 4) / 6 / 3) and o["kl"] == pytest.approx((0.005 + 0.02) / 3)
+
+
+def test_skip_oracle_over_an_adapted_model_by_hand():
+    """--gates: the static spans are skipped in the adapted model, whose adapters are shared, not copied; by
+    hand, that equals skipping the span in a model whose wo and w2 carry the merged update W + (alpha/r) B A.
+    The extra span a = L/2 is the adapted model unskipped, and a token that takes no span pays its KL."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    from midlayer.bench import static_skip_gates
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import skip_oracle
+
+    model = dense()
+    adapters = SkipGates.for_model(model, lora_rank=2)
+    g = torch.Generator().manual_seed(14)
+    with torch.no_grad():
+        for name, p in adapters.lora.items():
+            if name.endswith("_b"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    static = static_skip_gates(model, 1, adapters)
+    assert static.lora["0_wo_a"] is adapters.lora["0_wo_a"] and static.lora_rank == 2
+    merged = copy.deepcopy(model)
+    scale = adapters.lora_alpha / adapters.lora_rank
+    with torch.no_grad():
+        for layer, block in enumerate(merged.layers):
+            for lin, name in ((block.attention.wo, "wo"), (block.feed_forward.w2, "w2")):
+                lin.weight += scale * adapters.lora[f"{layer}_{name}_b"] @ adapters.lora[f"{layer}_{name}_a"]
+    tokens = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        want = static_skip_gates(merged, 1).twin(merged)(tokens).logits
+        assert torch.allclose(static.twin(model)(tokens).logits, want, atol=1e-5)
+        assert not torch.allclose(static_skip_gates(model, 1).twin(model)(tokens).logits, want, atol=1e-3)
+        unskipped = static_skip_gates(model, None, adapters).twin(model)(tokens).logits
+        assert torch.allclose(unskipped, merged(tokens).logits, atol=1e-5)
+
+    mask = (torch.arange(12) >= 4)[None]
+    costs = skip_oracle.per_token_costs(model, [(tokens, mask)], adapters)
+    assert sorted(costs["kl"]) == [0, 1, 2, 3]
+    with torch.no_grad():
+        p = model(tokens).logits[0, 4:].softmax(-1)
+        q = merged(tokens).logits[0, 4:].softmax(-1)
+    assert torch.allclose(costs["kl"][3], (p * (p.log() - q.log())).sum(-1), atol=1e-5)
+    assert sorted(skip_oracle.per_token_costs(model, [(tokens, mask)])["kl"]) == [0, 1, 2]  # no adapters: no row
+
+    # 2 tokens, L = 6; the adapted model unskipped (a = 3) costs 0.002 and 0.004
+    hand = {"kl": {0: torch.tensor([0.5, 0.5]), 1: torch.tensor([0.5, 0.5]), 2: torch.tensor([0.003, 0.5]),
+                   3: torch.tensor([0.002, 0.004])},
+            "agree": {a: torch.tensor([True, True]) for a in range(4)}}
+    o = skip_oracle.oracle(hand, 6, 0.01)  # token 0 skips span 2 (2 blocks) at 0.003; token 1 pays 0.004
+    assert o["skipped_frac"] == pytest.approx(2 / 6 / 2) and o["kl"] == pytest.approx((0.003 + 0.004) / 2)
+    assert o["tokens_skipping"] == pytest.approx(1 / 2)
