@@ -249,6 +249,9 @@ class SparsityConfig:
     alpha: float = 1e-2  # fixed mean coefficient for the non-adaptive `sparsity*` controllers
     beta: float = 1e-2  # fixed variance coefficient for the non-adaptive `sparsity*` controllers
     kp: float = 0.0  # proportional gain (beyond the paper; 0 = eq. 6 alone): the loss coefficient is alpha + kp e
+    beta_max: float = 0.0  # bound on |beta| (anti-windup, beyond the paper; 0 = unbounded, eq. 6): soft gates
+    #                        cannot reach the variance target mu (1 - mu), the variance of 0/1 gates, so eq. 6
+    #                        integrates beta without end, a ramp the mean's integral must keep chasing
     reg_grad: str = "exact"  # what the regulariser differentiates: eq. 4 on the model's gates ("exact"; with
     #                          gate_grad straight_through those are already straight-through) or on their
     #                          straight-through twins (same values; reaches saturated tokens; gating.py);
@@ -264,12 +267,14 @@ class SparsityConfig:
         for name in ("mu0", "mu_final"):
             v = getattr(self, name)
             _check(0.0 <= v <= 1.0, name, f"a mean gate target must be in [0, 1], got {v}")
-        for name in ("gamma", "delta", "alpha", "beta", "kp"):
+        for name in ("gamma", "delta", "alpha", "beta", "kp", "beta_max"):
             v = getattr(self, name)
             _check(v >= 0, name, f"must be >= 0, got {v}")
         _check(self.reg_grad in REG_GRADS, "reg_grad", f"must be one of {REG_GRADS}, got {self.reg_grad!r}")
         _check(self.kp == 0 or self.controller in ("adaptive", "proportional"), "kp",
                f"the proportional term needs an adaptive controller (adaptive, proportional), got {self.controller!r}")
+        _check(self.beta_max == 0 or self.controller in ("adaptive", "proportional"), "beta_max",
+               f"bounds an adaptive controller's beta (adaptive, proportional), got {self.controller!r}")
 
 
 @dataclass

@@ -98,6 +98,12 @@ class SparsityController:
         self.kp = float(cfg.kp)  # SparsityConfig allows kp > 0 only for the adaptive kinds
         self.err_mean = torch.zeros(n_layers, dtype=torch.float32)
         self.err_var = torch.zeros(n_layers, dtype=torch.float32)
+        # Anti-windup (beyond the paper, issue 14): |beta| <= beta_max when > 0. The variance target
+        # mu (1 - mu) is the largest variance a [0, 1] gate can have at mean mu, reached only by 0/1 gates, so
+        # with soft gates s2 < sigma2* for good and eq. 6 drives beta down without end; through eq. 5 that
+        # ramp pushes on the gates, and the mean's integral term lags behind a ramp. Clamping the integrator
+        # is the textbook fix.
+        self.beta_max = float(cfg.beta_max)
         if self.kind == "sparsity":
             # Table 1: this variant has a mean term only.
             self.beta.zero_()
@@ -159,6 +165,8 @@ class SparsityController:
             step = diff if self.kind == "proportional" else torch.sign(diff)
             coef.add_(self.gamma * torch.where(outside, step, torch.zeros_like(step)))
             err.copy_(torch.where(outside, diff, torch.zeros_like(diff)))
+        if self.beta_max > 0:
+            self.beta.clamp_(-self.beta_max, self.beta_max)
 
     def metrics(self) -> dict[str, float]:
         """Per-block coefficients and targets as flat floats, for logging."""

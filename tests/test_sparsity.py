@@ -91,6 +91,25 @@ def test_proportional_term_by_hand() -> None:
     assert _list(c2.err_mean) == [0.0] * 6
 
 
+def test_beta_max_clamps_the_variance_integrator_by_hand() -> None:
+    """beta_max > 0 (anti-windup, beyond the paper): after each update |beta| <= beta_max; alpha is not bound.
+    gamma 1e-3; block 2's var error +0.5 adds 5e-4 a step, block 1's -0.05 adds -5e-5: with beta_max 1.2e-3
+    block 2 is held at 1.2e-3 from the third step, block 1 goes on (-1e-4, -1.5e-4, ...)."""
+    c = make_controller(_cfg("proportional", beta_max=1.2e-3), 6)
+    for _ in range(3):
+        c.update(MEAN, VAR)
+    assert _list(c.beta) == pytest.approx([0, -1.5e-4, 1.2e-3, 0, 0, 0], abs=1e-9)
+    assert _list(c.alpha) == pytest.approx([0, 0, 9e-4, 0, -6e-5, 0], abs=1e-9)
+    free = make_controller(_cfg("proportional"), 6)
+    for _ in range(3):
+        free.update(MEAN, VAR)
+    assert float(free.beta[2]) == pytest.approx(1.5e-3)  # beta_max = 0: eq. 6 unbounded
+    with pytest.raises(ValueError, match="beta_max"):
+        SparsityConfig(beta_max=-1.0)
+    with pytest.raises(ValueError, match="beta_max"):
+        SparsityConfig(controller="sparsity_variance", beta_max=0.1)
+
+
 def test_adaptive_update_uses_sign() -> None:
     c = make_controller(_cfg("adaptive"), 6)
     c.update(MEAN, VAR)
