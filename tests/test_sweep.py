@@ -328,8 +328,14 @@ def test_seeds_grid_points_aggregate_by_hand(tmp_path):
     assert {r.train["seed"] for r in grid.runs} == {0, 1, 2} and len(grid.runs) == 3 * 14
     # the controlled runs train with the setting the controller study chose (SEEDS_*), the others without control
     s = resolve_run(grid, grid.run("gated-query-mu0.00-s2"), tmp_path / "x")[1]
-    assert (s.controller, s.mu_final, s.gamma, s.kp, s.reg_grad) == ("proportional", 0.0, 1e-2, 1.0,
-                                                                     "straight_through_inward")
+    assert (s.controller, s.mu_final, s.gamma, s.kp, s.reg_grad, s.beta_max) == ("proportional", 0.0, 1e-2, 1.0,
+                                                                                 "straight_through_inward", 0.1)
+    # cpu-noise keeps the unbounded controller its gated pair was trained with, and holds that pair's reference
+    noise = get_grid("cpu-noise")
+    assert [r.name for r in noise.runs] == ["dense-6-p1e-7-s0", "gated-key-mu0.50-s0", "gated-key-mu0.50-p1e-7-s0"]
+    ref, twin = (resolve_run(noise, noise.run(n), tmp_path / n) for n in ("gated-key-mu0.50-s0", "gated-key-mu0.50-p1e-7-s0"))
+    assert ref[1].beta_max == twin[1].beta_max == 0.0 and ref[1].reg_grad == "straight_through_inward"
+    assert (ref[2].init_perturb, twin[2].init_perturb) == (0.0, 1e-7)
     assert resolve_run(grid, grid.run("gated-key-none-s0"), tmp_path / "y")[1].controller == "none"
     only = [f"{p}-s{k}" for p in ("dense-2", "gated-key-mu0.50", "gated-query-mu0.50") for k in (0, 1, 2)]
     assert run_sweep("cpu-seeds", tmp_path, only=only, train_fn=FakeTrain(), progress=False) == 0
