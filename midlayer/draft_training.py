@@ -124,6 +124,7 @@ class DraftTrainConfig:
     gate_target: float = 0.5  # mean-gate target of the innermost gated block (mu_final; 1 at block 0, linear)
     gate_gamma: float = 1e-2  # controller step (eq. 6); 1e-2, not the paper's 1e-3: docs/results/controller-cpu.md
     gate_kp: float = 0.0  # controller proportional gain (SparsityConfig.kp)
+    gate_beta_max: float = 0.0  # bound on the controller's variance coefficient (SparsityConfig.beta_max; 0: none)
     lora_rank: int = 0  # rank of the adapters on each block's wo and w2; 0: routers alone
     gate_values: str = "soft"  # "soft": eq. 2's gates; "hard": rounded to 0 or 1, all sparsity is real skipping;
     #                            "sampled": hard with a random threshold in training (ModelConfig.gate_values)
@@ -154,9 +155,10 @@ class DraftTrainConfig:
             raise ValueError(f"gate_values must be one of {', '.join(GATE_VALUES)}, got {self.gate_values!r}")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
-        if not 0 <= self.gate_target <= 1 or self.gate_gamma < 0 or self.gate_kp < 0:
-            raise ValueError(f"gate_target must be in [0, 1] (a mean gate), gate_gamma and gate_kp >= 0; got "
-                             f"{self.gate_target}, {self.gate_gamma}, {self.gate_kp}")
+        if (not 0 <= self.gate_target <= 1 or self.gate_gamma < 0 or self.gate_kp < 0
+                or self.gate_beta_max < 0):
+            raise ValueError(f"gate_target must be in [0, 1] (a mean gate), gate_gamma, gate_kp and gate_beta_max "
+                             f">= 0; got {self.gate_target}, {self.gate_gamma}, {self.gate_kp}, {self.gate_beta_max}")
         if self.cache_dir and Path(self.cache_dir).exists() and not Path(self.cache_dir).is_dir():
             raise ValueError(f"cache_dir {self.cache_dir}: exists and is not a directory")
         self.layers = tuple(int(t) for t in self.layers)
@@ -174,7 +176,7 @@ def build_module(cfg: DraftTrainConfig, model: Transformer) -> nn.Module:
     if cfg.method == "gates":
         return SkipGates.for_model(model, lora_rank=cfg.lora_rank, mu_final=cfg.gate_target, gamma=cfg.gate_gamma,
                                    kp=cfg.gate_kp, gate_values=cfg.gate_values,
-                                   router_norm=cfg.router_norm)
+                                   router_norm=cfg.router_norm, beta_max=cfg.gate_beta_max)
     layer = cfg.exit_layer if cfg.exit_layer >= 0 else paper_layers(L, 1)[0]
     if not 0 < layer <= L:
         raise ValueError(f"exit_layer must be in [1, {L}], got {layer}")
@@ -569,7 +571,7 @@ COST_ONLY = ("cache_gb", "cache_dir")
 # Settings added after runs were saved, with the value that reproduces what those runs did: a saved state
 # without one of them was made with this value (the gates settings only act for method "gates").
 ADDED_LATER = {"cache_dir": "", "gate_target": 0.5, "gate_gamma": 1e-2, "gate_kp": 0.0, "lora_rank": 0,
-               "gate_values": "soft", "router_norm": False}
+               "gate_values": "soft", "router_norm": False, "gate_beta_max": 0.0}
 
 
 def _saved_settings(old: dict[str, Any]) -> dict[str, Any]:

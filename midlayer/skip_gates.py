@@ -95,7 +95,7 @@ class SkipGates(nn.Module):
     def __init__(self, dim: int, n_layers: int, lora_rank: int = 0, attn_in: int = 0, ffn_hidden: int = 0,
                  lora_alpha: float = 16.0, mu0: float = 1.0, mu_final: float = 0.5, gamma: float = 1e-2,
                  delta: float = 1e-2, kp: float = 0.0, controller: str = "proportional",
-                 gate_values: str = "soft", router_norm: bool = False) -> None:
+                 gate_values: str = "soft", router_norm: bool = False, beta_max: float = 0.0) -> None:
         super().__init__()
         if n_layers < 2 or n_layers % 2:
             raise ValueError(f"skip gates need an even number of blocks >= 2 (block l mirrors L-1-l), got {n_layers}")
@@ -110,7 +110,8 @@ class SkipGates(nn.Module):
             # the coefficients live in buffers that start at 0 (eq. 6: "initialised to zero"); a fixed-coefficient
             # controller would keep them there and do nothing
             raise ValueError(f"skip gates need an adaptive controller ({', '.join(ADAPTIVE_KINDS)}), got {controller!r}")
-        self._sparsity = dict(mu0=mu0, mu_final=mu_final, gamma=gamma, delta=delta, kp=kp, controller=controller)
+        self._sparsity = dict(mu0=mu0, mu_final=mu_final, gamma=gamma, delta=delta, kp=kp, controller=controller,
+                              beta_max=beta_max)
         self.sparsity_config()  # validate now
         self.routers = Routers(dim, n_layers)
         self.register_buffer("router_scale", torch.ones(n_layers // 2))  # c_l (module docstring)
@@ -149,7 +150,7 @@ class SkipGates(nn.Module):
         # the twin trained by `gate_loss` has straight-through gates already, so the controller's term
         # differentiates those (what reg_grad = straight_through would select): no separate setting
         return SparsityConfig(controller=s["controller"], mu0=s["mu0"], mu_final=s["mu_final"], gamma=s["gamma"],
-                              delta=s["delta"], kp=s["kp"])
+                              delta=s["delta"], kp=s["kp"], beta_max=s["beta_max"])
 
     def controller(self) -> SparsityController:
         """The controller, its coefficients bound to this module's buffers (updates land in them)."""

@@ -622,3 +622,23 @@ def test_skip_oracle_over_an_adapted_model_by_hand():
     o = skip_oracle.oracle(hand, 6, 0.01)  # token 0 skips span 2 (2 blocks) at 0.003; token 1 pays 0.004
     assert o["skipped_frac"] == pytest.approx(2 / 6 / 2) and o["kl"] == pytest.approx((0.003 + 0.004) / 2)
     assert o["tokens_skipping"] == pytest.approx(1 / 2)
+
+
+def test_gates_controller_bounds_beta_and_saves_the_bound():
+    """--gate-beta-max reaches the gates' controller (SparsityConfig.beta_max): its beta, bound to the module's
+    buffer, stops at the bound; the bound travels in config(), and a config saved before it existed loads as 0
+    (unbounded, what those runs did)."""
+    from midlayer.draft_training import DraftTrainConfig, build_module
+
+    model = dense()
+    gates = build_module(DraftTrainConfig(method="gates", gate_beta_max=0.05, gate_gamma=1.0), model)
+    assert gates.config()["beta_max"] == 0.05 and gates.sparsity_config().beta_max == 0.05
+    c = gates.controller()
+    mean, var = torch.ones(6), torch.zeros(6)  # var 0 vs sigma2* = mu (1 - mu) > 0 inside: beta falls by gamma x err
+    for _ in range(3):
+        c.update(mean, var)
+    assert float(gates.ctrl_beta.min()) == pytest.approx(-0.05)  # -0.1875 after one step unbounded, held at -0.05
+    old = {k: v for k, v in gates.config().items() if k != "beta_max"}
+    assert SkipGates(**old).sparsity_config().beta_max == 0.0
+    with pytest.raises(ValueError, match="gate_beta_max"):
+        DraftTrainConfig(method="gates", gate_beta_max=-1.0)
