@@ -1,7 +1,7 @@
 """How far apart two trained runs are (issue 14): a seed, or a last-bit perturbation of the initial weights
 (`TrainConfig.init_perturb`, grid `cpu-noise`), on the same validation tokens (`evaluate.compare_runs`).
 
-    python benchmarks/run_spread.py sweeps/cpu-seeds/gated-key-mu0.50-s0 sweeps/cpu-noise/gated-key-mu0.50-p1e-7-s0
+    python benchmarks/run_spread.py sweeps/cpu-noise/gated-key-mu0.50-s0 sweeps/cpu-noise/gated-key-mu0.50-p1e-7-s0
     python benchmarks/run_spread.py A B --eval-tokens 50000
 """
 

@@ -104,9 +104,12 @@ def main() -> None:
     model = load_pretrained(args.model)[0].float().eval()
     adapters = None
     if args.gates:
-        from midlayer.drafters import load_draft
+        from midlayer.drafters import DraftMismatchError, load_draft
 
-        adapters = load_draft(args.gates, model, args.model)[0]
+        try:
+            adapters = load_draft(args.gates, model, args.model)[0]
+        except DraftMismatchError as e:
+            sys.exit(f"--gates: {e}")
         if not isinstance(adapters, SkipGates) or not adapters.lora_rank:
             sys.exit(f"{args.gates}: not skip gates with adapters (--lora-rank > 0); without adapters the spans "
                      "are the base model's, which the run without --gates measures")

@@ -51,6 +51,8 @@ def train_gate_means(run_dir: Path | str, window: int = TRAIN_GATE_WINDOW) -> li
     """Per first-half block, the mean gate on the training batches the controller saw over the run's last `window`
     steps: the average of the logged `gate_mean/l` of steps in (last - window, last]. A resumed run may have
     logged a step twice; its last record counts. None when the log holds no gate statistics."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1 steps, got {window}")
     by_step: dict[int, dict[str, Any]] = {}
     try:
         with open(Path(run_dir) / "metrics.jsonl") as f:
@@ -234,10 +236,10 @@ def _block_point_table(rows: list[dict[str, Any]], points: list[dict[str, Any]])
         for b, c0 in enumerate(checks[0]):
             cols = []
             for key, met in (("gate_mean", "met"), ("train_gate_mean", "train_met")):
-                xs = [c[b][key] for c in checks if c[b][key] is not None]
-                m = _stats(xs) if xs else None
+                judged = [c[b] for c in checks if c[b][key] is not None]  # seeds that have this side's data
+                m = _stats([c[key] for c in judged]) if judged else None
                 cols.append("-" if m is None else f"{m[0]:.3f} ± {m[1]:.3f}")
-                cols.append(f"{sum(bool(c[b][met]) for c in checks)}/{len(checks)}" if xs else "-")
+                cols.append(f"{sum(bool(c[met]) for c in judged)}/{len(judged)}" if judged else "-")
             out.append(f"| {p['point']} | {b} | {_fmt(c0['target'], '.3f')} | " + " | ".join(cols) + " |")
     return out
 

@@ -637,7 +637,7 @@ def test_gates_controller_bounds_beta_and_saves_the_bound():
     mean, var = torch.ones(6), torch.zeros(6)  # var 0 vs sigma2* = mu (1 - mu) > 0 inside: beta falls by gamma x err
     for _ in range(3):
         c.update(mean, var)
-    assert float(gates.ctrl_beta.min()) == pytest.approx(-0.05)  # -0.1875 after one step unbounded, held at -0.05
+    assert float(gates.ctrl_beta.min()) == pytest.approx(-0.05)  # block 2: -0.25 after one step unbounded
     old = {k: v for k, v in gates.config().items() if k != "beta_max"}
     assert SkipGates(**old).sparsity_config().beta_max == 0.0
     with pytest.raises(ValueError, match="gate_beta_max"):

@@ -422,6 +422,12 @@ def test_report_judges_controlled_points_on_training_batches_over_seeds(tmp_path
     assert "| gated-key-mu0.50 | 1 | 0.750 | 0.750 ± 0.000 | 3/3 | 0.770 ± 0.026 | 2/3 |" in md
     assert "| gated-key-mu0.50 | 0 | 1.000 | 1.000 ± 0.000 | 3/3 | 1.000 ± 0.000 | 3/3 |" in md
     assert "- gated-key-mu0.50-s2: 3/3 blocks within delta = 0.01 of their target, 2/3 on training batches" in md
+    # a seed without a training log is left out of that side's mean and count, not counted as a miss
+    (tmp_path / "cpu-seeds" / only[2] / "metrics.jsonl").unlink()
+    write_table(collect(tmp_path / "cpu-seeds"), tmp_path / "u.csv", tmp_path / "u.md")
+    assert "| gated-key-mu0.50 | 1 | 0.750 | 0.750 ± 0.000 | 3/3 | 0.755 ± 0.007 | 2/2 |" in (tmp_path / "u.md").read_text()
+    with pytest.raises(ValueError, match="window"):
+        train_gate_means(tmp_path, window=0)
 
 
 def test_plot_writes_png(tmp_path):
