@@ -137,9 +137,15 @@ class TokenWindows:
     spans two would teach the model to continue one document with an arbitrary other one.
     """
 
-    def __init__(self, paths: Sequence[PathLike], seq_len: int) -> None:
+    def __init__(self, paths: Sequence[PathLike], seq_len: int, span: tuple[float, float] = (0.0, 1.0)) -> None:
+        """`span` = (lo, hi): only tokens [lo n, hi n) of each shard of n tokens, e.g. (0, 0.98) for training and
+        (0.98, 1) for a part of the training data that is never trained on (the sparsity controller's
+        held-out statistics, `TrainConfig.control_holdout`)."""
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"TokenWindows: seq_len must be a positive int, got {seq_len!r}")
+        lo, hi = (float(v) for v in span)
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"TokenWindows: span must satisfy 0 <= lo < hi <= 1, got {span!r}")
         if isinstance(paths, (str, os.PathLike)):
             raise ValueError(f"TokenWindows: paths must be a list of shard paths, got the single path {paths!r}; "
                              "use resolve_data() to expand a glob")
@@ -148,10 +154,13 @@ class TokenWindows:
             raise ValueError("TokenWindows: empty list of shard paths (did a glob match nothing?)")
         self.seq_len = seq_len
         self.shards = [read_shard(p) for p in self.paths]
+        if (lo, hi) != (0.0, 1.0):  # views of the memory maps, nothing copied
+            self.shards = [s[int(lo * len(s)):int(hi * len(s))] for s in self.shards]
+        part = "" if (lo, hi) == (0.0, 1.0) else f" (its part {lo:g}-{hi:g})"
         for p, s in zip(self.paths, self.shards):
             if len(s) < seq_len + 1:
-                raise ValueError(f"{p}: shard has {len(s)} tokens, fewer than seq_len + 1 = {seq_len + 1} needed for "
-                                 "one window; use a shorter seq_len or merge it into another shard")
+                raise ValueError(f"{p}: shard{part} has {len(s)} tokens, fewer than seq_len + 1 = {seq_len + 1} "
+                                 "needed for one window; use a shorter seq_len or merge it into another shard")
         # Random mode: window start positions per shard (a window at s uses tokens s .. s+seq_len).
         self._n_starts = np.array([len(s) - seq_len for s in self.shards], dtype=np.int64)
         self._cum_starts = np.cumsum(self._n_starts)

@@ -382,7 +382,9 @@ class Transformer(nn.Module):
         h = self.run_blocks(h, self.causal(T), gates=gates, capture=states)
         hidden = None if states is None else [states[layer] for layer in range(cfg.n_layers + 1)]
         h = self.norm(h)
-        logits = self.output(h)
+        # the head is a third of a tiny model's forward: skipped when nobody reads the logits (the controller's
+        # held-out gate statistics, train.py)
+        logits = self.output(h) if (return_logits or targets is not None) else None
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1).long(),

@@ -39,7 +39,7 @@ from .data import TokenWindows, resolve_data
 from .evaluate import autocast_context, evaluate
 from .flops import forward_flops
 from .model import Transformer
-from .sparsity import GateStatsAccumulator, make_controller
+from .sparsity import ADAPTIVE_KINDS, GateStatsAccumulator, make_controller
 
 
 class NonFiniteLossError(RuntimeError):
@@ -247,6 +247,13 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     if model_cfg.gating and model_cfg.gate_values != "soft" and model_cfg.gate_grad == "exact":
         raise ValueError(f"--gate-values {model_cfg.gate_values}: rounded gates have no exact gradient (0 almost "
                          "everywhere), the routers would never move; use --gate-grad straight_through")
+    if cfg.control_holdout > 0:
+        if not (model_cfg.gating and sparsity_cfg.controller in ADAPTIVE_KINDS):
+            raise ValueError(f"--control-holdout {cfg.control_holdout}: held-out gate statistics feed an adaptive "
+                             f"sparsity controller ({', '.join(ADAPTIVE_KINDS)}) of a gated model; this run has "
+                             f"{'controller ' + repr(sparsity_cfg.controller) if model_cfg.gating else 'no gates'}")
+        if cfg.control_batch_size % world:
+            raise ValueError(f"--control-batch-size {cfg.control_batch_size} must split evenly over {world} ranks")
     if model_cfg.attn_backend == "flex" and dev.type != "cuda":
         raise ValueError(f"--attn-backend flex: FlexAttention cannot train on {dev.type} (no backward pass there); "
                          "use --attn-backend auto or sdpa")
@@ -279,6 +286,11 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     if files.vocab_size is not None and files.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"--vocab-size {model_cfg.vocab_size} is smaller than the tokenizer's {files.vocab_size}")
     train_windows = TokenWindows(files.train, cfg.seq_len)
+    control_windows = None
+    if cfg.control_holdout > 0:  # the end of every shard is never trained on: the controller reads it
+        cut = 1.0 - cfg.control_holdout
+        train_windows = TokenWindows(files.train, cfg.seq_len, span=(0.0, cut))
+        control_windows = TokenWindows(files.train, cfg.seq_len, span=(cut, 1.0))
     val_windows = TokenWindows(files.val, cfg.seq_len)
 
     # ---- model, optimizer, schedule, controller (same seed on every rank -> same initial weights)
@@ -361,6 +373,21 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         bar = cleanup.enter_context(tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}",
                                          dynamic_ncols=True))
     acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if controller is not None else None
+    per_control = cfg.control_batch_size // world
+
+    def control_stats(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gate statistics of the held-out control batch of `step` (eval mode: what inference would skip; no
+        gradient, no random draw), over all ranks."""
+        xc, _ = control_windows.batch(step, cfg.seed, cfg.control_batch_size, rank * per_control, per_control)
+        model.eval()
+        with torch.no_grad(), autocast_context(dev, dtype):
+            st = fwd(xc.to(dev, non_blocking=True), return_logits=False).gate_stats
+        model.train()
+        control_acc.reset()
+        control_acc.add(st.mean, st.var, st.zero_frac, st.n_tokens)
+        return control_acc.reduce()
+
+    control_acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if control_windows is not None else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     grad_norm_ema = None
     t_last, steps_since = time.perf_counter(), 0
@@ -417,8 +444,13 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         grad_norm_ema = gn if grad_norm_ema is None else 0.95 * grad_norm_ema + 0.05 * gn
         if acc is not None:
             g_mean, g_var, g_zero = acc.reduce()
-            controller.update(g_mean, g_var)
             half = model_cfg.n_layers // 2  # per first-half block: the second half mirrors it (eq. 2)
+            if control_windows is None:
+                controller.update(g_mean, g_var)  # eq. 6 on this step's training tokens, as the paper
+            else:
+                c_mean, c_var, _ = control_stats(step)
+                controller.update(c_mean, c_var)
+                record.update(**{f"control_gate_mean/{l}": float(c_mean[l]) for l in range(half)})
             record.update(sparsity=float(g_zero.mean()), gate_mean=float(g_mean.mean()),
                           **{f"gate_mean/{l}": float(g_mean[l]) for l in range(half)},
                           **{f"gate_var/{l}": float(g_var[l]) for l in range(half)},

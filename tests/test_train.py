@@ -150,12 +150,53 @@ def test_controller_closed_loop_meets_every_target(tmp_path):
         assert abs(res["gate_mean"][block] - target) <= 2 * s.delta, (block, res["gate_mean"][block])
 
 
+def test_controller_reads_held_out_statistics_by_hand(tmp_path):
+    """control_holdout: eq. 6 moves alpha by gamma (mean - mu*) of the *held-out* control batch, measured in eval
+    mode after the step's update -- recomputed here from the step-1 checkpoint and that batch; training batches
+    never come from the held-out part; and the option is refused without an adaptive controller."""
+    import json
+
+    from midlayer.data import TokenWindows, resolve_data
+    from midlayer.model import Transformer
+    from midlayer.train import default_cache_dir
+
+    m, s, t = debug_configs(tmp_path, steps=1, ckpt_every=1, log_every=1, control_holdout=0.2, control_batch_size=4)
+    s = dataclasses.replace(s, controller="proportional", mu0=1.0, mu_final=0.0, gamma=0.5, delta=0.0)
+    train(m, s, t, progress=False)
+    ckpt = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
+    model = Transformer(m)
+    model.load_state_dict(ckpt["model"])
+    files = resolve_data(t.data, default_cache_dir(), t.tokenizer_vocab, t.val_data)
+    control = TokenWindows(files.train, t.seq_len, span=(0.8, 1.0))
+    x, _ = control.batch(0, t.seed, 4, 0, 4)
+    with torch.no_grad():
+        mean = model.eval()(x).gate_stats.mean
+    mu = torch.tensor([1.0, 0.0, 0.0, 1.0])  # debug preset: 4 blocks, targets linear 1 -> 0, mirrored
+    assert torch.allclose(ckpt["controller"]["alpha"], 0.5 * (mean - mu), atol=1e-6)
+    rec = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"control_gate_mean/0"' in line]
+    assert rec[0]["control_gate_mean/1"] == pytest.approx(float(mean[1]), abs=1e-6)
+    # the training part and the held-out part split every shard: [0, 0.8 n) and [0.8 n, n)
+    train_part = TokenWindows(files.train, t.seq_len, span=(0.0, 0.8))
+    for whole, a, b in zip(TokenWindows(files.train, t.seq_len).shards, train_part.shards, control.shards):
+        cut = int(0.8 * len(whole))
+        assert np.array_equal(a, whole[:cut]) and np.array_equal(b, whole[cut:])
+    with pytest.raises(ValueError, match="span"):
+        TokenWindows(files.train, t.seq_len, span=(0.5, 0.5))
+    with pytest.raises(ValueError, match="control-holdout"):
+        train(m, dataclasses.replace(s, controller="none"), dataclasses.replace(t, out_dir=str(tmp_path / "x")),
+              progress=False)
+    with pytest.raises(ValueError, match="control_holdout"):
+        TrainConfig(control_holdout=1.0)
+
+
 # -------------------------------------------------------------------------------------------- resume
-@pytest.mark.parametrize("gating", [True, False, "sampled", "router_reg"])
+@pytest.mark.parametrize("gating", [True, False, "sampled", "router_reg", "control_holdout"])
 def test_resume_reaches_identical_weights(tmp_path, gating):
     """gating "sampled": gate_values = "sampled", whose thresholds come from the global RNG (checkpointed);
-    "router_reg": the controller's regulariser differentiated with the routers' inputs detached."""
-    m, s, t = debug_configs(tmp_path, steps=8, ckpt_every=2, keep_last=2)
+    "router_reg": the controller's regulariser differentiated with the routers' inputs detached;
+    "control_holdout": the controller reads held-out gate statistics (an extra eval-mode forward a step)."""
+    m, s, t = debug_configs(tmp_path, steps=8, ckpt_every=2, keep_last=2,
+                            control_holdout=0.1 if gating == "control_holdout" else 0.0)
     m.gating = bool(gating)
     if gating == "sampled":
         m.gate_values, m.gate_grad = "sampled", "straight_through"
