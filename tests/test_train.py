@@ -337,8 +337,10 @@ def test_cli_surface_is_frozen():
                    "--moe-aux-coef", "--ssm-layers", "--ssm-state", "--ssm-expand", "--ssm-conv", "--ssm-dt-rank",
                    "--head-size", "--gate-attention", "--gate-grad", "--gate-values", "--scale-embeddings",
                    "--no-scale-embeddings"]
-    sparsity_flags = ["--alpha", "--beta", "--controller", "--delta", "--gamma", "--kp", "--mu-final", "--mu0", "--reg-grad"]
-    train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--data",
+    sparsity_flags = ["--alpha", "--beta", "--beta-max", "--controller", "--delta", "--gamma", "--kp", "--mu-final", "--mu0",
+                      "--reg-grad"]
+    train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--control-batch-size",
+                   "--control-holdout", "--data",
                    "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--init-perturb", "--keep-last",
                    "--log-every", "--lr", "--micro-batch-size", "--no-compile", "--no-tensorboard", "--out-dir",
                    "--router-lr-floor", "--seed", "--seq-len", "--steps", "--tensorboard", "--tokenizer-vocab", "--val-data",
@@ -367,7 +369,7 @@ def test_cli_surface_is_frozen():
                    "--no-masked", "--schedule", "--epochs", "--lr", "--batch-tokens", "--seq-len", "--bf16", "--no-bf16",
                    "--seed", "--ckpt-every", "--max-eval-batches", "--eval-every", "--patience", "--curve-batches",
                    "--cache-gb", "--cache-dir", "--loss-positions", "--draft-vocab", "--gate-target", "--gate-gamma",
-                   "--gate-kp", "--lora-rank", "--gate-values", "--router-norm", "--no-router-norm"]
+                   "--gate-kp", "--gate-beta-max", "--lora-rank", "--gate-values", "--router-norm", "--no-router-norm"]
     assert flags["train-draft"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--methods", "--device"]
                                           + draft_flags)
     assert flags["train-gates"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--device"] + draft_flags)
