@@ -295,9 +295,9 @@ class TrainConfig:
     control_holdout: float = 0.0  # share of the training tokens (the end of every shard) never trained on, from
     #                               which the sparsity controller's update (eq. 6) takes its gate statistics:
     #                               a batch of `control_batch_size` sequences per step, eval mode. 0: the
-    #                               training batches, as the paper. Beyond the paper (issue 14): on a corpus seen
-    #                               several times the gates on seen text sit ~0.03 above those on unseen text,
-    #                               more than delta, so targets met on training batches are missed on new text
+    #                               training batches, as the paper. Beyond the paper (issue 14): targets then hold
+    #                               on unseen tokens; on Shakespeare it does not close the gap to the validation
+    #                               works, which is between texts (docs/results/controller-cpu.md, item 14)
     control_batch_size: int = 4  # sequences per step for the held-out statistics (global, over all ranks)
     batch_size: int = 512  # global batch, in sequences (data parallel x grad accumulation)
     micro_batch_size: int = 32  # sequences per forward on one device ("device_batch_size")

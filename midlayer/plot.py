@@ -164,14 +164,19 @@ POINT_COLUMNS = ("point", "kind", "gate_attention", "n_layers", "mu_final", "see
                  "flops_per_seq_std", "flops_ratio_mean", "targets_met")
 
 
-def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per point (runs that differ only in seed): mean, sample std, min and max of val CE, and mean/std
-    of sparsity and estimated FLOPs; `targets_met` counts the seeds whose every block met its target."""
+def by_point(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The runs of each point (runs that differ only in seed), in the order the points first appear."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(r.get("point") or point_name(r["run"]), []).append(r)
+    return groups
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per point (runs that differ only in seed): mean, sample std, min and max of val CE, and mean/std
+    of sparsity and estimated FLOPs; `targets_met` counts the seeds whose every block met its target."""
     out = []
-    for point, rs in groups.items():
+    for point, rs in by_point(rows).items():
         first = rs[0]
         ce = _stats([r["val_ce"] for r in rs])
         sp = _stats([r.get("mean_sparsity") or 0.0 for r in rs])
@@ -231,8 +236,9 @@ def _block_point_table(rows: list[dict[str, Any]], points: list[dict[str, Any]])
     out = ["Mean over seeds (± sample std); `met`: seeds within delta of the target.", "",
            "| point | block | target | val mean gate | met (val) | train mean gate | met (train) |",
            "|---|---|---|---|---|---|---|"]
+    groups = by_point(rows)
     for p in points:
-        checks = [block_check(r) for r in rows if (r.get("point") or point_name(r["run"])) == p["point"]]
+        checks = [block_check(r) for r in groups[p["point"]]]
         for b, c0 in enumerate(checks[0]):
             cols = []
             for key, met in (("gate_mean", "met"), ("train_gate_mean", "train_met")):

@@ -250,10 +250,11 @@ _PARTS_SMOKE = Grid(
 # the regulariser differentiated straight through only where that leads a saturated gate back into (0, 1)
 # ("straight_through_inward"): at 800 steps it held block 0 at its target of 1.0 (0.997) with no cost in CE
 # (4.0985, within the controlled runs' 4.096-4.117), blocks 1-2 within 1-3 deltas; and (item 13, 16th session)
-# the variance coefficient's integral term bounded, |beta| <= 0.1 (`beta_max`, anti-windup; kp's term comes on top): with it seed 0 of gated-key-mu0.50
-# meets every block's target within delta on validation text (1.000 / 0.743 / 0.491), where the unbounded
-# integrator left block 1 at 0.718. The first two gated runs of seed 0 (gated-key-mu0.75/0.50-s0) were
-# trained unbounded and then retrained; the unbounded gated-key-mu0.50-s0 is kept as cpu-noise's reference.
+# the variance coefficient's integral term bounded, |beta| <= 0.1 (`beta_max`, anti-windup; kp's term comes on
+# top): with it seed 0 of gated-key-mu0.50 meets every block's target within delta on validation text
+# (1.000 / 0.743 / 0.491), where the unbounded integrator left block 1 at 0.718. The first two gated runs of
+# seed 0 (gated-key-mu0.75/0.50-s0) were trained unbounded and then retrained; the unbounded gated-key-mu0.50-s0
+# is kept as cpu-noise's reference.
 # Time (2 cores, the cpu grid's per-token costs): per seed, dense 1..6 ~567 us/token and 8 gated runs x
 # ~156 us/token, x SEEDS_STEPS x 4,096 tokens; ~2.5 h per seed at 1,200 steps, ~7.5 h in all: several sittings.
 SEEDS_STEPS = 1200

@@ -374,6 +374,7 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
                                          dynamic_ncols=True))
     acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if controller is not None else None
     per_control = cfg.control_batch_size // world
+    control_acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if control_windows is not None else None
 
     def control_stats(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gate statistics of the held-out control batch of `step` (eval mode: what inference would skip; no
@@ -387,7 +388,6 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         control_acc.add(st.mean, st.var, st.zero_frac, st.n_tokens)
         return control_acc.reduce()
 
-    control_acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if control_windows is not None else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     grad_norm_ema = None
     t_last, steps_since = time.perf_counter(), 0
