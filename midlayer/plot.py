@@ -13,6 +13,10 @@ since the controller acts on training batches and the two differ by more than de
 the logged training steps over the last TRAIN_GATE_WINDOW steps (`train_gate_means`). A sweep with seeds also gets
 one row per point and block: the mean over seeds on both sides and the number of seeds within delta.
 
+Whether gating beats dense models with fewer layers is read at equal estimated FLOPs (`equal_flops_gaps`): per
+seed, the gated run's CE minus the same seed's dense curve at the gated run's FLOPs, with a 95% t interval over
+the seeds, so that a difference is called only where it exceeds the seed spread.
+
     midlayer plot runs/sweep/cpu                   # docs/results/figure2-cpu.{png,csv,md}
     midlayer plot runs/sweep/cpu --out /tmp/fig2   # /tmp/fig2.{png,csv,md}
 """
@@ -196,6 +200,63 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda p: (_sort_key({**p, "run": p["point"]}), p.get("gate_attention") or ""))
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (standard tables), for the confidence interval of a
+# mean over a few seeds; beyond the table the normal quantile is close enough for a report.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def dense_at(flops: float, dense: list[tuple[float, float]]) -> float | None:
+    """Validation CE of the dense models at `flops` estimated FLOPs per sequence: linear interpolation between
+    the two dense depths whose FLOPs bracket it (`dense` holds (flops, val CE) pairs). None outside their range:
+    a depth the sweep did not train is not guessed."""
+    pts = sorted(dense)
+    for (f0, c0), (f1, c1) in zip(pts, pts[1:]):
+        if f0 <= flops <= f1:
+            return c0 if f1 == f0 else c0 + (c1 - c0) * (flops - f0) / (f1 - f0)
+    return pts[0][1] if len(pts) == 1 and pts[0][0] == flops else None
+
+
+def equal_flops_gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per gated point, its validation CE minus that of a dense model of equal estimated FLOPs, paired by seed:
+    for each seed, the gated run's CE minus the same seed's dense curve (`dense_at`) at the gated run's FLOPs.
+    Pairing removes what a seed moves in both (data order, initialisation). Returns, per point, the per-seed
+    gaps, their mean, sample std, a 95% t interval of the mean, and how many seeds the gated run was lower in;
+    `verdict` says whether the interval excludes 0. Seeds without >= 2 dense depths around the point are left out."""
+    dense_by_seed: dict[Any, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["kind"] == KIND_DENSE and r.get("flops_per_seq") is not None:
+            dense_by_seed.setdefault(r.get("seed"), []).append((float(r["flops_per_seq"]), float(r["val_ce"])))
+    out = []
+    for point, rs in by_point([r for r in rows if r["kind"] != KIND_DENSE]).items():
+        gaps, dense_ce, flops = [], [], []
+        for r in rs:
+            d = (dense_at(float(r["flops_per_seq"]), dense_by_seed.get(r.get("seed"), []))
+                 if r.get("flops_per_seq") is not None else None)
+            if d is not None:
+                gaps.append(r["val_ce"] - d)
+                dense_ce.append(d)
+                flops.append(float(r["flops_per_seq"]))
+        if not gaps:
+            continue
+        mean, std, _, _ = _stats(gaps)
+        n = len(gaps)
+        half = _T975.get(n - 1, 1.96) * std / math.sqrt(n) if n > 1 else None
+        if half is None:
+            verdict = "one seed"
+        elif mean - half > 0:
+            verdict = "dense lower"
+        elif mean + half < 0:
+            verdict = "gated lower"
+        else:
+            verdict = "within noise"
+        out.append({"point": point, "kind": rs[0]["kind"], "gate_attention": rs[0].get("gate_attention"),
+                    "mu_final": rs[0].get("mu_final"), "seeds": n, "gaps": gaps,
+                    "flops_per_seq_mean": sum(flops) / n, "dense_ce_mean": sum(dense_ce) / n,
+                    "val_ce_mean": sum(dense_ce) / n + mean, "gap_mean": mean, "gap_std": std,
+                    "gap_ci95": half, "gated_lower": sum(g < 0 for g in gaps), "verdict": verdict})
+    return sorted(out, key=lambda p: (_sort_key({**p, "run": p["point"], "n_layers": 0}), p.get("gate_attention") or ""))
+
+
 def block_targets(mu0: float, mu_final: float, n_layers: int) -> list[float]:
     """Mean-gate targets mu*_l of the first-half blocks, as the controller computes them."""
     from .sparsity import mean_targets
@@ -320,6 +381,32 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
                          f"{_fmt(p.get('mu_final'), '.2f')} | {p['seeds']} | {ce} | {sp} | {fl} | "
                          f"{_fmt(p.get('flops_ratio_mean'), '.3f')} | {met} |")
         lines += ["", "## Runs", ""]
+    gaps = equal_flops_gaps(rows)
+    if gaps:
+        sect = [
+            "## Gated vs dense at equal estimated FLOPs",
+            "",
+            "Per seed: the gated run's validation CE minus the same seed's dense curve (linear between the two "
+            "depths that bracket the gated run's estimated FLOPs); then the mean over seeds ± sample std, and "
+            "the 95% t interval of that mean. `verdict`: which side is lower where the interval excludes 0.",
+            "",
+            "| point | seeds | est. MFLOPs/seq | val CE | dense at equal FLOPs | gated - dense | 95% interval "
+            "| seeds gated lower | verdict |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for g in gaps:
+            one = g["seeds"] < 2
+            gap = f"{g['gap_mean']:+.4f}" + ("" if one else f" ± {g['gap_std']:.4f}")
+            ci = "-" if g["gap_ci95"] is None else (f"[{g['gap_mean'] - g['gap_ci95']:+.4f}, "
+                                                    f"{g['gap_mean'] + g['gap_ci95']:+.4f}]")
+            sect.append(f"| {g['point']} | {g['seeds']} | {g['flops_per_seq_mean'] / 1e6:,.1f} | "
+                        f"{g['val_ce_mean']:.4f} | {g['dense_ce_mean']:.4f} | {gap} | {ci} | "
+                        f"{g['gated_lower']}/{g['seeds']} | {g['verdict']} |")
+        if "## Runs" in lines:
+            at = lines.index("## Runs")
+            lines[at:at] = sect + [""]
+        else:
+            lines += sect + ["", "## Runs", ""]
     lines += [
         "| run | kind | layers | mu_final | val CE | val ppl | mean sparsity | est. MFLOPs/seq | vs dense-equiv. "
         "| params | train tok/s | steps |",
@@ -650,6 +737,6 @@ def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dic
     return paths
 
 
-__all__ = ["collect", "aggregate", "point_name", "write_table", "plot_figure2", "block_targets", "block_check",
+__all__ = ["collect", "aggregate", "dense_at", "equal_flops_gaps", "point_name", "write_table", "plot_figure2", "block_targets", "block_check",
            "write_report", "POINT_COLUMNS",
            "collect_parts", "write_parts_report", "CSV_COLUMNS"]

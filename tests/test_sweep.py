@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -583,3 +584,46 @@ def test_parts_smoke_sweep_evaluates_longer_contexts_records_divergence_and_repo
     md = (tmp_path / "report" / "parts.md").read_text()
     assert "| alibi | 2 |" in md and "diverged" in md
     assert (tmp_path / "report" / "parts.png").is_file() == has_mpl
+
+
+def test_equal_flops_gap_pairs_seeds_by_hand(tmp_path):
+    """gated - dense at equal FLOPs, per seed, by hand: the dense curve is linear between the bracketing depths."""
+    from midlayer.plot import dense_at, equal_flops_gaps
+    assert dense_at(150.0, [(200.0, 4.0), (100.0, 5.0)]) == pytest.approx(4.5)
+    assert dense_at(125.0, [(100.0, 5.1), (200.0, 4.2), (300.0, 4.0)]) == pytest.approx(4.875)
+    assert dense_at(250.0, [(100.0, 5.1), (200.0, 4.2), (300.0, 4.0)]) == pytest.approx(4.1)
+    assert dense_at(99.0, [(100.0, 5.1), (200.0, 4.2)]) is None and dense_at(150.0, []) is None
+
+    def run(name, kind, seed, flops, ce):
+        return {"run": name, "kind": kind, "n_layers": 6, "seed": seed, "flops_per_seq": flops, "val_ce": ce,
+                "mu_final": 0.5 if kind == "gated" else None, "gate_attention": None if kind == "dense" else "key"}
+    rows = [run("dense-1-s0", "dense", 0, 100.0, 5.0), run("dense-2-s0", "dense", 0, 200.0, 4.0),
+            run("dense-1-s1", "dense", 1, 100.0, 5.1), run("dense-2-s1", "dense", 1, 200.0, 4.2),
+            # seed 0: 4.4 against 4.5 -> -0.1; seed 1: 4.9 against 4.875 -> +0.025
+            run("g-s0", "gated", 0, 150.0, 4.4), run("g-s1", "gated", 1, 125.0, 4.9),
+            # seed 0 lower by 0.2 and 0.3 (4.3, 4.575 against 4.5, 4.875); seed 2 has no dense curve: left out
+            run("h-s0", "gated-no-control", 0, 150.0, 4.3), run("h-s1", "gated-no-control", 1, 125.0, 4.575),
+            run("h-s2", "gated-no-control", 2, 125.0, 1.0),
+            run("far-s0", "gated", 0, 250.0, 4.0)]  # beyond the dense range: no gap
+    gaps = {g["point"]: g for g in equal_flops_gaps(rows)}
+    assert set(gaps) == {"g", "h"}
+    g = gaps["g"]
+    assert g["gaps"] == pytest.approx([-0.1, 0.025]) and g["gap_mean"] == pytest.approx(-0.0375)
+    assert g["gap_std"] == pytest.approx(0.125 / math.sqrt(2))
+    assert g["gap_ci95"] == pytest.approx(12.706 * 0.125 / math.sqrt(2) / math.sqrt(2))
+    assert g["dense_ce_mean"] == pytest.approx((4.5 + 4.875) / 2) and g["flops_per_seq_mean"] == pytest.approx(137.5)
+    assert (g["gated_lower"], g["seeds"], g["verdict"]) == (1, 2, "within noise")
+    h = gaps["h"]
+    assert h["gaps"] == pytest.approx([-0.2, -0.3]) and h["gated_lower"] == 2
+    # mean -0.25, std 0.0707, half-width 12.706 * 0.05 = 0.635: two seeds cannot exclude 0 here
+    assert h["verdict"] == "within noise" and h["gap_ci95"] == pytest.approx(12.706 * 0.05)
+    tight = equal_flops_gaps([*rows[:4], run("dense-1-s2", "dense", 2, 100.0, 5.0), run("dense-2-s2", "dense", 2, 200.0, 4.0),
+                              run("h-s0", "gated-no-control", 0, 150.0, 4.3),
+                              run("h-s1", "gated-no-control", 1, 125.0, 4.675),
+                              run("h-s2", "gated-no-control", 2, 150.0, 4.25)])
+    # gaps -0.2, -0.2, -0.25: mean -0.21667, std 0.028868, half-width 4.303 * 0.028868 / sqrt(3) = 0.0717
+    assert tight[0]["gap_ci95"] == pytest.approx(4.303 * 0.028868 / math.sqrt(3), rel=1e-4)
+    assert tight[0]["verdict"] == "gated lower"
+    write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
+    md = (tmp_path / "t.md").read_text()
+    assert "| g | 2 | 0.0 | 4.6500 | 4.6875 | -0.0375 ± 0.0884 | [-0.8316, +0.7566] | 1/2 | within noise |" in md
