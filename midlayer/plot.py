@@ -13,7 +13,8 @@ since the controller acts on training batches and the two differ by more than de
 the logged training steps over the last TRAIN_GATE_WINDOW steps (`train_gate_means`). A sweep with seeds also gets
 one row per point and block: the mean over seeds on both sides and the number of seeds within delta.
 
-Whether gating beats dense models with fewer layers is read at equal estimated FLOPs (`equal_flops_gaps`): per
+Whether one more dense layer helps beyond the seed spread is judged on per-seed differences (`depth_steps`), and
+whether gating beats dense models with fewer layers at equal estimated FLOPs (`equal_flops_gaps`): per
 seed, the gated run's CE minus the same seed's dense curve at the gated run's FLOPs, with a 95% t interval over
 the seeds, so that a difference is called only where it exceeds the seed spread.
 
@@ -205,6 +206,41 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
+def paired_difference(diffs: list[float], names: tuple[str, str] = ("lower", "higher")) -> dict[str, Any]:
+    """Mean, sample std and 95% t half-width of per-seed differences; `verdict` is names[0] where the interval
+    lies below 0, names[1] where above, "within noise" where it holds 0, "one seed" with no spread to judge."""
+    mean, std, _, _ = _stats(diffs)
+    n = len(diffs)
+    half = _T975.get(n - 1, 1.96) * std / math.sqrt(n) if n > 1 else None
+    if half is None:
+        verdict = "one seed"
+    elif mean + half < 0:
+        verdict = names[0]
+    elif mean - half > 0:
+        verdict = names[1]
+    else:
+        verdict = "within noise"
+    return {"mean": mean, "std": std, "ci95": half, "verdict": verdict}
+
+
+def depth_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Whether one more dense layer separates beyond the seed spread: for each pair of consecutive dense depths,
+    the per-seed difference val CE(deeper) - val CE(shallower), summarised by `paired_difference`."""
+    ce: dict[int, dict[Any, float]] = {}
+    for r in rows:
+        if r["kind"] == KIND_DENSE:
+            ce.setdefault(int(r["n_layers"]), {})[r.get("seed")] = float(r["val_ce"])
+    depths = sorted(ce)
+    out = []
+    for a, b in zip(depths, depths[1:]):
+        seeds = [k for k in ce[a] if k in ce[b]]
+        if seeds:
+            diffs = [ce[b][k] - ce[a][k] for k in seeds]
+            out.append({"from": a, "to": b, "seeds": len(seeds), "diffs": diffs,
+                        **paired_difference(diffs, ("deeper lower", "deeper higher"))})
+    return out
+
+
 def dense_at(flops: float, dense: list[tuple[float, float]]) -> float | None:
     """Validation CE of the dense models at `flops` estimated FLOPs per sequence: linear interpolation between
     the two dense depths whose FLOPs bracket it (`dense` holds (flops, val CE) pairs). None outside their range:
@@ -238,22 +274,13 @@ def equal_flops_gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 flops.append(float(r["flops_per_seq"]))
         if not gaps:
             continue
-        mean, std, _, _ = _stats(gaps)
+        d = paired_difference(gaps, ("gated lower", "dense lower"))
         n = len(gaps)
-        half = _T975.get(n - 1, 1.96) * std / math.sqrt(n) if n > 1 else None
-        if half is None:
-            verdict = "one seed"
-        elif mean - half > 0:
-            verdict = "dense lower"
-        elif mean + half < 0:
-            verdict = "gated lower"
-        else:
-            verdict = "within noise"
         out.append({"point": point, "kind": rs[0]["kind"], "gate_attention": rs[0].get("gate_attention"),
                     "mu_final": rs[0].get("mu_final"), "seeds": n, "gaps": gaps,
                     "flops_per_seq_mean": sum(flops) / n, "dense_ce_mean": sum(dense_ce) / n,
-                    "val_ce_mean": sum(dense_ce) / n + mean, "gap_mean": mean, "gap_std": std,
-                    "gap_ci95": half, "gated_lower": sum(g < 0 for g in gaps), "verdict": verdict})
+                    "val_ce_mean": sum(dense_ce) / n + d["mean"], "gap_mean": d["mean"], "gap_std": d["std"],
+                    "gap_ci95": d["ci95"], "gated_lower": sum(g < 0 for g in gaps), "verdict": d["verdict"]})
     return sorted(out, key=lambda p: (_sort_key({**p, "run": p["point"], "n_layers": 0}), p.get("gate_attention") or ""))
 
 
@@ -381,9 +408,26 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
                          f"{_fmt(p.get('mu_final'), '.2f')} | {p['seeds']} | {ce} | {sp} | {fl} | "
                          f"{_fmt(p.get('flops_ratio_mean'), '.3f')} | {met} |")
         lines += ["", "## Runs", ""]
+    sect = []
+    steps = depth_steps(rows)
+    if steps:
+        sect += [
+            "## Do the dense depths separate?",
+            "",
+            "Per seed: val CE of the deeper model minus that of the shallower one; mean ± sample std over seeds "
+            "and the 95% t interval of the mean.",
+            "",
+            "| depths | seeds | deeper - shallower | 95% interval | verdict |",
+            "|---|---|---|---|---|",
+        ]
+        for d in steps:
+            diff = f"{d['mean']:+.4f}" + ("" if d["seeds"] < 2 else f" ± {d['std']:.4f}")
+            ci = "-" if d["ci95"] is None else f"[{d['mean'] - d['ci95']:+.4f}, {d['mean'] + d['ci95']:+.4f}]"
+            sect.append(f"| {d['from']} -> {d['to']} | {d['seeds']} | {diff} | {ci} | {d['verdict']} |")
+        sect.append("")
     gaps = equal_flops_gaps(rows)
     if gaps:
-        sect = [
+        sect += [
             "## Gated vs dense at equal estimated FLOPs",
             "",
             "Per seed: the gated run's validation CE minus the same seed's dense curve (linear between the two "
@@ -402,11 +446,13 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
             sect.append(f"| {g['point']} | {g['seeds']} | {g['flops_per_seq_mean'] / 1e6:,.1f} | "
                         f"{g['val_ce_mean']:.4f} | {g['dense_ce_mean']:.4f} | {gap} | {ci} | "
                         f"{g['gated_lower']}/{g['seeds']} | {g['verdict']} |")
+        sect.append("")
+    if sect:
         if "## Runs" in lines:
             at = lines.index("## Runs")
-            lines[at:at] = sect + [""]
+            lines[at:at] = sect
         else:
-            lines += sect + ["", "## Runs", ""]
+            lines += sect + ["## Runs", ""]
     lines += [
         "| run | kind | layers | mu_final | val CE | val ppl | mean sparsity | est. MFLOPs/seq | vs dense-equiv. "
         "| params | train tok/s | steps |",
@@ -737,6 +783,6 @@ def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dic
     return paths
 
 
-__all__ = ["collect", "aggregate", "dense_at", "equal_flops_gaps", "point_name", "write_table", "plot_figure2", "block_targets", "block_check",
+__all__ = ["collect", "aggregate", "dense_at", "equal_flops_gaps", "depth_steps", "paired_difference", "point_name", "write_table", "plot_figure2", "block_targets", "block_check",
            "write_report", "POINT_COLUMNS",
            "collect_parts", "write_parts_report", "CSV_COLUMNS"]

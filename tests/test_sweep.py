@@ -627,3 +627,23 @@ def test_equal_flops_gap_pairs_seeds_by_hand(tmp_path):
     write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
     md = (tmp_path / "t.md").read_text()
     assert "| g | 2 | 0.0 | 4.6500 | 4.6875 | -0.0375 ± 0.0884 | [-0.8316, +0.7566] | 1/2 | within noise |" in md
+
+
+def test_depth_steps_by_hand(tmp_path):
+    """Consecutive dense depths, paired by seed: 2 -> 3 layers lowers CE by 0.10, 0.12, 0.11 (mean -0.11, std
+    0.01, half-width 4.303 * 0.01 / sqrt(3)): 'deeper lower'; 3 -> 4 by -0.01, +0.02, 0.0: within noise."""
+    from midlayer.plot import depth_steps, paired_difference
+    ce = {2: (4.50, 4.52, 4.51), 3: (4.40, 4.40, 4.40), 4: (4.39, 4.42, 4.40)}
+    rows = [{"run": f"dense-{n}-s{k}", "kind": "dense", "n_layers": n, "seed": k, "val_ce": ce[n][k],
+             "flops_per_seq": 100.0 * n} for n in ce for k in range(3)]
+    steps = depth_steps(rows)
+    assert [(d["from"], d["to"], d["seeds"]) for d in steps] == [(2, 3, 3), (3, 4, 3)]
+    assert steps[0]["diffs"] == pytest.approx([-0.10, -0.12, -0.11]) and steps[0]["std"] == pytest.approx(0.01)
+    assert steps[0]["ci95"] == pytest.approx(4.303 * 0.01 / math.sqrt(3)) and steps[0]["verdict"] == "deeper lower"
+    assert steps[1]["mean"] == pytest.approx(0.01 / 3) and steps[1]["verdict"] == "within noise"
+    assert paired_difference([0.5])["verdict"] == "one seed" and paired_difference([0.5])["ci95"] is None
+    assert paired_difference([1.0, 1.1, 0.9], ("a", "b"))["verdict"] == "b"
+    write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
+    md = (tmp_path / "t.md").read_text()
+    assert "| 2 -> 3 | 3 | -0.1100 ± 0.0100 | [-0.1348, -0.0852] | deeper lower |" in md
+    assert md.index("## Do the dense depths separate?") < md.index("## Runs")
