@@ -354,6 +354,12 @@ def _fmt(v: Any, spec: str = "") -> str:
     return format(v, spec) if spec else str(v)
 
 
+def _fmt_paired(mean: float, std: float, ci95: float | None, n: int) -> str:
+    """Two table cells: the mean difference (± std from two seeds on) and its 95% interval ("-" for one seed)."""
+    diff = f"{mean:+.4f}" + ("" if n < 2 else f" ± {std:.4f}")
+    return diff + " | " + ("-" if ci95 is None else f"[{mean - ci95:+.4f}, {mean + ci95:+.4f}]")
+
+
 def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
     """One line per row, `columns` in order, None as an empty cell."""
     with open(path, "w", newline="") as f:
@@ -421,9 +427,8 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
             "|---|---|---|---|---|",
         ]
         for d in steps:
-            diff = f"{d['mean']:+.4f}" + ("" if d["seeds"] < 2 else f" ± {d['std']:.4f}")
-            ci = "-" if d["ci95"] is None else f"[{d['mean'] - d['ci95']:+.4f}, {d['mean'] + d['ci95']:+.4f}]"
-            sect.append(f"| {d['from']} -> {d['to']} | {d['seeds']} | {diff} | {ci} | {d['verdict']} |")
+            sect.append(f"| {d['from']} -> {d['to']} | {d['seeds']} | "
+                        f"{_fmt_paired(d['mean'], d['std'], d['ci95'], d['seeds'])} | {d['verdict']} |")
         sect.append("")
     gaps = equal_flops_gaps(rows)
     if gaps:
@@ -439,12 +444,9 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for g in gaps:
-            one = g["seeds"] < 2
-            gap = f"{g['gap_mean']:+.4f}" + ("" if one else f" ± {g['gap_std']:.4f}")
-            ci = "-" if g["gap_ci95"] is None else (f"[{g['gap_mean'] - g['gap_ci95']:+.4f}, "
-                                                    f"{g['gap_mean'] + g['gap_ci95']:+.4f}]")
             sect.append(f"| {g['point']} | {g['seeds']} | {g['flops_per_seq_mean'] / 1e6:,.1f} | "
-                        f"{g['val_ce_mean']:.4f} | {g['dense_ce_mean']:.4f} | {gap} | {ci} | "
+                        f"{g['val_ce_mean']:.4f} | {g['dense_ce_mean']:.4f} | "
+                        f"{_fmt_paired(g['gap_mean'], g['gap_std'], g['gap_ci95'], g['seeds'])} | "
                         f"{g['gated_lower']}/{g['seeds']} | {g['verdict']} |")
         sect.append("")
     if sect:
