@@ -16,7 +16,8 @@ one row per point and block: the mean over seeds on both sides and the number of
 Whether one more dense layer helps beyond the seed spread is judged on per-seed differences (`depth_steps`), and
 whether gating beats dense models with fewer layers at equal estimated FLOPs (`equal_flops_gaps`): per
 seed, the gated run's CE minus the same seed's dense curve at the gated run's FLOPs, with a 95% t interval over
-the seeds, so that a difference is called only where it exceeds the seed spread.
+the seeds, so that a difference is called only where it exceeds the seed spread. Key- and query-indexed gating
+(`gating_differences`) are compared through those gaps, seed by seed.
 
     midlayer plot runs/sweep/cpu                   # docs/results/figure2-cpu.{png,csv,md}
     midlayer plot runs/sweep/cpu --out /tmp/fig2   # /tmp/fig2.{png,csv,md}
@@ -264,12 +265,13 @@ def equal_flops_gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             dense_by_seed.setdefault(r.get("seed"), []).append((float(r["flops_per_seq"]), float(r["val_ce"])))
     out = []
     for point, rs in by_point([r for r in rows if r["kind"] != KIND_DENSE]).items():
-        gaps, dense_ce, flops = [], [], []
+        gaps, dense_ce, flops, by_seed = [], [], [], {}
         for r in rs:
             d = (dense_at(float(r["flops_per_seq"]), dense_by_seed.get(r.get("seed"), []))
                  if r.get("flops_per_seq") is not None else None)
             if d is not None:
                 gaps.append(r["val_ce"] - d)
+                by_seed[r.get("seed")] = gaps[-1]
                 dense_ce.append(d)
                 flops.append(float(r["flops_per_seq"]))
         if not gaps:
@@ -277,11 +279,29 @@ def equal_flops_gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         d = paired_difference(gaps, ("gated lower", "dense lower"))
         n = len(gaps)
         out.append({"point": point, "kind": rs[0]["kind"], "gate_attention": rs[0].get("gate_attention"),
-                    "mu_final": rs[0].get("mu_final"), "seeds": n, "gaps": gaps,
+                    "mu_final": rs[0].get("mu_final"), "seeds": n, "gaps": gaps, "gap_by_seed": by_seed,
                     "flops_per_seq_mean": sum(flops) / n, "dense_ce_mean": sum(dense_ce) / n,
                     "val_ce_mean": sum(dense_ce) / n + d["mean"], "gap_mean": d["mean"], "gap_std": d["std"],
                     "gap_ci95": d["ci95"], "gated_lower": sum(g < 0 for g in gaps), "verdict": d["verdict"]})
     return sorted(out, key=lambda p: (_sort_key({**p, "run": p["point"], "n_layers": 0}), p.get("gate_attention") or ""))
+
+
+def gating_differences(gaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Key- vs query-indexed gating (eq. 3 as written vs the reference code) at the same controller setting:
+    per seed, the key-gated point's equal-FLOPs gap (`equal_flops_gaps`) minus the query-gated one's, so that
+    the two are compared at equal estimated FLOPs even where their sparsities differ. Summarised by
+    `paired_difference` over the seeds both points have."""
+    query = {(g["kind"], g.get("mu_final")): g for g in gaps if g.get("gate_attention") == "query"}
+    out = []
+    for k in gaps:
+        q = query.get((k["kind"], k.get("mu_final"))) if k.get("gate_attention") == "key" else None
+        seeds = [s for s in k["gap_by_seed"] if q is not None and s in q["gap_by_seed"]]
+        if not seeds:
+            continue
+        diffs = [k["gap_by_seed"][s] - q["gap_by_seed"][s] for s in seeds]
+        out.append({"key": k["point"], "query": q["point"], "kind": k["kind"], "mu_final": k.get("mu_final"),
+                    "seeds": len(seeds), "diffs": diffs, **paired_difference(diffs, ("key lower", "query lower"))})
+    return out
 
 
 def block_targets(mu0: float, mu_final: float, n_layers: int) -> list[float]:
@@ -448,6 +468,23 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
                         f"{g['val_ce_mean']:.4f} | {g['dense_ce_mean']:.4f} | "
                         f"{_fmt_paired(g['gap_mean'], g['gap_std'], g['gap_ci95'], g['seeds'])} | "
                         f"{g['gated_lower']}/{g['seeds']} | {g['verdict']} |")
+        sect.append("")
+    pairs = gating_differences(gaps)
+    if pairs:
+        sect += [
+            "## Key- vs query-indexed gating",
+            "",
+            "Eq. 3 as written (`key`: a skipped token is hidden as a key) against the reference code's indexing "
+            "(`query`: the log-gate is added to the query's row, which hides nothing), at the same controller "
+            "setting. Per seed: the key point's gap to the dense curve minus the query point's (both from the "
+            "table above, so at equal estimated FLOPs); mean ± std over seeds and the 95% t interval.",
+            "",
+            "| key point | query point | seeds | key gap - query gap | 95% interval | verdict |",
+            "|---|---|---|---|---|---|",
+        ]
+        for d in pairs:
+            sect.append(f"| {d['key']} | {d['query']} | {d['seeds']} | "
+                        f"{_fmt_paired(d['mean'], d['std'], d['ci95'], d['seeds'])} | {d['verdict']} |")
         sect.append("")
     if sect:
         if "## Runs" in lines:

@@ -647,3 +647,31 @@ def test_depth_steps_by_hand(tmp_path):
     md = (tmp_path / "t.md").read_text()
     assert "| 2 -> 3 | 3 | -0.1100 ± 0.0100 | [-0.1348, -0.0852] | deeper lower |" in md
     assert md.index("## Do the dense depths separate?") < md.index("## Runs")
+
+
+def test_key_vs_query_gating_pairs_equal_flops_gaps_by_seed(tmp_path):
+    """Key- minus query-indexed gating at one controller setting, per seed, through each one's gap to the same
+    seed's dense curve: key gaps +0.05, +0.03 (seeds 0, 1) and query gaps -0.05, -0.02 give +0.10, +0.05; the
+    query point's seed 2 has no key partner and is left out; a key point without a query partner gets no row."""
+    from midlayer.plot import equal_flops_gaps, gating_differences
+
+    def run(name, kind, seed, flops, ce, att=None, mu=None):
+        return {"run": name, "kind": kind, "n_layers": 6, "seed": seed, "flops_per_seq": flops, "val_ce": ce,
+                "mu_final": mu, "gate_attention": att}
+    # dense curve per seed: 5.0 at 100 FLOPs, 4.0 at 200, so 4.5 at 150 and 4.8 at 120
+    rows = [run(f"dense-{n}-s{k}", "dense", k, 100.0 * n, 6.0 - n) for n in (1, 2) for k in range(3)]
+    rows += [run("gated-key-mu0.50-s0", "gated", 0, 150.0, 4.55, "key", 0.5),
+             run("gated-key-mu0.50-s1", "gated", 1, 120.0, 4.83, "key", 0.5),
+             run("gated-query-mu0.50-s0", "gated", 0, 120.0, 4.75, "query", 0.5),
+             run("gated-query-mu0.50-s1", "gated", 1, 150.0, 4.48, "query", 0.5),
+             run("gated-query-mu0.50-s2", "gated", 2, 150.0, 4.0, "query", 0.5),
+             run("gated-key-mu0.25-s0", "gated", 0, 150.0, 4.5, "key", 0.25)]
+    pairs = gating_differences(equal_flops_gaps(rows))
+    assert [(d["key"], d["query"], d["seeds"]) for d in pairs] == [("gated-key-mu0.50", "gated-query-mu0.50", 2)]
+    d = pairs[0]
+    assert d["diffs"] == pytest.approx([0.10, 0.05]) and d["mean"] == pytest.approx(0.075)
+    assert d["std"] == pytest.approx(0.05 / math.sqrt(2)) and d["verdict"] == "within noise"
+    write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
+    md = (tmp_path / "t.md").read_text()
+    assert "| gated-key-mu0.50 | gated-query-mu0.50 | 2 | +0.0750 ± 0.0354 |" in md
+    assert md.index("## Key- vs query-indexed gating") < md.index("## Runs")
