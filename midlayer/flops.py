@@ -48,6 +48,10 @@ lm_head             2 T d V               (once)                     logits at e
 router (gated)      R T (2 d + 2)         (once)                     w . h (2 d), + b, ReLU (eq. 1)
 router_gates        T ((R - 1) + 3 R)     (once)                     running sum S (eq. 1), 1 - clamp(S, 0,
                                                                      1) (eq. 2: max, min, subtract)
+skipped_kv (gated,  z T (4 d K hd + 4 d + 3 K hd)                    "query"/"none" gating hide no key, so a
+query / none)                                                        skipped token's k and v are still read:
+                                                                     its input norm, k, v and RoPE on k
+                                                                     (+ QK-norm on k where set)
 embedding lookup    0                                                a gather, no arithmetic
 ==================  ==============================================  =========================================
 
@@ -56,6 +60,10 @@ Block l and its mirror L-1-l (eq. 2) both have every term multiplied by (1 - z_l
 work in them. This is linear in z for the attention pair terms too, i.e. it assumes the skipped tokens'
 queries are removed but still charges surviving queries for the skipped keys; real skipping removes those
 keys as well (about a (1 - z)^2 saving on the pair terms), so the estimate is slightly conservative.
+That holds for key-indexed gating (eq. 3), which hides a skipped token from every query. With "query" or
+"none" gating (`ModelConfig.gate_attention`) the other tokens still attend to a skipped token, so its key
+and value must still be computed from its unchanged residual: `skipped_kv` charges that per skipped token
+and attention block (the pair terms are then exactly linear in z: surviving queries, all keys).
 Embedding, norms outside blocks, head and routers are not scaled. The router of block l only runs for
 tokens that reached block l; counting every router for every token is the simple, honest upper bound.
 
@@ -94,7 +102,7 @@ KEY_BIAS_LOG_FLOPS_PER_TOKEN = 2  # ln(max(g, eps))
 GATE_FN_FLOPS_PER_TOKEN = 3  # 1 - clamp(S, 0, 1)
 
 _BLOCK_TERMS = ("qkv_proj", "out_proj", "rope", "attn_scores", "softmax", "attn_values", "key_bias",
-                "ffn_proj", "swiglu", "norms", "residual", "gate_mul", "ssm_mixer")
+                "ffn_proj", "swiglu", "norms", "residual", "gate_mul", "ssm_mixer", "skipped_kv")
 _ATTENTION_TERMS = ("qkv_proj", "out_proj", "rope", "attn_scores", "softmax", "attn_values", "key_bias")
 _OTHER_TERMS = ("embed_norm", "final_norm", "lm_head", "router", "router_gates")
 
@@ -123,6 +131,7 @@ class FlopsBreakdown:
     residual: float
     gate_mul: float
     ssm_mixer: float  # the blocks of ssm_layers: their state-space mixer instead of the attention terms
+    skipped_kv: float  # "query"/"none" gating: keys and values of the skipped tokens, which stay visible
     embed_norm: float
     final_norm: float
     lm_head: float
@@ -215,6 +224,15 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
     totals["ssm_mixer"] = float(mixer) * kept_ssm
     attn_block = sum(one.values())
     ssm_block = attn_block - sum(one[t] for t in _ATTENTION_TERMS) - qk + mixer
+    # A skipped token whose key stays visible ("query"/"none" gating) still pays, per attention block, what its
+    # key and value need: the input norm over its unchanged residual, k and v, RoPE and QK-norm on k.
+    kv_only = 0.0
+    if cfg.gating and cfg.gate_attention != "key":
+        kv_only = float(T * (2 * 2 * d * K * hd + nf * d  # gating needs pre- or sandwich-LN: an input norm
+                             + (ROPE_FLOPS_PER_ELEM * K * hd if cfg.pos_encoding == "rope" else 0)
+                             + (nf * K * hd if cfg.qk_norm else 0)))
+    skipped_kv = [kv_only * (1.0 - k) for k in keep]  # gating excludes ssm_layers (config check)
+    totals["skipped_kv"] = sum(skipped_kv)
     R = cfg.n_routers
     return FlopsBreakdown(
         n_tokens=T,
@@ -225,7 +243,7 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         lm_head=float(2 * T * d * V),
         router=float(R * T * (2 * d + 2)),
         router_gates=float(T * (max(R - 1, 0) + GATE_FN_FLOPS_PER_TOKEN * R)),
-        per_block=tuple(float(ssm_block if l in ssm else attn_block) * k for l, k in enumerate(keep)),
+        per_block=tuple(float(ssm_block if l in ssm else attn_block) * k + skipped_kv[l] for l, k in enumerate(keep)),
     )
 
 
@@ -320,11 +338,14 @@ def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, sparsity: Sequ
     """KV-cache bytes one token occupies: K and V, K heads of hd each, in every block it is processed by.
 
     2 * L * n_kv_heads * head_dim * bytes_per_elem for a dense model; a token skipped at block l has no K/V
-    there (SPEC 2, real skipping), so each block's share is scaled by (1 - z_l), mirrored.
+    there (SPEC 2, real skipping), so each block's share is scaled by (1 - z_l), mirrored. Only key-indexed
+    gating (eq. 3) hides a skipped token's key: with "query" or "none" gating it stays in the cache.
     """
     if bytes_per_elem <= 0:
         raise ValueError(f"bytes_per_elem must be > 0, got {bytes_per_elem}")
     keep = _block_keep(cfg, sparsity)
+    if cfg.gating and cfg.gate_attention != "key":
+        keep = [1.0] * len(keep)
     attention = sum(k for l, k in enumerate(keep) if l not in cfg.ssm_layers)  # SSM blocks keep a constant state
     return 2.0 * cfg.n_kv_heads * cfg.head_dim * bytes_per_elem * attention
 

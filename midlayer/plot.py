@@ -33,7 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import SparsityConfig
+from .config import ModelConfig, SparsityConfig, from_dict
+from .flops import forward_flops
 from .sweep import KIND_DENSE, KIND_GATED, KIND_NO_CONTROL, PARTS_PLACEMENT_PART, diverged
 
 CSV_COLUMNS = ("run", "kind", "n_layers", "controller", "mu0", "mu_final", "val_ce", "val_ppl", "mean_sparsity",
@@ -88,6 +89,23 @@ def _run_dirs(sweep_dir: Path, sweep: dict | None) -> list[Path]:
     return ordered + rest
 
 
+def estimated_flops(model: dict[str, Any], res: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(estimated FLOPs per sequence at the run's measured sparsity, the same at sparsity 0) under the current
+    cost model (`flops.forward_flops`), from the run's model config and its eval.json (`seq_len`,
+    `gate_sparsity`), so that a correction of the cost model reaches runs evaluated before it. Falls back to
+    the numbers eval.json stored where the config cannot be rebuilt (a run from another version)."""
+    stored = res.get("flops_per_seq"), res.get("flops_per_seq_dense_equiv")
+    try:
+        cfg = from_dict(ModelConfig, model)
+    except (TypeError, ValueError):
+        return stored
+    seq_len, z = res.get("seq_len"), res.get("gate_sparsity")
+    if not isinstance(seq_len, int) or (cfg.gating and not z):
+        return stored
+    sparsity = [float(v) for v in z[: cfg.n_layers // 2]] if cfg.gating else None
+    return forward_flops(cfg, seq_len, sparsity).total, forward_flops(cfg, seq_len).total
+
+
 def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
     """One row per run of `sweep_dir` whose eval.json holds a final evaluation (val_ce).
 
@@ -120,7 +138,7 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             kind = KIND_GATED
         # The fixed-coefficient controllers ignore mu*; only the target-tracking ones are judged against it.
         has_targets = kind == KIND_GATED and controller not in ("sparsity", "sparsity_variance")
-        dense_equiv = res.get("flops_per_seq_dense_equiv")
+        flops, dense_equiv = estimated_flops(model, res)
         row = {
             "run": run_dir.name,
             "kind": kind,
@@ -132,10 +150,9 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             "val_ce": res["val_ce"],
             "val_ppl": res.get("val_ppl", math.exp(min(res["val_ce"], 50.0))),
             "mean_sparsity": res.get("mean_sparsity", 0.0),
-            "flops_per_seq": res.get("flops_per_seq"),
+            "flops_per_seq": flops,
             "flops_per_seq_dense_equiv": dense_equiv,
-            "flops_ratio": (res["flops_per_seq"] / dense_equiv
-                            if dense_equiv and res.get("flops_per_seq") is not None else None),
+            "flops_ratio": flops / dense_equiv if dense_equiv and flops is not None else None,
             "params": res.get("params"),
             "active_params": res.get("active_params"),
             "train_tokens_per_s": res.get("train_tokens_per_s"),

@@ -196,3 +196,25 @@ def test_format_breakdown() -> None:
         assert word in text, word
     dense = format_breakdown(get_preset("paper-dense-4")[0], 128)
     assert "router" not in dense and "gate_mul" not in dense
+
+
+def test_query_and_none_gating_charge_the_visible_keys_of_skipped_tokens() -> None:
+    """Key-indexed gating (eq. 3) hides a skipped token from every query, so it does no work in the block;
+    with "query" or "none" gating later tokens still read its key and value. TINY, T = 4, z = 0.5 in both
+    blocks, per skipped token and block: k and v 2 * 2 * 8 * 4 = 128, the input RMSNorm 4 * 8 = 32, RoPE on
+    k 3 * 4 = 12: 172; two of the four tokens in each of the two blocks: 4 * 172 = 688."""
+    key = forward_flops(TINY, T, [0.5])
+    assert key.skipped_kv == 0 and key.per_block == (3080.0, 3080.0)
+    for mode in ("query", "none"):
+        cfg = dataclasses.replace(TINY, gate_attention=mode)
+        fb = forward_flops(cfg, T, [0.5])
+        assert fb.skipped_kv == 688 and fb.per_block == (3080.0 + 344, 3080.0 + 344)
+        assert fb.total == key.total + 688
+        assert forward_flops(cfg, T).total == forward_flops(TINY, T).total  # nothing skipped, nothing charged
+        # QK-norm on k adds 4 * 4 per skipped token and block; the decode steps still add up to the forward pass
+        assert forward_flops(dataclasses.replace(cfg, qk_norm=True), T, [0.5]).skipped_kv == 4 * (172 + 16)
+        steps = [decode_flops(cfg, t, [0.5]).skipped_kv for t in range(1, T + 1)]
+        assert sum(steps) == pytest.approx(688)
+        # and its K/V stays in the cache: 2 * K hd * 2 bytes in both blocks, whatever the sparsity
+        assert kv_bytes_per_token(cfg, 2, [0.5]) == 2 * 4 * 2 * 2
+    assert kv_bytes_per_token(TINY, 2, [0.5]) == 2 * 4 * 2 * 1

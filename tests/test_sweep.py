@@ -675,3 +675,32 @@ def test_key_vs_query_gating_pairs_equal_flops_gaps_by_seed(tmp_path):
     md = (tmp_path / "t.md").read_text()
     assert "| gated-key-mu0.50 | gated-query-mu0.50 | 2 | +0.0750 ± 0.0354 |" in md
     assert md.index("## Key- vs query-indexed gating") < md.index("## Runs")
+
+
+def test_collect_prices_runs_with_the_current_cost_model(tmp_path):
+    """A run evaluated before a correction of the cost model (here: a query-gated run, whose skipped tokens
+    still need their keys and values) is priced again from its config and measured sparsity; where the config
+    cannot be rebuilt the stored numbers stay."""
+    from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
+    from midlayer.flops import forward_flops
+    sweep = tmp_path / "grid"
+    z = [0.0, 0.25, 0.5]
+    for mode in ("key", "query"):
+        m = ModelConfig(dim=32, n_layers=6, n_heads=2, n_kv_heads=2, vocab_size=64, max_seq_len=16, gating=True,
+                        gate_attention=mode)
+        _write_run(sweep / f"gated-{mode}", m, SparsityConfig(), TrainConfig(steps=4))
+        res = json.loads((sweep / f"gated-{mode}" / "eval.json").read_text())
+        res.update(seq_len=16, gate_sparsity=z + z[::-1], flops_per_seq=1.0, flops_per_seq_dense_equiv=2.0)
+        (sweep / f"gated-{mode}" / "eval.json").write_text(json.dumps(res))
+    (sweep / "old").mkdir()
+    (sweep / "old" / "config.json").write_text(json.dumps({"model": {"n_layers": 6, "gating": True, "retired": 1}}))
+    (sweep / "old" / "eval.json").write_text(json.dumps({"val_ce": 4.0, "flops_per_seq": 3.0,
+                                                         "flops_per_seq_dense_equiv": 4.0, "seq_len": 16}))
+    by = {r["run"]: r for r in collect(sweep)}
+    for mode in ("key", "query"):
+        m = ModelConfig(dim=32, n_layers=6, n_heads=2, n_kv_heads=2, vocab_size=64, max_seq_len=16, gating=True,
+                        gate_attention=mode)
+        assert by[f"gated-{mode}"]["flops_per_seq"] == forward_flops(m, 16, z).total
+        assert by[f"gated-{mode}"]["flops_per_seq_dense_equiv"] == forward_flops(m, 16).total
+    assert by["gated-query"]["flops_per_seq"] > by["gated-key"]["flops_per_seq"]
+    assert (by["old"]["flops_per_seq"], by["old"]["flops_ratio"]) == (3.0, 0.75)
