@@ -19,7 +19,7 @@ seed, the gated run's CE minus the same seed's dense curve at the gated run's FL
 the seeds, so that a difference is called only where it exceeds the seed spread. Key- and query-indexed gating
 (`gating_differences`) are compared through those gaps, seed by seed.
 
-    midlayer plot runs/sweep/cpu                   # docs/results/figure2-cpu.{png,csv,md}
+    midlayer plot sweeps/cpu-seeds --out docs/results/figure2-cpu   # docs/results/figure2-cpu.{png,csv,md}
     midlayer plot runs/sweep/cpu --out /tmp/fig2   # /tmp/fig2.{png,csv,md}
 """
 

@@ -18,7 +18,8 @@ records every run's action, status and wall time (rewritten atomically after eac
 
     midlayer sweep cpu                       # ~90 minutes on 2 CPU cores
     midlayer sweep paper --launcher torchrun --nproc 8 --data 'data/fineweb10B/fineweb_*.bin'
-    midlayer plot runs/sweep/cpu             # -> docs/results/figure2-cpu.{png,csv,md}
+    midlayer sweep cpu-seeds --out-dir sweeps   # the three-seed grid, ~9 h on 2 CPU cores, resumable
+    midlayer plot sweeps/cpu-seeds --out docs/results/figure2-cpu   # -> docs/results/figure2-cpu.{png,csv,md}
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _figure2_runs(dense_presets: list[tuple[int, str]], gated_preset: str, mu_fi
 #   ~1/3 of a training token: 11 runs x 200k x 122 us / 3 ~ 90 s = 1.5 min.
 # Start-up + 8 checkpoints per run (~30 MB each): ~5 s x 11 ~ 1 min.
 # Total ~76 min on an otherwise idle machine (~74 min if fixed is 20%); the margin to 90 min absorbs a
-# busy machine (the real run's wall time is recorded in docs/results/figure2-cpu.md).
+# busy machine (the real run's wall time is recorded in docs/skip-middle.md).
 CPU_STEPS = 800
 CPU_MU_FINALS = [0.75, 0.5, 0.25, 0.0]
 _CPU = Grid(
@@ -256,7 +257,8 @@ _PARTS_SMOKE = Grid(
 # seed 0 (gated-key-mu0.75/0.50-s0) were trained unbounded and then retrained; the unbounded gated-key-mu0.50-s0
 # is kept as cpu-noise's reference.
 # Time (2 cores, the cpu grid's per-token costs): per seed, dense 1..6 ~567 us/token and 8 gated runs x
-# ~156 us/token, x SEEDS_STEPS x 4,096 tokens; ~2.5 h per seed at 1,200 steps, ~7.5 h in all: several sittings.
+# ~156 us/token, x SEEDS_STEPS x 4,096 tokens; ~2.5 h per seed at 1,200 steps, ~7.5 h in all. Measured: seed 0 took
+# 3.1 h of run wall time (AMD EPYC, 2 threads, sometimes beside other jobs), ~9 h in all: several sittings.
 SEEDS_STEPS = 1200
 SEEDS = (0, 1, 2)
 SEEDS_GAMMA = 1e-2
@@ -291,7 +293,7 @@ _CPU_SEEDS = Grid(
     description=f"issue 14: the cpu grid with seeds {SEEDS}, {SEEDS_STEPS} steps, gated points with key- and "
                 f"query-indexed gating, controller gamma {SEEDS_GAMMA:g} kp {SEEDS_KP:g} reg_grad {SEEDS_REG_GRAD} "
                 f"beta_max {SEEDS_BETA_MAX:g} "
-                "(~7.5 h on 2 cores; seed 0 of every point first)",
+                "(~9 h on 2 cores; seed 0 of every point first)",
     runs=_seeds_runs(SEEDS), shared_train=_SEEDS_TRAIN, **_SEEDS_FIELDS,
 )
 # ---- cpu-noise: seed 0 of two cpu-seeds points again with every initial weight moved by 1e-7 relative
