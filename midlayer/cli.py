@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="Figure 2 (PNG) and tables (CSV, Markdown) of a sweep's results")
     p.add_argument("sweep_dir", help="a sweep folder, e.g. runs/sweep/cpu")
     p.add_argument("--out", default=None, metavar="PREFIX",
-                   help="writes PREFIX.png/.csv/.md (default docs/results/figure2-<grid>)")
+                   help="writes PREFIX.png/.csv/.md (default docs/results/figure2-<grid>; cpu-seeds: figure2-cpu, "
+                        "cpu: figure2-cpu-800)")
     return parser
 
 

@@ -200,8 +200,8 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         "attn_scores": 2 * H * hd * P,
         "softmax": SOFTMAX_FLOPS_PER_SCORE * H * P,
         "attn_values": 2 * H * hd * P,
-        # gated: + ln(g_j) on every score; ALiBi / T5: + the position bias on every score
-        "key_bias": g * (H * P + KEY_BIAS_LOG_FLOPS_PER_TOKEN * T) + (H * P if cfg.pos_encoding in ("alibi", "t5") else 0),
+        # gated: + ln(g_j) on every score ("none" adds no gate bias); ALiBi / T5: + the position bias on every score
+        "key_bias": (g if cfg.gate_attention != "none" else 0) * (H * P + KEY_BIAS_LOG_FLOPS_PER_TOKEN * T) + (H * P if cfg.pos_encoding in ("alibi", "t5") else 0),
         # mixture of experts: k active experts per token, the router (2 d E), softmax and the weighted sum
         "ffn_proj": k * n_ffn * 2 * T * d * h + (2 * T * d * E + SOFTMAX_FLOPS_PER_SCORE * T * E + 2 * k * T * d
                                                  if E else 0),
@@ -331,7 +331,13 @@ def active_param_count(cfg: ModelConfig, sparsity: Sequence[float] | None = None
     uses k of its E experts in every block it runs, so its (E - k) idle experts are not counted."""
     keep = _block_keep(cfg, sparsity)
     idle = (cfg.moe_experts - cfg.moe_top_k) * ffn_param_count(cfg) if cfg.moe_experts else 0
-    return param_count(cfg) - block_param_count(cfg) * (len(keep) - sum(keep)) - idle * sum(keep)
+    # With "query"/"none" gating a skipped token's key and value are still computed (`skipped_kv`): it still
+    # uses the block's input norm, wk, wv (their biases, the k-norm).
+    kv = cfg.n_kv_heads * cfg.head_dim
+    still = (cfg.dim * norm_params_per_feature(cfg) + 2 * cfg.dim * kv + (2 * kv if cfg.qkv_bias else 0)
+             + (cfg.head_dim * norm_params_per_feature(cfg) if cfg.qk_norm else 0)
+             if cfg.gating and cfg.gate_attention != "key" else 0)
+    return param_count(cfg) - (block_param_count(cfg) - still) * (len(keep) - sum(keep)) - idle * sum(keep)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, sparsity: Sequence[float] | None = None) -> float:

@@ -20,6 +20,7 @@ the seeds, so that a difference is called only where it exceeds the seed spread.
 (`gating_differences`) are compared through those gaps, seed by seed.
 
     midlayer plot sweeps/cpu-seeds --out docs/results/figure2-cpu   # docs/results/figure2-cpu.{png,csv,md}
+    midlayer plot runs/sweep/cpu                   # docs/results/figure2-cpu-800.{png,csv,md}
     midlayer plot runs/sweep/cpu --out /tmp/fig2   # /tmp/fig2.{png,csv,md}
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig, SparsityConfig, from_dict
-from .flops import forward_flops
+from .flops import active_param_count, forward_flops, param_count
 from .sweep import KIND_DENSE, KIND_GATED, KIND_NO_CONTROL, PARTS_PLACEMENT_PART, diverged
 
 CSV_COLUMNS = ("run", "kind", "n_layers", "controller", "mu0", "mu_final", "val_ce", "val_ppl", "mean_sparsity",
@@ -44,6 +45,9 @@ DEFAULT_DELTA = 0.01  # SparsityConfig.delta's default, for runs whose config is
 # The controller acts on training batches, so the report also judges each block on them: the mean of the logged
 # training steps (`gate_mean/l` in metrics.jsonl, every log_every-th step) over this many final steps.
 TRAIN_GATE_WINDOW = 100
+# Where a grid's committed report lives when `--out` is not given: the three-seed sweep is the Figure-2 report,
+# the first 800-step one-seed sweep is kept beside it.
+REPORT_NAMES = {"cpu-seeds": "figure2-cpu", "cpu": "figure2-cpu-800"}
 _TOL = 1e-9  # so that a difference of exactly delta counts as met despite binary rounding
 
 
@@ -89,21 +93,28 @@ def _run_dirs(sweep_dir: Path, sweep: dict | None) -> list[Path]:
     return ordered + rest
 
 
-def estimated_flops(model: dict[str, Any], res: dict[str, Any]) -> tuple[float | None, float | None]:
-    """(estimated FLOPs per sequence at the run's measured sparsity, the same at sparsity 0) under the current
-    cost model (`flops.forward_flops`), from the run's model config and its eval.json (`seq_len`,
-    `gate_sparsity`), so that a correction of the cost model reaches runs evaluated before it. Falls back to
-    the numbers eval.json stored where the config cannot be rebuilt (a run from another version)."""
-    stored = res.get("flops_per_seq"), res.get("flops_per_seq_dense_equiv")
+def estimated_costs(model: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """`flops_per_seq` (estimated FLOPs per sequence at the run's measured sparsity), `flops_per_seq_dense_equiv`
+    (the same at sparsity 0) and `active_params`, under the current cost model (`flops.py`), from the run's
+    model config and its eval.json (`seq_len`, `gate_sparsity`), so that a correction of the cost model reaches
+    runs evaluated before it. The numbers eval.json stored are kept where the config is missing, cannot be
+    rebuilt (a run from another version) or does not describe the evaluated model (depth or parameter count
+    differ)."""
+    stored = {k: res.get(k) for k in ("flops_per_seq", "flops_per_seq_dense_equiv", "active_params")}
+    if not model:
+        return stored
     try:
         cfg = from_dict(ModelConfig, model)
     except (TypeError, ValueError):
         return stored
     seq_len, z = res.get("seq_len"), res.get("gate_sparsity")
-    if not isinstance(seq_len, int) or (cfg.gating and not z):
+    if (not isinstance(seq_len, int) or (cfg.gating and not z) or res.get("n_layers", cfg.n_layers) != cfg.n_layers
+            or res.get("params", param_count(cfg)) != param_count(cfg)):
         return stored
     sparsity = [float(v) for v in z[: cfg.n_layers // 2]] if cfg.gating else None
-    return forward_flops(cfg, seq_len, sparsity).total, forward_flops(cfg, seq_len).total
+    return {"flops_per_seq": forward_flops(cfg, seq_len, sparsity).total,
+            "flops_per_seq_dense_equiv": forward_flops(cfg, seq_len).total,
+            "active_params": float(active_param_count(cfg, sparsity))}
 
 
 def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
@@ -138,7 +149,8 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             kind = KIND_GATED
         # The fixed-coefficient controllers ignore mu*; only the target-tracking ones are judged against it.
         has_targets = kind == KIND_GATED and controller not in ("sparsity", "sparsity_variance")
-        flops, dense_equiv = estimated_flops(model, res)
+        cost = estimated_costs(model, res)
+        flops, dense_equiv = cost["flops_per_seq"], cost["flops_per_seq_dense_equiv"]
         row = {
             "run": run_dir.name,
             "kind": kind,
@@ -154,7 +166,7 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             "flops_per_seq_dense_equiv": dense_equiv,
             "flops_ratio": flops / dense_equiv if dense_equiv and flops is not None else None,
             "params": res.get("params"),
-            "active_params": res.get("active_params"),
+            "active_params": cost["active_params"],
             "train_tokens_per_s": res.get("train_tokens_per_s"),
             "step": res.get("step"),
             "finished": res.get("finished"),
@@ -817,7 +829,8 @@ def write_parts_report(sweep_dir: Path | str, prefix: Path | str) -> dict[str, P
 
 
 def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dict[str, Path]:
-    """collect + write_table + plot_figure2 into PREFIX.csv/.md/.png (default docs/results/figure2-<grid>).
+    """collect + write_table + plot_figure2 into PREFIX.csv/.md/.png (default docs/results/figure2-<grid>, or the
+    grid's REPORT_NAMES entry).
     The tables are written before the figure, so they exist even without matplotlib. A `parts` sweep gets
     its own table and plot (`write_parts_report`, default docs/results/<grid>-cpu, e.g. parts-cpu)."""
     grid = (_read_json(Path(sweep_dir) / "sweep.json") or {}).get("grid", "")
@@ -827,7 +840,7 @@ def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dic
     if not rows:
         raise ValueError(f"{sweep_dir}: no run has a final evaluation (eval.json with val_ce) yet")
     if prefix is None:
-        prefix = Path("docs/results") / f"figure2-{rows[0]['grid']}"
+        prefix = Path("docs/results") / REPORT_NAMES.get(rows[0]["grid"], f"figure2-{rows[0]['grid']}")
     prefix = Path(prefix)
     paths = {"csv": prefix.with_name(prefix.name + ".csv"), "md": prefix.with_name(prefix.name + ".md"),
              "png": prefix.with_name(prefix.name + ".png")}

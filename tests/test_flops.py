@@ -208,9 +208,12 @@ def test_query_and_none_gating_charge_the_visible_keys_of_skipped_tokens() -> No
     for mode in ("query", "none"):
         cfg = dataclasses.replace(TINY, gate_attention=mode)
         fb = forward_flops(cfg, T, [0.5])
-        assert fb.skipped_kv == 688 and fb.per_block == (3080.0 + 344, 3080.0 + 344)
-        assert fb.total == key.total + 688
-        assert forward_flops(cfg, T).total == forward_flops(TINY, T).total  # nothing skipped, nothing charged
+        # "none" adds no gate bias to the scores: the key bias's 28 per block (TINY_BLOCK), on half the tokens
+        bias = 14 if mode == "none" else 0
+        assert fb.skipped_kv == 688 and fb.per_block == (3080.0 + 344 - bias, 3080.0 + 344 - bias)
+        assert fb.total == key.total + 688 - 2 * bias
+        # nothing skipped, nothing charged
+        assert forward_flops(cfg, T).total == forward_flops(TINY, T).total - (2 * 28 if mode == "none" else 0)
         # QK-norm on k adds 4 * 4 per skipped token and block; the decode steps still add up to the forward pass
         assert forward_flops(dataclasses.replace(cfg, qk_norm=True), T, [0.5]).skipped_kv == 4 * (172 + 16)
         steps = [decode_flops(cfg, t, [0.5]).skipped_kv for t in range(1, T + 1)]

@@ -682,7 +682,7 @@ def test_collect_prices_runs_with_the_current_cost_model(tmp_path):
     still need their keys and values) is priced again from its config and measured sparsity; where the config
     cannot be rebuilt the stored numbers stay."""
     from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
-    from midlayer.flops import forward_flops
+    from midlayer.flops import active_param_count, forward_flops, param_count
     sweep = tmp_path / "grid"
     z = [0.0, 0.25, 0.5]
     for mode in ("key", "query"):
@@ -690,17 +690,27 @@ def test_collect_prices_runs_with_the_current_cost_model(tmp_path):
                         gate_attention=mode)
         _write_run(sweep / f"gated-{mode}", m, SparsityConfig(), TrainConfig(steps=4))
         res = json.loads((sweep / f"gated-{mode}" / "eval.json").read_text())
-        res.update(seq_len=16, gate_sparsity=z + z[::-1], flops_per_seq=1.0, flops_per_seq_dense_equiv=2.0)
+        res.update(seq_len=16, gate_sparsity=z + z[::-1], flops_per_seq=1.0, flops_per_seq_dense_equiv=2.0,
+                   params=param_count(m))
         (sweep / f"gated-{mode}" / "eval.json").write_text(json.dumps(res))
-    (sweep / "old").mkdir()
-    (sweep / "old" / "config.json").write_text(json.dumps({"model": {"n_layers": 6, "gating": True, "retired": 1}}))
-    (sweep / "old" / "eval.json").write_text(json.dumps({"val_ce": 4.0, "flops_per_seq": 3.0,
-                                                         "flops_per_seq_dense_equiv": 4.0, "seq_len": 16}))
+    stale = {"val_ce": 4.0, "flops_per_seq": 3.0, "flops_per_seq_dense_equiv": 4.0, "active_params": 5.0,
+             "seq_len": 16, "gating": True, "n_layers": 6, "gate_sparsity": z + z[::-1]}
+    # a config from another version, none at all, and one that is not the evaluated model: stored numbers stay
+    for name, model in (("old", {"n_layers": 6, "gating": True, "retired": 1}), ("bare", None),
+                        ("other", dataclasses.asdict(ModelConfig(dim=64, n_layers=6, n_heads=4, n_kv_heads=4, gating=True)))):
+        (sweep / name).mkdir()
+        if model is not None:
+            (sweep / name / "config.json").write_text(json.dumps({"model": model}))
+        (sweep / name / "eval.json").write_text(json.dumps({**stale, "params": 1234}))
     by = {r["run"]: r for r in collect(sweep)}
     for mode in ("key", "query"):
         m = ModelConfig(dim=32, n_layers=6, n_heads=2, n_kv_heads=2, vocab_size=64, max_seq_len=16, gating=True,
                         gate_attention=mode)
         assert by[f"gated-{mode}"]["flops_per_seq"] == forward_flops(m, 16, z).total
         assert by[f"gated-{mode}"]["flops_per_seq_dense_equiv"] == forward_flops(m, 16).total
+        assert by[f"gated-{mode}"]["active_params"] == active_param_count(m, z)
     assert by["gated-query"]["flops_per_seq"] > by["gated-key"]["flops_per_seq"]
-    assert (by["old"]["flops_per_seq"], by["old"]["flops_ratio"]) == (3.0, 0.75)
+    # query gating still uses each skipped block's input norm, wk and wv: per block 32 + 2 * 32 * 32 = 2080
+    assert by["gated-query"]["active_params"] - by["gated-key"]["active_params"] == pytest.approx(2 * 0.75 * 2080)
+    for name in ("old", "bare", "other"):
+        assert (by[name]["flops_per_seq"], by[name]["flops_ratio"], by[name]["active_params"]) == (3.0, 0.75, 5.0)
