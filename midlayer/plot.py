@@ -409,6 +409,11 @@ def _fmt_paired(mean: float, std: float, ci95: float | None, n: int) -> str:
     return diff + " | " + ("-" if ci95 is None else f"[{mean - ci95:+.4f}, {mean + ci95:+.4f}]")
 
 
+def _section(title: str, blurb: str, columns: tuple[str, ...], body: list[str]) -> list[str]:
+    """A report section: heading, one paragraph, a Markdown table with `columns` and the rows `body`."""
+    return [f"## {title}", "", blurb, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *body, ""]
+
+
 def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
     """One line per row, `columns` in order, None as an empty cell."""
     with open(path, "w", newline="") as f:
@@ -463,58 +468,40 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
                          f"{_fmt(p.get('mu_final'), '.2f')} | {p['seeds']} | {ce} | {sp} | {fl} | "
                          f"{_fmt(p.get('flops_ratio_mean'), '.3f')} | {met} |")
         lines += ["", "## Runs", ""]
-    sect = []
+    sect: list[str] = []
     steps = depth_steps(rows)
     if steps:
-        sect += [
-            "## Do the dense depths separate?",
-            "",
+        sect += _section(
+            "Do the dense depths separate?",
             "Per seed: val CE of the deeper model minus that of the shallower one; mean ± sample std over seeds "
             "and the 95% t interval of the mean.",
-            "",
-            "| depths | seeds | deeper - shallower | 95% interval | verdict |",
-            "|---|---|---|---|---|",
-        ]
-        for d in steps:
-            sect.append(f"| {d['from']} -> {d['to']} | {d['seeds']} | "
-                        f"{_fmt_paired(d['mean'], d['std'], d['ci95'], d['seeds'])} | {d['verdict']} |")
-        sect.append("")
+            ("depths", "seeds", "deeper - shallower", "95% interval", "verdict"),
+            [f"| {d['from']} -> {d['to']} | {d['seeds']} | "
+             f"{_fmt_paired(d['mean'], d['std'], d['ci95'], d['seeds'])} | {d['verdict']} |" for d in steps])
     gaps = equal_flops_gaps(rows)
     if gaps:
-        sect += [
-            "## Gated vs dense at equal estimated FLOPs",
-            "",
+        sect += _section(
+            "Gated vs dense at equal estimated FLOPs",
             "Per seed: the gated run's validation CE minus the same seed's dense curve (linear between the two "
             "depths that bracket the gated run's estimated FLOPs); then the mean over seeds ± sample std, and "
             "the 95% t interval of that mean. `verdict`: which side is lower where the interval excludes 0.",
-            "",
-            "| point | seeds | est. MFLOPs/seq | val CE | dense at equal FLOPs | gated - dense | 95% interval "
-            "| seeds gated lower | verdict |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for g in gaps:
-            sect.append(f"| {g['point']} | {g['seeds']} | {g['flops_per_seq_mean'] / 1e6:,.1f} | "
-                        f"{g['val_ce_mean']:.4f} | {g['dense_ce_mean']:.4f} | "
-                        f"{_fmt_paired(g['gap_mean'], g['gap_std'], g['gap_ci95'], g['seeds'])} | "
-                        f"{g['gated_lower']}/{g['seeds']} | {g['verdict']} |")
-        sect.append("")
+            ("point", "seeds", "est. MFLOPs/seq", "val CE", "dense at equal FLOPs", "gated - dense", "95% interval",
+             "seeds gated lower", "verdict"),
+            [f"| {g['point']} | {g['seeds']} | {g['flops_per_seq_mean'] / 1e6:,.1f} | "
+             f"{g['val_ce_mean']:.4f} | {g['dense_ce_mean']:.4f} | "
+             f"{_fmt_paired(g['gap_mean'], g['gap_std'], g['gap_ci95'], g['seeds'])} | "
+             f"{g['gated_lower']}/{g['seeds']} | {g['verdict']} |" for g in gaps])
     pairs = gating_differences(gaps)
     if pairs:
-        sect += [
-            "## Key- vs query-indexed gating",
-            "",
+        sect += _section(
+            "Key- vs query-indexed gating",
             "Eq. 3 as written (`key`: a skipped token is hidden as a key) against the reference code's indexing "
             "(`query`: the log-gate is added to the query's row, which hides nothing), at the same controller "
             "setting. Per seed: the key point's gap to the dense curve minus the query point's (both from the "
             "table above, so at equal estimated FLOPs); mean ± std over seeds and the 95% t interval.",
-            "",
-            "| key point | query point | seeds | key gap - query gap | 95% interval | verdict |",
-            "|---|---|---|---|---|---|",
-        ]
-        for d in pairs:
-            sect.append(f"| {d['key']} | {d['query']} | {d['seeds']} | "
-                        f"{_fmt_paired(d['mean'], d['std'], d['ci95'], d['seeds'])} | {d['verdict']} |")
-        sect.append("")
+            ("key point", "query point", "seeds", "key gap - query gap", "95% interval", "verdict"),
+            [f"| {d['key']} | {d['query']} | {d['seeds']} | "
+             f"{_fmt_paired(d['mean'], d['std'], d['ci95'], d['seeds'])} | {d['verdict']} |" for d in pairs])
     if sect:
         if "## Runs" in lines:
             at = lines.index("## Runs")
