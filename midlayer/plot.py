@@ -40,7 +40,7 @@ from .sweep import KIND_DENSE, KIND_GATED, KIND_NO_CONTROL, PARTS_PLACEMENT_PART
 
 CSV_COLUMNS = ("run", "kind", "n_layers", "controller", "mu0", "mu_final", "val_ce", "val_ppl", "mean_sparsity",
                "flops_per_seq", "flops_per_seq_dense_equiv", "flops_ratio", "params", "active_params",
-               "train_tokens_per_s", "step", "finished")
+               "train_tokens_per_s", "step", "finished", "wall_s", "machine")
 DEFAULT_DELTA = 0.01  # SparsityConfig.delta's default, for runs whose config is not on disk
 # The controller acts on training batches, so the report also judges each block on them: the mean of the logged
 # training steps (`gate_mean/l` in metrics.jsonl, every log_every-th step) over this many final steps.
@@ -170,6 +170,10 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             "train_tokens_per_s": res.get("train_tokens_per_s"),
             "step": res.get("step"),
             "finished": res.get("finished"),
+            # The sweep's record of the run: seconds of training + evaluation (a run resumed in a later sitting
+            # records only its resumed part) and the machine it ran on (the sweep's `machine` string).
+            "wall_s": meta.get("wall_s"),
+            "machine": meta.get("machine"),
             "gate_mean": list(res.get("gate_mean") or []),
             "gate_sparsity": list(res.get("gate_sparsity") or []),
             "grid": (sweep or {}).get("grid", sweep_dir.name),
@@ -180,6 +184,22 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
         }
         rows.append(row)
     return rows
+
+
+def _wall_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """How the runs were made: the command that continues the grid, the recorded wall time, the machines."""
+    grid = rows[0].get("grid", "") if rows else ""
+    timed = [r["wall_s"] for r in rows if r.get("wall_s") is not None]
+    machines = sorted({r["machine"] for r in rows if r.get("machine")})
+    out = [f"Made with `midlayer sweep {grid} --out-dir <dir>` (resumable: the same command skips finished runs "
+           f"and continues a stopped one from its last checkpoint) and `midlayer plot <dir>/{grid}`."]
+    if timed:
+        out[0] += (f" Recorded wall time: {sum(timed) / 3600:.1f} h over {len(timed)} runs "
+                   f"({min(timed) / 60:.1f}-{max(timed) / 60:.1f} min a run; a run resumed in a later sitting "
+                   "records only its resumed part).")
+    if machines:
+        out[0] += " Machine: " + "; ".join(f"{m}" for m in machines) + "."
+    return out
 
 
 def point_name(run: str) -> str:
@@ -510,15 +530,17 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
             lines += sect + ["## Runs", ""]
     lines += [
         "| run | kind | layers | mu_final | val CE | val ppl | mean sparsity | est. MFLOPs/seq | vs dense-equiv. "
-        "| params | train tok/s | steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| params | train tok/s | steps | wall (min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mf = r["flops_per_seq"] / 1e6 if r.get("flops_per_seq") is not None else None
         lines.append(f"| {r['run']} | {r['kind']} | {r['n_layers']} | {_fmt(r.get('mu_final'), '.2f')} | "
                      f"{r['val_ce']:.4f} | {_fmt(r.get('val_ppl'), '.2f')} | {_fmt(r.get('mean_sparsity'), '.3f')} | "
                      f"{_fmt(mf, ',.1f')} | {_fmt(r.get('flops_ratio'), '.3f')} | {_fmt(r.get('params'), ',')} | "
-                     f"{_fmt(r.get('train_tokens_per_s'), ',.0f')} | {_fmt(r.get('step'))} |")
+                     f"{_fmt(r.get('train_tokens_per_s'), ',.0f')} | {_fmt(r.get('step'))} | "
+                     f"{_fmt(r['wall_s'] / 60 if r.get('wall_s') is not None else None, '.1f')} |")
+    lines += ["", *_wall_summary(rows)]
     gated = [r for r in rows if r["kind"] != KIND_DENSE]
     if gated:
         lines += [

@@ -321,6 +321,25 @@ def test_collect_and_tables_hold_every_run_with_its_numbers(tmp_path):
     assert "| gated-none | no control | 0 | - |" in md
 
 
+def test_report_carries_each_runs_recorded_wall_time_and_their_sum(tmp_path):
+    sweep_dir = _fake_sweep(tmp_path)
+    state = json.loads((sweep_dir / "sweep.json").read_text())
+    walls = {"dense-1": 360.0, "dense-2": 540.0, "gated-none": 1080.0}  # 6, 9 and 18 min; 0.55 h in all
+    for r in state["runs"]:
+        r["wall_s"] = walls.get(r["name"])
+        r["machine"] = "CPU X; 2 threads" if r["name"] in walls else None
+    (sweep_dir / "sweep.json").write_text(json.dumps(state))
+    rows = collect(sweep_dir)
+    assert {r["run"]: r["wall_s"] for r in rows if r["wall_s"] is not None} == walls
+    write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
+    md = (tmp_path / "t.md").read_text()
+    assert "| 5,000 | 800 | 9.0 |" in md  # dense-2: tok/s, steps, wall in minutes
+    assert "Recorded wall time: 0.6 h over 3 runs (6.0-18.0 min a run" in md
+    assert "Machine: CPU X; 2 threads." in md and "`midlayer sweep cpu --out-dir <dir>`" in md
+    table = {r["run"]: r for r in csv.DictReader(open(tmp_path / "t.csv"))}
+    assert table["gated-none"]["wall_s"] == "1080.0" and table["dense-6"]["wall_s"] == ""
+
+
 def test_seeds_grid_points_aggregate_by_hand(tmp_path):
     """cpu-seeds: one point per name without its seed; the fake val CE is base + 0.01 * seed, so seeds 0, 1, 2
     give mean base + 0.01 and sample std 0.01; key and query gated points stay apart."""
