@@ -186,20 +186,19 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
     return rows
 
 
-def _wall_summary(rows: list[dict[str, Any]]) -> list[str]:
+def _wall_summary(rows: list[dict[str, Any]], grid: str) -> str:
     """How the runs were made: the command that continues the grid, the recorded wall time, the machines."""
-    grid = rows[0].get("grid", "") if rows else ""
     timed = [r["wall_s"] for r in rows if r.get("wall_s") is not None]
     machines = sorted({r["machine"] for r in rows if r.get("machine")})
-    out = [f"Made with `midlayer sweep {grid} --out-dir <dir>` (resumable: the same command skips finished runs "
-           f"and continues a stopped one from its last checkpoint) and `midlayer plot <dir>/{grid}`."]
+    text = (f"Made with `midlayer sweep {grid} --out-dir <dir>` (resumable: the same command skips finished runs "
+            f"and continues a stopped one from its last checkpoint) and `midlayer plot <dir>/{grid}`.")
     if timed:
-        out[0] += (f" Recorded wall time: {sum(timed) / 3600:.1f} h over {len(timed)} runs "
-                   f"({min(timed) / 60:.1f}-{max(timed) / 60:.1f} min a run; a run resumed in a later sitting "
-                   "records only its resumed part).")
+        text += (f" Recorded wall time: {sum(timed) / 3600:.1f} h over {len(timed)} runs "
+                 f"({min(timed) / 60:.1f}-{max(timed) / 60:.1f} min a run; a run resumed in a later sitting "
+                 "records only its resumed part).")
     if machines:
-        out[0] += " Machine: " + "; ".join(f"{m}" for m in machines) + "."
-    return out
+        text += " Machine: " + "; ".join(machines) + "."
+    return text
 
 
 def point_name(run: str) -> str:
@@ -540,7 +539,7 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
                      f"{_fmt(mf, ',.1f')} | {_fmt(r.get('flops_ratio'), '.3f')} | {_fmt(r.get('params'), ',')} | "
                      f"{_fmt(r.get('train_tokens_per_s'), ',.0f')} | {_fmt(r.get('step'))} | "
                      f"{_fmt(r['wall_s'] / 60 if r.get('wall_s') is not None else None, '.1f')} |")
-    lines += ["", *_wall_summary(rows)]
+    lines += ["", _wall_summary(rows, grid)]
     gated = [r for r in rows if r["kind"] != KIND_DENSE]
     if gated:
         lines += [
