@@ -352,6 +352,23 @@ def gating_differences(gaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def pooled_gaps(gaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One verdict per gating index over all of its points: for each seed that every point of that index has,
+    the mean of the points' equal-FLOPs gaps (`equal_flops_gaps`); then `paired_difference` over those per-seed
+    means. Averaging within a seed first keeps the points of one seed (which share its data order and dense
+    curve, so are not independent) from counting as separate samples. Indexes with no common seed are left out."""
+    out = []
+    for index in sorted({g.get("gate_attention") for g in gaps if g.get("gate_attention")}):
+        points = [g for g in gaps if g.get("gate_attention") == index]
+        seeds = sorted(set.intersection(*(set(g["gap_by_seed"]) for g in points)), key=str)
+        if not seeds:
+            continue
+        means = [sum(g["gap_by_seed"][s] for g in points) / len(points) for s in seeds]
+        out.append({"gate_attention": index, "points": len(points), "seeds": len(seeds), "seed_means": means,
+                    **paired_difference(means, ("gated lower", "dense lower"))})
+    return out
+
+
 def block_targets(mu0: float, mu_final: float, n_layers: int) -> list[float]:
     """Mean-gate targets mu*_l of the first-half blocks, as the controller computes them."""
     from .sparsity import mean_targets
@@ -510,6 +527,16 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path 
              f"{g['val_ce_mean']:.4f} | {g['dense_ce_mean']:.4f} | "
              f"{_fmt_paired(g['gap_mean'], g['gap_std'], g['gap_ci95'], g['seeds'])} | "
              f"{g['gated_lower']}/{g['seeds']} | {g['verdict']} |" for g in gaps])
+    pooled = pooled_gaps(gaps)
+    if pooled:
+        sect += _section(
+            "All points of one gating index together",
+            "Per seed: the mean of that index's gated - dense gaps (table above) over its points, using the seeds "
+            "every point has; then the mean over seeds ± sample std and the 95% t interval. One verdict per "
+            "indexing: does gating, over the controller settings tried, beat or trail dense models of equal FLOPs?",
+            ("gating", "points", "seeds", "mean gap", "95% interval", "verdict"),
+            [f"| {p['gate_attention']} | {p['points']} | {p['seeds']} | "
+             f"{_fmt_paired(p['mean'], p['std'], p['ci95'], p['seeds'])} | {p['verdict']} |" for p in pooled])
     pairs = gating_differences(gaps)
     if pairs:
         sect += _section(

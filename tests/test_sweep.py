@@ -696,6 +696,28 @@ def test_key_vs_query_gating_pairs_equal_flops_gaps_by_seed(tmp_path):
     assert md.index("## Key- vs query-indexed gating") < md.index("## Runs")
 
 
+def test_pooled_gaps_average_each_seeds_points_first_by_hand(tmp_path):
+    """Per gating index: per seed, the mean gap over its points, then a t interval over the seeds. Key points
+    a (gaps +0.05, +0.03, +0.04) and b (+0.01, +0.03, +0.02) give seed means +0.03, +0.03, +0.03 (std 0:
+    'dense lower'); the query point has seeds 0-1 only, gaps -0.05 and +0.05: mean 0, 'within noise'."""
+    from midlayer.plot import pooled_gaps
+
+    def gap(point, att, by_seed):
+        return {"point": point, "gate_attention": att, "gap_by_seed": dict(enumerate(by_seed))}
+    gaps = [gap("a", "key", [0.05, 0.03, 0.04]), gap("b", "key", [0.01, 0.03, 0.02]),
+            gap("q", "query", [-0.05, 0.05]), gap("none-index", None, [9.0])]
+    pooled = {p["gate_attention"]: p for p in pooled_gaps(gaps)}
+    assert set(pooled) == {"key", "query"}
+    k, q = pooled["key"], pooled["query"]
+    assert (k["points"], k["seeds"]) == (2, 3) and k["seed_means"] == pytest.approx([0.03, 0.03, 0.03])
+    assert k["mean"] == pytest.approx(0.03) and k["std"] == pytest.approx(0.0, abs=1e-12)
+    assert k["verdict"] == "dense lower"
+    assert q["seed_means"] == pytest.approx([-0.05, 0.05]) and q["std"] == pytest.approx(0.1 / math.sqrt(2))
+    assert q["ci95"] == pytest.approx(12.706 * 0.05) and q["verdict"] == "within noise"
+    # a point missing a seed restricts its index to the seeds every point has
+    assert pooled_gaps([gap("a", "key", [0.1, 0.2]), gap("b", "key", [0.3])])[0]["seed_means"] == pytest.approx([0.2])
+
+
 def test_collect_prices_runs_with_the_current_cost_model(tmp_path):
     """A run evaluated before a correction of the cost model (here: a query-gated run, whose skipped tokens
     still need their keys and values) is priced again from its config and measured sparsity; where the config
