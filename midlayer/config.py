@@ -34,6 +34,7 @@ REG_GRADS = (*GATE_GRADS, "straight_through_routers", "straight_through_inward")
 GATE_VALUES = ("soft", "hard", "sampled")
 CONTROLLERS = ("none", "sparsity", "sparsity_variance", "adaptive", "proportional", "sparsity_variance_l2")
 DTYPES = ("auto", "float32", "bfloat16")
+PARALLEL = ("ddp", "fsdp")  # TrainConfig.parallel: data-parallel strategies under torchrun
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -318,6 +319,10 @@ class TrainConfig:
     #                            generator (data order unchanged): a stand-in for another CPU's rounding (issue 14)
     out_dir: str = "runs/default"
     compile: bool = False
+    parallel: str = "ddp"  # how N torchrun processes split the work: "ddp" (each holds the whole model and its
+    #                        Adam moments, gradients all-reduced) or "fsdp" (FSDP2: each holds 1/N of every
+    #                        parameter, gradient and moment between steps, a block gathered while it runs).
+    #                        Ignored in one process. Checkpoints are the same either way: free to change on resume
     grad_norm_spike: float = 0.0  # warn when the grad norm exceeds this multiple of its running mean (0 = off)
     tensorboard: bool = False
     wandb: str = ""  # wandb project name; empty disables
@@ -347,6 +352,7 @@ class TrainConfig:
                f"must be a positive int, got {self.control_batch_size!r}")
         _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.parallel in PARALLEL, "parallel", f"must be one of {PARALLEL}, got {self.parallel!r}")
         _check(bool(self.out_dir.strip()), "out_dir", "must name a folder, got ''")  # '' would mean the cwd
         from .tokenizer import MAX_VOCAB, MIN_VOCAB  # the BPE trainer's own limits, checked before any data work
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -113,3 +114,76 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 def print0(*args, **kwargs) -> None:
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
+
+
+def all_reduce_max(n: int, device: torch.device) -> int:
+    """The largest of every rank's `n` (n itself in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        t = torch.tensor(n, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+    return n
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+# `train --parallel fsdp`: each rank holds 1/N of every parameter, gradient and Adam moment between steps
+# (FSDP2's `fully_shard`, a DTensor sharded on dim 0 per parameter); a block's full weights exist only while
+# that block runs, gathered just before. Checkpoints hold full, unsharded tensors in the same layout as a
+# plain model's `state_dict()` and `AdamW.state_dict()`, so a run may switch between 1 process, DDP and FSDP
+# on resume. Every function below is a collective under FSDP: all ranks call it.
+
+
+def shard_model(model: torch.nn.Module) -> None:
+    """Shard `model` in place: one FSDP unit per block (gathered for that block's forward and backward only),
+    then the root (embeddings, routers, final norm, head). Build the optimizer after this, on the sharded
+    parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    # The model's output carries views (GateStats keeps the rows each router read, h[:, :routed], for the
+    # regulariser's gradient); FSDP2 warns that an in-place op on one would skip its hook. Nothing writes to them.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _flat_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """The name of each optimizer parameter in the order `opt.state_dict()` numbers them (group by group)."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [name[id(p)] for g in opt.param_groups for p in g["params"]]
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state) of a sharded model as full tensors on the CPU, laid out as the unsharded
+    model's and optimizer's own `state_dict()` (parameters numbered in group order), on rank 0; other ranks
+    get empty dicts. A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(model, options=opts)
+    osd = get_optimizer_state_dict(model, opt, options=opts)
+    if not msd:  # not rank 0
+        return {}, {}
+    index = {n: i for i, n in enumerate(_flat_names(model, opt))}
+    state = {index[n]: s for n, s in osd["state"].items()}
+    # the groups' settings as the optimizer itself writes them (numbered parameters, tuples kept)
+    return msd, {"state": state, "param_groups": opt.state_dict()["param_groups"]}
+
+
+def load_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+    """Load a full optimizer state (the unsharded layout `full_state` writes) into the optimizer of a sharded
+    model: every rank keeps its own shard of each moment. A collective: every rank calls it, with the state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = _flat_names(model, opt)
+    by_name = {"state": {names[int(i)]: s for i, s in state["state"].items()},
+               "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, opt, by_name, options=StateDictOptions(full_state_dict=True))
+    for group, saved in zip(opt.param_groups, state["param_groups"]):  # settings exactly as saved (betas a
+        group.update({k: v for k, v in saved.items() if k != "params"})  # tuple, as load_state_dict keeps it)
+
+
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor (e.g. the gradient norm over sharded parameters); others pass through."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x

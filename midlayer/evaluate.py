@@ -31,11 +31,14 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
 @torch.no_grad()
 def evaluate(model: Transformer, windows: TokenWindows, *, eval_tokens: int, batch_size: int,
              device: torch.device, dtype: torch.dtype = torch.float32, rank: int = 0,
-             world_size: int = 1) -> dict[str, Any]:
+             world_size: int = 1, equal_forwards: bool = False) -> dict[str, Any]:
     """Token-weighted mean cross-entropy over the first `eval_tokens` validation tokens (0 = all).
 
     Windows are sequential and split across ranks; the sums are all-reduced, so every rank returns the
     same numbers, equal to a single-process evaluation of the same windows.
+    `equal_forwards`: every rank runs as many forwards (a sharded model's forward is a collective: a rank
+    that stopped one batch early would leave the others waiting forever); a rank with a batch fewer runs a
+    last one on one window whose result is dropped.
     """
     cfg = model.cfg
     was_training = model.training
@@ -43,6 +46,14 @@ def evaluate(model: Transformer, windows: TokenWindows, *, eval_tokens: int, bat
     ce_sum = torch.zeros((), dtype=torch.float64, device=device)
     n_tok = torch.zeros((), dtype=torch.float64, device=device)
     acc = GateStatsAccumulator(cfg.n_layers, device=device) if cfg.gating else None
+    if equal_forwards:
+        total = windows.num_sequential_windows
+        total = min(total, eval_tokens // windows.seq_len) if eval_tokens else total
+        mine = -(-len(range(rank, total, world_size)) // batch_size)
+        extra = dist_utils.all_reduce_max(mine, device) - mine
+        for x, y in list(windows.sequential(1, max_tokens=windows.seq_len))[:1] * extra:
+            with autocast_context(device, dtype):
+                model(x.to(device), y.to(device), return_logits=False)
     for x, y in windows.sequential(batch_size, max_tokens=eval_tokens, rank=rank, world_size=world_size):
         x, y = x.to(device), y.to(device)
         with autocast_context(device, dtype):

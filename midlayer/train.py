@@ -54,7 +54,7 @@ class TrainingInterrupted(KeyboardInterrupt):
 # micro-batches or compiled, not what it computes. Any other difference from the checkpoint's configs (the
 # model, the controller, the optimiser, the schedule -- `steps` too --, the data, the evaluation) is refused,
 # naming the flag: the checkpoint would otherwise be continued, or evaluated, as a run it is not.
-FREE_ON_RESUME = ("micro_batch_size", "eval_every", "log_every", "ckpt_every", "keep_last", "out_dir", "compile",
+FREE_ON_RESUME = ("micro_batch_size", "eval_every", "log_every", "ckpt_every", "keep_last", "out_dir", "compile", "parallel",
                   "grad_norm_spike", "tensorboard", "wandb")
 # ... and these may change to recover from a divergence (what the non-finite-loss error suggests): the new
 # value applies from the resumed step on; the change is printed and logged in metrics.jsonl.
@@ -254,6 +254,11 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
                              f"{'controller ' + repr(sparsity_cfg.controller) if model_cfg.gating else 'no gates'}")
         if cfg.control_batch_size % world:
             raise ValueError(f"--control-batch-size {cfg.control_batch_size} must split evenly over {world} ranks")
+    fsdp = info.enabled and cfg.parallel == "fsdp"
+    if fsdp and model_cfg.moe_experts:
+        raise ValueError("--parallel fsdp: mixture-of-experts models are not supported (an expert that no token of "
+                         "a micro-batch picks gets no gradient, which FSDP's reduce-scatter cannot skip as DDP's "
+                         "find_unused_parameters does); use --parallel ddp")
     if model_cfg.attn_backend == "flex" and dev.type != "cuda":
         raise ValueError(f"--attn-backend flex: FlexAttention cannot train on {dev.type} (no backward pass there); "
                          "use --attn-backend auto or sdpa")
@@ -300,6 +305,10 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         perturb_weights(model, cfg.init_perturb, cfg.seed)
     model = model.to(dev)
     model.check_inputs = dev.type == "cpu"  # the range check syncs with the GPU; data ids are known-good
+    if ckpt is not None:  # full tensors, loaded before sharding (every rank reads the checkpoint)
+        model.load_state_dict(ckpt["model"])
+    if fsdp:
+        dist_utils.shard_model(model)  # before the optimizer: it must hold the sharded parameters
     dtype = resolve_dtype(cfg.dtype, dev)
     factors = [lambda s: lr_factor(s, cfg)]
     groups: Any = model.parameters()
@@ -314,8 +323,10 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     controller = make_controller(sparsity_cfg, model_cfg.n_layers).to(dev) if model_cfg.gating else None
     start = 0
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+        if fsdp:
+            dist_utils.load_optimizer_state(model, opt, ckpt["optimizer"])
+        else:
+            opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
         if controller is not None:
             controller.load_state_dict(ckpt["controller"])
@@ -331,7 +342,7 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     run_model = torch.compile(model) if cfg.compile else model
     # An expert that no token of a micro-batch picked gets no gradient: DDP must then not wait for it.
     ddp = DDP(run_model, device_ids=[dev.index] if dev.type == "cuda" else None,
-              find_unused_parameters=model_cfg.moe_experts > 0) if info.enabled else None
+              find_unused_parameters=model_cfg.moe_experts > 0) if info.enabled and not fsdp else None
     fwd = ddp if ddp is not None else run_model
 
     if info.is_main:
@@ -350,8 +361,12 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
                     **({"changed": {k: list(v) for k, v in changed.items()}} if changed else {})})
 
     def save(step: int) -> None:
+        if fsdp:  # gathered on every rank (a collective), kept on rank 0
+            model_state, opt_state = dist_utils.full_state(model, opt)
+        elif info.is_main:
+            model_state, opt_state = model.state_dict(), opt.state_dict()
         if info.is_main:
-            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            state = {"model": model_state, "optimizer": opt_state, "scheduler": sched.state_dict(),
                      "rng_cpu": torch.get_rng_state()}
             if controller is not None:
                 state["controller"] = controller.state_dict()
@@ -362,7 +377,7 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
 
     def run_eval(step: int) -> dict[str, Any]:
         res = evaluate(model, val_windows, eval_tokens=cfg.eval_tokens, batch_size=cfg.micro_batch_size,
-                       device=dev, dtype=dtype, rank=rank, world_size=world)
+                       device=dev, dtype=dtype, rank=rank, world_size=world, equal_forwards=fsdp)
         res["step"] = step
         logger.log({"event": "eval", **res})
         return res
@@ -405,6 +420,8 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
                                        cfg.micro_batch_size)
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             sync = nullcontext() if (ddp is None or m == accum - 1) else ddp.no_sync()
+            if fsdp:  # reduce-scatter the gradients once per step, after the last micro-batch
+                model.set_requires_gradient_sync(m == accum - 1)
             with sync:
                 with autocast_context(dev, dtype):
                     out, reg, moe = micro_batch_losses(fwd, x, y, model_cfg, sparsity_cfg, controller)
@@ -419,7 +436,8 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         ce = dist_utils.all_reduce_mean(ce_sum / accum)
         reg_v = dist_utils.all_reduce_mean(reg_sum / accum)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        # over sharded parameters the norm is a DTensor: its full value is the norm over all shards
+        grad_norm = dist_utils.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         if not (torch.isfinite(ce) and torch.isfinite(grad_norm)):
             logger.log({"event": "non_finite", "step": step, "ce": ce.item(), "grad_norm": grad_norm.item()})
             logger.close()

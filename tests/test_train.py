@@ -1,6 +1,7 @@
 """Training loop: schedule, learning, exact resume, DDP == single process, checkpoint refusals, CLI surface."""
 
 import dataclasses
+import json
 import math
 import os
 import socket
@@ -313,6 +314,80 @@ def test_ddp_two_gloo_processes_equal_single_process(tmp_path):
     assert not torch.equal(a["model"]["output.weight"], get_init_output_weight(m))
 
 
+def _fsdp_worker(rank: int, world: int, port: int, tmp: str, phase: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    m, s, t = debug_configs(Path(tmp), **_FSDP_TRAIN)
+    if phase == "first":
+        from torch.distributed.tensor import DTensor, Shard
+
+        from midlayer import distributed as dist_utils
+        from midlayer.model import Transformer
+        dist_utils.setup("cpu")  # train() keeps this process group and tears it down at its end
+        model = Transformer(m)
+        full = {n: p.shape for n, p in model.named_parameters()}
+        dist_utils.shard_model(model)
+        for n, p in model.named_parameters():  # every parameter really sharded: this rank holds its dim-0 slice
+            assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.shape == full[n], n
+            chunk = -(-full[n][0] // world)  # torch.chunk's split: ceil(n / world) rows a rank, the last ones fewer
+            assert p.to_local().shape[0] == max(0, min(full[n][0], (rank + 1) * chunk) - rank * chunk), n
+        train(m, s, t, progress=False, device="cpu", stop_after=2)  # "killed" after step 2
+    else:
+        train(m, s, t, progress=False, device="cpu", resume=True)
+
+
+# 5 validation windows over 2 ranks in batches of 2: rank 0 runs 2 forwards, rank 1 one (+ one padding forward)
+_FSDP_TRAIN = dict(steps=4, batch_size=8, micro_batch_size=2, ckpt_every=1, keep_last=10, eval_tokens=5 * 32,
+                   router_lr_floor=0.5, parallel="fsdp")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fsdp_two_gloo_processes_killed_and_resumed_equal_one_process(tmp_path):
+    """--parallel fsdp (FSDP2) on 2 gloo processes, stopped after step 2 and resumed to step 4: weights, Adam
+    moments (two parameter groups) and validation CE equal one process's run of the same configs; its step-2
+    checkpoint (full tensors) resumes in one process to the same result."""
+    import shutil
+    fsdp_dir = tmp_path / "fsdp"
+    fsdp_dir.mkdir()
+    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(fsdp_dir), "first"), nprocs=2, join=True)
+    assert [int(p.stem.split("_")[1]) for p in list_checkpoints(fsdp_dir / "run")] == [1, 2]
+    one_dir = tmp_path / "one-resumed"  # the sharded run's checkpoint, continued by a single process
+    shutil.copytree(fsdp_dir, one_dir)
+    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(fsdp_dir), "resume"), nprocs=2, join=True)
+    m, s, t = debug_configs(one_dir, **_FSDP_TRAIN)
+    train(m, s, dataclasses.replace(t, data=str(fsdp_dir / "shards" / "*.bin")), progress=False, device="cpu",
+          resume=True)
+    single_dir = tmp_path / "single"
+    single_dir.mkdir()
+    m, s, t = debug_configs(single_dir, **_FSDP_TRAIN)
+    train(m, s, t, progress=False, device="cpu")
+    ref = load_checkpoint(list_checkpoints(single_dir / "run")[-1])
+    ref_ce = json.loads((single_dir / "run" / "eval.json").read_text())["val_ce"]
+    assert len(ref["optimizer"]["param_groups"]) == 2
+    for run in (fsdp_dir, one_dir):
+        got = load_checkpoint(list_checkpoints(run / "run")[-1])
+        assert got["step"] == 4 and got["model"].keys() == ref["model"].keys()
+        for k in ref["model"]:
+            torch.testing.assert_close(got["model"][k], ref["model"][k], atol=1e-5, rtol=1e-4, msg=k)
+        assert got["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
+        assert got["optimizer"]["state"].keys() == ref["optimizer"]["state"].keys()
+        for i, st in ref["optimizer"]["state"].items():
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(got["optimizer"]["state"][i][name], st[name], atol=1e-6, rtol=1e-4,
+                                           msg=f"{i} {name}")
+        ce = json.loads((run / "run" / "eval.json").read_text())["val_ce"]
+        assert ce == pytest.approx(ref_ce, abs=1e-5)
+    assert not torch.equal(ref["model"]["output.weight"], get_init_output_weight(m))
+
+
+def test_parallel_setting_is_checked():
+    with pytest.raises(ValueError, match="parallel: must be one of"):
+        TrainConfig(parallel="zero3")
+    with pytest.raises(ValueError, match="parallel: must be one of"):
+        TrainConfig(parallel="")
+
+
 def get_init_output_weight(m):
     from midlayer.model import Transformer
     torch.manual_seed(0)
@@ -342,7 +417,7 @@ def test_cli_surface_is_frozen():
     train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--control-batch-size",
                    "--control-holdout", "--data",
                    "--dtype", "--eval-every", "--eval-tokens", "--grad-clip", "--grad-norm-spike", "--init-perturb", "--keep-last",
-                   "--log-every", "--lr", "--micro-batch-size", "--no-compile", "--no-tensorboard", "--out-dir",
+                   "--log-every", "--lr", "--micro-batch-size", "--no-compile", "--no-tensorboard", "--out-dir", "--parallel",
                    "--router-lr-floor", "--seed", "--seq-len", "--steps", "--tensorboard", "--tokenizer-vocab", "--val-data",
                    "--wandb", "--warmup-frac", "--warmup-start-factor", "--weight-decay"]
     assert flags["train"] == sorted(["-h", "--help", "--resume", "--device", "--stop-after", "--no-progress"]
