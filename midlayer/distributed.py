@@ -184,6 +184,13 @@ def load_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sta
         group.update({k: v for k, v in saved.items() if k != "params"})  # tuple, as load_state_dict keeps it)
 
 
-def full_tensor(x: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a DTensor (e.g. the gradient norm over sharded parameters); others pass through."""
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's `clip_grad_norm_` for sharded parameters: the 2-norm of all gradients over every shard (a plain
+    tensor, the same on every rank), and each gradient scaled by min(1, max_norm / (norm + 1e-6)).
+    Why not torch's own in one call: over DTensor gradients its norm is itself a DTensor, and the scale must be
+    computed from the full value (each rank's shards alone would give each rank another scale)."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

@@ -436,8 +436,8 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         ce = dist_utils.all_reduce_mean(ce_sum / accum)
         reg_v = dist_utils.all_reduce_mean(reg_sum / accum)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        # over sharded parameters the norm is a DTensor: its full value is the norm over all shards
-        grad_norm = dist_utils.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        grad_norm = (dist_utils.clip_grad_norm_(list(model.parameters()), clip) if fsdp
+                     else torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         if not (torch.isfinite(ce) and torch.isfinite(grad_norm)):
             logger.log({"event": "non_finite", "step": step, "ce": ce.item(), "grad_norm": grad_norm.item()})
             logger.close()

@@ -337,9 +337,10 @@ def _fsdp_worker(rank: int, world: int, port: int, tmp: str, phase: str) -> None
         train(m, s, t, progress=False, device="cpu", resume=True)
 
 
-# 5 validation windows over 2 ranks in batches of 2: rank 0 runs 2 forwards, rank 1 one (+ one padding forward)
+# 5 validation windows over 2 ranks in batches of 2: rank 0 runs 2 forwards, rank 1 one (+ one padding forward);
+# grad_clip 0.05 clips every step (the debug model's gradient norm is above 1), so the norm over shards must be right
 _FSDP_TRAIN = dict(steps=4, batch_size=8, micro_batch_size=2, ckpt_every=1, keep_last=10, eval_tokens=5 * 32,
-                   router_lr_floor=0.5, parallel="fsdp")
+                   router_lr_floor=0.5, grad_clip=0.05, parallel="fsdp")
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -364,6 +365,11 @@ def test_fsdp_two_gloo_processes_killed_and_resumed_equal_one_process(tmp_path):
     train(m, s, t, progress=False, device="cpu")
     ref = load_checkpoint(list_checkpoints(single_dir / "run")[-1])
     ref_ce = json.loads((single_dir / "run" / "eval.json").read_text())["val_ce"]
+    def norms(run):  # step -> logged gradient norm (before clipping)
+        return {r["step"]: r["grad_norm"] for r in map(json.loads, (run / "run" / "metrics.jsonl").open())
+                if "grad_norm" in r}
+    assert min(norms(single_dir).values()) > 0.05  # clipping was active
+    assert norms(fsdp_dir)[4] == pytest.approx(norms(single_dir)[4], rel=1e-4)  # the norm over all shards
     assert len(ref["optimizer"]["param_groups"]) == 2
     for run in (fsdp_dir, one_dir):
         got = load_checkpoint(list_checkpoints(run / "run")[-1])
