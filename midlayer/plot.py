@@ -670,11 +670,12 @@ def plot_figure2(rows: list[dict[str, Any]], png_path: Path | str, title: str | 
     ax_f.set_xlabel("estimated forward GFLOPs per sequence")
     ax_s.set_xlabel("mean gate sparsity")
     # points may have fewer seeds than the most seeded one (a sweep in progress): say so, not "N seeds"
-    ax_f.set_ylabel("validation cross-entropy" + ("" if seeds < 2 else f" (mean ± std, up to {seeds} seeds; "
-                                                  "one-seed points: no bar)"))
+    ax_f.set_ylabel("validation cross-entropy")
     ax_f.legend(fontsize=8)
     grid = title if title is not None else rows[0].get("grid", "")
-    fig.suptitle(f"Figure 2 reproduction ({grid})" if grid else "Figure 2 reproduction")
+    # the seeds note in the title, not the y label, whose length the figure's height cuts off
+    fig.suptitle((f"Figure 2 reproduction ({grid})" if grid else "Figure 2 reproduction")
+                 + ("" if seeds < 2 else f": mean ± std over up to {seeds} seeds (one-seed points: no bar)"))
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=150)
