@@ -233,6 +233,11 @@ class TokenWindows:
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"TokenWindows.sequential: batch_size must be a positive int, got {batch_size!r}")
+        # Arguments are checked here, when called, not on the first next() of a generator.
+        return self._sequential(self.sequential_windows(max_tokens, rank, world_size), batch_size)
+
+    def sequential_windows(self, max_tokens: int = 0, rank: int = 0, world_size: int = 1) -> np.ndarray:
+        """The indices of the windows `sequential` gives `rank`, in order (arguments as there)."""
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"TokenWindows.sequential: max_tokens must be an int >= 0 (0 = all), got {max_tokens!r}")
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -244,8 +249,7 @@ class TokenWindows:
                 raise ValueError(f"TokenWindows.sequential: max_tokens={max_tokens} is less than one window of "
                                  f"seq_len={self.seq_len} tokens")
             total = min(total, max_tokens // self.seq_len)
-        # Arguments are checked above, when called, not on the first next() of a generator.
-        return self._sequential(np.arange(rank, total, world_size, dtype=np.int64), batch_size)
+        return np.arange(rank, total, world_size, dtype=np.int64)
 
     def _sequential(self, mine: np.ndarray, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         before = np.concatenate([[0], self._cum_seq[:-1]])

@@ -185,10 +185,10 @@ def load_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sta
 
 
 def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """torch's `clip_grad_norm_` for sharded parameters: the 2-norm of all gradients over every shard (a plain
-    tensor, the same on every rank), and each gradient scaled by min(1, max_norm / (norm + 1e-6)).
-    Why not torch's own in one call: over DTensor gradients its norm is itself a DTensor, and the scale must be
-    computed from the full value (each rank's shards alone would give each rank another scale)."""
+    """torch's `clip_grad_norm_` (the same two steps, so the same bits on plain tensors) that also serves
+    sharded parameters: the 2-norm of all gradients over every shard (a plain tensor, the same on every rank),
+    and each gradient scaled by min(1, max_norm / (norm + 1e-6)). Over DTensor gradients torch's one call
+    would return the norm as a DTensor; here the scale comes from its full value."""
     params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm

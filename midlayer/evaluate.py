@@ -47,13 +47,13 @@ def evaluate(model: Transformer, windows: TokenWindows, *, eval_tokens: int, bat
     n_tok = torch.zeros((), dtype=torch.float64, device=device)
     acc = GateStatsAccumulator(cfg.n_layers, device=device) if cfg.gating else None
     if equal_forwards:
-        total = windows.num_sequential_windows
-        total = min(total, eval_tokens // windows.seq_len) if eval_tokens else total
-        mine = -(-len(range(rank, total, world_size)) // batch_size)
+        mine = -(-len(windows.sequential_windows(eval_tokens, rank, world_size)) // batch_size)  # batches
         extra = dist_utils.all_reduce_max(mine, device) - mine
-        for x, y in list(windows.sequential(1, max_tokens=windows.seq_len))[:1] * extra:
-            with autocast_context(device, dtype):
-                model(x.to(device), y.to(device), return_logits=False)
+        if extra:
+            x, y = next(windows.sequential(1, max_tokens=windows.seq_len))
+            for _ in range(extra):
+                with autocast_context(device, dtype):
+                    model(x.to(device), y.to(device), return_logits=False)
     for x, y in windows.sequential(batch_size, max_tokens=eval_tokens, rank=rank, world_size=world_size):
         x, y = x.to(device), y.to(device)
         with autocast_context(device, dtype):

@@ -54,8 +54,8 @@ class TrainingInterrupted(KeyboardInterrupt):
 # micro-batches or compiled, not what it computes. Any other difference from the checkpoint's configs (the
 # model, the controller, the optimiser, the schedule -- `steps` too --, the data, the evaluation) is refused,
 # naming the flag: the checkpoint would otherwise be continued, or evaluated, as a run it is not.
-FREE_ON_RESUME = ("micro_batch_size", "eval_every", "log_every", "ckpt_every", "keep_last", "out_dir", "compile", "parallel",
-                  "grad_norm_spike", "tensorboard", "wandb")
+FREE_ON_RESUME = ("micro_batch_size", "eval_every", "log_every", "ckpt_every", "keep_last", "out_dir", "compile",
+                  "parallel", "grad_norm_spike", "tensorboard", "wandb")
 # ... and these may change to recover from a divergence (what the non-finite-loss error suggests): the new
 # value applies from the resumed step on; the change is printed and logged in metrics.jsonl.
 RECOVERY_ON_RESUME = ("lr", "grad_clip")
@@ -436,8 +436,7 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
         ce = dist_utils.all_reduce_mean(ce_sum / accum)
         reg_v = dist_utils.all_reduce_mean(reg_sum / accum)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = (dist_utils.clip_grad_norm_(list(model.parameters()), clip) if fsdp
-                     else torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        grad_norm = dist_utils.clip_grad_norm_(list(model.parameters()), clip)
         if not (torch.isfinite(ce) and torch.isfinite(grad_norm)):
             logger.log({"event": "non_finite", "step": step, "ce": ce.item(), "grad_norm": grad_norm.item()})
             logger.close()

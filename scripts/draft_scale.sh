@@ -16,8 +16,9 @@
 #   changed binary counts its old and its new size (~212 MB for one update of all states). So: commit the
 #   states at most once per session, in one commit, at its end, and commit nothing else large in that session
 #   (no gates states, no second copy). The 20th, 21st and 22nd sessions' work was refused whole for size,
-#   every part of it lost, because they broke this. Stop at any time (Ctrl-C): distillation loses at most one batch, training at
-#   most CKPT_EVERY steps. STAGE=distill | train | ht runs one stage; METHODS picks the lockstep group.
+#   every part of it lost, because they broke this.
+#   Stop at any time (Ctrl-C): distillation loses at most one batch, training at most CKPT_EVERY steps.
+#   STAGE=distill | train | ht runs one stage; METHODS picks the lockstep group.
 #   EPOCHS may grow between calls (a finished run continues exactly); other settings may not change.
 #   Extra arguments go to train-draft, e.g. --device cuda (a state resumes on any device).
 set -euo pipefail
