@@ -172,6 +172,9 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _compiled_flex = None
 
 
+FLEX_MIN_HEAD_DIM = 16  # torch/_inductor/kernel/flex: "embedding dimension ... must be at least 16" (CUDA)
+
+
 def _flex(*args, **kwargs):
     """FlexAttention, compiled on CUDA (its fast path); eager elsewhere (a slow reference path)."""
     global _compiled_flex
@@ -243,7 +246,16 @@ class Attention(nn.Module):
             del self.wq, self.wk, self.wv
 
     def use_flex(self, x: torch.Tensor, key_bias: torch.Tensor | None = None) -> bool:
+        # The compiled Flex kernel on CUDA needs head_dim >= FLEX_MIN_HEAD_DIM (its Triton template's tl.dot;
+        # torch raises NotImplementedError from inside Inductor otherwise: seen on an H100, where every test
+        # training the 8-wide-head `debug` preset on the default device failed so). "auto" takes SDPA there;
+        # an explicit "flex" is refused here with the reason, not a compiler trace. Eager Flex (CPU) has no limit.
+        fits = not x.is_cuda or self.head_dim >= FLEX_MIN_HEAD_DIM
         if self.backend == "flex":
+            if not fits:
+                raise ValueError(f"attn_backend='flex' on CUDA needs head_dim >= {FLEX_MIN_HEAD_DIM} (the compiled "
+                                 f"FlexAttention kernel's minimum); this model has {self.head_dim}: use "
+                                 f"attn_backend='sdpa' or 'auto'")
             return True
         # "auto" on CUDA: FlexAttention (compiled, `_flex`) in training, where the batch shape is fixed and
         # its kernel is the fastest measured (docs/results/cuda-h100.md: 31.8 ms/step gated vs 75.3 ms with
@@ -253,7 +265,7 @@ class Attention(nn.Module):
         # specialised to each length (dynamic=False), and draft training on the dense SmolLM2 hit dynamo's
         # recompile limit on an H100 and fell back to eager Flex, which materialises the scores.
         # SDPA also when attention dropout is on: FlexAttention has none.
-        return (self.backend == "auto" and HAS_FLEX and x.is_cuda and not self.position_biased
+        return (self.backend == "auto" and HAS_FLEX and x.is_cuda and fits and not self.position_biased
                 and (self.training or key_bias is not None or self.window > 0)
                 and not (self.attn_dropout and self.training))
 

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import distributed as dist_utils
 from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, load_newest_checkpoint,
                          remove_stale_temp_files, save_checkpoint)
+from .attention import FLEX_MIN_HEAD_DIM
 from .config import ModelConfig, SparsityConfig, TrainConfig
 from .data import TokenWindows, resolve_data
 from .evaluate import autocast_context, evaluate
@@ -262,6 +263,10 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     if model_cfg.attn_backend == "flex" and dev.type != "cuda":
         raise ValueError(f"--attn-backend flex: FlexAttention cannot train on {dev.type} (no backward pass there); "
                          "use --attn-backend auto or sdpa")
+    if model_cfg.attn_backend == "flex" and model_cfg.head_dim < FLEX_MIN_HEAD_DIM:
+        raise ValueError(f"--attn-backend flex: the compiled FlexAttention kernel on CUDA needs a head size of at "
+                         f"least {FLEX_MIN_HEAD_DIM}, this model's is {model_cfg.head_dim}; use --attn-backend auto "
+                         "(SDPA there) or sdpa")
     for parent in (run_dir, *run_dir.parents):  # the first part of --out-dir that exists must be a folder
         if parent.exists():
             if not parent.is_dir():

@@ -321,7 +321,7 @@ def test_auto_backend_takes_flex_only_for_a_bias_or_window():
     from midlayer.config import ModelConfig
 
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
-    small = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, multiple_of=16)
+    small = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, multiple_of=16)
     bias = torch.zeros(1, 1, 1, 8)
     plain = Attention(ModelConfig(**small)).eval()
     assert not plain.use_flex(cuda) and plain.use_flex(cuda, bias) and not plain.use_flex(cpu, bias)
@@ -332,3 +332,12 @@ def test_auto_backend_takes_flex_only_for_a_bias_or_window():
     assert not dropout.use_flex(cuda, bias) and dropout.eval().use_flex(cuda, bias)
     forced = Attention(ModelConfig(**small, attn_backend="flex"))
     assert forced.use_flex(cpu) and forced.use_flex(cuda)
+    # Heads narrower than 16 (the `debug` preset's 8): the compiled CUDA kernel has none (an H100 run failed
+    # inside Inductor), so "auto" takes SDPA on CUDA and a forced "flex" says why; eager Flex on CPU still serves.
+    narrow = dict(small, dim=32)
+    assert Attention(ModelConfig(**narrow)).head_dim == 8
+    assert not Attention(ModelConfig(**narrow)).train().use_flex(cuda, bias)
+    forced_narrow = Attention(ModelConfig(**narrow, attn_backend="flex"))
+    assert forced_narrow.use_flex(cpu)
+    with pytest.raises(ValueError, match="head_dim >= 16 .* this model has 8"):
+        forced_narrow.use_flex(cuda)
