@@ -322,6 +322,19 @@ def test_flex_attention_training_on_cpu_is_refused(tmp_path, shards, capsys):
     assert not (tmp_path / "run").exists()
 
 
+
+def test_flex_attention_with_heads_under_16_on_cuda_is_refused(tmp_path, shards, capsys, monkeypatch):
+    """On CUDA, FlexAttention is the compiled kernel, which has no head size under 16 (an H100 run of the
+    `debug` preset, head size 8, failed inside Inductor). A forced `--attn-backend flex` is refused first, with
+    the reason. The process is told it has a GPU (the check runs before anything touches one)."""
+    import midlayer.distributed as dist_utils
+
+    monkeypatch.setattr(dist_utils, "setup", lambda device=None: dist_utils.DistInfo(0, 0, 1, torch.device("cuda")))
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", "--attn-backend", "flex"))
+    assert rc == 2 and "head size of at least 16, this model's is 8" in one_line_error(err)
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------------------ 8. Ctrl-C
 def _interrupting_transformer(monkeypatch, after_calls: int) -> None:
     """Ctrl-C (KeyboardInterrupt) during a training forward after `after_calls` of them."""
