@@ -32,9 +32,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import distributed as dist_utils
+from .attention import FLEX_MIN_HEAD_DIM
 from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, load_newest_checkpoint,
                          remove_stale_temp_files, save_checkpoint)
-from .attention import FLEX_MIN_HEAD_DIM
 from .config import ModelConfig, SparsityConfig, TrainConfig
 from .data import TokenWindows, resolve_data
 from .evaluate import autocast_context, evaluate

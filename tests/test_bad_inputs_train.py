@@ -322,7 +322,6 @@ def test_flex_attention_training_on_cpu_is_refused(tmp_path, shards, capsys):
     assert not (tmp_path / "run").exists()
 
 
-
 def test_flex_attention_with_heads_under_16_on_cuda_is_refused(tmp_path, shards, capsys, monkeypatch):
     """On CUDA, FlexAttention is the compiled kernel, which has no head size under 16 (an H100 run of the
     `debug` preset, head size 8, failed inside Inductor). A forced `--attn-backend flex` is refused first, with
