@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None, metavar="M1,M2,...",
                    help="train these drafters together on the same batches, one base forward per batch shared "
                         "(each to OUT_DIR/<method>); replaces --method")
+    p.add_argument("--export-now", action="store_true",
+                   help="train nothing: write the draft and its held-out metrics from the saved training state "
+                        "(the best evaluated weights under --patience), to decode with a run that is not finished; "
+                        "the state is kept, and the next call continues it exactly")
     p.add_argument("--device", default=None, help="where the frozen base and the drafters run (default: cuda if "
                                                   "available, else cpu); a saved state resumes on any device")
     add_config_flags(p, ["draft"])
@@ -696,8 +700,10 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     from .draft_training import train_drafts
 
     cfgs = draft_configs(args)
+    if args.export_now and args.stop_after is not None:
+        raise ValueError("--export-now trains nothing; --stop-after has no meaning with it")
     train_drafts(cfgs, progress=not args.no_progress, stop_after=args.stop_after,
-                 device=resolve_device(args.device))
+                 device=resolve_device(args.device), export_now=args.export_now)
     return 0
 
 

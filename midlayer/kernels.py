@@ -476,7 +476,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     m, mh = _mask_for_kernel(mask, B, H, T, S)
     out = torch.empty(B, T, H, D)
-    scratch = _workspace(4 * B * T * H * S)
+    scratch = _workspace(8 * B * T * H * S)  # per row: S scores + S key slots
     lib.qk_attention(_ptr(q), q.stride(0), q.stride(2), _ptr(k), _ptr(v), k.stride(0), k.stride(1), k.stride(2),
                      _ptr(m) if m is not None else None, B, T, H, Hk, S, D, float(D ** -0.5), _ptr(out),
                      _ptr(scratch), mh)
@@ -507,7 +507,7 @@ def attention_fused(qkv: torch.Tensor, n_heads: int, k_cache: torch.Tensor, v_ca
     ks = k_cache.stride()
     library().qk_attention(qkv.data_ptr(), qkv.stride(0), qkv.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                            ks[0], ks[1], ks[2], None if mask is None else mask.data_ptr(), B, T, n_heads, Hk,
-                           n_keys, D, float(D ** -0.5), out.data_ptr(), _workspace(4 * B * T * n_heads * n_keys).data_ptr(),
+                           n_keys, D, float(D ** -0.5), out.data_ptr(), _workspace(8 * B * T * n_heads * n_keys).data_ptr(),
                            mh)
     return out
 

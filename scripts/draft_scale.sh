@@ -19,6 +19,8 @@
 #   every part of it lost, because they broke this.
 #   Stop at any time (Ctrl-C): distillation loses at most one batch, training at most CKPT_EVERY steps.
 #   STAGE=distill | train | ht runs one stage; METHODS picks the lockstep group.
+#   STAGE=export writes METHODS' drafts (best evaluated weights, held-out metrics) from their states without
+#   training, to decode with a run that is not finished; the states are untouched and continue exactly.
 #   EPOCHS may grow between calls (a finished run continues exactly); other settings may not change.
 #   Extra arguments go to train-draft, e.g. --device cuda (a state resumes on any device).
 set -euo pipefail
@@ -49,6 +51,9 @@ if [[ $STAGE == all || $STAGE == distill ]]; then
 fi
 if [[ $STAGE == all || $STAGE == train ]]; then
   train "$METHODS" "$@"
+fi
+if [[ $STAGE == export ]]; then
+  train "$METHODS" --export-now --no-progress "$@"
 fi
 if [[ $STAGE == all || $STAGE == ht ]]; then
   # fp32 base (--no-bf16): the committed run was trained on an H100 with --device cuda, where bf16 autocast

@@ -525,3 +525,56 @@ def test_split_training_pass_equals_the_joint_one(gating, masked):
     torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=1e-5)
     for a, b in zip(out[0][1], out[1][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_export_now_writes_the_best_weights_and_leaves_the_run_to_continue_exactly(tmp_path, monkeypatch):
+    """`train-draft --export-now` mid-run: the draft on disk holds the state's best evaluated weights (under
+    patience), its metrics say how far the run got, the state file is byte-identical, and the continued run
+    ends as the uninterrupted one."""
+    import midlayer.draft_training as dt
+
+    base, data = tiny_base(), tiny_data()
+    curve = [3.0, 2.0, 2.5] + [1.0] * 20  # per drafter: best at step 4 (the 2nd evaluation), worse at step 6
+    calls: dict[str, int] = {}
+
+    def scripted(c, *a, **k) -> float:
+        calls[c.method] = calls.get(c.method, 0) + 1
+        return curve[calls[c.method] - 1]
+
+    monkeypatch.setattr(dt, "heldout_loss", scripted)
+    methods = ["eagle", "medusa"]
+    cs = [cfg(tmp_path / "a", m, epochs=4, eval_every=2, patience=3) for m in methods]
+    with pytest.raises(ValueError, match="nothing to export"):
+        train_drafts(cs, base, data, progress=False, log=lambda s: None, export_now=True)
+    train_drafts(cs, base, data, progress=False, stop_after=6, log=lambda s: None)
+    states = [(tmp_path / "a" / m / "train_state.pt").read_bytes() for m in methods]
+    exported = train_drafts(cs, base, data, progress=False, log=lambda s: None, export_now=True)
+    assert [(tmp_path / "a" / m / "train_state.pt").read_bytes() for m in methods] == states
+    plain = train_drafts([cfg(tmp_path / "b", m, epochs=4) for m in methods], base, data, progress=False,
+                         stop_after=4, log=lambda s: None)
+    for m, run, ref in zip(methods, exported, plain):
+        assert run.metrics["steps"] == 6 and run.metrics["best_step"] == 4
+        saved, meta = load_draft(tmp_path / "a" / m, base)
+        assert meta["heldout"]["steps"] == 6
+        for a, b in zip(saved.state_dict().values(), ref.module.state_dict().values()):
+            assert torch.equal(a, b)
+    # continuing after the export equals never having stopped or exported
+    calls.clear()
+    full = train_drafts([cfg(tmp_path / "c", m, epochs=4, eval_every=2, patience=3) for m in methods], base, data,
+                        progress=False, log=lambda s: None)
+    calls.update({m: 3 for m in methods})  # the evaluations of steps 2-6 were made before the export
+    rest = train_drafts(cs, base, data, progress=False, log=lambda s: None)
+    for r, f in zip(rest, full):
+        assert [h["loss"] for h in r.history] == [h["loss"] for h in f.history]
+        assert r.metrics["curve"] == f.metrics["curve"]
+        for a, b in zip(r.module.state_dict().values(), f.module.state_dict().values()):
+            assert torch.equal(a, b)
+
+
+def test_train_draft_cli_refuses_export_now_with_stop_after(tmp_path, capsys):
+    from midlayer.cli import main
+
+    assert main(["train-draft", "--export-now", "--stop-after", "3", "--out-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--export-now trains nothing" in err[0]
+    assert not (tmp_path / "o").exists()

@@ -207,6 +207,30 @@ def test_attention_matches_reference_and_rows_are_invariant(simd):
     assert torch.equal(alone, out[:, :, :1])
 
 
+@pytest.mark.parametrize("D", [16, 64, 80])
+def test_attention_depends_on_the_keys_seen_not_on_their_slots(simd, D):
+    """A draft-tree node sees the context and its ancestors, with its siblings' rows masked in between; plain
+    decoding sees the same keys side by side. Both must give the same bits, or tree verification is not
+    lossless (q4 EAGLE-2 trees gave other text than plain greedy on 6 of 8 prompts before the kernel summed
+    over the visible keys only)."""
+    g = torch.Generator().manual_seed(7)
+    S = 45
+    q = torch.randn(1, 6, 1, D, generator=g)
+    k, v = torch.randn(1, 2, S, D, generator=g), torch.randn(1, 2, S, D, generator=g)
+    hidden = [3, 17, 18, 30, 41, 42]  # holes across several 8-key lanes, and at the end
+    mask = torch.zeros(1, 1, 1, S)
+    mask[..., hidden] = float("-inf")
+    mask[..., 9] = -2.0  # a gated key keeps its finite bias
+    seen = [s for s in range(S) if s not in hidden]
+    interleaved = kernels.attention(q, k, v, mask)
+    packed = kernels.attention(q, k[:, :, seen], v[:, :, seen], mask[..., seen])
+    assert torch.equal(interleaved, packed)
+    no_mask = kernels.attention(q, k[:, :, seen], v[:, :, seen], None)  # plain decoding's call: mask None
+    packed_zero = kernels.attention(q, k[:, :, seen], v[:, :, seen], torch.zeros(1, 1, 1, len(seen)))
+    assert torch.equal(no_mask, packed_zero)
+    torch.testing.assert_close(interleaved, kernels.attention_reference(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("D", [16, 64, 80])  # the AVX2 path takes 64 columns at a time, then 8
 def test_attention_avx2_equals_scalar(D):
     q, k, v, mask = _attention_inputs(5, 70, seed=3, D=D)
@@ -267,6 +291,29 @@ def test_q4_model_rows_bit_identical_decode_verify_prefill():
     cache = KVCache.for_model(model.cfg, 1, 40)
     pre = forward_cached(model, ids[:, :ctx + 1], cache, torch.arange(ctx + 1)[None])
     assert torch.equal(pre[0, ctx], alone[0])
+
+
+def test_q4_tree_node_logits_equal_plain_decoding_bit_for_bit():
+    """Node (1, 0) of a tree is verified at slot p + 4 with its sibling rows (0,), (0, 0) masked in between;
+    plain decoding computes the same token at slot p + 2 with its parent beside it. Same bits, else an
+    accepted non-first branch can flip a near-tie (q4 EAGLE-2 trees on SmolLM2 did, on 6 of 8 prompts)."""
+    model = _q4(seed=3)
+    ids = torch.randint(0, V, (1, 14), generator=torch.Generator().manual_seed(8))
+    ctx = 11  # tokens 0..10 in the cache; token 11 the root, then the accepted branch: tokens 12, 13
+    tree = DraftTree([(0,), (1,), (0, 0), (1, 0)])  # breadth-first: (0,) (1,) (0, 0) (1, 0)
+    wrong = (int(ids[0, 12]) + 1) % V
+    nodes = torch.tensor([[wrong, int(ids[0, 12]), wrong, int(ids[0, 13])]])
+    cache = KVCache.for_model(model.cfg, 1, 40)
+    forward_cached(model, ids[:, :ctx], cache, torch.arange(ctx)[None])
+    start = cache.length
+    verify = forward_cached(model, torch.cat([ids[:, ctx:ctx + 1], nodes], 1), cache,
+                            (ctx + torch.tensor([0, 1, 1, 2, 2]))[None], extra_mask=tree.verify_mask(start, "cpu"))
+    cache = KVCache.for_model(model.cfg, 1, 40)
+    forward_cached(model, ids[:, :ctx], cache, torch.arange(ctx)[None])
+    plain = [forward_cached(model, ids[:, t:t + 1], cache, torch.tensor([[t]]))[0, 0] for t in range(ctx, ctx + 3)]
+    assert torch.equal(verify[0, 0], plain[0])  # the root
+    assert torch.equal(verify[0, 2], plain[1])  # node (1,): its parent is the root
+    assert torch.equal(verify[0, 4], plain[2])  # node (1, 0): two siblings' rows masked between it and its path
 
 
 @pytest.mark.parametrize("tree", [DraftTree.chain(3), DraftTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])],

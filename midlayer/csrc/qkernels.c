@@ -7,7 +7,9 @@
  *                 s = d * sum(q)  (llama.cpp's Q8_1 activation layout: Gerganov et al., ggml).
  *   gemm_q4_1     y[m, n] = sum_g (d_w d_x) isum + m_w s_x  with 4-bit weights w = d_w q + m_w (Q4_1).
  *   gemm_q8_0     y[m, n] = sum_g (d_w d_x) isum            with 8-bit weights w = d_w q (Q8_0).
- *   attention     one query row at a time over an additive mask: softmax(q k^T / sqrt(d) + mask) v.
+ *   attention     one query row at a time over an additive mask: softmax(q k^T / sqrt(d) + mask) v,
+ *                 its sums over the visible keys only, in slot order (so also invariant to where in the
+ *                 cache those keys sit: draft trees interleave siblings' rows with a node's ancestors).
  *
  * Why these are batch-invariant (a row's result does not depend on how many rows share the call): the
  * block dot products isum are exact int32 sums, and every float operation is done per row in a fixed
@@ -169,8 +171,26 @@ static float exp_scalar(float x) {
     return p * two_n;
 }
 
+/* Drop the invisible keys (mask -inf) from the scores, in slot order: scores[0..n) then holds the visible
+ * keys' scores and keys[0..n) their slots; returns n. The sums below run over this compacted list, so a
+ * row's result depends only on the sequence of keys it sees, not on the slots they occupy: a draft-tree
+ * node whose ancestors sit at slots p+1, p+3 (a sibling's row at p+2 masked) gets the bits a plain decode
+ * step gets with the same keys at p+1, p+2 -- what keeps tree verification lossless (speculative.py).
+ * keys == NULL when every key is visible (no copy: slot = index). */
+static int visible_keys(float *scores, int S, const float *mask, int *keys, int **out) {
+    int n = 0, all = 1;
+    if (mask)
+        for (int s = 0; s < S; s++)
+            if (mask[s] == -INFINITY) { all = 0; break; }
+    if (all) { *out = 0; return S; }
+    for (int s = 0; s < S; s++)
+        if (mask[s] != -INFINITY) { scores[n] = scores[s]; keys[n] = s; n++; }
+    *out = keys;
+    return n;
+}
+
 static void attention_row_scalar(const float *q, const float *k, const float *v, long sk, const float *mask,
-                                 int S, int D, float scale, float *scores, float *out) {
+                                 int S, int D, float scale, float *scores, int *keys, float *out) {
     float mx = -INFINITY;
     for (int s = 0; s < S; s++) {
         if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; continue; } /* invisible: skip the dot */
@@ -182,18 +202,20 @@ static void attention_row_scalar(const float *q, const float *k, const float *v,
         scores[s] = sc;
         mx = sc > mx ? sc : mx;
     }
+    int *slot;
+    int n = visible_keys(scores, S, mask, keys, &slot);
     float lanes[8] = {0};
-    for (int s = 0; s < S; s++) {
+    for (int s = 0; s < n; s++) {
         float p = exp_scalar(scores[s] - mx);
         scores[s] = p;
         lanes[s & 7] = lanes[s & 7] + p;
     }
     float inv = 1.0f / hsum8_scalar(lanes);
     for (int j = 0; j < D; j++) out[j] = 0.0f;
-    for (int s = 0; s < S; s++) {
+    for (int s = 0; s < n; s++) {
         float p = scores[s];
-        if (p == 0.0f) continue; /* masked key: adds exactly nothing */
-        const float *vv = v + s * sk;
+        if (p == 0.0f) continue; /* a key whose weight underflowed: adds exactly nothing */
+        const float *vv = v + (slot ? slot[s] : s) * sk;
         for (int j = 0; j < D; j++) out[j] = out[j] + p * vv[j];
     }
     for (int j = 0; j < D; j++) out[j] = out[j] * inv;
@@ -409,7 +431,7 @@ AVX2 static inline float dot_avx2(const float *q, const float *kk, int D) {
 }
 
 AVX2 static void attention_row_avx2(const float *q, const float *k, const float *v, long sk, const float *mask,
-                                    int S, int D, float scale, float *scores, float *out) {
+                                    int S, int D, float scale, float *scores, int *keys, float *out) {
     /* Same arithmetic as attention_row_scalar, element by element; only independent chains are interleaved
      * (four keys' dot products at once, eight output columns at once) to hide the add latency. */
     float mx = -INFINITY;
@@ -443,17 +465,19 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
         scores[s] = sc;
         mx = sc > mx ? sc : mx;
     }
-    /* lanes[s & 7] accumulation, as in the scalar version: vector i holds s = 8i..8i+7 */
+    int *slot;
+    int n = visible_keys(scores, S, mask, keys, &slot);
+    /* lanes[s & 7] accumulation over the visible keys, as in the scalar version: vector i holds s = 8i..8i+7 */
     __m256 lanes = _mm256_setzero_ps(), vmx = _mm256_set1_ps(mx);
     s = 0;
-    for (; s + 8 <= S; s += 8) {
+    for (; s + 8 <= n; s += 8) {
         __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + s), vmx));
         _mm256_storeu_ps(scores + s, p);
         lanes = _mm256_add_ps(lanes, p);
     }
     float ln[8];
     _mm256_storeu_ps(ln, lanes);
-    for (; s < S; s++) {
+    for (; s < n; s++) {
         float p = exp_scalar(scores[s] - mx);
         scores[s] = p;
         ln[s & 7] = ln[s & 7] + p;
@@ -462,11 +486,11 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
     int j = 0;
     for (; j + 64 <= D; j += 64) { /* eight output vectors at once: out[j] accumulates over t in order */
         __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
-        for (int t = 0; t < S; t++) {
+        for (int t = 0; t < n; t++) {
             float p = scores[t];
             if (p == 0.0f) continue;
             __m256 vp = _mm256_set1_ps(p);
-            const float *vv = v + t * sk + j;
+            const float *vv = v + (slot ? slot[t] : t) * sk + j;
             o0 = _mm256_add_ps(o0, _mm256_mul_ps(vp, _mm256_loadu_ps(vv)));
             o1 = _mm256_add_ps(o1, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 8)));
             o2 = _mm256_add_ps(o2, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 16)));
@@ -487,10 +511,10 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
     }
     for (; j < D; j += 8) {
         __m256 o = _mm256_setzero_ps();
-        for (int t = 0; t < S; t++) {
+        for (int t = 0; t < n; t++) {
             float p = scores[t];
             if (p == 0.0f) continue;
-            o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + t * sk + j)));
+            o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + (slot ? slot[t] : t) * sk + j)));
         }
         _mm256_storeu_ps(out + j, _mm256_mul_ps(o, vinv));
     }
@@ -547,7 +571,7 @@ void qk_gemm_q8_0(const int8_t *xq, const float *xd, int M, int K, const int8_t 
 /* Attention of T query rows over S keys, batch B, H query heads sharing Hk key/value heads (GQA).
  * q: row (b, t) head h at q + b*qb + t*qt + h*D.  k, v: (b, hk, s) at k + b*kb + hk*kh + s*ks.
  * mask: additive [B, T, S] fp32 (row stride S, batch stride T*S), or NULL (every key visible).
- * out: (b, t, h) at out + (b*T + t)*H*D + h*D.  scratch: B*T*H*S floats. */
+ * out: (b, t, h) at out + (b*T + t)*H*D + h*D.  scratch: 2*B*T*H*S floats. */
 /* mask: [B, MH, T, S] additive, MH = 1 (shared by the heads) or H (per-head position biases: ALiBi, T5). */
 void qk_attention(const float *q, long qb, long qt, const float *k, const float *v, long kb, long kh, long ks,
                   const float *mask, int B, int T, int H, int Hk, int S, int D, float scale, float *out,
@@ -562,9 +586,10 @@ void qk_attention(const float *q, long qb, long qt, const float *k, const float 
         const float *kk = k + b * kb + (long)(h / rep) * kh, *vv = v + b * kb + (long)(h / rep) * kh;
         const float *mm = mask ? mask + (((long)b * MH + (MH > 1 ? h : 0)) * T + t) * S : 0;
         float *oo = out + ((long)b * T + t) * H * D + (long)h * D;
-        float *sc = scratch + it * S;
-        if (avx2) attention_row_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, oo);
-        else attention_row_scalar(qq, kk, vv, ks, mm, S, D, scale, sc, oo);
+        float *sc = scratch + it * 2 * S;  /* S scores, then S key slots (int) */
+        int *keys = (int *)(sc + S);
+        if (avx2) attention_row_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo);
+        else attention_row_scalar(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo);
     }
 }
 
