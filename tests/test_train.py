@@ -451,7 +451,8 @@ def test_cli_surface_is_frozen():
                    "--seed", "--ckpt-every", "--max-eval-batches", "--eval-every", "--patience", "--curve-batches",
                    "--cache-gb", "--cache-dir", "--loss-positions", "--draft-vocab", "--gate-target", "--gate-gamma",
                    "--gate-kp", "--gate-beta-max", "--lora-rank", "--gate-values", "--router-norm", "--no-router-norm"]
-    assert flags["train-draft"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--methods", "--device"]
+    assert flags["train-draft"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--methods", "--device",
+                                           "--export-now"]
                                           + draft_flags)
     assert flags["train-gates"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--device"] + draft_flags)
 
