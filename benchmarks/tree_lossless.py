@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts: the first 5N, every fifth")
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
+    if args.prompts < 1 or args.new_tokens < 1:
+        ap.error(f"--prompts and --new-tokens must be >= 1, got {args.prompts} and {args.new_tokens}")
     torch.manual_seed(0)
     held = [p for p in load_prompts() if p.split == "heldout"][:5 * args.prompts:5]
     print("| weights | drafter | tree | output = plain greedy | first differing token (prompt: index) |")
