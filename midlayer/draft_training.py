@@ -800,14 +800,13 @@ def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None,
         vocab = frequent_tokens((r.response_ids for r in ds.split("train")), c0.draft_vocab, model.cfg.vocab_size)
     data_fp = ds.fingerprint()
     runs = [_Run(c, model, total, data_fp, vocab, log) for c in cfgs]
+    autocast = _autocast(c0, model)
     if export_now:
         untrained = [str(r.sp) for r in runs if not r.sp.is_file()]
         if untrained:
             raise ValueError(f"nothing to export: no training state at {', '.join(untrained)} (train first)")
-        autocast = _autocast(c0, model)
         return [r.finish(ds, held_b, len(train_b), autocast, 0.0) for r in runs]
     curve_b = held_b[:c0.curve_batches] if c0.curve_batches else held_b
-    autocast = _autocast(c0, model)
     frozen = FrozenStates(model, set().union(*(needed_layers(r.cfg, model, r.module) for r in runs)), c0.cache_gb,
                           c0.cache_dir)
     t0 = time.time()

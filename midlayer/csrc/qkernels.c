@@ -171,18 +171,15 @@ static float exp_scalar(float x) {
     return p * two_n;
 }
 
-/* Drop the invisible keys (mask -inf) from the scores, in slot order: scores[0..n) then holds the visible
- * keys' scores and keys[0..n) their slots; returns n. The sums below run over this compacted list, so a
- * row's result depends only on the sequence of keys it sees, not on the slots they occupy: a draft-tree
- * node whose ancestors sit at slots p+1, p+3 (a sibling's row at p+2 masked) gets the bits a plain decode
- * step gets with the same keys at p+1, p+2 -- what keeps tree verification lossless (speculative.py).
- * keys == NULL when every key is visible (no copy: slot = index). */
-static int visible_keys(float *scores, int S, const float *mask, int *keys, int **out) {
-    int n = 0, all = 1;
-    if (mask)
-        for (int s = 0; s < S; s++)
-            if (mask[s] == -INFINITY) { all = 0; break; }
-    if (all) { *out = 0; return S; }
+/* Drop the `hidden` invisible keys (mask -inf, counted by the caller's score loop) from the scores, in slot
+ * order: scores[0..n) then holds the visible keys' scores and keys[0..n) their slots; returns n. The sums
+ * below run over this compacted list, so a row's result depends only on the sequence of keys it sees, not
+ * on the slots they occupy: a draft-tree node whose ancestors sit at slots p+1, p+3 (a sibling's row at p+2
+ * masked) gets the bits a plain decode step gets with the same keys at p+1, p+2 -- what keeps tree
+ * verification lossless (speculative.py). *out == NULL when every key is visible (no copy: slot = index). */
+static int visible_keys(float *scores, int S, const float *mask, int hidden, int *keys, int **out) {
+    int n = 0;
+    if (!hidden) { *out = 0; return S; }
     for (int s = 0; s < S; s++)
         if (mask[s] != -INFINITY) { scores[n] = scores[s]; keys[n] = s; n++; }
     *out = keys;
@@ -192,8 +189,9 @@ static int visible_keys(float *scores, int S, const float *mask, int *keys, int 
 static void attention_row_scalar(const float *q, const float *k, const float *v, long sk, const float *mask,
                                  int S, int D, float scale, float *scores, int *keys, float *out) {
     float mx = -INFINITY;
+    int hidden = 0;
     for (int s = 0; s < S; s++) {
-        if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; continue; } /* invisible: skip the dot */
+        if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; hidden++; continue; } /* invisible: skip the dot */
         float acc[8] = {0};
         const float *kk = k + s * sk;
         for (int j = 0; j < D; j++) acc[j & 7] = acc[j & 7] + q[j] * kk[j];
@@ -203,7 +201,7 @@ static void attention_row_scalar(const float *q, const float *k, const float *v,
         mx = sc > mx ? sc : mx;
     }
     int *slot;
-    int n = visible_keys(scores, S, mask, keys, &slot);
+    int n = visible_keys(scores, S, mask, hidden, keys, &slot);
     float lanes[8] = {0};
     for (int s = 0; s < n; s++) {
         float p = exp_scalar(scores[s] - mx);
@@ -435,6 +433,7 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
     /* Same arithmetic as attention_row_scalar, element by element; only independent chains are interleaved
      * (four keys' dot products at once, eight output columns at once) to hide the add latency. */
     float mx = -INFINITY;
+    int hidden = 0;
     int s = 0;
     for (; s + 4 <= S; s += 4) {
         const float *k0 = k + s * sk, *k1 = k0 + sk, *k2 = k1 + sk, *k3 = k2 + sk;
@@ -449,7 +448,7 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
         float d4[4] = {hsum8_avx2(a0), hsum8_avx2(a1), hsum8_avx2(a2), hsum8_avx2(a3)};
         for (int i = 0; i < 4; i++) {
             float sc;
-            if (mask && mask[s + i] == -INFINITY) sc = -INFINITY; /* invisible (its dot is discarded) */
+            if (mask && mask[s + i] == -INFINITY) { sc = -INFINITY; hidden++; } /* invisible (dot discarded) */
             else {
                 sc = d4[i] * scale;
                 if (mask) sc = sc + mask[s + i];
@@ -459,14 +458,14 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
         }
     }
     for (; s < S; s++) {
-        if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; continue; }
+        if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; hidden++; continue; }
         float sc = dot_avx2(q, k + s * sk, D) * scale;
         if (mask) sc = sc + mask[s];
         scores[s] = sc;
         mx = sc > mx ? sc : mx;
     }
     int *slot;
-    int n = visible_keys(scores, S, mask, keys, &slot);
+    int n = visible_keys(scores, S, mask, hidden, keys, &slot);
     /* lanes[s & 7] accumulation over the visible keys, as in the scalar version: vector i holds s = 8i..8i+7 */
     __m256 lanes = _mm256_setzero_ps(), vmx = _mm256_set1_ps(mx);
     s = 0;
