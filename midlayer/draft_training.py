@@ -564,8 +564,9 @@ SHARED = ("model", "data", "epochs", "batch_tokens", "seq_len", "bf16", "seed", 
           "eval_every", "patience", "curve_batches", "cache_gb", "cache_dir", "draft_vocab", "loss_positions")
 
 
-# Settings that change only the cost, never a value: a resume may change them.
-COST_ONLY = ("cache_gb", "cache_dir")
+# Settings that change only the cost or the place, never a value: a resume may change them (a run folder
+# may be moved, e.g. one trained on a GPU machine and copied into the repository).
+COST_ONLY = ("cache_gb", "cache_dir", "out_dir")
 
 
 # Settings added after runs were saved, with the value that reproduces what those runs did: a saved state

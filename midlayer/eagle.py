@@ -61,6 +61,7 @@ point as an untrained Medusa head -- and training starts from a defined, in-dist
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable
 
@@ -141,13 +142,15 @@ class EagleHead(nn.Module):
             raise ValueError(f"EAGLE head of dim {c.dim} / head_dim {c.head_dim} for a model of dim "
                              f"{model.cfg.dim} / head_dim {model.cfg.head_dim} (it uses the base's RoPE tables)")
 
-    def forward(self, features: torch.Tensor, emb: torch.Tensor, step: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, emb: torch.Tensor, step: Callable[..., torch.Tensor],
+                layer: Block | None = None) -> torch.Tensor:
         """features f [B, M, d] and next-token embeddings e [B, M, d] -> predicted next features [B, M, d],
         in the head's dtype. `step(layer, block, h, gate, key_bias)` (a `model.BlockStep`: causal, cached or
-        masked) decides how the M rows attend, exactly as for the base's own blocks."""
+        masked) decides how the M rows attend, exactly as for the base's own blocks. `layer`: the decoder
+        layer to run instead of `self.layer` (the drafter's copy in the base's weight format)."""
         w = self.fc.weight
         x = self.fc(torch.cat([features.to(w.dtype), emb.to(w.dtype)], -1))
-        return step(0, self.layer, x, None, None)
+        return step(0, self.layer if layer is None else layer, x, None, None)
 
 
 def embed(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,6 +286,17 @@ class EagleDrafter:
         if dynamic_k < 0:
             raise ValueError(f"dynamic_k must be >= 0, got {dynamic_k}")
         self.model, self.head = model, head.to(model_device(model)).eval()
+        # The draft layer in the base's weight format (quantization.compress_block; its attention on the
+        # plain path: drafts need not be row-invariant, only the verification must be). At batch 1 each
+        # draft level reads the whole layer, so in fp32 beside a q4 base it read 17 MB a level for
+        # SmolLM2 (4.2M weights) against ~2.4 MB in q4: 1.10x -> 1.20x plain on an AVX-512 Xeon
+        # (docs/results/hidden-transfer-cpu.md, 26th session). A copy: the head itself stays trainable.
+        fmt = getattr(model, "weight_format", None)
+        self.layer: Block = head.layer
+        if fmt not in (None, "fp32"):
+            from .quantization import compress_block
+
+            self.layer = compress_block(copy.deepcopy(head.layer), fmt, row_invariant=False).eval()
         self.dynamic_k = int(dynamic_k)  # > 0: EAGLE-2 dynamic trees, expanding the top-k nodes per depth
         self.cache: KVCache | None = None
         self.last_logits: torch.Tensor | None = None  # the last round's logits, one row per level row run
@@ -348,7 +362,7 @@ class EagleDrafter:
         slots = torch.arange(start, start + M, device=cache.pos.device)[None]
         cache.pos[:, start:start + M] = positions
         step = CachedStep(cache, start, slots, cos, sin, skip=False, extra_mask=extra)
-        return self.head(feats, embed(self.model, tokens, positions), step)
+        return self.head(feats, embed(self.model, tokens, positions), step, self.layer)
 
     def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[tuple]:
         """What one round drafts, for `tree_cost.round_forwards` (its (rows per base block, head rows) format):

@@ -181,6 +181,29 @@ def _convert(linear: nn.Linear, fmt: str) -> nn.Module:
     return Q4Linear(linear)
 
 
+def compress_block(block: nn.Module, fmt: str, row_invariant: bool | None = None) -> nn.Module:
+    """One block's linears to weight format `fmt`, in place (compress_weights' per-block rule, also used for
+    a drafter's own layer that has a base block's shape: eagle.EagleDrafter). Fuses q|k|v and w1|w3 first.
+    `row_invariant` (default: fmt == "q4") switches its cached attention to the row-invariant kernel."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    att = getattr(block, "attention", None)  # a state-space mixer (ssm_layers) stays fp32
+    if att is not None:
+        att.fuse()
+        att.wqkv = _convert(att.wqkv, fmt)
+        att.wo = _convert(att.wo, fmt)
+        att.row_invariant = fmt == "q4" if row_invariant is None else row_invariant
+    # a mixture of experts converts every expert; its router stays fp32 (it decides, like skip routers)
+    for ff in getattr(block.feed_forward, "experts", [block.feed_forward]):
+        ff.fuse()
+        if ff.w13 is not None:  # a GLU: w1|w3 fused
+            ff.w13 = _convert(ff.w13, fmt)
+        else:  # a plain MLP: w1 alone
+            ff.w1 = _convert(ff.w1, fmt)
+        ff.w2 = _convert(ff.w2, fmt)
+    return block
+
+
 def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.Module:
     """Prepare a model for inference in weight format `fmt`, in place (see the module docstring).
 
@@ -196,20 +219,7 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.
     if getattr(model, "weight_format", None) is not None:
         raise ValueError(f"this model was already compressed to {model.weight_format}")
     for block in model.layers:
-        att = getattr(block, "attention", None)  # a state-space mixer (ssm_layers) stays fp32
-        if att is not None:
-            att.fuse()
-            att.wqkv = _convert(att.wqkv, fmt)
-            att.wo = _convert(att.wo, fmt)
-            att.row_invariant = fmt == "q4"
-        # a mixture of experts converts every expert; its router stays fp32 (it decides, like skip routers)
-        for ff in getattr(block.feed_forward, "experts", [block.feed_forward]):
-            ff.fuse()
-            if ff.w13 is not None:  # a GLU: w1|w3 fused
-                ff.w13 = _convert(ff.w13, fmt)
-            else:  # a plain MLP: w1 alone
-                ff.w1 = _convert(ff.w1, fmt)
-            ff.w2 = _convert(ff.w2, fmt)
+        compress_block(block, fmt)
     if head == "q8":
         model.output = Q8Linear(model.output)  # unties: the embedding keeps its fp32 copy for lookups
     model.weight_format = fmt

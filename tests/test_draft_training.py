@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -475,6 +476,22 @@ def test_history_is_json_lines_and_cache_gb_may_change_on_resume(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == list(range(1, len(run.history) + 1))
     with pytest.raises(ValueError, match="draft_vocab must be 0"):
         DraftTrainConfig(draft_vocab=3)
+
+
+def test_a_moved_run_folder_continues_exactly(tmp_path):
+    """out_dir says where a run lives, not what it trains: a state copied elsewhere resumes there (the
+    GPU-trained drafts were trained in runs/ on the device and committed under drafts/)."""
+    base, data = tiny_base(), tiny_data()
+    full = train_draft(cfg(tmp_path / "a", "medusa", epochs=2), base, data, progress=False, log=lambda s: None)
+    part = train_draft(cfg(tmp_path / "b", "medusa", epochs=2), base, data, progress=False, stop_after=4,
+                       log=lambda s: None)
+    assert len(part.history) == 4
+    (tmp_path / "c").mkdir()
+    shutil.move(str(tmp_path / "b" / "medusa"), str(tmp_path / "c" / "medusa"))
+    rest = train_draft(cfg(tmp_path / "c", "medusa", epochs=2), base, data, progress=False, log=lambda s: None)
+    assert [h["loss"] for h in rest.history] == [h["loss"] for h in full.history]
+    for x, y in zip(rest.module.state_dict().values(), full.module.state_dict().values()):
+        assert torch.equal(x, y)
 
 
 def test_a_state_saved_before_settings_were_added_resumes(tmp_path):

@@ -364,3 +364,36 @@ def test_a_drafter_tree_over_budget_is_refused():
 
     with pytest.raises(ValueError, match="budget"):
         speculative_generate(model, PROMPT, Greedy(), DraftTree.chain(3), 8)
+
+
+# ============================================================================== a compressed base
+@pytest.mark.parametrize("fmt", ["q4", "bf16"])
+def test_beside_a_compressed_base_the_draft_layer_runs_in_its_format(fmt):
+    """Beside a base in weight format fmt the drafter runs a copy of its layer in that format (the trained
+    head is untouched), its predicted features stay those of the fp32 layer up to the format's rounding,
+    and the output is still exactly plain greedy."""
+    import copy
+
+    from midlayer.quantization import BF16Linear, Q4Linear, compress_weights
+
+    base = compress_weights(copy.deepcopy(MODELS[False]), fmt).eval()
+    head = random_head(MODELS[False], seed=5)
+    drafter = EagleDrafter(base, head)
+    kind = Q4Linear if fmt == "q4" else BF16Linear
+    assert isinstance(drafter.layer.attention.wqkv, kind) and isinstance(drafter.layer.feed_forward.w2, kind)
+    assert not drafter.layer.attention.row_invariant  # drafts need not be batch-invariant
+    assert isinstance(head.layer.attention.wq, torch.nn.Linear) and head.layer.attention.wqkv is None
+    # the two layers on the same rows (a causal pass): equal up to the format's rounding, not equal
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        ref = eagle_forward(base, head, tokens, raw_features(base, PROMPT))[0]
+        saved = head.layer
+        head.layer = drafter.layer
+        try:
+            got = eagle_forward(base, head, tokens, raw_features(base, PROMPT))[0]
+        finally:
+            head.layer = saved
+    rel = float((got - ref).norm() / ref.norm())
+    assert 0 < rel < (0.15 if fmt == "q4" else 0.02)  # 4-bit groups vs 8-bit mantissas; a wrong layer gives ~1
+    for tree in TREES.values():
+        assert speculative_generate(base, PROMPT, drafter, tree, 20)[0] == greedy(base, PROMPT, 20)
