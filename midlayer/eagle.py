@@ -286,17 +286,17 @@ class EagleDrafter:
         if dynamic_k < 0:
             raise ValueError(f"dynamic_k must be >= 0, got {dynamic_k}")
         self.model, self.head = model, head.to(model_device(model)).eval()
-        # The draft layer in the base's weight format (quantization.compress_block; its attention on the
-        # plain path: drafts need not be row-invariant, only the verification must be). At batch 1 each
-        # draft level reads the whole layer, so in fp32 beside a q4 base it read 17 MB a level for
-        # SmolLM2 (4.2M weights) against ~2.4 MB in q4: 1.10x -> 1.20x plain on an AVX-512 Xeon
+        # The draft layer in the base's weight format (quantization.compress_block, which in q4 also gives
+        # its cached attention the C kernel: 0.75 ms a call for its 4 calls a round against 0.9 ms through
+        # SDPA). At batch 1 each draft level reads the whole layer, so in fp32 beside a q4 base it read 17 MB
+        # a level for SmolLM2 (4.2M weights) against ~2.4 MB in q4: 1.10x -> 1.20x plain on an AVX-512 Xeon
         # (docs/results/hidden-transfer-cpu.md, 26th session). A copy: the head itself stays trainable.
         fmt = getattr(model, "weight_format", None)
         self.layer: Block = head.layer
         if fmt not in (None, "fp32"):
             from .quantization import compress_block
 
-            self.layer = compress_block(copy.deepcopy(head.layer), fmt, row_invariant=False).eval()
+            self.layer = compress_block(copy.deepcopy(head.layer), fmt).eval()
         self.dynamic_k = int(dynamic_k)  # > 0: EAGLE-2 dynamic trees, expanding the top-k nodes per depth
         self.cache: KVCache | None = None
         self.last_logits: torch.Tensor | None = None  # the last round's logits, one row per level row run

@@ -381,7 +381,7 @@ def test_beside_a_compressed_base_the_draft_layer_runs_in_its_format(fmt):
     drafter = EagleDrafter(base, head)
     kind = Q4Linear if fmt == "q4" else BF16Linear
     assert isinstance(drafter.layer.attention.wqkv, kind) and isinstance(drafter.layer.feed_forward.w2, kind)
-    assert not drafter.layer.attention.row_invariant  # drafts need not be batch-invariant
+    assert drafter.layer.attention.row_invariant == (fmt == "q4")  # q4: the C attention kernel, as the base's
     assert isinstance(head.layer.attention.wq, torch.nn.Linear) and head.layer.attention.wqkv is None
     # the two layers on the same rows (a causal pass): equal up to the format's rounding, not equal
     tokens = torch.tensor([PROMPT])
@@ -397,3 +397,5 @@ def test_beside_a_compressed_base_the_draft_layer_runs_in_its_format(fmt):
     assert 0 < rel < (0.15 if fmt == "q4" else 0.02)  # 4-bit groups vs 8-bit mantissas; a wrong layer gives ~1
     for tree in TREES.values():
         assert speculative_generate(base, PROMPT, drafter, tree, 20)[0] == greedy(base, PROMPT, 20)
+    dynamic = EagleDrafter(base, head, dynamic_k=2)  # EAGLE-2's masks through the compressed layer's attention
+    assert speculative_generate(base, PROMPT, dynamic, SMALL_TREE, 20)[0] == greedy(base, PROMPT, 20)
