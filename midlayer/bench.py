@@ -7,6 +7,10 @@ run on one machine, interleaving the things compared so that drift on a shared m
    With `llama-cpp-python` installed (`pip install -e .[bench]`, built from source), also the anchor of
    SPEC section 9: llama.cpp on the same GGUF, same thread count, same prompts, interleaved prompt by
    prompt: decode ms/token (prefill excluded) and prefill tokens/s, as ratios to llama.cpp.
+   On an Intel host with AMX, a native build (pip's default) takes ggml's AMX backend, which crashed with a
+   segmentation fault in its first decode on this project's Xeon (llama-cpp-python 0.3.36, a KVM guest,
+   2026-11-26). Build it without: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" pip install llama-cpp-python.
 2. `skipping`: real skipping in a gated model (paper-12l shape, random weights) with a forced fraction z of
    tokens skipping the middle span [k, L-1-k]; prefill and decode time with skipping on vs off, against
    the speedup the FLOPs model (flops.py) predicts at the measured per-block sparsity.
