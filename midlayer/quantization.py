@@ -181,10 +181,10 @@ def _convert(linear: nn.Linear, fmt: str) -> nn.Module:
     return Q4Linear(linear)
 
 
-def compress_block(block: nn.Module, fmt: str, row_invariant: bool | None = None) -> nn.Module:
+def compress_block(block: nn.Module, fmt: str) -> nn.Module:
     """One block's linears to weight format `fmt`, in place (compress_weights' per-block rule, also used for
-    a drafter's own layer that has a base block's shape: eagle.EagleDrafter). Fuses q|k|v and w1|w3 first.
-    `row_invariant` (default: fmt == "q4") switches its cached attention to the row-invariant kernel."""
+    a drafter's own layer that has a base block's shape: eagle.EagleDrafter). Fuses q|k|v and w1|w3 first;
+    q4 also switches its cached attention to the row-invariant kernel."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
     att = getattr(block, "attention", None)  # a state-space mixer (ssm_layers) stays fp32
@@ -192,7 +192,7 @@ def compress_block(block: nn.Module, fmt: str, row_invariant: bool | None = None
         att.fuse()
         att.wqkv = _convert(att.wqkv, fmt)
         att.wo = _convert(att.wo, fmt)
-        att.row_invariant = fmt == "q4" if row_invariant is None else row_invariant
+        att.row_invariant = fmt == "q4"
     # a mixture of experts converts every expert; its router stays fp32 (it decides, like skip routers)
     for ff in getattr(block.feed_forward, "experts", [block.feed_forward]):
         ff.fuse()
