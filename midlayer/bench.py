@@ -22,7 +22,10 @@ run on one machine, interleaving the things compared so that drift on a shared m
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
+import subprocess
+import sys
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -191,12 +194,41 @@ def machine_line() -> str:
     return f"machine: {kernels.cpu_info().summary()}; q4 kernels: {'built' if kernels.available() else 'not built'}"
 
 
+_PROBE = """
+import sys
+from llama_cpp import Llama
+Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_threads_batch=int(sys.argv[2]), verbose=False).eval([1, 2])
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def probe_llama_cpp(gguf_path: str, threads: int) -> None:
+    """Load the GGUF and decode two tokens with llama.cpp in a child process first: a llama.cpp build that
+    crashes (its AMX backend did, with a segmentation fault, on this project's Xeon; module docstring) then
+    costs the benchmark its llama.cpp column, with the reason on stderr, instead of the whole run.
+    Raises ImportError (what the callers already treat as "no llama.cpp") when the child fails."""
+    try:
+        res = subprocess.run([sys.executable, "-c", _PROBE, gguf_path, str(threads)], capture_output=True,
+                             text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        raise ImportError("llama.cpp did not decode two tokens within 300 s in a probe") from e
+    if res.returncode != 0:
+        why = f"signal {-res.returncode}" if res.returncode < 0 else f"exit {res.returncode}"
+        tail = res.stderr.strip().splitlines()[-1:] if res.stderr.strip() else []
+        msg = (f"llama.cpp crashed in a probe decode ({why}{': ' + tail[0] if tail else ''}); no llama.cpp column. "
+               "On an AMX host, rebuild llama-cpp-python without AMX (midlayer/bench.py's docstring says how)")
+        print(msg, file=sys.stderr)
+        raise ImportError(msg)
+
+
 class LlamaCppAnchor:
     """llama.cpp through llama-cpp-python on a GGUF file: greedy decode, batch 1, `threads` threads."""
 
     def __init__(self, gguf_path: str, threads: int, n_ctx: int = 2048) -> None:
         import llama_cpp
         import numpy as np
+
+        probe_llama_cpp(gguf_path, threads)  # a crashing build costs the column, not the run
 
         self._lc, self._np = llama_cpp, np
         self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,

@@ -410,3 +410,21 @@ def test_train_gates_and_gates_flags(tiny, work, capsys):
     refused(capsys, [*bench, "--gates", f"a={work}", "--static", "x"], "--static", roots=(work,))
     refused(capsys, [*bench, "--gates", f"a={work}", "--prompts", "0"], "--prompts", roots=(work,))
     refused(capsys, [*bench, "--gates", f"a={work}", "--data", "none.jsonl"], "--data none.jsonl", roots=(work,))
+
+
+def test_a_crashing_llama_cpp_costs_the_bench_its_column_not_the_run(tmp_path, monkeypatch, capsys):
+    """llama.cpp runs in-process in `bench`; a build that segfaults (its AMX backend did on our Xeon) would
+    take the whole benchmark down. A probe in a child process turns that into "no llama.cpp column" (the
+    ImportError every caller already handles) and says why. The child here really dies of SIGSEGV."""
+    from midlayer import bench
+
+    monkeypatch.setattr(bench, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    bench.probe_llama_cpp.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="signal 11"):
+            bench.probe_llama_cpp(str(tmp_path / "model.gguf"), 1)
+        assert "no llama.cpp column" in capsys.readouterr().err
+        monkeypatch.setattr(bench, "_PROBE", "raise SystemExit(0)")  # a build that decodes: no complaint
+        bench.probe_llama_cpp(str(tmp_path / "model.gguf"), 1)
+    finally:
+        bench.probe_llama_cpp.cache_clear()
