@@ -210,15 +210,20 @@ def probe_llama_cpp(gguf_path: str, threads: int) -> None:
     try:
         res = subprocess.run([sys.executable, "-c", _PROBE, gguf_path, str(threads)], capture_output=True,
                              text=True, timeout=300)
-    except subprocess.TimeoutExpired as e:
-        raise ImportError("llama.cpp did not decode two tokens within 300 s in a probe") from e
-    if res.returncode != 0:
-        why = f"signal {-res.returncode}" if res.returncode < 0 else f"exit {res.returncode}"
-        tail = res.stderr.strip().splitlines()[-1:] if res.stderr.strip() else []
-        msg = (f"llama.cpp crashed in a probe decode ({why}{': ' + tail[0] if tail else ''}); no llama.cpp column. "
-               "On an AMX host, rebuild llama-cpp-python without AMX (midlayer/bench.py's docstring says how)")
-        print(msg, file=sys.stderr)
-        raise ImportError(msg)
+    except subprocess.TimeoutExpired:
+        res = None
+    if res is not None and res.returncode == 0:
+        return
+    if res is None:
+        what = "did not decode two tokens within 300 s"
+    else:
+        what = f"crashed (signal {-res.returncode})" if res.returncode < 0 else f"failed (exit {res.returncode})"
+        tail = res.stderr.strip().splitlines()[-1:]
+        what += f" in a probe decode{': ' + tail[0] if tail else ''}"
+    msg = (f"llama.cpp {what}; no llama.cpp column. On an AMX host, rebuild llama-cpp-python without AMX "
+           "(midlayer/bench.py's docstring says how)")
+    print(msg, file=sys.stderr)
+    raise ImportError(msg)
 
 
 class LlamaCppAnchor:
