@@ -167,10 +167,16 @@ def library() -> ctypes.CDLL | None:
     lib.qk_linear_q8_0.argtypes = [P, I, I, P, P, I, P, P]
     lib.qk_rmsnorm.argtypes = [P, P, I, I, F, P]
     lib.qk_rope_store.argtypes = [P, L, I, I, I, I, I, P, P, P, P, L, L, P]
+    lib.qk_silu_mul.argtypes = [P, I, I, P]
+    lib.qk_block_q4_work.argtypes = [I, I, I, I, I, I, I]
+    lib.qk_block_q4_work.restype = L
+    lib.qk_block_q4.argtypes = [P, P, I, I, I, I, I, I, I, F, F] + [P] * 14 + [P, P, L, L, L, P, P, I, I, P]
     lib.qk_has_avx2.restype = I
+    lib.qk_simd_level.restype = I
+    lib.qk_set_simd.argtypes = [I]
     lib.qk_set_avx2.argtypes = [I]
-    for f in ("qk_quantize_q8", "qk_gemm_q4_1", "qk_gemm_q8_0", "qk_attention", "qk_set_avx2", "qk_linear_q4_1",
-              "qk_linear_q8_0", "qk_rmsnorm", "qk_rope_store"):
+    for f in ("qk_quantize_q8", "qk_gemm_q4_1", "qk_gemm_q8_0", "qk_attention", "qk_set_avx2", "qk_set_simd", "qk_linear_q4_1",
+              "qk_linear_q8_0", "qk_rmsnorm", "qk_rope_store", "qk_silu_mul", "qk_block_q4"):
         getattr(lib, f).restype = None
     _lib = lib
     return lib
@@ -185,11 +191,31 @@ def batch_invariant() -> bool:
     return available()
 
 
-def set_simd(on: bool) -> None:
-    """Use the AVX2 paths (on, the default where the CPU has them) or the portable scalar ones (tests)."""
+SIMD_LEVELS = ("scalar", "avx2", "avx512-vnni")  # what the kernels can use; every level gives the same bits
+
+
+def set_simd(level: bool | int) -> None:
+    """Use at most SIMD level `level` (tests compare them): True = the best the CPU has (the default),
+    False / 0 = the portable scalar paths, 1 = AVX2, 2 = AVX2 with AVX512-VNNI GEMM tiles. A level the CPU
+    lacks falls back to the best it has."""
     lib = library()
     if lib is not None:
-        lib.qk_set_avx2(1 if on else 0)
+        lib.qk_set_simd(-1 if level is True else int(level))
+
+
+def simd_level() -> int:
+    """The SIMD level the kernels use now (index into SIMD_LEVELS); -1 without the compiled kernels."""
+    lib = library()
+    return -1 if lib is None else lib.qk_simd_level()
+
+
+def simd_levels() -> list[int]:
+    """Every SIMD level this CPU can run, scalar first."""
+    lib = library()
+    if lib is None:
+        return []
+    lib.qk_set_simd(-1)
+    return list(range(lib.qk_simd_level() + 1))
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -423,6 +449,21 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor |
     return y
 
 
+# ======================================================================================== SwiGLU
+def silu_mul(ab: torch.Tensor) -> torch.Tensor | None:
+    """silu(a) * b for ab = [a | b] [..., 2h] (a GLU's fused w1|w3 output) -> [..., h] in one C call (fp32 CPU,
+    no autograd), row-invariant; None where that does not apply (the caller computes it in PyTorch). Its
+    exp is the attention kernel's (csrc/qkernels.c), so it differs from torch's silu in the last bits only."""
+    lib = library()
+    if lib is None or ab.device.type != "cpu" or ab.dtype != torch.float32 or ab.requires_grad or ab.shape[-1] % 2:
+        return None
+    ab = ab.contiguous()
+    h = ab.shape[-1] // 2
+    y = torch.empty(*ab.shape[:-1], h)
+    lib.qk_silu_mul(ab.data_ptr(), ab.numel() // (2 * h), h, y.data_ptr())
+    return y
+
+
 # ========================================================================== RoPE + KV-cache store
 def rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -510,6 +551,58 @@ def attention_fused(qkv: torch.Tensor, n_heads: int, k_cache: torch.Tensor, v_ca
                            n_keys, D, float(D ** -0.5), out.data_ptr(), _workspace(8 * B * T * n_heads * n_keys).data_ptr(),
                            mh)
     return out
+
+
+# ================================================================================ a whole block
+class BlockQ4:
+    """What `block_q4` needs of one block that never changes between calls: the weights of a pre-norm or
+    sandwich (peri-LN) SwiGLU block in the q4 format -- its RMSNorms (attention_norm, ffn_norm, and the
+    sandwich's attention_out_norm, ffn_out_norm, else None) with their one eps, and (codes, scales) of
+    wqkv, wo, w13, w2 (Q4_1, `quantize_q4_1`) -- and its sizes. The tensors are held (their memory stays
+    valid); their addresses are read at every call, so a copy of the model (deepcopy, pickle) or storage
+    moved in place (share_memory_) is followed."""
+
+    def __init__(self, norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], eps: float,
+                 linears: tuple[tuple[torch.Tensor, torch.Tensor], ...], n_heads: int) -> None:
+        if len(norms) != 4 or len(linears) != 4 or (norms[2] is None) != (norms[3] is None):
+            raise ValueError("BlockQ4: 4 norms (the output norms both or neither) and 4 linears")
+        tensors = (*norms, *(t for pair in linears for t in pair))
+        if any(t is not None and (t.device.type != "cpu" or not t.is_contiguous()) for t in tensors):
+            raise ValueError("block_q4 takes contiguous CPU tensors")
+        self.tensors = tensors
+        self.dim, self.n_heads, self.eps = norms[0].numel(), n_heads, float(eps)
+        self.hidden = linears[3][0].shape[1] * QK  # w2's input features
+
+
+def block_q4(x: torch.Tensor, plan: BlockQ4, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, n_keys: int) -> torch.Tensor:
+    """One pre-norm or sandwich SwiGLU block of the q4 format over the KV cache in ONE C call: x [B, M, d] (fp32) -> the
+    residual leaving the block, a new tensor. cos/sin: B * M * hd values, one row of hd per (b, m);
+    k_cache/v_cache: the layer's cache [B, Hk, S_max, hd]; slots [B, M]; mask as `attention_fused`.
+    Bit-identical to running the block's modules one by one (model.Block._forward_fused; tests/test_kernels.py
+    compares them)."""
+    lib = library()
+    B, M, d = x.shape
+    Hk, D = k_cache.shape[1], k_cache.shape[3]
+    H = plan.n_heads
+    if d != plan.dim or k_cache.stride(2) != D or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"block_q4: x has {d} features (the block {plan.dim}), or the cache is not [B, Hk, S, hd]")
+    x = x.contiguous()
+    if cos.numel() != B * M * D or not cos.is_contiguous():
+        cos = cos.reshape(-1, M, D).expand(B, M, D).contiguous()
+    if sin.numel() != B * M * D or not sin.is_contiguous():
+        sin = sin.reshape(-1, M, D).expand(B, M, D).contiguous()
+    if slots.dtype != torch.long or not slots.is_contiguous():
+        slots = slots.to(torch.long).contiguous()
+    m, mh = _mask_for_kernel(mask, B, H, M, n_keys)
+    y = torch.empty(B, M, d)
+    work = _workspace(lib.qk_block_q4_work(B * M, d, H, Hk, D, plan.hidden, n_keys))
+    ks = k_cache.stride()
+    lib.qk_block_q4(x.data_ptr(), y.data_ptr(), B, M, d, H, Hk, D, plan.hidden, plan.eps, D ** -0.5,
+                    *[None if t is None else t.data_ptr() for t in plan.tensors], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                    ks[0], ks[1], ks[2], slots.data_ptr(), None if m is None else m.data_ptr(), mh, n_keys,
+                    work.data_ptr())
+    return y
 
 
 if __name__ == "__main__":  # `python -m midlayer.kernels`: build now (scripts/setup.sh) and report

@@ -115,7 +115,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
-            a, b = self.w13(x).chunk(2, -1)
+            ab = self.w13(x)
+            if self.kind == "swiglu" and not torch.is_grad_enabled():
+                y = kernels.silu_mul(ab)  # inference on CPU: one C call, the fused q4 block's own (Block.forward)
+                if y is not None:
+                    return self.w2(y)
+            a, b = ab.chunk(2, -1)
             return self.w2(self.act(a) * b)
         if self.glu:
             return self.w2(self.act(self.w1(x)) * self.w3(x))
@@ -189,6 +194,8 @@ class Block(nn.Module):
             self.attention_out_norm = make_norm(cfg)
             self.ffn_out_norm = make_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout else None
+        # set by quantization.compress_block: this block runs as ONE C call over a KV cache (kernels.block_q4)
+        self.fused_q4: kernels.BlockQ4 | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 gate: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
@@ -196,6 +203,10 @@ class Block(nn.Module):
         """a = x + g * Attn(x), h = a + g * FFN(a), with the norm scheme inside (paper section 2):
         pre-LN x + M(N(x)); sandwich/peri-LN x + N(M(N(x))); post-LN N(x + M(x)) (Vaswani et al. 2017;
         refused for gated models, config.py). Dropout (training) on M's output before the residual add."""
+        if (self.fused_q4 is not None and gate is None and key_bias is None and isinstance(cache, LayerView)
+                and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                and cache.cache.k.dtype == torch.float32):
+            return self._forward_fused(x, cos, sin, cache)
         post = self.placement == "post"
         xin = x if post else self.attention_norm(x)
         if self.mixer is None:
@@ -224,6 +235,16 @@ class Block(nn.Module):
         if gate is not None:
             f = f * gate[..., None].to(f.dtype)
         return self.ffn_norm(h + f) if post else h + f
+
+
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: LayerView) -> torch.Tensor:
+        """The pre-norm path above for a q4 block over the KV cache, as one C call: bit-identical to it (the
+        same kernels in the same order), without ~15 Python calls per block -- about a quarter of a decode
+        step of SmolLM2-135M was that Python (docs/results/decode-cpu.md)."""
+        c, layer = view.cache, view.layer
+        mask = view.finish(x.shape[1], x.device)  # records the new keys' bias; the C call stores their K/V
+        return kernels.block_q4(x, self.fused_q4, cos, sin, c.k_layers[layer], c.v_layers[layer], view.query_slots,
+                                mask, c.length)
 
 
 # step(layer, block, h, gate, key_bias) -> h: how one forward's rows go through a block (Transformer.run_blocks)

@@ -201,7 +201,39 @@ def compress_block(block: nn.Module, fmt: str) -> nn.Module:
         else:  # a plain MLP: w1 alone
             ff.w1 = _convert(ff.w1, fmt)
         ff.w2 = _convert(ff.w2, fmt)
+    if hasattr(block, "fused_q4"):
+        ff = block.feed_forward
+        block.fused_q4 = kernels.BlockQ4(
+            tuple(None if n is None else n.weight.detach() for n in _block_norms(block)), block.attention_norm.eps,
+            ((att.wqkv.codes, att.wqkv.scales), (att.wo.codes, att.wo.scales), (ff.w13.codes, ff.w13.scales),
+             (ff.w2.codes, ff.w2.scales)), att.n_heads) if fuses_q4(block) else None
     return block
+
+
+def _block_norms(block: nn.Module) -> tuple:
+    """attention_norm, ffn_norm and the sandwich's output norms (None in a pre-norm block)."""
+    return (block.attention_norm, block.ffn_norm, getattr(block, "attention_out_norm", None),
+            getattr(block, "ffn_out_norm", None))
+
+
+def fuses_q4(block: nn.Module) -> bool:
+    """Whether a compressed block runs over the KV cache as one C call (kernels.block_q4): a q4 attention
+    block with pre-norm or sandwich RMSNorms of one eps, a SwiGLU FFN, no biases, no QK-norm, no dropout, kernels built.
+    Every other block runs module by module (the reference the fused call equals bit for bit). The call
+    holds the block's weight tensors as they are at compression (`Block.fused_q4`): weights loaded in place
+    later are seen, modules replaced later are not -- set `block.fused_q4 = None` then."""
+    from .model import FeedForward, RMSNorm
+
+    att, ff = getattr(block, "attention", None), block.feed_forward
+    if att is None or getattr(block, "mixer", None) is not None or not kernels.available():
+        return False
+    norms = [n for n in _block_norms(block) if n is not None]
+    linears = (att.wqkv, att.wo, getattr(ff, "w13", None), getattr(ff, "w2", None))
+    return (block.placement in ("pre", "sandwich") and block.drop is None and att.q_norm is None
+            and att.row_invariant and type(ff) is FeedForward and ff.kind == "swiglu"
+            and all(type(n) is RMSNorm and n.eps == norms[0].eps for n in norms)
+            and all(type(m) is Q4Linear and m.bias is None for m in linears)
+            and att.head_dim * att.n_heads == att.wo.in_features)
 
 
 def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.Module:

@@ -28,6 +28,33 @@ def simd(request):
     kernels.set_simd(True)
 
 
+def test_every_simd_level_gives_the_same_gemm_bits():
+    """Scalar, AVX2 and (where the CPU has it) the AVX512-VNNI tiles: the block sums are exact integers and
+    the float work is the same operation sequence, so every level gives the same bits, for 1..9 rows (tiles
+    of 4, 2, 1) and outputs that are not a multiple of 8."""
+    w, x = _weights(101, 256, seed=9)
+    packed, scales = kernels.quantize_q4_1(w)
+    codes, d = kernels.quantize_q8_0(w)
+    levels = kernels.simd_levels()
+    assert levels[:2] == [0, 1] or not kernels.cpu_info().has("avx2")
+    if kernels.cpu_info().has("avx512_vnni") and kernels.cpu_info().has("avx512vl"):
+        assert levels == [0, 1, 2]  # detection picks the VNNI tiles where the CPU has them
+    out = {}
+    try:
+        for level in levels:
+            kernels.set_simd(level)
+            assert kernels.simd_level() == level
+            out[level] = [(kernels.gemm_q4_1(x[:M], packed, scales, 101), kernels.gemm_q8_0(x[:M], codes, d, 101))
+                          for M in range(1, 10)]
+    finally:
+        kernels.set_simd(True)
+    assert kernels.simd_level() == levels[-1]
+    for level in levels[1:]:
+        for (a4, a8), (b4, b8) in zip(out[0], out[level]):
+            assert torch.equal(a4, b4) and torch.equal(a8, b8), level
+    assert torch.equal(out[0][3][0], kernels.gemm_q4_1_reference(x[:4], packed, scales, 101))
+
+
 def _weights(N: int, K: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g) * 0.05
@@ -265,8 +292,74 @@ def test_rmsnorm_and_rope_store_match_pytorch():
     assert float(kc[:, :, 6].abs().sum()) == 0.0
 
 
-def _q4(seed: int = 0):
-    return compress_weights(make_tiny(DIMS, gating=False, seed=seed), "q4")
+def test_silu_mul_matches_pytorch_and_its_simd_paths_agree():
+    g = torch.Generator().manual_seed(6)
+    ab = torch.randn(5, 2 * 44, generator=g) * 6  # 44: 5 vectors of 8 and a scalar tail of 4
+    ab[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])  # the exp's range edges: exp(-90) underflows to 0
+    a, b = ab.chunk(2, -1)
+    fast = kernels.silu_mul(ab)
+    torch.testing.assert_close(fast, torch.nn.functional.silu(a) * b, rtol=1e-6, atol=1e-7)
+    assert float(fast[0, 3]) == 0.0 and torch.equal(fast[0, 2], ab[0, 2] * b[0, 2])  # silu(90) = 90 exactly
+    kernels.set_simd(False)
+    try:
+        assert torch.equal(kernels.silu_mul(ab), fast)
+    finally:
+        kernels.set_simd(True)
+    assert kernels.silu_mul(ab.requires_grad_()) is None  # training keeps PyTorch's (differentiable) silu
+
+
+def _q4(seed: int = 0, **over):
+    return compress_weights(make_tiny(DIMS, gating=False, seed=seed, **over), "q4")
+
+
+@pytest.mark.parametrize("placement", ["sandwich", "pre"])
+def test_fused_block_equals_the_block_module_by_module(simd, placement):
+    """A q4 block over the KV cache runs as ONE C call (kernels.block_q4): its outputs and the K/V it writes
+    are the bits of the module-by-module path (Block.forward with `fused_q4` None) -- prefill, a decode step,
+    a tree verification with its mask, and two left-padded prompts (batch 2, inactive pad rows)."""
+    import copy
+
+    fused = _q4(seed=2, norm_placement=placement)
+    assert all(b.fused_q4 is not None for b in fused.layers)
+    ref = copy.deepcopy(fused)  # the copy's fused calls would read the copy's own weights (addresses per call)
+    for b in ref.layers:
+        b.fused_q4 = None
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, V, (2, 20), generator=g)
+    tree = DraftTree([(0,), (1,), (0, 0), (1, 0)])
+
+    def run(model):
+        out = []
+        cache = KVCache.for_model(model.cfg, 1, 40)
+        out.append(forward_cached(model, ids[:1, :12], cache, torch.arange(12)[None]))
+        out.append(forward_cached(model, ids[:1, 12:13], cache, torch.tensor([[12]])))
+        L = cache.length
+        out.append(forward_cached(model, ids[:1, 13:18], cache, torch.tensor([[L, L + 1, L + 1, L + 2, L + 2]]),
+                                  extra_mask=tree.verify_mask(L)))
+        out += [cache.k[:, :, :, :cache.length].clone(), cache.v[:, :, :, :cache.length].clone()]
+        batch = KVCache.for_model(model.cfg, 2, 40)
+        active = torch.ones(2, 10, dtype=torch.bool)
+        active[1, :3] = False  # the second prompt is 3 tokens shorter: left padding
+        pos = (torch.arange(10)[None] - torch.tensor([[0], [3]])).clamp_min(0)
+        out.append(forward_cached(model, ids[:, :10], batch, pos, active=active))
+        out.append(batch.k[:, 1, :, 3:10].clone())
+        return out
+
+    with torch.inference_mode():
+        for a, b in zip(run(fused), run(ref)):
+            assert torch.equal(a, b)
+    # the fused call is what ran: without it the same forward takes the module path (a different call count)
+    calls = []
+    real = kernels.block_q4
+    kernels.block_q4 = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with torch.inference_mode():
+            run(fused)
+            n_fused = len(calls)
+            run(ref)
+    finally:
+        kernels.block_q4 = real
+    assert n_fused == 4 * DIMS["n_layers"] and len(calls) == n_fused  # 4 forwards of 3 blocks
 
 
 def test_q4_model_rows_bit_identical_decode_verify_prefill():

@@ -380,6 +380,106 @@ DEFINE_Q8_TILE(4)
 DEFINE_Q8_TILE(2)
 DEFINE_Q8_TILE(1)
 
+/* The same tiles with AVX512-VNNI (on 256-bit registers, AVX512-VL): vpdpbusd multiplies unsigned by
+ * signed bytes and adds each group of 4 products to an int32 lane in one instruction, where AVX2 needs
+ * maddubs (to int16), adds and a madd. The block sums are the same exact integers (no saturation: |sum| <
+ * 2^24), and the float work per block is the AVX2 tile's, operation for operation: bit-identical results.
+ * Q4_1: codes 0..15 are the unsigned operand, activations the signed one. Q8_0: |w| and sign(a, w) as in
+ * the AVX2 tile. */
+#define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define DEFINE_Q4_TILE_VNNI(R)                                                                               \
+    VNNI NOINLINE void q4_tile_vnni_##R(const int8_t *xq, const float *xd, const float *xs, int K,           \
+                                        const uint8_t *wq, const uint16_t *wdm, int o, int m0, int N, float *y, \
+                                        long ldy) {                                                          \
+        const int G = K / QK;                                                                                \
+        const __m256i lo4 = _mm256_set1_epi8(0x0f);                                                          \
+        const uint8_t *wo = wq + (long)o * G * 128;                                                          \
+        const uint16_t *so = wdm + (long)o * G * 16;                                                         \
+        __m256 acc[R];                                                                                       \
+        __m256i s32[R];                                                                                      \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
+        for (int g = 0; g < G; g++) {                                                                        \
+            prefetch_ahead(wo + g * 128, 2, so + g * 16);                                                    \
+            for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();                                     \
+            for (int v = 0; v < 4; v++) {                                                                    \
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(wo + g * 128 + 32 * v));                  \
+                __m256i wl = _mm256_and_si256(raw, lo4);                                                     \
+                __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);                               \
+                for (int r = 0; r < R; r++) {                                                                \
+                    const int8_t *a = xq + (long)(m0 + r) * K + g * QK;                                      \
+                    s32[r] = _mm256_dpbusd_epi32(s32[r], wl, bcast4(a + 4 * v));                             \
+                    s32[r] = _mm256_dpbusd_epi32(s32[r], wh, bcast4(a + 16 + 4 * v));                        \
+                }                                                                                            \
+            }                                                                                                \
+            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 16)));                    \
+            __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 16 + 8)));                \
+            for (int r = 0; r < R; r++) {                                                                    \
+                long m = m0 + r;                                                                             \
+                __m256 isum = _mm256_cvtepi32_ps(s32[r]);                                                    \
+                __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + m * G + g));                          \
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, isum));                                     \
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, _mm256_broadcast_ss(xs + m * G + g)));      \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) store_outputs(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);     \
+    }
+
+#define DEFINE_Q8_TILE_VNNI(R)                                                                               \
+    VNNI NOINLINE void q8_tile_vnni_##R(const int8_t *xq, const float *xd, int K, const int8_t *wq,          \
+                                        const uint16_t *wd, int o, int m0, int N, float *y, long ldy) {      \
+        const int G = K / QK;                                                                                \
+        const int8_t *wo = wq + (long)o * G * 256;                                                           \
+        const uint16_t *so = wd + (long)o * G * 8;                                                           \
+        __m256 acc[R];                                                                                       \
+        __m256i s32[R];                                                                                      \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
+        for (int g = 0; g < G; g++) {                                                                        \
+            prefetch_ahead(wo + g * 256, 4, so + g * 8);                                                     \
+            for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();                                     \
+            for (int c = 0; c < 8; c++) {                                                                    \
+                __m256i w = _mm256_loadu_si256((const __m256i *)(wo + g * 256 + 32 * c));                    \
+                __m256i aw = _mm256_sign_epi8(w, w);                                                         \
+                for (int r = 0; r < R; r++) {                                                                \
+                    __m256i a = bcast4(xq + (long)(m0 + r) * K + g * QK + 4 * c);                            \
+                    s32[r] = _mm256_dpbusd_epi32(s32[r], aw, _mm256_sign_epi8(a, w));                        \
+                }                                                                                            \
+            }                                                                                                \
+            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 8)));                     \
+            for (int r = 0; r < R; r++) {                                                                    \
+                __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + (long)(m0 + r) * G + g));             \
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(s32[r])));               \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) store_outputs(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);     \
+    }
+
+DEFINE_Q4_TILE_VNNI(4)
+DEFINE_Q4_TILE_VNNI(2)
+DEFINE_Q4_TILE_VNNI(1)
+DEFINE_Q8_TILE_VNNI(4)
+DEFINE_Q8_TILE_VNNI(2)
+DEFINE_Q8_TILE_VNNI(1)
+
+VNNI static void gemm_q4_1_vnni(const int8_t *xq, const float *xd, const float *xs, int M, int K,
+                                const uint8_t *wq, const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy) {
+    for (int o = o0; o < o1; o++) {
+        int m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) q4_tile_vnni_4(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy);
+        if (m0 + 2 <= M) { q4_tile_vnni_2(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy); m0 += 2; }
+        if (m0 < M) q4_tile_vnni_1(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy);
+    }
+}
+
+VNNI static void gemm_q8_0_vnni(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq,
+                                const uint16_t *wd, int o0, int o1, int N, float *y, long ldy) {
+    for (int o = o0; o < o1; o++) {
+        int m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) q8_tile_vnni_4(xq, xd, K, wq, wd, o, m0, N, y, ldy);
+        if (m0 + 2 <= M) { q8_tile_vnni_2(xq, xd, K, wq, wd, o, m0, N, y, ldy); m0 += 2; }
+        if (m0 < M) q8_tile_vnni_1(xq, xd, K, wq, wd, o, m0, N, y, ldy);
+    }
+}
+
 /* Output groups [o0, o1) of all M rows, rows in tiles of 4, 2, 1 (e.g. 7 = 4 + 2 + 1). */
 AVX2 static void gemm_q4_1_avx2(const int8_t *xq, const float *xd, const float *xs, int M, int K,
                                 const uint8_t *wq, const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy) {
@@ -520,21 +620,32 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
 }
 
 /* ======================================================================================= dispatch */
-static int use_avx2 = -1;
+/* The instruction set the kernels use: 0 portable scalar, 1 AVX2 (+FMA, F16C), 2 AVX2 with the AVX512-VNNI
+ * GEMM tiles. Every level gives the same bits; the best one the CPU has is the default. */
+static int simd_level = -1;
 
-int qk_has_avx2(void) {
-    if (use_avx2 < 0) {
-        __builtin_cpu_init();
-        use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
-    }
-    return use_avx2;
+static int detect_simd(void) {
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) return 2;
+    return 1;
 }
 
-/* Force the portable path (tests: both paths must agree); on = 1 restores detection. */
-void qk_set_avx2(int on) {
-    use_avx2 = -1;
-    if (!on) use_avx2 = 0;
+int qk_simd_level(void) {
+    if (simd_level < 0) simd_level = detect_simd();
+    return simd_level;
 }
+
+int qk_has_avx2(void) { return qk_simd_level() >= 1; }
+
+/* Use at most `level` (tests: every level must agree); a level the CPU lacks falls back to the best it has;
+ * -1 restores detection. */
+void qk_set_simd(int level) {
+    int best = detect_simd();
+    simd_level = level < 0 || level > best ? best : level;
+}
+
+void qk_set_avx2(int on) { qk_set_simd(on ? -1 : 0); }
 
 void qk_quantize_q8(const float *x, long ldx, int M, int K, int8_t *q, float *d, float *s) {
     if (qk_has_avx2()) quantize_q8_avx2(x, ldx, M, K, q, d, s);
@@ -546,11 +657,12 @@ void qk_quantize_q8(const float *x, long ldx, int M, int K, int8_t *q, float *d,
 void qk_gemm_q4_1(const int8_t *xq, const float *xd, const float *xs, int M, int K, const uint8_t *wq,
                   const uint16_t *wdm, int N, float *y, long ldy) {
     int groups = (N + 7) / 8, items = (groups + 1) / 2;
-    int avx2 = qk_has_avx2();
+    int level = qk_simd_level();
 #pragma omp parallel for schedule(static)
     for (int c = 0; c < items; c++) {
         int o0 = 2 * c, o1 = o0 + 2 < groups ? o0 + 2 : groups;
-        if (avx2) gemm_q4_1_avx2(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
+        if (level >= 2) gemm_q4_1_vnni(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
+        else if (level) gemm_q4_1_avx2(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
         else gemm_q4_1_scalar(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
     }
 }
@@ -558,11 +670,12 @@ void qk_gemm_q4_1(const int8_t *xq, const float *xd, const float *xs, int M, int
 void qk_gemm_q8_0(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq, const uint16_t *wd, int N,
                   float *y, long ldy) {
     int groups = (N + 7) / 8, items = (groups + 1) / 2;
-    int avx2 = qk_has_avx2();
+    int level = qk_simd_level();
 #pragma omp parallel for schedule(static)
     for (int c = 0; c < items; c++) {
         int o0 = 2 * c, o1 = o0 + 2 < groups ? o0 + 2 : groups;
-        if (avx2) gemm_q8_0_avx2(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
+        if (level >= 2) gemm_q8_0_vnni(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
+        else if (level) gemm_q8_0_avx2(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
         else gemm_q8_0_scalar(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
     }
 }
@@ -659,4 +772,93 @@ void qk_rope_store(float *qkv, long qkv_b, int B, int T, int H, int Hk, int D, c
                 memcpy(vc + b * cb + (long)h * ch + slot * D, row + (long)(H + Hk + h) * D, D * sizeof(float));
         }
     }
+}
+
+/* ========================================================================================= SwiGLU */
+/* y[m, j] = silu(a) * b with a = ab[m, j], b = ab[m, h + j] (the fused w1|w3 projection's two halves):
+ * silu(a) = a sigmoid(a), computed from exp of a non-positive argument only (exp_scalar's domain):
+ *   a >= 0: a / (1 + exp(-a));   a < 0: (a exp(a)) / (1 + exp(a)).
+ * Element-wise, so row-invariant; the AVX2 version does the same single-rounded operations per lane. */
+static inline float silu_mul_scalar(float a, float b) {
+    float e = exp_scalar(a >= 0.0f ? -a : a);
+    float num = a >= 0.0f ? a : a * e;
+    return (num / (1.0f + e)) * b;
+}
+
+AVX2 static void silu_mul_avx2(const float *a, const float *b, int n, float *y) {
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 va = _mm256_loadu_ps(a + j);
+        __m256 pos = _mm256_cmp_ps(va, zero, _CMP_GE_OQ);
+        __m256 e = exp_avx2(_mm256_blendv_ps(va, _mm256_xor_ps(va, sign), pos)); /* -a where a >= 0 */
+        __m256 num = _mm256_blendv_ps(_mm256_mul_ps(va, e), va, pos);
+        __m256 s = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(y + j, _mm256_mul_ps(s, _mm256_loadu_ps(b + j)));
+    }
+    for (; j < n; j++) y[j] = silu_mul_scalar(a[j], b[j]);
+}
+
+void qk_silu_mul(const float *ab, int M, int h, float *y) {
+    int avx2 = qk_has_avx2();
+    for (int m = 0; m < M; m++) {
+        const float *a = ab + (long)m * 2 * h, *b = a + h;
+        float *yy = y + (long)m * h;
+        if (avx2) silu_mul_avx2(a, b, h, yy);
+        else for (int j = 0; j < h; j++) yy[j] = silu_mul_scalar(a[j], b[j]);
+    }
+}
+
+/* ============================================================================ the whole q4 block */
+/* One pre-norm (or sandwich / peri-LN) SwiGLU block of the q4 format over a KV cache, in one call
+ * (kernels.block_q4): the same functions, in the same order, that the module-by-module path calls one at a
+ * time from Python --
+ *   xn = RMSNorm(x);  qkv = xn Wqkv;  RoPE + K/V store;  att = attention(q, cache, mask);
+ *   y = x + N_ao(att Wo);  xn = RMSNorm(y);  ab = xn W13;  y = y + N_fo((silu(a) * b) W2)
+ * (N_ao, N_fo: the sandwich's output norms, skipped where their weights are NULL: pre-norm) -- so its result is bit-identical to that path (tests/test_kernels.py), and a row's result still does
+ * not depend on the other rows. What it saves is Python: ~15 calls per block and their tensors.
+ * x, y: [B*M, d] (y must not alias x: a caller may hold x, e.g. a captured middle-layer residual).
+ * Workspace: qk_block_q4_work bytes. */
+static long align64(long n) { return (n + 63) & ~63L; }
+
+static long q8_work_bytes(long R, long K) { return align64(R * K) + 8 * R * (K / QK); }
+
+long qk_block_q4_work(int R, int d, int H, int Hk, int D, int hid, int S) {
+    long nqkv = (long)(H + 2 * Hk) * D, kmax = d;
+    if ((long)H * D > kmax) kmax = (long)H * D;
+    if (hid > kmax) kmax = hid;
+    long f = align64(4L * R * d) * 2 + align64(4L * R * nqkv) + align64(4L * R * H * D) + align64(8L * R * hid)
+           + align64(4L * R * hid) + align64(8L * R * H * S);
+    return f + q8_work_bytes(R, kmax);
+}
+
+void qk_block_q4(const float *x, float *y, int B, int M, int d, int H, int Hk, int D, int hid, float eps,
+                 float scale, const float *norm1, const float *norm2, const float *norm_ao, const float *norm_fo,
+                 const uint8_t *wqkv, const uint16_t *sqkv,
+                 const uint8_t *wo, const uint16_t *so, const uint8_t *w13, const uint16_t *s13,
+                 const uint8_t *w2, const uint16_t *s2, const float *cos, const float *sin, float *kc, float *vc,
+                 long cb, long ch, long cs, const long *slots, const float *mask, int MH, int S, void *work) {
+    long R = (long)B * M, nqkv = (long)(H + 2 * Hk) * D;
+    char *p = (char *)work;
+    float *xn = (float *)p;    p += align64(4L * R * d);
+    float *tmp = (float *)p;   p += align64(4L * R * d);
+    float *qkv = (float *)p;   p += align64(4L * R * nqkv);
+    float *att = (float *)p;   p += align64(4L * R * H * D);
+    float *ab = (float *)p;    p += align64(8L * R * hid);
+    float *act = (float *)p;   p += align64(4L * R * hid);
+    float *scr = (float *)p;   p += align64(8L * R * H * S);
+    void *q8 = p;
+    qk_rmsnorm(x, norm1, (int)R, d, eps, xn);
+    qk_linear_q4_1(xn, (int)R, d, wqkv, sqkv, (int)nqkv, qkv, q8);
+    qk_rope_store(qkv, M * nqkv, B, M, H, Hk, D, cos, sin, kc, vc, cb, ch, slots);
+    qk_attention(qkv, M * nqkv, nqkv, kc, vc, cb, ch, cs, mask, B, M, H, Hk, S, D, scale, att, scr, MH);
+    qk_linear_q4_1(att, (int)R, H * D, wo, so, d, tmp, q8);
+    if (norm_ao) qk_rmsnorm(tmp, norm_ao, (int)R, d, eps, tmp); /* in place: a row is read before written */
+    for (long i = 0; i < R * d; i++) y[i] = x[i] + tmp[i];
+    qk_rmsnorm(y, norm2, (int)R, d, eps, xn);
+    qk_linear_q4_1(xn, (int)R, d, w13, s13, 2 * hid, ab, q8);
+    qk_silu_mul(ab, (int)R, hid, act);
+    qk_linear_q4_1(act, (int)R, hid, w2, s2, d, tmp, q8);
+    if (norm_fo) qk_rmsnorm(tmp, norm_fo, (int)R, d, eps, tmp);
+    for (long i = 0; i < R * d; i++) y[i] = y[i] + tmp[i];
 }
