@@ -15,10 +15,14 @@ docs/results/decode-cpu.md). The kernels in `csrc/qkernels.c` give both properti
     weights are streamed once for all M rows.
   * attention: one query row at a time, with a fixed reduction order over the keys, so a decode step and
     a row of a verification forward agree bit for bit.
+  * a whole block (`block_q4`): RMSNorm, the fused q|k|v projection, RoPE + cache store, attention, the
+    output projection, the SwiGLU FFN and both residual adds in ONE call -- the same functions in the same
+    order as the module-by-module path, so the same bits, without ~15 Python calls per block.
 
 The kernels are plain C compiled by the machine's C compiler on first use (or by `python -m
 midlayer.kernels`, which `scripts/setup.sh` runs) into a cache directory, and loaded with ctypes; AVX2
-versions are selected at run time, with a portable scalar version that gives the same bits. Where no
+versions (and AVX512-VNNI GEMM tiles, `set_simd`) are selected at run time, with a portable scalar
+version that gives the same bits. Where no
 compiler is available, `*_reference` (pure PyTorch) computes the same GEMM results bit for bit -- slowly
 -- and attention falls back to SDPA, which is correct but *not* row-invariant (`batch_invariant()` is
 then False and the engine stops calling the format lossless).

@@ -242,8 +242,10 @@ def _cache_file() -> Path:
 
 
 def cost_key(model_name: str, weights: str, model=None) -> str:
-    """What a row-cost curve depends on: the model, its weight format, the CPU (or GPU) and thread count."""
-    from .kernels import cpu_info
+    """What a row-cost curve depends on: the model, its weight format, the CPU (or GPU) and thread count, and
+    the engine: torch's version and the q4 kernels' source (a curve measured before the fused q4 block was
+    ~1.6x too slow at one row, docs/results/decode-cpu.md, 27th session)."""
+    from .kernels import cpu_info, library_path
 
     dev = "cpu"
     if model is not None:
@@ -251,7 +253,7 @@ def cost_key(model_name: str, weights: str, model=None) -> str:
         if d.type == "cuda":
             dev = torch.cuda.get_device_name(d)
     info = cpu_info()
-    return f"{model_name}|{weights}|{dev}|{info.model}|{','.join(sorted(info.flags & {'avx2', 'avx512f', 'amx_bf16', 'avx512_vnni', 'avx_vnni'}))}|{torch.get_num_threads()}t|torch {torch.__version__}"
+    return f"{model_name}|{weights}|{dev}|{info.model}|{','.join(sorted(info.flags & {'avx2', 'avx512f', 'amx_bf16', 'avx512_vnni', 'avx_vnni'}))}|{torch.get_num_threads()}t|torch {torch.__version__}|{library_path().stem}"
 
 
 def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, progress: bool = False,

@@ -1,7 +1,8 @@
 /* Batch-invariant CPU kernels for midlayer's `q4` inference format (see midlayer/kernels.py).
  *
- * Each computation has a portable scalar version and an AVX2 version that return bit-identical results
- * (the AVX2 functions are compiled with a target attribute and picked at run time):
+ * Each computation has a portable scalar version and an AVX2 version that return bit-identical results,
+ * the GEMMs also an AVX512-VNNI version (the functions are compiled with target attributes and picked at run
+ * time: qk_simd_level), and qk_block_q4 chains them into one whole block:
  *
  *   quantize_q8   x [M, K] fp32 -> per row, per group of 32: int8 codes q, scale d = amax / 127 and
  *                 s = d * sum(q)  (llama.cpp's Q8_1 activation layout: Gerganov et al., ggml).
@@ -299,22 +300,23 @@ AVX2 INLINE void store_outputs(float *dst, __m256 v, int nv) {
 }
 
 /* One register tile: the 8 outputs of group o x R rows (R = 4, 2 or 1: DEFINE_Q4_TILE(R) defines
- * q4_tile_<R>), all K. R is a literal, so the block sums stay in registers (16 ymm: with R = 4 the inner
+ * q4_tile_<R>; the VNNI family below shares this body with its own block-sum step), all K. R is a literal, so the block sums stay in registers (16 ymm: with R = 4 the inner
  * loop fits, the float accumulators may go to the stack once per block). Each weight register is used by
  * all R rows; a row's arithmetic does not depend on R. The empty asm after each int16 accumulation keeps
  * the sums in chunk order: without it GCC reassociates the integer adds into a tree whose partial products
  * spill (same result, slower). Timed on Zen 2: vpmaddubsw and vpmaddwd share one pipe at 1/cycle, so a
  * row costs at least 9 cycles per group of 8 outputs and block (Q4_1), 16 (Q8_0); measured ~13 and ~20
  * with R = 4. Two output groups per tile for one row (sharing the broadcasts) spilled and was slower. */
-#define DEFINE_Q4_TILE(R)                                                                                    \
-    AVX2 NOINLINE void q4_tile_##R(const int8_t *xq, const float *xd, const float *xs, int K, const uint8_t *wq, \
-                                   const uint16_t *wdm, int o, int m0, int N, float *y, long ldy) {          \
+#define DEFINE_Q4_TILE_FAMILY(ATTR, NAME, STEP, SUM, R)                                                      \
+    ATTR NOINLINE void NAME##_##R(const int8_t *xq, const float *xd, const float *xs, int K, const uint8_t *wq, \
+                                  const uint16_t *wdm, int o, int m0, int N, float *y, long ldy) {           \
         const int G = K / QK;                                                                                \
         const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                             \
         const uint8_t *wo = wq + (long)o * G * 128;                                                          \
         const uint16_t *so = wdm + (long)o * G * 16;                                                         \
         __m256 acc[R];                                                                                       \
-        __m256i s16[R];                                                                                      \
+        __m256i sums[R];                                                                                     \
+        (void)ones;                                                                                          \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
         for (int g = 0; g < G; g++) {                                                                        \
             prefetch_ahead(wo + g * 128, 2, so + g * 16);                                                    \
@@ -324,17 +326,14 @@ AVX2 INLINE void store_outputs(float *dst, __m256 v, int nv) {
                 __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4); /* chunk v + 4: 16+4v.. */    \
                 for (int r = 0; r < R; r++) {                                                                \
                     const int8_t *a = xq + (long)(m0 + r) * K + g * QK;                                      \
-                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, bcast4(a + 4 * v)),                \
-                                                 _mm256_maddubs_epi16(wh, bcast4(a + 16 + 4 * v)));          \
-                    s16[r] = v ? _mm256_add_epi16(s16[r], p) : p; /* |.| <= 8 * 2 * 15 * 127 < 2^15 */       \
-                    __asm__("" : "+x"(s16[r]));                                                              \
+                    STEP(sums[r], v, wl, bcast4(a + 4 * v), wh, bcast4(a + 16 + 4 * v));                     \
                 }                                                                                            \
             }                                                                                                \
             __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 16)));                    \
             __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 16 + 8)));                \
             for (int r = 0; r < R; r++) {                                                                    \
                 long m = m0 + r;                                                                             \
-                __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)); /* exact int32 sums */    \
+                __m256 isum = _mm256_cvtepi32_ps(SUM(sums[r])); /* exact int32 sums */                       \
                 __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + m * G + g));                          \
                 acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, isum));                                     \
                 acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, _mm256_broadcast_ss(xs + m * G + g)));      \
@@ -342,26 +341,38 @@ AVX2 INLINE void store_outputs(float *dst, __m256 v, int nv) {
         }                                                                                                    \
         for (int r = 0; r < R; r++) store_outputs(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);     \
     }
+/* AVX2: the pair products of chunk v summed in int16 (|.| <= 8 * 2 * 15 * 127 < 2^15), widened once a block */
+#define Q4_STEP_AVX2(s, v, wl, al, wh, ah)                                                                   \
+    do {                                                                                                     \
+        __m256i p_ = _mm256_add_epi16(_mm256_maddubs_epi16(wl, al), _mm256_maddubs_epi16(wh, ah));           \
+        s = v ? _mm256_add_epi16(s, p_) : p_;                                                                \
+        __asm__("" : "+x"(s));                                                                               \
+    } while (0)
+#define Q4_SUM_AVX2(s) _mm256_madd_epi16(s, ones)
+#define DEFINE_Q4_TILE(R) DEFINE_Q4_TILE_FAMILY(AVX2, q4_tile, Q4_STEP_AVX2, Q4_SUM_AVX2, R)
 
-#define DEFINE_Q8_TILE(R)                                                                                    \
-    AVX2 NOINLINE void q8_tile_##R(const int8_t *xq, const float *xd, int K, const int8_t *wq, const uint16_t *wd, \
-                                   int o, int m0, int N, float *y, long ldy) {                               \
+/* Q8_0 tiles, for a target attribute ATTR and a block-sum step DOT(acc, |w|, sign(a, w)) that adds the exact
+ * int32 dot products of 4-byte groups to acc: the AVX2 one via maddubs + madd, the VNNI one below. */
+#define DEFINE_Q8_TILE_FAMILY(ATTR, NAME, DOT, R)                                                            \
+    ATTR NOINLINE void NAME##_##R(const int8_t *xq, const float *xd, int K, const int8_t *wq, const uint16_t *wd, \
+                                  int o, int m0, int N, float *y, long ldy) {                                \
         const int G = K / QK;                                                                                \
         const __m256i ones = _mm256_set1_epi16(1);                                                           \
         const int8_t *wo = wq + (long)o * G * 256;                                                           \
         const uint16_t *so = wd + (long)o * G * 8;                                                           \
         __m256 acc[R];                                                                                       \
         __m256i s32[R];                                                                                      \
+        (void)ones;                                                                                          \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
         for (int g = 0; g < G; g++) {                                                                        \
             prefetch_ahead(wo + g * 256, 4, so + g * 8);                                                     \
+            for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();                                     \
             for (int c = 0; c < 8; c++) {                                                                    \
                 __m256i w = _mm256_loadu_si256((const __m256i *)(wo + g * 256 + 32 * c));                    \
                 __m256i aw = _mm256_sign_epi8(w, w); /* |w| as unsigned bytes, shared by the rows */         \
                 for (int r = 0; r < R; r++) {                                                                \
                     __m256i a = bcast4(xq + (long)(m0 + r) * K + g * QK + 4 * c);                            \
-                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w)), ones);   \
-                    s32[r] = c ? _mm256_add_epi32(s32[r], p) : p;                                            \
+                    s32[r] = DOT(s32[r], aw, _mm256_sign_epi8(a, w));                                        \
                 }                                                                                            \
             }                                                                                                \
             __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 8)));                     \
@@ -372,6 +383,8 @@ AVX2 INLINE void store_outputs(float *dst, __m256 v, int nv) {
         }                                                                                                    \
         for (int r = 0; r < R; r++) store_outputs(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);     \
     }
+#define Q8_DOT_AVX2(acc, aw, sa) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones))
+#define DEFINE_Q8_TILE(R) DEFINE_Q8_TILE_FAMILY(AVX2, q8_tile, Q8_DOT_AVX2, R)
 
 DEFINE_Q4_TILE(4)
 DEFINE_Q4_TILE(2)
@@ -387,71 +400,12 @@ DEFINE_Q8_TILE(1)
  * Q4_1: codes 0..15 are the unsigned operand, activations the signed one. Q8_0: |w| and sign(a, w) as in
  * the AVX2 tile. */
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
-#define DEFINE_Q4_TILE_VNNI(R)                                                                               \
-    VNNI NOINLINE void q4_tile_vnni_##R(const int8_t *xq, const float *xd, const float *xs, int K,           \
-                                        const uint8_t *wq, const uint16_t *wdm, int o, int m0, int N, float *y, \
-                                        long ldy) {                                                          \
-        const int G = K / QK;                                                                                \
-        const __m256i lo4 = _mm256_set1_epi8(0x0f);                                                          \
-        const uint8_t *wo = wq + (long)o * G * 128;                                                          \
-        const uint16_t *so = wdm + (long)o * G * 16;                                                         \
-        __m256 acc[R];                                                                                       \
-        __m256i s32[R];                                                                                      \
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
-        for (int g = 0; g < G; g++) {                                                                        \
-            prefetch_ahead(wo + g * 128, 2, so + g * 16);                                                    \
-            for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();                                     \
-            for (int v = 0; v < 4; v++) {                                                                    \
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(wo + g * 128 + 32 * v));                  \
-                __m256i wl = _mm256_and_si256(raw, lo4);                                                     \
-                __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);                               \
-                for (int r = 0; r < R; r++) {                                                                \
-                    const int8_t *a = xq + (long)(m0 + r) * K + g * QK;                                      \
-                    s32[r] = _mm256_dpbusd_epi32(s32[r], wl, bcast4(a + 4 * v));                             \
-                    s32[r] = _mm256_dpbusd_epi32(s32[r], wh, bcast4(a + 16 + 4 * v));                        \
-                }                                                                                            \
-            }                                                                                                \
-            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 16)));                    \
-            __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 16 + 8)));                \
-            for (int r = 0; r < R; r++) {                                                                    \
-                long m = m0 + r;                                                                             \
-                __m256 isum = _mm256_cvtepi32_ps(s32[r]);                                                    \
-                __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + m * G + g));                          \
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, isum));                                     \
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, _mm256_broadcast_ss(xs + m * G + g)));      \
-            }                                                                                                \
-        }                                                                                                    \
-        for (int r = 0; r < R; r++) store_outputs(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);     \
-    }
-
-#define DEFINE_Q8_TILE_VNNI(R)                                                                               \
-    VNNI NOINLINE void q8_tile_vnni_##R(const int8_t *xq, const float *xd, int K, const int8_t *wq,          \
-                                        const uint16_t *wd, int o, int m0, int N, float *y, long ldy) {      \
-        const int G = K / QK;                                                                                \
-        const int8_t *wo = wq + (long)o * G * 256;                                                           \
-        const uint16_t *so = wd + (long)o * G * 8;                                                           \
-        __m256 acc[R];                                                                                       \
-        __m256i s32[R];                                                                                      \
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
-        for (int g = 0; g < G; g++) {                                                                        \
-            prefetch_ahead(wo + g * 256, 4, so + g * 8);                                                     \
-            for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();                                     \
-            for (int c = 0; c < 8; c++) {                                                                    \
-                __m256i w = _mm256_loadu_si256((const __m256i *)(wo + g * 256 + 32 * c));                    \
-                __m256i aw = _mm256_sign_epi8(w, w);                                                         \
-                for (int r = 0; r < R; r++) {                                                                \
-                    __m256i a = bcast4(xq + (long)(m0 + r) * K + g * QK + 4 * c);                            \
-                    s32[r] = _mm256_dpbusd_epi32(s32[r], aw, _mm256_sign_epi8(a, w));                        \
-                }                                                                                            \
-            }                                                                                                \
-            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(so + g * 8)));                     \
-            for (int r = 0; r < R; r++) {                                                                    \
-                __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + (long)(m0 + r) * G + g));             \
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(s32[r])));               \
-            }                                                                                                \
-        }                                                                                                    \
-        for (int r = 0; r < R; r++) store_outputs(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);     \
-    }
+/* VNNI: both chunks straight into int32 lanes */
+#define Q4_STEP_VNNI(s, v, wl, al, wh, ah)                                                                   \
+    s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(v ? s : _mm256_setzero_si256(), wl, al), wh, ah)
+#define Q4_SUM_VNNI(s) (s)
+#define DEFINE_Q4_TILE_VNNI(R) DEFINE_Q4_TILE_FAMILY(VNNI, q4_tile_vnni, Q4_STEP_VNNI, Q4_SUM_VNNI, R)
+#define DEFINE_Q8_TILE_VNNI(R) DEFINE_Q8_TILE_FAMILY(VNNI, q8_tile_vnni, _mm256_dpbusd_epi32, R)
 
 DEFINE_Q4_TILE_VNNI(4)
 DEFINE_Q4_TILE_VNNI(2)
@@ -460,46 +414,24 @@ DEFINE_Q8_TILE_VNNI(4)
 DEFINE_Q8_TILE_VNNI(2)
 DEFINE_Q8_TILE_VNNI(1)
 
-VNNI static void gemm_q4_1_vnni(const int8_t *xq, const float *xd, const float *xs, int M, int K,
-                                const uint8_t *wq, const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy) {
-    for (int o = o0; o < o1; o++) {
-        int m0 = 0;
-        for (; m0 + 4 <= M; m0 += 4) q4_tile_vnni_4(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy);
-        if (m0 + 2 <= M) { q4_tile_vnni_2(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy); m0 += 2; }
-        if (m0 < M) q4_tile_vnni_1(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy);
+/* Output groups [o0, o1) of all M rows, rows in tiles of 4, 2, 1 (e.g. 7 = 4 + 2 + 1): `tile` names a family of
+ * tiles (tile_4, tile_2, tile_1), called with the arguments that follow. */
+#define ROW_TILES(tile, ...)                                                                                 \
+    for (int o = o0; o < o1; o++) {                                                                          \
+        int m0 = 0;                                                                                          \
+        for (; m0 + 4 <= M; m0 += 4) tile##_4(__VA_ARGS__);                                                  \
+        if (m0 + 2 <= M) { tile##_2(__VA_ARGS__); m0 += 2; }                                                 \
+        if (m0 < M) tile##_1(__VA_ARGS__);                                                                   \
     }
-}
+#define GEMM_Q4_ARGS const int8_t *xq, const float *xd, const float *xs, int M, int K, const uint8_t *wq, \
+                     const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy
+#define GEMM_Q8_ARGS const int8_t *xq, const float *xd, int M, int K, const int8_t *wq, const uint16_t *wd, \
+                     int o0, int o1, int N, float *y, long ldy
 
-VNNI static void gemm_q8_0_vnni(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq,
-                                const uint16_t *wd, int o0, int o1, int N, float *y, long ldy) {
-    for (int o = o0; o < o1; o++) {
-        int m0 = 0;
-        for (; m0 + 4 <= M; m0 += 4) q8_tile_vnni_4(xq, xd, K, wq, wd, o, m0, N, y, ldy);
-        if (m0 + 2 <= M) { q8_tile_vnni_2(xq, xd, K, wq, wd, o, m0, N, y, ldy); m0 += 2; }
-        if (m0 < M) q8_tile_vnni_1(xq, xd, K, wq, wd, o, m0, N, y, ldy);
-    }
-}
-
-/* Output groups [o0, o1) of all M rows, rows in tiles of 4, 2, 1 (e.g. 7 = 4 + 2 + 1). */
-AVX2 static void gemm_q4_1_avx2(const int8_t *xq, const float *xd, const float *xs, int M, int K,
-                                const uint8_t *wq, const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy) {
-    for (int o = o0; o < o1; o++) {
-        int m0 = 0;
-        for (; m0 + 4 <= M; m0 += 4) q4_tile_4(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy);
-        if (m0 + 2 <= M) { q4_tile_2(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy); m0 += 2; }
-        if (m0 < M) q4_tile_1(xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy);
-    }
-}
-
-AVX2 static void gemm_q8_0_avx2(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq,
-                                const uint16_t *wd, int o0, int o1, int N, float *y, long ldy) {
-    for (int o = o0; o < o1; o++) {
-        int m0 = 0;
-        for (; m0 + 4 <= M; m0 += 4) q8_tile_4(xq, xd, K, wq, wd, o, m0, N, y, ldy);
-        if (m0 + 2 <= M) { q8_tile_2(xq, xd, K, wq, wd, o, m0, N, y, ldy); m0 += 2; }
-        if (m0 < M) q8_tile_1(xq, xd, K, wq, wd, o, m0, N, y, ldy);
-    }
-}
+AVX2 static void gemm_q4_1_avx2(GEMM_Q4_ARGS) { ROW_TILES(q4_tile, xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy) }
+AVX2 static void gemm_q8_0_avx2(GEMM_Q8_ARGS) { ROW_TILES(q8_tile, xq, xd, K, wq, wd, o, m0, N, y, ldy) }
+VNNI static void gemm_q4_1_vnni(GEMM_Q4_ARGS) { ROW_TILES(q4_tile_vnni, xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy) }
+VNNI static void gemm_q8_0_vnni(GEMM_Q8_ARGS) { ROW_TILES(q8_tile_vnni, xq, xd, K, wq, wd, o, m0, N, y, ldy) }
 
 AVX2 static inline __m256 exp_avx2(__m256 x) {
     /* exactly exp_scalar's operation sequence, 8 lanes at a time */
