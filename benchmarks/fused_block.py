@@ -31,7 +31,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--rows", default="1,4,8")
     args = ap.parse_args()
-    rows = [int(r) for r in args.rows.split(",")]
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows takes comma-separated integers, got {args.rows!r}")
+    if not kernels.available():
+        ap.error("the q4 kernels are not built (no C compiler?): nothing to time")
     if args.context < 1 or args.repeats < 1 or min(rows) < 1:
         ap.error("--context, --repeats and every row count must be >= 1")
     model, _ = load_pretrained("smollm2-135m")

@@ -214,12 +214,15 @@ def simd_level() -> int:
 
 
 def simd_levels() -> list[int]:
-    """Every SIMD level this CPU can run, scalar first."""
+    """Every SIMD level this CPU can run, scalar first (the level in use is left as it is)."""
     lib = library()
     if lib is None:
         return []
+    now = lib.qk_simd_level()
     lib.qk_set_simd(-1)
-    return list(range(lib.qk_simd_level() + 1))
+    best = lib.qk_simd_level()
+    lib.qk_set_simd(now)
+    return list(range(best + 1))
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -580,8 +583,8 @@ class BlockQ4:
 
 def block_q4(x: torch.Tensor, plan: BlockQ4, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, n_keys: int) -> torch.Tensor:
-    """One pre-norm or sandwich SwiGLU block of the q4 format over the KV cache in ONE C call: x [B, M, d] (fp32) -> the
-    residual leaving the block, a new tensor. cos/sin: B * M * hd values, one row of hd per (b, m);
+    """One pre-norm or sandwich SwiGLU block of the q4 format over the KV cache in ONE C call: x [B, M, d]
+    (fp32) -> the residual leaving the block, a new tensor. cos/sin: B * M * hd values, one row of hd per (b, m);
     k_cache/v_cache: the layer's cache [B, Hk, S_max, hd]; slots [B, M]; mask as `attention_fused`.
     Bit-identical to running the block's modules one by one (model.Block._forward_fused; tests/test_kernels.py
     compares them)."""
@@ -603,8 +606,8 @@ def block_q4(x: torch.Tensor, plan: BlockQ4, cos: torch.Tensor, sin: torch.Tenso
     work = _workspace(lib.qk_block_q4_work(B * M, d, H, Hk, D, plan.hidden, n_keys))
     ks = k_cache.stride()
     lib.qk_block_q4(x.data_ptr(), y.data_ptr(), B, M, d, H, Hk, D, plan.hidden, plan.eps, D ** -0.5,
-                    *[None if t is None else t.data_ptr() for t in plan.tensors], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                    ks[0], ks[1], ks[2], slots.data_ptr(), None if m is None else m.data_ptr(), mh, n_keys,
+                    *[None if t is None else t.data_ptr() for t in plan.tensors], cos.data_ptr(), sin.data_ptr(),
+                    k_cache.data_ptr(), v_cache.data_ptr(), ks[0], ks[1], ks[2], slots.data_ptr(), None if m is None else m.data_ptr(), mh, n_keys,
                     work.data_ptr())
     return y
 

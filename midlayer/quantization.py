@@ -218,7 +218,8 @@ def _block_norms(block: nn.Module) -> tuple:
 
 def fuses_q4(block: nn.Module) -> bool:
     """Whether a compressed block runs over the KV cache as one C call (kernels.block_q4): a q4 attention
-    block with pre-norm or sandwich RMSNorms of one eps, a SwiGLU FFN, no biases, no QK-norm, no dropout, kernels built.
+    block with pre-norm or sandwich RMSNorms of one eps, a SwiGLU FFN, no biases, no QK-norm, no dropout,
+    kernels built.
     Every other block runs module by module (the reference the fused call equals bit for bit). The call
     holds the block's weight tensors as they are at compression (`Block.fused_q4`): weights loaded in place
     later are seen, modules replaced later are not -- set `block.fused_q4 = None` then."""

@@ -44,6 +44,7 @@ def test_every_simd_level_gives_the_same_gemm_bits():
         for level in levels:
             kernels.set_simd(level)
             assert kernels.simd_level() == level
+            assert kernels.simd_levels() == levels and kernels.simd_level() == level  # asking changes nothing
             out[level] = [(kernels.gemm_q4_1(x[:M], packed, scales, 101), kernels.gemm_q8_0(x[:M], codes, d, 101))
                           for M in range(1, 10)]
     finally:

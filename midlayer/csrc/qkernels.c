@@ -300,8 +300,9 @@ AVX2 INLINE void store_outputs(float *dst, __m256 v, int nv) {
 }
 
 /* One register tile: the 8 outputs of group o x R rows (R = 4, 2 or 1: DEFINE_Q4_TILE(R) defines
- * q4_tile_<R>; the VNNI family below shares this body with its own block-sum step), all K. R is a literal, so the block sums stay in registers (16 ymm: with R = 4 the inner
- * loop fits, the float accumulators may go to the stack once per block). Each weight register is used by
+ * q4_tile_<R>; the VNNI family below shares this body with its own block-sum step), all K. R is a literal,
+ * so the block sums stay in registers (16 ymm: with R = 4 the inner loop fits, the float accumulators may go
+ * to the stack once per block). Each weight register is used by
  * all R rows; a row's arithmetic does not depend on R. The empty asm after each int16 accumulation keeps
  * the sums in chunk order: without it GCC reassociates the integer adds into a tree whose partial products
  * spill (same result, slower). Timed on Zen 2: vpmaddubsw and vpmaddwd share one pipe at 1/cycle, so a
