@@ -238,8 +238,8 @@ class Block(nn.Module):
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: LayerView) -> torch.Tensor:
         """The pre-norm or sandwich path above for a q4 block over the KV cache, as one C call: bit-identical
-        to it (the same kernels in the same order), without ~15 Python calls per block -- 4.1 of the 9.4 ms
-        of a SmolLM2-135M decode step were that Python (docs/results/decode-cpu.md, 27th session)."""
+        to it (the same kernels in the same order), without ~15 Python calls per block -- 4.5 of the 8.6 ms
+        of a SmolLM2-135M decode step were that Python (benchmarks/step_parts.py, docs/results/decode-cpu.md)."""
         c, layer = view.cache, view.layer
         mask = view.finish(x.shape[1], x.device)  # records the new keys' bias; the C call stores their K/V
         return kernels.block_q4(x, self.fused_q4, cos, sin, c.k_layers[layer], c.v_layers[layer], view.query_slots,
