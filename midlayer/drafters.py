@@ -173,13 +173,15 @@ def run_blocks_cached(model: Transformer, tokens: torch.Tensor, positions: torch
 
 
 def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor],
-                                                                torch.Tensor], vocab: torch.Tensor | None = None
-                               ) -> Draft:
+                                                                torch.Tensor], vocab: torch.Tensor | None = None,
+                               root_logits: torch.Tensor | None = None) -> Draft:
     """Fill ctx.tree level by level with an autoregressive draft network (module docstring).
 
     step(tokens [1, M], positions [1, M], start_slot, extra_mask [1, 1, M, S]) -> logits [M, V] runs one
     level whose rows sit at the (reserved) slots start_slot..start_slot+M-1. With a draft vocabulary the
-    logits are over its tokens and candidates are mapped back to token ids.
+    logits are over its tokens and candidates are mapped back to token ids. `root_logits` [1, V]: the root
+    row was already run, as the cache's last row (EAGLE runs it in the call that commits the context), so
+    level 0 is not run again and the nodes attend to that slot.
     """
     tree, cache = ctx.tree, ctx.cache
     n = len(tree)
@@ -188,7 +190,8 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
     dev = cache.pos.device
     s0 = cache.length
     root_pos = len(ctx.tokens) - 1
-    mask = tree.verify_mask(s0, dev)  # [1, 1, n+1, s0+n+1]; row 0 = root, row i+1 = node i
+    first = s0 - 1 if root_logits is not None else s0  # the root's slot
+    mask = tree.verify_mask(first, dev)  # [1, 1, n+1, first+n+1]; row 0 = root, row i+1 = node i
     depth = tree.depth.tolist()
     parent = tree.parent.tolist()
     ranks = [p[-1] for p in tree.paths]
@@ -196,16 +199,19 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
     # rows (root-included numbering) of each level; BFS order makes each level a contiguous range
     levels: list[list[int]] = [[0]] + [[i + 1 for i in range(n) if depth[i] == d] for d in range(1, tree.max_depth)]
     dense_layers = list(cache.dense_layers)  # slots < s0 are never written here, so truncating restores them
-    cache.reserve(n + 1)
+    cache.reserve(first + n + 1 - s0)
     try:
         for d, rows in enumerate(levels):
             if not rows:
                 break
             a, b = rows[0], rows[-1] + 1
-            toks = [int(ctx.tokens[-1])] if d == 0 else [node_tok[r - 1] for r in rows]
-            tok_t = torch.tensor([toks], device=dev)
-            pos_t = torch.full((1, len(rows)), root_pos + d, device=dev, dtype=torch.long)
-            logits = step(tok_t, pos_t, s0 + a, mask[:, :, a:b])  # [M, V]
+            if d == 0 and root_logits is not None:
+                logits = root_logits
+            else:
+                toks = [int(ctx.tokens[-1])] if d == 0 else [node_tok[r - 1] for r in rows]
+                tok_t = torch.tensor([toks], device=dev)
+                pos_t = torch.full((1, len(rows)), root_pos + d, device=dev, dtype=torch.long)
+                logits = step(tok_t, pos_t, first + a, mask[:, :, a:b])  # [M, V]
             kids = [i for i in range(n) if depth[i] == d + 1]
             if not kids:
                 continue

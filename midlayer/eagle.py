@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
 from .drafters import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, gather_counted,
                        kl_to_base, model_device, optimise, placeholder_candidates, split_batch)
@@ -143,13 +144,14 @@ class EagleHead(nn.Module):
                              f"{model.cfg.dim} / head_dim {model.cfg.head_dim} (it uses the base's RoPE tables)")
 
     def forward(self, features: torch.Tensor, emb: torch.Tensor, step: Callable[..., torch.Tensor],
-                layer: Block | None = None) -> torch.Tensor:
+                layer: Block | None = None, fc: nn.Module | None = None) -> torch.Tensor:
         """features f [B, M, d] and next-token embeddings e [B, M, d] -> predicted next features [B, M, d],
         in the head's dtype. `step(layer, block, h, gate, key_bias)` (a `model.BlockStep`: causal, cached or
-        masked) decides how the M rows attend, exactly as for the base's own blocks. `layer`: the decoder
-        layer to run instead of `self.layer` (the drafter's copy in the base's weight format)."""
-        w = self.fc.weight
-        x = self.fc(torch.cat([features.to(w.dtype), emb.to(w.dtype)], -1))
+        masked) decides how the M rows attend, exactly as for the base's own blocks. `layer`, `fc`: the
+        decoder layer and input projection to run instead of `self.layer` and `self.fc` (the drafter's
+        copies in a compressed format)."""
+        dt = self.fc.weight.dtype
+        x = (self.fc if fc is None else fc)(torch.cat([features.to(dt), emb.to(dt)], -1))
         return step(0, self.layer if layer is None else layer, x, None, None)
 
 
@@ -273,10 +275,10 @@ def train_eagle(model: Transformer, head: EagleHead, batches: Any, steps: int, l
 class EagleDrafter:
     """Drafts `ctx.tree` autoregressively with an `EagleHead` (module docstring, "Module layout").
 
-    State between rounds: the draft KV cache with the rows of positions 0..held-1, the tokens they were
-    computed from, and the feature of position `held` (last round's root row is recomputed with it once its
-    token is committed). Every round checks the state against ctx.tokens and keeps only the rows whose
-    tokens still match, so one drafter can serve any sequence of generations (a new prompt starts over).
+    State between rounds: the draft KV cache with the rows of positions 0..held-1 (the last of them the
+    previous round's root row: its token was the base's own choice) and the tokens they were computed from.
+    Every round checks the state against ctx.tokens and keeps only the rows whose tokens still match, so
+    one drafter can serve any sequence of generations (a new prompt starts over).
     """
 
     prefill_features = True  # speculative_generate hands over the features of every prompt row
@@ -293,10 +295,19 @@ class EagleDrafter:
         # (docs/results/hidden-transfer-cpu.md, 26th session). A copy: the head itself stays trainable.
         fmt = getattr(model, "weight_format", None)
         self.layer: Block = head.layer
+        self.fc: nn.Module = head.fc
         if fmt not in (None, "fp32"):
             from .quantization import compress_block
 
             self.layer = compress_block(copy.deepcopy(head.layer), fmt).eval()
+        if fmt == "q4" and kernels.available():
+            # The fc (2d -> d) in Q8_0, the q4 format's 8-bit format (its LM head's): every draft-layer
+            # call read its 2.7 MB in fp32 (SmolLM2), 0.16 ms a call on the 28th session's Xeon, where the
+            # weights stream from L3 at ~20 GB/s; Q8_0 reads 0.7 MB. Q4_1 here lowered tau (2.36 -> 2.33,
+            # 26th session); Q8_0 keeps it (docs/results/hidden-transfer-cpu.md, 28th session).
+            from .quantization import Q8Linear
+
+            self.fc = Q8Linear(head.fc).eval()
         self.dynamic_k = int(dynamic_k)  # > 0: EAGLE-2 dynamic trees, expanding the top-k nodes per depth
         self.cache: KVCache | None = None
         self.last_logits: torch.Tensor | None = None  # the last round's logits, one row per level row run
@@ -306,22 +317,24 @@ class EagleDrafter:
         """Forget the draft rows of the context (the next round rebuilds them)."""
         self.held = 0
         self.held_tokens: list[int] = []  # tokens[:held + 1]: what rows 0..held-1 depend on
-        self.tail: torch.Tensor | None = None  # feature f_held [d] (None: unknown)
         if self.cache is not None:
             self.cache.truncate(0)
 
     # ------------------------------------------------------------------------------------ the state
     def _level_rows(self, tree: DraftTree) -> list[int]:
-        """Draft rows run per level: the tree's level sizes (static), or the root and then the k expanded
-        nodes of every depth but the last (dynamic)."""
+        """Draft rows run per tree level after the root (the root row rides the call that commits the
+        context): the tree's level sizes (static), or the k expanded nodes of every depth but the last
+        (dynamic)."""
+        if not tree.max_depth:
+            return []
         if self.dynamic_k:
-            return [1] + [self.dynamic_k] * (tree.max_depth - 1) if tree.max_depth else []
-        return tree.level_sizes()
+            return [self.dynamic_k] * (tree.max_depth - 1)
+        return tree.level_sizes()[1:]
 
     def _scratch_rows(self, tree: DraftTree) -> int:
-        """Scratch slots one round needs: every row run (dynamic), or every node + the root (static: the
+        """Scratch slots one round needs after the root: every row run (dynamic), or every node (static: the
         leaves get slots too, though they are never run)."""
-        return sum(self._level_rows(tree)) if self.dynamic_k else len(tree) + 1
+        return sum(self._level_rows(tree)) if self.dynamic_k else len(tree)
 
     def _ensure_cache(self, n_nodes: int) -> KVCache:
         need = self.model.cfg.max_seq_len + n_nodes + 1  # context rows (positions) + one tree in scratch slots
@@ -329,7 +342,7 @@ class EagleDrafter:
             c = self.head.block_cfg
             w = self.head.fc.weight
             self.cache = KVCache(1, 1, c.n_kv_heads, c.head_dim, need, device=w.device, dtype=w.dtype)
-            self.held, self.held_tokens, self.tail = 0, [], None
+            self.held, self.held_tokens = 0, []
         return self.cache
 
     def _valid_rows(self, tokens: list[int]) -> int:
@@ -341,14 +354,11 @@ class EagleDrafter:
         return max(0, min(self.held, same - 1))
 
     def _features(self, ctx: DraftContext, start: int, p: int) -> torch.Tensor:
-        """Base features f_start..f_{p-1} [p - start, d] (normalised): from ctx.hidden (positions p-m..p-1), with the
-        kept feature of position `held` in front when needed, else recomputed by one base forward."""
+        """Base features f_start..f_{p-1} [p - start, d] (normalised): from ctx.hidden (positions p-m..p-1),
+        else recomputed by one base forward (a context the loop did not hand over)."""
         m = ctx.hidden.shape[0]
-        first = p - m
-        if start >= first:
-            return feature(self.model, ctx.hidden[start - first:])
-        if self.tail is not None and start == self.held and start + 1 >= first:
-            return torch.cat([self.tail[None].to(ctx.hidden.dtype), feature(self.model, ctx.hidden[start + 1 - first:])])
+        if start >= p - m:
+            return feature(self.model, ctx.hidden[start - (p - m):])
         toks = torch.tensor([ctx.tokens[:p]], device=model_device(self.model))
         out = self.model(toks, output_hidden_states=True, return_logits=False)
         return feature(self.model, out.hidden_states[-1][0, start:])
@@ -362,18 +372,18 @@ class EagleDrafter:
         slots = torch.arange(start, start + M, device=cache.pos.device)[None]
         cache.pos[:, start:start + M] = positions
         step = CachedStep(cache, start, slots, cos, sin, skip=False, extra_mask=extra)
-        return self.head(feats, embed(self.model, tokens, positions), step, self.layer)
+        return self.head(feats, embed(self.model, tokens, positions), step, self.layer, self.fc)
 
     def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[tuple]:
         """What one round drafts, for `tree_cost.round_forwards` (its (rows per base block, head rows) format):
         the draft layer has a base block's shape, so a level of r rows is costed as r rows through ONE block
-        (the fc's 2d x d adds a little) plus r rows through the LM head (its draft vocabulary's share of it). The context rows committed each
-        round (1 + accepted, one block, no head) are counted as 1 row, their minimum."""
+        (the fc's 2d x d adds a little) plus r rows through the LM head (its draft vocabulary's share of it).
+        The call that commits the context (1 + accepted rows, counted as 1, their minimum) also runs the
+        root row and its head row."""
         from .tree_cost import head_share
 
         share = head_share(self.head, self.model.cfg.vocab_size)  # a draft vocabulary reads part of the head
-        one = [1] + [0] * (n_layers - 1)
-        out = [(one, 0)]
+        out = [([1] + [0] * (n_layers - 1), 1 if tree.max_depth else 0, share)]
         out += [([r] + [0] * (n_layers - 1), r, share) for r in self._level_rows(tree)]
         return out
 
@@ -384,35 +394,38 @@ class EagleDrafter:
         p = len(ctx.tokens) - 1  # the pending root token's position
         if ctx.hidden.shape[0] == 0:  # 1-token prompt, first round: no feature yet
             return placeholder_candidates(tree.ranks_per_depth, model.cfg.vocab_size)
-        cache = self._ensure_cache(self._scratch_rows(tree) - 1)
+        cache = self._ensure_cache(self._scratch_rows(tree))
         dev = cache.pos.device
         valid = min(self._valid_rows(ctx.tokens), p - 1)  # row p - 1 is this round's root: always rebuilt
         feats = self._features(ctx, valid, p)  # f_valid..f_{p-1}
         cache.truncate(valid)
-        # Commit the draft rows of positions valid..p-2: (f_t, e_{t+1}) at RoPE position t + 1, causal.
-        M = p - 1 - valid
-        if M > 0:
-            cache.reserve(M)
-            toks = torch.tensor([ctx.tokens[valid + 1:p]], device=dev)
-            self._run(feats[None, :M], toks, torch.arange(valid + 1, p, device=dev)[None], valid, None)
-        self.held, self.held_tokens, self.tail = p - 1, list(ctx.tokens[:p]), feats[-1]
-        if self.dynamic_k and len(tree):
-            return self._dynamic(ctx, feats[-1], p, cache)
-        # The tree: level 0 is the root row (f_{p-1}, e_p) at slot s0 = p - 1; a node's row is (its parent's
+        # ONE call commits the draft rows of positions valid..p-2 -- (f_t, e_{t+1}) at RoPE position t + 1,
+        # causal -- and runs the root row (f_{p-1}, e_p) after them. The root's token e_p is the base's own
+        # choice, so its row is context for the next round, kept: a tree level saved per round (issue 11,
+        # 28th session: ~0.4 ms of a ~15 ms round on a 2-core Xeon).
+        M = p - valid
+        cache.reserve(M)
+        toks = torch.tensor([ctx.tokens[valid + 1:p + 1]], device=dev)
+        out = self._run(feats[None], toks, torch.arange(valid + 1, p + 1, device=dev)[None], valid, None)[0]
+        self.held, self.held_tokens = p, list(ctx.tokens[:p + 1])
+        root_out = out[-1]
+        if not len(tree):
+            self.last_logits = None
+            return Draft(node_tokens=torch.zeros(0, dtype=torch.long))
+        root_logits = feature_logits(model, root_out[None], self.head)
+        if self.dynamic_k:
+            return self._dynamic(ctx, root_out, root_logits, p, cache)
+        # The tree: level 0 is the root row (at slot p - 1, now cached); a node's row is (its parent's
         # predicted feature, its own token), so row r's input feature is row parent(r)'s output.
-        s0 = cache.length
+        s0 = cache.length - 1  # the root's slot
         n = len(tree)
         parent_row = [0] + [int(x) + 1 for x in tree.parent.tolist()]
-        pred: list[torch.Tensor | None] = [None] * (n + 1)
-        level_logits: list[torch.Tensor] = []
-        root_feat = feats[-1]
+        pred: list[torch.Tensor | None] = [root_out] + [None] * n
+        level_logits: list[torch.Tensor] = [root_logits]
 
         def step(tok: torch.Tensor, pos: torch.Tensor, start: int, extra: torch.Tensor) -> torch.Tensor:
             a, m = start - s0, tok.shape[1]
-            if a == 0:
-                inp = root_feat[None, None]
-            else:
-                inp = torch.stack([pred[parent_row[r]] for r in range(a, a + m)])[None]
+            inp = torch.stack([pred[parent_row[r]] for r in range(a, a + m)])[None]
             out = self._run(inp, tok, pos, start, extra)[0]  # [m, d]
             for j in range(m):
                 pred[a + j] = out[j]
@@ -420,53 +433,57 @@ class EagleDrafter:
             level_logits.append(logits)
             return logits
 
-        draft = draft_tree_autoregressive(dataclasses.replace(ctx, cache=cache), step, draft_vocab(self.head))
-        self.last_logits = torch.cat(level_logits) if level_logits else None
+        draft = draft_tree_autoregressive(dataclasses.replace(ctx, cache=cache), step, draft_vocab(self.head),
+                                          root_logits=root_logits)
+        self.last_logits = torch.cat(level_logits)
         return draft
 
-    def _dynamic(self, ctx: DraftContext, root_feat: torch.Tensor, p: int, cache: KVCache) -> Draft:
+    def _dynamic(self, ctx: DraftContext, root_out: torch.Tensor, root_logits: torch.Tensor, p: int,
+                 cache: KVCache) -> Draft:
         """EAGLE-2's dynamic draft tree (Li et al. 2024b, arXiv 2406.16858, sec. 4): a node's score is the
         product of the draft probabilities along its path (its estimated acceptance). Expansion: at every
         depth the k highest-scoring new nodes are run through the draft layer, and each proposes its top-k
         children. Reranking: of all nodes proposed, the len(ctx.tree) highest-scoring ones form this round's
         tree (depth <= ctx.tree.max_depth). A child never scores above its parent, and ties go to the
-        shallower, then lexicographically smaller path, so the chosen set is prefix-closed."""
+        shallower, then lexicographically smaller path, so the chosen set is prefix-closed. The root row
+        (its output `root_out`, logits `root_logits`) is the cache's last row, already run."""
         k, n_budget, D = self.dynamic_k, len(ctx.tree), ctx.tree.max_depth
         self.last_logits = None  # (the static path's per-level logits; not kept here)
         model, dev = self.model, cache.pos.device
-        s0 = cache.length
+        vocab = draft_vocab(self.head)
+        s0 = cache.length  # the first scratch slot (the root sits at s0 - 1, with the context)
         R = self._scratch_rows(ctx.tree)
-        run_paths: list[tuple[int, ...]] = [()]  # rows in the order of their scratch slots s0, s0 + 1, ...
-        pred: dict[tuple[int, ...], torch.Tensor] = {}
+        run_paths: list[tuple[int, ...]] = []  # rows run, in the order of their scratch slots s0, s0 + 1, ...
+        pred: dict[tuple[int, ...], torch.Tensor] = {(): root_out}
         cand: dict[tuple[int, ...], tuple[int, float]] = {}  # path -> (token, log score)
-        level, tokens = [()], [int(ctx.tokens[-1])]
+        level: list[tuple[int, ...]] = [()]
+        logits = root_logits
         cache.reserve(R)
         try:
             for d in range(D):
-                a = len(run_paths) - len(level)  # the level's first row
-                mask = torch.full((len(level), s0 + R), float("-inf"), device=dev)
-                mask[:, :s0] = 0.0
-                for i, path in enumerate(level):  # itself and its ancestors (the run rows that prefix it)
-                    for j, q in enumerate(run_paths):
-                        if path[:len(q)] == q:
-                            mask[i, s0 + j] = 0.0
-                inp = (root_feat[None, None] if d == 0 else torch.stack([pred[x[:-1]] for x in level])[None])
-                out = self._run(inp, torch.tensor([tokens], device=dev),
-                                torch.full((1, len(level)), p + d, device=dev, dtype=torch.long), s0 + a,
-                                mask[None, None])[0]
-                logp = torch.log_softmax(feature_logits(model, out, self.head).float(), -1)
+                if d:  # run the level: each row sees the context (with the root) and its run ancestors
+                    a = len(run_paths) - len(level)  # the level's first scratch row
+                    mask = [[0.0 if path[:len(q)] == q else float("-inf") for q in run_paths] for path in level]
+                    extra = torch.cat([torch.zeros(len(level), s0), torch.tensor(mask),
+                                       torch.full((len(level), R - len(run_paths)), float("-inf"))], 1)
+                    out = self._run(torch.stack([pred[x[:-1]] for x in level])[None],
+                                    torch.tensor([[cand[x][0] for x in level]], device=dev),
+                                    torch.full((1, len(level)), p + d, device=dev, dtype=torch.long), s0 + a,
+                                    extra.to(dev)[None, None])[0]
+                    for i, path in enumerate(level):
+                        pred[path] = out[i]
+                    logits = feature_logits(model, out, self.head)
+                logp = torch.log_softmax(logits.float(), -1)
                 top = logp.topk(min(k, logp.shape[-1]), -1)
-                ids = to_token_ids(top.indices, draft_vocab(self.head))
-                for i, path in enumerate(level):
-                    pred[path] = out[i]
+                ids = to_token_ids(top.indices, vocab).tolist()
+                for i, (path, row_lp) in enumerate(zip(level, top.values.tolist())):
                     base = cand[path][1] if path else 0.0
-                    for r, (tok, lp) in enumerate(zip(ids[i].tolist(), top.values[i].tolist())):
+                    for r, (tok, lp) in enumerate(zip(ids[i], row_lp)):
                         cand[path + (r,)] = (tok, base + lp)
                 if d + 1 == D:
                     break
-                new = sorted((x for x in cand if len(x) == d + 1), key=lambda x: (-cand[x][1], x))[:k]
-                level, tokens = new, [cand[x][0] for x in new]
-                run_paths += new
+                level = sorted((x for x in cand if len(x) == d + 1), key=lambda x: (-cand[x][1], x))[:k]
+                run_paths += level
         finally:
             cache.truncate(s0)
         self.last_scores = cand  # every proposed node's (token, log score), for inspection and tests

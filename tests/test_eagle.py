@@ -282,13 +282,15 @@ def test_train_draft_eagle_lowers_loss_saves_and_scores(tmp_path):
 
 
 def test_round_cost_for_auto_trees():
-    """`tree_cost` costs an EAGLE round by what it runs: the verification forward, the committed context
-    row, and per level r rows through the one draft layer (a block's shape) and the LM head."""
+    """`tree_cost` costs an EAGLE round by what it runs: the verification forward, the call that commits
+    the context with the root row (one head row), and per deeper level r rows through the one draft layer
+    (a block's shape) and the LM head."""
     from midlayer import tree_cost as tc
 
     model = MODELS[True]
     drafter = EagleDrafter(model, random_head(model))
-    assert tc.round_forwards(drafter, SMALL_TREE, 4) == [([7] * 4, 7), ([1, 0, 0, 0], 0), ([1, 0, 0, 0], 1, 1.0),
+    assert SMALL_TREE.level_sizes()[:3] == [1, 2, 3]
+    assert tc.round_forwards(drafter, SMALL_TREE, 4) == [([7] * 4, 7), ([1, 0, 0, 0], 1, 1.0),
                                                          ([2, 0, 0, 0], 2, 1.0), ([3, 0, 0, 0], 3, 1.0)]
     costs = tc.RowCosts((1, 8), (10.0, 11.0), (1.0, 1.2), 4)  # rows nearly free: drafting pays
     tree, _ = tc.auto_tree(model, drafter, [[0.9, 0.1], [0.8, 0.1], [0.7, 0.1]], costs)
@@ -366,6 +368,40 @@ def test_a_drafter_tree_over_budget_is_refused():
         speculative_generate(model, PROMPT, Greedy(), DraftTree.chain(3), 8)
 
 
+# ======================================================================= draft-layer calls per round
+@pytest.mark.parametrize("dynamic_k", [0, 2])
+def test_the_root_row_rides_the_call_that_commits_the_context(monkeypatch, dynamic_k):
+    """A round runs the draft layer once for the context rows the last round accepted together with this
+    round's root row, then once per deeper level (the deepest nodes are never run); the root row is kept
+    as context, so the next round commits exactly the tokens that round added, never a row twice."""
+    model = MODELS[False]
+    drafter = EagleDrafter(model, random_head(model, seed=2), dynamic_k=dynamic_k)
+    rows: list[int] = []
+    rounds: list[tuple[int, int]] = []  # (root position p, tree depth) per round
+    run, propose = EagleDrafter._run, EagleDrafter.propose
+
+    def counting_run(self, feats, tokens, *a):
+        rows.append(tokens.shape[1])
+        return run(self, feats, tokens, *a)
+
+    def recording_propose(self, ctx):
+        rounds.append((len(ctx.tokens) - 1, ctx.tree.max_depth))
+        return propose(self, ctx)
+
+    monkeypatch.setattr(EagleDrafter, "_run", counting_run)
+    monkeypatch.setattr(EagleDrafter, "propose", recording_propose)
+    tree = DraftTree.chain(3)
+    out, _ = speculative_generate(model, PROMPT, drafter, tree, 24)
+    assert out == greedy(model, PROMPT, 24)
+    expected: list[int] = []
+    prev = 0
+    for p, depth in rounds:
+        expected.append(p - prev)  # the context rows since the last round's root, with this round's root
+        expected += [dynamic_k or 1] * max(0, depth - 1)
+        prev = p
+    assert rows == expected and len(rounds) > 5
+
+
 # ============================================================================== a compressed base
 @pytest.mark.parametrize("fmt", ["q4", "bf16"])
 def test_beside_a_compressed_base_the_draft_layer_runs_in_its_format(fmt):
@@ -374,13 +410,22 @@ def test_beside_a_compressed_base_the_draft_layer_runs_in_its_format(fmt):
     and the output is still exactly plain greedy."""
     import copy
 
-    from midlayer.quantization import BF16Linear, Q4Linear, compress_weights
+    from midlayer import kernels
+    from midlayer.quantization import BF16Linear, Q4Linear, Q8Linear, compress_weights
 
     base = compress_weights(copy.deepcopy(MODELS[False]), fmt).eval()
     head = random_head(MODELS[False], seed=5)
     drafter = EagleDrafter(base, head)
     kind = Q4Linear if fmt == "q4" else BF16Linear
     assert isinstance(drafter.layer.attention.wqkv, kind) and isinstance(drafter.layer.feed_forward.w2, kind)
+    if fmt == "q4" and kernels.available():  # the fc in Q8_0 (the q4 format's head format), within its rounding
+        assert isinstance(drafter.fc, Q8Linear) and isinstance(head.fc, torch.nn.Linear)
+        x = torch.randn(5, 2 * head.dim, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            err = float((drafter.fc(x) - head.fc(x)).norm() / head.fc(x).norm())
+        assert 0 < err < 0.02, err
+    else:
+        assert drafter.fc is head.fc
     assert drafter.layer.attention.row_invariant == (fmt == "q4")  # q4: the C attention kernel, as the base's
     assert isinstance(head.layer.attention.wq, torch.nn.Linear) and head.layer.attention.wqkv is None
     # the two layers on the same rows (a causal pass): equal up to the format's rounding, not equal
