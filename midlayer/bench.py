@@ -514,7 +514,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
 
     costs = None
     if tree == "auto":
-        from .tree_cost import auto_tree, row_costs
+        from .tree_cost import auto_tree, measure_overhead, row_costs
         costs = row_costs(model, model_name, weights, progress=progress)
 
     def tree_for(label: str, k: int) -> DraftTree:
@@ -528,8 +528,9 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
         if src is None:
             raise ValueError(f"tree {tree!r} needs a draft with held-out per-rank accuracies (hidden transfer or "
                              "Medusa)")
-        if tree == "auto":
-            return auto_tree(model, methods[label][0], src, costs, max_depth=k if k > 1 else depth)[0]
+        if tree == "auto":  # priced with what this drafter's rounds really cost beyond their forwards
+            over = measure_overhead(model, methods[label][0], costs, encoded[0])
+            return auto_tree(model, methods[label][0], src, costs, max_depth=k if k > 1 else depth, overhead=over)[0]
         return DraftTree.greedy_from_accuracies(src, nodes)
 
     hf = _load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
@@ -556,6 +557,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     if progress:
         from tqdm import tqdm
         it = tqdm(encoded, desc="bench decode", unit="prompt")
+    trees = {label: tree_for(label, k) for label, (_, k) in methods.items()}  # once per method (auto measures)
     for ids in it:
         t = time.perf_counter()
         plain = generate(model, [ids], gcfg)[0]
@@ -580,7 +582,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
             rows["llama.cpp"]["equal"] += int(out == plain)
         for label, (drafter, k) in methods.items():
             rec = DraftRecorder(drafter)
-            tr = tree_for(label, k)
+            tr = trees[label]
             rows[label]["tree"] = len(tr)
             t = time.perf_counter()
             out, stats = speculative_generate(model, ids, rec, tr, new_tokens, stop_tokens=stop)

@@ -390,10 +390,11 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
               file=sys.stderr)
     if args.tree == "auto" and acc:
-        from .tree_cost import auto_tree, row_costs, table_text
+        from .tree_cost import auto_tree, measure_overhead, row_costs, table_text
 
         costs = row_costs(model, args.model or args.checkpoint, args.weights, progress=True)
-        tree, table = auto_tree(model, drafter, acc, costs, max_depth=k)
+        overhead = measure_overhead(model, drafter, costs, ids)  # ~1 s: what the forwards leave out
+        tree, table = auto_tree(model, drafter, acc, costs, max_depth=k, overhead=overhead)
         if args.stats:
             print(table_text(table, tree), file=sys.stderr)
     elif args.tree in ("chain", "auto"):

@@ -14,12 +14,18 @@ Speculative decoding's speed is (tokens per round) / (time per round). Both depe
 * time per round: the verification forward plus whatever the drafter runs. Each forward is described by
   the rows present at every block and the rows that go through the final norm + LM head, and costs
 
-      ms(forward) = sum over blocks b of blocks_ms(R_b) / L  +  head_ms(R_head),
+      ms(forward) = call_ms  +  sum over blocks b with R_b > 0 of (blocks_ms(R_b) - call_ms) / L
+                    +  head_ms(R_head),
 
   with blocks_ms(T) and head_ms(T) the measured cost of a forward over T rows of all L blocks and of the
-  head (`RowCosts`, `measure_row_costs`: measured once per model, weight format and CPU and cached). Rows
-  that join mid-network (hidden transfer's fused pass) or drafts that run only some blocks (early exit,
-  layer skip, an EAGLE layer) are thereby costed by the blocks they actually run.
+  head, and call_ms what any forward call costs before its rows' work (embedding, RoPE tables, the cache
+  step, dispatch: a one-block one-row call minus a block's share of blocks_ms(1)); a full forward costs
+  blocks_ms + head_ms exactly (`RowCosts`, `measure_row_costs`: measured once per model, weight format and
+  CPU and cached). Rows that join mid-network (hidden transfer's fused pass) or drafts that run only some
+  blocks (early exit, layer skip, an EAGLE layer) are thereby costed by the blocks they actually run, and
+  each draft call pays call_ms: without it a one-block EAGLE level cost 1/30 of the forward's fixed cost,
+  and `auto` chose EAGLE trees that lost 5-16% to plain decoding (docs/results/hidden-transfer-cpu.md,
+  27th session).
 
 `choose_tree` evaluates n = 0, 1, ..., max_nodes (n = 0 is plain decoding: one token per one-row forward)
 and returns the tree of highest expected tokens per second with the whole table, so the choice can be
@@ -56,12 +62,14 @@ DEFAULT_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 @dataclass(frozen=True)
 class RowCosts:
     """Measured ms of one cached forward over T new rows: `total_ms` (all blocks + head) and `head_ms`
-    (final norm + LM head alone), at the row counts `rows` (increasing); linear in between and beyond."""
+    (final norm + LM head alone), at the row counts `rows` (increasing); linear in between and beyond.
+    `call_ms`: the fixed cost of a forward call (module docstring), part of total_ms."""
 
     rows: tuple[int, ...]
     total_ms: tuple[float, ...]
     head_ms: tuple[float, ...]
     n_layers: int
+    call_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not (len(self.rows) == len(self.total_ms) == len(self.head_ms) >= 1):
@@ -70,6 +78,8 @@ class RowCosts:
             raise ValueError(f"rows must be increasing positive ints, got {self.rows}")
         if self.n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {self.n_layers}")
+        if not 0.0 <= self.call_ms <= self.total_ms[0] - self.head_ms[0]:
+            raise ValueError(f"call_ms {self.call_ms} must lie in [0, the blocks' ms at {self.rows[0]} rows]")
 
     @staticmethod
     def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
@@ -92,12 +102,15 @@ class RowCosts:
 
 
 def forward_ms(costs: RowCosts, forward: Forward) -> float:
-    """ms of one forward: sum over blocks of blocks_ms(R_b) / L, plus share * head_ms(R_head)."""
+    """ms of one forward (module docstring): call_ms if any block runs, each running block's share of
+    blocks_ms(R_b) - call_ms, plus share * head_ms(R_head)."""
     rows_per_block, head_rows, *rest = forward
     share = float(rest[0]) if rest else 1.0
     if len(rows_per_block) != costs.n_layers:
         raise ValueError(f"{len(rows_per_block)} block row counts for a model of {costs.n_layers} blocks")
-    return sum(costs.blocks(r) for r in rows_per_block) / costs.n_layers + share * costs.head(head_rows)
+    c = costs.call_ms
+    blocks = sum(max(costs.blocks(r) - c, 0.0) for r in rows_per_block if r > 0) / costs.n_layers
+    return (c if any(r > 0 for r in rows_per_block) else 0.0) + blocks + share * costs.head(head_rows)
 
 
 def head_share(module: object, vocab_size: int) -> float:
@@ -145,6 +158,96 @@ def round_ms(costs: RowCosts, drafter: object, tree: DraftTree) -> float:
     return sum(forward_ms(costs, f) for f in round_forwards(drafter, tree, costs.n_layers))
 
 
+# ====================================================================== what the forwards do not account for
+@dataclass(frozen=True)
+class Overhead:
+    """Measured ms that the forwards of `round_forwards` leave out (`measure_overhead`): per token of plain
+    decoding (the decode loop, argmax), per speculative round (verification's acceptance, the cache
+    compaction, the loop), and per draft forward call (a drafter's Python, its input projection, top-k).
+    Without them `auto` priced an EAGLE-2 round's drafting at ~1.9 ms where it took ~4 ms, and chose trees
+    that lost to plain decoding (docs/results/hidden-transfer-cpu.md, 28th session). plain_ms and round_ms
+    are measured against the cached curve in the same run, so they are negative when the machine runs
+    faster now than when the curve was measured (a shared host drifts by 20% within minutes); either way
+    the priced rounds and plain tokens are what they cost now."""
+
+    plain_ms: float = 0.0
+    round_ms: float = 0.0
+    call_ms: float = 0.0
+
+
+def draft_calls(drafter: object, tree: DraftTree, n_layers: int) -> int:
+    """The drafter's own forward calls in one round with `tree` (the verification forward not counted)."""
+    return len(round_forwards(drafter, tree, n_layers)) - 1 if len(tree) else 0
+
+
+def total_round_ms(costs: RowCosts, drafter: object, tree: DraftTree, overhead: Overhead | None = None) -> float:
+    """round_ms plus the measured overhead: per plain token for the empty tree, else per round and per
+    draft call."""
+    ms = round_ms(costs, drafter, tree)
+    if overhead is None:
+        return ms
+    if not len(tree):
+        extra = overhead.plain_ms
+    else:
+        extra = overhead.round_ms + overhead.call_ms * draft_calls(drafter, tree, costs.n_layers)
+    return max(ms + extra, 0.25 * ms)  # (a floor for a wild measurement: never free)
+
+
+def measure_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequence[int],
+                     trees: Sequence[DraftTree] = (DraftTree.chain(1), DraftTree.chain(3)), new_tokens: int = 48,
+                     repeats: int = 2, timer: Callable[[], float] = time.perf_counter) -> Overhead:
+    """`Overhead` from short greedy generations on `prompt_ids`, plain decoding and each tree of `trees`
+    interleaved `repeats` times: the median interval between plain tokens minus the modelled one-row
+    forward, and per tree the median interval between the ends of its rounds minus its modelled forwards
+    (medians of intervals: the prefill and a stray slow step do not count). Two trees with different numbers
+    of draft calls split that excess into a per-round and a per-call part (`split_excess`)."""
+    from .generate import GenerationConfig, generate_stream
+    from .speculative import speculative_generate
+
+    L = costs.n_layers
+    prompt = list(prompt_ids)
+    gcfg = GenerationConfig(max_new_tokens=max(new_tokens, 3))
+
+    def intervals(stamps: list[float]) -> list[float]:
+        return [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]
+
+    plain: list[float] = []
+    rounds: list[list[float]] = [[] for _ in trees]
+    with torch.no_grad():
+        for _ in generate_stream(model, [prompt], GenerationConfig(max_new_tokens=2)):  # warm-up
+            pass
+        for tree in trees:
+            speculative_generate(model, prompt, drafter, tree, 4)
+        for _ in range(max(repeats, 1)):
+            stamps: list[float] = []
+            for _ in generate_stream(model, [prompt], gcfg):
+                stamps.append(timer())
+            plain += intervals(stamps)
+            for i, tree in enumerate(trees):
+                ends: list[float] = []
+                speculative_generate(model, prompt, drafter, tree, new_tokens,
+                                     on_round=lambda cache, toks: ends.append(timer()))
+                rounds[i] += intervals(ends)
+    points = [(draft_calls(drafter, tree, L), statistics.median(r) - round_ms(costs, drafter, tree))
+              for tree, r in zip(trees, rounds) if r]
+    per_token = statistics.median(plain) - forward_ms(costs, ([1] * L, 1)) if plain else 0.0
+    return Overhead(per_token, *split_excess(points))
+
+
+def split_excess(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(per round, per call) ms from (draft calls, excess ms per round) points: the least-squares line when
+    the call counts differ, else all per round. The per-call slope is at least 0 (a negative one is noise);
+    the per-round part may be negative (`Overhead`)."""
+    if not points:
+        return 0.0, 0.0
+    xs = [x for x, _ in points]
+    per_call = 0.0
+    if len(set(xs)) > 1:
+        mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+        per_call = max(sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs), 0.0)
+    return statistics.fmean(y - per_call * x for x, y in points), per_call
+
+
 # ================================================================================== choosing the tree
 def expected_tokens(tree: DraftTree, acc: Sequence[Sequence[float]]) -> float:
     """1 + sum over nodes of prod_d acc[d-1][r_d]; ranks or depths beyond acc count as never accepted,
@@ -182,19 +285,22 @@ def choose_tree(acc: Sequence[Sequence[float]], round_cost: Callable[[DraftTree]
 
 
 def auto_tree(model, drafter: object, acc: Sequence[Sequence[float]], costs: RowCosts, max_nodes: int = 64,
-              max_depth: int | None = None) -> tuple[DraftTree, list[dict]]:
-    """`choose_tree` with the round cost of `drafter` on `model` from the measured `costs`; depth limited to
-    what the drafter can draft (hidden transfer and Medusa: k steps)."""
+              max_depth: int | None = None, overhead: Overhead | None = None) -> tuple[DraftTree, list[dict]]:
+    """`choose_tree` with the round cost of `drafter` on `model` from the measured `costs` (and `overhead`,
+    `measure_overhead`, when given); depth limited to what the drafter can draft (hidden transfer and
+    Medusa: k steps)."""
     k = getattr(getattr(drafter, "transfer", None), "k", None) or getattr(getattr(drafter, "heads", None), "k", None)
     depth = min(x for x in (max_depth, k) if x is not None) if (max_depth or k) else None
-    return choose_tree(acc, lambda t: round_ms(costs, drafter, t), max_nodes, depth)
+    return choose_tree(acc, lambda t: total_round_ms(costs, drafter, t, overhead), max_nodes, depth)
 
 
 # ============================================================================= measuring (and caching) it
 def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 128, repeats: int = 5,
                       timer: Callable[[], float] = time.perf_counter) -> RowCosts:
     """Median ms of a cached forward over T new rows after `context` tokens, and of the final norm + head
-    over T rows, for each T (T values interleaved per repeat, so drift hits all alike)."""
+    over T rows, for each T (T values interleaved per repeat, so drift hits all alike); and call_ms, from
+    the median of a one-row call through the first block alone."""
+    from .drafters import run_blocks_cached
     from .generate import forward_cached
     from .kv_cache import KVCache
 
@@ -210,6 +316,8 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
     h = torch.randn(1, max(rows), cfg.dim, generator=g).to(dev)
     total: dict[int, list[float]] = {T: [] for T in rows}
     head: dict[int, list[float]] = {T: [] for T in rows}
+    one_block: list[float] = []
+    pos1 = torch.tensor([[context]], device=dev)
     with torch.no_grad():
         forward_cached(model, ids[:, :context], cache, torch.arange(context, device=dev)[None], last_only=True)
         for rep in range(repeats + 1):  # the first pass warms up
@@ -227,8 +335,19 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
                 if rep:
                     total[T].append(1e3 * (t1 - t0))
                     head[T].append(1e3 * (t2 - t1))
-    return RowCosts(tuple(rows), tuple(statistics.median(total[T]) for T in rows),
-                    tuple(statistics.median(head[T]) for T in rows), cfg.n_layers)
+            cache.truncate(context)
+            cache.reserve(1)
+            _sync(dev)
+            t0 = timer()
+            run_blocks_cached(model, ids[:, context:context + 1], pos1, cache, context, None, lambda b: True, 1)
+            _sync(dev)
+            if rep:
+                one_block.append(1e3 * (timer() - t0))
+    tot = tuple(statistics.median(total[T]) for T in rows)
+    hd = tuple(statistics.median(head[T]) for T in rows)
+    blocks1 = RowCosts(tuple(rows), tot, hd, cfg.n_layers).blocks(1)
+    call = min(max(statistics.median(one_block) - blocks1 / cfg.n_layers, 0.0), tot[0] - hd[0])
+    return RowCosts(tuple(rows), tot, hd, cfg.n_layers, call)
 
 
 def _sync(dev: torch.device) -> None:
@@ -267,9 +386,9 @@ def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, pr
         except (OSError, json.JSONDecodeError):
             store = {}  # a damaged cache is re-measured, never trusted
     if not refresh and key in store:
-        try:
+        try:  # (a curve stored without call_ms, before it was measured, is measured again)
             r = store[key]
-            return RowCosts(tuple(r["rows"]), tuple(r["total_ms"]), tuple(r["head_ms"]), r["n_layers"])
+            return RowCosts(tuple(r["rows"]), tuple(r["total_ms"]), tuple(r["head_ms"]), r["n_layers"], r["call_ms"])
         except (KeyError, TypeError, ValueError):
             pass
     if progress:  # stderr: generated text alone goes to stdout
@@ -292,5 +411,6 @@ def table_text(table: list[dict], chosen: DraftTree) -> str:
     return "\n".join(out)
 
 
-__all__ = ["RowCosts", "forward_ms", "round_forwards", "round_ms", "expected_tokens", "choose_tree", "auto_tree",
-           "measure_row_costs", "row_costs", "cost_key", "table_text"]
+__all__ = ["RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms", "draft_calls", "total_round_ms",
+           "measure_overhead", "split_excess", "expected_tokens", "choose_tree", "auto_tree", "measure_row_costs", "row_costs",
+           "cost_key", "table_text"]

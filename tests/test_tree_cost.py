@@ -4,6 +4,7 @@ against a known optimum, the forwards each drafter runs, and the cached measurem
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -31,6 +32,19 @@ def test_row_costs_interpolate_and_split_blocks_from_head():
         tc.forward_ms(c, ([1, 1], 1))
     with pytest.raises(ValueError):
         tc.RowCosts(rows=(4, 1), total_ms=(1.0, 2.0), head_ms=(0.0, 0.0), n_layers=1)
+
+
+def test_every_forward_call_pays_the_fixed_cost_once():
+    """call_ms: a full forward still costs blocks + head (the fixed cost is part of them); a one-block draft
+    call pays it whole, not a block's share; a head-only call (no block) does not pay it."""
+    c = tc.RowCosts(rows=(1, 4), total_ms=(10.0, 16.0), head_ms=(2.0, 5.0), n_layers=4, call_ms=2.0)
+    assert tc.forward_ms(c, ([1, 1, 4, 4], 4)) == pytest.approx(14.5)  # 2 + (6 + 6 + 9 + 9) / 4 + 5
+    assert tc.forward_ms(c, ([1, 0, 0, 0], 1, 0.5)) == pytest.approx(4.5)  # 2 + 6 / 4 + 0.5 * 2
+    no_call = tc.RowCosts(rows=(1, 4), total_ms=(10.0, 16.0), head_ms=(2.0, 5.0), n_layers=4)
+    assert tc.forward_ms(no_call, ([1, 0, 0, 0], 1, 0.5)) == pytest.approx(3.0)  # 8 / 4 + 1: the old model
+    assert tc.forward_ms(c, ([0, 0, 0, 0], 2)) == pytest.approx(3.0)  # Medusa's heads: the LM head only
+    with pytest.raises(ValueError):  # more than the blocks' whole cost at one row
+        tc.RowCosts(rows=(1, 4), total_ms=(10.0, 16.0), head_ms=(2.0, 5.0), n_layers=4, call_ms=9.0)
 
 
 def test_expected_tokens_hand_computation():
@@ -81,10 +95,18 @@ def test_measured_costs_are_cached_per_machine_and_damage_is_remeasured(tmp_path
                          timer=lambda: float(next(ticks)))
     # the fake clock advances 1 s per call: every forward and every head "takes" exactly 1000 ms
     assert costs.total_ms == (1000.0,) * 3 and costs.head_ms == (1000.0,) * 3 and costs.n_layers == 4
+    assert costs.call_ms == 0.0  # a one-block call "took" 1000 ms, clamped to the blocks' 0 ms at one row
     store = json.loads((tmp_path / "row_costs.json").read_text())
     assert list(store) == [tc.cost_key("tiny", "fp32", model)]
     again = tc.row_costs(model, "tiny", "fp32", timer=lambda: pytest.fail("measured again despite the cache"))
     assert again == costs
+    key = tc.cost_key("tiny", "fp32", model)  # a curve stored before call_ms was measured: measured again
+    del store[key]["call_ms"]
+    (tmp_path / "row_costs.json").write_text(json.dumps(store))
+    ticks = iter(range(10 ** 6))
+    assert tc.row_costs(model, "tiny", "fp32", rows=(1, 2, 4), context=8, repeats=2,
+                        timer=lambda: float(next(ticks))) == costs
+    assert "call_ms" in json.loads((tmp_path / "row_costs.json").read_text())[key]
     (tmp_path / "row_costs.json").write_text("{not json")
     ticks = iter(range(0, 10 ** 6, 2))
     remeasured = tc.row_costs(model, "tiny", "fp32", rows=(1, 2), context=8, repeats=1,
@@ -100,6 +122,45 @@ def test_auto_tree_speculation_stays_lossless():
     assert len(tree) > 0
     out, _ = speculative_generate(model, prompt, drafter, tree, 12)
     assert out == generate(model, [prompt], GenerationConfig(max_new_tokens=12))[0]
+
+
+def test_overhead_is_split_per_round_and_per_draft_call_and_priced():
+    """The excess a round costs beyond its modelled forwards: a line through (draft calls, excess) points,
+    by hand; the round cost adds it per round and per call, or per token for plain decoding."""
+    assert tc.split_excess([(1, 2.0), (3, 4.0)]) == pytest.approx((1.0, 1.0))  # slope 1 ms a call, 1 ms a round
+    assert tc.split_excess([(1, 2.0), (1, 3.0)]) == pytest.approx((2.5, 0.0))  # one call count: all per round
+    assert tc.split_excess([(1, 4.0), (3, 2.0)]) == pytest.approx((3.0, 0.0))  # no negative slope
+    assert tc.split_excess([(1, -1.0), (3, 1.0)]) == pytest.approx((-2.0, 1.0))  # a curve measured slower
+    assert tc.split_excess([]) == (0.0, 0.0)
+    model = make_tiny(TINY, True)
+    drafter = MedusaDrafter(model, MedusaHeads(D, 3))
+    costs = tc.RowCosts(LINEAR.rows, LINEAR.total_ms, LINEAR.head_ms, 4)
+    over = tc.Overhead(plain_ms=0.5, round_ms=2.0, call_ms=3.0)
+    chain = DraftTree.chain(2)
+    assert tc.draft_calls(drafter, chain, 4) == 1 and tc.draft_calls(drafter, DraftTree([]), 4) == 0
+    assert tc.total_round_ms(costs, drafter, chain, over) == pytest.approx(tc.round_ms(costs, drafter, chain) + 5.0)
+    empty = DraftTree([])
+    assert tc.total_round_ms(costs, drafter, empty, over) == pytest.approx(tc.round_ms(costs, drafter, empty) + 0.5)
+    faster = tc.Overhead(plain_ms=-2.0)  # the machine runs faster now than when the curve was measured
+    assert tc.total_round_ms(costs, drafter, empty, faster) == pytest.approx(tc.round_ms(costs, drafter, empty) - 2.0)
+    wild = tc.Overhead(round_ms=-1e3)
+    assert tc.total_round_ms(costs, drafter, chain, wild) == pytest.approx(0.25 * tc.round_ms(costs, drafter, chain))
+
+
+def test_measured_overhead_decides_between_speculation_and_plain_decoding():
+    """measure_overhead on a real drafter gives finite non-negative parts; rows that are nearly free make
+    speculation pay, and the same rows with a large measured per-round cost make `auto` fall back to the
+    empty tree (plain decoding), which is what a round that costs more than it saves deserves."""
+    model = make_tiny(TINY, False)
+    prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    drafter = MedusaDrafter(model, MedusaHeads(D, 3))
+    costs = tc.RowCosts(LINEAR.rows, LINEAR.total_ms, LINEAR.head_ms, 4)
+    over = tc.measure_overhead(model, drafter, costs, prompt, new_tokens=8)
+    assert all(math.isfinite(v) for v in (over.plain_ms, over.round_ms)) and over.call_ms >= 0.0
+    assert over.call_ms == 0.0  # Medusa drafts in one call whatever the tree: nothing to split
+    cheap = tc.auto_tree(model, drafter, ACC, costs, overhead=tc.Overhead())[0]
+    dear = tc.auto_tree(model, drafter, ACC, costs, overhead=tc.Overhead(round_ms=50.0))[0]
+    assert len(cheap) > 0 and len(dear) == 0
 
 
 def test_tree_specs_on_the_command_line():
