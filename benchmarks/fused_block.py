@@ -3,8 +3,9 @@ timed in one run, the variants interleaved (issue 11; docs/results/decode-cpu.md
 
 Variants: `fused` -- every block one C call (kernels.block_q4), the default; `modules` -- the same blocks
 module by module (Block.fused_q4 = None: ~15 Python calls a block), the reference the fused call equals bit
-for bit; and each at SIMD level `avx2` and, where the CPU has it, `vnni` (kernels.set_simd: the GEMM tiles on
-AVX512-VNNI, also bit for bit). Rows T > 1 are a chain-tree verification (its mask), as speculative decoding
+for bit; and each at every SIMD level from `avx2` up that the CPU has (kernels.set_simd, kernels.SIMD_LEVELS:
+`avx512-vnni` = the GEMM tiles on AVX512-VNNI in 256-bit registers, `avx512-vnni-zmm` = in 512-bit ones, also
+bit for bit). Rows T > 1 are a chain-tree verification (its mask), as speculative decoding
 runs them.
 
     python benchmarks/fused_block.py [--context 120] [--repeats 40]
@@ -47,7 +48,7 @@ def main() -> None:
     with torch.inference_mode():
         forward_cached(model, ids, cache, torch.arange(args.context)[None])
     L = cache.length
-    levels = {"avx2": 1, "vnni": 2} if kernels.simd_levels()[-1] >= 2 else {"avx2": 1}
+    levels = {kernels.SIMD_LEVELS[lv]: lv for lv in kernels.simd_levels() if lv >= 1}  # avx2 and up
     variants = [(f, lv) for f in ("fused", "modules") for lv in levels]
 
     def step(T: int, fused: str, level: str) -> None:

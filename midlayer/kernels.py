@@ -195,13 +195,15 @@ def batch_invariant() -> bool:
     return available()
 
 
-SIMD_LEVELS = ("scalar", "avx2", "avx512-vnni")  # what the kernels can use; every level gives the same bits
+# what the kernels can use; every level gives the same bits. "avx512-vnni": the GEMM tiles on 256-bit registers;
+# "avx512-vnni-zmm": on 512-bit registers, two output groups a tile (needs AVX512-BW too).
+SIMD_LEVELS = ("scalar", "avx2", "avx512-vnni", "avx512-vnni-zmm")
 
 
 def set_simd(level: bool | int) -> None:
     """Use at most SIMD level `level` (tests compare them): True = the best the CPU has (the default),
-    False / 0 = the portable scalar paths, 1 = AVX2, 2 = AVX2 with AVX512-VNNI GEMM tiles. A level the CPU
-    lacks falls back to the best it has."""
+    False / 0 = the portable scalar paths, 1 = AVX2, 2 = AVX2 with AVX512-VNNI GEMM tiles on 256-bit registers,
+    3 = the VNNI tiles on 512-bit registers. A level the CPU lacks falls back to the best it has."""
     lib = library()
     if lib is not None:
         lib.qk_set_simd(-1 if level is True else int(level))

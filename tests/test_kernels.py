@@ -29,31 +29,37 @@ def simd(request):
 
 
 def test_every_simd_level_gives_the_same_gemm_bits():
-    """Scalar, AVX2 and (where the CPU has it) the AVX512-VNNI tiles: the block sums are exact integers and
-    the float work is the same operation sequence, so every level gives the same bits, for 1..9 rows (tiles
-    of 4, 2, 1) and outputs that are not a multiple of 8."""
-    w, x = _weights(101, 256, seed=9)
-    packed, scales = kernels.quantize_q4_1(w)
-    codes, d = kernels.quantize_q8_0(w)
+    """Scalar, AVX2 and (where the CPU has them) the AVX512-VNNI tiles on 256- and 512-bit registers: the
+    block sums are exact integers and the float work is the same operation sequence, so every level gives
+    the same bits, for 1..9 rows (tiles of 4, 2, 1) and outputs that are not a multiple of 8 or 16: N = 101
+    is 13 groups of 8 (the 512-bit level's last work item has one group: the 256-bit tile), N = 90 is 12
+    (its last pair of groups holds 10 outputs: a masked 16-lane store). K = 256 and 1536: the 512-bit
+    tiles' prefetch runs past a pair's end into the next pair's groups."""
+    info = kernels.cpu_info()
     levels = kernels.simd_levels()
-    assert levels[:2] == [0, 1] or not kernels.cpu_info().has("avx2")
-    if kernels.cpu_info().has("avx512_vnni") and kernels.cpu_info().has("avx512vl"):
-        assert levels == [0, 1, 2]  # detection picks the VNNI tiles where the CPU has them
-    out = {}
-    try:
-        for level in levels:
-            kernels.set_simd(level)
-            assert kernels.simd_level() == level
-            assert kernels.simd_levels() == levels and kernels.simd_level() == level  # asking changes nothing
-            out[level] = [(kernels.gemm_q4_1(x[:M], packed, scales, 101), kernels.gemm_q8_0(x[:M], codes, d, 101))
-                          for M in range(1, 10)]
-    finally:
-        kernels.set_simd(True)
-    assert kernels.simd_level() == levels[-1]
-    for level in levels[1:]:
-        for (a4, a8), (b4, b8) in zip(out[0], out[level]):
-            assert torch.equal(a4, b4) and torch.equal(a8, b8), level
-    assert torch.equal(out[0][3][0], kernels.gemm_q4_1_reference(x[:4], packed, scales, 101))
+    assert levels[:2] == [0, 1] or not info.has("avx2")
+    if info.has("avx512_vnni") and info.has("avx512vl"):  # detection picks the VNNI tiles where the CPU has them
+        assert levels == ([0, 1, 2, 3] if info.has("avx512bw") else [0, 1, 2])
+    for N, K in ((101, 256), (90, 256), (40, 1536)):
+        w, x = _weights(N, K, seed=9)
+        packed, scales = kernels.quantize_q4_1(w)
+        codes, d = kernels.quantize_q8_0(w)
+        out = {}
+        try:
+            for level in levels:
+                kernels.set_simd(level)
+                assert kernels.simd_level() == level
+                assert kernels.simd_levels() == levels and kernels.simd_level() == level  # asking changes nothing
+                out[level] = [(kernels.gemm_q4_1(x[:M], packed, scales, N), kernels.gemm_q8_0(x[:M], codes, d, N))
+                              for M in range(1, 10)]
+        finally:
+            kernels.set_simd(True)
+        assert kernels.simd_level() == levels[-1]
+        for level in levels[1:]:
+            for (a4, a8), (b4, b8) in zip(out[0], out[level]):
+                assert torch.equal(a4, b4) and torch.equal(a8, b8), (N, level)
+        assert torch.equal(out[0][3][0], kernels.gemm_q4_1_reference(x[:4], packed, scales, N))
+        assert torch.equal(out[0][3][1], kernels.gemm_q8_0_reference(x[:4], codes, d, N))
 
 
 def _weights(N: int, K: int, seed: int = 0):

@@ -415,6 +415,126 @@ DEFINE_Q8_TILE_VNNI(4)
 DEFINE_Q8_TILE_VNNI(2)
 DEFINE_Q8_TILE_VNNI(1)
 
+/* The VNNI tiles on 512-bit registers (AVX512-BW for the byte ops): one tile is two output groups, o and
+ * o + 1 -- a work item of the GEMMs below -- side by side, group o in lanes 0-7 and o + 1 in lanes 8-15. The
+ * rows' activation bytes are still one broadcast (the same elements for both groups); the two groups' code
+ * chunks are joined once per chunk and shared by the R rows. Each lane's operations are the 256-bit tile's,
+ * in the same order: bit-identical. Why: on a Xeon (model 207) vpdpbusd zmm issues at nearly the rate of
+ * vpdpbusd ymm (0.55 vs 0.48 cycles), so a row costs half the instructions per output
+ * (docs/results/decode-cpu.md, 28th session). */
+#define VNNI512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+VNNI512 INLINE __m512i join256(const void *a, const void *b) { /* 32 bytes of group o | 32 of o + 1 */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+VNNI512 INLINE __m512 join_halves(const uint16_t *a, const uint16_t *b) { /* 8 fp16 of o | 8 of o + 1 */
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+VNNI512 INLINE __m512i bcast4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+VNNI512 INLINE void store_outputs16(float *dst, __m512 v, int nv) {
+    if (nv >= 16) _mm512_storeu_ps(dst, v);
+    else _mm512_mask_storeu_ps(dst, (__mmask16)((1u << nv) - 1u), v);
+}
+/* The prefetch of a pair's two streams (groups o and o + 1, `span` bytes each, block b of `bb` bytes; their
+ * scales likewise): the stream of group o + 1 runs on into o + 2, the next pair's first stream, by itself;
+ * the stream of group o, past its end, is sent to o + 3 (the next pair's second stream), not into o + 1,
+ * which its partner is reading already. */
+VNNI512 INLINE void prefetch_pair(const char *w0, long span, long off, int lines, const char *s0, long sspan,
+                                  long soff) {
+    long x = off + PREFETCH, y = soff + PREFETCH / 4;
+    const char *a = x < span ? w0 + x : w0 + 2 * span + x;
+    const char *sa = y < sspan ? s0 + y : s0 + 2 * sspan + y;
+    for (int i = 0; i < lines; i++) {
+        _mm_prefetch(a + 64 * i, _MM_HINT_T0);
+        _mm_prefetch(w0 + span + x + 64 * i, _MM_HINT_T0);
+    }
+    _mm_prefetch(sa, _MM_HINT_T0);
+    _mm_prefetch(s0 + sspan + y, _MM_HINT_T0);
+}
+#define DEFINE_Q4_TILE_ZMM(R)                                                                                \
+    VNNI512 NOINLINE void q4_tile_zmm_##R(const int8_t *xq, const float *xd, const float *xs, int K,        \
+                                          const uint8_t *wq, const uint16_t *wdm, int o, int m0, int N,     \
+                                          float *y, long ldy) {                                             \
+        const int G = K / QK;                                                                                \
+        const __m512i lo4 = _mm512_set1_epi8(0x0f);                                                          \
+        const uint8_t *w0 = wq + (long)o * G * 128, *w1 = w0 + (long)G * 128;                                \
+        const uint16_t *s0 = wdm + (long)o * G * 16, *s1 = s0 + (long)G * 16;                                \
+        __m512 acc[R];                                                                                       \
+        __m512i sums[R];                                                                                     \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                            \
+        for (int g = 0; g < G; g++) {                                                                        \
+            prefetch_pair((const char *)w0, (long)G * 128, (long)g * 128, 2, (const char *)s0, (long)G * 32, \
+                          (long)g * 32);                                                                     \
+            for (int v = 0; v < 4; v++) {                                                                    \
+                __m512i raw = join256(w0 + g * 128 + 32 * v, w1 + g * 128 + 32 * v);                         \
+                __m512i wl = _mm512_and_si512(raw, lo4);                                                     \
+                __m512i wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);                               \
+                for (int r = 0; r < R; r++) {                                                                \
+                    const int8_t *a = xq + (long)(m0 + r) * K + g * QK;                                      \
+                    __m512i s_ = v ? sums[r] : _mm512_setzero_si512();                                       \
+                    s_ = _mm512_dpbusd_epi32(s_, wl, bcast4_512(a + 4 * v));                                 \
+                    sums[r] = _mm512_dpbusd_epi32(s_, wh, bcast4_512(a + 16 + 4 * v));                       \
+                }                                                                                            \
+            }                                                                                                \
+            __m512 dw = join_halves(s0 + g * 16, s1 + g * 16), mw = join_halves(s0 + g * 16 + 8, s1 + g * 16 + 8); \
+            for (int r = 0; r < R; r++) {                                                                    \
+                long m = m0 + r;                                                                             \
+                __m512 isum = _mm512_cvtepi32_ps(sums[r]);                                                   \
+                __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xd[m * G + g]));                                \
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dd, isum));                                     \
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mw, _mm512_set1_ps(xs[m * G + g])));            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) store_outputs16(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);  \
+    }
+/* Q8_0: AVX-512 has no vpsignb; |w| is vpabsb and sign(a, w) negates a where w < 0 (a mask from w's sign
+ * bits, shared by the rows). Where w = 0, |w| = 0 makes the product 0 as vpsignb's zero does. */
+#define DEFINE_Q8_TILE_ZMM(R)                                                                                \
+    VNNI512 NOINLINE void q8_tile_zmm_##R(const int8_t *xq, const float *xd, int K, const int8_t *wq,        \
+                                          const uint16_t *wd, int o, int m0, int N, float *y, long ldy) {   \
+        const int G = K / QK;                                                                                \
+        const int8_t *w0 = wq + (long)o * G * 256, *w1 = w0 + (long)G * 256;                                 \
+        const uint16_t *s0 = wd + (long)o * G * 8, *s1 = s0 + (long)G * 8;                                   \
+        const __m512i zero = _mm512_setzero_si512();                                                         \
+        __m512 acc[R];                                                                                       \
+        __m512i s32[R];                                                                                      \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                            \
+        for (int g = 0; g < G; g++) {                                                                        \
+            prefetch_pair((const char *)w0, (long)G * 256, (long)g * 256, 4, (const char *)s0, (long)G * 16, \
+                          (long)g * 16);                                                                     \
+            for (int r = 0; r < R; r++) s32[r] = zero;                                                       \
+            for (int c = 0; c < 8; c++) {                                                                    \
+                __m512i w = join256(w0 + g * 256 + 32 * c, w1 + g * 256 + 32 * c);                           \
+                __m512i aw = _mm512_abs_epi8(w);                                                             \
+                __mmask64 neg = _mm512_movepi8_mask(w);                                                      \
+                for (int r = 0; r < R; r++) {                                                                \
+                    __m512i a = bcast4_512(xq + (long)(m0 + r) * K + g * QK + 4 * c);                        \
+                    s32[r] = _mm512_dpbusd_epi32(s32[r], aw, _mm512_mask_sub_epi8(a, neg, zero, a));         \
+                }                                                                                            \
+            }                                                                                                \
+            __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(                                             \
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s0 + g * 8))),                      \
+                _mm_loadu_si128((const __m128i *)(s1 + g * 8)), 1));                                         \
+            for (int r = 0; r < R; r++) {                                                                    \
+                __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xd[(long)(m0 + r) * G + g]));                   \
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(s32[r])));               \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) store_outputs16(y + (long)(m0 + r) * ldy + 8 * o, acc[r], N - 8 * o);  \
+    }
+
+DEFINE_Q4_TILE_ZMM(4)
+DEFINE_Q4_TILE_ZMM(2)
+DEFINE_Q4_TILE_ZMM(1)
+DEFINE_Q8_TILE_ZMM(4)
+DEFINE_Q8_TILE_ZMM(2)
+DEFINE_Q8_TILE_ZMM(1)
+
 /* Output groups [o0, o1) of all M rows, rows in tiles of 4, 2, 1 (e.g. 7 = 4 + 2 + 1): `tile` names a family of
  * tiles (tile_4, tile_2, tile_1), called with the arguments that follow. */
 #define ROW_TILES(tile, ...)                                                                                 \
@@ -433,6 +553,22 @@ AVX2 static void gemm_q4_1_avx2(GEMM_Q4_ARGS) { ROW_TILES(q4_tile, xq, xd, xs, K
 AVX2 static void gemm_q8_0_avx2(GEMM_Q8_ARGS) { ROW_TILES(q8_tile, xq, xd, K, wq, wd, o, m0, N, y, ldy) }
 VNNI static void gemm_q4_1_vnni(GEMM_Q4_ARGS) { ROW_TILES(q4_tile_vnni, xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy) }
 VNNI static void gemm_q8_0_vnni(GEMM_Q8_ARGS) { ROW_TILES(q8_tile_vnni, xq, xd, K, wq, wd, o, m0, N, y, ldy) }
+/* a pair of groups (a full work item) as one 512-bit tile; an odd last group takes the 256-bit VNNI tile */
+#define ROW_TILES_ZMM(tile, ...)                                                                             \
+    for (int o = o0; o + 1 < o1; o += 2) {                                                                   \
+        int m0 = 0;                                                                                          \
+        for (; m0 + 4 <= M; m0 += 4) tile##_4(__VA_ARGS__);                                                  \
+        if (m0 + 2 <= M) { tile##_2(__VA_ARGS__); m0 += 2; }                                                 \
+        if (m0 < M) tile##_1(__VA_ARGS__);                                                                   \
+    }
+VNNI512 static void gemm_q4_1_zmm(GEMM_Q4_ARGS) {
+    ROW_TILES_ZMM(q4_tile_zmm, xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy)
+    if ((o1 - o0) & 1) gemm_q4_1_vnni(xq, xd, xs, M, K, wq, wdm, o1 - 1, o1, N, y, ldy);
+}
+VNNI512 static void gemm_q8_0_zmm(GEMM_Q8_ARGS) {
+    ROW_TILES_ZMM(q8_tile_zmm, xq, xd, K, wq, wd, o, m0, N, y, ldy)
+    if ((o1 - o0) & 1) gemm_q8_0_vnni(xq, xd, M, K, wq, wd, o1 - 1, o1, N, y, ldy);
+}
 
 AVX2 static inline __m256 exp_avx2(__m256 x) {
     /* exactly exp_scalar's operation sequence, 8 lanes at a time */
@@ -560,7 +696,8 @@ static int simd_level = -1;
 static int detect_simd(void) {
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) return 2;
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))
+        return __builtin_cpu_supports("avx512bw") ? 3 : 2;
     return 1;
 }
 
@@ -594,7 +731,8 @@ void qk_gemm_q4_1(const int8_t *xq, const float *xd, const float *xs, int M, int
 #pragma omp parallel for schedule(static)
     for (int c = 0; c < items; c++) {
         int o0 = 2 * c, o1 = o0 + 2 < groups ? o0 + 2 : groups;
-        if (level >= 2) gemm_q4_1_vnni(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
+        if (level >= 3) gemm_q4_1_zmm(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
+        else if (level == 2) gemm_q4_1_vnni(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
         else if (level) gemm_q4_1_avx2(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
         else gemm_q4_1_scalar(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
     }
@@ -607,7 +745,8 @@ void qk_gemm_q8_0(const int8_t *xq, const float *xd, int M, int K, const int8_t 
 #pragma omp parallel for schedule(static)
     for (int c = 0; c < items; c++) {
         int o0 = 2 * c, o1 = o0 + 2 < groups ? o0 + 2 : groups;
-        if (level >= 2) gemm_q8_0_vnni(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
+        if (level >= 3) gemm_q8_0_zmm(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
+        else if (level == 2) gemm_q8_0_vnni(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
         else if (level) gemm_q8_0_avx2(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
         else gemm_q8_0_scalar(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
     }
