@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import kernels
 from .checkpoint import atomic_write_bytes
 from .draft_vocab import draft_vocab, head_logits, restrict_logits, set_draft_vocab, teacher_logits, to_token_ids
 from .generate import CachedStep
@@ -216,7 +217,9 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
             if not kids:
                 continue
             kmax = max(ranks[i] for i in kids) + 1
-            top = to_token_ids(logits.topk(min(kmax, logits.shape[-1]), -1).indices, vocab).tolist()
+            k = min(kmax, logits.shape[-1])
+            fast = kernels.topk(logits, k)  # one C pass where it applies (torch.topk: 40-78 us a level here)
+            top = to_token_ids(fast[1] if fast is not None else logits.topk(k, -1).indices, vocab).tolist()
             for i in kids:
                 row = parent[i] + 1  # root-included numbering of the parent
                 node_tok[i] = top[row - a][ranks[i]]

@@ -272,6 +272,17 @@ def train_eagle(model: Transformer, head: EagleHead, batches: Any, steps: int, l
 
 
 # ============================================================================================ inference
+def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest log-probabilities of each row of `logits` [M, V] and their indices: one C pass (top k
+    and logsumexp, kernels.topk) where it applies, else log_softmax + topk."""
+    out = kernels.topk(logits, k, with_lse=True)
+    if out is not None:
+        vals, idx, lse = out
+        return vals - lse[:, None], idx
+    top = torch.log_softmax(logits, -1).topk(k, -1)
+    return top.values, top.indices
+
+
 class EagleDrafter:
     """Drafts `ctx.tree` autoregressively with an `EagleHead` (module docstring, "Module layout").
 
@@ -473,10 +484,9 @@ class EagleDrafter:
                     for i, path in enumerate(level):
                         pred[path] = out[i]
                     logits = feature_logits(model, out, self.head)
-                logp = torch.log_softmax(logits.float(), -1)
-                top = logp.topk(min(k, logp.shape[-1]), -1)
-                ids = to_token_ids(top.indices, vocab).tolist()
-                for i, (path, row_lp) in enumerate(zip(level, top.values.tolist())):
+                top_lp, top_ix = _top_logprobs(logits.float(), min(k, logits.shape[-1]))
+                ids = to_token_ids(top_ix, vocab).tolist()
+                for i, (path, row_lp) in enumerate(zip(level, top_lp.tolist())):
                     base = cand[path][1] if path else 0.0
                     for r, (tok, lp) in enumerate(zip(ids[i], row_lp)):
                         cand[path + (r,)] = (tok, base + lp)

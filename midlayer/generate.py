@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from . import kernels
 from .kv_cache import KVCache, LayerView
 from .model import Transformer
 
@@ -182,9 +183,10 @@ def _sparse_block(block, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: to
 # ----------------------------------------------------------------------------------------- sampling
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token per row from logits [B, V]: argmax at temperature 0, else top-k / top-p sampling."""
+    """Next token per row from logits [B, V]: argmax at temperature 0 (kernels.argmax: torch's first-maximum
+    rule in one C pass), else top-k / top-p sampling."""
     if temperature == 0:
-        return logits.argmax(-1)
+        return kernels.argmax(logits)
     logits = logits.float() / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]

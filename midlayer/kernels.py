@@ -172,6 +172,7 @@ def library() -> ctypes.CDLL | None:
     lib.qk_rmsnorm.argtypes = [P, P, I, I, F, P]
     lib.qk_rope_store.argtypes = [P, L, I, I, I, I, I, P, P, P, P, L, L, P]
     lib.qk_silu_mul.argtypes = [P, I, I, P]
+    lib.qk_topk.argtypes = [P, I, I, L, I, P, P, P]
     lib.qk_block_q4_work.argtypes = [I, I, I, I, I, I, I]
     lib.qk_block_q4_work.restype = L
     lib.qk_block_q4.argtypes = [P, P, I, I, I, I, I, I, I, F, F] + [P] * 14 + [P, P, L, L, L, P, P, I, I, P]
@@ -180,7 +181,7 @@ def library() -> ctypes.CDLL | None:
     lib.qk_set_simd.argtypes = [I]
     lib.qk_set_avx2.argtypes = [I]
     for f in ("qk_quantize_q8", "qk_gemm_q4_1", "qk_gemm_q8_0", "qk_attention", "qk_set_avx2", "qk_set_simd", "qk_linear_q4_1",
-              "qk_linear_q8_0", "qk_rmsnorm", "qk_rope_store", "qk_silu_mul", "qk_block_q4"):
+              "qk_linear_q8_0", "qk_rmsnorm", "qk_rope_store", "qk_silu_mul", "qk_block_q4", "qk_topk"):
         getattr(lib, f).restype = None
     _lib = lib
     return lib
@@ -471,6 +472,32 @@ def silu_mul(ab: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty(*ab.shape[:-1], h)
     lib.qk_silu_mul(ab.data_ptr(), ab.numel() // (2 * h), h, y.data_ptr())
     return y
+
+
+# ====================================================================================== top-k of rows
+def topk(x: torch.Tensor, k: int, with_lse: bool = False):
+    """(values, indices[, lse]) of the k largest entries of each row of x [..., N] (fp32 CPU, no autograd),
+    largest first, ties in index order (the first maximum first, as torch.argmax), NaN above every number;
+    lse = logsumexp of each row, so values - lse[..., None] are the top k log-probabilities. One C pass
+    (csrc/qkernels.c, qk_topk); None where that does not apply (the caller uses torch.topk)."""
+    lib = library()
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or x.dim() == 0
+            or not 1 <= k <= min(64, x.shape[-1])):
+        return None
+    x = x.contiguous()
+    N = x.shape[-1]
+    M = x.numel() // N
+    vals = torch.empty(*x.shape[:-1], k)
+    idx = torch.empty(*x.shape[:-1], k, dtype=torch.long)
+    lse = torch.empty(x.shape[:-1]) if with_lse else None
+    lib.qk_topk(x.data_ptr(), M, N, N, k, vals.data_ptr(), idx.data_ptr(), lse.data_ptr() if with_lse else None)
+    return (vals, idx, lse) if with_lse else (vals, idx)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) (the first maximum; NaN above every number), through `topk` where it applies."""
+    out = topk(x, 1)
+    return x.argmax(-1) if out is None else out[1][..., 0]
 
 
 # ========================================================================== RoPE + KV-cache store

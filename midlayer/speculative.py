@@ -67,6 +67,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runt
 
 import torch
 
+from . import kernels
 from .generate import forward_cached, validate_prompts
 from .kv_cache import KVCache
 from .model import Transformer
@@ -430,7 +431,7 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
     tok_list = nt.tolist()
     path: list[int] = []  # accepted nodes, root-included numbering (node i -> i + 1)
     if temperature == 0:
-        target = logits.argmax(-1).tolist()  # one host sync for the whole tree
+        target = kernels.argmax(logits).tolist()  # one host sync for the whole tree
         cur = 0
         while True:
             nxt = next((c for c in tree._children[cur] if tok_list[c - 1] == target[cur]), None)

@@ -453,3 +453,35 @@ def test_only_q4_is_called_lossless():
     for fmt in ("fp32", "bf16", "int4"):
         assert not compress_weights(make_tiny(DIMS, gating=False), fmt).batch_invariant
     assert not compress_weights(make_tiny(DIMS, gating=False), "q4", head="fp32").batch_invariant
+
+
+def test_topk_and_argmax_match_torch_with_ties_nan_and_every_simd_level():
+    """kernels.topk: the k largest per row, largest first, equal values in index order (torch.argmax's first
+    maximum), NaN above every number; lse = logsumexp per row. The same bits at every SIMD level (only the
+    chunk skipping differs), torch.topk's values and indices where values are distinct."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 1000, generator=g)
+    x[1, 17] = x[1, 500] = 9.0  # a tie for the maximum: the first index wins
+    x[2, 40] = float("nan")  # NaN ranks first, as in torch
+    x[3] = float("-inf")
+    x[3, 999] = 0.0
+    x[4, 3:900:7] = 5.0  # many equal values: index order
+    out = {}
+    try:
+        for level in kernels.simd_levels():
+            kernels.set_simd(level)
+            out[level] = kernels.topk(x, 6, with_lse=True)
+    finally:
+        kernels.set_simd(True)
+    vals, idx, lse = out[0]
+    for level, (v, i, l) in out.items():
+        assert torch.equal(i, idx) and torch.equal(v.nan_to_num(), vals.nan_to_num()) and torch.equal(l.nan_to_num(), lse.nan_to_num()), level
+    assert torch.equal(kernels.argmax(x), x.argmax(-1))
+    assert idx[1, :2].tolist() == [17, 500] and idx[2, 0] == 40 and idx[3, 0] == 999
+    assert idx[4].tolist() == list(range(3, 3 + 6 * 7, 7))
+    tv, ti = x[0].topk(6)
+    assert torch.equal(vals[0], tv) and torch.equal(idx[0], ti)
+    finite = torch.tensor([0, 1, 3, 4])
+    assert torch.allclose(lse[finite], torch.logsumexp(x[finite], -1), atol=1e-5) and torch.isnan(lse[2])
+    assert kernels.topk(x, 1001) is None and kernels.topk(x.double(), 2) is None and kernels.topk(x, 0) is None
+    assert torch.equal(kernels.argmax(x.double()), x.double().argmax(-1))  # the torch fallback

@@ -886,6 +886,74 @@ void qk_silu_mul(const float *ab, int M, int h, float *y) {
     }
 }
 
+/* ================================================================================== top-k of rows
+ * The k largest entries of each row of x [M, N] (row stride ld), largest first; equal values keep index
+ * order (the first maximum first: torch.argmax's rule; torch.topk leaves the order of ties open). A NaN
+ * counts as larger than any number, as in torch, the first NaN first. With lse != NULL also
+ * lse[m] = max + log(sum_j exp(x[m, j] - max)), for log-probabilities of the top k (EAGLE-2's scores).
+ * Why: torch's argmax over SmolLM2's 49,152 logits took 86 us a row here and its topk over a 16,384-token
+ * draft vocabulary 40-78 us, at every decode step and draft level; one pass that skips the 8-value chunks
+ * below the current k-th value takes a few us (docs/results/decode-cpu.md, 28th session). k <= 64. */
+INLINE int topk_greater(float a, float b) { return a != a ? b == b : (b == b && a > b); }
+
+INLINE void topk_insert(float v, int64_t j, int k, int *n, float *bv, int64_t *bi) {
+    int pos = *n < k ? *n : k;
+    while (pos > 0 && topk_greater(v, bv[pos - 1])) pos--;
+    if (pos >= k) return;
+    int last = *n < k ? *n : k - 1;
+    for (int t = last; t > pos; t--) { bv[t] = bv[t - 1]; bi[t] = bi[t - 1]; }
+    bv[pos] = v;
+    bi[pos] = j;
+    if (*n < k) (*n)++;
+}
+
+AVX2 static void topk_row_avx2(const float *x, int N, int k, float *bv, int64_t *bi) {
+    int n = 0, j = 0;
+    for (; j < N && n < k; j++) topk_insert(x[j], j, k, &n, bv, bi);
+    for (; j + 8 <= N; j += 8) { /* a chunk is looked at only if one of its values beats the k-th (or is NaN) */
+        __m256 c = _mm256_cmp_ps(_mm256_loadu_ps(x + j), _mm256_set1_ps(bv[k - 1]), _CMP_NLE_UQ);
+        if (_mm256_movemask_ps(c))
+            for (int t = j; t < j + 8; t++) topk_insert(x[t], t, k, &n, bv, bi);
+    }
+    for (; j < N; j++) topk_insert(x[j], j, k, &n, bv, bi);
+}
+
+/* logsumexp's sum in 8 lanes (lane j & 7), then hsum8_scalar's tree: the same bits with or without AVX2 */
+AVX2 static float lse_row_avx2(const float *x, int N, float mx) {
+    __m256 acc = _mm256_setzero_ps(), vmx = _mm256_set1_ps(mx);
+    int j = 0;
+    for (; j + 8 <= N; j += 8) acc = _mm256_add_ps(acc, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + j), vmx)));
+    float ln[8];
+    _mm256_storeu_ps(ln, acc);
+    for (; j < N; j++) ln[j & 7] = ln[j & 7] + exp_scalar(x[j] - mx);
+    return mx + logf(hsum8_scalar(ln));
+}
+
+static float lse_row_scalar(const float *x, int N, float mx) {
+    float ln[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < N; j++) ln[j & 7] = ln[j & 7] + exp_scalar(x[j] - mx);
+    return mx + logf(hsum8_scalar(ln));
+}
+
+void qk_topk(const float *x, int M, int N, long ld, int k, float *vals, int64_t *idx, float *lse) {
+    int avx2 = qk_has_avx2();
+    for (int m = 0; m < M; m++) {
+        const float *r = x + m * ld;
+        float *bv = vals + (long)m * k;
+        int64_t *bi = idx + (long)m * k;
+        if (avx2) topk_row_avx2(r, N, k, bv, bi);
+        else {
+            int n = 0;
+            for (int j = 0; j < N; j++) topk_insert(r[j], j, k, &n, bv, bi);
+        }
+        if (lse) {
+            float mx = bv[0];
+            if (mx != mx || isinf(mx)) { lse[m] = mx; continue; } /* a NaN row; +inf dominates; -inf: all -inf */
+            lse[m] = avx2 ? lse_row_avx2(r, N, mx) : lse_row_scalar(r, N, mx);
+        }
+    }
+}
+
 /* ============================================================================ the whole q4 block */
 /* One pre-norm (or sandwich / peri-LN) SwiGLU block of the q4 format over a KV cache, in one call
  * (kernels.block_q4): the same functions, in the same order, that the module-by-module path calls one at a
