@@ -124,6 +124,29 @@ class CachedStep:
         self.gate_mode = gate_mode
         cache.mask_memo = None  # a mask is shared by the layers of one forward only (LayerView.finish)
 
+    def run_fused(self, blocks, start: int, stop: int, h: torch.Tensor) -> torch.Tensor | None:
+        """Blocks start..stop-1 in ONE C call (kernels.blocks_q4) when each would take its fused q4 path
+        (model.Block.forward) with the same mask: every block q4-fused, no gates, nothing skipped or
+        inactive, no position bias, each layer dense; else None (the caller runs them one by one). The K/V
+        and the key biases it leaves are the block-by-block ones, bit for bit (tests/test_kernels.py)."""
+        c = self.cache
+        B, M = h.shape[:2]
+        if (stop - start < 2 or self.active is not None or self.position_bias is not None
+                or h.device.type != "cpu" or h.dtype != torch.float32 or torch.is_grad_enabled()
+                or c.k.dtype != torch.float32 or not all(c.dense_layers[start:stop])
+                or self.cos.shape[2] != M or self.query_slots.shape[1] != M):
+            return None
+        plans = [blocks[layer].fused_q4 for layer in range(start, stop)]
+        if any(p is None for p in plans):
+            return None
+        em = self.extra_mask
+        if em is not None and M < em.shape[2]:
+            return None
+        view = LayerView(c, start, self.query_slots, start=self.start, extra_mask=em)
+        mask = view.finish(M, h.device)  # layer `start`'s key biases and the mask every layer shares
+        c.bias[start + 1:stop, :, self.start:self.start + M] = 0.0  # the same record at the other layers
+        return kernels.blocks_q4(h, plans, self.cos, self.sin, c.k, c.v, start, self.query_slots, mask, c.length)
+
     def __call__(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
                  key_bias: torch.Tensor | None) -> torch.Tensor:
         B, M = h.shape[:2]

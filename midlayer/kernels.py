@@ -41,7 +41,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -173,6 +173,7 @@ def library() -> ctypes.CDLL | None:
     lib.qk_rope_store.argtypes = [P, L, I, I, I, I, I, P, P, P, P, L, L, P]
     lib.qk_silu_mul.argtypes = [P, I, I, P]
     lib.qk_topk.argtypes = [P, I, I, L, I, P, P, P]
+    lib.qk_blocks_q4.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, F, P, P, P, P, P, L, L, L, L, P, P, I, I, P]
     lib.qk_block_q4_work.argtypes = [I, I, I, I, I, I, I]
     lib.qk_block_q4_work.restype = L
     lib.qk_block_q4.argtypes = [P, P, I, I, I, I, I, I, I, F, F] + [P] * 14 + [P, P, L, L, L, P, P, I, I, P]
@@ -181,7 +182,8 @@ def library() -> ctypes.CDLL | None:
     lib.qk_set_simd.argtypes = [I]
     lib.qk_set_avx2.argtypes = [I]
     for f in ("qk_quantize_q8", "qk_gemm_q4_1", "qk_gemm_q8_0", "qk_attention", "qk_set_avx2", "qk_set_simd", "qk_linear_q4_1",
-              "qk_linear_q8_0", "qk_rmsnorm", "qk_rope_store", "qk_silu_mul", "qk_block_q4", "qk_topk"):
+              "qk_linear_q8_0", "qk_rmsnorm", "qk_rope_store", "qk_silu_mul", "qk_block_q4", "qk_topk",
+              "qk_blocks_q4"):
         getattr(lib, f).restype = None
     _lib = lib
     return lib
@@ -638,6 +640,59 @@ def block_q4(x: torch.Tensor, plan: BlockQ4, cos: torch.Tensor, sin: torch.Tenso
                     *[None if t is None else t.data_ptr() for t in plan.tensors], cos.data_ptr(), sin.data_ptr(),
                     k_cache.data_ptr(), v_cache.data_ptr(), ks[0], ks[1], ks[2], slots.data_ptr(), None if m is None else m.data_ptr(), mh, n_keys,
                     work.data_ptr())
+    return y
+
+
+_STACKS: dict[tuple[int, ...], tuple[tuple[int, ...], ctypes.Array]] = {}  # plans -> (addresses, their array)
+
+
+def _stack_pointers(plans: Sequence[BlockQ4]) -> ctypes.Array:
+    """The 12 weight addresses of every plan, as one C array; kept per tuple of plans and rebuilt when a
+    plan's first weight moved (a copy of the model, storage moved in place)."""
+    key = tuple(id(p) for p in plans)
+    probe = tuple(p.tensors[4].data_ptr() for p in plans)
+    hit = _STACKS.get(key)
+    if hit is not None and hit[0] == probe:
+        return hit[1]
+    if len(_STACKS) > 16:
+        _STACKS.clear()
+    arr = (ctypes.c_void_p * (12 * len(plans)))(*[None if t is None else t.data_ptr() for p in plans
+                                                  for t in p.tensors])
+    _STACKS[key] = (probe, arr)
+    return arr
+
+
+def blocks_q4(x: torch.Tensor, plans: Sequence[BlockQ4], cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, first_layer: int, slots: torch.Tensor, mask: torch.Tensor | None, n_keys: int
+              ) -> torch.Tensor:
+    """`block_q4` for consecutive blocks (plans, all of one model: the same sizes and eps) in ONE C call:
+    block i runs over the cache layer first_layer + i of the whole buffers k, v [L, B, Hk, S_max, hd]; the
+    rows, positions, slots and mask are the same for all (a forward whose blocks are all dense q4 ones).
+    Bit-identical to `block_q4` block by block; without the ~30 us of Python between them."""
+    lib = library()
+    B, M, d = x.shape
+    Hk, D = k.shape[2], k.shape[4]
+    p0 = plans[0]
+    H = p0.n_heads
+    if any(p.dim != d or p.n_heads != H or p.hidden != p0.hidden or p.eps != p0.eps for p in plans):
+        raise ValueError("blocks_q4: the blocks differ in size or eps (one model's blocks only)")
+    if k.stride(3) != D or k.stride() != v.stride() or not first_layer + len(plans) <= k.shape[0]:
+        raise ValueError("blocks_q4: the cache is not [L, B, Hk, S, hd] covering the blocks")
+    x = x.contiguous()
+    if cos.numel() != B * M * D or not cos.is_contiguous():
+        cos = cos.reshape(-1, M, D).expand(B, M, D).contiguous()
+    if sin.numel() != B * M * D or not sin.is_contiguous():
+        sin = sin.reshape(-1, M, D).expand(B, M, D).contiguous()
+    if slots.dtype != torch.long or not slots.is_contiguous():
+        slots = slots.to(torch.long).contiguous()
+    m, mh = _mask_for_kernel(mask, B, H, M, n_keys)
+    y, tmp = torch.empty(B, M, d), torch.empty(B, M, d)
+    work = _workspace(lib.qk_block_q4_work(B * M, d, H, Hk, D, p0.hidden, n_keys))
+    ks = k.stride()
+    lib.qk_blocks_q4(x.data_ptr(), y.data_ptr(), tmp.data_ptr(), len(plans), B, M, d, H, Hk, D, p0.hidden, p0.eps,
+                     D ** -0.5, _stack_pointers(plans), cos.data_ptr(), sin.data_ptr(),
+                     k.data_ptr() + 4 * first_layer * ks[0], v.data_ptr() + 4 * first_layer * ks[0], ks[0], ks[1],
+                     ks[2], ks[3], slots.data_ptr(), None if m is None else m.data_ptr(), mh, n_keys, work.data_ptr())
     return y
 
 

@@ -456,6 +456,11 @@ class Transformer(nn.Module):
         routed = h.shape[1] if routed is None else routed
         if gates is None and routed > 0:
             gates = self.gate_walker()
+        fused = getattr(step, "run_fused", None)  # a cached step may run a stack of q4 blocks as ONE C call
+        if fused is not None and gates is None and joins is None and capture is None and run is None and h.shape[1]:
+            out = fused(self.layers, start, stop, h)
+            if out is not None:
+                return out
         eps = self.cfg.gate_eps
         for layer in range(start, stop + 1):
             if joins is not None and layer in joins:

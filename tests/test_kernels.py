@@ -321,9 +321,10 @@ def _q4(seed: int = 0, **over):
 
 @pytest.mark.parametrize("placement", ["sandwich", "pre"])
 def test_fused_block_equals_the_block_module_by_module(simd, placement):
-    """A q4 block over the KV cache runs as ONE C call (kernels.block_q4): its outputs and the K/V it writes
-    are the bits of the module-by-module path (Block.forward with `fused_q4` None) -- prefill, a decode step,
-    a tree verification with its mask, and two left-padded prompts (batch 2, inactive pad rows)."""
+    """A q4 block over the KV cache runs as ONE C call (kernels.block_q4), and a forward's dense q4 blocks all
+    in one (kernels.blocks_q4): outputs and the K/V written are the bits of the module-by-module path
+    (Block.forward with `fused_q4` None) -- prefill, a decode step, a tree verification with its mask, and two
+    left-padded prompts (batch 2, inactive pad rows: block by block)."""
     import copy
 
     fused = _q4(seed=2, norm_placement=placement)
@@ -343,7 +344,8 @@ def test_fused_block_equals_the_block_module_by_module(simd, placement):
         L = cache.length
         out.append(forward_cached(model, ids[:1, 13:18], cache, torch.tensor([[L, L + 1, L + 1, L + 2, L + 2]]),
                                   extra_mask=tree.verify_mask(L)))
-        out += [cache.k[:, :, :, :cache.length].clone(), cache.v[:, :, :, :cache.length].clone()]
+        out += [cache.k[:, :, :, :cache.length].clone(), cache.v[:, :, :, :cache.length].clone(),
+                cache.bias[:, :, :cache.length].clone()]
         batch = KVCache.for_model(model.cfg, 2, 40)
         active = torch.ones(2, 10, dtype=torch.bool)
         active[1, :3] = False  # the second prompt is 3 tokens shorter: left padding
@@ -352,21 +354,29 @@ def test_fused_block_equals_the_block_module_by_module(simd, placement):
         out.append(batch.k[:, 1, :, 3:10].clone())
         return out
 
-    with torch.inference_mode():
-        for a, b in zip(run(fused), run(ref)):
-            assert torch.equal(a, b)
-    # the fused call is what ran: without it the same forward takes the module path (a different call count)
-    calls = []
-    real = kernels.block_q4
-    kernels.block_q4 = lambda *a, **k: calls.append(1) or real(*a, **k)
+    from midlayer.generate import CachedStep
+
+    calls: list[str] = []
+    real_one, real_stack, real_run = kernels.block_q4, kernels.blocks_q4, CachedStep.run_fused
+    kernels.block_q4 = lambda *a, **k: calls.append("block") or real_one(*a, **k)
+    kernels.blocks_q4 = lambda *a, **k: calls.append("stack") or real_stack(*a, **k)
     try:
         with torch.inference_mode():
-            run(fused)
-            n_fused = len(calls)
-            run(ref)
+            stacked = run(fused)  # the dense forwards: all blocks in one C call (kernels.blocks_q4)
+            n_stacked = list(calls)
+            calls.clear()
+            CachedStep.run_fused = lambda *a: None  # block by block: one C call each (kernels.block_q4)
+            one_by_one = run(fused)
+            n_one = list(calls)
+            calls.clear()
+            modules = run(ref)
     finally:
-        kernels.block_q4 = real
-    assert n_fused == 4 * DIMS["n_layers"] and len(calls) == n_fused  # 4 forwards of 3 blocks
+        kernels.block_q4, kernels.blocks_q4, CachedStep.run_fused = real_one, real_stack, real_run
+    for a, b, c in zip(stacked, one_by_one, modules):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    L = DIMS["n_layers"]
+    assert n_stacked == ["stack"] * 3 + ["block"] * L  # the padded batch has inactive rows: block by block
+    assert n_one == ["block"] * 4 * L and calls == []  # 4 forwards of L blocks; the module path: no C block
 
 
 def test_q4_model_rows_bit_identical_decode_verify_prefill():

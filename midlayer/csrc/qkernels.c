@@ -1007,3 +1007,27 @@ void qk_block_q4(const float *x, float *y, int B, int M, int d, int H, int Hk, i
     if (norm_fo) qk_rmsnorm(tmp, norm_fo, (int)R, d, eps, tmp);
     for (long i = 0; i < R * d; i++) y[i] = y[i] + tmp[i];
 }
+
+/* nb consecutive blocks in one call: block b reads the weights w[12 b .. 12 b + 11] (qk_block_q4's order:
+ * norm1, norm2, norm_ao, norm_fo, wqkv, sqkv, wo, so, w13, s13, w2, s2) and the cache layer at kc + b * ls
+ * (likewise vc), with the same rows, positions, slots and mask -- a forward whose blocks are all dense q4
+ * blocks (model.Transformer.run_blocks dispatches here through generate.CachedStep.run_fused). Each block
+ * is qk_block_q4 itself, so the result is bit-identical to calling it block by block; what this saves is
+ * the Python between the calls (~30 us a block). The residual alternates between y and tmp ([B*M, d]
+ * each), so that the last block writes y. */
+void qk_blocks_q4(const float *x, float *y, float *tmp, int nb, int B, int M, int d, int H, int Hk, int D,
+                  int hid, float eps, float scale, const void *const *w, const float *cos, const float *sin,
+                  float *kc, float *vc, long ls, long cb, long ch, long cs, const long *slots, const float *mask,
+                  int MH, int S, void *work) {
+    const float *in = x;
+    for (int b = 0; b < nb; b++) {
+        float *out = (nb - 1 - b) % 2 == 0 ? y : tmp;
+        const void *const *p = w + 12L * b;
+        qk_block_q4(in, out, B, M, d, H, Hk, D, hid, eps, scale, (const float *)p[0], (const float *)p[1],
+                    (const float *)p[2], (const float *)p[3], (const uint8_t *)p[4], (const uint16_t *)p[5],
+                    (const uint8_t *)p[6], (const uint16_t *)p[7], (const uint8_t *)p[8], (const uint16_t *)p[9],
+                    (const uint8_t *)p[10], (const uint16_t *)p[11], cos, sin, kc + b * ls, vc + b * ls, cb, ch,
+                    cs, slots, mask, MH, S, work);
+        in = out;
+    }
+}
