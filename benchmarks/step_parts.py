@@ -1,6 +1,7 @@
-"""Where a q4 decode step's time goes by C call, module by module and fused (docs/results/decode-cpu.md,
-27th session): one cached step of SmolLM2-135M after 120 tokens, every kernel entry point wrapped with a
-timer; "Python" is the step's wall time minus the wrapped calls (the timers add a little to both).
+"""Where a q4 decode step's time goes by C call, module by module, fused block by block, and with every block
+in one call (stacked, the default; docs/results/decode-cpu.md, 27th and 28th sessions): one cached step of
+SmolLM2-135M after 120 tokens, every kernel entry point wrapped with a timer; "Python" is the step's wall time
+minus the wrapped calls (the timers add a little to both).
 
     python benchmarks/step_parts.py [--repeats 100]
 """
@@ -14,13 +15,13 @@ import time
 import torch
 
 from midlayer import kernels
-from midlayer.generate import forward_cached
+from midlayer.generate import CachedStep, forward_cached
 from midlayer.kv_cache import KVCache
 from midlayer.pretrained import load_pretrained
 from midlayer.quantization import compress_weights
 
-ENTRY_POINTS = ("qk_block_q4", "qk_linear_q4_1", "qk_linear_q8_0", "qk_attention", "qk_rmsnorm", "qk_rope_store",
-                "qk_silu_mul")
+ENTRY_POINTS = ("qk_blocks_q4", "qk_block_q4", "qk_linear_q4_1", "qk_linear_q8_0", "qk_attention", "qk_rmsnorm",
+                "qk_rope_store", "qk_silu_mul", "qk_topk")
 
 
 def main() -> None:
@@ -53,12 +54,14 @@ def main() -> None:
         return g
 
     rows = []
+    stacked = CachedStep.run_fused
     try:
         for name, f in originals.items():
             setattr(lib, name, timed(name, f))
-        for variant in ("modules", "fused"):
+        for variant in ("modules", "fused", "stacked"):
             for b, p in zip(model.layers, plans):
-                b.fused_q4 = p if variant == "fused" else None
+                b.fused_q4 = None if variant == "modules" else p
+            CachedStep.run_fused = stacked if variant == "stacked" else (lambda *a: None)
             with torch.inference_mode():
                 def step() -> None:
                     forward_cached(model, torch.tensor([[5]]), cache, torch.tensor([[L]]), last_only=True)
@@ -72,6 +75,7 @@ def main() -> None:
             parts = {k: 1e3 * v / args.repeats for k, v in clock.items()}
             rows.append((variant, total, parts))
     finally:
+        CachedStep.run_fused = stacked
         for name, f in originals.items():
             setattr(lib, name, f)
         for b, p in zip(model.layers, plans):
