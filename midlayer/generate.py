@@ -133,19 +133,20 @@ class CachedStep:
         B, M = h.shape[:2]
         if (stop - start < 2 or self.active is not None or self.position_bias is not None
                 or h.device.type != "cpu" or h.dtype != torch.float32 or torch.is_grad_enabled()
-                or c.k.dtype != torch.float32 or not all(c.dense_layers[start:stop])
-                or self.cos.shape[2] != M or self.query_slots.shape[1] != M):
+                or c.k.dtype != torch.float32 or not all(c.dense_layers[start:stop])):
             return None
         plans = [blocks[layer].fused_q4 for layer in range(start, stop)]
         if any(p is None for p in plans):
             return None
+        # the rows present: a prefix of all rows (rows only ever join), as in __call__
+        cos, sin, query_slots = self.cos[:, :, :M], self.sin[:, :, :M], self.query_slots[:, :M]
         em = self.extra_mask
         if em is not None and M < em.shape[2]:
-            return None
-        view = LayerView(c, start, self.query_slots, start=self.start, extra_mask=em)
+            em = em[:, :, :M]
+        view = LayerView(c, start, query_slots, start=self.start, extra_mask=em)
         mask = view.finish(M, h.device)  # layer `start`'s key biases and the mask every layer shares
         c.bias[start + 1:stop, :, self.start:self.start + M] = 0.0  # the same record at the other layers
-        return kernels.blocks_q4(h, plans, self.cos, self.sin, c.k, c.v, start, self.query_slots, mask, c.length)
+        return kernels.blocks_q4(h, plans, cos, sin, c.k, c.v, start, query_slots, mask, c.length)
 
     def __call__(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
                  key_bias: torch.Tensor | None) -> torch.Tensor:

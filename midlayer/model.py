@@ -457,21 +457,26 @@ class Transformer(nn.Module):
         if gates is None and routed > 0:
             gates = self.gate_walker()
         fused = getattr(step, "run_fused", None)  # a cached step may run a stack of q4 blocks as ONE C call
-        if fused is not None and gates is None and joins is None and run is None and h.shape[1]:
-            # The same loop without gates, joins or filters, in stretches between the captured layers: each
-            # stretch as one call where the step can (generate.CachedStep.run_fused), else block by block.
-            cuts = [start] + sorted(x for x in (capture or ()) if start < x < stop) + [stop]
-            for a, b in zip(cuts, cuts[1:]):
+        if fused is not None and gates is None and run is None and h.shape[1]:
+            # The loop below without gates or filters, in stretches between the layers where rows join or are
+            # captured: each stretch as one call where the step can (generate.CachedStep.run_fused), else
+            # block by block.
+            marks = set(capture or ()) | set(joins or ())
+            cuts = [start] + sorted(x for x in marks if start < x < stop) + [stop]
+            for i, a in enumerate(cuts):
+                if joins is not None and a in joins:
+                    h = torch.cat([h, joins[a](h).to(h.dtype)], 1)
                 if capture is not None and a in capture:
                     capture[a] = h
+                if a == stop:
+                    break
+                b = cuts[i + 1]
                 out = fused(self.layers, a, b, h)
                 if out is None:
                     for layer in range(a, b):
                         h = step(layer, self.layers[layer], h, None, None)
                 else:
                     h = out
-            if capture is not None and stop in capture:
-                capture[stop] = h
             return h
         eps = self.cfg.gate_eps
         for layer in range(start, stop + 1):

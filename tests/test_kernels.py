@@ -9,7 +9,7 @@ import torch
 
 from midlayer import kernels
 from midlayer.attention import apply_rope
-from midlayer.generate import GenerationConfig, forward_cached, generate
+from midlayer.generate import GenerationConfig, JoinedRows, forward_cached, generate
 from midlayer.kv_cache import KVCache
 from midlayer.quantization import compress_weights
 from midlayer.speculative import DraftTree, OracleDrafter, RandomDrafter, speculative_generate
@@ -343,6 +343,10 @@ def test_fused_block_equals_the_block_module_by_module(simd, placement):
         cap = {1: None, 3: None}  # a captured middle layer (drafters read them) splits the stacked call
         out.append(forward_cached(model, ids[:1, 12:13], cache, torch.tensor([[12]]), capture=cap))
         out += [cap[1], cap[3]]
+        # two rows joining at block 1 (hidden transfer's pseudo rows), then the step is undone
+        joins = JoinedRows(at={1: lambda h: torch.cat([h[:, -1:] * 0.5, h[:, -1:] * -0.25], 1)}, count=2)
+        out.append(forward_cached(model, ids[:1, 13:14], cache, torch.tensor([[13, 14, 15]]), joins=joins))
+        cache.truncate(13)
         L = cache.length
         out.append(forward_cached(model, ids[:1, 13:18], cache, torch.tensor([[L, L + 1, L + 1, L + 2, L + 2]]),
                                   extra_mask=tree.verify_mask(L)))
@@ -377,10 +381,10 @@ def test_fused_block_equals_the_block_module_by_module(simd, placement):
     for a, b, c in zip(stacked, one_by_one, modules):
         assert torch.equal(a, b) and torch.equal(b, c)
     L = DIMS["n_layers"]
-    # prefill; decode with layer 1 captured: block 0 alone, then 1..L-1; verification; the padded batch (it has
-    # inactive rows): block by block
-    assert n_stacked == ["stack", "block", "stack", "stack"] + ["block"] * L
-    assert n_one == ["block"] * 4 * L and calls == []  # 4 forwards of L blocks; the module path: no C block
+    # prefill; decode with layer 1 captured: block 0 alone, then 1..L-1; rows joining at block 1: the same;
+    # verification; the padded batch (it has inactive rows): block by block
+    assert n_stacked == ["stack", "block", "stack", "block", "stack", "stack"] + ["block"] * L
+    assert n_one == ["block"] * 5 * L and calls == []  # 5 forwards of L blocks; the module path: no C block
 
 
 def test_q4_model_rows_bit_identical_decode_verify_prefill():
