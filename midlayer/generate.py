@@ -67,7 +67,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
                    active: torch.Tensor | None = None, skip: bool = True,
                    extra_mask: torch.Tensor | None = None, last_only: bool = False,
                    return_hidden: bool = False, capture: dict[int, torch.Tensor | None] | None = None,
-                   joins: JoinedRows | None = None, all_hidden: bool = False):
+                   joins: JoinedRows | None = None, all_hidden: bool = False, head_rows: int | None = None):
     """Run `tokens` [B, T] at the next T cache slots; returns logits [B, T, V] ([B, V] if `last_only`).
 
     positions [B, T]: RoPE positions. active [B, T] (None: all): tokens to compute at all (False for
@@ -77,7 +77,9 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     dict whose keys are block indices; each value is set to the residual entering that block, [B, M, d]
     (tokens that skip the block carry their unchanged residual), for drafters that read middle layers.
     `joins`: rows that join mid-network (`JoinedRows`); then positions and extra_mask cover all T + J rows
-    and the outputs have T + J rows.
+    and the outputs have T + J rows. `head_rows`: only the first head_rows rows go through the final norm and
+    the LM head (the logits have that many rows; the hidden states all of them): rows whose logits a caller
+    computes itself, on a draft vocabulary, or not at all.
     """
     B, T = tokens.shape
     J = joins.count if joins is not None else 0
@@ -101,7 +103,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     hidden = h
     if last_only:
         h = h[:, -1:]
-    logits = model.output(model.norm(h))
+    logits = model.output(model.norm(h if head_rows is None or last_only else h[:, :head_rows]))
     logits = logits[:, 0] if last_only else logits
     return (logits, hidden if all_hidden else h) if return_hidden else logits
 

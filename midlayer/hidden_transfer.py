@@ -423,8 +423,10 @@ def draft_top1_accuracy(model: Transformer, transfer: HiddenTransfer, tokens: to
 # ============================================================================================ inference
 @torch.no_grad()
 def pseudo_logits_cached(model: Transformer, transfer: HiddenTransfer, cache: KVCache, anchor_pos: int,
-                         anchor_hidden: dict[int, torch.Tensor], n_steps: int) -> torch.Tensor:
-    """Final-layer pseudo logits [n_steps, V] of the anchor at `anchor_pos` = the last cached position.
+                         anchor_hidden: dict[int, torch.Tensor], n_steps: int, draft_head: bool = False
+                         ) -> torch.Tensor:
+    """Final-layer pseudo logits [n_steps, V] of the anchor at `anchor_pos` = the last cached position; with
+    `draft_head`, [n_steps, V'] over the transfer's draft vocabulary (its rows of the head only, `head_logits`).
 
     anchor_hidden[t]: the anchor's residual entering block t [d], for every t_i of the first n_steps steps.
     Step i's row is written to scratch slot s0 + i - 1 (s0 = cache.length) from block t_i up, attends
@@ -447,8 +449,10 @@ def pseudo_logits_cached(model: Transformer, transfer: HiddenTransfer, cache: KV
           for t, steps in transfer.steps_at(n_steps).items()}
     positions = anchor_pos + torch.arange(1, n_steps + 1, device=dev)[None]
     try:  # no token rows: the n pseudo rows join at their blocks t_i, at scratch slots s0..s0+n-1
-        return forward_cached(model, torch.zeros(1, 0, dtype=torch.long, device=dev), cache, positions,
-                              extra_mask=extra, joins=JoinedRows(at, n_steps))[0]
+        logits, hidden = forward_cached(model, torch.zeros(1, 0, dtype=torch.long, device=dev), cache, positions,
+                                        extra_mask=extra, joins=JoinedRows(at, n_steps), return_hidden=True,
+                                        head_rows=0 if draft_head else None)
+        return head_logits(transfer, model, model.norm(hidden[0])) if draft_head else logits[0]
     finally:
         cache.truncate(s0)
 
@@ -499,15 +503,20 @@ class HiddenTransferDrafter:
               for t, steps in self.transfer.steps_at(k).items()}
         return JoinedRows(at, N * k), positions, extra.to(model_device(self.model))
 
-    def fused_draft(self, join_logits: torch.Tensor, tree: DraftTree, anchor_row: int) -> torch.Tensor:
-        """Rows (anchor_row, step 1..k) of the joined-row logits [N*k, V] -> [k, V]."""
+    def fused_draft(self, join_hidden: torch.Tensor, tree: DraftTree, anchor_row: int) -> torch.Tensor:
+        """Rows (anchor_row, step 1..k) of the joined rows' final residuals [N*k, d] -> their logits [k, V']
+        (V': the draft vocabulary's tokens, or all). Only these k rows are decoded: the LM head over all N*k
+        pseudo rows was most of the fused pass's cost beyond verification (docs/results/hidden-transfer-cpu.md,
+        28th session)."""
         N = len(tree) + 1
-        return join_logits.reshape(-1, N, join_logits.shape[-1])[:, anchor_row]
+        rows = join_hidden.reshape(-1, N, join_hidden.shape[-1])[:, anchor_row]
+        return head_logits(self.transfer, self.model, self.model.norm(rows))
 
     def pseudo_logits(self, ctx: DraftContext, n_steps: int | None = None) -> torch.Tensor:
         n = self.transfer.k if n_steps is None else n_steps
         anchor = {t: ctx.layer_hidden[t][-1] for t in set(self.transfer.layers[:n])}
-        return pseudo_logits_cached(self.model, self.transfer, ctx.cache, len(ctx.tokens) - 2, anchor, n)
+        return pseudo_logits_cached(self.model, self.transfer, ctx.cache, len(ctx.tokens) - 2, anchor, n,
+                                    draft_head=True)
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> list[list[int]]:

@@ -424,9 +424,12 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
         joins, join_pos, extra = rows_spec
         positions = torch.cat([positions, join_pos.to(dev)[None]], 1)
         extra = extra.to(dev)
+    # The joined rows' logits are the drafter's to compute, for the accepted anchor's rows only (hidden
+    # transfer: k of its N * k rows, on its draft vocabulary): the LM head reads the tree rows alone.
     logits, hidden = forward_cached(model, tokens, cache, positions, skip=skip, extra_mask=extra,
-                                    return_hidden=True, capture=store, joins=joins)
-    join_logits = logits[0, n + 1:]
+                                    return_hidden=True, capture=store, joins=joins,
+                                    head_rows=n + 1 if fused is not None else None)
+    join_hidden = hidden[0, n + 1:]
     logits, hidden = logits[0, :n + 1], hidden[0, :n + 1]  # row 0 = root, row i+1 = node i
     tok_list = nt.tolist()
     path: list[int] = []  # accepted nodes, root-included numbering (node i -> i + 1)
@@ -462,7 +465,7 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
     rows = torch.tensor([0] + path, device=dev)
     cache.keep((start + rows)[None], start)
     layer_hidden = _collect_layers(model, hidden_layers, store, hidden[rows], n + 1, rows)
-    draft_logits = fused.fused_draft(join_logits, tree, path[-1] if path else 0) if fused is not None else None
+    draft_logits = fused.fused_draft(join_hidden, tree, path[-1] if path else 0) if fused is not None else None
     return VerifyResult([tok_list[c - 1] for c in path], int(bonus), logits[rows], hidden[rows],
                         [c - 1 for c in path], layer_hidden, draft_logits)
 
@@ -507,13 +510,14 @@ class FusedDrafter(Protocol):
 
     fused_rows(tree, last_pos, start) -> (JoinedRows, positions [J], extra_mask [1, 1, n+1+J, start+n+1+J]),
     or None to verify without joined rows this round;
-    fused_draft(join_logits [J, V], tree, anchor_row) -> the next round's logits, anchor_row being 0 for
-    the root or 1 + the index of the last accepted node; extra_slots(tree) -> J (for sizing the cache)."""
+    fused_draft(join_hidden [J, d], tree, anchor_row) -> the next round's logits from the joined rows' final
+    residuals (before the final norm), anchor_row being 0 for the root or 1 + the index of the last accepted
+    node; extra_slots(tree) -> J (for sizing the cache)."""
 
     def fused_rows(self, tree: "DraftTree", last_pos: int, start: int
                    ) -> tuple[Any, torch.Tensor, torch.Tensor] | None: ...
 
-    def fused_draft(self, join_logits: torch.Tensor, tree: "DraftTree", anchor_row: int) -> torch.Tensor: ...
+    def fused_draft(self, join_hidden: torch.Tensor, tree: "DraftTree", anchor_row: int) -> torch.Tensor: ...
 
     def extra_slots(self, tree: "DraftTree") -> int: ...
 

@@ -134,16 +134,19 @@ def round_forwards(drafter: object, tree: DraftTree, n_layers: int) -> list[Forw
     if N == 1:  # no draft: plain decoding
         return [([1] * L, 1)]
     if isinstance(drafter, HiddenTransferDrafter) and drafter.fused:
+        # the pseudo rows of every anchor ride the blocks; the LM head reads the tree rows, then the k rows of
+        # the accepted anchor on the draft vocabulary (HiddenTransferDrafter.fused_draft)
         layers, k = drafter.transfer.layers, drafter.transfer.k
         rows = [N + N * sum(1 for t in layers[:k] if t <= b) for b in range(L)]
-        return [(rows, N + N * k)]
+        return [(rows, N), ([0] * L, k, head_share(drafter.transfer, drafter.model.cfg.vocab_size))]
     out: list[Forward] = [([N] * L, N)]
     own = getattr(drafter, "draft_forwards", None)
     if own is not None:
         return out + list(own(tree, n_layers))
     if isinstance(drafter, HiddenTransferDrafter):  # a separate partial forward over the k pseudo rows
         layers, k = drafter.transfer.layers, tree.max_depth
-        out.append(([sum(1 for t in layers[:k] if t <= b) for b in range(L)], k))
+        out.append(([sum(1 for t in layers[:k] if t <= b) for b in range(L)], k,
+                    head_share(drafter.transfer, drafter.model.cfg.vocab_size)))
     elif isinstance(drafter, MedusaDrafter):  # k heads over the last row, each through the LM head
         out.append(([0] * L, tree.max_depth, head_share(drafter.heads, drafter.model.cfg.vocab_size)))
     elif isinstance(drafter, EarlyExitDrafter):

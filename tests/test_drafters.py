@@ -562,3 +562,52 @@ def test_gates_refuse_out_of_order_and_partial_gated_forwards():
     full = dense(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
     ref = dense.run_blocks(full[1], step, start=1, stop=3)
     assert torch.equal(ref, full[3])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_hidden_transfer_decodes_only_its_pseudo_rows_on_its_draft_vocabulary(fused):
+    """The LM head reads the verified tree rows; the pseudo rows of the accepted anchor only are decoded, on
+    the transfer's draft vocabulary (its rows of the head), and their logits are the full head's restricted
+    to it. The output is still plain greedy."""
+    from midlayer.draft_vocab import restrict_logits, set_draft_vocab
+
+    model = MODELS[False]
+    ht = perturbed_transfer([1, 2, 3])
+    vocab = torch.arange(0, V, 3)  # every third token
+    set_draft_vocab(ht, vocab)
+    inner = HiddenTransferDrafter(model, ht, fused=fused)
+    rows: list[int] = []
+    hook = model.output.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[-2]))
+    checked: list[float] = []
+
+    class Checking:
+        hidden_layers = inner.hidden_layers
+        extra_slots, fused_rows = inner.extra_slots, inner.fused_rows
+        prefill_features = False
+
+        def __init__(self):
+            self.fused = fused
+
+        def fused_draft(self, join_hidden, tree, anchor_row):
+            out = inner.fused_draft(join_hidden, tree, anchor_row)
+            N = len(tree) + 1
+            mine = join_hidden.reshape(-1, N, join_hidden.shape[-1])[:, anchor_row]
+            full = model.output(model.norm(mine))
+            checked.append(float((out - restrict_logits(full, vocab)).abs().max()))
+            assert out.shape[-1] == vocab.numel()
+            return out
+
+        def propose(self, ctx):
+            return inner.propose(ctx)
+
+    try:
+        out, stats = speculative_generate(model, PROMPT, Checking(), DraftTree.chain(3), 16)
+    finally:
+        hook.remove()
+    assert out == greedy(model, PROMPT, 16)
+    if fused:
+        assert checked and max(checked) < 1e-5
+    # every verification decodes its 4 tree rows (or fewer near the end), never the 12 pseudo rows riding
+    # along (fused: 16 rows before); the separate pass puts none of its pseudo rows through the full head
+    assert rows and max(rows) <= 4
+    assert fused or 0 in rows

@@ -73,10 +73,11 @@ def test_round_forwards_per_drafter():
     model = make_tiny(TINY, False)
     chain = DraftTree.chain(3)
     ht = HiddenTransferDrafter(model, HiddenTransfer(D, [1, 2, 2]))
-    # fused pass: 4 tree rows everywhere, + 4 pseudo rows per step joined at or below the block
-    assert tc.round_forwards(ht, chain, 4) == [([4, 8, 16, 16], 16)]
+    # fused pass: 4 tree rows everywhere, + 4 pseudo rows per step joined at or below the block; the LM head
+    # reads the 4 tree rows, then the accepted anchor's 3 pseudo rows (its draft vocabulary: all of it here)
+    assert tc.round_forwards(ht, chain, 4) == [([4, 8, 16, 16], 4), ([0] * 4, 3, 1.0)]
     sep = HiddenTransferDrafter(model, HiddenTransfer(D, [1, 2, 2]), fused=False)
-    assert tc.round_forwards(sep, chain, 4) == [([4] * 4, 4), ([0, 1, 3, 3], 3)]
+    assert tc.round_forwards(sep, chain, 4) == [([4] * 4, 4), ([0, 1, 3, 3], 3, 1.0)]
     assert tc.round_forwards(MedusaDrafter(model, MedusaHeads(D, 3)), chain, 4) == [([4] * 4, 4), ([0] * 4, 3, 1.0)]
     tree = DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])  # levels run: root, 2 at depth 1, 3 at depth 2
     ee = EarlyExitDrafter(model, EarlyExitHead(D, 2))
