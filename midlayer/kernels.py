@@ -612,6 +612,22 @@ class BlockQ4:
         self.hidden = linears[3][0].shape[1] * QK  # w2's input features
 
 
+def _block_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  mask: torch.Tensor | None, H: int, D: int, n_keys: int) -> tuple:
+    """x [B, M, d], cos/sin, slots and mask as qk_block_q4 reads them: contiguous, cos/sin one row of hd per
+    (b, m), slots int64, the mask `_mask_for_kernel`'s (with its MH)."""
+    B, M = x.shape[:2]
+    x = x.contiguous()
+    if cos.numel() != B * M * D or not cos.is_contiguous():
+        cos = cos.reshape(-1, M, D).expand(B, M, D).contiguous()
+    if sin.numel() != B * M * D or not sin.is_contiguous():
+        sin = sin.reshape(-1, M, D).expand(B, M, D).contiguous()
+    if slots.dtype != torch.long or not slots.is_contiguous():
+        slots = slots.to(torch.long).contiguous()
+    m, mh = _mask_for_kernel(mask, B, H, M, n_keys)
+    return x, cos, sin, slots, m, mh
+
+
 def block_q4(x: torch.Tensor, plan: BlockQ4, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, n_keys: int) -> torch.Tensor:
     """One pre-norm or sandwich SwiGLU block of the q4 format over the KV cache in ONE C call: x [B, M, d]
@@ -625,14 +641,7 @@ def block_q4(x: torch.Tensor, plan: BlockQ4, cos: torch.Tensor, sin: torch.Tenso
     H = plan.n_heads
     if d != plan.dim or k_cache.stride(2) != D or k_cache.stride() != v_cache.stride():
         raise ValueError(f"block_q4: x has {d} features (the block {plan.dim}), or the cache is not [B, Hk, S, hd]")
-    x = x.contiguous()
-    if cos.numel() != B * M * D or not cos.is_contiguous():
-        cos = cos.reshape(-1, M, D).expand(B, M, D).contiguous()
-    if sin.numel() != B * M * D or not sin.is_contiguous():
-        sin = sin.reshape(-1, M, D).expand(B, M, D).contiguous()
-    if slots.dtype != torch.long or not slots.is_contiguous():
-        slots = slots.to(torch.long).contiguous()
-    m, mh = _mask_for_kernel(mask, B, H, M, n_keys)
+    x, cos, sin, slots, m, mh = _block_inputs(x, cos, sin, slots, mask, H, D, n_keys)
     y = torch.empty(B, M, d)
     work = _workspace(lib.qk_block_q4_work(B * M, d, H, Hk, D, plan.hidden, n_keys))
     ks = k_cache.stride()
@@ -678,14 +687,7 @@ def blocks_q4(x: torch.Tensor, plans: Sequence[BlockQ4], cos: torch.Tensor, sin:
         raise ValueError("blocks_q4: the blocks differ in size or eps (one model's blocks only)")
     if k.stride(3) != D or k.stride() != v.stride() or not first_layer + len(plans) <= k.shape[0]:
         raise ValueError("blocks_q4: the cache is not [L, B, Hk, S, hd] covering the blocks")
-    x = x.contiguous()
-    if cos.numel() != B * M * D or not cos.is_contiguous():
-        cos = cos.reshape(-1, M, D).expand(B, M, D).contiguous()
-    if sin.numel() != B * M * D or not sin.is_contiguous():
-        sin = sin.reshape(-1, M, D).expand(B, M, D).contiguous()
-    if slots.dtype != torch.long or not slots.is_contiguous():
-        slots = slots.to(torch.long).contiguous()
-    m, mh = _mask_for_kernel(mask, B, H, M, n_keys)
+    x, cos, sin, slots, m, mh = _block_inputs(x, cos, sin, slots, mask, H, D, n_keys)
     y, tmp = torch.empty(B, M, d), torch.empty(B, M, d)
     work = _workspace(lib.qk_block_q4_work(B * M, d, H, Hk, D, p0.hidden, n_keys))
     ks = k.stride()

@@ -456,36 +456,26 @@ class Transformer(nn.Module):
         routed = h.shape[1] if routed is None else routed
         if gates is None and routed > 0:
             gates = self.gate_walker()
-        fused = getattr(step, "run_fused", None)  # a cached step may run a stack of q4 blocks as ONE C call
-        if fused is not None and gates is None and run is None and h.shape[1]:
-            # The loop below without gates or filters, in stretches between the layers where rows join or are
-            # captured: each stretch as one call where the step can (generate.CachedStep.run_fused), else
-            # block by block.
-            marks = set(capture or ()) | set(joins or ())
-            cuts = [start] + sorted(x for x in marks if start < x < stop) + [stop]
-            for i, a in enumerate(cuts):
-                if joins is not None and a in joins:
-                    h = torch.cat([h, joins[a](h).to(h.dtype)], 1)
-                if capture is not None and a in capture:
-                    capture[a] = h
-                if a == stop:
-                    break
-                b = cuts[i + 1]
-                out = fused(self.layers, a, b, h)
-                if out is None:
-                    for layer in range(a, b):
-                        h = step(layer, self.layers[layer], h, None, None)
-                else:
-                    h = out
-            return h
+        # A cached step may run a stretch of q4 blocks as ONE C call (generate.CachedStep.run_fused): without
+        # gates or filters, from a layer up to the next one where rows join or are captured, or to stop.
+        fused = getattr(step, "run_fused", None) if gates is None and run is None else None
+        marks = sorted(set(capture or ()) | set(joins or ()) | {stop})
         eps = self.cfg.gate_eps
-        for layer in range(start, stop + 1):
+        layer, retry = start, start  # after a refusal, block by block up to the next mark
+        while True:
             if joins is not None and layer in joins:
                 h = torch.cat([h, joins[layer](h).to(h.dtype)], 1)
             if capture is not None and layer in capture:
                 capture[layer] = h
             if layer == stop:
                 break
+            if fused is not None and layer >= retry and h.shape[1]:
+                upto = next(x for x in marks if x > layer)
+                out = fused(self.layers, layer, upto, h)
+                if out is not None:
+                    h, layer = out, upto
+                    continue
+                retry = upto
             gate = key_bias = None
             if gates is not None:
                 gate = gates(layer, h[:, :routed])
@@ -500,9 +490,9 @@ class Transformer(nn.Module):
                     if h.shape[1] > routed:  # joined rows: gate 1
                         gate = torch.cat([gate, gate.new_ones(h.shape[0], h.shape[1] - routed)], 1)
                     key_bias = key_gate_bias(gate, eps, self.cfg.gate_attention)
-            if (run is not None and not run(layer)) or h.shape[1] == 0:
-                continue
-            h = step(layer, self.layers[layer], h, gate, key_bias)
+            if (run is None or run(layer)) and h.shape[1]:
+                h = step(layer, self.layers[layer], h, gate, key_bias)
+            layer += 1
         return h
 
     def num_params(self) -> int:
