@@ -393,9 +393,11 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         from .tree_cost import auto_tree, measure_overhead, row_costs, table_text
 
         costs = row_costs(model, args.model or args.checkpoint, args.weights, progress=True)
-        overhead = measure_overhead(model, drafter, costs, ids)  # ~1 s: what the forwards leave out
+        overhead = measure_overhead(model, drafter, costs, ids)  # ~1-2 s: what the forwards leave out
         tree, table = auto_tree(model, drafter, acc, costs, max_depth=k, overhead=overhead)
         if args.stats:
+            print(f"measured beyond the modelled forwards: {overhead.plain_ms:+.2f} ms a plain token, "
+                  f"{overhead.round_ms:+.2f} ms a round, {overhead.call_ms:+.2f} ms a draft call", file=sys.stderr)
             print(table_text(table, tree), file=sys.stderr)
     elif args.tree in ("chain", "auto"):
         tree = DraftTree.chain(k)
