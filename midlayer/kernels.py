@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -652,7 +653,7 @@ def block_q4(x: torch.Tensor, plan: BlockQ4, cos: torch.Tensor, sin: torch.Tenso
     return y
 
 
-_STACKS: dict[tuple[int, ...], tuple[tuple[int, ...], ctypes.Array]] = {}  # plans -> (addresses, their array)
+_STACKS: dict[tuple[int, ...], tuple] = {}  # plan ids -> (probe addresses, the C array, weak refs to the plans)
 
 
 def _stack_pointers(plans: Sequence[BlockQ4]) -> ctypes.Array:
@@ -661,13 +662,13 @@ def _stack_pointers(plans: Sequence[BlockQ4]) -> ctypes.Array:
     key = tuple(id(p) for p in plans)
     probe = tuple(p.tensors[4].data_ptr() for p in plans)
     hit = _STACKS.get(key)
-    if hit is not None and hit[0] == probe:
-        return hit[1]
+    if hit is not None and hit[0] == probe and all(r() is p for r, p in zip(hit[2], plans)):
+        return hit[1]  # (the weak references: an id reused by another model's plan is never a hit)
     if len(_STACKS) > 16:
         _STACKS.clear()
     arr = (ctypes.c_void_p * (12 * len(plans)))(*[None if t is None else t.data_ptr() for p in plans
                                                   for t in p.tensors])
-    _STACKS[key] = (probe, arr)
+    _STACKS[key] = (probe, arr, [weakref.ref(p) for p in plans])
     return arr
 
 

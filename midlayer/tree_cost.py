@@ -210,6 +210,9 @@ def measure_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequen
     L = costs.n_layers
     prompt = list(prompt_ids)
     gcfg = GenerationConfig(max_new_tokens=max(new_tokens, 3))
+    k = getattr(getattr(drafter, "transfer", None), "k", None) or getattr(getattr(drafter, "heads", None), "k", None)
+    if k is not None:  # no deeper than the drafter drafts (Medusa, hidden transfer: k steps)
+        trees = list(dict.fromkeys(t.prune(min(t.max_depth, k), len(t)) for t in trees))
 
     def intervals(stamps: list[float]) -> list[float]:
         return [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]
@@ -348,8 +351,9 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
                 one_block.append(1e3 * (timer() - t0))
     tot = tuple(statistics.median(total[T]) for T in rows)
     hd = tuple(statistics.median(head[T]) for T in rows)
-    blocks1 = RowCosts(tuple(rows), tot, hd, cfg.n_layers).blocks(1)
-    call = min(max(statistics.median(one_block) - blocks1 / cfg.n_layers, 0.0), tot[0] - hd[0])
+    blocks = [max(t - h, 0.0) for t, h in zip(tot, hd)]
+    blocks1 = RowCosts._interp(rows, blocks, 1)
+    call = min(max(statistics.median(one_block) - blocks1 / cfg.n_layers, 0.0), max(blocks[0], 0.0))
     return RowCosts(tuple(rows), tot, hd, cfg.n_layers, call)
 
 

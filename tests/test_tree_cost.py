@@ -159,6 +159,8 @@ def test_measured_overhead_decides_between_speculation_and_plain_decoding():
     over = tc.measure_overhead(model, drafter, costs, prompt, new_tokens=8)
     assert all(math.isfinite(v) for v in (over.plain_ms, over.round_ms)) and over.call_ms >= 0.0
     assert over.call_ms == 0.0  # Medusa drafts in one call whatever the tree: nothing to split
+    two = MedusaDrafter(model, MedusaHeads(D, 2))  # chains deeper than its 2 heads are cut to 2, not refused
+    assert math.isfinite(tc.measure_overhead(model, two, costs, prompt, new_tokens=6, repeats=1).round_ms)
     cheap = tc.auto_tree(model, drafter, ACC, costs, overhead=tc.Overhead())[0]
     dear = tc.auto_tree(model, drafter, ACC, costs, overhead=tc.Overhead(round_ms=50.0))[0]
     assert len(cheap) > 0 and len(dear) == 0
