@@ -178,6 +178,12 @@ class Overhead:
     call_ms: float = 0.0
 
 
+def draft_steps(drafter: object) -> int | None:
+    """The depth a drafter drafts at most: k for hidden transfer and Medusa (k steps / heads), else None."""
+    return (getattr(getattr(drafter, "transfer", None), "k", None)
+            or getattr(getattr(drafter, "heads", None), "k", None))
+
+
 def draft_calls(drafter: object, tree: DraftTree, n_layers: int) -> int:
     """The drafter's own forward calls in one round with `tree` (the verification forward not counted)."""
     return len(round_forwards(drafter, tree, n_layers)) - 1 if len(tree) else 0
@@ -210,7 +216,7 @@ def measure_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequen
     L = costs.n_layers
     prompt = list(prompt_ids)
     gcfg = GenerationConfig(max_new_tokens=max(new_tokens, 3))
-    k = getattr(getattr(drafter, "transfer", None), "k", None) or getattr(getattr(drafter, "heads", None), "k", None)
+    k = draft_steps(drafter)
     if k is not None:  # no deeper than the drafter drafts (Medusa, hidden transfer: k steps)
         trees = list(dict.fromkeys(t.prune(min(t.max_depth, k), len(t)) for t in trees))
 
@@ -295,7 +301,7 @@ def auto_tree(model, drafter: object, acc: Sequence[Sequence[float]], costs: Row
     """`choose_tree` with the round cost of `drafter` on `model` from the measured `costs` (and `overhead`,
     `measure_overhead`, when given); depth limited to what the drafter can draft (hidden transfer and
     Medusa: k steps)."""
-    k = getattr(getattr(drafter, "transfer", None), "k", None) or getattr(getattr(drafter, "heads", None), "k", None)
+    k = draft_steps(drafter)
     depth = min(x for x in (max_depth, k) if x is not None) if (max_depth or k) else None
     return choose_tree(acc, lambda t: total_round_ms(costs, drafter, t, overhead), max_nodes, depth)
 
@@ -353,7 +359,7 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
     hd = tuple(statistics.median(head[T]) for T in rows)
     blocks = [max(t - h, 0.0) for t, h in zip(tot, hd)]
     blocks1 = RowCosts._interp(rows, blocks, 1)
-    call = min(max(statistics.median(one_block) - blocks1 / cfg.n_layers, 0.0), max(blocks[0], 0.0))
+    call = min(max(statistics.median(one_block) - blocks1 / cfg.n_layers, 0.0), blocks[0])
     return RowCosts(tuple(rows), tot, hd, cfg.n_layers, call)
 
 
