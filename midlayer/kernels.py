@@ -102,7 +102,9 @@ def cpu_info() -> CpuInfo:
 
 
 # ====================================================================================== the library
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """midlayer's on-disk cache (compiled kernels, row-cost curves, GGUF indexes): $MIDLAYER_CACHE or
+    ~/.cache/midlayer."""
     root = os.environ.get("MIDLAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "midlayer")
     return Path(root)
 
@@ -117,7 +119,7 @@ def _compiler() -> str | None:
 def library_path() -> Path:
     """Where the compiled library for this source and this Python lives (keyed by a hash of the source)."""
     tag = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:16]
-    return _cache_dir() / f"qkernels-{tag}-{platform.machine()}.so"
+    return cache_dir() / f"qkernels-{tag}-{platform.machine()}.so"
 
 
 def build(verbose: bool = False) -> Path:

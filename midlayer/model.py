@@ -292,10 +292,17 @@ def sinusoidal_table(n: int, dim: int) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, init_weights: bool = True) -> None:
+        """init_weights=False: a skeleton for a loader that assigns every parameter and then the position
+        tables (`pretrained._skeleton`): parameters are left as allocated, no table is computed. On the meta
+        device a normal_ draw or an arange imports torch._dynamo, ~0.6-1.3 s of a CLI call's start-up."""
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+
+        def embedding(n: int) -> nn.Embedding:  # (with init_weights, nn.Embedding draws as it always has)
+            return nn.Embedding(n, cfg.dim, _weight=None if init_weights else torch.empty(n, cfg.dim))
+
+        self.tok_embeddings = embedding(cfg.vocab_size)
         self.emb_norm = make_norm(cfg) if cfg.embed_norm else nn.Identity()
         self.emb_drop = nn.Dropout(cfg.emb_dropout) if cfg.emb_dropout else nn.Identity()
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layers)])
@@ -304,13 +311,13 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.routers = Routers(cfg.dim, cfg.n_layers) if cfg.gating else None
-        cos, sin = position_tables(cfg)
+        cos, sin = position_tables(cfg) if init_weights else (None, None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos_encoding == "learned" else None
+        self.pos_embeddings = embedding(cfg.max_seq_len) if cfg.pos_encoding == "learned" else None
         self.pos_bias = PositionBias(cfg) if cfg.pos_encoding in ("alibi", "t5") else None
         self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim)
-                             if cfg.pos_encoding == "sinusoidal" else None, persistent=False)
+                             if cfg.pos_encoding == "sinusoidal" and init_weights else None, persistent=False)
         self.check_inputs = True  # set False to skip the token-id range check (it syncs with the GPU)
         # where "sampled" gates draw their thresholds in training (ModelConfig.gate_values; None: the global RNG)
         self.gate_generator: torch.Generator | None = None
@@ -318,7 +325,8 @@ class Transformer(nn.Module):
             warnings.warn("gate_attention='query' adds each gate's log to its query's softmax row, a constant that "
                           "hides no token: the public reference code's indexing, for comparison with eq. 3 ('key')",
                           stacklevel=2)
-        self.reset_parameters()
+        if init_weights:
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Paper 3 / Table 2: norm weights 1 (LayerNorm biases 0), every other parameter (routers included)

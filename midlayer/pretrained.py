@@ -213,8 +213,7 @@ def midlayer_to_hf_name(name: str) -> str:
 def _build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str) -> Transformer:
     """Transformer with exactly `state`'s tensors: built on the meta device (no wasted random init), every
     parameter must be supplied and every supplied tensor must be a parameter."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = _skeleton(cfg)
     expected = model.state_dict()  # includes output.weight even when tied
     if cfg.tie_embeddings:
         if "output.weight" in state:
@@ -247,9 +246,14 @@ def _build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str) 
     return model.eval()
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _skeleton(cfg: ModelConfig) -> Transformer:
+    """The model's modules on the meta device, no parameter drawn: names and shapes, no memory."""
     with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
+        return Transformer(cfg, init_weights=False)
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in _skeleton(cfg).state_dict().items()}
 
 
 # -------------------------------------------------------------------------------- Hugging Face folders
@@ -353,27 +357,132 @@ def permute_qk_like_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _open_gguf(path: Path) -> Any:
+def _open_gguf(path: Path) -> "GGUFIndex":
     try:
-        import gguf
+        import gguf  # noqa: F401
     except ImportError as e:  # pragma: no cover - optional dependency
         raise ImportError("reading GGUF files needs the gguf package: pip install gguf") from e
     if not path.is_file():
         raise ValueError(f"{path}: no such GGUF file")
     st = path.stat()
     try:
-        return _gguf_reader(str(path.resolve()), st.st_mtime_ns, st.st_size)
+        return _gguf_index(str(path.resolve()), st.st_mtime_ns, st.st_size)
     except Exception as e:  # bad magic, truncated header or tensor data, ...
         raise ValueError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
 
 
-@functools.lru_cache(maxsize=1)
-def _gguf_reader(path: str, mtime_ns: int, size: int) -> Any:
-    """The reader of the last GGUF opened, kept while the file is unchanged: parsing the metadata (a 49k-token
-    vocabulary) takes seconds, and `pretrained_config` then `load_gguf` of one file should pay it once."""
-    import gguf
+class _Field(NamedTuple):
+    """A GGUF metadata value, read once (`contents()` as gguf's ReaderField); `error`: why it is unreadable."""
 
-    return gguf.GGUFReader(path)
+    value: Any
+    error: str | None = None
+
+    def contents(self) -> Any:
+        if self.error is not None:
+            raise ValueError(self.error)
+        return self.value
+
+
+class _Tensor(NamedTuple):
+    """Where one tensor lies in a GGUF file; `data` is gguf's view of it (ReaderTensor.data's dtype and shape)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # GGUF order: ne0 (fastest) first
+    data_offset: int
+    n_bytes: int
+    file: np.memmap
+
+    @property
+    def data(self) -> np.ndarray:
+        import gguf
+
+        T = gguf.GGMLQuantizationType
+        plain = {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
+                 T.I32: np.int32, T.I64: np.int64}
+        dims = tuple(reversed([int(d) for d in self.shape]))
+        raw = self.file[self.data_offset:self.data_offset + self.n_bytes]
+        if self.tensor_type in plain:
+            return raw.view(plain[self.tensor_type]).reshape(dims)
+        return raw.reshape(gguf.quants.quant_shape_to_byte_shape(dims, self.tensor_type))
+
+
+class GGUFIndex(NamedTuple):
+    """A GGUF file's metadata values and tensor locations: what `load_gguf` reads through gguf's reader.
+    gguf.GGUFReader parses every metadata array element by element (~3-4 s for SmolLM2's 49k-token
+    vocabulary and merges, most of a CLI call's start-up), so the index is kept on disk beside the other
+    caches (`kernels.cache_dir()`), keyed by the file's path, size and modification time, and read back in
+    milliseconds; the tensors are a memory map of the file either way."""
+
+    fields: dict[str, _Field]
+    tensors: list[_Tensor]
+
+    @classmethod
+    def parse(cls, path: str) -> "GGUFIndex":
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        fields = {}
+        for key, f in reader.fields.items():
+            try:
+                fields[key] = _Field(f.contents())
+            except Exception as e:  # an exotic value: refused by name only if a reader asks for it
+                fields[key] = _Field(None, f"{type(e).__name__}: {e}")
+        tensors = [_Tensor(t.name, t.tensor_type, np.asarray(t.shape), int(t.data_offset), int(t.n_bytes), reader.data)
+                   for t in reader.tensors]
+        return cls(fields, tensors)
+
+    def to_json(self) -> str:
+        return json.dumps({"fields": {k: [f.value, f.error] for k, f in self.fields.items()},
+                           "tensors": [[t.name, int(t.tensor_type), [int(d) for d in t.shape], t.data_offset, t.n_bytes]
+                                       for t in self.tensors]})
+
+    @classmethod
+    def from_json(cls, text: str, path: str) -> "GGUFIndex":
+        import gguf
+
+        d = json.loads(text)
+        mm = np.memmap(path, mode="r")
+        fields = {k: _Field(v, err) for k, (v, err) in d["fields"].items()}
+        tensors = [_Tensor(name, gguf.GGMLQuantizationType(ty), np.asarray(shape, dtype=np.uint64), off, nb, mm)
+                   for name, ty, shape, off, nb in d["tensors"]]
+        for t in tensors:
+            if t.data_offset + t.n_bytes > mm.size:
+                raise ValueError(f"tensor {t.name} ends past the file")
+        return cls(fields, tensors)
+
+
+_INDEX_MIN_BYTES = 16 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_index(path: str, mtime_ns: int, size: int) -> GGUFIndex:
+    """The index of the last GGUF opened, kept while the file is unchanged (`pretrained_config` then
+    `load_gguf` of one file read it once), and on disk across processes (`GGUFIndex`). A cached index that
+    does not read back is parsed again and rewritten, never trusted."""
+    import hashlib
+    import os
+
+    from .kernels import cache_dir
+
+    if size < _INDEX_MIN_BYTES:  # a small file parses in milliseconds: keeping its index would only litter
+        return GGUFIndex.parse(path)
+    tag = hashlib.sha256(f"{path}|{size}|{mtime_ns}".encode()).hexdigest()[:20]
+    cached = cache_dir() / "gguf" / f"{tag}.json"
+    if cached.is_file():
+        try:
+            return GGUFIndex.from_json(cached.read_text(encoding="utf-8"), path)
+        except Exception:  # damaged or from another gguf version: parse the file again
+            pass
+    index = GGUFIndex.parse(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(index.to_json(), encoding="utf-8")
+        os.replace(tmp, cached)
+    except (OSError, TypeError, ValueError):  # a read-only home or a value JSON cannot hold: no cache, same result
+        pass
+    return index
 
 
 def _gguf_field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:

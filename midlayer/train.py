@@ -101,7 +101,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("MIDLAYER_CACHE", Path.home() / ".cache" / "midlayer"))
+    from .kernels import cache_dir
+
+    return cache_dir()
 
 
 class MetricsLogger:

