@@ -171,6 +171,9 @@ def _add_generate_parser(sub) -> None:
                         "held-out accuracies and this machine's measured row costs), the top-1 chain, the N "
                         "nodes most likely accepted, or (EAGLE drafts) EAGLE-2's dynamic tree of N nodes")
     p.add_argument("--stats", action="store_true", help="with --draft: print tau and timing to stderr")
+    p.add_argument("--refresh-costs", action="store_true",
+                   help="with --tree auto: measure this machine's row costs and the drafter's overheads again "
+                        "instead of reading them from the cache ($MIDLAYER_CACHE/row_costs.json)")
     p.add_argument("--gates", default=None, metavar="DIR",
                    help="generate with the model gated by a train-gates output (per-token skipping of middle blocks, "
                         "real skipping; lossy). For lossless decoding give the same DIR as --draft instead: the gated "
@@ -390,10 +393,14 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
               file=sys.stderr)
     if args.tree == "auto" and acc:
-        from .tree_cost import auto_tree, measure_overhead, row_costs, table_text
+        from .tree_cost import auto_tree, cached_overhead, cost_key, drafter_key, row_costs, table_text
 
-        costs = row_costs(model, args.model or args.checkpoint, args.weights, progress=True)
-        overhead = measure_overhead(model, drafter, costs, ids)  # ~1-2 s: what the forwards leave out
+        name = args.model or args.checkpoint
+        costs = row_costs(model, name, args.weights, progress=True, refresh=args.refresh_costs)
+        # what the forwards leave out (~1 s to measure): once per drafter and machine, then cached
+        overhead = cached_overhead(model, drafter, costs, ids,
+                                   f"{cost_key(name, args.weights, model)}|{drafter_key(drafter, args.draft)}",
+                                   refresh=args.refresh_costs)
         tree, table = auto_tree(model, drafter, acc, costs, max_depth=k, overhead=overhead)
         if args.stats:
             print(f"measured beyond the modelled forwards: {overhead.plain_ms:+.2f} ms a plain token, "
@@ -466,6 +473,8 @@ def _check_generate_args(args: argparse.Namespace) -> None:
                          "speculative decoding of a trained drafter)")
     if args.tree is None:
         args.tree = "auto"
+    if args.refresh_costs and (args.draft is None or args.tree != "auto"):
+        raise ValueError("--refresh-costs needs --draft with --tree auto (it re-measures what sizes that tree)")
     if args.tree.startswith(("sparse:", "dynamic:")):
         _tree_nodes(args.tree)
     elif args.tree not in ("auto", "chain"):

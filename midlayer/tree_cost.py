@@ -389,16 +389,28 @@ def cost_key(model_name: str, weights: str, model=None) -> str:
     return f"{model_name}|{weights}|{dev}|{info.model}|{','.join(sorted(info.flags & {'avx2', 'avx512f', 'amx_bf16', 'avx512_vnni', 'avx_vnni'}))}|{torch.get_num_threads()}t|torch {torch.__version__}|{library_path().stem}"
 
 
+def _load_store(path: Path) -> dict:
+    if path.is_file():
+        try:
+            store = json.loads(path.read_text())
+            return store if isinstance(store, dict) else {}
+        except (OSError, json.JSONDecodeError):
+            pass  # a damaged cache is re-measured, never trusted
+    return {}
+
+
+def _save_store(path: Path, store: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(store, indent=1))
+    os.replace(tmp, path)
+
+
 def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, progress: bool = False,
               **measure_kw) -> RowCosts:
     """The cached row-cost curve for (model, weights, machine), measured now if absent (~10-30 s)."""
     path, key = _cache_file(), cost_key(model_name, weights, model)
-    store: dict = {}
-    if path.is_file():
-        try:
-            store = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            store = {}  # a damaged cache is re-measured, never trusted
+    store = _load_store(path)
     if not refresh and key in store:
         try:  # (a curve stored without call_ms, before it was measured, is measured again)
             r = store[key]
@@ -409,11 +421,42 @@ def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, pr
         print(f"measuring the row-cost curve for {key} (once; cached in {path})", file=sys.stderr, flush=True)
     costs = measure_row_costs(model, **measure_kw)
     store[key] = asdict(costs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(store, indent=1))
-    os.replace(tmp, path)
+    _save_store(path, store)
     return costs
+
+
+def drafter_key(drafter: object, draft_dir: str | Path | None = None) -> str:
+    """What a drafter's measured overhead depends on: its kind and settings (EAGLE-2's children per node,
+    hidden transfer's fused pass) and its draft's architecture (draft.json: sizes, k, draft vocabulary), not
+    its trained values."""
+    import hashlib
+
+    meta = ""
+    if draft_dir is not None and (Path(draft_dir) / "draft.json").is_file():
+        meta = hashlib.sha256((Path(draft_dir) / "draft.json").read_bytes()).hexdigest()[:16]
+    return (f"{type(drafter).__name__}|{meta}|dynamic_k={getattr(drafter, 'dynamic_k', None)}"
+            f"|fused={getattr(drafter, 'fused', None)}")
+
+
+def cached_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequence[int], key: str, *,
+                    refresh: bool = False, **measure_kw) -> Overhead:
+    """`measure_overhead`, kept beside the row-cost curve under `key` (`cost_key` + `drafter_key`): a
+    `generate --tree auto` call then pays its ~1 s once per drafter and machine. It is measured again when
+    the curve it was measured against has changed (a refreshed curve), or with `refresh`."""
+    path = _cache_file()
+    store, k = _load_store(path), f"overhead|{key}"
+    curve = [list(costs.rows), list(costs.total_ms)]
+    hit = store.get(k)
+    if not refresh and isinstance(hit, dict) and hit.get("curve") == curve:
+        try:
+            return Overhead(float(hit["plain_ms"]), float(hit["round_ms"]), float(hit["call_ms"]))
+        except (KeyError, TypeError, ValueError):
+            pass
+    over = measure_overhead(model, drafter, costs, prompt_ids, **measure_kw)
+    store = _load_store(path)  # (re-read: another process may have written meanwhile)
+    store[k] = {"curve": curve, **asdict(over)}
+    _save_store(path, store)
+    return over
 
 
 def table_text(table: list[dict], chosen: DraftTree) -> str:
@@ -426,5 +469,5 @@ def table_text(table: list[dict], chosen: DraftTree) -> str:
 
 
 __all__ = ["RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms", "draft_calls", "total_round_ms",
-           "measure_overhead", "split_excess", "expected_tokens", "choose_tree", "auto_tree", "measure_row_costs", "row_costs",
+           "measure_overhead", "cached_overhead", "drafter_key", "split_excess", "expected_tokens", "choose_tree", "auto_tree", "measure_row_costs", "row_costs",
            "cost_key", "table_text"]

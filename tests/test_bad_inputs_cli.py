@@ -290,6 +290,9 @@ def test_generate_other_flags_refused_before_loading(work, capsys):
     # flags of speculative decoding without a drafter are refused, not silently ignored
     refused(capsys, [*base, "--tree", "chain"], "--tree needs --draft", roots=(work,))
     refused(capsys, [*base, "--stats"], "--stats needs --draft", roots=(work,))
+    refused(capsys, [*base, "--refresh-costs"], "--refresh-costs needs --draft with --tree auto", roots=(work,))
+    refused(capsys, [*base, "--draft", str(work), "--tree", "chain", "--refresh-costs"], "--refresh-costs",
+            roots=(work,))
 
 
 def test_generation_config_and_speculative_refuse_nonfinite_temperature():

@@ -166,6 +166,43 @@ def test_measured_overhead_decides_between_speculation_and_plain_decoding():
     assert len(cheap) > 0 and len(dear) == 0
 
 
+def test_measured_overhead_is_cached_per_drafter_and_remeasured_against_a_new_curve(tmp_path, monkeypatch):
+    """cached_overhead measures once per key (machine + drafter), then reads the cache; it measures again
+    for another draft architecture, for a changed curve (the overhead is relative to it), with refresh, and
+    when the cache is damaged."""
+    monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path))
+    model = make_tiny(TINY, False)
+    drafter = MedusaDrafter(model, MedusaHeads(D, 3))
+    costs = tc.RowCosts(LINEAR.rows, LINEAR.total_ms, LINEAR.head_ms, 4)
+    measured = []
+
+    def fake(model, drafter, costs, prompt, **kw):
+        measured.append(costs.total_ms)
+        return tc.Overhead(float(len(measured)), 2.0, 3.0)
+
+    monkeypatch.setattr(tc, "measure_overhead", fake)
+    dirs = []
+    for k in (3, 2):  # two drafts of the same kind, different architectures
+        d = tmp_path / f"medusa{k}"
+        d.mkdir()
+        (d / "draft.json").write_text(json.dumps({"kind": "medusa", "config": {"k": k}}))
+        dirs.append(d)
+    key = f"{tc.cost_key('tiny', 'fp32', model)}|{tc.drafter_key(drafter, dirs[0])}"
+    first = tc.cached_overhead(model, drafter, costs, [1, 2, 3], key)
+    assert first == tc.Overhead(1.0, 2.0, 3.0)
+    assert tc.cached_overhead(model, drafter, costs, [4, 5], key) == first and len(measured) == 1  # cached
+    other = f"{tc.cost_key('tiny', 'fp32', model)}|{tc.drafter_key(drafter, dirs[1])}"
+    assert other != key and tc.cached_overhead(model, drafter, costs, [1], other).plain_ms == 2.0
+    assert tc.drafter_key(LayerSkipDrafter(model, [1, 2]), dirs[0]) != tc.drafter_key(drafter, dirs[0])
+    slower = tc.RowCosts(costs.rows, tuple(2 * t for t in costs.total_ms), costs.head_ms, 4)
+    assert tc.cached_overhead(model, drafter, slower, [1], key).plain_ms == 3.0  # a new curve: measured again
+    assert tc.cached_overhead(model, drafter, slower, [1], key).plain_ms == 3.0 and len(measured) == 3
+    assert tc.cached_overhead(model, drafter, slower, [1], key, refresh=True).plain_ms == 4.0
+    (tmp_path / "row_costs.json").write_text("[1, 2]")  # damaged (valid JSON, not a store): measured again
+    assert tc.cached_overhead(model, drafter, slower, [1], key).plain_ms == 5.0
+    assert tc.cached_overhead(model, drafter, slower, [1], key).plain_ms == 5.0 and len(measured) == 5
+
+
 def test_tree_specs_on_the_command_line():
     from midlayer.cli import _tree_nodes
 
