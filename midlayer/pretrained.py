@@ -49,6 +49,7 @@ scale show) is refused by name, the rule every weight loader applies (`model.non
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import re
@@ -366,9 +367,12 @@ def _open_gguf(path: Path) -> "GGUFIndex":
         raise ValueError(f"{path}: no such GGUF file")
     st = path.stat()
     try:
-        return _gguf_index(str(path.resolve()), st.st_mtime_ns, st.st_size)
+        index = _gguf_index(str(path.resolve()), st.st_mtime_ns, st.st_size)
     except Exception as e:  # bad magic, truncated header or tensor data, ...
         raise ValueError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+    if index.swapped:
+        raise ValueError(f"{path}: a big-endian GGUF file; only little-endian files are supported")
+    return index
 
 
 class _Field(NamedTuple):
@@ -411,11 +415,22 @@ class GGUFIndex(NamedTuple):
     """A GGUF file's metadata values and tensor locations: what `load_gguf` reads through gguf's reader.
     gguf.GGUFReader parses every metadata array element by element (~3-4 s for SmolLM2's 49k-token
     vocabulary and merges, most of a CLI call's start-up), so the index is kept on disk beside the other
-    caches (`kernels.cache_dir()`), keyed by the file's path, size and modification time, and read back in
-    milliseconds; the tensors are a memory map of the file either way."""
+    caches (`kernels.cache_dir()`, `_gguf_index`) and read back in milliseconds; the tensors are a memory map
+    of the file either way. `header_sha`: the sha256 of the file's bytes before its tensor data (the
+    metadata and the tensor table), checked against the file whenever an index is read back. `swapped`: a
+    big-endian file (refused by `_open_gguf`)."""
 
     fields: dict[str, _Field]
     tensors: list[_Tensor]
+    header_sha: str
+    swapped: bool = False
+
+    @staticmethod
+    def _header_sha(mm: np.memmap, tensors: list) -> str:
+        import hashlib
+
+        end = min((t.data_offset for t in tensors), default=mm.size)
+        return hashlib.sha256(memoryview(mm[:end])).hexdigest()
 
     @classmethod
     def parse(cls, path: str) -> "GGUFIndex":
@@ -430,38 +445,65 @@ class GGUFIndex(NamedTuple):
                 fields[key] = _Field(None, f"{type(e).__name__}: {e}")
         tensors = [_Tensor(t.name, t.tensor_type, np.asarray(t.shape), int(t.data_offset), int(t.n_bytes), reader.data)
                    for t in reader.tensors]
-        return cls(fields, tensors)
+        return cls(fields, tensors, cls._header_sha(reader.data, tensors), reader.byte_order == "S")
 
     def to_json(self) -> str:
-        return json.dumps({"fields": {k: [f.value, f.error] for k, f in self.fields.items()},
-                           "tensors": [[t.name, int(t.tensor_type), [int(d) for d in t.shape], t.data_offset, t.n_bytes]
-                                       for t in self.tensors]})
+        """The index as text: a checksum line, then the JSON (values, tensor table, header_sha, versions)."""
+        import hashlib
+
+        import gguf
+
+        payload = json.dumps({
+            "format": _INDEX_FORMAT, "gguf": _gguf_version(gguf), "header_sha": self.header_sha,
+            "fields": {k: [f.value, f.error] for k, f in self.fields.items()},
+            "tensors": [[t.name, int(t.tensor_type), [int(d) for d in t.shape], t.data_offset, t.n_bytes]
+                        for t in self.tensors]})
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest() + "\n" + payload
 
     @classmethod
     def from_json(cls, text: str, path: str) -> "GGUFIndex":
+        """The index `to_json` wrote for `path`; ValueError unless it is intact, written by this format and
+        gguf version, and the file's metadata and tensor table are still the bytes it was made from."""
+        import hashlib
+
         import gguf
 
-        d = json.loads(text)
+        sha, _, payload = text.partition("\n")
+        if hashlib.sha256(payload.encode("utf-8")).hexdigest() != sha:
+            raise ValueError("damaged index (checksum)")
+        d = json.loads(payload)
+        if d.get("format") != _INDEX_FORMAT or d.get("gguf") != _gguf_version(gguf):
+            raise ValueError("an index of another format or gguf version")
         mm = np.memmap(path, mode="r")
         fields = {k: _Field(v, err) for k, (v, err) in d["fields"].items()}
         tensors = [_Tensor(name, gguf.GGMLQuantizationType(ty), np.asarray(shape, dtype=np.uint64), off, nb, mm)
                    for name, ty, shape, off, nb in d["tensors"]]
-        for t in tensors:
-            if t.data_offset + t.n_bytes > mm.size:
-                raise ValueError(f"tensor {t.name} ends past the file")
-        return cls(fields, tensors)
+        if cls._header_sha(mm, tensors) != d["header_sha"]:
+            raise ValueError("the file's metadata changed since the index was made")
+        return cls(fields, tensors, d["header_sha"])
 
 
+_INDEX_FORMAT = 1
 _INDEX_MIN_BYTES = 16 << 20
+
+
+def _gguf_version(gguf: Any) -> str:
+    try:
+        return importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source checkout of gguf
+        return getattr(gguf, "__version__", "unknown")
 
 
 @functools.lru_cache(maxsize=1)
 def _gguf_index(path: str, mtime_ns: int, size: int) -> GGUFIndex:
     """The index of the last GGUF opened, kept while the file is unchanged (`pretrained_config` then
-    `load_gguf` of one file read it once), and on disk across processes (`GGUFIndex`). A cached index that
-    does not read back is parsed again and rewritten, never trusted."""
+    `load_gguf` of one file read it once), and on disk across processes (`GGUFIndex`), under a name made of
+    the file's path, size and modification time. An index that does not read back intact, or whose file's
+    metadata bytes changed, is parsed again and rewritten, never trusted; a cache that cannot be read or
+    written only costs the parse."""
     import hashlib
     import os
+    import tempfile
 
     from .kernels import cache_dir
 
@@ -469,19 +511,26 @@ def _gguf_index(path: str, mtime_ns: int, size: int) -> GGUFIndex:
         return GGUFIndex.parse(path)
     tag = hashlib.sha256(f"{path}|{size}|{mtime_ns}".encode()).hexdigest()[:20]
     cached = cache_dir() / "gguf" / f"{tag}.json"
-    if cached.is_file():
-        try:
-            return GGUFIndex.from_json(cached.read_text(encoding="utf-8"), path)
-        except Exception:  # damaged or from another gguf version: parse the file again
-            pass
+    try:
+        return GGUFIndex.from_json(cached.read_text(encoding="utf-8"), path)
+    except Exception:  # absent, unreadable, damaged, stale: parse the file
+        pass
     index = GGUFIndex.parse(path)
+    if index.swapped:
+        return index
+    tmp = None
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(index.to_json(), encoding="utf-8")
+        fd, tmp = tempfile.mkstemp(dir=cached.parent, prefix=f"{tag}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(index.to_json())
         os.replace(tmp, cached)
-    except (OSError, TypeError, ValueError):  # a read-only home or a value JSON cannot hold: no cache, same result
-        pass
+    except Exception:  # a read-only home, a full disk, a value JSON cannot hold: no cache, same result
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return index
 
 

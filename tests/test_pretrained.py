@@ -480,6 +480,17 @@ def test_gguf_bad_files(tmp_path):
     with pytest.raises(ValueError, match="corrupt or truncated"):
         load_gguf(header_only)
 
+    big = tmp_path / "big.gguf"  # a big-endian file: refused by name (gguf's dequantize reads native order)
+    w = gguf.GGUFWriter(str(big), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(1)
+    w.add_tensor("output_norm.weight", np.ones(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"big\.gguf: a big-endian GGUF file"):
+        load_gguf(big)
+
     other = tmp_path / "gpt2arch.gguf"
     write_tiny_gguf(other, ref, tok, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported.*llama"):
@@ -526,11 +537,38 @@ def test_gguf_index_is_cached_on_disk_and_reads_back_the_same_model(tmp_path, mo
     assert ours2.vocab_size == ours.vocab_size and ours2.eos_ids == ours.eos_ids
     assert all(ours2.encode(s) == ours.encode(s) for s in STRINGS)
 
-    cached[0].write_text("{not json")  # damaged: parsed again and rewritten, never trusted
+    good = cached[0].read_text()
+    sha, _, payload = good.partition("\n")
+    damaged = [
+        "{not json",  # broken
+        sha + "\n" + payload.replace('"tensors": [["', '"tensors": [["x'),  # edited: the checksum no longer holds
+    ]
+    for text in damaged:  # parsed again and rewritten, never trusted
+        cached[0].write_text(text)
+        pre._gguf_index.cache_clear()
+        model3, _ = load_gguf(f)
+        assert all(torch.equal(sd[k], model3.state_dict()[k]) for k in sd)
+        assert cached[0].read_text() == good
+
+    # The file's metadata changed in place, its size and mtime restored (cp -p, rsync -a): the index made
+    # from the old bytes is not used.
+    st = f.stat()
+    blob = bytearray(f.read_bytes())
+    at = blob.index(b"llama.context_length") + len(b"llama.context_length") + 4  # + the value's type (u32)
+    assert int.from_bytes(blob[at:at + 4], "little") == model.cfg.max_seq_len
+    blob[at:at + 4] = (77).to_bytes(4, "little")
+    f.write_bytes(bytes(blob))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     pre._gguf_index.cache_clear()
-    model3, _ = load_gguf(f)
-    assert all(torch.equal(sd[k], model3.state_dict()[k]) for k in sd)
-    json.loads(cached[0].read_text())
+    assert load_gguf(f)[0].cfg.max_seq_len == 77
+
+    # A cache that cannot be read or written (here: a directory where the index would be) costs the parse only.
+    for p in cached[0].parent.iterdir():
+        p.unlink()
+    cached[0].mkdir()
+    pre._gguf_index.cache_clear()
+    assert load_gguf(f)[0].cfg.max_seq_len == 77
+    assert [p.name for p in cached[0].parent.iterdir()] == [cached[0].name]  # no temporary file left behind
     pre._gguf_index.cache_clear()
 
 
