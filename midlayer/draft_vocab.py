@@ -31,6 +31,7 @@ the top of those logits restricted to the subset (`restrict_logits`), the same r
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -128,10 +129,10 @@ def _sub_head(head: nn.Module, vocab: torch.Tensor) -> nn.Module | torch.Tensor:
 
     if isinstance(head, BlockQuantLinear):
         w = head.dequantized().index_select(0, vocab.to(head.codes.device))
-        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-        return type(head)(lin)
+        # what the compressed head's constructor reads of an nn.Linear (building one would draw a random
+        # init of 16k x d, ~40 ms of a generate call's first round, only to overwrite it)
+        rows = SimpleNamespace(weight=w, bias=None, in_features=w.shape[1], out_features=w.shape[0])
+        return type(head)(rows)
     raise ValueError(f"no draft-vocabulary head for an LM head of type {type(head).__name__}")
 
 
