@@ -435,7 +435,7 @@ def test_cli_surface_is_frozen():
     assert flags["generate"] == sorted(["-h", "--help", "--model", "--checkpoint", "--prompt", "--chat", "--system",
                                         "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
                                         "--no-skip", "--weights", "--device", "--draft", "--tree", "--stats",
-                                        "--gates"])
+                                        "--refresh-costs", "--gates"])
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
     assert sorted(o for a in bench["generate"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
