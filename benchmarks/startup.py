@@ -1,5 +1,6 @@
 """Where a CLI call's start-up goes: importing torch and midlayer, loading SmolLM2's GGUF, compressing it to
-q4, loading a draft (docs/results/decode-cpu.md, 29th session). One process, each phase once, in order, as
+q4, loading a draft, and its first speculative call against a second one (docs/results/decode-cpu.md, 29th
+session). One process, each phase once, in order, as
 `midlayer generate` runs them; run it twice to see the second call's (cached) GGUF index.
 
     python benchmarks/startup.py [--draft drafts/smollm2-135m-scale/eagle]
@@ -28,15 +29,25 @@ def main() -> None:
     args = ap.parse_args()
     s = {"import torch": t1 - t0, "import midlayer": t2 - t1}
     t = time.perf_counter()
-    model, _ = load_pretrained("smollm2-135m")
+    model, tok = load_pretrained("smollm2-135m")
     s["load_pretrained (GGUF)"] = time.perf_counter() - t
     t = time.perf_counter()
     model = compress_weights(model, "q4").eval()
     s["compress to q4"] = time.perf_counter() - t
     if args.draft:
         t = time.perf_counter()
-        load_drafter(args.draft, model)
+        drafter, _, _ = load_drafter(args.draft, model)
         s["load the draft"] = time.perf_counter() - t
+        # the first speculative call builds what the drafter keeps (e.g. its draft-vocabulary head); the
+        # second shows the warm cost of the same 64 tokens
+        from midlayer.speculative import DraftTree, speculative_generate
+
+        ids = tok.encode_chat([{"role": "user", "content": "Why is the sky blue?"}])
+        for name in ("first speculative call, 64 tokens", "second call, the same"):
+            t = time.perf_counter()
+            with torch.inference_mode():
+                speculative_generate(model, ids, drafter, DraftTree.chain(3), 64)
+            s[name] = time.perf_counter() - t
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n\n| phase | s |\n|---|---|")
     for k, v in s.items():
         print(f"| {k} | {v:.2f} |")

@@ -31,7 +31,6 @@ the top of those logits restricted to the subset (`restrict_logits`), the same r
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -93,9 +92,9 @@ def head_logits(module: nn.Module, model: nn.Module, x: torch.Tensor) -> torch.T
     """LMHead(x) over the module's draft vocabulary: x is what the base's head reads (after its final norm).
 
     The sub-head holds only the subset's rows, in the base head's own format (an nn.Linear's rows, or a
-    compressed head rebuilt on the dequantised rows: `quantization.Q8Linear` keeps its codes exactly, since
-    each row's groups are requantised from values that are already on the grid). Built once per base head
-    and kept on the module (not saved). Gradients flow to x, never to the frozen head."""
+    compressed head's `select_rows`: `quantization.Q8Linear` copies the rows' codes and scales, which is
+    what requantising its dequantised rows gives). Built once per base head and kept on the module (not
+    saved). Gradients flow to x, never to the frozen head."""
     vocab = draft_vocab(module)
     head = model.output
     if vocab is None:
@@ -128,11 +127,7 @@ def _sub_head(head: nn.Module, vocab: torch.Tensor) -> nn.Module | torch.Tensor:
     from .quantization import BlockQuantLinear
 
     if isinstance(head, BlockQuantLinear):
-        w = head.dequantized().index_select(0, vocab.to(head.codes.device))
-        # what the compressed head's constructor reads of an nn.Linear (building one would draw a random
-        # init of 16k x d, ~40 ms of a generate call's first round, only to overwrite it)
-        rows = SimpleNamespace(weight=w, bias=None, in_features=w.shape[1], out_features=w.shape[0])
-        return type(head)(rows)
+        return head.select_rows(vocab)
     raise ValueError(f"no draft-vocabulary head for an LM head of type {type(head).__name__}")
 
 

@@ -359,9 +359,27 @@ def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     df = d.float()
     safe = torch.where(df > 0, df, torch.ones_like(df))
     q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return _pack_q8_0(q, d)
+
+
+def _pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes int8 [N, G, 32] and fp16 scales [N, G], natural order -> the interleaved layout (quantize_q8_0)."""
+    N, G, _ = q.shape
+    O = _groups(N)
     q, d = _pad_rows(q, 8 * O), _pad_rows(d, 8 * O)
     codes = q.reshape(O, 8, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(O, G, 256)  # (o, g, c, j, i)
     return codes.contiguous(), d.reshape(O, 8, G).permute(0, 2, 1).contiguous()
+
+
+def select_rows_q8_0(codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, n: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Q8_0 weight of outputs `rows` (in that order): their codes and scales copied, no float round
+    trip. It equals quantize_q8_0 of their dequantised rows: a block's largest |code| is 127 (or the block is
+    zero), so d' = (127 d) / 127 = d exactly and every code comes back (tested)."""
+    O, G, _ = scales.shape
+    q = unpack_q8_0(codes, n).index_select(0, rows)
+    d = scales.permute(0, 2, 1).reshape(8 * O, G)[:_out_features(n, O)].index_select(0, rows)
+    return _pack_q8_0(q, d)
 
 
 def unpack_q8_0(codes: torch.Tensor, n: int | None = None) -> torch.Tensor:

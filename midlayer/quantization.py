@@ -37,6 +37,7 @@ torch, non-CPU devices) the layer dequantises and uses a plain matmul: the same 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -138,6 +139,7 @@ class BlockQuantLinear(nn.Module):
     dequantiser and GEMM are told the real N."""
 
     quantize = dequantize = gemm = staticmethod(lambda *a: None)  # set by the subclasses
+    select = None  # (codes, scales, rows, n) -> the rows' codes and scales, where they copy row by row
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -150,6 +152,23 @@ class BlockQuantLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight [out_features, in_features] fp32 the codes and scales represent."""
         return type(self).dequantize(self.codes, self.scales, self.out_features)
+
+    def select_rows(self, rows: torch.Tensor) -> "BlockQuantLinear":
+        """The layer restricted to the outputs `rows`, in that order (a draft vocabulary's sub-head). Formats
+        whose codes can be copied row by row (`select`) copy them; others requantise the dequantised rows."""
+        rows = rows.to(self.codes.device)
+        bias = None if self.bias is None else self.bias.index_select(0, rows)
+        if type(self).select is None:
+            w = self.dequantized().index_select(0, rows)
+            return type(self)(SimpleNamespace(weight=w, bias=bias, in_features=w.shape[1], out_features=w.shape[0]))
+        sub = type(self).__new__(type(self))
+        nn.Module.__init__(sub)
+        sub.in_features, sub.out_features = self.in_features, int(rows.numel())
+        codes, scales = type(self).select(self.codes, self.scales, rows, self.out_features)
+        sub.register_buffer("codes", codes)
+        sub.register_buffer("scales", scales)
+        sub.register_buffer("bias", bias)
+        return sub
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = type(self).gemm(x.reshape(-1, self.in_features), self.codes, self.scales, self.out_features)
@@ -169,6 +188,7 @@ class Q8Linear(BlockQuantLinear):
 
     quantize, dequantize, gemm = (staticmethod(kernels.quantize_q8_0), staticmethod(kernels.dequantize_q8_0),
                                   staticmethod(kernels.gemm_q8_0))
+    select = staticmethod(kernels.select_rows_q8_0)
 
 
 def _convert(linear: nn.Linear, fmt: str) -> nn.Module:

@@ -163,3 +163,28 @@ def test_int4_recovers_the_q4_1_codes_of_the_smollm2_file():
         assert torch.equal(rec, w), t.name
         checked += 1
     assert checked == 7
+
+
+def test_select_rows_equals_requantising_the_dequantised_rows():
+    """A compressed head restricted to some outputs (a draft vocabulary): Q8_0 copies the rows' codes and
+    scales; that is exactly what quantising the dequantised rows gives (zero blocks, padding groups, repeated
+    and reordered rows included). Q4_1 requantises. Both compute the same outputs as the full head's rows."""
+    from types import SimpleNamespace
+
+    from midlayer.quantization import Q4Linear, Q8Linear
+
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(64, 37, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(37, 64, generator=g))
+        lin.weight[5, :32] = 0.0  # a zero block
+    rows = torch.tensor([36, 0, 5, 17, 17, 9, 2, 30, 11, 23, 4])  # 11 rows: a padded last group
+    x = torch.randn(3, 64, generator=g)
+    for cls in (Q8Linear, Q4Linear):
+        head = cls(lin)
+        sub = head.select_rows(rows)
+        w = head.dequantized().index_select(0, rows)
+        ref = cls(SimpleNamespace(weight=w, bias=None, in_features=64, out_features=rows.numel()))
+        assert sub.out_features == rows.numel() and sub.in_features == 64
+        assert torch.equal(sub.codes, ref.codes) and torch.equal(sub.scales, ref.scales), cls.__name__
+        assert torch.equal(sub(x), head(x)[:, rows])
