@@ -591,11 +591,41 @@ def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: i
     )
 
 
+def _dequantize_blocks(raw: np.ndarray, qtype: Any) -> torch.Tensor | None:
+    """Q4_1 and Q8_0 blocks (raw bytes) -> float32, the same operations in the same order as gguf's numpy
+    code (`gguf.quants`: Q4_1 (d q) + m, Q8_0 q d), so the same bits (tested on every tensor of SmolLM2's
+    file); in torch's threaded kernels, ~2x faster. None for other types (gguf's code does them)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if qtype not in (T.Q4_1, T.Q8_0):
+        return None
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    # (a copy: the file's memory map is read-only, which torch warns about; the bytes are 0.6x the weight's)
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(-1)).view(-1, type_size)
+    d = b[:, 0:2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
+    if qtype == T.Q8_0:
+        return torch.mul(b[:, 2:].contiguous().view(torch.int8).float(), d)
+    m = b[:, 2:4].contiguous().view(torch.float16).float()
+    qs = b[:, 4:]
+    q = torch.cat([qs & 0x0F, qs >> 4], 1).float()  # elements 0-15 in the low nibbles, 16-31 in the high
+    return torch.add(torch.mul(d, q), m)
+
+
 def _dequantize(t: Any, path: Path) -> torch.Tensor:
     """One GGUF tensor as float32 torch, in torch's dimension order."""
     import gguf
 
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (fastest) first
+    try:
+        fast = _dequantize_blocks(t.data, t.tensor_type)
+    except Exception as e:
+        raise ValueError(f"{path}: tensor {t.name} ({t.tensor_type.name}, shape {shape}) is unreadable: {e}") from e
+    if fast is not None:
+        if fast.numel() != int(np.prod(shape)):
+            raise ValueError(f"{path}: tensor {t.name} ({t.tensor_type.name}) holds {fast.numel()} values, its "
+                             f"shape {shape} needs {int(np.prod(shape))}")
+        return fast.reshape(shape)
     try:
         # Corrupt bytes can decode to inf/NaN scales: no numpy warning, load_gguf refuses the tensor by name.
         with np.errstate(over="ignore", invalid="ignore"):

