@@ -92,8 +92,8 @@ def head_logits(module: nn.Module, model: nn.Module, x: torch.Tensor) -> torch.T
     """LMHead(x) over the module's draft vocabulary: x is what the base's head reads (after its final norm).
 
     The sub-head holds only the subset's rows, in the base head's own format (an nn.Linear's rows, or a
-    compressed head's `select_rows`: `quantization.Q8Linear` copies the rows' codes and scales, which is
-    what requantising its dequantised rows gives). Built once per base head and kept on the module (not
+    compressed head's `select_rows`: `quantization.Q8Linear` copies the rows' codes and scales, exactly the
+    head's own weights on those rows). Built once per base head and kept on the module (not
     saved). Gradients flow to x, never to the frozen head."""
     vocab = draft_vocab(module)
     head = model.output

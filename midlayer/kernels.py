@@ -374,8 +374,10 @@ def _pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def select_rows_q8_0(codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, n: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Q8_0 weight of outputs `rows` (in that order): their codes and scales copied, no float round
-    trip. It equals quantize_q8_0 of their dequantised rows: a block's largest |code| is 127 (or the block is
-    zero), so d' = (127 d) / 127 = d exactly and every code comes back (tested)."""
+    trip -- exactly the head's own weights on those rows. Where a block's scale is a normal fp16 number
+    this is also what quantize_q8_0 of the dequantised rows gives (the block's largest |code| is 127, so
+    d' = (127 d) / 127 = d and every code comes back); where it is subnormal (a block whose values are all
+    below ~8e-3) requantising would not even restore the weights, and copying does (tested)."""
     O, G, _ = scales.shape
     q = unpack_q8_0(codes, n).index_select(0, rows)
     d = scales.permute(0, 2, 1).reshape(8 * O, G)[:_out_features(n, O)].index_select(0, rows)

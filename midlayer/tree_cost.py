@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -169,9 +169,11 @@ class Overhead:
     compaction, the loop), and per draft forward call (a drafter's Python, its input projection, top-k).
     Without them `auto` priced an EAGLE-2 round's drafting at ~1.9 ms where it took ~4 ms, and chose trees
     that lost to plain decoding (docs/results/hidden-transfer-cpu.md, 28th session). plain_ms and round_ms
-    are measured against the cached curve in the same run, so they are negative when the machine runs
-    faster now than when the curve was measured (a shared host drifts by 20% within minutes); either way
-    the priced rounds and plain tokens are what they cost now."""
+    are measured against the cached curve in the same run, so they are negative when the machine ran
+    faster then than when the curve was measured (a shared host drifts by 20% within minutes). `bench
+    decode` measures them afresh, so its rounds are priced as they cost now; `generate` reuses the first
+    measurement per drafter and machine (`cached_overhead`), which keeps that moment's drift and prompt
+    length: a trade of ~1 s a call for a price that can be off by the drift (`--refresh-costs`)."""
 
     plain_ms: float = 0.0
     round_ms: float = 0.0
@@ -390,20 +392,36 @@ def cost_key(model_name: str, weights: str, model=None) -> str:
 
 
 def _load_store(path: Path) -> dict:
-    if path.is_file():
-        try:
-            store = json.loads(path.read_text())
-            return store if isinstance(store, dict) else {}
-        except (OSError, json.JSONDecodeError):
-            pass  # a damaged cache is re-measured, never trusted
-    return {}
+    try:
+        store = json.loads(path.read_text(encoding="utf-8"))
+        return store if isinstance(store, dict) else {}
+    except (OSError, ValueError):  # absent, unreadable or damaged (bad JSON, bad UTF-8): re-measured, never trusted
+        return {}
 
 
-def _save_store(path: Path, store: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(store, indent=1))
-    os.replace(tmp, path)
+def _save_store(path: Path, key: str, value: Any) -> None:
+    """store[key] = value in the cache file: re-read just before writing (another process may have added
+    entries while this one measured), then replaced atomically. A cache that cannot be written costs only
+    the measurement next time, never the call."""
+    import tempfile
+
+    tmp = None
+    try:
+        store = _load_store(path)
+        store[key] = value
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(store, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"note: could not write the cost cache {path} ({e}); it will be measured again next time",
+              file=sys.stderr)
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, progress: bool = False,
@@ -420,21 +438,35 @@ def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, pr
     if progress:  # stderr: generated text alone goes to stdout
         print(f"measuring the row-cost curve for {key} (once; cached in {path})", file=sys.stderr, flush=True)
     costs = measure_row_costs(model, **measure_kw)
-    store[key] = asdict(costs)
-    _save_store(path, store)
+    _save_store(path, key, asdict(costs))
     return costs
 
 
 def drafter_key(drafter: object, draft_dir: str | Path | None = None) -> str:
     """What a drafter's measured overhead depends on: its kind and settings (EAGLE-2's children per node,
-    hidden transfer's fused pass) and its draft's architecture (draft.json: sizes, k, draft vocabulary), not
-    its trained values."""
+    hidden transfer's fused pass) and its draft's architecture -- draft.json's kind and config, and the name
+    and shape of every tensor in draft.safetensors (the draft vocabulary's size among them) -- not its
+    trained values or held-out metrics (a retrained draft of the same shape shares the entry)."""
     import hashlib
 
-    meta = ""
-    if draft_dir is not None and (Path(draft_dir) / "draft.json").is_file():
-        meta = hashlib.sha256((Path(draft_dir) / "draft.json").read_bytes()).hexdigest()[:16]
-    return (f"{type(drafter).__name__}|{meta}|dynamic_k={getattr(drafter, 'dynamic_k', None)}"
+    arch: dict[str, Any] = {}
+    d = Path(draft_dir) if draft_dir is not None else None
+    if d is not None and (d / "draft.json").is_file():
+        try:
+            meta = json.loads((d / "draft.json").read_text(encoding="utf-8"))
+            arch = {"kind": meta.get("kind"), "config": meta.get("config")}
+        except (OSError, ValueError, AttributeError):
+            arch = {}
+    if d is not None and (d / "draft.safetensors").is_file():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(d / "draft.safetensors"), framework="pt") as f:
+                arch["tensors"] = {k: list(f.get_slice(k).get_shape()) for k in sorted(f.keys())}
+        except Exception:  # an unreadable file: the drafter would not have loaded; key on the rest
+            pass
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16] if arch else ""
+    return (f"{type(drafter).__name__}|{h}|dynamic_k={getattr(drafter, 'dynamic_k', None)}"
             f"|fused={getattr(drafter, 'fused', None)}")
 
 
@@ -453,9 +485,7 @@ def cached_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequenc
         except (KeyError, TypeError, ValueError):
             pass
     over = measure_overhead(model, drafter, costs, prompt_ids, **measure_kw)
-    store = _load_store(path)  # (re-read: another process may have written meanwhile)
-    store[k] = {"curve": curve, **asdict(over)}
-    _save_store(path, store)
+    _save_store(path, k, {"curve": curve, **asdict(over)})
     return over
 
 

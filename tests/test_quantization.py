@@ -188,3 +188,16 @@ def test_select_rows_equals_requantising_the_dequantised_rows():
         assert sub.out_features == rows.numel() and sub.in_features == 64
         assert torch.equal(sub.codes, ref.codes) and torch.equal(sub.scales, ref.scales), cls.__name__
         assert torch.equal(sub(x), head(x)[:, rows])
+    # A block whose fp16 scale is subnormal (values ~1e-5): requantising its dequantised row would not
+    # restore it; the copy keeps the head's own codes and scales, so its outputs are the head's.
+    with torch.no_grad():
+        lin.weight[9] = 1e-5 * torch.randn(64, generator=g)
+    head = Q8Linear(lin)
+    from midlayer import kernels
+
+    assert float(kernels.unpack_q8_0(head.codes, 37)[9].abs().max()) == 127.0
+    sub = head.select_rows(rows)
+    i = rows.tolist().index(9)
+    assert torch.equal(kernels.unpack_q8_0(sub.codes, rows.numel())[i], kernels.unpack_q8_0(head.codes, 37)[9])
+    assert torch.equal(sub.dequantized()[i], head.dequantized()[9])
+    assert torch.equal(sub(x), head(x)[:, rows])

@@ -201,6 +201,33 @@ def test_measured_overhead_is_cached_per_drafter_and_remeasured_against_a_new_cu
     (tmp_path / "row_costs.json").write_text("[1, 2]")  # damaged (valid JSON, not a store): measured again
     assert tc.cached_overhead(model, drafter, slower, [1], key).plain_ms == 5.0
     assert tc.cached_overhead(model, drafter, slower, [1], key).plain_ms == 5.0 and len(measured) == 5
+    (tmp_path / "row_costs.json").write_bytes(b"\xff\xfe\x00garbage")  # not even UTF-8: measured again
+    assert tc.cached_overhead(model, drafter, slower, [1], key).plain_ms == 6.0
+    (tmp_path / "row_costs.json").unlink()
+    (tmp_path / "row_costs.json").mkdir()  # a cache that can be neither read nor written: measured, not fatal
+    assert tc.cached_overhead(model, drafter, slower, [1], key).plain_ms == 7.0
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("row_costs")] == ["row_costs.json"]
+
+
+def test_drafter_key_is_the_draft_architecture_not_its_values(tmp_path):
+    """A retrained draft of the same shape (other weights, other metrics) shares the overhead entry; another
+    draft vocabulary size or config does not."""
+    from safetensors.torch import save_file
+
+    model = make_tiny(TINY, False)
+    drafter = MedusaDrafter(model, MedusaHeads(D, 3))
+
+    def draft(name: str, vocab: int, seed: int, acc: float, k: int = 3):
+        d = tmp_path / name
+        d.mkdir()
+        g = torch.Generator().manual_seed(seed)
+        save_file({"w": torch.randn(4, D, generator=g), "vocab": torch.arange(vocab)}, str(d / "draft.safetensors"))
+        (d / "draft.json").write_text(json.dumps({"kind": "medusa", "config": {"k": k}, "meta": {"top1": acc}}))
+        return tc.drafter_key(drafter, d)
+
+    a = draft("a", 16, 0, 0.3)
+    assert draft("retrained", 16, 1, 0.4) == a
+    assert draft("vocab", 24, 0, 0.3) != a and draft("k2", 16, 0, 0.3, k=2) != a
 
 
 def test_tree_specs_on_the_command_line():
