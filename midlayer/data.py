@@ -76,10 +76,10 @@ def write_shard(path: PathLike, tokens: np.ndarray) -> None:
             )
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = MAGIC, VERSION, arr.size
-    _atomic_write(path, header, np.ascontiguousarray(arr, dtype="<u2"))
+    atomic_write(path, header, np.ascontiguousarray(arr, dtype="<u2"))
 
 
-def _atomic_write(path: Path, *chunks: bytes | np.ndarray) -> None:
+def atomic_write(path: Path, *chunks: bytes | np.ndarray) -> None:
     """Write `data` to a unique temporary file next to `path`, then rename it over `path`.
 
     Unique names make concurrent writers (e.g. all data-parallel ranks preparing the same cache) safe: each
@@ -348,7 +348,7 @@ def prepare_corpus(cache_dir: Path, vocab_size: int = 4096,
         "train_chars": sum(len(t) for _, t in train_docs), "val_chars": sum(len(t) for _, t in val_docs),
         "tokenizer_sha256": _file_sha256(out / TOKENIZER_FILE), "seconds": round(time.perf_counter() - t0, 3),
     }
-    _atomic_write(manifest_path, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+    atomic_write(manifest_path, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
     return CorpusFiles([train_path], [val_path], out / TOKENIZER_FILE, tok.get_vocab_size(), eot, manifest)
 
 

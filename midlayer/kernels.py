@@ -353,7 +353,7 @@ def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     if K % QK:
         raise ValueError(f"q8: in_features {K} is not a multiple of {QK}")
-    G, O = K // QK, _groups(N)
+    G = K // QK
     g = w.detach().float().reshape(N, G, QK)
     d = (g.abs().amax(-1) / 127).half()
     df = d.float()

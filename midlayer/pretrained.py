@@ -502,9 +502,8 @@ def _gguf_index(path: str, mtime_ns: int, size: int) -> GGUFIndex:
     metadata bytes changed, is parsed again and rewritten, never trusted; a cache that cannot be read or
     written only costs the parse."""
     import hashlib
-    import os
-    import tempfile
 
+    from .data import atomic_write
     from .kernels import cache_dir
 
     if size < _INDEX_MIN_BYTES:  # a small file parses in milliseconds: keeping its index would only litter
@@ -516,21 +515,11 @@ def _gguf_index(path: str, mtime_ns: int, size: int) -> GGUFIndex:
     except Exception:  # absent, unreadable, damaged, stale: parse the file
         pass
     index = GGUFIndex.parse(path)
-    if index.swapped:
-        return index
-    tmp = None
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cached.parent, prefix=f"{tag}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(index.to_json())
-        os.replace(tmp, cached)
-    except Exception:  # a read-only home, a full disk, a value JSON cannot hold: no cache, same result
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    if not index.swapped:
+        try:
+            atomic_write(cached, index.to_json().encode("utf-8"))
+        except Exception:  # a read-only home, a full disk, a value JSON cannot hold: no cache, same result
+            pass
     return index
 
 
@@ -600,7 +589,7 @@ def _dequantize_blocks(raw: np.ndarray, qtype: Any) -> torch.Tensor | None:
     T = gguf.GGMLQuantizationType
     if qtype not in (T.Q4_1, T.Q8_0):
         return None
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    type_size = gguf.GGML_QUANT_SIZES[qtype][1]  # bytes per block of 32
     # (a copy: the file's memory map is read-only, which torch warns about; the bytes are 0.6x the weight's)
     b = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(-1)).view(-1, type_size)
     d = b[:, 0:2].contiguous().view(torch.float16).float()  # [n_blocks, 1]

@@ -143,11 +143,15 @@ class BlockQuantLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        codes, scales = type(self).quantize(linear.weight)
+        self._hold(linear.in_features, linear.out_features, *type(self).quantize(linear.weight),
+                   None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def _hold(self, in_features: int, out_features: int, codes: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None) -> None:
+        self.in_features, self.out_features = in_features, out_features
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.register_buffer("bias", bias)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out_features, in_features] fp32 the codes and scales represent."""
@@ -163,11 +167,8 @@ class BlockQuantLinear(nn.Module):
             return type(self)(SimpleNamespace(weight=w, bias=bias, in_features=w.shape[1], out_features=w.shape[0]))
         sub = type(self).__new__(type(self))
         nn.Module.__init__(sub)
-        sub.in_features, sub.out_features = self.in_features, int(rows.numel())
-        codes, scales = type(self).select(self.codes, self.scales, rows, self.out_features)
-        sub.register_buffer("codes", codes)
-        sub.register_buffer("scales", scales)
-        sub.register_buffer("bias", bias)
+        sub._hold(self.in_features, int(rows.numel()),
+                  *type(self).select(self.codes, self.scales, rows, self.out_features), bias)
         return sub
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

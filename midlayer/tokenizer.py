@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .data import atomic_write
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -72,20 +72,6 @@ def eot_id(tok: Tokenizer) -> int:
     return i
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    # A unique name in the same folder (os.replace is atomic only within a filesystem); open(..., "xb")
-    # rather than mkstemp so the file gets the usual umask permissions, not 0600.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _load_cached(cache_dir: Path, vocab_size: int, fingerprint: str) -> Tokenizer | None:
     """The cached tokenizer if it is valid for (vocab_size, fingerprint), else None (warning if corrupt)."""
     tok_path, meta_path = cache_dir / TOKENIZER_FILE, cache_dir / META_FILE
@@ -130,12 +116,12 @@ def load_or_train_tokenizer(cache_dir: Path, vocab_size: int, texts: Iterable[st
         return tok
     tok = train_tokenizer(texts, vocab_size)
     raw = tok.to_str().encode("utf-8")
-    _atomic_write(cache_dir / TOKENIZER_FILE, raw)
+    atomic_write(cache_dir / TOKENIZER_FILE, raw)
     meta = {"version": _META_VERSION, "fingerprint": fingerprint, "vocab_size": vocab_size,
             "actual_vocab_size": tok.get_vocab_size(), "sha256": hashlib.sha256(raw).hexdigest()}
     # Metadata last: a crash between the two writes leaves a checksum mismatch, i.e. a retrain, never a
     # tokenizer.json that is trusted for the wrong data.
-    _atomic_write(cache_dir / META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+    atomic_write(cache_dir / META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
     return tok
 
 

@@ -40,7 +40,6 @@ its own predicted features but the true tokens above (draft_training.heldout_met
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -403,25 +402,15 @@ def _save_store(path: Path, key: str, value: Any) -> None:
     """store[key] = value in the cache file: re-read just before writing (another process may have added
     entries while this one measured), then replaced atomically. A cache that cannot be written costs only
     the measurement next time, never the call."""
-    import tempfile
+    from .data import atomic_write
 
-    tmp = None
     try:
         store = _load_store(path)
         store[key] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(store, indent=1))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(store, indent=1).encode("utf-8"))
     except OSError as e:
         print(f"note: could not write the cost cache {path} ({e}); it will be measured again next time",
               file=sys.stderr)
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, progress: bool = False,

@@ -206,7 +206,7 @@ def test_measured_overhead_is_cached_per_drafter_and_remeasured_against_a_new_cu
     (tmp_path / "row_costs.json").unlink()
     (tmp_path / "row_costs.json").mkdir()  # a cache that can be neither read nor written: measured, not fatal
     assert tc.cached_overhead(model, drafter, slower, [1], key).plain_ms == 7.0
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("row_costs")] == ["row_costs.json"]
+    assert [p.name for p in tmp_path.iterdir() if "row_costs" in p.name] == ["row_costs.json"]  # no temp file
 
 
 def test_drafter_key_is_the_draft_architecture_not_its_values(tmp_path):
