@@ -273,7 +273,7 @@ class Attention(nn.Module):
                 key_bias: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d]. Without `cache`: causal (gated) attention over these T tokens.
 
-        With `cache` (a `kv_cache.LayerView`), the new keys/values are written into the KV cache and the
+        With `cache` (a `kv_cache.CacheView`), the new keys/values are written into the KV cache and the
         queries attend over every position the cache holds for this layer, through the mask it returns
         (causality, padding, skipped tokens and the gate bias are all in that mask).
         cos/sin: [T, hd] (one sequence of positions) or [B, 1, T, hd] / [B, T, hd] (per row).
@@ -282,8 +282,9 @@ class Attention(nn.Module):
         H, Hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
         if cos.dim() == 4:
             cos, sin = cos[:, 0], sin[:, 0]
-        if (cache is not None and self.row_invariant and self.wqkv is not None and x.device.type == "cpu"
-                and cache.cache.k.dtype == torch.float32 and kernels.available() and self.q_norm is None):
+        if (cache is not None and cache.direct and self.row_invariant and self.wqkv is not None
+                and x.device.type == "cpu" and cache.k_buffer.dtype == torch.float32 and kernels.available()
+                and self.q_norm is None):
             return self._forward_kernels(x, cos, sin, cache)
         # RoPE in the projection's own [B, T, heads, hd] layout: no copy before the attention kernel.
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -314,13 +315,12 @@ class Attention(nn.Module):
         every one row-invariant (kernels.py). Same result as the PyTorch path up to float rounding."""
         B, T, _ = x.shape
         H, Hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        c, l = cache.cache, cache.layer
         qkv = self.wqkv(x).float()
         if cos.shape[0] != B:  # one sequence of positions for every row
             cos, sin = cos.expand(B, T, hd), sin.expand(B, T, hd)
-        kernels.rope_store(qkv, H, Hk, cos, sin, c.k_layers[l], c.v_layers[l], cache.query_slots)
+        kernels.rope_store(qkv, H, Hk, cos, sin, cache.k_buffer, cache.v_buffer, cache.query_slots)
         mask = cache.finish(T, x.device)
-        out = kernels.attention_fused(qkv, H, c.k_layers[l], c.v_layers[l], mask, c.length)
+        out = kernels.attention_fused(qkv, H, cache.k_buffer, cache.v_buffer, mask, cache.length)
         return self.wo(out.to(x.dtype))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

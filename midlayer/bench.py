@@ -422,11 +422,11 @@ class DraftRecorder:
                 setattr(self, name, getattr(inner, name))
 
     def propose(self, ctx):
-        from .speculative import _node_tokens
+        from .speculative import draft_node_tokens
 
         draft = self.inner.propose(ctx)
         tree = getattr(draft, "tree", None) or ctx.tree  # a dynamic draft carries its own tree
-        nodes, _ = _node_tokens(draft, tree)
+        nodes, _ = draft_node_tokens(draft, tree)
         index = {p: i for i, p in enumerate(tree.paths)}
         top = [int(nodes[index[(0,) * d]]) for d in range(1, tree.max_depth + 1) if (0,) * d in index]
         self.rounds.append((len(ctx.tokens) - 1, top))

@@ -260,6 +260,8 @@ class MedusaHeads(nn.Module):
 class MedusaDrafter:
     """Per-depth top-k candidates from Medusa heads on ctx.hidden[-1] (head i -> depth i + 1)."""
 
+    static_step = True  # reads ctx.hidden only
+
     def __init__(self, model: Transformer, heads: MedusaHeads, topk_per_depth: Sequence[int] | None = None) -> None:
         if heads.dim != model.cfg.dim:
             raise ValueError(f"Medusa heads of dim {heads.dim} for a model of dim {model.cfg.dim}")

@@ -75,8 +75,8 @@ from .drafters import (FrozenBase, base_states, batch_stream, draft_tree_autoreg
                        kl_to_base, model_device, optimise, placeholder_candidates, split_batch)
 from .draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
 from .generate import CachedStep
-from .hidden_transfer import _additive, _MaskedView, visible
-from .kv_cache import KVCache
+from .hidden_transfer import _additive, visible
+from .kv_cache import KVCache, MaskedView
 from .model import Block, Transformer, causal_step
 from .speculative import Draft, DraftContext, DraftTree
 
@@ -221,7 +221,7 @@ def eagle_forward(model: Transformer, head: EagleHead, tokens: torch.Tensor, fea
         x_f = torch.cat([a for a, _ in inputs], 1)
         x_e = torch.cat([b for _, b in inputs], 1)
         # rows of earlier depths never see the new ones, so re-running them gives their outputs unchanged
-        y = head(x_f, x_e, lambda layer, block, h, gate, kb: block(h, cos, sin, None, None, _MaskedView(mask)))
+        y = head(x_f, x_e, lambda layer, block, h, gate, kb: block(h, cos, sin, None, None, MaskedView(mask)))
         outs.append(y[:, step == i - 1])
     return outs
 
@@ -293,6 +293,7 @@ class EagleDrafter:
     """
 
     prefill_features = True  # speculative_generate hands over the features of every prompt row
+    static_step = True  # reads ctx.tokens and ctx.hidden; its draft cache is its own
 
     def __init__(self, model: Transformer, head: EagleHead, dynamic_k: int = 0) -> None:
         head.check_model(model)

@@ -87,7 +87,7 @@ from .draft_vocab import draft_vocab, head_logits, restrict_logits, to_token_ids
 from .drafters import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device,
                        optimise, placeholder_candidates, split_batch, topk_lists)
 from .generate import JoinedRows, forward_cached
-from .kv_cache import KVCache
+from .kv_cache import KVCache, MaskedView
 from .model import Transformer
 from .speculative import DraftContext, DraftTree
 
@@ -198,36 +198,18 @@ class _TransferRows:
         mask = self.mask if key_bias is None else self.mask + key_bias.to(self.mask.dtype)
         T = self.T
         if not (self.split and torch.is_grad_enabled() and x.shape[1] > T):
-            return block(x, self.cos, self.sin, gate, None, _MaskedView(mask))
+            return block(x, self.cos, self.sin, gate, None, MaskedView(mask))
         # Training: the real rows never see a pseudo row, so they are the frozen base's own forward and need no
         # gradient: run them without autograd, keep their K/V, and run the pseudo rows (the only ones a draft
         # weight reaches) against [real K/V ; their own]. The same attention, without backpropagating through
         # the real rows (~a third of the rows) -- `split=False` runs all rows together (the reference).
         g = (lambda rows: None) if gate is None else (lambda rows: gate[:, rows])
-        real_view = _MaskedView(mask[..., :T, :T], keep=True)
+        real_view = MaskedView(mask[..., :T, :T], keep=True)
         with torch.no_grad():
             real = block(x[:, :T].detach(), self.cos[:T], self.sin[:T], g(slice(None, T)), None, real_view)
         pseudo = block(x[:, T:], self.cos[T:], self.sin[T:], g(slice(T, None)), None,
-                       _MaskedView(mask[..., T:, :], prefix=(real_view.k, real_view.v)))
+                       MaskedView(mask[..., T:, :], prefix=(real_view.k, real_view.v)))
         return torch.cat([real, pseudo], 1)
-
-
-class _MaskedView:
-    """A stand-in for `kv_cache.LayerView` that stores nothing: Attention calls update(k, v) and attends over
-    the returned keys with the returned additive mask. It lets the base model's own blocks run any mask.
-    `keep`: remember this call's k, v; `prefix` (k, v): keys/values of other rows placed before these."""
-
-    def __init__(self, mask: torch.Tensor, keep: bool = False,
-                 prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        self.mask, self.keep, self.prefix = mask, keep, prefix
-        self.k = self.v = None
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.keep:
-            self.k, self.v = k, v
-        if self.prefix is not None:
-            k, v = torch.cat([self.prefix[0], k], 2), torch.cat([self.prefix[1], v], 2)
-        return k, v, self.mask
 
 
 # ============================================================================================ the module

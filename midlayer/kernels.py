@@ -469,13 +469,22 @@ def gemm_q8_0(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
     return _linear("qk_linear_q8_0", gemm_q8_0_reference, x, codes, scales, n)
 
 
+def _eligible(x: torch.Tensor) -> bool:
+    """Whether an element-wise C kernel may take x: fp32 on the CPU, no autograd, and not inside a
+    torch.compile trace (a ctypes call there is a graph break; the traced step computes the op in PyTorch).
+    Checked before the library is touched, so a GPU run never builds or loads it (issue 42)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad
+            and not torch.compiler.is_compiling())
+
+
 # ====================================================================================== RMSNorm
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim in one C call (fp32 CPU, no autograd);
     None where that does not apply (the caller computes it in PyTorch)."""
+    if (not _eligible(x) or weight.dtype != torch.float32 or weight.requires_grad and torch.is_grad_enabled()):
+        return None
     lib = library()
-    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.requires_grad or weight.requires_grad and torch.is_grad_enabled()):
+    if lib is None:
         return None
     x = x.contiguous()
     y = torch.empty_like(x)
@@ -489,8 +498,10 @@ def silu_mul(ab: torch.Tensor) -> torch.Tensor | None:
     """silu(a) * b for ab = [a | b] [..., 2h] (a GLU's fused w1|w3 output) -> [..., h] in one C call (fp32 CPU,
     no autograd), row-invariant; None where that does not apply (the caller computes it in PyTorch). Its
     exp is the attention kernel's (csrc/qkernels.c), so it differs from torch's silu in the last bits only."""
+    if not _eligible(ab) or ab.shape[-1] % 2:
+        return None
     lib = library()
-    if lib is None or ab.device.type != "cpu" or ab.dtype != torch.float32 or ab.requires_grad or ab.shape[-1] % 2:
+    if lib is None:
         return None
     ab = ab.contiguous()
     h = ab.shape[-1] // 2
@@ -505,9 +516,10 @@ def topk(x: torch.Tensor, k: int, with_lse: bool = False):
     largest first, ties in index order (the first maximum first, as torch.argmax), NaN above every number;
     lse = logsumexp of each row, so values - lse[..., None] are the top k log-probabilities. One C pass
     (csrc/qkernels.c, qk_topk); None where that does not apply (the caller uses torch.topk)."""
+    if not _eligible(x) or x.dim() == 0 or not 1 <= k <= min(64, x.shape[-1]):
+        return None
     lib = library()
-    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or x.dim() == 0
-            or not 1 <= k <= min(64, x.shape[-1])):
+    if lib is None:
         return None
     x = x.contiguous()
     N = x.shape[-1]

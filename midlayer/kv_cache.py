@@ -14,6 +14,14 @@ So one additive mask carries causality-free occupancy, skipping and gating; the 
 
 `keep(slots)` compacts a chosen subset of slots to the front (tree verification keeps the accepted path);
 `truncate(n)` forgets everything from slot n on.
+
+The cache-view protocol (`CacheView`): what a block's attention is handed in one forward instead of a cache
+type to check. `update(k, v)` stores this layer's new keys/values wherever the view keeps them and returns
+(keys, values, additive mask) to attend over. Three implementations: `LayerView` (this dynamic cache),
+`MaskedView` (no cache: any explicit mask over the rows themselves, for training passes and drafters) and
+`decode_step.StaticView` (the static-shape step, issue 42). A view that lets the C kernels write the cache
+in place says so with `direct`; a view that holds a state-space mixer's state hands it out through
+`ssm_inputs`. The model never asks which kind of view it holds.
 """
 
 from __future__ import annotations
@@ -129,8 +137,48 @@ class KVCache:
         self.length = start + n
 
 
+class CacheView:
+    """The protocol every cache view implements (module docstring). Defaults: not direct, no SSM state.
+
+    A `direct` view lets the q4 C kernels store the new rows' K/V and attend in place (attention.Attention.
+    _forward_kernels, model.Block._forward_fused), through: `k_buffer` / `v_buffer`, this layer's cache
+    [B, Hk, S_max, d]; `query_slots` [B, M], where the rows go; `finish(M, device)`, which records what the
+    forward commits and returns the additive mask [B, 1, M, length]; and `length`, the slots read."""
+
+    direct = False
+    query_slots: torch.Tensor
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store k, v [B, Hk, M, d]; return (keys, values [B, Hk, S, d], additive mask [B, 1|H, M, S] or None)."""
+        raise NotImplementedError
+
+    def ssm_inputs(self, layer: int, mixer, x: torch.Tensor) -> tuple:
+        """(state, valid) for a state-space mixer at `layer` over the rows x [B, M, d]."""
+        raise ValueError("a state-space mixer runs over its own state only: draft training passes, drafters "
+                         "(explicit attention masks over draft rows) and the static decode step are not "
+                         "supported with ssm_layers")
+
+
+class MaskedView(CacheView):
+    """A view that stores nothing: attention runs over the rows' own keys (and, with `prefix` (k, v), other
+    rows' keys placed before them) through an explicit additive `mask`. It lets the base model's own blocks
+    run any mask (hidden transfer's training rows, EAGLE's training pass). `keep`: remember this call's k, v."""
+
+    def __init__(self, mask: torch.Tensor, keep: bool = False,
+                 prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.mask, self.keep, self.prefix = mask, keep, prefix
+        self.k = self.v = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.keep:
+            self.k, self.v = k, v
+        if self.prefix is not None:
+            k, v = torch.cat([self.prefix[0], k], 2), torch.cat([self.prefix[1], v], 2)
+        return k, v, self.mask
+
+
 @dataclass
-class LayerView:
+class LayerView(CacheView):
     """What one layer's attention needs in one step: where to write, and the mask to read with.
 
     Dense step (`valid` None): the M new tokens of every row go to the contiguous slots start..start+M-1.
@@ -149,6 +197,23 @@ class LayerView:
     gate_bias: torch.Tensor | None = None
     extra_mask: torch.Tensor | None = None
     position_bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None  # ALiBi / T5
+    direct = True  # (a class attribute: not a dataclass field)
+
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.cache.k_layers[self.layer]
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.cache.v_layers[self.layer]
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def ssm_inputs(self, layer: int, mixer, x: torch.Tensor) -> tuple:
+        """Generation: the mixer's state lives in the KV cache, per layer; `valid` marks real rows."""
+        return self.cache.ssm_state(layer, mixer, x.shape[0], x.dtype), self.valid
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store k, v [B, Hk, M, d] at this step's slots; return (keys, values [B, Hk, S, d], mask)."""

@@ -32,7 +32,7 @@ from . import kernels
 from .attention import Attention, PositionBias, key_gate_bias, rope_tables
 from .config import ModelConfig
 from .gating import GateStats, MirroredGates, Routers
-from .kv_cache import LayerView
+from .kv_cache import CacheView
 from .ssm import SelectiveSSM
 
 
@@ -202,13 +202,13 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 gate: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
-                cache=None) -> torch.Tensor:
+                cache: CacheView | None = None) -> torch.Tensor:
         """a = x + g * Attn(x), h = a + g * FFN(a), with the norm scheme inside (paper section 2):
         pre-LN x + M(N(x)); sandwich/peri-LN x + N(M(N(x))); post-LN N(x + M(x)) (Vaswani et al. 2017;
         refused for gated models, config.py). Dropout (training) on M's output before the residual add."""
-        if (self.fused_q4 is not None and gate is None and key_bias is None and isinstance(cache, LayerView)
+        if (self.fused_q4 is not None and gate is None and key_bias is None and cache is not None and cache.direct
                 and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and cache.cache.k.dtype == torch.float32):
+                and cache.k_buffer.dtype == torch.float32):
             return self._forward_fused(x, cos, sin, cache)
         post = self.placement == "post"
         xin = x if post else self.attention_norm(x)
@@ -216,11 +216,8 @@ class Block(nn.Module):
             a = self.attention(xin, cos, sin, key_bias, cache)
         elif cache is None:
             a = self.mixer(xin)
-        elif isinstance(cache, LayerView):  # generation: the state lives in the KV cache, per layer
-            a = self.mixer(xin, cache.cache.ssm_state(self.layer, self.mixer, xin.shape[0], xin.dtype), cache.valid)
-        else:
-            raise ValueError("a state-space mixer runs over its own state only: draft training passes and "
-                             "drafters (explicit attention masks over draft rows) are not supported with ssm_layers")
+        else:  # the view hands out the mixer's state (generation) or refuses (explicit-mask passes)
+            a = self.mixer(xin, *cache.ssm_inputs(self.layer, self.mixer, xin))
         if self.sandwich:
             a = self.attention_out_norm(a)
         if self.drop is not None:
@@ -239,14 +236,13 @@ class Block(nn.Module):
             f = f * gate[..., None].to(f.dtype)
         return self.ffn_norm(h + f) if post else h + f
 
-    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: LayerView) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view) -> torch.Tensor:
         """The pre-norm or sandwich path above for a q4 block over the KV cache, as one C call: bit-identical
         to it (the same kernels in the same order), without ~15 Python calls per block -- 4.5 of the 8.6 ms
         of a SmolLM2-135M decode step were that Python (benchmarks/step_parts.py, docs/results/decode-cpu.md)."""
-        c, layer = view.cache, view.layer
-        mask = view.finish(x.shape[1], x.device)  # records the new keys' bias; the C call stores their K/V
-        return kernels.block_q4(x, self.fused_q4, cos, sin, c.k_layers[layer], c.v_layers[layer], view.query_slots,
-                                mask, c.length)
+        mask = view.finish(x.shape[1], x.device)  # records what the forward commits; the C call stores the K/V
+        return kernels.block_q4(x, self.fused_q4, cos, sin, view.k_buffer, view.v_buffer, view.query_slots, mask,
+                                view.length)
 
 
 # step(layer, block, h, gate, key_bias) -> h: how one forward's rows go through a block (Transformer.run_blocks)

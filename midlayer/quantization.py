@@ -247,8 +247,8 @@ def fuses_q4(block: nn.Module) -> bool:
     from .model import FeedForward, RMSNorm
 
     att, ff = getattr(block, "attention", None), block.feed_forward
-    if att is None or getattr(block, "mixer", None) is not None or not kernels.available():
-        return False
+    if att is None or getattr(block, "mixer", None) is not None or not att.row_invariant or not kernels.available():
+        return False  # (row_invariant first: a format other than q4 never builds the C library)
     norms = [n for n in _block_norms(block) if n is not None]
     linears = (att.wqkv, att.wo, getattr(ff, "w13", None), getattr(ff, "w2", None))
     return (block.placement in ("pre", "sandwich") and block.drop is None and att.q_norm is None
@@ -272,6 +272,12 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.
         raise ValueError(f"head must be one of {', '.join(HEAD_FORMATS)}, got {head!r}")
     if getattr(model, "weight_format", None) is not None:
         raise ValueError(f"this model was already compressed to {model.weight_format}")
+    dev = next(model.parameters()).device
+    if fmt == "q4" and dev.type != "cpu":
+        # The q4 format is our C kernels (row-invariant, llama.cpp's arithmetic) and runs on the CPU only: on
+        # another device every linear would be copied to the host and back (issue 42).
+        raise ValueError(f"--weights q4 runs on the CPU only (its kernels are C); on {dev.type} use --weights fp32 or "
+                         "bf16")
     for block in model.layers:
         compress_block(block, fmt)
     if head == "q8":

@@ -525,7 +525,10 @@ class FusedDrafter(Protocol):
 @runtime_checkable
 class Drafter(Protocol):
     """propose(ctx) -> per-depth top-k lists or a `Draft`. Optional attribute `hidden_layers`: the blocks
-    whose input residual the drafter needs in ctx.layer_hidden (n_layers = the final residual)."""
+    whose input residual the drafter needs in ctx.layer_hidden (n_layers = the final residual).
+    `static_step` (default False): the drafter reads only ctx.tokens, ctx.hidden, ctx.logits and ctx.tree,
+    never ctx.cache, so it also drafts for the static decode step (decode_step.py), whose cache is not a
+    KVCache."""
 
     def propose(self, ctx: DraftContext) -> Sequence[Sequence[int]] | Draft: ...
 
@@ -533,6 +536,8 @@ class Drafter(Protocol):
 class OracleDrafter:
     """Knows the true continuation `reference` (prompt + greedy output): rank 0 of every depth is the true
     token, other ranks are junk ((true + r) % V, never the true token). Accepts everything under greedy."""
+
+    static_step = True
 
     def __init__(self, reference: Sequence[int], vocab_size: int) -> None:
         self.reference = [int(t) for t in reference]
@@ -551,6 +556,8 @@ class RandomDrafter:
     """Wrong on purpose: uniformly random candidates from its own seeded generator. With `with_q` (chains
     only) it samples each token from a fixed random distribution q and reports q (tests the q path)."""
 
+    static_step = True
+
     def __init__(self, vocab_size: int, seed: int = 0, with_q: bool = False) -> None:
         self.vocab_size = vocab_size
         self.gen = torch.Generator().manual_seed(seed)
@@ -567,7 +574,7 @@ class RandomDrafter:
         return [torch.randint(0, self.vocab_size, (k,), generator=self.gen).tolist() for k in ctx.tree.ranks_per_depth]
 
 
-def _node_tokens(draft: Sequence[Sequence[int]] | Draft, tree: DraftTree
+def draft_node_tokens(draft: Sequence[Sequence[int]] | Draft, tree: DraftTree
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(draft, Draft):
         if draft.node_tokens is not None:
@@ -684,7 +691,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
                                  f"{t.max_depth}) and cannot ride a fused pass; got {len(draft.tree)} nodes, "
                                  f"depth {draft.tree.max_depth}")
             t = draft.tree
-        node_tokens, q = _node_tokens(draft, t)
+        node_tokens, q = draft_node_tokens(draft, t)
         if cache.length != length_before:
             raise RuntimeError(f"the drafter left the cache at length {cache.length}, not {length_before}: "
                                "truncate back after drafting with the model")

@@ -1,0 +1,572 @@
+"""The static-shape decode step (issue 42): one forward over a bucket of rows against a preallocated KV cache
+that the step owns, with every shape fixed and nothing read back to the host inside, so that it can be
+captured in a CUDA graph, and so that a row's result does not depend on the rows that share its forward.
+
+Why. A SmolLM2-135M decode step is ~1,900 PyTorch ops. On a GPU each is a Python dispatch and a kernel
+launch, so the eager step is bound by the host (22-28 ms on an H100, where transformers with a static cache
+and CUDA graphs needs 1.9 ms; issue 42). A CUDA graph replays every kernel of a step with one launch. It
+needs static shapes, static addresses (the step's own buffers) and no host read inside the step.
+
+What is static.
+  * The cache: k, v [L, B, Hk, S, d] and `held` [B, S] (which slots hold a committed token), S = max_len + 1.
+    The last slot is scratch: padded rows write there, and it is never held.
+  * Row counts: a forward runs a bucket of N rows (`buckets`). Rows beyond the real ones are padding:
+    token 0, position 0, the scratch slot, seeing the scratch slot only (so every row has a finite softmax).
+  * Attention runs over all S slots through an additive mask, so every row's softmax reduces over the same
+    S keys. A masked key adds exact zeros (exp(-inf) = 0, and 0 * v = 0 for the finite v every slot holds).
+  * The inputs are device tensors: tokens, positions and slots [B, N], and `tree` [N, N], which rows of this
+    forward a row sees: a lower triangle for a prompt chunk, the ancestor mask for a draft tree, the
+    identity for plain decoding. A row sees the committed slots (`held`) and the slots of the rows it sees.
+
+Row invariance. A row's logits then depend on its token, its position and the keys it sees, and not on N or
+on its place in the bucket, if every kernel reduces a row in the same order at every bucket size. Measured
+on an AMD EPYC with AVX-512 (torch 2.13 CPU, 2 threads): an fp32 GEMM gives a row the same bits at every M
+that is a multiple of 8, but not between M = 1 (a GEMV), 2-3 and 4-7; SDPA over a fixed S is then
+row-invariant too. So plain decoding runs in the smallest bucket (8 rows) and gets the bits of
+verification. In the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks
+its kernel by M (split-K for small M), so a row may differ between buckets. What holds is measured, not
+assumed: `buckets="auto"` takes the first of BUCKET_CANDIDATES ((8, 16, 32, 64), then the single bucket
+(64,), where no kernel choice can depend on M) that the probe `DecodeStep.row_invariant` passes, once per
+model and process, and `DecodeStep.invariant` says whether one did.
+
+Acceptance on the device (`verify`): the greedy targets, the longest accepted path, the bonus token and the
+compaction of the accepted rows' K/V to the front are index-tensor operations, and the host reads one small
+tensor per round: [accepted count, the path's tokens..., bonus].
+
+Scope. Dense attention models (any norm placement, GQA, RoPE or no positions, tied or untied heads, fp32,
+bf16 or q4 weights). Gated models (real skipping is data-dependent), state-space mixers, sliding windows,
+ALiBi / T5 biases and mixtures of experts keep the dynamic path (generate.py) and are refused here by name.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .kv_cache import CacheView
+from .model import Transformer
+
+# Candidate bucket sets, tried in order by `invariant_buckets`: several sizes (plain decoding pays for the
+# smallest), else one size for every forward (no kernel choice can then depend on M).
+BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = ((8, 16, 32, 64), (64,))
+GRAPH_MODES: tuple[str, ...] = ("eager", "cudagraph", "compile")
+_probed: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
+
+
+def invariant_buckets(model: Transformer, graphs: str = "eager") -> tuple[tuple[int, ...], bool]:
+    """(buckets, row_invariant): the first of BUCKET_CANDIDATES whose step gives a row the same bits in every
+    bucket and at every place in it, measured on this machine with this model's shapes, dtype and weight
+    format (once per model and process; `DecodeStep.row_invariant` is the probe). When none passes: the last
+    candidate, and False (speculative output may then differ from plain output at near-ties)."""
+    memo = _probed.setdefault(model, {})
+    key = (model.tok_embeddings.weight.dtype, str(model.tok_embeddings.weight.device),
+           getattr(model, "weight_format", None), graphs)
+    if key not in memo:
+        mode = "eager" if graphs == "cudagraph" else graphs  # a captured graph replays the eager kernels
+        found = None
+        for cand in BUCKET_CANDIDATES:
+            if DecodeStep(model, max_len=16, buckets=cand, graphs=mode).row_invariant():
+                found = (cand, True)
+                break
+        memo[key] = found or (BUCKET_CANDIDATES[-1], False)
+    return memo[key]
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds n rows."""
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    raise ValueError(f"{n} rows exceed the largest bucket ({max(buckets)}): give a larger bucket "
+                     f"(buckets={tuple(buckets)}) or a smaller tree")
+
+
+def unsupported(model: Transformer) -> str | None:
+    """Why the static step cannot run `model`, or None."""
+    cfg = model.cfg
+    reasons = []
+    if model.routers is not None:
+        reasons.append("gated models (real skipping is data-dependent: generate.py)")
+    if cfg.ssm_layers:
+        reasons.append("state-space mixers (ssm_layers)")
+    if cfg.sliding_window:
+        reasons.append("sliding-window attention")
+    if model.pos_bias is not None:
+        reasons.append(f"{cfg.pos_encoding} position biases")
+    if cfg.moe_experts:
+        reasons.append("mixtures of experts (data-dependent routing)")
+    if cfg.norm_placement == "post":
+        reasons.append("post-LN")
+    return "; ".join(reasons) or None
+
+
+class StaticView(CacheView):
+    """One layer's view of the step's cache: stores the rows' K/V at their slots, returns the whole static
+    cache and the forward's mask (the same for every layer: a dense model keeps every key at every layer).
+    A direct view (kv_cache.CacheView): in the q4 format the C kernels store and attend in place, the very
+    calls of the dynamic engine, so the two give the same bits."""
+
+    direct = True
+
+    def __init__(self, step: "DecodeStep", layer: int) -> None:
+        self.step, self.layer = step, layer
+
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.step.k[self.layer]
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.step.v[self.layer]
+
+    @property
+    def query_slots(self) -> torch.Tensor:
+        return self.step.cur_slots
+
+    @property
+    def length(self) -> int:
+        return self.step.k.shape[3]
+
+    def finish(self, M: int, device: torch.device) -> torch.Tensor:
+        return self.step.cur_mask
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        st = self.step
+        kl, vl = st.k[self.layer], st.v[self.layer]  # [B, Hk, S, d]
+        # [B, N] batch and slot indices around a sliced head dim: both sides are [B, N, Hk, d]. Padded rows
+        # all write the scratch slot; which of them lands there does not matter (no real row reads it).
+        kl[st.rows_b, :, st.cur_slots] = k.transpose(1, 2).to(kl.dtype)
+        vl[st.rows_b, :, st.cur_slots] = v.transpose(1, 2).to(vl.dtype)
+        return kl, vl, st.cur_mask
+
+
+@dataclass
+class TreeTensors:
+    """A draft tree laid out for a bucket of N rows (row 0 = the root, row i + 1 = node i, then padding), as
+    the device tensors `DecodeStep.verify` reads. Built once per tree shape (`DecodeStep.tree_tensors`)."""
+
+    n_nodes: int
+    max_depth: int
+    vis: torch.Tensor  # [N, N] bool: row i sees row j (ancestor-or-self; the root; padding sees itself)
+    parent: torch.Tensor  # [N] long: parent row (root and padding: 0)
+    depth: torch.Tensor  # [N] long: 0 for the root and padding
+    real: torch.Tensor  # [N] bool: the root and the nodes
+    is_node: torch.Tensor  # [N] bool: the nodes
+    path: torch.Tensor  # [N, N] long: rows from the root down to row i, then padded with 0
+
+
+class DecodeStep:
+    """The static decode step of a dense model and the KV cache it owns (module docstring).
+
+    `forward` is the capturable computation; `run` pads to a bucket and dispatches to it (eagerly, through
+    a captured CUDA graph per bucket, or through torch.compile, by `graphs`); `prefill`, `decode` and
+    `verify` are what generation calls."""
+
+    def __init__(self, model: Transformer, *, batch: int = 1, max_len: int | None = None,
+                 buckets: Sequence[int] | str = "auto", graphs: str = "eager") -> None:
+        why = unsupported(model)
+        if why:
+            raise ValueError(f"the static decode step does not run {why}; use the dynamic path (generate.py)")
+        if graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {graphs!r}")
+        dev = model.tok_embeddings.weight.device
+        if graphs == "cudagraph" and dev.type != "cuda":
+            raise ValueError(f"graphs='cudagraph' needs the model on CUDA, not {dev.type}")
+        self.invariant: bool | None = None  # measured row invariance (None: buckets given, not measured)
+        if buckets == "auto":
+            buckets, self.invariant = invariant_buckets(model, graphs)
+        elif isinstance(buckets, str):
+            raise ValueError(f"buckets: 'auto' or a sequence of row counts, got {buckets!r}")
+        buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"buckets must be positive row counts, got {buckets}")
+        cfg = model.cfg
+        max_len = cfg.max_seq_len if max_len is None else int(max_len)
+        if max_len < 1 or batch < 1:
+            raise ValueError(f"max_len and batch must be >= 1, got {max_len} and {batch}")
+        self.model, self.buckets, self.graphs, self.batch = model, buckets, graphs, batch
+        self.max_len, self.scratch = max_len, max_len  # slots 0..max_len-1, then the scratch slot
+        S = max_len + 1
+        dtype = model.tok_embeddings.weight.dtype
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, S, cfg.head_dim)
+        self.k = torch.zeros(shape, device=dev, dtype=dtype)
+        self.v = torch.zeros(shape, device=dev, dtype=dtype)
+        self.held = torch.zeros(batch, S, dtype=torch.bool, device=dev)
+        self.slot_ids = torch.arange(S, device=dev)
+        self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
+        # set by each forward, read by the views (tensors, not host values)
+        self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
+        self._trees: dict[tuple, TreeTensors] = {}
+        self._runners: dict[tuple[str, int], object] = {}
+        self.device = dev
+
+    # ------------------------------------------------------------------------------------- the step
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tree: torch.Tensor,
+                start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions, slots [B, N] (long), tree [N, N] (bool), start (a long scalar: the first slot of
+        this forward) -> (logits [B, N, V], final residual before the last norm [B, N, d]). Writes the rows'
+        K/V at their slots; `held` is left as it is (what a forward commits is the caller's: `decode`,
+        `verify`). No host read, no data-dependent branch. A call depends on the held slots before `start`
+        only, so running it twice gives the same result (a CUDA graph's warm-up does)."""
+        m = self.model
+        # The mask: committed slots, plus the slots of the rows this row sees (a 0/1 matmul: exact).
+        onehot = (slots[:, :, None] == self.slot_ids).to(torch.float32)  # [B, N, S]
+        sees = torch.matmul(tree.to(torch.float32), onehot) > 0  # [B, N, S]
+        visible = (self.held & (self.slot_ids < start))[:, None, :] | sees
+        self.cur_mask = torch.where(visible, 0.0, float("-inf"))[:, None]  # [B, 1, N, S]
+        self.rows_b = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(slots)
+        self.cur_slots = slots
+        self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
+        h = m.run_blocks(m.embed(tokens, positions), self._block)
+        return m.output(m.norm(h)), h
+
+    def _block(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
+               key_bias: torch.Tensor | None) -> torch.Tensor:
+        return block(h, self.cur_cos, self.cur_sin, None, None, self.views[layer])
+
+    def verify_round(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+                     vis: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, real: torch.Tensor,
+                     is_node: torch.Tensor, path: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One speculative round at batch 1, all on the device: the forward over [root, nodes, padding], the
+        greedy acceptance of the deepest path whose every node is the base's argmax at its parent (ties: the
+        first in row order), the compaction of the root and that path to slots start.., and their `held`.
+        Returns (packed [N + 1] = [accepted count a, path tokens (N - 1, the first a are real), bonus],
+        path rows [N], logits [1, N, V], hidden [1, N, d])."""
+        logits, hidden = self.forward(tokens, positions, slots, vis, start)
+        N = tokens.shape[1]
+        target = logits[0].argmax(-1)  # [N]: torch's first-maximum rule, as generate's greedy choice
+        ok = is_node & (tokens[0] == target[parent])
+        ok_or_root = ok | ~is_node & real  # the root row is always on the path
+        bad = torch.matmul(vis.to(torch.float32), (~ok_or_root).to(torch.float32))  # bad rows on each path
+        idx = torch.arange(N, device=tokens.device)
+        score = torch.where(real & (bad == 0), depth * (N + 1) + (N - idx), -1)
+        best = score.argmax(0, keepdim=True)  # [1]: indexed by gather / index_select (a 0-d index is a host read)
+        a = depth.gather(0, best)  # [1]
+        rows = path.index_select(0, best)[0]  # [N]: root, then the accepted nodes by depth, then 0s
+        src = slots[0].index_select(0, rows)
+        dst = start + idx
+        # Compaction: the kept rows' K/V move to start..start+N-1 (index_select copies first, so overlapping
+        # source and destination slots are safe); only the first a + 1 of them become held.
+        self.k.index_copy_(3, dst, self.k.index_select(3, src))
+        self.v.index_copy_(3, dst, self.v.index_select(3, src))
+        self.held[0].index_copy_(0, dst, idx <= a)
+        packed = torch.cat([a, tokens[0].index_select(0, rows[1:]), target.gather(0, best)])
+        return packed, rows, logits, hidden
+
+    # ---------------------------------------------------------------------------------- dispatching
+    def bucket_for(self, n: int) -> int:
+        return bucket_for(n, self.buckets)
+
+    def _runner(self, kind: str, N: int):
+        """The callable that runs `kind` ("forward" / "verify") at bucket N, per `graphs`."""
+        key = (kind, N)
+        fn = self._runners.get(key)
+        if fn is None:
+            base = self.forward if kind == "forward" else self.verify_round
+            if self.graphs == "compile":
+                fn = torch.compile(base, mode="reduce-overhead" if self.device.type == "cuda" else None,
+                                   fullgraph=True, dynamic=False)
+            elif self.graphs == "cudagraph":
+                fn = _CudaGraph(base, self)
+            else:
+                fn = base
+            self._runners[key] = fn
+        return fn
+
+    def _scalar(self, x: int) -> torch.Tensor:
+        return torch.tensor(int(x), dtype=torch.long, device=self.device)
+
+    def reset(self) -> None:
+        """Forget every committed slot (a new sequence). Buffers and captured graphs stay."""
+        self.held.zero_()
+
+    # ------------------------------------------------------------------------------- what generation calls
+    def _pad(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, N: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, n = tokens.shape
+        if n == N:
+            return tokens, positions, slots
+        pad = (B, N - n)
+        dev = self.device
+        return (torch.cat([tokens, torch.zeros(pad, dtype=torch.long, device=dev)], 1),
+                torch.cat([positions, torch.zeros(pad, dtype=torch.long, device=dev)], 1),
+                torch.cat([slots, torch.full(pad, self.scratch, dtype=torch.long, device=dev)], 1))
+
+    def _chain_vis(self, n: int, N: int) -> torch.Tensor:
+        """[N, N]: n rows causal among themselves (a lower triangle), padding seeing itself."""
+        key = ("chain", n, N)
+        t = self._trees.get(key)
+        if t is None:
+            vis = torch.eye(N, dtype=torch.bool)
+            vis[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+            t = self._trees[key] = vis.to(self.device)
+        return t
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit `tokens` [B, P] (one prompt length for the batch) at slots and positions start..start+P-1,
+        in chunks of the largest bucket. Returns (logits [B, P, V], hidden [B, P, d]) of every row."""
+        B, P = tokens.shape
+        if B != self.batch:
+            raise ValueError(f"{B} prompts for a step of batch {self.batch}")
+        if start + P > self.max_len:
+            raise ValueError(f"{start + P} slots needed, the step holds {self.max_len}")
+        N = self.buckets[-1]
+        outs, hids = [], []
+        for a in range(0, P, N):
+            n = min(N, P - a)
+            Nb = self.bucket_for(n)
+            idx = torch.arange(start + a, start + a + n, device=self.device)[None].expand(B, n)
+            t, p, s = self._pad(tokens[:, a:a + n].to(self.device), idx, idx, Nb)
+            logits, hidden = self._runner("forward", Nb)(t, p, s, self._chain_vis(n, Nb), self._scalar(start + a))
+            self.held[:, start + a:start + a + n] = True
+            outs.append(logits[:, :n].clone())
+            hids.append(hidden[:, :n].clone())
+        return torch.cat(outs, 1), torch.cat(hids, 1)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit one token per row, tokens [B] at position and slot `pos`; returns (logits [B, V], hidden
+        [B, d]). Runs in the smallest bucket, the step of verification."""
+        N = self.buckets[0]
+        B = tokens.shape[0]
+        idx = torch.full((B, 1), pos, dtype=torch.long, device=self.device)
+        t, p, s = self._pad(tokens.reshape(B, 1).to(self.device), idx, idx, N)
+        logits, hidden = self._runner("forward", N)(t, p, s, self._chain_vis(1, N), self._scalar(pos))
+        self.held[:, pos] = True
+        return logits[:, 0], hidden[:, 0]
+
+    def tree_tensors(self, parent: Sequence[int], depth: Sequence[int], N: int) -> TreeTensors:
+        """The device layout of a tree given by its nodes' parents (-1: the root) and depths, at bucket N."""
+        key = ("tree", tuple(parent), N)
+        t = self._trees.get(key)
+        if t is not None:
+            return t
+        n = len(parent)
+        par = [0] + [p + 1 for p in parent] + [0] * (N - n - 1)
+        dep = [0] + list(depth) + [0] * (N - n - 1)
+        vis = torch.eye(N, dtype=torch.bool)
+        path = torch.zeros(N, N, dtype=torch.long)
+        for r in range(1, n + 1):  # rows come after their parents (breadth-first)
+            vis[r] |= vis[par[r]]
+            vis[r, 0] = True
+            chain = vis[r, :n + 1].nonzero().flatten()  # ancestors-or-self in row order = by depth
+            path[r, :len(chain)] = chain
+        real = torch.zeros(N, dtype=torch.bool)
+        real[:n + 1] = True
+        is_node = real.clone()
+        is_node[0] = False
+        dev = self.device
+        t = TreeTensors(n, max(dep), vis.to(dev), torch.tensor(par, device=dev), torch.tensor(dep, device=dev),
+                        real.to(dev), is_node.to(dev), path.to(dev))
+        if len(self._trees) > 256:  # dynamic trees change every round: keep the memo bounded
+            self._trees.clear()
+        self._trees[key] = t
+        return t
+
+    @torch.no_grad()
+    def verify(self, root: int, nodes: Sequence[int], tree: TreeTensors, last_pos: int, start: int
+               ) -> tuple[list[int], int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Verify [root, nodes] (root at position last_pos, node i at last_pos + its depth) written at slots
+        start.., accept on the device, compact. One host read. Returns (accepted tokens, bonus, path rows
+        [a + 1] (device), logits [a + 1, V], hidden [a + 1, d]) of the root and the accepted nodes."""
+        N = tree.vis.shape[0]
+        n = tree.n_nodes
+        if start + N > self.max_len:
+            raise ValueError(f"the step holds {self.max_len} slots; a round at slot {start} needs {start + N}")
+        dev = self.device
+        tokens = torch.zeros(1, N, dtype=torch.long)
+        tokens[0, 0] = int(root)
+        tokens[0, 1:n + 1] = torch.as_tensor(list(nodes), dtype=torch.long)
+        positions = (last_pos + tree.depth).masked_fill(~tree.real, 0)[None]
+        slots = torch.where(tree.real, start + torch.arange(N, device=dev), self.scratch)[None]
+        packed, rows, logits, hidden = self._runner("verify", N)(
+            tokens.to(dev), positions, slots, self._scalar(start), tree.vis, tree.parent, tree.depth,
+            tree.real, tree.is_node, tree.path)
+        host = packed.tolist()  # the one read of the round
+        a = host[0]
+        return host[1:1 + a], host[-1], rows[:a + 1], logits[0, rows[:a + 1]], hidden[0, rows[:a + 1]]
+
+    @torch.no_grad()
+    def row_invariant(self, n_probe: int = 3, seed: int = 0) -> bool:
+        """Whether a row's logits here are the same bits in every bucket and at every place in it: a probe
+        over random tokens and committed keys (restores nothing: call before use, or `reset` after)."""
+        g = torch.Generator().manual_seed(seed)
+        V = self.model.cfg.vocab_size
+        ctx = min(8, self.max_len - 1)
+        self.reset()
+        self.prefill(torch.randint(0, V, (self.batch, ctx), generator=g))
+        probe = torch.randint(0, V, (self.batch, 1), generator=g).to(self.device)
+        ref = None
+        for N in self.buckets:
+            for place in sorted({0, N // 2, N - 1})[:n_probe]:
+                toks = torch.randint(0, V, (self.batch, N), generator=g).to(self.device)
+                toks[:, place] = probe[:, 0]
+                pos = torch.full((self.batch, N), ctx, dtype=torch.long, device=self.device)
+                slots = torch.full((self.batch, N), self.scratch, dtype=torch.long, device=self.device)
+                slots[:, place] = ctx  # the probe row's own slot; the others share the scratch slot
+                logits, _ = self._runner("forward", N)(toks, pos, slots, torch.eye(N, dtype=torch.bool,
+                                                                                    device=self.device),
+                                                      self._scalar(ctx))
+                row = logits[:, place].clone()
+                if ref is None:
+                    ref = row
+                elif not torch.equal(row, ref):
+                    self.reset()
+                    return False
+        self.reset()
+        return True
+
+
+# ======================================================================================= generation
+def _step_for(model: Transformer, need: int, step: DecodeStep | None, **kw) -> DecodeStep:
+    """`step` (reset) when it holds `need` slots, else a new step of exactly that many."""
+    if step is not None:
+        if step.model is not model or step.batch != 1:
+            raise ValueError("the step given was built for another model or batch size")
+        if step.max_len < need:
+            raise ValueError(f"the step given holds {step.max_len} slots; this call needs {need}")
+        step.reset()
+        return step
+    return DecodeStep(model, max_len=need, **kw)
+
+
+@torch.no_grad()
+def static_generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg=None, *,
+                    step: DecodeStep | None = None, **step_kw) -> list[list[int]]:
+    """`generate.generate` through the static step: the same contract (new tokens per prompt, a stop token
+    included and ending the row, at most what the context allows), one prompt at a time (batch 1). Greedy
+    decoding takes the argmax of the step's logits, sampling `generate.sample_next` with a seeded generator.
+    `step`: a step to reuse (its captured graphs too); else one sized to the call. `step_kw` go to
+    DecodeStep (buckets, graphs)."""
+    from .generate import GenerationConfig, sample_next, validate_prompts
+
+    cfg = cfg or GenerationConfig()
+    model.eval()
+    prompts = validate_prompts(model, prompts)
+    outs = []
+    for prompt in prompts:
+        P = len(prompt)
+        budget = min(cfg.max_new_tokens, model.cfg.max_seq_len - P + 1)
+        new: list[int] = []
+        if budget > 0:
+            st = _step_for(model, P + budget, step, **step_kw)
+            gen = None
+            if cfg.temperature > 0:
+                gen = torch.Generator(device=st.device)
+                gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+            logits = st.prefill(torch.tensor([prompt], device=st.device))[0][:, -1]
+            for i in range(budget):
+                tok = (logits.argmax(-1) if cfg.temperature == 0 else
+                       sample_next(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p, gen))
+                t = int(tok[0])  # the step's one host read
+                new.append(t)
+                if t in cfg.stop_tokens or i == budget - 1:
+                    break
+                logits = st.decode(tok, P + i)[0]
+        outs.append(new)
+    return outs
+
+
+@torch.no_grad()
+def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], drafter, tree,
+                                max_new_tokens: int, stop_tokens: Sequence[int] = (), *,
+                                step: DecodeStep | None = None, **step_kw):
+    """`speculative.speculative_generate` at temperature 0 through the static step: every round is one
+    bucketed forward over [root, nodes] with acceptance and compaction on the device and one host read.
+    Where the step is row-invariant (`DecodeStep.row_invariant`: the CPU buckets in fp32, q4 anywhere) the
+    output equals `static_generate`'s token for token. Drafters that declare `static_step` (they never read
+    ctx.cache: Medusa, EAGLE / EAGLE-2) draft here; the others are refused by name. Returns (new tokens,
+    speculative.SpecStats)."""
+    from .generate import validate_prompts
+    from .speculative import Draft, DraftContext, SpecStats, draft_node_tokens
+
+    if not getattr(drafter, "static_step", False):
+        raise ValueError(f"{type(drafter).__name__} reads the dynamic KV cache (or rides a fused pass) and does not "
+                         "draft for the static step yet: use speculative.speculative_generate")
+    prompt = validate_prompts(model, [list(prompt_ids)])[0]
+    model.eval()
+    P = len(prompt)
+    stats = SpecStats(accept_hist=[0] * (tree.max_depth + 1))
+    budget = min(max_new_tokens, model.cfg.max_seq_len - P + 1)
+    if budget <= 0:
+        return [], stats
+    buckets = step.buckets if step is not None else step_kw.get("buckets", "auto")
+    if buckets == "auto":
+        buckets = invariant_buckets(model, step_kw.get("graphs", "eager"))[0]
+    st = _step_for(model, P + budget + bucket_for(len(tree) + 1, buckets), step, **step_kw)
+    dev = st.device
+    if P > 1:
+        logits, hidden = st.prefill(torch.tensor([prompt[:-1]], device=dev))
+        every = bool(getattr(drafter, "prefill_features", False))
+        logits, hidden = logits[0, -1:], (hidden[0] if every else hidden[0, -1:])
+        stats.prefill_forwards = 1
+    else:
+        hidden = torch.zeros(0, model.cfg.dim, device=dev)
+        logits = torch.zeros(0, model.cfg.vocab_size, device=dev)
+    tokens, new = list(prompt), []
+    pruned: dict[tuple[int, int], object] = {}
+    while len(new) < budget:
+        key = (min(budget - len(new) - 1, tree.max_depth), len(tree))
+        t = pruned.get(key)
+        if t is None:
+            t = pruned[key] = tree.prune(*key)
+        draft = drafter.propose(DraftContext(model, None, tokens, hidden, logits, {}, t, 0.0, None, None))
+        if isinstance(draft, Draft) and draft.tree is not None:  # a dynamic tree within the budget t
+            if len(draft.tree) > len(t) or draft.tree.max_depth > t.max_depth:
+                raise ValueError(f"a drafter's own tree must fit the round's budget ({len(t)} nodes, depth "
+                                 f"{t.max_depth}); got {len(draft.tree)} nodes, depth {draft.tree.max_depth}")
+            t = draft.tree
+        nodes, _ = draft_node_tokens(draft, t)
+        tt = st.tree_tensors(t.parent.tolist(), t.depth.tolist(), st.bucket_for(len(t) + 1))
+        accepted, bonus, _, logits, hidden = st.verify(tokens[-1], nodes.tolist(), tt, len(tokens) - 1,
+                                                       len(tokens) - 1)
+        stats.base_forwards += 1
+        stats.accept_hist[len(accepted)] += 1
+        for tok in accepted + [bonus]:
+            tokens.append(tok)
+            new.append(tok)
+            if tok in stop_tokens or len(new) >= budget:
+                stats.new_tokens = len(new)
+                return new, stats
+    stats.new_tokens = len(new)
+    return new, stats
+
+
+class _CudaGraph:
+    """`fn` captured in a torch.cuda.CUDAGraph on its first call (after warm-up on a side stream), replayed
+    after copying the arguments into the graph's static input buffers. The warm-up and capture run on the
+    first call's own inputs, so the first call's effect on the cache happens three times over: harmless, as
+    the step's writes are idempotent (the same K/V at the same slots, the same `held` values)."""
+
+    def __init__(self, fn, step: DecodeStep) -> None:
+        self.fn, self.step = fn, step
+        self.graph = None
+        self.inputs: list[torch.Tensor] = []
+        self.outputs = None
+
+    def __call__(self, *args: torch.Tensor):
+        if self.graph is None:
+            self.inputs = [a.clone() for a in args]
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    self.fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = self.fn(*self.inputs)
+        else:
+            for dst, src in zip(self.inputs, args):
+                dst.copy_(src)
+        self.graph.replay()
+        return self.outputs
+
+
+__all__ = ["DecodeStep", "bucket_for", "StaticView", "static_generate", "static_speculative_generate",
+           "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "invariant_buckets", "unsupported"]

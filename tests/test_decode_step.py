@@ -1,0 +1,269 @@
+"""The static-shape decode step (midlayer/decode_step.py, issue 42): capturable (torch.compile fullgraph, no
+graph break), row-invariant where the probe says so, equal to the dynamic engine where both are exact, and
+lossless: speculative output equals plain output token for token, in fp32 and in q4."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import make_tiny
+
+from midlayer.decode_step import (BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets, static_generate,
+                                  static_speculative_generate)
+from midlayer.drafters import MedusaDrafter, MedusaHeads
+from midlayer.eagle import EagleDrafter, EagleHead
+from midlayer.generate import GenerationConfig, forward_cached, generate
+from midlayer.kv_cache import KVCache
+from midlayer.quantization import compress_weights
+from midlayer.speculative import Draft, DraftTree, OracleDrafter, RandomDrafter
+
+V = 96
+DIMS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=160, multiple_of=32)
+TREES = [DraftTree.chain(3), DraftTree.greedy_from_accuracies([[0.6, 0.2, 0.1], [0.5, 0.2], [0.4]], 12)]
+
+
+@pytest.fixture(scope="module")
+def models() -> dict:
+    base = make_tiny(DIMS, False)
+    return {"fp32": compress_weights(copy.deepcopy(base), "fp32"), "q4": compress_weights(copy.deepcopy(base), "q4")}
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 5, 70)]
+
+
+class NoisyOracle:
+    """Knows the greedy continuation; each depth's rank-0 candidate is right with probability 0.7, else the
+    true token sits at rank 1 (so acceptance takes other branches than the first) or nowhere. Partial
+    acceptance at every depth, which neither the oracle (all) nor random drafts (none) exercise."""
+
+    static_step = True
+
+    def __init__(self, reference: list[int], seed: int = 0) -> None:
+        self.reference, self.gen = reference, torch.Generator().manual_seed(seed)
+
+    def propose(self, ctx) -> list[list[int]]:
+        out = []
+        for d in range(1, ctx.tree.max_depth + 1):
+            i = len(ctx.tokens) - 1 + d
+            true = self.reference[i] if i < len(self.reference) else 0
+            u = float(torch.rand((), generator=self.gen))
+            first = true if u < 0.7 else (true + 1) % V
+            second = true if 0.7 <= u < 0.85 else (true + 2) % V
+            out.append([first, second, (true + 3) % V][:ctx.tree.ranks_per_depth[d - 1]])
+        return out
+
+
+# ------------------------------------------------------------------------------------- capturability
+@pytest.mark.parametrize("N", [8, 16])
+def test_step_and_round_trace_without_graph_breaks(models, N):
+    """The proxy for CUDA-graph capture: torch.compile(fullgraph=True) fails on any graph break (a host read,
+    a data-dependent branch, a ctypes call). Dynamo's own tracing decides that; the eager backend keeps the
+    test fast. The traced round returns what the eager round returns: the same decisions, and logits and K/V
+    to float rounding (on the CPU the eager step's RMSNorm and SwiGLU are C calls; traced, they are PyTorch's
+    ops: kernels._eligible)."""
+    model = models["fp32"]
+    res = []
+    for compiled in (False, True):
+        st = DecodeStep(model, max_len=64, buckets=(8, 16))
+        st.prefill(torch.arange(10)[None] % V)
+        tt = st.tree_tensors([-1, -1, 0, 1, 2], [1, 1, 2, 2, 3], N)
+        tokens = (torch.arange(N) * 7 % V)[None]
+        pos = (10 + tt.depth)[None]
+        slots = torch.where(tt.real, 10 + torch.arange(N), st.scratch)[None]
+        fwd = torch.compile(st.forward, backend="eager", fullgraph=True) if compiled else st.forward
+        rnd = torch.compile(st.verify_round, backend="eager", fullgraph=True) if compiled else st.verify_round
+        with torch.no_grad():
+            logits, _ = fwd(tokens, pos, slots, tt.vis, torch.tensor(10))
+            packed = rnd(tokens, pos, slots, torch.tensor(10), tt.vis, tt.parent, tt.depth, tt.real, tt.is_node,
+                         tt.path)[0]
+        res.append((logits, packed, st.held.clone(), st.k.clone()))
+    for a, b in zip(*res):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(a, b)
+
+
+def test_medusa_draft_step_traces_without_graph_breaks(models):
+    model = models["fp32"]
+    heads = MedusaHeads(DIMS["dim"], 3)
+    torch.nn.init.normal_(heads.heads[0].weight, std=0.1)
+    h = torch.randn(4, DIMS["dim"])
+    with torch.no_grad():
+        eager = heads.logits(model, h)
+        traced = torch.compile(lambda x: heads.logits(model, x), backend="eager", fullgraph=True)(h)
+    torch.testing.assert_close(eager, traced, atol=1e-5, rtol=1e-5)  # (the C RMSNorm eagerly, PyTorch's traced)
+
+
+# ------------------------------------------------------------------------------------ row invariance
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):
+    """In fp32 and q4 the default CPU buckets are row-invariant here: a row's logits do not depend on how many
+    rows share its forward or where it sits (the probe runs each bucket with the row at its start, middle and
+    end, beside random rows)."""
+    buckets, ok = invariant_buckets(models[fmt])
+    assert ok and buckets == BUCKET_CANDIDATES[0]
+    st = DecodeStep(models[fmt], max_len=32, buckets=buckets)
+    assert st.invariant is None and st.row_invariant()
+
+
+def test_the_probe_catches_a_bucket_that_is_not_row_invariant(models):
+    """The fp32 GEMM of one row (a GEMV) and of two rows round differently from 8 rows on this CPU: a step
+    with buckets (1, 2, 8) is not row-invariant, and the probe says so. (If a BLAS ever made them agree this
+    test would tell us the probe has nothing to catch.)"""
+    assert not DecodeStep(models["fp32"], max_len=32, buckets=(1, 2, 8)).row_invariant()
+
+
+def test_bucket_rule_and_bad_settings(models):
+    assert bucket_for(1, (8, 16)) == 8 and bucket_for(9, (16, 8)) == 16
+    with pytest.raises(ValueError, match="exceed the largest bucket"):
+        bucket_for(17, (8, 16))
+    with pytest.raises(ValueError, match="buckets must be positive"):
+        DecodeStep(models["fp32"], buckets=(0, 8))
+    with pytest.raises(ValueError, match="graphs must be one of"):
+        DecodeStep(models["fp32"], graphs="fast")
+    with pytest.raises(ValueError, match="needs the model on CUDA"):
+        DecodeStep(models["fp32"], graphs="cudagraph")
+    with pytest.raises(ValueError, match="gated models"):
+        DecodeStep(make_tiny({**DIMS, "n_layers": 4}, True))
+    with pytest.raises(ValueError, match="sliding-window"):
+        DecodeStep(make_tiny({**DIMS, "sliding_window": 8}, False))
+
+
+# ------------------------------------------------------------------------- against the reference paths
+def test_step_logits_equal_the_dynamic_engine_in_q4(models):
+    """q4's kernels are row-invariant and its attention sums over the visible keys only, so the static step
+    (8-row buckets, attention over the whole static cache) and the dynamic engine (one row, attention over
+    the cache's length) give the same bits: prefill and every decode step."""
+    model = models["q4"]
+    prompt = _prompts()[2]
+    st = DecodeStep(model, max_len=100)
+    cache = KVCache.for_model(model.cfg, 1, 100)
+    a, _ = st.prefill(torch.tensor([prompt]))
+    b = forward_cached(model, torch.tensor([prompt]), cache, torch.arange(len(prompt))[None])
+    assert torch.equal(a, b)
+    tok = int(a[0, -1].argmax())
+    for i in range(6):
+        pos = len(prompt) + i
+        la, _ = st.decode(torch.tensor([tok]), pos)
+        lb = forward_cached(model, torch.tensor([[tok]]), cache, torch.tensor([[pos]]), last_only=True)
+        assert torch.equal(la, lb)
+        tok = int(la[0].argmax())
+
+
+def test_step_logits_match_the_naive_forward_in_fp32(models):
+    """fp32: the step equals the cache-free forward over the whole sequence to float rounding."""
+    model = models["fp32"]
+    seq = _prompts()[2][:40]
+    st = DecodeStep(model, max_len=64)
+    a, _ = st.prefill(torch.tensor([seq[:30]]))
+    steps = [st.decode(torch.tensor([t]), 30 + i)[0] for i, t in enumerate(seq[30:])]
+    ref = model(torch.tensor([seq])).logits[0]
+    torch.testing.assert_close(a[0], ref[:30], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps), ref[30:], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+def test_static_greedy_equals_generate(models, fmt):
+    cfg = GenerationConfig(max_new_tokens=40)
+    prompts = _prompts()
+    assert static_generate(models[fmt], prompts, cfg) == [generate(models[fmt], [p], cfg)[0] for p in prompts]
+
+
+def test_static_generate_respects_stop_tokens_budget_and_context(models):
+    model = models["fp32"]
+    prompt = _prompts()[1]
+    full = static_generate(model, [prompt], GenerationConfig(max_new_tokens=20))[0]
+    stop = full[7]
+    cut = static_generate(model, [prompt], GenerationConfig(max_new_tokens=20, stop_tokens=(stop,)))[0]
+    assert cut == full[:full.index(stop) + 1]
+    long = [i % V for i in range(DIMS["max_seq_len"] - 3)]
+    assert len(static_generate(model, [long], GenerationConfig(max_new_tokens=50))[0]) == 4  # the context's end
+
+
+def test_a_reused_step_gives_the_same_tokens(models):
+    model = models["fp32"]
+    cfg = GenerationConfig(max_new_tokens=12)
+    step = DecodeStep(model, max_len=100)
+    prompts = _prompts()
+    assert static_generate(model, prompts, cfg, step=step) == static_generate(model, prompts, cfg)
+    with pytest.raises(ValueError, match="holds 100 slots"):
+        static_generate(model, [list(range(95))], cfg, step=step)
+
+
+def test_sampling_repeats_with_its_seed(models):
+    cfg = GenerationConfig(max_new_tokens=15, temperature=0.9, seed=3)
+    a = static_generate(models["fp32"], _prompts()[:2], cfg)
+    assert a == static_generate(models["fp32"], _prompts()[:2], cfg)
+    assert a != static_generate(models["fp32"], _prompts()[:2], GenerationConfig(max_new_tokens=15))
+
+
+# ------------------------------------------------------------------------------------- losslessness
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+@pytest.mark.parametrize("tree", TREES, ids=["chain3", "sparse12"])
+def test_speculative_equals_plain_token_for_token(models, fmt, tree):
+    """Greedy speculative decoding through the static step gives plain decoding's tokens exactly, whatever
+    the drafts: all right (oracle), right at some depths and ranks (noisy oracle), wrong (random)."""
+    model = models[fmt]
+    cfg = GenerationConfig(max_new_tokens=40)
+    for prompt in _prompts():
+        ref = static_generate(model, [prompt], cfg)[0]
+        hist = []
+        for drafter in (OracleDrafter(prompt + ref, V), NoisyOracle(prompt + ref), RandomDrafter(V, 0)):
+            out, stats = static_speculative_generate(model, prompt, drafter, tree, 40)
+            assert out == ref
+            assert stats.new_tokens == len(ref) and sum(stats.accept_hist) == stats.base_forwards
+            hist.append(stats.accept_hist)
+        if len(ref) == 40:
+            assert hist[0][tree.max_depth] > 0  # the oracle's chains are accepted whole
+            assert sum(hist[1][1:tree.max_depth]) > 0  # the noisy oracle's are accepted in part
+
+
+def test_speculative_with_trained_style_drafters(models):
+    """Medusa (zero-init heads: each predicts the base's next token) and EAGLE, static and dynamic (EAGLE-2)
+    trees: the same tokens as plain decoding, in q4."""
+    model = models["q4"]
+    torch.manual_seed(0)
+    eagle = EagleHead.for_model(model)
+    cfg = GenerationConfig(max_new_tokens=30)
+    for prompt in _prompts():
+        ref = static_generate(model, [prompt], cfg)[0]
+        medusa, _ = static_speculative_generate(model, prompt, MedusaDrafter(model, MedusaHeads(DIMS["dim"], 3)),
+                                                TREES[1], 30)
+        assert medusa == ref
+        for dynamic_k in (0, 2):
+            out, _ = static_speculative_generate(model, prompt, EagleDrafter(model, eagle, dynamic_k=dynamic_k),
+                                                 TREES[1], 30)
+            assert out == ref
+
+
+def test_speculative_refuses_drafters_that_need_the_dynamic_cache(models):
+    class NeedsCache:
+        def propose(self, ctx):
+            return Draft(node_tokens=[0])
+
+    with pytest.raises(ValueError, match="does not draft for the static step"):
+        static_speculative_generate(models["fp32"], [1, 2], NeedsCache(), DraftTree.chain(1), 4)
+
+
+def test_verification_keeps_exactly_the_plain_cache(models):
+    """After every round the held slots and their K/V are bit for bit plain decoding's (q4, noisy drafts)."""
+    model = models["q4"]
+    prompt = _prompts()[1]
+    cfg = GenerationConfig(max_new_tokens=24)
+    ref = static_generate(model, [prompt], cfg)[0]
+    plain = DecodeStep(model, max_len=80)
+    plain.prefill(torch.tensor([prompt + ref[:-1]]))
+    spec = DecodeStep(model, max_len=80)
+    out, _ = static_speculative_generate(model, prompt, NoisyOracle(prompt + ref), TREES[1], 24, step=spec)
+    assert out == ref
+    n = len(prompt) + len(ref) - 1
+    assert bool(spec.held[:, :n].all()) and bool(plain.held[:, :n].all())
+    # beyond: the rows of the last round past the budget, then nothing (no slot of a rejected node is held)
+    assert int(spec.held.sum()) <= n + TREES[1].max_depth and not spec.held[:, n + TREES[1].max_depth:].any()
+    assert torch.equal(spec.k[:, :, :, :n], plain.k[:, :, :, :n])
+    assert torch.equal(spec.v[:, :, :, :n], plain.v[:, :, :, :n])
