@@ -443,6 +443,29 @@ class DraftRecorder:
         return hits, counts
 
 
+def heldout_chats(tok, max_prompts: int, prompts: str = "scaled") -> list[list[int]]:
+    """Chat-encoded held-out prompts of the prompt set, spread over its categories (round-robin in prompt-set
+    order): "scaled" (the held-out split of `prompt_recipe`, 12 categories) or "base" (`prompts.prompt_set`)."""
+    from .prompts import prompt_set
+
+    if prompts not in ("scaled", "base"):
+        raise ValueError(f"prompts must be 'scaled' or 'base', got {prompts!r}")
+    if prompts == "scaled":
+        from .prompt_recipe import load as load_scaled
+        held = [p for p in load_scaled() if p.split == "heldout"]
+    else:
+        held = [p for p in prompt_set() if p.split == "heldout"]
+    by_cat: dict[str, list] = {}
+    for p in held:
+        by_cat.setdefault(p.category, []).append(p)
+    chosen = []
+    while len(chosen) < min(max_prompts, len(held)):
+        for cat in list(by_cat):
+            if by_cat[cat] and len(chosen) < max_prompts:
+                chosen.append(by_cat[cat].pop(0))
+    return [tok.encode_chat([{"role": "user", "content": p.text}]) for p in chosen]
+
+
 def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] | None = None,
                       layer_skip: tuple[int, int] | None = None, tree: str = "chain", nodes: int = 10,
                       new_tokens: int = 64, max_prompts: int = 12, weights: str = "fp32",
@@ -467,32 +490,17 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     from .eagle import EagleDrafter
     from .hidden_transfer import HiddenTransferDrafter
     from .pretrained import load_pretrained, resolve_pretrained
-    from .prompts import prompt_set
     from .quantization import compress_weights
     from .speculative import DraftTree, speculative_generate
 
     if new_tokens < 1 or max_prompts < 1 or nodes < 1:
         raise ValueError(f"new_tokens, max_prompts and nodes must be >= 1, got {new_tokens}, {max_prompts}, {nodes}")
+    if prompts not in ("scaled", "base"):
+        raise ValueError(f"prompts must be 'scaled' or 'base', got {prompts!r}")
     model, tok = load_pretrained(model_name)
     model = compress_weights(model, weights).eval()
     stop = tuple(sorted(tok.eos_ids))
-    if prompts not in ("scaled", "base"):
-        raise ValueError(f"prompts must be 'scaled' or 'base', got {prompts!r}")
-    if prompts == "scaled":
-        from .prompt_recipe import load as load_scaled
-        held = [p for p in load_scaled() if p.split == "heldout"]
-    else:
-        held = [p for p in prompt_set() if p.split == "heldout"]
-    # Spread the prompts over the categories: round-robin over categories in prompt-set order.
-    by_cat: dict[str, list] = {}
-    for p in held:
-        by_cat.setdefault(p.category, []).append(p)
-    chosen = []
-    while len(chosen) < min(max_prompts, len(held)):
-        for cat in list(by_cat):
-            if by_cat[cat] and len(chosen) < max_prompts:
-                chosen.append(by_cat[cat].pop(0))
-    encoded = [tok.encode_chat([{"role": "user", "content": p.text}]) for p in chosen]
+    encoded = heldout_chats(tok, max_prompts, prompts)
 
     methods: dict[str, tuple] = {}  # label -> (drafter, draft depth k); drafters keep no per-run state
     own_acc: dict[str, list] = {}  # label -> its held-out per-rank accuracies (depth 1 only for early exit)

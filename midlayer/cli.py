@@ -174,6 +174,14 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--refresh-costs", action="store_true",
                    help="with --tree auto: measure this machine's row costs and the drafter's overheads again "
                         "instead of reading them from the cache ($MIDLAYER_CACHE/row_costs.json)")
+    p.add_argument("--engine", choices=["auto", "dynamic", "static"], default="auto",
+                   help="static: the static-shape decode step (midlayer.decode_step: bucketed rows, acceptance on the "
+                        "device, capturable in CUDA graphs; dense models, and drafters that declare static_step: EAGLE, "
+                        "Medusa); dynamic: the cache engine with real skipping and every drafter; auto (default): "
+                        "static on CUDA where it applies, else dynamic")
+    p.add_argument("--graphs", choices=["auto", "eager", "cudagraph", "compile"], default="auto",
+                   help="with the static engine: run its step eagerly, captured in a CUDA graph per bucket, or through "
+                        "torch.compile; auto: cudagraph on CUDA, eager elsewhere")
     p.add_argument("--gates", default=None, metavar="DIR",
                    help="generate with the model gated by a train-gates output (per-token skipping of middle blocks, "
                         "real skipping; lossy). For lossless decoding give the same DIR as --draft instead: the gated "
@@ -195,6 +203,9 @@ def _add_generate_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--weights", default=",".join(WEIGHT_FORMATS),
                    help="comma-separated weight formats for the decode benchmark (first is the reference)")
+    b.add_argument("--device", default=None,
+                   help="a CUDA device runs `bench static` there instead (the static step vs transformers' CUDA-graph "
+                        "recipe); default: these CPU benchmarks")
     b = bsub.add_parser("gates", help="learned skip gates (train-gates) vs dense and static layer skipping: held-out KL, "
                                       "agreement, sparsity, real prefill/decode speedups vs the FLOPs model")
     b.add_argument("--model", default="smollm2-135m")
@@ -225,6 +236,25 @@ def _add_generate_parser(sub) -> None:
                    help="held-out prompts of the scaled set (12 categories, midlayer.prompt_recipe) or of the base set")
     b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4", help="weight format (q4: the row-invariant, lossless one)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate comparison")
+    b.add_argument("--output", default=None, help="also write the results as JSON here")
+    b.add_argument("--device", default=None,
+                   help="a CUDA device runs `bench static` there instead (EAGLE and Medusa through the static step, "
+                        "beside transformers' CUDA-graph recipe); default: this CPU benchmark")
+    b = bsub.add_parser("static", help="the static decode step (eager / CUDA graphs / compile), plain and speculative, "
+                                       "vs the dynamic engine and transformers' static cache + CUDA-graph recipe")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    b.add_argument("--dtypes", default="bf16,fp32", help="comma-separated model dtypes: bf16, fp32")
+    b.add_argument("--graphs", default=None,
+                   help="comma-separated step modes: eager, cudagraph, compile (default: eager,cudagraph on CUDA, eager "
+                        "on a CPU); the speculative rows run in the last")
+    b.add_argument("--drafts", default="eagle=drafts/smollm2-135m-scale/eagle,medusa=drafts/smollm2-135m-scale/medusa",
+                   help="comma-separated LABEL=DIR of drafts that draft for the static step ('' = none)")
+    b.add_argument("--nodes", type=int, default=24, help="tree nodes (EAGLE: EAGLE-2's dynamic tree)")
+    b.add_argument("--new-tokens", type=int, default=128)
+    b.add_argument("--max-prompts", type=int, default=7, help="held-out prompts, spread over the categories")
+    b.add_argument("--no-transformers", action="store_true", help="skip the transformers recipe")
+    b.add_argument("--no-dynamic", action="store_true", help="skip the dynamic engine's row")
     b.add_argument("--output", default=None, help="also write the results as JSON here")
 
 
@@ -359,14 +389,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop_tokens=tuple(sorted(tok.eos_ids)),
                            skip=not args.no_skip)
+    engine, graphs = _engine(args, model)
     if args.draft:
-        return _generate_with_draft(args, model, tok, ids, cfg)
+        return _generate_with_draft(args, model, tok, ids, cfg, engine, graphs)
+    if engine == "static":
+        from .decode_step import static_stream
+
+        stream = static_stream(model, ids, cfg, graphs=graphs)
+    else:
+        stream = (int(t[0]) for t, _ in generate_stream(model, [ids], cfg))
     new: list[int] = []
     shown = ""
-    for t, done in generate_stream(model, [ids], cfg):
-        if int(t[0]) in tok.eos_ids:
+    for t in stream:
+        if t in tok.eos_ids:
             break
-        new.append(int(t[0]))
+        new.append(t)
         text = tok.decode(new)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             sys.stdout.write(text[len(shown):])
@@ -376,16 +413,47 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], cfg) -> int:
+def _engine(args: argparse.Namespace, model) -> tuple[str, str]:
+    """(engine, graphs) for generate: --engine auto takes the static step on CUDA where it applies."""
+    from .decode_step import unsupported
+
+    dev = model.tok_embeddings.weight.device
+    why = unsupported(model)
+    if args.engine == "static" and why:
+        raise ValueError(f"--engine static: the static decode step does not run {why}; use --engine dynamic")
+    engine = args.engine if args.engine != "auto" else ("static" if dev.type == "cuda" and not why else "dynamic")
+    graphs = args.graphs if args.graphs != "auto" else ("cudagraph" if dev.type == "cuda" else "eager")
+    if engine == "dynamic" and args.graphs != "auto":
+        raise ValueError(f"--graphs {args.graphs}: only the static engine captures its step (--engine static)")
+    if graphs == "cudagraph" and dev.type != "cuda":
+        raise ValueError(f"--graphs cudagraph needs the model on CUDA (--device cuda), not on {dev.type}")
+    return engine, graphs
+
+
+def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], cfg, engine: str = "dynamic",
+                         graphs: str = "eager") -> int:
     import time
 
     from .drafters import load_drafter
     from .speculative import DraftTree, speculative_generate
 
     drafter, module, meta = load_drafter(args.draft, model)  # first: a bad draft is refused before any note
-    if cfg.temperature == 0 and not getattr(model, "batch_invariant", False):
-        print(f"note: {args.weights} weights are not row-invariant, so speculative output can differ from plain "
-              "greedy output at near-ties; --weights q4 is bit-identical", file=sys.stderr)
+    if engine == "static" and (not getattr(drafter, "static_step", False) or cfg.temperature > 0):
+        what = ("decodes greedily only" if cfg.temperature > 0 else
+                f"does not run a {type(module).__name__} draft yet (it reads the dynamic cache)")
+        if args.engine == "static":
+            raise ValueError(f"--engine static with --draft: the static step {what}; use --engine dynamic")
+        engine = "dynamic"  # auto: the dynamic engine runs every drafter
+    if cfg.temperature == 0 and engine == "static":
+        from .decode_step import invariant_buckets
+
+        if not invariant_buckets(model, graphs)[1]:
+            print("note: the static step's buckets were not measured row-invariant on this device, so speculative "
+                  "output can differ from plain greedy output at near-ties", file=sys.stderr)
+    elif cfg.temperature == 0 and not getattr(model, "batch_invariant", False):
+        print(f"note: {args.weights} weights are not row-invariant in the dynamic engine, so speculative output can "
+              "differ from plain greedy output at near-ties; --weights q4 (or an EAGLE / Medusa draft with --engine "
+              "static) is bit-identical", file=sys.stderr)
     acc = meta.get("heldout", {}).get("acc")
     # draft depth: k steps / heads; EAGLE: the depths it was scored at; early exit (acc of depth 1): 3
     k = getattr(module, "k", None) or (len(acc) if acc and len(acc) > 1 else 3)
@@ -425,8 +493,14 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
     else:
         raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
     t = time.perf_counter()
-    out, stats = speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens, stop_tokens=cfg.stop_tokens,
-                                      temperature=cfg.temperature, seed=cfg.seed, skip=cfg.skip)
+    if engine == "static":
+        from .decode_step import static_speculative_generate
+
+        out, stats = static_speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens,
+                                                 stop_tokens=cfg.stop_tokens, graphs=graphs)
+    else:
+        out, stats = speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens, stop_tokens=cfg.stop_tokens,
+                                          temperature=cfg.temperature, seed=cfg.seed, skip=cfg.skip)
     dt = time.perf_counter() - t
     text = tok.decode([x for x in out if x not in tok.eos_ids])
     sys.stdout.write(text + "\n")
@@ -465,8 +539,11 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed must be an integer in [-2**63, 2**64), got {args.seed}")
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (the system message is part of the chat template)")
-    if args.device is not None:
-        resolve_device(args.device)
+    dev = resolve_device(args.device) if args.device is not None else None
+    if args.graphs != "auto" and args.engine == "dynamic":
+        raise ValueError(f"--graphs {args.graphs}: only the static engine captures its step (--engine static)")
+    if args.graphs == "cudagraph" and (dev is None or dev.type != "cuda"):
+        raise ValueError("--graphs cudagraph needs --device cuda (the model on a CUDA device)")
     if args.draft is None and (args.tree is not None or args.stats):
         # both only describe speculative decoding: taking them silently would suggest they did something
         raise ValueError(f"{'--tree' if args.tree is not None else '--stats'} needs --draft (it sets/reports the "
@@ -588,9 +665,66 @@ def _check_bench_generate_args(args: argparse.Namespace) -> tuple[float, ...]:
     return fractions
 
 
+def _check_bench_static_args(args: argparse.Namespace) -> dict:
+    """bench_static's keyword arguments from `bench static` (or `bench decode/generate --device cuda`), every
+    flag checked before anything is loaded."""
+    from .decode_step import GRAPH_MODES
+    from .distributed import resolve_device
+    from .static_bench import DTYPES
+
+    dev = resolve_device(args.device) if args.device else None
+    kw: dict[str, Any] = dict(model_name=args.model, device=None if dev is None else str(dev),
+                              new_tokens=args.new_tokens)
+    _positive("--new-tokens", args.new_tokens)
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (the first token comes with the prefill), got {args.new_tokens}")
+    _check_output("--output", getattr(args, "output", None))
+    if args.bench != "static":
+        return kw
+    for flag, value in (("--nodes", args.nodes), ("--max-prompts", args.max_prompts)):
+        _positive(flag, value)
+    dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        raise ValueError(f"--dtypes: comma-separated, from {', '.join(DTYPES)}; got {args.dtypes!r}")
+    graphs = None
+    if args.graphs is not None:
+        graphs = tuple(x.strip() for x in args.graphs.split(",") if x.strip())
+        if not graphs or any(g not in GRAPH_MODES for g in graphs):
+            raise ValueError(f"--graphs: comma-separated, from {', '.join(GRAPH_MODES)}; got {args.graphs!r}")
+        if "cudagraph" in graphs and (dev is None and not _cuda() or dev is not None and dev.type != "cuda"):
+            raise ValueError("--graphs cudagraph needs a CUDA device")
+    kw.update(dtypes=dtypes, graphs=graphs, drafts=_label_dirs("--drafts", args.drafts, "a train-draft output"),
+              nodes=args.nodes, max_prompts=args.max_prompts, compare_transformers=not args.no_transformers,
+              dynamic=not args.no_dynamic)
+    return kw
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _bench_static(args: argparse.Namespace) -> int:
+    from .static_bench import bench_static, static_table
+
+    r = bench_static(**_check_bench_static_args(args))
+    print(static_table(r))
+    if getattr(args, "output", None):
+        Path(args.output).write_text(json.dumps(r, indent=2, default=str))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    if args.bench == "static":
+        return _bench_static(args)
+    if args.bench in ("decode", "generate") and args.device is not None:
+        from .distributed import resolve_device
+
+        if resolve_device(args.device).type == "cuda":
+            return _bench_static(args)  # the GPU's benchmark: the static step beside transformers' CUDA-graph recipe
     if args.bench == "gates":
         for flag, value in (("--prompts", args.prompts), ("--records", args.records), ("--new-tokens", args.new_tokens)):
             _positive(flag, value)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -436,40 +436,45 @@ def _step_for(model: Transformer, need: int, step: DecodeStep | None, **kw) -> D
 
 
 @torch.no_grad()
-def static_generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg=None, *,
-                    step: DecodeStep | None = None, **step_kw) -> list[list[int]]:
-    """`generate.generate` through the static step: the same contract (new tokens per prompt, a stop token
-    included and ending the row, at most what the context allows), one prompt at a time (batch 1). Greedy
-    decoding takes the argmax of the step's logits, sampling `generate.sample_next` with a seeded generator.
-    `step`: a step to reuse (its captured graphs too); else one sized to the call. `step_kw` go to
-    DecodeStep (buckets, graphs)."""
+def static_stream(model: Transformer, prompt: Sequence[int], cfg=None, *, step: DecodeStep | None = None,
+                  **step_kw) -> Iterator[int]:
+    """Yield one prompt's new tokens as they are decoded through the static step (a stop token is yielded
+    and ends it; at most max_new_tokens, and no more than the context allows). Greedy decoding takes the
+    argmax of the step's logits, sampling `generate.sample_next` with a seeded generator. `step`: a step to
+    reuse (its captured graphs too); else one sized to the call. `step_kw` go to DecodeStep (buckets,
+    graphs)."""
     from .generate import GenerationConfig, sample_next, validate_prompts
 
     cfg = cfg or GenerationConfig()
     model.eval()
-    prompts = validate_prompts(model, prompts)
-    outs = []
-    for prompt in prompts:
-        P = len(prompt)
-        budget = min(cfg.max_new_tokens, model.cfg.max_seq_len - P + 1)
-        new: list[int] = []
-        if budget > 0:
-            st = _step_for(model, P + budget, step, **step_kw)
-            gen = None
-            if cfg.temperature > 0:
-                gen = torch.Generator(device=st.device)
-                gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
-            logits = st.prefill(torch.tensor([prompt], device=st.device))[0][:, -1]
-            for i in range(budget):
-                tok = (logits.argmax(-1) if cfg.temperature == 0 else
-                       sample_next(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p, gen))
-                t = int(tok[0])  # the step's one host read
-                new.append(t)
-                if t in cfg.stop_tokens or i == budget - 1:
-                    break
-                logits = st.decode(tok, P + i)[0]
-        outs.append(new)
-    return outs
+    prompt = validate_prompts(model, [prompt])[0]
+    P = len(prompt)
+    budget = min(cfg.max_new_tokens, model.cfg.max_seq_len - P + 1)
+    if budget <= 0:
+        return
+    st = _step_for(model, P + budget, step, **step_kw)
+    gen = None
+    if cfg.temperature > 0:
+        gen = torch.Generator(device=st.device)
+        gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+    logits = st.prefill(torch.tensor([prompt], device=st.device))[0][:, -1]
+    for i in range(budget):
+        tok = (logits.argmax(-1) if cfg.temperature == 0 else
+               sample_next(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p, gen))
+        t = int(tok[0])  # the step's one host read
+        yield t
+        if t in cfg.stop_tokens or i == budget - 1:
+            return
+        logits = st.decode(tok, P + i)[0]
+
+
+def static_generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg=None, *,
+                    step: DecodeStep | None = None, **step_kw) -> list[list[int]]:
+    """`generate.generate` through the static step (`static_stream`), one prompt at a time (batch 1): the same
+    contract, new tokens per prompt."""
+    from .generate import validate_prompts
+
+    return [list(static_stream(model, p, cfg, step=step, **step_kw)) for p in validate_prompts(model, prompts)]
 
 
 @torch.no_grad()
@@ -568,5 +573,5 @@ class _CudaGraph:
         return self.outputs
 
 
-__all__ = ["DecodeStep", "bucket_for", "StaticView", "static_generate", "static_speculative_generate",
+__all__ = ["DecodeStep", "bucket_for", "StaticView", "static_stream", "static_generate", "static_speculative_generate",
            "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "invariant_buckets", "unsupported"]

@@ -293,6 +293,31 @@ def test_generate_other_flags_refused_before_loading(work, capsys):
     refused(capsys, [*base, "--refresh-costs"], "--refresh-costs needs --draft with --tree auto", roots=(work,))
     refused(capsys, [*base, "--draft", str(work), "--tree", "chain", "--refresh-costs"], "--refresh-costs",
             roots=(work,))
+    # the static engine's flags (issue 42)
+    refused(capsys, [*base, "--engine", "dynamic", "--graphs", "eager"], "--graphs eager", "--engine static",
+            roots=(work,))
+    refused(capsys, [*base, "--graphs", "cudagraph"], "--graphs cudagraph needs --device cuda", roots=(work,))
+
+
+def test_static_engine_refusals_name_the_reason(tiny, draft_dir, work, capsys):
+    """After loading: what the static step cannot do (sampling with a draft, a draft that reads the dynamic
+    cache) is refused by name under an explicit --engine static; auto takes the dynamic engine instead."""
+    base = ["generate", "--model", str(tiny[0]), "--prompt", "hi", "--max-new-tokens", "3", "--draft", str(draft_dir),
+            "--tree", "chain"]
+    line = refused(capsys, [*base, "--engine", "static", "--temperature", "0.5"], "--engine static with --draft",
+                   roots=(work, draft_dir))
+    assert "greedily" in line or "dynamic cache" in line
+    assert main([*base, "--temperature", "0.5"]) == 0
+
+
+def test_static_and_dynamic_engines_print_the_same_text(tiny, capsys):
+    base = ["generate", "--model", str(tiny[0]), "--prompt", "hello there", "--max-new-tokens", "12"]
+    outs = []
+    for engine in ("dynamic", "static"):
+        capsys.readouterr()
+        assert main([*base, "--engine", engine]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()
 
 
 def test_generation_config_and_speculative_refuse_nonfinite_temperature():

@@ -35,7 +35,7 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 BASE = {"train": ["train", "debug"], "train-draft": ["train-draft"], "generate": ["generate", "--model", "m"],
         "eval": ["eval", "runs/no-such-run"], "sweep": ["sweep", "smoke"], "flops": ["flops", "tiny"],
         "plot": ["plot", "runs/no-such-sweep"], "bench generate": ["bench", "generate"],
-        "bench decode": ["bench", "decode"]}
+        "bench decode": ["bench", "decode"], "bench static": ["bench", "static"]}
 
 
 def _validate(cmd: str, args: argparse.Namespace) -> None:
@@ -65,6 +65,11 @@ def _validate(cmd: str, args: argparse.Namespace) -> None:
         try:
             cli._check_bench_decode_args(args)
         except FileNotFoundError:  # the drafts/model on disk: a clean refusal in cli.main too
+            pass
+    elif cmd == "bench static":
+        try:
+            cli._check_bench_static_args(args)
+        except FileNotFoundError:  # the drafts on disk: a clean refusal in cli.main too
             pass
 
 

@@ -435,14 +435,17 @@ def test_cli_surface_is_frozen():
     assert flags["generate"] == sorted(["-h", "--help", "--model", "--checkpoint", "--prompt", "--chat", "--system",
                                         "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
                                         "--no-skip", "--weights", "--device", "--draft", "--tree", "--stats",
-                                        "--refresh-costs", "--gates"])
+                                        "--refresh-costs", "--gates", "--engine", "--graphs"])
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
     assert sorted(o for a in bench["generate"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
-         "--repeats", "--weights", "--prompt-lengths"])
+         "--repeats", "--weights", "--prompt-lengths", "--device"])
     assert sorted(o for a in bench["decode"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--model", "--drafts", "--layer-skip", "--tree", "--nodes", "--new-tokens", "--max-prompts",
-         "--prompts", "--weights", "--no-transformers", "--output"])
+         "--prompts", "--weights", "--no-transformers", "--output", "--device"])
+    assert sorted(o for a in bench["static"]._actions for o in a.option_strings) == sorted(
+        ["-h", "--help", "--model", "--device", "--dtypes", "--graphs", "--drafts", "--nodes", "--new-tokens",
+         "--max-prompts", "--no-transformers", "--no-dynamic", "--output"])
     assert sorted(o for a in bench["gates"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--model", "--gates", "--data", "--static", "--prompts", "--records", "--new-tokens",
          "--weights", "--output"])
