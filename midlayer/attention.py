@@ -306,8 +306,7 @@ class Attention(nn.Module):
         if cache is None:
             out = self.attend(q, k, v, key_bias)
         else:
-            k, v, mask = cache.update(k, v)
-            out = self.attend_masked(q, k, v, mask)
+            out = cache.attention(self, q, k, v)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
     def _forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:

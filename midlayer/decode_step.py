@@ -8,22 +8,24 @@ and CUDA graphs needs 1.9 ms; issue 42). A CUDA graph replays every kernel of a 
 needs static shapes, static addresses (the step's own buffers) and no host read inside the step.
 
 What is static.
-  * The cache: k, v [L, B, Hk, S, d] and `held` [B, S] (which slots hold a committed token), S = max_len + 1.
-    The last slot is scratch: padded rows write there, and it is never held.
+  * The cache: k, v [L, B, Hk, S, d] and `held` [B, S] (which slots hold committed text: slot p holds the
+    token at position p), S = max_len + 1. The last slot is scratch: padded rows write there, it is never held.
   * Row counts: a forward runs a bucket of N rows (`buckets`). Rows beyond the real ones are padding:
     token 0, position 0, the scratch slot, seeing the scratch slot only (so every row has a finite softmax).
-  * Attention runs over all S slots through an additive mask, so every row's softmax reduces over the same
-    S keys. A masked key adds exact zeros (exp(-inf) = 0, and 0 * v = 0 for the finite v every slot holds).
-  * The inputs are device tensors: tokens, positions and slots [B, N], and `tree` [N, N], which rows of this
-    forward a row sees: a lower triangle for a prompt chunk, the ancestor mask for a draft tree, the
-    identity for plain decoding. A row sees the committed slots (`held`) and the slots of the rows it sees.
+  * The inputs are device tensors: tokens, positions and slots [B, N], `start` (the first slot of the
+    forward), and the rows' structure: path [N, N], depth [N], real [N]. Row i sees the committed slots
+    before `start` and the slots of the rows on its path (its ancestors-or-self: a prompt chunk's rows are a
+    chain, a draft tree's rows its branches, plain decoding's one row itself).
+  * Attention runs over all S slots with masked keys, so every row reduces over S keys, in POSITION order
+    (`DecodeStep.attend`): a tree node's ancestors sit at slots that need not be adjacent, and a SIMD
+    reduction rounds the same terms differently at other indices.
 
 Row invariance. A row's logits then depend on its token, its position and the keys it sees, and not on N or
 on its place in the bucket, if every kernel reduces a row in the same order at every bucket size. Measured
 on an AMD EPYC with AVX-512 (torch 2.13 CPU, 2 threads): an fp32 GEMM gives a row the same bits at every M
-that is a multiple of 8, but not between M = 1 (a GEMV), 2-3 and 4-7; SDPA over a fixed S is then
-row-invariant too. So plain decoding runs in the smallest bucket (8 rows) and gets the bits of
-verification. In the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks
+that is a multiple of 8, but not between M = 1 (a GEMV), 2-3 and 4-7. So plain decoding runs in the
+smallest bucket (8 rows) and gets the bits of verification, and so does the attention's split (`attend`),
+as long as both use the same buckets (its window is the largest). In the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks
 its kernel by M (split-K for small M), so a row may differ between buckets. What holds is measured, not
 assumed: `buckets="auto"` takes the first of BUCKET_CANDIDATES ((8, 16, 32, 64), then the single bucket
 (64,), where no kernel choice can depend on M) that the probe `DecodeStep.row_invariant` passes, once per
@@ -33,8 +35,8 @@ Acceptance on the device (`verify`): the greedy targets, the longest accepted pa
 compaction of the accepted rows' K/V to the front are index-tensor operations, and the host reads one small
 tensor per round: [accepted count, the path's tokens..., bonus].
 
-Scope. Dense attention models (any norm placement, GQA, RoPE or no positions, tied or untied heads, fp32,
-bf16 or q4 weights). Gated models (real skipping is data-dependent), state-space mixers, sliding windows,
+Scope. Dense attention models (pre-norm or sandwich, GQA, RoPE or no positions, tied or untied heads, fp32,
+bf16 or q4 weights; in q4 the C kernels attend, summing over the visible keys only). Gated models (real skipping is data-dependent), state-space mixers, sliding windows,
 ALiBi / T5 biases and mixtures of experts keep the dynamic path (generate.py) and are refused here by name.
 """
 
@@ -133,14 +135,22 @@ class StaticView(CacheView):
     def finish(self, M: int, device: torch.device) -> torch.Tensor:
         return self.step.cur_mask
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         st = self.step
         kl, vl = st.k[self.layer], st.v[self.layer]  # [B, Hk, S, d]
         # [B, N] batch and slot indices around a sliced head dim: both sides are [B, N, Hk, d]. Padded rows
         # all write the scratch slot; which of them lands there does not matter (no real row reads it).
         kl[st.rows_b, :, st.cur_slots] = k.transpose(1, 2).to(kl.dtype)
         vl[st.rows_b, :, st.cur_slots] = v.transpose(1, 2).to(vl.dtype)
-        return kl, vl, st.cur_mask
+        return kl, vl
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kl, vl = self._store(k, v)
+        return kl, vl, self.step.cur_mask
+
+    def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kl, vl = self._store(k, v)
+        return self.step.attend(q, kl, vl)
 
 
 @dataclass
@@ -196,32 +206,82 @@ class DecodeStep:
         self.v = torch.zeros(shape, device=dev, dtype=dtype)
         self.held = torch.zeros(batch, S, dtype=torch.bool, device=dev)
         self.slot_ids = torch.arange(S, device=dev)
+        self.window = buckets[-1]  # W of `attend`: a round's rows lie within W - 1 positions of its start
+        self.win_ids = torch.arange(self.window, device=dev)
         self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
+        self.cur_keys = self.cur_kmask = self.cur_pos = None
         self._trees: dict[tuple, TreeTensors] = {}
         self._runners: dict[tuple[str, int], object] = {}
         self.device = dev
 
     # ------------------------------------------------------------------------------------- the step
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tree: torch.Tensor,
-                start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, positions, slots [B, N] (long), tree [N, N] (bool), start (a long scalar: the first slot of
-        this forward) -> (logits [B, N, V], final residual before the last norm [B, N, d]). Writes the rows'
-        K/V at their slots; `held` is left as it is (what a forward commits is the caller's: `decode`,
-        `verify`). No host read, no data-dependent branch. A call depends on the held slots before `start`
-        only, so running it twice gives the same result (a CUDA graph's warm-up does)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+                path: torch.Tensor, depth: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The capturable step. tokens, positions, slots [B, N] (long); start (a long scalar): the first slot of
+        this forward, every held slot before it being committed text at the position of its index; the rows'
+        structure, shared by the batch: path [N, N] (row i's ancestors-or-self, root first, as row indices),
+        depth [N] (row i sees the committed slots and path[i, :depth[i] + 1], at positions start..), real [N]
+        (False: padding). Returns (logits [B, N, V], the final residual before the last norm [B, N, d]).
+        Writes the rows' K/V at their slots; `held` is left as it is (what a forward commits is the caller's:
+        `decode`, `verify`). No host read, no data-dependent branch. A call depends on the held slots before
+        `start` only, so running it twice gives the same result (a CUDA graph's warm-up does)."""
         m = self.model
-        # The mask: committed slots, plus the slots of the rows this row sees (a 0/1 matmul: exact).
-        onehot = (slots[:, :, None] == self.slot_ids).to(torch.float32)  # [B, N, S]
-        sees = torch.matmul(tree.to(torch.float32), onehot) > 0  # [B, N, S]
-        visible = (self.held & (self.slot_ids < start))[:, None, :] | sees
-        self.cur_mask = torch.where(visible, 0.0, float("-inf"))[:, None]  # [B, 1, N, S]
-        self.rows_b = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(slots)
+        B, N = tokens.shape
+        S = self.slot_ids.shape[0]
+        p = self.slot_ids
+        # Each row's keys in position order: keys[b, i, p] is the slot that holds row i's key at position p.
+        committed = (p < start) & self.held  # [B, S]: slot p = position p
+        j = p - start  # a tail position's index on the row's path
+        tail = (j >= 0) & (j <= depth[:, None]) & real[:, None]  # [N, S]
+        path_slots = slots.gather(1, path.reshape(1, N * N).expand(B, N * N)).view(B, N, N)
+        tail_slots = path_slots.gather(2, j.clamp(0, N - 1).view(1, 1, S).expand(B, N, S))
+        pad0 = (~real)[:, None] & (p == 0)  # [N, S]: padding sees the scratch slot alone (a finite softmax)
+        keys = torch.where(tail, tail_slots, torch.where(pad0, self.scratch, p.expand(B, N, S)))
+        visible = tail | pad0 | committed[:, None, :] & real[:, None]  # [B, N, S]
+        self.cur_keys, self.cur_pos = keys, positions
+        self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
+        # the same visibility by slot, for the C kernels of a direct view (a 0/1 sum: exact, in any order)
+        by_slot = torch.zeros(B, N, S, device=tokens.device).scatter_add_(2, keys, visible.to(torch.float32))
+        self.cur_mask = torch.where(by_slot > 0, 0.0, float("-inf"))[:, None]  # [B, 1, N, S]
+        self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
         self.cur_slots = slots
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
         h = m.run_blocks(m.embed(tokens, positions), self._block)
         return m.output(m.norm(h)), h
+
+    def attend(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + mask) v for q [B, H, N, d] over the cache layer kl, vl [B, Hk, S, d], in
+        fp32, with every reduction over a row's keys in POSITION order, so that a row's result is the same bits
+        whether its keys were written by plain decoding (slots in position order) or sit in a tree's slots
+        (a node's ancestors need not be adjacent): SIMD reductions assign terms to lanes by index, so the same
+        nonzero terms at other indices round otherwise (seen: 6e-8 apart in fp32 and bf16, and a bf16 greedy
+        output that left plain decoding's). The scores q.k are layout-free (one dot product each); they are
+        gathered into position order for the max, the exponentials and their sum. The weighted sum of values
+        splits at s0 = position - (W - 1) (W: the largest bucket), below which every key of every row is
+        committed text at its own slot: one GEMM against the shared values there, and above it a W-key window
+        of values gathered per row in position order."""
+        B, H, N, d = q.shape
+        Hk, S = kl.shape[1], kl.shape[2]
+        rep, W = H // Hk, self.window
+        qf = q.float().reshape(B, Hk, rep * N, d)  # head h = g * rep + r reads kv head g (GQA, as SDPA's)
+        kf, vf = kl.float(), vl.float()
+        scores = (torch.matmul(qf, kf.transpose(-1, -2)) * d ** -0.5).view(B, Hk, rep, N, S)
+        s_pos = scores.gather(-1, self.cur_keys[:, None, None].expand(B, Hk, rep, N, S)) + self.cur_kmask[:, None, None]
+        e = torch.exp(s_pos - s_pos.amax(-1, keepdim=True))  # masked keys: exp(-inf) = 0
+        z = e.sum(-1, keepdim=True)
+        s0 = (self.cur_pos - (W - 1)).clamp_min(0)  # [B, N]
+        below = (self.slot_ids < s0[..., None])[:, None, None]  # [B, 1, 1, N, S]
+        out = torch.matmul((e * below).reshape(B, Hk, rep * N, S), vf).view(B, Hk, rep, N, d)
+        wpos = s0[..., None] + self.win_ids  # [B, N, W]: positions s0 .. s0 + W - 1
+        inside = wpos < S
+        wpos = wpos.clamp_max(S - 1)
+        wslots = self.cur_keys.gather(2, wpos)  # [B, N, W]
+        v_win = vf.gather(2, wslots.reshape(B, 1, N * W, 1).expand(B, Hk, N * W, d)).view(B, Hk, N, W, d)
+        e_win = e.gather(-1, wpos[:, None, None].expand(B, Hk, rep, N, W)) * inside[:, None, None]
+        out = out + torch.matmul(e_win.transpose(2, 3), v_win).transpose(2, 3)  # per row: [rep, W] @ [W, d]
+        return (out / z).reshape(B, H, N, d).to(q.dtype)
 
     def _block(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
                key_bias: torch.Tensor | None) -> torch.Tensor:
@@ -236,7 +296,7 @@ class DecodeStep:
         first in row order), the compaction of the root and that path to slots start.., and their `held`.
         Returns (packed [N + 1] = [accepted count a, path tokens (N - 1, the first a are real), bonus],
         path rows [N], logits [1, N, V], hidden [1, N, d])."""
-        logits, hidden = self.forward(tokens, positions, slots, vis, start)
+        logits, hidden = self.forward(tokens, positions, slots, start, path, depth, real)
         N = tokens.shape[1]
         target = logits[0].argmax(-1)  # [N]: torch's first-maximum rule, as generate's greedy choice
         ok = is_node & (tokens[0] == target[parent])
@@ -296,14 +356,15 @@ class DecodeStep:
                 torch.cat([positions, torch.zeros(pad, dtype=torch.long, device=dev)], 1),
                 torch.cat([slots, torch.full(pad, self.scratch, dtype=torch.long, device=dev)], 1))
 
-    def _chain_vis(self, n: int, N: int) -> torch.Tensor:
-        """[N, N]: n rows causal among themselves (a lower triangle), padding seeing itself."""
+    def _chain(self, n: int, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(path, depth, real) of n rows causal among themselves (a prompt chunk, a decoded token) in bucket N."""
         key = ("chain", n, N)
         t = self._trees.get(key)
         if t is None:
-            vis = torch.eye(N, dtype=torch.bool)
-            vis[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-            t = self._trees[key] = vis.to(self.device)
+            i = torch.arange(N)
+            path = torch.where(i[None, :] <= i[:, None], i[None, :], 0)
+            t = self._trees[key] = (path.to(self.device), torch.where(i < n, i, 0).to(self.device),
+                                    (i < n).to(self.device))
         return t
 
     @torch.no_grad()
@@ -322,7 +383,7 @@ class DecodeStep:
             Nb = self.bucket_for(n)
             idx = torch.arange(start + a, start + a + n, device=self.device)[None].expand(B, n)
             t, p, s = self._pad(tokens[:, a:a + n].to(self.device), idx, idx, Nb)
-            logits, hidden = self._runner("forward", Nb)(t, p, s, self._chain_vis(n, Nb), self._scalar(start + a))
+            logits, hidden = self._runner("forward", Nb)(t, p, s, self._scalar(start + a), *self._chain(n, Nb))
             self.held[:, start + a:start + a + n] = True
             outs.append(logits[:, :n].clone())
             hids.append(hidden[:, :n].clone())
@@ -336,7 +397,7 @@ class DecodeStep:
         B = tokens.shape[0]
         idx = torch.full((B, 1), pos, dtype=torch.long, device=self.device)
         t, p, s = self._pad(tokens.reshape(B, 1).to(self.device), idx, idx, N)
-        logits, hidden = self._runner("forward", N)(t, p, s, self._chain_vis(1, N), self._scalar(pos))
+        logits, hidden = self._runner("forward", N)(t, p, s, self._scalar(pos), *self._chain(1, N))
         self.held[:, pos] = True
         return logits[:, 0], hidden[:, 0]
 
@@ -408,10 +469,12 @@ class DecodeStep:
                 toks[:, place] = probe[:, 0]
                 pos = torch.full((self.batch, N), ctx, dtype=torch.long, device=self.device)
                 slots = torch.full((self.batch, N), self.scratch, dtype=torch.long, device=self.device)
-                slots[:, place] = ctx  # the probe row's own slot; the others share the scratch slot
-                logits, _ = self._runner("forward", N)(toks, pos, slots, torch.eye(N, dtype=torch.bool,
-                                                                                    device=self.device),
-                                                      self._scalar(ctx))
+                slots[:, place] = ctx  # the probe row's own slot; the others are padding
+                path = torch.zeros(N, N, dtype=torch.long, device=self.device)
+                path[place, 0] = place
+                real = torch.arange(N, device=self.device) == place
+                logits, _ = self._runner("forward", N)(toks, pos, slots, self._scalar(ctx), path,
+                                                      torch.zeros(N, dtype=torch.long, device=self.device), real)
                 row = logits[:, place].clone()
                 if ref is None:
                     ref = row

@@ -17,7 +17,8 @@ So one additive mask carries causality-free occupancy, skipping and gating; the 
 
 The cache-view protocol (`CacheView`): what a block's attention is handed in one forward instead of a cache
 type to check. `update(k, v)` stores this layer's new keys/values wherever the view keeps them and returns
-(keys, values, additive mask) to attend over. Three implementations: `LayerView` (this dynamic cache),
+(keys, values, additive mask) to attend over; `attention(module, q, k, v)` stores and attends (by default
+through `update` and the module's masked attention). Three implementations: `LayerView` (this dynamic cache),
 `MaskedView` (no cache: any explicit mask over the rows themselves, for training passes and drafters) and
 `decode_step.StaticView` (the static-shape step, issue 42). A view that lets the C kernels write the cache
 in place says so with `direct`; a view that holds a state-space mixer's state hands it out through
@@ -151,6 +152,13 @@ class CacheView:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store k, v [B, Hk, M, d]; return (keys, values [B, Hk, S, d], additive mask [B, 1|H, M, S] or None)."""
         raise NotImplementedError
+
+    def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention output [B, H, M, d] of queries q over this view's keys once k, v [B, Hk, M, d] are
+        stored: by default `update`, then the module's masked attention (attention.Attention.attend_masked).
+        A view may compute it otherwise (decode_step.StaticView: in position order, for batch invariance)."""
+        k, v, mask = self.update(k, v)
+        return module.attend_masked(q, k, v, mask)
 
     def ssm_inputs(self, layer: int, mixer, x: torch.Tensor) -> tuple:
         """(state, valid) for a state-space mixer at `layer` over the rows x [B, M, d]."""

