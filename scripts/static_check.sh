@@ -13,8 +13,9 @@
 #   call 1, carry [".dev1"]:  bash scripts/static_check.sh stash
 #   call 2, carry [".dev2"], timeout_s 560:  bash scripts/static_check.sh run      # within 30 s of call 1
 #   here:   git reset -q -- drafts gates sweeps data/distill, and remove those exclude lines
-# Files under $OUT (at most 8 come back): env.txt, check.txt (benchmarks/static_step_check.py), bench.md and
-# bench.json (`bench static`), one log per step. Budget: ~7 minutes for call 2 (BENCH_S caps the bench).
+# Files under $OUT (at most 8 come back): env.txt, rows.txt (benchmarks/row_invariance.py: which kernels are
+# row-invariant on that GPU), check.txt (benchmarks/static_step_check.py), bench.md and bench.json (`bench
+# static`), check.log and bench.log. Budget: ~7 minutes for call 2 (BENCH_S caps the bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -61,6 +62,7 @@ run)
     lscpu | grep -E "Model name|^CPU\(s\)"
     $PYBIN -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__)"
   } > "$OUT/env.txt" 2>&1
+  timeout 60 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
   s=$SECONDS
   timeout 150 $PYBIN benchmarks/static_step_check.py --device "$DEVICE" --eagle "$DR/eagle" > "$OUT/check.txt" 2> "$OUT/check.log"
   echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
@@ -69,7 +71,7 @@ run)
     --drafts "eagle=$DR/eagle,medusa=$DR/medusa" --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
   echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   tail -c 20000 "$OUT/bench.log" > "$OUT/bench.log.tail" && mv "$OUT/bench.log.tail" "$OUT/bench.log"
-  cat "$OUT/env.txt" "$OUT/check.txt" "$OUT/bench.md"
+  cat "$OUT/env.txt" "$OUT/rows.txt" "$OUT/check.txt" "$OUT/bench.md"
   ;;
 *)
   echo "usage: $0 prepare|stash|run" >&2

@@ -1,0 +1,72 @@
+"""Which PyTorch kernels give a row the same bits whatever shares its forward (issue 42; docs/results/
+static-step.md): an fp32/bf16 GEMM at row counts M = 1..64 and at each place in the batch, SDPA over a
+fixed key length, and the same attention with one key moved to another slot (a tree node's ancestor that
+is not adjacent). Prints one line per case: the M (and places) whose row differs from the reference.
+
+    python benchmarks/row_invariance.py [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+
+def gemm(dev: torch.device, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    for K, N in [(576, 576), (576, 1536), (1536, 576), (576, 49152)]:
+        W = torch.randn(N, K, generator=g).to(dev, dtype)
+        x = torch.randn(64, K, generator=g).to(dev, dtype)
+        ref = {m0: F.linear(x[:m0], W)[:1] for m0 in (1, 2, 8)}
+        for m0, r in ref.items():
+            bad = []
+            for M in (1, 2, 3, 4, 5, 8, 16, 17, 32, 64):
+                for p in sorted({0, M // 2, M - 1}):
+                    xs = x[:M].clone()
+                    xs[p] = x[0]
+                    if not torch.equal(F.linear(xs, W)[p:p + 1], r):
+                        bad.append((M, p))
+            print(f"{dtype} linear {K}->{N}: row 0 as at M={m0}; (M, place) that differ: {bad}")
+
+
+def attention(dev: torch.device, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    S, d = 300, 64
+    k, v = (torch.randn(1, 3, S, d, generator=g).to(dev, dtype) for _ in range(2))
+    q = torch.randn(1, 9, 64, d, generator=g).to(dev, dtype)
+    mask = torch.full((1, 1, 64, S), float("-inf"), device=dev)
+    mask[..., :200] = 0
+    ref = F.scaled_dot_product_attention(q[:, :, :8].float(), k.float(), v.float(), attn_mask=mask[:, :, :8],
+                                         enable_gqa=True)[:, :, :1]
+    bad = [M for M in (8, 16, 32, 64) if not torch.equal(F.scaled_dot_product_attention(
+        q[:, :, :M].float(), k.float(), v.float(), attn_mask=mask[:, :, :M], enable_gqa=True)[:, :, :1], ref)]
+    print(f"{dtype} SDPA over {S} slots: row 0 as at 8 rows; row counts that differ: {bad}")
+    # the same visible keys, one of them at slot 105 instead of 102 (zeros between)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 105], v2[:, :, 105] = k[:, :, 102], v[:, :, 102]
+    k2[:, :, 102] = v2[:, :, 102] = 0
+    mA = torch.full((1, 1, 8, S), float("-inf"), device=dev)
+    mA[..., :103] = 0
+    mB = torch.full((1, 1, 8, S), float("-inf"), device=dev)
+    mB[..., :102] = 0
+    mB[..., 105] = 0
+    a = F.scaled_dot_product_attention(q[:, :, :8].float(), k.float(), v.float(), attn_mask=mA, enable_gqa=True)
+    b = F.scaled_dot_product_attention(q[:, :, :8].float(), k2.float(), v2.float(), attn_mask=mB, enable_gqa=True)
+    print(f"{dtype} SDPA, one key moved 3 slots on: equal {torch.equal(a, b)}, max difference "
+          f"{(a - b).abs().max().item():.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    dev = torch.device(ap.parse_args().device)
+    print(f"torch {torch.__version__}, {dev}, {torch.get_num_threads()} threads")
+    for dtype in (torch.float32, torch.bfloat16):
+        gemm(dev, dtype)
+        attention(dev, dtype)
+
+
+if __name__ == "__main__":
+    main()
