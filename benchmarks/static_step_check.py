@@ -83,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--eagle", default=None, help="an EAGLE draft of SmolLM2: also check the real model")
+    ap.add_argument("--hidden-transfer", default=None, help="a hidden-transfer draft of SmolLM2 (fused pass)")
     ap.add_argument("--new-tokens", type=int, default=48)
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -94,7 +95,7 @@ def main() -> None:
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 5, 70)]
     for dname, dtype in DTYPES.items():
         check(copy.deepcopy(tiny).to(dev, dtype), prompts, modes, args.new_tokens, f"tiny {dname}")
-    if args.eagle:
+    if args.eagle or args.hidden_transfer:
         from midlayer.bench import heldout_chats
         from midlayer.drafters import load_drafter
         from midlayer.pretrained import load_pretrained
@@ -103,10 +104,15 @@ def main() -> None:
         chats = heldout_chats(tok, 4)
         for dname, dtype in DTYPES.items():
             model = copy.deepcopy(base).to(dev, dtype).eval()
-            drafter, module, meta = load_drafter(args.eagle, model)
-            module.to(dev, dtype)
-            drafter.dynamic_k = 4
-            check(model, chats, modes[-1:], 64, f"smollm2 {dname}", {"eagle-2": lambda p, r: drafter})
+            drafters = {}
+            for label, path in (("eagle-2", args.eagle), ("hidden-transfer", args.hidden_transfer)):
+                if path:
+                    drafter, module, meta = load_drafter(path, model)
+                    module.to(dev, dtype)
+                    if label == "eagle-2":
+                        drafter.dynamic_k = 4
+                    drafters[label] = (lambda d: lambda p, r: d)(drafter)
+            check(model, chats, modes[-1:], 64, f"smollm2 {dname}", drafters)
 
 
 if __name__ == "__main__":

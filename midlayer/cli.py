@@ -248,7 +248,8 @@ def _add_generate_parser(sub) -> None:
     b.add_argument("--graphs", default=None,
                    help="comma-separated step modes: eager, cudagraph, compile (default: eager,cudagraph on CUDA, eager "
                         "on a CPU); the speculative rows run in the last")
-    b.add_argument("--drafts", default="eagle=drafts/smollm2-135m-scale/eagle,medusa=drafts/smollm2-135m-scale/medusa",
+    b.add_argument("--drafts", default="eagle=drafts/smollm2-135m-scale/eagle,medusa=drafts/smollm2-135m-scale/medusa,"
+                                       "hidden-transfer=drafts/smollm2-135m-scale/hidden-transfer",
                    help="comma-separated LABEL=DIR of drafts that draft for the static step ('' = none)")
     b.add_argument("--nodes", type=int, default=24, help="tree nodes (EAGLE: EAGLE-2's dynamic tree)")
     b.add_argument("--new-tokens", type=int, default=128)
@@ -708,8 +709,13 @@ def _cuda() -> bool:
 def _bench_static(args: argparse.Namespace) -> int:
     from .static_bench import bench_static, static_table
 
-    r = bench_static(**_check_bench_static_args(args))
-    print(static_table(r))
+    shown: list[str] = []
+
+    def show(r: dict, dtype: str) -> None:  # each dtype's table as soon as it is done
+        print(static_table(r, [dtype], header=not shown), flush=True)
+        shown.append(dtype)
+
+    r = bench_static(**_check_bench_static_args(args), on_table=show)
     if getattr(args, "output", None):
         Path(args.output).write_text(json.dumps(r, indent=2, default=str))
     return 0

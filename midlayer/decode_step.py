@@ -42,6 +42,7 @@ ALiBi / T5 biases and mixtures of experts keep the dynamic path (generate.py) an
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -53,7 +54,10 @@ from .model import Transformer
 
 # Candidate bucket sets, tried in order by `invariant_buckets`: several sizes (plain decoding pays for the
 # smallest), else one size for every forward (no kernel choice can then depend on M).
-BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = ((8, 16, 32, 64), (64,))
+BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = ((8, 16, 32, 64, 128, 256), (256,))
+# W of `DecodeStep.attend`: every row of a forward lies within W - 1 positions of the forward's first slot (a
+# prompt chunk has at most W rows; a tree's depth plus hidden transfer's steps stay below W).
+MAX_TAIL = 64
 GRAPH_MODES: tuple[str, ...] = ("eager", "cudagraph", "compile")
 _probed: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 
@@ -155,17 +159,23 @@ class StaticView(CacheView):
 
 @dataclass
 class TreeTensors:
-    """A draft tree laid out for a bucket of N rows (row 0 = the root, row i + 1 = node i, then padding), as
-    the device tensors `DecodeStep.verify` reads. Built once per tree shape (`DecodeStep.tree_tensors`)."""
+    """A draft tree laid out for a bucket of N rows, as the device tensors `DecodeStep.verify` reads. Row 0 is
+    the root, row i + 1 node i; with hidden transfer's fused pass (k steps), the T = `tree_rows` tree rows
+    (padded) are followed by k blocks of T pseudo rows, pseudo row (anchor a, step i) at row T * i + a; then
+    padding. Built once per tree shape (`DecodeStep.tree_tensors`)."""
 
     n_nodes: int
     max_depth: int
-    vis: torch.Tensor  # [N, N] bool: row i sees row j (ancestor-or-self; the root; padding sees itself)
-    parent: torch.Tensor  # [N] long: parent row (root and padding: 0)
-    depth: torch.Tensor  # [N] long: 0 for the root and padding
-    real: torch.Tensor  # [N] bool: the root and the nodes
-    is_node: torch.Tensor  # [N] bool: the nodes
-    path: torch.Tensor  # [N, N] long: rows from the root down to row i, then padded with 0
+    tree_rows: int  # T
+    vis: torch.Tensor  # [N, N] bool: row i sees row j (the tree's ancestors-or-self; the root)
+    parent: torch.Tensor  # [N] long: parent row (root and others: 0)
+    depth: torch.Tensor  # [N] long: position offset from the root (pseudo (a, i): depth of a + i)
+    real: torch.Tensor  # [N] bool: not padding
+    is_node: torch.Tensor  # [N] bool: the tree's nodes
+    path: torch.Tensor  # [N, N] long: rows at positions root.., -1 where none (past the depth, a masked step)
+    join_src: torch.Tensor  # [N] long: a pseudo row's anchor row (others 0)
+    join_step: torch.Tensor  # [N] long: a pseudo row's step (others 0)
+    prow: torch.Tensor  # [N, max(k, 1)] long: tree row a's pseudo rows of steps 1..k
 
 
 class DecodeStep:
@@ -206,24 +216,33 @@ class DecodeStep:
         self.v = torch.zeros(shape, device=dev, dtype=dtype)
         self.held = torch.zeros(batch, S, dtype=torch.bool, device=dev)
         self.slot_ids = torch.arange(S, device=dev)
-        self.window = buckets[-1]  # W of `attend`: a round's rows lie within W - 1 positions of its start
+        self.window = min(MAX_TAIL, buckets[-1])  # W of `attend`
         self.win_ids = torch.arange(self.window, device=dev)
         self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
         self.cur_keys = self.cur_kmask = self.cur_pos = None
         self._trees: dict[tuple, TreeTensors] = {}
-        self._runners: dict[tuple[str, int], object] = {}
+        self._runners: dict[tuple, object] = {}
         self.device = dev
+        # hidden transfer's fused pass (`attach`): its maps, the blocks where its rows join, this forward's joins
+        self.transfer = None
+        self.join_at: dict[int, list[int]] = {}
+        self.cur_join: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------- the step
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
-                path: torch.Tensor, depth: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                path: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, join_src: torch.Tensor | None = None,
+                join_step: torch.Tensor | None = None, head_rows: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The capturable step. tokens, positions, slots [B, N] (long); start (a long scalar): the first slot of
         this forward, every held slot before it being committed text at the position of its index; the rows'
         structure, shared by the batch: path [N, N] (row i's ancestors-or-self, root first, as row indices),
         depth [N] (row i sees the committed slots and path[i, :depth[i] + 1], at positions start..), real [N]
-        (False: padding). Returns (logits [B, N, V], the final residual before the last norm [B, N, d]).
+        (False: padding); path entries -1 are positions the row does not see. Hidden transfer's fused pass
+        (`attach`): join_src, join_step [N]: at block t_i, the rows of step i (join_step == i) take W_i of the
+        residual of row join_src. head_rows (a Python int, static): only the first head_rows rows go through
+        the LM head. Returns (logits [B, head_rows or N, V], the final residual before the last norm [B, N, d]).
         Writes the rows' K/V at their slots; `held` is left as it is (what a forward commits is the caller's:
         `decode`, `verify`). No host read, no data-dependent branch. A call depends on the held slots before
         `start` only, so running it twice gives the same result (a CUDA graph's warm-up does)."""
@@ -234,9 +253,10 @@ class DecodeStep:
         # Each row's keys in position order: keys[b, i, p] is the slot that holds row i's key at position p.
         committed = (p < start) & self.held  # [B, S]: slot p = position p
         j = p - start  # a tail position's index on the row's path
-        tail = (j >= 0) & (j <= depth[:, None]) & real[:, None]  # [N, S]
-        path_slots = slots.gather(1, path.reshape(1, N * N).expand(B, N * N)).view(B, N, N)
-        tail_slots = path_slots.gather(2, j.clamp(0, N - 1).view(1, 1, S).expand(B, N, S))
+        jc = j.clamp(0, N - 1)
+        tail = (j >= 0) & (j <= depth[:, None]) & real[:, None] & (path.gather(1, jc.expand(N, S)) >= 0)  # [N, S]
+        path_slots = slots.gather(1, path.clamp_min(0).reshape(1, N * N).expand(B, N * N)).view(B, N, N)
+        tail_slots = path_slots.gather(2, jc.view(1, 1, S).expand(B, N, S))
         pad0 = (~real)[:, None] & (p == 0)  # [N, S]: padding sees the scratch slot alone (a finite softmax)
         keys = torch.where(tail, tail_slots, torch.where(pad0, self.scratch, p.expand(B, N, S)))
         visible = tail | pad0 | committed[:, None, :] & real[:, None]  # [B, N, S]
@@ -248,8 +268,10 @@ class DecodeStep:
         self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
         self.cur_slots = slots
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
+        self.cur_join = None if self.transfer is None or join_src is None else (join_src, join_step)
         h = m.run_blocks(m.embed(tokens, positions), self._block)
-        return m.output(m.norm(h)), h
+        h = self._join(m.cfg.n_layers, h)  # rows that join after the last block (t_i = L)
+        return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
 
     def attend(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + mask) v for q [B, H, N, d] over the cache layer kl, vl [B, Hk, S, d], in
@@ -285,48 +307,83 @@ class DecodeStep:
 
     def _block(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
                key_bias: torch.Tensor | None) -> torch.Tensor:
-        return block(h, self.cur_cos, self.cur_sin, None, None, self.views[layer])
+        return block(self._join(layer, h), self.cur_cos, self.cur_sin, None, None, self.views[layer])
+
+    def _join(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Hidden transfer (arXiv 2404.12022 sec. 3.4): entering block t_i, the pseudo rows of step i become
+        W_i h of their anchor row. Before it they are placeholders that no other row reads (a tree row never
+        sees a pseudo row; a pseudo row sees its anchor's earlier steps, which exist wherever it does, as
+        t_1 <= t_2 <= ...), so the static shape costs compute there, not correctness."""
+        if self.cur_join is None or layer not in self.join_at:
+            return h
+        src, step = self.cur_join
+        anchors = h.index_select(1, src)
+        for i in self.join_at[layer]:
+            h = torch.where((step == i)[None, :, None], self.transfer.transfer(anchors, i).to(h.dtype), h)
+        return h
+
+    def attach(self, drafter) -> None:
+        """Run hidden transfer's fused pass in this step's verification rounds (`verify(fused=True)`): the
+        drafter's maps and the blocks where each step's rows join. Captured rounds are rebuilt for another."""
+        transfer = drafter.transfer
+        if transfer is not self.transfer:
+            self.transfer, self.join_at = transfer, transfer.steps_at(transfer.k)
+            self._runners = {k: v for k, v in self._runners.items() if k[0] != "verify"}
 
     def verify_round(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                      vis: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, real: torch.Tensor,
-                     is_node: torch.Tensor, path: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One speculative round at batch 1, all on the device: the forward over [root, nodes, padding], the
-        greedy acceptance of the deepest path whose every node is the base's argmax at its parent (ties: the
-        first in row order), the compaction of the root and that path to slots start.., and their `held`.
-        Returns (packed [N + 1] = [accepted count a, path tokens (N - 1, the first a are real), bonus],
-        path rows [N], logits [1, N, V], hidden [1, N, d])."""
-        logits, hidden = self.forward(tokens, positions, slots, start, path, depth, real)
-        N = tokens.shape[1]
-        target = logits[0].argmax(-1)  # [N]: torch's first-maximum rule, as generate's greedy choice
-        ok = is_node & (tokens[0] == target[parent])
-        ok_or_root = ok | ~is_node & real  # the root row is always on the path
-        bad = torch.matmul(vis.to(torch.float32), (~ok_or_root).to(torch.float32))  # bad rows on each path
-        idx = torch.arange(N, device=tokens.device)
-        score = torch.where(real & (bad == 0), depth * (N + 1) + (N - idx), -1)
+                     is_node: torch.Tensor, path: torch.Tensor, join_src: torch.Tensor, join_step: torch.Tensor,
+                     prow: torch.Tensor, tree_rows: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One speculative round at batch 1, all on the device: the forward over [root, nodes, padding] (and,
+        with hidden transfer attached, the pseudo rows of every tree row), the greedy acceptance of the
+        deepest path whose every node is the base's argmax at its parent (ties: the first in row order), the
+        compaction of the root and that path to slots start.., and their `held`. tree_rows (static): the
+        first T rows are the tree's (the rest, pseudo rows and padding, are never accepted); vis, parent and
+        is_node describe them. Returns (packed [T + 1] = [accepted count a, path tokens (T - 1, the first a
+        real), bonus], path rows [T] (-1 beyond a), logits [1, T, V], hidden [1, N, d], and the next draft's
+        logits [k, V'] from the pseudo rows of the last accepted row, or an empty tensor)."""
+        T = tree_rows or tokens.shape[1]
+        logits, hidden = self.forward(tokens, positions, slots, start, path, depth, real, join_src, join_step,
+                                      head_rows=T)
+        tok, idx = tokens[0, :T], torch.arange(T, device=tokens.device)
+        target = logits[0].argmax(-1)  # [T]: torch's first-maximum rule, as generate's greedy choice
+        node = is_node[:T]
+        ok = node & (tok == target[parent[:T]])
+        ok_or_root = ok | (idx == 0)  # the root row is always on the path
+        bad = torch.matmul(vis[:T, :T].to(torch.float32), (~ok_or_root).to(torch.float32))  # bad rows on each path
+        score = torch.where((node | (idx == 0)) & (bad == 0), depth[:T] * (T + 1) + (T - idx), -1)
         best = score.argmax(0, keepdim=True)  # [1]: indexed by gather / index_select (a 0-d index is a host read)
         a = depth.gather(0, best)  # [1]
-        rows = path.index_select(0, best)[0]  # [N]: root, then the accepted nodes by depth, then 0s
-        src = slots[0].index_select(0, rows)
+        rows = path[:T, :T].index_select(0, best)[0]  # [T]: root, then the accepted nodes by depth, then -1s
+        kept = rows.clamp_min(0)
+        src = slots[0].index_select(0, kept)
         dst = start + idx
-        # Compaction: the kept rows' K/V move to start..start+N-1 (index_select copies first, so overlapping
+        # Compaction: the kept rows' K/V move to start..start+T-1 (index_select copies first, so overlapping
         # source and destination slots are safe); only the first a + 1 of them become held.
         self.k.index_copy_(3, dst, self.k.index_select(3, src))
         self.v.index_copy_(3, dst, self.v.index_select(3, src))
         self.held[0].index_copy_(0, dst, idx <= a)
-        packed = torch.cat([a, tokens[0].index_select(0, rows[1:]), target.gather(0, best)])
-        return packed, rows, logits, hidden
+        packed = torch.cat([a, tok.index_select(0, kept[1:]), target.gather(0, best)])
+        draft = hidden.new_zeros(0)
+        if self.transfer is not None:  # the next draft: the pseudo rows of the anchor, the last accepted row
+            from .draft_vocab import head_logits
+
+            anchor_rows = hidden[0].index_select(0, prow.index_select(0, best)[0])  # [k, d]
+            draft = head_logits(self.transfer, self.model, self.model.norm(anchor_rows))
+        return packed, rows, logits, hidden, draft
 
     # ---------------------------------------------------------------------------------- dispatching
     def bucket_for(self, n: int) -> int:
         return bucket_for(n, self.buckets)
 
-    def _runner(self, kind: str, N: int):
-        """The callable that runs `kind` ("forward" / "verify") at bucket N, per `graphs`."""
-        key = (kind, N)
+    def _runner(self, kind: str, N: int, tree_rows: int = 0):
+        """The callable that runs `kind` ("forward" / "verify") at bucket N (and, for "verify", with the first
+        `tree_rows` rows the tree's), per `graphs`."""
+        key = (kind, N, tree_rows)
         fn = self._runners.get(key)
         if fn is None:
-            base = self.forward if kind == "forward" else self.verify_round
+            base = self.forward if kind == "forward" else functools.partial(self.verify_round, tree_rows=tree_rows)
             if self.graphs == "compile":
                 fn = torch.compile(base, mode="reduce-overhead" if self.device.type == "cuda" else None,
                                    fullgraph=True, dynamic=False)
@@ -376,7 +433,7 @@ class DecodeStep:
             raise ValueError(f"{B} prompts for a step of batch {self.batch}")
         if start + P > self.max_len:
             raise ValueError(f"{start + P} slots needed, the step holds {self.max_len}")
-        N = self.buckets[-1]
+        N = self.window  # every row within W - 1 positions of its chunk's start (`attend`)
         outs, hids = [], []
         for a in range(0, P, N):
             n = min(N, P - a)
@@ -401,29 +458,51 @@ class DecodeStep:
         self.held[:, pos] = True
         return logits[:, 0], hidden[:, 0]
 
-    def tree_tensors(self, parent: Sequence[int], depth: Sequence[int], N: int) -> TreeTensors:
-        """The device layout of a tree given by its nodes' parents (-1: the root) and depths, at bucket N."""
-        key = ("tree", tuple(parent), N)
+    def tree_tensors(self, parent: Sequence[int], depth: Sequence[int], k: int = 0, masked: bool = False
+                     ) -> TreeTensors:
+        """The device layout of a tree given by its nodes' parents (-1: the root) and depths, with k steps of
+        hidden transfer's pseudo rows per tree row (`masked`: a pseudo row does not see its earlier steps)."""
+        n = len(parent)
+        T = self.bucket_for(n + 1)
+        N = self.bucket_for(T * (k + 1))
+        key = ("tree", tuple(parent), k, masked, N)
         t = self._trees.get(key)
         if t is not None:
             return t
-        n = len(parent)
-        par = [0] + [p + 1 for p in parent] + [0] * (N - n - 1)
-        dep = [0] + list(depth) + [0] * (N - n - 1)
+        par = [0] + [p + 1 for p in parent]
+        dep = torch.zeros(N, dtype=torch.long)
+        dep[1:n + 1] = torch.as_tensor(list(depth), dtype=torch.long)
         vis = torch.eye(N, dtype=torch.bool)
-        path = torch.zeros(N, N, dtype=torch.long)
+        path = torch.full((N, N), -1, dtype=torch.long)
+        path[:, 0] = torch.arange(N)  # padding: itself (never real)
+        path[0, 0] = 0
         for r in range(1, n + 1):  # rows come after their parents (breadth-first)
             vis[r] |= vis[par[r]]
             vis[r, 0] = True
             chain = vis[r, :n + 1].nonzero().flatten()  # ancestors-or-self in row order = by depth
             path[r, :len(chain)] = chain
+        parent_t = torch.zeros(N, dtype=torch.long)
+        parent_t[1:n + 1] = torch.as_tensor(par[1:], dtype=torch.long)
         real = torch.zeros(N, dtype=torch.bool)
         real[:n + 1] = True
         is_node = real.clone()
         is_node[0] = False
+        join_src = torch.zeros(N, dtype=torch.long)
+        join_step = torch.zeros(N, dtype=torch.long)
+        prow = torch.zeros(N, max(k, 1), dtype=torch.long)
+        for i in range(1, k + 1):
+            for a in range(n + 1):
+                r = T * i + a
+                real[r], join_src[r], join_step[r], prow[a, i - 1] = True, a, i, r
+                da = int(dep[a])
+                dep[r] = da + i
+                path[r] = -1
+                path[r, :da + 1] = path[a, :da + 1]
+                for j in range(1 if not masked else i, i + 1):  # its anchor's earlier steps, then itself
+                    path[r, da + j] = T * j + a
         dev = self.device
-        t = TreeTensors(n, max(dep), vis.to(dev), torch.tensor(par, device=dev), torch.tensor(dep, device=dev),
-                        real.to(dev), is_node.to(dev), path.to(dev))
+        t = TreeTensors(n, max(depth, default=0), T, vis.to(dev), parent_t.to(dev), dep.to(dev), real.to(dev),
+                        is_node.to(dev), path.to(dev), join_src.to(dev), join_step.to(dev), prow.to(dev))
         if len(self._trees) > 256:  # dynamic trees change every round: keep the memo bounded
             self._trees.clear()
         self._trees[key] = t
@@ -431,26 +510,31 @@ class DecodeStep:
 
     @torch.no_grad()
     def verify(self, root: int, nodes: Sequence[int], tree: TreeTensors, last_pos: int, start: int
-               ) -> tuple[list[int], int, torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[list[int], int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Verify [root, nodes] (root at position last_pos, node i at last_pos + its depth) written at slots
         start.., accept on the device, compact. One host read. Returns (accepted tokens, bonus, path rows
-        [a + 1] (device), logits [a + 1, V], hidden [a + 1, d]) of the root and the accepted nodes."""
-        N = tree.vis.shape[0]
-        n = tree.n_nodes
+        [a + 1] (device), logits [a + 1, V], hidden [a + 1, d]) of the root and the accepted nodes, and the
+        next draft's logits [k, V'] when the tree carries hidden transfer's pseudo rows (else None)."""
+        N, T, n = tree.vis.shape[0], tree.tree_rows, tree.n_nodes
         if start + N > self.max_len:
             raise ValueError(f"the step holds {self.max_len} slots; a round at slot {start} needs {start + N}")
+        if int(tree.depth.max()) >= self.window:
+            raise ValueError(f"a round's rows reach {int(tree.depth.max())} positions past its root; the step's "
+                             f"attention window holds {self.window - 1}")
         dev = self.device
         tokens = torch.zeros(1, N, dtype=torch.long)
         tokens[0, 0] = int(root)
         tokens[0, 1:n + 1] = torch.as_tensor(list(nodes), dtype=torch.long)
         positions = (last_pos + tree.depth).masked_fill(~tree.real, 0)[None]
         slots = torch.where(tree.real, start + torch.arange(N, device=dev), self.scratch)[None]
-        packed, rows, logits, hidden = self._runner("verify", N)(
+        packed, rows, logits, hidden, draft = self._runner("verify", N, T)(
             tokens.to(dev), positions, slots, self._scalar(start), tree.vis, tree.parent, tree.depth,
-            tree.real, tree.is_node, tree.path)
+            tree.real, tree.is_node, tree.path, tree.join_src, tree.join_step, tree.prow)
         host = packed.tolist()  # the one read of the round
         a = host[0]
-        return host[1:1 + a], host[-1], rows[:a + 1], logits[0, rows[:a + 1]], hidden[0, rows[:a + 1]]
+        keep = rows[:a + 1]
+        return (host[1:1 + a], host[-1], keep, logits[0, keep], hidden[0, keep],
+                draft.clone() if draft.numel() else None)
 
     @torch.no_grad()
     def row_invariant(self, n_probe: int = 3, seed: int = 0) -> bool:
@@ -548,8 +632,10 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     bucketed forward over [root, nodes] with acceptance and compaction on the device and one host read.
     Where the step is row-invariant (`DecodeStep.row_invariant`: the CPU buckets in fp32, q4 anywhere) the
     output equals `static_generate`'s token for token. Drafters that declare `static_step` (they never read
-    ctx.cache: Medusa, EAGLE / EAGLE-2) draft here; the others are refused by name. Returns (new tokens,
-    speculative.SpecStats)."""
+    ctx.cache: Medusa, EAGLE / EAGLE-2, and hidden transfer's fused pass) draft here; the others are refused
+    by name. Hidden transfer (a drafter with `fused` and `transfer`) rides every round: its pseudo rows join
+    the verification forward (`DecodeStep.attach`) and the accepted anchor's rows are the next draft; its
+    first round, with no draft yet, verifies the root alone. Returns (new tokens, speculative.SpecStats)."""
     from .generate import validate_prompts
     from .speculative import Draft, DraftContext, SpecStats, draft_node_tokens
 
@@ -563,10 +649,16 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     budget = min(max_new_tokens, model.cfg.max_seq_len - P + 1)
     if budget <= 0:
         return [], stats
+    fused = bool(getattr(drafter, "fused", False))
+    k = drafter.transfer.k if fused else 0
     buckets = step.buckets if step is not None else step_kw.get("buckets", "auto")
     if buckets == "auto":
         buckets = invariant_buckets(model, step_kw.get("graphs", "eager"))[0]
-    st = _step_for(model, P + budget + bucket_for(len(tree) + 1, buckets), step, **step_kw)
+    rows = bucket_for(bucket_for(len(tree) + 1, buckets) * (k + 1), buckets)
+    st = _step_for(model, P + budget + rows, step, **step_kw)
+    if fused:
+        st.attach(drafter)
+    masked = bool(getattr(getattr(drafter, "transfer", None), "masked", False))
     dev = st.device
     if P > 1:
         logits, hidden = st.prefill(torch.tensor([prompt[:-1]], device=dev))
@@ -578,21 +670,25 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
         logits = torch.zeros(0, model.cfg.vocab_size, device=dev)
     tokens, new = list(prompt), []
     pruned: dict[tuple[int, int], object] = {}
+    draft_logits = None
     while len(new) < budget:
-        key = (min(budget - len(new) - 1, tree.max_depth), len(tree))
+        # the first round of a fused drafter has no draft yet: the root alone (its pseudo rows draft the next)
+        key = (0 if fused and draft_logits is None else min(budget - len(new) - 1, tree.max_depth), len(tree))
         t = pruned.get(key)
         if t is None:
             t = pruned[key] = tree.prune(*key)
-        draft = drafter.propose(DraftContext(model, None, tokens, hidden, logits, {}, t, 0.0, None, None))
+        draft = drafter.propose(DraftContext(model, None, tokens, hidden, logits, {}, t, 0.0, None, draft_logits))
         if isinstance(draft, Draft) and draft.tree is not None:  # a dynamic tree within the budget t
             if len(draft.tree) > len(t) or draft.tree.max_depth > t.max_depth:
                 raise ValueError(f"a drafter's own tree must fit the round's budget ({len(t)} nodes, depth "
                                  f"{t.max_depth}); got {len(draft.tree)} nodes, depth {draft.tree.max_depth}")
             t = draft.tree
         nodes, _ = draft_node_tokens(draft, t)
-        tt = st.tree_tensors(t.parent.tolist(), t.depth.tolist(), st.bucket_for(len(t) + 1))
-        accepted, bonus, _, logits, hidden = st.verify(tokens[-1], nodes.tolist(), tt, len(tokens) - 1,
-                                                       len(tokens) - 1)
+        # pseudo positions reach the root's + depth + k: inside the context, or no pseudo rows this round
+        steps = k if len(tokens) - 1 + t.max_depth + k < model.cfg.max_seq_len else 0
+        tt = st.tree_tensors(t.parent.tolist(), t.depth.tolist(), steps, masked)
+        accepted, bonus, _, logits, hidden, draft_logits = st.verify(tokens[-1], nodes.tolist(), tt, len(tokens) - 1,
+                                                                     len(tokens) - 1)
         stats.base_forwards += 1
         stats.accept_hist[len(accepted)] += 1
         for tok in accepted + [bonus]:
@@ -619,7 +715,7 @@ class _CudaGraph:
 
     def __call__(self, *args: torch.Tensor):
         if self.graph is None:
-            self.inputs = [a.clone() for a in args]
+            self.inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
@@ -631,7 +727,8 @@ class _CudaGraph:
                 self.outputs = self.fn(*self.inputs)
         else:
             for dst, src in zip(self.inputs, args):
-                dst.copy_(src)
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
         self.graph.replay()
         return self.outputs
 

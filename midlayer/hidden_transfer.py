@@ -459,6 +459,12 @@ class HiddenTransferDrafter:
         self.fused = bool(fused)
         self._mask_memo: dict[tuple, torch.Tensor] = {}
 
+    @property
+    def static_step(self) -> bool:
+        """Fused, it drafts for the static decode step too (decode_step.py): its rows ride the step's own
+        verification forward. Separate drafting reads the dynamic cache (`pseudo_logits_cached`)."""
+        return self.fused
+
     # ------------------------------------------------------------------------------ fused pass
     def extra_slots(self, tree: DraftTree) -> int:
         return (len(tree) + 1) * self.transfer.k

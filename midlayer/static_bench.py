@@ -27,7 +27,8 @@ from .model import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RECIPE = "transformers StaticCache + compiled step (CUDA graphs on CUDA)"
-DEFAULT_DRAFTS = {"eagle": "drafts/smollm2-135m-scale/eagle", "medusa": "drafts/smollm2-135m-scale/medusa"}
+DEFAULT_DRAFTS = {"eagle": "drafts/smollm2-135m-scale/eagle", "medusa": "drafts/smollm2-135m-scale/medusa",
+                  "hidden-transfer": "drafts/smollm2-135m-scale/hidden-transfer"}
 
 
 def _sync(dev: torch.device) -> None:
@@ -110,12 +111,14 @@ def machine_lines(dev: torch.device) -> list[str]:
 def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dtypes: Sequence[str] = ("bf16", "fp32"),
                  drafts: dict[str, str] | None = None, nodes: int = 24, graphs: Sequence[str] | None = None,
                  new_tokens: int = 128, max_prompts: int = 7, compare_transformers: bool = True,
-                 dynamic: bool = True, progress: bool = True) -> dict:
+                 dynamic: bool = True, progress: bool = True, on_table=None) -> dict:
     """The rows of the module docstring, per dtype. `graphs`: the step's modes to time (default: eager and
     cudagraph on CUDA, eager on a CPU); speculative rows run in the last of them. `drafts` (label -> a
-    train-draft directory; default EAGLE and Medusa of drafts/smollm2-135m-scale): EAGLE runs EAGLE-2's
-    dynamic tree of `nodes` nodes, Medusa the `nodes` nodes its held-out accuracies rank first. `dynamic`:
-    also time the dynamic engine (`generate`), the path this step replaces on a GPU."""
+    train-draft directory; default EAGLE, Medusa and hidden transfer of drafts/smollm2-135m-scale): EAGLE
+    runs EAGLE-2's dynamic tree of `nodes` nodes, the others the `nodes` nodes their held-out accuracies rank
+    first (hidden transfer fused: its pseudo rows ride every verification round). `dynamic`:
+    also time the dynamic engine (`generate`), the path this step replaces on a GPU. `on_table(result,
+    dtype)`: called as each dtype's table is done (a run cut short keeps what it finished)."""
     from .bench import _load_hf_same_weights, heldout_chats
     from .drafters import load_drafter
     from .eagle import EagleDrafter
@@ -205,6 +208,8 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
                               equal_plain=sum(a == b for a, b in zip(r["tokens"], plain)), n=len(plain)))
         result["tables"][dname] = dict(rows=table, invariant={g: st.invariant for g, st in steps.items()},
                                        buckets={g: st.buckets for g, st in steps.items()})
+        if on_table is not None:
+            on_table(result, dname)
         del steps, spec_step, methods, hf, model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -217,10 +222,13 @@ def generate_stream_tokens(model: Transformer, ids: list[int], cfg: GenerationCo
         yield int(t[0])
 
 
-def static_table(r: dict) -> str:
+def static_table(r: dict, dtypes: Sequence[str] | None = None, header: bool = True) -> str:
     out = [*r["machine"], f"{r['model']}: {r['prompts']} held-out chat prompts ({min(r['prompt_tokens'])}-"
-           f"{max(r['prompt_tokens'])} tokens) x {r['new_tokens']} new tokens, batch 1, greedy, decode only", ""]
+           f"{max(r['prompt_tokens'])} tokens) x {r['new_tokens']} new tokens, batch 1, greedy, decode only",
+           ""] if header else []
     for dname, t in r["tables"].items():
+        if dtypes is not None and dname not in dtypes:
+            continue
         inv = ", ".join(f"{g}: {t['buckets'][g]} {'row-invariant' if ok else 'NOT row-invariant'}"
                         for g, ok in t["invariant"].items())
         out += [f"{dname} (buckets {inv})", "",

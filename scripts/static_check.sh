@@ -6,16 +6,17 @@
 # Nothing in midlayer needs a GPU; everything here also runs on a CPU (DEVICE=cpu, for a dry run).
 #
 # Two calls, because what travels is at most 64 MiB a call and the GGUF alone is 98 MB (as draft_scale_device.sh):
-#   here:   bash scripts/static_check.sh prepare     # .dev1/ = GGUF part 1; .dev2/ = part 2, the EAGLE and Medusa
-#                                                     # drafts (draft files only), the gguf wheel
+#   here:   bash scripts/static_check.sh prepare     # .dev1/ = GGUF part 1; .dev2/ = part 2, the EAGLE, Medusa
+#                                                     # and hidden-transfer drafts (draft files only), the gguf wheel
 #           git rm -r -q --cached drafts gates sweeps data/distill
 #           printf '/drafts/\n/gates/\n/sweeps/\n/data/distill/\n' >> .git/info/exclude   # ~180 MB must not travel
 #   call 1, carry [".dev1"]:  bash scripts/static_check.sh stash
-#   call 2, carry [".dev2"], timeout_s 560:  bash scripts/static_check.sh run      # within 30 s of call 1
+#   call 2, carry [".dev2"], timeout_s 570:  bash scripts/static_check.sh run      # within 30 s of call 1
 #   here:   git reset -q -- drafts gates sweeps data/distill, and remove those exclude lines
 # Files under $OUT (at most 8 come back): env.txt, rows.txt (benchmarks/row_invariance.py: which kernels are
 # row-invariant on that GPU), check.txt (benchmarks/static_step_check.py), bench.md and bench.json (`bench
-# static`), check.log and bench.log. Budget: ~7 minutes for call 2 (BENCH_S caps the bench).
+# static`, each dtype's table printed as it is done), check.log and bench.log. Budget: call 2 at most
+# 40 + 110 + BENCH_S (360) s plus the set-up; bf16 runs first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -24,18 +25,18 @@ SITE=/tmp/site
 PYBIN=${PYBIN:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/static-check}
-PART=60000000  # bytes of the GGUF in call 1
-BENCH_S=${BENCH_S:-330}
+PART=62000000  # bytes of the GGUF in call 1 (the tree, ~3.5 MB, travels with each call: 64 MiB in all)
+BENCH_S=${BENCH_S:-360}
 NEW=${NEW_TOKENS:-128}
 PROMPTS=${MAX_PROMPTS:-7}
 
 case ${1:-} in
 prepare)
   src=$(.venv/bin/python -c "from midlayer.pretrained import resolve_pretrained as r; print(r('smollm2-135m').path)")
-  rm -rf .dev1 .dev2 && mkdir -p .dev1 .dev2/drafts/eagle .dev2/drafts/medusa
+  rm -rf .dev1 .dev2 && mkdir -p .dev1 .dev2/drafts/eagle .dev2/drafts/medusa .dev2/drafts/hidden-transfer
   head -c $PART "$src" > .dev1/gguf.part1
   tail -c +$((PART + 1)) "$src" > .dev2/gguf.part2
-  for d in eagle medusa; do cp drafts/smollm2-135m-scale/$d/draft.json drafts/smollm2-135m-scale/$d/draft.safetensors .dev2/drafts/$d/; done
+  for d in eagle medusa hidden-transfer; do cp drafts/smollm2-135m-scale/$d/draft.json drafts/smollm2-135m-scale/$d/draft.safetensors .dev2/drafts/$d/; done
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .dev2 \
     "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
   grep -qx '/.dev1/' .git/info/exclude 2>/dev/null || printf '/.dev1/\n/.dev2/\n' >> .git/info/exclude
@@ -62,13 +63,14 @@ run)
     lscpu | grep -E "Model name|^CPU\(s\)"
     $PYBIN -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__)"
   } > "$OUT/env.txt" 2>&1
-  timeout 60 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
+  timeout 40 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
   s=$SECONDS
-  timeout 150 $PYBIN benchmarks/static_step_check.py --device "$DEVICE" --eagle "$DR/eagle" > "$OUT/check.txt" 2> "$OUT/check.log"
+  timeout 110 $PYBIN benchmarks/static_step_check.py --device "$DEVICE" --eagle "$DR/eagle" \
+    --hidden-transfer "$DR/hidden-transfer" > "$OUT/check.txt" 2> "$OUT/check.log"
   echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   s=$SECONDS
   timeout "$BENCH_S" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
-    --drafts "eagle=$DR/eagle,medusa=$DR/medusa" --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
+    --drafts "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer" --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
   echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   tail -c 20000 "$OUT/bench.log" > "$OUT/bench.log.tail" && mv "$OUT/bench.log.tail" "$OUT/bench.log"
   cat "$OUT/env.txt" "$OUT/rows.txt" "$OUT/check.txt" "$OUT/bench.md"

@@ -58,8 +58,8 @@ class NoisyOracle:
 
 
 # ------------------------------------------------------------------------------------- capturability
-@pytest.mark.parametrize("N", [8, 16])
-def test_step_and_round_trace_without_graph_breaks(models, N):
+@pytest.mark.parametrize("parents", [[-1, -1, 0, 1, 2], [-1, -1, -1, 0, 0, 1, 2, 3, 5, 6]], ids=["N8", "N16"])
+def test_step_and_round_trace_without_graph_breaks(models, parents):
     """The proxy for CUDA-graph capture: torch.compile(fullgraph=True) fails on any graph break (a host read,
     a data-dependent branch, a ctypes call). Dynamo's own tracing decides that; the eager backend keeps the
     test fast. The traced round returns what the eager round returns: the same decisions, and logits and K/V
@@ -70,7 +70,11 @@ def test_step_and_round_trace_without_graph_breaks(models, N):
     for compiled in (False, True):
         st = DecodeStep(model, max_len=64, buckets=(8, 16))
         st.prefill(torch.arange(10)[None] % V)
-        tt = st.tree_tensors([-1, -1, 0, 1, 2], [1, 1, 2, 2, 3], N)
+        depth = []
+        for p in parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        tt = st.tree_tensors(parents, depth)
+        N = tt.vis.shape[0]
         tokens = (torch.arange(N) * 7 % V)[None]
         pos = (10 + tt.depth)[None]
         slots = torch.where(tt.real, 10 + torch.arange(N), st.scratch)[None]
@@ -79,7 +83,7 @@ def test_step_and_round_trace_without_graph_breaks(models, N):
         with torch.no_grad():
             logits, _ = fwd(tokens, pos, slots, torch.tensor(10), tt.path, tt.depth, tt.real)
             packed = rnd(tokens, pos, slots, torch.tensor(10), tt.vis, tt.parent, tt.depth, tt.real, tt.is_node,
-                         tt.path)[0]
+                         tt.path, tt.join_src, tt.join_step, tt.prow)[0]
         res.append((logits, packed, st.held.clone(), st.k.clone()))
     for a, b in zip(*res):
         if a.is_floating_point():
@@ -287,10 +291,77 @@ def test_a_tree_row_has_plain_decodings_bits(models, dtype):
     tree = DraftTree([(0,), (1,), (2,), (1, 0), (1, 1)])  # rows: root 0, then (0,) (1,) (2,) (1,0) (1,1)
     junk = [(t + 1) % V for t in ref]
     nodes = [junk[0], ref[0], (ref[0] + 2) % V, junk[1], ref[1]]
-    tt = spec.tree_tensors(tree.parent.tolist(), tree.depth.tolist(), 8)
-    accepted, bonus, rows, logits, _ = spec.verify(prompt[-1], nodes, tt, P - 1, P - 1)
+    tt = spec.tree_tensors(tree.parent.tolist(), tree.depth.tolist())
+    accepted, bonus, rows, logits, _, _ = spec.verify(prompt[-1], nodes, tt, P - 1, P - 1)
     assert accepted == ref[:2] and bonus == ref[2] and rows.tolist() == [0, 2, 5]
     for got, exp in zip(logits, want):
         assert torch.equal(got, exp)
     n = P + 2  # the prompt, the root's successor and the next token are held, at their own positions
     assert torch.equal(spec.k[:, :, :, :n], plain.k[:, :, :, :n]) and torch.equal(spec.v[:, :, :, :n], plain.v[:, :, :, :n])
+
+
+# ------------------------------------------------------------------------- hidden transfer's fused pass
+def _transfer(layers: list[int], masked: bool, seed: int = 0):
+    from midlayer.hidden_transfer import HiddenTransfer
+
+    ht = HiddenTransfer(DIMS["dim"], layers, masked=masked)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in ht.maps:  # identity + noise: pseudo states that are not copies, so every part of the mask matters
+            m.weight.add_(0.3 * torch.randn(DIMS["dim"], DIMS["dim"], generator=g))
+    return ht
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["not-masked", "masked"])
+def test_fused_pass_drafts_what_the_dynamic_engine_drafts(models, masked):
+    """The static round's pseudo rows (joining at blocks 1, 2 and after the last, t = L = 3) give the draft
+    logits of the dynamic engine's separate pass for the same anchor, to float rounding."""
+    from midlayer.hidden_transfer import pseudo_logits_cached
+
+    model = models["fp32"]
+    ht = _transfer([1, 2, 3], masked)
+    prompt = _prompts()[2][:30]
+    P = len(prompt)
+    st = DecodeStep(model, max_len=80)
+    st.attach(type("D", (), {"transfer": ht})())
+    st.prefill(torch.tensor([prompt[:-1]]))
+    tt = st.tree_tensors([], [], k=3, masked=masked)
+    *_, draft = st.verify(prompt[-1], [], tt, P - 1, P - 1)
+    cache = KVCache.for_model(model.cfg, 1, 80)
+    store = {1: None, 2: None}
+    _, hidden = forward_cached(model, torch.tensor([prompt]), cache, torch.arange(P)[None], capture=store,
+                               return_hidden=True, all_hidden=True)
+    anchor = {1: store[1][0, -1], 2: store[2][0, -1], 3: hidden[0, -1]}
+    ref = pseudo_logits_cached(model, ht, cache, P - 1, anchor, 3, draft_head=True)
+    torch.testing.assert_close(draft, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+@pytest.mark.parametrize("masked", [False, True], ids=["not-masked", "masked"])
+def test_fused_hidden_transfer_is_lossless(models, fmt, masked):
+    """Hidden transfer riding the static step's rounds: plain greedy output, token for token, chain and tree.
+    Every round after the first drafts from the previous round's pseudo rows (ctx.draft_logits). (A random
+    transfer on a random model drafts badly: acceptance is exercised by the other drafters' tests.)"""
+    from midlayer.hidden_transfer import HiddenTransferDrafter
+
+    model = models[fmt]
+    drafter = HiddenTransferDrafter(model, _transfer([1, 1, 2], masked))
+    seen = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx: (seen.append(ctx.draft_logits is not None), propose(ctx))[1]
+    cfg = GenerationConfig(max_new_tokens=40)
+    for prompt in _prompts():
+        ref = static_generate(model, [prompt], cfg)[0]
+        for tree in TREES:
+            seen.clear()
+            out, stats = static_speculative_generate(model, prompt, drafter, tree, 40)
+            assert out == ref
+            assert seen[0] is False and all(seen[1:]) and len(seen) == stats.base_forwards
+
+
+def test_separate_hidden_transfer_is_refused_by_the_static_step(models):
+    from midlayer.hidden_transfer import HiddenTransferDrafter
+
+    drafter = HiddenTransferDrafter(models["fp32"], _transfer([1, 2], False), fused=False)
+    with pytest.raises(ValueError, match="does not draft for the static step"):
+        static_speculative_generate(models["fp32"], [1, 2, 3], drafter, DraftTree.chain(2), 4)
