@@ -20,33 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from tiny_models import make_tiny  # noqa: E402
+from tiny_models import NoisyOracle, make_tiny  # noqa: E402
 
 from midlayer.decode_step import BUCKET_CANDIDATES, DecodeStep, static_generate, static_speculative_generate  # noqa: E402
 from midlayer.generate import GenerationConfig, generate  # noqa: E402
 from midlayer.speculative import DraftTree, OracleDrafter, RandomDrafter  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class NoisyOracle:
-    """Right at rank 0 with probability 0.7, at rank 1 with 0.15, else wrong (tests/test_decode_step.py)."""
-
-    static_step = True
-
-    def __init__(self, reference: list[int], vocab: int, seed: int = 0) -> None:
-        self.reference, self.vocab, self.gen = reference, vocab, torch.Generator().manual_seed(seed)
-
-    def propose(self, ctx) -> list[list[int]]:
-        out = []
-        for d in range(1, ctx.tree.max_depth + 1):
-            i = len(ctx.tokens) - 1 + d
-            true = self.reference[i] if i < len(self.reference) else 0
-            u = float(torch.rand((), generator=self.gen))
-            first = true if u < 0.7 else (true + 1) % self.vocab
-            second = true if 0.7 <= u < 0.85 else (true + 2) % self.vocab
-            out.append([first, second, (true + 3) % self.vocab][:ctx.tree.ranks_per_depth[d - 1]])
-        return out
 
 
 def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: int, label: str,

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import make_tiny
+from tiny_models import NoisyOracle, make_tiny
 
 from midlayer.decode_step import (BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets, static_generate,
                                   static_speculative_generate)
@@ -33,28 +33,6 @@ def models() -> dict:
 def _prompts(seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 5, 70)]
-
-
-class NoisyOracle:
-    """Knows the greedy continuation; each depth's rank-0 candidate is right with probability 0.7, else the
-    true token sits at rank 1 (so acceptance takes other branches than the first) or nowhere. Partial
-    acceptance at every depth, which neither the oracle (all) nor random drafts (none) exercise."""
-
-    static_step = True
-
-    def __init__(self, reference: list[int], seed: int = 0) -> None:
-        self.reference, self.gen = reference, torch.Generator().manual_seed(seed)
-
-    def propose(self, ctx) -> list[list[int]]:
-        out = []
-        for d in range(1, ctx.tree.max_depth + 1):
-            i = len(ctx.tokens) - 1 + d
-            true = self.reference[i] if i < len(self.reference) else 0
-            u = float(torch.rand((), generator=self.gen))
-            first = true if u < 0.7 else (true + 1) % V
-            second = true if 0.7 <= u < 0.85 else (true + 2) % V
-            out.append([first, second, (true + 3) % V][:ctx.tree.ranks_per_depth[d - 1]])
-        return out
 
 
 # ------------------------------------------------------------------------------------- capturability
@@ -217,7 +195,7 @@ def test_speculative_equals_plain_token_for_token(models, fmt, tree):
     for prompt in _prompts():
         ref = static_generate(model, [prompt], cfg)[0]
         hist = []
-        for drafter in (OracleDrafter(prompt + ref, V), NoisyOracle(prompt + ref), RandomDrafter(V, 0)):
+        for drafter in (OracleDrafter(prompt + ref, V), NoisyOracle(prompt + ref, V), RandomDrafter(V, 0)):
             out, stats = static_speculative_generate(model, prompt, drafter, tree, 40)
             assert out == ref
             assert stats.new_tokens == len(ref) and sum(stats.accept_hist) == stats.base_forwards
@@ -263,7 +241,7 @@ def test_verification_keeps_exactly_the_plain_cache(models):
     plain = DecodeStep(model, max_len=80)
     plain.prefill(torch.tensor([prompt + ref[:-1]]))
     spec = DecodeStep(model, max_len=80)
-    out, _ = static_speculative_generate(model, prompt, NoisyOracle(prompt + ref), TREES[1], 24, step=spec)
+    out, _ = static_speculative_generate(model, prompt, NoisyOracle(prompt + ref, V), TREES[1], 24, step=spec)
     assert out == ref
     n = len(prompt) + len(ref) - 1
     assert bool(spec.held[:, :n].all()) and bool(plain.held[:, :n].all())
