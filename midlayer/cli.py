@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the state is kept, and the next call continues it exactly")
     p.add_argument("--device", default=None, help="where the frozen base and the drafters run (default: cuda if "
                                                   "available, else cpu); a saved state resumes on any device")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished draft in --out-dir (without it, a folder holding a draft and no training "
+                        "state to continue is refused)")
     add_config_flags(p, ["draft"])
 
     p = sub.add_parser("train-gates", help="teach a pretrained dense model to skip its middle blocks per token: skip-middle "
@@ -135,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--device", default=None, help="where the base and the gates run (default: cuda if available, "
                                                   "else cpu); a saved state resumes on any device")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace finished gates in --out-dir (without it, a folder holding gates and no training state "
+                        "to continue is refused)")
     add_config_flags(p, ["draft"])
 
     p = sub.add_parser("plot", help="Figure 2 (PNG) and tables (CSV, Markdown) of a sweep's results")
@@ -378,7 +384,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if not isinstance(gates, SkipGates):
             raise ValueError(f"--gates {args.gates}: a {type(gates).__name__} draft, not a train-gates output")
         model = gated_twin(model, gates.eval())
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = _prompt_text(args.prompt)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": prompt}]
@@ -401,8 +407,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stream = (int(t[0]) for t, _ in generate_stream(model, [ids], cfg))
     new: list[int] = []
     shown = ""
+    ended = False
     for t in stream:
         if t in tok.eos_ids:
+            ended = True
             break
         new.append(t)
         text = tok.decode(new)
@@ -411,7 +419,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             shown = text
     sys.stdout.write(tok.decode(new)[len(shown):] + "\n")
+    _say_if_cut(model, ids, len(new), ended, args.max_new_tokens)
     return 0
+
+
+def _prompt_text(arg: str | None) -> str:
+    """The prompt from --prompt or standard input, refused with one line unless it is UTF-8 text (a byte that is
+    not reaches Python as a lone surrogate in argv, and as a decoding error on stdin)."""
+    if arg is None:
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"the prompt on standard input is not UTF-8 text (byte {e.start}: "
+                             f"{data[e.start:e.start + 1]!r}); convert it, e.g. with iconv") from None
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"--prompt is not UTF-8 text (character {e.start} is an undecodable byte); pass UTF-8, "
+                         "or the prompt on standard input") from None
+    return arg
+
+
+def _say_if_cut(model, ids: list[int], n_new: int, ended: bool, asked: int) -> None:
+    """Generation that stopped at the context's end, before an end-of-turn token and before --max-new-tokens,
+    says so (finish reason "length" by the context, as OpenAI's finish_reason)."""
+    if not ended and n_new < asked:
+        print(f"note: stopped at the model's context of {model.cfg.max_seq_len} tokens: {n_new} of the "
+              f"{asked} new tokens asked for (the prompt has {len(ids)})", file=sys.stderr)
 
 
 def _engine(args: argparse.Namespace, model) -> tuple[str, str]:
@@ -505,6 +540,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
     dt = time.perf_counter() - t
     text = tok.decode([x for x in out if x not in tok.eos_ids])
     sys.stdout.write(text + "\n")
+    _say_if_cut(model, ids, len(out), any(x in tok.eos_ids for x in out), cfg.max_new_tokens)
     if args.stats:
         print(f"{len(out)} tokens in {dt:.2f} s ({len(out) / dt:.1f} tok/s), tau {stats.tau:.2f} over "
               f"{stats.base_forwards} base forwards, tree of {len(tree)} nodes", file=sys.stderr)
@@ -855,7 +891,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     if args.export_now and args.stop_after is not None:
         raise ValueError("--export-now trains nothing; --stop-after has no meaning with it")
     train_drafts(cfgs, progress=not args.no_progress, stop_after=args.stop_after,
-                 device=resolve_device(args.device), export_now=args.export_now)
+                 device=resolve_device(args.device), export_now=args.export_now, overwrite=args.overwrite)
     return 0
 
 
@@ -870,7 +906,8 @@ def _cmd_train_gates(args: argparse.Namespace) -> int:
     over.update(method="gates")
     over.setdefault("out_dir", "runs/gates")
     cfg = DraftTrainConfig(**over)
-    train_drafts([cfg], progress=not args.no_progress, stop_after=args.stop_after, device=resolve_device(args.device))
+    train_drafts([cfg], progress=not args.no_progress, stop_after=args.stop_after, device=resolve_device(args.device),
+                 overwrite=args.overwrite)
     return 0
 
 

@@ -42,6 +42,7 @@ import torch
 from .drafters import DraftMismatchError, base_signature, check_base
 from .generate import GenerationConfig, generate
 from .model import Transformer
+from .output_lock import OutputLock
 from .prompts import Prompt
 
 DISTILL_FORMAT = "midlayer-distill-v1"
@@ -235,50 +236,52 @@ def distill(model: Transformer, tok: Any, prompts: Sequence[Prompt], out_path: s
     # encode everything first: cheap, and a changed tokenizer/template is caught before any generation
     encoded = {p.id: tok.encode_chat([{"role": "user", "content": p.text}]) for p in prompts}
 
-    done: set[str] = set()
-    if out.is_file() and out.stat().st_size > 0:
-        old, records, good, damaged = _read(out)
-        _check_resumable(old, header, model, model_name, out)
-        for r in records:
-            if r.id in encoded and r.prompt_ids != encoded[r.id]:
-                raise DistillMismatchError(f"{out}: prompt {r.id!r} was tokenised differently (another tokenizer "
-                                           "or prompt text); use another output file or delete it")
-        if damaged:
-            warnings.warn(f"{out}: dropping a truncated last line (interrupted write) and resuming", stacklevel=2)
-            with open(out, "r+b") as f:
-                f.truncate(good)
-        done = {r.id for r in records}
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(_header_line(header) + "\n", encoding="utf-8")
+    # one writer per output file (output_lock.py), from before the file is read for resuming
+    with OutputLock(out, "distill", is_dir=False):
+        done: set[str] = set()
+        if out.is_file() and out.stat().st_size > 0:
+            old, records, good, damaged = _read(out)
+            _check_resumable(old, header, model, model_name, out)
+            for r in records:
+                if r.id in encoded and r.prompt_ids != encoded[r.id]:
+                    raise DistillMismatchError(f"{out}: prompt {r.id!r} was tokenised differently (another "
+                                               "tokenizer or prompt text); use another output file or delete it")
+            if damaged:
+                warnings.warn(f"{out}: dropping a truncated last line (interrupted write) and resuming", stacklevel=2)
+                with open(out, "r+b") as f:
+                    f.truncate(good)
+            done = {r.id for r in records}
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(_header_line(header) + "\n", encoding="utf-8")
 
-    # similar lengths together: less padding per batch; (length, id) makes the order and so the file
-    # content independent of the order of `prompts`. Batches are fixed chunks of the order over *all*
-    # prompts, done or not: a chunk that an interruption left half-written is generated again whole (same
-    # rows, same seed, so the same responses) and only its missing records are written.
-    order = sorted(prompts, key=lambda p: (len(encoded[p.id]), p.id))
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    chunks = [c for c in chunks if any(p.id not in done for p in c)]
-    from tqdm import tqdm
+        # similar lengths together: less padding per batch; (length, id) makes the order and so the file
+        # content independent of the order of `prompts`. Batches are fixed chunks of the order over *all*
+        # prompts, done or not: a chunk that an interruption left half-written is generated again whole (same
+        # rows, same seed, so the same responses) and only its missing records are written.
+        order = sorted(prompts, key=lambda p: (len(encoded[p.id]), p.id))
+        chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        chunks = [c for c in chunks if any(p.id not in done for p in c)]
+        from tqdm import tqdm
 
-    t0, new_tokens = time.perf_counter(), 0
-    with open(out, "a", encoding="utf-8") as f, \
-            tqdm(total=sum(p.id not in done for p in prompts), unit="prompt", disable=not progress,
-                 desc="distill") as bar:
-        for batch in chunks:
-            seed = int.from_bytes(hashlib.sha256(f"{sample_seed}-{batch[0].id}".encode()).digest()[:7], "big")
-            cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_tokens=stop, temperature=temperature,
-                                   seed=seed if temperature > 0 else None)
-            responses = generate(model, [encoded[p.id] for p in batch], cfg)
-            todo = [(p, r) for p, r in zip(batch, responses) if p.id not in done]
-            for p, resp in todo:
-                f.write(DistillRecord(p.id, p.category, p.split, encoded[p.id], resp).to_json() + "\n")
-            # one fsync per batch: an interruption loses at most this batch, and costs nothing next to it
-            f.flush()
-            os.fsync(f.fileno())
-            new_tokens += sum(len(r) for _, r in todo)
-            bar.update(len(todo))
-            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
+        t0, new_tokens = time.perf_counter(), 0
+        with open(out, "a", encoding="utf-8") as f, \
+                tqdm(total=sum(p.id not in done for p in prompts), unit="prompt", disable=not progress,
+                     desc="distill") as bar:
+            for batch in chunks:
+                seed = int.from_bytes(hashlib.sha256(f"{sample_seed}-{batch[0].id}".encode()).digest()[:7], "big")
+                cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_tokens=stop, temperature=temperature,
+                                       seed=seed if temperature > 0 else None)
+                responses = generate(model, [encoded[p.id] for p in batch], cfg)
+                todo = [(p, r) for p, r in zip(batch, responses) if p.id not in done]
+                for p, resp in todo:
+                    f.write(DistillRecord(p.id, p.category, p.split, encoded[p.id], resp).to_json() + "\n")
+                # one fsync per batch: an interruption loses at most this batch, and costs nothing next to it
+                f.flush()
+                os.fsync(f.fileno())
+                new_tokens += sum(len(r) for _, r in todo)
+                bar.update(len(todo))
+                bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
     return DistillSet.load(out)
 
 

@@ -60,6 +60,7 @@ import json
 import math
 import time
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -76,6 +77,7 @@ from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_
 from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
 from .gating import mirror_index
 from .model import Transformer
+from .output_lock import OutputLock
 from .skip_gates import SkipGates, gate_loss
 from .train import json_safe
 
@@ -763,17 +765,17 @@ def train_draft(cfg: DraftTrainConfig, model: Transformer | None = None, data: A
 def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None, data: Any = None, *,
                  progress: bool = True, stop_after: int | None = None,
                  log: Callable[[str], None] = print, device: torch.device | str | None = None,
-                 export_now: bool = False) -> list[DraftRun]:
+                 export_now: bool = False, overwrite: bool = False) -> list[DraftRun]:
     """Train drafters in lockstep on the same batches, evaluate each on held-out, save each to its out_dir
     (module docstring). Every step draws one batch, runs the frozen base once (`FrozenStates`, shared) and
     gives each drafter whose own step has reached it one optimiser step; a drafter resumed at a later step
     waits for the loop to catch up, so each one's continuation is the one it would have made alone.
+    Each out_dir is locked for the call (output_lock.py: one writer per folder), and a folder that holds a
+    finished draft but no training state to continue is refused unless `overwrite`.
     `model`/`data` (a DistillSet) may be given to skip loading; `stop_after` stops after that many loop
     steps in this call (a resumable state is saved). `device`: where a loaded base (and so the drafters)
     runs (default: the CPU); a given `model` stays where it is. A state saved on one device resumes on any
     other (the continuation then differs only by the devices' rounding)."""
-    from .distill import DistillSet, batches as make_batches
-
     if not cfgs:
         raise ValueError("no drafter to train")
     c0 = cfgs[0]
@@ -784,6 +786,23 @@ def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None,
     outs = [str(Path(c.out_dir).resolve()) for c in cfgs]
     if len(set(outs)) != len(outs):
         raise ValueError("drafters trained together need distinct out_dir")
+    for c in cfgs:
+        out = Path(c.out_dir)
+        if (out / "draft.json").is_file() and not _state_path(out).is_file() and not overwrite and not export_now:
+            raise ValueError(f"--out-dir {out} holds a finished draft (draft.json) and no training state to "
+                             "continue; pass --overwrite to replace it, or choose another --out-dir")
+    with ExitStack() as locks:
+        for c in cfgs:
+            locks.enter_context(OutputLock(c.out_dir, "train-draft"))
+        return _train_drafts(cfgs, model, data, progress, stop_after, log, device, export_now)
+
+
+def _train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None, data: Any, progress: bool,
+                  stop_after: int | None, log: Callable[[str], None], device: torch.device | str | None,
+                  export_now: bool) -> list[DraftRun]:
+    from .distill import DistillSet, batches as make_batches
+
+    c0 = cfgs[0]
     if model is None:
         from .pretrained import load_pretrained
 

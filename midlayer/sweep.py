@@ -41,6 +41,7 @@ from typing import Any, Callable
 from .checkpoint import atomic_write_bytes, config_mismatch, list_checkpoints
 from .config import ModelConfig, SparsityConfig, TrainConfig, get_preset
 from .kernels import cpu_info
+from .output_lock import OutputLock
 
 SECTION_CLASSES: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig}
 LAUNCHERS = ("inline", "torchrun")
@@ -555,7 +556,14 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
     runner = runner or (lambda cmd: subprocess.call(cmd))
 
     sweep_dir = Path(out_root) / grid.name
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    # one writer per sweep folder (output_lock.py): two sweeps of one grid would race on sweep.json and runs
+    with OutputLock(sweep_dir, "sweep"):
+        return _run_sweep(grid, runs, sweep_dir, launcher, nproc, extra_train, train_fn, progress, runner)
+
+
+def _run_sweep(grid, runs, sweep_dir: Path, launcher: str, nproc: int, extra_train: dict[str, Any] | None,
+               train_fn: Callable[..., dict[str, Any]] | None, progress: bool,
+               runner: Callable[[list[str]], int]) -> int:
     sweep_json = sweep_dir / "sweep.json"
     previous = {r.get("name"): r for r in (_read_json(sweep_json) or {}).get("runs", []) if isinstance(r, dict)}
     # One record per run of the whole grid: a sweep of a few runs (`only`) keeps the others' records as they

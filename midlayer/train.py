@@ -40,6 +40,7 @@ from .data import TokenWindows, resolve_data
 from .evaluate import autocast_context, evaluate
 from .flops import forward_flops
 from .model import Transformer
+from .output_lock import OutputLock
 from .sparsity import ADAPTIVE_KINDS, GateStatsAccumulator, make_controller
 
 
@@ -214,6 +215,21 @@ def train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: Train
         dist_utils.teardown()
 
 
+def _set_aside_log(run_dir: Path) -> None:
+    """A fresh run starts its log fresh: the metrics.jsonl of an earlier run that was killed before its first
+    checkpoint (it left no ckpt_*.pt, so nothing resumes it) moves aside, named, so no plot reads it as this
+    run's."""
+    log = run_dir / "metrics.jsonl"
+    if log.is_file() and log.stat().st_size:
+        n = 1
+        while (run_dir / f"metrics.earlier-{n}.jsonl").exists():
+            n += 1
+        aside = run_dir / f"metrics.earlier-{n}.jsonl"
+        os.replace(log, aside)
+        print(f"note: {log} held the log of an earlier run that left no checkpoint; moved it to {aside.name}",
+              file=sys.stderr)
+
+
 def _check_resume(ckpt: dict[str, Any], path: Path, configs: dict[str, dict]) -> dict[str, tuple[Any, Any]]:
     """Refuse to resume `ckpt` (read from `path`) under other settings; returns the recovery settings that
     change (field -> (saved, now))."""
@@ -288,6 +304,10 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     elif existing:
         raise CheckpointError(f"{run_dir} already holds checkpoints ({existing[-1].name}); pass --resume to "
                               "continue that run or choose another --out-dir")
+    if info.is_main:  # one writer per run folder (output_lock.py), from before anything is written in it
+        cleanup.enter_context(OutputLock(run_dir, "train"))
+        if ckpt is None:
+            _set_aside_log(run_dir)
 
     # ---- data: rank 0 builds caches first so ranks never race on them
     if info.is_main:

@@ -456,3 +456,39 @@ def test_a_crashing_llama_cpp_costs_the_bench_its_column_not_the_run(tmp_path, m
         bench.probe_llama_cpp(str(tmp_path / "model.gguf"), 1)
     finally:
         bench.probe_llama_cpp.cache_clear()
+
+
+def test_generation_that_reaches_the_context_says_so(tiny, capsys):
+    """At the context's end `generate` returns fewer tokens than asked for: it says so on stderr (issue 43),
+    with either engine; a short request that ends on its own says nothing."""
+    from midlayer.pretrained import load_gguf
+
+    model, tok = load_gguf(tiny[0])
+    ctx = model.cfg.max_seq_len
+    words = "hello there " * ctx
+    ids = tok.encode(words)
+    text = tok.decode(ids[:ctx - 4])  # a prompt a few tokens short of the context
+    n = len(tok.encode(text))
+    assert n < ctx
+    for engine in ("dynamic", "static"):
+        capsys.readouterr()
+        assert main(["generate", "--model", str(tiny[0]), "--prompt", text, "--max-new-tokens", "50",
+                     "--engine", engine]) == 0
+        err = capsys.readouterr().err
+        assert f"stopped at the model's context of {ctx} tokens" in err and "of the 50 new tokens" in err, err
+    assert main(["generate", "--model", str(tiny[0]), "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+    assert "stopped at" not in capsys.readouterr().err
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tiny, work, capsys, monkeypatch):
+    """argv: an undecodable byte reaches Python as a lone surrogate; stdin: as bytes that do not decode."""
+    import io
+
+    line = refused(capsys, ["generate", "--model", str(tiny[0]), "--prompt", "caf\udce9 au lait"], "--prompt",
+                   "not UTF-8", roots=(work,))
+    assert "standard input" in line
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait")))
+    line = refused(capsys, ["generate", "--model", str(tiny[0])], "standard input is not UTF-8", "byte 3",
+                   roots=(work,))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("café".encode())))
+    assert main(["generate", "--model", str(tiny[0]), "--max-new-tokens", "2"]) == 0

@@ -455,9 +455,10 @@ def test_cli_surface_is_frozen():
                    "--cache-gb", "--cache-dir", "--loss-positions", "--draft-vocab", "--gate-target", "--gate-gamma",
                    "--gate-kp", "--gate-beta-max", "--lora-rank", "--gate-values", "--router-norm", "--no-router-norm"]
     assert flags["train-draft"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--methods", "--device",
-                                           "--export-now"]
+                                           "--export-now", "--overwrite"]
                                           + draft_flags)
-    assert flags["train-gates"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--device"] + draft_flags)
+    assert flags["train-gates"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--device", "--overwrite"]
+                                          + draft_flags)
 
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):
