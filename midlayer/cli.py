@@ -480,13 +480,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         if args.engine == "static":
             raise ValueError(f"--engine static with --draft: the static step {what}; use --engine dynamic")
         engine = "dynamic"  # auto: the dynamic engine runs every drafter
-    if cfg.temperature == 0 and engine == "static":
-        from .decode_step import invariant_buckets
-
-        if not invariant_buckets(model, graphs)[1]:
-            print("note: the static step's buckets were not measured row-invariant on this device, so speculative "
-                  "output can differ from plain greedy output at near-ties", file=sys.stderr)
-    elif cfg.temperature == 0 and not getattr(model, "batch_invariant", False):
+    if cfg.temperature == 0 and engine == "dynamic" and not getattr(model, "batch_invariant", False):
         print(f"note: {args.weights} weights are not row-invariant in the dynamic engine, so speculative output can "
               "differ from plain greedy output at near-ties; --weights q4 (or an EAGLE / Medusa draft with --engine "
               "static) is bit-identical", file=sys.stderr)
@@ -538,6 +532,9 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         out, stats = speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens, stop_tokens=cfg.stop_tokens,
                                           temperature=cfg.temperature, seed=cfg.seed, skip=cfg.skip)
     dt = time.perf_counter() - t
+    if stats.row_invariant is False:
+        print("note: the static step's buckets were not measured row-invariant on this device, so this speculative "
+              "output can differ from plain greedy output at near-ties", file=sys.stderr)
     text = tok.decode([x for x in out if x not in tok.eos_ids])
     sys.stdout.write(text + "\n")
     _say_if_cut(model, ids, len(out), any(x in tok.eos_ids for x in out), cfg.max_new_tokens)
@@ -577,10 +574,21 @@ def _check_generate_args(args: argparse.Namespace) -> None:
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (the system message is part of the chat template)")
     dev = resolve_device(args.device) if args.device is not None else None
-    if args.graphs != "auto" and args.engine == "dynamic":
-        raise ValueError(f"--graphs {args.graphs}: only the static engine captures its step (--engine static)")
-    if args.graphs == "cudagraph" and (dev is None or dev.type != "cuda"):
+    on_cuda = dev is not None and dev.type == "cuda"
+    static = args.engine == "static" or args.engine == "auto" and on_cuda
+    if args.graphs != "auto" and not static:
+        raise ValueError(f"--graphs {args.graphs}: only the static engine captures its step (--engine static, or "
+                         "--device cuda where --engine auto takes it)")
+    if args.graphs == "cudagraph" and not on_cuda:
         raise ValueError("--graphs cudagraph needs --device cuda (the model on a CUDA device)")
+    if args.weights == "q4" and on_cuda:
+        raise ValueError("--weights q4 runs on the CPU only (its kernels are C); on CUDA use --weights fp32 or bf16")
+    if args.engine == "static" and args.gates is not None:
+        raise ValueError("--engine static with --gates: the static step runs dense models (real skipping is "
+                         "data-dependent); use --engine dynamic")
+    if args.engine == "static" and args.draft is not None and args.temperature > 0:
+        raise ValueError("--engine static with --draft decodes greedily only (--temperature 0); use --engine "
+                         "dynamic for speculative sampling")
     if args.draft is None and (args.tree is not None or args.stats):
         # both only describe speculative decoding: taking them silently would suggest they did something
         raise ValueError(f"{'--tree' if args.tree is not None else '--stats'} needs --draft (it sets/reports the "
@@ -716,10 +724,27 @@ def _check_bench_static_args(args: argparse.Namespace) -> dict:
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (the first token comes with the prefill), got {args.new_tokens}")
     _check_output("--output", getattr(args, "output", None))
+    if args.bench == "generate":  # its --weights: the dtypes of the static bench (q4 and int4 are CPU formats)
+        formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
+        dtypes = tuple(f for f in formats if f in ("bf16", "fp32"))
+        if not dtypes:
+            raise ValueError(f"--weights {args.weights}: on CUDA `bench generate` times bf16 and fp32 (q4 and int4 "
+                             "are CPU formats)")
+        kw.update(dtypes=dtypes)
+    if args.bench == "decode":  # the flags the static bench shares; its drafters are the static step's
+        for flag, value in (("--nodes", args.nodes), ("--max-prompts", args.max_prompts)):
+            _positive(flag, value)
+        if args.nodes > 63:
+            raise ValueError(f"--nodes {args.nodes}: at most 63 (a round with hidden transfer's 3 pseudo blocks fits "
+                             "256 rows)")
+        kw.update(nodes=args.nodes, max_prompts=args.max_prompts, compare_transformers=not args.no_transformers)
     if args.bench != "static":
         return kw
     for flag, value in (("--nodes", args.nodes), ("--max-prompts", args.max_prompts)):
         _positive(flag, value)
+    if args.nodes > 63:
+        raise ValueError(f"--nodes {args.nodes}: at most 63 (a round with hidden transfer's 3 pseudo blocks fits 256 "
+                         "rows)")
     dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
     if not dtypes or any(d not in DTYPES for d in dtypes):
         raise ValueError(f"--dtypes: comma-separated, from {', '.join(DTYPES)}; got {args.dtypes!r}")

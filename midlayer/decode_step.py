@@ -27,9 +27,9 @@ that is a multiple of 8, but not between M = 1 (a GEMV), 2-3 and 4-7. So plain d
 smallest bucket (8 rows) and gets the bits of verification, and so does the attention's split (`attend`),
 as long as both use the same buckets (its window is the largest). In the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks
 its kernel by M (split-K for small M), so a row may differ between buckets. What holds is measured, not
-assumed: `buckets="auto"` takes the first of BUCKET_CANDIDATES ((8, 16, 32, 64), then the single bucket
-(64,), where no kernel choice can depend on M) that the probe `DecodeStep.row_invariant` passes, once per
-model and process, and `DecodeStep.invariant` says whether one did.
+assumed: `buckets="auto"` takes the first of BUCKET_CANDIDATES ((8, 16, ..., 256), then the single bucket
+(256,), where no kernel choice can depend on M) that the probe `DecodeStep.row_invariant` passes at the
+step's own cache size, once per model, size and process, and `DecodeStep.invariant` says whether one did.
 
 Acceptance on the device (`verify`): the greedy targets, the longest accepted path, the bonus token and the
 compaction of the accepted rows' K/V to the front are index-tensor operations, and the host reads one small
@@ -62,23 +62,62 @@ GRAPH_MODES: tuple[str, ...] = ("eager", "cudagraph", "compile")
 _probed: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 
 
-def invariant_buckets(model: Transformer, graphs: str = "eager") -> tuple[tuple[int, ...], bool]:
+def invariant_buckets(model: Transformer, max_len: int = 16) -> tuple[tuple[int, ...], bool]:
     """(buckets, row_invariant): the first of BUCKET_CANDIDATES whose step gives a row the same bits in every
     bucket and at every place in it, measured on this machine with this model's shapes, dtype and weight
-    format (once per model and process; `DecodeStep.row_invariant` is the probe). When none passes: the last
-    candidate, and False (speculative output may then differ from plain output at near-ties)."""
+    format, at a cache of `max_len` slots (a kernel may choose by the key count too: split-K on a GPU); once
+    per model, size and process (`DecodeStep.row_invariant` is the probe). When none passes: the last
+    candidate, and False (speculative output may then differ from plain output at near-ties). The probe runs
+    eagerly: a captured CUDA graph replays the eager kernels; torch.compile's own kernels are not probed."""
     memo = _probed.setdefault(model, {})
     key = (model.tok_embeddings.weight.dtype, str(model.tok_embeddings.weight.device),
-           getattr(model, "weight_format", None), graphs)
+           getattr(model, "weight_format", None), int(max_len))
     if key not in memo:
-        mode = "eager" if graphs == "cudagraph" else graphs  # a captured graph replays the eager kernels
         found = None
         for cand in BUCKET_CANDIDATES:
-            if DecodeStep(model, max_len=16, buckets=cand, graphs=mode).row_invariant():
+            if DecodeStep(model, max_len=max_len, buckets=cand).row_invariant():
                 found = (cand, True)
                 break
         memo[key] = found or (BUCKET_CANDIDATES[-1], False)
     return memo[key]
+
+
+def round_layout(n_nodes: int, k: int, buckets: Sequence[int]) -> tuple[int, int, int]:
+    """(T, N, head_rows) of a verification round over n_nodes nodes with k steps of hidden transfer's pseudo
+    rows: T tree rows (the root, the nodes, padding) in a bucket of N rows, of which the LM head reads the
+    first head_rows. T is the smallest bucket that holds the tree and leaves room for the k pseudo blocks;
+    when no bucket does (one bucket only), the tree rows rounded up to 8, and the head then reads all N rows,
+    so that every GEMM of the round has one of the probed row counts."""
+    top = max(buckets)
+    fits = [b for b in sorted(buckets) if b >= n_nodes + 1 and b * (k + 1) <= top]
+    if fits:
+        T = fits[0]
+        return T, bucket_for(T * (k + 1), buckets), T
+    T = -(-(n_nodes + 1) // 8) * 8
+    if T * (k + 1) > top:
+        raise ValueError(f"a tree of {n_nodes} nodes with {k} steps of pseudo rows needs {T * (k + 1)} rows, more "
+                         f"than the largest bucket ({top}): give a smaller tree")
+    N = bucket_for(T * (k + 1), buckets)
+    return T, N, N
+
+
+def any_round_slots(n_nodes: int, k: int, bucket_sets: Sequence[Sequence[int]] = BUCKET_CANDIDATES) -> int:
+    """The most slots a round needs (`round_slots`) under any of these bucket sets (those that can hold it):
+    what a step must add to the committed text before `buckets="auto"` has chosen."""
+    out = 0
+    for b in bucket_sets:
+        try:
+            out = max(out, round_slots(n_nodes, k, b))
+        except ValueError:  # this set cannot hold the round (the step refuses it if the probe chooses it)
+            pass
+    return out
+
+
+def round_slots(n_nodes: int, k: int, buckets: Sequence[int]) -> int:
+    """Cache slots a round needs past its root's slot: its real rows (the pseudo rows too) and the T slots
+    its compaction writes. Padding rows use the scratch slot."""
+    T, _, _ = round_layout(n_nodes, k, buckets)
+    return max(T, T * k + n_nodes + 1)
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
@@ -167,6 +206,10 @@ class TreeTensors:
     n_nodes: int
     max_depth: int
     tree_rows: int  # T
+    k: int  # hidden transfer's steps laid out (0: none)
+    head_rows: int  # rows the LM head reads (round_layout)
+    rows_used: int  # slots past the root's the round writes, compaction included (round_slots)
+    reach: int  # the largest position offset of a row from the root
     vis: torch.Tensor  # [N, N] bool: row i sees row j (the tree's ancestors-or-self; the root)
     parent: torch.Tensor  # [N] long: parent row (root and others: 0)
     depth: torch.Tensor  # [N] long: position offset from the root (pseudo (a, i): depth of a + i)
@@ -197,7 +240,7 @@ class DecodeStep:
             raise ValueError(f"graphs='cudagraph' needs the model on CUDA, not {dev.type}")
         self.invariant: bool | None = None  # measured row invariance (None: buckets given, not measured)
         if buckets == "auto":
-            buckets, self.invariant = invariant_buckets(model, graphs)
+            buckets, self.invariant = invariant_buckets(model, model.cfg.max_seq_len if max_len is None else max_len)
         elif isinstance(buckets, str):
             raise ValueError(f"buckets: 'auto' or a sequence of row counts, got {buckets!r}")
         buckets = tuple(sorted(set(int(b) for b in buckets)))
@@ -225,6 +268,14 @@ class DecodeStep:
         self._trees: dict[tuple, TreeTensors] = {}
         self._runners: dict[tuple, object] = {}
         self.device = dev
+        if graphs == "compile":
+            # one compiled entry per bucket and kind of call: more than dynamo's default of 8 recompiles
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+            # the cache is written in place: static addresses keep CUDA graphs on under reduce-overhead
+            for t in (self.k, self.v, self.held):
+                torch._dynamo.mark_static_address(t)
         # hidden transfer's fused pass (`attach`): its maps, the blocks where its rows join, this forward's joins
         self.transfer = None
         self.join_at: dict[int, list[int]] = {}
@@ -322,6 +373,12 @@ class DecodeStep:
             h = torch.where((step == i)[None, :, None], self.transfer.transfer(anchors, i).to(h.dtype), h)
         return h
 
+    def detach(self) -> None:
+        """Verification rounds without hidden transfer's pseudo rows again."""
+        if self.transfer is not None:
+            self.transfer, self.join_at = None, {}
+            self._runners = {k: v for k, v in self._runners.items() if k[0] != "verify"}
+
     def attach(self, drafter) -> None:
         """Run hidden transfer's fused pass in this step's verification rounds (`verify(fused=True)`): the
         drafter's maps and the blocks where each step's rows join. Captured rounds are rebuilt for another."""
@@ -333,19 +390,20 @@ class DecodeStep:
     def verify_round(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                      vis: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, real: torch.Tensor,
                      is_node: torch.Tensor, path: torch.Tensor, join_src: torch.Tensor, join_step: torch.Tensor,
-                     prow: torch.Tensor, tree_rows: int = 0
+                     prow: torch.Tensor, tree_rows: int = 0, head_rows: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One speculative round at batch 1, all on the device: the forward over [root, nodes, padding] (and,
         with hidden transfer attached, the pseudo rows of every tree row), the greedy acceptance of the
         deepest path whose every node is the base's argmax at its parent (ties: the first in row order), the
         compaction of the root and that path to slots start.., and their `held`. tree_rows (static): the
         first T rows are the tree's (the rest, pseudo rows and padding, are never accepted); vis, parent and
-        is_node describe them. Returns (packed [T + 1] = [accepted count a, path tokens (T - 1, the first a
+        is_node describe them; head_rows (static, >= T): the rows the LM head reads (`round_layout`). Returns (packed [T + 1] = [accepted count a, path tokens (T - 1, the first a
         real), bonus], path rows [T] (-1 beyond a), logits [1, T, V], hidden [1, N, d], and the next draft's
         logits [k, V'] from the pseudo rows of the last accepted row, or an empty tensor)."""
         T = tree_rows or tokens.shape[1]
         logits, hidden = self.forward(tokens, positions, slots, start, path, depth, real, join_src, join_step,
-                                      head_rows=T)
+                                      head_rows=head_rows or T)
+        logits = logits[:, :T]
         tok, idx = tokens[0, :T], torch.arange(T, device=tokens.device)
         target = logits[0].argmax(-1)  # [T]: torch's first-maximum rule, as generate's greedy choice
         node = is_node[:T]
@@ -377,13 +435,14 @@ class DecodeStep:
     def bucket_for(self, n: int) -> int:
         return bucket_for(n, self.buckets)
 
-    def _runner(self, kind: str, N: int, tree_rows: int = 0):
+    def _runner(self, kind: str, N: int, tree_rows: int = 0, head_rows: int = 0):
         """The callable that runs `kind` ("forward" / "verify") at bucket N (and, for "verify", with the first
-        `tree_rows` rows the tree's), per `graphs`."""
-        key = (kind, N, tree_rows)
+        `tree_rows` rows the tree's and the LM head over the first `head_rows`), per `graphs`."""
+        key = (kind, N, tree_rows, head_rows)
         fn = self._runners.get(key)
         if fn is None:
-            base = self.forward if kind == "forward" else functools.partial(self.verify_round, tree_rows=tree_rows)
+            base = self.forward if kind == "forward" else functools.partial(
+                self.verify_round, tree_rows=tree_rows, head_rows=head_rows)
             if self.graphs == "compile":
                 fn = torch.compile(base, mode="reduce-overhead" if self.device.type == "cuda" else None,
                                    fullgraph=True, dynamic=False)
@@ -456,15 +515,14 @@ class DecodeStep:
         t, p, s = self._pad(tokens.reshape(B, 1).to(self.device), idx, idx, N)
         logits, hidden = self._runner("forward", N)(t, p, s, self._scalar(pos), *self._chain(1, N))
         self.held[:, pos] = True
-        return logits[:, 0], hidden[:, 0]
+        return logits[:, 0].clone(), hidden[:, 0].clone()  # (a captured graph's outputs are overwritten)
 
     def tree_tensors(self, parent: Sequence[int], depth: Sequence[int], k: int = 0, masked: bool = False
                      ) -> TreeTensors:
         """The device layout of a tree given by its nodes' parents (-1: the root) and depths, with k steps of
         hidden transfer's pseudo rows per tree row (`masked`: a pseudo row does not see its earlier steps)."""
         n = len(parent)
-        T = self.bucket_for(n + 1)
-        N = self.bucket_for(T * (k + 1))
+        T, N, head_rows = round_layout(n, k, self.buckets)
         key = ("tree", tuple(parent), k, masked, N)
         t = self._trees.get(key)
         if t is not None:
@@ -501,8 +559,9 @@ class DecodeStep:
                 for j in range(1 if not masked else i, i + 1):  # its anchor's earlier steps, then itself
                     path[r, da + j] = T * j + a
         dev = self.device
-        t = TreeTensors(n, max(depth, default=0), T, vis.to(dev), parent_t.to(dev), dep.to(dev), real.to(dev),
-                        is_node.to(dev), path.to(dev), join_src.to(dev), join_step.to(dev), prow.to(dev))
+        t = TreeTensors(n, max(depth, default=0), T, k, head_rows, max(T, T * k + n + 1), int(dep.max()),
+                        vis.to(dev), parent_t.to(dev), dep.to(dev), real.to(dev), is_node.to(dev), path.to(dev),
+                        join_src.to(dev), join_step.to(dev), prow.to(dev))
         if len(self._trees) > 256:  # dynamic trees change every round: keep the memo bounded
             self._trees.clear()
         self._trees[key] = t
@@ -516,25 +575,26 @@ class DecodeStep:
         [a + 1] (device), logits [a + 1, V], hidden [a + 1, d]) of the root and the accepted nodes, and the
         next draft's logits [k, V'] when the tree carries hidden transfer's pseudo rows (else None)."""
         N, T, n = tree.vis.shape[0], tree.tree_rows, tree.n_nodes
-        if start + N > self.max_len:
-            raise ValueError(f"the step holds {self.max_len} slots; a round at slot {start} needs {start + N}")
-        if int(tree.depth.max()) >= self.window:
-            raise ValueError(f"a round's rows reach {int(tree.depth.max())} positions past its root; the step's "
-                             f"attention window holds {self.window - 1}")
+        if start + tree.rows_used > self.max_len:
+            raise ValueError(f"the step holds {self.max_len} slots; a round at slot {start} needs "
+                             f"{start + tree.rows_used}")
+        if tree.reach >= self.window:
+            raise ValueError(f"a round's rows reach {tree.reach} positions past its root; the step's attention "
+                             f"window holds {self.window - 1}")
         dev = self.device
         tokens = torch.zeros(1, N, dtype=torch.long)
         tokens[0, 0] = int(root)
         tokens[0, 1:n + 1] = torch.as_tensor(list(nodes), dtype=torch.long)
         positions = (last_pos + tree.depth).masked_fill(~tree.real, 0)[None]
         slots = torch.where(tree.real, start + torch.arange(N, device=dev), self.scratch)[None]
-        packed, rows, logits, hidden, draft = self._runner("verify", N, T)(
+        packed, rows, logits, hidden, draft = self._runner("verify", N, T, tree.head_rows)(
             tokens.to(dev), positions, slots, self._scalar(start), tree.vis, tree.parent, tree.depth,
             tree.real, tree.is_node, tree.path, tree.join_src, tree.join_step, tree.prow)
         host = packed.tolist()  # the one read of the round
         a = host[0]
         keep = rows[:a + 1]
         return (host[1:1 + a], host[-1], keep, logits[0, keep], hidden[0, keep],
-                draft.clone() if draft.numel() else None)
+                draft.clone() if tree.k and draft.numel() else None)
 
     @torch.no_grad()
     def row_invariant(self, n_probe: int = 3, seed: int = 0) -> bool:
@@ -651,13 +711,16 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
         return [], stats
     fused = bool(getattr(drafter, "fused", False))
     k = drafter.transfer.k if fused else 0
-    buckets = step.buckets if step is not None else step_kw.get("buckets", "auto")
-    if buckets == "auto":
-        buckets = invariant_buckets(model, step_kw.get("graphs", "eager"))[0]
-    rows = bucket_for(bucket_for(len(tree) + 1, buckets) * (k + 1), buckets)
-    st = _step_for(model, P + budget + rows, step, **step_kw)
+    if step is None:  # sized to the call: the committed text, then the largest round of any bucket set
+        sets = [step_kw["buckets"]] if step_kw.get("buckets", "auto") != "auto" else BUCKET_CANDIDATES
+        st = DecodeStep(model, max_len=P + budget + any_round_slots(len(tree), k, sets), **step_kw)
+    else:
+        st = _step_for(model, P + budget + round_slots(len(tree), k, step.buckets), step)
+    stats.row_invariant = st.invariant
     if fused:
         st.attach(drafter)
+    else:
+        st.detach()
     masked = bool(getattr(getattr(drafter, "transfer", None), "masked", False))
     dev = st.device
     if P > 1:
@@ -666,8 +729,9 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
         logits, hidden = logits[0, -1:], (hidden[0] if every else hidden[0, -1:])
         stats.prefill_forwards = 1
     else:
-        hidden = torch.zeros(0, model.cfg.dim, device=dev)
-        logits = torch.zeros(0, model.cfg.vocab_size, device=dev)
+        dtype = model.tok_embeddings.weight.dtype
+        hidden = torch.zeros(0, model.cfg.dim, device=dev, dtype=dtype)
+        logits = torch.zeros(0, model.cfg.vocab_size, device=dev, dtype=dtype)
     tokens, new = list(prompt), []
     pruned: dict[tuple[int, int], object] = {}
     draft_logits = None
@@ -733,5 +797,5 @@ class _CudaGraph:
         return self.outputs
 
 
-__all__ = ["DecodeStep", "bucket_for", "StaticView", "static_stream", "static_generate", "static_speculative_generate",
+__all__ = ["DecodeStep", "bucket_for", "round_layout", "round_slots", "any_round_slots", "StaticView", "static_stream", "static_generate", "static_speculative_generate",
            "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "invariant_buckets", "unsupported"]

@@ -592,6 +592,7 @@ class SpecStats:
     base_forwards: int = 0  # verification forwards of the base model (the prefill is counted apart)
     prefill_forwards: int = 0
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[a]: rounds that accepted a draft tokens
+    row_invariant: bool | None = None  # the static step's measured row invariance (None: not measured)
 
     @property
     def tau(self) -> float:

@@ -21,7 +21,8 @@ from typing import Sequence
 
 import torch
 
-from .decode_step import DecodeStep, static_speculative_generate, static_stream
+from .decode_step import (BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_speculative_generate,
+                          static_stream)
 from .generate import GenerationConfig, generate_stream
 from .model import Transformer
 
@@ -42,16 +43,29 @@ class HFRecipe:
     between them), so the step compiles once."""
 
     def __init__(self, hf, max_len: int) -> None:
+        import inspect
+
         from transformers import StaticCache
 
         self.hf, self.dev = hf, hf.device
-        self.cache = StaticCache(config=hf.config, max_cache_len=max_len)
+        try:
+            self.cache = StaticCache(config=hf.config, max_cache_len=max_len, device=self.dev, dtype=hf.dtype)
+        except TypeError:  # transformers 5.x: allocated lazily on the first update, where the keys are
+            self.cache = StaticCache(config=hf.config, max_cache_len=max_len)
+        params = inspect.signature(hf.forward).parameters
+        # the cache's keyword: `past_key_values`, deprecated for `cache` in late 5.x; cache_position where taken
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.with_pos = "cache_position" in params
+        self.positions = torch.arange(max_len, device=self.dev)  # slices of one tensor: no copy per token
 
         def one_token(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            return hf(input_ids=tok, past_key_values=self.cache, cache_position=pos, use_cache=True).logits[:, -1]
+            return hf(input_ids=tok, use_cache=True, **self._kw(pos)).logits[:, -1]
 
         mode = "reduce-overhead" if self.dev.type == "cuda" else None
         self.step = torch.compile(one_token, mode=mode, fullgraph=True)
+
+    def _kw(self, pos: torch.Tensor) -> dict:
+        return {self.cache_kw: self.cache, **({"cache_position": pos} if self.with_pos else {})}
 
     @torch.no_grad()
     def run(self, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
@@ -59,14 +73,13 @@ class HFRecipe:
         self.cache.reset()
         P = len(ids)
         x = torch.tensor([ids], device=self.dev)
-        logits = self.hf(input_ids=x, past_key_values=self.cache, cache_position=torch.arange(P, device=self.dev),
-                         use_cache=True).logits[:, -1]
+        logits = self.hf(input_ids=x, use_cache=True, **self._kw(self.positions[:P])).logits[:, -1]
         tok = logits.argmax(-1, keepdim=True)
         out = [tok]
         _sync(self.dev)
         t = time.perf_counter()
         for i in range(new_tokens - 1):
-            tok = self.step(tok, torch.tensor([P + i], device=self.dev)).argmax(-1, keepdim=True)
+            tok = self.step(tok, self.positions[P + i:P + i + 1]).argmax(-1, keepdim=True)
             out.append(tok)
         _sync(self.dev)
         dt = time.perf_counter() - t
@@ -135,7 +148,6 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     drafts = DEFAULT_DRAFTS if drafts is None else drafts
     base, tok = load_pretrained(model_name)
     encoded = heldout_chats(tok, max_prompts)
-    max_len = max(len(p) for p in encoded) + new_tokens + 64 + 1
     cfg = GenerationConfig(max_new_tokens=new_tokens)
     hf_cpu = _load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
     result = dict(model=model_name, device=str(dev), prompts=len(encoded), new_tokens=new_tokens,
@@ -143,8 +155,6 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     for dname in dtypes:
         dtype = DTYPES[dname]
         model: Transformer = copy.deepcopy(base).to(dev, dtype).eval()  # (the fp32 original stays on the CPU)
-        steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
-        spec_step = steps[graphs[-1]]
         methods = {}
         for label, path in drafts.items():
             drafter, module, meta = load_drafter(path, model)
@@ -159,24 +169,47 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
             else:
                 tree = DraftTree.chain(3)
             methods[label] = (drafter, tree)
-        hf = HFRecipe(copy.deepcopy(hf_cpu).to(dev, dtype), max_len) if hf_cpu is not None else None
+        # the committed text, then the largest round of any drafter under any bucket set the probe may choose
+        rounds = [any_round_slots(len(t), getattr(getattr(d, "transfer", None), "k", 0) if getattr(d, "fused", False)
+                                  else 0) for d, t in methods.values()]
+        max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
+        steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
+        spec_step = steps[graphs[-1]]
+        hf, errors = None, result.setdefault("errors", {})
+        if hf_cpu is not None:
+            try:
+                hf = HFRecipe(copy.deepcopy(hf_cpu).to(dev, dtype), max_len)
+                hf.run(encoded[0], 4)  # compiles (and, on CUDA, records its graphs)
+            except Exception as e:  # the anchor must not cost the rest of the run
+                errors[f"{dname} {RECIPE}"] = f"{type(e).__name__}: {e}"
+                hf = None
         rows: dict[str, dict] = {}
 
-        def add(name: str, toks: list[int], s_per_tok: float, forwards: int | None = None) -> None:
+        def add(name: str, toks: list[int], s_per_tok: float, counted: int | None = None,
+                forwards: int | None = None) -> None:
+            """A prompt's row: its tokens and decode time per token over `counted` tokens (default: all but
+            the first, which a plain decoder's prefill makes)."""
+            counted = len(toks) - 1 if counted is None else counted
             r = rows.setdefault(name, dict(s=0.0, n=0, tokens=[], forwards=0))
-            r["s"] += s_per_tok * (len(toks) - 1)
-            r["n"] += len(toks) - 1
+            r["s"] += s_per_tok * counted
+            r["n"] += counted
             r["tokens"].append(toks)
             r["forwards"] += forwards if forwards is not None else len(toks)
 
-        # warm-up: compile / capture every bucket a run will use, on the first prompt
+        # warm-up: compile / capture every bucket the run will use (each prompt's prefill chunks too, so that no
+        # capture lands inside a timed call)
         warm = encoded[0]
         for g, st in steps.items():
             list(static_stream(model, warm, GenerationConfig(max_new_tokens=4), step=st))
-        for label, (drafter, tree) in methods.items():
-            static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step)
-        if hf is not None:
-            hf.run(warm, 4)
+            for ids in encoded:
+                _prefill_s(st, ids)
+                _prefill_s(st, ids[:-1]) if len(ids) > 1 else None
+        for label, (drafter, tree) in list(methods.items()):
+            try:
+                static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step)
+            except Exception as e:  # one drafter's failure costs its row only
+                errors[f"{dname} {label}"] = f"{type(e).__name__}: {e}"
+                del methods[label]
         it = encoded
         if progress:
             from tqdm import tqdm
@@ -195,7 +228,8 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
                 out, stats = static_speculative_generate(model, ids, drafter, tree, new_tokens, step=spec_step)
                 _sync(dev)
                 dt = time.perf_counter() - t - pre
-                add(f"{label} ({len(tree)}-node tree), static {graphs[-1]}", out, dt / max(len(out) - 1, 1),
+                # its rounds make every new token (plain decoding's first comes with its prefill)
+                add(f"{label} ({len(tree)}-node tree), static {graphs[-1]}", out, dt / len(out), len(out),
                     stats.base_forwards)
         plain = rows[f"midlayer static, {graphs[-1]}"]["tokens"]
         ref = rows.get(RECIPE)
@@ -229,6 +263,7 @@ def static_table(r: dict, dtypes: Sequence[str] | None = None, header: bool = Tr
     for dname, t in r["tables"].items():
         if dtypes is not None and dname not in dtypes:
             continue
+        errors = {k: v for k, v in r.get("errors", {}).items() if k.startswith(dname + " ")}
         inv = ", ".join(f"{g}: {t['buckets'][g]} {'row-invariant' if ok else 'NOT row-invariant'}"
                         for g, ok in t["invariant"].items())
         out += [f"{dname} (buckets {inv})", "",
@@ -237,5 +272,6 @@ def static_table(r: dict, dtypes: Sequence[str] | None = None, header: bool = Tr
             vs = f"{row['vs_recipe']:.2f}x" if row["vs_recipe"] is not None else "-"
             out.append(f"| {row['engine']} | {row['ms_per_token']:.2f} | {vs} | {row['tau']:.2f} | "
                        f"{row['equal_plain']}/{row['n']} |")
+        out += [f"failed: {k}: {v[:300]}" for k, v in errors.items()]
         out.append("")
     return "\n".join(out)

@@ -296,7 +296,13 @@ def test_generate_other_flags_refused_before_loading(work, capsys):
     # the static engine's flags (issue 42)
     refused(capsys, [*base, "--engine", "dynamic", "--graphs", "eager"], "--graphs eager", "--engine static",
             roots=(work,))
-    refused(capsys, [*base, "--graphs", "cudagraph"], "--graphs cudagraph needs --device cuda", roots=(work,))
+    refused(capsys, [*base, "--graphs", "cudagraph"], "--graphs cudagraph", "--engine static", roots=(work,))
+    refused(capsys, [*base, "--engine", "static", "--graphs", "cudagraph"], "--graphs cudagraph needs --device cuda",
+            roots=(work,))
+    refused(capsys, [*base, "--engine", "static", "--gates", str(work)], "--engine static with --gates",
+            roots=(work,))
+    refused(capsys, [*base, "--engine", "static", "--draft", str(work), "--temperature", "0.5"],
+            "--engine static with --draft decodes greedily", roots=(work,))
 
 
 def test_static_engine_refusals_name_the_reason(tiny, draft_dir, work, capsys):

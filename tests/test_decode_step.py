@@ -343,3 +343,44 @@ def test_separate_hidden_transfer_is_refused_by_the_static_step(models):
     drafter = HiddenTransferDrafter(models["fp32"], _transfer([1, 2], False), fused=False)
     with pytest.raises(ValueError, match="does not draft for the static step"):
         static_speculative_generate(models["fp32"], [1, 2, 3], drafter, DraftTree.chain(2), 4)
+
+
+def test_fused_hidden_transfer_in_one_bucket_near_the_context_and_after_on_a_shared_step(models):
+    """One bucket for every forward (the probe's fallback: the tree rows are rounded up to 8 and the head
+    reads every row); the context's end, where the pseudo rows no longer fit and the rounds verify without
+    them; and a step shared with Medusa afterwards, which must not keep hidden transfer's rows."""
+    from midlayer.hidden_transfer import HiddenTransferDrafter
+
+    model = models["fp32"]
+    drafter = HiddenTransferDrafter(model, _transfer([1, 2, 2], False))
+    prompt = _prompts()[1]
+    cfg = GenerationConfig(max_new_tokens=30)
+    ref = static_generate(model, [prompt], cfg, buckets=(64,))[0]
+    out, _ = static_speculative_generate(model, prompt, drafter, TREES[1], 30, buckets=(64,))
+    assert out == ref
+    ctx = DIMS["max_seq_len"]
+    near = [i % V for i in range(ctx - 6)]
+    ref = static_generate(model, [near], cfg)[0]
+    out, _ = static_speculative_generate(model, near, drafter, TREES[1], 30)
+    assert out == ref and len(ref) == 7
+    step = DecodeStep(model, max_len=120)
+    static_speculative_generate(model, prompt, drafter, TREES[1], 20, step=step)
+    assert step.transfer is not None
+    seen = []
+    medusa = MedusaDrafter(model, MedusaHeads(DIMS["dim"], 3))
+    propose = medusa.propose
+    medusa.propose = lambda ctx: (seen.append(ctx.draft_logits), propose(ctx))[1]
+    out, _ = static_speculative_generate(model, prompt, medusa, TREES[1], 20, step=step)
+    assert step.transfer is None and all(d is None for d in seen)
+    assert out == static_generate(model, [prompt], GenerationConfig(max_new_tokens=20))[0]
+
+
+def test_round_layout_and_slots():
+    from midlayer.decode_step import round_layout, round_slots
+
+    assert round_layout(5, 0, (8, 16, 32, 64)) == (8, 8, 8)
+    assert round_layout(12, 3, (8, 16, 32, 64, 128, 256)) == (16, 64, 16)
+    assert round_layout(12, 3, (64,)) == (16, 64, 64)  # one bucket: the head reads all 64 rows
+    assert round_slots(12, 3, (64,)) == 16 * 3 + 13
+    with pytest.raises(ValueError, match="largest bucket"):
+        round_layout(40, 3, (64,))
