@@ -303,8 +303,6 @@ def load_run(checkpoint: str, device: str | None = None):
 
 def _check_eval_args(args: argparse.Namespace) -> None:
     """What `eval` checks before reading the checkpoint (ValueError naming the flag)."""
-    import re
-
     from .distributed import resolve_device
 
     if args.batch_size is not None and args.batch_size < 1:
@@ -312,9 +310,8 @@ def _check_eval_args(args: argparse.Namespace) -> None:
     if args.eval_tokens is not None and args.eval_tokens < 0:
         raise ValueError(f"--eval-tokens must be >= 0 (0 = the whole split), got {args.eval_tokens}")
     _check_output("--output", args.output)
-    if args.output and (re.fullmatch(r"ckpt_\d{7}\.pt", Path(args.output).name)
-                        or Path(args.output).resolve() == Path(args.checkpoint).resolve()):
-        raise ValueError(f"--output {args.output}: that is a checkpoint's name; the JSON would overwrite it")
+    if args.output and Path(args.output).resolve() == Path(args.checkpoint).resolve():
+        raise ValueError(f"--output {args.output}: that is the checkpoint itself; the JSON would overwrite it")
     if args.device is not None:
         resolve_device(args.device)
 
@@ -337,8 +334,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                    dtype=resolve_dtype(train_cfg.dtype, dev))
     res.update(checkpoint=ckpt["path"], step=int(ckpt["step"]))
     text = json.dumps(json_safe(res), indent=2)
-    if args.output:
-        Path(args.output).write_text(text)
+    _write_output(args.output, text)
     print(text)
     return 0
 
@@ -643,8 +639,18 @@ def _check_stop_after(args: argparse.Namespace) -> None:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
 
 
+# The files a run, a draft or a sweep keeps (train, train-draft / train-gates, sweep): never a results file.
+RUN_FILES = ("metrics.jsonl", "config.json", "eval.json", "draft.json", "draft.safetensors", "history.jsonl",
+             "metrics.json", "train_state.pt", "sweep.json", ".midlayer.lock")
+
+
 def _check_output(flag: str, path: str | None) -> None:
-    """A results file that can be written: checked before the work whose result it would hold."""
+    """A results file that can be written without overwriting work: checked before the work whose result it
+    would hold. Refused: a folder, a missing folder, a checkpoint's name, and a file that a run, a draft or a
+    sweep keeps in a folder that holds one (`RUN_FILES`; issue 43: `eval RUN --output RUN/metrics.jsonl`
+    replaced the training log)."""
+    import re
+
     if path is None:
         return
     p = Path(path)
@@ -652,6 +658,22 @@ def _check_output(flag: str, path: str | None) -> None:
         raise ValueError(f"{flag} {path}: is a directory; give a file name")
     if not p.parent.is_dir():
         raise ValueError(f"{flag} {path}: folder {p.parent} does not exist")
+    if re.fullmatch(r"ckpt_\d+\.pt", p.name):
+        raise ValueError(f"{flag} {path}: that is a checkpoint's name; the results would overwrite it")
+    d = p.parent
+    holds_run = any((d / n).exists() for n in ("config.json", "draft.json", "train_state.pt", "sweep.json",
+                                               ".midlayer.lock")) or any(d.glob("ckpt_*.pt"))
+    if p.name in RUN_FILES and holds_run:
+        raise ValueError(f"{flag} {path}: {p.name} is a file of the run in {d}; the results would overwrite it, "
+                         "so give another name")
+
+
+def _write_output(path: str | None, text: str) -> None:
+    """The results file, written whole or not at all (a full disk leaves the earlier file, never a part)."""
+    if path:
+        from .data import atomic_write
+
+        atomic_write(Path(path), text.encode("utf-8"))
 
 
 def _check_bench_decode_args(args: argparse.Namespace) -> tuple[dict[str, str], tuple[int, int] | None]:
@@ -777,8 +799,7 @@ def _bench_static(args: argparse.Namespace) -> int:
         shown.append(dtype)
 
     r = bench_static(**_check_bench_static_args(args), on_table=show)
-    if getattr(args, "output", None):
-        Path(args.output).write_text(json.dumps(r, indent=2, default=str))
+    _write_output(getattr(args, "output", None), json.dumps(r, indent=2, default=str))
     return 0
 
 
@@ -806,16 +827,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         r = bench.bench_gates(args.model, gates, args.data, args.static, args.prompts, args.new_tokens, args.weights,
                               records=args.records)
         print(bench.gates_table(r))
-        if args.output:
-            Path(args.output).write_text(json.dumps(r, indent=2))
+        _write_output(args.output, json.dumps(r, indent=2))
         return 0
     if args.bench == "decode":
         drafts, skip = _check_bench_decode_args(args)
         r = bench.bench_speculative(args.model, drafts, skip, args.tree, args.nodes, args.new_tokens,
                                     args.max_prompts, args.weights, not args.no_transformers, prompts=args.prompts)
         print(bench.speculative_table(r))
-        if args.output:
-            Path(args.output).write_text(json.dumps(r, indent=2))
+        _write_output(args.output, json.dumps(r, indent=2))
         return 0
 
     fractions = _check_bench_generate_args(args)

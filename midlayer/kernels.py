@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -122,11 +123,42 @@ def library_path() -> Path:
     return cache_dir() / f"qkernels-{tag}-{platform.machine()}.so"
 
 
+def _record_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".json")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cached_library_problem(out: Path) -> str | None:
+    """Why the cached library `out` must not be loaded, or None. It is trusted only if its record (written
+    after a build) names this source and the library's own bytes: an empty, truncated (loading one can kill
+    the process with SIGBUS) or replaced file, or one from other source, is never loaded (issue 43)."""
+    rec = _record_path(out)
+    try:
+        meta = json.loads(rec.read_text())
+    except FileNotFoundError:
+        return "no build record beside it"
+    except (OSError, ValueError) as e:
+        return f"its build record is unreadable ({type(e).__name__})"
+    if not isinstance(meta, dict) or meta.get("source_sha256") != _sha256(_SRC):
+        return "built from other source"
+    if not out.stat().st_size or meta.get("sha256") != _sha256(out):
+        return "its bytes are not the ones built (empty, truncated or replaced)"
+    return None
+
+
 def build(verbose: bool = False) -> Path:
-    """Compile csrc/qkernels.c (once per source version); raises RuntimeError with the compiler's message."""
+    """Compile csrc/qkernels.c (once per source version), or return the cached library when its build record
+    vouches for it (`cached_library_problem`; a damaged one is rebuilt, with a note); raises RuntimeError
+    with the compiler's message."""
     out = library_path()
     if out.exists():
-        return out
+        why = cached_library_problem(out)
+        if why is None:
+            return out
+        warnings.warn(f"rebuilding the kernel library {out}: {why}", RuntimeWarning, stacklevel=2)
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc): the q4 kernels fall back to PyTorch")
@@ -142,7 +174,11 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(f"compiling {_SRC.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
-    os.replace(tmp, out)
+    record = json.dumps({"sha256": _sha256(tmp), "source_sha256": _sha256(_SRC), "command": cmd[:-3]})
+    rec_tmp = _record_path(tmp)
+    rec_tmp.write_text(record)
+    os.replace(tmp, out)  # the library first, then the record that vouches for it: a crash between leaves
+    os.replace(rec_tmp, _record_path(out))  # a library without a record, which is rebuilt
     return out
 
 

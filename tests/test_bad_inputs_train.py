@@ -295,6 +295,9 @@ def finished_run(tmp_path, shards, capsys):
     (["--eval-tokens", "5"], "at least one window of the run's seq_len=32"),
     (["--device", "bogus"], "--device 'bogus': not a device"),
     (["--output", "{tmp}/run/ckpt_0000002.pt"], "that is a checkpoint's name"),
+    # issue 43: the training log, the run's config and its evaluation are not results files
+    (["--output", "{tmp}/run/metrics.jsonl"], "metrics.jsonl is a file of the run"),
+    (["--output", "{tmp}/run/config.json"], "config.json is a file of the run"),
 ])
 def test_eval_refuses_bad_flags_before_evaluating(tmp_path, finished_run, capsys, monkeypatch, flags, named):
     import midlayer.evaluate
@@ -456,3 +459,37 @@ def test_json_outputs_of_a_run_are_strict_json(tmp_path, shards, capsys):
     assert run(capsys, train_argv(shards, run_dir, "--steps", "2", "--log-every", "1"))[0] == 0
     strict_json_lines(run_dir / "metrics.jsonl")
     assert math.isfinite(json.loads((run_dir / "eval.json").read_text(), parse_constant=float)["val_ce"])
+
+
+def test_eval_output_is_written_whole_or_not_at_all(tmp_path, finished_run, capsys, monkeypatch):
+    """A full disk while the results are written (os.write raising ENOSPC): exit 2 in one line, the earlier
+    results file intact, no partial or temporary file left (issue 43: a 0-byte file was left)."""
+    import errno
+
+    out = tmp_path / "res.json"
+    out.write_text('{"earlier": true}')
+    before = snapshot(tmp_path)
+    real_open = open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_open(path, mode="r", *a, **kw):
+        f = real_open(path, mode, *a, **kw)
+        return Full(f) if "x" in mode and str(path).endswith(".tmp") else f
+
+    monkeypatch.setattr("builtins.open", full_open)
+    rc, stdout, err = run(capsys, ["eval", str(finished_run), "--output", str(out)])
+    monkeypatch.undo()
+    assert rc == 2 and "No space left on device" in one_line_error(err, "eval")
+    assert snapshot(tmp_path) == before

@@ -1,0 +1,62 @@
+"""Caches are verified, never trusted (issue 43): the compiled kernel library is loaded only when the record
+written after its build vouches for its bytes and its source. An empty, truncated or replaced library, or
+one built from other source, is rebuilt (with a note), never loaded: a truncated one used to kill the
+process with SIGBUS, and an empty one to send every q4 call down another path with other tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from midlayer import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(kernels._compiler() is None, reason="no C compiler to build the kernels with")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path))
+    out = kernels.build()
+    return out, out.read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "flipped byte", "no record", "other source",
+                                    "unreadable record"])
+def test_a_damaged_library_is_named_and_never_trusted(cache, damage):
+    out, good = cache
+    assert kernels.cached_library_problem(out) is None
+    rec = out.with_name(out.name + ".json")
+    if damage == "empty":
+        out.write_bytes(b"")
+    elif damage == "truncated":
+        out.write_bytes(good[:len(good) // 2])
+    elif damage == "flipped byte":
+        out.write_bytes(good[:1000] + bytes([good[1000] ^ 1]) + good[1001:])
+    elif damage == "no record":
+        rec.unlink()
+    elif damage == "other source":
+        rec.write_text(json.dumps({**json.loads(rec.read_text()), "source_sha256": "0" * 64}))
+    else:
+        rec.write_bytes(b"\xff\x00 not json")
+    assert kernels.cached_library_problem(out) is not None
+    with pytest.warns(RuntimeWarning, match="rebuilding the kernel library"):
+        assert kernels.build() == out
+    assert kernels.cached_library_problem(out) is None and out.stat().st_size > 0
+
+
+def test_a_truncated_library_is_rebuilt_in_a_fresh_process_not_loaded(cache):
+    """The case that killed `generate` and `train` with SIGBUS (exit 135): a new process rebuilds instead."""
+    out, good = cache
+    out.write_bytes(good[:len(good) // 3])
+    res = subprocess.run([sys.executable, "-c", "from midlayer import kernels; print(kernels.available())"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0 and res.stdout.strip() == "True", (res.returncode, res.stderr[-500:])
+    assert "rebuilding the kernel library" in res.stderr
+    assert kernels.cached_library_problem(out) is None
