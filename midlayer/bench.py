@@ -486,7 +486,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     Medusa's, so every method runs the same tree size) or "auto" (per drafter, `tree_cost.auto_tree`: the
     tree of highest expected tokens/s from those accuracies and this machine's measured row costs).
     """
-    from .drafters import LayerSkipDrafter, load_drafter
+    from .drafters import LayerSkipDrafter, heldout_accuracies, load_drafter
     from .eagle import EagleDrafter
     from .hidden_transfer import HiddenTransferDrafter
     from .pretrained import load_pretrained, resolve_pretrained
@@ -506,7 +506,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     own_acc: dict[str, list] = {}  # label -> its held-out per-rank accuracies (depth 1 only for early exit)
     for label, path in (drafts or {}).items():
         d, module, meta = load_drafter(path, model)
-        acc = meta.get("heldout", {}).get("acc")
+        acc = heldout_accuracies(meta, str(path))
         k = getattr(module, "k", None) or len(acc or [])
         methods[label] = (d, k)
         if acc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import hashlib
 import json
 import os
 import re
@@ -70,7 +71,9 @@ def remove_stale_temp_files(run_dir: Path) -> list[Path]:
 
 
 def atomic_write_bytes(path: Path, write) -> None:
-    """Call write(tmp_path), fsync, then rename over `path`."""
+    """Call write(tmp_path), fsync, then rename over `path`: the file is whole or untouched. A failed write
+    (a full disk: torch.save reports it as a RuntimeError from its zip writer) is an OSError naming the file,
+    the partial temporary file is removed, and an earlier `path` stays as it was."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
@@ -78,6 +81,10 @@ def atomic_write_bytes(path: Path, write) -> None:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise OSError(f"writing {path} failed ({first}); a full disk? The earlier {path.name}, if any, is "
+                      "intact") from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -90,6 +97,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], configs: di
     run_dir.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(run_dir, step)
     payload = {"format": FORMAT, "step": step, "configs": configs, **state}
+    if "model" in state:  # a content checksum of the weights, verified on load (load_checkpoint)
+        payload["model_sha256"] = weights_digest(state["model"])
     atomic_write_bytes(path, lambda p: torch.save(payload, p))
     atomic_write_bytes(run_dir / "config.json",
                        lambda p: p.write_text(json.dumps(configs, indent=2, sort_keys=True)))
@@ -113,12 +122,40 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     for key in ("step", "configs", "model"):
         if key not in ckpt:
             raise CheckpointError(f"checkpoint {path} lacks '{key}'")
+    configs = ckpt["configs"]
+    if not isinstance(configs, dict) or not all(isinstance(configs.get(k), dict) for k in ("model", "sparsity", "train")):
+        raise CheckpointError(f"checkpoint {path}: its configs are not midlayer's model/sparsity/train configs")
+    if not isinstance(ckpt["model"], dict) or not all(isinstance(v, torch.Tensor) for v in ckpt["model"].values()):
+        raise CheckpointError(f"checkpoint {path}: its 'model' is not a dict of weight tensors")
+    if "model_sha256" in ckpt and ckpt["model_sha256"] != weights_digest(ckpt["model"]):
+        raise CheckpointError(f"checkpoint {path}: its weights do not match their checksum (the file is damaged)")
     from .model import nonfinite_tensors  # the one rule every weight loader applies
 
     bad = nonfinite_tensors(ckpt["model"])
     if bad:
         raise CheckpointError(f"checkpoint {path} has non-finite weights in {bad[:5]}")
     return ckpt
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors of a state dict (names, dtypes, shapes and bytes, in name order): a flipped bit
+    anywhere in the weights changes it."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def load_weights(model: torch.nn.Module, ckpt: dict[str, Any], path: Path | str) -> None:
+    """model.load_state_dict(ckpt["model"]), refused in one line (CheckpointError) when the weights do not fit
+    the model the checkpoint's config builds: a missing or extra weight, a tensor of another shape."""
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"checkpoint {path}: its weights do not fit its model config ({first})") from None
 
 
 def load_newest_checkpoint(paths: list[Path], map_location: str | torch.device = "cpu") -> dict[str, Any]:

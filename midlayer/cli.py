@@ -281,7 +281,7 @@ def load_run(checkpoint: str, device: str | None = None):
     """(model, checkpoint dict, train config) from a run directory (newest checkpoint) or a ckpt file."""
     import torch
 
-    from .checkpoint import list_checkpoints, load_checkpoint, load_newest_checkpoint
+    from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_newest_checkpoint, load_weights
     from .config import from_dict
     from .model import Transformer
 
@@ -296,8 +296,11 @@ def load_run(checkpoint: str, device: str | None = None):
     # a directory's newest checkpoint; if it is refused, the error names the newest good one
     ckpt = load_newest_checkpoint(found, map_location=dev) if found else load_checkpoint(path, map_location=dev)
     ckpt["path"] = str(path)
-    model = Transformer(from_dict(ModelConfig, ckpt["configs"]["model"])).to(dev)
-    model.load_state_dict(ckpt["model"])
+    try:
+        model = Transformer(from_dict(ModelConfig, ckpt["configs"]["model"])).to(dev)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path}: its model config is not valid ({e})") from None
+    load_weights(model, ckpt, path)
     return model, ckpt, from_dict(TrainConfig, ckpt["configs"]["train"])
 
 
@@ -466,10 +469,11 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
                          graphs: str = "eager") -> int:
     import time
 
-    from .drafters import load_drafter
+    from .drafters import heldout_accuracies, load_drafter
     from .speculative import DraftTree, speculative_generate
 
     drafter, module, meta = load_drafter(args.draft, model)  # first: a bad draft is refused before any note
+    acc = heldout_accuracies(meta, args.draft)
     if engine == "static" and (not getattr(drafter, "static_step", False) or cfg.temperature > 0):
         what = ("decodes greedily only" if cfg.temperature > 0 else
                 f"does not run a {type(module).__name__} draft yet (it reads the dynamic cache)")
@@ -480,7 +484,6 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         print(f"note: {args.weights} weights are not row-invariant in the dynamic engine, so speculative output can "
               "differ from plain greedy output at near-ties; --weights q4 (or an EAGLE / Medusa draft with --engine "
               "static) is bit-identical", file=sys.stderr)
-    acc = meta.get("heldout", {}).get("acc")
     # draft depth: k steps / heads; EAGLE: the depths it was scored at; early exit (acc of depth 1): 3
     k = getattr(module, "k", None) or (len(acc) if acc and len(acc) > 1 else 3)
     if args.tree == "auto" and not acc:
@@ -503,7 +506,6 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
     elif args.tree in ("chain", "auto"):
         tree = DraftTree.chain(k)
     elif args.tree.startswith("sparse:"):
-        acc = meta.get("heldout", {}).get("acc")
         if not acc or len(acc) < 2:
             raise ValueError(f"{args.draft}: no per-depth held-out accuracies to build a sparse tree; use --tree chain")
         tree = DraftTree.greedy_from_accuracies(acc, _tree_nodes(args.tree))

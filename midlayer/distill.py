@@ -42,7 +42,7 @@ import torch
 from .drafters import DraftMismatchError, base_signature, check_base
 from .generate import GenerationConfig, generate
 from .model import Transformer
-from .output_lock import OutputLock
+from .output_lock import OutputBusy, OutputLock
 from .prompts import Prompt
 
 DISTILL_FORMAT = "midlayer-distill-v1"
@@ -150,6 +150,15 @@ class DistillSet:
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse (DistillFormatError, naming the file and line) a token id outside [0, vocab_size): a file of
+        another tokenizer, or damage. Checked once, at load, instead of failing as an IndexError mid-run."""
+        for j, r in enumerate(self.records):
+            bad = next((t for t in (*r.prompt_ids, *r.response_ids) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise DistillFormatError(f"{self.path}:{j + 2}: token id {bad} is outside the base's vocabulary "
+                                         f"[0, {vocab_size})")
 
     def split(self, name: str) -> list[DistillRecord]:
         """Records of one split ("train" or "heldout"), in file order."""
@@ -346,7 +355,8 @@ def describe(ds: DistillSet) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """`python -m midlayer.distill`'s flags."""
-    ap = argparse.ArgumentParser(description="Generate the self-distillation set (greedy base responses).")
+    ap = argparse.ArgumentParser(prog="python -m midlayer.distill",
+                                 description="Generate the self-distillation set (greedy base responses).")
     ap.add_argument("--model", required=True, help="pretrained name or path (see midlayer.pretrained)")
     ap.add_argument("--out", required=True, help="JSON-lines output; resumed if it exists")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -403,7 +413,9 @@ def _main(argv: list[str] | None = None) -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model, tok = load_pretrained(args.model, dtype)
     if tok is None:
-        raise SystemExit(f"{args.model}: no tokenizer found; distillation needs one for the chat template")
+        print(f"{ap.prog}: error: {args.model}: no tokenizer found; distillation needs one for the chat template",
+              file=sys.stderr)
+        raise SystemExit(2)
     model.to(args.device)
     note = args.dtype
     if args.weights == "q4":
@@ -423,8 +435,9 @@ def _main(argv: list[str] | None = None) -> None:
         ds = distill(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
                      batch_size=args.batch_size, weights_note=note, model_name=args.model,
                      progress=not args.no_progress, temperature=args.temperature, sample_seed=args.sample_seed)
-    except (DistillMismatchError, DistillFormatError) as e:  # the file is left as it was
-        raise SystemExit(f"error: {e}") from None
+    except (DistillMismatchError, DistillFormatError, OutputBusy) as e:  # the file is left as it was
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)  # one line, exit 2: as every refusal of midlayer's
+        raise SystemExit(2) from None
     except KeyboardInterrupt:  # whole batches only are ever appended: the file is a valid prefix
         print(f"\ninterrupted: {args.out} keeps every finished batch; the same command continues it",
               file=sys.stderr)

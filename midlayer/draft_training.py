@@ -621,7 +621,14 @@ class _Run:
         self.opt: torch.optim.Optimizer | None = None
         self.phase = -1
         if self.sp.is_file():
-            st = torch.load(self.sp, map_location="cpu", weights_only=True)  # plain dicts, lists, tensors
+            try:
+                st = torch.load(self.sp, map_location="cpu", weights_only=True)  # plain dicts, lists, tensors
+            except Exception as e:  # truncated, random bytes, another file's: one line, not torch's paragraphs
+                why = (str(e).strip().splitlines() or [""])[0][:200]
+                raise ValueError(f"{self.sp}: the training state is damaged or not a torch file ({type(e).__name__}: "
+                                 f"{why}); delete it to start the run over") from None
+            if not isinstance(st, dict) or not {"module", "step", "history", "opt"} <= set(st):
+                raise ValueError(f"{self.sp}: not a train-draft training state; delete it to start the run over")
             old = _saved_settings(st.get("settings") or {})
             if not _same_run(old, self.settings):
                 if not _extends(old, self.settings):
@@ -809,6 +816,11 @@ def _train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None, data:
         model = load_pretrained(c0.model)[0].to(device or "cpu")
     model.eval()
     ds = data if data is not None else DistillSet.load(c0.data)
+    if isinstance(ds.header.get("base"), dict):  # made by this base? (its greedy answers are the teacher's)
+        from .drafters import check_base
+
+        check_base(ds.header["base"], model, None, f"--data {c0.data}: made by another base model;")
+    ds.check_vocab(model.cfg.vocab_size)
     train_b = make_batches(ds.sequences("train"), c0.batch_tokens, c0.seq_len, c0.seed, pad_id=ds.pad_id,
                            prompt_lens=ds.prompt_lens("train") if c0.loss_positions == "response" else None)
     held_b = response_batches(ds, c0.seq_len, c0.max_eval_batches)

@@ -56,6 +56,7 @@ refuses a file written for another base model (different dimensions, name or LM-
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -569,6 +570,8 @@ def save_draft(path: str | Path, module: nn.Module, meta: dict[str, Any] | None 
            "base": base_signature(base, base_name), "meta": meta or {}}
     json.dumps(doc)  # fail before writing anything if meta is not JSON-serialisable
     atomic_write_bytes(out / WEIGHTS_NAME, lambda tmp: save_file(state, str(tmp)))
+    # the weights file's checksum, verified on load (a damaged or replaced file is refused, named)
+    doc["weights_sha256"] = hashlib.sha256((out / WEIGHTS_NAME).read_bytes()).hexdigest()
     atomic_write_bytes(out / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=2)))
     return out
 
@@ -600,6 +603,10 @@ def load_draft(path: str | Path, base: Transformer | None = None, base_name: str
         module = kinds[doc["kind"]](**doc["config"])
     except (TypeError, ValueError) as e:
         raise DraftMismatchError(f"{cfg_path}: invalid {doc['kind']} config ({e})") from e
+    want = doc.get("weights_sha256")
+    if want is not None and hashlib.sha256(w_path.read_bytes()).hexdigest() != want:
+        raise DraftMismatchError(f"{w_path}: its bytes do not match the checksum in {CONFIG_NAME} (the file is "
+                                 "damaged or was replaced)")
     try:
         state = load_file(str(w_path))
     except Exception as e:  # SafetensorError: truncated file, bad header, random bytes ...
@@ -626,6 +633,23 @@ def load_draft(path: str | Path, base: Transformer | None = None, base_name: str
     if base is not None:
         module.to(model_device(base))
     return module, doc.get("meta", {})
+
+
+def heldout_accuracies(meta: dict[str, Any], where: str = "") -> list[list[float]] | None:
+    """A draft's held-out per-depth, per-rank accuracies (meta["heldout"]["acc"], what sizes its trees), or None
+    when it has none. Damaged ones (another type or shape, values outside [0, 1]) are refused by name, as a
+    DraftMismatchError, rather than failing inside the tree builder."""
+    held = meta.get("heldout") if isinstance(meta, dict) else None
+    acc = held.get("acc") if isinstance(held, dict) else None
+    if acc is None:
+        return None
+    ok = isinstance(acc, list) and acc and all(
+        isinstance(row, list) and row and all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                                              and 0.0 <= a <= 1.0 for a in row) for row in acc)
+    if not ok:
+        raise DraftMismatchError(f"{where}: its held-out accuracies (meta.heldout.acc in {CONFIG_NAME}) are damaged: "
+                                 "expected a list per depth of per-rank numbers in [0, 1]")
+    return [[float(a) for a in row] for row in acc]
 
 
 def load_drafter(path: str | Path, model: Transformer, base_name: str | None = None, **kw: Any

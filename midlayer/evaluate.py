@@ -96,7 +96,7 @@ def evaluate(model: Transformer, windows: TokenWindows, *, eval_tokens: int, bat
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Any, Any, Any, int]:
     """(model in eval mode, ModelConfig, TrainConfig, resolved data files, step) of a run's newest checkpoint."""
-    from .checkpoint import list_checkpoints, load_checkpoint
+    from .checkpoint import list_checkpoints, load_checkpoint, load_weights
     from .config import ModelConfig, TrainConfig, from_dict
     from .data import resolve_data
     from .train import default_cache_dir
@@ -109,7 +109,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Any
     mcfg = from_dict(ModelConfig, ckpt["configs"]["model"])
     tcfg = from_dict(TrainConfig, ckpt["configs"]["train"])
     model = Transformer(mcfg).to(torch.device(device))
-    model.load_state_dict(ckpt["model"])
+    load_weights(model, ckpt, ckpts[-1])
     files = resolve_data(tcfg.data, default_cache_dir(), tcfg.tokenizer_vocab, tcfg.val_data)
     return model.eval(), mcfg, tcfg, files, int(ckpt["step"])
 

@@ -133,7 +133,7 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     also time the dynamic engine (`generate`), the path this step replaces on a GPU. `on_table(result,
     dtype)`: called as each dtype's table is done (a run cut short keeps what it finished)."""
     from .bench import _load_hf_same_weights, heldout_chats
-    from .drafters import load_drafter
+    from .drafters import heldout_accuracies, load_drafter
     from .eagle import EagleDrafter
     from .pretrained import load_pretrained, resolve_pretrained
     from .speculative import DraftTree
@@ -159,7 +159,7 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
         for label, path in drafts.items():
             drafter, module, meta = load_drafter(path, model)
             module.to(dev, dtype)
-            acc = meta.get("heldout", {}).get("acc")
+            acc = heldout_accuracies(meta, str(path))
             if isinstance(drafter, EagleDrafter):
                 drafter.dynamic_k = min(4, nodes)
                 depth = len(acc) if acc and len(acc) > 1 else 5

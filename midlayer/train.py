@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import distributed as dist_utils
 from .attention import FLEX_MIN_HEAD_DIM
-from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, load_newest_checkpoint,
+from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, load_newest_checkpoint, load_weights,
                          remove_stale_temp_files, save_checkpoint)
 from .config import ModelConfig, SparsityConfig, TrainConfig
 from .data import TokenWindows, resolve_data
@@ -333,7 +333,7 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
     model = model.to(dev)
     model.check_inputs = dev.type == "cpu"  # the range check syncs with the GPU; data ids are known-good
     if ckpt is not None:  # full tensors, loaded before sharding (every rank reads the checkpoint)
-        model.load_state_dict(ckpt["model"])
+        load_weights(model, ckpt, existing[-1])
     if fsdp:
         dist_utils.shard_model(model)  # before the optimizer: it must hold the sharded parameters
     dtype = resolve_dtype(cfg.dtype, dev)

@@ -498,3 +498,16 @@ def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tiny, work, capsys, mo
                    roots=(work,))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("café".encode())))
     assert main(["generate", "--model", str(tiny[0]), "--max-new-tokens", "2"]) == 0
+
+
+@pytest.mark.parametrize("acc", ["oops", [[0.5, "x"]], [[1.5]], [[]], {"a": 1}])
+@pytest.mark.parametrize("tree", ["auto", "sparse:4"])
+def test_damaged_heldout_accuracies_are_refused_in_one_line(acc, tree, draft_dir, tiny, work, capsys):
+    """meta.heldout.acc of another type or shape in draft.json (issue 43: a traceback under --tree auto/sparse)."""
+    c = draft_dir / "draft.json"
+    doc = json.loads(c.read_text())
+    doc["meta"]["heldout"] = {"acc": acc}
+    c.write_text(json.dumps(doc))
+    refused(capsys, ["generate", "--model", str(tiny[0]), "--prompt", "hi", "--max-new-tokens", "2",
+                     "--draft", str(draft_dir), "--tree", tree], "held-out accuracies", "damaged", str(draft_dir),
+            roots=(work, draft_dir))
