@@ -375,6 +375,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model, _, train_cfg = load_run(args.checkpoint, args.device)
         tok = _run_tokenizer(train_cfg)
     model = compress_weights(model.float(), args.weights)
+    if args.weights == "q4" and not model.batch_invariant:
+        from . import kernels
+
+        # q4 is defined by its C kernels: without them it is another computation (issue 43)
+        print(f"note: the q4 kernels are not available here ({kernels.unavailable_reason()}), so q4 runs through "
+              "PyTorch: other bits than the kernels (tokens can differ from a machine that has them), not "
+              "row-invariant, and speculative output can differ from plain greedy output at near-ties",
+              file=sys.stderr)
     if args.gates:
         from .drafters import load_draft
         from .skip_gates import SkipGates, gated_twin
@@ -480,10 +488,12 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         if args.engine == "static":
             raise ValueError(f"--engine static with --draft: the static step {what}; use --engine dynamic")
         engine = "dynamic"  # auto: the dynamic engine runs every drafter
-    if cfg.temperature == 0 and engine == "dynamic" and not getattr(model, "batch_invariant", False):
+    if cfg.temperature == 0 and engine == "dynamic" and args.weights == "q4" and not model.batch_invariant:
+        pass  # said once, for every q4 call without its kernels (_cmd_generate)
+    elif cfg.temperature == 0 and engine == "dynamic" and not getattr(model, "batch_invariant", False):
         print(f"note: {args.weights} weights are not row-invariant in the dynamic engine, so speculative output can "
-              "differ from plain greedy output at near-ties; --weights q4 (or an EAGLE / Medusa draft with --engine "
-              "static) is bit-identical", file=sys.stderr)
+              "differ from plain greedy output at near-ties; --weights q4, or --engine static where its probe finds "
+              "row-invariant buckets, is bit-identical", file=sys.stderr)
     # draft depth: k steps / heads; EAGLE: the depths it was scored at; early exit (acc of depth 1): 3
     k = getattr(module, "k", None) or (len(acc) if acc and len(acc) > 1 else 3)
     if args.tree == "auto" and not acc:

@@ -32,6 +32,7 @@ import os
 import uuid
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,14 +317,22 @@ def prepare_corpus(cache_dir: Path, vocab_size: int = 4096,
     tok = load_or_train_tokenizer(out, vocab_size, (t for _, t in train_docs), fp_train)
     eot = eot_id(tok)
     if manifest_path.exists():
+        # trusted only if the manifest vouches for every byte: the shards' and the tokenizer's checksums (a
+        # shard with one token changed in place, same size, was used as it was: issue 43)
+        why = "its manifest is unreadable"
         try:
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
             sizes_ok = all(p.exists() and os.path.getsize(p) == HEADER_BYTES + 2 * manifest[f"{s}_tokens"]
                            for s, p in (("train", train_path), ("val", val_path)))
-            if sizes_ok and manifest.get("tokenizer_sha256") == _file_sha256(out / TOKENIZER_FILE):
+            sums_ok = sizes_ok and all(manifest.get(f"{s}_sha256") == _file_sha256(p)
+                                       for s, p in (("train", train_path), ("val", val_path)))
+            if sums_ok and manifest.get("tokenizer_sha256") == _file_sha256(out / TOKENIZER_FILE):
                 return CorpusFiles([train_path], [val_path], out / TOKENIZER_FILE, tok.get_vocab_size(), eot, manifest)
+            why = ("its manifest predates shard checksums" if "train_sha256" not in manifest else
+                   "a shard or the tokenizer is not what its manifest records")
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable manifest: rebuild the shards below
+            pass
+        warnings.warn(f"rebuilding the cached shards in {out}: {why}", RuntimeWarning, stacklevel=2)
     t0 = time.perf_counter()
     counts = {}
     for split, split_docs, path in (("train", train_docs, train_path), ("val", val_docs, val_path)):
@@ -347,6 +356,7 @@ def prepare_corpus(cache_dir: Path, vocab_size: int = 4096,
         "train_tokens": counts["train"], "val_tokens": counts["val"],
         "train_chars": sum(len(t) for _, t in train_docs), "val_chars": sum(len(t) for _, t in val_docs),
         "tokenizer_sha256": _file_sha256(out / TOKENIZER_FILE), "seconds": round(time.perf_counter() - t0, 3),
+        "train_sha256": _file_sha256(train_path), "val_sha256": _file_sha256(val_path),
     }
     atomic_write(manifest_path, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
     return CorpusFiles([train_path], [val_path], out / TOKENIZER_FILE, tok.get_vocab_size(), eot, manifest)

@@ -232,6 +232,11 @@ def available() -> bool:
     return library() is not None
 
 
+def unavailable_reason() -> str | None:
+    """Why the kernels are not in use (the build's or the loader's message, first line), or None."""
+    return None if available() else (str(_lib_error or "unknown").strip().splitlines() or ["unknown"])[0][:200]
+
+
 def batch_invariant() -> bool:
     """True when every op of the q4 format is row-invariant (the compiled kernels are in use)."""
     return available()

@@ -511,3 +511,18 @@ def test_damaged_heldout_accuracies_are_refused_in_one_line(acc, tree, draft_dir
     refused(capsys, ["generate", "--model", str(tiny[0]), "--prompt", "hi", "--max-new-tokens", "2",
                      "--draft", str(draft_dir), "--tree", tree], "held-out accuracies", "damaged", str(draft_dir),
             roots=(work, draft_dir))
+
+
+def test_q4_without_its_kernels_says_it_is_another_computation(tiny, work, capsys, monkeypatch):
+    """No C compiler: q4 runs through PyTorch, which is not the kernels' bits; it says so once, instead of the
+    self-contradicting "q4 weights are not row-invariant ... --weights q4 is bit-identical" (issue 43)."""
+    from midlayer import kernels
+
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_lib_error", "no C compiler found (set CC, or install gcc)")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tiny[0]), "--prompt", "hi", "--max-new-tokens", "3", "--weights",
+                 "q4"]) == 0
+    err = capsys.readouterr().err
+    assert "the q4 kernels are not available here (no C compiler found" in err and "other bits" in err
+    assert "is bit-identical" not in err

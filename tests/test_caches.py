@@ -9,18 +9,21 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from midlayer import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(kernels._compiler() is None, reason="no C compiler to build the kernels with")
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    if kernels._compiler() is None:
+        pytest.skip("no C compiler to build the kernels with")
     monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path))
     out = kernels.build()
     return out, out.read_bytes()
@@ -60,3 +63,23 @@ def test_a_truncated_library_is_rebuilt_in_a_fresh_process_not_loaded(cache):
     assert res.returncode == 0 and res.stdout.strip() == "True", (res.returncode, res.stderr[-500:])
     assert "rebuilding the kernel library" in res.stderr
     assert kernels.cached_library_problem(out) is None
+
+
+def test_a_cached_shard_changed_in_place_is_rebuilt_not_used(tmp_path):
+    """One token of the cached validation shard changed, same size (issue 43: the CE moved, nothing was said):
+    the cache is rebuilt, with a note, and gives the original tokens again."""
+    from midlayer.data import prepare_corpus, read_shard
+
+    docs = [(f"doc{i}", f"Some text number {i}. " * 40) for i in range(30)]
+    files = prepare_corpus(tmp_path, 300, documents=docs, name="t")
+    val = files.val[0]
+    good = np.asarray(read_shard(val)).copy()
+    data = bytearray(val.read_bytes())
+    data[-2] ^= 1  # one bit of the last token
+    val.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="rebuilding the cached shards"):
+        again = prepare_corpus(tmp_path, 300, documents=docs, name="t")
+    assert np.array_equal(np.asarray(read_shard(again.val[0])), good)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an intact cache: no note, no rebuild
+        prepare_corpus(tmp_path, 300, documents=docs, name="t")
