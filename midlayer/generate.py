@@ -329,6 +329,18 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg: Generati
     return out
 
 
+def finish_reason(model: Transformer, prompt: Sequence[int], new_tokens: Sequence[int], cfg: GenerationConfig
+                  ) -> str:
+    """Why a generation of `new_tokens` after `prompt` ended, in OpenAI's terms: "stop" (a stop token, which
+    ends the row), "length" (max_new_tokens reached) or "context" (the model's context filled up first; OpenAI
+    reports this as "length" too). The CLI says so on stderr when the context cut the answer short."""
+    if new_tokens and new_tokens[-1] in cfg.stop_tokens:
+        return "stop"
+    if len(new_tokens) >= cfg.max_new_tokens:
+        return "length"
+    return "context" if len(prompt) + len(new_tokens) > model.cfg.max_seq_len else "stop"
+
+
 @torch.no_grad()
 def generate_naive(model: Transformer, prompts: Sequence[Sequence[int]], cfg: GenerationConfig | None = None
                    ) -> list[list[int]]:

@@ -384,3 +384,19 @@ def test_round_layout_and_slots():
     assert round_slots(12, 3, (64,)) == 16 * 3 + 13
     with pytest.raises(ValueError, match="largest bucket"):
         round_layout(40, 3, (64,))
+
+
+def test_finish_reason_names_why_generation_ended(models):
+    from midlayer.generate import finish_reason
+
+    model = models["fp32"]
+    prompt = _prompts()[1]
+    full = generate(model, [prompt], GenerationConfig(max_new_tokens=10))[0]
+    assert finish_reason(model, prompt, full, GenerationConfig(max_new_tokens=10)) == "length"
+    cfg = GenerationConfig(max_new_tokens=10, stop_tokens=(full[3],))
+    cut = generate(model, [prompt], cfg)[0]
+    assert finish_reason(model, prompt, cut, cfg) == "stop" and len(cut) <= 4
+    near = [i % V for i in range(DIMS["max_seq_len"] - 3)]
+    cfg = GenerationConfig(max_new_tokens=50)
+    out = static_generate(model, [near], cfg)[0]
+    assert len(out) == 4 and finish_reason(model, near, out, cfg) == "context"
