@@ -37,7 +37,12 @@ from .ssm import SelectiveSSM
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, computed in fp32. `fast` (set by
+    quantization.compress_weights, which prepares a model for inference): on the CPU in fp32 without autograd,
+    one C call (kernels.rmsnorm) instead of six ops. A model that is trained or evaluated in training never
+    sets it, so those commands never build or load the C library (issue 43)."""
+
+    fast = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -45,7 +50,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and x.dtype == torch.float32:
+        if self.fast and not torch.is_grad_enabled() and x.dtype == torch.float32:
             y = kernels.rmsnorm(x, self.weight, self.eps)  # inference on CPU: one C call instead of six ops
             if y is not None:
                 return y

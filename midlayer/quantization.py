@@ -222,6 +222,7 @@ def compress_block(block: nn.Module, fmt: str) -> nn.Module:
         else:  # a plain MLP: w1 alone
             ff.w1 = _convert(ff.w1, fmt)
         ff.w2 = _convert(ff.w2, fmt)
+    _fast_norms(block)
     if hasattr(block, "fused_q4"):
         ff = block.feed_forward
         block.fused_q4 = kernels.BlockQ4(
@@ -229,6 +230,15 @@ def compress_block(block: nn.Module, fmt: str) -> nn.Module:
             ((att.wqkv.codes, att.wqkv.scales), (att.wo.codes, att.wo.scales), (ff.w13.codes, ff.w13.scales),
              (ff.w2.codes, ff.w2.scales)), att.n_heads) if fuses_q4(block) else None
     return block
+
+
+def _fast_norms(module: nn.Module) -> None:
+    """Inference: every RMSNorm of `module` takes the C kernel where it applies (model.RMSNorm.fast)."""
+    from .model import RMSNorm
+
+    for m in module.modules():
+        if isinstance(m, RMSNorm):
+            m.fast = True
 
 
 def _block_norms(block: nn.Module) -> tuple:
@@ -280,6 +290,7 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.
                          "bf16")
     for block in model.layers:
         compress_block(block, fmt)
+    _fast_norms(model)
     if head == "q8":
         model.output = Q8Linear(model.output)  # unties: the embedding keeps its fp32 copy for lookups
     model.weight_format = fmt

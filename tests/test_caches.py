@@ -83,3 +83,25 @@ def test_a_cached_shard_changed_in_place_is_rebuilt_not_used(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an intact cache: no note, no rebuild
         prepare_corpus(tmp_path, 300, documents=docs, name="t")
+
+
+def test_training_never_builds_or_loads_the_kernels(tmp_path):
+    """`train` (and the evaluation inside it) does not need the C kernels, so it neither builds nor loads them:
+    a damaged library cannot touch it. Inference (compress_weights) takes them where they apply."""
+    from midlayer.data import write_shard
+
+    toks = np.random.default_rng(0).integers(0, 512, 6_000)
+    d = tmp_path / "shards"
+    d.mkdir()
+    write_shard(d / "syn_train_000.bin", toks[:5_000])
+    write_shard(d / "syn_val_000.bin", toks[5_000:])
+    cache = tmp_path / "cache"
+    code = ("import sys; from midlayer.cli import main; rc = main(sys.argv[1:]); "
+            "import midlayer.kernels as k; print('loaded' if k._lib is not None or k._lib_error else 'untouched'); "
+            "sys.exit(rc)")
+    res = subprocess.run([sys.executable, "-c", code, "train", "debug", "--data", str(d / "*.bin"), "--steps", "2",
+                          "--no-progress", "--out-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "MIDLAYER_CACHE": str(cache)})
+    assert res.returncode == 0, res.stderr[-1000:]
+    assert res.stdout.strip().splitlines()[-1] == "untouched"
+    assert not list(cache.glob("qkernels-*"))
