@@ -1,8 +1,6 @@
 """One writer per output (issue 43, midlayer/output_lock.py): a second `train`, `train-draft`, `distill` or
 `sweep` on an output another process is writing is refused with one line naming the holder's pid, exit 2,
-nothing written; a lock left by a killed process does not block. Holders are real processes. Also: a fresh
-run sets aside the log of a killed run that left no checkpoint, and `train-draft` does not replace a
-finished draft unless told to."""
+nothing written; a lock left by a killed process does not block. Holders are real processes."""
 
 from __future__ import annotations
 
@@ -129,34 +127,3 @@ def test_the_lock_is_released_on_exit_and_names_its_holder(tmp_path):
         assert lock.fd is not None
     with OutputLock(tmp_path / "x", "train"):  # re-entered after release
         pass
-
-
-def test_a_fresh_run_sets_aside_the_log_of_a_killed_run(tmp_path, capsys):
-    run = tmp_path / "run"
-    run.mkdir()
-    old = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(5))
-    (run / "metrics.jsonl").write_text(old)  # a run killed before its first checkpoint
-    assert main(["train", "debug", "--steps", "2", "--out-dir", str(run), "--no-progress"]) == 0
-    assert "moved it to metrics.earlier-1.jsonl" in capsys.readouterr().err
-    assert (run / "metrics.earlier-1.jsonl").read_text() == old
-    new = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(r.get("loss") != 9.0 for r in new) and new
-
-
-def test_train_draft_does_not_replace_a_finished_draft(tmp_path, capsys):
-    out = tmp_path / "eagle"
-    out.mkdir()
-    (out / "draft.json").write_text('{"kind": "eagle"}')
-    (out / "draft.safetensors").write_bytes(b"weights")
-    before = _snapshot(tmp_path)
-    capsys.readouterr()
-    assert main(["train-draft", "--method", "early-exit", "--out-dir", str(out), "--data",
-                 str(tmp_path / "none.jsonl"), "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "holds a finished draft" in err[0] and "--overwrite" in err[0]
-    assert _snapshot(tmp_path) == before
-    # --overwrite gets past that refusal (and stops at the missing data file, writing nothing)
-    assert main(["train-draft", "--method", "early-exit", "--out-dir", str(out), "--data",
-                 str(tmp_path / "none.jsonl"), "--no-progress", "--overwrite"]) == 2
-    assert "finished draft" not in capsys.readouterr().err
-    assert {k: v for k, v in _snapshot(tmp_path).items() if not k.endswith(".lock")} == before
