@@ -20,12 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from tiny_models import NoisyOracle, make_tiny  # noqa: E402
+from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny  # noqa: E402
 
 from midlayer.decode_step import (BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_generate,  # noqa: E402
                                   static_speculative_generate)
 from midlayer.generate import GenerationConfig, generate  # noqa: E402
-from midlayer.speculative import DraftTree, OracleDrafter, RandomDrafter  # noqa: E402
+from midlayer.speculative import DraftTree  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -533,47 +533,6 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext) -> Sequence[Sequence[int]] | Draft: ...
 
 
-class OracleDrafter:
-    """Knows the true continuation `reference` (prompt + greedy output): rank 0 of every depth is the true
-    token, other ranks are junk ((true + r) % V, never the true token). Accepts everything under greedy."""
-
-    static_step = True
-
-    def __init__(self, reference: Sequence[int], vocab_size: int) -> None:
-        self.reference = [int(t) for t in reference]
-        self.vocab_size = vocab_size
-
-    def propose(self, ctx: DraftContext) -> list[list[int]]:
-        out = []
-        for d in range(1, ctx.tree.max_depth + 1):
-            i = len(ctx.tokens) - 1 + d
-            true = self.reference[i] if i < len(self.reference) else 0
-            out.append([(true + r) % self.vocab_size for r in range(ctx.tree.ranks_per_depth[d - 1])])
-        return out
-
-
-class RandomDrafter:
-    """Wrong on purpose: uniformly random candidates from its own seeded generator. With `with_q` (chains
-    only) it samples each token from a fixed random distribution q and reports q (tests the q path)."""
-
-    static_step = True
-
-    def __init__(self, vocab_size: int, seed: int = 0, with_q: bool = False) -> None:
-        self.vocab_size = vocab_size
-        self.gen = torch.Generator().manual_seed(seed)
-        self.with_q = with_q
-        # A peaked, fixed q: a bad proposal on purpose (unrelated to the base model).
-        self.q = torch.softmax(3.0 * torch.randn(vocab_size, generator=self.gen, dtype=torch.float64), -1)
-
-    def propose(self, ctx: DraftContext) -> list[list[int]] | Draft:
-        if self.with_q:
-            n = len(ctx.tree)
-            toks = (torch.multinomial(self.q, n, replacement=True, generator=self.gen) if n
-                    else torch.zeros(0, dtype=torch.long))
-            return Draft(node_tokens=toks, q=self.q.expand(n, -1))
-        return [torch.randint(0, self.vocab_size, (k,), generator=self.gen).tolist() for k in ctx.tree.ranks_per_depth]
-
-
 def draft_node_tokens(draft: Sequence[Sequence[int]] | Draft, tree: DraftTree
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(draft, Draft):

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import NoisyOracle, make_tiny
+from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny
 
 from midlayer.decode_step import (BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets, static_generate,
                                   static_speculative_generate)
@@ -17,7 +17,7 @@ from midlayer.eagle import EagleDrafter, EagleHead
 from midlayer.generate import GenerationConfig, forward_cached, generate
 from midlayer.kv_cache import KVCache
 from midlayer.quantization import compress_weights
-from midlayer.speculative import Draft, DraftTree, OracleDrafter, RandomDrafter
+from midlayer.speculative import Draft, DraftTree
 
 V = 96
 DIMS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=160, multiple_of=32)

@@ -426,7 +426,7 @@ def test_draft_recorder_scores_per_depth_accuracy():
     """The benchmark's per-depth accuracy: an oracle scores 1 at every depth, a random drafter ~0, and the
     recorder passes the fused-drafter hooks through (same output, same rounds as the bare drafter)."""
     from midlayer.bench import DraftRecorder
-    from midlayer.speculative import OracleDrafter, RandomDrafter
+    from tiny_models import OracleDrafter, RandomDrafter
 
     model = MODELS[False]
     ref = greedy(model, PROMPT, 20)

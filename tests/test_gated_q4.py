@@ -7,8 +7,8 @@ from midlayer import kernels
 from midlayer.generate import GenerationConfig, forward_cached, generate
 from midlayer.kv_cache import KVCache
 from midlayer.quantization import compress_weights
-from midlayer.speculative import DraftTree, OracleDrafter, RandomDrafter, speculative_generate
-from tiny_models import make_tiny
+from midlayer.speculative import DraftTree, speculative_generate
+from tiny_models import OracleDrafter, RandomDrafter, make_tiny
 
 V = 96
 DIMS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=64, multiple_of=32)

@@ -12,8 +12,8 @@ from midlayer.attention import apply_rope
 from midlayer.generate import GenerationConfig, JoinedRows, forward_cached, generate
 from midlayer.kv_cache import KVCache
 from midlayer.quantization import compress_weights
-from midlayer.speculative import DraftTree, OracleDrafter, RandomDrafter, speculative_generate
-from tiny_models import make_tiny
+from midlayer.speculative import DraftTree, speculative_generate
+from tiny_models import OracleDrafter, RandomDrafter, make_tiny
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
 

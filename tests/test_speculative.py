@@ -10,8 +10,8 @@ import torch
 from midlayer.generate import GenerationConfig, forward_cached, generate
 from midlayer.kv_cache import KVCache
 from midlayer.model import Transformer
-from tiny_models import make_tiny
-from midlayer.speculative import (Draft, DraftContext, DraftTree, OracleDrafter, RandomDrafter, SpecStats,
+from tiny_models import OracleDrafter, RandomDrafter, make_tiny
+from midlayer.speculative import (Draft, DraftContext, DraftTree, SpecStats,
                                   accept_among, candidates_from_topk, speculative_accept, speculative_generate,
                                   verify_tree)
 
