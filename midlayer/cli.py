@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_generate_parser(sub)
 
+    from . import distill as distill_module  # (its flags only: the model is loaded by `midlayer distill` itself)
+
+    distill_module.build_parser(sub.add_parser("distill", help="self-distillation data for draft training: the "
+                                               "base model's own answers to the prompt set (resumable)",
+                                               description=distill_module.DESCRIPTION))
+
     p = sub.add_parser("train-draft", help="train a drafter (hidden transfer, Medusa, early exit, EAGLE) on a frozen base "
                                            "by self-distillation (data: python -m midlayer.distill)")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a resumable state) after N steps")
@@ -951,6 +957,12 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_distill(args: argparse.Namespace) -> int:
+    from .distill import run
+
+    return run(args)
+
+
 def _cmd_train_gates(args: argparse.Namespace) -> int:
     from .distributed import resolve_device
     from .draft_training import train_drafts
@@ -993,7 +1005,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler = {"train": _cmd_train, "eval": _cmd_eval, "flops": _cmd_flops, "presets": _cmd_presets,
                "sweep": _cmd_sweep, "plot": _cmd_plot, "generate": _cmd_generate, "bench": _cmd_bench,
-               "train-draft": _cmd_train_draft, "train-gates": _cmd_train_gates}[args.command]
+               "train-draft": _cmd_train_draft, "train-gates": _cmd_train_gates, "distill": _cmd_distill}[args.command]
     import os
 
     try:

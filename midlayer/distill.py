@@ -353,10 +353,13 @@ def describe(ds: DistillSet) -> str:
     return "\n".join(rows)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """`python -m midlayer.distill`'s flags."""
-    ap = argparse.ArgumentParser(prog="python -m midlayer.distill",
-                                 description="Generate the self-distillation set (greedy base responses).")
+DESCRIPTION = "Generate the self-distillation set (greedy base responses)."
+
+
+def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The flags of `midlayer distill` (the CLI's subparser, passed as `ap`) and of `python -m midlayer.distill`."""
+    if ap is None:
+        ap = argparse.ArgumentParser(prog="python -m midlayer.distill", description=DESCRIPTION)
     ap.add_argument("--model", required=True, help="pretrained name or path (see midlayer.pretrained)")
     ap.add_argument("--out", required=True, help="JSON-lines output; resumed if it exists")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -400,22 +403,33 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _main(argv: list[str] | None = None) -> None:
+    """`python -m midlayer.distill`: `run` with its own parser; every refusal one line, exit 2."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, DistillMismatchError, DistillFormatError, OutputBusy) as e:  # the file is left as it was
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:  # whole batches only are ever appended: the file is a valid prefix
+        print(f"\ninterrupted: {args.out} keeps every finished batch; the same command continues it",
+              file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Distill with parsed flags (`midlayer distill` and `python -m midlayer.distill` both): every flag is
+    checked before the model is loaded; refusals raise ValueError (DistillMismatchError, DistillFormatError,
+    output_lock.OutputBusy) with one line."""
     from .pretrained import load_pretrained
     from .prompts import prompt_set
     from .quantization import compress_weights
 
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    try:
-        check_args(args)
-    except ValueError as e:  # one line, exit 2, before anything is loaded or written
-        ap.error(str(e))
+    check_args(args)  # before anything is loaded or written
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model, tok = load_pretrained(args.model, dtype)
     if tok is None:
-        print(f"{ap.prog}: error: {args.model}: no tokenizer found; distillation needs one for the chat template",
-              file=sys.stderr)
-        raise SystemExit(2)
+        raise ValueError(f"{args.model}: no tokenizer found; distillation needs one for the chat template")
     model.to(args.device)
     note = args.dtype
     if args.weights == "q4":
@@ -431,19 +445,12 @@ def _main(argv: list[str] | None = None) -> None:
     if args.limit:
         prompts = prompts[:args.limit]
     t0 = time.perf_counter()
-    try:
-        ds = distill(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                     batch_size=args.batch_size, weights_note=note, model_name=args.model,
-                     progress=not args.no_progress, temperature=args.temperature, sample_seed=args.sample_seed)
-    except (DistillMismatchError, DistillFormatError, OutputBusy) as e:  # the file is left as it was
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)  # one line, exit 2: as every refusal of midlayer's
-        raise SystemExit(2) from None
-    except KeyboardInterrupt:  # whole batches only are ever appended: the file is a valid prefix
-        print(f"\ninterrupted: {args.out} keeps every finished batch; the same command continues it",
-              file=sys.stderr)
-        raise SystemExit(130) from None
+    ds = distill(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                 batch_size=args.batch_size, weights_note=note, model_name=args.model,
+                 progress=not args.no_progress, temperature=args.temperature, sample_seed=args.sample_seed)
     print(f"{args.out}: {len(ds)} records, this run {time.perf_counter() - t0:.1f} s on {args.device}")
     print(describe(ds))
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ def _value_flags(parser: argparse.ArgumentParser) -> list[str]:
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
     root = cli.build_parser()
     subs = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction)).choices
-    out = {name: subs[name] for name in ("train", "train-draft", "generate", "eval", "sweep", "flops", "plot")}
+    out = {name: subs[name] for name in ("train", "train-draft", "generate", "eval", "sweep", "flops", "plot",
+                                         "distill")}
     bench = next(a for a in subs["bench"]._actions if isinstance(a, argparse._SubParsersAction)).choices
     out.update({f"bench {k}": v for k, v in bench.items()})
     return out
@@ -35,7 +36,8 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 BASE = {"train": ["train", "debug"], "train-draft": ["train-draft"], "generate": ["generate", "--model", "m"],
         "eval": ["eval", "runs/no-such-run"], "sweep": ["sweep", "smoke"], "flops": ["flops", "tiny"],
         "plot": ["plot", "runs/no-such-sweep"], "bench generate": ["bench", "generate"],
-        "bench decode": ["bench", "decode"], "bench static": ["bench", "static"]}
+        "bench decode": ["bench", "decode"], "bench static": ["bench", "static"],
+        "distill": ["distill", "--model", "m", "--out", "runs/no-such/d.jsonl"]}
 
 
 def _validate(cmd: str, args: argparse.Namespace) -> None:
@@ -66,6 +68,8 @@ def _validate(cmd: str, args: argparse.Namespace) -> None:
             cli._check_bench_decode_args(args)
         except FileNotFoundError:  # the drafts/model on disk: a clean refusal in cli.main too
             pass
+    elif cmd == "distill":
+        __import__("midlayer.distill", fromlist=["x"]).check_args(args)
     elif cmd == "bench static":
         try:
             cli._check_bench_static_args(args)

@@ -406,8 +406,11 @@ def test_cli_surface_is_frozen():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
-    assert sorted(flags) == ["bench", "eval", "flops", "generate", "plot", "presets", "sweep", "train", "train-draft",
-                             "train-gates"]
+    assert sorted(flags) == ["bench", "distill", "eval", "flops", "generate", "plot", "presets", "sweep", "train",
+                             "train-draft", "train-gates"]
+    assert flags["distill"] == sorted(["-h", "--help", "--model", "--out", "--max-new-tokens", "--batch-size", "--dtype",
+                                       "--seed", "--prompts", "--split", "--weights", "--temperature", "--sample-seed",
+                                       "--limit", "--no-progress", "--device"])
     model_flags = ["--attn-backend", "--dim", "--embed-norm", "--ffn-dim-multiplier", "--ffn-hidden", "--gate-eps",
                    "--gating", "--init-std", "--no-embed-norm", "--no-qkv-bias", "--qkv-bias",
                    "--max-seq-len", "--multiple-of", "--n-heads", "--n-kv-heads", "--n-layers", "--no-gating",
