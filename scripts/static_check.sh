@@ -28,7 +28,7 @@ OUT=${OUT:-/tmp/static-check}
 PART=62000000  # bytes of the GGUF in call 1 (the tree, ~3.5 MB, travels with each call: 64 MiB in all)
 BENCH_S=${BENCH_S:-360}
 NEW=${NEW_TOKENS:-128}
-PROMPTS=${MAX_PROMPTS:-7}
+PROMPTS=${MAX_PROMPTS:-6}
 
 case ${1:-} in
 prepare)
