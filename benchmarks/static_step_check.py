@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny  # noqa: E402
 
-from midlayer.decode_step import (BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_generate,  # noqa: E402
-                                  static_speculative_generate)
+from midlayer.decode_step import (BUCKET_CANDIDATES, DecodeStep, any_round_slots, fused_steps,  # noqa: E402
+                                  static_generate, static_speculative_generate)
 from midlayer.generate import GenerationConfig, generate  # noqa: E402
 from midlayer.speculative import DraftTree  # noqa: E402
 
@@ -39,8 +39,7 @@ def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: i
     cfg = GenerationConfig(max_new_tokens=new_tokens)
     trees = [DraftTree.chain(3), DraftTree.greedy_from_accuracies([[0.6, 0.2, 0.1], [0.5, 0.2], [0.4]], 12)]
     dyn = [generate(model, [p], cfg)[0] for p in prompts]
-    k = max((getattr(getattr(d(prompts[0], []), "transfer", None), "k", 0) for d in (drafters or {}).values()),
-            default=0)
+    k = max((fused_steps(d(prompts[0], [])) for d in (drafters or {}).values()), default=0)
     for mode in modes:
         max_len = max(len(p) for p in prompts) + new_tokens + max(any_round_slots(len(t), k) for t in trees)
         step = DecodeStep(model, max_len=max_len, graphs=mode)

@@ -771,7 +771,7 @@ def _check_bench_static_args(args: argparse.Namespace) -> dict:
             raise ValueError(f"--weights {args.weights}: on CUDA `bench generate` times bf16 and fp32 (q4 and int4 "
                              "are CPU formats)")
         kw.update(dtypes=dtypes)
-    if args.bench == "decode":  # the flags the static bench shares; its drafters are the static step's
+    if args.bench in ("decode", "static"):  # the flags the two share (decode's drafters are the static step's)
         for flag, value in (("--nodes", args.nodes), ("--max-prompts", args.max_prompts)):
             _positive(flag, value)
         if args.nodes > 63:
@@ -780,11 +780,6 @@ def _check_bench_static_args(args: argparse.Namespace) -> dict:
         kw.update(nodes=args.nodes, max_prompts=args.max_prompts, compare_transformers=not args.no_transformers)
     if args.bench != "static":
         return kw
-    for flag, value in (("--nodes", args.nodes), ("--max-prompts", args.max_prompts)):
-        _positive(flag, value)
-    if args.nodes > 63:
-        raise ValueError(f"--nodes {args.nodes}: at most 63 (a round with hidden transfer's 3 pseudo blocks fits 256 "
-                         "rows)")
     dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
     if not dtypes or any(d not in DTYPES for d in dtypes):
         raise ValueError(f"--dtypes: comma-separated, from {', '.join(DTYPES)}; got {args.dtypes!r}")
@@ -796,7 +791,6 @@ def _check_bench_static_args(args: argparse.Namespace) -> dict:
         if "cudagraph" in graphs and (dev is None and not _cuda() or dev is not None and dev.type != "cuda"):
             raise ValueError("--graphs cudagraph needs a CUDA device")
     kw.update(dtypes=dtypes, graphs=graphs, drafts=_label_dirs("--drafts", args.drafts, "a train-draft output"),
-              nodes=args.nodes, max_prompts=args.max_prompts, compare_transformers=not args.no_transformers,
               dynamic=not args.no_dynamic)
     return kw
 

@@ -324,9 +324,9 @@ def prepare_corpus(cache_dir: Path, vocab_size: int = 4096,
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
             sizes_ok = all(p.exists() and os.path.getsize(p) == HEADER_BYTES + 2 * manifest[f"{s}_tokens"]
                            for s, p in (("train", train_path), ("val", val_path)))
-            sums_ok = sizes_ok and all(manifest.get(f"{s}_sha256") == _file_sha256(p)
+            sums_ok = sizes_ok and all(manifest.get(f"{s}_sha256") == file_sha256(p)
                                        for s, p in (("train", train_path), ("val", val_path)))
-            if sums_ok and manifest.get("tokenizer_sha256") == _file_sha256(out / TOKENIZER_FILE):
+            if sums_ok and manifest.get("tokenizer_sha256") == file_sha256(out / TOKENIZER_FILE):
                 return CorpusFiles([train_path], [val_path], out / TOKENIZER_FILE, tok.get_vocab_size(), eot, manifest)
             why = ("its manifest predates shard checksums" if "train_sha256" not in manifest else
                    "a shard or the tokenizer is not what its manifest records")
@@ -355,15 +355,17 @@ def prepare_corpus(cache_dir: Path, vocab_size: int = 4096,
         "train_documents": [n for n, _ in train_docs], "val_documents": [n for n, _ in val_docs],
         "train_tokens": counts["train"], "val_tokens": counts["val"],
         "train_chars": sum(len(t) for _, t in train_docs), "val_chars": sum(len(t) for _, t in val_docs),
-        "tokenizer_sha256": _file_sha256(out / TOKENIZER_FILE), "seconds": round(time.perf_counter() - t0, 3),
-        "train_sha256": _file_sha256(train_path), "val_sha256": _file_sha256(val_path),
+        "tokenizer_sha256": file_sha256(out / TOKENIZER_FILE), "seconds": round(time.perf_counter() - t0, 3),
+        "train_sha256": file_sha256(train_path), "val_sha256": file_sha256(val_path),
     }
     atomic_write(manifest_path, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
     return CorpusFiles([train_path], [val_path], out / TOKENIZER_FILE, tok.get_vocab_size(), eot, manifest)
 
 
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes: what every verified cache and artifact records (shards, the kernel
+    library, drafts' weights)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _expand(spec: str, what: str) -> list[Path]:

@@ -62,6 +62,12 @@ GRAPH_MODES: tuple[str, ...] = ("eager", "cudagraph", "compile")
 _probed: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 
 
+def fused_steps(drafter) -> int:
+    """How many blocks of pseudo rows a drafter's rounds carry: hidden transfer's k when it drafts in the fused
+    pass (its `fused` and `transfer`), else 0. What sizes a round (`round_slots`) for the loop and benchmarks."""
+    return drafter.transfer.k if getattr(drafter, "fused", False) else 0
+
+
 def invariant_buckets(model: Transformer, max_len: int = 16) -> tuple[tuple[int, ...], bool]:
     """(buckets, row_invariant): the first of BUCKET_CANDIDATES whose step gives a row the same bits in every
     bucket and at every place in it, measured on this machine with this model's shapes, dtype and weight
@@ -176,7 +182,7 @@ class StaticView(CacheView):
         return self.step.k.shape[3]
 
     def finish(self, M: int, device: torch.device) -> torch.Tensor:
-        return self.step.cur_mask
+        return self.step.slot_mask()
 
     def _store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         st = self.step
@@ -189,7 +195,7 @@ class StaticView(CacheView):
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         kl, vl = self._store(k, v)
-        return kl, vl, self.step.cur_mask
+        return kl, vl, self.step.slot_mask()
 
     def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kl, vl = self._store(k, v)
@@ -204,7 +210,6 @@ class TreeTensors:
     padding. Built once per tree shape (`DecodeStep.tree_tensors`)."""
 
     n_nodes: int
-    max_depth: int
     tree_rows: int  # T
     k: int  # hidden transfer's steps laid out (0: none)
     head_rows: int  # rows the LM head reads (round_layout)
@@ -313,9 +318,7 @@ class DecodeStep:
         visible = tail | pad0 | committed[:, None, :] & real[:, None]  # [B, N, S]
         self.cur_keys, self.cur_pos = keys, positions
         self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
-        # the same visibility by slot, for the C kernels of a direct view (a 0/1 sum: exact, in any order)
-        by_slot = torch.zeros(B, N, S, device=tokens.device).scatter_add_(2, keys, visible.to(torch.float32))
-        self.cur_mask = torch.where(by_slot > 0, 0.0, float("-inf"))[:, None]  # [B, 1, N, S]
+        self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
         self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
         self.cur_slots = slots
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
@@ -323,6 +326,17 @@ class DecodeStep:
         h = m.run_blocks(m.embed(tokens, positions), self._block)
         h = self._join(m.cfg.n_layers, h)  # rows that join after the last block (t_i = L)
         return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
+
+    def slot_mask(self) -> torch.Tensor:
+        """This forward's visibility by slot, additive [B, 1, N, S]: what the C kernels of a direct view read
+        (`StaticView.finish`). Built once per forward, on first use, from the position-order keys (a 0/1 sum:
+        exact in any order), so the PyTorch path never pays for it."""
+        if self.cur_mask is None:
+            keys = self.cur_keys
+            by_slot = torch.zeros(keys.shape, device=keys.device).scatter_add_(
+                2, keys, (self.cur_kmask == 0).to(torch.float32))
+            self.cur_mask = torch.where(by_slot > 0, 0.0, float("-inf"))[:, None]
+        return self.cur_mask
 
     def attend(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + mask) v for q [B, H, N, d] over the cache layer kl, vl [B, Hk, S, d], in
@@ -447,7 +461,7 @@ class DecodeStep:
                 fn = torch.compile(base, mode="reduce-overhead" if self.device.type == "cuda" else None,
                                    fullgraph=True, dynamic=False)
             elif self.graphs == "cudagraph":
-                fn = _CudaGraph(base, self)
+                fn = _CudaGraph(base)
             else:
                 fn = base
             self._runners[key] = fn
@@ -559,7 +573,7 @@ class DecodeStep:
                 for j in range(1 if not masked else i, i + 1):  # its anchor's earlier steps, then itself
                     path[r, da + j] = T * j + a
         dev = self.device
-        t = TreeTensors(n, max(depth, default=0), T, k, head_rows, max(T, T * k + n + 1), int(dep.max()),
+        t = TreeTensors(n, T, k, head_rows, max(T, T * k + n + 1), int(dep.max()),
                         vis.to(dev), parent_t.to(dev), dep.to(dev), real.to(dev), is_node.to(dev), path.to(dev),
                         join_src.to(dev), join_step.to(dev), prow.to(dev))
         if len(self._trees) > 256:  # dynamic trees change every round: keep the memo bounded
@@ -697,7 +711,7 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     the verification forward (`DecodeStep.attach`) and the accepted anchor's rows are the next draft; its
     first round, with no draft yet, verifies the root alone. Returns (new tokens, speculative.SpecStats)."""
     from .generate import validate_prompts
-    from .speculative import Draft, DraftContext, SpecStats, draft_node_tokens
+    from .speculative import DraftContext, SpecStats, draft_node_tokens, round_tree
 
     if not getattr(drafter, "static_step", False):
         raise ValueError(f"{type(drafter).__name__} reads the dynamic KV cache (or rides a fused pass) and does not "
@@ -709,8 +723,8 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     budget = min(max_new_tokens, model.cfg.max_seq_len - P + 1)
     if budget <= 0:
         return [], stats
-    fused = bool(getattr(drafter, "fused", False))
-    k = drafter.transfer.k if fused else 0
+    k = fused_steps(drafter)
+    fused = k > 0
     if step is None:  # sized to the call: the committed text, then the largest round of any bucket set
         sets = [step_kw["buckets"]] if step_kw.get("buckets", "auto") != "auto" else BUCKET_CANDIDATES
         st = DecodeStep(model, max_len=P + budget + any_round_slots(len(tree), k, sets), **step_kw)
@@ -742,11 +756,7 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
         if t is None:
             t = pruned[key] = tree.prune(*key)
         draft = drafter.propose(DraftContext(model, None, tokens, hidden, logits, {}, t, 0.0, None, draft_logits))
-        if isinstance(draft, Draft) and draft.tree is not None:  # a dynamic tree within the budget t
-            if len(draft.tree) > len(t) or draft.tree.max_depth > t.max_depth:
-                raise ValueError(f"a drafter's own tree must fit the round's budget ({len(t)} nodes, depth "
-                                 f"{t.max_depth}); got {len(draft.tree)} nodes, depth {draft.tree.max_depth}")
-            t = draft.tree
+        t = round_tree(draft, t)  # (the step lays pseudo rows out for whichever tree it verifies)
         nodes, _ = draft_node_tokens(draft, t)
         # pseudo positions reach the root's + depth + k: inside the context, or no pseudo rows this round
         steps = k if len(tokens) - 1 + t.max_depth + k < model.cfg.max_seq_len else 0
@@ -771,8 +781,8 @@ class _CudaGraph:
     first call's own inputs, so the first call's effect on the cache happens three times over: harmless, as
     the step's writes are idempotent (the same K/V at the same slots, the same `held` values)."""
 
-    def __init__(self, fn, step: DecodeStep) -> None:
-        self.fn, self.step = fn, step
+    def __init__(self, fn) -> None:
+        self.fn = fn
         self.graph = None
         self.inputs: list[torch.Tensor] = []
         self.outputs = None
@@ -797,5 +807,5 @@ class _CudaGraph:
         return self.outputs
 
 
-__all__ = ["DecodeStep", "bucket_for", "round_layout", "round_slots", "any_round_slots", "StaticView", "static_stream", "static_generate", "static_speculative_generate",
+__all__ = ["DecodeStep", "bucket_for", "fused_steps", "round_layout", "round_slots", "any_round_slots", "StaticView", "static_stream", "static_generate", "static_speculative_generate",
            "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "invariant_buckets", "unsupported"]

@@ -56,7 +56,6 @@ refuses a file written for another base model (different dimensions, name or LM-
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -68,6 +67,7 @@ from torch import nn
 
 from . import kernels
 from .checkpoint import atomic_write_bytes
+from .data import file_sha256
 from .draft_vocab import draft_vocab, head_logits, restrict_logits, set_draft_vocab, teacher_logits, to_token_ids
 from .generate import CachedStep
 from .kv_cache import KVCache
@@ -571,7 +571,7 @@ def save_draft(path: str | Path, module: nn.Module, meta: dict[str, Any] | None 
     json.dumps(doc)  # fail before writing anything if meta is not JSON-serialisable
     atomic_write_bytes(out / WEIGHTS_NAME, lambda tmp: save_file(state, str(tmp)))
     # the weights file's checksum, verified on load (a damaged or replaced file is refused, named)
-    doc["weights_sha256"] = hashlib.sha256((out / WEIGHTS_NAME).read_bytes()).hexdigest()
+    doc["weights_sha256"] = file_sha256(out / WEIGHTS_NAME)
     atomic_write_bytes(out / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=2)))
     return out
 
@@ -604,7 +604,7 @@ def load_draft(path: str | Path, base: Transformer | None = None, base_name: str
     except (TypeError, ValueError) as e:
         raise DraftMismatchError(f"{cfg_path}: invalid {doc['kind']} config ({e})") from e
     want = doc.get("weights_sha256")
-    if want is not None and hashlib.sha256(w_path.read_bytes()).hexdigest() != want:
+    if want is not None and file_sha256(w_path) != want:
         raise DraftMismatchError(f"{w_path}: its bytes do not match the checksum in {CONFIG_NAME} (the file is "
                                  "damaged or was replaced)")
     try:

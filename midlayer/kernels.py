@@ -31,7 +31,6 @@ then False and the engine stops calling the format lossless).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import platform
@@ -46,6 +45,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+from .data import file_sha256
 
 QK = 32  # elements per quantisation block (Q4_1, Q8_0, Q8 activations)
 _SRC = Path(__file__).with_name("csrc") / "qkernels.c"
@@ -119,16 +120,12 @@ def _compiler() -> str | None:
 
 def library_path() -> Path:
     """Where the compiled library for this source and this Python lives (keyed by a hash of the source)."""
-    tag = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:16]
+    tag = file_sha256(_SRC)[:16]
     return cache_dir() / f"qkernels-{tag}-{platform.machine()}.so"
 
 
 def _record_path(lib: Path) -> Path:
     return lib.with_name(lib.name + ".json")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def cached_library_problem(out: Path) -> str | None:
@@ -142,9 +139,9 @@ def cached_library_problem(out: Path) -> str | None:
         return "no build record beside it"
     except (OSError, ValueError) as e:
         return f"its build record is unreadable ({type(e).__name__})"
-    if not isinstance(meta, dict) or meta.get("source_sha256") != _sha256(_SRC):
+    if not isinstance(meta, dict) or meta.get("source_sha256") != file_sha256(_SRC):
         return "built from other source"
-    if not out.stat().st_size or meta.get("sha256") != _sha256(out):
+    if not out.stat().st_size or meta.get("sha256") != file_sha256(out):
         return "its bytes are not the ones built (empty, truncated or replaced)"
     return None
 
@@ -174,7 +171,7 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(f"compiling {_SRC.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
-    record = json.dumps({"sha256": _sha256(tmp), "source_sha256": _sha256(_SRC), "command": cmd[:-3]})
+    record = json.dumps({"sha256": file_sha256(tmp), "source_sha256": file_sha256(_SRC), "command": cmd[:-3]})
     rec_tmp = _record_path(tmp)
     rec_tmp.write_text(record)
     os.replace(tmp, out)  # the library first, then the record that vouches for it: a crash between leaves

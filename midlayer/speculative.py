@@ -533,6 +533,20 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext) -> Sequence[Sequence[int]] | Draft: ...
 
 
+def round_tree(draft: Sequence[Sequence[int]] | Draft, budget: DraftTree, fused: bool = False) -> DraftTree:
+    """The tree a round verifies: the drafter's own (a dynamic tree, EAGLE-2), which must fit the round's budget
+    tree (its nodes and depth: the cache slots and positions reserved) and, with `fused` (the dynamic
+    engine's joined rows, laid out for the budget tree), cannot ride a fused pass; or else the budget tree
+    itself. Both decode loops ask this (here and decode_step)."""
+    if isinstance(draft, Draft) and draft.tree is not None:
+        if len(draft.tree) > len(budget) or draft.tree.max_depth > budget.max_depth or fused:
+            raise ValueError(f"a drafter's own tree must fit the round's budget ({len(budget)} nodes, depth "
+                             f"{budget.max_depth}) and cannot ride a fused pass; got {len(draft.tree)} nodes, "
+                             f"depth {draft.tree.max_depth}")
+        return draft.tree
+    return budget
+
+
 def draft_node_tokens(draft: Sequence[Sequence[int]] | Draft, tree: DraftTree
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(draft, Draft):
@@ -645,12 +659,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
         dctx = DraftContext(model, cache, tokens, hidden, logits, layer_hidden, t, temperature, gen, draft_logits)
         length_before = cache.length
         draft = drafter.propose(dctx)
-        if isinstance(draft, Draft) and draft.tree is not None:  # a dynamic tree within the budget t
-            if len(draft.tree) > len(t) or draft.tree.max_depth > t.max_depth or fused is not None:
-                raise ValueError(f"a drafter's own tree must fit the round's budget ({len(t)} nodes, depth "
-                                 f"{t.max_depth}) and cannot ride a fused pass; got {len(draft.tree)} nodes, "
-                                 f"depth {draft.tree.max_depth}")
-            t = draft.tree
+        t = round_tree(draft, t, fused is not None)
         node_tokens, q = draft_node_tokens(draft, t)
         if cache.length != length_before:
             raise RuntimeError(f"the drafter left the cache at length {cache.length}, not {length_before}: "

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .decode_step import (BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_speculative_generate,
+from .decode_step import (BUCKET_CANDIDATES, DecodeStep, any_round_slots, fused_steps, static_speculative_generate,
                           static_stream)
 from .generate import GenerationConfig, generate_stream
 from .model import Transformer
@@ -170,8 +170,7 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
                 tree = DraftTree.chain(3)
             methods[label] = (drafter, tree)
         # the committed text, then the largest round of any drafter under any bucket set the probe may choose
-        rounds = [any_round_slots(len(t), getattr(getattr(d, "transfer", None), "k", 0) if getattr(d, "fused", False)
-                                  else 0) for d, t in methods.values()]
+        rounds = [any_round_slots(len(t), fused_steps(d)) for d, t in methods.values()]
         max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
         steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
         spec_step = steps[graphs[-1]]
@@ -203,7 +202,8 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
             list(static_stream(model, warm, GenerationConfig(max_new_tokens=4), step=st))
             for ids in encoded:
                 _prefill_s(st, ids)
-                _prefill_s(st, ids[:-1]) if len(ids) > 1 else None
+                if len(ids) > 1:
+                    _prefill_s(st, ids[:-1])
         for label, (drafter, tree) in list(methods.items()):
             try:
                 static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step)
