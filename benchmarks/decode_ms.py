@@ -16,9 +16,9 @@ sys.path.insert(0, sys.argv[1])
 import midlayer  # noqa: E402
 
 assert midlayer.__file__.startswith(sys.argv[1]), midlayer.__file__
-from midlayer.generate import GenerationConfig, generate  # noqa: E402
-from midlayer.pretrained import load_pretrained  # noqa: E402
-from midlayer.quantization import compress_weights  # noqa: E402
+from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
+from midlayer.engine.pretrained import load_pretrained  # noqa: E402
+from midlayer.engine.quantization import compress_weights  # noqa: E402
 
 fmt = sys.argv[2] if len(sys.argv) > 2 else "q4"
 m, tok = load_pretrained("smollm2-135m")

@@ -12,10 +12,10 @@ import sys
 
 import torch
 
-from midlayer.generate import decode_one_token, prefill
-from midlayer.kv_cache import KVCache
-from midlayer.pretrained import load_pretrained
-from midlayer.quantization import compress_weights
+from midlayer.engine.generate import decode_one_token, prefill
+from midlayer.model.kv_cache import KVCache
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.engine.quantization import compress_weights
 
 
 def main(fmt: str = "q4") -> None:

@@ -22,7 +22,7 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="a midlayer.distill file made with --model")
+    ap.add_argument("--data", required=True, help="a midlayer.speculative.distill file made with --model")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--vocab", default="0,16384", help="draft vocabulary sizes to compare (0 = full)")
     ap.add_argument("--methods", default="eagle,medusa,early-exit,hidden-transfer")
@@ -35,18 +35,18 @@ def main() -> None:
                     help="the positions the loss counts (train-draft's setting of the same name)")
     args = ap.parse_args()
 
-    from midlayer.distill import DistillSet, batches
-    from midlayer.draft_training import (DraftTrainConfig, FrozenStates, _loss, build_module, loss_inputs,
+    from midlayer.speculative.distill import DistillSet, batches
+    from midlayer.speculative.draft_training import (DraftTrainConfig, FrozenStates, _loss, build_module, loss_inputs,
                                          needed_layers)
-    from midlayer.draft_vocab import frequent_tokens, set_draft_vocab
-    from midlayer.drafters import FrozenBase
-    from midlayer.kernels import cpu_info
-    from midlayer.pretrained import load_pretrained
+    from midlayer.speculative.draft_vocab import frequent_tokens, set_draft_vocab
+    from midlayer.speculative.drafters import FrozenBase
+    from midlayer.ops.kernels import cpu_info
+    from midlayer.engine.pretrained import load_pretrained
 
     if args.joint_ht:  # the reference pass: all rows through autograd (hidden_transfer._TransferRows)
         import functools
 
-        import midlayer.hidden_transfer as ht_mod
+        import midlayer.speculative.hidden_transfer as ht_mod
 
         ht_mod.transfer_forward = functools.partial(ht_mod.transfer_forward, split=False)
 

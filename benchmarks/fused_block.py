@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from midlayer import kernels
-from midlayer.generate import forward_cached
-from midlayer.kv_cache import KVCache
-from midlayer.pretrained import load_pretrained
-from midlayer.quantization import compress_weights
-from midlayer.speculative import DraftTree
+from midlayer.ops import kernels
+from midlayer.engine.generate import forward_cached
+from midlayer.model.kv_cache import KVCache
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.engine.quantization import compress_weights
+from midlayer.speculative.verify import DraftTree
 
 
 def main() -> None:

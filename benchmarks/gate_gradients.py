@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from midlayer.data import TokenWindows  # noqa: E402
-from midlayer.evaluate import load_run  # noqa: E402
+from midlayer.data.shards import TokenWindows  # noqa: E402
+from midlayer.train.evaluate import load_run  # noqa: E402
 
 
 def gate_gradients(run_dir: str, batches: int = 8) -> list[dict[str, float]]:

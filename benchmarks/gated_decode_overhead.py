@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from midlayer.bench import machine_line, static_skip_gates  # noqa: E402
-from midlayer.generate import decode_one_token, prefill  # noqa: E402
-from midlayer.kv_cache import KVCache  # noqa: E402
-from midlayer.pretrained import load_pretrained  # noqa: E402
-from midlayer.quantization import compress_weights  # noqa: E402
-from midlayer.skip_gates import SkipGates  # noqa: E402
+from midlayer.experiments.bench import machine_line, static_skip_gates  # noqa: E402
+from midlayer.engine.generate import decode_one_token, prefill  # noqa: E402
+from midlayer.model.kv_cache import KVCache  # noqa: E402
+from midlayer.engine.pretrained import load_pretrained  # noqa: E402
+from midlayer.engine.quantization import compress_weights  # noqa: E402
+from midlayer.speculative.skip_gates import SkipGates  # noqa: E402
 
 
 @torch.no_grad()

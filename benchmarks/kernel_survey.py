@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from midlayer import kernels
+from midlayer.ops import kernels
 
 
 def per_call_us(fn, n: int = 50) -> float:

@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from midlayer.kernels import cpu_info  # noqa: E402
-from midlayer.plot import point_name  # noqa: E402
-from midlayer.sweep import get_grid, resolve_run  # noqa: E402
+from midlayer.ops.kernels import cpu_info  # noqa: E402
+from midlayer.experiments.plot import point_name  # noqa: E402
+from midlayer.experiments.sweep import get_grid, resolve_run  # noqa: E402
 from train_throughput import cpu_model, ours  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def part_models(grid, only: list[str] | None) -> dict[str, tuple[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--grid", default="parts", help="a parts grid of midlayer/sweep.py (default parts)")
+    p.add_argument("--grid", default="parts", help="a parts grid of midlayer/experiments/sweep.py (default parts)")
     p.add_argument("--only", default=None, help="comma-separated parts (the baseline is always timed)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")

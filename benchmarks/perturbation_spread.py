@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from midlayer.config import get_preset  # noqa: E402
-from midlayer.evaluate import compare_runs  # noqa: E402
-from midlayer.train import train  # noqa: E402
+from midlayer.train.evaluate import compare_runs  # noqa: E402
+from midlayer.train.loop import train  # noqa: E402
 
 
 def _losses(run: Path) -> list[float]:

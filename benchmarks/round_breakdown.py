@@ -18,14 +18,14 @@ from typing import Any, Callable
 
 import torch
 
-import midlayer.eagle as eagle
-import midlayer.speculative as speculative
-from midlayer.drafters import load_drafter
-from midlayer.generate import GenerationConfig, generate
-from midlayer.pretrained import load_pretrained
-from midlayer.prompt_recipe import load as load_prompts
-from midlayer.quantization import compress_weights
-from midlayer.speculative import DraftTree, speculative_generate
+import midlayer.speculative.eagle as eagle
+import midlayer.speculative.verify as speculative
+from midlayer.speculative.drafters import load_drafter
+from midlayer.engine.generate import GenerationConfig, generate
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.data.prompt_recipe import load as load_prompts
+from midlayer.engine.quantization import compress_weights
+from midlayer.speculative.verify import DraftTree, speculative_generate
 
 
 def timed(clock: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:

@@ -15,10 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
-from midlayer.distill import DistillSet
-from midlayer.draft_training import DraftTrainConfig, _autocast, heldout_metrics, response_batches
-from midlayer.drafters import load_draft
-from midlayer.pretrained import load_pretrained
+from midlayer.speculative.distill import DistillSet
+from midlayer.speculative.draft_training import DraftTrainConfig, _autocast, heldout_metrics, response_batches
+from midlayer.speculative.drafters import load_draft
+from midlayer.engine.pretrained import load_pretrained
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from midlayer.evaluate import compare_runs  # noqa: E402
+from midlayer.train.evaluate import compare_runs  # noqa: E402
 
 
 def main() -> None:

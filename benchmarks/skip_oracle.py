@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from midlayer.bench import static_skip_gates  # noqa: E402
-from midlayer.drafters import kl_rows  # noqa: E402
-from midlayer.model import Transformer  # noqa: E402
-from midlayer.skip_gates import SkipGates  # noqa: E402
+from midlayer.experiments.bench import static_skip_gates  # noqa: E402
+from midlayer.speculative.drafters import kl_rows  # noqa: E402
+from midlayer.model.transformer import Transformer  # noqa: E402
+from midlayer.speculative.skip_gates import SkipGates  # noqa: E402
 
 THRESHOLDS = (0.01, 0.05, 0.1, 0.5)
 
@@ -96,15 +96,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.records < 1 or args.seq_len < 2:
         ap.error("--records must be >= 1 and --seq-len >= 2")
-    from midlayer.distill import DistillSet
-    from midlayer.draft_training import response_batches
-    from midlayer.kernels import cpu_info
-    from midlayer.pretrained import load_pretrained
+    from midlayer.speculative.distill import DistillSet
+    from midlayer.speculative.draft_training import response_batches
+    from midlayer.ops.kernels import cpu_info
+    from midlayer.engine.pretrained import load_pretrained
 
     model = load_pretrained(args.model)[0].float().eval()
     adapters = None
     if args.gates:
-        from midlayer.drafters import DraftMismatchError, load_draft
+        from midlayer.speculative.drafters import DraftMismatchError, load_draft
 
         try:
             adapters = load_draft(args.gates, model, args.model)[0]

@@ -1,4 +1,4 @@
-"""Forward + backward time of the selective scan's two forms (midlayer/ssm.py), interleaved, as a table.
+"""Forward + backward time of the selective scan's two forms (midlayer/model/ssm.py), interleaved, as a table.
 
     python benchmarks/ssm_scan.py                       # the parts sweep's shapes: Bt 16, T 256, d_in 256, N 16
     python benchmarks/ssm_scan.py --T 1024 --repeats 5
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from midlayer.kernels import cpu_info  # noqa: E402
-from midlayer.ssm import scan_chunked, scan_sequential  # noqa: E402
+from midlayer.ops.kernels import cpu_info  # noqa: E402
+from midlayer.model.ssm import scan_chunked, scan_sequential  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from midlayer import kernels
-from midlayer.generate import CachedStep, forward_cached
-from midlayer.kv_cache import KVCache
-from midlayer.pretrained import load_pretrained
-from midlayer.quantization import compress_weights
+from midlayer.ops import kernels
+from midlayer.engine.generate import CachedStep, forward_cached
+from midlayer.model.kv_cache import KVCache
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.engine.quantization import compress_weights
 
 ENTRY_POINTS = ("qk_blocks_q4", "qk_block_q4", "qk_linear_q4_1", "qk_linear_q8_0", "qk_attention", "qk_rmsnorm",
                 "qk_rope_store", "qk_silu_mul", "qk_topk")

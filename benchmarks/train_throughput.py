@@ -12,7 +12,7 @@ Models (one process, same random tokens, same thread count):
   (c) ours, `tiny` (gated, sandwich norm) with its proportional controller loss and update -- for information;
   (d) ours, `tiny-dense` (sandwich norm) -- for information.
 
-One timed step is what `midlayer.train` does per optimizer step with one micro-batch: forward with the loss
+One timed step is what `midlayer.train.loop` does per optimizer step with one micro-batch: forward with the loss
 (plus the controller's loss for the gated model), backward, the gradient-norm measurement the trainer always
 makes (`clip_grad_norm_(..., inf)`; `--no-grad-norm` drops it), AdamW with the TrainConfig betas/eps,
 `zero_grad(set_to_none=True)` and reading the loss back with `.item()`. The LR scheduler and logging are left
@@ -24,7 +24,7 @@ reports the median over `--repeats` rounds. The headline ratio ours/HF is the me
 of (a) and (b), which were measured seconds apart; the ratio of the medians is shown beside it. Each timing
 also records the process's CPU seconds per wall second: when another job takes cores from this one that drops,
 and rounds where any model fell below 85% of its best are left out of the medians (the table says how many
-were kept). Check the machine is otherwise idle first, e.g. `pgrep -f "midlayer.demo|midlayer sweep|pytest"`.
+were kept). Check the machine is otherwise idle first, e.g. `pgrep -f "midlayer.experiments.demo|midlayer sweep|pytest"`.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from midlayer.config import get_preset  # noqa: E402
-from midlayer.evaluate import autocast_context  # noqa: E402
-from midlayer.model import Transformer  # noqa: E402
-from midlayer.sparsity import GateStatsAccumulator, make_controller  # noqa: E402
-from midlayer.train import micro_batch_losses  # noqa: E402
+from midlayer.train.evaluate import autocast_context  # noqa: E402
+from midlayer.model.transformer import Transformer  # noqa: E402
+from midlayer.model.sparsity import GateStatsAccumulator, make_controller  # noqa: E402
+from midlayer.train.loop import micro_batch_losses  # noqa: E402
 
 
 @dataclass
@@ -92,13 +92,13 @@ def make_optimizer(params, train_cfg, fused: bool = False) -> torch.optim.Optimi
 def ours(preset: str, key: str, label: str, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype,
          grad_norm: bool, *, compiled: bool = False, fused: bool = False, **model_overrides
          ) -> tuple[Bench, Transformer]:
-    """midlayer.train's step for `preset` on x's device: `train.micro_batch_losses` (the objective itself),
+    """midlayer.train.loop's step for `preset` on x's device: `train.micro_batch_losses` (the objective itself),
     backward, the gradient-norm measurement (`grad_norm`), AdamW (`fused`: the fused kernel, CUDA), the
     controller's update. `compiled`: the model under torch.compile, as `--compile` trains it."""
     model_cfg, sparsity_cfg, train_cfg = get_preset(preset, model=model_overrides)
     torch.manual_seed(0)
     model = Transformer(model_cfg).to(x.device)
-    model.check_inputs = x.device.type == "cpu"  # as midlayer.train does
+    model.check_inputs = x.device.type == "cpu"  # as midlayer.train.loop does
     model.train()
     fwd = torch.compile(model) if compiled else model
     opt = make_optimizer(model.parameters(), train_cfg, fused)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="bfloat16: torch.autocast('cpu', bfloat16) around the forward, for every model")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--no-grad-norm", action="store_true",
-                   help="skip the clip_grad_norm_ measurement midlayer.train makes every step")
+                   help="skip the clip_grad_norm_ measurement midlayer.train.loop makes every step")
     p.add_argument("--only", default="abcd", help="subset of models to run, e.g. 'ab' (default abcd)")
     args = p.parse_args(argv)
     for name in ("steps", "repeats"):

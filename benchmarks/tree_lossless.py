@@ -17,13 +17,13 @@ import argparse
 
 import torch
 
-from midlayer.drafters import load_drafter
-from midlayer.eagle import EagleDrafter
-from midlayer.generate import GenerationConfig, generate
-from midlayer.pretrained import load_pretrained
-from midlayer.prompt_recipe import load as load_prompts
-from midlayer.quantization import compress_weights
-from midlayer.speculative import DraftTree, speculative_generate
+from midlayer.speculative.drafters import load_drafter
+from midlayer.speculative.eagle import EagleDrafter
+from midlayer.engine.generate import GenerationConfig, generate
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.data.prompt_recipe import load as load_prompts
+from midlayer.engine.quantization import compress_weights
+from midlayer.speculative.verify import DraftTree, speculative_generate
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .config import PRESETS, ModelConfig, SparsityConfig, TrainConfig, get_preset
-from .draft_training import DraftTrainConfig
-from .quantization import WEIGHT_FORMATS
+from midlayer.speculative.draft_training import DraftTrainConfig
+from midlayer.engine.quantization import WEIGHT_FORMATS
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig,
                              "draft": DraftTrainConfig}
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("presets", help="list the named presets")
 
-    # ---- Figure-2 sweep and plot (midlayer/sweep.py, midlayer/plot.py)
+    # ---- Figure-2 sweep and plot (midlayer/experiments/sweep.py, midlayer/experiments/plot.py)
     p = sub.add_parser("sweep", help="train a named grid of runs (Figure 2), skipping finished runs and "
                                      "resuming unfinished ones")
     p.add_argument("grid", help="grid name: cpu (Figure 2, ~90 min on 2 CPU cores), smoke (seconds), paper (GPUs, "
@@ -113,14 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_generate_parser(sub)
 
-    from . import distill as distill_module  # (its flags only: the model is loaded by `midlayer distill` itself)
+    from midlayer.speculative import distill as distill_module  # (its flags only: the model is loaded by `midlayer distill` itself)
 
     distill_module.build_parser(sub.add_parser("distill", help="self-distillation data for draft training: the "
                                                "base model's own answers to the prompt set (resumable)",
                                                description=distill_module.DESCRIPTION))
 
     p = sub.add_parser("train-draft", help="train a drafter (hidden transfer, Medusa, early exit, EAGLE) on a frozen base "
-                                           "by self-distillation (data: python -m midlayer.distill)")
+                                           "by self-distillation (data: python -m midlayer.speculative.distill)")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a resumable state) after N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--methods", default=None, metavar="M1,M2,...",
@@ -187,7 +187,7 @@ def _add_generate_parser(sub) -> None:
                    help="with --tree auto: measure this machine's row costs and the drafter's overheads again "
                         "instead of reading them from the cache ($MIDLAYER_CACHE/row_costs.json)")
     p.add_argument("--engine", choices=["auto", "dynamic", "static"], default="auto",
-                   help="static: the static-shape decode step (midlayer.decode_step: bucketed rows, acceptance on the "
+                   help="static: the static-shape decode step (midlayer.engine.decode_step: bucketed rows, acceptance on the "
                         "device, capturable in CUDA graphs; dense models, and drafters that declare static_step: EAGLE, "
                         "Medusa); dynamic: the cache engine with real skipping and every drafter; auto (default): "
                         "static on CUDA where it applies, else dynamic")
@@ -245,7 +245,7 @@ def _add_generate_parser(sub) -> None:
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--max-prompts", type=int, default=12, help="held-out prompts, spread over the categories")
     b.add_argument("--prompts", choices=["scaled", "base"], default="scaled",
-                   help="held-out prompts of the scaled set (12 categories, midlayer.prompt_recipe) or of the base set")
+                   help="held-out prompts of the scaled set (12 categories, midlayer.data.prompt_recipe) or of the base set")
     b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4", help="weight format (q4: the row-invariant, lossless one)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate comparison")
     b.add_argument("--output", default=None, help="also write the results as JSON here")
@@ -272,13 +272,13 @@ def _add_generate_parser(sub) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .train import train
+    from midlayer.train.loop import train
 
     model_cfg, sparsity_cfg, train_cfg = get_preset(args.preset, **overrides_from_args(args))
     result = train(model_cfg, sparsity_cfg, train_cfg, resume=args.resume, device=args.device,
                    progress=not args.no_progress, stop_after=args.stop_after)
-    from .distributed import print0
-    from .train import json_safe
+    from midlayer.train.distributed import print0
+    from midlayer.train.loop import json_safe
     print0(json.dumps(json_safe({k: v for k, v in result.items() if not isinstance(v, list)}), indent=2))
     return 0
 
@@ -287,9 +287,9 @@ def load_run(checkpoint: str, device: str | None = None):
     """(model, checkpoint dict, train config) from a run directory (newest checkpoint) or a ckpt file."""
     import torch
 
-    from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_newest_checkpoint, load_weights
+    from midlayer.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_newest_checkpoint, load_weights
     from .config import from_dict
-    from .model import Transformer
+    from midlayer.model.transformer import Transformer
 
     path = Path(checkpoint)
     found = None
@@ -312,7 +312,7 @@ def load_run(checkpoint: str, device: str | None = None):
 
 def _check_eval_args(args: argparse.Namespace) -> None:
     """What `eval` checks before reading the checkpoint (ValueError naming the flag)."""
-    from .distributed import resolve_device
+    from midlayer.train.distributed import resolve_device
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
@@ -326,9 +326,9 @@ def _check_eval_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from .data import TokenWindows, resolve_data
-    from .evaluate import evaluate
-    from .train import default_cache_dir, json_safe, resolve_dtype
+    from midlayer.data.shards import TokenWindows, resolve_data
+    from midlayer.train.evaluate import evaluate
+    from midlayer.train.loop import default_cache_dir, json_safe, resolve_dtype
 
     _check_eval_args(args)  # every flag checked before the checkpoint is read: no evaluation run and then lost
     model, ckpt, train_cfg = load_run(args.checkpoint, args.device)
@@ -352,9 +352,9 @@ def _run_tokenizer(train_cfg: TrainConfig):
     """The tokenizer a run of ours was trained with (the embedded corpus's BPE)."""
     from tokenizers import Tokenizer
 
-    from .data import resolve_data
-    from .pretrained_tokenizer import TextTokenizer
-    from .train import default_cache_dir
+    from midlayer.data.shards import resolve_data
+    from midlayer.data.pretrained_tokenizer import TextTokenizer
+    from midlayer.train.loop import default_cache_dir
 
     files = resolve_data(train_cfg.data, default_cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
     if files.tokenizer_path is None:
@@ -364,13 +364,13 @@ def _run_tokenizer(train_cfg: TrainConfig):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .generate import GenerationConfig, generate_stream
-    from .quantization import compress_weights
+    from midlayer.engine.generate import GenerationConfig, generate_stream
+    from midlayer.engine.quantization import compress_weights
 
     _check_generate_args(args)  # before any file is read: a bad flag is never blamed on a model file
     if args.model:
-        from .distributed import resolve_device
-        from .pretrained import load_pretrained
+        from midlayer.train.distributed import resolve_device
+        from midlayer.engine.pretrained import load_pretrained
 
         model, tok = load_pretrained(args.model)
         if tok is None:
@@ -382,7 +382,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         tok = _run_tokenizer(train_cfg)
     model = compress_weights(model.float(), args.weights)
     if args.weights == "q4" and not model.batch_invariant:
-        from . import kernels
+        from midlayer.ops import kernels
 
         # q4 is defined by its C kernels: without them it is another computation (issue 43)
         print(f"note: the q4 kernels are not available here ({kernels.unavailable_reason()}), so q4 runs through "
@@ -390,8 +390,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               "row-invariant, and speculative output can differ from plain greedy output at near-ties",
               file=sys.stderr)
     if args.gates:
-        from .drafters import load_draft
-        from .skip_gates import SkipGates, gated_twin
+        from midlayer.speculative.drafters import load_draft
+        from midlayer.speculative.skip_gates import SkipGates, gated_twin
 
         gates, _ = load_draft(args.gates, model)
         if not isinstance(gates, SkipGates):
@@ -413,7 +413,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.draft:
         return _generate_with_draft(args, model, tok, ids, cfg, engine, graphs)
     if engine == "static":
-        from .decode_step import static_stream
+        from midlayer.engine.decode_step import static_stream
 
         stream = static_stream(model, ids, cfg, graphs=graphs)
     else:
@@ -464,7 +464,7 @@ def _say_if_cut(model, ids: list[int], n_new: int, ended: bool, asked: int) -> N
 
 def _engine(args: argparse.Namespace, model) -> tuple[str, str]:
     """(engine, graphs) for generate: --engine auto takes the static step on CUDA where it applies."""
-    from .decode_step import unsupported
+    from midlayer.engine.decode_step import unsupported
 
     dev = model.tok_embeddings.weight.device
     why = unsupported(model)
@@ -483,8 +483,8 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
                          graphs: str = "eager") -> int:
     import time
 
-    from .drafters import heldout_accuracies, load_drafter
-    from .speculative import DraftTree, speculative_generate
+    from midlayer.speculative.drafters import heldout_accuracies, load_drafter
+    from midlayer.speculative.verify import DraftTree, speculative_generate
 
     drafter, module, meta = load_drafter(args.draft, model)  # first: a bad draft is refused before any note
     acc = heldout_accuracies(meta, args.draft)
@@ -506,7 +506,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
               file=sys.stderr)
     if args.tree == "auto" and acc:
-        from .tree_cost import auto_tree, cached_overhead, cost_key, drafter_key, row_costs, table_text
+        from midlayer.speculative.tree_cost import auto_tree, cached_overhead, cost_key, drafter_key, row_costs, table_text
 
         name = args.model or args.checkpoint
         costs = row_costs(model, name, args.weights, progress=True, refresh=args.refresh_costs)
@@ -526,7 +526,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
             raise ValueError(f"{args.draft}: no per-depth held-out accuracies to build a sparse tree; use --tree chain")
         tree = DraftTree.greedy_from_accuracies(acc, _tree_nodes(args.tree))
     elif args.tree.startswith("dynamic:"):
-        from .eagle import EagleDrafter
+        from midlayer.speculative.eagle import EagleDrafter
 
         if not isinstance(drafter, EagleDrafter):
             raise ValueError(f"--tree dynamic:N needs an EAGLE draft; {args.draft} is a {type(module).__name__}")
@@ -538,7 +538,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
     t = time.perf_counter()
     if engine == "static":
-        from .decode_step import static_speculative_generate
+        from midlayer.engine.decode_step import static_speculative_generate
 
         out, stats = static_speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens,
                                                  stop_tokens=cfg.stop_tokens, graphs=graphs)
@@ -573,7 +573,7 @@ def _check_generate_args(args: argparse.Namespace) -> None:
     """Refuse, naming the flag, every generate value outside its meaning; nothing is loaded yet."""
     import math
 
-    from .distributed import resolve_device
+    from midlayer.train.distributed import resolve_device
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -689,7 +689,7 @@ def _check_output(flag: str, path: str | None) -> None:
 def _write_output(path: str | None, text: str) -> None:
     """The results file, written whole or not at all (a full disk leaves the earlier file, never a part)."""
     if path:
-        from .data import atomic_write
+        from midlayer.data.shards import atomic_write
 
         atomic_write(Path(path), text.encode("utf-8"))
 
@@ -704,7 +704,7 @@ def _check_bench_decode_args(args: argparse.Namespace) -> tuple[dict[str, str], 
     drafts = _label_dirs("--drafts", args.drafts, "a train-draft output")
     skip = None
     if args.layer_skip:
-        from .pretrained import pretrained_config
+        from midlayer.engine.pretrained import pretrained_config
 
         a, sep, b = args.layer_skip.partition(":")
         try:
@@ -753,9 +753,9 @@ def _check_bench_generate_args(args: argparse.Namespace) -> tuple[float, ...]:
 def _check_bench_static_args(args: argparse.Namespace) -> dict:
     """bench_static's keyword arguments from `bench static` (or `bench decode/generate --device cuda`), every
     flag checked before anything is loaded."""
-    from .decode_step import GRAPH_MODES
-    from .distributed import resolve_device
-    from .static_bench import DTYPES
+    from midlayer.engine.decode_step import GRAPH_MODES
+    from midlayer.train.distributed import resolve_device
+    from midlayer.experiments.static_bench import DTYPES
 
     dev = resolve_device(args.device) if args.device else None
     kw: dict[str, Any] = dict(model_name=args.model, device=None if dev is None else str(dev),
@@ -802,7 +802,7 @@ def _cuda() -> bool:
 
 
 def _bench_static(args: argparse.Namespace) -> int:
-    from .static_bench import bench_static, static_table
+    from midlayer.experiments.static_bench import bench_static, static_table
 
     shown: list[str] = []
 
@@ -816,12 +816,12 @@ def _bench_static(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from midlayer.experiments import bench
 
     if args.bench == "static":
         return _bench_static(args)
     if args.bench in ("decode", "generate") and args.device is not None:
-        from .distributed import resolve_device
+        from midlayer.train.distributed import resolve_device
 
         if resolve_device(args.device).type == "cuda":
             return _bench_static(args)  # the GPU's benchmark: the static step beside transformers' CUDA-graph recipe
@@ -835,7 +835,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.static not in ("auto", "none") and not all(x.strip().isdigit() for x in args.static.split(",")):
             raise ValueError(f"--static: auto, none or comma-separated block indices, got {args.static!r}")
         if not Path(args.data).is_file():
-            raise ValueError(f"--data {args.data}: no such file (a midlayer.distill output)")
+            raise ValueError(f"--data {args.data}: no such file (a midlayer.speculative.distill output)")
         r = bench.bench_gates(args.model, gates, args.data, args.static, args.prompts, args.new_tokens, args.weights,
                               records=args.records)
         print(bench.gates_table(r))
@@ -878,7 +878,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_flops(args: argparse.Namespace) -> int:
-    from .flops import format_breakdown
+    from midlayer.model.flops import format_breakdown
 
     model_cfg, _, _ = get_preset(args.preset, **overrides_from_args(args))
     sparsity = None
@@ -900,7 +900,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import run_sweep
+    from midlayer.experiments.sweep import run_sweep
 
     return run_sweep(args.grid, Path(args.out_dir), launcher=args.launcher, nproc=args.nproc, only=args.only,
                      extra_train=_check_sweep_args(args))
@@ -908,7 +908,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _check_sweep_args(args: argparse.Namespace) -> dict[str, Any] | None:
     """What `sweep` checks before its first run; returns the train overrides of every run."""
-    from .sweep import check_sweep
+    from midlayer.experiments.sweep import check_sweep
 
     if args.data is not None and not args.data.strip():
         raise ValueError("--data: an empty glob; give the training data's files, e.g. 'data/fineweb10B/*.bin'")
@@ -931,7 +931,7 @@ def _check_plot_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .plot import write_report
+    from midlayer.experiments.plot import write_report
 
     _check_plot_args(args)
     for path in write_report(Path(args.sweep_dir), args.out).values():
@@ -940,8 +940,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
-    from .distributed import resolve_device
-    from .draft_training import train_drafts
+    from midlayer.train.distributed import resolve_device
+    from midlayer.speculative.draft_training import train_drafts
 
     cfgs = draft_configs(args)
     if args.export_now and args.stop_after is not None:
@@ -952,14 +952,14 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def _cmd_distill(args: argparse.Namespace) -> int:
-    from .distill import run
+    from midlayer.speculative.distill import run
 
     return run(args)
 
 
 def _cmd_train_gates(args: argparse.Namespace) -> int:
-    from .distributed import resolve_device
-    from .draft_training import train_drafts
+    from midlayer.train.distributed import resolve_device
+    from midlayer.speculative.draft_training import train_drafts
 
     _check_stop_after(args)
     over = overrides_from_args(args).get("draft", {})
@@ -975,7 +975,7 @@ def _cmd_train_gates(args: argparse.Namespace) -> int:
 
 def draft_configs(args: argparse.Namespace) -> list[DraftTrainConfig]:
     """The configs `train-draft` trains (one, or one per --methods entry into OUT_DIR/<method>), checked."""
-    from .draft_training import METHODS
+    from midlayer.speculative.draft_training import METHODS
 
     _check_stop_after(args)
     over = overrides_from_args(args).get("draft", {})
@@ -1037,7 +1037,7 @@ def _one_line_error(e: Exception) -> bool:
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
             isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):  # sizes too large for this machine
         return True
-    train = sys.modules.get("midlayer.train")  # loaded by every command that can raise its errors
+    train = sys.modules.get("midlayer.train.loop")  # loaded by every command that can raise its errors
     return train is not None and isinstance(e, train.NonFiniteLossError)
 
 

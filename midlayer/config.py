@@ -354,7 +354,7 @@ class TrainConfig:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.parallel in PARALLEL, "parallel", f"must be one of {PARALLEL}, got {self.parallel!r}")
         _check(bool(self.out_dir.strip()), "out_dir", "must name a folder, got ''")  # '' would mean the cwd
-        from .tokenizer import MAX_VOCAB, MIN_VOCAB  # the BPE trainer's own limits, checked before any data work
+        from midlayer.data.tokenizer import MAX_VOCAB, MIN_VOCAB  # the BPE trainer's own limits, checked before any data work
 
         v = self.tokenizer_vocab
         _check(isinstance(v, int) and not isinstance(v, bool) and MIN_VOCAB <= v <= MAX_VOCAB, "tokenizer_vocab",

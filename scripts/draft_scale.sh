@@ -51,7 +51,7 @@ train() {  # $1: comma-separated methods, trained in lockstep into $OUT/<method>
 }
 
 if [[ $STAGE == all || $STAGE == distill ]]; then
-  "$PY" -m midlayer.distill --model smollm2-135m --out "$DATA" --prompts scaled --weights q4 \
+  "$PY" -m midlayer.speculative.distill --model smollm2-135m --out "$DATA" --prompts scaled --weights q4 \
     --batch-size 64 --max-new-tokens 128
 fi
 if [[ $STAGE == all || $STAGE == train ]]; then

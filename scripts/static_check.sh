@@ -32,7 +32,7 @@ PROMPTS=${MAX_PROMPTS:-6}
 
 case ${1:-} in
 prepare)
-  src=$(.venv/bin/python -c "from midlayer.pretrained import resolve_pretrained as r; print(r('smollm2-135m').path)")
+  src=$(.venv/bin/python -c "from midlayer.engine.pretrained import resolve_pretrained as r; print(r('smollm2-135m').path)")
   rm -rf .dev1 .dev2 && mkdir -p .dev1 .dev2/drafts/eagle .dev2/drafts/medusa .dev2/drafts/hidden-transfer
   head -c $PART "$src" > .dev1/gguf.part1
   tail -c +$((PART + 1)) "$src" > .dev2/gguf.part2

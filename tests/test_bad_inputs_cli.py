@@ -19,8 +19,8 @@ import torch
 
 from midlayer.cli import main
 from midlayer.config import get_preset, to_dict
-from midlayer.distributed import resolve_device
-from midlayer.model import Transformer, nonfinite_tensors
+from midlayer.train.distributed import resolve_device
+from midlayer.model.transformer import Transformer, nonfinite_tensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -107,7 +107,7 @@ def test_nonfinite_rule_is_one_function():
 def test_corrupt_quantised_gguf_is_refused_naming_the_tensor(tiny, tmp_path, work, capsys):
     """Corrupt bytes in a Q4_1 block (scale +inf, quants 0: inf * 0 = NaN after dequantisation, the issue's
     case) -> refused by name, without numpy's RuntimeWarning, through the loader and the CLI."""
-    from midlayer.pretrained import load_gguf
+    from midlayer.engine.pretrained import load_gguf
 
     good, _ = tiny
     bad = tmp_path / "bad.gguf"
@@ -138,7 +138,7 @@ def test_nan_in_f32_gguf_tensor_is_refused(tiny, tmp_path, work, capsys):
 def test_nonfinite_safetensors_in_hf_folder_is_refused(tiny, tmp_path, work, capsys):
     from safetensors.torch import load_file, save_file
 
-    from midlayer.pretrained import load_hf_dir
+    from midlayer.engine.pretrained import load_hf_dir
 
     _, hf_dir = tiny
     bad = tmp_path / "hf-inf"
@@ -157,7 +157,7 @@ def test_nonfinite_safetensors_in_hf_folder_is_refused(tiny, tmp_path, work, cap
 # --------------------------------------------------------------------------------- 2. --device
 @pytest.fixture(scope="module")
 def healthy_ckpt(tmp_path_factory) -> Path:
-    from midlayer.checkpoint import load_checkpoint, save_checkpoint
+    from midlayer.train.checkpoint import load_checkpoint, save_checkpoint
 
     run = tmp_path_factory.mktemp("run")
     m, s, t = get_preset("debug")
@@ -205,8 +205,8 @@ def test_resolve_device():
 # ------------------------------------------------------------------------------ 3. corrupt drafts
 @pytest.fixture
 def draft_dir(tiny, tmp_path) -> Path:
-    from midlayer.drafters import MedusaHeads, save_draft
-    from midlayer.pretrained import load_gguf
+    from midlayer.speculative.drafters import MedusaHeads, save_draft
+    from midlayer.engine.pretrained import load_gguf
 
     base, _ = load_gguf(tiny[0])
     return save_draft(tmp_path / "draft", MedusaHeads(base.cfg.dim, 2), {"note": "test"}, base=base)
@@ -253,8 +253,8 @@ DAMAGE = ["truncated", "random", "empty", "nan", "shape", "json-binary", "json-l
 
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_corrupt_draft_is_refused_naming_the_file(kind, draft_dir, tiny, work, capsys):
-    from midlayer.drafters import DraftMismatchError, load_draft
-    from midlayer.pretrained import load_gguf
+    from midlayer.speculative.drafters import DraftMismatchError, load_draft
+    from midlayer.engine.pretrained import load_gguf
 
     name = _corrupt(kind, draft_dir)
     base, _ = load_gguf(tiny[0])
@@ -327,7 +327,7 @@ def test_static_and_dynamic_engines_print_the_same_text(tiny, capsys):
 
 
 def test_generation_config_and_speculative_refuse_nonfinite_temperature():
-    from midlayer.generate import GenerationConfig
+    from midlayer.engine.generate import GenerationConfig
 
     for t in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="temperature"):
@@ -385,7 +385,7 @@ def test_bench_generate_skipping_checks_only_where_skipping_runs(work, capsys):
 
 
 def test_bench_library_guards():
-    from midlayer.bench import bench_skipping
+    from midlayer.experiments.bench import bench_skipping
 
     for kw in (dict(fractions=(1.5,)), dict(fractions=(math.nan,)), dict(skip_from=6), dict(skip_from=-1),
                dict(seq_len=0), dict(repeats=0)):
@@ -403,7 +403,7 @@ def test_tree_n_names_the_flag(spec, work, capsys):
 
 # --------------------------------------------------------------------------- 7. length 0 is no default
 def test_zero_lengths_are_refused_not_defaulted(work, capsys):
-    from midlayer.kv_cache import KVCache
+    from midlayer.model.kv_cache import KVCache
 
     cfg = get_preset("debug")[0]
     with pytest.raises(ValueError, match="max_len must be >= 1, got 0"):
@@ -450,7 +450,7 @@ def test_a_crashing_llama_cpp_costs_the_bench_its_column_not_the_run(tmp_path, m
     """llama.cpp runs in-process in `bench`; a build that segfaults (its AMX backend did on our Xeon) would
     take the whole benchmark down. A probe in a child process turns that into "no llama.cpp column" (the
     ImportError every caller already handles) and says why. The child here really dies of SIGSEGV."""
-    from midlayer import bench
+    from midlayer.experiments import bench
 
     monkeypatch.setattr(bench, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     bench.probe_llama_cpp.cache_clear()
@@ -467,7 +467,7 @@ def test_a_crashing_llama_cpp_costs_the_bench_its_column_not_the_run(tmp_path, m
 def test_generation_that_reaches_the_context_says_so(tiny, capsys):
     """At the context's end `generate` returns fewer tokens than asked for: it says so on stderr (issue 43),
     with either engine; a short request that ends on its own says nothing."""
-    from midlayer.pretrained import load_gguf
+    from midlayer.engine.pretrained import load_gguf
 
     model, tok = load_gguf(tiny[0])
     ctx = model.cfg.max_seq_len
@@ -516,7 +516,7 @@ def test_damaged_heldout_accuracies_are_refused_in_one_line(acc, tree, draft_dir
 def test_q4_without_its_kernels_says_it_is_another_computation(tiny, work, capsys, monkeypatch):
     """No C compiler: q4 runs through PyTorch, which is not the kernels' bits; it says so once, instead of the
     self-contradicting "q4 weights are not row-invariant ... --weights q4 is bit-identical" (issue 43)."""
-    from midlayer import kernels
+    from midlayer.ops import kernels
 
     monkeypatch.setattr(kernels, "_lib", None)
     monkeypatch.setattr(kernels, "_lib_error", "no C compiler found (set CC, or install gcc)")

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from midlayer import cli
-from midlayer.checkpoint import list_checkpoints, load_checkpoint
+from midlayer.train.checkpoint import list_checkpoints, load_checkpoint
 from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
-from midlayer.data import write_shard
+from midlayer.data.shards import write_shard
 
 
 @pytest.fixture
@@ -204,7 +204,7 @@ def test_cuda_device_without_cuda_is_refused(tmp_path, shards, capsys, device):
 def _faulty_training_forwards(monkeypatch, after_calls: int, fault) -> None:
     """`train.Transformer`'s training forwards return `fault(output)` after `after_calls` calls (debug: 2
     micro-batches per step)."""
-    import midlayer.train as train_mod
+    import midlayer.train.loop as train_mod
 
     class Faulty(train_mod.Transformer):
         calls = 0
@@ -250,14 +250,14 @@ def test_diverging_run_stops_with_one_line_naming_the_last_good_checkpoint(tmp_p
     records = strict_json_lines(run_dir / "metrics.jsonl")
     assert records[-2] == {"event": "resumed", "step": 2, "changed": {"lr": [0.001, 0.0005]}}
     from midlayer.config import get_preset
-    from midlayer.train import lr_factor
+    from midlayer.train.loop import lr_factor
     t = get_preset("debug", train=dict(steps=8, lr=5e-4))[2]
     assert records[-1]["lr"] == pytest.approx(5e-4 * lr_factor(3, t))
     assert all(snapshot(tmp_path)[k] == v for k, v in before.items() if "ckpt_0000002" in k)  # kept
 
 
 def test_metrics_logger_writes_null_for_non_finite_values(tmp_path):
-    from midlayer.train import MetricsLogger
+    from midlayer.train.loop import MetricsLogger
 
     log = MetricsLogger(tmp_path, TrainConfig(), {}, enabled=True)
     log.log({"step": 1, "ce": float("nan"), "grad_norm": float("inf"), "per_block": [1.0, float("-inf")]})
@@ -300,12 +300,12 @@ def finished_run(tmp_path, shards, capsys):
     (["--output", "{tmp}/run/config.json"], "config.json is a file of the run"),
 ])
 def test_eval_refuses_bad_flags_before_evaluating(tmp_path, finished_run, capsys, monkeypatch, flags, named):
-    import midlayer.evaluate
+    import midlayer.train.evaluate
 
     def must_not_run(*a, **kw):
         raise AssertionError("evaluate ran before the flags were checked")
 
-    monkeypatch.setattr(midlayer.evaluate, "evaluate", must_not_run)
+    monkeypatch.setattr(midlayer.train.evaluate, "evaluate", must_not_run)
     before = snapshot(tmp_path)
     rc, out, err = run(capsys, ["eval", str(finished_run), *[f.format(tmp=tmp_path) for f in flags]])
     assert rc == 2 and out == "" and named in one_line_error(err, "eval")
@@ -329,7 +329,7 @@ def test_flex_attention_with_heads_under_16_on_cuda_is_refused(tmp_path, shards,
     """On CUDA, FlexAttention is the compiled kernel, which has no head size under 16 (an H100 run of the
     `debug` preset, head size 8, failed inside Inductor). A forced `--attn-backend flex` is refused first, with
     the reason. The process is told it has a GPU (the check runs before anything touches one)."""
-    import midlayer.distributed as dist_utils
+    import midlayer.train.distributed as dist_utils
 
     monkeypatch.setattr(dist_utils, "setup", lambda device=None: dist_utils.DistInfo(0, 0, 1, torch.device("cuda")))
     rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", "--attn-backend", "flex"))
@@ -550,8 +550,8 @@ def test_a_damaged_or_inconsistent_checkpoint_is_refused_in_one_line(tmp_path, s
 
 
 def test_a_draft_whose_weights_do_not_match_their_checksum_is_refused(tmp_path):
-    from midlayer.drafters import DraftMismatchError, MedusaHeads, load_draft, save_draft
-    from midlayer.model import Transformer
+    from midlayer.speculative.drafters import DraftMismatchError, MedusaHeads, load_draft, save_draft
+    from midlayer.model.transformer import Transformer
 
     base = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32))
     out = save_draft(tmp_path / "d", MedusaHeads(32, 2), base=base)
@@ -568,7 +568,7 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_earlier
                                                                                            monkeypatch):
     """torch.save's zip writer fails mid-file (as on a full disk: "enforce fail at inline_container.cc"): exit 2
     in one line naming the file; the partial file is removed and the earlier checkpoint loads (issue 43)."""
-    import midlayer.checkpoint as ck
+    import midlayer.train.checkpoint as ck
 
     real_save, calls = torch.save, []
 

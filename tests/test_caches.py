@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from midlayer import kernels
+from midlayer.ops import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def test_a_truncated_library_is_rebuilt_in_a_fresh_process_not_loaded(cache):
 def test_a_cached_shard_changed_in_place_is_rebuilt_not_used(tmp_path):
     """One token of the cached validation shard changed, same size (issue 43: the CE moved, nothing was said):
     the cache is rebuilt, with a note, and gives the original tokens again."""
-    from midlayer.data import prepare_corpus, read_shard
+    from midlayer.data.shards import prepare_corpus, read_shard
 
     docs = [(f"doc{i}", f"Some text number {i}. " * 40) for i in range(30)]
     files = prepare_corpus(tmp_path, 300, documents=docs, name="t")
@@ -88,7 +88,7 @@ def test_a_cached_shard_changed_in_place_is_rebuilt_not_used(tmp_path):
 def test_training_never_builds_or_loads_the_kernels(tmp_path):
     """`train` (and the evaluation inside it) does not need the C kernels, so it neither builds nor loads them:
     a damaged library cannot touch it. Inference (compress_weights) takes them where they apply."""
-    from midlayer.data import write_shard
+    from midlayer.data.shards import write_shard
 
     toks = np.random.default_rng(0).integers(0, 512, 6_000)
     d = tmp_path / "shards"
@@ -97,7 +97,7 @@ def test_training_never_builds_or_loads_the_kernels(tmp_path):
     write_shard(d / "syn_val_000.bin", toks[5_000:])
     cache = tmp_path / "cache"
     code = ("import sys; from midlayer.cli import main; rc = main(sys.argv[1:]); "
-            "import midlayer.kernels as k; print('loaded' if k._lib is not None or k._lib_error else 'untouched'); "
+            "import midlayer.ops.kernels as k; print('loaded' if k._lib is not None or k._lib_error else 'untouched'); "
             "sys.exit(rc)")
     res = subprocess.run([sys.executable, "-c", code, "train", "debug", "--data", str(d / "*.bin"), "--steps", "2",
                           "--no-progress", "--out-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,

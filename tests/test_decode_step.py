@@ -1,4 +1,4 @@
-"""The static-shape decode step (midlayer/decode_step.py, issue 42): capturable (torch.compile fullgraph, no
+"""The static-shape decode step (midlayer/engine/decode_step.py, issue 42): capturable (torch.compile fullgraph, no
 graph break), row-invariant where the probe says so, equal to the dynamic engine where both are exact, and
 lossless: speculative output equals plain output token for token, in fp32 and in q4."""
 
@@ -10,14 +10,14 @@ import pytest
 import torch
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny
 
-from midlayer.decode_step import (BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets, static_generate,
+from midlayer.engine.decode_step import (BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets, static_generate,
                                   static_speculative_generate)
-from midlayer.drafters import MedusaDrafter, MedusaHeads
-from midlayer.eagle import EagleDrafter, EagleHead
-from midlayer.generate import GenerationConfig, forward_cached, generate
-from midlayer.kv_cache import KVCache
-from midlayer.quantization import compress_weights
-from midlayer.speculative import Draft, DraftTree
+from midlayer.speculative.drafters import MedusaDrafter, MedusaHeads
+from midlayer.speculative.eagle import EagleDrafter, EagleHead
+from midlayer.engine.generate import GenerationConfig, forward_cached, generate
+from midlayer.model.kv_cache import KVCache
+from midlayer.engine.quantization import compress_weights
+from midlayer.speculative.verify import Draft, DraftTree
 
 V = 96
 DIMS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=160, multiple_of=32)
@@ -280,7 +280,7 @@ def test_a_tree_row_has_plain_decodings_bits(models, dtype):
 
 # ------------------------------------------------------------------------- hidden transfer's fused pass
 def _transfer(layers: list[int], masked: bool, seed: int = 0):
-    from midlayer.hidden_transfer import HiddenTransfer
+    from midlayer.speculative.hidden_transfer import HiddenTransfer
 
     ht = HiddenTransfer(DIMS["dim"], layers, masked=masked)
     g = torch.Generator().manual_seed(seed)
@@ -294,7 +294,7 @@ def _transfer(layers: list[int], masked: bool, seed: int = 0):
 def test_fused_pass_drafts_what_the_dynamic_engine_drafts(models, masked):
     """The static round's pseudo rows (joining at blocks 1, 2 and after the last, t = L = 3) give the draft
     logits of the dynamic engine's separate pass for the same anchor, to float rounding."""
-    from midlayer.hidden_transfer import pseudo_logits_cached
+    from midlayer.speculative.hidden_transfer import pseudo_logits_cached
 
     model = models["fp32"]
     ht = _transfer([1, 2, 3], masked)
@@ -320,7 +320,7 @@ def test_fused_hidden_transfer_is_lossless(models, fmt, masked):
     """Hidden transfer riding the static step's rounds: plain greedy output, token for token, chain and tree.
     Every round after the first drafts from the previous round's pseudo rows (ctx.draft_logits). (A random
     transfer on a random model drafts badly: acceptance is exercised by the other drafters' tests.)"""
-    from midlayer.hidden_transfer import HiddenTransferDrafter
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
 
     model = models[fmt]
     drafter = HiddenTransferDrafter(model, _transfer([1, 1, 2], masked))
@@ -338,7 +338,7 @@ def test_fused_hidden_transfer_is_lossless(models, fmt, masked):
 
 
 def test_separate_hidden_transfer_is_refused_by_the_static_step(models):
-    from midlayer.hidden_transfer import HiddenTransferDrafter
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
 
     drafter = HiddenTransferDrafter(models["fp32"], _transfer([1, 2], False), fused=False)
     with pytest.raises(ValueError, match="does not draft for the static step"):
@@ -349,7 +349,7 @@ def test_fused_hidden_transfer_in_one_bucket_near_the_context_and_after_on_a_sha
     """One bucket for every forward (the probe's fallback: the tree rows are rounded up to 8 and the head
     reads every row); the context's end, where the pseudo rows no longer fit and the rounds verify without
     them; and a step shared with Medusa afterwards, which must not keep hidden transfer's rows."""
-    from midlayer.hidden_transfer import HiddenTransferDrafter
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
 
     model = models["fp32"]
     drafter = HiddenTransferDrafter(model, _transfer([1, 2, 2], False))
@@ -376,7 +376,7 @@ def test_fused_hidden_transfer_in_one_bucket_near_the_context_and_after_on_a_sha
 
 
 def test_round_layout_and_slots():
-    from midlayer.decode_step import round_layout, round_slots
+    from midlayer.engine.decode_step import round_layout, round_slots
 
     assert round_layout(5, 0, (8, 16, 32, 64)) == (8, 8, 8)
     assert round_layout(12, 3, (8, 16, 32, 64, 128, 256)) == (16, 64, 16)
@@ -387,7 +387,7 @@ def test_round_layout_and_slots():
 
 
 def test_finish_reason_names_why_generation_ended(models):
-    from midlayer.generate import finish_reason
+    from midlayer.engine.generate import finish_reason
 
     model = models["fp32"]
     prompt = _prompts()[1]

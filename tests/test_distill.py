@@ -1,4 +1,4 @@
-"""Prompt set and self-distillation data (midlayer.prompts, midlayer.distill) on a tiny random model."""
+"""Prompt set and self-distillation data (midlayer.data.prompts, midlayer.speculative.distill) on a tiny random model."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from midlayer.config import ModelConfig
-from midlayer.distill import (DistillFormatError, DistillMismatchError, DistillSet, batches, distill)
-from midlayer.generate import GenerationConfig, generate
-from midlayer.model import Transformer
-from midlayer.prompts import (CATEGORIES, INSTRUCTION_CATEGORIES, Prompt, assign_splits, instruction_prompts,
+from midlayer.speculative.distill import (DistillFormatError, DistillMismatchError, DistillSet, batches, distill)
+from midlayer.engine.generate import GenerationConfig, generate
+from midlayer.model.transformer import Transformer
+from midlayer.data.prompts import (CATEGORIES, INSTRUCTION_CATEGORIES, Prompt, assign_splits, instruction_prompts,
                               math_questions, prompt_set)
 
 MAX_NEW = 10

@@ -1,4 +1,4 @@
-"""`train-draft` (midlayer/draft_training.py) on a tiny base: every method trains and lowers its loss,
+"""`train-draft` (midlayer/speculative/draft_training.py) on a tiny base: every method trains and lowers its loss,
 held-out metrics have the documented shape, resume continues exactly, padding is ignored by the losses."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from midlayer.config import ModelConfig
-from midlayer.distill import DistillRecord, DistillSet
-from midlayer.drafters import early_exit_loss, load_draft, medusa_loss
-from midlayer.draft_training import DraftTrainConfig, paper_layers, train_draft, train_drafts
-from midlayer.hidden_transfer import HiddenTransfer, hidden_transfer_loss
-from midlayer.model import Transformer
+from midlayer.speculative.distill import DistillRecord, DistillSet
+from midlayer.speculative.drafters import early_exit_loss, load_draft, medusa_loss
+from midlayer.speculative.draft_training import DraftTrainConfig, paper_layers, train_draft, train_drafts
+from midlayer.speculative.hidden_transfer import HiddenTransfer, hidden_transfer_loss
+from midlayer.model.transformer import Transformer
 
 V, D = 48, 32
 
@@ -96,7 +96,7 @@ def test_gates_train_towards_their_targets_and_report_the_tradeoff(tmp_path):
     """method "gates" (skip_gates.py): starting dense (held-out KL 0 at step 0), the controller pushes the
     gates down (a target of 0 at the inner block), the KL to the dense model rises from 0, eq. 6 moved the
     coefficients, and the held-out metrics report agreement, KL, per-block gates and the skipped share."""
-    from midlayer.skip_gates import SkipGates
+    from midlayer.speculative.skip_gates import SkipGates
 
     base, data = tiny_base(), tiny_data()
     c = cfg(tmp_path, "gates", epochs=8, lr=3e-2, gate_target=0.0, gate_gamma=0.05, lora_rank=2, eval_every=5)
@@ -108,7 +108,7 @@ def test_gates_train_towards_their_targets_and_report_the_tradeoff(tmp_path):
     assert m["gate_mean"][1] < 0.9  # the inner block gated (target 0)
     assert m["kl"] > 0 and m["top1"][0] < 1 and len(m["gate_zero"]) == 4
     # the saved gates reproduce the held-out numbers: recomputed from the draft directory
-    from midlayer.draft_training import evaluate_draft
+    from midlayer.speculative.draft_training import evaluate_draft
     again = evaluate_draft(tmp_path / "gates", base, data)
     assert again["kl"] == pytest.approx(m["kl"], rel=1e-5) and again["gate_zero"] == m["gate_zero"]
     assert [p["heldout_loss"] for p in m["curve"]][0] < m["curve"][-1]["heldout_loss"]  # the held-out KL rises
@@ -126,7 +126,7 @@ def test_padding_does_not_change_the_losses():
     x = torch.randint(1, V, (1, 12))
     padded = torch.cat([x, torch.zeros(1, 5, dtype=torch.long)], 1)
     mask = torch.cat([torch.ones(1, 12, dtype=torch.bool), torch.zeros(1, 5, dtype=torch.bool)], 1)
-    from midlayer.drafters import EarlyExitHead, MedusaHeads
+    from midlayer.speculative.drafters import EarlyExitHead, MedusaHeads
     heads, exit_head = MedusaHeads(D, 3), EarlyExitHead(D, 2)
     with torch.no_grad():
         for lin in heads.heads:
@@ -149,7 +149,7 @@ def test_bad_settings_are_refused():
 def test_heldout_metrics_count_only_response_drafts(tmp_path):
     """Held-out accuracy covers the drafts of response tokens only: position t counts iff token t + 1 is
     a response token (or the one after the response)."""
-    from midlayer.draft_training import evaluate_draft, response_batches
+    from midlayer.speculative.draft_training import evaluate_draft, response_batches
 
     data = tiny_data()
     batches = response_batches(data, 32)
@@ -169,7 +169,7 @@ def test_heldout_metrics_count_only_response_drafts(tmp_path):
 def test_cached_frozen_states_give_the_same_loss(tmp_path, method):
     """Reusing the frozen base's states (FrozenStates) changes only the cost and fp16 rounding: the loss and
     its gradient equal the ones computed from scratch to that rounding, and exactly when reused."""
-    from midlayer.draft_training import FrozenStates, _loss, build_module, loss_inputs, needed_layers
+    from midlayer.speculative.draft_training import FrozenStates, _loss, build_module, loss_inputs, needed_layers
 
     base = tiny_base()
     c = cfg(tmp_path, method)
@@ -197,7 +197,7 @@ def test_cached_frozen_states_give_the_same_loss(tmp_path, method):
 
 
 def test_learning_curve_early_stopping_keeps_the_best_weights_and_resumes(tmp_path, monkeypatch):
-    import midlayer.draft_training as dt
+    import midlayer.speculative.draft_training as dt
 
     base, data = tiny_base(), tiny_data()
     script = [3.0, 2.0, 2.5, 2.6, 1.0, 0.5]  # best at the 2nd evaluation, then 2 worse ones: stop at step 8
@@ -237,7 +237,7 @@ def test_learning_curve_early_stopping_keeps_the_best_weights_and_resumes(tmp_pa
 
 
 def test_frozen_state_budget_changes_only_the_cost(tmp_path):
-    import midlayer.draft_training as dt
+    import midlayer.speculative.draft_training as dt
 
     base, data = tiny_base(), tiny_data()
     runs = {}
@@ -262,7 +262,7 @@ def test_disk_cache_of_frozen_states_changes_only_the_cost(tmp_path):
     """`cache_dir`: the states of a batch are written once and read back by a later process (a fresh
     FrozenStates, no memory cache), training is bit-identical with and without it, a corrupt entry is
     recomputed with a warning, and another base (other weights) never reads the first base's entries."""
-    import midlayer.draft_training as dt
+    import midlayer.speculative.draft_training as dt
 
     base, data = tiny_base(), tiny_data()
     cache = tmp_path / "cache"
@@ -315,7 +315,7 @@ def test_resume_refuses_changed_data(tmp_path):
 
 
 def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_state(tmp_path, monkeypatch):
-    import midlayer.draft_training as dt
+    import midlayer.speculative.draft_training as dt
 
     base, data = tiny_base(), tiny_data()
     c = cfg(tmp_path, "medusa", epochs=2)  # ckpt_every 5
@@ -369,7 +369,7 @@ def test_drafters_trained_together_equal_drafters_trained_alone_and_resume(tmp_p
 
 
 def test_the_draft_vocabulary_comes_from_training_responses_and_is_saved(tmp_path):
-    from midlayer.draft_vocab import draft_vocab, frequent_tokens
+    from midlayer.speculative.draft_vocab import draft_vocab, frequent_tokens
 
     base, data = tiny_base(), tiny_data()
     run = train_draft(cfg(tmp_path, "medusa", epochs=1, draft_vocab=5), base, data, progress=False,
@@ -407,11 +407,11 @@ def test_response_positions_mask_and_the_trimmed_losses_equal_the_weighted_ones(
     """batches(prompt_lens=) keeps only positions t >= P - 1 (same batches otherwise); the losses that skip the
     rows a mask does not count (the LM head, the KL, hidden transfer's pseudo rows of early anchors) equal
     the plain mask-weighted losses computed over every row."""
-    from midlayer.distill import batches
-    from midlayer.drafters import base_states, kl_to_base
-    from midlayer.drafters import EarlyExitHead, MedusaHeads
-    from midlayer.eagle import W_CLS, EagleHead, eagle_forward, eagle_loss, feature, feature_logits
-    from midlayer.hidden_transfer import transfer_forward
+    from midlayer.speculative.distill import batches
+    from midlayer.speculative.drafters import base_states, kl_to_base
+    from midlayer.speculative.drafters import EarlyExitHead, MedusaHeads
+    from midlayer.speculative.eagle import W_CLS, EagleHead, eagle_forward, eagle_loss, feature, feature_logits
+    from midlayer.speculative.hidden_transfer import transfer_forward
 
     seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [1, 1, 2, 2, 3, 3, 4]]
     plain = batches(seqs, 64, 16, 0, pad_id=0)
@@ -497,7 +497,7 @@ def test_a_moved_run_folder_continues_exactly(tmp_path):
 def test_a_state_saved_before_settings_were_added_resumes(tmp_path):
     """A train_state.pt written before cache_dir and the gates settings existed (its settings lack them)
     resumes under their defaults -- the values that reproduce what it did -- and not under other values."""
-    import midlayer.draft_training as dt
+    import midlayer.speculative.draft_training as dt
 
     base, data = tiny_base(), tiny_data()
     c = cfg(tmp_path, "medusa", epochs=2)
@@ -519,8 +519,8 @@ def test_a_state_saved_before_settings_were_added_resumes(tmp_path):
 def test_split_training_pass_equals_the_joint_one(gating, masked):
     """Hidden transfer's training pass runs the real rows without autograd and the pseudo rows against their
     keys; the loss and every gradient equal those of running all rows together (`split=False`)."""
-    from midlayer.drafters import kl_to_base
-    from midlayer.hidden_transfer import transfer_forward
+    from midlayer.speculative.drafters import kl_to_base
+    from midlayer.speculative.hidden_transfer import transfer_forward
 
     torch.manual_seed(0)
     base = Transformer(ModelConfig(dim=D, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=64,
@@ -548,7 +548,7 @@ def test_export_now_writes_the_best_weights_and_leaves_the_run_to_continue_exact
     """`train-draft --export-now` mid-run: the draft on disk holds the state's best evaluated weights (under
     patience), its metrics say how far the run got, the state file is byte-identical, and the continued run
     ends as the uninterrupted one."""
-    import midlayer.draft_training as dt
+    import midlayer.speculative.draft_training as dt
 
     base, data = tiny_base(), tiny_data()
     curve = [3.0, 2.0, 2.5] + [1.0] * 20  # per drafter: best at step 4 (the 2nd evaluation), worse at step 6

@@ -1,4 +1,4 @@
-"""The draft vocabulary (midlayer/draft_vocab.py): the frequency rule by hand, the restricted head against the
+"""The draft vocabulary (midlayer/speculative/draft_vocab.py): the frequency rule by hand, the restricted head against the
 full one (fp32 and the q4 format's Q8 head), every drafter lossless with it and proposing only its tokens,
 save/load, and training scoring candidates against the base's full-vocabulary argmax."""
 
@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from midlayer.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
+from midlayer.speculative.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
                                   teacher_logits, to_token_ids)
-from midlayer.drafters import DraftMismatchError, EarlyExitDrafter, EarlyExitHead, MedusaDrafter, MedusaHeads, \
+from midlayer.speculative.drafters import DraftMismatchError, EarlyExitDrafter, EarlyExitHead, MedusaDrafter, MedusaHeads, \
     load_draft, save_draft
-from midlayer.eagle import EagleDrafter, EagleHead
-from midlayer.hidden_transfer import HiddenTransferDrafter
-from midlayer.speculative import Draft, DraftTree, speculative_generate
+from midlayer.speculative.eagle import EagleDrafter, EagleHead
+from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+from midlayer.speculative.verify import Draft, DraftTree, speculative_generate
 from test_drafters import D, MODELS, PROMPT, SMALL_TREE, V, greedy, perturbed_transfer
 
 
@@ -52,7 +52,7 @@ def test_restrict_map_and_teacher():
 
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
 def test_sub_head_equals_the_full_head_restricted(fmt):
-    from midlayer.quantization import compress_weights
+    from midlayer.engine.quantization import compress_weights
 
     model = copy.deepcopy(MODELS[False])
     if fmt == "q4":
@@ -172,7 +172,7 @@ def test_save_load_keeps_the_draft_vocabulary(tmp_path):
 
 
 def test_round_cost_counts_the_draft_vocabularys_share_of_the_head():
-    from midlayer import tree_cost as tc
+    from midlayer.speculative import tree_cost as tc
 
     costs = tc.RowCosts((1, 8), (10.0, 24.0), (2.0, 9.0), 4)
     # by hand: head(3) = 2 + (9 - 2) * (3 - 1) / (8 - 1) = 4.0; a quarter of the head's rows: 1.0; no block rows

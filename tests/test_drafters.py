@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from midlayer.config import ModelConfig
-from midlayer.drafters import (DraftMismatchError, EarlyExitDrafter, EarlyExitHead, LayerSkipDrafter, MedusaDrafter,
+from midlayer.speculative.drafters import (DraftMismatchError, EarlyExitDrafter, EarlyExitHead, LayerSkipDrafter, MedusaDrafter,
                                MedusaHeads, early_exit_loss, load_draft, medusa_loss, save_draft, train_early_exit,
                                train_medusa)
-from midlayer.generate import GenerationConfig, forward_cached, generate
-from midlayer.hidden_transfer import (HiddenTransfer, HiddenTransferDrafter, draft_top1_accuracy,
+from midlayer.engine.generate import GenerationConfig, forward_cached, generate
+from midlayer.speculative.hidden_transfer import (HiddenTransfer, HiddenTransferDrafter, draft_top1_accuracy,
                                       hidden_transfer_loss, pseudo_logits_cached, train_hidden_transfer,
                                       training_mask, training_rows, transfer_forward, tree_visible, visible)
-from midlayer.kv_cache import KVCache
-from midlayer.model import Transformer
+from midlayer.model.kv_cache import KVCache
+from midlayer.model.transformer import Transformer
 from tiny_models import make_tiny
-from midlayer.speculative import DraftContext, DraftTree, speculative_generate
+from midlayer.speculative.verify import DraftContext, DraftTree, speculative_generate
 
 V = 64
 D = 32
@@ -425,7 +425,7 @@ def test_save_load_roundtrip_and_refusals(tmp_path):
 def test_draft_recorder_scores_per_depth_accuracy():
     """The benchmark's per-depth accuracy: an oracle scores 1 at every depth, a random drafter ~0, and the
     recorder passes the fused-drafter hooks through (same output, same rounds as the bare drafter)."""
-    from midlayer.bench import DraftRecorder
+    from midlayer.experiments.bench import DraftRecorder
     from tiny_models import OracleDrafter, RandomDrafter
 
     model = MODELS[False]
@@ -454,8 +454,8 @@ def test_committed_smollm2_drafts_load_and_are_lossless(capsys):
     from pathlib import Path
 
     from midlayer import cli
-    from midlayer.drafters import load_drafter
-    from midlayer.pretrained import load_pretrained
+    from midlayer.speculative.drafters import load_drafter
+    from midlayer.engine.pretrained import load_pretrained
 
     root = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m"
     model, tok = load_pretrained("smollm2-135m")
@@ -483,10 +483,10 @@ def test_drafts_at_scale_load_and_are_lossless_in_q4_on_branching_trees():
     tests/test_kernels.py::test_q4_tree_node_logits_equal_plain_decoding_bit_for_bit)."""
     from pathlib import Path
 
-    from midlayer.drafters import load_drafter
-    from midlayer.eagle import EagleDrafter
-    from midlayer.pretrained import load_pretrained
-    from midlayer.quantization import compress_weights
+    from midlayer.speculative.drafters import load_drafter
+    from midlayer.speculative.eagle import EagleDrafter
+    from midlayer.engine.pretrained import load_pretrained
+    from midlayer.engine.quantization import compress_weights
 
     root = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-scale"
     model, tok = load_pretrained("smollm2-135m")
@@ -510,8 +510,8 @@ def test_drafts_at_scale_load_and_are_lossless_in_q4_on_branching_trees():
 def test_every_block_call_goes_through_the_one_loop(monkeypatch):
     """Training pass, prefill/decode, tree verification with joined rows, every drafter's partial forward,
     the hidden-transfer training pass and cached lower states: each block runs inside Transformer.run_blocks."""
-    from midlayer import model as model_mod
-    from midlayer.drafters import lower_states
+    from midlayer.model import transformer as model_mod
+    from midlayer.speculative.drafters import lower_states
 
     depth, calls = [0], [0]
     loop, block_forward = model_mod.Transformer.run_blocks, model_mod.Block.forward
@@ -542,8 +542,8 @@ def test_every_block_call_goes_through_the_one_loop(monkeypatch):
 
 
 def test_gates_refuse_out_of_order_and_partial_gated_forwards():
-    from midlayer.gating import MirroredGates
-    from midlayer.model import causal_step
+    from midlayer.model.gating import MirroredGates
+    from midlayer.model.transformer import causal_step
 
     model = MODELS[True]
     h = model.tok_embeddings(torch.tensor([PROMPT]))
@@ -570,7 +570,7 @@ def test_hidden_transfer_decodes_only_its_pseudo_rows_on_its_draft_vocabulary(fu
     """The LM head reads the verified tree rows; the pseudo rows of the accepted anchor only are decoded, on
     the transfer's draft vocabulary (its rows of the head), and their logits are the full head's restricted
     to it. The output is still plain greedy."""
-    from midlayer.draft_vocab import restrict_logits, set_draft_vocab
+    from midlayer.speculative.draft_vocab import restrict_logits, set_draft_vocab
 
     model = MODELS[False]
     ht = perturbed_transfer([1, 2, 3])

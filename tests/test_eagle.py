@@ -1,4 +1,4 @@
-"""EAGLE drafter (midlayer/eagle.py): lossless speculative decoding with a wrong (random) head, drafts equal to the
+"""EAGLE drafter (midlayer/speculative/eagle.py): lossless speculative decoding with a wrong (random) head, drafts equal to the
 teacher-forced pass, oracles that accept every draft (and fail when shifted), training, save/load, train-draft
 with resume. Tiny models only; run with OMP_NUM_THREADS=1."""
 
@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from midlayer.draft_training import DraftTrainConfig, train_draft
-from midlayer.drafters import DraftMismatchError, load_draft, load_drafter, save_draft
-from midlayer.eagle import EagleDrafter, EagleHead, eagle_forward, eagle_loss, feature_logits, train_eagle
-from midlayer.generate import GenerationConfig, generate
-from midlayer.model import Transformer
-from midlayer.speculative import Draft, DraftContext, DraftTree, speculative_generate
+from midlayer.speculative.draft_training import DraftTrainConfig, train_draft
+from midlayer.speculative.drafters import DraftMismatchError, load_draft, load_drafter, save_draft
+from midlayer.speculative.eagle import EagleDrafter, EagleHead, eagle_forward, eagle_loss, feature_logits, train_eagle
+from midlayer.engine.generate import GenerationConfig, generate
+from midlayer.model.transformer import Transformer
+from midlayer.speculative.verify import Draft, DraftContext, DraftTree, speculative_generate
 from test_drafters import synthetic, trained_base  # noqa: F401 (trained_base is a fixture used below)
 from test_draft_training import tiny_base, tiny_data
 from tiny_models import make_tiny
@@ -285,7 +285,7 @@ def test_round_cost_for_auto_trees():
     """`tree_cost` costs an EAGLE round by what it runs: the verification forward, the call that commits
     the context with the root row (one head row), and per deeper level r rows through the one draft layer
     (a block's shape) and the LM head."""
-    from midlayer import tree_cost as tc
+    from midlayer.speculative import tree_cost as tc
 
     model = MODELS[True]
     drafter = EagleDrafter(model, random_head(model))
@@ -410,8 +410,8 @@ def test_beside_a_compressed_base_the_draft_layer_runs_in_its_format(fmt):
     and the output is still exactly plain greedy."""
     import copy
 
-    from midlayer import kernels
-    from midlayer.quantization import BF16Linear, Q4Linear, Q8Linear, compress_weights
+    from midlayer.ops import kernels
+    from midlayer.engine.quantization import BF16Linear, Q4Linear, Q8Linear, compress_weights
 
     base = compress_weights(copy.deepcopy(MODELS[False]), fmt).eval()
     head = random_head(MODELS[False], seed=5)

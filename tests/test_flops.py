@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from midlayer.config import ModelConfig, get_preset
-from midlayer.flops import (active_param_count, block_param_count, decode_flops, format_breakdown, forward_flops,
+from midlayer.model.flops import (active_param_count, block_param_count, decode_flops, format_breakdown, forward_flops,
                             kv_bytes_per_token, param_count, prefill_decode_split)
 
 # Tiny model: d = 8, L = 2, H = 2, K = 1 kv head, hd = 4, V = 10, h = 2 * 8 = 16 (a multiple of 16).

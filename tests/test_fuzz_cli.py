@@ -69,7 +69,7 @@ def _validate(cmd: str, args: argparse.Namespace) -> None:
         except FileNotFoundError:  # the drafts/model on disk: a clean refusal in cli.main too
             pass
     elif cmd == "distill":
-        __import__("midlayer.distill", fromlist=["x"]).check_args(args)
+        __import__("midlayer.speculative.distill", fromlist=["x"]).check_args(args)
     elif cmd == "bench static":
         try:
             cli._check_bench_static_args(args)
@@ -101,14 +101,14 @@ def test_every_flag_refuses_cleanly_or_validates(cmd, flag, value, capsys):
         assert str(e) and "\n" not in str(e).strip()  # one line
 
 
-DISTILL_CASES = [(flag, v) for flag in _value_flags(__import__("midlayer.distill", fromlist=["x"]).build_parser())
+DISTILL_CASES = [(flag, v) for flag in _value_flags(__import__("midlayer.speculative.distill", fromlist=["x"]).build_parser())
                  for v in BAD]
 
 
 @pytest.mark.parametrize("flag,value", DISTILL_CASES, ids=[f"distill:{f}={v}" for f, v in DISTILL_CASES])
 def test_every_distill_flag_refuses_cleanly_or_validates(flag, value, tmp_path):
-    """`python -m midlayer.distill`, the other command line of the project: the same rule."""
-    from midlayer import distill
+    """`python -m midlayer.speculative.distill`, the other command line of the project: the same rule."""
+    from midlayer.speculative import distill
 
     argv = ["--model", "m", "--out", str(tmp_path / "d.jsonl"), f"{flag}={value}"]
     try:
@@ -130,7 +130,7 @@ def test_every_distill_flag_refuses_cleanly_or_validates(flag, value, tmp_path):
 
 
 def test_distill_limit_and_temperature_refusals(tmp_path, capsys):
-    from midlayer import distill
+    from midlayer.speculative import distill
 
     for argv, must in ((["--limit", "-1"], "--limit must be >= 0"), (["--temperature", "nan"], "--temperature"),
                        (["--out", str(tmp_path)], "not a folder"), (["--device", "bogus"], "not a device")):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from midlayer.attention import key_gate_bias, sdpa_attention
+from midlayer.model.attention import key_gate_bias, sdpa_attention
 from midlayer.config import ModelConfig
-from midlayer.generate import GenerationConfig, generate, generate_naive
-from midlayer.model import Transformer
+from midlayer.engine.generate import GenerationConfig, generate, generate_naive
+from midlayer.model.transformer import Transformer
 from tiny_models import make_tiny
 
 SMALL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=48, multiple_of=16)

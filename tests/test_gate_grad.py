@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from midlayer.config import ModelConfig, SparsityConfig
-from midlayer.gating import inward_straight_through, straight_through
-from midlayer.model import Transformer
+from midlayer.model.gating import inward_straight_through, straight_through
+from midlayer.model.transformer import Transformer
 
 SMALL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=64, max_seq_len=32, multiple_of=16)
 

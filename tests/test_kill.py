@@ -30,7 +30,7 @@ def _env(tmp_path: Path) -> dict:
 def startup_s() -> float:
     """How long a Python process takes to import torch and midlayer here (kill points are placed after it)."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch, midlayer.cli, midlayer.draft_training, midlayer.distill"],
+    subprocess.run([sys.executable, "-c", "import torch, midlayer.cli, midlayer.speculative.draft_training, midlayer.speculative.distill"],
                    cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
     return time.perf_counter() - t
 
@@ -64,14 +64,14 @@ def _kill_and_resume(cmd_for, env: dict, seed: int, until_done, whole_s: float, 
 
 
 def _digest(state: dict) -> str:
-    from midlayer.checkpoint import weights_digest
+    from midlayer.train.checkpoint import weights_digest
 
     return weights_digest(state)
 
 
 def test_train_killed_ten_times_ends_as_an_uninterrupted_run(tmp_path, startup_s):
-    from midlayer.checkpoint import list_checkpoints, load_checkpoint
-    from midlayer.data import write_shard
+    from midlayer.train.checkpoint import list_checkpoints, load_checkpoint
+    from midlayer.data.shards import write_shard
 
     toks = np.random.default_rng(0).integers(0, 512, 12_000)
     d = tmp_path / "shards"
@@ -99,7 +99,7 @@ def test_train_killed_ten_times_ends_as_an_uninterrupted_run(tmp_path, startup_s
 DRAFT_SCRIPT = """
 import sys
 from test_draft_training import cfg, tiny_base, tiny_data
-from midlayer.draft_training import train_drafts
+from midlayer.speculative.draft_training import train_drafts
 from pathlib import Path
 out = Path(sys.argv[1])
 c = [cfg(out, m, epochs=300) for m in ("medusa", "early-exit")]
@@ -127,8 +127,8 @@ def test_draft_training_killed_ten_times_ends_as_an_uninterrupted_run(tmp_path, 
 DISTILL_SCRIPT = """
 import sys
 from test_distill import CharTok, make_model
-from midlayer.distill import distill
-from midlayer.prompts import Prompt
+from midlayer.speculative.distill import distill
+from midlayer.data.prompts import Prompt
 prompts = [Prompt(f"p{i}", "qa", "tell me about " + "abc"[i % 3] * (i % 7 + 1), "train") for i in range(240)]
 distill(make_model(), CharTok({0}), prompts, sys.argv[1], max_new_tokens=80, batch_size=2, progress=False)
 """

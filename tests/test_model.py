@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from midlayer.attention import HAS_FLEX, flex_gated_attention, key_gate_bias, sdpa_attention
+from midlayer.model.attention import HAS_FLEX, flex_gated_attention, key_gate_bias, sdpa_attention
 from midlayer.config import ModelConfig, get_preset
-from midlayer.gating import mirror_index, skipped_span
-from midlayer.model import Transformer
+from midlayer.model.gating import mirror_index, skipped_span
+from midlayer.model.transformer import Transformer
 
 SMALL = dict(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16, multiple_of=16)
 
@@ -317,7 +317,7 @@ def test_auto_backend_takes_flex_only_for_a_bias_or_window():
     compiled Flex recompiled per length on an H100); never on CPU or with training-time attention dropout."""
     from types import SimpleNamespace
 
-    from midlayer.attention import Attention
+    from midlayer.model.attention import Attention
     from midlayer.config import ModelConfig
 
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)

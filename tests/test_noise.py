@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from midlayer.data import TokenWindows, write_shard
-from midlayer.evaluate import _first_zero_block, compare_models
+from midlayer.data.shards import TokenWindows, write_shard
+from midlayer.train.evaluate import _first_zero_block, compare_models
 from tiny_models import make_tiny
 
 DIMS = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, multiple_of=16)

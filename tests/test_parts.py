@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from midlayer.config import ModelConfig, from_dict, to_dict
-from midlayer.flops import param_count
-from midlayer.generate import GenerationConfig, forward_cached, generate, generate_naive
-from midlayer.kv_cache import KVCache
-from midlayer.model import Block, FeedForward, LayerNorm, RMSNorm, Transformer
+from midlayer.model.flops import param_count
+from midlayer.engine.generate import GenerationConfig, forward_cached, generate, generate_naive
+from midlayer.model.kv_cache import KVCache
+from midlayer.model.transformer import Block, FeedForward, LayerNorm, RMSNorm, Transformer
 from tiny_models import make_tiny
 
 SMALL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=48, multiple_of=16)
@@ -59,7 +59,7 @@ def model_with(over: dict, gating: bool, seed: int = 0) -> Transformer:
 
 # ==================================================================================== hand computations
 def test_sinusoidal_table_by_hand():
-    from midlayer.model import sinusoidal_table
+    from midlayer.model.transformer import sinusoidal_table
 
     pe = sinusoidal_table(3, 4)  # frequencies 10000^0 = 1 and 10000^(-2/4) = 0.01
     want = [[0.0, 1.0, 0.0, 1.0], [math.sin(1), math.cos(1), math.sin(0.01), math.cos(0.01)],
@@ -71,7 +71,7 @@ def test_rope_scaling_at_the_scaled_positions():
     """Linear interpolation by s: position t gets the angles of t / s (so t = 2 s has those of 2);
     NTK-aware: base theta * s^(d/(d-2)) -- the highest frequency (i = 0) is unchanged, the lowest
     (i = d/2 - 1) becomes exactly s times slower."""
-    from midlayer.attention import rope_tables
+    from midlayer.model.attention import rope_tables
 
     d, s = 8, 4.0
     cos, sin = rope_tables(d, 64, 10000.0)
@@ -103,7 +103,7 @@ def test_absolute_positions_enter_through_the_embedding():
 def test_scaled_embeddings_by_hand():
     """Vaswani et al. 2017 sec. 3.4: the token embedding x sqrt(d_model) (here sqrt(32)), then + PE[t]; the
     position table and the tied output head are not scaled."""
-    from midlayer.model import sinusoidal_table
+    from midlayer.model.transformer import sinusoidal_table
 
     m = model_with(dict(PARTS["sinusoidal_scaled"], tie_embeddings=True), gating=False)
     x = torch.tensor([[3, 0, 63, 3]])
@@ -119,7 +119,7 @@ def test_scaled_embeddings_by_hand():
 def test_sliding_window_equals_full_attention_with_the_windowed_mask():
     """The training path (SDPA with the window mask) against a naive softmax over a hand-built mask: query i
     sees keys i - W + 1 .. i."""
-    from midlayer.attention import sdpa_attention
+    from midlayer.model.attention import sdpa_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
@@ -164,7 +164,7 @@ def test_sliding_window_generation_past_the_window_equals_the_naive_reference(ga
 
 
 def test_alibi_slopes_and_bias_by_hand():
-    from midlayer.attention import PositionBias, alibi_slopes
+    from midlayer.model.attention import PositionBias, alibi_slopes
 
     torch.testing.assert_close(alibi_slopes(4), torch.tensor([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8]))
     # 6 heads: the 4 slopes of 4 heads, then every other slope of 8 heads (2^-1, 2^-3)
@@ -175,7 +175,7 @@ def test_alibi_slopes_and_bias_by_hand():
 
 
 def test_t5_buckets_by_hand():
-    from midlayer.attention import t5_bucket
+    from midlayer.model.attention import t5_bucket
 
     # 8 buckets, max distance 20: 0..3 exact; then 4 + floor(log(d / 4) / log(5) * 4), capped at 7
     d = torch.tensor([0, 1, 3, 4, 5, 9, 19, 20, 100])
@@ -186,7 +186,7 @@ def test_t5_buckets_by_hand():
 
 def test_per_head_masks_in_the_row_invariant_kernel():
     """The C attention kernel reads a [B, H, T, S] mask (ALiBi / T5 in the q4 engine) like the reference."""
-    from midlayer import kernels
+    from midlayer.ops import kernels
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
@@ -197,7 +197,7 @@ def test_per_head_masks_in_the_row_invariant_kernel():
 
 
 def test_moe_with_one_expert_and_top1_is_the_dense_ffn():
-    from midlayer.model import MoEFeedForward
+    from midlayer.model.transformer import MoEFeedForward
 
     torch.manual_seed(0)
     dense = FeedForward(8, 16, "swiglu")
@@ -212,7 +212,7 @@ def test_moe_load_balancing_loss_by_hand():
     """E = 2, k = 1, router = identity on 2 features. Tokens [2, 0] x3 and [0, 2]: p(e0) = e^2 / (e^2 + 1) =
     0.8808 for the first three, 0.1192 for the last; assignments f = (3/4, 1/4); mean probabilities
     P = (0.6904, 0.3096); loss = 2 (0.75 * 0.6904 + 0.25 * 0.3096) = 1.1904."""
-    from midlayer.model import MoEFeedForward
+    from midlayer.model.transformer import MoEFeedForward
 
     moe = MoEFeedForward(2, 4, "relu", n_experts=2, top_k=1)
     with torch.no_grad():
@@ -225,7 +225,7 @@ def test_moe_load_balancing_loss_by_hand():
 
 
 def test_moe_routing_does_not_depend_on_the_batch():
-    from midlayer.model import MoEFeedForward
+    from midlayer.model.transformer import MoEFeedForward
 
     torch.manual_seed(1)
     moe = MoEFeedForward(8, 16, "swiglu", n_experts=4, top_k=2)
@@ -236,7 +236,7 @@ def test_moe_routing_does_not_depend_on_the_batch():
 
 
 def test_moe_cost_model_counts_active_experts():
-    from midlayer.flops import active_param_count, ffn_param_count, forward_flops
+    from midlayer.model.flops import active_param_count, ffn_param_count, forward_flops
 
     dense = ModelConfig(**{**SMALL, "gating": False})
     moe = dataclasses.replace(dense, moe_experts=4, moe_top_k=2)
@@ -357,7 +357,7 @@ def test_settings_that_make_no_sense_are_refused():
         ModelConfig(**SMALL, dropout=1.0)
     with pytest.raises(ValueError, match="attn_dropout"):
         ModelConfig(**SMALL, attn_dropout=0.1, attn_backend="flex")
-    from midlayer.pretrained import hf_config_for
+    from midlayer.engine.pretrained import hf_config_for
 
     for over, what in ((dict(norm_type="layernorm"), "norm_type"), (dict(ffn_type="gelu"), "ffn_type"),
                        (dict(qk_norm=True, qkv_bias=True), "qk_norm"), (dict(ssm_layers=(1,)), "ssm_layers"),
@@ -405,7 +405,7 @@ def test_every_part_trains_generates_counts_and_roundtrips(name, gating):
 def test_parts_in_the_q4_engine(name):
     """compress_weights handles every FFN type and QK-norm; the q4 model stays close to fp32 and its cached
     decoding equals its own full forward (the engine path of these parts)."""
-    from midlayer.quantization import compress_weights
+    from midlayer.engine.quantization import compress_weights
 
     model = model_with(PARTS[name], gating=False)
     x = torch.randint(0, 64, (1, 14))
@@ -426,11 +426,11 @@ def test_parts_in_the_q4_engine(name):
 def test_speculative_decoding_stays_lossless_with_the_parts(name):
     """Tree verification, hidden transfer's fused pass, EAGLE and early exit go through the same cached
     masks and embedding: with these parts the speculative output is still plain greedy's, in fp32 and q4."""
-    from midlayer.drafters import EarlyExitDrafter, EarlyExitHead
-    from midlayer.eagle import EagleDrafter, EagleHead
-    from midlayer.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
-    from midlayer.quantization import compress_weights
-    from midlayer.speculative import DraftTree, speculative_generate
+    from midlayer.speculative.drafters import EarlyExitDrafter, EarlyExitHead
+    from midlayer.speculative.eagle import EagleDrafter, EagleHead
+    from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+    from midlayer.engine.quantization import compress_weights
+    from midlayer.speculative.verify import DraftTree, speculative_generate
 
     tree = DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     for fmt in ("fp32", "q4"):
@@ -456,8 +456,8 @@ def test_moe_training_adds_the_balancing_loss_and_resumes_exactly(tmp_path):
     import json
     from pathlib import Path
 
-    from midlayer.checkpoint import list_checkpoints, load_checkpoint
-    from midlayer.train import train
+    from midlayer.train.checkpoint import list_checkpoints, load_checkpoint
+    from midlayer.train.loop import train
     from test_train import debug_configs
 
     m, s, t = debug_configs(tmp_path, steps=6, ckpt_every=2, keep_last=2, log_every=1)
@@ -483,7 +483,7 @@ def test_moe_training_adds_the_balancing_loss_and_resumes_exactly(tmp_path):
 
 # ===================================================================================== state-space mixer
 def test_chunked_scan_equals_the_sequential_scan():
-    from midlayer.ssm import scan_chunked, scan_sequential
+    from midlayer.model.ssm import scan_chunked, scan_sequential
 
     torch.manual_seed(0)
     Bt, T, D, N = 2, 37, 6, 4  # T not a multiple of the chunk; a nonzero initial state
@@ -512,8 +512,8 @@ def test_chunked_scan_equals_the_sequential_scan():
 
 
 def test_ssm_mixer_in_generation_keeps_a_constant_state_and_refuses_rollback():
-    from midlayer.speculative import DraftTree, speculative_generate
-    from midlayer.drafters import LayerSkipDrafter
+    from midlayer.speculative.verify import DraftTree, speculative_generate
+    from midlayer.speculative.drafters import LayerSkipDrafter
 
     m = model_with(PARTS["ssm_hybrid"], gating=False)
     assert [b.mixer is not None for b in m.layers] == [False, True, True, False]
@@ -540,7 +540,7 @@ def test_ssm_mixer_in_generation_keeps_a_constant_state_and_refuses_rollback():
 
 
 def test_ssm_mixer_sequential_and_chunked_forward_agree():
-    from midlayer.ssm import SelectiveSSM
+    from midlayer.model.ssm import SelectiveSSM
 
     torch.manual_seed(0)
     mixer = SelectiveSSM(ModelConfig(**{**SMALL, "gating": False, "ssm_layers": (0,)}))

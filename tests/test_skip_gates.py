@@ -1,4 +1,4 @@
-"""Skip gates on a pretrained dense model (midlayer/skip_gates.py, issue 15): fresh routers give the dense
+"""Skip gates on a pretrained dense model (midlayer/speculative/skip_gates.py, issue 15): fresh routers give the dense
 logits exactly, gradients reach them from the first step, the twin shares the dense weights, the adapters
 start at zero, the loss and statistics match a hand computation, and self-drafting with any gates (fresh,
 random, all-skip) is lossless."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from midlayer.drafters import kl_to_base, load_drafter, save_draft
-from midlayer.generate import GenerationConfig, generate
-from midlayer.skip_gates import GatedDrafter, SkipGates, counted_stats, gate_loss, gated_twin
-from midlayer.speculative import DraftTree, speculative_generate
+from midlayer.speculative.drafters import kl_to_base, load_drafter, save_draft
+from midlayer.engine.generate import GenerationConfig, generate
+from midlayer.speculative.skip_gates import GatedDrafter, SkipGates, counted_stats, gate_loss, gated_twin
+from midlayer.speculative.verify import DraftTree, speculative_generate
 from tiny_models import make_tiny
 
 V, D = 64, 32
@@ -201,7 +201,7 @@ def test_router_scale_is_calibrated_once_and_keeps_the_dense_start():
 def test_static_skip_gates_skip_the_span_for_every_token():
     """The static baseline (bench.static_skip_gates) equals running the dense model without blocks
     [a, L-1-a], by hand; and the span of nearest compute is picked from a skipped share."""
-    from midlayer.bench import static_first_for, static_skip_gates
+    from midlayer.experiments.bench import static_first_for, static_skip_gates
 
     model = dense()
     tokens = torch.randint(0, V, (1, 15), generator=torch.Generator().manual_seed(10))
@@ -218,8 +218,8 @@ def test_static_skip_gates_skip_the_span_for_every_token():
 
 
 def test_bench_gates_reports_quality_and_speed_rows():
-    from midlayer.bench import bench_gates
-    from midlayer.distill import DistillRecord, DistillSet
+    from midlayer.experiments.bench import bench_gates
+    from midlayer.speculative.distill import DistillRecord, DistillSet
 
     model = dense()
     g = torch.Generator().manual_seed(11)
@@ -274,8 +274,8 @@ def test_decode_with_open_gates_and_whole_steps_skipping_matches_the_full_forwar
             seq.append(int(twin(torch.tensor([seq])).logits[0, -1].argmax()))
     assert got == seq[6:]
     # teacher-forced through the cache: every step's logits equal the full forward's, row by row
-    from midlayer.generate import decode_one_token, prefill
-    from midlayer.kv_cache import KVCache
+    from midlayer.engine.generate import decode_one_token, prefill
+    from midlayer.model.kv_cache import KVCache
 
     cache = KVCache.for_model(twin.cfg, 1, 32)
     with torch.no_grad():
@@ -291,7 +291,7 @@ def test_one_row_gate_path_gives_the_tensor_paths_bits():
     """gating.MirroredGates: a single row at inference takes eq. 1-2 on the host in float32; its gates
     equal, bit for bit, those the same row gets inside a batch (the tensor path), fractional, 1 and 0 alike,
     and the `open` flags say exactly which blocks have gate 1."""
-    from midlayer.gating import MirroredGates, Routers
+    from midlayer.model.gating import MirroredGates, Routers
 
     L, d = 8, 16
     g = torch.Generator().manual_seed(14)
@@ -355,7 +355,7 @@ def test_fixed_coefficient_controllers_are_refused():
 
 def test_low_rank_linear_by_hand():
     """LowRankLinear: y = W x + (alpha / r) B (A x) (LoRA eq. 3), by hand on a 3 -> 2 projection, rank 1."""
-    from midlayer.skip_gates import LowRankLinear
+    from midlayer.speculative.skip_gates import LowRankLinear
 
     base = torch.nn.Linear(3, 2, bias=False)
     with torch.no_grad():
@@ -372,7 +372,7 @@ def test_hard_gates_round_eq2_by_hand_and_one_row_gives_the_tensor_bits():
     """gate_values = "hard": g = 1 while S < 1/2, else 0 (eq. 2's gate rounded), from a hand computation of
     eqs. 1-2; mirrored on the second half; a single row at inference gets the same bits as inside a batch;
     only 0 and 1 occur, and the `open` flags say which."""
-    from midlayer.gating import MirroredGates, Routers
+    from midlayer.model.gating import MirroredGates, Routers
 
     L, d = 8, 16
     g = torch.Generator().manual_seed(21)
@@ -442,7 +442,7 @@ def test_hard_gates_train_through_the_straight_through_gradient_and_decode_lossl
 def test_router_norm_reads_h_over_its_l1_norm_on_every_path():
     """router_norm: eq. 1 on h / ||h||_1 per token -- by hand, the same on the training (F.linear) and the
     inference (per-row product and sum) paths, blind to each token's scale, and still dense when fresh."""
-    from midlayer.gating import inference_score
+    from midlayer.model.gating import inference_score
 
     model = dense()
     tokens = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(24))
@@ -467,7 +467,7 @@ def test_sampled_gates_close_at_a_random_threshold_by_hand_and_are_hard_without_
     """gate_values = "sampled": while autograd records, g = 1 while S < u with one u = 1 - U[0, 1) per token
     drawn from the generator at block 0 (a hand computation of eqs. 1-2 and of the draw), mirrored, closed for
     good once closed; E[g] over the draws is eq. 2's soft gate; without autograd the gates are the hard ones."""
-    from midlayer.gating import MirroredGates, Routers
+    from midlayer.model.gating import MirroredGates, Routers
 
     L, d, N = 8, 16, 4
     g = torch.Generator().manual_seed(31)
@@ -539,7 +539,7 @@ def test_skip_oracle_per_token_costs_and_choice_by_hand():
     import sys
     from pathlib import Path
 
-    from midlayer.bench import static_skip_gates
+    from midlayer.experiments.bench import static_skip_gates
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import skip_oracle
@@ -578,7 +578,7 @@ def test_skip_oracle_over_an_adapted_model_by_hand():
     import sys
     from pathlib import Path
 
-    from midlayer.bench import static_skip_gates
+    from midlayer.experiments.bench import static_skip_gates
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import skip_oracle
@@ -628,7 +628,7 @@ def test_gates_controller_bounds_beta_and_saves_the_bound():
     """--gate-beta-max reaches the gates' controller (SparsityConfig.beta_max): its beta, bound to the module's
     buffer, stops at the bound; the bound travels in config(), and a config saved before it existed loads as 0
     (unbounded, what those runs did)."""
-    from midlayer.draft_training import DraftTrainConfig, build_module
+    from midlayer.speculative.draft_training import DraftTrainConfig, build_module
 
     model = dense()
     gates = build_module(DraftTrainConfig(method="gates", gate_beta_max=0.05, gate_gamma=1.0), model)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from midlayer.config import SparsityConfig
-from midlayer.sparsity import GateStatsAccumulator, gate_stats, make_controller, mean_targets, var_targets
+from midlayer.model.sparsity import GateStatsAccumulator, gate_stats, make_controller, mean_targets, var_targets
 
 
 def _list(t: torch.Tensor) -> list[float]:

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from midlayer.generate import GenerationConfig, forward_cached, generate
-from midlayer.kv_cache import KVCache
-from midlayer.model import Transformer
+from midlayer.engine.generate import GenerationConfig, forward_cached, generate
+from midlayer.model.kv_cache import KVCache
+from midlayer.model.transformer import Transformer
 from tiny_models import OracleDrafter, RandomDrafter, make_tiny
-from midlayer.speculative import (Draft, DraftContext, DraftTree, SpecStats,
+from midlayer.speculative.verify import (Draft, DraftContext, DraftTree, SpecStats,
                                   accept_among, candidates_from_topk, speculative_accept, speculative_generate,
                                   verify_tree)
 
@@ -172,7 +172,7 @@ def test_empty_tree_never_calls_the_drafter():
     model = MODELS[False]
     out, stats = speculative_generate(model, PROMPT, Refuses(), DraftTree.chain(0), 10)
     assert out == greedy(model, PROMPT, 10) and stats.tau == 1.0
-    from midlayer.generate import GenerationConfig, generate
+    from midlayer.engine.generate import GenerationConfig, generate
 
     sampled, _ = speculative_generate(model, PROMPT, Refuses(), DraftTree.chain(0), 10, temperature=0.8, seed=3)
     assert sampled == generate(model, [PROMPT], GenerationConfig(max_new_tokens=10, temperature=0.8, seed=3))[0]

@@ -1,5 +1,5 @@
 """Figure-2 sweep bookkeeping (skip / resume / start / failure), the torchrun command line, grid consistency,
-and the tables and plot of midlayer.plot -- with a stand-in for training, plus one real run of the smoke grid."""
+and the tables and plot of midlayer.experiments.plot -- with a stand-in for training, plus one real run of the smoke grid."""
 
 import csv
 import dataclasses
@@ -16,12 +16,12 @@ import torch
 
 from midlayer import cli
 from midlayer.config import get_preset
-from midlayer.data import write_shard
-from midlayer.kernels import cpu_info
-from midlayer.plot import block_check, block_targets, collect, plot_figure2, train_gate_means, write_table
-from midlayer.sweep import (CPU_MU_FINALS, CPU_STEPS, GRIDS, Grid, RunSpec, check_grid, config_flags, get_grid,
+from midlayer.data.shards import write_shard
+from midlayer.ops.kernels import cpu_info
+from midlayer.experiments.plot import block_check, block_targets, collect, plot_figure2, train_gate_means, write_table
+from midlayer.experiments.sweep import (CPU_MU_FINALS, CPU_STEPS, GRIDS, Grid, RunSpec, check_grid, config_flags, get_grid,
                             resolve_run, run_sweep, torchrun_command)
-from midlayer.train import train
+from midlayer.train.loop import train
 
 
 def _fake_eval(m, s, t, step=None) -> dict:
@@ -50,7 +50,7 @@ def _write_run(run_dir: Path, m, s, t, step=None, ckpt_step=None) -> None:
 
 
 class FakeTrain:
-    """Stands in for midlayer.train.train: records calls, writes what a finished run leaves behind."""
+    """Stands in for midlayer.train.loop.train: records calls, writes what a finished run leaves behind."""
 
     def __init__(self, fail: tuple[str, ...] = ()):
         self.calls: list[tuple[str, bool]] = []
@@ -343,7 +343,7 @@ def test_report_carries_each_runs_recorded_wall_time_and_their_sum(tmp_path):
 def test_seeds_grid_points_aggregate_by_hand(tmp_path):
     """cpu-seeds: one point per name without its seed; the fake val CE is base + 0.01 * seed, so seeds 0, 1, 2
     give mean base + 0.01 and sample std 0.01; key and query gated points stay apart."""
-    from midlayer.plot import aggregate, point_name
+    from midlayer.experiments.plot import aggregate, point_name
     grid = get_grid("cpu-seeds")
     assert {r.train["seed"] for r in grid.runs} == {0, 1, 2} and len(grid.runs) == 3 * 14
     # the controlled runs train with the setting the controller study chose (SEEDS_*), the others without control
@@ -511,8 +511,8 @@ def test_smoke_run_killed_midway_is_resumed_by_the_next_sweep(tmp_path):
 
 def test_parts_grid_changes_one_part_at_a_time_with_two_seeds():
     from midlayer.config import ModelConfig
-    from midlayer.flops import param_count
-    from midlayer.sweep import PARTS
+    from midlayer.model.flops import param_count
+    from midlayer.experiments.sweep import PARTS
 
     grid = get_grid("parts")
     base, _, tb = resolve_run(grid, grid.run("baseline-s0"), Path("x"))
@@ -537,8 +537,8 @@ def test_parts_smoke_sweep_evaluates_longer_contexts_records_divergence_and_repo
     time; `midlayer plot` writes the parts table and bar chart."""
     import dataclasses as dc
 
-    import midlayer.sweep as sw
-    from midlayer.plot import collect_parts
+    import midlayer.experiments.sweep as sw
+    from midlayer.experiments.plot import collect_parts
 
     data = _shards(tmp_path)
     grid = sw.get_grid("parts-smoke")
@@ -558,9 +558,9 @@ def test_parts_smoke_sweep_evaluates_longer_contexts_records_divergence_and_repo
             for scaling in ("linear", "ntk"):
                 assert (sorted(ext.get(f"val_ce_rope_{scaling}", {}), key=int) == ["64", "128"]) is rope, name
     # the rescaled number is the CE of the same weights in a model built with that scaling
-    from midlayer.data import TokenWindows
-    from midlayer.evaluate import evaluate, load_run
-    from midlayer.model import Transformer
+    from midlayer.data.shards import TokenWindows
+    from midlayer.train.evaluate import evaluate, load_run
+    from midlayer.model.transformer import Transformer
 
     run = out / "parts-smoke" / "baseline-s0"
     model, mcfg, tcfg, files, _ = load_run(run)
@@ -607,7 +607,7 @@ def test_parts_smoke_sweep_evaluates_longer_contexts_records_divergence_and_repo
 
 def test_equal_flops_gap_pairs_seeds_by_hand(tmp_path):
     """gated - dense at equal FLOPs, per seed, by hand: the dense curve is linear between the bracketing depths."""
-    from midlayer.plot import dense_at, equal_flops_gaps
+    from midlayer.experiments.plot import dense_at, equal_flops_gaps
     assert dense_at(150.0, [(200.0, 4.0), (100.0, 5.0)]) == pytest.approx(4.5)
     assert dense_at(125.0, [(100.0, 5.1), (200.0, 4.2), (300.0, 4.0)]) == pytest.approx(4.875)
     assert dense_at(250.0, [(100.0, 5.1), (200.0, 4.2), (300.0, 4.0)]) == pytest.approx(4.1)
@@ -651,7 +651,7 @@ def test_equal_flops_gap_pairs_seeds_by_hand(tmp_path):
 def test_depth_steps_by_hand(tmp_path):
     """Consecutive dense depths, paired by seed: 2 -> 3 layers lowers CE by 0.10, 0.12, 0.11 (mean -0.11, std
     0.01, half-width 4.303 * 0.01 / sqrt(3)): 'deeper lower'; 3 -> 4 by -0.01, +0.02, 0.0: within noise."""
-    from midlayer.plot import depth_steps, paired_difference
+    from midlayer.experiments.plot import depth_steps, paired_difference
     ce = {2: (4.50, 4.52, 4.51), 3: (4.40, 4.40, 4.40), 4: (4.39, 4.42, 4.40)}
     rows = [{"run": f"dense-{n}-s{k}", "kind": "dense", "n_layers": n, "seed": k, "val_ce": ce[n][k],
              "flops_per_seq": 100.0 * n} for n in ce for k in range(3)]
@@ -672,7 +672,7 @@ def test_key_vs_query_gating_pairs_equal_flops_gaps_by_seed(tmp_path):
     """Key- minus query-indexed gating at one controller setting, per seed, through each one's gap to the same
     seed's dense curve: key gaps +0.05, +0.03 (seeds 0, 1) and query gaps -0.05, -0.02 give +0.10, +0.05; the
     query point's seed 2 has no key partner and is left out; a key point without a query partner gets no row."""
-    from midlayer.plot import equal_flops_gaps, gating_differences
+    from midlayer.experiments.plot import equal_flops_gaps, gating_differences
 
     def run(name, kind, seed, flops, ce, att=None, mu=None):
         return {"run": name, "kind": kind, "n_layers": 6, "seed": seed, "flops_per_seq": flops, "val_ce": ce,
@@ -700,7 +700,7 @@ def test_pooled_gaps_average_each_seeds_points_first_by_hand(tmp_path):
     """Per gating index: per seed, the mean gap over its points, then a t interval over the seeds. Key points
     a (gaps +0.05, +0.03, +0.04) and b (+0.01, +0.03, +0.02) give seed means +0.03, +0.03, +0.03 (std 0:
     'dense lower'); the query point has seeds 0-1 only, gaps -0.05 and +0.05: mean 0, 'within noise'."""
-    from midlayer.plot import pooled_gaps
+    from midlayer.experiments.plot import pooled_gaps
 
     def gap(point, att, by_seed):
         return {"point": point, "gate_attention": att, "gap_by_seed": dict(enumerate(by_seed))}
@@ -723,7 +723,7 @@ def test_collect_prices_runs_with_the_current_cost_model(tmp_path):
     still need their keys and values) is priced again from its config and measured sparsity; where the config
     cannot be rebuilt the stored numbers stay."""
     from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
-    from midlayer.flops import active_param_count, forward_flops, param_count
+    from midlayer.model.flops import active_param_count, forward_flops, param_count
     sweep = tmp_path / "grid"
     z = [0.0, 0.25, 0.5]
     for mode in ("key", "query"):

@@ -13,10 +13,10 @@ import torch
 import torch.multiprocessing as mp
 
 from midlayer import cli
-from midlayer.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from midlayer.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from midlayer.config import TrainConfig, get_preset
-from midlayer.data import write_shard
-from midlayer.train import NonFiniteLossError, lr_factor, router_lr_factor, train
+from midlayer.data.shards import write_shard
+from midlayer.train.loop import NonFiniteLossError, lr_factor, router_lr_factor, train
 
 
 def synthetic_shards(tmp: Path, vocab: int = 512, n: int = 40_000) -> str:
@@ -102,8 +102,8 @@ def test_same_command_seed_and_machine_give_identical_weights(tmp_path, gating):
 
 
 def test_init_perturb_moves_weights_by_the_relative_amount_and_keeps_the_data_order():
-    from midlayer.model import Transformer
-    from midlayer.train import perturb_weights
+    from midlayer.model.transformer import Transformer
+    from midlayer.train.loop import perturb_weights
     m, _, _ = get_preset("debug")
     torch.manual_seed(0)
     a = Transformer(m)
@@ -157,9 +157,9 @@ def test_controller_reads_held_out_statistics_by_hand(tmp_path):
     never come from the held-out part; and the option is refused without an adaptive controller."""
     import json
 
-    from midlayer.data import TokenWindows, resolve_data
-    from midlayer.model import Transformer
-    from midlayer.train import default_cache_dir
+    from midlayer.data.shards import TokenWindows, resolve_data
+    from midlayer.model.transformer import Transformer
+    from midlayer.train.loop import default_cache_dir
 
     m, s, t = debug_configs(tmp_path, steps=1, ckpt_every=1, log_every=1, control_holdout=0.2, control_batch_size=4)
     s = dataclasses.replace(s, controller="proportional", mu0=1.0, mu_final=0.0, gamma=0.5, delta=0.0)
@@ -261,7 +261,7 @@ def test_corrupt_or_mismatched_checkpoint_is_refused_and_nothing_overwritten(tmp
 
 
 def test_non_finite_loss_stops_without_saving(tmp_path, monkeypatch):
-    import midlayer.train as train_mod
+    import midlayer.train.loop as train_mod
 
     class Exploding(train_mod.Transformer):
         calls = 0
@@ -322,8 +322,8 @@ def _fsdp_worker(rank: int, world: int, port: int, tmp: str, phase: str) -> None
     if phase == "first":
         from torch.distributed.tensor import DTensor, Shard
 
-        from midlayer import distributed as dist_utils
-        from midlayer.model import Transformer
+        from midlayer.train import distributed as dist_utils
+        from midlayer.model.transformer import Transformer
         dist_utils.setup("cpu")  # train() keeps this process group and tears it down at its end
         model = Transformer(m)
         full = {n: p.shape for n, p in model.named_parameters()}
@@ -395,7 +395,7 @@ def test_parallel_setting_is_checked():
 
 
 def get_init_output_weight(m):
-    from midlayer.model import Transformer
+    from midlayer.model.transformer import Transformer
     torch.manual_seed(0)
     return Transformer(m).output.weight.detach()
 
@@ -482,7 +482,7 @@ def test_cli_flops_prints_breakdown(capsys):
 def test_a_run_saved_before_new_config_fields_existed_still_resumes(tmp_path):
     """A checkpoint whose configs lack fields added later (their defaults are the older behaviour) and a
     config.json whose tuples are JSON lists are the same run, not "other settings"."""
-    from midlayer.checkpoint import config_mismatch
+    from midlayer.train.checkpoint import config_mismatch
     from midlayer.config import ModelConfig
 
     m, s, t = debug_configs(tmp_path, steps=4, ckpt_every=2)
@@ -505,9 +505,9 @@ def test_micro_batch_losses_is_the_objective_and_the_benchmark_times_it(over):
     and benchmarks/train_throughput.py's step (which cuda_paths.py reuses) trains with exactly it."""
     import sys
 
-    from midlayer.model import Transformer
-    from midlayer.sparsity import make_controller
-    from midlayer.train import micro_batch_losses
+    from midlayer.model.transformer import Transformer
+    from midlayer.model.sparsity import make_controller
+    from midlayer.train.loop import micro_batch_losses
 
     model_cfg, sparsity_cfg, _ = get_preset("debug", model=over)
     torch.manual_seed(0)

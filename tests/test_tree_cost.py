@@ -1,4 +1,4 @@
-"""Trees sized by measured cost (midlayer.tree_cost): the cost model against hand computations, the choice
+"""Trees sized by measured cost (midlayer.speculative.tree_cost): the cost model against hand computations, the choice
 against a known optimum, the forwards each drafter runs, and the cached measurement."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from midlayer import tree_cost as tc
-from midlayer.drafters import EarlyExitDrafter, EarlyExitHead, LayerSkipDrafter, MedusaDrafter, MedusaHeads
-from midlayer.generate import GenerationConfig, generate
-from midlayer.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
-from midlayer.speculative import DraftTree, speculative_generate
+from midlayer.speculative import tree_cost as tc
+from midlayer.speculative.drafters import EarlyExitDrafter, EarlyExitHead, LayerSkipDrafter, MedusaDrafter, MedusaHeads
+from midlayer.engine.generate import GenerationConfig, generate
+from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+from midlayer.speculative.verify import DraftTree, speculative_generate
 from tiny_models import make_tiny
 
 V, D = 64, 32

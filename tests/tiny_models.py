@@ -8,8 +8,8 @@ from typing import Sequence
 import torch
 
 from midlayer.config import ModelConfig
-from midlayer.model import Transformer
-from midlayer.speculative import Draft, DraftContext
+from midlayer.model.transformer import Transformer
+from midlayer.speculative.verify import Draft, DraftContext
 
 
 def make_tiny(dims: dict, gating: bool, seed: int = 0, sparse: bool = True, **over) -> Transformer:

@@ -1,0 +1,62 @@
+"""Old import paths keep working: the flat modules of midlayer <= 0.1 (before issue 44's subpackages).
+
+`import midlayer.drafters`, `from midlayer.pretrained import load_pretrained` and `python -m midlayer.distill`
+resolve to the module's new home, as the *same* module object (so monkeypatching either name patches both).
+The four old modules whose names are now subpackages (`midlayer.data`, `model`, `train`, `speculative`) keep
+their names through each package's `__getattr__`. Checkpoints and draft files pickle no class paths, so they
+need nothing from here.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import CodeType, ModuleType
+
+# old module -> new module
+OLD_PATHS: dict[str, str] = {f"midlayer.{old}": f"midlayer.{new}" for old, new in {
+    "kernels": "ops.kernels",
+    "corpus": "data.corpus", "tokenizer": "data.tokenizer", "fineweb": "data.fineweb", "prompts": "data.prompts",
+    "prompt_recipe": "data.prompt_recipe", "pretrained_tokenizer": "data.pretrained_tokenizer",
+    "attention": "model.attention", "gating": "model.gating", "ssm": "model.ssm", "flops": "model.flops",
+    "sparsity": "model.sparsity", "kv_cache": "model.kv_cache",
+    "evaluate": "train.evaluate", "checkpoint": "train.checkpoint", "distributed": "train.distributed",
+    "generate": "engine.generate", "decode_step": "engine.decode_step", "quantization": "engine.quantization",
+    "pretrained": "engine.pretrained",
+    "drafters": "speculative.drafters", "eagle": "speculative.eagle", "hidden_transfer": "speculative.hidden_transfer",
+    "skip_gates": "speculative.skip_gates", "tree_cost": "speculative.tree_cost", "distill": "speculative.distill",
+    "draft_training": "speculative.draft_training", "draft_vocab": "speculative.draft_vocab",
+    "sweep": "experiments.sweep", "plot": "experiments.plot", "bench": "experiments.bench",
+    "static_bench": "experiments.static_bench", "demo": "experiments.demo",
+}.items()}
+
+
+class OldPathFinder(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
+    """A meta-path finder and loader that binds an old module name to the new module object."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in OLD_PATHS:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(OLD_PATHS[spec.name])
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass  # the new module has run already
+
+    def get_source(self, fullname: str) -> str:
+        # `python -m midlayer.distill`: run the new module as __main__, in its own package
+        return f"import runpy\nrunpy.run_module({OLD_PATHS[fullname]!r}, run_name='__main__', alter_sys=True)\n"
+
+    def get_code(self, fullname: str) -> CodeType:
+        return compile(self.get_source(fullname), f"<{fullname} -> {OLD_PATHS[fullname]}>", "exec")
+
+
+def install() -> None:
+    """Put the finder on sys.meta_path once (after the standard finders, so real modules always win)."""
+    if not any(isinstance(f, OldPathFinder) for f in sys.meta_path):
+        sys.meta_path.append(OldPathFinder())

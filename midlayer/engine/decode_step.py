@@ -1,0 +1,811 @@
+"""The static-shape decode step (issue 42): one forward over a bucket of rows against a preallocated KV cache
+that the step owns, with every shape fixed and nothing read back to the host inside, so that it can be
+captured in a CUDA graph, and so that a row's result does not depend on the rows that share its forward.
+
+Why. A SmolLM2-135M decode step is ~1,900 PyTorch ops. On a GPU each is a Python dispatch and a kernel
+launch, so the eager step is bound by the host (22-28 ms on an H100, where transformers with a static cache
+and CUDA graphs needs 1.9 ms; issue 42). A CUDA graph replays every kernel of a step with one launch. It
+needs static shapes, static addresses (the step's own buffers) and no host read inside the step.
+
+What is static.
+  * The cache: k, v [L, B, Hk, S, d] and `held` [B, S] (which slots hold committed text: slot p holds the
+    token at position p), S = max_len + 1. The last slot is scratch: padded rows write there, it is never held.
+  * Row counts: a forward runs a bucket of N rows (`buckets`). Rows beyond the real ones are padding:
+    token 0, position 0, the scratch slot, seeing the scratch slot only (so every row has a finite softmax).
+  * The inputs are device tensors: tokens, positions and slots [B, N], `start` (the first slot of the
+    forward), and the rows' structure: path [N, N], depth [N], real [N]. Row i sees the committed slots
+    before `start` and the slots of the rows on its path (its ancestors-or-self: a prompt chunk's rows are a
+    chain, a draft tree's rows its branches, plain decoding's one row itself).
+  * Attention runs over all S slots with masked keys, so every row reduces over S keys, in POSITION order
+    (`DecodeStep.attend`): a tree node's ancestors sit at slots that need not be adjacent, and a SIMD
+    reduction rounds the same terms differently at other indices.
+
+Row invariance. A row's logits then depend on its token, its position and the keys it sees, and not on N or
+on its place in the bucket, if every kernel reduces a row in the same order at every bucket size. Measured
+on an AMD EPYC with AVX-512 (torch 2.13 CPU, 2 threads): an fp32 GEMM gives a row the same bits at every M
+that is a multiple of 8, but not between M = 1 (a GEMV), 2-3 and 4-7. So plain decoding runs in the
+smallest bucket (8 rows) and gets the bits of verification, and so does the attention's split (`attend`),
+as long as both use the same buckets (its window is the largest). In the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks
+its kernel by M (split-K for small M), so a row may differ between buckets. What holds is measured, not
+assumed: `buckets="auto"` takes the first of BUCKET_CANDIDATES ((8, 16, ..., 256), then the single bucket
+(256,), where no kernel choice can depend on M) that the probe `DecodeStep.row_invariant` passes at the
+step's own cache size, once per model, size and process, and `DecodeStep.invariant` says whether one did.
+
+Acceptance on the device (`verify`): the greedy targets, the longest accepted path, the bonus token and the
+compaction of the accepted rows' K/V to the front are index-tensor operations, and the host reads one small
+tensor per round: [accepted count, the path's tokens..., bonus].
+
+Scope. Dense attention models (pre-norm or sandwich, GQA, RoPE or no positions, tied or untied heads, fp32,
+bf16 or q4 weights; in q4 the C kernels attend, summing over the visible keys only). Gated models (real skipping is data-dependent), state-space mixers, sliding windows,
+ALiBi / T5 biases and mixtures of experts keep the dynamic path (generate.py) and are refused here by name.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from midlayer.model.kv_cache import CacheView
+from midlayer.model.transformer import Transformer
+
+# Candidate bucket sets, tried in order by `invariant_buckets`: several sizes (plain decoding pays for the
+# smallest), else one size for every forward (no kernel choice can then depend on M).
+BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = ((8, 16, 32, 64, 128, 256), (256,))
+# W of `DecodeStep.attend`: every row of a forward lies within W - 1 positions of the forward's first slot (a
+# prompt chunk has at most W rows; a tree's depth plus hidden transfer's steps stay below W).
+MAX_TAIL = 64
+GRAPH_MODES: tuple[str, ...] = ("eager", "cudagraph", "compile")
+_probed: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
+
+
+def fused_steps(drafter) -> int:
+    """How many blocks of pseudo rows a drafter's rounds carry: hidden transfer's k when it drafts in the fused
+    pass (its `fused` and `transfer`), else 0. What sizes a round (`round_slots`) for the loop and benchmarks."""
+    return drafter.transfer.k if getattr(drafter, "fused", False) else 0
+
+
+def invariant_buckets(model: Transformer, max_len: int = 16) -> tuple[tuple[int, ...], bool]:
+    """(buckets, row_invariant): the first of BUCKET_CANDIDATES whose step gives a row the same bits in every
+    bucket and at every place in it, measured on this machine with this model's shapes, dtype and weight
+    format, at a cache of `max_len` slots (a kernel may choose by the key count too: split-K on a GPU); once
+    per model, size and process (`DecodeStep.row_invariant` is the probe). When none passes: the last
+    candidate, and False (speculative output may then differ from plain output at near-ties). The probe runs
+    eagerly: a captured CUDA graph replays the eager kernels; torch.compile's own kernels are not probed."""
+    memo = _probed.setdefault(model, {})
+    key = (model.tok_embeddings.weight.dtype, str(model.tok_embeddings.weight.device),
+           getattr(model, "weight_format", None), int(max_len))
+    if key not in memo:
+        found = None
+        for cand in BUCKET_CANDIDATES:
+            if DecodeStep(model, max_len=max_len, buckets=cand).row_invariant():
+                found = (cand, True)
+                break
+        memo[key] = found or (BUCKET_CANDIDATES[-1], False)
+    return memo[key]
+
+
+def round_layout(n_nodes: int, k: int, buckets: Sequence[int]) -> tuple[int, int, int]:
+    """(T, N, head_rows) of a verification round over n_nodes nodes with k steps of hidden transfer's pseudo
+    rows: T tree rows (the root, the nodes, padding) in a bucket of N rows, of which the LM head reads the
+    first head_rows. T is the smallest bucket that holds the tree and leaves room for the k pseudo blocks;
+    when no bucket does (one bucket only), the tree rows rounded up to 8, and the head then reads all N rows,
+    so that every GEMM of the round has one of the probed row counts."""
+    top = max(buckets)
+    fits = [b for b in sorted(buckets) if b >= n_nodes + 1 and b * (k + 1) <= top]
+    if fits:
+        T = fits[0]
+        return T, bucket_for(T * (k + 1), buckets), T
+    T = -(-(n_nodes + 1) // 8) * 8
+    if T * (k + 1) > top:
+        raise ValueError(f"a tree of {n_nodes} nodes with {k} steps of pseudo rows needs {T * (k + 1)} rows, more "
+                         f"than the largest bucket ({top}): give a smaller tree")
+    N = bucket_for(T * (k + 1), buckets)
+    return T, N, N
+
+
+def any_round_slots(n_nodes: int, k: int, bucket_sets: Sequence[Sequence[int]] = BUCKET_CANDIDATES) -> int:
+    """The most slots a round needs (`round_slots`) under any of these bucket sets (those that can hold it):
+    what a step must add to the committed text before `buckets="auto"` has chosen."""
+    out = 0
+    for b in bucket_sets:
+        try:
+            out = max(out, round_slots(n_nodes, k, b))
+        except ValueError:  # this set cannot hold the round (the step refuses it if the probe chooses it)
+            pass
+    return out
+
+
+def round_slots(n_nodes: int, k: int, buckets: Sequence[int]) -> int:
+    """Cache slots a round needs past its root's slot: its real rows (the pseudo rows too) and the T slots
+    its compaction writes. Padding rows use the scratch slot."""
+    T, _, _ = round_layout(n_nodes, k, buckets)
+    return max(T, T * k + n_nodes + 1)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds n rows."""
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    raise ValueError(f"{n} rows exceed the largest bucket ({max(buckets)}): give a larger bucket "
+                     f"(buckets={tuple(buckets)}) or a smaller tree")
+
+
+def unsupported(model: Transformer) -> str | None:
+    """Why the static step cannot run `model`, or None."""
+    cfg = model.cfg
+    reasons = []
+    if model.routers is not None:
+        reasons.append("gated models (real skipping is data-dependent: generate.py)")
+    if cfg.ssm_layers:
+        reasons.append("state-space mixers (ssm_layers)")
+    if cfg.sliding_window:
+        reasons.append("sliding-window attention")
+    if model.pos_bias is not None:
+        reasons.append(f"{cfg.pos_encoding} position biases")
+    if cfg.moe_experts:
+        reasons.append("mixtures of experts (data-dependent routing)")
+    if cfg.norm_placement == "post":
+        reasons.append("post-LN")
+    return "; ".join(reasons) or None
+
+
+class StaticView(CacheView):
+    """One layer's view of the step's cache: stores the rows' K/V at their slots, returns the whole static
+    cache and the forward's mask (the same for every layer: a dense model keeps every key at every layer).
+    A direct view (kv_cache.CacheView): in the q4 format the C kernels store and attend in place, the very
+    calls of the dynamic engine, so the two give the same bits."""
+
+    direct = True
+
+    def __init__(self, step: "DecodeStep", layer: int) -> None:
+        self.step, self.layer = step, layer
+
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.step.k[self.layer]
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.step.v[self.layer]
+
+    @property
+    def query_slots(self) -> torch.Tensor:
+        return self.step.cur_slots
+
+    @property
+    def length(self) -> int:
+        return self.step.k.shape[3]
+
+    def finish(self, M: int, device: torch.device) -> torch.Tensor:
+        return self.step.slot_mask()
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        st = self.step
+        kl, vl = st.k[self.layer], st.v[self.layer]  # [B, Hk, S, d]
+        # [B, N] batch and slot indices around a sliced head dim: both sides are [B, N, Hk, d]. Padded rows
+        # all write the scratch slot; which of them lands there does not matter (no real row reads it).
+        kl[st.rows_b, :, st.cur_slots] = k.transpose(1, 2).to(kl.dtype)
+        vl[st.rows_b, :, st.cur_slots] = v.transpose(1, 2).to(vl.dtype)
+        return kl, vl
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kl, vl = self._store(k, v)
+        return kl, vl, self.step.slot_mask()
+
+    def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kl, vl = self._store(k, v)
+        return self.step.attend(q, kl, vl)
+
+
+@dataclass
+class TreeTensors:
+    """A draft tree laid out for a bucket of N rows, as the device tensors `DecodeStep.verify` reads. Row 0 is
+    the root, row i + 1 node i; with hidden transfer's fused pass (k steps), the T = `tree_rows` tree rows
+    (padded) are followed by k blocks of T pseudo rows, pseudo row (anchor a, step i) at row T * i + a; then
+    padding. Built once per tree shape (`DecodeStep.tree_tensors`)."""
+
+    n_nodes: int
+    tree_rows: int  # T
+    k: int  # hidden transfer's steps laid out (0: none)
+    head_rows: int  # rows the LM head reads (round_layout)
+    rows_used: int  # slots past the root's the round writes, compaction included (round_slots)
+    reach: int  # the largest position offset of a row from the root
+    vis: torch.Tensor  # [N, N] bool: row i sees row j (the tree's ancestors-or-self; the root)
+    parent: torch.Tensor  # [N] long: parent row (root and others: 0)
+    depth: torch.Tensor  # [N] long: position offset from the root (pseudo (a, i): depth of a + i)
+    real: torch.Tensor  # [N] bool: not padding
+    is_node: torch.Tensor  # [N] bool: the tree's nodes
+    path: torch.Tensor  # [N, N] long: rows at positions root.., -1 where none (past the depth, a masked step)
+    join_src: torch.Tensor  # [N] long: a pseudo row's anchor row (others 0)
+    join_step: torch.Tensor  # [N] long: a pseudo row's step (others 0)
+    prow: torch.Tensor  # [N, max(k, 1)] long: tree row a's pseudo rows of steps 1..k
+
+
+class DecodeStep:
+    """The static decode step of a dense model and the KV cache it owns (module docstring).
+
+    `forward` is the capturable computation; `run` pads to a bucket and dispatches to it (eagerly, through
+    a captured CUDA graph per bucket, or through torch.compile, by `graphs`); `prefill`, `decode` and
+    `verify` are what generation calls."""
+
+    def __init__(self, model: Transformer, *, batch: int = 1, max_len: int | None = None,
+                 buckets: Sequence[int] | str = "auto", graphs: str = "eager") -> None:
+        why = unsupported(model)
+        if why:
+            raise ValueError(f"the static decode step does not run {why}; use the dynamic path (generate.py)")
+        if graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {graphs!r}")
+        dev = model.tok_embeddings.weight.device
+        if graphs == "cudagraph" and dev.type != "cuda":
+            raise ValueError(f"graphs='cudagraph' needs the model on CUDA, not {dev.type}")
+        self.invariant: bool | None = None  # measured row invariance (None: buckets given, not measured)
+        if buckets == "auto":
+            buckets, self.invariant = invariant_buckets(model, model.cfg.max_seq_len if max_len is None else max_len)
+        elif isinstance(buckets, str):
+            raise ValueError(f"buckets: 'auto' or a sequence of row counts, got {buckets!r}")
+        buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"buckets must be positive row counts, got {buckets}")
+        cfg = model.cfg
+        max_len = cfg.max_seq_len if max_len is None else int(max_len)
+        if max_len < 1 or batch < 1:
+            raise ValueError(f"max_len and batch must be >= 1, got {max_len} and {batch}")
+        self.model, self.buckets, self.graphs, self.batch = model, buckets, graphs, batch
+        self.max_len, self.scratch = max_len, max_len  # slots 0..max_len-1, then the scratch slot
+        S = max_len + 1
+        dtype = model.tok_embeddings.weight.dtype
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, S, cfg.head_dim)
+        self.k = torch.zeros(shape, device=dev, dtype=dtype)
+        self.v = torch.zeros(shape, device=dev, dtype=dtype)
+        self.held = torch.zeros(batch, S, dtype=torch.bool, device=dev)
+        self.slot_ids = torch.arange(S, device=dev)
+        self.window = min(MAX_TAIL, buckets[-1])  # W of `attend`
+        self.win_ids = torch.arange(self.window, device=dev)
+        self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
+        # set by each forward, read by the views (tensors, not host values)
+        self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
+        self.cur_keys = self.cur_kmask = self.cur_pos = None
+        self._trees: dict[tuple, TreeTensors] = {}
+        self._runners: dict[tuple, object] = {}
+        self.device = dev
+        if graphs == "compile":
+            # one compiled entry per bucket and kind of call: more than dynamo's default of 8 recompiles
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+            # the cache is written in place: static addresses keep CUDA graphs on under reduce-overhead
+            for t in (self.k, self.v, self.held):
+                torch._dynamo.mark_static_address(t)
+        # hidden transfer's fused pass (`attach`): its maps, the blocks where its rows join, this forward's joins
+        self.transfer = None
+        self.join_at: dict[int, list[int]] = {}
+        self.cur_join: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------------------------- the step
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+                path: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, join_src: torch.Tensor | None = None,
+                join_step: torch.Tensor | None = None, head_rows: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The capturable step. tokens, positions, slots [B, N] (long); start (a long scalar): the first slot of
+        this forward, every held slot before it being committed text at the position of its index; the rows'
+        structure, shared by the batch: path [N, N] (row i's ancestors-or-self, root first, as row indices),
+        depth [N] (row i sees the committed slots and path[i, :depth[i] + 1], at positions start..), real [N]
+        (False: padding); path entries -1 are positions the row does not see. Hidden transfer's fused pass
+        (`attach`): join_src, join_step [N]: at block t_i, the rows of step i (join_step == i) take W_i of the
+        residual of row join_src. head_rows (a Python int, static): only the first head_rows rows go through
+        the LM head. Returns (logits [B, head_rows or N, V], the final residual before the last norm [B, N, d]).
+        Writes the rows' K/V at their slots; `held` is left as it is (what a forward commits is the caller's:
+        `decode`, `verify`). No host read, no data-dependent branch. A call depends on the held slots before
+        `start` only, so running it twice gives the same result (a CUDA graph's warm-up does)."""
+        m = self.model
+        B, N = tokens.shape
+        S = self.slot_ids.shape[0]
+        p = self.slot_ids
+        # Each row's keys in position order: keys[b, i, p] is the slot that holds row i's key at position p.
+        committed = (p < start) & self.held  # [B, S]: slot p = position p
+        j = p - start  # a tail position's index on the row's path
+        jc = j.clamp(0, N - 1)
+        tail = (j >= 0) & (j <= depth[:, None]) & real[:, None] & (path.gather(1, jc.expand(N, S)) >= 0)  # [N, S]
+        path_slots = slots.gather(1, path.clamp_min(0).reshape(1, N * N).expand(B, N * N)).view(B, N, N)
+        tail_slots = path_slots.gather(2, jc.view(1, 1, S).expand(B, N, S))
+        pad0 = (~real)[:, None] & (p == 0)  # [N, S]: padding sees the scratch slot alone (a finite softmax)
+        keys = torch.where(tail, tail_slots, torch.where(pad0, self.scratch, p.expand(B, N, S)))
+        visible = tail | pad0 | committed[:, None, :] & real[:, None]  # [B, N, S]
+        self.cur_keys, self.cur_pos = keys, positions
+        self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
+        self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
+        self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
+        self.cur_slots = slots
+        self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
+        self.cur_join = None if self.transfer is None or join_src is None else (join_src, join_step)
+        h = m.run_blocks(m.embed(tokens, positions), self._block)
+        h = self._join(m.cfg.n_layers, h)  # rows that join after the last block (t_i = L)
+        return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
+
+    def slot_mask(self) -> torch.Tensor:
+        """This forward's visibility by slot, additive [B, 1, N, S]: what the C kernels of a direct view read
+        (`StaticView.finish`). Built once per forward, on first use, from the position-order keys (a 0/1 sum:
+        exact in any order), so the PyTorch path never pays for it."""
+        if self.cur_mask is None:
+            keys = self.cur_keys
+            by_slot = torch.zeros(keys.shape, device=keys.device).scatter_add_(
+                2, keys, (self.cur_kmask == 0).to(torch.float32))
+            self.cur_mask = torch.where(by_slot > 0, 0.0, float("-inf"))[:, None]
+        return self.cur_mask
+
+    def attend(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + mask) v for q [B, H, N, d] over the cache layer kl, vl [B, Hk, S, d], in
+        fp32, with every reduction over a row's keys in POSITION order, so that a row's result is the same bits
+        whether its keys were written by plain decoding (slots in position order) or sit in a tree's slots
+        (a node's ancestors need not be adjacent): SIMD reductions assign terms to lanes by index, so the same
+        nonzero terms at other indices round otherwise (seen: 6e-8 apart in fp32 and bf16, and a bf16 greedy
+        output that left plain decoding's). The scores q.k are layout-free (one dot product each); they are
+        gathered into position order for the max, the exponentials and their sum. The weighted sum of values
+        splits at s0 = position - (W - 1) (W: the largest bucket), below which every key of every row is
+        committed text at its own slot: one GEMM against the shared values there, and above it a W-key window
+        of values gathered per row in position order."""
+        B, H, N, d = q.shape
+        Hk, S = kl.shape[1], kl.shape[2]
+        rep, W = H // Hk, self.window
+        qf = q.float().reshape(B, Hk, rep * N, d)  # head h = g * rep + r reads kv head g (GQA, as SDPA's)
+        kf, vf = kl.float(), vl.float()
+        scores = (torch.matmul(qf, kf.transpose(-1, -2)) * d ** -0.5).view(B, Hk, rep, N, S)
+        s_pos = scores.gather(-1, self.cur_keys[:, None, None].expand(B, Hk, rep, N, S)) + self.cur_kmask[:, None, None]
+        e = torch.exp(s_pos - s_pos.amax(-1, keepdim=True))  # masked keys: exp(-inf) = 0
+        z = e.sum(-1, keepdim=True)
+        s0 = (self.cur_pos - (W - 1)).clamp_min(0)  # [B, N]
+        below = (self.slot_ids < s0[..., None])[:, None, None]  # [B, 1, 1, N, S]
+        out = torch.matmul((e * below).reshape(B, Hk, rep * N, S), vf).view(B, Hk, rep, N, d)
+        wpos = s0[..., None] + self.win_ids  # [B, N, W]: positions s0 .. s0 + W - 1
+        inside = wpos < S
+        wpos = wpos.clamp_max(S - 1)
+        wslots = self.cur_keys.gather(2, wpos)  # [B, N, W]
+        v_win = vf.gather(2, wslots.reshape(B, 1, N * W, 1).expand(B, Hk, N * W, d)).view(B, Hk, N, W, d)
+        e_win = e.gather(-1, wpos[:, None, None].expand(B, Hk, rep, N, W)) * inside[:, None, None]
+        out = out + torch.matmul(e_win.transpose(2, 3), v_win).transpose(2, 3)  # per row: [rep, W] @ [W, d]
+        return (out / z).reshape(B, H, N, d).to(q.dtype)
+
+    def _block(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
+               key_bias: torch.Tensor | None) -> torch.Tensor:
+        return block(self._join(layer, h), self.cur_cos, self.cur_sin, None, None, self.views[layer])
+
+    def _join(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Hidden transfer (arXiv 2404.12022 sec. 3.4): entering block t_i, the pseudo rows of step i become
+        W_i h of their anchor row. Before it they are placeholders that no other row reads (a tree row never
+        sees a pseudo row; a pseudo row sees its anchor's earlier steps, which exist wherever it does, as
+        t_1 <= t_2 <= ...), so the static shape costs compute there, not correctness."""
+        if self.cur_join is None or layer not in self.join_at:
+            return h
+        src, step = self.cur_join
+        anchors = h.index_select(1, src)
+        for i in self.join_at[layer]:
+            h = torch.where((step == i)[None, :, None], self.transfer.transfer(anchors, i).to(h.dtype), h)
+        return h
+
+    def detach(self) -> None:
+        """Verification rounds without hidden transfer's pseudo rows again."""
+        if self.transfer is not None:
+            self.transfer, self.join_at = None, {}
+            self._runners = {k: v for k, v in self._runners.items() if k[0] != "verify"}
+
+    def attach(self, drafter) -> None:
+        """Run hidden transfer's fused pass in this step's verification rounds (`verify(fused=True)`): the
+        drafter's maps and the blocks where each step's rows join. Captured rounds are rebuilt for another."""
+        transfer = drafter.transfer
+        if transfer is not self.transfer:
+            self.transfer, self.join_at = transfer, transfer.steps_at(transfer.k)
+            self._runners = {k: v for k, v in self._runners.items() if k[0] != "verify"}
+
+    def verify_round(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+                     vis: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, real: torch.Tensor,
+                     is_node: torch.Tensor, path: torch.Tensor, join_src: torch.Tensor, join_step: torch.Tensor,
+                     prow: torch.Tensor, tree_rows: int = 0, head_rows: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One speculative round at batch 1, all on the device: the forward over [root, nodes, padding] (and,
+        with hidden transfer attached, the pseudo rows of every tree row), the greedy acceptance of the
+        deepest path whose every node is the base's argmax at its parent (ties: the first in row order), the
+        compaction of the root and that path to slots start.., and their `held`. tree_rows (static): the
+        first T rows are the tree's (the rest, pseudo rows and padding, are never accepted); vis, parent and
+        is_node describe them; head_rows (static, >= T): the rows the LM head reads (`round_layout`). Returns (packed [T + 1] = [accepted count a, path tokens (T - 1, the first a
+        real), bonus], path rows [T] (-1 beyond a), logits [1, T, V], hidden [1, N, d], and the next draft's
+        logits [k, V'] from the pseudo rows of the last accepted row, or an empty tensor)."""
+        T = tree_rows or tokens.shape[1]
+        logits, hidden = self.forward(tokens, positions, slots, start, path, depth, real, join_src, join_step,
+                                      head_rows=head_rows or T)
+        logits = logits[:, :T]
+        tok, idx = tokens[0, :T], torch.arange(T, device=tokens.device)
+        target = logits[0].argmax(-1)  # [T]: torch's first-maximum rule, as generate's greedy choice
+        node = is_node[:T]
+        ok = node & (tok == target[parent[:T]])
+        ok_or_root = ok | (idx == 0)  # the root row is always on the path
+        bad = torch.matmul(vis[:T, :T].to(torch.float32), (~ok_or_root).to(torch.float32))  # bad rows on each path
+        score = torch.where((node | (idx == 0)) & (bad == 0), depth[:T] * (T + 1) + (T - idx), -1)
+        best = score.argmax(0, keepdim=True)  # [1]: indexed by gather / index_select (a 0-d index is a host read)
+        a = depth.gather(0, best)  # [1]
+        rows = path[:T, :T].index_select(0, best)[0]  # [T]: root, then the accepted nodes by depth, then -1s
+        kept = rows.clamp_min(0)
+        src = slots[0].index_select(0, kept)
+        dst = start + idx
+        # Compaction: the kept rows' K/V move to start..start+T-1 (index_select copies first, so overlapping
+        # source and destination slots are safe); only the first a + 1 of them become held.
+        self.k.index_copy_(3, dst, self.k.index_select(3, src))
+        self.v.index_copy_(3, dst, self.v.index_select(3, src))
+        self.held[0].index_copy_(0, dst, idx <= a)
+        packed = torch.cat([a, tok.index_select(0, kept[1:]), target.gather(0, best)])
+        draft = hidden.new_zeros(0)
+        if self.transfer is not None:  # the next draft: the pseudo rows of the anchor, the last accepted row
+            from midlayer.speculative.draft_vocab import head_logits
+
+            anchor_rows = hidden[0].index_select(0, prow.index_select(0, best)[0])  # [k, d]
+            draft = head_logits(self.transfer, self.model, self.model.norm(anchor_rows))
+        return packed, rows, logits, hidden, draft
+
+    # ---------------------------------------------------------------------------------- dispatching
+    def bucket_for(self, n: int) -> int:
+        return bucket_for(n, self.buckets)
+
+    def _runner(self, kind: str, N: int, tree_rows: int = 0, head_rows: int = 0):
+        """The callable that runs `kind` ("forward" / "verify") at bucket N (and, for "verify", with the first
+        `tree_rows` rows the tree's and the LM head over the first `head_rows`), per `graphs`."""
+        key = (kind, N, tree_rows, head_rows)
+        fn = self._runners.get(key)
+        if fn is None:
+            base = self.forward if kind == "forward" else functools.partial(
+                self.verify_round, tree_rows=tree_rows, head_rows=head_rows)
+            if self.graphs == "compile":
+                fn = torch.compile(base, mode="reduce-overhead" if self.device.type == "cuda" else None,
+                                   fullgraph=True, dynamic=False)
+            elif self.graphs == "cudagraph":
+                fn = _CudaGraph(base)
+            else:
+                fn = base
+            self._runners[key] = fn
+        return fn
+
+    def _scalar(self, x: int) -> torch.Tensor:
+        return torch.tensor(int(x), dtype=torch.long, device=self.device)
+
+    def reset(self) -> None:
+        """Forget every committed slot (a new sequence). Buffers and captured graphs stay."""
+        self.held.zero_()
+
+    # ------------------------------------------------------------------------------- what generation calls
+    def _pad(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, N: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, n = tokens.shape
+        if n == N:
+            return tokens, positions, slots
+        pad = (B, N - n)
+        dev = self.device
+        return (torch.cat([tokens, torch.zeros(pad, dtype=torch.long, device=dev)], 1),
+                torch.cat([positions, torch.zeros(pad, dtype=torch.long, device=dev)], 1),
+                torch.cat([slots, torch.full(pad, self.scratch, dtype=torch.long, device=dev)], 1))
+
+    def _chain(self, n: int, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(path, depth, real) of n rows causal among themselves (a prompt chunk, a decoded token) in bucket N."""
+        key = ("chain", n, N)
+        t = self._trees.get(key)
+        if t is None:
+            i = torch.arange(N)
+            path = torch.where(i[None, :] <= i[:, None], i[None, :], 0)
+            t = self._trees[key] = (path.to(self.device), torch.where(i < n, i, 0).to(self.device),
+                                    (i < n).to(self.device))
+        return t
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit `tokens` [B, P] (one prompt length for the batch) at slots and positions start..start+P-1,
+        in chunks of the largest bucket. Returns (logits [B, P, V], hidden [B, P, d]) of every row."""
+        B, P = tokens.shape
+        if B != self.batch:
+            raise ValueError(f"{B} prompts for a step of batch {self.batch}")
+        if start + P > self.max_len:
+            raise ValueError(f"{start + P} slots needed, the step holds {self.max_len}")
+        N = self.window  # every row within W - 1 positions of its chunk's start (`attend`)
+        outs, hids = [], []
+        for a in range(0, P, N):
+            n = min(N, P - a)
+            Nb = self.bucket_for(n)
+            idx = torch.arange(start + a, start + a + n, device=self.device)[None].expand(B, n)
+            t, p, s = self._pad(tokens[:, a:a + n].to(self.device), idx, idx, Nb)
+            logits, hidden = self._runner("forward", Nb)(t, p, s, self._scalar(start + a), *self._chain(n, Nb))
+            self.held[:, start + a:start + a + n] = True
+            outs.append(logits[:, :n].clone())
+            hids.append(hidden[:, :n].clone())
+        return torch.cat(outs, 1), torch.cat(hids, 1)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit one token per row, tokens [B] at position and slot `pos`; returns (logits [B, V], hidden
+        [B, d]). Runs in the smallest bucket, the step of verification."""
+        N = self.buckets[0]
+        B = tokens.shape[0]
+        idx = torch.full((B, 1), pos, dtype=torch.long, device=self.device)
+        t, p, s = self._pad(tokens.reshape(B, 1).to(self.device), idx, idx, N)
+        logits, hidden = self._runner("forward", N)(t, p, s, self._scalar(pos), *self._chain(1, N))
+        self.held[:, pos] = True
+        return logits[:, 0].clone(), hidden[:, 0].clone()  # (a captured graph's outputs are overwritten)
+
+    def tree_tensors(self, parent: Sequence[int], depth: Sequence[int], k: int = 0, masked: bool = False
+                     ) -> TreeTensors:
+        """The device layout of a tree given by its nodes' parents (-1: the root) and depths, with k steps of
+        hidden transfer's pseudo rows per tree row (`masked`: a pseudo row does not see its earlier steps)."""
+        n = len(parent)
+        T, N, head_rows = round_layout(n, k, self.buckets)
+        key = ("tree", tuple(parent), k, masked, N)
+        t = self._trees.get(key)
+        if t is not None:
+            return t
+        par = [0] + [p + 1 for p in parent]
+        dep = torch.zeros(N, dtype=torch.long)
+        dep[1:n + 1] = torch.as_tensor(list(depth), dtype=torch.long)
+        vis = torch.eye(N, dtype=torch.bool)
+        path = torch.full((N, N), -1, dtype=torch.long)
+        path[:, 0] = torch.arange(N)  # padding: itself (never real)
+        path[0, 0] = 0
+        for r in range(1, n + 1):  # rows come after their parents (breadth-first)
+            vis[r] |= vis[par[r]]
+            vis[r, 0] = True
+            chain = vis[r, :n + 1].nonzero().flatten()  # ancestors-or-self in row order = by depth
+            path[r, :len(chain)] = chain
+        parent_t = torch.zeros(N, dtype=torch.long)
+        parent_t[1:n + 1] = torch.as_tensor(par[1:], dtype=torch.long)
+        real = torch.zeros(N, dtype=torch.bool)
+        real[:n + 1] = True
+        is_node = real.clone()
+        is_node[0] = False
+        join_src = torch.zeros(N, dtype=torch.long)
+        join_step = torch.zeros(N, dtype=torch.long)
+        prow = torch.zeros(N, max(k, 1), dtype=torch.long)
+        for i in range(1, k + 1):
+            for a in range(n + 1):
+                r = T * i + a
+                real[r], join_src[r], join_step[r], prow[a, i - 1] = True, a, i, r
+                da = int(dep[a])
+                dep[r] = da + i
+                path[r] = -1
+                path[r, :da + 1] = path[a, :da + 1]
+                for j in range(1 if not masked else i, i + 1):  # its anchor's earlier steps, then itself
+                    path[r, da + j] = T * j + a
+        dev = self.device
+        t = TreeTensors(n, T, k, head_rows, max(T, T * k + n + 1), int(dep.max()),
+                        vis.to(dev), parent_t.to(dev), dep.to(dev), real.to(dev), is_node.to(dev), path.to(dev),
+                        join_src.to(dev), join_step.to(dev), prow.to(dev))
+        if len(self._trees) > 256:  # dynamic trees change every round: keep the memo bounded
+            self._trees.clear()
+        self._trees[key] = t
+        return t
+
+    @torch.no_grad()
+    def verify(self, root: int, nodes: Sequence[int], tree: TreeTensors, last_pos: int, start: int
+               ) -> tuple[list[int], int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Verify [root, nodes] (root at position last_pos, node i at last_pos + its depth) written at slots
+        start.., accept on the device, compact. One host read. Returns (accepted tokens, bonus, path rows
+        [a + 1] (device), logits [a + 1, V], hidden [a + 1, d]) of the root and the accepted nodes, and the
+        next draft's logits [k, V'] when the tree carries hidden transfer's pseudo rows (else None)."""
+        N, T, n = tree.vis.shape[0], tree.tree_rows, tree.n_nodes
+        if start + tree.rows_used > self.max_len:
+            raise ValueError(f"the step holds {self.max_len} slots; a round at slot {start} needs "
+                             f"{start + tree.rows_used}")
+        if tree.reach >= self.window:
+            raise ValueError(f"a round's rows reach {tree.reach} positions past its root; the step's attention "
+                             f"window holds {self.window - 1}")
+        dev = self.device
+        tokens = torch.zeros(1, N, dtype=torch.long)
+        tokens[0, 0] = int(root)
+        tokens[0, 1:n + 1] = torch.as_tensor(list(nodes), dtype=torch.long)
+        positions = (last_pos + tree.depth).masked_fill(~tree.real, 0)[None]
+        slots = torch.where(tree.real, start + torch.arange(N, device=dev), self.scratch)[None]
+        packed, rows, logits, hidden, draft = self._runner("verify", N, T, tree.head_rows)(
+            tokens.to(dev), positions, slots, self._scalar(start), tree.vis, tree.parent, tree.depth,
+            tree.real, tree.is_node, tree.path, tree.join_src, tree.join_step, tree.prow)
+        host = packed.tolist()  # the one read of the round
+        a = host[0]
+        keep = rows[:a + 1]
+        return (host[1:1 + a], host[-1], keep, logits[0, keep], hidden[0, keep],
+                draft.clone() if tree.k and draft.numel() else None)
+
+    @torch.no_grad()
+    def row_invariant(self, n_probe: int = 3, seed: int = 0) -> bool:
+        """Whether a row's logits here are the same bits in every bucket and at every place in it: a probe
+        over random tokens and committed keys (restores nothing: call before use, or `reset` after)."""
+        g = torch.Generator().manual_seed(seed)
+        V = self.model.cfg.vocab_size
+        ctx = min(8, self.max_len - 1)
+        self.reset()
+        self.prefill(torch.randint(0, V, (self.batch, ctx), generator=g))
+        probe = torch.randint(0, V, (self.batch, 1), generator=g).to(self.device)
+        ref = None
+        for N in self.buckets:
+            for place in sorted({0, N // 2, N - 1})[:n_probe]:
+                toks = torch.randint(0, V, (self.batch, N), generator=g).to(self.device)
+                toks[:, place] = probe[:, 0]
+                pos = torch.full((self.batch, N), ctx, dtype=torch.long, device=self.device)
+                slots = torch.full((self.batch, N), self.scratch, dtype=torch.long, device=self.device)
+                slots[:, place] = ctx  # the probe row's own slot; the others are padding
+                path = torch.zeros(N, N, dtype=torch.long, device=self.device)
+                path[place, 0] = place
+                real = torch.arange(N, device=self.device) == place
+                logits, _ = self._runner("forward", N)(toks, pos, slots, self._scalar(ctx), path,
+                                                      torch.zeros(N, dtype=torch.long, device=self.device), real)
+                row = logits[:, place].clone()
+                if ref is None:
+                    ref = row
+                elif not torch.equal(row, ref):
+                    self.reset()
+                    return False
+        self.reset()
+        return True
+
+
+# ======================================================================================= generation
+def _step_for(model: Transformer, need: int, step: DecodeStep | None, **kw) -> DecodeStep:
+    """`step` (reset) when it holds `need` slots, else a new step of exactly that many."""
+    if step is not None:
+        if step.model is not model or step.batch != 1:
+            raise ValueError("the step given was built for another model or batch size")
+        if step.max_len < need:
+            raise ValueError(f"the step given holds {step.max_len} slots; this call needs {need}")
+        step.reset()
+        return step
+    return DecodeStep(model, max_len=need, **kw)
+
+
+@torch.no_grad()
+def static_stream(model: Transformer, prompt: Sequence[int], cfg=None, *, step: DecodeStep | None = None,
+                  **step_kw) -> Iterator[int]:
+    """Yield one prompt's new tokens as they are decoded through the static step (a stop token is yielded
+    and ends it; at most max_new_tokens, and no more than the context allows). Greedy decoding takes the
+    argmax of the step's logits, sampling `generate.sample_next` with a seeded generator. `step`: a step to
+    reuse (its captured graphs too); else one sized to the call. `step_kw` go to DecodeStep (buckets,
+    graphs)."""
+    from .generate import GenerationConfig, sample_next, validate_prompts
+
+    cfg = cfg or GenerationConfig()
+    model.eval()
+    prompt = validate_prompts(model, [prompt])[0]
+    P = len(prompt)
+    budget = min(cfg.max_new_tokens, model.cfg.max_seq_len - P + 1)
+    if budget <= 0:
+        return
+    st = _step_for(model, P + budget, step, **step_kw)
+    gen = None
+    if cfg.temperature > 0:
+        gen = torch.Generator(device=st.device)
+        gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+    logits = st.prefill(torch.tensor([prompt], device=st.device))[0][:, -1]
+    for i in range(budget):
+        tok = (logits.argmax(-1) if cfg.temperature == 0 else
+               sample_next(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p, gen))
+        t = int(tok[0])  # the step's one host read
+        yield t
+        if t in cfg.stop_tokens or i == budget - 1:
+            return
+        logits = st.decode(tok, P + i)[0]
+
+
+def static_generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg=None, *,
+                    step: DecodeStep | None = None, **step_kw) -> list[list[int]]:
+    """`generate.generate` through the static step (`static_stream`), one prompt at a time (batch 1): the same
+    contract, new tokens per prompt."""
+    from .generate import validate_prompts
+
+    return [list(static_stream(model, p, cfg, step=step, **step_kw)) for p in validate_prompts(model, prompts)]
+
+
+@torch.no_grad()
+def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], drafter, tree,
+                                max_new_tokens: int, stop_tokens: Sequence[int] = (), *,
+                                step: DecodeStep | None = None, **step_kw):
+    """`speculative.speculative_generate` at temperature 0 through the static step: every round is one
+    bucketed forward over [root, nodes] with acceptance and compaction on the device and one host read.
+    Where the step is row-invariant (`DecodeStep.row_invariant`: the CPU buckets in fp32, q4 anywhere) the
+    output equals `static_generate`'s token for token. Drafters that declare `static_step` (they never read
+    ctx.cache: Medusa, EAGLE / EAGLE-2, and hidden transfer's fused pass) draft here; the others are refused
+    by name. Hidden transfer (a drafter with `fused` and `transfer`) rides every round: its pseudo rows join
+    the verification forward (`DecodeStep.attach`) and the accepted anchor's rows are the next draft; its
+    first round, with no draft yet, verifies the root alone. Returns (new tokens, speculative.SpecStats)."""
+    from .generate import validate_prompts
+    from midlayer.speculative.verify import DraftContext, SpecStats, draft_node_tokens, round_tree
+
+    if not getattr(drafter, "static_step", False):
+        raise ValueError(f"{type(drafter).__name__} reads the dynamic KV cache (or rides a fused pass) and does not "
+                         "draft for the static step yet: use speculative.speculative_generate")
+    prompt = validate_prompts(model, [list(prompt_ids)])[0]
+    model.eval()
+    P = len(prompt)
+    stats = SpecStats(accept_hist=[0] * (tree.max_depth + 1))
+    budget = min(max_new_tokens, model.cfg.max_seq_len - P + 1)
+    if budget <= 0:
+        return [], stats
+    k = fused_steps(drafter)
+    fused = k > 0
+    if step is None:  # sized to the call: the committed text, then the largest round of any bucket set
+        sets = [step_kw["buckets"]] if step_kw.get("buckets", "auto") != "auto" else BUCKET_CANDIDATES
+        st = DecodeStep(model, max_len=P + budget + any_round_slots(len(tree), k, sets), **step_kw)
+    else:
+        st = _step_for(model, P + budget + round_slots(len(tree), k, step.buckets), step)
+    stats.row_invariant = st.invariant
+    if fused:
+        st.attach(drafter)
+    else:
+        st.detach()
+    masked = bool(getattr(getattr(drafter, "transfer", None), "masked", False))
+    dev = st.device
+    if P > 1:
+        logits, hidden = st.prefill(torch.tensor([prompt[:-1]], device=dev))
+        every = bool(getattr(drafter, "prefill_features", False))
+        logits, hidden = logits[0, -1:], (hidden[0] if every else hidden[0, -1:])
+        stats.prefill_forwards = 1
+    else:
+        dtype = model.tok_embeddings.weight.dtype
+        hidden = torch.zeros(0, model.cfg.dim, device=dev, dtype=dtype)
+        logits = torch.zeros(0, model.cfg.vocab_size, device=dev, dtype=dtype)
+    tokens, new = list(prompt), []
+    pruned: dict[tuple[int, int], object] = {}
+    draft_logits = None
+    while len(new) < budget:
+        # the first round of a fused drafter has no draft yet: the root alone (its pseudo rows draft the next)
+        key = (0 if fused and draft_logits is None else min(budget - len(new) - 1, tree.max_depth), len(tree))
+        t = pruned.get(key)
+        if t is None:
+            t = pruned[key] = tree.prune(*key)
+        draft = drafter.propose(DraftContext(model, None, tokens, hidden, logits, {}, t, 0.0, None, draft_logits))
+        t = round_tree(draft, t)  # (the step lays pseudo rows out for whichever tree it verifies)
+        nodes, _ = draft_node_tokens(draft, t)
+        # pseudo positions reach the root's + depth + k: inside the context, or no pseudo rows this round
+        steps = k if len(tokens) - 1 + t.max_depth + k < model.cfg.max_seq_len else 0
+        tt = st.tree_tensors(t.parent.tolist(), t.depth.tolist(), steps, masked)
+        accepted, bonus, _, logits, hidden, draft_logits = st.verify(tokens[-1], nodes.tolist(), tt, len(tokens) - 1,
+                                                                     len(tokens) - 1)
+        stats.base_forwards += 1
+        stats.accept_hist[len(accepted)] += 1
+        for tok in accepted + [bonus]:
+            tokens.append(tok)
+            new.append(tok)
+            if tok in stop_tokens or len(new) >= budget:
+                stats.new_tokens = len(new)
+                return new, stats
+    stats.new_tokens = len(new)
+    return new, stats
+
+
+class _CudaGraph:
+    """`fn` captured in a torch.cuda.CUDAGraph on its first call (after warm-up on a side stream), replayed
+    after copying the arguments into the graph's static input buffers. The warm-up and capture run on the
+    first call's own inputs, so the first call's effect on the cache happens three times over: harmless, as
+    the step's writes are idempotent (the same K/V at the same slots, the same `held` values)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.graph = None
+        self.inputs: list[torch.Tensor] = []
+        self.outputs = None
+
+    def __call__(self, *args: torch.Tensor):
+        if self.graph is None:
+            self.inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    self.fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = self.fn(*self.inputs)
+        else:
+            for dst, src in zip(self.inputs, args):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
+        self.graph.replay()
+        return self.outputs
+
+
+__all__ = ["DecodeStep", "bucket_for", "fused_steps", "round_layout", "round_slots", "any_round_slots", "StaticView", "static_stream", "static_generate", "static_speculative_generate",
+           "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "invariant_buckets", "unsupported"]

@@ -1,0 +1,277 @@
+"""The static decode step's benchmark (issue 42): our plain and speculative decoding through `decode_step`
+(eager, captured in CUDA graphs, torch.compile) beside the dynamic engine and beside transformers with a
+static cache and its one-token step compiled with CUDA graphs, the recipe of gpt-fast. All in one run, the
+sides interleaved per prompt. Batch 1, greedy, a fixed number of new tokens (no stop token on any side, so
+every side decodes as many tokens), decode time only (the prefill is timed apart and left out).
+
+Reported per row: ms per new token, its ratio to the recipe's, tau (new tokens per base forward) and how
+many outputs equal our plain greedy output of the same dtype token for token; plus the GPU, the CPU, the
+library versions and whether the step's buckets were measured row-invariant.
+
+    midlayer bench static --device cuda             # or: midlayer bench decode --device cuda
+    midlayer bench static --device cpu --dtypes fp32 --new-tokens 32 --max-prompts 2   # the same on a CPU
+"""
+
+from __future__ import annotations
+
+import copy
+import platform
+import time
+from typing import Sequence
+
+import torch
+
+from midlayer.engine.decode_step import (BUCKET_CANDIDATES, DecodeStep, any_round_slots, fused_steps, static_speculative_generate,
+                          static_stream)
+from midlayer.engine.generate import GenerationConfig, generate_stream
+from midlayer.model.transformer import Transformer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+RECIPE = "transformers StaticCache + compiled step (CUDA graphs on CUDA)"
+DEFAULT_DRAFTS = {"eagle": "drafts/smollm2-135m-scale/eagle", "medusa": "drafts/smollm2-135m-scale/medusa",
+                  "hidden-transfer": "drafts/smollm2-135m-scale/hidden-transfer"}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class HFRecipe:
+    """transformers' model with a `StaticCache` and its one-token forward compiled with fullgraph=True and, on
+    CUDA, mode="reduce-overhead" (CUDA graphs): the gpt-fast recipe. One cache for every prompt (reset
+    between them), so the step compiles once."""
+
+    def __init__(self, hf, max_len: int) -> None:
+        import inspect
+
+        from transformers import StaticCache
+
+        self.hf, self.dev = hf, hf.device
+        try:
+            self.cache = StaticCache(config=hf.config, max_cache_len=max_len, device=self.dev, dtype=hf.dtype)
+        except TypeError:  # transformers 5.x: allocated lazily on the first update, where the keys are
+            self.cache = StaticCache(config=hf.config, max_cache_len=max_len)
+        params = inspect.signature(hf.forward).parameters
+        # the cache's keyword: `past_key_values`, deprecated for `cache` in late 5.x; cache_position where taken
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.with_pos = "cache_position" in params
+        self.positions = torch.arange(max_len, device=self.dev)  # slices of one tensor: no copy per token
+
+        def one_token(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return hf(input_ids=tok, use_cache=True, **self._kw(pos)).logits[:, -1]
+
+        mode = "reduce-overhead" if self.dev.type == "cuda" else None
+        self.step = torch.compile(one_token, mode=mode, fullgraph=True)
+
+    def _kw(self, pos: torch.Tensor) -> dict:
+        return {self.cache_kw: self.cache, **({"cache_position": pos} if self.with_pos else {})}
+
+    @torch.no_grad()
+    def run(self, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+        """(new tokens, decode seconds per token after the first)."""
+        self.cache.reset()
+        P = len(ids)
+        x = torch.tensor([ids], device=self.dev)
+        logits = self.hf(input_ids=x, use_cache=True, **self._kw(self.positions[:P])).logits[:, -1]
+        tok = logits.argmax(-1, keepdim=True)
+        out = [tok]
+        _sync(self.dev)
+        t = time.perf_counter()
+        for i in range(new_tokens - 1):
+            tok = self.step(tok, self.positions[P + i:P + i + 1]).argmax(-1, keepdim=True)
+            out.append(tok)
+        _sync(self.dev)
+        dt = time.perf_counter() - t
+        return torch.cat(out, 1)[0].tolist(), dt / max(new_tokens - 1, 1)
+
+
+def _decode_timed(stream) -> tuple[list[int], float]:
+    """Drain a token stream; (tokens, seconds per token after the first): the first token comes with the
+    prefill, every later one from a decode step (the streams read each token to the host, so this is synced)."""
+    out = [next(stream)]
+    t = time.perf_counter()
+    out += list(stream)
+    return out, (time.perf_counter() - t) / max(len(out) - 1, 1)
+
+
+def _prefill_s(step: DecodeStep, ids: list[int]) -> float:
+    """Seconds the step's prefill of `ids` takes (the part a speculative call spends before its rounds)."""
+    step.reset()
+    _sync(step.device)
+    t = time.perf_counter()
+    step.prefill(torch.tensor([ids], device=step.device))
+    _sync(step.device)
+    dt = time.perf_counter() - t
+    step.reset()
+    return dt
+
+
+def machine_lines(dev: torch.device) -> list[str]:
+    import transformers
+
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "no GPU"
+    cpu = platform.processor() or platform.machine()
+    try:
+        from midlayer.ops.kernels import cpu_info
+        cpu = cpu_info().summary()
+    except Exception:  # pragma: no cover - informational only
+        pass
+    return [f"device: {dev} ({gpu}); CPU: {cpu}",
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}"]
+
+
+def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dtypes: Sequence[str] = ("bf16", "fp32"),
+                 drafts: dict[str, str] | None = None, nodes: int = 24, graphs: Sequence[str] | None = None,
+                 new_tokens: int = 128, max_prompts: int = 7, compare_transformers: bool = True,
+                 dynamic: bool = True, progress: bool = True, on_table=None) -> dict:
+    """The rows of the module docstring, per dtype. `graphs`: the step's modes to time (default: eager and
+    cudagraph on CUDA, eager on a CPU); speculative rows run in the last of them. `drafts` (label -> a
+    train-draft directory; default EAGLE, Medusa and hidden transfer of drafts/smollm2-135m-scale): EAGLE
+    runs EAGLE-2's dynamic tree of `nodes` nodes, the others the `nodes` nodes their held-out accuracies rank
+    first (hidden transfer fused: its pseudo rows ride every verification round). `dynamic`:
+    also time the dynamic engine (`generate`), the path this step replaces on a GPU. `on_table(result,
+    dtype)`: called as each dtype's table is done (a run cut short keeps what it finished)."""
+    from .bench import _load_hf_same_weights, heldout_chats
+    from midlayer.speculative.drafters import heldout_accuracies, load_drafter
+    from midlayer.speculative.eagle import EagleDrafter
+    from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
+    from midlayer.speculative.verify import DraftTree
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise ValueError(f"dtypes: choose from {', '.join(DTYPES)}, got {list(dtypes)}")
+    graphs = tuple(graphs or (("eager", "cudagraph") if dev.type == "cuda" else ("eager",)))
+    if new_tokens < 2 or max_prompts < 1 or nodes < 1:
+        raise ValueError(f"new_tokens >= 2, max_prompts and nodes >= 1; got {new_tokens}, {max_prompts}, {nodes}")
+    drafts = DEFAULT_DRAFTS if drafts is None else drafts
+    base, tok = load_pretrained(model_name)
+    encoded = heldout_chats(tok, max_prompts)
+    cfg = GenerationConfig(max_new_tokens=new_tokens)
+    hf_cpu = _load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
+    result = dict(model=model_name, device=str(dev), prompts=len(encoded), new_tokens=new_tokens,
+                  prompt_tokens=[len(p) for p in encoded], machine=machine_lines(dev), tables={})
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        model: Transformer = copy.deepcopy(base).to(dev, dtype).eval()  # (the fp32 original stays on the CPU)
+        methods = {}
+        for label, path in drafts.items():
+            drafter, module, meta = load_drafter(path, model)
+            module.to(dev, dtype)
+            acc = heldout_accuracies(meta, str(path))
+            if isinstance(drafter, EagleDrafter):
+                drafter.dynamic_k = min(4, nodes)
+                depth = len(acc) if acc and len(acc) > 1 else 5
+                tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * depth, nodes)
+            elif acc and len(acc) > 1:
+                tree = DraftTree.greedy_from_accuracies(acc, nodes)
+            else:
+                tree = DraftTree.chain(3)
+            methods[label] = (drafter, tree)
+        # the committed text, then the largest round of any drafter under any bucket set the probe may choose
+        rounds = [any_round_slots(len(t), fused_steps(d)) for d, t in methods.values()]
+        max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
+        steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
+        spec_step = steps[graphs[-1]]
+        hf, errors = None, result.setdefault("errors", {})
+        if hf_cpu is not None:
+            try:
+                hf = HFRecipe(copy.deepcopy(hf_cpu).to(dev, dtype), max_len)
+                hf.run(encoded[0], 4)  # compiles (and, on CUDA, records its graphs)
+            except Exception as e:  # the anchor must not cost the rest of the run
+                errors[f"{dname} {RECIPE}"] = f"{type(e).__name__}: {e}"
+                hf = None
+        rows: dict[str, dict] = {}
+
+        def add(name: str, toks: list[int], s_per_tok: float, counted: int | None = None,
+                forwards: int | None = None) -> None:
+            """A prompt's row: its tokens and decode time per token over `counted` tokens (default: all but
+            the first, which a plain decoder's prefill makes)."""
+            counted = len(toks) - 1 if counted is None else counted
+            r = rows.setdefault(name, dict(s=0.0, n=0, tokens=[], forwards=0))
+            r["s"] += s_per_tok * counted
+            r["n"] += counted
+            r["tokens"].append(toks)
+            r["forwards"] += forwards if forwards is not None else len(toks)
+
+        # warm-up: compile / capture every bucket the run will use (each prompt's prefill chunks too, so that no
+        # capture lands inside a timed call)
+        warm = encoded[0]
+        for g, st in steps.items():
+            list(static_stream(model, warm, GenerationConfig(max_new_tokens=4), step=st))
+            for ids in encoded:
+                _prefill_s(st, ids)
+                if len(ids) > 1:
+                    _prefill_s(st, ids[:-1])
+        for label, (drafter, tree) in list(methods.items()):
+            try:
+                static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step)
+            except Exception as e:  # one drafter's failure costs its row only
+                errors[f"{dname} {label}"] = f"{type(e).__name__}: {e}"
+                del methods[label]
+        it = encoded
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(encoded, desc=f"bench static {dname}", unit="prompt")
+        for ids in it:
+            if hf is not None:
+                add(RECIPE, *hf.run(ids, new_tokens))
+            if dynamic:
+                add("midlayer dynamic (generate)", *_decode_timed(generate_stream_tokens(model, ids, cfg)))
+            for g, st in steps.items():
+                add(f"midlayer static, {g}", *_decode_timed(static_stream(model, ids, cfg, step=st)))
+            for label, (drafter, tree) in methods.items():
+                pre = _prefill_s(spec_step, ids[:-1]) if len(ids) > 1 else 0.0
+                _sync(dev)
+                t = time.perf_counter()
+                out, stats = static_speculative_generate(model, ids, drafter, tree, new_tokens, step=spec_step)
+                _sync(dev)
+                dt = time.perf_counter() - t - pre
+                # its rounds make every new token (plain decoding's first comes with its prefill)
+                add(f"{label} ({len(tree)}-node tree), static {graphs[-1]}", out, dt / len(out), len(out),
+                    stats.base_forwards)
+        plain = rows[f"midlayer static, {graphs[-1]}"]["tokens"]
+        ref = rows.get(RECIPE)
+        ref_ms = 1e3 * ref["s"] / ref["n"] if ref else None
+        table = []
+        for name, r in rows.items():
+            ms = 1e3 * r["s"] / max(r["n"], 1)
+            table.append(dict(engine=name, ms_per_token=ms, vs_recipe=(ms / ref_ms) if ref_ms else None,
+                              tau=sum(len(t) for t in r["tokens"]) / max(r["forwards"], 1),
+                              equal_plain=sum(a == b for a, b in zip(r["tokens"], plain)), n=len(plain)))
+        result["tables"][dname] = dict(rows=table, invariant={g: st.invariant for g, st in steps.items()},
+                                       buckets={g: st.buckets for g, st in steps.items()})
+        if on_table is not None:
+            on_table(result, dname)
+        del steps, spec_step, methods, hf, model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def generate_stream_tokens(model: Transformer, ids: list[int], cfg: GenerationConfig):
+    """The dynamic engine's tokens for one prompt, as a stream of ints (for `_decode_timed`)."""
+    for t, _ in generate_stream(model, [ids], cfg):
+        yield int(t[0])
+
+
+def static_table(r: dict, dtypes: Sequence[str] | None = None, header: bool = True) -> str:
+    out = [*r["machine"], f"{r['model']}: {r['prompts']} held-out chat prompts ({min(r['prompt_tokens'])}-"
+           f"{max(r['prompt_tokens'])} tokens) x {r['new_tokens']} new tokens, batch 1, greedy, decode only",
+           ""] if header else []
+    for dname, t in r["tables"].items():
+        if dtypes is not None and dname not in dtypes:
+            continue
+        errors = {k: v for k, v in r.get("errors", {}).items() if k.startswith(dname + " ")}
+        inv = ", ".join(f"{g}: {t['buckets'][g]} {'row-invariant' if ok else 'NOT row-invariant'}"
+                        for g, ok in t["invariant"].items())
+        out += [f"{dname} (buckets {inv})", "",
+                "| engine | ms/token | vs recipe | tau | = our plain greedy |", "|---|---|---|---|---|"]
+        for row in t["rows"]:
+            vs = f"{row['vs_recipe']:.2f}x" if row["vs_recipe"] is not None else "-"
+            out.append(f"| {row['engine']} | {row['ms_per_token']:.2f} | {vs} | {row['tau']:.2f} | "
+                       f"{row['equal_plain']}/{row['n']} |")
+        out += [f"failed: {k}: {v[:300]}" for k, v in errors.items()]
+        out.append("")
+    return "\n".join(out)

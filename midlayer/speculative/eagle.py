@@ -1,0 +1,507 @@
+"""EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", arXiv
+2401.15077): a one-layer draft network that is autoregressive over the base model's top-layer features.
+
+What it is. The base's feature f_t is its final residual at position t after the final norm, f_t =
+norm(h_t): the state its LM head reads to give the distribution of token t + 1 (what EAGLE's code takes
+from the last hidden state of a Llama, which is normalised). Features. Our residuals are large and
+unevenly scaled (SmolLM2's reach ~10^4 in a few dimensions), so a regression on the raw residual h_t
+would be dominated by those dimensions; the normalised feature has the scale the LM head expects, and the
+predicted feature is decoded by the LM head alone. The
+draft network reads, at each position t, the feature f_t together with the embedding of the NEXT token,
+e_{t+1} (the "shifted" token, which tells the draft which of the possible continuations was actually
+taken, EAGLE sec. 3), and predicts the next feature:
+
+    x_t       = W_fc [f_t ; e_{t+1}] + b_fc                       W_fc: R^{2d} -> R^d
+    fhat_{t+1} = Block(x_{<=t})_t                                 one decoder layer (attention + SwiGLU FFN,
+                                                                  causal over the draft rows, RoPE position t+1)
+    q(. | x_{<=t+1}) = softmax(LMHead(fhat_{t+1}))                 the base's frozen LM head:
+                                                                  a guess of the distribution of token t + 2
+Drafting is autoregressive over features: the predicted feature and the embedding of the token drafted from
+it feed the next step (EAGLE sec. 4, "drafting phase"), so depth d of the tree costs one draft-layer call.
+e_t is the embedding the base's first block reads, `Transformer.embed` (emb_norm(tok_embeddings(x_t)), plus
+an absolute position embedding for bases that have one; the paper's models
+normalise the embedding, Llama checkpoints do not); both tables are the base's own and stay frozen.
+
+Training (EAGLE sec. 4, "training of the draft models"), teacher-forced on the base's own features:
+
+    L = L_reg + w_cls L_cls,    L_reg = SmoothL1(fhat_{t+1}, f_{t+1}),
+                                L_cls = KL(p_base(. | t+1) || q(. | fhat_{t+1})),    w_cls = 0.1 (paper),
+
+averaged over the positions whose target t + 1 is a real token. The paper's L_cls is the cross-entropy to
+the base's distribution; we use the forward KL (the same gradient: the two differ by the teacher's entropy,
+a constant) so that every drafter of this repo shares one teacher and one loss scale. The paper also adds
+U(-0.1, 0.1) noise to the input features during training (its data augmentation against the draft's own
+feature errors at depth > 1); `noise` does that, drawn from a seeded generator (exact resume).
+
+How it differs from the other drafters. Medusa (drafters.py) decodes every depth from the same f_t with
+independent heads: no head knows which token was drafted before it, so depth-d candidates do not depend on
+the path. Hidden transfer (hidden_transfer.py) also predicts states, but as pseudo rows *inside* the base's
+upper blocks, all depths in one (fused) base forward, again without the drafted tokens. EAGLE is a
+separate small autoregressive network: it runs max_depth one-layer calls per round (cheap next to a base
+forward), and each node's guess is conditioned on its own path -- the tokens and predicted features above
+it -- like early exit / layer skip, but on a network that is one layer deep rather than part of the base.
+
+Module layout. `EagleHead` (the trainable fc + decoder layer; the layer is the repo's own `model.Block`,
+with its attention, RoPE tables and KV-cache views) and `eagle_forward`, the one teacher-forced pass used
+by training and held-out evaluation. `EagleDrafter` drafts over a KV cache of its own (one layer, batch 1)
+that holds the draft rows of the committed context; each round it appends the rows of the newly committed
+positions (their features are the rows of `ctx.hidden`) and fills the tree level by level through
+`drafters.draft_tree_autoregressive`, in scratch slots that are truncated afterwards. Cost: the first round
+runs the prompt's rows through the draft layer (`prefill_features`: speculative_generate hands over every
+prefill row's feature, so no extra base forward is needed); every later round costs the (1 + accepted) new
+context rows plus one row per node above the last level (leaves are never run), all through the one
+draft layer. (Without those features -- a caller that passes only the last row -- the drafter recomputes
+them with one base forward.)
+
+Initialisation (the paper does not say; ours): W_fc = [I | 0], b_fc = 0, the layer's output projections
+(attention wo, FFN w2) zero, every other weight ~ N(0, init_std). An untrained head is then the identity on
+the feature, fhat_{t+1} = f_t, i.e. it re-uses the base's own next-token prediction -- the same starting
+point as an untrained Medusa head -- and training starts from a defined, in-distribution residual.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from midlayer.ops import kernels
+from midlayer.config import ModelConfig
+from .drafters import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, gather_counted,
+                       kl_to_base, model_device, optimise, placeholder_candidates, split_batch)
+from .draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
+from midlayer.engine.generate import CachedStep
+from .hidden_transfer import _additive, visible
+from midlayer.model.kv_cache import KVCache, MaskedView
+from midlayer.model.transformer import Block, Transformer, causal_step
+from .verify import Draft, DraftContext, DraftTree
+
+W_CLS = 0.1  # EAGLE sec. 4: L = L_reg + 0.1 L_cls
+FEATURE_NOISE = 0.1  # EAGLE sec. 4: U(-0.1, 0.1) added to the input features during training
+
+
+# ============================================================================================ the module
+class EagleHead(nn.Module):
+    """The EAGLE draft network: fc [f ; e] -> d, then one decoder layer (module docstring).
+
+    The layer is a `model.Block` built from the base's dimensions (`for_model`): same width, heads, KV
+    heads and SwiGLU hidden size as a base block, so it reads the base's RoPE tables. Its attention is
+    SDPA (no gates: the draft layer is dense whatever the base)."""
+
+    KIND = "eagle"
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, norm_eps: float = 1e-5,
+                 norm_placement: str = "pre", qkv_bias: bool = False, init_std: float = 0.02,
+                 head_size: int = 0) -> None:
+        super().__init__()
+        # vocab_size / max_seq_len are required by ModelConfig but unused by a Block
+        self.block_cfg = ModelConfig(dim=dim, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=1,
+                                     ffn_hidden=ffn_hidden, norm_eps=norm_eps, norm_placement=norm_placement,
+                                     gating=False, qkv_bias=qkv_bias, init_std=init_std, attn_backend="sdpa",
+                                     head_size=head_size)
+        self.dim = dim
+        self.fc = nn.Linear(2 * dim, dim, bias=True)
+        self.layer = Block(self.block_cfg)
+        self.reset_parameters()
+
+    @classmethod
+    def for_model(cls, model: Transformer) -> "EagleHead":
+        """A head shaped like one block of `model`."""
+        c = model.cfg
+        return cls(c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden_dim, c.norm_eps, c.norm_placement, c.qkv_bias,
+                   c.init_std, c.head_size)
+
+    def reset_parameters(self) -> None:
+        """The identity-on-the-feature start (module docstring)."""
+        c = self.block_cfg
+        with torch.no_grad():
+            for name, p in self.layer.named_parameters():
+                if name.endswith("norm.weight"):
+                    nn.init.ones_(p)
+                else:
+                    nn.init.normal_(p, 0.0, c.init_std)
+            # zero output projections: the block's residual branches add nothing until trained
+            nn.init.zeros_(self.layer.attention.wo.weight)
+            nn.init.zeros_(self.layer.feed_forward.w2.weight)
+            self.fc.weight.zero_()
+            self.fc.weight[:, :self.dim].copy_(torch.eye(self.dim))
+            self.fc.bias.zero_()
+
+    def config(self) -> dict[str, Any]:
+        c = self.block_cfg
+        return {"dim": c.dim, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "ffn_hidden": c.ffn_hidden,
+                "norm_eps": c.norm_eps, "norm_placement": c.norm_placement, "qkv_bias": c.qkv_bias,
+                **({"head_size": c.head_size} if c.head_size else {})}
+
+    def check_model(self, model: Transformer) -> None:
+        c = self.block_cfg
+        if c.dim != model.cfg.dim or c.head_dim != model.cfg.head_dim:
+            raise ValueError(f"EAGLE head of dim {c.dim} / head_dim {c.head_dim} for a model of dim "
+                             f"{model.cfg.dim} / head_dim {model.cfg.head_dim} (it uses the base's RoPE tables)")
+
+    def forward(self, features: torch.Tensor, emb: torch.Tensor, step: Callable[..., torch.Tensor],
+                layer: Block | None = None, fc: nn.Module | None = None) -> torch.Tensor:
+        """features f [B, M, d] and next-token embeddings e [B, M, d] -> predicted next features [B, M, d],
+        in the head's dtype. `step(layer, block, h, gate, key_bias)` (a `model.BlockStep`: causal, cached or
+        masked) decides how the M rows attend, exactly as for the base's own blocks. `layer`, `fc`: the
+        decoder layer and input projection to run instead of `self.layer` and `self.fc` (the drafter's
+        copies in a compressed format)."""
+        dt = self.fc.weight.dtype
+        x = (self.fc if fc is None else fc)(torch.cat([features.to(dt), emb.to(dt)], -1))
+        return step(0, self.layer if layer is None else layer, x, None, None)
+
+
+def embed(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """e_t: the embedding the base's first block reads (module docstring), at `positions` (default 0..T-1;
+    they matter only for bases with absolute position embeddings)."""
+    return model.embed(tokens, positions)
+
+
+def feature(model: Transformer, h: torch.Tensor) -> torch.Tensor:
+    """The feature EAGLE works in: the base's final residual after its final norm, f = norm(h) -- the
+    state its LM head reads (module docstring, "Features")."""
+    return model.norm(h)
+
+
+def feature_logits(model: Transformer, fhat: torch.Tensor, head: EagleHead | None = None) -> torch.Tensor:
+    """The base's decoding of a predicted feature, LMHead(fhat) (fhat is already normalised), base dtype;
+    over the head's draft vocabulary when it has one (draft_vocab.py)."""
+    x = fhat.to(model.tok_embeddings.weight.dtype)
+    return model.output(x) if head is None else head_logits(head, model, x)
+
+
+# ===================================================================================== teacher-forced pass
+def eagle_forward(model: Transformer, head: EagleHead, tokens: torch.Tensor, features: torch.Tensor,
+                  n_steps: int = 1, noise: float = 0.0, generator: torch.Generator | None = None
+                  ) -> list[torch.Tensor]:
+    """Predicted features of every depth, teacher-forced on `tokens` [B, T] and their base features [B, T, d].
+
+    Depth 1: the real rows t = 0..T-2, input (f_t, e_{t+1}) at RoPE position t + 1, causal; output [B, T-1, d]
+    predicts f_{t+1} (anchor t, in `speculative` terms the last cached position, t + 1 the pending token).
+    Depth i > 1 (held-out metrics, consistency tests): for anchor a = 0..T-1-i a row (fhat, e_{a+i}) at
+    position a + i, fhat being the depth-(i-1) output of the same anchor, e the TRUE token (given the true
+    prefix); it sees the real rows <= a and the earlier-depth rows of its own anchor -- what the drafter's
+    chain row sees at inference. That is hidden transfer's `visible` rule (not masked), with real row a as
+    step 0; the passes are run depth after depth (each needs the previous depth's outputs). Returns one
+    tensor per depth, [B, T - i, d] in the head's dtype.
+    `noise` > 0: U(-noise, noise) added to the real input features (EAGLE's training augmentation).
+    """
+    head.check_model(model)
+    B, T = tokens.shape
+    if T < 2:
+        raise ValueError("EAGLE needs at least 2 tokens (a feature and the next token)")
+    if not 1 <= n_steps <= T - 1:
+        raise ValueError(f"n_steps must be in [1, {T - 1}] for {T} tokens, got {n_steps}")
+    e = embed(model, tokens)
+    f = feature(model, features[:, :T - 1])
+    if noise > 0:
+        f = f + (torch.rand(f.shape, generator=generator, device=f.device, dtype=torch.float32) * 2 - 1
+                 ).mul_(noise).to(f.dtype)
+    if n_steps == 1:  # training: one causal pass (SDPA's fused causal kernel)
+        cos, sin = model.rope_cos[1:T], model.rope_sin[1:T]
+        return [head(f, e[:, 1:], causal_step(cos, sin))]
+    dev = tokens.device
+    anchor = torch.arange(T - 1, device=dev)
+    step = torch.zeros(T - 1, dtype=torch.long, device=dev)
+    inputs = [(f, e[:, 1:])]  # per depth: (input features, input embeddings)
+    outs: list[torch.Tensor] = []
+    for i in range(1, n_steps + 1):
+        if i > 1:
+            A = T - i  # anchors 0..T-1-i: their depth-i token a + i is in the sequence
+            inputs.append((outs[-1][:, :A], e[:, i:]))
+            anchor = torch.cat([anchor, torch.arange(A, device=dev)])
+            step = torch.cat([step, torch.full((A,), i - 1, dtype=torch.long, device=dev)])
+        mask = _additive(visible(anchor, step, anchor, step, masked=False))[None, None]
+        pos = anchor + step + 1
+        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+        x_f = torch.cat([a for a, _ in inputs], 1)
+        x_e = torch.cat([b for _, b in inputs], 1)
+        # rows of earlier depths never see the new ones, so re-running them gives their outputs unchanged
+        y = head(x_f, x_e, lambda layer, block, h, gate, kb: block(h, cos, sin, None, None, MaskedView(mask)))
+        outs.append(y[:, step == i - 1])
+    return outs
+
+
+def eagle_loss(model: Transformer, head: EagleHead, tokens: torch.Tensor,
+               states: tuple[torch.Tensor, list[torch.Tensor]] | None = None, mask: torch.Tensor | None = None, *,
+               w_cls: float = W_CLS, noise: float = 0.0, generator: torch.Generator | None = None
+               ) -> tuple[torch.Tensor, list[float]]:
+    """L_reg + w_cls L_cls over the positions t + 1 < T whose target is real (module docstring).
+
+    states: (base logits [B, T, V], hidden states whose last entry is the final residual), e.g. from
+    `FrozenStates`; computed here when None. Returns (loss, [L_cls (the depth-1 KL, comparable with the other
+    methods' step-1 KL), L_reg])."""
+    logits, hs = states if states is not None else base_states(model, tokens)
+    feats = hs[-1]
+    fhat = eagle_forward(model, head, tokens, feats, 1, noise, generator)[0]  # predicts f_1..f_{T-1}
+    # every row runs the draft layer (the later rows attend to it); only the counted ones pay for the head
+    pair = torch.cat([fhat.float(), feature(model, feats[:, 1:]).detach().float()], -1)
+    pair, teacher, valid = gather_counted(pair, teacher_logits(logits, head)[:, 1:],
+                                          None if mask is None else mask[:, 1:])
+    fhat, target = pair.split(fhat.shape[-1], -1)
+    reg = F.smooth_l1_loss(fhat, target, reduction="none").mean(-1)
+    if valid is None:
+        reg = reg.mean()
+    else:
+        w = valid.to(reg.dtype)
+        reg = (reg * w).sum() / w.sum().clamp_min(1.0)
+    kl = kl_to_base(teacher, feature_logits(model, fhat, head), valid)
+    return reg + w_cls * kl, [float(kl.detach()), float(reg.detach())]
+
+
+def train_eagle(model: Transformer, head: EagleHead, batches: Any, steps: int, lr: float = 1e-3, *,
+                w_cls: float = W_CLS, noise: float = FEATURE_NOISE, seed: int = 0, clip: float = 1.0,
+                log: Callable[[int, float, list[float]], None] | None = None) -> list[dict[str, Any]]:
+    """Train the head with `eagle_loss` on a frozen base (LongTensor batches [B, T] or (tokens, mask), cycled)."""
+    head.check_model(model)
+    dev = model_device(model)
+    head.to(dev).train()
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    with FrozenBase(model):
+        def loss_fn(b: Any) -> tuple[torch.Tensor, list[float]]:
+            tokens, mask = split_batch(b, dev)
+            return eagle_loss(model, head, tokens, mask=mask, w_cls=w_cls, noise=noise, generator=gen)
+
+        hist = optimise(list(head.parameters()), loss_fn, batch_stream(batches), steps, lr, clip, log)
+    head.eval()
+    return hist
+
+
+# ============================================================================================ inference
+def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest log-probabilities of each row of `logits` [M, V] and their indices: one C pass (top k
+    and logsumexp, kernels.topk) where it applies, else log_softmax + topk."""
+    out = kernels.topk(logits, k, with_lse=True)
+    if out is not None:
+        vals, idx, lse = out
+        return vals - lse[:, None], idx
+    top = torch.log_softmax(logits, -1).topk(k, -1)
+    return top.values, top.indices
+
+
+class EagleDrafter:
+    """Drafts `ctx.tree` autoregressively with an `EagleHead` (module docstring, "Module layout").
+
+    State between rounds: the draft KV cache with the rows of positions 0..held-1 (the last of them the
+    previous round's root row: its token was the base's own choice) and the tokens they were computed from.
+    Every round checks the state against ctx.tokens and keeps only the rows whose tokens still match, so
+    one drafter can serve any sequence of generations (a new prompt starts over).
+    """
+
+    prefill_features = True  # speculative_generate hands over the features of every prompt row
+    static_step = True  # reads ctx.tokens and ctx.hidden; its draft cache is its own
+
+    def __init__(self, model: Transformer, head: EagleHead, dynamic_k: int = 0) -> None:
+        head.check_model(model)
+        if dynamic_k < 0:
+            raise ValueError(f"dynamic_k must be >= 0, got {dynamic_k}")
+        self.model, self.head = model, head.to(model_device(model)).eval()
+        # The draft layer in the base's weight format (quantization.compress_block, which in q4 also gives
+        # its cached attention the C kernel: 0.75 ms a call for its 4 calls a round against 0.9 ms through
+        # SDPA). At batch 1 each draft level reads the whole layer, so in fp32 beside a q4 base it read 17 MB
+        # a level for SmolLM2 (4.2M weights) against ~2.4 MB in q4: 1.10x -> 1.20x plain on an AVX-512 Xeon
+        # (docs/results/hidden-transfer-cpu.md, 26th session). A copy: the head itself stays trainable.
+        fmt = getattr(model, "weight_format", None)
+        self.layer: Block = head.layer
+        self.fc: nn.Module = head.fc
+        if fmt not in (None, "fp32"):
+            from midlayer.engine.quantization import compress_block
+
+            self.layer = compress_block(copy.deepcopy(head.layer), fmt).eval()
+        if fmt == "q4" and kernels.available():
+            # The fc (2d -> d) in Q8_0, the q4 format's 8-bit format (its LM head's): every draft-layer
+            # call read its 2.7 MB in fp32 (SmolLM2), 0.16 ms a call on the 28th session's Xeon, where the
+            # weights stream from L3 at ~20 GB/s; Q8_0 reads 0.7 MB. Q4_1 here lowered tau (2.36 -> 2.33,
+            # 26th session); Q8_0 keeps it (docs/results/hidden-transfer-cpu.md, 28th session).
+            from midlayer.engine.quantization import Q8Linear
+
+            self.fc = Q8Linear(head.fc).eval()
+        self.dynamic_k = int(dynamic_k)  # > 0: EAGLE-2 dynamic trees, expanding the top-k nodes per depth
+        self.cache: KVCache | None = None
+        self.last_logits: torch.Tensor | None = None  # the last round's logits, one row per level row run
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the draft rows of the context (the next round rebuilds them)."""
+        self.held = 0
+        self.held_tokens: list[int] = []  # tokens[:held + 1]: what rows 0..held-1 depend on
+        if self.cache is not None:
+            self.cache.truncate(0)
+
+    # ------------------------------------------------------------------------------------ the state
+    def _level_rows(self, tree: DraftTree) -> list[int]:
+        """Draft rows run per tree level after the root (the root row rides the call that commits the
+        context): the tree's level sizes (static), or the k expanded nodes of every depth but the last
+        (dynamic)."""
+        if not tree.max_depth:
+            return []
+        if self.dynamic_k:
+            return [self.dynamic_k] * (tree.max_depth - 1)
+        return tree.level_sizes()[1:]
+
+    def _scratch_rows(self, tree: DraftTree) -> int:
+        """Scratch slots one round needs after the root: every row run (dynamic), or every node (static: the
+        leaves get slots too, though they are never run)."""
+        return sum(self._level_rows(tree)) if self.dynamic_k else len(tree)
+
+    def _ensure_cache(self, n_nodes: int) -> KVCache:
+        need = self.model.cfg.max_seq_len + n_nodes + 1  # context rows (positions) + one tree in scratch slots
+        if self.cache is None or self.cache.max_len < need:
+            c = self.head.block_cfg
+            w = self.head.fc.weight
+            self.cache = KVCache(1, 1, c.n_kv_heads, c.head_dim, need, device=w.device, dtype=w.dtype)
+            self.held, self.held_tokens = 0, []
+        return self.cache
+
+    def _valid_rows(self, tokens: list[int]) -> int:
+        """How many held rows still belong to `tokens` (row t depends on tokens[:t + 2])."""
+        n = len(self.held_tokens)
+        if tokens[:n] == self.held_tokens:
+            return self.held
+        same = next((i for i, (a, b) in enumerate(zip(tokens, self.held_tokens)) if a != b), min(len(tokens), n))
+        return max(0, min(self.held, same - 1))
+
+    def _features(self, ctx: DraftContext, start: int, p: int) -> torch.Tensor:
+        """Base features f_start..f_{p-1} [p - start, d] (normalised): from ctx.hidden (positions p-m..p-1),
+        else recomputed by one base forward (a context the loop did not hand over)."""
+        m = ctx.hidden.shape[0]
+        if start >= p - m:
+            return feature(self.model, ctx.hidden[start - (p - m):])
+        toks = torch.tensor([ctx.tokens[:p]], device=model_device(self.model))
+        out = self.model(toks, output_hidden_states=True, return_logits=False)
+        return feature(self.model, out.hidden_states[-1][0, start:])
+
+    def _run(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start: int,
+             extra: torch.Tensor | None) -> torch.Tensor:
+        """The head over the draft cache: rows [1, M] at the (reserved) slots start..start+M-1."""
+        cache = self.cache
+        M = tokens.shape[1]
+        cos, sin = self.model.rope_cos[positions][:, None], self.model.rope_sin[positions][:, None]
+        slots = torch.arange(start, start + M, device=cache.pos.device)[None]
+        cache.pos[:, start:start + M] = positions
+        step = CachedStep(cache, start, slots, cos, sin, skip=False, extra_mask=extra)
+        return self.head(feats, embed(self.model, tokens, positions), step, self.layer, self.fc)
+
+    def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[tuple]:
+        """What one round drafts, for `tree_cost.round_forwards` (its (rows per base block, head rows) format):
+        the draft layer has a base block's shape, so a level of r rows is costed as r rows through ONE block
+        (the fc's 2d x d adds a little) plus r rows through the LM head (its draft vocabulary's share of it).
+        The call that commits the context (1 + accepted rows, counted as 1, their minimum) also runs the
+        root row and its head row."""
+        from .tree_cost import head_share
+
+        share = head_share(self.head, self.model.cfg.vocab_size)  # a draft vocabulary reads part of the head
+        out = [([1] + [0] * (n_layers - 1), 1 if tree.max_depth else 0, share)]
+        out += [([r] + [0] * (n_layers - 1), r, share) for r in self._level_rows(tree)]
+        return out
+
+    # ------------------------------------------------------------------------------------ drafting
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> Draft | list[list[int]]:
+        tree, model = ctx.tree, self.model
+        p = len(ctx.tokens) - 1  # the pending root token's position
+        if ctx.hidden.shape[0] == 0:  # 1-token prompt, first round: no feature yet
+            return placeholder_candidates(tree.ranks_per_depth, model.cfg.vocab_size)
+        cache = self._ensure_cache(self._scratch_rows(tree))
+        dev = cache.pos.device
+        valid = min(self._valid_rows(ctx.tokens), p - 1)  # row p - 1 is this round's root: always rebuilt
+        feats = self._features(ctx, valid, p)  # f_valid..f_{p-1}
+        cache.truncate(valid)
+        # ONE call commits the draft rows of positions valid..p-2 -- (f_t, e_{t+1}) at RoPE position t + 1,
+        # causal -- and runs the root row (f_{p-1}, e_p) after them. The root's token e_p is the base's own
+        # choice, so its row is context for the next round, kept: a tree level saved per round (issue 11,
+        # 28th session: ~0.4 ms of a ~15 ms round on a 2-core Xeon).
+        M = p - valid
+        cache.reserve(M)
+        toks = torch.tensor([ctx.tokens[valid + 1:p + 1]], device=dev)
+        out = self._run(feats[None], toks, torch.arange(valid + 1, p + 1, device=dev)[None], valid, None)[0]
+        self.held, self.held_tokens = p, list(ctx.tokens[:p + 1])
+        root_out = out[-1]
+        if not len(tree):
+            self.last_logits = None
+            return Draft(node_tokens=torch.zeros(0, dtype=torch.long))
+        root_logits = feature_logits(model, root_out[None], self.head)
+        if self.dynamic_k:
+            return self._dynamic(ctx, root_out, root_logits, p, cache)
+        # The tree: level 0 is the root row (at slot p - 1, now cached); a node's row is (its parent's
+        # predicted feature, its own token), so row r's input feature is row parent(r)'s output.
+        s0 = cache.length - 1  # the root's slot
+        n = len(tree)
+        parent_row = [0] + [int(x) + 1 for x in tree.parent.tolist()]
+        pred: list[torch.Tensor | None] = [root_out] + [None] * n
+        level_logits: list[torch.Tensor] = [root_logits]
+
+        def step(tok: torch.Tensor, pos: torch.Tensor, start: int, extra: torch.Tensor) -> torch.Tensor:
+            a, m = start - s0, tok.shape[1]
+            inp = torch.stack([pred[parent_row[r]] for r in range(a, a + m)])[None]
+            out = self._run(inp, tok, pos, start, extra)[0]  # [m, d]
+            for j in range(m):
+                pred[a + j] = out[j]
+            logits = feature_logits(model, out, self.head)
+            level_logits.append(logits)
+            return logits
+
+        draft = draft_tree_autoregressive(dataclasses.replace(ctx, cache=cache), step, draft_vocab(self.head),
+                                          root_logits=root_logits)
+        self.last_logits = torch.cat(level_logits)
+        return draft
+
+    def _dynamic(self, ctx: DraftContext, root_out: torch.Tensor, root_logits: torch.Tensor, p: int,
+                 cache: KVCache) -> Draft:
+        """EAGLE-2's dynamic draft tree (Li et al. 2024b, arXiv 2406.16858, sec. 4): a node's score is the
+        product of the draft probabilities along its path (its estimated acceptance). Expansion: at every
+        depth the k highest-scoring new nodes are run through the draft layer, and each proposes its top-k
+        children. Reranking: of all nodes proposed, the len(ctx.tree) highest-scoring ones form this round's
+        tree (depth <= ctx.tree.max_depth). A child never scores above its parent, and ties go to the
+        shallower, then lexicographically smaller path, so the chosen set is prefix-closed. The root row
+        (its output `root_out`, logits `root_logits`) is the cache's last row, already run."""
+        k, n_budget, D = self.dynamic_k, len(ctx.tree), ctx.tree.max_depth
+        self.last_logits = None  # (the static path's per-level logits; not kept here)
+        model, dev = self.model, cache.pos.device
+        vocab = draft_vocab(self.head)
+        s0 = cache.length  # the first scratch slot (the root sits at s0 - 1, with the context)
+        R = self._scratch_rows(ctx.tree)
+        run_paths: list[tuple[int, ...]] = []  # rows run, in the order of their scratch slots s0, s0 + 1, ...
+        pred: dict[tuple[int, ...], torch.Tensor] = {(): root_out}
+        cand: dict[tuple[int, ...], tuple[int, float]] = {}  # path -> (token, log score)
+        level: list[tuple[int, ...]] = [()]
+        logits = root_logits
+        cache.reserve(R)
+        try:
+            for d in range(D):
+                if d:  # run the level: each row sees the context (with the root) and its run ancestors
+                    a = len(run_paths) - len(level)  # the level's first scratch row
+                    mask = [[0.0 if path[:len(q)] == q else float("-inf") for q in run_paths] for path in level]
+                    extra = torch.cat([torch.zeros(len(level), s0), torch.tensor(mask),
+                                       torch.full((len(level), R - len(run_paths)), float("-inf"))], 1)
+                    out = self._run(torch.stack([pred[x[:-1]] for x in level])[None],
+                                    torch.tensor([[cand[x][0] for x in level]], device=dev),
+                                    torch.full((1, len(level)), p + d, device=dev, dtype=torch.long), s0 + a,
+                                    extra.to(dev)[None, None])[0]
+                    for i, path in enumerate(level):
+                        pred[path] = out[i]
+                    logits = feature_logits(model, out, self.head)
+                top_lp, top_ix = _top_logprobs(logits.float(), min(k, logits.shape[-1]))
+                ids = to_token_ids(top_ix, vocab).tolist()
+                for i, (path, row_lp) in enumerate(zip(level, top_lp.tolist())):
+                    base = cand[path][1] if path else 0.0
+                    for r, (tok, lp) in enumerate(zip(ids[i], row_lp)):
+                        cand[path + (r,)] = (tok, base + lp)
+                if d + 1 == D:
+                    break
+                level = sorted((x for x in cand if len(x) == d + 1), key=lambda x: (-cand[x][1], x))[:k]
+                run_paths += level
+        finally:
+            cache.truncate(s0)
+        self.last_scores = cand  # every proposed node's (token, log score), for inspection and tests
+        chosen = sorted(cand, key=lambda x: (-cand[x][1], len(x), x))[:n_budget]
+        tree = DraftTree(chosen)
+        return Draft(node_tokens=torch.tensor([cand[x][0] for x in tree.paths], dtype=torch.long), tree=tree)
+
+
+__all__ = ["EagleHead", "EagleDrafter", "eagle_forward", "eagle_loss", "train_eagle", "embed", "feature_logits",
+           "W_CLS", "FEATURE_NOISE"]

@@ -1,0 +1,193 @@
+"""Checkpoints that carry everything a run needs to continue exactly, written atomically.
+
+A checkpoint `ckpt_{step:07d}.pt` in the run directory holds: the model, optimizer, LR-scheduler and
+sparsity-controller states, the torch RNG states, the step (which is also the data position: the data
+reader is a pure function of (seed, step), see data.py), and the three configs as plain dicts. The configs
+are also written as `config.json` beside it for people and tools.
+
+Writes go to a temporary file in the same directory, then `os.replace` -- a killed process never leaves a
+half-written checkpoint under the real name. Loading refuses, with a clear message and without touching
+anything on disk, a file that is not a midlayer checkpoint, is truncated/corrupt, or whose model config
+differs from the run being resumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "midlayer-checkpoint-v1"
+_NAME = re.compile(r"ckpt_(\d{7})\.pt$")
+_TEMP = re.compile(r"\.(ckpt_\d{7}\.pt|config\.json)\.tmp\.(\d+)$")  # atomic_write_bytes' temporary files
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / f"ckpt_{step:07d}.pt"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoints in `run_dir`, oldest first (temporary files are ignored)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process (or an absurd pid): leave its file alone
+    return True
+
+
+def remove_stale_temp_files(run_dir: Path) -> list[Path]:
+    """Delete the temporary files a killed checkpoint write left in `run_dir` (`.ckpt_NNNNNNN.pt.tmp.PID`,
+    `.config.json.tmp.PID` whose process is gone); nothing else is touched. Returns the deleted paths. Call it
+    before this process writes a checkpoint there (its own PID's files are then stale too: a reused PID)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    stale = [p for p in sorted(run_dir.iterdir()) if (m := _TEMP.match(p.name)) and p.is_file()
+             and (int(m.group(2)) == os.getpid() or not _pid_alive(int(m.group(2))))]
+    for p in stale:
+        p.unlink()
+    return stale
+
+
+def atomic_write_bytes(path: Path, write) -> None:
+    """Call write(tmp_path), fsync, then rename over `path`: the file is whole or untouched. A failed write
+    (a full disk: torch.save reports it as a RuntimeError from its zip writer) is an OSError naming the file,
+    the partial temporary file is removed, and an earlier `path` stays as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise OSError(f"writing {path} failed ({first}); a full disk? The earlier {path.name}, if any, is "
+                      "intact") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], configs: dict[str, dict],
+                    keep_last: int) -> Path:
+    """Write ckpt for `step` atomically, then `config.json`, then prune to the newest `keep_last`."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = checkpoint_path(run_dir, step)
+    payload = {"format": FORMAT, "step": step, "configs": configs, **state}
+    if "model" in state:  # a content checksum of the weights, verified on load (load_checkpoint)
+        payload["model_sha256"] = weights_digest(state["model"])
+    atomic_write_bytes(path, lambda p: torch.save(payload, p))
+    atomic_write_bytes(run_dir / "config.json",
+                       lambda p: p.write_text(json.dumps(configs, indent=2, sort_keys=True)))
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        old.unlink()
+    return path
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load and sanity-check a checkpoint; raise CheckpointError with the reason on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, random bytes, pickle of something else ...
+        why = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]  # torch's messages run to paragraphs
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a torch file ({type(e).__name__}: {why})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} file")
+    for key in ("step", "configs", "model"):
+        if key not in ckpt:
+            raise CheckpointError(f"checkpoint {path} lacks '{key}'")
+    configs = ckpt["configs"]
+    if not isinstance(configs, dict) or not all(isinstance(configs.get(k), dict) for k in ("model", "sparsity", "train")):
+        raise CheckpointError(f"checkpoint {path}: its configs are not midlayer's model/sparsity/train configs")
+    if not isinstance(ckpt["model"], dict) or not all(isinstance(v, torch.Tensor) for v in ckpt["model"].values()):
+        raise CheckpointError(f"checkpoint {path}: its 'model' is not a dict of weight tensors")
+    if "model_sha256" in ckpt and ckpt["model_sha256"] != weights_digest(ckpt["model"]):
+        raise CheckpointError(f"checkpoint {path}: its weights do not match their checksum (the file is damaged)")
+    from midlayer.model.transformer import nonfinite_tensors  # the one rule every weight loader applies
+
+    bad = nonfinite_tensors(ckpt["model"])
+    if bad:
+        raise CheckpointError(f"checkpoint {path} has non-finite weights in {bad[:5]}")
+    return ckpt
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors of a state dict (names, dtypes, shapes and bytes, in name order): a flipped bit
+    anywhere in the weights changes it."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def load_weights(model: torch.nn.Module, ckpt: dict[str, Any], path: Path | str) -> None:
+    """model.load_state_dict(ckpt["model"]), refused in one line (CheckpointError) when the weights do not fit
+    the model the checkpoint's config builds: a missing or extra weight, a tensor of another shape."""
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"checkpoint {path}: its weights do not fit its model config ({first})") from None
+
+
+def load_newest_checkpoint(paths: list[Path], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load the newest of `paths` (oldest first, as `list_checkpoints`); if it is refused, the error also names
+    the newest one that loads, so the user knows what remains. Nothing on disk is changed."""
+    try:
+        return load_checkpoint(paths[-1], map_location=map_location)
+    except CheckpointError as e:
+        good = None
+        for p in reversed(paths[:-1]):
+            try:
+                load_checkpoint(p, map_location="cpu")
+            except CheckpointError:
+                continue
+            good = p
+            break
+        hint = (f"the newest good checkpoint is {good}: move {paths[-1].name} out of {paths[-1].parent} to use it"
+                if good else f"no other checkpoint in {paths[-1].parent} loads either")
+        raise CheckpointError(f"{e}; {hint}; nothing was changed") from None
+
+
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any], cls: type | None = None) -> list[str]:
+    """Fields whose values differ between two config dicts, as 'name: saved -> current'. Values compare as
+    JSON does (a tuple equals the list a config file stores). With the config class `cls`, a field the saved
+    dict lacks -- written before the field existed -- counts as that field's default, the behaviour the
+    older version had."""
+    if cls is not None:  # only the fields the comparison is about (the caller may have left some out)
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        saved = {**{k: defaults[k] for k in current if k in defaults and k not in saved}, **saved}
+
+    def norm(v: Any) -> Any:
+        return [norm(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    keys = sorted(set(saved) | set(current))
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if norm(saved.get(k)) != norm(current.get(k))]

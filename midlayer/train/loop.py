@@ -1,0 +1,536 @@
+"""Training loop: one code path for a single process and `torchrun --nproc_per_node N` (DDP).
+
+Per optimizer step (paper section 3.1 defaults, every value a TrainConfig field):
+  1. the global batch of `batch_size` sequences is split over ranks, then into micro-batches of
+     `micro_batch_size` (gradient accumulation); the windows are a pure function of (seed, step), so a
+     run resumed at step s sees exactly the data an uninterrupted run would, and N ranks see exactly the
+     batch one process would;
+  2. loss = cross-entropy + the sparsity controller's regulariser (eq. 5) (+ moe_aux_coef x the experts'
+     load-balancing loss for mixture-of-experts models), each divided by the number of
+     micro-batches; DDP averages gradients over ranks;
+  3. optional gradient clipping; the gradient norm is always measured and logged; a non-finite loss or
+     gradient stops the run *before* the optimizer step, so no poisoned weights are ever saved;
+  4. AdamW step, LR schedule step (linear warmup from warmup_start_factor x lr over warmup_frac of the
+     steps, then cosine decay to 0);
+  5. the controller's coefficients are updated from the gate statistics of the whole global batch,
+     all-reduced over ranks (eq. 6), so every rank holds the same coefficients.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import ExitStack, nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import distributed as dist_utils
+from midlayer.model.attention import FLEX_MIN_HEAD_DIM
+from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, load_newest_checkpoint, load_weights,
+                         remove_stale_temp_files, save_checkpoint)
+from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
+from midlayer.data.shards import TokenWindows, resolve_data
+from .evaluate import autocast_context, evaluate
+from midlayer.model.flops import forward_flops
+from midlayer.model.transformer import Transformer
+from midlayer.output_lock import OutputLock
+from midlayer.model.sparsity import ADAPTIVE_KINDS, GateStatsAccumulator, make_controller
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; the message says which checkpoint a `--resume` continues from."""
+
+
+# TrainConfig fields a resumed run may change: they decide how the run is logged, checkpointed, split into
+# micro-batches or compiled, not what it computes. Any other difference from the checkpoint's configs (the
+# model, the controller, the optimiser, the schedule -- `steps` too --, the data, the evaluation) is refused,
+# naming the flag: the checkpoint would otherwise be continued, or evaluated, as a run it is not.
+FREE_ON_RESUME = ("micro_batch_size", "eval_every", "log_every", "ckpt_every", "keep_last", "out_dir", "compile",
+                  "parallel", "grad_norm_spike", "tensorboard", "wandb")
+# ... and these may change to recover from a divergence (what the non-finite-loss error suggests): the new
+# value applies from the resumed step on; the change is printed and logged in metrics.jsonl.
+RECOVERY_ON_RESUME = ("lr", "grad_clip")
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every NaN or infinity replaced by None (JSON null): `json.dumps` would write the tokens
+    NaN / Infinity, which are not JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """LR multiplier at optimizer step `step` (0-based): linear warmup from `warmup_start_factor` to 1 over
+    `warmup_steps`, then cosine from 1 to 0 over the remaining steps (reaching 0 after the last step)."""
+    w = cfg.warmup_steps
+    if step < w:
+        return cfg.warmup_start_factor + (1.0 - cfg.warmup_start_factor) * step / w
+    progress = (step - w) / max(1, cfg.steps - w)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def router_lr_factor(step: int, cfg: TrainConfig) -> float:
+    """The routers' LR multiplier: `lr_factor`, held at or above `router_lr_floor` once warm-up is over."""
+    f = lr_factor(step, cfg)
+    return f if step < cfg.warmup_steps else max(f, cfg.router_lr_floor)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def default_cache_dir() -> Path:
+    from midlayer.ops.kernels import cache_dir
+
+    return cache_dir()
+
+
+class MetricsLogger:
+    """JSONL always (rank 0); TensorBoard and wandb when asked for. Other ranks log nothing."""
+
+    def __init__(self, run_dir: Path, cfg: TrainConfig, configs: dict, enabled: bool) -> None:
+        self.enabled = enabled
+        self.file = open(Path(run_dir) / "metrics.jsonl", "a") if enabled else None
+        self.tb = self.wandb = None
+        if enabled and cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("--tensorboard needs: pip install 'midlayer[tensorboard]'") from e
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        if enabled and cfg.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("--wandb needs: pip install 'midlayer[wandb]'") from e
+            self.wandb = wandb.init(project=cfg.wandb, config=configs, dir=str(run_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+        self.file.flush()
+        step = record.get("step", 0)
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _configs(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: TrainConfig) -> dict[str, dict]:
+    return {"model": asdict(model_cfg), "sparsity": asdict(sparsity_cfg), "train": asdict(train_cfg)}
+
+
+@torch.no_grad()
+def perturb_weights(model: torch.nn.Module, rel: float, seed: int) -> None:
+    """w <- w (1 + rel z), z ~ N(0, 1) per weight, from a generator of its own (seeded by `seed`), so the
+    global RNG -- dropout, data -- is untouched. With rel ~ 1e-7 (float32's unit roundoff is 6e-8) it stands
+    in for the rounding differences of another CPU: how far a run moves under it measures how much training
+    amplifies last-bit noise (issue 14). Zeros (biases at init) stay 0."""
+    gen = torch.Generator().manual_seed((seed + 0x5EED) % 2**64)
+    for p in model.parameters():
+        z = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        # in float64: 1 + 1e-7 z is not representable in float32 (its spacing above 1 is 1.2e-7)
+        p.copy_((p.double() * (1 + rel * z)).to(p.dtype))
+
+
+def micro_batch_losses(fwd: Callable, x: torch.Tensor, y: torch.Tensor, model_cfg: ModelConfig,
+                       sparsity_cfg: SparsityConfig, controller: Any | None
+                       ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """THE training objective of one micro-batch: (out, reg, moe) with out.loss the LM cross-entropy, reg the
+    sparsity controller's regulariser (gated models; zero otherwise) and moe the experts' load-balancing loss
+    times `moe_aux_coef` (zero without experts). The step minimises out.loss + reg + moe. `fwd` is the model or
+    its compiled / DDP / FSDP wrapper; call inside the autocast context. Used by the training loop and by the
+    throughput benchmarks (benchmarks/train_throughput.py, cuda_paths.py), so they time the same step."""
+    out = fwd(x, y, return_logits=False)
+    reg = torch.zeros((), device=x.device)
+    if controller is not None:
+        # eq. 4's statistics, differentiated as reg_grad says (same values: gating.GateStats.regulariser_inputs)
+        reg = controller.loss(*out.gate_stats.regulariser_inputs(sparsity_cfg.reg_grad))
+    moe = torch.zeros((), device=x.device)
+    if out.moe_aux is not None:  # the experts' load-balancing loss (model.MoEFeedForward)
+        moe = model_cfg.moe_aux_coef * out.moe_aux
+    return out, reg, moe
+
+
+def train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: TrainConfig, *,
+          resume: bool = False, device: str | None = None, cache_dir: Path | None = None,
+          progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+    """Train (or resume) a run in `train_cfg.out_dir`; returns the final evaluation dict.
+
+    `stop_after` ends the process's work after that many optimizer steps of this call (with a checkpoint),
+    simulating a killed job for tests and letting long runs be cut into sessions.
+
+    Ctrl-C raises `TrainingInterrupted` (a KeyboardInterrupt) whose message names the checkpoint to resume from.
+    """
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+        raise ValueError(f"--stop-after: must be a positive number of steps, got {stop_after!r}")
+    if device is not None:
+        dev = dist_utils.resolve_device(device)  # a clear refusal, e.g. CUDA on a machine without it
+        if dev.type == "cuda" and dev.index is None:  # bare "cuda": this process's GPU, as the default picks
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    info = dist_utils.setup(device)
+    try:
+        with ExitStack() as cleanup:  # closes the progress bar before an error or interruption is reported
+            return _train(model_cfg, sparsity_cfg, train_cfg, info, resume, cache_dir or default_cache_dir(),
+                          progress, stop_after, cleanup)
+    except KeyboardInterrupt:
+        last = list_checkpoints(Path(train_cfg.out_dir))
+        raise TrainingInterrupted(
+            f"continue from {last[-1]} by running the same command with --resume" if last else
+            f"no checkpoint in {train_cfg.out_dir} yet, so nothing to resume from") from None
+    finally:
+        dist_utils.teardown()
+
+
+def _set_aside_log(run_dir: Path) -> None:
+    """A fresh run starts its log fresh: the metrics.jsonl of an earlier run that was killed before its first
+    checkpoint (it left no ckpt_*.pt, so nothing resumes it) moves aside, named, so no plot reads it as this
+    run's."""
+    log = run_dir / "metrics.jsonl"
+    if log.is_file() and log.stat().st_size:
+        n = 1
+        while (run_dir / f"metrics.earlier-{n}.jsonl").exists():
+            n += 1
+        aside = run_dir / f"metrics.earlier-{n}.jsonl"
+        os.replace(log, aside)
+        print(f"note: {log} held the log of an earlier run that left no checkpoint; moved it to {aside.name}",
+              file=sys.stderr)
+
+
+def _check_resume(ckpt: dict[str, Any], path: Path, configs: dict[str, dict]) -> dict[str, tuple[Any, Any]]:
+    """Refuse to resume `ckpt` (read from `path`) under other settings; returns the recovery settings that
+    change (field -> (saved, now))."""
+    saved = ckpt["configs"]
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in configs):
+        raise CheckpointError(f"cannot resume {path}: its configs are not midlayer's model/sparsity/train configs")
+    diff = (config_mismatch(saved["model"], configs["model"], ModelConfig)
+            + config_mismatch(saved["sparsity"], configs["sparsity"], SparsityConfig))
+    skip = FREE_ON_RESUME + RECOVERY_ON_RESUME
+    diff += config_mismatch({k: v for k, v in saved["train"].items() if k not in skip},
+                            {k: v for k, v in configs["train"].items() if k not in skip}, TrainConfig)
+    if diff:
+        raise CheckpointError(
+            f"cannot resume {path}: it was made with other settings (the run's -> this command's): "
+            + "; ".join(_flag(d) for d in diff)
+            + f". Pass the run's own values (see {path.parent / 'config.json'}) or choose another --out-dir")
+    return {k: (saved["train"].get(k), configs["train"][k]) for k in RECOVERY_ON_RESUME
+            if saved["train"].get(k) != configs["train"][k]}
+
+
+def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo, resume: bool,
+           cache_dir: Path, progress: bool, stop_after: int | None, cleanup: ExitStack) -> dict[str, Any]:
+    dev, world, rank = info.device, info.world_size, info.rank
+    run_dir = Path(cfg.out_dir)
+    configs = _configs(model_cfg, sparsity_cfg, cfg)
+    per_rank = cfg.batch_size // world
+    if cfg.batch_size % world or per_rank % cfg.micro_batch_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} must split into {world} ranks x whole micro-batches of "
+                         f"--micro-batch-size {cfg.micro_batch_size}")
+    accum = per_rank // cfg.micro_batch_size
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's --max-seq-len {model_cfg.max_seq_len}")
+
+    if model_cfg.gating and model_cfg.gate_values != "soft" and model_cfg.gate_grad == "exact":
+        raise ValueError(f"--gate-values {model_cfg.gate_values}: rounded gates have no exact gradient (0 almost "
+                         "everywhere), the routers would never move; use --gate-grad straight_through")
+    if cfg.control_holdout > 0:
+        if not (model_cfg.gating and sparsity_cfg.controller in ADAPTIVE_KINDS):
+            raise ValueError(f"--control-holdout {cfg.control_holdout}: held-out gate statistics feed an adaptive "
+                             f"sparsity controller ({', '.join(ADAPTIVE_KINDS)}) of a gated model; this run has "
+                             f"{'controller ' + repr(sparsity_cfg.controller) if model_cfg.gating else 'no gates'}")
+        if cfg.control_batch_size % world:
+            raise ValueError(f"--control-batch-size {cfg.control_batch_size} must split evenly over {world} ranks")
+    fsdp = info.enabled and cfg.parallel == "fsdp"
+    if fsdp and model_cfg.moe_experts:
+        raise ValueError("--parallel fsdp: mixture-of-experts models are not supported (an expert that no token of "
+                         "a micro-batch picks gets no gradient, which FSDP's reduce-scatter cannot skip as DDP's "
+                         "find_unused_parameters does); use --parallel ddp")
+    if model_cfg.attn_backend == "flex" and dev.type != "cuda":
+        raise ValueError(f"--attn-backend flex: FlexAttention cannot train on {dev.type} (no backward pass there); "
+                         "use --attn-backend auto or sdpa")
+    if model_cfg.attn_backend == "flex" and model_cfg.head_dim < FLEX_MIN_HEAD_DIM:
+        raise ValueError(f"--attn-backend flex: the compiled FlexAttention kernel on CUDA needs a head size of at "
+                         f"least {FLEX_MIN_HEAD_DIM}, this model's is {model_cfg.head_dim}; use --attn-backend auto "
+                         "(SDPA there) or sdpa")
+    for parent in (run_dir, *run_dir.parents):  # the first part of --out-dir that exists must be a folder
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out-dir {run_dir}: {parent} is a file, not a folder")
+            break
+
+    # ---- refuse to clobber or to resume something else: decided before anything is written
+    existing = list_checkpoints(run_dir)
+    ckpt = None
+    changed: dict[str, tuple[Any, Any]] = {}
+    if resume and existing:
+        ckpt = load_newest_checkpoint(existing, map_location=dev)
+        changed = _check_resume(ckpt, existing[-1], configs)
+    elif resume:
+        raise CheckpointError(f"--resume: {run_dir} holds no checkpoint (ckpt_*.pt) to resume from; check --out-dir, "
+                              "or leave out --resume to start a new run there")
+    elif existing:
+        raise CheckpointError(f"{run_dir} already holds checkpoints ({existing[-1].name}); pass --resume to "
+                              "continue that run or choose another --out-dir")
+    if info.is_main:  # one writer per run folder (output_lock.py), from before anything is written in it
+        cleanup.enter_context(OutputLock(run_dir, "train"))
+        if ckpt is None:
+            _set_aside_log(run_dir)
+
+    # ---- data: rank 0 builds caches first so ranks never race on them
+    if info.is_main:
+        files = resolve_data(cfg.data, cache_dir, cfg.tokenizer_vocab, cfg.val_data)
+    dist_utils.barrier()
+    if not info.is_main:
+        files = resolve_data(cfg.data, cache_dir, cfg.tokenizer_vocab, cfg.val_data)
+    if files.vocab_size is not None and files.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"--vocab-size {model_cfg.vocab_size} is smaller than the tokenizer's {files.vocab_size}")
+    train_windows = TokenWindows(files.train, cfg.seq_len)
+    control_windows = None
+    if cfg.control_holdout > 0:  # the end of every shard is never trained on: the controller reads it
+        cut = 1.0 - cfg.control_holdout
+        train_windows = TokenWindows(files.train, cfg.seq_len, span=(0.0, cut))
+        control_windows = TokenWindows(files.train, cfg.seq_len, span=(cut, 1.0))
+    val_windows = TokenWindows(files.val, cfg.seq_len)
+
+    # ---- model, optimizer, schedule, controller (same seed on every rank -> same initial weights)
+    torch.manual_seed(cfg.seed)
+    model = Transformer(model_cfg)
+    if cfg.init_perturb > 0:
+        perturb_weights(model, cfg.init_perturb, cfg.seed)
+    model = model.to(dev)
+    model.check_inputs = dev.type == "cpu"  # the range check syncs with the GPU; data ids are known-good
+    if ckpt is not None:  # full tensors, loaded before sharding (every rank reads the checkpoint)
+        load_weights(model, ckpt, existing[-1])
+    if fsdp:
+        dist_utils.shard_model(model)  # before the optimizer: it must hold the sharded parameters
+    dtype = resolve_dtype(cfg.dtype, dev)
+    factors = [lambda s: lr_factor(s, cfg)]
+    groups: Any = model.parameters()
+    if cfg.router_lr_floor > 0 and model.routers is not None:  # the routers in a group of their own
+        ids = {id(p) for p in model.routers.parameters()}
+        groups = [{"params": [p for p in model.parameters() if id(p) not in ids]},
+                  {"params": list(model.routers.parameters())}]
+        factors.append(lambda s: router_lr_factor(s, cfg))
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factors)  # one factor per parameter group
+    controller = make_controller(sparsity_cfg, model_cfg.n_layers).to(dev) if model_cfg.gating else None
+    start = 0
+    if ckpt is not None:
+        if fsdp:
+            dist_utils.load_optimizer_state(model, opt, ckpt["optimizer"])
+        else:
+            opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        if controller is not None:
+            controller.load_state_dict(ckpt["controller"])
+        torch.set_rng_state(ckpt["rng_cpu"].cpu())
+        if dev.type == "cuda" and "rng_cuda" in ckpt:
+            torch.cuda.set_rng_state(ckpt["rng_cuda"].cpu())
+        start = int(ckpt["step"])
+        if "lr" in changed:  # the optimizer and scheduler states carry the run's lr: apply this command's
+            sched.base_lrs = [cfg.lr for _ in opt.param_groups]
+            for group, factor in zip(opt.param_groups, factors):
+                group["initial_lr"] = cfg.lr
+                group["lr"] = cfg.lr * factor(start)
+    run_model = torch.compile(model) if cfg.compile else model
+    # An expert that no token of a micro-batch picked gets no gradient: DDP must then not wait for it.
+    ddp = DDP(run_model, device_ids=[dev.index] if dev.type == "cuda" else None,
+              find_unused_parameters=model_cfg.moe_experts > 0) if info.enabled and not fsdp else None
+    fwd = ddp if ddp is not None else run_model
+
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        stale = remove_stale_temp_files(run_dir)
+        if stale:
+            print(f"note: removed {len(stale)} temporary file(s) left in {run_dir} by an interrupted checkpoint "
+                  f"write ({', '.join(p.name for p in stale)})", file=sys.stderr)
+        if changed:
+            print(f"note: resuming {existing[-1]} with " + "; ".join(f"{_flag(k)} {now} (the run had {was})"
+                                                                    for k, (was, now) in changed.items()),
+                  file=sys.stderr)
+    logger = MetricsLogger(run_dir, cfg, configs, info.is_main)
+    if ckpt is not None:
+        logger.log({"event": "resumed", "step": start,
+                    **({"changed": {k: list(v) for k, v in changed.items()}} if changed else {})})
+
+    def save(step: int) -> None:
+        if fsdp:  # gathered on every rank (a collective), kept on rank 0
+            model_state, opt_state = dist_utils.full_state(model, opt)
+        elif info.is_main:
+            model_state, opt_state = model.state_dict(), opt.state_dict()
+        if info.is_main:
+            state = {"model": model_state, "optimizer": opt_state, "scheduler": sched.state_dict(),
+                     "rng_cpu": torch.get_rng_state()}
+            if controller is not None:
+                state["controller"] = controller.state_dict()
+            if dev.type == "cuda":
+                state["rng_cuda"] = torch.cuda.get_rng_state()
+            save_checkpoint(run_dir, step, state, configs, cfg.keep_last)
+        dist_utils.barrier()
+
+    def run_eval(step: int) -> dict[str, Any]:
+        res = evaluate(model, val_windows, eval_tokens=cfg.eval_tokens, batch_size=cfg.micro_batch_size,
+                       device=dev, dtype=dtype, rank=rank, world_size=world, equal_forwards=fsdp)
+        res["step"] = step
+        logger.log({"event": "eval", **res})
+        return res
+
+    bar = None
+    if progress and info.is_main:
+        from tqdm import tqdm
+        bar = cleanup.enter_context(tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}",
+                                         dynamic_ncols=True))
+    acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if controller is not None else None
+    per_control = cfg.control_batch_size // world
+    control_acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if control_windows is not None else None
+
+    def control_stats(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gate statistics of the held-out control batch of `step` (eval mode: what inference would skip; no
+        gradient, no random draw), over all ranks."""
+        xc, _ = control_windows.batch(step, cfg.seed, cfg.control_batch_size, rank * per_control, per_control)
+        model.eval()
+        with torch.no_grad(), autocast_context(dev, dtype):
+            st = fwd(xc.to(dev, non_blocking=True), return_logits=False).gate_stats
+        model.train()
+        control_acc.reset()
+        control_acc.add(st.mean, st.var, st.zero_frac, st.n_tokens)
+        return control_acc.reduce()
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    grad_norm_ema = None
+    t_last, steps_since = time.perf_counter(), 0
+    t_start = t_last
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    model.train()
+    for step in range(start, end):
+        ce_sum = torch.zeros((), device=dev)
+        reg_sum = torch.zeros((), device=dev)
+        moe_sum = torch.zeros((), device=dev)
+        if acc is not None:
+            acc.reset()
+        for m in range(accum):
+            x, y = train_windows.batch(step, cfg.seed, cfg.batch_size, rank * per_rank + m * cfg.micro_batch_size,
+                                       cfg.micro_batch_size)
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            sync = nullcontext() if (ddp is None or m == accum - 1) else ddp.no_sync()
+            if fsdp:  # reduce-scatter the gradients once per step, after the last micro-batch
+                model.set_requires_gradient_sync(m == accum - 1)
+            with sync:
+                with autocast_context(dev, dtype):
+                    out, reg, moe = micro_batch_losses(fwd, x, y, model_cfg, sparsity_cfg, controller)
+                if out.moe_aux is not None:
+                    moe_sum += out.moe_aux.detach()
+                ((out.loss + reg + moe) / accum).backward()
+            ce_sum += out.loss.detach()
+            reg_sum += reg.detach()
+            if acc is not None:
+                s = out.gate_stats
+                acc.add(s.mean, s.var, s.zero_frac, s.n_tokens)
+        ce = dist_utils.all_reduce_mean(ce_sum / accum)
+        reg_v = dist_utils.all_reduce_mean(reg_sum / accum)
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = dist_utils.clip_grad_norm_(list(model.parameters()), clip)
+        if not (torch.isfinite(ce) and torch.isfinite(grad_norm)):
+            logger.log({"event": "non_finite", "step": step, "ce": ce.item(), "grad_norm": grad_norm.item()})
+            logger.close()
+            last = list_checkpoints(run_dir)
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient at step {step} (ce={ce.item()}, grad_norm={grad_norm.item()}); "
+                "stopped before the optimizer step, nothing saved. "
+                + (f"Resume from {last[-1]} with --resume and a lower --lr or a --grad-clip."
+                   if last else "Restart with a lower --lr or a --grad-clip."))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        record: dict[str, Any] = {"step": step + 1, "ce": ce.item(), "reg_loss": reg_v.item(),
+                                  "grad_norm": grad_norm.item(), "lr": sched.get_last_lr()[0]}
+        if model_cfg.moe_experts:  # 1 = balanced experts, E = one expert takes every token
+            record["moe_aux"] = dist_utils.all_reduce_mean(moe_sum / accum).item()
+        gn = record["grad_norm"]
+        if cfg.grad_norm_spike > 0 and grad_norm_ema is not None and gn > cfg.grad_norm_spike * grad_norm_ema:
+            record["grad_norm_spike"] = gn / grad_norm_ema
+            if bar is not None:
+                bar.write(f"step {step + 1}: gradient-norm spike {gn:.3g} ({gn / grad_norm_ema:.1f}x the running mean)")
+        grad_norm_ema = gn if grad_norm_ema is None else 0.95 * grad_norm_ema + 0.05 * gn
+        if acc is not None:
+            g_mean, g_var, g_zero = acc.reduce()
+            half = model_cfg.n_layers // 2  # per first-half block: the second half mirrors it (eq. 2)
+            if control_windows is None:
+                controller.update(g_mean, g_var)  # eq. 6 on this step's training tokens, as the paper
+            else:
+                c_mean, c_var, _ = control_stats(step)
+                controller.update(c_mean, c_var)
+                record.update(**{f"control_gate_mean/{l}": float(c_mean[l]) for l in range(half)})
+            record.update(sparsity=float(g_zero.mean()), gate_mean=float(g_mean.mean()),
+                          **{f"gate_mean/{l}": float(g_mean[l]) for l in range(half)},
+                          **{f"gate_var/{l}": float(g_var[l]) for l in range(half)},
+                          **{f"gate_zero/{l}": float(g_zero[l]) for l in range(half)},
+                          **{f"ctrl_{k}": v for k, v in controller.metrics().items()})
+        steps_since += 1
+        if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+            now = time.perf_counter()
+            record["tokens_per_s"] = steps_since * tokens_per_step / (now - t_last)
+            t_last, steps_since = now, 0
+            logger.log(record)
+        if bar is not None:
+            post = {"ce": f"{record['ce']:.3f}"}
+            if "tokens_per_s" in record:
+                post["tok/s"] = f"{record['tokens_per_s']:.0f}"
+            if "sparsity" in record:
+                post["sparsity"] = f"{record['sparsity']:.3f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < end:
+            save(step + 1)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            run_eval(step + 1)
+    if bar is not None:
+        bar.close()
+    if end > start or not existing:
+        save(end)
+    train_time = time.perf_counter() - t_start
+    result: dict[str, Any] = {"step": end, "finished": end == cfg.steps}
+    if end > start:
+        result["train_tokens_per_s"] = (end - start) * tokens_per_step / train_time
+    if end == cfg.steps:  # finished (also when resuming a run whose last checkpoint is the final step)
+        result = {**run_eval(end), **result}
+        if info.is_main:
+            result["flops_per_token_train_est"] = 3 * forward_flops(model_cfg, cfg.seq_len).total / cfg.seq_len
+            (run_dir / "eval.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False))
+            logger.log({"event": "final", **result})
+    logger.close()
+    return result
