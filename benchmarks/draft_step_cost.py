@@ -39,7 +39,7 @@ def main() -> None:
     from midlayer.speculative.draft_training import (DraftTrainConfig, FrozenStates, _loss, build_module, loss_inputs,
                                          needed_layers)
     from midlayer.speculative.draft_vocab import frequent_tokens, set_draft_vocab
-    from midlayer.speculative.drafters import FrozenBase
+    from midlayer.speculative.drafting import FrozenBase
     from midlayer.ops.kernels import cpu_info
     from midlayer.engine.pretrained import load_pretrained
 

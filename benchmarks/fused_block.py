@@ -23,7 +23,7 @@ from midlayer.engine.generate import forward_cached
 from midlayer.model.kv_cache import KVCache
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import compress_weights
-from midlayer.speculative.verify import DraftTree
+from midlayer.speculative.tree import DraftTree
 
 
 def main() -> None:

@@ -20,12 +20,13 @@ import torch
 
 import midlayer.speculative.eagle as eagle
 import midlayer.speculative.verify as speculative
-from midlayer.speculative.drafters import load_drafter
+from midlayer.speculative.registry import load_drafter
 from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.data.prompt_recipe import load as load_prompts
 from midlayer.engine.quantization import compress_weights
-from midlayer.speculative.verify import DraftTree, speculative_generate
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
 
 
 def timed(clock: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from midlayer.speculative.distill import DistillSet
 from midlayer.speculative.draft_training import DraftTrainConfig, _autocast, heldout_metrics, response_batches
-from midlayer.speculative.drafters import load_draft
+from midlayer.speculative.registry import load_draft
 from midlayer.engine.pretrained import load_pretrained
 
 

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from midlayer.experiments.bench import static_skip_gates  # noqa: E402
-from midlayer.speculative.drafters import kl_rows  # noqa: E402
+from midlayer.train.evaluate import kl_rows  # noqa: E402
 from midlayer.model.transformer import Transformer  # noqa: E402
 from midlayer.speculative.skip_gates import SkipGates  # noqa: E402
 
@@ -104,7 +104,7 @@ def main() -> None:
     model = load_pretrained(args.model)[0].float().eval()
     adapters = None
     if args.gates:
-        from midlayer.speculative.drafters import DraftMismatchError, load_draft
+        from midlayer.speculative.registry import DraftMismatchError, load_draft
 
         try:
             adapters = load_draft(args.gates, model, args.model)[0]

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 t1 = time.perf_counter()
 from midlayer import cli  # noqa: E402, F401  (what `python -m midlayer` imports)
-from midlayer.speculative.drafters import load_drafter  # noqa: E402
+from midlayer.speculative.registry import load_drafter  # noqa: E402
 from midlayer.engine.pretrained import load_pretrained  # noqa: E402
 from midlayer.engine.quantization import compress_weights  # noqa: E402
 
@@ -40,7 +40,8 @@ def main() -> None:
         s["load the draft"] = time.perf_counter() - t
         # the first speculative call builds what the drafter keeps (e.g. its draft-vocabulary head); the
         # second shows the warm cost of the same 64 tokens
-        from midlayer.speculative.verify import DraftTree, speculative_generate
+        from midlayer.speculative.tree import DraftTree
+        from midlayer.speculative.verify import speculative_generate
 
         ids = tok.encode_chat([{"role": "user", "content": "Why is the sky blue?"}])
         for name in ("first speculative call, 64 tokens", "second call, the same"):

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny  # noqa: E402
 
-from midlayer.engine.decode_step import (BUCKET_CANDIDATES, DecodeStep, any_round_slots, fused_steps,  # noqa: E402
-                                  static_generate, static_speculative_generate)
+from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_generate
+from midlayer.speculative.static import fused_steps, static_speculative_generate
 from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
-from midlayer.speculative.verify import DraftTree  # noqa: E402
+from midlayer.speculative.tree import DraftTree  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -79,7 +79,7 @@ def main() -> None:
         check(copy.deepcopy(tiny).to(dev, dtype), prompts, modes, args.new_tokens, f"tiny {dname}")
     if args.eagle or args.hidden_transfer:
         from midlayer.experiments.bench import heldout_chats
-        from midlayer.speculative.drafters import load_drafter
+        from midlayer.speculative.registry import load_drafter
         from midlayer.engine.pretrained import load_pretrained
 
         base, tok = load_pretrained("smollm2-135m")

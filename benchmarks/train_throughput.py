@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from midlayer.config import get_preset  # noqa: E402
-from midlayer.train.evaluate import autocast_context  # noqa: E402
+from midlayer.common import autocast_context  # noqa: E402
 from midlayer.model.transformer import Transformer  # noqa: E402
 from midlayer.model.sparsity import GateStatsAccumulator, make_controller  # noqa: E402
 from midlayer.train.loop import micro_batch_losses  # noqa: E402

@@ -17,13 +17,14 @@ import argparse
 
 import torch
 
-from midlayer.speculative.drafters import load_drafter
+from midlayer.speculative.registry import load_drafter
 from midlayer.speculative.eagle import EagleDrafter
 from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.data.prompt_recipe import load as load_prompts
 from midlayer.engine.quantization import compress_weights
-from midlayer.speculative.verify import DraftTree, speculative_generate
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
 
 
 def main() -> None:

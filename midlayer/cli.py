@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_generate_parser(sub)
 
-    from midlayer.speculative import distill as distill_module  # (its flags only: the model is loaded by `midlayer distill` itself)
+    from midlayer.speculative import distill as distill_module
 
     distill_module.build_parser(sub.add_parser("distill", help="self-distillation data for draft training: the "
                                                "base model's own answers to the prompt set (resumable)",
@@ -278,7 +278,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = train(model_cfg, sparsity_cfg, train_cfg, resume=args.resume, device=args.device,
                    progress=not args.no_progress, stop_after=args.stop_after)
     from midlayer.train.distributed import print0
-    from midlayer.train.loop import json_safe
+    from midlayer.common import json_safe
     print0(json.dumps(json_safe({k: v for k, v in result.items() if not isinstance(v, list)}), indent=2))
     return 0
 
@@ -328,7 +328,7 @@ def _check_eval_args(args: argparse.Namespace) -> None:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from midlayer.data.shards import TokenWindows, resolve_data
     from midlayer.train.evaluate import evaluate
-    from midlayer.train.loop import default_cache_dir, json_safe, resolve_dtype
+    from midlayer.common import cache_dir, json_safe, resolve_dtype
 
     _check_eval_args(args)  # every flag checked before the checkpoint is read: no evaluation run and then lost
     model, ckpt, train_cfg = load_run(args.checkpoint, args.device)
@@ -336,7 +336,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--eval-tokens must be 0 (the whole split) or at least one window of the run's "
                          f"seq_len={train_cfg.seq_len} tokens, got {args.eval_tokens}")
     dev = model.tok_embeddings.weight.device
-    files = resolve_data(train_cfg.data, default_cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
+    files = resolve_data(train_cfg.data, cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
     res = evaluate(model, TokenWindows(files.val, train_cfg.seq_len),
                    eval_tokens=train_cfg.eval_tokens if args.eval_tokens is None else args.eval_tokens,
                    batch_size=args.batch_size or train_cfg.micro_batch_size, device=dev,
@@ -354,9 +354,9 @@ def _run_tokenizer(train_cfg: TrainConfig):
 
     from midlayer.data.shards import resolve_data
     from midlayer.data.pretrained_tokenizer import TextTokenizer
-    from midlayer.train.loop import default_cache_dir
+    from midlayer.common import cache_dir
 
-    files = resolve_data(train_cfg.data, default_cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
+    files = resolve_data(train_cfg.data, cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
     if files.tokenizer_path is None:
         raise ValueError(f"this run was trained on {train_cfg.data!r}, whose tokenizer midlayer does not know "
                          "(GPT-2 shards); generation from it is not supported from the command line")
@@ -390,7 +390,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               "row-invariant, and speculative output can differ from plain greedy output at near-ties",
               file=sys.stderr)
     if args.gates:
-        from midlayer.speculative.drafters import load_draft
+        from midlayer.speculative.registry import load_draft
         from midlayer.speculative.skip_gates import SkipGates, gated_twin
 
         gates, _ = load_draft(args.gates, model)
@@ -483,12 +483,13 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
                          graphs: str = "eager") -> int:
     import time
 
-    from midlayer.speculative.drafters import heldout_accuracies, load_drafter
-    from midlayer.speculative.verify import DraftTree, speculative_generate
+    from midlayer.speculative.registry import heldout_accuracies, load_drafter
+    from midlayer.speculative.tree import DraftTree
+    from midlayer.speculative.verify import speculative_generate
 
     drafter, module, meta = load_drafter(args.draft, model)  # first: a bad draft is refused before any note
     acc = heldout_accuracies(meta, args.draft)
-    if engine == "static" and (not getattr(drafter, "static_step", False) or cfg.temperature > 0):
+    if engine == "static" and (not drafter.static_step or cfg.temperature > 0):
         what = ("decodes greedily only" if cfg.temperature > 0 else
                 f"does not run a {type(module).__name__} draft yet (it reads the dynamic cache)")
         if args.engine == "static":
@@ -538,7 +539,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
     t = time.perf_counter()
     if engine == "static":
-        from midlayer.engine.decode_step import static_speculative_generate
+        from midlayer.speculative.static import static_speculative_generate
 
         out, stats = static_speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens,
                                                  stop_tokens=cfg.stop_tokens, graphs=graphs)
@@ -689,7 +690,7 @@ def _check_output(flag: str, path: str | None) -> None:
 def _write_output(path: str | None, text: str) -> None:
     """The results file, written whole or not at all (a full disk leaves the earlier file, never a part)."""
     if path:
-        from midlayer.data.shards import atomic_write
+        from midlayer.common import atomic_write
 
         atomic_write(Path(path), text.encode("utf-8"))
 

@@ -205,7 +205,8 @@ def test_resolve_device():
 # ------------------------------------------------------------------------------ 3. corrupt drafts
 @pytest.fixture
 def draft_dir(tiny, tmp_path) -> Path:
-    from midlayer.speculative.drafters import MedusaHeads, save_draft
+    from midlayer.speculative.medusa import MedusaHeads
+    from midlayer.speculative.registry import save_draft
     from midlayer.engine.pretrained import load_gguf
 
     base, _ = load_gguf(tiny[0])
@@ -253,7 +254,7 @@ DAMAGE = ["truncated", "random", "empty", "nan", "shape", "json-binary", "json-l
 
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_corrupt_draft_is_refused_naming_the_file(kind, draft_dir, tiny, work, capsys):
-    from midlayer.speculative.drafters import DraftMismatchError, load_draft
+    from midlayer.speculative.registry import DraftMismatchError, load_draft
     from midlayer.engine.pretrained import load_gguf
 
     name = _corrupt(kind, draft_dir)

@@ -486,7 +486,7 @@ def test_eval_output_is_written_whole_or_not_at_all(tmp_path, finished_run, caps
 
     def full_open(path, mode="r", *a, **kw):
         f = real_open(path, mode, *a, **kw)
-        return Full(f) if "x" in mode and str(path).endswith(".tmp") else f
+        return Full(f) if "x" in mode and ".tmp." in Path(path).name else f
 
     monkeypatch.setattr("builtins.open", full_open)
     rc, stdout, err = run(capsys, ["eval", str(finished_run), "--output", str(out)])
@@ -550,7 +550,8 @@ def test_a_damaged_or_inconsistent_checkpoint_is_refused_in_one_line(tmp_path, s
 
 
 def test_a_draft_whose_weights_do_not_match_their_checksum_is_refused(tmp_path):
-    from midlayer.speculative.drafters import DraftMismatchError, MedusaHeads, load_draft, save_draft
+    from midlayer.speculative.registry import DraftMismatchError, load_draft, save_draft
+    from midlayer.speculative.medusa import MedusaHeads
     from midlayer.model.transformer import Transformer
 
     base = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32))

@@ -10,14 +10,16 @@ import pytest
 import torch
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny
 
-from midlayer.engine.decode_step import (BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets, static_generate,
-                                  static_speculative_generate)
-from midlayer.speculative.drafters import MedusaDrafter, MedusaHeads
+from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets, static_generate
+from midlayer.speculative.static import static_speculative_generate
+from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 from midlayer.speculative.eagle import EagleDrafter, EagleHead
 from midlayer.engine.generate import GenerationConfig, forward_cached, generate
 from midlayer.model.kv_cache import KVCache
 from midlayer.engine.quantization import compress_weights
-from midlayer.speculative.verify import Draft, DraftTree
+from midlayer.speculative.protocol import Draft
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.protocol import Drafter
 
 V = 96
 DIMS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=160, multiple_of=32)
@@ -224,7 +226,7 @@ def test_speculative_with_trained_style_drafters(models):
 
 
 def test_speculative_refuses_drafters_that_need_the_dynamic_cache(models):
-    class NeedsCache:
+    class NeedsCache(Drafter):
         def propose(self, ctx):
             return Draft(node_tokens=[0])
 

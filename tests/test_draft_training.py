@@ -12,7 +12,9 @@ import torch
 
 from midlayer.config import ModelConfig
 from midlayer.speculative.distill import DistillRecord, DistillSet
-from midlayer.speculative.drafters import early_exit_loss, load_draft, medusa_loss
+from midlayer.speculative.early_exit import early_exit_loss
+from midlayer.speculative.registry import load_draft
+from midlayer.speculative.medusa import medusa_loss
 from midlayer.speculative.draft_training import DraftTrainConfig, paper_layers, train_draft, train_drafts
 from midlayer.speculative.hidden_transfer import HiddenTransfer, hidden_transfer_loss
 from midlayer.model.transformer import Transformer
@@ -126,7 +128,8 @@ def test_padding_does_not_change_the_losses():
     x = torch.randint(1, V, (1, 12))
     padded = torch.cat([x, torch.zeros(1, 5, dtype=torch.long)], 1)
     mask = torch.cat([torch.ones(1, 12, dtype=torch.bool), torch.zeros(1, 5, dtype=torch.bool)], 1)
-    from midlayer.speculative.drafters import EarlyExitHead, MedusaHeads
+    from midlayer.speculative.early_exit import EarlyExitHead
+    from midlayer.speculative.medusa import MedusaHeads
     heads, exit_head = MedusaHeads(D, 3), EarlyExitHead(D, 2)
     with torch.no_grad():
         for lin in heads.heads:
@@ -408,8 +411,9 @@ def test_response_positions_mask_and_the_trimmed_losses_equal_the_weighted_ones(
     rows a mask does not count (the LM head, the KL, hidden transfer's pseudo rows of early anchors) equal
     the plain mask-weighted losses computed over every row."""
     from midlayer.speculative.distill import batches
-    from midlayer.speculative.drafters import base_states, kl_to_base
-    from midlayer.speculative.drafters import EarlyExitHead, MedusaHeads
+    from midlayer.speculative.drafting import base_states, kl_to_base
+    from midlayer.speculative.early_exit import EarlyExitHead
+    from midlayer.speculative.medusa import MedusaHeads
     from midlayer.speculative.eagle import W_CLS, EagleHead, eagle_forward, eagle_loss, feature, feature_logits
     from midlayer.speculative.hidden_transfer import transfer_forward
 
@@ -519,7 +523,7 @@ def test_a_state_saved_before_settings_were_added_resumes(tmp_path):
 def test_split_training_pass_equals_the_joint_one(gating, masked):
     """Hidden transfer's training pass runs the real rows without autograd and the pseudo rows against their
     keys; the loss and every gradient equal those of running all rows together (`split=False`)."""
-    from midlayer.speculative.drafters import kl_to_base
+    from midlayer.speculative.drafting import kl_to_base
     from midlayer.speculative.hidden_transfer import transfer_forward
 
     torch.manual_seed(0)

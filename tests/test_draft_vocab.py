@@ -12,11 +12,14 @@ import torch
 
 from midlayer.speculative.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
                                   teacher_logits, to_token_ids)
-from midlayer.speculative.drafters import DraftMismatchError, EarlyExitDrafter, EarlyExitHead, MedusaDrafter, MedusaHeads, \
-    load_draft, save_draft
+from midlayer.speculative.registry import DraftMismatchError, load_draft, save_draft
+from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
+from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 from midlayer.speculative.eagle import EagleDrafter, EagleHead
 from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
-from midlayer.speculative.verify import Draft, DraftTree, speculative_generate
+from midlayer.speculative.protocol import Draft
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
 from test_drafters import D, MODELS, PROMPT, SMALL_TREE, V, greedy, perturbed_transfer
 
 

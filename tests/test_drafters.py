@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from midlayer.config import ModelConfig
-from midlayer.speculative.drafters import (DraftMismatchError, EarlyExitDrafter, EarlyExitHead, LayerSkipDrafter, MedusaDrafter,
-                               MedusaHeads, early_exit_loss, load_draft, medusa_loss, save_draft, train_early_exit,
-                               train_medusa)
+from midlayer.speculative.registry import DraftMismatchError, load_draft, save_draft
+from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead, early_exit_loss, train_early_exit
+from midlayer.speculative.layer_skip import LayerSkipDrafter
+from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads, medusa_loss, train_medusa
 from midlayer.engine.generate import GenerationConfig, forward_cached, generate
 from midlayer.speculative.hidden_transfer import (HiddenTransfer, HiddenTransferDrafter, draft_top1_accuracy,
                                       hidden_transfer_loss, pseudo_logits_cached, train_hidden_transfer,
@@ -20,7 +21,10 @@ from midlayer.speculative.hidden_transfer import (HiddenTransfer, HiddenTransfer
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
 from tiny_models import make_tiny
-from midlayer.speculative.verify import DraftContext, DraftTree, speculative_generate
+from midlayer.speculative.protocol import DraftContext
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
+from midlayer.speculative.protocol import Drafter
 
 V = 64
 D = 32
@@ -151,7 +155,7 @@ def test_drafter_matches_training_pass_inside_speculative_generate(gating):
     errs: list[float] = []
     rounds_with_draft = []
 
-    class Checking:
+    class Checking(Drafter):
         hidden_layers = inner.hidden_layers
 
         def propose(self, ctx: DraftContext):
@@ -206,7 +210,7 @@ def test_fused_pass_drafts_what_the_training_pass_drafts(gating, tree_name):
     inner = HiddenTransferDrafter(model, ht, fused=True)
     errs: list[float] = []
 
-    class Checking:
+    class Checking(Drafter):
         fused = True
         hidden_layers = inner.hidden_layers
         extra_slots, fused_rows, fused_draft = inner.extra_slots, inner.fused_rows, inner.fused_draft
@@ -304,7 +308,7 @@ def test_untrained_medusa_heads_predict_the_next_token():
     seen = []
     inner = MedusaDrafter(model, heads, topk_per_depth=[2, 2, 1])
 
-    class Spy:
+    class Spy(Drafter):
         def propose(self, ctx):
             out = inner.propose(ctx)
             seen.append((out, ctx.logits[-1].topk(2).indices.tolist()))
@@ -454,7 +458,7 @@ def test_committed_smollm2_drafts_load_and_are_lossless(capsys):
     from pathlib import Path
 
     from midlayer import cli
-    from midlayer.speculative.drafters import load_drafter
+    from midlayer.speculative.registry import load_drafter
     from midlayer.engine.pretrained import load_pretrained
 
     root = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m"
@@ -483,7 +487,7 @@ def test_drafts_at_scale_load_and_are_lossless_in_q4_on_branching_trees():
     tests/test_kernels.py::test_q4_tree_node_logits_equal_plain_decoding_bit_for_bit)."""
     from pathlib import Path
 
-    from midlayer.speculative.drafters import load_drafter
+    from midlayer.speculative.registry import load_drafter
     from midlayer.speculative.eagle import EagleDrafter
     from midlayer.engine.pretrained import load_pretrained
     from midlayer.engine.quantization import compress_weights
@@ -511,7 +515,7 @@ def test_every_block_call_goes_through_the_one_loop(monkeypatch):
     """Training pass, prefill/decode, tree verification with joined rows, every drafter's partial forward,
     the hidden-transfer training pass and cached lower states: each block runs inside Transformer.run_blocks."""
     from midlayer.model import transformer as model_mod
-    from midlayer.speculative.drafters import lower_states
+    from midlayer.speculative.drafting import lower_states
 
     depth, calls = [0], [0]
     loop, block_forward = model_mod.Transformer.run_blocks, model_mod.Block.forward
@@ -581,7 +585,7 @@ def test_hidden_transfer_decodes_only_its_pseudo_rows_on_its_draft_vocabulary(fu
     hook = model.output.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[-2]))
     checked: list[float] = []
 
-    class Checking:
+    class Checking(Drafter):
         hidden_layers = inner.hidden_layers
         extra_slots, fused_rows = inner.extra_slots, inner.fused_rows
         prefill_features = False

@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from midlayer.speculative.draft_training import DraftTrainConfig, train_draft
-from midlayer.speculative.drafters import DraftMismatchError, load_draft, load_drafter, save_draft
+from midlayer.speculative.registry import DraftMismatchError, load_draft, load_drafter, save_draft
 from midlayer.speculative.eagle import EagleDrafter, EagleHead, eagle_forward, eagle_loss, feature_logits, train_eagle
 from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.model.transformer import Transformer
-from midlayer.speculative.verify import Draft, DraftContext, DraftTree, speculative_generate
+from midlayer.speculative.protocol import Draft, DraftContext
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
 from test_drafters import synthetic, trained_base  # noqa: F401 (trained_base is a fixture used below)
 from test_draft_training import tiny_base, tiny_data
 from tiny_models import make_tiny
+from midlayer.speculative.protocol import Drafter
 
 V = 64
 D = 32
@@ -114,7 +117,7 @@ def test_drafts_equal_the_teacher_forced_pass(gating, tree_name):
     inner = EagleDrafter(model, random_head(model, seed=1))
     errs: list[float] = []
 
-    class Checking:
+    class Checking(Drafter):
         def propose(self, ctx: DraftContext):
             draft = inner.propose(ctx)
             if not isinstance(draft, Draft) or inner.last_logits is None:
@@ -308,7 +311,7 @@ def test_dynamic_trees_are_lossless_and_pick_the_best_scoring_nodes(gating):
     budget = SMALL_TREE  # 6 nodes, depth 3: the round's budget, not its shape
     seen: list[DraftTree] = []
 
-    class Watch:
+    class Watch(Drafter):
         prefill_features = True
 
         def propose(self, ctx):
@@ -340,7 +343,7 @@ def test_dynamic_with_one_child_per_node_is_the_static_chain():
     drafts: dict[str, list] = {"dyn": [], "static": []}
 
     def rec(name, inner):
-        class R:
+        class R(Drafter):
             prefill_features = True
 
             def propose(self, ctx):
@@ -360,7 +363,7 @@ def test_dynamic_with_one_child_per_node_is_the_static_chain():
 def test_a_drafter_tree_over_budget_is_refused():
     model = MODELS[False]
 
-    class Greedy:
+    class Greedy(Drafter):
         def propose(self, ctx):
             return Draft(node_tokens=[0] * 4, tree=DraftTree.chain(4))
 

@@ -7,7 +7,8 @@ from midlayer.ops import kernels
 from midlayer.engine.generate import GenerationConfig, forward_cached, generate
 from midlayer.model.kv_cache import KVCache
 from midlayer.engine.quantization import compress_weights
-from midlayer.speculative.verify import DraftTree, speculative_generate
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
 from tiny_models import OracleDrafter, RandomDrafter, make_tiny
 
 V = 96

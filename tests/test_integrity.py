@@ -13,7 +13,7 @@ from test_draft_training import cfg, tiny_base, tiny_data
 
 from midlayer.speculative.distill import DistillFormatError, DistillRecord, DistillSet
 from midlayer.speculative.draft_training import train_drafts
-from midlayer.speculative.drafters import DraftMismatchError, base_signature
+from midlayer.speculative.registry import DraftMismatchError, base_signature
 
 QUIET = dict(progress=False, log=lambda s: None)
 

@@ -12,7 +12,8 @@ from midlayer.model.attention import apply_rope
 from midlayer.engine.generate import GenerationConfig, JoinedRows, forward_cached, generate
 from midlayer.model.kv_cache import KVCache
 from midlayer.engine.quantization import compress_weights
-from midlayer.speculative.verify import DraftTree, speculative_generate
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
 from tiny_models import OracleDrafter, RandomDrafter, make_tiny
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
@@ -452,7 +453,8 @@ def test_q4_speculative_output_equals_plain_greedy(tree):
 def test_draft_trained_on_fp32_base_loads_onto_q4_model_and_stays_lossless(tmp_path):
     """A q4 model's head is Q8_0 codes, not an nn.Linear: the draft's base check must still recognise it
     (the LM-head probe reads the dequantised head), and decoding with the draft stays lossless."""
-    from midlayer.speculative.drafters import MedusaHeads, load_drafter, save_draft
+    from midlayer.speculative.medusa import MedusaHeads
+    from midlayer.speculative.registry import load_drafter, save_draft
 
     base = make_tiny(DIMS, gating=False, seed=2)
     heads = MedusaHeads(DIMS["dim"], 2)

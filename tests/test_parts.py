@@ -15,7 +15,8 @@ from midlayer.config import ModelConfig, from_dict, to_dict
 from midlayer.model.flops import param_count
 from midlayer.engine.generate import GenerationConfig, forward_cached, generate, generate_naive
 from midlayer.model.kv_cache import KVCache
-from midlayer.model.transformer import Block, FeedForward, LayerNorm, RMSNorm, Transformer
+from midlayer.model.layers import FeedForward, LayerNorm, RMSNorm
+from midlayer.model.transformer import Block, Transformer
 from tiny_models import make_tiny
 
 SMALL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=48, multiple_of=16)
@@ -197,7 +198,7 @@ def test_per_head_masks_in_the_row_invariant_kernel():
 
 
 def test_moe_with_one_expert_and_top1_is_the_dense_ffn():
-    from midlayer.model.transformer import MoEFeedForward
+    from midlayer.model.layers import MoEFeedForward
 
     torch.manual_seed(0)
     dense = FeedForward(8, 16, "swiglu")
@@ -212,7 +213,7 @@ def test_moe_load_balancing_loss_by_hand():
     """E = 2, k = 1, router = identity on 2 features. Tokens [2, 0] x3 and [0, 2]: p(e0) = e^2 / (e^2 + 1) =
     0.8808 for the first three, 0.1192 for the last; assignments f = (3/4, 1/4); mean probabilities
     P = (0.6904, 0.3096); loss = 2 (0.75 * 0.6904 + 0.25 * 0.3096) = 1.1904."""
-    from midlayer.model.transformer import MoEFeedForward
+    from midlayer.model.layers import MoEFeedForward
 
     moe = MoEFeedForward(2, 4, "relu", n_experts=2, top_k=1)
     with torch.no_grad():
@@ -225,7 +226,7 @@ def test_moe_load_balancing_loss_by_hand():
 
 
 def test_moe_routing_does_not_depend_on_the_batch():
-    from midlayer.model.transformer import MoEFeedForward
+    from midlayer.model.layers import MoEFeedForward
 
     torch.manual_seed(1)
     moe = MoEFeedForward(8, 16, "swiglu", n_experts=4, top_k=2)
@@ -426,11 +427,12 @@ def test_parts_in_the_q4_engine(name):
 def test_speculative_decoding_stays_lossless_with_the_parts(name):
     """Tree verification, hidden transfer's fused pass, EAGLE and early exit go through the same cached
     masks and embedding: with these parts the speculative output is still plain greedy's, in fp32 and q4."""
-    from midlayer.speculative.drafters import EarlyExitDrafter, EarlyExitHead
+    from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
     from midlayer.speculative.eagle import EagleDrafter, EagleHead
     from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
     from midlayer.engine.quantization import compress_weights
-    from midlayer.speculative.verify import DraftTree, speculative_generate
+    from midlayer.speculative.tree import DraftTree
+    from midlayer.speculative.verify import speculative_generate
 
     tree = DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     for fmt in ("fp32", "q4"):
@@ -512,8 +514,9 @@ def test_chunked_scan_equals_the_sequential_scan():
 
 
 def test_ssm_mixer_in_generation_keeps_a_constant_state_and_refuses_rollback():
-    from midlayer.speculative.verify import DraftTree, speculative_generate
-    from midlayer.speculative.drafters import LayerSkipDrafter
+    from midlayer.speculative.tree import DraftTree
+    from midlayer.speculative.verify import speculative_generate
+    from midlayer.speculative.layer_skip import LayerSkipDrafter
 
     m = model_with(PARTS["ssm_hybrid"], gating=False)
     assert [b.mixer is not None for b in m.layers] == [False, True, True, False]

@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from midlayer.speculative.drafters import kl_to_base, load_drafter, save_draft
+from midlayer.speculative.drafting import kl_to_base
+from midlayer.speculative.registry import load_drafter, save_draft
 from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.speculative.skip_gates import GatedDrafter, SkipGates, counted_stats, gate_loss, gated_twin
-from midlayer.speculative.verify import DraftTree, speculative_generate
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
 from tiny_models import make_tiny
 
 V, D = 64, 32

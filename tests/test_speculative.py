@@ -11,9 +11,10 @@ from midlayer.engine.generate import GenerationConfig, forward_cached, generate
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
 from tiny_models import OracleDrafter, RandomDrafter, make_tiny
-from midlayer.speculative.verify import (Draft, DraftContext, DraftTree, SpecStats,
-                                  accept_among, candidates_from_topk, speculative_accept, speculative_generate,
-                                  verify_tree)
+from midlayer.speculative.protocol import Draft, DraftContext
+from midlayer.speculative.tree import DraftTree, candidates_from_topk
+from midlayer.speculative.verify import SpecStats, accept_among, speculative_accept, speculative_generate, verify_tree
+from midlayer.speculative.protocol import Drafter
 
 V = 64
 TINY = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=48, multiple_of=16)
@@ -160,7 +161,7 @@ def test_plain_decoding_tree_has_tau_one():
 def test_empty_tree_never_calls_the_drafter():
     """An empty tree is plain decoding: no draft is proposed, no fused row joins the forward (a fused hidden-
     transfer drafter ran its pseudo rows for nothing before), and sampling draws what `generate` draws."""
-    class Refuses:
+    class Refuses(Drafter):
         fused = True
 
         def propose(self, ctx):
@@ -423,7 +424,7 @@ def _exact_joint(model: Transformer, prompt: list[int], temperature: float) -> t
     return p1[:, None] * p2
 
 
-class CloseDrafter:
+class CloseDrafter(Drafter):
     """A good but imperfect path-dependent drafter built from the base model itself (tests only): node
     tokens are the base's top-r tokens after the node's ancestors (deterministic), or, with `with_q` on a
     chain, samples from the base distribution at a hotter temperature, reported as q. Acceptance is then

@@ -159,7 +159,7 @@ def test_controller_reads_held_out_statistics_by_hand(tmp_path):
 
     from midlayer.data.shards import TokenWindows, resolve_data
     from midlayer.model.transformer import Transformer
-    from midlayer.train.loop import default_cache_dir
+    from midlayer.common import cache_dir as default_cache_dir
 
     m, s, t = debug_configs(tmp_path, steps=1, ckpt_every=1, log_every=1, control_holdout=0.2, control_batch_size=4)
     s = dataclasses.replace(s, controller="proportional", mu0=1.0, mu_final=0.0, gamma=0.5, delta=0.0)

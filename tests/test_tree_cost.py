@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from midlayer.speculative import tree_cost as tc
-from midlayer.speculative.drafters import EarlyExitDrafter, EarlyExitHead, LayerSkipDrafter, MedusaDrafter, MedusaHeads
+from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
+from midlayer.speculative.layer_skip import LayerSkipDrafter
+from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
-from midlayer.speculative.verify import DraftTree, speculative_generate
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
 from tiny_models import make_tiny
 
 V, D = 64, 32

@@ -9,7 +9,8 @@ import torch
 
 from midlayer.config import ModelConfig
 from midlayer.model.transformer import Transformer
-from midlayer.speculative.verify import Draft, DraftContext
+from midlayer.speculative.protocol import Draft, DraftContext
+from midlayer.speculative.protocol import Drafter
 
 
 def make_tiny(dims: dict, gating: bool, seed: int = 0, sparse: bool = True, **over) -> Transformer:
@@ -26,7 +27,7 @@ def make_tiny(dims: dict, gating: bool, seed: int = 0, sparse: bool = True, **ov
     return model
 
 
-class NoisyOracle:
+class NoisyOracle(Drafter):
     """A drafter that knows the greedy continuation `reference` (prompt + output): each depth's rank-0
     candidate is right with probability 0.7, else the true token sits at rank 1 (so acceptance takes other
     branches than the first) or nowhere. Partial acceptance at every depth, which neither an oracle (all) nor
@@ -50,7 +51,7 @@ class NoisyOracle:
         return out
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Knows the true continuation `reference` (prompt + greedy output): rank 0 of every depth is the true
     token, other ranks are junk ((true + r) % V, never the true token). Accepts everything under greedy."""
 
@@ -69,7 +70,7 @@ class OracleDrafter:
         return out
 
 
-class RandomDrafter:
+class RandomDrafter(Drafter):
     """Wrong on purpose: uniformly random candidates from its own seeded generator. With `with_q` (chains
     only) it samples each token from a fixed random distribution q and reports q (tests the q path)."""
 

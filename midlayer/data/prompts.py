@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from midlayer.common import atomic_write
+
 PROMPT_DATA = Path(__file__).resolve().parent / "prompt_data"
 INSTRUCTIONS_FILE = PROMPT_DATA / "instructions.jsonl"
 MATH_FILE = PROMPT_DATA / "math.jsonl"
@@ -181,12 +183,7 @@ def regenerate_math_file(path: str | Path = MATH_FILE) -> Path:
 
 def _write_math(path: Path) -> None:
     qs = generate_math_questions()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for q in qs:
-            f.write(json.dumps(q, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, "".join(json.dumps(q, ensure_ascii=False) + "\n" for q in qs).encode("utf-8"))
 
 
 def math_questions(path: str | Path = MATH_FILE) -> list[dict[str, str]]:

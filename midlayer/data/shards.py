@@ -29,7 +29,6 @@ import glob as globlib
 import hashlib
 import json
 import os
-import uuid
 import sys
 import time
 import warnings
@@ -39,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from midlayer.common import atomic_write, file_sha256
 
 MAGIC = 20240520
 VERSION = 1
@@ -79,25 +80,6 @@ def write_shard(path: PathLike, tokens: np.ndarray) -> None:
     header[0], header[1], header[2] = MAGIC, VERSION, arr.size
     atomic_write(path, header, np.ascontiguousarray(arr, dtype="<u2"))
 
-
-def atomic_write(path: Path, *chunks: bytes | np.ndarray) -> None:
-    """Write `data` to a unique temporary file next to `path`, then rename it over `path`.
-
-    Unique names make concurrent writers (e.g. all data-parallel ranks preparing the same cache) safe: each
-    rename is atomic and they all write the same bytes. open(..., "xb") rather than mkstemp so the file gets
-    the usual umask permissions, not 0600.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            for c in chunks:  # separate writes: no concatenated copy of a 100M-token shard
-                f.write(memoryview(c).cast("B") if isinstance(c, np.ndarray) else c)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def read_shard(path: PathLike) -> np.memmap:
@@ -361,11 +343,6 @@ def prepare_corpus(cache_dir: Path, vocab_size: int = 4096,
     atomic_write(manifest_path, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
     return CorpusFiles([train_path], [val_path], out / TOKENIZER_FILE, tok.get_vocab_size(), eot, manifest)
 
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file's bytes: what every verified cache and artifact records (shards, the kernel
-    library, drafts' weights)."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _expand(spec: str, what: str) -> list[Path]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .shards import atomic_write
+from midlayer.common import atomic_write
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"

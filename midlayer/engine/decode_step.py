@@ -62,12 +62,6 @@ GRAPH_MODES: tuple[str, ...] = ("eager", "cudagraph", "compile")
 _probed: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 
 
-def fused_steps(drafter) -> int:
-    """How many blocks of pseudo rows a drafter's rounds carry: hidden transfer's k when it drafts in the fused
-    pass (its `fused` and `transfer`), else 0. What sizes a round (`round_slots`) for the loop and benchmarks."""
-    return drafter.transfer.k if getattr(drafter, "fused", False) else 0
-
-
 def invariant_buckets(model: Transformer, max_len: int = 16) -> tuple[tuple[int, ...], bool]:
     """(buckets, row_invariant): the first of BUCKET_CANDIDATES whose step gives a row the same bits in every
     bucket and at every place in it, measured on this machine with this model's shapes, dtype and weight
@@ -644,7 +638,7 @@ class DecodeStep:
 
 
 # ======================================================================================= generation
-def _step_for(model: Transformer, need: int, step: DecodeStep | None, **kw) -> DecodeStep:
+def step_for(model: Transformer, need: int, step: DecodeStep | None, **kw) -> DecodeStep:
     """`step` (reset) when it holds `need` slots, else a new step of exactly that many."""
     if step is not None:
         if step.model is not model or step.batch != 1:
@@ -673,7 +667,7 @@ def static_stream(model: Transformer, prompt: Sequence[int], cfg=None, *, step: 
     budget = min(cfg.max_new_tokens, model.cfg.max_seq_len - P + 1)
     if budget <= 0:
         return
-    st = _step_for(model, P + budget, step, **step_kw)
+    st = step_for(model, P + budget, step, **step_kw)
     gen = None
     if cfg.temperature > 0:
         gen = torch.Generator(device=st.device)
@@ -699,80 +693,6 @@ def static_generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg=No
 
 
 @torch.no_grad()
-def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], drafter, tree,
-                                max_new_tokens: int, stop_tokens: Sequence[int] = (), *,
-                                step: DecodeStep | None = None, **step_kw):
-    """`speculative.speculative_generate` at temperature 0 through the static step: every round is one
-    bucketed forward over [root, nodes] with acceptance and compaction on the device and one host read.
-    Where the step is row-invariant (`DecodeStep.row_invariant`: the CPU buckets in fp32, q4 anywhere) the
-    output equals `static_generate`'s token for token. Drafters that declare `static_step` (they never read
-    ctx.cache: Medusa, EAGLE / EAGLE-2, and hidden transfer's fused pass) draft here; the others are refused
-    by name. Hidden transfer (a drafter with `fused` and `transfer`) rides every round: its pseudo rows join
-    the verification forward (`DecodeStep.attach`) and the accepted anchor's rows are the next draft; its
-    first round, with no draft yet, verifies the root alone. Returns (new tokens, speculative.SpecStats)."""
-    from .generate import validate_prompts
-    from midlayer.speculative.verify import DraftContext, SpecStats, draft_node_tokens, round_tree
-
-    if not getattr(drafter, "static_step", False):
-        raise ValueError(f"{type(drafter).__name__} reads the dynamic KV cache (or rides a fused pass) and does not "
-                         "draft for the static step yet: use speculative.speculative_generate")
-    prompt = validate_prompts(model, [list(prompt_ids)])[0]
-    model.eval()
-    P = len(prompt)
-    stats = SpecStats(accept_hist=[0] * (tree.max_depth + 1))
-    budget = min(max_new_tokens, model.cfg.max_seq_len - P + 1)
-    if budget <= 0:
-        return [], stats
-    k = fused_steps(drafter)
-    fused = k > 0
-    if step is None:  # sized to the call: the committed text, then the largest round of any bucket set
-        sets = [step_kw["buckets"]] if step_kw.get("buckets", "auto") != "auto" else BUCKET_CANDIDATES
-        st = DecodeStep(model, max_len=P + budget + any_round_slots(len(tree), k, sets), **step_kw)
-    else:
-        st = _step_for(model, P + budget + round_slots(len(tree), k, step.buckets), step)
-    stats.row_invariant = st.invariant
-    if fused:
-        st.attach(drafter)
-    else:
-        st.detach()
-    masked = bool(getattr(getattr(drafter, "transfer", None), "masked", False))
-    dev = st.device
-    if P > 1:
-        logits, hidden = st.prefill(torch.tensor([prompt[:-1]], device=dev))
-        every = bool(getattr(drafter, "prefill_features", False))
-        logits, hidden = logits[0, -1:], (hidden[0] if every else hidden[0, -1:])
-        stats.prefill_forwards = 1
-    else:
-        dtype = model.tok_embeddings.weight.dtype
-        hidden = torch.zeros(0, model.cfg.dim, device=dev, dtype=dtype)
-        logits = torch.zeros(0, model.cfg.vocab_size, device=dev, dtype=dtype)
-    tokens, new = list(prompt), []
-    pruned: dict[tuple[int, int], object] = {}
-    draft_logits = None
-    while len(new) < budget:
-        # the first round of a fused drafter has no draft yet: the root alone (its pseudo rows draft the next)
-        key = (0 if fused and draft_logits is None else min(budget - len(new) - 1, tree.max_depth), len(tree))
-        t = pruned.get(key)
-        if t is None:
-            t = pruned[key] = tree.prune(*key)
-        draft = drafter.propose(DraftContext(model, None, tokens, hidden, logits, {}, t, 0.0, None, draft_logits))
-        t = round_tree(draft, t)  # (the step lays pseudo rows out for whichever tree it verifies)
-        nodes, _ = draft_node_tokens(draft, t)
-        # pseudo positions reach the root's + depth + k: inside the context, or no pseudo rows this round
-        steps = k if len(tokens) - 1 + t.max_depth + k < model.cfg.max_seq_len else 0
-        tt = st.tree_tensors(t.parent.tolist(), t.depth.tolist(), steps, masked)
-        accepted, bonus, _, logits, hidden, draft_logits = st.verify(tokens[-1], nodes.tolist(), tt, len(tokens) - 1,
-                                                                     len(tokens) - 1)
-        stats.base_forwards += 1
-        stats.accept_hist[len(accepted)] += 1
-        for tok in accepted + [bonus]:
-            tokens.append(tok)
-            new.append(tok)
-            if tok in stop_tokens or len(new) >= budget:
-                stats.new_tokens = len(new)
-                return new, stats
-    stats.new_tokens = len(new)
-    return new, stats
 
 
 class _CudaGraph:
@@ -807,5 +727,5 @@ class _CudaGraph:
         return self.outputs
 
 
-__all__ = ["DecodeStep", "bucket_for", "fused_steps", "round_layout", "round_slots", "any_round_slots", "StaticView", "static_stream", "static_generate", "static_speculative_generate",
+__all__ = ["DecodeStep", "bucket_for", "round_layout", "round_slots", "any_round_slots", "StaticView", "static_stream", "static_generate",
            "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "invariant_buckets", "unsupported"]

@@ -503,8 +503,7 @@ def _gguf_index(path: str, mtime_ns: int, size: int) -> GGUFIndex:
     written only costs the parse."""
     import hashlib
 
-    from midlayer.data.shards import atomic_write
-    from midlayer.ops.kernels import cache_dir
+    from midlayer.common import atomic_write, cache_dir
 
     if size < _INDEX_MIN_BYTES:  # a small file parses in milliseconds: keeping its index would only litter
         return GGUFIndex.parse(path)

@@ -417,9 +417,10 @@ class DraftRecorder:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.rounds: list[tuple[int, list[int]]] = []
-        for name in ("hidden_layers", "fused", "extra_slots", "fused_rows", "fused_draft", "prefill_features"):
-            if hasattr(inner, name):
-                setattr(self, name, getattr(inner, name))
+
+    def __getattr__(self, name: str):
+        """Every other member of the Drafter protocol is the wrapped drafter's (`fused`, `fused_rows`, ...)."""
+        return getattr(self.inner, name)
 
     def propose(self, ctx):
         from midlayer.speculative.verify import draft_node_tokens
@@ -486,12 +487,14 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     Medusa's, so every method runs the same tree size) or "auto" (per drafter, `tree_cost.auto_tree`: the
     tree of highest expected tokens/s from those accuracies and this machine's measured row costs).
     """
-    from midlayer.speculative.drafters import LayerSkipDrafter, heldout_accuracies, load_drafter
+    from midlayer.speculative.layer_skip import LayerSkipDrafter
+    from midlayer.speculative.registry import heldout_accuracies, load_drafter
     from midlayer.speculative.eagle import EagleDrafter
     from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
     from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
     from midlayer.engine.quantization import compress_weights
-    from midlayer.speculative.verify import DraftTree, speculative_generate
+    from midlayer.speculative.tree import DraftTree
+    from midlayer.speculative.verify import speculative_generate
 
     if new_tokens < 1 or max_prompts < 1 or nodes < 1:
         raise ValueError(f"new_tokens, max_prompts and nodes must be >= 1, got {new_tokens}, {max_prompts}, {nodes}")
@@ -792,7 +795,7 @@ def bench_gates(model_name: str, gates: dict[str, str], data, static: str = "aut
     (tests), else `model_name` is loaded in the `weights` format."""
     from midlayer.speculative.distill import DistillSet
     from midlayer.speculative.draft_training import DraftTrainConfig, heldout_metrics, response_batches
-    from midlayer.speculative.drafters import load_draft
+    from midlayer.speculative.registry import load_draft
     from midlayer.engine.pretrained import load_pretrained
     from midlayer.engine.quantization import compress_weights
     from midlayer.speculative.skip_gates import SkipGates

@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from midlayer.engine.decode_step import (BUCKET_CANDIDATES, DecodeStep, any_round_slots, fused_steps, static_speculative_generate,
-                          static_stream)
+from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_stream
+from midlayer.speculative.static import fused_steps, static_speculative_generate
 from midlayer.engine.generate import GenerationConfig, generate_stream
 from midlayer.model.transformer import Transformer
 
@@ -133,10 +133,10 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     also time the dynamic engine (`generate`), the path this step replaces on a GPU. `on_table(result,
     dtype)`: called as each dtype's table is done (a run cut short keeps what it finished)."""
     from .bench import _load_hf_same_weights, heldout_chats
-    from midlayer.speculative.drafters import heldout_accuracies, load_drafter
+    from midlayer.speculative.registry import heldout_accuracies, load_drafter
     from midlayer.speculative.eagle import EagleDrafter
     from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
-    from midlayer.speculative.verify import DraftTree
+    from midlayer.speculative.tree import DraftTree
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bad = [d for d in dtypes if d not in DTYPES]

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from midlayer.train.checkpoint import atomic_write_bytes, config_mismatch, list_checkpoints
+from midlayer.common import atomic_write
+from midlayer.train.checkpoint import config_mismatch, list_checkpoints
 from midlayer.config import ModelConfig, SparsityConfig, TrainConfig, get_preset
 from midlayer.ops.kernels import cpu_info
 from midlayer.output_lock import OutputLock
@@ -440,7 +441,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, lambda p: p.write_text(json.dumps(data, indent=2) + "\n"))
+    atomic_write(path, writer=lambda p: p.write_text(json.dumps(data, indent=2) + "\n"))
 
 
 def diverged(run_dir: Path) -> bool:

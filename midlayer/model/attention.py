@@ -30,6 +30,7 @@ from torch import nn
 
 from midlayer.ops import kernels
 from midlayer.config import ModelConfig
+from .layers import fuse_linears, make_norm
 
 _TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
@@ -233,15 +234,11 @@ class Attention(nn.Module):
         self.position_biased = cfg.pos_encoding in ("alibi", "t5") or cfg.gate_attention == "query"
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:  # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3): per-head norm of q and k before RoPE
-            from .transformer import make_norm
-
             self.q_norm, self.k_norm = make_norm(cfg, cfg.head_dim), make_norm(cfg, cfg.head_dim)
 
     def fuse(self) -> None:
         """Replace wq, wk, wv by one projection wqkv = [wq; wk; wv] (inference only)."""
         if self.wqkv is None:
-            from .transformer import fuse_linears
-
             self.wqkv = fuse_linears([self.wq, self.wk, self.wv])
             del self.wq, self.wk, self.wv
 

@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from midlayer.data.shards import file_sha256
+from midlayer.common import cache_dir, file_sha256
 
 QK = 32  # elements per quantisation block (Q4_1, Q8_0, Q8 activations)
 _SRC = Path(__file__).with_name("csrc") / "qkernels.c"
@@ -104,12 +104,6 @@ def cpu_info() -> CpuInfo:
 
 
 # ====================================================================================== the library
-def cache_dir() -> Path:
-    """midlayer's on-disk cache (compiled kernels, row-cost curves, GGUF indexes): $MIDLAYER_CACHE or
-    ~/.cache/midlayer."""
-    root = os.environ.get("MIDLAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "midlayer")
-    return Path(root)
-
 
 def _compiler() -> str | None:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):

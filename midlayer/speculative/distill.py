@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .drafters import DraftMismatchError, base_signature, check_base
+from .registry import DraftMismatchError, base_signature, check_base
 from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.model.transformer import Transformer
 from midlayer.output_lock import OutputBusy, OutputLock

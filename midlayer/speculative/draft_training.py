@@ -68,18 +68,19 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from midlayer.train.checkpoint import atomic_write_bytes
+from midlayer.common import atomic_write, json_safe
 from midlayer.config import GATE_VALUES, check_finite
 from .draft_vocab import draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab, to_token_ids
-from .drafters import (EarlyExitHead, FrozenBase, MedusaHeads, base_states, early_exit_loss, lower_states,
-                       medusa_loss, model_device, save_draft)
+from .early_exit import EarlyExitHead, early_exit_loss
+from .drafting import FrozenBase, base_states, lower_states, model_device
+from .medusa import MedusaHeads, medusa_loss
+from .registry import save_draft
 from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
 from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
 from midlayer.model.gating import mirror_index
 from midlayer.model.transformer import Transformer
 from midlayer.output_lock import OutputLock
 from .skip_gates import SkipGates, gate_loss
-from midlayer.train.loop import json_safe
 
 METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle", "gates")
 
@@ -262,7 +263,7 @@ class FrozenStates:
 
     def _write(self, path: Path, packed: dict[int, torch.Tensor]) -> None:
         cpu = {k: v.cpu() for k, v in packed.items()}
-        atomic_write_bytes(path, lambda tmp: torch.save(cpu, tmp))  # a killed run leaves no torn entry
+        atomic_write(path, writer=lambda tmp: torch.save(cpu, tmp))  # a killed run leaves no torn entry
 
 
 def _weights_digest(model: nn.Module) -> str:
@@ -376,7 +377,7 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
     """Recompute a saved draft's held-out metrics (e.g. after a change of the metric); rewrites
     metrics.json and the draft's meta. Returns the metrics."""
     from .distill import DistillSet
-    from .drafters import load_draft
+    from .registry import load_draft
 
     out = Path(path)
     meta = json.loads((out / "draft.json").read_text())["meta"]
@@ -525,7 +526,7 @@ class _GateTally:
         self.zero_sum = torch.zeros(n_layers // 2)
 
     def add(self, out: Any, dense_logits: torch.Tensor, mask: torch.Tensor) -> None:
-        from .drafters import kl_to_base
+        from .drafting import kl_to_base
 
         w = float(mask.sum())
         if not w:
@@ -652,7 +653,7 @@ class _Run:
                  "history": self.history, "opt": {"phase": -1 if phase_done or self.opt is None else self.phase,
                                                   "state": {} if self.opt is None else self.opt.state_dict()},
                  "curve": self.curve, "best": self.best, "stale": self.stale, "data": self.data_fp}
-        atomic_write_bytes(self.sp, lambda tmp: torch.save(state, tmp))
+        atomic_write(self.sp, writer=lambda tmp: torch.save(state, tmp))
 
     @property
     def active(self) -> bool:
@@ -817,7 +818,7 @@ def _train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None, data:
     model.eval()
     ds = data if data is not None else DistillSet.load(c0.data)
     if isinstance(ds.header.get("base"), dict):  # made by this base? (its greedy answers are the teacher's)
-        from .drafters import check_base
+        from .registry import check_base
 
         check_base(ds.header["base"], model, None, f"--data {c0.data}: made by another base model;")
     ds.check_vocab(model.cfg.vocab_size)

@@ -71,14 +71,17 @@ from torch import nn
 
 from midlayer.ops import kernels
 from midlayer.config import ModelConfig
-from .drafters import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, gather_counted,
-                       kl_to_base, model_device, optimise, placeholder_candidates, split_batch)
+from .drafting import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, gather_counted, kl_to_base,
+                       model_device, optimise, placeholder_candidates, split_batch)
 from .draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
 from midlayer.engine.generate import CachedStep
-from .hidden_transfer import _additive, visible
+from .hidden_transfer import additive_mask, visible
 from midlayer.model.kv_cache import KVCache, MaskedView
 from midlayer.model.transformer import Block, Transformer, causal_step
-from .verify import Draft, DraftContext, DraftTree
+from .protocol import Draft, DraftContext
+from .tree import DraftTree
+from .protocol import Drafter
+from .tree_cost import head_share
 
 W_CLS = 0.1  # EAGLE sec. 4: L = L_reg + 0.1 L_cls
 FEATURE_NOISE = 0.1  # EAGLE sec. 4: U(-0.1, 0.1) added to the input features during training
@@ -215,7 +218,7 @@ def eagle_forward(model: Transformer, head: EagleHead, tokens: torch.Tensor, fea
             inputs.append((outs[-1][:, :A], e[:, i:]))
             anchor = torch.cat([anchor, torch.arange(A, device=dev)])
             step = torch.cat([step, torch.full((A,), i - 1, dtype=torch.long, device=dev)])
-        mask = _additive(visible(anchor, step, anchor, step, masked=False))[None, None]
+        mask = additive_mask(visible(anchor, step, anchor, step, masked=False))[None, None]
         pos = anchor + step + 1
         cos, sin = model.rope_cos[pos], model.rope_sin[pos]
         x_f = torch.cat([a for a, _ in inputs], 1)
@@ -283,7 +286,7 @@ def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return top.values, top.indices
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafts `ctx.tree` autoregressively with an `EagleHead` (module docstring, "Module layout").
 
     State between rounds: the draft KV cache with the rows of positions 0..held-1 (the last of them the
@@ -392,8 +395,6 @@ class EagleDrafter:
         (the fc's 2d x d adds a little) plus r rows through the LM head (its draft vocabulary's share of it).
         The call that commits the context (1 + accepted rows, counted as 1, their minimum) also runs the
         root row and its head row."""
-        from .tree_cost import head_share
-
         share = head_share(self.head, self.model.cfg.vocab_size)  # a draft vocabulary reads part of the head
         out = [([1] + [0] * (n_layers - 1), 1 if tree.max_depth else 0, share)]
         out += [([r] + [0] * (n_layers - 1), r, share) for r in self._level_rows(tree)]

@@ -84,12 +84,15 @@ from torch import nn
 
 from midlayer.model.attention import window_mask
 from .draft_vocab import draft_vocab, head_logits, restrict_logits, to_token_ids
-from .drafters import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device,
-                       optimise, placeholder_candidates, split_batch, topk_lists)
+from .drafting import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device, optimise,
+                       placeholder_candidates, split_batch, topk_lists)
 from midlayer.engine.generate import JoinedRows, forward_cached
 from midlayer.model.kv_cache import KVCache, MaskedView
 from midlayer.model.transformer import Transformer
-from .verify import DraftContext, DraftTree
+from .protocol import DraftContext
+from .tree import DraftTree
+from .protocol import Drafter, Forward
+from .tree_cost import head_share
 
 
 
@@ -146,7 +149,7 @@ def training_mask(T: int, k: int, masked: bool, all_anchors: bool = False) -> to
     return visible(a, s, a, s, masked)
 
 
-def _additive(vis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def additive_mask(vis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill(~vis, float("-inf"))
 
 
@@ -187,7 +190,7 @@ class _TransferRows:
     def __call__(self, layer: int, block, x: torch.Tensor, gate: torch.Tensor | None,
                  key_bias: torch.Tensor | None) -> torch.Tensor:
         if self.mask is None:
-            self.mask = _additive(visible(self.anchor, self.step, self.anchor, self.step, self.masked), x.dtype)[None, None]
+            self.mask = additive_mask(visible(self.anchor, self.step, self.anchor, self.step, self.masked), x.dtype)[None, None]
             pos = self.anchor + self.step
             self.cos, self.sin = self.model.rope_cos[pos], self.model.rope_sin[pos]
             if self.model.cfg.sliding_window:  # by position, as the KV cache's mask does at inference
@@ -425,7 +428,7 @@ def pseudo_logits_cached(model: Transformer, transfer: HiddenTransfer, cache: KV
     q_step = torch.arange(1, n_steps + 1, device=dev)
     k_anchor = torch.cat([cache.pos[0, :s0], q_anchor])
     k_step = torch.cat([torch.zeros(s0, dtype=torch.long, device=dev), q_step])
-    extra = _additive(visible(q_anchor, q_step, k_anchor, k_step, transfer.masked))[None, None]  # [1,1,n,s0+n]
+    extra = additive_mask(visible(q_anchor, q_step, k_anchor, k_step, transfer.masked))[None, None]  # [1,1,n,s0+n]
     at = {t: (lambda h, t=t, steps=steps:
               torch.cat([transfer.transfer(anchor_hidden[t].reshape(1, 1, -1), i) for i in steps], 1))
           for t, steps in transfer.steps_at(n_steps).items()}
@@ -439,7 +442,7 @@ def pseudo_logits_cached(model: Transformer, transfer: HiddenTransfer, cache: KV
         cache.truncate(s0)
 
 
-class HiddenTransferDrafter:
+class HiddenTransferDrafter(Drafter):
     """Per-depth top-k candidates from the pseudo states of the last committed anchor (step i -> depth i).
 
     fused=True (default): the pseudo rows ride along in every verification forward (`verify_tree(fused=)`,
@@ -465,6 +468,26 @@ class HiddenTransferDrafter:
         verification forward. Separate drafting reads the dynamic cache (`pseudo_logits_cached`)."""
         return self.fused
 
+    def draft_steps(self) -> int:
+        return self.transfer.k
+
+    def verify_forward(self, tree: DraftTree, n_layers: int) -> Forward:
+        """Fused: the pseudo rows of every anchor ride the blocks, each from the block it joins at."""
+        N = len(tree) + 1
+        if not self.fused:
+            return ([N] * n_layers, N)
+        layers, k = self.transfer.layers, self.transfer.k
+        return ([N + N * sum(1 for t in layers[:k] if t <= b) for b in range(n_layers)], N)
+
+    def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[Forward]:
+        """Fused: the LM head reads the k rows of the accepted anchor on the draft vocabulary (`fused_draft`).
+        Separate: a partial forward over the pseudo rows of the tree's depth, each from its block."""
+        share = head_share(self.transfer, self.model.cfg.vocab_size)
+        if self.fused:
+            return [([0] * n_layers, self.transfer.k, share)]
+        layers, k = self.transfer.layers, tree.max_depth
+        return [([sum(1 for t in layers[:k] if t <= b) for b in range(n_layers)], k, share)]
+
     # ------------------------------------------------------------------------------ fused pass
     def extra_slots(self, tree: DraftTree) -> int:
         return (len(tree) + 1) * self.transfer.k
@@ -484,7 +507,7 @@ class HiddenTransferDrafter:
             anc = torch.ones(N, N, dtype=torch.bool)
             anc[0, 1:] = False
             anc[1:, 1:] = tree.ancestor_mask
-            block = self._mask_memo[(tree, k)] = _additive(tree_visible(anc, k, self.transfer.masked))
+            block = self._mask_memo[(tree, k)] = additive_mask(tree_visible(anc, k, self.transfer.masked))
         extra = torch.cat([block.new_zeros(block.shape[0], start), block], 1)[None, None]  # + every context key
         # The tree rows are the first N rows present at every block.
         at = {t: (lambda h, steps=steps: torch.cat([self.transfer.transfer(h[:, :N], i) for i in steps], 1))

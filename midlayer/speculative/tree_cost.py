@@ -49,11 +49,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .verify import DraftTree
+from .protocol import Drafter, Forward
+from .tree import DraftTree
 
-# (rows at each block 0..L-1, rows through the final norm + LM head[, the share of the head's rows they read:
-# a draft vocabulary (draft_vocab.py) reads |vocab| of V rows, and batch-1 head rows cost what they read])
-Forward = tuple  # tuple[list[int], int] | tuple[list[int], int, float]
+# Forward (protocol.py): (rows at each block 0..L-1, rows through the final norm + LM head[, the share of the
+# head's rows they read: a draft vocabulary (draft_vocab.py) reads |vocab| of V rows, and batch-1 head rows
+# cost what they read])
 DEFAULT_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 
@@ -121,39 +122,13 @@ def head_share(module: object, vocab_size: int) -> float:
 
 
 # ========================================================================== what a round of a drafter runs
-def round_forwards(drafter: object, tree: DraftTree, n_layers: int) -> list[Forward]:
+def round_forwards(drafter: Drafter, tree: DraftTree, n_layers: int) -> list[Forward]:
     """The forwards one speculative round runs with `drafter` and `tree`: the verification forward (root +
     nodes; with hidden transfer's fused pass also the pseudo rows, each from the block it joins at), then
-    the drafter's own. Drafters may describe themselves with a method `draft_forwards(tree, n_layers)`;
-    the ones of this package are known here."""
-    from .drafters import EarlyExitDrafter, LayerSkipDrafter, MedusaDrafter
-    from .hidden_transfer import HiddenTransferDrafter
-
-    N, L = len(tree) + 1, n_layers
-    if N == 1:  # no draft: plain decoding
-        return [([1] * L, 1)]
-    if isinstance(drafter, HiddenTransferDrafter) and drafter.fused:
-        # the pseudo rows of every anchor ride the blocks; the LM head reads the tree rows, then the k rows of
-        # the accepted anchor on the draft vocabulary (HiddenTransferDrafter.fused_draft)
-        layers, k = drafter.transfer.layers, drafter.transfer.k
-        rows = [N + N * sum(1 for t in layers[:k] if t <= b) for b in range(L)]
-        return [(rows, N), ([0] * L, k, head_share(drafter.transfer, drafter.model.cfg.vocab_size))]
-    out: list[Forward] = [([N] * L, N)]
-    own = getattr(drafter, "draft_forwards", None)
-    if own is not None:
-        return out + list(own(tree, n_layers))
-    if isinstance(drafter, HiddenTransferDrafter):  # a separate partial forward over the k pseudo rows
-        layers, k = drafter.transfer.layers, tree.max_depth
-        out.append(([sum(1 for t in layers[:k] if t <= b) for b in range(L)], k,
-                    head_share(drafter.transfer, drafter.model.cfg.vocab_size)))
-    elif isinstance(drafter, MedusaDrafter):  # k heads over the last row, each through the LM head
-        out.append(([0] * L, tree.max_depth, head_share(drafter.heads, drafter.model.cfg.vocab_size)))
-    elif isinstance(drafter, EarlyExitDrafter):
-        ell, share = drafter.head.layer, head_share(drafter.head, drafter.model.cfg.vocab_size)
-        out += [([r if b < ell else 0 for b in range(L)], r, share) for r in tree.level_sizes()]
-    elif isinstance(drafter, LayerSkipDrafter):
-        out += [([0 if b in drafter.skip_span else r for b in range(L)], r) for r in tree.level_sizes()]
-    return out
+    the drafter's own. Each drafter describes its round (`Drafter.verify_forward` / `draft_forwards`)."""
+    if not len(tree):  # no draft: plain decoding
+        return [([1] * n_layers, 1)]
+    return [drafter.verify_forward(tree, n_layers), *drafter.draft_forwards(tree, n_layers)]
 
 
 def round_ms(costs: RowCosts, drafter: object, tree: DraftTree) -> float:
@@ -177,12 +152,6 @@ class Overhead:
     plain_ms: float = 0.0
     round_ms: float = 0.0
     call_ms: float = 0.0
-
-
-def draft_steps(drafter: object) -> int | None:
-    """The depth a drafter drafts at most: k for hidden transfer and Medusa (k steps / heads), else None."""
-    return (getattr(getattr(drafter, "transfer", None), "k", None)
-            or getattr(getattr(drafter, "heads", None), "k", None))
 
 
 def draft_calls(drafter: object, tree: DraftTree, n_layers: int) -> int:
@@ -217,7 +186,7 @@ def measure_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequen
     L = costs.n_layers
     prompt = list(prompt_ids)
     gcfg = GenerationConfig(max_new_tokens=max(new_tokens, 3))
-    k = draft_steps(drafter)
+    k = drafter.draft_steps()
     if k is not None:  # no deeper than the drafter drafts (Medusa, hidden transfer: k steps)
         trees = list(dict.fromkeys(t.prune(min(t.max_depth, k), len(t)) for t in trees))
 
@@ -302,7 +271,7 @@ def auto_tree(model, drafter: object, acc: Sequence[Sequence[float]], costs: Row
     """`choose_tree` with the round cost of `drafter` on `model` from the measured `costs` (and `overhead`,
     `measure_overhead`, when given); depth limited to what the drafter can draft (hidden transfer and
     Medusa: k steps)."""
-    k = draft_steps(drafter)
+    k = drafter.draft_steps()
     depth = min(x for x in (max_depth, k) if x is not None) if (max_depth or k) else None
     return choose_tree(acc, lambda t: total_round_ms(costs, drafter, t, overhead), max_nodes, depth)
 
@@ -313,7 +282,7 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
     """Median ms of a cached forward over T new rows after `context` tokens, and of the final norm + head
     over T rows, for each T (T values interleaved per repeat, so drift hits all alike); and call_ms, from
     the median of a one-row call through the first block alone."""
-    from .drafters import run_blocks_cached
+    from .drafting import run_blocks_cached
     from midlayer.engine.generate import forward_cached
     from midlayer.model.kv_cache import KVCache
 
@@ -370,7 +339,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def _cache_file() -> Path:
-    from midlayer.ops.kernels import cache_dir
+    from midlayer.common import cache_dir
 
     return cache_dir() / "row_costs.json"
 
@@ -402,7 +371,7 @@ def _save_store(path: Path, key: str, value: Any) -> None:
     """store[key] = value in the cache file: re-read just before writing (another process may have added
     entries while this one measured), then replaced atomically. A cache that cannot be written costs only
     the measurement next time, never the call."""
-    from midlayer.data.shards import atomic_write
+    from midlayer.common import atomic_write
 
     try:
         store = _load_store(path)
@@ -455,8 +424,8 @@ def drafter_key(drafter: object, draft_dir: str | Path | None = None) -> str:
         except Exception:  # an unreadable file: the drafter would not have loaded; key on the rest
             pass
     h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16] if arch else ""
-    return (f"{type(drafter).__name__}|{h}|dynamic_k={getattr(drafter, 'dynamic_k', None)}"
-            f"|fused={getattr(drafter, 'fused', None)}")
+    return (f"{type(drafter).__name__}|{h}|dynamic_k={drafter.dynamic_k}"
+            f"|fused={drafter.fused}")
 
 
 def cached_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequence[int], key: str, *,

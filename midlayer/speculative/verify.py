@@ -60,10 +60,9 @@ round before verification. `DraftContext` carries everything the drafters need:
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -71,197 +70,15 @@ from midlayer.ops import kernels
 from midlayer.engine.generate import forward_cached, validate_prompts
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
+from .protocol import Draft, DraftContext, Drafter, FusedDrafter
+from .tree import DraftTree, candidates_from_topk
 
 Path = tuple[int, ...]
 
 
 # ============================================================================================ trees
-class DraftTree:
-    """A static draft tree given by root-to-node paths of top-k ranks (see the module docstring).
-
-    Attributes (n = number of nodes, the root excluded):
-      paths          tuple of the n paths, breadth-first (by depth, then lexicographically by rank);
-      parent         LongTensor [n], index of the parent node, -1 for depth-1 nodes (parent = root);
-      depth          LongTensor [n], >= 1; also the RoPE position offset from the root;
-      ancestor_mask  BoolTensor [n, n], [i, j] True iff node j is node i or one of its ancestors;
-      retrieve_paths LongTensor [n_leaves, max_depth], node indices from depth 1 down to each leaf
-                     (leaves in node order), padded with -1;
-      ranks_per_depth list[int], how many top-k candidates depth d + 1 uses (max rank + 1).
-    """
-
-    def __init__(self, paths: Iterable[Sequence[int]]) -> None:
-        norm: list[Path] = []
-        for p in paths:
-            t = tuple(p)
-            if len(t) == 0:
-                raise ValueError("empty path: the root (last committed token) is implicit, not a node")
-            for r in t:
-                if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-                    raise ValueError(f"path {t}: ranks must be non-negative ints")
-            norm.append(t)
-        seen: set[Path] = set()
-        for t in norm:
-            if t in seen:
-                raise ValueError(f"duplicate path {t}")
-            seen.add(t)
-        for t in norm:
-            for k in range(1, len(t)):
-                if t[:k] not in seen:
-                    raise ValueError(f"path {t} needs its prefix {t[:k]} in the tree (every node's parent)")
-        # Breadth-first order: parents precede children, so the causal mask of the flattened sequence is
-        # compatible with the tree mask and any BFS prefix of the nodes is itself a valid tree (pruning).
-        self.paths: tuple[Path, ...] = tuple(sorted(norm, key=lambda t: (len(t), t)))
-        index = {t: i for i, t in enumerate(self.paths)}
-        n = len(self.paths)
-        self.parent = torch.tensor([index[t[:-1]] if len(t) > 1 else -1 for t in self.paths], dtype=torch.long)
-        self.depth = torch.tensor([len(t) for t in self.paths], dtype=torch.long)
-        self.max_depth = int(self.depth.max()) if n else 0
-        anc = torch.eye(n, dtype=torch.bool)
-        for i in range(n):  # parents come first, so their rows are complete when a child copies them
-            if self.parent[i] >= 0:
-                anc[i] |= anc[int(self.parent[i])]
-        self.ancestor_mask = anc
-        # children in the root-included numbering (root = 0, node i = i + 1), used by the verification walk
-        self._children: list[list[int]] = [[] for _ in range(n + 1)]
-        for i in range(n):
-            self._children[int(self.parent[i]) + 1].append(i + 1)
-        leaves = [i for i in range(n) if not self._children[i + 1]]
-        rp = torch.full((len(leaves), self.max_depth), -1, dtype=torch.long)
-        for row, leaf in enumerate(leaves):
-            chain = anc[leaf].nonzero().flatten()  # ancestors-or-self, increasing index == increasing depth
-            rp[row, :len(chain)] = chain
-        self.retrieve_paths = rp
-        self.ranks_per_depth = [1 + max(t[-1] for t in self.paths if len(t) == d)
-                                for d in range(1, self.max_depth + 1)]
-        self._mask_cache: dict[tuple[str, int], torch.Tensor] = {}
-
-    # ----------------------------------------------------------------------------- constructors
-    @classmethod
-    def chain(cls, k: int) -> "DraftTree":
-        """The top-1 chain of depth k (k = 0: no draft, plain decoding)."""
-        if k < 0:
-            raise ValueError(f"chain depth must be >= 0, got {k}")
-        return cls([(0,) * d for d in range(1, k + 1)])
-
-    @classmethod
-    def from_topk(cls, k_per_depth: Sequence[int]) -> "DraftTree":
-        """The full product tree: every combination of the top-k_d candidates at each depth d."""
-        if any(k <= 0 for k in k_per_depth):
-            raise ValueError(f"every depth needs k >= 1, got {list(k_per_depth)}")
-        paths: list[Path] = []
-        level: list[Path] = [()]
-        for k in k_per_depth:
-            level = [p + (r,) for p in level for r in range(k)]
-            paths.extend(level)
-        return cls(paths)
-
-    @classmethod
-    def greedy_from_accuracies(cls, acc: Sequence[Sequence[float]], n_nodes: int) -> "DraftTree":
-        """The n_nodes nodes with the highest estimated acceptance probability (Medusa's sparse tree).
-
-        acc[d][r] = probability that the rank-r candidate (0-based) of depth d + 1 is the token the base
-        model accepts there (the *per-rank* top-r accuracy, measured on calibration data), for a drafter
-        whose depths are treated as independent. The estimate for the node with path (r_1, ..., r_D) is
-
-            P(node accepted) = prod_{d=1..D} acc[d-1][r_d],
-
-        because the node is accepted iff every node on its path is (verification walks down from the
-        root). The expected number of accepted draft tokens of a tree is the sum of this over its nodes,
-        so taking the n best nodes maximises it for n nodes. Since acc <= 1 a child never scores above its
-        parent, so the best-first expansion below yields a prefix-closed set (ties go to the shallower,
-        then lexicographically smaller path, which keeps parents ahead of equal-scoring children). If fewer
-        than n_nodes paths exist, all of them are taken.
-        """
-        if n_nodes < 0:
-            raise ValueError(f"n_nodes must be >= 0, got {n_nodes}")
-        for d, row in enumerate(acc):
-            if len(row) == 0:
-                raise ValueError(f"acc[{d}] is empty: give at least one rank per depth")
-            for a in row:
-                if not 0.0 <= a <= 1.0:
-                    raise ValueError(f"acc[{d}] holds {a}, not a probability in [0, 1]")
-        chosen: list[Path] = []
-        heap: list[tuple[float, int, Path]] = []  # max-heap on the estimate via negation
-        if acc:
-            for r, a in enumerate(acc[0]):
-                heapq.heappush(heap, (-a, 1, (r,)))
-        while heap and len(chosen) < n_nodes:
-            neg, depth, path = heapq.heappop(heap)
-            chosen.append(path)
-            if depth < len(acc):
-                for r, a in enumerate(acc[depth]):
-                    heapq.heappush(heap, (neg * a, depth + 1, path + (r,)))
-        return cls(chosen)
-
-    # ------------------------------------------------------------------------------- queries
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, DraftTree) and self.paths == other.paths
-
-    def __hash__(self) -> int:
-        return hash(self.paths)
-
-    def __repr__(self) -> str:
-        return f"DraftTree(n_nodes={len(self)}, max_depth={self.max_depth}, paths={list(self.paths)})"
-
-    @property
-    def position_offsets(self) -> torch.Tensor:
-        """RoPE position of each node relative to the root: its depth (sec. 3.4.1: original positions)."""
-        return self.depth
-
-    @property
-    def is_chain(self) -> bool:
-        """True when every depth has exactly one node (a single root-to-leaf path)."""
-        return len(self) == self.max_depth
-
-    def level_sizes(self) -> list[int]:
-        """Rows an autoregressive drafter runs per level to fill the tree: the root, then all nodes of every
-        depth below the deepest (each proposes its children; the last level's nodes are never run)."""
-        return [1] + [int((self.depth == d).sum()) for d in range(1, self.max_depth)] if self.max_depth else []
-
-    def children(self, node: int) -> list[int]:
-        """Child node indices of node `node` (-1: of the root)."""
-        return [c - 1 for c in self._children[node + 1]]
-
-    def prune(self, max_depth: int, max_nodes: int) -> "DraftTree":
-        """The sub-tree of nodes with depth <= max_depth, cut to its first max_nodes nodes (BFS order keeps
-        it prefix-closed). Used near the end of generation and of the context."""
-        keep = [t for t in self.paths if len(t) <= max_depth][:max(max_nodes, 0)]
-        return self if len(keep) == len(self) else DraftTree(keep)
-
-    def verify_mask(self, start: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Additive extra_mask [1, 1, n+1, start+n+1] for `forward_cached` over [root, nodes] written at slots
-        start..start+n: every row sees all committed slots < start; among the new rows a node sees only its
-        ancestors, the root and itself (tree attention, sec. 3.4.1). The engine adds causality on top."""
-        key = (str(device), start)
-        m = self._mask_cache.get(key)
-        if m is None:
-            n = len(self)
-            full = torch.ones(n + 1, n + 1, dtype=torch.bool)  # root row / column: root sees itself, all see root
-            full[0, 1:] = False
-            full[1:, 1:] = self.ancestor_mask
-            block = torch.zeros(n + 1, n + 1).masked_fill(~full, float("-inf"))
-            m = torch.cat([torch.zeros(n + 1, start), block], 1)[None, None].to(device)
-            if len(self._mask_cache) > 64:  # start changes every round; keep the memo bounded
-                self._mask_cache.clear()
-            self._mask_cache[key] = m
-        return m
 
 
-def candidates_from_topk(per_depth_topk: Sequence[Sequence[int]], tree: DraftTree) -> torch.Tensor:
-    """Node tokens [n] from per-depth candidate lists: node (r_1..r_D) gets per_depth_topk[D-1][r_D].
-
-    The Medusa / hidden-transfer layout: a depth's candidates do not depend on the path above them.
-    """
-    if len(per_depth_topk) < tree.max_depth:
-        raise ValueError(f"the tree has depth {tree.max_depth} but only {len(per_depth_topk)} depths of candidates")
-    for d, need in enumerate(tree.ranks_per_depth):
-        if len(per_depth_topk[d]) < need:
-            raise ValueError(f"depth {d + 1} uses ranks up to {need - 1} but only {len(per_depth_topk[d])} "
-                             "candidates were given")
-    return torch.tensor([int(per_depth_topk[len(t) - 1][t[-1]]) for t in tree.paths], dtype=torch.long)
 
 
 # ================================================================================ acceptance rules
@@ -471,66 +288,12 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
 
 
 # ======================================================================================== drafters
-@dataclass
-class DraftContext:
-    """What a drafter sees each round (batch 1). Read-only except as documented for `cache`."""
-
-    model: Transformer
-    cache: KVCache  # holds tokens[:-1]; a drafter may append after cache.length but must truncate back
-    tokens: list[int]  # prompt + committed tokens; tokens[-1] is pending (position len(tokens) - 1)
-    hidden: torch.Tensor  # [m, d] final residual of the last m committed-and-cached positions (m >= 1 except
-    #                       for a 1-token prompt, m = 0); hidden[-1] is at position len(tokens) - 2. In the
-    #                       first round m = 1, or every prompt row for a drafter with `prefill_features`
-    logits: torch.Tensor  # base logits of the last rows (logits[-1] predicted tokens[-1]); after the prefill
-    #                       only the last row's, [1, V], even when hidden has every prompt row
-    layer_hidden: dict[int, torch.Tensor]  # residual entering block l at the same rows, for drafter.hidden_layers
-    tree: DraftTree  # the tree to fill this round (the configured one, possibly pruned)
-    temperature: float
-    generator: torch.Generator | None  # the run's generator, for drafters that sample
-    draft_logits: torch.Tensor | None = None  # a fused drafter's logits from the last verification forward
 
 
-@dataclass
-class Draft:
-    """A drafter's proposal. Give `per_depth_topk` (Medusa layout, see `candidates_from_topk`) or
-    `node_tokens` [n] (one token per node of ctx.tree, for path-dependent drafters). `q` [n, V]: only for
-    sampling drafters on a chain -- the distribution each node token was sampled from."""
-
-    per_depth_topk: Sequence[Sequence[int]] | None = None
-    node_tokens: torch.Tensor | Sequence[int] | None = None
-    q: torch.Tensor | None = None
-    # A tree the drafter chose this round (dynamic trees, EAGLE-2), with node_tokens aligned to it: at most
-    # as many nodes and as deep as ctx.tree, which is then the budget (cache slots, depth). None: ctx.tree.
-    tree: DraftTree | None = None
 
 
-@runtime_checkable
-class FusedDrafter(Protocol):
-    """A drafter whose next draft comes out of the verification forward itself (`verify_tree(fused=...)`).
-
-    fused_rows(tree, last_pos, start) -> (JoinedRows, positions [J], extra_mask [1, 1, n+1+J, start+n+1+J]),
-    or None to verify without joined rows this round;
-    fused_draft(join_hidden [J, d], tree, anchor_row) -> the next round's logits from the joined rows' final
-    residuals (before the final norm), anchor_row being 0 for the root or 1 + the index of the last accepted
-    node; extra_slots(tree) -> J (for sizing the cache)."""
-
-    def fused_rows(self, tree: "DraftTree", last_pos: int, start: int
-                   ) -> tuple[Any, torch.Tensor, torch.Tensor] | None: ...
-
-    def fused_draft(self, join_hidden: torch.Tensor, tree: "DraftTree", anchor_row: int) -> torch.Tensor: ...
-
-    def extra_slots(self, tree: "DraftTree") -> int: ...
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    """propose(ctx) -> per-depth top-k lists or a `Draft`. Optional attribute `hidden_layers`: the blocks
-    whose input residual the drafter needs in ctx.layer_hidden (n_layers = the final residual).
-    `static_step` (default False): the drafter reads only ctx.tokens, ctx.hidden, ctx.logits and ctx.tree,
-    never ctx.cache, so it also drafts for the static decode step (decode_step.py), whose cache is not a
-    KVCache."""
-
-    def propose(self, ctx: DraftContext) -> Sequence[Sequence[int]] | Draft: ...
 
 
 def round_tree(draft: Sequence[Sequence[int]] | Draft, budget: DraftTree, fused: bool = False) -> DraftTree:
@@ -614,7 +377,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
         return out, SpecStats(new_tokens=len(out), base_forwards=len(out), prefill_forwards=int(P > 1),
                               accept_hist=[len(out)])
     dev = model.tok_embeddings.weight.device
-    fused = drafter if getattr(drafter, "fused", False) else None
+    fused = drafter if drafter.fused else None
     extra_slots = fused.extra_slots(tree) if fused is not None else 0
     # Slots: the committed text, the largest tree in flight and, for a fused drafter, its joined rows
     # (slots are not positions: the context limit applies to positions, checked in verify_tree).
@@ -624,13 +387,13 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     if temperature > 0:
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed if seed is not None else torch.seed())
-    hidden_layers = tuple(getattr(drafter, "hidden_layers", ()))
+    hidden_layers = tuple(drafter.hidden_layers)
     stop = set(int(t) for t in stop_tokens)
 
     if P > 1:
         # A drafter that reads the features of the whole prompt (EAGLE's draft rows of the context) says so
         # with `prefill_features`; the others get the last row only.
-        every = bool(getattr(drafter, "prefill_features", False))
+        every = drafter.prefill_features
         store = _capture_request(model, hidden_layers)
         logits, hidden = forward_cached(model, torch.tensor([prompt[:-1]], device=dev),
                                         cache, torch.arange(P - 1, device=dev)[None], skip=skip,

@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from midlayer.common import atomic_write
+
 FORMAT = "midlayer-checkpoint-v1"
 _NAME = re.compile(r"ckpt_(\d{7})\.pt$")
-_TEMP = re.compile(r"\.(ckpt_\d{7}\.pt|config\.json)\.tmp\.(\d+)$")  # atomic_write_bytes' temporary files
+_TEMP = re.compile(r"\.(ckpt_\d{7}\.pt|config\.json)\.tmp\.(\d+)(?:\.[0-9a-f]{8})?$")  # common.atomic_write's temporary files
 
 
 class CheckpointError(ValueError):
@@ -57,7 +59,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temp_files(run_dir: Path) -> list[Path]:
-    """Delete the temporary files a killed checkpoint write left in `run_dir` (`.ckpt_NNNNNNN.pt.tmp.PID`,
+    """Delete the temporary files a killed checkpoint write left in `run_dir` (`.ckpt_NNNNNNN.pt.tmp.PID[.TAG]`,
     `.config.json.tmp.PID` whose process is gone); nothing else is touched. Returns the deleted paths. Call it
     before this process writes a checkpoint there (its own PID's files are then stale too: a reused PID)."""
     run_dir = Path(run_dir)
@@ -70,25 +72,6 @@ def remove_stale_temp_files(run_dir: Path) -> list[Path]:
     return stale
 
 
-def atomic_write_bytes(path: Path, write) -> None:
-    """Call write(tmp_path), fsync, then rename over `path`: the file is whole or untouched. A failed write
-    (a full disk: torch.save reports it as a RuntimeError from its zip writer) is an OSError naming the file,
-    the partial temporary file is removed, and an earlier `path` stays as it was."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except RuntimeError as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise OSError(f"writing {path} failed ({first}); a full disk? The earlier {path.name}, if any, is "
-                      "intact") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], configs: dict[str, dict],
                     keep_last: int) -> Path:
@@ -99,9 +82,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], configs: di
     payload = {"format": FORMAT, "step": step, "configs": configs, **state}
     if "model" in state:  # a content checksum of the weights, verified on load (load_checkpoint)
         payload["model_sha256"] = weights_digest(state["model"])
-    atomic_write_bytes(path, lambda p: torch.save(payload, p))
-    atomic_write_bytes(run_dir / "config.json",
-                       lambda p: p.write_text(json.dumps(configs, indent=2, sort_keys=True)))
+    atomic_write(path, writer=lambda p: torch.save(payload, p))
+    atomic_write(run_dir / "config.json", json.dumps(configs, indent=2, sort_keys=True).encode("utf-8"))
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink()
     return path

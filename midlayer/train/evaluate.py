@@ -7,25 +7,28 @@ the estimate at the measured sparsity and the dense-equivalent count, so the sav
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from . import distributed as dist_utils
+from midlayer.common import atomic_write, autocast_context, cache_dir, resolve_dtype
 from midlayer.data.shards import TokenWindows
 from midlayer.model.flops import active_param_count, forward_flops, kv_bytes_per_token, param_count
 from midlayer.model.transformer import Transformer
 from midlayer.model.sparsity import GateStatsAccumulator
 
 
-def autocast_context(device: torch.device, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+
+def kl_rows(base_logits: torch.Tensor, other_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_base || p_other) per row, logits [..., V] -> [...], in fp32 (gradient only through `other`)."""
+    t = F.log_softmax(base_logits.detach().float(), -1)
+    s = F.log_softmax(other_logits.float(), -1)
+    return (t.exp() * (t - s)).sum(-1)
 
 
 @torch.no_grad()
@@ -99,7 +102,6 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Any
     from .checkpoint import list_checkpoints, load_checkpoint, load_weights
     from midlayer.config import ModelConfig, TrainConfig, from_dict
     from midlayer.data.shards import resolve_data
-    from .loop import default_cache_dir
 
     run = Path(run_dir)
     ckpts = list_checkpoints(run)
@@ -110,7 +112,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Any
     tcfg = from_dict(TrainConfig, ckpt["configs"]["train"])
     model = Transformer(mcfg).to(torch.device(device))
     load_weights(model, ckpt, ckpts[-1])
-    files = resolve_data(tcfg.data, default_cache_dir(), tcfg.tokenizer_vocab, tcfg.val_data)
+    files = resolve_data(tcfg.data, cache_dir(), tcfg.tokenizer_vocab, tcfg.val_data)
     return model.eval(), mcfg, tcfg, files, int(ckpt["step"])
 
 
@@ -131,8 +133,6 @@ def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str
     RoPE without fine-tuning; these numbers test that at our scale."""
     import json
 
-    from .checkpoint import atomic_write_bytes
-    from .loop import resolve_dtype
 
     run = Path(run_dir)
     model, mcfg, tcfg, files, step = load_run(run, device)
@@ -161,7 +161,7 @@ def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str
                 cos, sin = position_tables(dataclasses.replace(mcfg, rope_scaling=scaling, rope_scale=float(m)), dev)
                 model.rope_cos, model.rope_sin = cos, sin  # this function's own copy of the run's model
                 out[key][str(T)] = ce_at(T)
-    atomic_write_bytes(run / "extrapolation.json", lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
+    atomic_write(run / "extrapolation.json", writer=lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
     return out
 
 
@@ -180,7 +180,6 @@ def compare_models(a: Transformer, b: Transformer, windows: TokenWindows, *, eva
       discrete change that a tiny weight difference can cause; span_differs: fraction of tokens whose first
       zero block (their skipped span) differs.
     """
-    from midlayer.speculative.drafters import kl_rows  # the one per-row KL (drafters imports the generation stack: not at module load)
 
     same = lambda c: dataclasses.replace(c, gate_grad="exact", attn_backend="auto")  # noqa: E731 (no effect on outputs)
     if same(a.cfg) != same(b.cfg):

@@ -37,7 +37,8 @@ from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, loa
                          remove_stale_temp_files, save_checkpoint)
 from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
 from midlayer.data.shards import TokenWindows, resolve_data
-from .evaluate import autocast_context, evaluate
+from .evaluate import evaluate
+from midlayer.common import autocast_context, cache_dir as default_cache_dir, json_safe, resolve_dtype
 from midlayer.model.flops import forward_flops
 from midlayer.model.transformer import Transformer
 from midlayer.output_lock import OutputLock
@@ -67,17 +68,6 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def json_safe(obj: Any) -> Any:
-    """`obj` with every NaN or infinity replaced by None (JSON null): `json.dumps` would write the tokens
-    NaN / Infinity, which are not JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """LR multiplier at optimizer step `step` (0-based): linear warmup from `warmup_start_factor` to 1 over
@@ -94,17 +84,6 @@ def router_lr_factor(step: int, cfg: TrainConfig) -> float:
     f = lr_factor(step, cfg)
     return f if step < cfg.warmup_steps else max(f, cfg.router_lr_floor)
 
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def default_cache_dir() -> Path:
-    from midlayer.ops.kernels import cache_dir
-
-    return cache_dir()
 
 
 class MetricsLogger:

@@ -1,0 +1,193 @@
+"""Draft files: save, load and check against the base, and the drafter a saved module drafts with.
+
+Save / load: `save_draft(path, module, meta, base=model)` writes `path/draft.safetensors` (the module's
+weights) and `path/draft.json` (kind, constructor config, the base model's dimensions, an optional name and
+a 64-value probe of its LM head, and free-form meta). `load_draft(path, base)` rebuilds the module and
+refuses a file written for another base model (different dimensions, name or LM-head probe).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from midlayer.common import atomic_write, file_sha256
+from .draft_vocab import set_draft_vocab
+from midlayer.model.transformer import Transformer, nonfinite_tensors
+from .drafting import model_device
+from .eagle import EagleDrafter, EagleHead
+from .early_exit import EarlyExitDrafter, EarlyExitHead
+from .hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+from .medusa import MedusaDrafter, MedusaHeads
+from .skip_gates import GatedDrafter, SkipGates
+
+
+DRAFT_FORMAT = "midlayer-draft-v1"
+
+
+WEIGHTS_NAME = "draft.safetensors"
+
+
+CONFIG_NAME = "draft.json"
+
+
+class DraftMismatchError(ValueError):
+    """A draft file that does not belong to the given base model (or is not a draft file)."""
+
+
+_PROBE = 64
+
+
+def base_signature(model: Transformer, name: str | None = None) -> dict[str, Any]:
+    """What identifies the base a draft module was trained for: dimensions, an optional name, and 64
+    evenly spaced entries of the LM head (cheap; robust to a dtype change, different for other weights)."""
+    cfg = model.cfg
+    head = model.output  # an nn.Linear, or a compressed head (q8) that carries its weight as codes
+    w = (head.weight if isinstance(head, nn.Linear) else head.dequantized()).detach().reshape(-1)
+    # float64: float32 rounds the last index of a 28M-entry head (SmolLM2) past the end
+    idx = torch.linspace(0, w.numel() - 1, _PROBE, dtype=torch.float64).round().long().to(w.device)
+    return {"name": name, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+            "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "gating": bool(cfg.gating),
+            "norm_placement": cfg.norm_placement, "probe": [float(x) for x in w[idx].float().cpu()]}
+
+
+def check_base(saved: dict[str, Any], model: Transformer, name: str | None = None, where: str = "") -> None:
+    """Raise DraftMismatchError unless `saved` (a base_signature) describes `model`."""
+    now = base_signature(model, name)
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "gating", "norm_placement"):
+        if saved.get(key) != now[key]:
+            raise DraftMismatchError(f"{where}: draft trained for a base with {key}={saved.get(key)!r}, "
+                                     f"this model has {key}={now[key]!r}")
+    if name is not None and saved.get("name") is not None and saved["name"] != name:
+        raise DraftMismatchError(f"{where}: draft trained for base {saved['name']!r}, not {name!r}")
+    try:
+        a, b = torch.tensor(saved["probe"], dtype=torch.float32), torch.tensor(now["probe"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise DraftMismatchError(f"{where}: the draft's base signature has no valid 'probe' ({e!r})") from None
+    # 2% of the largest probe value: far above bf16 rounding (0.4%), far below the gap between two models
+    if a.shape != b.shape or not bool(((a - b).abs() <= 0.02 * a.abs().max().clamp_min(1e-12)).all()):
+        raise DraftMismatchError(f"{where}: the LM-head weights differ from the base this draft was trained "
+                                 "for (same shape, different model)")
+
+
+def _kinds() -> dict[str, type[nn.Module]]:
+    return {MedusaHeads.KIND: MedusaHeads, EarlyExitHead.KIND: EarlyExitHead, HiddenTransfer.KIND: HiddenTransfer,
+            EagleHead.KIND: EagleHead, SkipGates.KIND: SkipGates}
+
+
+def save_draft(path: str | Path, module: nn.Module, meta: dict[str, Any] | None = None, *, base: Transformer,
+               base_name: str | None = None) -> Path:
+    """Write `path/draft.safetensors` + `path/draft.json` (atomically each); returns the directory."""
+    kinds = _kinds()
+    kind = getattr(module, "KIND", None)
+    if kind not in kinds or not isinstance(module, kinds[kind]):
+        raise ValueError(f"not a draft module: {type(module).__name__}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    doc = {"format": DRAFT_FORMAT, "kind": kind, "config": module.config(),
+           "base": base_signature(base, base_name), "meta": meta or {}}
+    json.dumps(doc)  # fail before writing anything if meta is not JSON-serialisable
+    atomic_write(out / WEIGHTS_NAME, writer=lambda tmp: save_file(state, str(tmp)))
+    # the weights file's checksum, verified on load (a damaged or replaced file is refused, named)
+    doc["weights_sha256"] = file_sha256(out / WEIGHTS_NAME)
+    atomic_write(out / CONFIG_NAME, writer=lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=2)))
+    return out
+
+
+def load_draft(path: str | Path, base: Transformer | None = None, base_name: str | None = None
+               ) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild a saved draft module; returns (module, meta). With `base`, refuse (DraftMismatchError) a
+    file written for another base model. The module is placed on the base's device."""
+    p = Path(path)
+    cfg_path, w_path = p / CONFIG_NAME, p / WEIGHTS_NAME
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise DraftMismatchError(f"{p}: not a draft directory (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+    try:
+        doc = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftMismatchError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(doc, dict) or doc.get("format") != DRAFT_FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise DraftMismatchError(f"{cfg_path}: format {found!r}, expected {DRAFT_FORMAT!r}")
+    kinds = _kinds()
+    if not isinstance(doc.get("kind"), str) or doc["kind"] not in kinds:
+        raise DraftMismatchError(f"{cfg_path}: unknown draft kind {doc.get('kind')!r}")
+    for key in ("base", "config", "meta"):
+        if not isinstance(doc.get(key, {} if key == "meta" else None), dict):
+            raise DraftMismatchError(f"{cfg_path}: {key!r} is missing or not a JSON object")
+    if base is not None:
+        check_base(doc["base"], base, base_name, str(p))
+    try:
+        module = kinds[doc["kind"]](**doc["config"])
+    except (TypeError, ValueError) as e:
+        raise DraftMismatchError(f"{cfg_path}: invalid {doc['kind']} config ({e})") from e
+    want = doc.get("weights_sha256")
+    if want is not None and file_sha256(w_path) != want:
+        raise DraftMismatchError(f"{w_path}: its bytes do not match the checksum in {CONFIG_NAME} (the file is "
+                                 "damaged or was replaced)")
+    try:
+        state = load_file(str(w_path))
+    except Exception as e:  # SafetensorError: truncated file, bad header, random bytes ...
+        raise DraftMismatchError(f"{w_path}: corrupt or truncated safetensors file ({type(e).__name__}: {e})") from e
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise DraftMismatchError(f"{w_path}: non-finite weights (NaN or inf) in {bad[:5]}: the file is corrupt")
+    if "vocab" in state:  # a draft vocabulary (draft_vocab.py): the buffer takes the saved size first
+        try:
+            set_draft_vocab(module, state["vocab"])
+        except ValueError as e:
+            raise DraftMismatchError(f"{w_path}: invalid draft vocabulary ({e})") from e
+        if base is not None and state["vocab"].numel() and int(state["vocab"].max()) >= base.cfg.vocab_size:
+            raise DraftMismatchError(f"{w_path}: draft vocabulary has token ids beyond the base's "
+                                     f"{base.cfg.vocab_size}")
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of the wrong shape
+        raise DraftMismatchError(f"{w_path}: weights do not match {CONFIG_NAME} "
+                                 f"({' '.join(str(e).split())})") from e
+    if missing or unexpected:
+        raise DraftMismatchError(f"{w_path}: weights do not match the config (missing {missing}, "
+                                 f"unexpected {unexpected})")
+    if base is not None:
+        module.to(model_device(base))
+    return module, doc.get("meta", {})
+
+
+def heldout_accuracies(meta: dict[str, Any], where: str = "") -> list[list[float]] | None:
+    """A draft's held-out per-depth, per-rank accuracies (meta["heldout"]["acc"], what sizes its trees), or None
+    when it has none. Damaged ones (another type or shape, values outside [0, 1]) are refused by name, as a
+    DraftMismatchError, rather than failing inside the tree builder."""
+    held = meta.get("heldout") if isinstance(meta, dict) else None
+    acc = held.get("acc") if isinstance(held, dict) else None
+    if acc is None:
+        return None
+    ok = isinstance(acc, list) and acc and all(
+        isinstance(row, list) and row and all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                                              and 0.0 <= a <= 1.0 for a in row) for row in acc)
+    if not ok:
+        raise DraftMismatchError(f"{where}: its held-out accuracies (meta.heldout.acc in {CONFIG_NAME}) are damaged: "
+                                 "expected a list per depth of per-rank numbers in [0, 1]")
+    return [[float(a) for a in row] for row in acc]
+
+
+def load_drafter(path: str | Path, model: Transformer, base_name: str | None = None, **kw: Any
+                 ) -> tuple[Any, nn.Module, dict[str, Any]]:
+    """(drafter, module, meta) for a saved draft directory (refused if written for another base). `kw` go to
+    the drafter (e.g. fused=False for hidden transfer)."""
+    module, meta = load_draft(path, model, base_name)
+    module.eval()
+    if isinstance(module, HiddenTransfer):
+        return HiddenTransferDrafter(model, module, **kw), module, meta
+    if isinstance(module, EagleHead):
+        return EagleDrafter(model, module, **kw), module, meta
+    if isinstance(module, MedusaHeads):
+        return MedusaDrafter(model, module, **kw), module, meta
+    if isinstance(module, SkipGates):
+        return GatedDrafter(model, module, **kw), module, meta
+    return EarlyExitDrafter(model, module, **kw), module, meta
