@@ -17,7 +17,15 @@ from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
 from midlayer.speculative.tree import DraftTree
 from midlayer.speculative.verify import speculative_generate
+from midlayer.speculative.protocol import Drafter
 from tiny_models import make_tiny
+
+
+class Free(Drafter):
+    """A drafter that declares nothing of its own: its rounds are the verification forward only."""
+
+
+FREE = Free()
 
 V, D = 64, 32
 TINY = dict(dim=D, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=48, multiple_of=16)
@@ -61,15 +69,15 @@ def test_expected_tokens_hand_computation():
 def test_choose_tree_finds_the_known_optimum():
     # verification only (an unknown drafter drafts for free): round = total(n + 1) = 10 + 2 (n + 1) ms.
     # By hand: n=0 1/12, n=1 1.9/14, n=2 2.62/16, n=3 3.124/18 = 0.1736 (best), n=4 adds (1,) 0.05: 3.174/20.
-    tree, table = tc.choose_tree(ACC, lambda t: tc.round_ms(LINEAR, object(), t))
+    tree, table = tc.choose_tree(ACC, lambda t: tc.round_ms(LINEAR, FREE, t))
     assert tree == DraftTree.chain(3)
     assert [r["nodes"] for r in table[:5]] == [0, 1, 2, 3, 4]
     assert table[3]["tok_per_s"] == pytest.approx(1e3 * 3.124 / 18)
     # verification far dearer per row: plain decoding wins; free rows: every path is taken
     steep = tc.RowCosts(rows=(1, 2), total_ms=(12.0, 24.0), head_ms=(0.0, 0.0), n_layers=1)
-    assert len(tc.choose_tree(ACC, lambda t: tc.round_ms(steep, object(), t))[0]) == 0
+    assert len(tc.choose_tree(ACC, lambda t: tc.round_ms(steep, FREE, t))[0]) == 0
     flat = tc.RowCosts(rows=(1, 2), total_ms=(12.0, 12.0), head_ms=(0.0, 0.0), n_layers=1)
-    assert len(tc.choose_tree(ACC, lambda t: tc.round_ms(flat, object(), t), max_nodes=100)[0]) == 2 + 4 + 8
+    assert len(tc.choose_tree(ACC, lambda t: tc.round_ms(flat, FREE, t), max_nodes=100)[0]) == 2 + 4 + 8
 
 
 def test_round_forwards_per_drafter():
