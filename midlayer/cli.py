@@ -17,9 +17,35 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
-from .config import PRESETS, ModelConfig, SparsityConfig, TrainConfig, get_preset
-from midlayer.speculative.draft_training import DraftTrainConfig
-from midlayer.engine.quantization import WEIGHT_FORMATS
+from midlayer.common import atomic_write, cache_dir, json_safe, resolve_dtype
+from midlayer.config import from_dict, get_preset, ModelConfig, PRESETS, SparsityConfig, TrainConfig
+from midlayer.data.pretrained_tokenizer import TextTokenizer
+from midlayer.data.shards import resolve_data, TokenWindows
+from midlayer.engine.decode_step import GRAPH_MODES, static_stream, unsupported
+from midlayer.engine.generate import generate_stream, GenerationConfig
+from midlayer.engine.pretrained import load_pretrained, pretrained_config
+from midlayer.engine.quantization import compress_weights, WEIGHT_FORMATS
+from midlayer.experiments import bench
+from midlayer.experiments.plot import write_report
+from midlayer.experiments.static_bench import bench_static, DTYPES, static_table
+from midlayer.experiments.sweep import check_sweep, run_sweep
+from midlayer.model.flops import format_breakdown
+from midlayer.model.transformer import Transformer
+from midlayer.ops import kernels
+from midlayer.speculative import distill as distill_module
+from midlayer.speculative.draft_training import DraftTrainConfig, METHODS, train_drafts
+from midlayer.speculative.eagle import EagleDrafter
+from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
+from midlayer.speculative.skip_gates import gated_twin, SkipGates
+from midlayer.speculative.static import static_speculative_generate
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.tree_cost import auto_tree, cached_overhead, cost_key, drafter_key, row_costs, table_text
+from midlayer.speculative.verify import speculative_generate
+from midlayer.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, load_newest_checkpoint,
+                                       load_weights)
+from midlayer.train.distributed import print0, resolve_device
+from midlayer.train.evaluate import evaluate
+from midlayer.train.loop import train
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig,
                              "draft": DraftTrainConfig}
@@ -113,7 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_generate_parser(sub)
 
-    from midlayer.speculative import distill as distill_module
 
     distill_module.build_parser(sub.add_parser("distill", help="self-distillation data for draft training: the "
                                                "base model's own answers to the prompt set (resumable)",
@@ -272,13 +297,10 @@ def _add_generate_parser(sub) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from midlayer.train.loop import train
 
     model_cfg, sparsity_cfg, train_cfg = get_preset(args.preset, **overrides_from_args(args))
     result = train(model_cfg, sparsity_cfg, train_cfg, resume=args.resume, device=args.device,
                    progress=not args.no_progress, stop_after=args.stop_after)
-    from midlayer.train.distributed import print0
-    from midlayer.common import json_safe
     print0(json.dumps(json_safe({k: v for k, v in result.items() if not isinstance(v, list)}), indent=2))
     return 0
 
@@ -287,9 +309,6 @@ def load_run(checkpoint: str, device: str | None = None):
     """(model, checkpoint dict, train config) from a run directory (newest checkpoint) or a ckpt file."""
     import torch
 
-    from midlayer.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_newest_checkpoint, load_weights
-    from .config import from_dict
-    from midlayer.model.transformer import Transformer
 
     path = Path(checkpoint)
     found = None
@@ -312,7 +331,6 @@ def load_run(checkpoint: str, device: str | None = None):
 
 def _check_eval_args(args: argparse.Namespace) -> None:
     """What `eval` checks before reading the checkpoint (ValueError naming the flag)."""
-    from midlayer.train.distributed import resolve_device
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
@@ -326,9 +344,6 @@ def _check_eval_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from midlayer.data.shards import TokenWindows, resolve_data
-    from midlayer.train.evaluate import evaluate
-    from midlayer.common import cache_dir, json_safe, resolve_dtype
 
     _check_eval_args(args)  # every flag checked before the checkpoint is read: no evaluation run and then lost
     model, ckpt, train_cfg = load_run(args.checkpoint, args.device)
@@ -352,9 +367,6 @@ def _run_tokenizer(train_cfg: TrainConfig):
     """The tokenizer a run of ours was trained with (the embedded corpus's BPE)."""
     from tokenizers import Tokenizer
 
-    from midlayer.data.shards import resolve_data
-    from midlayer.data.pretrained_tokenizer import TextTokenizer
-    from midlayer.common import cache_dir
 
     files = resolve_data(train_cfg.data, cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
     if files.tokenizer_path is None:
@@ -364,13 +376,9 @@ def _run_tokenizer(train_cfg: TrainConfig):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from midlayer.engine.generate import GenerationConfig, generate_stream
-    from midlayer.engine.quantization import compress_weights
 
     _check_generate_args(args)  # before any file is read: a bad flag is never blamed on a model file
     if args.model:
-        from midlayer.train.distributed import resolve_device
-        from midlayer.engine.pretrained import load_pretrained
 
         model, tok = load_pretrained(args.model)
         if tok is None:
@@ -382,7 +390,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         tok = _run_tokenizer(train_cfg)
     model = compress_weights(model.float(), args.weights)
     if args.weights == "q4" and not model.batch_invariant:
-        from midlayer.ops import kernels
 
         # q4 is defined by its C kernels: without them it is another computation (issue 43)
         print(f"note: the q4 kernels are not available here ({kernels.unavailable_reason()}), so q4 runs through "
@@ -390,8 +397,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               "row-invariant, and speculative output can differ from plain greedy output at near-ties",
               file=sys.stderr)
     if args.gates:
-        from midlayer.speculative.registry import load_draft
-        from midlayer.speculative.skip_gates import SkipGates, gated_twin
 
         gates, _ = load_draft(args.gates, model)
         if not isinstance(gates, SkipGates):
@@ -413,7 +418,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.draft:
         return _generate_with_draft(args, model, tok, ids, cfg, engine, graphs)
     if engine == "static":
-        from midlayer.engine.decode_step import static_stream
 
         stream = static_stream(model, ids, cfg, graphs=graphs)
     else:
@@ -464,7 +468,6 @@ def _say_if_cut(model, ids: list[int], n_new: int, ended: bool, asked: int) -> N
 
 def _engine(args: argparse.Namespace, model) -> tuple[str, str]:
     """(engine, graphs) for generate: --engine auto takes the static step on CUDA where it applies."""
-    from midlayer.engine.decode_step import unsupported
 
     dev = model.tok_embeddings.weight.device
     why = unsupported(model)
@@ -483,9 +486,6 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
                          graphs: str = "eager") -> int:
     import time
 
-    from midlayer.speculative.registry import heldout_accuracies, load_drafter
-    from midlayer.speculative.tree import DraftTree
-    from midlayer.speculative.verify import speculative_generate
 
     drafter, module, meta = load_drafter(args.draft, model)  # first: a bad draft is refused before any note
     acc = heldout_accuracies(meta, args.draft)
@@ -507,7 +507,6 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
               file=sys.stderr)
     if args.tree == "auto" and acc:
-        from midlayer.speculative.tree_cost import auto_tree, cached_overhead, cost_key, drafter_key, row_costs, table_text
 
         name = args.model or args.checkpoint
         costs = row_costs(model, name, args.weights, progress=True, refresh=args.refresh_costs)
@@ -527,7 +526,6 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
             raise ValueError(f"{args.draft}: no per-depth held-out accuracies to build a sparse tree; use --tree chain")
         tree = DraftTree.greedy_from_accuracies(acc, _tree_nodes(args.tree))
     elif args.tree.startswith("dynamic:"):
-        from midlayer.speculative.eagle import EagleDrafter
 
         if not isinstance(drafter, EagleDrafter):
             raise ValueError(f"--tree dynamic:N needs an EAGLE draft; {args.draft} is a {type(module).__name__}")
@@ -539,7 +537,6 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
     t = time.perf_counter()
     if engine == "static":
-        from midlayer.speculative.static import static_speculative_generate
 
         out, stats = static_speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens,
                                                  stop_tokens=cfg.stop_tokens, graphs=graphs)
@@ -574,7 +571,6 @@ def _check_generate_args(args: argparse.Namespace) -> None:
     """Refuse, naming the flag, every generate value outside its meaning; nothing is loaded yet."""
     import math
 
-    from midlayer.train.distributed import resolve_device
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -690,7 +686,6 @@ def _check_output(flag: str, path: str | None) -> None:
 def _write_output(path: str | None, text: str) -> None:
     """The results file, written whole or not at all (a full disk leaves the earlier file, never a part)."""
     if path:
-        from midlayer.common import atomic_write
 
         atomic_write(Path(path), text.encode("utf-8"))
 
@@ -705,7 +700,6 @@ def _check_bench_decode_args(args: argparse.Namespace) -> tuple[dict[str, str], 
     drafts = _label_dirs("--drafts", args.drafts, "a train-draft output")
     skip = None
     if args.layer_skip:
-        from midlayer.engine.pretrained import pretrained_config
 
         a, sep, b = args.layer_skip.partition(":")
         try:
@@ -754,9 +748,6 @@ def _check_bench_generate_args(args: argparse.Namespace) -> tuple[float, ...]:
 def _check_bench_static_args(args: argparse.Namespace) -> dict:
     """bench_static's keyword arguments from `bench static` (or `bench decode/generate --device cuda`), every
     flag checked before anything is loaded."""
-    from midlayer.engine.decode_step import GRAPH_MODES
-    from midlayer.train.distributed import resolve_device
-    from midlayer.experiments.static_bench import DTYPES
 
     dev = resolve_device(args.device) if args.device else None
     kw: dict[str, Any] = dict(model_name=args.model, device=None if dev is None else str(dev),
@@ -803,7 +794,6 @@ def _cuda() -> bool:
 
 
 def _bench_static(args: argparse.Namespace) -> int:
-    from midlayer.experiments.static_bench import bench_static, static_table
 
     shown: list[str] = []
 
@@ -817,12 +807,10 @@ def _bench_static(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from midlayer.experiments import bench
 
     if args.bench == "static":
         return _bench_static(args)
     if args.bench in ("decode", "generate") and args.device is not None:
-        from midlayer.train.distributed import resolve_device
 
         if resolve_device(args.device).type == "cuda":
             return _bench_static(args)  # the GPU's benchmark: the static step beside transformers' CUDA-graph recipe
@@ -879,7 +867,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_flops(args: argparse.Namespace) -> int:
-    from midlayer.model.flops import format_breakdown
 
     model_cfg, _, _ = get_preset(args.preset, **overrides_from_args(args))
     sparsity = None
@@ -901,7 +888,6 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from midlayer.experiments.sweep import run_sweep
 
     return run_sweep(args.grid, Path(args.out_dir), launcher=args.launcher, nproc=args.nproc, only=args.only,
                      extra_train=_check_sweep_args(args))
@@ -909,7 +895,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _check_sweep_args(args: argparse.Namespace) -> dict[str, Any] | None:
     """What `sweep` checks before its first run; returns the train overrides of every run."""
-    from midlayer.experiments.sweep import check_sweep
 
     if args.data is not None and not args.data.strip():
         raise ValueError("--data: an empty glob; give the training data's files, e.g. 'data/fineweb10B/*.bin'")
@@ -932,7 +917,6 @@ def _check_plot_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from midlayer.experiments.plot import write_report
 
     _check_plot_args(args)
     for path in write_report(Path(args.sweep_dir), args.out).values():
@@ -941,8 +925,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
-    from midlayer.train.distributed import resolve_device
-    from midlayer.speculative.draft_training import train_drafts
 
     cfgs = draft_configs(args)
     if args.export_now and args.stop_after is not None:
@@ -953,14 +935,11 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def _cmd_distill(args: argparse.Namespace) -> int:
-    from midlayer.speculative.distill import run
 
-    return run(args)
+    return distill_module.run(args)
 
 
 def _cmd_train_gates(args: argparse.Namespace) -> int:
-    from midlayer.train.distributed import resolve_device
-    from midlayer.speculative.draft_training import train_drafts
 
     _check_stop_after(args)
     over = overrides_from_args(args).get("draft", {})
@@ -976,7 +955,6 @@ def _cmd_train_gates(args: argparse.Namespace) -> int:
 
 def draft_configs(args: argparse.Namespace) -> list[DraftTrainConfig]:
     """The configs `train-draft` trains (one, or one per --methods entry into OUT_DIR/<method>), checked."""
-    from midlayer.speculative.draft_training import METHODS
 
     _check_stop_after(args)
     over = overrides_from_args(args).get("draft", {})

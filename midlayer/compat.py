@@ -27,7 +27,7 @@ OLD_PATHS: dict[str, str] = {f"midlayer.{old}": f"midlayer.{new}" for old, new i
     "pretrained": "engine.pretrained",
     "drafters": "speculative.drafters", "eagle": "speculative.eagle", "hidden_transfer": "speculative.hidden_transfer",
     "skip_gates": "speculative.skip_gates", "tree_cost": "speculative.tree_cost", "distill": "speculative.distill",
-    "draft_training": "speculative.draft_training", "draft_vocab": "speculative.draft_vocab",
+    "draft_training": "speculative.draft_training", "draft_vocab": "engine.draft_vocab",
     "sweep": "experiments.sweep", "plot": "experiments.plot", "bench": "experiments.bench",
     "static_bench": "experiments.static_bench", "demo": "experiments.demo",
 }.items()}

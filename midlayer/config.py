@@ -15,6 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
+from midlayer.data.tokenizer import MAX_VOCAB, MIN_VOCAB
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 NORM_TYPES = ("rmsnorm", "layernorm", "layernorm_nobias")
@@ -354,7 +355,6 @@ class TrainConfig:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.parallel in PARALLEL, "parallel", f"must be one of {PARALLEL}, got {self.parallel!r}")
         _check(bool(self.out_dir.strip()), "out_dir", "must name a folder, got ''")  # '' would mean the cwd
-        from midlayer.data.tokenizer import MAX_VOCAB, MIN_VOCAB  # the BPE trainer's own limits, checked before any data work
 
         v = self.tokenizer_vocab
         _check(isinstance(v, int) and not isinstance(v, bool) and MIN_VOCAB <= v <= MAX_VOCAB, "tokenizer_vocab",

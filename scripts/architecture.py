@@ -28,9 +28,9 @@ DOC = ROOT / "docs" / "architecture.md"
 MAX_LINES = 80
 
 # The layers, bottom first: a module may import from its own layer or any layer listed before it.
-# Top-level modules are their own layer (common, config, cli, api).
-LAYERS = ["common", "ops", "config", "data", "model", "train", "engine", "speculative", "experiments", "api",
-          "cli", "__main__"]
+# Top-level modules are their own layer (common, output_lock, compat, config, cli, __main__).
+LAYERS = ["common", "output_lock", "compat", "ops", "data", "config", "model", "train", "engine", "speculative",
+          "experiments", "api", "cli", "__main__"]
 
 
 @dataclass

@@ -372,7 +372,7 @@ def test_drafters_trained_together_equal_drafters_trained_alone_and_resume(tmp_p
 
 
 def test_the_draft_vocabulary_comes_from_training_responses_and_is_saved(tmp_path):
-    from midlayer.speculative.draft_vocab import draft_vocab, frequent_tokens
+    from midlayer.engine.draft_vocab import draft_vocab, frequent_tokens
 
     base, data = tiny_base(), tiny_data()
     run = train_draft(cfg(tmp_path, "medusa", epochs=1, draft_vocab=5), base, data, progress=False,

@@ -1,4 +1,4 @@
-"""The draft vocabulary (midlayer/speculative/draft_vocab.py): the frequency rule by hand, the restricted head against the
+"""The draft vocabulary (midlayer/engine/draft_vocab.py): the frequency rule by hand, the restricted head against the
 full one (fp32 and the q4 format's Q8 head), every drafter lossless with it and proposing only its tokens,
 save/load, and training scoring candidates against the base's full-vocabulary argmax."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from midlayer.speculative.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
+from midlayer.engine.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
                                   teacher_logits, to_token_ids)
 from midlayer.speculative.registry import DraftMismatchError, load_draft, save_draft
 from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead

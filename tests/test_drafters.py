@@ -574,7 +574,7 @@ def test_hidden_transfer_decodes_only_its_pseudo_rows_on_its_draft_vocabulary(fu
     """The LM head reads the verified tree rows; the pseudo rows of the accepted anchor only are decoded, on
     the transfer's draft vocabulary (its rows of the head), and their logits are the full head's restricted
     to it. The output is still plain greedy."""
-    from midlayer.speculative.draft_vocab import restrict_logits, set_draft_vocab
+    from midlayer.engine.draft_vocab import restrict_logits, set_draft_vocab
 
     model = MODELS[False]
     ht = perturbed_transfer([1, 2, 3])

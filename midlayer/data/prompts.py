@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from midlayer.common import atomic_write
+from .corpus import corpus_documents
 
 PROMPT_DATA = Path(__file__).resolve().parent / "prompt_data"
 INSTRUCTIONS_FILE = PROMPT_DATA / "instructions.jsonl"
@@ -219,7 +220,6 @@ def passage_prompts(seed: int = 0, per_kind: int = PASSAGES_PER_KIND, min_words:
     from [min_words, max_words] (whole lines, so it may overshoot by part of a line; longer ones are
     redrawn). Works are used once each, in a seeded order, while there are enough of them.
     """
-    from .corpus import corpus_documents
 
     docs = corpus_documents()
     rng = random.Random(f"midlayer-passages-{seed}")

@@ -40,6 +40,8 @@ import numpy as np
 import torch
 
 from midlayer.common import atomic_write, file_sha256
+from midlayer.data.corpus import corpus_documents, corpus_fingerprint, split_documents
+from midlayer.data.tokenizer import TOKENIZER_FILE, eot_id, load_or_train_tokenizer
 
 MAGIC = 20240520
 VERSION = 1
@@ -285,8 +287,6 @@ def prepare_corpus(cache_dir: Path, vocab_size: int = 4096,
     `documents` overrides the embedded corpus (list of (name, text), split with `split_documents`); it exists
     for tests and for users with their own small text collections.
     """
-    from midlayer.data.corpus import corpus_documents, corpus_fingerprint, split_documents
-    from midlayer.data.tokenizer import TOKENIZER_FILE, eot_id, load_or_train_tokenizer
 
     docs = corpus_documents() if documents is None else list(documents)
     train_docs, val_docs = split_documents(docs)

@@ -51,6 +51,9 @@ import torch
 
 from midlayer.model.kv_cache import CacheView
 from midlayer.model.transformer import Transformer
+from midlayer.engine.draft_vocab import head_logits
+from .generate import GenerationConfig, sample_next, validate_prompts
+from .generate import validate_prompts
 
 # Candidate bucket sets, tried in order by `invariant_buckets`: several sizes (plain decoding pays for the
 # smallest), else one size for every forward (no kernel choice can then depend on M).
@@ -433,7 +436,6 @@ class DecodeStep:
         packed = torch.cat([a, tok.index_select(0, kept[1:]), target.gather(0, best)])
         draft = hidden.new_zeros(0)
         if self.transfer is not None:  # the next draft: the pseudo rows of the anchor, the last accepted row
-            from midlayer.speculative.draft_vocab import head_logits
 
             anchor_rows = hidden[0].index_select(0, prow.index_select(0, best)[0])  # [k, d]
             draft = head_logits(self.transfer, self.model, self.model.norm(anchor_rows))
@@ -658,7 +660,6 @@ def static_stream(model: Transformer, prompt: Sequence[int], cfg=None, *, step: 
     argmax of the step's logits, sampling `generate.sample_next` with a seeded generator. `step`: a step to
     reuse (its captured graphs too); else one sized to the call. `step_kw` go to DecodeStep (buckets,
     graphs)."""
-    from .generate import GenerationConfig, sample_next, validate_prompts
 
     cfg = cfg or GenerationConfig()
     model.eval()
@@ -687,12 +688,8 @@ def static_generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg=No
                     step: DecodeStep | None = None, **step_kw) -> list[list[int]]:
     """`generate.generate` through the static step (`static_stream`), one prompt at a time (batch 1): the same
     contract, new tokens per prompt."""
-    from .generate import validate_prompts
 
     return [list(static_stream(model, p, cfg, step=step, **step_kw)) for p in validate_prompts(model, prompts)]
-
-
-@torch.no_grad()
 
 
 class _CudaGraph:

@@ -63,6 +63,7 @@ import torch
 from midlayer.config import ModelConfig
 from midlayer.model.transformer import Transformer, nonfinite_tensors, position_tables, sinusoidal_table
 from midlayer.data.pretrained_tokenizer import TextTokenizer
+from midlayer.common import atomic_write, cache_dir
 
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
@@ -503,7 +504,6 @@ def _gguf_index(path: str, mtime_ns: int, size: int) -> GGUFIndex:
     written only costs the parse."""
     import hashlib
 
-    from midlayer.common import atomic_write, cache_dir
 
     if size < _INDEX_MIN_BYTES:  # a small file parses in milliseconds: keeping its index would only litter
         return GGUFIndex.parse(path)

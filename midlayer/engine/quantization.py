@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from midlayer.ops import kernels
+from midlayer.model.layers import RMSNorm
+from midlayer.model.layers import FeedForward, RMSNorm
 
 WeightFormat = Literal["fp32", "bf16", "int4", "q4"]
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int4", "q4")
@@ -234,7 +236,6 @@ def compress_block(block: nn.Module, fmt: str) -> nn.Module:
 
 def _fast_norms(module: nn.Module) -> None:
     """Inference: every RMSNorm of `module` takes the C kernel where it applies (layers.RMSNorm.fast)."""
-    from midlayer.model.layers import RMSNorm
 
     for m in module.modules():
         if isinstance(m, RMSNorm):
@@ -254,7 +255,6 @@ def fuses_q4(block: nn.Module) -> bool:
     Every other block runs module by module (the reference the fused call equals bit for bit). The call
     holds the block's weight tensors as they are at compression (`Block.fused_q4`): weights loaded in place
     later are seen, modules replaced later are not -- set `block.fused_q4 = None` then."""
-    from midlayer.model.layers import FeedForward, RMSNorm
 
     att, ff = getattr(block, "attention", None), block.feed_forward
     if att is None or getattr(block, "mixer", None) is not None or not att.row_invariant or not kernels.available():

@@ -37,6 +37,25 @@ from midlayer.model.flops import decode_flops, forward_flops
 from midlayer.engine.generate import GenerationConfig, decode_one_token, forward_cached, generate, prefill
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
+from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
+from midlayer.engine.quantization import compress_weights, weight_bytes
+from midlayer.speculative.verify import draft_node_tokens
+from midlayer.data.prompts import prompt_set
+from midlayer.data.prompt_recipe import load as load_scaled
+from midlayer.speculative.layer_skip import LayerSkipDrafter
+from midlayer.speculative.registry import heldout_accuracies, load_drafter
+from midlayer.speculative.eagle import EagleDrafter
+from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+from midlayer.engine.quantization import compress_weights
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.verify import speculative_generate
+from midlayer.speculative.tree_cost import auto_tree, measure_overhead, row_costs
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.data.corpus import corpus_documents
+from midlayer.speculative.skip_gates import SkipGates
+from midlayer.speculative.distill import DistillSet
+from midlayer.speculative.draft_training import DraftTrainConfig, heldout_metrics, response_batches
+from midlayer.speculative.registry import load_draft
 
 if TYPE_CHECKING:
     from midlayer.speculative.skip_gates import SkipGates
@@ -321,15 +340,13 @@ def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats
                  ) -> dict:
     """Ours (in each weight format) vs transformers `generate` (fp32, the same dequantised weights),
     greedy, batch 1; tokens compared with transformers' and with our fp32 run; plus the bandwidth bound."""
-    from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
-    from midlayer.engine.quantization import compress_weights, weight_bytes
 
     prompts = prompts or CHAT_PROMPTS
     ref_model, tok = load_pretrained(model_name)  # fp32, kept as loaded: the near-tie margins
     ref_model.eval()
     models = {fmt: compress_weights(copy.deepcopy(ref_model), fmt).eval() for fmt in formats}
     encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    hf = _load_hf_same_weights(resolve_pretrained(model_name).path)
+    hf = load_hf_same_weights(resolve_pretrained(model_name).path)
     cfg = GenerationConfig(max_new_tokens=new_tokens)
 
     # Both sides generate exactly new_tokens tokens, through end-of-turn tokens: no stop token (ours:
@@ -375,7 +392,7 @@ def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats
                 anchor=anchor)
 
 
-def _load_hf_same_weights(path):
+def load_hf_same_weights(path):
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as e:
@@ -423,7 +440,6 @@ class DraftRecorder:
         return getattr(self.inner, name)
 
     def propose(self, ctx):
-        from midlayer.speculative.verify import draft_node_tokens
 
         draft = self.inner.propose(ctx)
         tree = getattr(draft, "tree", None) or ctx.tree  # a dynamic draft carries its own tree
@@ -447,12 +463,10 @@ class DraftRecorder:
 def heldout_chats(tok, max_prompts: int, prompts: str = "scaled") -> list[list[int]]:
     """Chat-encoded held-out prompts of the prompt set, spread over its categories (round-robin in prompt-set
     order): "scaled" (the held-out split of `prompt_recipe`, 12 categories) or "base" (`prompts.prompt_set`)."""
-    from midlayer.data.prompts import prompt_set
 
     if prompts not in ("scaled", "base"):
         raise ValueError(f"prompts must be 'scaled' or 'base', got {prompts!r}")
     if prompts == "scaled":
-        from midlayer.data.prompt_recipe import load as load_scaled
         held = [p for p in load_scaled() if p.split == "heldout"]
     else:
         held = [p for p in prompt_set() if p.split == "heldout"]
@@ -487,14 +501,6 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     Medusa's, so every method runs the same tree size) or "auto" (per drafter, `tree_cost.auto_tree`: the
     tree of highest expected tokens/s from those accuracies and this machine's measured row costs).
     """
-    from midlayer.speculative.layer_skip import LayerSkipDrafter
-    from midlayer.speculative.registry import heldout_accuracies, load_drafter
-    from midlayer.speculative.eagle import EagleDrafter
-    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
-    from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
-    from midlayer.engine.quantization import compress_weights
-    from midlayer.speculative.tree import DraftTree
-    from midlayer.speculative.verify import speculative_generate
 
     if new_tokens < 1 or max_prompts < 1 or nodes < 1:
         raise ValueError(f"new_tokens, max_prompts and nodes must be >= 1, got {new_tokens}, {max_prompts}, {nodes}")
@@ -525,7 +531,6 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
 
     costs = None
     if tree == "auto":
-        from midlayer.speculative.tree_cost import auto_tree, measure_overhead, row_costs
         costs = row_costs(model, model_name, weights, progress=progress)
 
     def tree_for(label: str, k: int) -> DraftTree:
@@ -544,7 +549,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
             return auto_tree(model, methods[label][0], src, costs, max_depth=k if k > 1 else depth, overhead=over)[0]
         return DraftTree.greedy_from_accuracies(src, nodes)
 
-    hf = _load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
+    hf = load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
     anchor = None
     src = str(resolve_pretrained(model_name).path)
     if src.endswith(".gguf"):
@@ -642,8 +647,6 @@ def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("q4
     """Time of one cached forward over T new rows (after a `context`-token prefill) per weight format: what
     a verification round costs relative to a one-token decode step. Speculative decoding's speedup is at
     most tau / (cost of its forward / cost of one step)."""
-    from midlayer.engine.pretrained import load_pretrained
-    from midlayer.engine.quantization import compress_weights
 
     out: dict = {"model": model_name, "context": context, "rows": list(rows), "ms": {}}
     base = load_pretrained(model_name)[0]
@@ -671,7 +674,6 @@ def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("q4
 def long_prompts(tok, lengths: tuple[int, ...]) -> list[list[int]]:
     """Chat prompts of about `lengths` tokens: "Summarise this passage" over a stretch of the embedded corpus
     (the same text for every length, cut at a line boundary), chat template included."""
-    from midlayer.data.corpus import corpus_documents
 
     lines = corpus_documents()[0][1].splitlines()
     out = []
@@ -690,8 +692,6 @@ def bench_prefill(model_name: str = "smollm2-135m", fmt: str = "q4", lengths: tu
     """Prefill only (the prompt's forward into an empty cache), ours in `fmt` vs llama.cpp on the same GGUF
     and threads, interleaved per repeat; seconds per prompt (median) and tokens/s. Without llama-cpp-python
     the llama.cpp columns are empty."""
-    from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
-    from midlayer.engine.quantization import compress_weights
 
     base, tok = load_pretrained(model_name)
     model = compress_weights(base, fmt).eval()
@@ -756,7 +756,6 @@ def static_skip_gates(model: Transformer, first: int | None, adapters: SkipGates
     `adapters`: trained `SkipGates` whose low-rank adapters (if any) the static skip shares, not copies -- the
     static skip of an adapted model; their routers are not used. `first=None` skips nothing (every gate 1):
     with adapters, the adapted model itself."""
-    from midlayer.speculative.skip_gates import SkipGates
 
     L = model.cfg.n_layers
     if first is not None and not 0 <= first < L // 2:
@@ -793,12 +792,6 @@ def bench_gates(model_name: str, gates: dict[str, str], data, static: str = "aut
     static: "auto" (for each gates variant the static span of nearest compute), "none", or comma-separated
     first blocks a (span [a, L-1-a]). `data`: a distillation file or a DistillSet; `model`: the loaded base
     (tests), else `model_name` is loaded in the `weights` format."""
-    from midlayer.speculative.distill import DistillSet
-    from midlayer.speculative.draft_training import DraftTrainConfig, heldout_metrics, response_batches
-    from midlayer.speculative.registry import load_draft
-    from midlayer.engine.pretrained import load_pretrained
-    from midlayer.engine.quantization import compress_weights
-    from midlayer.speculative.skip_gates import SkipGates
 
     if model is None:
         model = compress_weights(load_pretrained(model_name)[0].float(), weights)

@@ -37,6 +37,7 @@ from typing import Any
 from midlayer.config import ModelConfig, SparsityConfig, from_dict
 from midlayer.model.flops import active_param_count, forward_flops, param_count
 from .sweep import KIND_DENSE, KIND_GATED, KIND_NO_CONTROL, PARTS_PLACEMENT_PART, diverged
+from midlayer.model.sparsity import mean_targets
 
 CSV_COLUMNS = ("run", "kind", "n_layers", "controller", "mu0", "mu_final", "val_ce", "val_ppl", "mean_sparsity",
                "flops_per_seq", "flops_per_seq_dense_equiv", "flops_ratio", "params", "active_params",
@@ -371,7 +372,6 @@ def pooled_gaps(gaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def block_targets(mu0: float, mu_final: float, n_layers: int) -> list[float]:
     """Mean-gate targets mu*_l of the first-half blocks, as the controller computes them."""
-    from midlayer.model.sparsity import mean_targets
 
     t = mean_targets(SparsityConfig(mu0=mu0, mu_final=mu_final), n_layers)
     return [float(x) for x in t[: n_layers // 2]]

@@ -25,6 +25,12 @@ from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, any_round
 from midlayer.speculative.static import fused_steps, static_speculative_generate
 from midlayer.engine.generate import GenerationConfig, generate_stream
 from midlayer.model.transformer import Transformer
+from midlayer.ops.kernels import cpu_info
+from .bench import load_hf_same_weights, heldout_chats
+from midlayer.speculative.registry import heldout_accuracies, load_drafter
+from midlayer.speculative.eagle import EagleDrafter
+from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
+from midlayer.speculative.tree import DraftTree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RECIPE = "transformers StaticCache + compiled step (CUDA graphs on CUDA)"
@@ -113,7 +119,6 @@ def machine_lines(dev: torch.device) -> list[str]:
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "no GPU"
     cpu = platform.processor() or platform.machine()
     try:
-        from midlayer.ops.kernels import cpu_info
         cpu = cpu_info().summary()
     except Exception:  # pragma: no cover - informational only
         pass
@@ -132,11 +137,6 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     first (hidden transfer fused: its pseudo rows ride every verification round). `dynamic`:
     also time the dynamic engine (`generate`), the path this step replaces on a GPU. `on_table(result,
     dtype)`: called as each dtype's table is done (a run cut short keeps what it finished)."""
-    from .bench import _load_hf_same_weights, heldout_chats
-    from midlayer.speculative.registry import heldout_accuracies, load_drafter
-    from midlayer.speculative.eagle import EagleDrafter
-    from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
-    from midlayer.speculative.tree import DraftTree
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bad = [d for d in dtypes if d not in DTYPES]
@@ -149,7 +149,7 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     base, tok = load_pretrained(model_name)
     encoded = heldout_chats(tok, max_prompts)
     cfg = GenerationConfig(max_new_tokens=new_tokens)
-    hf_cpu = _load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
+    hf_cpu = load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
     result = dict(model=model_name, device=str(dev), prompts=len(encoded), new_tokens=new_tokens,
                   prompt_tokens=[len(p) for p in encoded], machine=machine_lines(dev), tables={})
     for dname in dtypes:

@@ -43,6 +43,7 @@ from midlayer.train.checkpoint import config_mismatch, list_checkpoints
 from midlayer.config import ModelConfig, SparsityConfig, TrainConfig, get_preset
 from midlayer.ops.kernels import cpu_info
 from midlayer.output_lock import OutputLock
+from midlayer.train.evaluate import evaluate_contexts, rescalable_rope
 
 SECTION_CLASSES: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig}
 LAUNCHERS = ("inline", "torchrun")
@@ -462,7 +463,6 @@ def _context_evals(grid: Grid, run_dir: Path, m: ModelConfig, t: TrainConfig, he
     """The grid's longer-context evaluations of a finished run, unless `extrapolation.json` has them."""
     if not grid.eval_context_multiples:
         return
-    from midlayer.train.evaluate import evaluate_contexts, rescalable_rope
 
     longer = {str(t.seq_len * k) for k in grid.eval_context_multiples}
     want = longer | {str(t.seq_len)}

@@ -44,6 +44,11 @@ from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.model.transformer import Transformer
 from midlayer.output_lock import OutputBusy, OutputLock
 from midlayer.data.prompts import Prompt
+from midlayer.train.distributed import resolve_device
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.data.prompts import prompt_set
+from midlayer.engine.quantization import compress_weights
+from midlayer.data.prompt_recipe import load as load_scaled
 
 DISTILL_FORMAT = "midlayer-distill-v1"
 # header fields that must match to resume (batch_size: batches fix the sampling seeds and, in formats that
@@ -383,7 +388,6 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse (ValueError naming the flag) every value outside its meaning, before any model is loaded."""
     import math
 
-    from midlayer.train.distributed import resolve_device
 
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
@@ -421,9 +425,6 @@ def run(args: argparse.Namespace) -> int:
     """Distill with parsed flags (`midlayer distill` and `python -m midlayer.speculative.distill` both): every flag is
     checked before the model is loaded; refusals raise ValueError (DistillMismatchError, DistillFormatError,
     output_lock.OutputBusy) with one line."""
-    from midlayer.engine.pretrained import load_pretrained
-    from midlayer.data.prompts import prompt_set
-    from midlayer.engine.quantization import compress_weights
 
     check_args(args)  # before anything is loaded or written
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -435,7 +436,6 @@ def run(args: argparse.Namespace) -> int:
     if args.weights == "q4":
         model, note = compress_weights(model, "q4").eval(), "q4"
     if args.prompts == "scaled":
-        from midlayer.data.prompt_recipe import load as load_scaled
 
         prompts = load_scaled()
     else:

@@ -70,7 +70,7 @@ from torch import nn
 
 from midlayer.common import atomic_write, json_safe
 from midlayer.config import GATE_VALUES, check_finite
-from .draft_vocab import draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab, to_token_ids
+from midlayer.engine.draft_vocab import draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab, to_token_ids
 from .early_exit import EarlyExitHead, early_exit_loss
 from .drafting import FrozenBase, base_states, lower_states, model_device
 from .medusa import MedusaHeads, medusa_loss
@@ -81,6 +81,13 @@ from midlayer.model.gating import mirror_index
 from midlayer.model.transformer import Transformer
 from midlayer.output_lock import OutputLock
 from .skip_gates import SkipGates, gate_loss
+from .distill import DistillSet
+from .registry import load_draft
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.ops.kernels import cpu_info
+from .drafting import kl_to_base
+from .distill import DistillSet, batches as make_batches
+from .registry import check_base
 
 METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle", "gates")
 
@@ -376,15 +383,12 @@ def response_batches(ds: Any, seq_len: int, limit: int = 0) -> list[tuple[torch.
 def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any = None) -> dict[str, Any]:
     """Recompute a saved draft's held-out metrics (e.g. after a change of the metric); rewrites
     metrics.json and the draft's meta. Returns the metrics."""
-    from .distill import DistillSet
-    from .registry import load_draft
 
     out = Path(path)
     meta = json.loads((out / "draft.json").read_text())["meta"]
     # drafts trained before these settings existed used the full vocabulary and every position
     cfg = DraftTrainConfig(**{"draft_vocab": 0, "loss_positions": "all", **meta["train"]})
     if model is None:
-        from midlayer.engine.pretrained import load_pretrained
 
         model = load_pretrained(cfg.model)[0].eval()
     module, _ = load_draft(out, model)
@@ -405,7 +409,6 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
 def bf16_native(model: Transformer) -> bool:
     """bf16 autocast pays off on GPUs and on CPUs with AVX512-BF16 / AMX; elsewhere bf16 matmuls are emulated
     and slower than fp32 (docs/results/decode-cpu.md: 8.1 s vs 1.3 s for a 693-token prefill on Zen 2)."""
-    from midlayer.ops.kernels import cpu_info
 
     dev = model_device(model)
     return dev.type == "cuda" or (dev.type == "cpu" and cpu_info().native_bf16)
@@ -526,7 +529,6 @@ class _GateTally:
         self.zero_sum = torch.zeros(n_layers // 2)
 
     def add(self, out: Any, dense_logits: torch.Tensor, mask: torch.Tensor) -> None:
-        from .drafting import kl_to_base
 
         w = float(mask.sum())
         if not w:
@@ -808,17 +810,14 @@ def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None,
 def _train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None, data: Any, progress: bool,
                   stop_after: int | None, log: Callable[[str], None], device: torch.device | str | None,
                   export_now: bool) -> list[DraftRun]:
-    from .distill import DistillSet, batches as make_batches
 
     c0 = cfgs[0]
     if model is None:
-        from midlayer.engine.pretrained import load_pretrained
 
         model = load_pretrained(c0.model)[0].to(device or "cpu")
     model.eval()
     ds = data if data is not None else DistillSet.load(c0.data)
     if isinstance(ds.header.get("base"), dict):  # made by this base? (its greedy answers are the teacher's)
-        from .registry import check_base
 
         check_base(ds.header["base"], model, None, f"--data {c0.data}: made by another base model;")
     ds.check_vocab(model.cfg.vocab_size)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from midlayer.ops import kernels
-from .draft_vocab import restrict_logits, to_token_ids
+from midlayer.engine.draft_vocab import restrict_logits, to_token_ids
 from midlayer.engine.generate import CachedStep
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer

@@ -73,7 +73,7 @@ from midlayer.ops import kernels
 from midlayer.config import ModelConfig
 from .drafting import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, gather_counted, kl_to_base,
                        model_device, optimise, placeholder_candidates, split_batch)
-from .draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
+from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
 from midlayer.engine.generate import CachedStep
 from .hidden_transfer import additive_mask, visible
 from midlayer.model.kv_cache import KVCache, MaskedView
@@ -82,6 +82,8 @@ from .protocol import Draft, DraftContext
 from .tree import DraftTree
 from .protocol import Drafter
 from .tree_cost import head_share
+from midlayer.engine.quantization import compress_block
+from midlayer.engine.quantization import Q8Linear
 
 W_CLS = 0.1  # EAGLE sec. 4: L = L_reg + 0.1 L_cls
 FEATURE_NOISE = 0.1  # EAGLE sec. 4: U(-0.1, 0.1) added to the input features during training
@@ -312,7 +314,6 @@ class EagleDrafter(Drafter):
         self.layer: Block = head.layer
         self.fc: nn.Module = head.fc
         if fmt not in (None, "fp32"):
-            from midlayer.engine.quantization import compress_block
 
             self.layer = compress_block(copy.deepcopy(head.layer), fmt).eval()
         if fmt == "q4" and kernels.available():
@@ -320,7 +321,6 @@ class EagleDrafter(Drafter):
             # call read its 2.7 MB in fp32 (SmolLM2), 0.16 ms a call on the 28th session's Xeon, where the
             # weights stream from L3 at ~20 GB/s; Q8_0 reads 0.7 MB. Q4_1 here lowered tau (2.36 -> 2.33,
             # 26th session); Q8_0 keeps it (docs/results/hidden-transfer-cpu.md, 28th session).
-            from midlayer.engine.quantization import Q8Linear
 
             self.fc = Q8Linear(head.fc).eval()
         self.dynamic_k = int(dynamic_k)  # > 0: EAGLE-2 dynamic trees, expanding the top-k nodes per depth

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .draft_vocab import draft_vocab, head_logits, teacher_logits
+from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
 from .protocol import Draft, DraftContext

@@ -83,7 +83,7 @@ import torch
 from torch import nn
 
 from midlayer.model.attention import window_mask
-from .draft_vocab import draft_vocab, head_logits, restrict_logits, to_token_ids
+from midlayer.engine.draft_vocab import draft_vocab, head_logits, restrict_logits, to_token_ids
 from .drafting import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device, optimise,
                        placeholder_candidates, split_batch, topk_lists)
 from midlayer.engine.generate import JoinedRows, forward_cached

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft_vocab import draft_vocab, head_logits, teacher_logits
+from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits
 from midlayer.model.transformer import Transformer
 from .tree import DraftTree
 from .drafting import (FrozenBase, apply_linear, base_states, batch_stream, candidate_counts, gather_counted,

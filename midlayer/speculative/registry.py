@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from midlayer.common import atomic_write, file_sha256
-from .draft_vocab import set_draft_vocab
+from midlayer.engine.draft_vocab import set_draft_vocab
 from midlayer.model.transformer import Transformer, nonfinite_tensors
 from .drafting import model_device
 from .eagle import EagleDrafter, EagleHead

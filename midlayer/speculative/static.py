@@ -24,6 +24,7 @@ def fused_steps(drafter: Drafter) -> int:
     return drafter.draft_steps() if drafter.fused else 0
 
 
+@torch.no_grad()
 def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], drafter: Drafter, tree,
                                 max_new_tokens: int, stop_tokens: Sequence[int] = (), *,
                                 step: DecodeStep | None = None, **step_kw):

@@ -163,6 +163,10 @@ class DraftTree:
         depth below the deepest (each proposes its children; the last level's nodes are never run)."""
         return [1] + [int((self.depth == d).sum()) for d in range(1, self.max_depth)] if self.max_depth else []
 
+    def child_rows(self, row: int) -> list[int]:
+        """The children of verification row `row` (0: the root, i + 1: node i), as rows."""
+        return self._children[row]
+
     def children(self, node: int) -> list[int]:
         """Child node indices of node `node` (-1: of the root)."""
         return [c - 1 for c in self._children[node + 1]]

@@ -51,6 +51,15 @@ import torch
 
 from .protocol import Drafter, Forward
 from .tree import DraftTree
+from midlayer.engine.draft_vocab import draft_vocab
+from midlayer.engine.generate import GenerationConfig, generate_stream
+from .verify import speculative_generate
+from .drafting import run_blocks_cached
+from midlayer.engine.generate import forward_cached
+from midlayer.model.kv_cache import KVCache
+from midlayer.common import cache_dir
+from midlayer.ops.kernels import cpu_info, library_path
+from midlayer.common import atomic_write
 
 # Forward (protocol.py): (rows at each block 0..L-1, rows through the final norm + LM head[, the share of the
 # head's rows they read: a draft vocabulary (draft_vocab.py) reads |vocab| of V rows, and batch-1 head rows
@@ -115,7 +124,6 @@ def forward_ms(costs: RowCosts, forward: Forward) -> float:
 
 def head_share(module: object, vocab_size: int) -> float:
     """The share of the LM head a draft module's candidates read: |draft vocabulary| / V, or 1."""
-    from .draft_vocab import draft_vocab
 
     v = draft_vocab(module) if module is not None else None
     return 1.0 if v is None else min(1.0, v.numel() / vocab_size)
@@ -180,8 +188,6 @@ def measure_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequen
     forward, and per tree the median interval between the ends of its rounds minus its modelled forwards
     (medians of intervals: the prefill and a stray slow step do not count). Two trees with different numbers
     of draft calls split that excess into a per-round and a per-call part (`split_excess`)."""
-    from midlayer.engine.generate import GenerationConfig, generate_stream
-    from .verify import speculative_generate
 
     L = costs.n_layers
     prompt = list(prompt_ids)
@@ -282,9 +288,6 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
     """Median ms of a cached forward over T new rows after `context` tokens, and of the final norm + head
     over T rows, for each T (T values interleaved per repeat, so drift hits all alike); and call_ms, from
     the median of a one-row call through the first block alone."""
-    from .drafting import run_blocks_cached
-    from midlayer.engine.generate import forward_cached
-    from midlayer.model.kv_cache import KVCache
 
     rows = sorted(set(int(r) for r in rows))
     cfg = model.cfg
@@ -339,7 +342,6 @@ def _sync(dev: torch.device) -> None:
 
 
 def _cache_file() -> Path:
-    from midlayer.common import cache_dir
 
     return cache_dir() / "row_costs.json"
 
@@ -348,7 +350,6 @@ def cost_key(model_name: str, weights: str, model=None) -> str:
     """What a row-cost curve depends on: the model, its weight format, the CPU (or GPU) and thread count, and
     the engine: torch's version and the q4 kernels' source (a curve measured before the fused q4 block was
     ~1.6x too slow at one row, docs/results/decode-cpu.md, 27th session)."""
-    from midlayer.ops.kernels import cpu_info, library_path
 
     dev = "cpu"
     if model is not None:
@@ -371,7 +372,6 @@ def _save_store(path: Path, key: str, value: Any) -> None:
     """store[key] = value in the cache file: re-read just before writing (another process may have added
     entries while this one measured), then replaced atomically. A cache that cannot be written costs only
     the measurement next time, never the call."""
-    from midlayer.common import atomic_write
 
     try:
         store = _load_store(path)

@@ -72,6 +72,7 @@ from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
 from .protocol import Draft, DraftContext, Drafter, FusedDrafter
 from .tree import DraftTree, candidates_from_topk
+from midlayer.engine.generate import GenerationConfig, generate
 
 Path = tuple[int, ...]
 
@@ -199,19 +200,39 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
 
     Before: the cache (batch 1) holds the committed context except `last_token`, the pending root at
     position `last_pos`. One `forward_cached` runs [last_token, node tokens] at positions last_pos + (0,
-    depth) with the tree's extra_mask. Temperature 0: walk down from the root, at each node taking the
-    child whose token equals the base argmax there; the bonus is the argmax at the last accepted node.
-    Temperature > 0: the exact rules of `speculative_accept` / `accept_among` (module docstring). After:
-    `cache.keep` leaves committed context + root + accepted nodes; the bonus is the new pending token.
+    depth) with the tree's extra_mask (`tree_forward`). Temperature 0: walk down from the root, at each node
+    taking the child whose token equals the base argmax there; the bonus is the argmax at the last accepted
+    node. Temperature > 0: the exact rules of `speculative_accept` / `accept_among` (module docstring;
+    `accept_path`). After: `cache.keep` leaves committed context + root + accepted nodes; the bonus is the
+    new pending token.
 
     `fused` (a drafter with `fused_rows` / `fused_draft`, e.g. hidden transfer): the same forward also
     drafts the next round (arXiv 2404.12022 sec. 3.4): the drafter's rows join mid-network for every
     possible anchor (root and each node), and after acceptance the rows of the actual anchor -- the last
     accepted node, or the root -- give `VerifyResult.draft_logits`. Their K/V slots are dropped by `keep`.
     """
+    nt = _check_round(model, cache, last_pos, tree, node_tokens, temperature, draft_q)
+    n, start = len(tree), cache.length
+    store = _capture_request(model, hidden_layers)
+    logits, hidden, join_hidden, fused = tree_forward(model, cache, last_token, last_pos, tree, nt, skip=skip,
+                                                      capture=store, fused=fused)
+    tok_list = nt.tolist()
+    path, bonus = accept_path(logits, tree, tok_list, temperature, generator, draft_q)
+    # commit: root + accepted nodes move to the front of the round's slots; the rest (and joined rows) go
+    rows = torch.tensor([0] + path, device=cache.pos.device)
+    cache.keep((start + rows)[None], start)
+    layer_hidden = _collect_layers(model, hidden_layers, store, hidden[rows], n + 1, rows)
+    draft_logits = fused.fused_draft(join_hidden, tree, path[-1] if path else 0) if fused is not None else None
+    return VerifyResult([tok_list[c - 1] for c in path], int(bonus), logits[rows], hidden[rows],
+                        [c - 1 for c in path], layer_hidden, draft_logits)
+
+
+def _check_round(model: Transformer, cache: KVCache, last_pos: int, tree: DraftTree,
+                 node_tokens: torch.Tensor | Sequence[int], temperature: float, draft_q: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """The node tokens as a CPU tensor, after refusing what a round cannot verify."""
     if cache.batch != 1:
         raise ValueError(f"speculative decoding supports batch 1 only; the cache has batch {cache.batch}")
-    dev = cache.pos.device
     n = len(tree)
     nt = torch.as_tensor(node_tokens, dtype=torch.long).reshape(-1).cpu()
     if nt.numel() != n:
@@ -226,13 +247,22 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
         raise ValueError("temperature > 0 with drafter distributions q needs a chain tree: exact multi-candidate "
                          "rejection of *sampled* candidates is not implemented (deterministic top-k drafts, i.e. "
                          "q=None, work on any tree)")
-    tokens = torch.cat([torch.tensor([int(last_token)]), nt]).to(dev)[None]
+    return nt
+
+
+def tree_forward(model: Transformer, cache: KVCache, last_token: int, last_pos: int, tree: DraftTree,
+                 node_tokens: torch.Tensor, *, skip: bool, capture: dict, fused: "FusedDrafter | None"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, "FusedDrafter | None"]:
+    """The verification forward: [root, nodes] (+ a fused drafter's joined rows) at their positions under the
+    tree mask, writing their K/V after cache.length. Returns (logits [n+1, V], final residuals [n+1, d], the
+    joined rows' residuals, the fused drafter or None when it could not join this round)."""
+    dev, n = cache.pos.device, len(tree)
+    tokens = torch.cat([torch.tensor([int(last_token)]), node_tokens]).to(dev)[None]
     positions = (last_pos + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])).to(dev)[None]
     start = cache.length
     # No extra mask without nodes: a single-token step then takes the engine's unmasked decode path,
     # exactly like plain decoding.
     extra = tree.verify_mask(start, dev) if n else None
-    store = _capture_request(model, hidden_layers)
     joins = None
     rows_spec = fused.fused_rows(tree, last_pos, start) if fused is not None else None
     if rows_spec is None:
@@ -244,47 +274,40 @@ def verify_tree(model: Transformer, cache: KVCache, last_token: int, last_pos: i
     # The joined rows' logits are the drafter's to compute, for the accepted anchor's rows only (hidden
     # transfer: k of its N * k rows, on its draft vocabulary): the LM head reads the tree rows alone.
     logits, hidden = forward_cached(model, tokens, cache, positions, skip=skip, extra_mask=extra,
-                                    return_hidden=True, capture=store, joins=joins,
+                                    return_hidden=True, capture=capture, joins=joins,
                                     head_rows=n + 1 if fused is not None else None)
-    join_hidden = hidden[0, n + 1:]
-    logits, hidden = logits[0, :n + 1], hidden[0, :n + 1]  # row 0 = root, row i+1 = node i
-    tok_list = nt.tolist()
-    path: list[int] = []  # accepted nodes, root-included numbering (node i -> i + 1)
+    return logits[0, :n + 1], hidden[0, :n + 1], hidden[0, n + 1:], fused  # row 0 = root, row i+1 = node i
+
+
+def accept_path(logits: torch.Tensor, tree: DraftTree, node_tokens: list[int], temperature: float,
+                generator: torch.Generator | None, draft_q: torch.Tensor | None) -> tuple[list[int], int]:
+    """The accepted nodes (rows: node i is i + 1) from the root down, and the bonus token after them."""
+    path: list[int] = []
     if temperature == 0:
         target = kernels.argmax(logits).tolist()  # one host sync for the whole tree
         cur = 0
         while True:
-            nxt = next((c for c in tree._children[cur] if tok_list[c - 1] == target[cur]), None)
+            nxt = next((c for c in tree.child_rows(cur) if node_tokens[c - 1] == target[cur]), None)
             if nxt is None:
-                bonus = target[cur]
-                break
+                return path, target[cur]
             path.append(nxt)
             cur = nxt
-    elif draft_q is not None:  # chain with drafter distributions: Leviathan / Chen speculative sampling
-        p = _base_probs(logits, temperature)
-        a, bonus = speculative_accept(p, draft_q.to(p.device), tok_list, generator)
-        path = list(range(1, a + 1))
-    else:  # deterministic candidates on any tree: multi-round one-hot rejection = ancestral sampling of p
-        p = _base_probs(logits, temperature)
-        cur = 0
-        while True:
-            kids, cands = [], []
-            for c in tree._children[cur]:
-                if tok_list[c - 1] not in cands:  # a repeated token could never be accepted twice
-                    kids.append(c)
-                    cands.append(tok_list[c - 1])
-            j, tok = accept_among(p[cur], cands, generator)
-            if j < 0:
-                bonus = tok
-                break
-            path.append(kids[j])
-            cur = kids[j]
-    rows = torch.tensor([0] + path, device=dev)
-    cache.keep((start + rows)[None], start)
-    layer_hidden = _collect_layers(model, hidden_layers, store, hidden[rows], n + 1, rows)
-    draft_logits = fused.fused_draft(join_hidden, tree, path[-1] if path else 0) if fused is not None else None
-    return VerifyResult([tok_list[c - 1] for c in path], int(bonus), logits[rows], hidden[rows],
-                        [c - 1 for c in path], layer_hidden, draft_logits)
+    p = _base_probs(logits, temperature)
+    if draft_q is not None:  # chain with drafter distributions: Leviathan / Chen speculative sampling
+        a, bonus = speculative_accept(p, draft_q.to(p.device), node_tokens, generator)
+        return list(range(1, a + 1)), bonus
+    cur = 0  # deterministic candidates on any tree: multi-round one-hot rejection = ancestral sampling of p
+    while True:
+        kids, cands = [], []
+        for c in tree.child_rows(cur):
+            if node_tokens[c - 1] not in cands:  # a repeated token could never be accepted twice
+                kids.append(c)
+                cands.append(node_tokens[c - 1])
+        j, tok = accept_among(p[cur], cands, generator)
+        if j < 0:
+            return path, tok
+        path.append(kids[j])
+        cur = kids[j]
 
 
 # ======================================================================================== drafters
@@ -345,24 +368,19 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     """Draft / verify loop at batch 1. Returns (new tokens, stats), the same contract as `generate`: at most
     max_new_tokens tokens (and no more than the context allows), a stop token included and ending the row.
 
-    The prompt minus its last token is prefilled; the last prompt token is the first pending root, so
-    every base forward afterwards is a verification round. `on_round(cache, tokens)` (optional, for tests
-    and tracing) is called after every round with all committed tokens; the cache then holds tokens[:-1].
+    The prompt minus its last token is prefilled (`prefill_round`); the last prompt token is the first
+    pending root, so every base forward afterwards is a verification round: `draft`, then `verify_tree`
+    (forward, accept, commit). `on_round(cache, tokens)` (optional, for tests and tracing) is called after
+    every round with all committed tokens; the cache then holds tokens[:-1].
     """
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if isinstance(prompt_ids, torch.Tensor):
-        if prompt_ids.dim() == 2:
-            if prompt_ids.shape[0] != 1:
-                raise ValueError(f"speculative decoding supports batch 1 only; got {prompt_ids.shape[0]} prompts")
-            prompt_ids = prompt_ids[0]
-        prompt_ids = prompt_ids.tolist()
-    prompt = validate_prompts(model, [prompt_ids])[0]
+    prompt = validate_prompts(model, [_one_prompt(prompt_ids)])[0]
     model.eval()
     cfg = model.cfg
-    P, ctx_len = len(prompt), cfg.max_seq_len
+    P = len(prompt)
     stats = SpecStats(accept_hist=[0] * (tree.max_depth + 1))
-    budget = min(max_new_tokens, ctx_len - P + 1)  # as `generate_stream`: the last token needs no slot
+    budget = min(max_new_tokens, cfg.max_seq_len - P + 1)  # as `generate_stream`: the last token needs no slot
     if budget <= 0:
         return [], stats
     if len(tree) == 0 and on_round is None:
@@ -370,8 +388,6 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
         # so (tree_cost.round_forwards: one row per round); run through the rounds instead, a fused drafter
         # still paid for its joined rows (hidden transfer: 0.76x plain with the tree `--tree auto` chose
         # empty, docs/results/cuda-h100.md). Greedy: the same tokens; sampling: the same distribution.
-        from midlayer.engine.generate import GenerationConfig, generate
-
         out = generate(model, [prompt], GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                                                          seed=seed, stop_tokens=tuple(stop_tokens), skip=skip))[0]
         return out, SpecStats(new_tokens=len(out), base_forwards=len(out), prefill_forwards=int(P > 1),
@@ -387,49 +403,23 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     if temperature > 0:
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed if seed is not None else torch.seed())
-    hidden_layers = tuple(drafter.hidden_layers)
+    hidden, logits, layer_hidden = prefill_round(model, prompt, cache, drafter, skip)
+    stats.prefill_forwards = int(P > 1)
     stop = set(int(t) for t in stop_tokens)
-
-    if P > 1:
-        # A drafter that reads the features of the whole prompt (EAGLE's draft rows of the context) says so
-        # with `prefill_features`; the others get the last row only.
-        every = drafter.prefill_features
-        store = _capture_request(model, hidden_layers)
-        logits, hidden = forward_cached(model, torch.tensor([prompt[:-1]], device=dev),
-                                        cache, torch.arange(P - 1, device=dev)[None], skip=skip,
-                                        last_only=True, return_hidden=True, capture=store, all_hidden=every)
-        last = torch.tensor([P - 2], device=dev)
-        hidden = hidden[0]  # [1, d] or [P - 1, d]; logits is already [1, V] (last_only)
-        layer_hidden = _collect_layers(model, hidden_layers, store, hidden[-1:], P - 1, last)
-        stats.prefill_forwards = 1
-    else:
-        hidden = torch.zeros(0, cfg.dim, device=dev)
-        logits = torch.zeros(0, cfg.vocab_size, device=dev)
-        layer_hidden = {layer: hidden for layer in hidden_layers}
-
-    tokens = list(prompt)
-    new: list[int] = []
+    tokens, new = list(prompt), []
     pruned: dict[tuple[int, int], DraftTree] = {}
     draft_logits = None
     while len(new) < budget:
         # Drafting deeper than the remaining budget is wasted work (and would make tau depend on it).
-        depth_cap = budget - len(new) - 1
-        room = cache.max_len - cache.length - 1
-        key = (min(depth_cap, tree.max_depth), min(room, len(tree)))
+        key = (min(budget - len(new) - 1, tree.max_depth), min(cache.max_len - cache.length - 1, len(tree)))
         t = pruned.get(key)
         if t is None:
             t = pruned[key] = tree.prune(*key)
         dctx = DraftContext(model, cache, tokens, hidden, logits, layer_hidden, t, temperature, gen, draft_logits)
-        length_before = cache.length
-        draft = drafter.propose(dctx)
-        t = round_tree(draft, t, fused is not None)
-        node_tokens, q = draft_node_tokens(draft, t)
-        if cache.length != length_before:
-            raise RuntimeError(f"the drafter left the cache at length {cache.length}, not {length_before}: "
-                               "truncate back after drafting with the model")
+        t, node_tokens, q = draft(drafter, dctx, fused is not None)
         res = verify_tree(model, cache, tokens[-1], len(tokens) - 1, t, node_tokens, skip=skip,
                           temperature=temperature, generator=gen, draft_q=q if temperature > 0 else None,
-                          hidden_layers=hidden_layers, fused=fused)
+                          hidden_layers=tuple(drafter.hidden_layers), fused=fused)
         stats.base_forwards += 1
         stats.accept_hist[len(res.accepted)] += 1
         round_tokens = res.accepted + [res.bonus]
@@ -444,3 +434,47 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
                 return new, stats
     stats.new_tokens = len(new)
     return new, stats
+
+
+def _one_prompt(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() == 2:
+            if prompt_ids.shape[0] != 1:
+                raise ValueError(f"speculative decoding supports batch 1 only; got {prompt_ids.shape[0]} prompts")
+            prompt_ids = prompt_ids[0]
+        return prompt_ids.tolist()
+    return list(prompt_ids)
+
+
+def prefill_round(model: Transformer, prompt: list[int], cache: KVCache, drafter: Drafter, skip: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """The prompt minus its last token into the cache; returns what the first `DraftContext` carries: the final
+    residual(s), the last row's logits and the residuals entering the drafter's `hidden_layers`. A drafter
+    that reads the features of the whole prompt (EAGLE's draft rows of the context) says so with
+    `prefill_features`; the others get the last row only."""
+    cfg, dev, P = model.cfg, model.tok_embeddings.weight.device, len(prompt)
+    hidden_layers = tuple(drafter.hidden_layers)
+    if P <= 1:
+        hidden = torch.zeros(0, cfg.dim, device=dev)
+        return hidden, torch.zeros(0, cfg.vocab_size, device=dev), {layer: hidden for layer in hidden_layers}
+    store = _capture_request(model, hidden_layers)
+    logits, hidden = forward_cached(model, torch.tensor([prompt[:-1]], device=dev),
+                                    cache, torch.arange(P - 1, device=dev)[None], skip=skip,
+                                    last_only=True, return_hidden=True, capture=store,
+                                    all_hidden=drafter.prefill_features)
+    hidden = hidden[0]  # [1, d] or [P - 1, d]; logits is already [1, V] (last_only)
+    layer_hidden = _collect_layers(model, hidden_layers, store, hidden[-1:], P - 1, torch.tensor([P - 2], device=dev))
+    return hidden, logits, layer_hidden
+
+
+def draft(drafter: Drafter, ctx: DraftContext, fused: bool) -> tuple[DraftTree, torch.Tensor, torch.Tensor | None]:
+    """One round's draft: the tree it fills (the drafter's own, or ctx.tree), one token per node, and q for a
+    sampling drafter. A drafter may run the model on the cache but must leave it as it found it."""
+    length_before = ctx.cache.length
+    proposal = drafter.propose(ctx)
+    tree = round_tree(proposal, ctx.tree, fused)
+    node_tokens, q = draft_node_tokens(proposal, tree)
+    if ctx.cache.length != length_before:
+        raise RuntimeError(f"the drafter left the cache at length {ctx.cache.length}, not {length_before}: "
+                           "truncate back after drafting with the model")
+    return tree, node_tokens, q

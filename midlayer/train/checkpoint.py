@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from midlayer.common import atomic_write
+from midlayer.model.transformer import nonfinite_tensors
 
 FORMAT = "midlayer-checkpoint-v1"
 _NAME = re.compile(r"ckpt_(\d{7})\.pt$")
@@ -111,7 +112,6 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
         raise CheckpointError(f"checkpoint {path}: its 'model' is not a dict of weight tensors")
     if "model_sha256" in ckpt and ckpt["model_sha256"] != weights_digest(ckpt["model"]):
         raise CheckpointError(f"checkpoint {path}: its weights do not match their checksum (the file is damaged)")
-    from midlayer.model.transformer import nonfinite_tensors  # the one rule every weight loader applies
 
     bad = nonfinite_tensors(ckpt["model"])
     if bad:

@@ -21,6 +21,10 @@ from midlayer.data.shards import TokenWindows
 from midlayer.model.flops import active_param_count, forward_flops, kv_bytes_per_token, param_count
 from midlayer.model.transformer import Transformer
 from midlayer.model.sparsity import GateStatsAccumulator
+from .checkpoint import list_checkpoints, load_checkpoint, load_weights
+from midlayer.config import ModelConfig, TrainConfig, from_dict
+from midlayer.data.shards import resolve_data
+from midlayer.model.transformer import position_tables
 
 
 
@@ -99,9 +103,6 @@ def evaluate(model: Transformer, windows: TokenWindows, *, eval_tokens: int, bat
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Any, Any, Any, int]:
     """(model in eval mode, ModelConfig, TrainConfig, resolved data files, step) of a run's newest checkpoint."""
-    from .checkpoint import list_checkpoints, load_checkpoint, load_weights
-    from midlayer.config import ModelConfig, TrainConfig, from_dict
-    from midlayer.data.shards import resolve_data
 
     run = Path(run_dir)
     ckpts = list_checkpoints(run)
@@ -151,7 +152,6 @@ def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str
     for T in lengths:
         out["val_ce"][str(T)] = ce_at(T)
     if rescalable_rope(mcfg):
-        from midlayer.model.transformer import position_tables
 
         for scaling in ("linear", "ntk"):
             key = f"val_ce_rope_{scaling}"

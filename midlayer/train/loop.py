@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 from . import distributed as dist_utils
 from midlayer.model.attention import FLEX_MIN_HEAD_DIM
@@ -229,262 +230,314 @@ def _check_resume(ckpt: dict[str, Any], path: Path, configs: dict[str, dict]) ->
             if saved["train"].get(k) != configs["train"][k]}
 
 
-def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo, resume: bool,
-           cache_dir: Path, progress: bool, stop_after: int | None, cleanup: ExitStack) -> dict[str, Any]:
-    dev, world, rank = info.device, info.world_size, info.rank
-    run_dir = Path(cfg.out_dir)
-    configs = _configs(model_cfg, sparsity_cfg, cfg)
-    per_rank = cfg.batch_size // world
-    if cfg.batch_size % world or per_rank % cfg.micro_batch_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} must split into {world} ranks x whole micro-batches of "
-                         f"--micro-batch-size {cfg.micro_batch_size}")
-    accum = per_rank // cfg.micro_batch_size
-    if cfg.seq_len > model_cfg.max_seq_len:
-        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's --max-seq-len {model_cfg.max_seq_len}")
+def _train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, cfg: TrainConfig, info: dist_utils.DistInfo,
+           resume: bool, cache_dir: Path, progress: bool, stop_after: int | None, cleanup: ExitStack
+           ) -> dict[str, Any]:
+    trainer = Trainer(model_cfg, sparsity_cfg, cfg, info, cleanup)
+    trainer.check_settings()
+    trainer.open_run(resume)
+    trainer.load_data(cache_dir)
+    trainer.build()
+    trainer.start_logging(progress)
+    return trainer.run(stop_after)
 
-    if model_cfg.gating and model_cfg.gate_values != "soft" and model_cfg.gate_grad == "exact":
-        raise ValueError(f"--gate-values {model_cfg.gate_values}: rounded gates have no exact gradient (0 almost "
-                         "everywhere), the routers would never move; use --gate-grad straight_through")
-    if cfg.control_holdout > 0:
-        if not (model_cfg.gating and sparsity_cfg.controller in ADAPTIVE_KINDS):
-            raise ValueError(f"--control-holdout {cfg.control_holdout}: held-out gate statistics feed an adaptive "
-                             f"sparsity controller ({', '.join(ADAPTIVE_KINDS)}) of a gated model; this run has "
-                             f"{'controller ' + repr(sparsity_cfg.controller) if model_cfg.gating else 'no gates'}")
-        if cfg.control_batch_size % world:
-            raise ValueError(f"--control-batch-size {cfg.control_batch_size} must split evenly over {world} ranks")
-    fsdp = info.enabled and cfg.parallel == "fsdp"
-    if fsdp and model_cfg.moe_experts:
-        raise ValueError("--parallel fsdp: mixture-of-experts models are not supported (an expert that no token of "
-                         "a micro-batch picks gets no gradient, which FSDP's reduce-scatter cannot skip as DDP's "
-                         "find_unused_parameters does); use --parallel ddp")
-    if model_cfg.attn_backend == "flex" and dev.type != "cuda":
-        raise ValueError(f"--attn-backend flex: FlexAttention cannot train on {dev.type} (no backward pass there); "
-                         "use --attn-backend auto or sdpa")
-    if model_cfg.attn_backend == "flex" and model_cfg.head_dim < FLEX_MIN_HEAD_DIM:
-        raise ValueError(f"--attn-backend flex: the compiled FlexAttention kernel on CUDA needs a head size of at "
-                         f"least {FLEX_MIN_HEAD_DIM}, this model's is {model_cfg.head_dim}; use --attn-backend auto "
-                         "(SDPA there) or sdpa")
-    for parent in (run_dir, *run_dir.parents):  # the first part of --out-dir that exists must be a folder
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"--out-dir {run_dir}: {parent} is a file, not a folder")
-            break
 
-    # ---- refuse to clobber or to resume something else: decided before anything is written
-    existing = list_checkpoints(run_dir)
-    ckpt = None
-    changed: dict[str, tuple[Any, Any]] = {}
-    if resume and existing:
-        ckpt = load_newest_checkpoint(existing, map_location=dev)
-        changed = _check_resume(ckpt, existing[-1], configs)
-    elif resume:
-        raise CheckpointError(f"--resume: {run_dir} holds no checkpoint (ckpt_*.pt) to resume from; check --out-dir, "
-                              "or leave out --resume to start a new run there")
-    elif existing:
-        raise CheckpointError(f"{run_dir} already holds checkpoints ({existing[-1].name}); pass --resume to "
-                              "continue that run or choose another --out-dir")
-    if info.is_main:  # one writer per run folder (output_lock.py), from before anything is written in it
-        cleanup.enter_context(OutputLock(run_dir, "train"))
-        if ckpt is None:
-            _set_aside_log(run_dir)
+class Trainer:
+    """One training run as named steps (torchtitan's trainer shape): set-up (`check_settings`, `open_run`,
+    `load_data`, `build`, `start_logging`), then per optimizer step `forward_backward`, `optimizer_step`,
+    `update_controller` and `log_step`, with `evaluate` and `checkpoint` on their schedules, and `finish`.
+    The order of the steps is the module docstring's 1-5; `run` is the loop."""
 
-    # ---- data: rank 0 builds caches first so ranks never race on them
-    if info.is_main:
-        files = resolve_data(cfg.data, cache_dir, cfg.tokenizer_vocab, cfg.val_data)
-    dist_utils.barrier()
-    if not info.is_main:
-        files = resolve_data(cfg.data, cache_dir, cfg.tokenizer_vocab, cfg.val_data)
-    if files.vocab_size is not None and files.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"--vocab-size {model_cfg.vocab_size} is smaller than the tokenizer's {files.vocab_size}")
-    train_windows = TokenWindows(files.train, cfg.seq_len)
-    control_windows = None
-    if cfg.control_holdout > 0:  # the end of every shard is never trained on: the controller reads it
-        cut = 1.0 - cfg.control_holdout
-        train_windows = TokenWindows(files.train, cfg.seq_len, span=(0.0, cut))
-        control_windows = TokenWindows(files.train, cfg.seq_len, span=(cut, 1.0))
-    val_windows = TokenWindows(files.val, cfg.seq_len)
+    def __init__(self, model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, cfg: TrainConfig,
+                 info: dist_utils.DistInfo, cleanup: ExitStack) -> None:
+        self.model_cfg, self.sparsity_cfg, self.cfg, self.info, self.cleanup = model_cfg, sparsity_cfg, cfg, info, cleanup
+        self.dev, self.world, self.rank = info.device, info.world_size, info.rank
+        self.run_dir = Path(cfg.out_dir)
+        self.configs = _configs(model_cfg, sparsity_cfg, cfg)
+        self.per_rank = cfg.batch_size // self.world
+        self.fsdp = info.enabled and cfg.parallel == "fsdp"
+        self.bar = None
 
-    # ---- model, optimizer, schedule, controller (same seed on every rank -> same initial weights)
-    torch.manual_seed(cfg.seed)
-    model = Transformer(model_cfg)
-    if cfg.init_perturb > 0:
-        perturb_weights(model, cfg.init_perturb, cfg.seed)
-    model = model.to(dev)
-    model.check_inputs = dev.type == "cpu"  # the range check syncs with the GPU; data ids are known-good
-    if ckpt is not None:  # full tensors, loaded before sharding (every rank reads the checkpoint)
-        load_weights(model, ckpt, existing[-1])
-    if fsdp:
-        dist_utils.shard_model(model)  # before the optimizer: it must hold the sharded parameters
-    dtype = resolve_dtype(cfg.dtype, dev)
-    factors = [lambda s: lr_factor(s, cfg)]
-    groups: Any = model.parameters()
-    if cfg.router_lr_floor > 0 and model.routers is not None:  # the routers in a group of their own
-        ids = {id(p) for p in model.routers.parameters()}
-        groups = [{"params": [p for p in model.parameters() if id(p) not in ids]},
-                  {"params": list(model.routers.parameters())}]
-        factors.append(lambda s: router_lr_factor(s, cfg))
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factors)  # one factor per parameter group
-    controller = make_controller(sparsity_cfg, model_cfg.n_layers).to(dev) if model_cfg.gating else None
-    start = 0
-    if ckpt is not None:
-        if fsdp:
-            dist_utils.load_optimizer_state(model, opt, ckpt["optimizer"])
+    # ------------------------------------------------------------------------------------------ set-up
+    def check_settings(self) -> None:
+        """Refuse settings that cannot train, before anything is read or written."""
+        model_cfg, sparsity_cfg, cfg, world = self.model_cfg, self.sparsity_cfg, self.cfg, self.world
+        if cfg.batch_size % world or self.per_rank % cfg.micro_batch_size:
+            raise ValueError(f"--batch-size {cfg.batch_size} must split into {world} ranks x whole micro-batches of "
+                             f"--micro-batch-size {cfg.micro_batch_size}")
+        self.accum = self.per_rank // cfg.micro_batch_size
+        if cfg.seq_len > model_cfg.max_seq_len:
+            raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's --max-seq-len {model_cfg.max_seq_len}")
+        if model_cfg.gating and model_cfg.gate_values != "soft" and model_cfg.gate_grad == "exact":
+            raise ValueError(f"--gate-values {model_cfg.gate_values}: rounded gates have no exact gradient (0 almost "
+                             "everywhere), the routers would never move; use --gate-grad straight_through")
+        if cfg.control_holdout > 0:
+            if not (model_cfg.gating and sparsity_cfg.controller in ADAPTIVE_KINDS):
+                raise ValueError(f"--control-holdout {cfg.control_holdout}: held-out gate statistics feed an adaptive "
+                                 f"sparsity controller ({', '.join(ADAPTIVE_KINDS)}) of a gated model; this run has "
+                                 f"{'controller ' + repr(sparsity_cfg.controller) if model_cfg.gating else 'no gates'}")
+            if cfg.control_batch_size % world:
+                raise ValueError(f"--control-batch-size {cfg.control_batch_size} must split evenly over {world} ranks")
+        if self.fsdp and model_cfg.moe_experts:
+            raise ValueError("--parallel fsdp: mixture-of-experts models are not supported (an expert that no token "
+                             "of a micro-batch picks gets no gradient, which FSDP's reduce-scatter cannot skip as "
+                             "DDP's find_unused_parameters does); use --parallel ddp")
+        if model_cfg.attn_backend == "flex" and self.dev.type != "cuda":
+            raise ValueError(f"--attn-backend flex: FlexAttention cannot train on {self.dev.type} (no backward pass "
+                             "there); use --attn-backend auto or sdpa")
+        if model_cfg.attn_backend == "flex" and model_cfg.head_dim < FLEX_MIN_HEAD_DIM:
+            raise ValueError(f"--attn-backend flex: the compiled FlexAttention kernel on CUDA needs a head size of at "
+                             f"least {FLEX_MIN_HEAD_DIM}, this model's is {model_cfg.head_dim}; use --attn-backend "
+                             "auto (SDPA there) or sdpa")
+        for parent in (self.run_dir, *self.run_dir.parents):  # the first part of --out-dir that exists: a folder
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ValueError(f"--out-dir {self.run_dir}: {parent} is a file, not a folder")
+                break
+
+    def open_run(self, resume: bool) -> None:
+        """Refuse to clobber or to resume something else (decided before anything is written), then hold the
+        run folder's output lock (output_lock.py)."""
+        run_dir = self.run_dir
+        self.existing = list_checkpoints(run_dir)
+        self.ckpt = None
+        self.changed: dict[str, tuple[Any, Any]] = {}
+        if resume and self.existing:
+            self.ckpt = load_newest_checkpoint(self.existing, map_location=self.dev)
+            self.changed = _check_resume(self.ckpt, self.existing[-1], self.configs)
+        elif resume:
+            raise CheckpointError(f"--resume: {run_dir} holds no checkpoint (ckpt_*.pt) to resume from; check "
+                                  "--out-dir, or leave out --resume to start a new run there")
+        elif self.existing:
+            raise CheckpointError(f"{run_dir} already holds checkpoints ({self.existing[-1].name}); pass --resume to "
+                                  "continue that run or choose another --out-dir")
+        if self.info.is_main:  # one writer per run folder, from before anything is written in it
+            self.cleanup.enter_context(OutputLock(run_dir, "train"))
+            if self.ckpt is None:
+                _set_aside_log(run_dir)
+
+    def load_data(self, cache_dir: Path) -> None:
+        """The token windows; rank 0 builds the caches first so that ranks never race on them."""
+        cfg = self.cfg
+        if self.info.is_main:
+            files = resolve_data(cfg.data, cache_dir, cfg.tokenizer_vocab, cfg.val_data)
+        dist_utils.barrier()
+        if not self.info.is_main:
+            files = resolve_data(cfg.data, cache_dir, cfg.tokenizer_vocab, cfg.val_data)
+        if files.vocab_size is not None and files.vocab_size > self.model_cfg.vocab_size:
+            raise ValueError(f"--vocab-size {self.model_cfg.vocab_size} is smaller than the tokenizer's "
+                             f"{files.vocab_size}")
+        self.train_windows = TokenWindows(files.train, cfg.seq_len)
+        self.control_windows = None
+        if cfg.control_holdout > 0:  # the end of every shard is never trained on: the controller reads it
+            cut = 1.0 - cfg.control_holdout
+            self.train_windows = TokenWindows(files.train, cfg.seq_len, span=(0.0, cut))
+            self.control_windows = TokenWindows(files.train, cfg.seq_len, span=(cut, 1.0))
+        self.val_windows = TokenWindows(files.val, cfg.seq_len)
+
+    def build(self) -> None:
+        """Model, optimizer, schedule and controller (the same seed on every rank: the same initial weights),
+        restored from the checkpoint when resuming; then the compiled / DDP wrapper the steps call."""
+        model_cfg, cfg, dev, ckpt = self.model_cfg, self.cfg, self.dev, self.ckpt
+        torch.manual_seed(cfg.seed)
+        model = Transformer(model_cfg)
+        if cfg.init_perturb > 0:
+            perturb_weights(model, cfg.init_perturb, cfg.seed)
+        model = model.to(dev)
+        model.check_inputs = dev.type == "cpu"  # the range check syncs with the GPU; data ids are known-good
+        if ckpt is not None:  # full tensors, loaded before sharding (every rank reads the checkpoint)
+            load_weights(model, ckpt, self.existing[-1])
+        if self.fsdp:
+            dist_utils.shard_model(model)  # before the optimizer: it must hold the sharded parameters
+        self.dtype = resolve_dtype(cfg.dtype, dev)
+        factors = [lambda s: lr_factor(s, cfg)]
+        groups: Any = model.parameters()
+        if cfg.router_lr_floor > 0 and model.routers is not None:  # the routers in a group of their own
+            ids = {id(p) for p in model.routers.parameters()}
+            groups = [{"params": [p for p in model.parameters() if id(p) not in ids]},
+                      {"params": list(model.routers.parameters())}]
+            factors.append(lambda s: router_lr_factor(s, cfg))
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                                weight_decay=cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factors)  # one factor per parameter group
+        controller = make_controller(self.sparsity_cfg, model_cfg.n_layers).to(dev) if model_cfg.gating else None
+        self.model, self.opt, self.sched, self.controller = model, opt, sched, controller
+        self.start = 0
+        if ckpt is not None:
+            self._restore(factors)
+        run_model = torch.compile(model) if cfg.compile else model
+        # An expert that no token of a micro-batch picked gets no gradient: DDP must then not wait for it.
+        self.ddp = DDP(run_model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                       find_unused_parameters=model_cfg.moe_experts > 0) if self.info.enabled and not self.fsdp else None
+        self.fwd = self.ddp if self.ddp is not None else run_model
+
+    def _restore(self, factors: list[Callable[[int], float]]) -> None:
+        ckpt, opt, sched = self.ckpt, self.opt, self.sched
+        if self.fsdp:
+            dist_utils.load_optimizer_state(self.model, opt, ckpt["optimizer"])
         else:
             opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
-        if controller is not None:
-            controller.load_state_dict(ckpt["controller"])
+        if self.controller is not None:
+            self.controller.load_state_dict(ckpt["controller"])
         torch.set_rng_state(ckpt["rng_cpu"].cpu())
-        if dev.type == "cuda" and "rng_cuda" in ckpt:
+        if self.dev.type == "cuda" and "rng_cuda" in ckpt:
             torch.cuda.set_rng_state(ckpt["rng_cuda"].cpu())
-        start = int(ckpt["step"])
-        if "lr" in changed:  # the optimizer and scheduler states carry the run's lr: apply this command's
-            sched.base_lrs = [cfg.lr for _ in opt.param_groups]
+        self.start = int(ckpt["step"])
+        if "lr" in self.changed:  # the optimizer and scheduler states carry the run's lr: apply this command's
+            sched.base_lrs = [self.cfg.lr for _ in opt.param_groups]
             for group, factor in zip(opt.param_groups, factors):
-                group["initial_lr"] = cfg.lr
-                group["lr"] = cfg.lr * factor(start)
-    run_model = torch.compile(model) if cfg.compile else model
-    # An expert that no token of a micro-batch picked gets no gradient: DDP must then not wait for it.
-    ddp = DDP(run_model, device_ids=[dev.index] if dev.type == "cuda" else None,
-              find_unused_parameters=model_cfg.moe_experts > 0) if info.enabled and not fsdp else None
-    fwd = ddp if ddp is not None else run_model
+                group["initial_lr"] = self.cfg.lr
+                group["lr"] = self.cfg.lr * factor(self.start)
 
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        stale = remove_stale_temp_files(run_dir)
-        if stale:
-            print(f"note: removed {len(stale)} temporary file(s) left in {run_dir} by an interrupted checkpoint "
-                  f"write ({', '.join(p.name for p in stale)})", file=sys.stderr)
-        if changed:
-            print(f"note: resuming {existing[-1]} with " + "; ".join(f"{_flag(k)} {now} (the run had {was})"
-                                                                    for k, (was, now) in changed.items()),
-                  file=sys.stderr)
-    logger = MetricsLogger(run_dir, cfg, configs, info.is_main)
-    if ckpt is not None:
-        logger.log({"event": "resumed", "step": start,
-                    **({"changed": {k: list(v) for k, v in changed.items()}} if changed else {})})
-
-    def save(step: int) -> None:
-        if fsdp:  # gathered on every rank (a collective), kept on rank 0
-            model_state, opt_state = dist_utils.full_state(model, opt)
-        elif info.is_main:
-            model_state, opt_state = model.state_dict(), opt.state_dict()
+    def start_logging(self, progress: bool) -> None:
+        """The run folder, notes on what resuming changed, the metrics log, the progress bar, the statistics."""
+        run_dir, cfg, info, n = self.run_dir, self.cfg, self.info, self.model_cfg.n_layers
         if info.is_main:
-            state = {"model": model_state, "optimizer": opt_state, "scheduler": sched.state_dict(),
-                     "rng_cpu": torch.get_rng_state()}
-            if controller is not None:
-                state["controller"] = controller.state_dict()
-            if dev.type == "cuda":
-                state["rng_cuda"] = torch.cuda.get_rng_state()
-            save_checkpoint(run_dir, step, state, configs, cfg.keep_last)
-        dist_utils.barrier()
+            run_dir.mkdir(parents=True, exist_ok=True)
+            stale = remove_stale_temp_files(run_dir)
+            if stale:
+                print(f"note: removed {len(stale)} temporary file(s) left in {run_dir} by an interrupted checkpoint "
+                      f"write ({', '.join(p.name for p in stale)})", file=sys.stderr)
+            if self.changed:
+                print(f"note: resuming {self.existing[-1]} with " + "; ".join(
+                    f"{_flag(k)} {now} (the run had {was})" for k, (was, now) in self.changed.items()), file=sys.stderr)
+        self.logger = MetricsLogger(run_dir, cfg, self.configs, info.is_main)
+        if self.ckpt is not None:
+            self.logger.log({"event": "resumed", "step": self.start,
+                             **({"changed": {k: list(v) for k, v in self.changed.items()}} if self.changed else {})})
+        if progress and info.is_main:
+            self.bar = self.cleanup.enter_context(tqdm(total=cfg.steps, initial=self.start,
+                                                       desc=f"train {run_dir.name}", dynamic_ncols=True))
+        self.acc = GateStatsAccumulator(n, device=self.dev) if self.controller is not None else None
+        self.per_control = cfg.control_batch_size // self.world
+        self.control_acc = GateStatsAccumulator(n, device=self.dev) if self.control_windows is not None else None
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.grad_norm_ema: float | None = None
 
-    def run_eval(step: int) -> dict[str, Any]:
-        res = evaluate(model, val_windows, eval_tokens=cfg.eval_tokens, batch_size=cfg.micro_batch_size,
-                       device=dev, dtype=dtype, rank=rank, world_size=world, equal_forwards=fsdp)
-        res["step"] = step
-        logger.log({"event": "eval", **res})
-        return res
+    # ---------------------------------------------------------------------------------- the loop
+    def run(self, stop_after: int | None) -> dict[str, Any]:
+        """Optimizer steps from the checkpoint's step to `steps` (or `stop_after` of them), then `finish`."""
+        cfg = self.cfg
+        self.t_last, self.steps_since = time.perf_counter(), 0
+        t_start = self.t_last
+        end = cfg.steps if stop_after is None else min(cfg.steps, self.start + stop_after)
+        self.model.train()
+        for step in range(self.start, end):
+            losses = self.forward_backward(step)
+            record = self.optimizer_step(step, *losses)
+            self.update_controller(step, record)
+            self.log_step(step, record, end)
+            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < end:
+                self.checkpoint(step + 1)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                self.evaluate(step + 1)
+        if self.bar is not None:
+            self.bar.close()
+        return self.finish(end, time.perf_counter() - t_start)
 
-    bar = None
-    if progress and info.is_main:
-        from tqdm import tqdm
-        bar = cleanup.enter_context(tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}",
-                                         dynamic_ncols=True))
-    acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if controller is not None else None
-    per_control = cfg.control_batch_size // world
-    control_acc = GateStatsAccumulator(model_cfg.n_layers, device=dev) if control_windows is not None else None
-
-    def control_stats(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gate statistics of the held-out control batch of `step` (eval mode: what inference would skip; no
-        gradient, no random draw), over all ranks."""
-        xc, _ = control_windows.batch(step, cfg.seed, cfg.control_batch_size, rank * per_control, per_control)
-        model.eval()
-        with torch.no_grad(), autocast_context(dev, dtype):
-            st = fwd(xc.to(dev, non_blocking=True), return_logits=False).gate_stats
-        model.train()
-        control_acc.reset()
-        control_acc.add(st.mean, st.var, st.zero_frac, st.n_tokens)
-        return control_acc.reduce()
-
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    grad_norm_ema = None
-    t_last, steps_since = time.perf_counter(), 0
-    t_start = t_last
-    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-    model.train()
-    for step in range(start, end):
-        ce_sum = torch.zeros((), device=dev)
-        reg_sum = torch.zeros((), device=dev)
-        moe_sum = torch.zeros((), device=dev)
-        if acc is not None:
-            acc.reset()
+    def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1-2: every micro-batch of this rank's share of the global batch, gradients accumulated (synced
+        over ranks on the last one). Returns the summed (ce, reg, moe) losses; gate statistics go to `acc`."""
+        cfg, dev, accum = self.cfg, self.dev, self.accum
+        ce_sum, reg_sum, moe_sum = (torch.zeros((), device=dev) for _ in range(3))
+        if self.acc is not None:
+            self.acc.reset()
         for m in range(accum):
-            x, y = train_windows.batch(step, cfg.seed, cfg.batch_size, rank * per_rank + m * cfg.micro_batch_size,
-                                       cfg.micro_batch_size)
+            x, y = self.train_windows.batch(step, cfg.seed, cfg.batch_size,
+                                            self.rank * self.per_rank + m * cfg.micro_batch_size, cfg.micro_batch_size)
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            sync = nullcontext() if (ddp is None or m == accum - 1) else ddp.no_sync()
-            if fsdp:  # reduce-scatter the gradients once per step, after the last micro-batch
-                model.set_requires_gradient_sync(m == accum - 1)
+            sync = nullcontext() if (self.ddp is None or m == accum - 1) else self.ddp.no_sync()
+            if self.fsdp:  # reduce-scatter the gradients once per step, after the last micro-batch
+                self.model.set_requires_gradient_sync(m == accum - 1)
             with sync:
-                with autocast_context(dev, dtype):
-                    out, reg, moe = micro_batch_losses(fwd, x, y, model_cfg, sparsity_cfg, controller)
+                with autocast_context(dev, self.dtype):
+                    out, reg, moe = micro_batch_losses(self.fwd, x, y, self.model_cfg, self.sparsity_cfg,
+                                                       self.controller)
                 if out.moe_aux is not None:
                     moe_sum += out.moe_aux.detach()
                 ((out.loss + reg + moe) / accum).backward()
             ce_sum += out.loss.detach()
             reg_sum += reg.detach()
-            if acc is not None:
+            if self.acc is not None:
                 s = out.gate_stats
-                acc.add(s.mean, s.var, s.zero_frac, s.n_tokens)
+                self.acc.add(s.mean, s.var, s.zero_frac, s.n_tokens)
+        return ce_sum, reg_sum, moe_sum
+
+    def optimizer_step(self, step: int, ce_sum: torch.Tensor, reg_sum: torch.Tensor, moe_sum: torch.Tensor
+                       ) -> dict[str, Any]:
+        """Steps 3-4: losses averaged over ranks, the gradient norm measured (and clipped), a non-finite loss
+        or gradient refused before the update, then AdamW and the schedule. Returns the step's record."""
+        cfg, accum = self.cfg, self.accum
         ce = dist_utils.all_reduce_mean(ce_sum / accum)
         reg_v = dist_utils.all_reduce_mean(reg_sum / accum)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = dist_utils.clip_grad_norm_(list(model.parameters()), clip)
+        grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), clip)
         if not (torch.isfinite(ce) and torch.isfinite(grad_norm)):
-            logger.log({"event": "non_finite", "step": step, "ce": ce.item(), "grad_norm": grad_norm.item()})
-            logger.close()
-            last = list_checkpoints(run_dir)
+            self.logger.log({"event": "non_finite", "step": step, "ce": ce.item(), "grad_norm": grad_norm.item()})
+            self.logger.close()
+            last = list_checkpoints(self.run_dir)
             raise NonFiniteLossError(
                 f"non-finite loss or gradient at step {step} (ce={ce.item()}, grad_norm={grad_norm.item()}); "
                 "stopped before the optimizer step, nothing saved. "
                 + (f"Resume from {last[-1]} with --resume and a lower --lr or a --grad-clip."
                    if last else "Restart with a lower --lr or a --grad-clip."))
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
         record: dict[str, Any] = {"step": step + 1, "ce": ce.item(), "reg_loss": reg_v.item(),
-                                  "grad_norm": grad_norm.item(), "lr": sched.get_last_lr()[0]}
-        if model_cfg.moe_experts:  # 1 = balanced experts, E = one expert takes every token
+                                  "grad_norm": grad_norm.item(), "lr": self.sched.get_last_lr()[0]}
+        if self.model_cfg.moe_experts:  # 1 = balanced experts, E = one expert takes every token
             record["moe_aux"] = dist_utils.all_reduce_mean(moe_sum / accum).item()
-        gn = record["grad_norm"]
-        if cfg.grad_norm_spike > 0 and grad_norm_ema is not None and gn > cfg.grad_norm_spike * grad_norm_ema:
-            record["grad_norm_spike"] = gn / grad_norm_ema
+        return record
+
+    def update_controller(self, step: int, record: dict[str, Any]) -> None:
+        """Step 5: the controller's coefficients from the global batch's gate statistics (eq. 6), or from the
+        held-out control batch; the statistics per first-half block go into the record."""
+        if self.acc is None:
+            return
+        g_mean, g_var, g_zero = self.acc.reduce()
+        half = self.model_cfg.n_layers // 2  # per first-half block: the second half mirrors it (eq. 2)
+        if self.control_windows is None:
+            self.controller.update(g_mean, g_var)  # eq. 6 on this step's training tokens, as the paper
+        else:
+            c_mean, c_var, _ = self.control_stats(step)
+            self.controller.update(c_mean, c_var)
+            record.update(**{f"control_gate_mean/{l}": float(c_mean[l]) for l in range(half)})
+        record.update(sparsity=float(g_zero.mean()), gate_mean=float(g_mean.mean()),
+                      **{f"gate_mean/{l}": float(g_mean[l]) for l in range(half)},
+                      **{f"gate_var/{l}": float(g_var[l]) for l in range(half)},
+                      **{f"gate_zero/{l}": float(g_zero[l]) for l in range(half)},
+                      **{f"ctrl_{k}": v for k, v in self.controller.metrics().items()})
+
+    def control_stats(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gate statistics of the held-out control batch of `step` (eval mode: what inference would skip; no
+        gradient, no random draw), over all ranks."""
+        xc, _ = self.control_windows.batch(step, self.cfg.seed, self.cfg.control_batch_size,
+                                           self.rank * self.per_control, self.per_control)
+        self.model.eval()
+        with torch.no_grad(), autocast_context(self.dev, self.dtype):
+            st = self.fwd(xc.to(self.dev, non_blocking=True), return_logits=False).gate_stats
+        self.model.train()
+        self.control_acc.reset()
+        self.control_acc.add(st.mean, st.var, st.zero_frac, st.n_tokens)
+        return self.control_acc.reduce()
+
+    def log_step(self, step: int, record: dict[str, Any], end: int) -> None:
+        """Gradient-norm spikes, throughput every `log_every` steps, the metrics log and the progress bar."""
+        cfg, bar = self.cfg, self.bar
+        gn, ema = record["grad_norm"], self.grad_norm_ema
+        if cfg.grad_norm_spike > 0 and ema is not None and gn > cfg.grad_norm_spike * ema:
+            record["grad_norm_spike"] = gn / ema
             if bar is not None:
-                bar.write(f"step {step + 1}: gradient-norm spike {gn:.3g} ({gn / grad_norm_ema:.1f}x the running mean)")
-        grad_norm_ema = gn if grad_norm_ema is None else 0.95 * grad_norm_ema + 0.05 * gn
-        if acc is not None:
-            g_mean, g_var, g_zero = acc.reduce()
-            half = model_cfg.n_layers // 2  # per first-half block: the second half mirrors it (eq. 2)
-            if control_windows is None:
-                controller.update(g_mean, g_var)  # eq. 6 on this step's training tokens, as the paper
-            else:
-                c_mean, c_var, _ = control_stats(step)
-                controller.update(c_mean, c_var)
-                record.update(**{f"control_gate_mean/{l}": float(c_mean[l]) for l in range(half)})
-            record.update(sparsity=float(g_zero.mean()), gate_mean=float(g_mean.mean()),
-                          **{f"gate_mean/{l}": float(g_mean[l]) for l in range(half)},
-                          **{f"gate_var/{l}": float(g_var[l]) for l in range(half)},
-                          **{f"gate_zero/{l}": float(g_zero[l]) for l in range(half)},
-                          **{f"ctrl_{k}": v for k, v in controller.metrics().items()})
-        steps_since += 1
+                bar.write(f"step {step + 1}: gradient-norm spike {gn:.3g} ({gn / ema:.1f}x the running mean)")
+        self.grad_norm_ema = gn if ema is None else 0.95 * ema + 0.05 * gn
+        self.steps_since += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == end:
             now = time.perf_counter()
-            record["tokens_per_s"] = steps_since * tokens_per_step / (now - t_last)
-            t_last, steps_since = now, 0
-            logger.log(record)
+            record["tokens_per_s"] = self.steps_since * self.tokens_per_step / (now - self.t_last)
+            self.t_last, self.steps_since = now, 0
+            self.logger.log(record)
         if bar is not None:
             post = {"ce": f"{record['ce']:.3f}"}
             if "tokens_per_s" in record:
@@ -493,23 +546,47 @@ def _train(model_cfg, sparsity_cfg, cfg: TrainConfig, info: dist_utils.DistInfo,
                 post["sparsity"] = f"{record['sparsity']:.3f}"
             bar.set_postfix(post, refresh=False)
             bar.update(1)
-        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < end:
-            save(step + 1)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            run_eval(step + 1)
-    if bar is not None:
-        bar.close()
-    if end > start or not existing:
-        save(end)
-    train_time = time.perf_counter() - t_start
-    result: dict[str, Any] = {"step": end, "finished": end == cfg.steps}
-    if end > start:
-        result["train_tokens_per_s"] = (end - start) * tokens_per_step / train_time
-    if end == cfg.steps:  # finished (also when resuming a run whose last checkpoint is the final step)
-        result = {**run_eval(end), **result}
+
+    # ------------------------------------------------------------------------ evaluation, checkpoints
+    def evaluate(self, step: int) -> dict[str, Any]:
+        res = evaluate(self.model, self.val_windows, eval_tokens=self.cfg.eval_tokens,
+                       batch_size=self.cfg.micro_batch_size, device=self.dev, dtype=self.dtype, rank=self.rank,
+                       world_size=self.world, equal_forwards=self.fsdp)
+        res["step"] = step
+        self.logger.log({"event": "eval", **res})
+        return res
+
+    def checkpoint(self, step: int) -> None:
+        """Weights, optimizer, schedule, controller and RNG states at `step` (FSDP: gathered by a collective
+        on every rank, written by rank 0)."""
+        model, opt, info = self.model, self.opt, self.info
+        if self.fsdp:
+            model_state, opt_state = dist_utils.full_state(model, opt)
+        elif info.is_main:
+            model_state, opt_state = model.state_dict(), opt.state_dict()
         if info.is_main:
-            result["flops_per_token_train_est"] = 3 * forward_flops(model_cfg, cfg.seq_len).total / cfg.seq_len
-            (run_dir / "eval.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False))
-            logger.log({"event": "final", **result})
-    logger.close()
-    return result
+            state = {"model": model_state, "optimizer": opt_state, "scheduler": self.sched.state_dict(),
+                     "rng_cpu": torch.get_rng_state()}
+            if self.controller is not None:
+                state["controller"] = self.controller.state_dict()
+            if self.dev.type == "cuda":
+                state["rng_cuda"] = torch.cuda.get_rng_state()
+            save_checkpoint(self.run_dir, step, state, self.configs, self.cfg.keep_last)
+        dist_utils.barrier()
+
+    def finish(self, end: int, train_time: float) -> dict[str, Any]:
+        """The last checkpoint; at the final step the evaluation, eval.json and the final log event."""
+        start, cfg = self.start, self.cfg
+        if end > start or not self.existing:
+            self.checkpoint(end)
+        result: dict[str, Any] = {"step": end, "finished": end == cfg.steps}
+        if end > start:
+            result["train_tokens_per_s"] = (end - start) * self.tokens_per_step / train_time
+        if end == cfg.steps:  # finished (also when resuming a run whose last checkpoint is the final step)
+            result = {**self.evaluate(end), **result}
+            if self.info.is_main:
+                result["flops_per_token_train_est"] = 3 * forward_flops(self.model_cfg, cfg.seq_len).total / cfg.seq_len
+                (self.run_dir / "eval.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False))
+                self.logger.log({"event": "final", **result})
+        self.logger.close()
+        return result

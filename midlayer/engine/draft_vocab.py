@@ -36,6 +36,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from midlayer.engine.quantization import BlockQuantLinear
 
 
 def frequent_tokens(responses: Iterable[Sequence[int]], n: int, vocab_size: int) -> torch.Tensor:
@@ -124,7 +125,6 @@ def _sub_head(head: nn.Module, vocab: torch.Tensor) -> nn.Module | torch.Tensor:
         if head.bias is not None:
             raise ValueError("a draft vocabulary needs a bias-free LM head")
         return head.weight.detach().index_select(0, vocab.to(head.weight.device)).contiguous()
-    from midlayer.engine.quantization import BlockQuantLinear
 
     if isinstance(head, BlockQuantLinear):
         return head.select_rows(vocab)
