@@ -297,7 +297,6 @@ def _add_generate_parser(sub) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-
     model_cfg, sparsity_cfg, train_cfg = get_preset(args.preset, **overrides_from_args(args))
     result = train(model_cfg, sparsity_cfg, train_cfg, resume=args.resume, device=args.device,
                    progress=not args.no_progress, stop_after=args.stop_after)
@@ -344,7 +343,6 @@ def _check_eval_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-
     _check_eval_args(args)  # every flag checked before the checkpoint is read: no evaluation run and then lost
     model, ckpt, train_cfg = load_run(args.checkpoint, args.device)
     if args.eval_tokens and args.eval_tokens < train_cfg.seq_len:
@@ -376,10 +374,8 @@ def _run_tokenizer(train_cfg: TrainConfig):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-
     _check_generate_args(args)  # before any file is read: a bad flag is never blamed on a model file
     if args.model:
-
         model, tok = load_pretrained(args.model)
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer.json: midlayer cannot turn a prompt into tokens for it")
@@ -390,14 +386,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         tok = _run_tokenizer(train_cfg)
     model = compress_weights(model.float(), args.weights)
     if args.weights == "q4" and not model.batch_invariant:
-
         # q4 is defined by its C kernels: without them it is another computation (issue 43)
         print(f"note: the q4 kernels are not available here ({kernels.unavailable_reason()}), so q4 runs through "
               "PyTorch: other bits than the kernels (tokens can differ from a machine that has them), not "
               "row-invariant, and speculative output can differ from plain greedy output at near-ties",
               file=sys.stderr)
     if args.gates:
-
         gates, _ = load_draft(args.gates, model)
         if not isinstance(gates, SkipGates):
             raise ValueError(f"--gates {args.gates}: a {type(gates).__name__} draft, not a train-gates output")
@@ -418,7 +412,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.draft:
         return _generate_with_draft(args, model, tok, ids, cfg, engine, graphs)
     if engine == "static":
-
         stream = static_stream(model, ids, cfg, graphs=graphs)
     else:
         stream = (int(t[0]) for t, _ in generate_stream(model, [ids], cfg))
@@ -507,7 +500,6 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
               file=sys.stderr)
     if args.tree == "auto" and acc:
-
         name = args.model or args.checkpoint
         costs = row_costs(model, name, args.weights, progress=True, refresh=args.refresh_costs)
         # what the forwards leave out (~1 s to measure): once per drafter and machine, then cached
@@ -526,7 +518,6 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
             raise ValueError(f"{args.draft}: no per-depth held-out accuracies to build a sparse tree; use --tree chain")
         tree = DraftTree.greedy_from_accuracies(acc, _tree_nodes(args.tree))
     elif args.tree.startswith("dynamic:"):
-
         if not isinstance(drafter, EagleDrafter):
             raise ValueError(f"--tree dynamic:N needs an EAGLE draft; {args.draft} is a {type(module).__name__}")
         n = _tree_nodes(args.tree)
@@ -537,7 +528,6 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
     t = time.perf_counter()
     if engine == "static":
-
         out, stats = static_speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens,
                                                  stop_tokens=cfg.stop_tokens, graphs=graphs)
     else:
@@ -686,7 +676,6 @@ def _check_output(flag: str, path: str | None) -> None:
 def _write_output(path: str | None, text: str) -> None:
     """The results file, written whole or not at all (a full disk leaves the earlier file, never a part)."""
     if path:
-
         atomic_write(Path(path), text.encode("utf-8"))
 
 
@@ -700,7 +689,6 @@ def _check_bench_decode_args(args: argparse.Namespace) -> tuple[dict[str, str], 
     drafts = _label_dirs("--drafts", args.drafts, "a train-draft output")
     skip = None
     if args.layer_skip:
-
         a, sep, b = args.layer_skip.partition(":")
         try:
             skip = (int(a), int(b))
@@ -794,7 +782,6 @@ def _cuda() -> bool:
 
 
 def _bench_static(args: argparse.Namespace) -> int:
-
     shown: list[str] = []
 
     def show(r: dict, dtype: str) -> None:  # each dtype's table as soon as it is done
@@ -807,11 +794,9 @@ def _bench_static(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-
     if args.bench == "static":
         return _bench_static(args)
     if args.bench in ("decode", "generate") and args.device is not None:
-
         if resolve_device(args.device).type == "cuda":
             return _bench_static(args)  # the GPU's benchmark: the static step beside transformers' CUDA-graph recipe
     if args.bench == "gates":
@@ -867,7 +852,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_flops(args: argparse.Namespace) -> int:
-
     model_cfg, _, _ = get_preset(args.preset, **overrides_from_args(args))
     sparsity = None
     if args.sparsity:
@@ -888,7 +872,6 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-
     return run_sweep(args.grid, Path(args.out_dir), launcher=args.launcher, nproc=args.nproc, only=args.only,
                      extra_train=_check_sweep_args(args))
 
@@ -917,7 +900,6 @@ def _check_plot_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-
     _check_plot_args(args)
     for path in write_report(Path(args.sweep_dir), args.out).values():
         print(f"wrote {path}")
@@ -925,7 +907,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
-
     cfgs = draft_configs(args)
     if args.export_now and args.stop_after is not None:
         raise ValueError("--export-now trains nothing; --stop-after has no meaning with it")
@@ -935,12 +916,10 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def _cmd_distill(args: argparse.Namespace) -> int:
-
     return distill_module.run(args)
 
 
 def _cmd_train_gates(args: argparse.Namespace) -> int:
-
     _check_stop_after(args)
     over = overrides_from_args(args).get("draft", {})
     if over.get("method", "gates") != "gates":

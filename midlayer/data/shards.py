@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from midlayer.common import atomic_write, file_sha256
-from midlayer.data.corpus import corpus_documents, corpus_fingerprint, split_documents
-from midlayer.data.tokenizer import TOKENIZER_FILE, eot_id, load_or_train_tokenizer
+from .corpus import corpus_documents, corpus_fingerprint, split_documents
+from .tokenizer import eot_id, load_or_train_tokenizer, TOKENIZER_FILE
 
 MAGIC = 20240520
 VERSION = 1

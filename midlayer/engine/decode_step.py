@@ -49,11 +49,10 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .draft_vocab import head_logits
+from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView
 from midlayer.model.transformer import Transformer
-from midlayer.engine.draft_vocab import head_logits
-from .generate import GenerationConfig, sample_next, validate_prompts
-from .generate import validate_prompts
 
 # Candidate bucket sets, tried in order by `invariant_buckets`: several sizes (plain decoding pays for the
 # smallest), else one size for every forward (no kernel choice can then depend on M).

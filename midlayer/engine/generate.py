@@ -20,9 +20,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from midlayer.ops import kernels
 from midlayer.model.kv_cache import KVCache, LayerView
 from midlayer.model.transformer import Transformer
+from midlayer.ops import kernels
 
 
 @dataclass

@@ -60,10 +60,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from midlayer.config import ModelConfig
-from midlayer.model.transformer import Transformer, nonfinite_tensors, position_tables, sinusoidal_table
-from midlayer.data.pretrained_tokenizer import TextTokenizer
 from midlayer.common import atomic_write, cache_dir
+from midlayer.config import ModelConfig
+from midlayer.data.pretrained_tokenizer import TextTokenizer
+from midlayer.model.transformer import nonfinite_tensors, position_tables, sinusoidal_table, Transformer
 
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)

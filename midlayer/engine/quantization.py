@@ -44,9 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from midlayer.ops import kernels
-from midlayer.model.layers import RMSNorm
 from midlayer.model.layers import FeedForward, RMSNorm
+from midlayer.ops import kernels
 
 WeightFormat = Literal["fp32", "bf16", "int4", "q4"]
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int4", "q4")

@@ -27,38 +27,30 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
+from tqdm import tqdm
 
-from midlayer.ops import kernels
 from midlayer.config import get_preset
-from midlayer.model.flops import decode_flops, forward_flops
-from midlayer.engine.generate import GenerationConfig, decode_one_token, forward_cached, generate, prefill
-from midlayer.model.kv_cache import KVCache
-from midlayer.model.transformer import Transformer
+from midlayer.data.corpus import corpus_documents
+from midlayer.data.prompt_recipe import load as load_scaled
+from midlayer.data.prompts import prompt_set
+from midlayer.engine.generate import decode_one_token, forward_cached, generate, GenerationConfig, prefill
 from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
 from midlayer.engine.quantization import compress_weights, weight_bytes
-from midlayer.speculative.verify import draft_node_tokens
-from midlayer.data.prompts import prompt_set
-from midlayer.data.prompt_recipe import load as load_scaled
-from midlayer.speculative.layer_skip import LayerSkipDrafter
-from midlayer.speculative.registry import heldout_accuracies, load_drafter
-from midlayer.speculative.eagle import EagleDrafter
-from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
-from midlayer.engine.quantization import compress_weights
-from midlayer.speculative.tree import DraftTree
-from midlayer.speculative.verify import speculative_generate
-from midlayer.speculative.tree_cost import auto_tree, measure_overhead, row_costs
-from midlayer.engine.pretrained import load_pretrained
-from midlayer.data.corpus import corpus_documents
-from midlayer.speculative.skip_gates import SkipGates
+from midlayer.model.flops import decode_flops, forward_flops
+from midlayer.model.kv_cache import KVCache
+from midlayer.model.transformer import Transformer
+from midlayer.ops import kernels
 from midlayer.speculative.distill import DistillSet
 from midlayer.speculative.draft_training import DraftTrainConfig, heldout_metrics, response_batches
-from midlayer.speculative.registry import load_draft
-
-if TYPE_CHECKING:
-    from midlayer.speculative.skip_gates import SkipGates
+from midlayer.speculative.layer_skip import LayerSkipDrafter
+from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
+from midlayer.speculative.skip_gates import SkipGates
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.tree_cost import auto_tree, measure_overhead, row_costs
+from midlayer.speculative.verify import draft_node_tokens, speculative_generate
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -440,7 +432,6 @@ class DraftRecorder:
         return getattr(self.inner, name)
 
     def propose(self, ctx):
-
         draft = self.inner.propose(ctx)
         tree = getattr(draft, "tree", None) or ctx.tree  # a dynamic draft carries its own tree
         nodes, _ = draft_node_tokens(draft, tree)
@@ -500,8 +491,9 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden transfer's tree, or
     Medusa's, so every method runs the same tree size) or "auto" (per drafter, `tree_cost.auto_tree`: the
     tree of highest expected tokens/s from those accuracies and this machine's measured row costs).
+    Phases: the methods (`speculative_methods`), their trees (`method_tree`), the anchors (transformers,
+    llama.cpp), each prompt through every side (`_bench_prompt`), the table (`_speculative_rows`).
     """
-
     if new_tokens < 1 or max_prompts < 1 or nodes < 1:
         raise ValueError(f"new_tokens, max_prompts and nodes must be >= 1, got {new_tokens}, {max_prompts}, {nodes}")
     if prompts not in ("scaled", "base"):
@@ -510,45 +502,8 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     model = compress_weights(model, weights).eval()
     stop = tuple(sorted(tok.eos_ids))
     encoded = heldout_chats(tok, max_prompts, prompts)
-
-    methods: dict[str, tuple] = {}  # label -> (drafter, draft depth k); drafters keep no per-run state
-    own_acc: dict[str, list] = {}  # label -> its held-out per-rank accuracies (depth 1 only for early exit)
-    for label, path in (drafts or {}).items():
-        d, module, meta = load_drafter(path, model)
-        acc = heldout_accuracies(meta, str(path))
-        k = getattr(module, "k", None) or len(acc or [])
-        methods[label] = (d, k)
-        if acc:
-            own_acc[label] = acc
-        if isinstance(d, HiddenTransferDrafter):
-            methods[f"{label}-separate"] = (HiddenTransferDrafter(model, module, fused=False), k)
-        if isinstance(d, EagleDrafter):  # EAGLE-2's dynamic tree within the same node budget
-            methods[f"{label}-dynamic"] = (EagleDrafter(model, module, dynamic_k=4), k)
-    depth = max([k for _, k in methods.values()] + [3])
-    if layer_skip is not None:
-        a, b = layer_skip
-        methods[f"layer-skip {a}-{b - 1}"] = (LayerSkipDrafter(model, range(a, b)), depth)
-
-    costs = None
-    if tree == "auto":
-        costs = row_costs(model, model_name, weights, progress=progress)
-
-    def tree_for(label: str, k: int) -> DraftTree:
-        if tree == "chain":
-            return DraftTree.chain(k if k > 1 else depth)
-        own = label.removesuffix("-separate").removesuffix("-dynamic")
-        accs = {lab: a for lab, a in own_acc.items() if len(a) > 1}  # every depth measured (sparse trees)
-        src = accs.get(own) or next(iter(accs.values()), None)
-        if tree == "auto":
-            src = own_acc.get(own) or src
-        if src is None:
-            raise ValueError(f"tree {tree!r} needs a draft with held-out per-rank accuracies (hidden transfer or "
-                             "Medusa)")
-        if tree == "auto":  # priced with what this drafter's rounds really cost beyond their forwards
-            over = measure_overhead(model, methods[label][0], costs, encoded[0])
-            return auto_tree(model, methods[label][0], src, costs, max_depth=k if k > 1 else depth, overhead=over)[0]
-        return DraftTree.greedy_from_accuracies(src, nodes)
-
+    methods, own_acc, depth = speculative_methods(model, drafts, layer_skip)
+    costs = row_costs(model, model_name, weights, progress=progress) if tree == "auto" else None
     hf = load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
     anchor = None
     src = str(resolve_pretrained(model_name).path)
@@ -559,7 +514,6 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
             pass
     if hf is not None:
         hf.generation_config.pad_token_id = stop[0]
-    gcfg = GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop)
     warm = encoded[0][:8]
     generate(model, [warm], GenerationConfig(max_new_tokens=4))
     rows: dict[str, dict] = {name: dict(time=0.0, tokens=0, forwards=0, equal=0, hits=[0] * depth,
@@ -569,60 +523,113 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     if anchor is not None:
         rows["llama.cpp"] = dict(time=0.0, tokens=0, equal=0)
         anchor.run(warm, 4)  # warm-up, as ours above
-    it = encoded
-    if progress:
-        from tqdm import tqdm
-        it = tqdm(encoded, desc="bench decode", unit="prompt")
-    trees = {label: tree_for(label, k) for label, (_, k) in methods.items()}  # once per method (auto measures)
-    for ids in it:
+    # once per method (auto measures)
+    trees = {label: method_tree(tree, label, k, depth, nodes, own_acc, model, methods[label][0], costs, encoded[0])
+             for label, (_, k) in methods.items()}
+    for ids in (tqdm(encoded, desc="bench decode", unit="prompt") if progress else encoded):
+        _bench_prompt(model, ids, rows, methods, trees, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop),
+                      hf, anchor, depth)
+    return dict(model=model_name, weights=weights, prompts=len(encoded), prompt_set=prompts, new_tokens=new_tokens,
+                tree=tree, nodes=nodes, rows=_speculative_rows(rows, len(encoded)),
+                llama_cpp_version=getattr(anchor, "version", None))
+
+
+def speculative_methods(model, drafts: dict[str, str] | None, layer_skip: tuple[int, int] | None
+                        ) -> tuple[dict[str, tuple], dict[str, list], int]:
+    """label -> (drafter, draft depth k) for every draft directory and its variants (a fused drafter's separate
+    pass, "-separate"; a drafter with an unused expansion width, EAGLE-2's dynamic tree, "-dynamic"), and the
+    layer-skip drafter; each draft's held-out per-rank accuracies; the deepest depth (at least 3)."""
+    methods: dict[str, tuple] = {}  # drafters keep no per-run state
+    own_acc: dict[str, list] = {}  # label -> its held-out per-rank accuracies (depth 1 only for early exit)
+    for label, path in (drafts or {}).items():
+        d, module, meta = load_drafter(path, model)
+        acc = heldout_accuracies(meta, str(path))
+        k = d.draft_steps() or len(acc or [])
+        methods[label] = (d, k)
+        if acc:
+            own_acc[label] = acc
+        if d.fused:
+            methods[f"{label}-separate"] = (type(d)(model, module, fused=False), k)
+        if d.dynamic_k == 0:  # EAGLE-2's dynamic tree within the same node budget
+            methods[f"{label}-dynamic"] = (type(d)(model, module, dynamic_k=4), k)
+    depth = max([k for _, k in methods.values()] + [3])
+    if layer_skip is not None:
+        a, b = layer_skip
+        methods[f"layer-skip {a}-{b - 1}"] = (LayerSkipDrafter(model, range(a, b)), depth)
+    return methods, own_acc, depth
+
+
+def method_tree(tree: str, label: str, k: int, depth: int, nodes: int, own_acc: dict[str, list], model, drafter,
+                costs, prompt: list[int]) -> DraftTree:
+    """The tree `bench_speculative` runs a method with (its `tree` argument: chain, sparse or auto)."""
+    if tree == "chain":
+        return DraftTree.chain(k if k > 1 else depth)
+    own = label.removesuffix("-separate").removesuffix("-dynamic")
+    accs = {lab: a for lab, a in own_acc.items() if len(a) > 1}  # every depth measured (sparse trees)
+    src = accs.get(own) or next(iter(accs.values()), None)
+    if tree == "auto":
+        src = own_acc.get(own) or src
+    if src is None:
+        raise ValueError(f"tree {tree!r} needs a draft with held-out per-rank accuracies (hidden transfer or Medusa)")
+    if tree == "auto":  # priced with what this drafter's rounds really cost beyond their forwards
+        over = measure_overhead(model, drafter, costs, prompt)
+        return auto_tree(model, drafter, src, costs, max_depth=k if k > 1 else depth, overhead=over)[0]
+    return DraftTree.greedy_from_accuracies(src, nodes)
+
+
+def _bench_prompt(model, ids: list[int], rows: dict[str, dict], methods: dict[str, tuple],
+                  trees: dict[str, DraftTree], gcfg: GenerationConfig, hf, anchor, depth: int) -> None:
+    """One prompt through plain decoding, the anchors and every method, added to `rows`."""
+    t = time.perf_counter()
+    plain = generate(model, [ids], gcfg)[0]
+    rows["plain"]["time"] += time.perf_counter() - t
+    rows["plain"]["tokens"] += len(plain)
+    rows["plain"]["forwards"] += len(plain)
+    rows["plain"]["equal"] += 1
+    if hf is not None:
+        x = torch.tensor([ids])
         t = time.perf_counter()
-        plain = generate(model, [ids], gcfg)[0]
-        rows["plain"]["time"] += time.perf_counter() - t
-        rows["plain"]["tokens"] += len(plain)
-        rows["plain"]["forwards"] += len(plain)
-        rows["plain"]["equal"] += 1
-        if hf is not None:
-            x = torch.tensor([ids])
-            t = time.perf_counter()
-            with torch.no_grad():
-                out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                                  eos_token_id=list(stop))[0, len(ids):].tolist()
-            rows["transformers"]["time"] += time.perf_counter() - t
-            rows["transformers"]["tokens"] += len(out)
-            rows["transformers"]["equal"] += int(out == plain)
-        if anchor is not None and plain:
-            t = time.perf_counter()
-            _, _, out = anchor.run(ids, len(plain))  # prefill + as many greedy tokens as ours, no stop
-            rows["llama.cpp"]["time"] += time.perf_counter() - t
-            rows["llama.cpp"]["tokens"] += len(plain)
-            rows["llama.cpp"]["equal"] += int(out == plain)
-        for label, (drafter, k) in methods.items():
-            rec = DraftRecorder(drafter)
-            tr = trees[label]
-            rows[label]["tree"] = len(tr)
-            t = time.perf_counter()
-            out, stats = speculative_generate(model, ids, rec, tr, new_tokens, stop_tokens=stop)
-            r = rows[label]
-            r["time"] += time.perf_counter() - t
-            r["tokens"] += len(out)
-            r["forwards"] += stats.base_forwards
-            r["equal"] += int(out == plain)
-            h, c = rec.accuracy(list(ids) + out, depth)
-            r["hits"] = [x + y for x, y in zip(r["hits"], h)]
-            r["counts"] = [x + y for x, y in zip(r["counts"], c)]
+        with torch.no_grad():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=gcfg.max_new_tokens,
+                              do_sample=False, eos_token_id=list(gcfg.stop_tokens))[0, len(ids):].tolist()
+        rows["transformers"]["time"] += time.perf_counter() - t
+        rows["transformers"]["tokens"] += len(out)
+        rows["transformers"]["equal"] += int(out == plain)
+    if anchor is not None and plain:
+        t = time.perf_counter()
+        _, _, out = anchor.run(ids, len(plain))  # prefill + as many greedy tokens as ours, no stop
+        rows["llama.cpp"]["time"] += time.perf_counter() - t
+        rows["llama.cpp"]["tokens"] += len(plain)
+        rows["llama.cpp"]["equal"] += int(out == plain)
+    for label, (drafter, k) in methods.items():
+        rec = DraftRecorder(drafter)
+        tr = trees[label]
+        rows[label]["tree"] = len(tr)
+        t = time.perf_counter()
+        out, stats = speculative_generate(model, ids, rec, tr, gcfg.max_new_tokens, stop_tokens=gcfg.stop_tokens)
+        r = rows[label]
+        r["time"] += time.perf_counter() - t
+        r["tokens"] += len(out)
+        r["forwards"] += stats.base_forwards
+        r["equal"] += int(out == plain)
+        h, c = rec.accuracy(list(ids) + out, depth)
+        r["hits"] = [x + y for x, y in zip(r["hits"], h)]
+        r["counts"] = [x + y for x, y in zip(r["counts"], c)]
+
+
+def _speculative_rows(rows: dict[str, dict], n_prompts: int) -> list[dict]:
     plain_tps = rows["plain"]["tokens"] / rows["plain"]["time"]
-    hf_tps = rows["transformers"]["tokens"] / rows["transformers"]["time"] if hf is not None else None
-    lc_tps = rows["llama.cpp"]["tokens"] / rows["llama.cpp"]["time"] if anchor is not None else None
+    hf_tps = rows["transformers"]["tokens"] / rows["transformers"]["time"] if "transformers" in rows else None
+    lc_tps = rows["llama.cpp"]["tokens"] / rows["llama.cpp"]["time"] if "llama.cpp" in rows else None
     table = []
     for name, r in rows.items():
         tps = r["tokens"] / r["time"]
-        table.append(dict(method=name, tree_nodes=r.get("tree"), tau=r["tokens"] / r["forwards"] if r.get("forwards") else None,
+        table.append(dict(method=name, tree_nodes=r.get("tree"),
+                          tau=r["tokens"] / r["forwards"] if r.get("forwards") else None,
                           top1=[round(h / c, 3) if c else None for h, c in zip(r.get("hits", []), r.get("counts", []))],
                           tok_s=tps, vs_plain=tps / plain_tps, vs_hf=tps / hf_tps if hf_tps else None,
-                          vs_llama_cpp=tps / lc_tps if lc_tps else None,
-                          lossless=f"{r['equal']}/{len(encoded)}"))
-    return dict(model=model_name, weights=weights, prompts=len(encoded), prompt_set=prompts, new_tokens=new_tokens,
-                tree=tree, nodes=nodes, rows=table, llama_cpp_version=getattr(anchor, "version", None))
+                          vs_llama_cpp=tps / lc_tps if lc_tps else None, lossless=f"{r['equal']}/{n_prompts}"))
+    return table
 
 
 def speculative_table(r: dict) -> str:

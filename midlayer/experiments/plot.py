@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from midlayer.config import ModelConfig, SparsityConfig, from_dict
+from midlayer.config import from_dict, ModelConfig, SparsityConfig
+from .sweep import diverged, KIND_DENSE, KIND_GATED, KIND_NO_CONTROL, PARTS_PLACEMENT_PART
 from midlayer.model.flops import active_param_count, forward_flops, param_count
-from .sweep import KIND_DENSE, KIND_GATED, KIND_NO_CONTROL, PARTS_PLACEMENT_PART, diverged
 from midlayer.model.sparsity import mean_targets
 
 CSV_COLUMNS = ("run", "kind", "n_layers", "controller", "mu0", "mu_final", "val_ce", "val_ppl", "mean_sparsity",

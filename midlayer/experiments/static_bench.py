@@ -21,15 +21,15 @@ from typing import Sequence
 
 import torch
 
-from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_stream
-from midlayer.speculative.static import fused_steps, static_speculative_generate
-from midlayer.engine.generate import GenerationConfig, generate_stream
+from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, static_stream
+from midlayer.engine.generate import generate_stream, GenerationConfig
+from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
+from .bench import heldout_chats, load_hf_same_weights
 from midlayer.model.transformer import Transformer
 from midlayer.ops.kernels import cpu_info
-from .bench import load_hf_same_weights, heldout_chats
-from midlayer.speculative.registry import heldout_accuracies, load_drafter
 from midlayer.speculative.eagle import EagleDrafter
-from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
+from midlayer.speculative.registry import heldout_accuracies, load_drafter
+from midlayer.speculative.static import fused_steps, static_speculative_generate
 from midlayer.speculative.tree import DraftTree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from midlayer.common import atomic_write
-from midlayer.train.checkpoint import config_mismatch, list_checkpoints
-from midlayer.config import ModelConfig, SparsityConfig, TrainConfig, get_preset
+from midlayer.config import get_preset, ModelConfig, SparsityConfig, TrainConfig
 from midlayer.ops.kernels import cpu_info
 from midlayer.output_lock import OutputLock
+from midlayer.train.checkpoint import config_mismatch, list_checkpoints
 from midlayer.train.evaluate import evaluate_contexts, rescalable_rope
 
 SECTION_CLASSES: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig}

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from midlayer.ops import kernels
 from midlayer.config import ModelConfig
 from .layers import fuse_linears, make_norm
+from midlayer.ops import kernels
 
 _TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)

@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from midlayer.ops import kernels
-from .attention import Attention, PositionBias, key_gate_bias, rope_tables
 from midlayer.config import ModelConfig
+from .attention import Attention, key_gate_bias, PositionBias, rope_tables
 from .gating import GateStats, MirroredGates, Routers
 from .kv_cache import CacheView
-from .layers import FeedForward, MoEFeedForward, make_norm
+from .layers import FeedForward, make_norm, MoEFeedForward
 from .ssm import SelectiveSSM
+from midlayer.ops import kernels
 
 
 class Block(nn.Module):

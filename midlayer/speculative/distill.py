@@ -39,16 +39,15 @@ from typing import Any, Sequence
 
 import torch
 
-from .registry import DraftMismatchError, base_signature, check_base
-from midlayer.engine.generate import GenerationConfig, generate
+from midlayer.data.prompt_recipe import load as load_scaled
+from midlayer.data.prompts import Prompt, prompt_set
+from midlayer.engine.generate import generate, GenerationConfig
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.engine.quantization import compress_weights
 from midlayer.model.transformer import Transformer
 from midlayer.output_lock import OutputBusy, OutputLock
-from midlayer.data.prompts import Prompt
+from .registry import base_signature, check_base, DraftMismatchError
 from midlayer.train.distributed import resolve_device
-from midlayer.engine.pretrained import load_pretrained
-from midlayer.data.prompts import prompt_set
-from midlayer.engine.quantization import compress_weights
-from midlayer.data.prompt_recipe import load as load_scaled
 
 DISTILL_FORMAT = "midlayer-distill-v1"
 # header fields that must match to resume (batch_size: batches fix the sampling seeds and, in formats that
@@ -436,7 +435,6 @@ def run(args: argparse.Namespace) -> int:
     if args.weights == "q4":
         model, note = compress_weights(model, "q4").eval(), "q4"
     if args.prompts == "scaled":
-
         prompts = load_scaled()
     else:
         prompts = prompt_set(args.seed)

@@ -69,25 +69,22 @@ import torch
 from torch import nn
 
 from midlayer.common import atomic_write, json_safe
-from midlayer.config import GATE_VALUES, check_finite
-from midlayer.engine.draft_vocab import draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab, to_token_ids
-from .early_exit import EarlyExitHead, early_exit_loss
-from .drafting import FrozenBase, base_states, lower_states, model_device
-from .medusa import MedusaHeads, medusa_loss
-from .registry import save_draft
-from .eagle import FEATURE_NOISE, EagleHead, eagle_forward, eagle_loss, feature_logits
-from .hidden_transfer import HiddenTransfer, hidden_transfer_loss, transfer_forward
+from midlayer.config import check_finite, GATE_VALUES
+from midlayer.engine.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
+                                         to_token_ids)
+from midlayer.engine.pretrained import load_pretrained
 from midlayer.model.gating import mirror_index
 from midlayer.model.transformer import Transformer
-from midlayer.output_lock import OutputLock
-from .skip_gates import SkipGates, gate_loss
-from .distill import DistillSet
-from .registry import load_draft
-from midlayer.engine.pretrained import load_pretrained
 from midlayer.ops.kernels import cpu_info
-from .drafting import kl_to_base
-from .distill import DistillSet, batches as make_batches
-from .registry import check_base
+from midlayer.output_lock import OutputLock
+from .distill import batches as make_batches, DistillSet
+from .drafting import base_states, FrozenBase, kl_to_base, lower_states, model_device
+from .eagle import eagle_forward, eagle_loss, EagleHead, feature_logits, FEATURE_NOISE
+from .early_exit import early_exit_loss, EarlyExitHead
+from .hidden_transfer import hidden_transfer_loss, HiddenTransfer, transfer_forward
+from .medusa import medusa_loss, MedusaHeads
+from .registry import check_base, load_draft, save_draft
+from .skip_gates import gate_loss, SkipGates
 
 METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle", "gates")
 
@@ -389,7 +386,6 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
     # drafts trained before these settings existed used the full vocabulary and every position
     cfg = DraftTrainConfig(**{"draft_vocab": 0, "loss_positions": "all", **meta["train"]})
     if model is None:
-
         model = load_pretrained(cfg.model)[0].eval()
     module, _ = load_draft(out, model)
     ds = data if data is not None else DistillSet.load(cfg.data)
@@ -529,7 +525,6 @@ class _GateTally:
         self.zero_sum = torch.zeros(n_layers // 2)
 
     def add(self, out: Any, dense_logits: torch.Tensor, mask: torch.Tensor) -> None:
-
         w = float(mask.sum())
         if not w:
             return
@@ -813,7 +808,6 @@ def _train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None, data:
 
     c0 = cfgs[0]
     if model is None:
-
         model = load_pretrained(c0.model)[0].to(device or "cpu")
     model.eval()
     ds = data if data is not None else DistillSet.load(c0.data)

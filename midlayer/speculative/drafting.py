@@ -25,11 +25,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from midlayer.ops import kernels
 from midlayer.engine.draft_vocab import restrict_logits, to_token_ids
 from midlayer.engine.generate import CachedStep
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
+from midlayer.ops import kernels
 from .protocol import Draft, DraftContext
 from .tree import DraftTree
 from midlayer.train.evaluate import kl_rows

@@ -69,21 +69,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from midlayer.ops import kernels
 from midlayer.config import ModelConfig
-from .drafting import (FrozenBase, base_states, batch_stream, draft_tree_autoregressive, gather_counted, kl_to_base,
-                       model_device, optimise, placeholder_candidates, split_batch)
 from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
 from midlayer.engine.generate import CachedStep
-from .hidden_transfer import additive_mask, visible
+from midlayer.engine.quantization import compress_block, Q8Linear
 from midlayer.model.kv_cache import KVCache, MaskedView
-from midlayer.model.transformer import Block, Transformer, causal_step
-from .protocol import Draft, DraftContext
+from midlayer.model.transformer import Block, causal_step, Transformer
+from midlayer.ops import kernels
+from .drafting import (base_states, batch_stream, draft_tree_autoregressive, FrozenBase, gather_counted, kl_to_base,
+                       model_device, optimise, placeholder_candidates, split_batch)
+from .hidden_transfer import additive_mask, visible
+from .protocol import Draft, DraftContext, Drafter
 from .tree import DraftTree
-from .protocol import Drafter
 from .tree_cost import head_share
-from midlayer.engine.quantization import compress_block
-from midlayer.engine.quantization import Q8Linear
 
 W_CLS = 0.1  # EAGLE sec. 4: L = L_reg + 0.1 L_cls
 FEATURE_NOISE = 0.1  # EAGLE sec. 4: U(-0.1, 0.1) added to the input features during training
@@ -314,7 +312,6 @@ class EagleDrafter(Drafter):
         self.layer: Block = head.layer
         self.fc: nn.Module = head.fc
         if fmt not in (None, "fp32"):
-
             self.layer = compress_block(copy.deepcopy(head.layer), fmt).eval()
         if fmt == "q4" and kernels.available():
             # The fc (2d -> d) in Q8_0, the q4 format's 8-bit format (its LM head's): every draft-layer

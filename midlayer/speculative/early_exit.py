@@ -18,10 +18,10 @@ from torch import nn
 from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
-from .protocol import Draft, DraftContext
+from .drafting import (apply_linear, base_states, batch_stream, check_layer, draft_tree_autoregressive, FrozenBase,
+                       gather_counted, kl_to_base, model_device, optimise, run_blocks_cached, split_batch)
+from .protocol import Draft, DraftContext, Drafter, Forward
 from .tree import DraftTree
-from .drafting import FrozenBase, apply_linear, base_states, batch_stream, check_layer, draft_tree_autoregressive, gather_counted, kl_to_base, model_device, optimise, run_blocks_cached, split_batch
-from .protocol import Drafter, Forward
 from .tree_cost import head_share
 
 

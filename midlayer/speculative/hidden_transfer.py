@@ -82,16 +82,15 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from midlayer.model.attention import window_mask
 from midlayer.engine.draft_vocab import draft_vocab, head_logits, restrict_logits, to_token_ids
-from .drafting import (FrozenBase, apply_linear, batch_stream, candidate_counts, kl_to_base, model_device, optimise,
-                       placeholder_candidates, split_batch, topk_lists)
-from midlayer.engine.generate import JoinedRows, forward_cached
+from midlayer.engine.generate import forward_cached, JoinedRows
+from midlayer.model.attention import window_mask
 from midlayer.model.kv_cache import KVCache, MaskedView
 from midlayer.model.transformer import Transformer
-from .protocol import DraftContext
+from .drafting import (apply_linear, batch_stream, candidate_counts, FrozenBase, kl_to_base, model_device, optimise,
+                       placeholder_candidates, split_batch, topk_lists)
+from .protocol import DraftContext, Drafter, Forward
 from .tree import DraftTree
-from .protocol import Drafter, Forward
 from .tree_cost import head_share
 
 

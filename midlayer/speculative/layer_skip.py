@@ -12,10 +12,9 @@ from typing import Sequence
 import torch
 
 from midlayer.model.transformer import Transformer
-from .protocol import Draft, DraftContext
-from .tree import DraftTree
 from .drafting import draft_tree_autoregressive, lm_logits, run_blocks_cached
-from .protocol import Drafter, Forward
+from .protocol import Draft, DraftContext, Drafter, Forward
+from .tree import DraftTree
 
 
 class LayerSkipDrafter(Drafter):

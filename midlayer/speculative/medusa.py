@@ -20,10 +20,10 @@ from torch import nn
 
 from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits
 from midlayer.model.transformer import Transformer
-from .tree import DraftTree
-from .drafting import (FrozenBase, apply_linear, base_states, batch_stream, candidate_counts, gather_counted,
+from .drafting import (apply_linear, base_states, batch_stream, candidate_counts, FrozenBase, gather_counted,
                        kl_to_base, model_device, optimise, placeholder_candidates, split_batch, topk_lists)
 from .protocol import DraftContext, Drafter, Forward
+from .tree import DraftTree
 from .tree_cost import head_share
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from midlayer.common import atomic_write, file_sha256
 from midlayer.engine.draft_vocab import set_draft_vocab
-from midlayer.model.transformer import Transformer, nonfinite_tensors
+from midlayer.model.transformer import nonfinite_tensors, Transformer
 from .drafting import model_device
 from .eagle import EagleDrafter, EagleHead
 from .early_exit import EarlyExitDrafter, EarlyExitHead

@@ -57,11 +57,11 @@ from torch import nn
 import torch.nn.functional as F
 
 from midlayer.config import GATE_VALUES, SparsityConfig
-from .layer_skip import LayerSkipDrafter
-from .drafting import gather_counted, kl_to_base
 from midlayer.model.gating import GateStats, Routers
-from midlayer.model.transformer import Transformer
 from midlayer.model.sparsity import ADAPTIVE_KINDS, SparsityController
+from midlayer.model.transformer import Transformer
+from .drafting import gather_counted, kl_to_base
+from .layer_skip import LayerSkipDrafter
 
 
 class LowRankLinear(nn.Module):

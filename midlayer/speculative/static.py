@@ -11,11 +11,11 @@ from typing import Sequence
 
 import torch
 
-from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, any_round_slots, round_slots, step_for
+from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, round_slots, step_for
 from midlayer.engine.generate import validate_prompts
 from midlayer.model.transformer import Transformer
 from .protocol import DraftContext, Drafter
-from .verify import SpecStats, draft_node_tokens, round_tree
+from .verify import draft_node_tokens, round_tree, SpecStats
 
 
 def fused_steps(drafter: Drafter) -> int:

@@ -49,17 +49,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from midlayer.common import atomic_write, cache_dir
+from midlayer.engine.draft_vocab import draft_vocab
+from midlayer.engine.generate import forward_cached, generate_stream, GenerationConfig
+from midlayer.model.kv_cache import KVCache
+from midlayer.ops.kernels import cpu_info, library_path
+from .drafting import run_blocks_cached
 from .protocol import Drafter, Forward
 from .tree import DraftTree
-from midlayer.engine.draft_vocab import draft_vocab
-from midlayer.engine.generate import GenerationConfig, generate_stream
 from .verify import speculative_generate
-from .drafting import run_blocks_cached
-from midlayer.engine.generate import forward_cached
-from midlayer.model.kv_cache import KVCache
-from midlayer.common import cache_dir
-from midlayer.ops.kernels import cpu_info, library_path
-from midlayer.common import atomic_write
 
 # Forward (protocol.py): (rows at each block 0..L-1, rows through the final norm + LM head[, the share of the
 # head's rows they read: a draft vocabulary (draft_vocab.py) reads |vocab| of V rows, and batch-1 head rows
@@ -342,7 +340,6 @@ def _sync(dev: torch.device) -> None:
 
 
 def _cache_file() -> Path:
-
     return cache_dir() / "row_costs.json"
 
 

@@ -66,13 +66,12 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from midlayer.ops import kernels
-from midlayer.engine.generate import forward_cached, validate_prompts
+from midlayer.engine.generate import forward_cached, generate, GenerationConfig, validate_prompts
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
+from midlayer.ops import kernels
 from .protocol import Draft, DraftContext, Drafter, FusedDrafter
-from .tree import DraftTree, candidates_from_topk
-from midlayer.engine.generate import GenerationConfig, generate
+from .tree import candidates_from_topk, DraftTree
 
 Path = tuple[int, ...]
 

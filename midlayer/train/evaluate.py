@@ -15,16 +15,14 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import distributed as dist_utils
 from midlayer.common import atomic_write, autocast_context, cache_dir, resolve_dtype
-from midlayer.data.shards import TokenWindows
+from midlayer.config import from_dict, ModelConfig, TrainConfig
+from midlayer.data.shards import resolve_data, TokenWindows
 from midlayer.model.flops import active_param_count, forward_flops, kv_bytes_per_token, param_count
-from midlayer.model.transformer import Transformer
 from midlayer.model.sparsity import GateStatsAccumulator
+from midlayer.model.transformer import position_tables, Transformer
+from midlayer.train import distributed as dist_utils
 from .checkpoint import list_checkpoints, load_checkpoint, load_weights
-from midlayer.config import ModelConfig, TrainConfig, from_dict
-from midlayer.data.shards import resolve_data
-from midlayer.model.transformer import position_tables
 
 
 
@@ -152,7 +150,6 @@ def evaluate_contexts(run_dir: str | Path, multiples: Sequence[int], device: str
     for T in lengths:
         out["val_ce"][str(T)] = ce_at(T)
     if rescalable_rope(mcfg):
-
         for scaling in ("linear", "ntk"):
             key = f"val_ce_rope_{scaling}"
             out[key] = {}

@@ -32,18 +32,18 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from . import distributed as dist_utils
-from midlayer.model.attention import FLEX_MIN_HEAD_DIM
-from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, load_newest_checkpoint, load_weights,
-                         remove_stale_temp_files, save_checkpoint)
-from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
-from midlayer.data.shards import TokenWindows, resolve_data
-from .evaluate import evaluate
 from midlayer.common import autocast_context, cache_dir as default_cache_dir, json_safe, resolve_dtype
+from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
+from midlayer.data.shards import resolve_data, TokenWindows
+from midlayer.model.attention import FLEX_MIN_HEAD_DIM
 from midlayer.model.flops import forward_flops
+from midlayer.model.sparsity import ADAPTIVE_KINDS, GateStatsAccumulator, make_controller
 from midlayer.model.transformer import Transformer
 from midlayer.output_lock import OutputLock
-from midlayer.model.sparsity import ADAPTIVE_KINDS, GateStatsAccumulator, make_controller
+from midlayer.train import distributed as dist_utils
+from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, load_newest_checkpoint, load_weights,
+                         remove_stale_temp_files, save_checkpoint)
+from .evaluate import evaluate
 
 
 class NonFiniteLossError(RuntimeError):
