@@ -3,7 +3,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/python -m midlayer.experiments.demo
+	.venv/bin/python -m midlayer demo
 
 test: setup
 	.venv/bin/python -m pytest -q

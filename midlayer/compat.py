@@ -25,7 +25,7 @@ OLD_PATHS: dict[str, str] = {f"midlayer.{old}": f"midlayer.{new}" for old, new i
     "evaluate": "train.evaluate", "checkpoint": "train.checkpoint", "distributed": "train.distributed",
     "generate": "engine.generate", "decode_step": "engine.decode_step", "quantization": "engine.quantization",
     "pretrained": "engine.pretrained",
-    "drafters": "speculative.drafters", "eagle": "speculative.eagle", "hidden_transfer": "speculative.hidden_transfer",
+"eagle": "speculative.eagle", "hidden_transfer": "speculative.hidden_transfer",
     "skip_gates": "speculative.skip_gates", "tree_cost": "speculative.tree_cost", "distill": "speculative.distill",
     "draft_training": "speculative.draft_training", "draft_vocab": "engine.draft_vocab",
     "sweep": "experiments.sweep", "plot": "experiments.plot", "bench": "experiments.bench",
@@ -33,16 +33,41 @@ OLD_PATHS: dict[str, str] = {f"midlayer.{old}": f"midlayer.{new}" for old, new i
 }.items()}
 
 
+# old module -> the new modules its names went to (a module split in two or more), searched in order
+SPLIT_PATHS: dict[str, tuple[str, ...]] = {
+    "midlayer.drafters": ("midlayer.speculative.registry", "midlayer.speculative.drafting",
+                          "midlayer.speculative.medusa", "midlayer.speculative.early_exit",
+                          "midlayer.speculative.layer_skip", "midlayer.train.evaluate"),
+}
+
+
+def split_module(name: str) -> ModuleType:
+    """A module `name` whose attributes are looked up, on first use, in the modules its names went to."""
+    module = ModuleType(name, f"Old path of {', '.join(SPLIT_PATHS[name])} (midlayer.compat).")
+
+    def __getattr__(attr: str) -> object:
+        for new in SPLIT_PATHS[name]:
+            found = getattr(importlib.import_module(new), attr, module)
+            if found is not module:
+                return found
+        raise AttributeError(f"module {name!r} has no attribute {attr!r}")
+
+    module.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    return module
+
+
 class OldPathFinder(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
     """A meta-path finder and loader that binds an old module name to the new module object."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in OLD_PATHS:
+        if fullname not in OLD_PATHS and fullname not in SPLIT_PATHS:
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        if spec.name in SPLIT_PATHS:
+            return split_module(spec.name)
         return importlib.import_module(OLD_PATHS[spec.name])
 
     def exec_module(self, module: ModuleType) -> None:

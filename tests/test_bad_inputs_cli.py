@@ -377,7 +377,8 @@ def test_bench_generate_refusals_before_any_benchmark(flag, value, work, capsys)
 
 def test_bench_generate_skipping_checks_only_where_skipping_runs(work, capsys):
     """A preset that the skipping benchmark cannot run is no reason to refuse --what rows."""
-    from midlayer.cli import _check_bench_generate_args, build_parser
+    from midlayer.cli import build_parser
+    from midlayer.commands.benchmarks import check_bench_generate_args as _check_bench_generate_args
 
     args = build_parser().parse_args(["bench", "generate", "--what", "rows", "--preset", "tiny"])
     assert _check_bench_generate_args(args) == (0.0, 0.25, 0.5, 0.75, 0.9)

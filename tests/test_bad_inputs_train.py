@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from midlayer import cli
+from midlayer.commands import options
 from midlayer.train.checkpoint import list_checkpoints, load_checkpoint
 from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
 from midlayer.data.shards import write_shard
@@ -158,7 +159,7 @@ FLOAT_FIELDS = [f.name for cls in (ModelConfig, SparsityConfig, TrainConfig) for
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999"])
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
 def test_non_finite_float_flags_are_refused_naming_the_flag(tmp_path, shards, capsys, field, value):
-    flag = cli.flag_name(field)
+    flag = options.flag_name(field)
     rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", f"{flag}={value}"))
     line = one_line_error(err)
     assert rc == 2 and f"{flag}:" in line, line

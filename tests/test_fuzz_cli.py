@@ -12,7 +12,8 @@ import math
 import pytest
 
 from midlayer import cli
-from midlayer.cli import overrides_from_args
+from midlayer.commands import benchmarks, drafting, experiments, generation, training
+from midlayer.commands.options import overrides_from_args
 from midlayer.config import get_preset
 
 BAD = ["", "nan", "inf", "-inf", "-1", "0", "1e999", "abc", "3.5", "-0.5", "99999999999"]
@@ -47,32 +48,32 @@ def _validate(cmd: str, args: argparse.Namespace) -> None:
         if args.stop_after is not None and args.stop_after < 1:
             raise ValueError("--stop-after")
     elif cmd == "train-draft":
-        cli.draft_configs(args)
+        drafting.draft_configs(args)
     elif cmd == "eval":
-        cli._check_eval_args(args)
+        training.check_eval_args(args)
     elif cmd == "sweep":
-        cli._check_sweep_args(args)
+        experiments.check_sweep_args(args)
     elif cmd == "flops":
-        cli._cmd_flops(args)  # pure arithmetic: the whole command
+        training.cmd_flops(args)  # pure arithmetic: the whole command
     elif cmd == "plot":
         try:
-            cli._check_plot_args(args)
+            experiments.check_plot_args(args)
         except FileNotFoundError:  # the sweep folder of BASE does not exist: a clean refusal in cli.main too
             pass
     elif cmd == "generate":
-        cli._check_generate_args(args)
+        generation.check_generate_args(args)
     elif cmd == "bench generate":
-        cli._check_bench_generate_args(args)
+        benchmarks.check_bench_generate_args(args)
     elif cmd == "bench decode":
         try:
-            cli._check_bench_decode_args(args)
+            benchmarks.check_bench_decode_args(args)
         except FileNotFoundError:  # the drafts/model on disk: a clean refusal in cli.main too
             pass
     elif cmd == "distill":
         __import__("midlayer.speculative.distill", fromlist=["x"]).check_args(args)
     elif cmd == "bench static":
         try:
-            cli._check_bench_static_args(args)
+            benchmarks.check_bench_static_args(args)
         except FileNotFoundError:  # the drafts on disk: a clean refusal in cli.main too
             pass
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from midlayer import cli
+from midlayer.commands import options
 from midlayer.config import get_preset
 from midlayer.data.shards import write_shard
 from midlayer.ops.kernels import cpu_info
@@ -252,7 +253,7 @@ def test_torchrun_flags_parse_back_to_the_same_configs():
             cmd = torchrun_command(grid, spec, "some/dir", 2, resume=True, extra_train={"data": "d/*.bin"})
             args = cli.build_parser().parse_args(cmd[cmd.index("train"):])
             assert args.resume and args.preset == spec.preset
-            assert get_preset(args.preset, **cli.overrides_from_args(args)) == \
+            assert get_preset(args.preset, **options.overrides_from_args(args)) == \
                 resolve_run(grid, spec, "some/dir", {"data": "d/*.bin"})
 
 

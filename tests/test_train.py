@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from midlayer import cli
+from midlayer.commands import options
 from midlayer.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from midlayer.config import TrainConfig, get_preset
 from midlayer.data.shards import write_shard
@@ -406,8 +407,13 @@ def test_cli_surface_is_frozen():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
-    assert sorted(flags) == ["bench", "distill", "eval", "flops", "generate", "plot", "presets", "sweep", "train",
-                             "train-draft", "train-gates"]
+    # issue 44: demo, data and kernels (python -m midlayer.X before) joined the one command surface
+    assert sorted(flags) == ["bench", "data", "demo", "distill", "eval", "flops", "generate", "kernels", "plot",
+                             "presets", "sweep", "train", "train-draft", "train-gates"]
+    assert flags["demo"] == sorted(["-h", "--help", "--steps", "--out-dir"])
+    assert flags["kernels"] == sorted(["-h", "--help"])
+    tools = next(a for a in sub.choices["data"]._actions if a.dest == "tool").choices
+    assert sorted(tools) == ["corpus", "fineweb", "prompts", "recipe"]  # each passes its arguments to its module
     assert flags["distill"] == sorted(["-h", "--help", "--model", "--out", "--max-new-tokens", "--batch-size", "--dtype",
                                        "--seed", "--prompts", "--split", "--weights", "--temperature", "--sample-seed",
                                        "--limit", "--no-progress", "--device"])
@@ -466,7 +472,7 @@ def test_cli_surface_is_frozen():
 
 def test_cli_flags_override_preset_and_bad_values_are_clear(capsys):
     args = cli.build_parser().parse_args(["train", "tiny", "--mu-final", "0.25", "--no-gating", "--steps", "7"])
-    over = cli.overrides_from_args(args)
+    over = options.overrides_from_args(args)
     m, s, t = get_preset("tiny", **over)
     assert (s.mu_final, m.gating, t.steps, m.dim) == (0.25, False, 7, 128)
     assert cli.main(["train", "tiny", "--mu-final", "1.5"]) == 2

@@ -242,7 +242,7 @@ def test_drafter_key_is_the_draft_architecture_not_its_values(tmp_path):
 
 
 def test_tree_specs_on_the_command_line():
-    from midlayer.cli import _tree_nodes
+    from midlayer.commands.generation import tree_nodes as _tree_nodes
 
     assert _tree_nodes("sparse:5") == 5 and _tree_nodes("dynamic:12") == 12
     for bad in ("sparse:0", "dynamic:x", "sparse:-3", "dynamic:"):

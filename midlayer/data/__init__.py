@@ -17,7 +17,7 @@ def __getattr__(name: str) -> object:
     """
     if name.startswith("__") or (Path(__file__).parent / f"{name}.py").exists():
         raise AttributeError(f"module 'midlayer.data' has no attribute {name!r}")
-    try:
+    try:  # imported on first use: no start-up cost for the other submodules
         return getattr(importlib.import_module("midlayer.data.shards"), name)
     except AttributeError:
         raise AttributeError(f"module 'midlayer.data' has no attribute {name!r}") from None

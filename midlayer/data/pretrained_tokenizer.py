@@ -241,7 +241,10 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, reader: Any) -> TextTokenizer:
-        """Build the tokenizer described by a `gguf.GGUFReader`'s metadata (byte-level BPE only)."""
+        """Build the tokenizer described by a `gguf.GGUFReader`'s metadata (byte-level BPE only).
+
+        Long: one pass over the GGUF's tokenizer keys (vocabulary, merges, token types, special ids, the
+        pre-tokenizer, the chat template), each refused by name when it is not what we can run."""
         fields = reader.fields
 
         def get(key: str, default: Any = None) -> Any:

@@ -2,7 +2,7 @@
 embedded Shakespeare corpus, then print a comparison table.
 
 Runs go to runs/demo/{gated,dense}. A finished run is not retrained (its eval.json is reused); a killed one
-resumes from its last checkpoint. `python -m midlayer.experiments.demo --steps 50` makes a quicker, rougher demo.
+resumes from its last checkpoint. `midlayer demo --steps 50` makes a quicker, rougher demo.
 """
 
 from __future__ import annotations
@@ -48,11 +48,22 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per model (default: the preset's)")
     ap.add_argument("--out-dir", default="runs/demo")
-    args = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m midlayer.experiments.demo` (`make demo`); `midlayer demo` is the same."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Both runs (trained, resumed or reused), then the table."""
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be a positive integer, got {args.steps}")
     out = Path(args.out_dir)
     t0 = time.perf_counter()
     rows = {"gated": run_one("tiny", out / "gated", args.steps),

@@ -462,7 +462,10 @@ def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]])
 def write_table(rows: list[dict[str, Any]], csv_path: Path | str, md_path: Path | str,
                 png_name: str | None = None) -> None:
     """Write the runs as CSV (one row each, `CSV_COLUMNS`) and a Markdown report with the per-block
-    target check of the gated runs. `png_name`, if given, is linked from the Markdown."""
+    target check of the gated runs. `png_name`, if given, is linked from the Markdown.
+
+    Long: the Figure-2 report (docs/results/figure2-cpu.md), its sections in reading order; each section is a
+    few lines of Markdown over the same rows and points."""
     rows = sorted(rows, key=_sort_key)
     csv_path, md_path = Path(csv_path), Path(md_path)
     for p in (csv_path, md_path):
@@ -759,7 +762,10 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
 
 
 def write_parts_report(sweep_dir: Path | str, prefix: Path | str) -> dict[str, Path]:
-    """The parts table (Markdown, CSV) and a bar chart of each part's CE difference to the baseline (PNG)."""
+    """The parts table (Markdown, CSV) and a bar chart of each part's CE difference to the baseline (PNG).
+
+    Long: one report (docs/results/parts-cpu.md) written top to bottom, each section from the rows collected
+    above; split into functions it would pass the same dozen values to each."""
     rows, stability = collect_parts(sweep_dir)
     if not rows:
         raise ValueError(f"{sweep_dir}: no run of the parts grid has finished yet")

@@ -20,6 +20,7 @@ import time
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, static_stream
 from midlayer.engine.generate import generate_stream, GenerationConfig
@@ -27,7 +28,6 @@ from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
 from .bench import heldout_chats, load_hf_same_weights
 from midlayer.model.transformer import Transformer
 from midlayer.ops.kernels import cpu_info
-from midlayer.speculative.eagle import EagleDrafter
 from midlayer.speculative.registry import heldout_accuracies, load_drafter
 from midlayer.speculative.static import fused_steps, static_speculative_generate
 from midlayer.speculative.tree import DraftTree
@@ -137,7 +137,6 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     first (hidden transfer fused: its pseudo rows ride every verification round). `dynamic`:
     also time the dynamic engine (`generate`), the path this step replaces on a GPU. `on_table(result,
     dtype)`: called as each dtype's table is done (a run cut short keeps what it finished)."""
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
@@ -148,106 +147,128 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     drafts = DEFAULT_DRAFTS if drafts is None else drafts
     base, tok = load_pretrained(model_name)
     encoded = heldout_chats(tok, max_prompts)
-    cfg = GenerationConfig(max_new_tokens=new_tokens)
     hf_cpu = load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
     result = dict(model=model_name, device=str(dev), prompts=len(encoded), new_tokens=new_tokens,
                   prompt_tokens=[len(p) for p in encoded], machine=machine_lines(dev), tables={})
+    errors = result.setdefault("errors", {})
     for dname in dtypes:
-        dtype = DTYPES[dname]
-        model: Transformer = copy.deepcopy(base).to(dev, dtype).eval()  # (the fp32 original stays on the CPU)
-        methods = {}
-        for label, path in drafts.items():
-            drafter, module, meta = load_drafter(path, model)
-            module.to(dev, dtype)
-            acc = heldout_accuracies(meta, str(path))
-            if isinstance(drafter, EagleDrafter):
-                drafter.dynamic_k = min(4, nodes)
-                depth = len(acc) if acc and len(acc) > 1 else 5
-                tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * depth, nodes)
-            elif acc and len(acc) > 1:
-                tree = DraftTree.greedy_from_accuracies(acc, nodes)
-            else:
-                tree = DraftTree.chain(3)
-            methods[label] = (drafter, tree)
-        # the committed text, then the largest round of any drafter under any bucket set the probe may choose
-        rounds = [any_round_slots(len(t), fused_steps(d)) for d, t in methods.values()]
-        max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
-        steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
-        spec_step = steps[graphs[-1]]
-        hf, errors = None, result.setdefault("errors", {})
-        if hf_cpu is not None:
-            try:
-                hf = HFRecipe(copy.deepcopy(hf_cpu).to(dev, dtype), max_len)
-                hf.run(encoded[0], 4)  # compiles (and, on CUDA, records its graphs)
-            except Exception as e:  # the anchor must not cost the rest of the run
-                errors[f"{dname} {RECIPE}"] = f"{type(e).__name__}: {e}"
-                hf = None
-        rows: dict[str, dict] = {}
-
-        def add(name: str, toks: list[int], s_per_tok: float, counted: int | None = None,
-                forwards: int | None = None) -> None:
-            """A prompt's row: its tokens and decode time per token over `counted` tokens (default: all but
-            the first, which a plain decoder's prefill makes)."""
-            counted = len(toks) - 1 if counted is None else counted
-            r = rows.setdefault(name, dict(s=0.0, n=0, tokens=[], forwards=0))
-            r["s"] += s_per_tok * counted
-            r["n"] += counted
-            r["tokens"].append(toks)
-            r["forwards"] += forwards if forwards is not None else len(toks)
-
-        # warm-up: compile / capture every bucket the run will use (each prompt's prefill chunks too, so that no
-        # capture lands inside a timed call)
-        warm = encoded[0]
-        for g, st in steps.items():
-            list(static_stream(model, warm, GenerationConfig(max_new_tokens=4), step=st))
-            for ids in encoded:
-                _prefill_s(st, ids)
-                if len(ids) > 1:
-                    _prefill_s(st, ids[:-1])
-        for label, (drafter, tree) in list(methods.items()):
-            try:
-                static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step)
-            except Exception as e:  # one drafter's failure costs its row only
-                errors[f"{dname} {label}"] = f"{type(e).__name__}: {e}"
-                del methods[label]
-        it = encoded
-        if progress:
-            from tqdm import tqdm
-            it = tqdm(encoded, desc=f"bench static {dname}", unit="prompt")
-        for ids in it:
-            if hf is not None:
-                add(RECIPE, *hf.run(ids, new_tokens))
-            if dynamic:
-                add("midlayer dynamic (generate)", *_decode_timed(generate_stream_tokens(model, ids, cfg)))
-            for g, st in steps.items():
-                add(f"midlayer static, {g}", *_decode_timed(static_stream(model, ids, cfg, step=st)))
-            for label, (drafter, tree) in methods.items():
-                pre = _prefill_s(spec_step, ids[:-1]) if len(ids) > 1 else 0.0
-                _sync(dev)
-                t = time.perf_counter()
-                out, stats = static_speculative_generate(model, ids, drafter, tree, new_tokens, step=spec_step)
-                _sync(dev)
-                dt = time.perf_counter() - t - pre
-                # its rounds make every new token (plain decoding's first comes with its prefill)
-                add(f"{label} ({len(tree)}-node tree), static {graphs[-1]}", out, dt / len(out), len(out),
-                    stats.base_forwards)
-        plain = rows[f"midlayer static, {graphs[-1]}"]["tokens"]
-        ref = rows.get(RECIPE)
-        ref_ms = 1e3 * ref["s"] / ref["n"] if ref else None
-        table = []
-        for name, r in rows.items():
-            ms = 1e3 * r["s"] / max(r["n"], 1)
-            table.append(dict(engine=name, ms_per_token=ms, vs_recipe=(ms / ref_ms) if ref_ms else None,
-                              tau=sum(len(t) for t in r["tokens"]) / max(r["forwards"], 1),
-                              equal_plain=sum(a == b for a, b in zip(r["tokens"], plain)), n=len(plain)))
-        result["tables"][dname] = dict(rows=table, invariant={g: st.invariant for g, st in steps.items()},
-                                       buckets={g: st.buckets for g, st in steps.items()})
+        model: Transformer = copy.deepcopy(base).to(dev, DTYPES[dname]).eval()  # (the fp32 original stays on the CPU)
+        result["tables"][dname] = _bench_dtype(model, dname, drafts, nodes, graphs, encoded, new_tokens, hf_cpu,
+                                               dynamic, progress, errors)
         if on_table is not None:
             on_table(result, dname)
-        del steps, spec_step, methods, hf, model
+        del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return result
+
+
+def _static_methods(model: Transformer, drafts: dict[str, str], nodes: int) -> dict[str, tuple]:
+    """label -> (drafter, tree): a drafter with an expansion width (EAGLE) runs EAGLE-2's dynamic tree of `nodes`
+    nodes, the others the `nodes` nodes their held-out accuracies rank first (else a 3-chain)."""
+    dev, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    methods = {}
+    for label, path in drafts.items():
+        drafter, module, meta = load_drafter(path, model)
+        module.to(dev, dtype)
+        acc = heldout_accuracies(meta, str(path))
+        if drafter.dynamic_k is not None:
+            drafter.dynamic_k = min(4, nodes)
+            depth = len(acc) if acc and len(acc) > 1 else 5
+            tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * depth, nodes)
+        elif acc and len(acc) > 1:
+            tree = DraftTree.greedy_from_accuracies(acc, nodes)
+        else:
+            tree = DraftTree.chain(3)
+        methods[label] = (drafter, tree)
+    return methods
+
+
+def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: int, graphs: tuple[str, ...],
+                 encoded: list[list[int]], new_tokens: int, hf_cpu, dynamic: bool, progress: bool,
+                 errors: dict[str, str]) -> dict:
+    """One dtype's table: the steps and the recipe built and warmed up, every prompt through every row."""
+    dev, dtype = model.tok_embeddings.weight.device, DTYPES[dname]
+    cfg = GenerationConfig(max_new_tokens=new_tokens)
+    methods = _static_methods(model, drafts, nodes)
+    # the committed text, then the largest round of any drafter under any bucket set the probe may choose
+    rounds = [any_round_slots(len(t), fused_steps(d)) for d, t in methods.values()]
+    max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
+    steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
+    spec_step = steps[graphs[-1]]
+    hf = None
+    if hf_cpu is not None:
+        try:
+            hf = HFRecipe(copy.deepcopy(hf_cpu).to(dev, dtype), max_len)
+            hf.run(encoded[0], 4)  # compiles (and, on CUDA, records its graphs)
+        except Exception as e:  # the anchor must not cost the rest of the run
+            errors[f"{dname} {RECIPE}"] = f"{type(e).__name__}: {e}"
+            hf = None
+    _warm_up(model, steps, spec_step, methods, encoded, errors, dname)
+    rows: dict[str, dict] = {}
+    for ids in (tqdm(encoded, desc=f"bench static {dname}", unit="prompt") if progress else encoded):
+        if hf is not None:
+            _add_row(rows, RECIPE, *hf.run(ids, new_tokens))
+        if dynamic:
+            _add_row(rows, "midlayer dynamic (generate)", *_decode_timed(generate_stream_tokens(model, ids, cfg)))
+        for g, st in steps.items():
+            _add_row(rows, f"midlayer static, {g}", *_decode_timed(static_stream(model, ids, cfg, step=st)))
+        for label, (drafter, tree) in methods.items():
+            pre = _prefill_s(spec_step, ids[:-1]) if len(ids) > 1 else 0.0
+            _sync(dev)
+            t = time.perf_counter()
+            out, stats = static_speculative_generate(model, ids, drafter, tree, new_tokens, step=spec_step)
+            _sync(dev)
+            dt = time.perf_counter() - t - pre
+            # its rounds make every new token (plain decoding's first comes with its prefill)
+            _add_row(rows, f"{label} ({len(tree)}-node tree), static {graphs[-1]}", out, dt / len(out), len(out),
+                     stats.base_forwards)
+    return dict(rows=_static_rows(rows, rows[f"midlayer static, {graphs[-1]}"]["tokens"]),
+                invariant={g: st.invariant for g, st in steps.items()},
+                buckets={g: st.buckets for g, st in steps.items()})
+
+
+def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: DecodeStep, methods: dict[str, tuple],
+             encoded: list[list[int]], errors: dict[str, str], dname: str) -> None:
+    """Compile / capture every bucket the run will use (each prompt's prefill chunks too, so that no capture
+    lands inside a timed call); a drafter that fails here loses its row only."""
+    warm = encoded[0]
+    for g, st in steps.items():
+        list(static_stream(model, warm, GenerationConfig(max_new_tokens=4), step=st))
+        for ids in encoded:
+            _prefill_s(st, ids)
+            if len(ids) > 1:
+                _prefill_s(st, ids[:-1])
+    for label, (drafter, tree) in list(methods.items()):
+        try:
+            static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step)
+        except Exception as e:  # one drafter's failure costs its row only
+            errors[f"{dname} {label}"] = f"{type(e).__name__}: {e}"
+            del methods[label]
+
+
+def _add_row(rows: dict[str, dict], name: str, toks: list[int], s_per_tok: float, counted: int | None = None,
+             forwards: int | None = None) -> None:
+    """A prompt's row: its tokens and decode time per token over `counted` tokens (default: all but the first,
+    which a plain decoder's prefill makes)."""
+    counted = len(toks) - 1 if counted is None else counted
+    r = rows.setdefault(name, dict(s=0.0, n=0, tokens=[], forwards=0))
+    r["s"] += s_per_tok * counted
+    r["n"] += counted
+    r["tokens"].append(toks)
+    r["forwards"] += forwards if forwards is not None else len(toks)
+
+
+def _static_rows(rows: dict[str, dict], plain: list[list[int]]) -> list[dict]:
+    ref = rows.get(RECIPE)
+    ref_ms = 1e3 * ref["s"] / ref["n"] if ref else None
+    table = []
+    for name, r in rows.items():
+        ms = 1e3 * r["s"] / max(r["n"], 1)
+        table.append(dict(engine=name, ms_per_token=ms, vs_recipe=(ms / ref_ms) if ref_ms else None,
+                          tau=sum(len(t) for t in r["tokens"]) / max(r["forwards"], 1),
+                          equal_plain=sum(a == b for a, b in zip(r["tokens"], plain)), n=len(plain)))
+    return table
 
 
 def generate_stream_tokens(model: Transformer, ids: list[int], cfg: GenerationConfig):

@@ -44,6 +44,7 @@ from midlayer.ops.kernels import cpu_info
 from midlayer.output_lock import OutputLock
 from midlayer.train.checkpoint import config_mismatch, list_checkpoints
 from midlayer.train.evaluate import evaluate_contexts, rescalable_rope
+from midlayer.train.loop import train
 
 SECTION_CLASSES: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig}
 LAUNCHERS = ("inline", "torchrun")
@@ -548,12 +549,12 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
     """Run grid `grid_name` into `out_root/<grid>/<run>/`; return 0 if every selected run finished, else 1.
 
     `only` selects runs by name; `extra_train` overrides train fields of every run (e.g. `data`).
-    `train_fn` (default `midlayer.train.train`) and `runner` (runs a torchrun command line, returns its exit
+    `train_fn` (default `midlayer.train.loop.train`) and `runner` (runs a torchrun command line, returns its exit
     status; default `subprocess.call`) exist so that tests can stand in for real training.
     """
     grid, runs = check_sweep(grid_name, out_root, launcher, nproc, only, extra_train)
     if train_fn is None and launcher == "inline":
-        from midlayer.train.loop import train as train_fn
+        train_fn = train
     runner = runner or (lambda cmd: subprocess.call(cmd))
 
     sweep_dir = Path(out_root) / grid.name
@@ -565,6 +566,11 @@ def run_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: i
 def _run_sweep(grid, runs, sweep_dir: Path, launcher: str, nproc: int, extra_train: dict[str, Any] | None,
                train_fn: Callable[..., dict[str, Any]] | None, progress: bool,
                runner: Callable[[list[str]], int]) -> int:
+    """The sweep's loop under its output lock: each selected run skipped (finished), resumed or started, inline
+    or under torchrun, its record in sweep.json rewritten after every run.
+
+    Long: the per-run bookkeeping (previous records, status, wall time, the launcher's two paths) shares the
+    loop's state; the run itself is `train_fn` or `runner`."""
     sweep_json = sweep_dir / "sweep.json"
     previous = {r.get("name"): r for r in (_read_json(sweep_json) or {}).get("runs", []) if isinstance(r, dict)}
     # One record per run of the whole grid: a sweep of a few runs (`only`) keeps the others' records as they

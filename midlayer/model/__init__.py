@@ -17,7 +17,9 @@ def __getattr__(name: str) -> object:
     """
     if name.startswith("__") or (Path(__file__).parent / f"{name}.py").exists():
         raise AttributeError(f"module 'midlayer.model' has no attribute {name!r}")
-    try:
-        return getattr(importlib.import_module("midlayer.model.transformer"), name)
-    except AttributeError:
-        raise AttributeError(f"module 'midlayer.model' has no attribute {name!r}") from None
+    for old in ("midlayer.model.transformer", "midlayer.model.layers"):  # the old module's names, now in two
+        # imported on first use: no start-up cost for the other submodules
+        module = importlib.import_module(old)
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module 'midlayer.model' has no attribute {name!r}")

@@ -765,10 +765,19 @@ def blocks_q4(x: torch.Tensor, plans: Sequence[BlockQ4], cos: torch.Tensor, sin:
     return y
 
 
-if __name__ == "__main__":  # `python -m midlayer.ops.kernels`: build now (scripts/setup.sh) and report
+def build_report() -> int:
+    """Build the library now (scripts/setup.sh; `midlayer kernels`) and print this CPU's features. 0 when built,
+    1 when not (midlayer then runs q4 through PyTorch)."""
+    status = 0
     try:
         path = build(verbose=True)
         print(f"built {path}")
     except RuntimeError as e:
         print(f"not built: {e}", file=sys.stderr)
+        status = 1
     print(cpu_info().summary())
+    return status
+
+
+if __name__ == "__main__":  # `python -m midlayer.ops.kernels`
+    build_report()
