@@ -9,4 +9,4 @@ test: setup
 	.venv/bin/python -m pytest -q
 
 bench: setup
-	.venv/bin/python benchmarks/train_throughput.py
+	.venv/bin/python -m midlayer bench train

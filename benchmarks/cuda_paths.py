@@ -9,7 +9,7 @@ training step's throughput per attention backend, torch.compile and dtype.
    and `sdpa_attention` with an additive key bias. The same weights run both ways; the table gives the largest
    logit difference and the relative difference of every parameter gradient, in fp32 (TF32 off) and under bf16
    autocast. CPU tests check the eager FlexAttention; this is the compiled kernel the CUDA path really runs.
-2. Throughput. One timed step is benchmarks/train_throughput.py's `ours` on CUDA, i.e. midlayer.train.loop's
+2. Throughput. One timed step is `midlayer bench train`'s `ours` (experiments/train_bench.py) on CUDA, i.e. midlayer.train.loop's
    step: `train.micro_batch_losses` (LM loss plus the controller's loss for gated models), backward, the
    gradient-norm measurement, AdamW (fused here), the controller's update, `.item()` of the loss. Rows: dense
    and gated, SDPA and Flex, eager and compiled. (The H100 rows of docs/results/cuda-h100.md were measured
@@ -30,11 +30,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_throughput, beside this file
 
 from midlayer.config import get_preset  # noqa: E402
 from midlayer.model.transformer import Transformer  # noqa: E402
-from train_throughput import ours  # noqa: E402  (benchmarks/: the one timed training step)
+from midlayer.experiments.train_bench import ours  # noqa: E402  (the one timed training step)
 
 
 def build(preset: str, **model_over) -> tuple[Transformer, object, object]:
@@ -68,7 +67,7 @@ def equality(preset: str, x: torch.Tensor, y: torch.Tensor) -> list[tuple[str, f
 
 def throughput(preset: str, x: torch.Tensor, y: torch.Tensor, gating: bool, backend: str, compiled: bool,
                dtype: torch.dtype, warmup: int, steps: int, repeats: int) -> tuple[float, float]:
-    """(median seconds per step, peak GPU memory in GiB) of train_throughput.py's step -- midlayer.train.loop's --
+    """(median seconds per step, peak GPU memory in GiB) of train_bench.py's step -- midlayer.train.loop's --
     on CUDA, with the fused AdamW."""
     bench, model = ours(preset, "", "", x, y, dtype, True, compiled=compiled, fused=True,
                         attn_backend=backend, gating=gating)

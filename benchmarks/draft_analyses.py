@@ -7,6 +7,7 @@ Reads the held-out metrics each run saved (`runs/draft/<name>/metrics.json`) and
   * masked vs not masked, joint vs sequential training.
 
     .venv/bin/python benchmarks/draft_analyses.py [--root runs/draft] [--fig5 fig5-e2 --fig6 fig6-e2]
+Written up in docs/results/hidden-transfer-cpu.md.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ teacher logits from those states, the loss forward and the backward -- what a lo
 (`train-draft --methods`) pays per drafter after the base forward. Each configuration is timed `--repeats`
 times in rounds (vocabularies interleaved) and the median is printed. Run it on an idle machine: the
 numbers are seconds of wall time on the cores torch uses.
+Written up in docs/results/hidden-transfer-cpu.md.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def main() -> None:
     from midlayer.speculative.distill import DistillSet, batches
     from midlayer.speculative.draft_training import (DraftTrainConfig, FrozenStates, _loss, build_module, loss_inputs,
                                          needed_layers)
-    from midlayer.speculative.draft_vocab import frequent_tokens, set_draft_vocab
+    from midlayer.engine.draft_vocab import frequent_tokens, set_draft_vocab
     from midlayer.speculative.drafting import FrozenBase
     from midlayer.ops.kernels import cpu_info
     from midlayer.engine.pretrained import load_pretrained

@@ -10,6 +10,7 @@ SmolLM2-135M-Instruct in q4, batch 1, greedy decode over the KV cache, ms/token,
 Rounds interleave the variants; the best round of each is printed. Run with nothing else on the CPU:
 
     OMP_NUM_THREADS=2 python benchmarks/gated_decode_overhead.py [--rounds 3] [--tokens 40]
+Written up in docs/results/pretrained-skipping-cpu.md.
 """
 
 from __future__ import annotations

@@ -8,12 +8,13 @@ minutes or hours apart, often beside other jobs, so those numbers compare machin
 every part's model (seed 0's config from the grid, exactly as `midlayer sweep parts` builds it) takes one
 training step in turn, round after round (the order reverses every round), and each part's speed is given
 as the median over rounds of its ratio to the baseline's step *in the same round*. The step is the one
-`benchmarks/train_throughput.py` times (the trainer's objective, backward, grad-norm, AdamW). Random tokens:
+`midlayer bench train` times (the trainer's objective, backward, grad-norm, AdamW). Random tokens:
 speed does not depend on the text. Check the machine is otherwise idle first
 (`pgrep -f "midlayer sweep|midlayer train|pytest"`).
 
 `midlayer plot sweeps/parts` reads `throughput.json` from the sweep folder, when present, for the table's
 speed columns instead of the runs' own.
+Written up in docs/results/parts-cpu.md.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from midlayer.ops.kernels import cpu_info  # noqa: E402
 from midlayer.experiments.plot import point_name  # noqa: E402
 from midlayer.experiments.sweep import get_grid, resolve_run  # noqa: E402
-from train_throughput import cpu_model, ours  # noqa: E402
+from midlayer.experiments.train_bench import cpu_model, ours  # noqa: E402
 
 
 def part_models(grid, only: list[str] | None) -> dict[str, tuple[str, Any]]:

@@ -9,6 +9,7 @@ one run and not the other. Also prints the first training step whose loss differ
     python benchmarks/perturbation_spread.py                      # debug preset, 400 steps, ~2 min
     python benchmarks/perturbation_spread.py --synthetic --eval-tokens 8192
     python benchmarks/perturbation_spread.py --preset tiny --steps 800 --batch-size 16 --seq-len 256
+Written up in docs/results/noise-cpu.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from midlayer.config import get_preset  # noqa: E402
-from midlayer.train.evaluate import compare_runs  # noqa: E402
+from run_spread import compare_runs  # noqa: E402  (benchmarks/run_spread.py)
 from midlayer.train.loop import train  # noqa: E402
 
 

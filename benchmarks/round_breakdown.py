@@ -8,6 +8,7 @@ drafting were free, tau x plain ms per token / (verification + bookkeeping) ms p
 
     python benchmarks/round_breakdown.py                                   # EAGLE-2 dynamic, q4, chain of 3
     python benchmarks/round_breakdown.py --draft drafts/smollm2-135m-scale/hidden-transfer --dynamic 0
+Written up in docs/results/hidden-transfer-cpu.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """How far apart two trained runs are (issue 14): a seed, or a last-bit perturbation of the initial weights
-(`TrainConfig.init_perturb`, grid `cpu-noise`), on the same validation tokens (`evaluate.compare_runs`).
+(`TrainConfig.init_perturb`, grid `cpu-noise`), on the same validation tokens (`compare_runs` here, over `evaluate.compare_models`).
 
     python benchmarks/run_spread.py sweeps/cpu-noise/gated-key-mu0.50-s0 sweeps/cpu-noise/gated-key-mu0.50-p1e-7-s0
     python benchmarks/run_spread.py A B --eval-tokens 50000
+Written up in docs/results/noise-cpu.md.
 """
 
 from __future__ import annotations
@@ -11,10 +12,23 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from midlayer.train.evaluate import compare_runs  # noqa: E402
+from midlayer.data.shards import TokenWindows  # noqa: E402
+from midlayer.train.evaluate import compare_models, load_run  # noqa: E402
+
+
+def compare_runs(run_a: str | Path, run_b: str | Path, eval_tokens: int | None = None,
+                 device: str = "cpu") -> dict[str, Any]:
+    """`compare_models` on two runs' newest checkpoints, over run A's validation split and eval_tokens."""
+    a, _, ta, files, _ = load_run(run_a, device)
+    b, *_ = load_run(run_b, device)
+    return compare_models(a, b, TokenWindows(files.val, ta.seq_len),
+                          eval_tokens=ta.eval_tokens if eval_tokens is None else eval_tokens,
+                          batch_size=ta.micro_batch_size)
+
 
 
 def main() -> None:

@@ -6,6 +6,7 @@
 Why: `SelectiveSSM(scan="auto")` picks the sequential scan on CPU and the chunked one elsewhere; this is the
 measurement behind that choice. Each round times every form once (the order reverses every round) and the
 table gives the median over rounds and the ratio to the sequential scan. Check the machine is idle first.
+Written up in docs/results/parts-cpu.md.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ right and wrong drafts; chain and branching trees) on a tiny random model and on
 draft when given. Prints one line per check; exit status 0 whatever the outcome (the lines are the result).
 
     python benchmarks/static_step_check.py --device cuda [--eagle drafts/smollm2-135m-scale/eagle]
+Written up in docs/results/static-step.md.
 """
 
 from __future__ import annotations

@@ -378,7 +378,7 @@ _TINY_TRAIN = dict(lr=3e-3, batch_size=16, micro_batch_size=16, seq_len=256, ste
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "paper-12l": {"model": {}, "train": {}},
     **{f"paper-dense-{n}": {"model": {"n_layers": n, "gating": False}, "train": {}} for n in range(2, 13)},
-    # Trains on a 2-core CPU at several thousand tokens/s (see benchmarks/train_throughput.py).
+    # Trains on a 2-core CPU at several thousand tokens/s (see `midlayer bench train`).
     "tiny": {"model": dict(_TINY_MODEL), "train": dict(_TINY_TRAIN)},
     "tiny-dense": {"model": dict(_TINY_MODEL, gating=False), "train": dict(_TINY_TRAIN, out_dir="runs/tiny-dense")},
     # For unit tests: seconds on a CPU.

@@ -306,6 +306,12 @@ def render(mods: dict[str, Module]) -> str:
     out += ["", "## The command line", "", "`midlayer/cli.py`'s `COMMANDS` table: each subcommand and the module that "
             "defines it.", "", "| subcommand | module |", "|---|---|"]
     out += [f"| `midlayer {name}` | `{module}` |" for name, module in cli_table()]
+    out += ["", "## Investigation scripts (`benchmarks/`)", "",
+            "One-off measurements behind a write-up, run as `python benchmarks/NAME.py` (the benchmarks users run "
+            "are `midlayer bench ...`). What each measured, and where the result is written up:", "",
+            "| script | what it measures | written up in |", "|---|---|---|"]
+    for name, what, where in benchmark_scripts():
+        out.append(f"| `{name}` | {what} | {where} |")
     f = figures(mods)
     out += ["", "## Figures", ""]
     for k in ("modules", "lines", "import edges", "import levels", "function-local imports of midlayer modules",
@@ -314,6 +320,17 @@ def render(mods: dict[str, Module]) -> str:
     out.append(f"- circles: {len(f['circles'])}")
     out.append("- modules per folder: " + ", ".join(f"`{k}` {v}" for k, v in f["modules per folder"].items()))
     return "\n".join(out) + "\n"
+
+
+def benchmark_scripts(root: Path = ROOT) -> list[tuple[str, str, str]]:
+    """(script, its docstring's first sentence, the first docs/*.md its docstring names) per benchmarks/*.py."""
+    rows = []
+    for path in sorted((root / "benchmarks").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        flat = " ".join(doc.split()).replace("docs/results/ ", "docs/results/")
+        where = re.findall(r"docs/(?:results/)?[\w\-]+\.md", flat)
+        rows.append((path.name, summary(doc).replace("|", "\\|"), f"`{where[0]}`" if where else "-"))
+    return rows
 
 
 def cli_table(root: Path = ROOT) -> list[tuple[str, str]]:

@@ -446,6 +446,10 @@ def test_cli_surface_is_frozen():
                                         "--no-skip", "--weights", "--device", "--draft", "--tree", "--stats",
                                         "--refresh-costs", "--gates", "--engine", "--graphs"])
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
+    assert sorted(bench) == ["decode", "gates", "generate", "static", "train"]  # train: issue 44, was a script
+    assert sorted(o for a in bench["train"]._actions for o in a.option_strings) == sorted(
+        ["-h", "--help", "--steps", "--warmup", "--batch", "--seq-len", "--repeats", "--dtype", "--threads",
+         "--no-grad-norm", "--only"])
     assert sorted(o for a in bench["generate"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
          "--repeats", "--weights", "--prompt-lengths", "--device"])
@@ -508,8 +512,7 @@ def test_a_run_saved_before_new_config_fields_existed_still_resumes(tmp_path):
 @pytest.mark.parametrize("over", [dict(gating=True), dict(gating=False, moe_experts=4, moe_top_k=2)])
 def test_micro_batch_losses_is_the_objective_and_the_benchmark_times_it(over):
     """train.micro_batch_losses = (the model's CE, the controller's loss on the gate statistics, coef x MoE aux),
-    and benchmarks/train_throughput.py's step (which cuda_paths.py reuses) trains with exactly it."""
-    import sys
+    and `midlayer bench train`'s step (experiments/train_bench.py, which benchmarks/cuda_paths.py reuses) trains with exactly it."""
 
     from midlayer.model.transformer import Transformer
     from midlayer.model.sparsity import make_controller
@@ -530,8 +533,7 @@ def test_micro_batch_losses_is_the_objective_and_the_benchmark_times_it(over):
     else:
         assert float(reg) == 0.0 and torch.equal(moe, model_cfg.moe_aux_coef * ref.moe_aux) and float(moe.detach()) > 0
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from train_throughput import ours
+    from midlayer.experiments.train_bench import ours
 
     bench, bmodel = ours("debug", "k", "label", x, y, torch.float32, True, **over)
     first = bench.step()

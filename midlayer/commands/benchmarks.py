@@ -14,7 +14,7 @@ from midlayer.config import get_preset, PRESETS
 from midlayer.engine.decode_step import GRAPH_MODES
 from midlayer.engine.pretrained import pretrained_config
 from midlayer.engine.quantization import WEIGHT_FORMATS
-from midlayer.experiments import bench
+from midlayer.experiments import bench, train_bench
 from midlayer.experiments.static_bench import bench_static, DTYPES, static_table
 from midlayer.train.distributed import resolve_device
 
@@ -24,6 +24,9 @@ from midlayer.train.distributed import resolve_device
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that print a table")
     bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("train", help="training throughput of the tiny preset against Hugging Face's Llama, as a "
+                                      "ratio from one run (make bench)")
+    train_bench.add_arguments(b)
     b = bsub.add_parser("generate", help="decode speed vs transformers, and real skipping vs the FLOPs model")
     b.add_argument("--what", choices=["decode", "prefill", "skipping", "rows", "all"], default="all",
                    help="rows: cost of a forward over T rows vs one row, per weight format (what verification "
@@ -209,6 +212,8 @@ def _bench_static(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "train":
+        return train_bench.run(args)
     if args.bench == "static":
         return _bench_static(args)
     if args.bench in ("decode", "generate") and args.device is not None:

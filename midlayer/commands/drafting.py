@@ -23,7 +23,7 @@ def add_distill(sub: argparse._SubParsersAction) -> None:
 
 def add_train_draft(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-draft", help="train a drafter (hidden transfer, Medusa, early exit, EAGLE) on a frozen base "
-                                           "by self-distillation (data: python -m midlayer.speculative.distill)")
+                                           "by self-distillation (data: midlayer distill)")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a resumable state) after N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--methods", default=None, metavar="M1,M2,...",

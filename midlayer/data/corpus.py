@@ -29,7 +29,7 @@ there are 42 documents (37 plays, 5 poems or collections of poems):
 * training (38 documents): 4,589,721 characters, 1,493,920 tokens with the same tokenizer.
 
 (Validation has slightly more tokens per character, 0.348 vs 0.326, because the BPE is fitted to the
-training split only.) `python -m midlayer.data.corpus` prints the split; token counts are recorded in the
+training split only.) `midlayer data corpus` prints the split; token counts are recorded in the
 `manifest.json` that `midlayer.data.prepare_corpus` writes next to the shards.
 """
 

@@ -8,7 +8,7 @@ encoding with the end-of-text token 50256 *before* it, and writes shards of `--s
 format as the published pre-tokenized FineWeb10B GPT-2 shards, so those can be dropped into the same
 folder instead. Documents run on across shard boundaries (the reader never crosses one).
 
-Usage: `python -m midlayer.data.fineweb --out-dir data/fineweb10B --max-tokens 1000000000`, then train with
+Usage: `midlayer data fineweb --out-dir data/fineweb10B --max-tokens 1000000000`, then train with
 `--data 'data/fineweb10B/*.bin'` (validation shards are found by "val" in their name).
 
 The pieces that need no internet (`tokenize_documents`, `write_shards`) are separate so they can be tested.

@@ -510,7 +510,7 @@ def _check_data(grid: Grid, extra_train: dict[str, Any] | None) -> None:
             raise ValueError(f"grid {grid.name!r} trains on FineWeb shards: pass --data GLOB")
         if not globlib.glob(os.path.expanduser(data)):
             raise ValueError(f"grid {grid.name!r}: --data {data!r} matches no files; download FineWeb first "
-                             "(python -m midlayer.data.fineweb --out-dir data/fineweb10B) or pass --data GLOB")
+                             "(midlayer data fineweb --out-dir data/fineweb10B) or pass --data GLOB")
 
 
 def check_sweep(grid_name: str, out_root: Path, launcher: str = "inline", nproc: int = 1,

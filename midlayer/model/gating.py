@@ -32,11 +32,6 @@ def mirror_index(layer: int, n_layers: int) -> int:
     return layer if layer < n_layers // 2 else n_layers - 1 - layer
 
 
-def skipped_span(first_zero_block: int, n_layers: int) -> range:
-    """Blocks a token skips when its gate first becomes 0 at first-half block l: [l, L-1-l]."""
-    return range(first_zero_block, n_layers - first_zero_block)
-
-
 def inference_score(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """w.h + b of eq. 1 at inference, [B, M], as a per-row product and sum over d. PyTorch reduces each row
     in the same order however many rows share the call, so a token's gate -- and which blocks it skips -- is

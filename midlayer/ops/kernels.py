@@ -247,12 +247,6 @@ def set_simd(level: bool | int) -> None:
         lib.qk_set_simd(-1 if level is True else int(level))
 
 
-def simd_level() -> int:
-    """The SIMD level the kernels use now (index into SIMD_LEVELS); -1 without the compiled kernels."""
-    lib = library()
-    return -1 if lib is None else lib.qk_simd_level()
-
-
 def simd_levels() -> list[int]:
     """Every SIMD level this CPU can run, scalar first (the level in use is left as it is)."""
     lib = library()

@@ -18,7 +18,7 @@ Resuming skips ids already in the file. A last line cut off by an interruption (
 not valid JSON) is dropped with a warning and the file truncated to the last complete record; damage
 anywhere else (header included) raises `DistillFormatError`, since guessing there could lose data.
 
-`python -m midlayer.speculative.distill --model smollm2-135m --out runs/distill/smollm2-135m.jsonl` builds the set for
+`midlayer distill --model smollm2-135m --out runs/distill/smollm2-135m.jsonl` builds the set for
 the full prompt set (`prompts.prompt_set()`).
 """
 

@@ -223,13 +223,3 @@ def _first_zero_block(zero: torch.Tensor) -> torch.Tensor:
     for a token that skips nothing."""
     half = zero.shape[0]
     return torch.where(zero.any(0), zero.int().argmax(0), torch.full_like(zero[0], half, dtype=torch.int64))
-
-
-def compare_runs(run_a: str | Path, run_b: str | Path, eval_tokens: int | None = None,
-                 device: str = "cpu") -> dict[str, Any]:
-    """`compare_models` on two runs' newest checkpoints, over run A's validation split and eval_tokens."""
-    a, _, ta, files, _ = load_run(run_a, device)
-    b, *_ = load_run(run_b, device)
-    return compare_models(a, b, TokenWindows(files.val, ta.seq_len),
-                          eval_tokens=ta.eval_tokens if eval_tokens is None else eval_tokens,
-                          batch_size=ta.micro_batch_size)

@@ -153,7 +153,7 @@ def micro_batch_losses(fwd: Callable, x: torch.Tensor, y: torch.Tensor, model_cf
     sparsity controller's regulariser (gated models; zero otherwise) and moe the experts' load-balancing loss
     times `moe_aux_coef` (zero without experts). The step minimises out.loss + reg + moe. `fwd` is the model or
     its compiled / DDP / FSDP wrapper; call inside the autocast context. Used by the training loop and by the
-    throughput benchmarks (benchmarks/train_throughput.py, cuda_paths.py), so they time the same step."""
+    throughput benchmarks (`midlayer bench train`: experiments/train_bench.py; benchmarks/cuda_paths.py), so they time the same step."""
     out = fwd(x, y, return_logits=False)
     reg = torch.zeros((), device=x.device)
     if controller is not None:

@@ -1,7 +1,7 @@
 """Training throughput of the `tiny` preset against Hugging Face `LlamaForCausalLM`, as a ratio from one run.
 
-    python benchmarks/train_throughput.py                      # fp32, the tiny preset's batch (16 x 256)
-    python benchmarks/train_throughput.py --dtype bfloat16     # both sides under torch.autocast("cpu", bf16)
+    midlayer bench train                      # fp32, the tiny preset's batch (16 x 256)
+    midlayer bench train --dtype bfloat16     # both sides under torch.autocast("cpu", bf16)
 
 Models (one process, same random tokens, same thread count):
 
@@ -24,7 +24,8 @@ reports the median over `--repeats` rounds. The headline ratio ours/HF is the me
 of (a) and (b), which were measured seconds apart; the ratio of the medians is shown beside it. Each timing
 also records the process's CPU seconds per wall second: when another job takes cores from this one that drops,
 and rounds where any model fell below 85% of its best are left out of the medians (the table says how many
-were kept). Check the machine is otherwise idle first, e.g. `pgrep -f "midlayer.experiments.demo|midlayer sweep|pytest"`.
+were kept). Check the machine is otherwise idle first, e.g. `pgrep -f "midlayer demo|midlayer sweep|pytest"`.
+Written up in docs/results/train-throughput-cpu.md.
 """
 
 from __future__ import annotations
@@ -42,13 +43,11 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from midlayer.config import get_preset  # noqa: E402
-from midlayer.common import autocast_context  # noqa: E402
-from midlayer.model.transformer import Transformer  # noqa: E402
-from midlayer.model.sparsity import GateStatsAccumulator, make_controller  # noqa: E402
-from midlayer.train.loop import micro_batch_losses  # noqa: E402
+from midlayer.config import get_preset
+from midlayer.common import autocast_context
+from midlayer.model.transformer import Transformer
+from midlayer.model.sparsity import GateStatsAccumulator, make_controller
+from midlayer.train.loop import micro_batch_losses
 
 
 @dataclass
@@ -170,7 +169,13 @@ def check_same_sizes(ours_model: Transformer, hf_model) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m midlayer.experiments.train_bench`; `midlayer bench train` is the same."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv), p.error)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=2, help="timed training steps per model per round (default 2)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per model before the rounds (default 3)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the tiny preset's, 16)")
@@ -182,22 +187,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-grad-norm", action="store_true",
                    help="skip the clip_grad_norm_ measurement midlayer.train.loop makes every step")
     p.add_argument("--only", default="abcd", help="subset of models to run, e.g. 'ab' (default abcd)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, error: Callable[[str], None] | None = None) -> int:
+    """The rounds and the table. `error` reports a bad flag (argparse's, or a ValueError)."""
+    def fail(msg: str) -> None:
+        if error is not None:
+            error(msg)
+        raise ValueError(msg)
+
     for name in ("steps", "repeats"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            fail(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
-        p.error("--warmup must be >= 0")
+        fail("--warmup must be >= 0")
     if args.threads is not None:
         if args.threads < 1:
-            p.error("--threads must be >= 1")
+            fail("--threads must be >= 1")
         torch.set_num_threads(args.threads)
 
     model_cfg, _, train_cfg = get_preset("tiny")
     batch = args.batch or train_cfg.micro_batch_size
     seq_len = args.seq_len or train_cfg.seq_len
     if seq_len > model_cfg.max_seq_len:
-        p.error(f"--seq-len {seq_len} exceeds the tiny preset's max_seq_len={model_cfg.max_seq_len}")
+        fail(f"--seq-len {seq_len} exceeds the tiny preset's max_seq_len={model_cfg.max_seq_len}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     grad_norm = not args.no_grad_norm
 
@@ -214,34 +227,51 @@ def main(argv: list[str] | None = None) -> int:
     d, _ = ours("tiny-dense", "d", "ours `tiny-dense` (sandwich)", x, y, dtype, grad_norm)
     benches = [bn for bn in (a, b, c, d) if bn.key in args.only]
     if not benches:
-        p.error("--only selects no model")
+        fail("--only selects no model")
 
     tokens_per_step = batch * seq_len
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"# warmup: {args.warmup} steps per model", file=sys.stderr)
-    for _ in range(args.warmup):  # interleaved too, so every model warms up under the same conditions
+    rates, util, losses, steal = _timed_rounds(benches, args.warmup, args.steps, args.repeats, tokens_per_step)
+    _report(args, benches, rates, util, losses, steal, batch, seq_len, load_before, grad_norm, train_cfg)
+    return 0
+
+
+def _timed_rounds(benches: list[Bench], warmup: int, steps: int, repeats: int, tokens_per_step: int
+                  ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float], list[float]]:
+    """Warm-up, then `repeats` rounds of `steps` steps per model, the order alternating between rounds: tokens/s
+    and CPU utilisation per model and round, each model's last loss, the hypervisor's steal per round."""
+    print(f"# warmup: {warmup} steps per model", file=sys.stderr)
+    for _ in range(warmup):  # interleaved too, so every model warms up under the same conditions
         for bn in benches:
             bn.step()
     rates: dict[str, list[float]] = {bn.key: [] for bn in benches}
     util: dict[str, list[float]] = {bn.key: [] for bn in benches}  # process CPU seconds per wall second
     losses: dict[str, float] = {}
     steal: list[float] = []
-    for r in range(args.repeats):
+    for r in range(repeats):
         order = benches if r % 2 == 0 else benches[::-1]
         s0, t0_all = cpu_steal()
         for bn in order:
             c0, t0 = time.process_time(), time.perf_counter()
-            for _ in range(args.steps):
+            for _ in range(steps):
                 losses[bn.key] = bn.step()
             c1, t1 = time.process_time(), time.perf_counter()
-            rates[bn.key].append(args.steps * tokens_per_step / (t1 - t0))
+            rates[bn.key].append(steps * tokens_per_step / (t1 - t0))
             util[bn.key].append((c1 - c0) / (t1 - t0))
         s1, t1_all = cpu_steal()
         steal.append(100.0 * (s1 - s0) / max(1, t1_all - t0_all))
-        print(f"# round {r + 1}/{args.repeats}: "
+        print(f"# round {r + 1}/{repeats}: "
               + ", ".join(f"({k}) {v[-1]:.0f} tok/s cpu {util[k][-1]:.2f}" for k, v in rates.items())
               + f"; steal {steal[-1]:.0f}%", file=sys.stderr)
 
+    return rates, util, losses, steal
+
+
+def _report(args: argparse.Namespace, benches: list[Bench], rates: dict[str, list[float]],
+            util: dict[str, list[float]], losses: dict[str, float], steal: list[float], batch: int, seq_len: int,
+            load_before: float, grad_norm: bool, train_cfg) -> None:
+    """The table: medians over the clean rounds, and the headline ratio ours/HF with its verdict."""
+    tokens_per_step = batch * seq_len
     # Other processes on the machine take cores from ours: our CPU time per wall second drops while theirs
     # runs. A round is "clean" when every model's utilisation is within 85% of its best round.
     best = {k: max(v) for k, v in util.items()}
@@ -288,7 +318,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{'clean' if use is clean else ''} rounds, interquartile range {q1:.3f}-{q3:.3f}; "
               f"ratio of the medians {med['a'] / med['b']:.3f}; median over all rounds {all_ratio:.3f}. "
               f"Target (ours >= HF): {verdict}.")
-    return 0
 
 
 if __name__ == "__main__":
