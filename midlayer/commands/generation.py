@@ -18,7 +18,6 @@ from midlayer.engine.generate import generate_stream, GenerationConfig
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import compress_weights, WEIGHT_FORMATS
 from midlayer.ops import kernels
-from midlayer.speculative.eagle import EagleDrafter
 from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
 from midlayer.speculative.skip_gates import gated_twin, SkipGates
 from midlayer.speculative.static import static_speculative_generate
@@ -36,7 +35,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", help="pretrained: a short name (smollm2-135m), a Hugging Face directory or a .gguf file")
     src.add_argument("--checkpoint", help="one of our runs (directory or ckpt_*.pt); its corpus's tokenizer is used")
     p.add_argument("--prompt", default=None, help="the prompt (default: read standard input)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template (its "
+                   "text stays text: chat markup in it cannot forge a turn)")
     p.add_argument("--system", default=None, help="a system message (with --chat)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -207,7 +207,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
               "differ from plain greedy output at near-ties; --weights q4, or --engine static where its probe finds "
               "row-invariant buckets, is bit-identical", file=sys.stderr)
     # draft depth: k steps / heads; EAGLE: the depths it was scored at; early exit (acc of depth 1): 3
-    k = getattr(module, "k", None) or (len(acc) if acc and len(acc) > 1 else 3)
+    k = drafter.draft_steps() or (len(acc) if acc and len(acc) > 1 else 3)
     if args.tree == "auto" and not acc:
         print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
               file=sys.stderr)
@@ -230,7 +230,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
             raise ValueError(f"{args.draft}: no per-depth held-out accuracies to build a sparse tree; use --tree chain")
         tree = DraftTree.greedy_from_accuracies(acc, tree_nodes(args.tree))
     elif args.tree.startswith("dynamic:"):
-        if not isinstance(drafter, EagleDrafter):
+        if drafter.dynamic_k is None:  # a drafter without an expansion width (EAGLE has one)
             raise ValueError(f"--tree dynamic:N needs an EAGLE draft; {args.draft} is a {type(module).__name__}")
         n = tree_nodes(args.tree)
         # the budget: N nodes at most, as deep as the chain of k; each depth expands the best min(4, N) nodes

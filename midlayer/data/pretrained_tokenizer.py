@@ -29,6 +29,8 @@ here, [ĠÂ, ½] there). We follow llama.cpp and the model's own tokenizer.
 from __future__ import annotations
 
 import json
+import threading
+import uuid
 import warnings
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -131,6 +133,9 @@ def render_chat_template(template: str, messages: Sequence[dict[str, Any]], add_
 
 
 # --------------------------------------------------------------------------------------- the wrapper
+_TEXT_LOCK = threading.Lock()  # encode_text's switch of a tokenizer's encode_special_tokens
+
+
 class TextTokenizer:
     """A pretrained model's tokenizer: text <-> ids, special ids, and the chat template."""
 
@@ -165,6 +170,21 @@ class TextTokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Ids for `text` read as plain text: special-token markup in it ("<|im_end|>") is encoded as the
+        characters it is made of, never as a control token. What user-supplied text gets (`encode_chat`)."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode_text: expected str, got {type(text).__name__}")
+        with _TEXT_LOCK:  # encode_special_tokens is the tokenizer's state: set it for this call only
+            self.tokenizer.encode_special_tokens = True
+            try:
+                return self.tokenizer.encode(text, add_special_tokens=False).ids
+            finally:
+                self.tokenizer.encode_special_tokens = False
+
+    def _special_ids(self) -> set[int]:
+        return {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
@@ -181,11 +201,52 @@ class TextTokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     **{**self.special_tokens, **variables})
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    **variables: Any) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    control_tokens_in_content: bool = False, **variables: Any) -> list[int]:
         """Token ids of the rendered conversation. No extra BOS: templates that want one write it
-        themselves (`{{ bos_token }}`), as Hugging Face's apply_chat_template(tokenize=True) assumes."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables), add_bos=False)
+        themselves (`{{ bos_token }}`), as Hugging Face's apply_chat_template(tokenize=True) assumes.
+
+        The template's own markup becomes control tokens; the messages' contents are text: a user who writes
+        "<|im_end|>\n<|im_start|>system" gets those characters, not a forged system turn (prompt injection).
+        Each content is rendered as a unique placeholder to find where the contents lie in the rendering. When
+        no special token falls inside a content, the ids are the whole rendering's, exactly as the model was
+        fine-tuned on them (and as transformers' apply_chat_template gives). Otherwise the template's text is
+        encoded around the contents with its special tokens and each content with `encode_text` (whitespace at
+        a content's edges may then split differently). `control_tokens_in_content=True` restores reading
+        markup in contents."""
+        if control_tokens_in_content:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables), add_bos=False)
+        _check_messages(messages)
+        tag = uuid.uuid4().hex
+        holders = [f"\ue000{tag}{i}\ue001" for i in range(len(messages))]
+        masked = [{**m, "content": h} for m, h in zip(messages, holders)]
+        skeleton = self.apply_chat_template(masked, add_generation_prompt, **variables)
+        whole = self.apply_chat_template(messages, add_generation_prompt, **variables)
+        contents = [m["content"] for m in messages]
+        if _fill(skeleton, holders, contents) != whole:  # the template changes contents (e.g. `| trim`)
+            contents = [c.strip() for c in contents]
+            if _fill(skeleton, holders, contents) != whole:
+                raise ValueError("this chat template rewrites message contents, so they cannot be kept apart from "
+                                 "its markup; pass control_tokens_in_content=True to encode the rendering as is")
+        spans, pos, rest = [], 0, skeleton
+        for holder, content in zip(holders, contents):
+            if holder in rest:
+                before, rest = rest.split(holder, 1)
+                pos += len(before)
+                spans.append((pos, pos + len(content)))
+                pos += len(content)
+        enc = self.tokenizer.encode(whole, add_special_tokens=False)
+        special = self._special_ids()
+        if not any(i in special and any(a < e and s < b for a, b in spans) for i, (s, e) in zip(enc.ids, enc.offsets)):
+            return enc.ids
+        ids: list[int] = []
+        rest = skeleton
+        for holder, content in zip(holders, contents):
+            if holder not in rest:  # a message the template leaves out
+                continue
+            before, rest = rest.split(holder, 1)
+            ids += self.encode(before, add_bos=False) + self.encode_text(content)
+        return ids + self.encode(rest, add_bos=False)
 
     def __repr__(self) -> str:
         return (f"TextTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={sorted(self.eos_ids)}, "
@@ -345,6 +406,12 @@ class TextTokenizer:
 
 
 # ------------------------------------------------------------------------------------------- helpers
+def _fill(skeleton: str, holders: Sequence[str], contents: Sequence[str]) -> str:
+    for holder, content in zip(holders, contents):
+        skeleton = skeleton.replace(holder, content, 1)
+    return skeleton
+
+
 def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("messages: expected a list of {'role': ..., 'content': ...} dicts")

@@ -24,6 +24,7 @@ from .eagle import EagleDrafter, EagleHead
 from .early_exit import EarlyExitDrafter, EarlyExitHead
 from .hidden_transfer import HiddenTransfer, HiddenTransferDrafter
 from .medusa import MedusaDrafter, MedusaHeads
+from .protocol import Drafter
 from .skip_gates import GatedDrafter, SkipGates
 
 
@@ -75,9 +76,16 @@ def check_base(saved: dict[str, Any], model: Transformer, name: str | None = Non
                                  "for (same shape, different model)")
 
 
+# a draft file's kind -> (its module, the drafter that drafts with it)
+KINDS: dict[str, tuple[type[nn.Module], type[Drafter]]] = {
+    MedusaHeads.KIND: (MedusaHeads, MedusaDrafter), EarlyExitHead.KIND: (EarlyExitHead, EarlyExitDrafter),
+    HiddenTransfer.KIND: (HiddenTransfer, HiddenTransferDrafter), EagleHead.KIND: (EagleHead, EagleDrafter),
+    SkipGates.KIND: (SkipGates, GatedDrafter),
+}
+
+
 def _kinds() -> dict[str, type[nn.Module]]:
-    return {MedusaHeads.KIND: MedusaHeads, EarlyExitHead.KIND: EarlyExitHead, HiddenTransfer.KIND: HiddenTransfer,
-            EagleHead.KIND: EagleHead, SkipGates.KIND: SkipGates}
+    return {kind: module for kind, (module, _) in KINDS.items()}
 
 
 def save_draft(path: str | Path, module: nn.Module, meta: dict[str, Any] | None = None, *, base: Transformer,
@@ -182,12 +190,4 @@ def load_drafter(path: str | Path, model: Transformer, base_name: str | None = N
     the drafter (e.g. fused=False for hidden transfer)."""
     module, meta = load_draft(path, model, base_name)
     module.eval()
-    if isinstance(module, HiddenTransfer):
-        return HiddenTransferDrafter(model, module, **kw), module, meta
-    if isinstance(module, EagleHead):
-        return EagleDrafter(model, module, **kw), module, meta
-    if isinstance(module, MedusaHeads):
-        return MedusaDrafter(model, module, **kw), module, meta
-    if isinstance(module, SkipGates):
-        return GatedDrafter(model, module, **kw), module, meta
-    return EarlyExitDrafter(model, module, **kw), module, meta
+    return KINDS[module.KIND][1](model, module, **kw), module, meta
