@@ -62,7 +62,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--drafts", default="hidden-transfer=drafts/smollm2-135m/hidden-transfer,"
                                        "medusa=drafts/smollm2-135m/medusa,early-exit=drafts/smollm2-135m/early-exit",
-                   help="comma-separated LABEL=DIR of train-draft outputs (default: the committed SmolLM2 drafts)")
+                   help="comma-separated LABEL=DIR of train-draft outputs, or LABEL=lookup for prompt lookup (no "
+                        "training); default: the committed SmolLM2 drafts")
     b.add_argument("--layer-skip", default="10:20", help="A:B = a layer-skip drafter skipping blocks A..B-1 ('' = none)")
     b.add_argument("--tree", choices=["auto", "chain", "sparse"], default="auto",
                    help="auto: per drafter, the tree of highest expected tokens/s (held-out accuracies x measured "
@@ -104,7 +105,7 @@ def check_bench_decode_args(args: argparse.Namespace) -> tuple[dict[str, str], t
                         ("--nodes", args.nodes)):
         positive(flag, value)
     check_output("--output", args.output)
-    drafts = label_dirs("--drafts", args.drafts, "a train-draft output")
+    drafts = label_dirs("--drafts", args.drafts, "a train-draft output", names=("lookup",))
     skip = None
     if args.layer_skip:
         a, sep, b = args.layer_skip.partition(":")

@@ -18,6 +18,7 @@ from midlayer.engine.generate import generate_stream, GenerationConfig
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import compress_weights, WEIGHT_FORMATS
 from midlayer.ops import kernels
+from midlayer.speculative.lookup import PromptLookupDrafter
 from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
 from midlayer.speculative.skip_gates import gated_twin, SkipGates
 from midlayer.speculative.static import static_speculative_generate
@@ -27,6 +28,8 @@ from midlayer.speculative.verify import speculative_generate
 from midlayer.train.distributed import resolve_device
 
 
+
+LOOKUP = "lookup"  # --draft lookup: the training-free prompt-lookup drafter (speculative/lookup.py)
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -48,9 +51,11 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                    help="linear-weight format: fp32 (exact), bf16, or int4 (group-32, Q4_1 layout; fastest on CPU); "
                         "activations, residual and LM head stay fp32")
     p.add_argument("--device", default=None)
-    p.add_argument("--draft", default=None, metavar="DIR",
-                   help="speculative decoding with a train-draft output (greedy: the same tokens as without in the "
-                        "q4 format; sampling: the same distribution, plain softmax only, no --top-k/--top-p)")
+    p.add_argument("--draft", default=None, metavar="DIR|lookup",
+                   help="speculative decoding with a train-draft output, or `lookup`: prompt lookup, draft tokens "
+                        "copied from the prompt and output (no training; a folder named lookup: ./lookup). Greedy: "
+                        "the same tokens as without in the q4 format; sampling: the same distribution, plain softmax "
+                        "only, no --top-k/--top-p")
     p.add_argument("--tree", default=None, metavar="auto|chain|sparse:N|dynamic:N",
                    help="draft tree with --draft (default auto): auto (the tree of highest expected tokens/s from the draft's "
                         "held-out accuracies and this machine's measured row costs), the top-1 chain, the N "
@@ -192,11 +197,15 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
     import time
 
 
-    drafter, module, meta = load_drafter(args.draft, model)  # first: a bad draft is refused before any note
-    acc = heldout_accuracies(meta, args.draft)
+    if args.draft == LOOKUP:  # training-free: accuracies measured on this prompt, for --tree auto
+        drafter = PromptLookupDrafter(model.cfg.vocab_size)
+        acc = drafter.self_accuracies(ids)
+    else:
+        drafter, _, meta = load_drafter(args.draft, model)  # first: a bad draft is refused before any note
+        acc = heldout_accuracies(meta, args.draft)
     if engine == "static" and (not drafter.static_step or cfg.temperature > 0):
         what = ("decodes greedily only" if cfg.temperature > 0 else
-                f"does not run a {type(module).__name__} draft yet (it reads the dynamic cache)")
+                f"does not run a {type(drafter).__name__} draft yet (it reads the dynamic cache)")
         if args.engine == "static":
             raise ValueError(f"--engine static with --draft: the static step {what}; use --engine dynamic")
         engine = "dynamic"  # auto: the dynamic engine runs every drafter
@@ -231,7 +240,7 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         tree = DraftTree.greedy_from_accuracies(acc, tree_nodes(args.tree))
     elif args.tree.startswith("dynamic:"):
         if drafter.dynamic_k is None:  # a drafter without an expansion width (EAGLE has one)
-            raise ValueError(f"--tree dynamic:N needs an EAGLE draft; {args.draft} is a {type(module).__name__}")
+            raise ValueError(f"--tree dynamic:N needs an EAGLE draft; {args.draft} is a {type(drafter).__name__}")
         n = tree_nodes(args.tree)
         # the budget: N nodes at most, as deep as the chain of k; each depth expands the best min(4, N) nodes
         tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(n)]] * k, n)
@@ -320,7 +329,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
                              "or as --gates alone to generate with the gated model")
         if not Path(args.gates).is_dir():
             raise ValueError(f"--gates {args.gates}: no such directory (expected a train-gates output)")
-    if args.draft is not None:
+    if args.draft is not None and args.draft != LOOKUP:
         if not Path(args.draft).is_dir():
             raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output)")
         if args.temperature > 0 and (args.top_k or args.top_p < 1.0):

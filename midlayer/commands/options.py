@@ -67,9 +67,10 @@ def positive(flag: str, value: int) -> None:
         raise ValueError(f"{flag} must be a positive integer, got {value}")
 
 
-def label_dirs(flag: str, spec: str, what: str, reserved: tuple[str, ...] = ()) -> dict[str, str]:
+def label_dirs(flag: str, spec: str, what: str, reserved: tuple[str, ...] = (), names: tuple[str, ...] = ()
+               ) -> dict[str, str]:
     """{label: directory} of a comma-separated LABEL=DIR flag, every entry checked (distinct labels, none
-    of `reserved`, existing directories)."""
+    of `reserved`, existing directories, or one of `names`: drafters that need no directory, e.g. lookup)."""
     out: dict[str, str] = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         label, sep, path = item.partition("=")
@@ -79,7 +80,7 @@ def label_dirs(flag: str, spec: str, what: str, reserved: tuple[str, ...] = ()) 
             raise ValueError(f"{flag}: label {label!r} given twice")
         if label in reserved:
             raise ValueError(f"{flag}: label {label!r} is taken by a row of its own; choose another")
-        if not Path(path).is_dir():
+        if path not in names and not Path(path).is_dir():
             raise ValueError(f"{flag} {label}={path}: no such directory (expected {what})")
         out[label] = path
     return out

@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -46,6 +46,7 @@ from midlayer.ops import kernels
 from midlayer.speculative.distill import DistillSet
 from midlayer.speculative.draft_training import DraftTrainConfig, heldout_metrics, response_batches
 from midlayer.speculative.layer_skip import LayerSkipDrafter
+from midlayer.speculative.lookup import PromptLookupDrafter
 from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
 from midlayer.speculative.skip_gates import SkipGates
 from midlayer.speculative.tree import DraftTree
@@ -502,7 +503,7 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     model = compress_weights(model, weights).eval()
     stop = tuple(sorted(tok.eos_ids))
     encoded = heldout_chats(tok, max_prompts, prompts)
-    methods, own_acc, depth = speculative_methods(model, drafts, layer_skip)
+    methods, own_acc, depth = speculative_methods(model, drafts, layer_skip, encoded)
     costs = row_costs(model, model_name, weights, progress=progress) if tree == "auto" else None
     hf = load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
     anchor = None
@@ -534,14 +535,22 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
                 llama_cpp_version=getattr(anchor, "version", None))
 
 
-def speculative_methods(model, drafts: dict[str, str] | None, layer_skip: tuple[int, int] | None
-                        ) -> tuple[dict[str, tuple], dict[str, list], int]:
+def speculative_methods(model, drafts: dict[str, str] | None, layer_skip: tuple[int, int] | None,
+                        prompts: Sequence[Sequence[int]] = ()) -> tuple[dict[str, tuple], dict[str, list], int]:
     """label -> (drafter, draft depth k) for every draft directory and its variants (a fused drafter's separate
-    pass, "-separate"; a drafter with an unused expansion width, EAGLE-2's dynamic tree, "-dynamic"), and the
-    layer-skip drafter; each draft's held-out per-rank accuracies; the deepest depth (at least 3)."""
+    pass, "-separate"; a drafter with an unused expansion width, EAGLE-2's dynamic tree, "-dynamic"), prompt
+    lookup (path "lookup"; its accuracies the mean of `self_accuracies` over `prompts`), and the layer-skip
+    drafter; each draft's held-out per-rank accuracies; the deepest depth (at least 3)."""
     methods: dict[str, tuple] = {}  # drafters keep no per-run state
     own_acc: dict[str, list] = {}  # label -> its held-out per-rank accuracies (depth 1 only for early exit)
     for label, path in (drafts or {}).items():
+        if path == "lookup":
+            d = PromptLookupDrafter(model.cfg.vocab_size)
+            accs = [d.self_accuracies(p) for p in prompts] or [d.self_accuracies([])]
+            own_acc[label] = [[sum(a[i][r] for a in accs) / len(accs) for r in range(len(accs[0][i]))]
+                              for i in range(len(accs[0]))]
+            methods[label] = (d, d.draft_steps())
+            continue
         d, module, meta = load_drafter(path, model)
         acc = heldout_accuracies(meta, str(path))
         k = d.draft_steps() or len(acc or [])
