@@ -22,8 +22,7 @@ from midlayer.speculative.lookup import PromptLookupDrafter
 from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
 from midlayer.speculative.skip_gates import gated_twin, SkipGates
 from midlayer.speculative.static import static_speculative_generate
-from midlayer.speculative.tree import DraftTree
-from midlayer.speculative.tree_cost import auto_tree, cached_overhead, cost_key, drafter_key, row_costs, table_text
+from midlayer.speculative.tree_cost import select_tree
 from midlayer.speculative.verify import speculative_generate
 from midlayer.train.distributed import resolve_device
 
@@ -215,38 +214,14 @@ def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], c
         print(f"note: {args.weights} weights are not row-invariant in the dynamic engine, so speculative output can "
               "differ from plain greedy output at near-ties; --weights q4, or --engine static where its probe finds "
               "row-invariant buckets, is bit-identical", file=sys.stderr)
-    # draft depth: k steps / heads; EAGLE: the depths it was scored at; early exit (acc of depth 1): 3
-    k = drafter.draft_steps() or (len(acc) if acc and len(acc) > 1 else 3)
     if args.tree == "auto" and not acc:
         print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
               file=sys.stderr)
-    if args.tree == "auto" and acc:
-        name = args.model or args.checkpoint
-        costs = row_costs(model, name, args.weights, progress=True, refresh=args.refresh_costs)
-        # what the forwards leave out (~1 s to measure): once per drafter and machine, then cached
-        overhead = cached_overhead(model, drafter, costs, ids,
-                                   f"{cost_key(name, args.weights, model)}|{drafter_key(drafter, args.draft)}",
-                                   refresh=args.refresh_costs)
-        tree, table = auto_tree(model, drafter, acc, costs, max_depth=k, overhead=overhead)
-        if args.stats:
-            print(f"measured beyond the modelled forwards: {overhead.plain_ms:+.2f} ms a plain token, "
-                  f"{overhead.round_ms:+.2f} ms a round, {overhead.call_ms:+.2f} ms a draft call", file=sys.stderr)
-            print(table_text(table, tree), file=sys.stderr)
-    elif args.tree in ("chain", "auto"):
-        tree = DraftTree.chain(k)
-    elif args.tree.startswith("sparse:"):
-        if not acc or len(acc) < 2:
-            raise ValueError(f"{args.draft}: no per-depth held-out accuracies to build a sparse tree; use --tree chain")
-        tree = DraftTree.greedy_from_accuracies(acc, tree_nodes(args.tree))
-    elif args.tree.startswith("dynamic:"):
-        if drafter.dynamic_k is None:  # a drafter without an expansion width (EAGLE has one)
-            raise ValueError(f"--tree dynamic:N needs an EAGLE draft; {args.draft} is a {type(drafter).__name__}")
-        n = tree_nodes(args.tree)
-        # the budget: N nodes at most, as deep as the chain of k; each depth expands the best min(4, N) nodes
-        tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(n)]] * k, n)
-        drafter.dynamic_k = min(4, n)
-    else:
-        raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
+    tree, report = select_tree(model, drafter, acc, args.tree, model_name=args.model or args.checkpoint,
+                               weights=args.weights, prompt_ids=ids, draft_key=args.draft, refresh=args.refresh_costs,
+                               progress=True)
+    if args.stats and report:
+        print(report, file=sys.stderr)
     t = time.perf_counter()
     if engine == "static":
         out, stats = static_speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens,

@@ -453,6 +453,49 @@ def table_text(table: list[dict], chosen: DraftTree) -> str:
     return "\n".join(out)
 
 
-__all__ = ["RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms", "draft_calls", "total_round_ms",
+def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, spec: str, *, model_name: str,
+                weights: str, prompt_ids: Sequence[int], draft_key: str = "", refresh: bool = False,
+                progress: bool = False) -> tuple[DraftTree, str | None]:
+    """The tree a generation drafts with, from a spec: "auto" (the tree of highest expected tokens/s from
+    `acc` and this machine's measured row costs and overheads, cached per model, weights, machine and
+    drafter; the top-1 chain when there are no accuracies), "chain", "sparse:N" (the N nodes most likely
+    accepted) or "dynamic:N" (EAGLE-2's dynamic tree of N nodes, for a drafter with an expansion width).
+    Returns (tree, a text report of the choice for auto). The one implementation behind `generate` and the
+    Python API."""
+    # draft depth: k steps / heads; else the depths it was scored at; else (one depth measured) 3
+    k = drafter.draft_steps() or (len(acc) if acc and len(acc) > 1 else 3)
+    kind, _, n = spec.partition(":")
+    if kind == "auto" and acc:
+        costs = row_costs(model, model_name, weights, progress=progress, refresh=refresh)
+        # what the forwards leave out (~1 s to measure): once per drafter and machine, then cached
+        overhead = cached_overhead(model, drafter, costs, prompt_ids, f"{cost_key(model_name, weights, model)}|"
+                                   f"{drafter_key(drafter, draft_key)}", refresh=refresh)
+        tree, table = auto_tree(model, drafter, acc, costs, max_depth=k, overhead=overhead)
+        return tree, (f"measured beyond the modelled forwards: {overhead.plain_ms:+.2f} ms a plain token, "
+                      f"{overhead.round_ms:+.2f} ms a round, {overhead.call_ms:+.2f} ms a draft call\n"
+                      + table_text(table, tree))
+    if kind in ("auto", "chain") and not n:
+        return DraftTree.chain(k), None
+    if kind in ("sparse", "dynamic"):
+        try:
+            nodes = int(n)
+        except ValueError:
+            nodes = 0
+        if nodes < 1:
+            raise ValueError(f"tree {spec!r}: N must be a positive integer")
+        if kind == "sparse":
+            if not acc or len(acc) < 2:
+                raise ValueError(f"tree {spec!r}: the draft has no per-depth accuracies to build a sparse tree; use "
+                                 "chain")
+            return DraftTree.greedy_from_accuracies(acc, nodes), None
+        if drafter.dynamic_k is None:  # a drafter without an expansion width (EAGLE has one)
+            raise ValueError(f"tree {spec!r} needs an EAGLE draft; this drafter is a {type(drafter).__name__}")
+        # the budget: N nodes at most, as deep as the chain of k; each depth expands the best min(4, N) nodes
+        drafter.dynamic_k = min(4, nodes)
+        return DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * k, nodes), None
+    raise ValueError(f"tree: expected auto, chain, sparse:N or dynamic:N, got {spec!r}")
+
+
+__all__ = ["select_tree", "RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms", "draft_calls", "total_round_ms",
            "measure_overhead", "cached_overhead", "drafter_key", "split_excess", "expected_tokens", "choose_tree", "auto_tree", "measure_row_costs", "row_costs",
            "cost_key", "table_text"]

@@ -1,0 +1,225 @@
+"""The Python API: the few names a notebook needs (issue 45, item 1), exported from `midlayer`.
+
+    import midlayer
+    llm = midlayer.LLM.load("smollm2-135m", weights="q4")          # a short name, a .gguf, or a HF folder
+    llm.attach("lookup")                                             # or a train-draft / train-gates folder
+    out = llm.generate([{"role": "user", "content": "Name three primes."}], max_tokens=64)
+    print(out.text, out.finish_reason, out.stats.tau)
+
+A prompt is text (`str`, encoded as is) or a chat (a list of {"role", "content"} messages, rendered with the
+model's chat template; the contents stay text, so chat markup in them cannot forge a turn). `generate` takes
+one prompt or a list of them and returns one `Completion` each; `stream` yields the text of one prompt as it
+is decoded. Greedy speculative decoding returns the tokens plain decoding would (the q4 format is the one
+called lossless on every drafter and tree; see docs/inference.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence, Union
+
+from midlayer.data.pretrained_tokenizer import TextTokenizer
+from midlayer.engine.generate import GenerationConfig, generate, generate_stream
+from midlayer.engine.pretrained import load_pretrained
+from midlayer.engine.quantization import WEIGHT_FORMATS, compress_weights
+from midlayer.model.transformer import Transformer
+from midlayer.speculative.lookup import PromptLookupDrafter
+from midlayer.speculative.protocol import Drafter
+from midlayer.speculative.registry import heldout_accuracies, load_drafter
+from midlayer.speculative.tree import DraftTree
+from midlayer.speculative.tree_cost import select_tree
+from midlayer.speculative.verify import SpecStats, speculative_generate
+from midlayer.train.distributed import resolve_device
+
+Message = dict[str, Any]
+Prompt = Union[str, Sequence[Message]]
+
+
+@dataclass
+class Completion:
+    """One prompt's result. finish_reason: "stop" (an end-of-turn token or a stop string) or "length"."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    stats: SpecStats | None = None  # speculative decoding's statistics (tau, forwards), None for plain decoding
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class LLM:
+    """A loaded model with its tokenizer, and optionally a drafter for speculative decoding."""
+
+    def __init__(self, model: Transformer, tokenizer: TextTokenizer, name: str = "model", weights: str = "fp32"
+                 ) -> None:
+        self.model, self.tokenizer, self.name, self.weights = model.eval(), tokenizer, name, weights
+        self.drafter: Drafter | None = None
+        self.draft_name = ""
+        self.tree_spec: str = "auto"
+        self._acc: list[list[float]] | None = None
+
+    @classmethod
+    def load(cls, model: str, *, weights: str = "fp32", device: str | None = None) -> "LLM":
+        """A pretrained model: a short name (smollm2-135m), a .gguf file or a Hugging Face folder, compressed to
+        `weights` (fp32, bf16, int4, q4: the batch-invariant CPU format) on `device` (default cpu)."""
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights: choose from {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        dev = resolve_device(device) if device is not None else None
+        if weights == "q4" and dev is not None and dev.type != "cpu":
+            raise ValueError("weights='q4' runs on the CPU only (its kernels are C)")
+        net, tok = load_pretrained(model)
+        if tok is None:
+            raise ValueError(f"{model} has no tokenizer: midlayer cannot turn a prompt into tokens for it")
+        if dev is not None:
+            net = net.to(dev)
+        return cls(compress_weights(net.float(), weights), tok, str(model), weights)
+
+    # ------------------------------------------------------------------------------------ drafting
+    def attach(self, draft: str | Path | Drafter | None, *, tree: str = "auto") -> "LLM":
+        """Decode speculatively from now on: with a train-draft or train-gates folder, "lookup" (prompt lookup,
+        no training), or a `Drafter`; None detaches. `tree`: auto (sized from the draft's accuracies and this
+        machine's measured costs), chain, sparse:N or dynamic:N."""
+        if draft is None:
+            self.drafter, self.draft_name, self._acc = None, "", None
+            return self
+        if isinstance(draft, Drafter):
+            self.drafter, self.draft_name, self._acc = draft, type(draft).__name__, None
+        elif str(draft) == "lookup":
+            self.drafter, self.draft_name, self._acc = PromptLookupDrafter(self.model.cfg.vocab_size), "lookup", None
+        else:
+            drafter, _, meta = load_drafter(draft, self.model)
+            self.drafter, self.draft_name, self._acc = drafter, str(draft), heldout_accuracies(meta, str(draft))
+        self.tree_spec = tree
+        return self
+
+    # ------------------------------------------------------------------------------------ prompts
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: text as is (with the model's own BOS rule), a chat through its template."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
+            ids = self.tokenizer.encode_chat(list(prompt))
+        else:
+            raise ValueError("a prompt is a str or a list of {'role': ..., 'content': ...} messages, got "
+                             f"{type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.model.cfg.max_seq_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.model.cfg.max_seq_len}")
+        return ids
+
+    def _config(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
+                ) -> GenerationConfig:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if self.drafter is not None and temperature > 0 and (top_k or top_p < 1.0):
+            raise ValueError("speculative sampling reproduces the plain softmax: top_k / top_p would change it; "
+                             "drop them, or detach the drafter")
+        return GenerationConfig(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
+                                top_p=top_p, seed=seed, stop_tokens=tuple(sorted(self.tokenizer.eos_ids)))
+
+    # ------------------------------------------------------------------------------------ generation
+    def generate(self, prompt: Prompt | Sequence[Prompt], *, max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()
+                 ) -> Completion | list[Completion]:
+        """One `Completion` for one prompt, a list for a list of prompts (plain decoding batches them; a drafter
+        decodes them one by one). `stop`: strings that end a completion (cut before the string)."""
+        if not isinstance(prompt, str) and isinstance(prompt, Sequence) and not prompt:
+            raise ValueError("no prompt: give a str, a chat (a list of messages) or a list of prompts")
+        many = not isinstance(prompt, str) and isinstance(prompt, Sequence) and \
+            not all(isinstance(m, dict) for m in prompt)
+        prompts = list(prompt) if many else [prompt]
+        cfg = self._config(max_tokens, temperature, top_k, top_p, seed)
+        ids = [self.encode(p) for p in prompts]
+        if self.drafter is None and not stop:
+            outs = generate(self.model, ids, cfg)
+            done = [self._completion(i, o, None, stop) for i, o in zip(ids, outs)]
+        else:
+            done = [self._one(i, cfg, stop) for i in ids]
+        return done if many else done[0]
+
+    def stream(self, prompt: Prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()) -> Iterator[str]:
+        """The completion's text in pieces as it is decoded (plain decoding: token by token; with a drafter:
+        round by round). A piece never ends inside a multi-byte character or a stop string."""
+        cfg = self._config(max_tokens, temperature, top_k, top_p, seed)
+        ids = self.encode(prompt)
+        shown, new = "", []
+        for tokens in self._token_groups(ids, cfg):
+            new += tokens
+            text, ended = self._cut(new, stop)
+            if ended:
+                yield text[len(shown):]
+                return
+            held = max((len(s) - 1 for s in stop), default=0)  # a stop string may still be completing
+            safe = text[:len(text) - held] if held else text
+            if safe.endswith("\ufffd"):
+                continue
+            if len(safe) > len(shown):
+                yield safe[len(shown):]
+                shown = safe
+        text, _ = self._cut(new, stop)
+        if len(text) > len(shown):
+            yield text[len(shown):]
+
+    # ------------------------------------------------------------------------------------ internals
+    def _token_groups(self, ids: list[int], cfg: GenerationConfig) -> Iterator[list[int]]:
+        """New tokens in the groups they are decoded in, up to and including an end-of-turn token."""
+        if self.drafter is None:
+            for step, _ in generate_stream(self.model, [ids], cfg):
+                tok = int(step[0])
+                yield [tok]
+                if tok in cfg.stop_tokens:
+                    return
+            return
+        out, _ = self._speculate(ids, cfg)
+        yield out  # speculative decoding returns its tokens at once (rounds are not streamed yet)
+
+    def _speculate(self, ids: list[int], cfg: GenerationConfig) -> tuple[list[int], SpecStats]:
+        acc = self._acc if not isinstance(self.drafter, PromptLookupDrafter) else self.drafter.self_accuracies(ids)
+        tree, _ = self._tree(acc, ids)
+        return speculative_generate(self.model, ids, self.drafter, tree, cfg.max_new_tokens,
+                                    stop_tokens=cfg.stop_tokens, temperature=cfg.temperature, seed=cfg.seed)
+
+    def _tree(self, acc: list[list[float]] | None, ids: list[int]) -> tuple[DraftTree, str | None]:
+        spec = self.tree_spec if (acc or self.tree_spec != "auto") else "chain"
+        return select_tree(self.model, self.drafter, acc, spec, model_name=self.name, weights=self.weights,
+                           prompt_ids=ids, draft_key=self.draft_name)
+
+    def _one(self, ids: list[int], cfg: GenerationConfig, stop: Sequence[str]) -> Completion:
+        if self.drafter is not None:
+            out, stats = self._speculate(ids, cfg)
+            return self._completion(ids, out, stats, stop)
+        new: list[int] = []
+        for tokens in self._token_groups(ids, cfg):
+            new += tokens
+            if stop and self._cut(new, stop)[1]:
+                break
+        return self._completion(ids, new, None, stop)
+
+    def _cut(self, tokens: list[int], stop: Sequence[str]) -> tuple[str, bool]:
+        """The text of `tokens` (end-of-turn tokens dropped), cut before the first stop string; and whether a stop
+        string or an end-of-turn token ended it."""
+        eos = self.tokenizer.eos_ids
+        ended = any(t in eos for t in tokens)
+        text = self.tokenizer.decode([t for t in tokens if t not in eos])
+        cuts = [text.find(s) for s in stop if s and s in text]
+        if cuts:
+            return text[:min(cuts)], True
+        return text, ended
+
+    def _completion(self, ids: list[int], out: list[int], stats: SpecStats | None, stop: Sequence[str]
+                    ) -> Completion:
+        text, ended = self._cut(out, stop)
+        return Completion(text=text, token_ids=list(out), prompt_tokens=len(ids),
+                          finish_reason="stop" if ended else "length", stats=stats)
+
+
+__all__ = ["LLM", "Completion", "Prompt", "Message"]
