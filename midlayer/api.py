@@ -20,17 +20,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
 
+from tokenizers import Tokenizer
+
 from midlayer.data.pretrained_tokenizer import TextTokenizer
-from midlayer.engine.generate import GenerationConfig, generate, generate_stream
+from midlayer.common import cache_dir
+from midlayer.data.shards import resolve_data
+from midlayer.engine.decode_step import static_stream
+from midlayer.engine.generate import GenerationConfig, generate, generate_stream, validate_prompts
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import WEIGHT_FORMATS, compress_weights
 from midlayer.model.transformer import Transformer
 from midlayer.speculative.lookup import PromptLookupDrafter
 from midlayer.speculative.protocol import Drafter
-from midlayer.speculative.registry import heldout_accuracies, load_drafter
+from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
+from midlayer.speculative.skip_gates import SkipGates, gated_twin
+from midlayer.speculative.static import static_speculative_generate
 from midlayer.speculative.tree import DraftTree
 from midlayer.speculative.tree_cost import select_tree
 from midlayer.speculative.verify import SpecStats, speculative_generate
+from midlayer.train.checkpoint import load_model
 from midlayer.train.distributed import resolve_device
 
 Message = dict[str, Any]
@@ -62,7 +70,15 @@ class LLM:
         self.draft_name = ""
         self.tree_spec: str = "auto"
         self._acc: list[list[float]] | None = None
-
+        # how it decodes: the dynamic engine (real skipping, every drafter) or the static step ("static", with
+        # graphs eager / cudagraph / compile); skip: real skipping of a gated model's blocks
+        self.engine, self.graphs, self.skip = "dynamic", "eager", True
+        self.last_stats: SpecStats | None = None  # the last speculative generation's statistics
+        self.last_tree: DraftTree | None = None
+        self.last_report: str | None = None  # how --tree auto chose the last tree
+        self.last_completion: Completion | None = None  # what the last `stream` produced
+        self.refresh_costs = False  # tree "auto": measure the row costs and overheads again, not from the cache
+        self.progress = False  # tree "auto": show the row-cost measurement's progress
     @classmethod
     def load(cls, model: str, *, weights: str = "fp32", device: str | None = None) -> "LLM":
         """A pretrained model: a short name (smollm2-135m), a .gguf file or a Hugging Face folder, compressed to
@@ -78,6 +94,28 @@ class LLM:
         if dev is not None:
             net = net.to(dev)
         return cls(compress_weights(net.float(), weights), tok, str(model), weights)
+
+    @classmethod
+    def from_run(cls, checkpoint: str | Path, *, weights: str = "fp32", device: str | None = None) -> "LLM":
+        """One of our training runs (a run folder or a ckpt_*.pt file) with its corpus's tokenizer."""
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights: choose from {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        net, _, tcfg = load_model(checkpoint, device)
+        files = resolve_data(tcfg.data, cache_dir(), tcfg.tokenizer_vocab, tcfg.val_data)
+        if files.tokenizer_path is None:
+            raise ValueError(f"this run was trained on {tcfg.data!r}, whose tokenizer midlayer does not know "
+                             "(GPT-2 shards); generation from it is not supported")
+        tok = TextTokenizer(Tokenizer.from_file(str(files.tokenizer_path)), bos_id=None, eos_ids=[files.eot_id])
+        return cls(compress_weights(net.float(), weights), tok, str(checkpoint), weights)
+
+    def use_gates(self, gates: str | Path) -> "LLM":
+        """Generate with the model gated by a train-gates output: per-token skipping of middle blocks, real
+        skipping, lossy. (For lossless decoding attach the same folder as a drafter instead.)"""
+        module, _ = load_draft(gates, self.model)
+        if not isinstance(module, SkipGates):
+            raise ValueError(f"{gates}: a {type(module).__name__} draft, not a train-gates output")
+        self.model = gated_twin(self.model, module.eval())
+        return self
 
     # ------------------------------------------------------------------------------------ drafting
     def attach(self, draft: str | Path | Drafter | None, *, tree: str = "auto") -> "LLM":
@@ -109,9 +147,7 @@ class LLM:
                              f"{type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
-        if len(ids) >= self.model.cfg.max_seq_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.model.cfg.max_seq_len}")
-        return ids
+        return validate_prompts(self.model, [ids])[0]  # the engine's own refusals (longer than the context, ...)
 
     def _config(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
                 ) -> GenerationConfig:
@@ -123,7 +159,8 @@ class LLM:
             raise ValueError("speculative sampling reproduces the plain softmax: top_k / top_p would change it; "
                              "drop them, or detach the drafter")
         return GenerationConfig(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
-                                top_p=top_p, seed=seed, stop_tokens=tuple(sorted(self.tokenizer.eos_ids)))
+                                top_p=top_p, seed=seed, stop_tokens=tuple(sorted(self.tokenizer.eos_ids)),
+                                skip=self.skip)
 
     # ------------------------------------------------------------------------------------ generation
     def generate(self, prompt: Prompt | Sequence[Prompt], *, max_tokens: int = 128, temperature: float = 0.0,
@@ -152,10 +189,12 @@ class LLM:
         cfg = self._config(max_tokens, temperature, top_k, top_p, seed)
         ids = self.encode(prompt)
         shown, new = "", []
+        self.last_stats = None
         for tokens in self._token_groups(ids, cfg):
             new += tokens
             text, ended = self._cut(new, stop)
             if ended:
+                self.last_completion = self._completion(ids, new, self.last_stats, stop)
                 yield text[len(shown):]
                 return
             held = max((len(s) - 1 for s in stop), default=0)  # a stop string may still be completing
@@ -166,6 +205,7 @@ class LLM:
                 yield safe[len(shown):]
                 shown = safe
         text, _ = self._cut(new, stop)
+        self.last_completion = self._completion(ids, new, self.last_stats, stop)
         if len(text) > len(shown):
             yield text[len(shown):]
 
@@ -173,8 +213,9 @@ class LLM:
     def _token_groups(self, ids: list[int], cfg: GenerationConfig) -> Iterator[list[int]]:
         """New tokens in the groups they are decoded in, up to and including an end-of-turn token."""
         if self.drafter is None:
-            for step, _ in generate_stream(self.model, [ids], cfg):
-                tok = int(step[0])
+            steps = (static_stream(self.model, ids, cfg, graphs=self.graphs) if self.engine == "static" else
+                     (int(step[0]) for step, _ in generate_stream(self.model, [ids], cfg)))
+            for tok in steps:
                 yield [tok]
                 if tok in cfg.stop_tokens:
                     return
@@ -182,16 +223,32 @@ class LLM:
         out, _ = self._speculate(ids, cfg)
         yield out  # speculative decoding returns its tokens at once (rounds are not streamed yet)
 
+    def accuracies(self, ids: list[int]) -> list[list[float]] | None:
+        """The attached drafter's per-rank accuracies that size its tree: a draft's held-out ones, or prompt
+        lookup's measured on this prompt."""
+        if isinstance(self.drafter, PromptLookupDrafter):
+            return self.drafter.self_accuracies(ids)
+        return self._acc
+
     def _speculate(self, ids: list[int], cfg: GenerationConfig) -> tuple[list[int], SpecStats]:
-        acc = self._acc if not isinstance(self.drafter, PromptLookupDrafter) else self.drafter.self_accuracies(ids)
-        tree, _ = self._tree(acc, ids)
-        return speculative_generate(self.model, ids, self.drafter, tree, cfg.max_new_tokens,
-                                    stop_tokens=cfg.stop_tokens, temperature=cfg.temperature, seed=cfg.seed)
+        acc = self.accuracies(ids)
+        tree, self.last_report = self._tree(acc, ids)
+        self.last_tree = tree
+        if self.engine == "static":  # greedy, for drafters that declare static_step (the caller checked)
+            out, stats = static_speculative_generate(self.model, ids, self.drafter, tree, cfg.max_new_tokens,
+                                                     stop_tokens=cfg.stop_tokens, graphs=self.graphs)
+        else:
+            out, stats = speculative_generate(self.model, ids, self.drafter, tree, cfg.max_new_tokens,
+                                              stop_tokens=cfg.stop_tokens, temperature=cfg.temperature,
+                                              seed=cfg.seed, skip=cfg.skip)
+        self.last_stats = stats
+        return out, stats
 
     def _tree(self, acc: list[list[float]] | None, ids: list[int]) -> tuple[DraftTree, str | None]:
         spec = self.tree_spec if (acc or self.tree_spec != "auto") else "chain"
         return select_tree(self.model, self.drafter, acc, spec, model_name=self.name, weights=self.weights,
-                           prompt_ids=ids, draft_key=self.draft_name)
+                           prompt_ids=ids, draft_key=self.draft_name, refresh=self.refresh_costs,
+                           progress=self.progress)
 
     def _one(self, ids: list[int], cfg: GenerationConfig, stop: Sequence[str]) -> Completion:
         if self.drafter is not None:

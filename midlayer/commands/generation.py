@@ -5,25 +5,14 @@ dynamic engine or the static decode step.
 from __future__ import annotations
 
 import argparse
+import time
 import sys
 from pathlib import Path
 
-from .training import load_run
-from midlayer.common import cache_dir
-from midlayer.config import TrainConfig
-from midlayer.data.pretrained_tokenizer import TextTokenizer
-from midlayer.data.shards import resolve_data
-from midlayer.engine.decode_step import static_stream, unsupported
-from midlayer.engine.generate import generate_stream, GenerationConfig
-from midlayer.engine.pretrained import load_pretrained
-from midlayer.engine.quantization import compress_weights, WEIGHT_FORMATS
+from midlayer.api import LLM
+from midlayer.engine.decode_step import unsupported
+from midlayer.engine.quantization import WEIGHT_FORMATS
 from midlayer.ops import kernels
-from midlayer.speculative.lookup import PromptLookupDrafter
-from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
-from midlayer.speculative.skip_gates import gated_twin, SkipGates
-from midlayer.speculative.static import static_speculative_generate
-from midlayer.speculative.tree_cost import select_tree
-from midlayer.speculative.verify import speculative_generate
 from midlayer.train.distributed import resolve_device
 
 
@@ -77,30 +66,14 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                         "model then drafts and the dense model verifies")
 
 
-def _run_tokenizer(train_cfg: TrainConfig):
-    """The tokenizer a run of ours was trained with (the embedded corpus's BPE)."""
-    from tokenizers import Tokenizer
-
-
-    files = resolve_data(train_cfg.data, cache_dir(), train_cfg.tokenizer_vocab, train_cfg.val_data)
-    if files.tokenizer_path is None:
-        raise ValueError(f"this run was trained on {train_cfg.data!r}, whose tokenizer midlayer does not know "
-                         "(GPT-2 shards); generation from it is not supported from the command line")
-    return TextTokenizer(Tokenizer.from_file(str(files.tokenizer_path)), bos_id=None, eos_ids=[files.eot_id])
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    """`midlayer generate`: a thin layer over the Python API (midlayer/api.py), which does the work."""
     check_generate_args(args)  # before any file is read: a bad flag is never blamed on a model file
     if args.model:
-        model, tok = load_pretrained(args.model)
-        if tok is None:
-            raise ValueError(f"{args.model} has no tokenizer.json: midlayer cannot turn a prompt into tokens for it")
-        if args.device:
-            model = model.to(resolve_device(args.device))
+        llm = LLM.load(args.model, weights=args.weights, device=args.device)
     else:
-        model, _, train_cfg = load_run(args.checkpoint, args.device)
-        tok = _run_tokenizer(train_cfg)
-    model = compress_weights(model.float(), args.weights)
+        llm = LLM.from_run(args.checkpoint, weights=args.weights, device=args.device)
+    model = llm.model
     if args.weights == "q4" and not model.batch_invariant:
         # q4 is defined by its C kernels: without them it is another computation (issue 43)
         print(f"note: the q4 kernels are not available here ({kernels.unavailable_reason()}), so q4 runs through "
@@ -108,45 +81,60 @@ def cmd_generate(args: argparse.Namespace) -> int:
               "row-invariant, and speculative output can differ from plain greedy output at near-ties",
               file=sys.stderr)
     if args.gates:
-        gates, _ = load_draft(args.gates, model)
-        if not isinstance(gates, SkipGates):
-            raise ValueError(f"--gates {args.gates}: a {type(gates).__name__} draft, not a train-gates output")
-        model = gated_twin(model, gates.eval())
+        llm.use_gates(args.gates)
     prompt = _prompt_text(args.prompt)
     if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                   [{"role": "user", "content": prompt}]
-        ids = tok.encode_chat(messages)
-    else:
-        ids = tok.encode(prompt)
-    if not ids:
-        raise ValueError("the prompt is empty")
-    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, stop_tokens=tuple(sorted(tok.eos_ids)),
-                           skip=not args.no_skip)
-    engine, graphs = _engine(args, model)
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                 [{"role": "user", "content": prompt}]
+    ids = llm.encode(prompt)
+    llm.engine, llm.graphs = _engine(args, llm.model)
+    llm.skip = not args.no_skip
     if args.draft:
-        return _generate_with_draft(args, model, tok, ids, cfg, engine, graphs)
-    if engine == "static":
-        stream = static_stream(model, ids, cfg, graphs=graphs)
-    else:
-        stream = (int(t[0]) for t, _ in generate_stream(model, [ids], cfg))
-    new: list[int] = []
-    shown = ""
-    ended = False
-    for t in stream:
-        if t in tok.eos_ids:
-            ended = True
-            break
-        new.append(t)
-        text = tok.decode(new)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-    sys.stdout.write(tok.decode(new)[len(shown):] + "\n")
-    _say_if_cut(model, ids, len(new), ended, args.max_new_tokens)
+        _attach_draft(args, llm, ids)
+    t = time.perf_counter()
+    for piece in llm.stream(prompt, max_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    dt = time.perf_counter() - t
+    sys.stdout.write("\n")
+    done = llm.last_completion
+    _say_if_cut(llm.model, ids, done.completion_tokens, done.finish_reason == "stop", args.max_new_tokens)
+    if args.draft and llm.last_stats is not None:
+        stats = llm.last_stats
+        if stats.row_invariant is False:
+            print("note: the static step's buckets were not measured row-invariant on this device, so this "
+                  "speculative output can differ from plain greedy output at near-ties", file=sys.stderr)
+        if args.stats:
+            if llm.last_report:
+                print(llm.last_report, file=sys.stderr)
+            n = done.completion_tokens
+            print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), tau {stats.tau:.2f} over "
+                  f"{stats.base_forwards} base forwards, tree of {len(llm.last_tree)} nodes", file=sys.stderr)
     return 0
+
+
+def _attach_draft(args: argparse.Namespace, llm: LLM, ids: list[int]) -> None:
+    """--draft: the drafter attached to `llm`, the engine set back to dynamic where the static step cannot run
+    it, and the notes on what is and is not bit-identical."""
+    llm.attach(args.draft, tree=args.tree)  # first: a bad draft is refused before any note
+    llm.refresh_costs, llm.progress = args.refresh_costs, True
+    drafter, model = llm.drafter, llm.model
+    if llm.engine == "static" and (not drafter.static_step or args.temperature > 0):
+        what = ("decodes greedily only" if args.temperature > 0 else
+                f"does not run a {type(drafter).__name__} draft yet (it reads the dynamic cache)")
+        if args.engine == "static":
+            raise ValueError(f"--engine static with --draft: the static step {what}; use --engine dynamic")
+        llm.engine = "dynamic"  # auto: the dynamic engine runs every drafter
+    if args.temperature == 0 and llm.engine == "dynamic" and args.weights == "q4" and not model.batch_invariant:
+        pass  # said once, for every q4 call without its kernels (cmd_generate)
+    elif args.temperature == 0 and llm.engine == "dynamic" and not getattr(model, "batch_invariant", False):
+        print(f"note: {args.weights} weights are not row-invariant in the dynamic engine, so speculative output can "
+              "differ from plain greedy output at near-ties; --weights q4, or --engine static where its probe finds "
+              "row-invariant buckets, is bit-identical", file=sys.stderr)
+    if args.tree == "auto" and args.draft != LOOKUP and not llm.accuracies(ids):
+        print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
+              file=sys.stderr)
 
 
 def _prompt_text(arg: str | None) -> str:
@@ -189,57 +177,6 @@ def _engine(args: argparse.Namespace, model) -> tuple[str, str]:
     if graphs == "cudagraph" and dev.type != "cuda":
         raise ValueError(f"--graphs cudagraph needs the model on CUDA (--device cuda), not on {dev.type}")
     return engine, graphs
-
-
-def _generate_with_draft(args: argparse.Namespace, model, tok, ids: list[int], cfg, engine: str = "dynamic",
-                         graphs: str = "eager") -> int:
-    import time
-
-
-    if args.draft == LOOKUP:  # training-free: accuracies measured on this prompt, for --tree auto
-        drafter = PromptLookupDrafter(model.cfg.vocab_size)
-        acc = drafter.self_accuracies(ids)
-    else:
-        drafter, _, meta = load_drafter(args.draft, model)  # first: a bad draft is refused before any note
-        acc = heldout_accuracies(meta, args.draft)
-    if engine == "static" and (not drafter.static_step or cfg.temperature > 0):
-        what = ("decodes greedily only" if cfg.temperature > 0 else
-                f"does not run a {type(drafter).__name__} draft yet (it reads the dynamic cache)")
-        if args.engine == "static":
-            raise ValueError(f"--engine static with --draft: the static step {what}; use --engine dynamic")
-        engine = "dynamic"  # auto: the dynamic engine runs every drafter
-    if cfg.temperature == 0 and engine == "dynamic" and args.weights == "q4" and not model.batch_invariant:
-        pass  # said once, for every q4 call without its kernels (cmd_generate)
-    elif cfg.temperature == 0 and engine == "dynamic" and not getattr(model, "batch_invariant", False):
-        print(f"note: {args.weights} weights are not row-invariant in the dynamic engine, so speculative output can "
-              "differ from plain greedy output at near-ties; --weights q4, or --engine static where its probe finds "
-              "row-invariant buckets, is bit-identical", file=sys.stderr)
-    if args.tree == "auto" and not acc:
-        print(f"note: {args.draft} has no held-out accuracies to size a tree by; using the top-1 chain",
-              file=sys.stderr)
-    tree, report = select_tree(model, drafter, acc, args.tree, model_name=args.model or args.checkpoint,
-                               weights=args.weights, prompt_ids=ids, draft_key=args.draft, refresh=args.refresh_costs,
-                               progress=True)
-    if args.stats and report:
-        print(report, file=sys.stderr)
-    t = time.perf_counter()
-    if engine == "static":
-        out, stats = static_speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens,
-                                                 stop_tokens=cfg.stop_tokens, graphs=graphs)
-    else:
-        out, stats = speculative_generate(model, ids, drafter, tree, cfg.max_new_tokens, stop_tokens=cfg.stop_tokens,
-                                          temperature=cfg.temperature, seed=cfg.seed, skip=cfg.skip)
-    dt = time.perf_counter() - t
-    if stats.row_invariant is False:
-        print("note: the static step's buckets were not measured row-invariant on this device, so this speculative "
-              "output can differ from plain greedy output at near-ties", file=sys.stderr)
-    text = tok.decode([x for x in out if x not in tok.eos_ids])
-    sys.stdout.write(text + "\n")
-    _say_if_cut(model, ids, len(out), any(x in tok.eos_ids for x in out), cfg.max_new_tokens)
-    if args.stats:
-        print(f"{len(out)} tokens in {dt:.2f} s ({len(out) / dt:.1f} tok/s), tau {stats.tau:.2f} over "
-              f"{stats.base_forwards} base forwards, tree of {len(tree)} nodes", file=sys.stderr)
-    return 0
 
 
 def tree_nodes(spec: str) -> int:

@@ -14,12 +14,10 @@ from pathlib import Path
 
 from .options import add_config_flags, check_output, overrides_from_args, write_output
 from midlayer.common import cache_dir, json_safe, resolve_dtype
-from midlayer.config import from_dict, get_preset, ModelConfig, PRESETS, TrainConfig
+from midlayer.config import get_preset, PRESETS
 from midlayer.data.shards import resolve_data, TokenWindows
 from midlayer.model.flops import format_breakdown
-from midlayer.model.transformer import Transformer
-from midlayer.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, load_newest_checkpoint,
-                                       load_weights)
+from midlayer.train.checkpoint import load_model
 from midlayer.train.distributed import print0, resolve_device
 from midlayer.train.evaluate import evaluate
 from midlayer.train.loop import train
@@ -70,30 +68,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_run(checkpoint: str, device: str | None = None):
-    """(model, checkpoint dict, train config) from a run directory (newest checkpoint) or a ckpt file."""
-    import torch
-
-
-    path = Path(checkpoint)
-    found = None
-    if path.is_dir():
-        found = list_checkpoints(path)
-        if not found:
-            raise ValueError(f"no checkpoints in {path}")
-        path = found[-1]
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    # a directory's newest checkpoint; if it is refused, the error names the newest good one
-    ckpt = load_newest_checkpoint(found, map_location=dev) if found else load_checkpoint(path, map_location=dev)
-    ckpt["path"] = str(path)
-    try:
-        model = Transformer(from_dict(ModelConfig, ckpt["configs"]["model"])).to(dev)
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path}: its model config is not valid ({e})") from None
-    load_weights(model, ckpt, path)
-    return model, ckpt, from_dict(TrainConfig, ckpt["configs"]["train"])
-
-
 def check_eval_args(args: argparse.Namespace) -> None:
     """What `eval` checks before reading the checkpoint (ValueError naming the flag)."""
 
@@ -110,7 +84,7 @@ def check_eval_args(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     check_eval_args(args)  # every flag checked before the checkpoint is read: no evaluation run and then lost
-    model, ckpt, train_cfg = load_run(args.checkpoint, args.device)
+    model, ckpt, train_cfg = load_model(args.checkpoint, args.device)
     if args.eval_tokens and args.eval_tokens < train_cfg.seq_len:
         raise ValueError(f"--eval-tokens must be 0 (the whole split) or at least one window of the run's "
                          f"seq_len={train_cfg.seq_len} tokens, got {args.eval_tokens}")

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from midlayer.common import atomic_write
-from midlayer.model.transformer import nonfinite_tensors
+from midlayer.config import ModelConfig, TrainConfig, from_dict
+from midlayer.model.transformer import Transformer, nonfinite_tensors
 
 FORMAT = "midlayer-checkpoint-v1"
 _NAME = re.compile(r"ckpt_(\d{7})\.pt$")
@@ -173,3 +174,26 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any], cls: type | 
 
     keys = sorted(set(saved) | set(current))
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if norm(saved.get(k)) != norm(current.get(k))]
+
+
+def load_model(checkpoint: str | Path, device: str | torch.device | None = None
+               ) -> tuple[Transformer, dict[str, Any], TrainConfig]:
+    """(model, checkpoint dict, train config) of a run directory (its newest checkpoint that loads; a refusal
+    names the newest good one) or a ckpt_*.pt file, on `device` (default: cuda if available, else cpu). The
+    one loader of our runs for `eval`, `generate --checkpoint`, the Python API and the evaluation helpers."""
+    path = Path(checkpoint)
+    found = None
+    if path.is_dir():
+        found = list_checkpoints(path)
+        if not found:
+            raise ValueError(f"no checkpoints in {path}")
+        path = found[-1]
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ckpt = load_newest_checkpoint(found, map_location=dev) if found else load_checkpoint(path, map_location=dev)
+    ckpt["path"] = str(path)
+    try:
+        model = Transformer(from_dict(ModelConfig, ckpt["configs"]["model"])).to(dev)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path}: its model config is not valid ({e})") from None
+    load_weights(model, ckpt, path)
+    return model, ckpt, from_dict(TrainConfig, ckpt["configs"]["train"])

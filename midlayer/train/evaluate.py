@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from midlayer.common import atomic_write, autocast_context, cache_dir, resolve_dtype
-from midlayer.config import from_dict, ModelConfig, TrainConfig
 from midlayer.data.shards import resolve_data, TokenWindows
 from midlayer.model.flops import active_param_count, forward_flops, kv_bytes_per_token, param_count
 from midlayer.model.sparsity import GateStatsAccumulator
 from midlayer.model.transformer import position_tables, Transformer
 from midlayer.train import distributed as dist_utils
-from .checkpoint import list_checkpoints, load_checkpoint, load_weights
+from .checkpoint import load_model
 
 
 
@@ -102,17 +101,9 @@ def evaluate(model: Transformer, windows: TokenWindows, *, eval_tokens: int, bat
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Any, Any, Any, int]:
     """(model in eval mode, ModelConfig, TrainConfig, resolved data files, step) of a run's newest checkpoint."""
 
-    run = Path(run_dir)
-    ckpts = list_checkpoints(run)
-    if not ckpts:
-        raise ValueError(f"{run}: no checkpoint to evaluate")
-    ckpt = load_checkpoint(ckpts[-1])
-    mcfg = from_dict(ModelConfig, ckpt["configs"]["model"])
-    tcfg = from_dict(TrainConfig, ckpt["configs"]["train"])
-    model = Transformer(mcfg).to(torch.device(device))
-    load_weights(model, ckpt, ckpts[-1])
+    model, ckpt, tcfg = load_model(run_dir, device)
     files = resolve_data(tcfg.data, cache_dir(), tcfg.tokenizer_vocab, tcfg.val_data)
-    return model.eval(), mcfg, tcfg, files, int(ckpt["step"])
+    return model.eval(), model.cfg, tcfg, files, int(ckpt["step"])
 
 
 def rescalable_rope(cfg: Any) -> bool:
