@@ -149,8 +149,9 @@ class LLM:
             raise ValueError("the prompt is empty")
         return validate_prompts(self.model, [ids])[0]  # the engine's own refusals (longer than the context, ...)
 
-    def _config(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
-                ) -> GenerationConfig:
+    def settings(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
+                 ) -> GenerationConfig:
+        """The generation settings, checked (ValueError naming the setting)."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
@@ -173,7 +174,7 @@ class LLM:
         many = not isinstance(prompt, str) and isinstance(prompt, Sequence) and \
             not all(isinstance(m, dict) for m in prompt)
         prompts = list(prompt) if many else [prompt]
-        cfg = self._config(max_tokens, temperature, top_k, top_p, seed)
+        cfg = self.settings(max_tokens, temperature, top_k, top_p, seed)
         ids = [self.encode(p) for p in prompts]
         if self.drafter is None and not stop:
             outs = generate(self.model, ids, cfg)
@@ -186,7 +187,7 @@ class LLM:
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()) -> Iterator[str]:
         """The completion's text in pieces as it is decoded (plain decoding: token by token; with a drafter:
         round by round). A piece never ends inside a multi-byte character or a stop string."""
-        cfg = self._config(max_tokens, temperature, top_k, top_p, seed)
+        cfg = self.settings(max_tokens, temperature, top_k, top_p, seed)
         ids = self.encode(prompt)
         shown, new = "", []
         self.last_stats = None

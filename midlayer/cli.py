@@ -27,6 +27,7 @@ COMMANDS: dict[str, Command] = {
     "flops": (training.add_flops, training.cmd_flops),
     "presets": (training.add_presets, training.cmd_presets),
     "generate": (generation.add_generate, generation.cmd_generate),
+    "serve": (generation.add_serve, generation.cmd_serve),
     "distill": (drafting.add_distill, drafting.cmd_distill),
     "train-draft": (drafting.add_train_draft, drafting.cmd_train_draft),
     "train-gates": (drafting.add_train_gates, drafting.cmd_train_gates),

@@ -409,7 +409,10 @@ def test_cli_surface_is_frozen():
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
     # issue 44: demo, data and kernels (python -m midlayer.X before) joined the one command surface
     assert sorted(flags) == ["bench", "data", "demo", "distill", "eval", "flops", "generate", "kernels", "plot",
-                             "presets", "sweep", "train", "train-draft", "train-gates"]
+                             "presets", "serve", "sweep", "train", "train-draft", "train-gates"]
+    # issue 45: the OpenAI-compatible server
+    assert flags["serve"] == sorted(["-h", "--help", "--model", "--checkpoint", "--weights", "--device", "--draft",
+                                     "--tree", "--served-name", "--host", "--port", "--max-queue"])
     assert flags["demo"] == sorted(["-h", "--help", "--steps", "--out-dir"])
     assert flags["kernels"] == sorted(["-h", "--help"])
     tools = next(a for a in sub.choices["data"]._actions if a.dest == "tool").choices

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from midlayer.api import LLM
+from midlayer.commands.options import positive
 from midlayer.engine.decode_step import unsupported
 from midlayer.engine.quantization import WEIGHT_FORMATS
 from midlayer.ops import kernels
@@ -247,3 +248,49 @@ def check_generate_args(args: argparse.Namespace) -> None:
         if args.temperature > 0 and (args.top_k or args.top_p < 1.0):
             raise ValueError("--draft samples from the plain softmax (exact speculative sampling); --top-k/--top-p "
                              "would change the distribution it must reproduce: drop them, or drop --draft")
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/v1/models, /health); needs the serve extra: pip install 'midlayer[serve]'")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="pretrained: a short name (smollm2-135m), a Hugging Face directory or a .gguf file")
+    src.add_argument("--checkpoint", help="one of our runs (directory or ckpt_*.pt); its corpus's tokenizer is used")
+    p.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4",
+                   help="linear-weight format (default q4: the row-invariant CPU format, lossless with a drafter)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--draft", default=None, metavar="DIR|lookup", help="decode every request speculatively with a "
+                                                                      "train-draft output or prompt lookup")
+    p.add_argument("--tree", default="auto", metavar="auto|chain|sparse:N|dynamic:N", help="draft tree with --draft")
+    p.add_argument("--served-name", default=None, help="the model name clients send (default: --model's value)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests queued or running at once; more are refused with 503")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from midlayer.server import serve  # needs fastapi and uvicorn (the serve extra): loaded by this command only, not at start-up
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    positive("--max-queue", args.max_queue)
+    if args.draft is not None and args.draft != LOOKUP and not Path(args.draft).is_dir():
+        raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output, or lookup)")
+    if args.tree != "auto":
+        select_tree_spec_check(args.tree)
+    llm = LLM.load(args.model, weights=args.weights, device=args.device) if args.model else \
+        LLM.from_run(args.checkpoint, weights=args.weights, device=args.device)
+    if args.draft:
+        llm.attach(args.draft, tree=args.tree)
+    serve(llm, args.served_name or args.model or args.checkpoint, host=args.host, port=args.port,
+          max_queue=args.max_queue)
+    return 0
+
+
+def select_tree_spec_check(spec: str) -> None:
+    """A --tree value's form, checked before any model is loaded."""
+    if spec.startswith(("sparse:", "dynamic:")):
+        tree_nodes(spec)
+    elif spec not in ("auto", "chain"):
+        raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {spec!r}")

@@ -1,0 +1,343 @@
+"""`midlayer serve`: an OpenAI-compatible HTTP server over the Python API (issue 45, item 2; first part).
+
+    midlayer serve --model smollm2-135m --weights q4 --draft lookup --port 8000
+    curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \
+         -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+
+Endpoints: /v1/completions and /v1/chat/completions (JSON or server-sent events with "stream": true),
+/v1/models, /health. Requests are checked before they are queued, and a bad one gets an OpenAI-style error
+({"error": {"message", "type", "param", "code"}}) with a 4xx status: malformed JSON, a body over the limit,
+an unknown model, an unknown field, a prompt over the context, max_tokens out of range, a non-finite or
+negative temperature. The engine runs in one worker thread that takes requests in arrival order; a request
+that would make more than `max_queue` waiting or running is refused with 503 at once. A client that
+disconnects cancels its request (its slot is freed at the next token). On SIGTERM the server stops accepting
+connections, lets running requests finish, and answers queued ones with an error: never a hang.
+
+Not yet: continuous batching (requests are decoded one after another, each at batch 1; the engine's
+batched step exists, the scheduler that lets requests join and leave a running batch does not), hence
+neither speculative decoding within a batch. Chat contents are encoded as text (api.LLM.encode): markup in a
+message cannot forge a turn.
+"""
+
+# (no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, whose types are imported
+# inside create_app so that fastapi stays an optional extra)
+
+import asyncio
+import contextlib
+import json
+import math
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from midlayer.api import LLM, Completion
+
+# what an OpenAI client may send that we accept; anything else is refused by name (400)
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "user",
+                     "logprobs", "echo", "presence_penalty", "frequency_penalty", "stream_options"}
+CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "logprobs"}) | {"messages", "max_completion_tokens",
+                                                                     "logprobs", "top_logprobs"}
+
+
+class RequestError(ValueError):
+    """A request the server refuses: an HTTP status, a message naming the problem, and the field it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = "invalid_request_error"
+                 ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.code, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Job:
+    """One request in the engine's queue: what to decode, and where its pieces go."""
+
+    prompt: Any
+    kwargs: dict[str, Any]
+    put: Callable[[tuple[str, Any]], None]  # ("piece", text) ... then ("done", Completion) or ("error", message)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Engine:
+    """The worker thread that owns the model: it decodes queued jobs one after another."""
+
+    def __init__(self, llm: LLM, max_queue: int) -> None:
+        self.llm, self.max_queue = llm, max_queue
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.active = 0  # queued + running
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="midlayer-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            if self.stopping:
+                raise RequestError(503, "the server is shutting down", code="server_shutting_down")
+            if self.active >= self.max_queue:
+                raise RequestError(503, f"the server is busy: {self.active} requests are queued or running "
+                                        f"(--max-queue {self.max_queue}); retry later", code="server_busy")
+            self.active += 1
+        self.jobs.put(job)
+
+    def stop(self) -> None:
+        """No new jobs; queued ones are answered with an error; the running one finishes."""
+        with self.lock:
+            self.stopping = True
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                break
+            if self.stopping:
+                job.put(("error", "the server is shutting down"))
+            else:
+                self._decode(job)
+            with self.lock:
+                self.active -= 1
+        while not self.jobs.empty():  # after stop: whatever is still queued gets an answer
+            job = self.jobs.get_nowait()
+            if job is not None:
+                job.put(("error", "the server is shutting down"))
+                with self.lock:
+                    self.active -= 1
+
+    def _decode(self, job: Job) -> None:
+        try:
+            for piece in self.llm.stream(job.prompt, **job.kwargs):
+                if job.cancelled.is_set():  # the client went away: free the slot
+                    return
+                job.put(("piece", piece))
+            job.put(("done", self.llm.last_completion))
+        except Exception as e:  # a request that fails in the engine gets its error; the server goes on
+            job.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _check_fields(body: Any, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(400, f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    return body
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise RequestError(400, f"{name} must be a finite number in [{lo}, {hi}], got {v!r}", param=name)
+    return float(v)
+
+
+def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens") -> dict[str, Any]:
+    """The generation settings of a request, each checked (400 naming the field)."""
+    ctx = llm.model.cfg.max_seq_len
+    max_tokens = body.get(max_name, body.get("max_completion_tokens", 16))
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= ctx:
+        raise RequestError(400, f"{max_name} must be an integer in [1, {ctx}] (the model's context), got "
+                                f"{max_tokens!r}", param=max_name)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+        raise RequestError(400, f"seed must be an integer, got {seed!r}", param="seed")
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
+    if body.get("n", 1) != 1:
+        raise RequestError(400, "n must be 1 (one completion per request)", param="n")
+    if body.get("logprobs") not in (None, False, 0) or body.get("echo"):
+        raise RequestError(400, "logprobs and echo are not supported", param="logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise RequestError(400, f"{name} is not supported (only 0)", param=name)
+    temperature = _number(body, "temperature", 1.0, 0.0, 100.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise RequestError(400, "top_p must be > 0", param="top_p")
+    return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+
+
+def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int = 1 << 20):
+    """The ASGI app (FastAPI) serving `llm` as `model_name`. The engine thread starts with the app.
+
+    Long: the endpoints are closures over one engine, one model and its name (FastAPI's usual shape); each
+    endpoint is a few lines, and the checks they share are the module's functions."""
+    from fastapi import FastAPI, Request  # an optional extra (pip install 'midlayer[serve]'): imported here,
+    from fastapi.responses import JSONResponse, StreamingResponse  # so that midlayer runs without it
+
+    engine = Engine(llm, max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.stop()  # on shutdown (SIGTERM): queued requests get an error, the running one finishes
+
+    app = FastAPI(title="midlayer", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+    created = int(time.time())
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, e: RequestError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def read_json(request: Request) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body:
+            raise RequestError(413, f"the request body is {size} bytes; the limit is {max_body}")
+        raw = await request.body()
+        if len(raw) > max_body:
+            raise RequestError(413, f"the request body is {len(raw)} bytes; the limit is {max_body}")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"the request body is not valid JSON ({e})") from None
+
+    def check_model(body: dict) -> None:
+        if body.get("model") not in (None, model_name):
+            raise RequestError(404, f"model {body.get('model')!r} is not served here; this server serves "
+                                    f"{model_name!r}", param="model", code="model_not_found")
+
+    def check(prompt: Any, kwargs: dict[str, Any]) -> None:
+        """The API's own refusals (an empty prompt, one over the context, a bad message, settings a drafter
+        cannot reproduce) before the request is queued."""
+        try:
+            llm.encode(prompt)
+        except ValueError as e:
+            raise RequestError(400, str(e), param="prompt" if isinstance(prompt, str) else "messages") from None
+        try:
+            llm.settings(kwargs["max_tokens"], kwargs["temperature"], 0, kwargs["top_p"], kwargs["seed"])
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+
+    async def run(request: Request, prompt: Any, kwargs: dict, shape: Callable[[str, str | None, Completion | None],
+                                                                                 dict]) -> Any:
+        stream = kwargs.pop("_stream")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = Job(prompt, kwargs, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        engine.submit(job)
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                while True:
+                    kind, value = await events.get()
+                    if kind == "piece":
+                        yield f"data: {json.dumps(shape(value, None, None))}\n\n"
+                    elif kind == "done":
+                        yield f"data: {json.dumps(shape('', value.finish_reason, value))}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    else:
+                        yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
+                        return
+            finally:
+                job.cancelled.set()  # finished, or the client went away: either way the engine may stop
+
+        if stream:
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        text = []
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind == "piece":
+                    text.append(value)
+                elif kind == "done":
+                    return shape("".join(text), value.finish_reason, value)
+                else:
+                    return JSONResponse({"error": {"message": value, "type": "server_error", "param": None,
+                                                   "code": "server_error"}}, status_code=500)
+        finally:
+            job.cancelled.set()
+
+    def usage(done: Completion | None) -> dict[str, int] | None:
+        if done is None:
+            return None
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_name, "queued_or_running": engine.active}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "midlayer"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = _check_fields(await read_json(request), COMPLETION_FIELDS)
+        check_model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise RequestError(400, "prompt must be a string (one prompt per request)", param="prompt")
+        kwargs = _sampling(body, llm)
+        check(prompt, kwargs)
+        rid, stream = f"cmpl-{uuid.uuid4().hex}", bool(body.get("stream"))
+
+        def shape(text: str, finish: str | None, done: Completion | None) -> dict:
+            out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                   "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+            if done is not None:
+                out["usage"] = usage(done)
+            return out
+
+        return await run(request, prompt, {**kwargs, "_stream": stream}, shape)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        body = _check_fields(await read_json(request), CHAT_FIELDS)
+        check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise RequestError(400, "messages must be a non-empty list of {'role': str, 'content': str}",
+                               param="messages")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        kwargs = _sampling(body, llm, "max_tokens" if "max_tokens" in body or "max_completion_tokens" not in body
+                           else "max_completion_tokens")
+        check(messages, kwargs)
+        rid, stream = f"chatcmpl-{uuid.uuid4().hex}", bool(body.get("stream"))
+        first = [True]
+
+        def shape(text: str, finish: str | None, done: Completion | None) -> dict:
+            if stream:
+                delta: dict[str, str] = {"content": text} if text or finish is None else {}
+                if first[0]:
+                    delta["role"] = "assistant"
+                    first[0] = False
+                out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                       "model": model_name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            else:
+                out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                    "finish_reason": finish}]}
+            if done is not None:
+                out["usage"] = usage(done)
+            return out
+
+        return await run(request, messages, {**kwargs, "_stream": stream}, shape)
+
+    return app
+
+
+def serve(llm: LLM, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16) -> None:
+    """Run the server until SIGINT / SIGTERM (uvicorn: running requests finish, then it stops)."""
+    import uvicorn  # the optional extra: imported here, so that midlayer runs without it
+
+    uvicorn.run(create_app(llm, model_name, max_queue=max_queue), host=host, port=port, log_level="info",
+                timeout_graceful_shutdown=30)

@@ -1,0 +1,164 @@
+"""`midlayer serve` (issue 45, item 2, first part): a real server on a free localhost port, spoken to by the
+`openai` client and by raw HTTP. Outputs equal the API's single-request greedy output token for token, also
+under 8 concurrent clients; bad and hostile requests get clear 4xx errors while the server keeps serving; a
+full queue answers 503, and a client that disconnects frees its slot."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from midlayer.server import create_app
+from test_api import llm  # noqa: F401  (the tiny model with a tiny ChatML tokenizer, a fixture)
+
+NAME = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    def __init__(self, app) -> None:
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        t = time.time()
+        while not self.server.started:
+            assert time.time() - t < 30, "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def server(llm):  # noqa: F811
+    running = Running(create_app(llm, NAME, max_queue=64, max_body=4096))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_completions_equal_the_api_and_count_usage(client, llm):  # noqa: F811
+    ref = llm.generate("To be, or not to be", max_tokens=12)
+    out = client.completions.create(model=NAME, prompt="To be, or not to be", max_tokens=12, temperature=0)
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ref.prompt_tokens, ref.completion_tokens)
+    stream = client.completions.create(model=NAME, prompt="To be, or not to be", max_tokens=12, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream) == ref.text
+
+
+def test_chat_with_and_without_streaming(client, llm):  # noqa: F811
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi<|im_end|> there"}]
+    ref = llm.generate(msgs, max_tokens=10, stop=["zz"])
+    out = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0, stop="zz")
+    assert out.choices[0].message.content == ref.text and out.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0,
+                                                 stop="zz", stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_concurrent_clients_each_get_their_single_request_output(client, llm):  # noqa: F811
+    prompts = [f"To be, or not {'to be ' * i}" for i in range(8)]
+    refs = {p: llm.generate(p, max_tokens=8).text for p in prompts}
+
+    def ask(p: str) -> tuple[str, str]:
+        return p, client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, prompts * 3))
+    assert all(text == refs[p] for p, text in results)
+
+
+@pytest.mark.parametrize("kw,status,words", [
+    (dict(model="other"), 404, "not served here"), (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(max_tokens=10**9), 400, "max_tokens"), (dict(temperature=-1), 400, "temperature"),
+    (dict(prompt="x" * 2000), 400, "context"), (dict(prompt=""), 400, "empty"),
+    (dict(extra_body={"best_of": 3}), 400, "unknown field"), (dict(n=2), 400, "n must be 1"),
+])
+def test_bad_requests_get_clear_errors(client, kw, status, words):
+    args = {**dict(model=NAME, prompt="hello", max_tokens=4, temperature=0), **kw}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(**args)
+    assert e.value.status_code == status and words in str(e.value)
+
+
+def test_hostile_bodies_and_the_server_keeps_serving(server, client):
+    url = f"{server.url}/v1/completions"
+    r = httpx.post(url, content=b'{"prompt": "hi", "max_tokens": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b'{"model": "tiny", "prompt": "hi", "temperature": NaN}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(url, json={"model": NAME, "prompt": "x" * 5000})
+    assert r.status_code == 413
+    r = httpx.post(url, json=[1, 2])
+    assert r.status_code == 400
+    assert client.completions.create(model=NAME, prompt="hello", max_tokens=2, temperature=0).choices[0].text is not None
+
+
+class Held:
+    """The tiny LLM, whose first request holds the engine after its first piece until `release` is set: a request
+    that is surely running while the test sends the next ones (the tiny model would finish in milliseconds)."""
+
+    def __init__(self, llm) -> None:  # noqa: F811
+        self.llm, self.release, self.held = llm, threading.Event(), False
+
+    def __getattr__(self, name: str):
+        return getattr(self.llm, name)
+
+    def stream(self, prompt, **kw):
+        for i, piece in enumerate(self.llm.stream(prompt, **kw)):
+            yield piece
+            if i == 0 and not self.held:
+                self.held = True
+                self.release.wait(30)
+
+
+def test_a_full_queue_answers_503_and_a_disconnect_frees_the_slot(llm):  # noqa: F811
+    held = Held(llm)
+    running = Running(create_app(held, NAME, max_queue=1))
+    try:
+        url = f"{running.url}/v1/completions"
+        body = {"model": NAME, "prompt": "To be", "max_tokens": 100, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", url, json=body) as first:
+                next(first.iter_lines())  # the first request is running
+                busy = httpx.post(url, json={**body, "stream": False, "max_tokens": 2})
+                assert busy.status_code == 503 and "busy" in busy.json()["error"]["message"]
+            held.release.set()
+            # the client went away mid-stream: its slot is freed at the engine's next token
+            t = time.time()
+            while httpx.get(f"{running.url}/health").json()["queued_or_running"]:
+                assert time.time() - t < 30
+                time.sleep(0.05)
+        ok = httpx.post(url, json={**body, "stream": False, "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        running.stop()
