@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from midlayer.commands import benchmarks, data, drafting, experiments, generation, training
+from midlayer.commands import benchmarks, config_files, data, drafting, experiments, generation, training
 from midlayer.commands.options import flag_name
 
 Command = tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]
@@ -46,13 +46,52 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():
         add(sub)
+    for leaf in _leaves(parser):  # issue 45: every command takes a config file and shows what it resolves to
+        leaf.add_argument("--config", default=None, metavar="FILE",
+                          help="settings from a TOML (or YAML) file: the command line > the file > the preset")
+        leaf.add_argument("--print-config", action="store_true",
+                          help="print the settings this command would run with (after --config) and exit")
     return parser
+
+
+def _leaves(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[argparse.ArgumentParser]:
+    """Every parser that runs a command (subcommands of subcommands too), except the pass-through data tools."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [parser] if parser.prefix_chars == "-" else []
+    return [leaf for name, p in subs[0].choices.items() for leaf in _leaves(p, (*path, name))]
+
+
+def _leaf_for(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command `args` came from (bench's and data's subcommands included)."""
+    p = parser
+    while True:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return p
+        p = subs[0].choices[getattr(args, subs[0].dest)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     handler = COMMANDS[args.command][1]
+    leaf = _leaf_for(parser, args)
+    sections = sorted({d.split(".", 1)[0] for d in (a.dest for a in leaf._actions) if "." in d})
+    try:
+        if getattr(args, "config", None):
+            args = config_files.apply(leaf, args, argv, args.config, sections)
+    except ValueError as e:
+        print(f"midlayer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "print_config", False):
+        try:
+            config_files.print_config(config_files.resolved(args))
+        except ValueError as e:  # a value the config itself refuses: one line, as for the command
+            print(f"midlayer {args.command}: error: {_with_flag_name(parser, args.command, str(e))}", file=sys.stderr)
+            return 2
+        return 0
 
     try:
         return handler(args)

@@ -404,6 +404,7 @@ def get_init_output_weight(m):
 # ------------------------------------------------------------------------------------------------ CLI
 def test_cli_surface_is_frozen():
     """Renaming or dropping a flag breaks users' scripts: change this list deliberately."""
+    CONFIG = ["--config", "--print-config"]  # issue 45: every command that runs takes a config file
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
@@ -411,13 +412,13 @@ def test_cli_surface_is_frozen():
     assert sorted(flags) == ["bench", "data", "demo", "distill", "eval", "flops", "generate", "kernels", "plot",
                              "presets", "serve", "sweep", "train", "train-draft", "train-gates"]
     # issue 45: the OpenAI-compatible server
-    assert flags["serve"] == sorted(["-h", "--help", "--model", "--checkpoint", "--weights", "--device", "--draft",
+    assert flags["serve"] == sorted(["-h", "--help", *CONFIG, "--model", "--checkpoint", "--weights", "--device", "--draft",
                                      "--tree", "--served-name", "--host", "--port", "--max-queue"])
-    assert flags["demo"] == sorted(["-h", "--help", "--steps", "--out-dir"])
-    assert flags["kernels"] == sorted(["-h", "--help"])
+    assert flags["demo"] == sorted(["-h", "--help", *CONFIG, "--steps", "--out-dir"])
+    assert flags["kernels"] == sorted(["-h", "--help", *CONFIG])
     tools = next(a for a in sub.choices["data"]._actions if a.dest == "tool").choices
     assert sorted(tools) == ["corpus", "fineweb", "prompts", "recipe"]  # each passes its arguments to its module
-    assert flags["distill"] == sorted(["-h", "--help", "--model", "--out", "--max-new-tokens", "--batch-size", "--dtype",
+    assert flags["distill"] == sorted(["-h", "--help", *CONFIG, "--model", "--out", "--max-new-tokens", "--batch-size", "--dtype",
                                        "--seed", "--prompts", "--split", "--weights", "--temperature", "--sample-seed",
                                        "--limit", "--no-progress", "--device"])
     model_flags = ["--attn-backend", "--dim", "--embed-norm", "--ffn-dim-multiplier", "--ffn-hidden", "--gate-eps",
@@ -438,42 +439,42 @@ def test_cli_surface_is_frozen():
                    "--log-every", "--lr", "--micro-batch-size", "--no-compile", "--no-tensorboard", "--out-dir", "--parallel",
                    "--router-lr-floor", "--seed", "--seq-len", "--steps", "--tensorboard", "--tokenizer-vocab", "--val-data",
                    "--wandb", "--warmup-frac", "--warmup-start-factor", "--weight-decay"]
-    assert flags["train"] == sorted(["-h", "--help", "--resume", "--device", "--stop-after", "--no-progress"]
+    assert flags["train"] == sorted(["-h", "--help", *CONFIG, "--resume", "--device", "--stop-after", "--no-progress"]
                                     + model_flags + sparsity_flags + train_flags)
-    assert flags["flops"] == sorted(["-h", "--help", "--seq-len", "--sparsity"] + model_flags)
-    assert flags["eval"] == sorted(["-h", "--help", "--eval-tokens", "--batch-size", "--device", "--output"])
-    assert flags["sweep"] == sorted(["-h", "--help", "--out-dir", "--launcher", "--nproc", "--only", "--data"])
-    assert flags["plot"] == sorted(["-h", "--help", "--out"])
-    assert flags["generate"] == sorted(["-h", "--help", "--model", "--checkpoint", "--prompt", "--chat", "--system",
+    assert flags["flops"] == sorted(["-h", "--help", *CONFIG, "--seq-len", "--sparsity"] + model_flags)
+    assert flags["eval"] == sorted(["-h", "--help", *CONFIG, "--eval-tokens", "--batch-size", "--device", "--output"])
+    assert flags["sweep"] == sorted(["-h", "--help", *CONFIG, "--out-dir", "--launcher", "--nproc", "--only", "--data"])
+    assert flags["plot"] == sorted(["-h", "--help", *CONFIG, "--out"])
+    assert flags["generate"] == sorted(["-h", "--help", *CONFIG, "--model", "--checkpoint", "--prompt", "--chat", "--system",
                                         "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
                                         "--no-skip", "--weights", "--device", "--draft", "--tree", "--stats",
                                         "--refresh-costs", "--gates", "--engine", "--graphs"])
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
     assert sorted(bench) == ["decode", "gates", "generate", "static", "train"]  # train: issue 44, was a script
     assert sorted(o for a in bench["train"]._actions for o in a.option_strings) == sorted(
-        ["-h", "--help", "--steps", "--warmup", "--batch", "--seq-len", "--repeats", "--dtype", "--threads",
+        ["-h", "--help", *CONFIG, "--steps", "--warmup", "--batch", "--seq-len", "--repeats", "--dtype", "--threads",
          "--no-grad-norm", "--only"])
     assert sorted(o for a in bench["generate"]._actions for o in a.option_strings) == sorted(
-        ["-h", "--help", "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
+        ["-h", "--help", *CONFIG, "--what", "--model", "--new-tokens", "--preset", "--seq-len", "--fractions", "--skip-from",
          "--repeats", "--weights", "--prompt-lengths", "--device"])
     assert sorted(o for a in bench["decode"]._actions for o in a.option_strings) == sorted(
-        ["-h", "--help", "--model", "--drafts", "--layer-skip", "--tree", "--nodes", "--new-tokens", "--max-prompts",
+        ["-h", "--help", *CONFIG, "--model", "--drafts", "--layer-skip", "--tree", "--nodes", "--new-tokens", "--max-prompts",
          "--prompts", "--weights", "--no-transformers", "--output", "--device"])
     assert sorted(o for a in bench["static"]._actions for o in a.option_strings) == sorted(
-        ["-h", "--help", "--model", "--device", "--dtypes", "--graphs", "--drafts", "--nodes", "--new-tokens",
+        ["-h", "--help", *CONFIG, "--model", "--device", "--dtypes", "--graphs", "--drafts", "--nodes", "--new-tokens",
          "--max-prompts", "--no-transformers", "--no-dynamic", "--output"])
     assert sorted(o for a in bench["gates"]._actions for o in a.option_strings) == sorted(
-        ["-h", "--help", "--model", "--gates", "--data", "--static", "--prompts", "--records", "--new-tokens",
+        ["-h", "--help", *CONFIG, "--model", "--gates", "--data", "--static", "--prompts", "--records", "--new-tokens",
          "--weights", "--output"])
     draft_flags = ["--method", "--model", "--data", "--out-dir", "--k", "--layers", "--exit-layer", "--masked",
                    "--no-masked", "--schedule", "--epochs", "--lr", "--batch-tokens", "--seq-len", "--bf16", "--no-bf16",
                    "--seed", "--ckpt-every", "--max-eval-batches", "--eval-every", "--patience", "--curve-batches",
                    "--cache-gb", "--cache-dir", "--loss-positions", "--draft-vocab", "--gate-target", "--gate-gamma",
                    "--gate-kp", "--gate-beta-max", "--lora-rank", "--gate-values", "--router-norm", "--no-router-norm"]
-    assert flags["train-draft"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--methods", "--device",
+    assert flags["train-draft"] == sorted(["-h", "--help", *CONFIG, "--stop-after", "--no-progress", "--methods", "--device",
                                            "--export-now", "--overwrite"]
                                           + draft_flags)
-    assert flags["train-gates"] == sorted(["-h", "--help", "--stop-after", "--no-progress", "--device", "--overwrite"]
+    assert flags["train-gates"] == sorted(["-h", "--help", *CONFIG, "--stop-after", "--no-progress", "--device", "--overwrite"]
                                           + draft_flags)
 
 
