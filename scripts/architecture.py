@@ -36,7 +36,7 @@ FROZEN = {"midlayer.data.prompt_recipe": "its sha256 is the committed scaled pro
                                          "(prompt_recipe.recipe_hash); an edit means regenerating that set"}
 
 LAYERS = ["common", "output_lock", "compat", "ops", "data", "config", "model", "train", "engine", "speculative",
-          "experiments", "api", "server", "commands", "cli", "__main__"]
+          "api", "server", "experiments", "commands", "cli", "__main__"]
 
 
 @dataclass

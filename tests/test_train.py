@@ -450,7 +450,10 @@ def test_cli_surface_is_frozen():
                                         "--no-skip", "--weights", "--device", "--draft", "--tree", "--stats",
                                         "--refresh-costs", "--gates", "--engine", "--graphs"])
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
-    assert sorted(bench) == ["decode", "gates", "generate", "static", "train"]  # train: issue 44, was a script
+    assert sorted(bench) == ["decode", "gates", "generate", "serve", "static", "train"]  # train: issue 44; serve: 45
+    assert sorted(o for a in bench["serve"]._actions for o in a.option_strings) == sorted(
+        ["-h", "--help", *CONFIG, "--model", "--weights", "--draft", "--clients", "--requests-per-client",
+         "--max-tokens", "--prompts", "--output"])
     assert sorted(o for a in bench["train"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", *CONFIG, "--steps", "--warmup", "--batch", "--seq-len", "--repeats", "--dtype", "--threads",
          "--no-grad-norm", "--only"])

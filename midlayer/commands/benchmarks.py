@@ -24,6 +24,7 @@ from midlayer.train.distributed import resolve_device
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that print a table")
     bsub = p.add_subparsers(dest="bench", required=True)
+    _add_bench_serve(bsub)
     b = bsub.add_parser("train", help="training throughput of the tiny preset against Hugging Face's Llama, as a "
                                       "ratio from one run (make bench)")
     train_bench.add_arguments(b)
@@ -212,9 +213,24 @@ def _bench_static(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_serve(bsub: argparse._SubParsersAction) -> None:
+    b = bsub.add_parser("serve", help="midlayer serve under 1, 4 and 16 concurrent streaming clients: aggregate "
+                                      "tokens/s, time to first token and per token, plain and speculative")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4")
+    b.add_argument("--draft", default="lookup", metavar="DIR|lookup", help="the speculative rows' drafter ('' = none)")
+    b.add_argument("--clients", default="1,4,16", help="comma-separated concurrency levels")
+    b.add_argument("--requests-per-client", type=int, default=2)
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--prompts", choices=["scaled", "base"], default="scaled")
+    b.add_argument("--output", default=None, help="also write the results as JSON here")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "train":
         return train_bench.run(args)
+    if args.bench == "serve":
+        return _bench_serve(args)
     if args.bench == "static":
         return _bench_static(args)
     if args.bench in ("decode", "generate") and args.device is not None:
@@ -269,4 +285,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows = bench.bench_skipping(args.preset, seq_len=args.seq_len, fractions=fractions,
                                     skip_from=args.skip_from, repeats=args.repeats)
         print(bench.skipping_table(rows))
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from midlayer.experiments.serve_bench import bench_serve, serve_table  # needs the serve extra: loaded by this benchmark only, not at start-up
+
+    try:
+        clients = [int(x) for x in args.clients.split(",") if x.strip()]
+    except ValueError:
+        clients = []
+    if not clients or min(clients) < 1:
+        raise ValueError(f"--clients: comma-separated positive integers, got {args.clients!r}")
+    for flag, value in (("--requests-per-client", args.requests_per_client), ("--max-tokens", args.max_tokens)):
+        positive(flag, value)
+    check_output("--output", args.output)
+    if args.draft and args.draft != "lookup" and not Path(args.draft).is_dir():
+        raise ValueError(f"--draft {args.draft}: no such directory (a train-draft output, or lookup)")
+    r = bench_serve(args.model, args.weights, args.draft or None, clients, args.requests_per_client, args.max_tokens,
+                    args.prompts)
+    print(serve_table(r))
+    write_output(args.output, json.dumps(r, indent=2))
     return 0

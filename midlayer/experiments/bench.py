@@ -453,9 +453,13 @@ class DraftRecorder:
 
 
 def heldout_chats(tok, max_prompts: int, prompts: str = "scaled") -> list[list[int]]:
-    """Chat-encoded held-out prompts of the prompt set, spread over its categories (round-robin in prompt-set
-    order): "scaled" (the held-out split of `prompt_recipe`, 12 categories) or "base" (`prompts.prompt_set`)."""
+    """Chat-encoded held-out prompts of the prompt set, spread over its categories (`heldout_texts`)."""
+    return [tok.encode_chat([{"role": "user", "content": text}]) for text in heldout_texts(max_prompts, prompts)]
 
+
+def heldout_texts(max_prompts: int, prompts: str = "scaled") -> list[str]:
+    """Held-out prompts of the prompt set, spread over its categories (round-robin in prompt-set order):
+    "scaled" (the held-out split of `prompt_recipe`, 12 categories) or "base" (`prompts.prompt_set`)."""
     if prompts not in ("scaled", "base"):
         raise ValueError(f"prompts must be 'scaled' or 'base', got {prompts!r}")
     if prompts == "scaled":
@@ -470,7 +474,7 @@ def heldout_chats(tok, max_prompts: int, prompts: str = "scaled") -> list[list[i
         for cat in list(by_cat):
             if by_cat[cat] and len(chosen) < max_prompts:
                 chosen.append(by_cat[cat].pop(0))
-    return [tok.encode_chat([{"role": "user", "content": p.text}]) for p in chosen]
+    return [p.text for p in chosen]
 
 
 def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] | None = None,
