@@ -162,3 +162,77 @@ def test_a_full_queue_answers_503_and_a_disconnect_frees_the_slot(llm):  # noqa:
         assert ok.status_code == 200
     finally:
         running.stop()
+
+
+SERVE_SCRIPT = """
+import sys
+from test_api import VOCAB, CHATML, train_tiny_bpe, make_tiny
+from midlayer.api import LLM
+from midlayer.data.pretrained_tokenizer import TextTokenizer
+from midlayer.server import serve
+tok = train_tiny_bpe(VOCAB)
+text = TextTokenizer(tok, bos_id=None, eos_ids=[tok.token_to_id("<|im_end|>")], chat_template=CHATML)
+model = make_tiny(dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=128,
+                       multiple_of=32), False)
+serve(LLM(model, text, "tiny"), "tiny", port=int(sys.argv[1]))
+"""
+
+
+def test_sigterm_stops_the_server_cleanly_with_requests_in_flight(tmp_path):
+    """SIGTERM with streams open: every client ends with its whole text or an error, never a hang, and the
+    process exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "serve_tiny.py"
+    script.write_text(SERVE_SCRIPT)
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'tests'}"}
+    proc = subprocess.Popen([sys.executable, str(script), str(port)], cwd=root, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t = time.time()
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() - t < 60, "the server did not start"
+            time.sleep(0.1)
+        ends: list[str] = []
+
+        def stream() -> None:
+            body = {"model": NAME, "prompt": "To be", "max_tokens": 100, "temperature": 0, "stream": True}
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                    last = ""
+                    for line in r.iter_lines():
+                        last = line or last
+                ends.append("done" if last == "data: [DONE]" else f"cut: {last[:80]}")
+            except httpx.HTTPError as e:
+                ends.append(f"error: {type(e).__name__}")
+
+        clients = [threading.Thread(target=stream) for _ in range(4)]
+        for c in clients:
+            c.start()
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        for c in clients:
+            c.join(timeout=60)
+        assert not any(c.is_alive() for c in clients), "a client hung"
+        # uvicorn stops gracefully, then re-raises the signal so that the parent sees how its child ended
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        log = proc.stderr.read().decode()
+        assert "Application shutdown complete" in log and "Finished server process" in log, log[-2000:]
+        assert len(ends) == 4 and all(e == "done" or e.startswith(("error", "cut")) for e in ends), ends
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
