@@ -16,6 +16,8 @@ called lossless on every drafter and tree; see docs/inference.md).
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
@@ -221,8 +223,52 @@ class LLM:
                 if tok in cfg.stop_tokens:
                     return
             return
-        out, _ = self._speculate(ids, cfg)
-        yield out  # speculative decoding returns its tokens at once (rounds are not streamed yet)
+        if self.engine == "static":  # the static loop has no per-round callback: its tokens come at once
+            out, _ = self._speculate(ids, cfg)
+            yield out
+            return
+        yield from self._rounds(ids, cfg)
+
+    def _rounds(self, ids: list[int], cfg: GenerationConfig) -> Iterator[list[int]]:
+        """The dynamic speculative loop's new tokens, round by round. The loop reports each round by callback, so
+        it runs in a thread that hands the committed tokens over a queue; a round may commit past an end-of-turn
+        token or the budget, so what is yielded is cut where the loop's own output ends. Closing the iterator
+        early (a stop string, a client gone) stops the loop at its next round."""
+        rounds: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def on_round(cache: Any, tokens: list[int]) -> None:
+            if stop.is_set():
+                raise _Stopped
+            rounds.put(("round", list(tokens[len(ids):])))
+
+        def run() -> None:
+            try:
+                rounds.put(("done", self._speculate(ids, cfg, on_round)[0]))
+            except _Stopped:
+                rounds.put(("done", None))
+            except BaseException as e:  # raised again in the caller's thread
+                rounds.put(("error", e))
+
+        worker = threading.Thread(target=run, name="midlayer-speculate", daemon=True)
+        worker.start()
+        shown = 0
+        try:
+            while True:
+                kind, value = rounds.get()
+                if kind == "error":
+                    raise value
+                if value is None:
+                    return
+                new = value if kind == "done" else _cut_tokens(value, cfg)
+                if len(new) > shown:
+                    yield new[shown:]
+                    shown = len(new)
+                if kind == "done":
+                    return
+        finally:
+            stop.set()
+            worker.join()
 
     def accuracies(self, ids: list[int]) -> list[list[float]] | None:
         """The attached drafter's per-rank accuracies that size its tree: a draft's held-out ones, or prompt
@@ -231,7 +277,7 @@ class LLM:
             return self.drafter.self_accuracies(ids)
         return self._acc
 
-    def _speculate(self, ids: list[int], cfg: GenerationConfig) -> tuple[list[int], SpecStats]:
+    def _speculate(self, ids: list[int], cfg: GenerationConfig, on_round: Any = None) -> tuple[list[int], SpecStats]:
         acc = self.accuracies(ids)
         tree, self.last_report = self._tree(acc, ids)
         self.last_tree = tree
@@ -241,7 +287,7 @@ class LLM:
         else:
             out, stats = speculative_generate(self.model, ids, self.drafter, tree, cfg.max_new_tokens,
                                               stop_tokens=cfg.stop_tokens, temperature=cfg.temperature,
-                                              seed=cfg.seed, skip=cfg.skip)
+                                              seed=cfg.seed, skip=cfg.skip, on_round=on_round)
         self.last_stats = stats
         return out, stats
 
@@ -278,6 +324,19 @@ class LLM:
         text, ended = self._cut(out, stop)
         return Completion(text=text, token_ids=list(out), prompt_tokens=len(ids),
                           finish_reason="stop" if ended else "length", stats=stats)
+
+
+class _Stopped(Exception):
+    """Raised inside the speculative loop's round callback when the reader of `_rounds` has gone."""
+
+
+def _cut_tokens(tokens: list[int], cfg: GenerationConfig) -> list[int]:
+    """New tokens as the decode loops return them: up to the budget, and ending at the first stop token."""
+    tokens = tokens[:cfg.max_new_tokens]
+    for i, tok in enumerate(tokens):
+        if tok in cfg.stop_tokens:
+            return tokens[:i + 1]
+    return tokens
 
 
 __all__ = ["LLM", "Completion", "Prompt", "Message"]

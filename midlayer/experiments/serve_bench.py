@@ -105,8 +105,7 @@ def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | N
 def serve_table(r: dict[str, Any]) -> str:
     out = [machine_line(), "", f"{r['model']} ({r['weights']}), streamed chat requests of up to {r['max_tokens']} "
            "tokens, greedy; one engine thread (requests decoded one after another: no continuous batching yet); "
-           "with a drafter the text of a request arrives at once (rounds are not streamed), so its TTFT is the whole "
-           "request", "",
+           "with a drafter the text arrives round by round", "",
            "| mode | clients | requests | aggregate tok/s | vs 1 client | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) "
            "| = single-request output |", "|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
