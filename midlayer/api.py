@@ -85,8 +85,7 @@ class LLM:
     def load(cls, model: str, *, weights: str = "fp32", device: str | None = None) -> "LLM":
         """A pretrained model: a short name (smollm2-135m), a .gguf file or a Hugging Face folder, compressed to
         `weights` (fp32, bf16, int4, q4: the batch-invariant CPU format) on `device` (default cpu)."""
-        if weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights: choose from {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        _check_weights(weights)
         dev = resolve_device(device) if device is not None else None
         if weights == "q4" and dev is not None and dev.type != "cpu":
             raise ValueError("weights='q4' runs on the CPU only (its kernels are C)")
@@ -100,8 +99,7 @@ class LLM:
     @classmethod
     def from_run(cls, checkpoint: str | Path, *, weights: str = "fp32", device: str | None = None) -> "LLM":
         """One of our training runs (a run folder or a ckpt_*.pt file) with its corpus's tokenizer."""
-        if weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights: choose from {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        _check_weights(weights)
         net, _, tcfg = load_model(checkpoint, device)
         files = resolve_data(tcfg.data, cache_dir(), tcfg.tokenizer_vocab, tcfg.val_data)
         if files.tokenizer_path is None:
@@ -324,6 +322,12 @@ class LLM:
         text, ended = self._cut(out, stop)
         return Completion(text=text, token_ids=list(out), prompt_tokens=len(ids),
                           finish_reason="stop" if ended else "length", stats=stats)
+
+
+def _check_weights(weights: str) -> None:
+    """Refuse an unknown weight format before any file is read."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights: choose from {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
 
 
 class _Stopped(Exception):

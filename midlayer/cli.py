@@ -54,12 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _leaves(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[argparse.ArgumentParser]:
+def _leaves(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     """Every parser that runs a command (subcommands of subcommands too), except the pass-through data tools."""
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not subs:
         return [parser] if parser.prefix_chars == "-" else []
-    return [leaf for name, p in subs[0].choices.items() for leaf in _leaves(p, (*path, name))]
+    return [leaf for p in subs[0].choices.values() for leaf in _leaves(p)]
 
 
 def _leaf_for(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:

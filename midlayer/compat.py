@@ -13,7 +13,9 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from pathlib import Path
 from types import CodeType, ModuleType
+from typing import Callable, Sequence
 
 # old module -> new module
 OLD_PATHS: dict[str, str] = {f"midlayer.{old}": f"midlayer.{new}" for old, new in {
@@ -41,18 +43,33 @@ SPLIT_PATHS: dict[str, tuple[str, ...]] = {
 }
 
 
+def names_from(name: str, modules: Sequence[str], submodules: Sequence[str] = ()
+               ) -> Callable[[str], object]:
+    """A module `__getattr__` (PEP 562) for module `name` that finds a missing attribute in `modules`, in order,
+    importing them on first use (so importing one submodule of a package does not load the others). Dunders
+    and the package's own `submodules` are left to the import system."""
+
+    def __getattr__(attr: str) -> object:
+        if not attr.startswith("__") and attr not in submodules:
+            for new in modules:
+                module = importlib.import_module(new)
+                if hasattr(module, attr):
+                    return getattr(module, attr)
+        raise AttributeError(f"module {name!r} has no attribute {attr!r}")
+
+    return __getattr__
+
+
+def old_names(package: str, path: str, modules: Sequence[str]) -> Callable[[str], object]:
+    """`names_from` for a package that took the name of an old module (`midlayer.data`, `model`, `train`,
+    `speculative`): the old module's names come from `modules`; `path` is the package's `__init__.py`."""
+    return names_from(package, modules, [p.stem for p in Path(path).parent.glob("*.py")])
+
+
 def split_module(name: str) -> ModuleType:
     """A module `name` whose attributes are looked up, on first use, in the modules its names went to."""
     module = ModuleType(name, f"Old path of {', '.join(SPLIT_PATHS[name])} (midlayer.compat).")
-
-    def __getattr__(attr: str) -> object:
-        for new in SPLIT_PATHS[name]:
-            found = getattr(importlib.import_module(new), attr, module)
-            if found is not module:
-                return found
-        raise AttributeError(f"module {name!r} has no attribute {attr!r}")
-
-    module.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    module.__getattr__ = names_from(name, SPLIT_PATHS[name])  # type: ignore[attr-defined]
     return module
 
 

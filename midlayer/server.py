@@ -220,9 +220,8 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         except ValueError as e:
             raise RequestError(400, str(e)) from None
 
-    async def run(request: Request, prompt: Any, kwargs: dict, shape: Callable[[str, str | None, Completion | None],
-                                                                                 dict]) -> Any:
-        stream = kwargs.pop("_stream")
+    async def run(prompt: Any, kwargs: dict, stream: bool,
+                  shape: Callable[[str, str | None, Completion | None], dict]) -> Any:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = Job(prompt, kwargs, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
@@ -295,7 +294,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 out["usage"] = usage(done)
             return out
 
-        return await run(request, prompt, {**kwargs, "_stream": stream}, shape)
+        return await run(prompt, kwargs, stream, shape)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -330,7 +329,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 out["usage"] = usage(done)
             return out
 
-        return await run(request, messages, {**kwargs, "_stream": stream}, shape)
+        return await run(messages, kwargs, stream, shape)
 
     return app
 

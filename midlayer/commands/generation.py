@@ -14,6 +14,7 @@ from midlayer.commands.options import positive
 from midlayer.engine.decode_step import unsupported
 from midlayer.engine.quantization import WEIGHT_FORMATS
 from midlayer.ops import kernels
+from midlayer.speculative.tree_cost import parse_tree_spec
 from midlayer.train.distributed import resolve_device
 
 
@@ -181,14 +182,8 @@ def _engine(args: argparse.Namespace, model) -> tuple[str, str]:
 
 
 def tree_nodes(spec: str) -> int:
-    """N of 'sparse:N' / 'dynamic:N' (a positive int), or a clear error."""
-    try:
-        n = int(spec.split(":", 1)[1])
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"--tree {spec!r}: N must be a positive integer")
-    return n
+    """N of --tree 'sparse:N' / 'dynamic:N' (0 for auto and chain), or a clear error naming the flag."""
+    return parse_tree_spec(spec, "--tree")[1]
 
 
 def check_generate_args(args: argparse.Namespace) -> None:
@@ -232,10 +227,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
         args.tree = "auto"
     if args.refresh_costs and (args.draft is None or args.tree != "auto"):
         raise ValueError("--refresh-costs needs --draft with --tree auto (it re-measures what sizes that tree)")
-    if args.tree.startswith(("sparse:", "dynamic:")):
-        tree_nodes(args.tree)
-    elif args.tree not in ("auto", "chain"):
-        raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {args.tree!r}")
+    tree_nodes(args.tree)  # a bad --tree is refused before any model is loaded
     if args.gates is not None:
         if args.draft is not None:
             raise ValueError("--gates and --draft together: give the gates DIR as --draft to self-draft losslessly, "
@@ -277,8 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     positive("--max-queue", args.max_queue)
     if args.draft is not None and args.draft != LOOKUP and not Path(args.draft).is_dir():
         raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output, or lookup)")
-    if args.tree != "auto":
-        select_tree_spec_check(args.tree)
+    tree_nodes(args.tree)  # a bad --tree is refused before any model is loaded
     llm = LLM.load(args.model, weights=args.weights, device=args.device) if args.model else \
         LLM.from_run(args.checkpoint, weights=args.weights, device=args.device)
     if args.draft:
@@ -287,10 +278,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
           max_queue=args.max_queue)
     return 0
 
-
-def select_tree_spec_check(spec: str) -> None:
-    """A --tree value's form, checked before any model is loaded."""
-    if spec.startswith(("sparse:", "dynamic:")):
-        tree_nodes(spec)
-    elif spec not in ("auto", "chain"):
-        raise ValueError(f"--tree: expected auto, chain, sparse:N or dynamic:N, got {spec!r}")

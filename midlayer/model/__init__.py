@@ -4,22 +4,8 @@ FLOPs model as pure functions beside it.
 
 May import `common`, `ops`, `config` and `data`. Nothing here trains, decodes or drafts.
 """
+from midlayer import compat
 
-import importlib
-from pathlib import Path
-
-
-def __getattr__(name: str) -> object:
-    """`from midlayer.model import X` for the names of the old module `midlayer.model`, now `midlayer.model.transformer`.
-
-    Looked up lazily, so that importing one submodule does not load `transformer`. A submodule's own name and
-    dunders are left to the import system.
-    """
-    if name.startswith("__") or (Path(__file__).parent / f"{name}.py").exists():
-        raise AttributeError(f"module 'midlayer.model' has no attribute {name!r}")
-    for old in ("midlayer.model.transformer", "midlayer.model.layers"):  # the old module's names, now in two
-        # imported on first use: no start-up cost for the other submodules
-        module = importlib.import_module(old)
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise AttributeError(f"module 'midlayer.model' has no attribute {name!r}")
+# `from midlayer.model import X`: the names of the old module `midlayer.model`, looked up on first
+# use in the modules they now live in, so that importing one submodule does not load the others
+__getattr__ = compat.old_names(__name__, __file__, ('midlayer.model.transformer', 'midlayer.model.layers'))

@@ -70,14 +70,10 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
         hidden = torch.zeros(0, model.cfg.dim, device=dev, dtype=dtype)
         logits = torch.zeros(0, model.cfg.vocab_size, device=dev, dtype=dtype)
     tokens, new = list(prompt), []
-    pruned: dict[tuple[int, int], object] = {}
     draft_logits = None
     while len(new) < budget:
         # the first round of a fused drafter has no draft yet: the root alone (its pseudo rows draft the next)
-        key = (0 if fused and draft_logits is None else min(budget - len(new) - 1, tree.max_depth), len(tree))
-        t = pruned.get(key)
-        if t is None:
-            t = pruned[key] = tree.prune(*key)
+        t = tree.prune(0 if fused and draft_logits is None else min(budget - len(new) - 1, tree.max_depth), len(tree))
         draft = drafter.propose(DraftContext(model, None, tokens, hidden, logits, {}, t, 0.0, None, draft_logits))
         t = round_tree(draft, t)  # (the step lays pseudo rows out for whichever tree it verifies)
         nodes, _ = draft_node_tokens(draft, t)
@@ -86,13 +82,7 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
         tt = st.tree_tensors(t.parent.tolist(), t.depth.tolist(), steps, masked)
         accepted, bonus, _, logits, hidden, draft_logits = st.verify(tokens[-1], nodes.tolist(), tt, len(tokens) - 1,
                                                                      len(tokens) - 1)
-        stats.base_forwards += 1
-        stats.accept_hist[len(accepted)] += 1
-        for tok in accepted + [bonus]:
-            tokens.append(tok)
-            new.append(tok)
-            if tok in stop_tokens or len(new) >= budget:
-                stats.new_tokens = len(new)
-                return new, stats
-    stats.new_tokens = len(new)
+        tokens += accepted + [bonus]
+        if stats.commit(accepted + [bonus], new, stop_tokens, budget):
+            break
     return new, stats

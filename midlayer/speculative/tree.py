@@ -174,8 +174,12 @@ class DraftTree:
     def prune(self, max_depth: int, max_nodes: int) -> "DraftTree":
         """The sub-tree of nodes with depth <= max_depth, cut to its first max_nodes nodes (BFS order keeps
         it prefix-closed). Used near the end of generation and of the context."""
-        keep = [t for t in self.paths if len(t) <= max_depth][:max(max_nodes, 0)]
-        return self if len(keep) == len(self) else DraftTree(keep)
+        key = (max_depth, max_nodes)
+        memo = self.__dict__.setdefault("_pruned", {})  # the loops ask for the same few cuts every round
+        if key not in memo:
+            keep = [t for t in self.paths if len(t) <= max_depth][:max(max_nodes, 0)]
+            memo[key] = self if len(keep) == len(self) else DraftTree(keep)
+        return memo[key]
 
     def verify_mask(self, start: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Additive extra_mask [1, 1, n+1, start+n+1] for `forward_cached` over [root, nodes] written at slots

@@ -453,6 +453,23 @@ def table_text(table: list[dict], chosen: DraftTree) -> str:
     return "\n".join(out)
 
 
+def parse_tree_spec(spec: str, what: str = "tree") -> tuple[str, int]:
+    """(kind, N) of a tree spec: auto, chain (N = 0), sparse:N or dynamic:N (N a positive int); a ValueError
+    naming `what` (e.g. the flag) otherwise. The one reading of the spec, for the CLI's checks and `select_tree`."""
+    kind, sep, n = spec.partition(":")
+    if kind in ("auto", "chain") and not sep:
+        return kind, 0
+    if kind not in ("sparse", "dynamic") or not sep:
+        raise ValueError(f"{what}: expected auto, chain, sparse:N or dynamic:N, got {spec!r}")
+    try:
+        nodes = int(n)
+    except ValueError:
+        nodes = 0
+    if nodes < 1:
+        raise ValueError(f"{what} {spec!r}: N must be a positive integer")
+    return kind, nodes
+
+
 def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, spec: str, *, model_name: str,
                 weights: str, prompt_ids: Sequence[int], draft_key: str = "", refresh: bool = False,
                 progress: bool = False) -> tuple[DraftTree, str | None]:
@@ -464,7 +481,7 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
     Python API."""
     # draft depth: k steps / heads; else the depths it was scored at; else (one depth measured) 3
     k = drafter.draft_steps() or (len(acc) if acc and len(acc) > 1 else 3)
-    kind, _, n = spec.partition(":")
+    kind, nodes = parse_tree_spec(spec)
     if kind == "auto" and acc:
         costs = row_costs(model, model_name, weights, progress=progress, refresh=refresh)
         # what the forwards leave out (~1 s to measure): once per drafter and machine, then cached
@@ -474,28 +491,19 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
         return tree, (f"measured beyond the modelled forwards: {overhead.plain_ms:+.2f} ms a plain token, "
                       f"{overhead.round_ms:+.2f} ms a round, {overhead.call_ms:+.2f} ms a draft call\n"
                       + table_text(table, tree))
-    if kind in ("auto", "chain") and not n:
+    if kind in ("auto", "chain"):
         return DraftTree.chain(k), None
-    if kind in ("sparse", "dynamic"):
-        try:
-            nodes = int(n)
-        except ValueError:
-            nodes = 0
-        if nodes < 1:
-            raise ValueError(f"tree {spec!r}: N must be a positive integer")
-        if kind == "sparse":
-            if not acc or len(acc) < 2:
-                raise ValueError(f"tree {spec!r}: the draft has no per-depth accuracies to build a sparse tree; use "
-                                 "chain")
-            return DraftTree.greedy_from_accuracies(acc, nodes), None
-        if drafter.dynamic_k is None:  # a drafter without an expansion width (EAGLE has one)
-            raise ValueError(f"tree {spec!r} needs an EAGLE draft; this drafter is a {type(drafter).__name__}")
-        # the budget: N nodes at most, as deep as the chain of k; each depth expands the best min(4, N) nodes
-        drafter.dynamic_k = min(4, nodes)
-        return DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * k, nodes), None
-    raise ValueError(f"tree: expected auto, chain, sparse:N or dynamic:N, got {spec!r}")
+    if kind == "sparse":
+        if not acc or len(acc) < 2:
+            raise ValueError(f"tree {spec!r}: the draft has no per-depth accuracies to build a sparse tree; use chain")
+        return DraftTree.greedy_from_accuracies(acc, nodes), None
+    if drafter.dynamic_k is None:  # a drafter without an expansion width (EAGLE has one)
+        raise ValueError(f"tree {spec!r} needs an EAGLE draft; this drafter is a {type(drafter).__name__}")
+    # the budget: N nodes at most, as deep as the chain of k; each depth expands the best min(4, N) nodes
+    drafter.dynamic_k = min(4, nodes)
+    return DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * k, nodes), None
 
 
-__all__ = ["select_tree", "RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms", "draft_calls", "total_round_ms",
+__all__ = ["parse_tree_spec", "select_tree", "RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms", "draft_calls", "total_round_ms",
            "measure_overhead", "cached_overhead", "drafter_key", "split_excess", "expected_tokens", "choose_tree", "auto_tree", "measure_row_costs", "row_costs",
            "cost_key", "table_text"]

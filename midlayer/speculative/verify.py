@@ -1,4 +1,4 @@
-"""Model-agnostic speculative decoding: draft trees, tree-attention verification, the draft/verify loop.
+"""Model-agnostic speculative decoding: tree-attention verification and the draft/verify loop.
 
 Shared by every drafter of SPEC section 6 (hidden transfer, Medusa heads, early exit, layer-skip
 self-speculation): a drafter only proposes candidate tokens; this module arranges them in a tree, checks
@@ -6,12 +6,7 @@ the whole tree with ONE base-model forward (tree attention, Wu et al. 2024, arXi
 3.4.1; Cai et al. 2024, Medusa), commits the accepted path plus one bonus token, and keeps the KV cache
 equal to the cache of plain decoding.
 
-Trees. A `DraftTree` is a list of root-to-node paths of top-k *ranks* (Medusa "choices"), e.g.
-[(0,), (1,), (0, 0)]: node (0, 1) holds the rank-1 candidate of depth 2 under the rank-0 candidate of
-depth 1. The root -- the last committed token, not yet in the cache -- is NOT a node: nodes are numbered
-0..n-1 breadth-first (by depth, then by path), `parent[i] == -1` for depth-1 nodes, and node i sits at
-RoPE position `last_pos + depth[i]` (the root at offset 0). During verification the forward runs over
-[root, node_0, ..., node_{n-1}], i.e. node i is row i + 1.
+Trees: `tree.py` (`DraftTree`: nodes, their numbering and rows, positions, the verification mask).
 
 Cache invariant (batch 1). Between rounds the cache holds exactly the committed tokens except the last
 one, which is "pending": it is the next round's root and has position len(tokens) - 1 == cache.length.
@@ -43,19 +38,7 @@ Losslessness (what is exact, not approximate):
   Temperature sampling here is plain softmax(logits / T) (no top-k / top-p). "Exact" is in distribution:
   the random stream differs from `generate(..., seed)`, so sampled tokens are not equal token for token.
 
-Drafter protocol (`Drafter`): `propose(ctx: DraftContext) -> per-depth top-k lists | Draft`, called once per
-round before verification. `DraftContext` carries everything the drafters need:
-  * Medusa: `ctx.hidden[-1]`, the final residual at position len(tokens) - 2, whose LM-head output
-    predicted the pending token; it is taken before the final norm (apply `model.norm` for the normed
-    state that Medusa heads usually read); head i (0-based) predicts depth i + 1.
-  * early exit / hidden transfer: `ctx.layer_hidden[l]`, the residual entering block l at the same rows,
-    for the layers listed in the drafter's optional `hidden_layers` attribute (ModelOutput.hidden_states
-    convention: l = n_layers is the final residual). Hidden transfer additionally uses the pseudo-state
-    attention to the context, which lives in `ctx.cache`.
-  * layer-skip self-speculation: `ctx.model` and `ctx.cache`; it may run the model on the cache (append
-    draft tokens after `cache.length`) but must `cache.truncate` back to the length it found.
-  * path-dependent drafters (autoregressive ones) return `Draft(node_tokens=...)`, one token per node of
-    `ctx.tree` (which may be a pruned copy of the configured tree near the end of generation).
+Drafters: `protocol.py` (`Drafter`, what a drafter sees each round, `DraftContext`, and returns, `Draft`).
 """
 
 from __future__ import annotations
@@ -357,6 +340,20 @@ class SpecStats:
         """Mean tokens committed per base forward, bonus included (SPEC 6); 1.0 for plain decoding."""
         return self.new_tokens / self.base_forwards if self.base_forwards else 0.0
 
+    def commit(self, round_tokens: Sequence[int], new: list[int], stop: set[int] | Sequence[int], budget: int
+               ) -> bool:
+        """Count one verification round and append its tokens (accepted + bonus) to `new`, up to the first stop
+        token or the budget. True when the generation ends there. Both decode loops commit through it."""
+        self.base_forwards += 1
+        self.accept_hist[len(round_tokens) - 1] += 1
+        for tok in round_tokens:
+            new.append(tok)
+            if tok in stop or len(new) >= budget:
+                self.new_tokens = len(new)
+                return True
+        self.new_tokens = len(new)
+        return False
+
 
 @torch.no_grad()
 def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.Tensor, drafter: Drafter,
@@ -406,32 +403,22 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     stats.prefill_forwards = int(P > 1)
     stop = set(int(t) for t in stop_tokens)
     tokens, new = list(prompt), []
-    pruned: dict[tuple[int, int], DraftTree] = {}
     draft_logits = None
     while len(new) < budget:
         # Drafting deeper than the remaining budget is wasted work (and would make tau depend on it).
-        key = (min(budget - len(new) - 1, tree.max_depth), min(cache.max_len - cache.length - 1, len(tree)))
-        t = pruned.get(key)
-        if t is None:
-            t = pruned[key] = tree.prune(*key)
+        t = tree.prune(min(budget - len(new) - 1, tree.max_depth), min(cache.max_len - cache.length - 1, len(tree)))
         dctx = DraftContext(model, cache, tokens, hidden, logits, layer_hidden, t, temperature, gen, draft_logits)
         t, node_tokens, q = draft(drafter, dctx, fused is not None)
         res = verify_tree(model, cache, tokens[-1], len(tokens) - 1, t, node_tokens, skip=skip,
                           temperature=temperature, generator=gen, draft_q=q if temperature > 0 else None,
                           hidden_layers=tuple(drafter.hidden_layers), fused=fused)
-        stats.base_forwards += 1
-        stats.accept_hist[len(res.accepted)] += 1
         round_tokens = res.accepted + [res.bonus]
         tokens.extend(round_tokens)
         if on_round is not None:
             on_round(cache, tokens)
         hidden, logits, layer_hidden, draft_logits = res.hidden, res.logits, res.layer_hidden, res.draft_logits
-        for tok in round_tokens:
-            new.append(tok)
-            if tok in stop or len(new) >= budget:
-                stats.new_tokens = len(new)
-                return new, stats
-    stats.new_tokens = len(new)
+        if stats.commit(round_tokens, new, stop, budget):
+            break
     return new, stats
 
 
