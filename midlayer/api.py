@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from midlayer.data.pretrained_tokenizer import TextTokenizer
 from midlayer.common import cache_dir
 from midlayer.data.shards import resolve_data
+from midlayer.engine.batch import BatchSequence, ContinuousBatch, unsupported as batch_unsupported
 from midlayer.engine.decode_step import static_stream
 from midlayer.engine.generate import GenerationConfig, generate, generate_stream, validate_prompts
 from midlayer.engine.pretrained import load_pretrained
@@ -179,9 +180,26 @@ class LLM:
         if self.drafter is None and not stop:
             outs = generate(self.model, ids, cfg)
             done = [self._completion(i, o, None, stop) for i, o in zip(ids, outs)]
+        elif len(ids) > 1 and self.batch_refusal() is None:
+            done = self._batched(ids, cfg, stop)
         else:
             done = [self._one(i, cfg, stop) for i in ids]
         return done if many else done[0]
+
+    def _batched(self, ids: list[list[int]], cfg: GenerationConfig, stop: Sequence[str]) -> list[Completion]:
+        """Many prompts through one continuous batch (stop strings end a row early; lookup rows draft)."""
+        batch = self.batch(min(len(ids), 16))
+        texts = {batch.add(i, cfg): (n, TextStream(self, i, stop)) for n, i in enumerate(ids)}
+        done: list[Completion | None] = [None] * len(ids)
+        while len(batch):
+            for seq, tokens, finished in batch.step():
+                n, text = texts[seq.handle]
+                ended = text.feed(tokens)[1]
+                if ended and not finished:
+                    batch.cancel(seq.handle)
+                if ended or finished:
+                    done[n] = self.batch_completion(seq, text)
+        return [c for c in done if c is not None]
 
     def stream(self, prompt: Prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()) -> Iterator[str]:
@@ -189,26 +207,50 @@ class LLM:
         round by round). A piece never ends inside a multi-byte character or a stop string."""
         cfg = self.settings(max_tokens, temperature, top_k, top_p, seed)
         ids = self.encode(prompt)
-        shown, new = "", []
         self.last_stats = None
+        text = TextStream(self, ids, stop)
         for tokens in self._token_groups(ids, cfg):
-            new += tokens
-            text, ended = self._cut(new, stop)
+            piece, ended = text.feed(tokens)
+            if piece:
+                yield piece
             if ended:
-                self.last_completion = self._completion(ids, new, self.last_stats, stop)
-                yield text[len(shown):]
-                return
-            held = max((len(s) - 1 for s in stop), default=0)  # a stop string may still be completing
-            safe = text[:len(text) - held] if held else text
-            if safe.endswith("\ufffd"):
-                continue
-            if len(safe) > len(shown):
-                yield safe[len(shown):]
-                shown = safe
-        text, _ = self._cut(new, stop)
-        self.last_completion = self._completion(ids, new, self.last_stats, stop)
-        if len(text) > len(shown):
-            yield text[len(shown):]
+                break
+        piece = text.rest()
+        self.last_completion = text.completion(self.last_stats)
+        if piece:
+            yield piece
+
+    # ------------------------------------------------------------------------------------ batching
+    def batch_refusal(self) -> str | None:
+        """Why this LLM cannot decode in a continuous batch (engine/batch.py), or None when it can."""
+        if self.engine != "dynamic":
+            return "the static engine decodes one sequence at a time"
+        why = batch_unsupported(self.model)
+        if why is not None:
+            return why
+        if self.drafter is not None and not isinstance(self.drafter, PromptLookupDrafter):
+            return (f"{type(self.drafter).__name__} drafts from one sequence's hidden states and KV cache; in a batch "
+                    "only prompt lookup drafts (a trained drafter decodes one request at a time)")
+        return None
+
+    def batch(self, max_rows: int = 16) -> ContinuousBatch:
+        """A continuous batch over this model: many sequences decoded together, joining and leaving between
+        steps (the server's engine). With prompt lookup attached, its greedy rows draft chains in the batch."""
+        why = self.batch_refusal()
+        if why is not None:
+            raise ValueError(f"continuous batching: {why}")
+        lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else None
+        return ContinuousBatch(self.model, max_rows, skip=self.skip, propose=None if lookup is None else lookup.chain,
+                               k=0 if lookup is None else lookup.k)
+
+    def batch_completion(self, seq: BatchSequence, text: "TextStream") -> Completion:
+        """The Completion of a sequence that left a continuous batch, with its speculative statistics when it
+        drafted (a prompt lookup row)."""
+        stats = None
+        if self.drafter is not None:
+            stats = SpecStats(new_tokens=len(seq.new), base_forwards=seq.forwards, prefill_forwards=1,
+                              accept_hist=list(seq.accept_hist))
+        return text.completion(stats)
 
     # ------------------------------------------------------------------------------------ internals
     def _token_groups(self, ids: list[int], cfg: GenerationConfig) -> Iterator[list[int]]:
@@ -324,6 +366,38 @@ class LLM:
                           finish_reason="stop" if ended else "length", stats=stats)
 
 
+class TextStream:
+    """A completion's text as its tokens arrive, in pieces that never end inside a multi-byte character or a
+    stop string that may still be completing: `LLM.stream` and the server's batch engine both read it."""
+
+    def __init__(self, llm: LLM, ids: list[int], stop: Sequence[str]) -> None:
+        self.llm, self.ids, self.stop = llm, ids, list(stop)
+        self.new: list[int] = []
+        self.shown = ""
+        self.held = max((len(s) - 1 for s in self.stop), default=0)  # a stop string may still be completing
+
+    def feed(self, tokens: Sequence[int]) -> tuple[str, bool]:
+        """(the new piece of text, whether a stop string or an end-of-turn token ended the completion)."""
+        self.new += tokens
+        text, ended = self.llm._cut(self.new, self.stop)
+        if not ended:
+            text = text[:len(text) - self.held] if self.held else text
+            if text.endswith("\ufffd") or len(text) <= len(self.shown):
+                return "", False
+        piece, self.shown = text[len(self.shown):], text
+        return piece, ended
+
+    def rest(self) -> str:
+        """What is left to show once no more tokens come."""
+        text, _ = self.llm._cut(self.new, self.stop)
+        piece = text[len(self.shown):] if len(text) > len(self.shown) else ""
+        self.shown = max(text, self.shown, key=len)
+        return piece
+
+    def completion(self, stats: SpecStats | None) -> Completion:
+        return self.llm._completion(self.ids, self.new, stats, self.stop)
+
+
 def _check_weights(weights: str) -> None:
     """Refuse an unknown weight format before any file is read."""
     if weights not in WEIGHT_FORMATS:
@@ -343,4 +417,4 @@ def _cut_tokens(tokens: list[int], cfg: GenerationConfig) -> list[int]:
     return tokens
 
 
-__all__ = ["LLM", "Completion", "Prompt", "Message"]
+__all__ = ["LLM", "Completion", "Prompt", "Message", "TextStream"]

@@ -33,7 +33,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from midlayer.api import LLM, Completion
+from midlayer.api import LLM, Completion, TextStream
+from midlayer.engine.batch import ContinuousBatch
 
 # what an OpenAI client may send that we accept; anything else is refused by name (400)
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "user",
@@ -65,15 +66,21 @@ class Job:
 
 
 class Engine:
-    """The worker thread that owns the model: it decodes queued jobs one after another."""
+    """The worker thread that owns the model. Batched (the default where `LLM.batch_refusal` allows it): every
+    request joins one continuous batch (engine/batch.py) at the next step and leaves it when done, its slot
+    freed at once when it is cancelled or its client goes away. Otherwise (`max_batch` 1, the static engine,
+    a trained drafter): requests are decoded one after another."""
 
-    def __init__(self, llm: LLM, max_queue: int) -> None:
+    def __init__(self, llm: LLM, max_queue: int, max_batch: int = 16) -> None:
         self.llm, self.max_queue = llm, max_queue
+        self.batched = max_batch > 1 and llm.batch_refusal() is None
+        self.max_batch = max_batch
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.active = 0  # queued + running
         self.lock = threading.Lock()
         self.stopping = False
-        self.thread = threading.Thread(target=self._run, name="midlayer-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run_batched if self.batched else self._run, name="midlayer-engine",
+                                       daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
@@ -87,10 +94,22 @@ class Engine:
         self.jobs.put(job)
 
     def stop(self) -> None:
-        """No new jobs; queued ones are answered with an error; the running one finishes."""
+        """No new jobs; queued ones are answered with an error; running ones finish."""
         with self.lock:
             self.stopping = True
         self.jobs.put(None)
+
+    def _release(self, n: int = 1) -> None:
+        with self.lock:
+            self.active -= n
+
+    def _refuse_queued(self) -> None:
+        """After stop: whatever is still queued gets an answer."""
+        while not self.jobs.empty():
+            job = self.jobs.get_nowait()
+            if job is not None:
+                job.put(("error", "the server is shutting down"))
+                self._release()
 
     def _run(self) -> None:
         while True:
@@ -101,14 +120,8 @@ class Engine:
                 job.put(("error", "the server is shutting down"))
             else:
                 self._decode(job)
-            with self.lock:
-                self.active -= 1
-        while not self.jobs.empty():  # after stop: whatever is still queued gets an answer
-            job = self.jobs.get_nowait()
-            if job is not None:
-                job.put(("error", "the server is shutting down"))
-                with self.lock:
-                    self.active -= 1
+            self._release()
+        self._refuse_queued()
 
     def _decode(self, job: Job) -> None:
         try:
@@ -119,6 +132,72 @@ class Engine:
             job.put(("done", self.llm.last_completion))
         except Exception as e:  # a request that fails in the engine gets its error; the server goes on
             job.put(("error", f"{type(e).__name__}: {e}"))
+
+    def _run_batched(self) -> None:
+        """Long: one loop owns the batch: take new jobs (waiting for one only when nothing runs), drop cancelled
+        ones, step once, hand each sequence's tokens to its job as text, and retire finished ones. After stop,
+        running and already admitted requests finish; queued ones get an error."""
+        batch = self.llm.batch(self.max_batch)
+        live: dict[int, tuple[Job, TextStream]] = {}
+        draining = False
+        while True:
+            while not draining:
+                try:
+                    job = self.jobs.get(block=not live)
+                except queue.Empty:
+                    break
+                if job is None:
+                    draining = True
+                    break
+                self._admit(batch, job, live)
+            for handle, (job, _) in list(live.items()):
+                if job.cancelled.is_set():  # the client went away: its row is free at once
+                    batch.cancel(handle)
+                    del live[handle]
+                    self._release()
+            if not live:
+                if draining:
+                    break
+                continue
+            try:
+                events = batch.step()
+            except Exception as e:  # an engine failure fails the running requests, not the server
+                for handle, (job, _) in live.items():
+                    batch.cancel(handle)
+                    job.put(("error", f"{type(e).__name__}: {e}"))
+                self._release(len(live))
+                live.clear()
+                continue
+            for seq, tokens, finished in events:
+                job, text = live[seq.handle]
+                piece, ended = text.feed(tokens)
+                if piece:
+                    job.put(("piece", piece))
+                if ended or finished:
+                    if not finished:  # a stop string: the sequence leaves now
+                        batch.cancel(seq.handle)
+                    rest = text.rest()
+                    if rest:
+                        job.put(("piece", rest))
+                    job.put(("done", self.llm.batch_completion(seq, text)))
+                    del live[seq.handle]
+                    self._release()
+        self._refuse_queued()
+
+    def _admit(self, batch: ContinuousBatch, job: Job, live: dict[int, tuple[Job, TextStream]]) -> None:
+        if job.cancelled.is_set():
+            self._release()
+            return
+        k = job.kwargs
+        try:
+            ids = self.llm.encode(job.prompt)
+            cfg = self.llm.settings(k["max_tokens"], k["temperature"], k.get("top_k", 0), k["top_p"], k["seed"])
+            handle = batch.add(ids, cfg)
+        except Exception as e:  # checked before queueing; a failure here is the engine's, answered as such
+            job.put(("error", f"{type(e).__name__}: {e}"))
+            self._release()
+            return
+        live[handle] = (job, TextStream(self.llm, ids, k.get("stop", ())))
 
 
 def _check_fields(body: Any, allowed: set[str]) -> dict[str, Any]:
@@ -168,7 +247,7 @@ def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens") -> dict[str, A
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
 
 
-def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int = 1 << 20):
+def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int = 1 << 20, max_batch: int = 16):
     """The ASGI app (FastAPI) serving `llm` as `model_name`. The engine thread starts with the app.
 
     Long: the endpoints are closures over one engine, one model and its name (FastAPI's usual shape); each
@@ -176,12 +255,12 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
     from fastapi import FastAPI, Request  # an optional extra (pip install 'midlayer[serve]'): imported here,
     from fastapi.responses import JSONResponse, StreamingResponse  # so that midlayer runs without it
 
-    engine = Engine(llm, max_queue)
+    engine = Engine(llm, max_queue, max_batch)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        engine.stop()  # on shutdown (SIGTERM): queued requests get an error, the running one finishes
+        engine.stop()  # on shutdown (SIGTERM): queued requests get an error, running ones finish
 
     app = FastAPI(title="midlayer", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
@@ -267,7 +346,8 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "queued_or_running": engine.active}
+        return {"status": "ok", "model": model_name, "queued_or_running": engine.active,
+                "batching": engine.max_batch if engine.batched else 1}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -334,9 +414,11 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
     return app
 
 
-def serve(llm: LLM, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16) -> None:
+def serve(llm: LLM, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
+          max_batch: int = 16) -> None:
     """Run the server until SIGINT / SIGTERM (uvicorn: running requests finish, then it stops)."""
     import uvicorn  # the optional extra: imported here, so that midlayer runs without it
 
-    uvicorn.run(create_app(llm, model_name, max_queue=max_queue), host=host, port=port, log_level="info",
+    uvicorn.run(create_app(llm, model_name, max_queue=max_queue, max_batch=max_batch), host=host, port=port,
+                log_level="info",
                 timeout_graceful_shutdown=30)

@@ -133,17 +133,35 @@ class Held:
     def __getattr__(self, name: str):
         return getattr(self.llm, name)
 
-    def stream(self, prompt, **kw):
+    def stream(self, prompt, **kw):  # the serial engine (max_batch 1)
         for i, piece in enumerate(self.llm.stream(prompt, **kw)):
             yield piece
             if i == 0 and not self.held:
                 self.held = True
                 self.release.wait(30)
 
+    def batch(self, max_rows):  # the batched engine: the first step after which a sequence has text holds it
+        batch = self.llm.batch(max_rows)
+        step = batch.step
 
-def test_a_full_queue_answers_503_and_a_disconnect_frees_the_slot(llm):  # noqa: F811
+        def held_step():
+            if self.held == "next":  # the engine has handed out the last step's text: hold here
+                self.held = True
+                self.release.wait(30)
+            out = step()
+            shown = [self.llm.tokenizer.decode(seq.new) for seq, _, _ in out]
+            if any(t and not t.endswith("\ufffd") for t in shown) and not self.held:
+                self.held = "next"
+            return out
+        batch.step = held_step
+        return batch
+
+
+@pytest.mark.parametrize("max_batch", [1, 16])
+def test_a_full_queue_answers_503_and_a_disconnect_frees_the_slot(llm, max_batch):  # noqa: F811
     held = Held(llm)
-    running = Running(create_app(held, NAME, max_queue=1))
+    running = Running(create_app(held, NAME, max_queue=1, max_batch=max_batch))
+    assert httpx.get(f"{running.url}/health").json()["batching"] == max_batch
     try:
         url = f"{running.url}/v1/completions"
         body = {"model": NAME, "prompt": "To be", "max_tokens": 100, "temperature": 0, "stream": True}

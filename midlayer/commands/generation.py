@@ -259,6 +259,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=16,
                    help="requests queued or running at once; more are refused with 503")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="requests decoded together in one continuous batch (1: one after another)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -267,6 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     positive("--max-queue", args.max_queue)
+    positive("--max-batch", args.max_batch)
     if args.draft is not None and args.draft != LOOKUP and not Path(args.draft).is_dir():
         raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output, or lookup)")
     tree_nodes(args.tree)  # a bad --tree is refused before any model is loaded
@@ -275,6 +278,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.draft:
         llm.attach(args.draft, tree=args.tree)
     serve(llm, args.served_name or args.model or args.checkpoint, host=args.host, port=args.port,
-          max_queue=args.max_queue)
+          max_queue=args.max_queue, max_batch=args.max_batch)
     return 0
 

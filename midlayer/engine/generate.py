@@ -67,7 +67,8 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
                    active: torch.Tensor | None = None, skip: bool = True,
                    extra_mask: torch.Tensor | None = None, last_only: bool = False,
                    return_hidden: bool = False, capture: dict[int, torch.Tensor | None] | None = None,
-                   joins: JoinedRows | None = None, all_hidden: bool = False, head_rows: int | None = None):
+                   joins: JoinedRows | None = None, all_hidden: bool = False, head_rows: int | None = None,
+                   slots: torch.Tensor | None = None):
     """Run `tokens` [B, T] at the next T cache slots; returns logits [B, T, V] ([B, V] if `last_only`).
 
     positions [B, T]: RoPE positions. active [B, T] (None: all): tokens to compute at all (False for
@@ -79,24 +80,33 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     `joins`: rows that join mid-network (`JoinedRows`); then positions and extra_mask cover all T + J rows
     and the outputs have T + J rows. `head_rows`: only the first head_rows rows go through the final norm and
     the LM head (the logits have that many rows; the hidden states all of them): rows whose logits a caller
-    computes itself, on a draft vocabulary, or not at all.
+    computes itself, on a draft vocabulary, or not at all. `slots` [B, T + J]: each row's own cache slots
+    (the rows of a continuous batch have lengths of their own, engine/batch.py; the caller has set
+    cache.length past every slot); None: the next T + J slots, the same for every row.
     """
     B, T = tokens.shape
     J = joins.count if joins is not None else 0
     if positions.shape[-1] != T + J:
         raise ValueError(f"positions cover {positions.shape[-1]} rows, expected {T + J}")
-    start = cache.length
-    slots = cache.reserve(T + J)
-    cache.pos[:, start:start + T + J] = positions
+    if slots is None:
+        start = cache.length
+        slots = cache.reserve(T + J)[None, :].expand(B, T + J)
+        cache.pos[:, start:start + T + J] = positions
+    else:
+        if slots.shape != (B, T + J) or int(slots.max()) >= cache.length:
+            raise ValueError(f"slots {tuple(slots.shape)} must be [B, T + J] = [{B}, {T + J}] and below the "
+                             f"cache's length {cache.length}")
+        start = None
+        cache.pos.scatter_(1, slots, positions)
     cos_all, sin_all = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]  # [B, 1, T+J, hd]
     h = model.embed(tokens, positions[..., :T])
     if skip and model.routers is not None and model.cfg.gate_attention != "key":
         # Real skipping drops a skipped token's keys, which is what key-indexed gated attention (eq. 3)
         # computes; with "query" / "none" gating skipped tokens stay visible: the multiply-by-gate path.
         skip = False
-    step = CachedStep(cache, start, slots[None, :].expand(B, T + J), cos_all, sin_all, active=active,
+    step = CachedStep(cache, start, slots, cos_all, sin_all, active=active,
                       skip=skip, extra_mask=extra_mask, position_bias=model.pos_bias,
-                      gate_mode=model.cfg.gate_attention)
+                      gate_mode=model.cfg.gate_attention, layers_alike=model.routers is None)
     h = model.run_blocks(h, step, routed=T, capture=capture, joins=None if joins is None else joins.at)
     if h.shape[1] != T + J:
         raise ValueError(f"joined rows: {h.shape[1] - T} rows joined, JoinedRows.count says {J}")
@@ -112,11 +122,14 @@ class CachedStep:
     """How rows go through a block over the KV cache (a `Transformer.run_blocks` step): the rows present at
     a block (a prefix of all rows, as rows only ever join) write their K/V at their slots and attend
     through the cache's mask (kv_cache.LayerView), with real skipping of tokens whose gate is 0 (or that
-    are inactive padding) when `skip`."""
+    are inactive padding) when `skip`. `start` None: every row has slots of its own (`query_slots`), so every
+    view goes through the per-row writes and masks (kv_cache.LayerView with `valid`)."""
 
-    def __init__(self, cache: KVCache, start: int, query_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def __init__(self, cache: KVCache, start: int | None, query_slots: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor,
                  *, active: torch.Tensor | None = None, skip: bool = True,
-                 extra_mask: torch.Tensor | None = None, position_bias=None, gate_mode: str = "key") -> None:
+                 extra_mask: torch.Tensor | None = None, position_bias=None, gate_mode: str = "key",
+                 layers_alike: bool = False) -> None:
         self.cache, self.start, self.query_slots = cache, start, query_slots  # query_slots [B, all rows]
         self.cos, self.sin = cos, sin  # [B, 1, all rows, hd]
         self.active, self.skip, self.extra_mask = active, skip, extra_mask
@@ -125,17 +138,23 @@ class CachedStep:
         # effect), so the cached path leaves it out; "none" has none
         self.gate_mode = gate_mode
         cache.mask_memo = None  # a mask is shared by the layers of one forward only (LayerView.finish)
+        self.rows_valid = None if start is not None else torch.ones_like(query_slots, dtype=torch.bool)
+        # every layer of the cache holds the same keys with the same biases (a model without routers): then
+        # per-row slots (start None) still share one mask across the blocks of a fused stretch
+        self.layers_alike = layers_alike
 
     def run_fused(self, blocks, start: int, stop: int, h: torch.Tensor) -> torch.Tensor | None:
         """Blocks start..stop-1 in ONE C call (kernels.blocks_q4) when each would take its fused q4 path
         (model.Block.forward) with the same mask: every block q4-fused, no gates, nothing skipped or
-        inactive, no position bias, each layer dense; else None (the caller runs them one by one). The K/V
-        and the key biases it leaves are the block-by-block ones, bit for bit (tests/test_kernels.py)."""
+        inactive, no position bias, each layer dense (per-row slots: every layer alike); else None (the caller
+        runs them one by one). The K/V and the key biases it leaves are the block-by-block ones, bit for bit
+        (tests/test_kernels.py, tests/test_batch.py)."""
         c = self.cache
         B, M = h.shape[:2]
-        if (stop - start < 2 or self.active is not None or self.position_bias is not None
+        alike = self.layers_alike if self.start is None else all(c.dense_layers[start:stop])
+        if (stop - start < 2 or self.active is not None or self.position_bias is not None or not alike
                 or h.device.type != "cpu" or h.dtype != torch.float32 or torch.is_grad_enabled()
-                or c.k.dtype != torch.float32 or not all(c.dense_layers[start:stop])):
+                or c.k.dtype != torch.float32):
             return None
         plans = [blocks[layer].fused_q4 for layer in range(start, stop)]
         if any(p is None for p in plans):
@@ -145,9 +164,13 @@ class CachedStep:
         em = self.extra_mask
         if em is not None and M < em.shape[2]:
             em = em[:, :, :M]
-        view = LayerView(c, start, query_slots, start=self.start, extra_mask=em)
+        valid = None if self.rows_valid is None else self.rows_valid[:, :M]
+        view = LayerView(c, start, query_slots, start=self.start, valid=valid, extra_mask=em)
         mask = view.finish(M, h.device)  # layer `start`'s key biases and the mask every layer shares
-        c.bias[start + 1:stop, :, self.start:self.start + M] = 0.0  # the same record at the other layers
+        if self.start is None:  # the same record at the other layers
+            c.bias[start + 1:stop, torch.arange(B, device=h.device)[:, None], query_slots] = 0.0
+        else:
+            c.bias[start + 1:stop, :, self.start:self.start + M] = 0.0
         return kernels.blocks_q4(h, plans, cos, sin, c.k, c.v, start, query_slots, mask, c.length)
 
     def __call__(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
@@ -164,8 +187,9 @@ class CachedStep:
         if gate is not None and self.skip:
             act = gate > 0 if act is None else act & (gate > 0)
         if act is None or bool(act.all()):
-            view = LayerView(self.cache, layer, query_slots, start=self.start, gate_bias=gate_bias, extra_mask=em,
-                             position_bias=self.position_bias)
+            valid = None if self.rows_valid is None else self.rows_valid[:, :M]
+            view = LayerView(self.cache, layer, query_slots, start=self.start, valid=valid, gate_bias=gate_bias,
+                             extra_mask=em, position_bias=self.position_bias)
             return block(h, cos, sin, gate, None, view)
         return _sparse_block(block, layer, h, cos, sin, gate, gate_bias, act, self.cache, query_slots, em,
                              self.position_bias)

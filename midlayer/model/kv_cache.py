@@ -39,10 +39,15 @@ class KVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.bias = torch.full((n_layers, batch, max_len), float("-inf"), device=device)
-        self.pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self._bind(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+                   torch.full((n_layers, batch, max_len), float("-inf"), device=device),
+                   torch.zeros(batch, max_len, dtype=torch.long, device=device))
+        self.window = 0  # sliding-window attention (> 0): keys `window` or more positions back are hidden
+
+    def _bind(self, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, pos: torch.Tensor) -> None:
+        """Take these buffers as the cache's storage, empty (length 0, every layer dense)."""
+        self.k, self.v, self.bias, self.pos = k, v, bias, pos
+        n_layers, max_len = k.shape[0], k.shape[3]
         self.length = 0  # slots in use
         self.max_len = max_len
         # Per-layer views, taken once: the decode step indexes no 5-d buffer.
@@ -53,8 +58,18 @@ class KVCache:
         # batch-1 decoding. Per layer, so that a layer no token skips keeps it while others lose it.
         self.dense_layers = [True] * n_layers
         self.mask_memo: tuple | None = None  # (key, mask): this forward's dense-prefix mask (LayerView.finish)
-        self.window = 0  # sliding-window attention (> 0): keys `window` or more positions back are hidden
         self.ssm: dict[int, object] = {}  # layer -> ssm.SSMState of a state-space mixer (created on first use)
+
+    def rows(self, first: int, stop: int) -> "KVCache":
+        """A cache over rows first..stop-1 of this one's buffers (shared memory, no copy), empty and dense:
+        the continuous batch (engine/batch.py) fills one row through it and steps a prefix of rows. Its
+        length and dense flags are its own; what it writes lands in this cache's buffers."""
+        if not 0 <= first < stop <= self.batch:
+            raise ValueError(f"rows {first}..{stop} outside 0..{self.batch}")
+        view = KVCache.__new__(KVCache)
+        view._bind(self.k[:, first:stop], self.v[:, first:stop], self.bias[:, first:stop], self.pos[first:stop])
+        view.window = self.window
+        return view
 
     @classmethod
     def for_model(cls, cfg, batch: int, max_len: int | None = None, device: torch.device | str = "cpu",

@@ -83,6 +83,12 @@ class PromptLookupDrafter(Drafter):
     def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[Forward]:
         return []  # no forward: the draft is a lookup in the token history
 
+    def chain(self, tokens: Sequence[int], depth: int) -> list[int]:
+        """The most likely continuation (longest n-gram, most recent occurrence) of up to `depth` tokens, or
+        []: the chain draft a continuous batch feeds in a row (engine/batch.py)."""
+        conts = continuations(tokens, depth, self.max_ngram, self.min_ngram, limit=1)
+        return conts[0] if conts else []
+
     def propose(self, ctx: DraftContext) -> Draft:
         conts = continuations(ctx.tokens, ctx.tree.max_depth, self.max_ngram, self.min_ngram)
         # a placeholder verification rejects unless the base happens to choose it: the pending token itself

@@ -1,0 +1,286 @@
+"""Continuous batching: sequences join a running batch between steps and leave it when they finish (issue 45).
+
+A server's requests arrive at any time and end at any time. Decoding them one after another pays a whole
+forward per token per request, while on a CPU a forward over 16 rows costs little more than over one (the
+weights are read once per forward: docs/results/decode-cpu.md, the row-cost curves). `ContinuousBatch`
+keeps every running sequence in one row of a shared KV cache and advances them all with one forward per step:
+
+  * **Rows.** The cache has `max_rows` rows; the running sequences hold rows 0..n-1, so a step's forward runs
+    over a prefix of the buffers (`KVCache.rows`, no copy). A sequence that ends frees its row: the last
+    running sequence moves into it (its K/V copied once), so the prefix stays dense.
+  * **Slots.** Slot p of a row holds that sequence's token at position p: each row has its own length, and a
+    step writes row i's token at slot L_i (`forward_cached(..., slots=)`); the cache's mask hides a row's slots
+    past its own length (-inf key bias), so a short row never sees a long row's stale keys.
+  * **Joining.** A new sequence is prefilled alone into its row (`prefill` on a one-row view), exactly as a
+    single request is, and takes part in the next step's forward.
+  * **Speculation in the batch.** With `propose` (a chain drafter that reads tokens only, e.g. prompt lookup),
+    each greedy row feeds its pending token and up to `k` draft tokens in the same forward; rows with fewer
+    drafts are padding there (inactive, never written). A row keeps the longest prefix of its draft that
+    matches its own greedy targets plus one bonus token, and its rejected slots get key bias -inf. The total
+    rows of a forward are capped (`max_step_rows`), so speculation never makes a big batch's forward slow.
+
+Exactness. In the q4 format every kernel gives a row the same bits whatever rows share its forward and
+whatever masked keys lie beyond its own (kernels.py), so each sequence's greedy tokens equal single-request
+plain decoding (`generate`) token for token, with or without drafts (tests/test_batch.py). In fp32 and bf16
+PyTorch's matrix products pick their kernels by row count, so a batched row may differ in the last bits and,
+at a near-tie, in a token. A sampled row (temperature > 0) draws from its own generator, seeded from its
+`GenerationConfig`, one draw per token as `generate` does, so it reproduces a single request's sample too.
+
+Scope: dense and gated models (real skipping per row); sliding windows and state-space mixers keep whole-cache
+state and are refused by `unsupported`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .generate import GenerationConfig, forward_cached, sample_next, validate_prompts
+from midlayer.model.kv_cache import KVCache
+from midlayer.model.transformer import Transformer
+from midlayer.ops import kernels
+
+
+def unsupported(model: Transformer) -> str | None:
+    """Why `model` cannot be decoded in a continuous batch, or None when it can."""
+    cfg = model.cfg
+    if cfg.sliding_window:
+        return "sliding-window attention evicts keys from the whole cache at once"
+    if cfg.ssm_layers:
+        return "state-space mixers keep one state per cache, not per row"
+    return None
+
+
+@dataclass
+class BatchSequence:
+    """One sequence of the batch: its tokens so far, where it lives, and how it decodes."""
+
+    handle: int
+    tokens: list[int]  # prompt + committed new tokens
+    prompt_len: int
+    cfg: GenerationConfig
+    budget: int  # most new tokens: max_new_tokens, and no more than the context holds
+    generator: torch.Generator | None
+    row: int = -1  # -1: waiting to join
+    length: int = 0  # cache slots held: tokens[:length] are in the cache; tokens[length] is pending
+    done: bool = False
+    forwards: int = 0  # batched decode forwards this sequence took part in (the prefill not counted)
+    accept_hist: list[int] = field(default_factory=list)  # rounds that accepted a draft tokens, by a
+
+    @property
+    def new(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class ContinuousBatch:
+    """Sequences decoded together, one forward per step (module docstring)."""
+
+    def __init__(self, model: Transformer, max_rows: int = 16, *, skip: bool = True,
+                 propose: Callable[[Sequence[int], int], list[int]] | None = None, k: int = 4,
+                 max_step_rows: int = 64, max_prefill_rows: int = 4096, initial_len: int = 256) -> None:
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"continuous batching does not support this model: {why}")
+        if max_rows < 1 or k < 0 or max_step_rows < max_rows:
+            raise ValueError(f"need max_rows >= 1, k >= 0 and max_step_rows >= max_rows; got {max_rows}, {k}, "
+                             f"{max_step_rows}")
+        self.model, self.max_rows, self.skip = model.eval(), max_rows, skip
+        self.propose, self.k, self.max_step_rows = propose, k, max_step_rows
+        self.max_prefill_rows = max_prefill_rows  # joining prompts prefilled in one forward: longest x count
+        self.ctx = model.cfg.max_seq_len
+        self.device = model.tok_embeddings.weight.device
+        self.dtype = model.tok_embeddings.weight.dtype
+        self.cache = KVCache.for_model(model.cfg, max_rows, max_len=min(initial_len, self.ctx), device=self.device,
+                                       dtype=self.dtype)
+        self.running: list[BatchSequence] = []  # running[i] holds row i
+        self.waiting: list[BatchSequence] = []
+        self.by_handle: dict[int, BatchSequence] = {}
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ------------------------------------------------------------------------------------ membership
+    def add(self, prompt: Sequence[int], cfg: GenerationConfig) -> int:
+        """Queue a sequence; it joins at the next `step` with a free row. Returns its handle."""
+        ids = validate_prompts(self.model, [prompt])[0]
+        budget = min(cfg.max_new_tokens, self.ctx - len(ids) + 1)  # the last new token needs no slot
+        gen = None
+        if cfg.temperature > 0:  # seeded as generate_stream seeds it: the same draws as a single request
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+        seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1))
+        self._next += 1
+        self.by_handle[seq.handle] = seq
+        if budget <= 0:
+            seq.done = True
+        self.waiting.append(seq)
+        return seq.handle
+
+    def cancel(self, handle: int) -> None:
+        """Drop a sequence (a client gone, a stop string found): its row is free at once."""
+        seq = self.by_handle.pop(handle, None)
+        if seq is None:
+            return
+        if seq.row < 0:
+            self.waiting.remove(seq)
+        else:
+            self._leave(seq)
+
+    def _leave(self, seq: BatchSequence) -> None:
+        """Free seq's row: the last running sequence moves into it (K/V, key biases, positions), one copy."""
+        r, last = seq.row, len(self.running) - 1
+        c = self.cache
+        if r != last:
+            mover = self.running[last]
+            n = mover.length
+            c.k[:, r, :, :n] = c.k[:, last, :, :n]
+            c.v[:, r, :, :n] = c.v[:, last, :, :n]
+            c.bias[:, r] = c.bias[:, last]
+            c.pos[r, :n] = c.pos[last, :n]
+            mover.row = r
+            self.running[r] = mover
+        self.running.pop()
+        seq.row = -1
+        self.by_handle.pop(seq.handle, None)
+
+    def _reserve(self, need: int) -> None:
+        """Grow the cache's slots to at least `need` (doubling, at most the context), keeping what it holds."""
+        old = self.cache
+        if need <= old.max_len:
+            return
+        size = min(max(need, 2 * old.max_len), self.ctx + 1)  # + 1: a step's scratch slot (`_decode`)
+        new = KVCache.for_model(self.model.cfg, self.max_rows, max_len=size, device=self.device, dtype=self.dtype)
+        n = old.max_len
+        new.k[..., :n, :] = old.k
+        new.v[..., :n, :] = old.v
+        new.bias[..., :n] = old.bias
+        new.pos[:, :n] = old.pos
+        self.cache = new
+
+    # ------------------------------------------------------------------------------------ stepping
+    def step(self) -> list[tuple[BatchSequence, list[int], bool]]:
+        """Admit waiting sequences into free rows (their prompts prefilled together in one forward: each row's
+        first token), then advance every running sequence by one batched forward. Returns (sequence, new tokens,
+        finished) per sequence that moved; a finished sequence has left the batch."""
+        events: dict[int, tuple[BatchSequence, list[int]]] = {}
+        joining: list[BatchSequence] = []
+        while self.waiting and len(self.running) + len(joining) < self.max_rows:
+            seq = self.waiting[0]
+            if seq.done:  # nothing fits in the context after this prompt
+                self.waiting.pop(0)
+                self.by_handle.pop(seq.handle, None)
+                events[seq.handle] = (seq, [])
+                continue
+            longest = max([seq.prompt_len] + [s.prompt_len for s in joining])
+            if joining and longest * (len(joining) + 1) > self.max_prefill_rows:
+                break  # the rest join at a later step: one prefill forward stays bounded
+            joining.append(self.waiting.pop(0))
+        if joining:
+            self._join(joining, events)
+        if self.running:
+            self._decode(events)
+        return [(seq, toks, seq.done) for seq, toks in events.values()]
+
+    def _forward(self, first: int, fed: list[list[int]], starts: list[int], last_only: bool) -> torch.Tensor:
+        """ONE forward over rows first.. of the cache: row i's tokens fed[i] at slots (= positions) starts[i],
+        starts[i] + 1, ... Rows are right-aligned in the forward (the last column holds every row's last token);
+        a shorter row is padded in front. A padding row is computed like the others -- so the forward stays one
+        dense stretch for the fused kernels -- at the scratch slot `end`, past every row's real slots: free in
+        every row, after every real query (causality hides it from them), at position 0; its key bias is reset
+        afterwards. Returns logits [n, V] of each row's last token (`last_only`), else [n, M, V]."""
+        n, M = len(fed), max(len(f) for f in fed)
+        counts = [len(f) for f in fed]
+        end = max(s + c for s, c in zip(starts, counts))
+        self._reserve(end + 1)
+        tokens = torch.zeros(n, M, dtype=torch.long)
+        positions = torch.zeros(n, M, dtype=torch.long)
+        slots = torch.full((n, M), end, dtype=torch.long)
+        for i, (f, s, c) in enumerate(zip(fed, starts, counts)):
+            tokens[i, M - c:] = torch.tensor(f)
+            positions[i, M - c:] = slots[i, M - c:] = torch.arange(s, s + c)
+        tokens, positions, slots = (x.to(self.device) for x in (tokens, positions, slots))
+        view = self.cache.rows(first, first + n)
+        view.length = end + 1
+        logits = forward_cached(self.model, tokens, view, positions, skip=self.skip, slots=slots, last_only=last_only)
+        self.cache.bias[:, first:first + n, end] = float("-inf")  # the scratch slot: never held
+        return logits
+
+    def _join(self, seqs: list[BatchSequence], events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
+        """Prefill the joining sequences' prompts into the next free rows, together; sample each first token."""
+        r = len(self.running)
+        c = self.cache
+        c.bias[:, r:r + len(seqs)] = float("-inf")  # whatever earlier sequences left in these rows is gone
+        logits = self._forward(r, [s.tokens for s in seqs], [0] * len(seqs), last_only=True)
+        for i, seq in enumerate(seqs):
+            seq.row, seq.length = r + i, seq.prompt_len
+            self.running.append(seq)
+            self._commit(seq, [int(self._sample(seq, logits[i:i + 1])[0])], events)
+        self._leave_finished(seqs)
+
+    def _sample(self, seq: BatchSequence, logits: torch.Tensor) -> torch.Tensor:
+        cfg = seq.cfg
+        return sample_next(logits, cfg.temperature, cfg.top_k, cfg.top_p, seq.generator)
+
+    def _commit(self, seq: BatchSequence, tokens: list[int], events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
+        """Append tokens (accepted drafts + the new pending token) up to a stop token or the budget."""
+        got = events.setdefault(seq.handle, (seq, []))[1]
+        for tok in tokens:
+            seq.tokens.append(tok)
+            got.append(tok)
+            if tok in seq.cfg.stop_tokens or len(seq.new) >= seq.budget:
+                seq.done = True
+                break
+
+    def _leave_finished(self, seqs: list[BatchSequence]) -> None:
+        """Finished sequences leave, highest row first: the row that moves into a freed one is never finished."""
+        for seq in sorted((s for s in seqs if s.done), key=lambda s: -s.row):
+            self._leave(seq)
+
+    def _drafts(self) -> list[list[int]]:
+        """Each running row's chain draft (greedy rows with a proposer only), capped by the context, the row's
+        remaining budget and the forward's row cap."""
+        n = len(self.running)
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        if self.propose is None or self.k == 0:
+            return drafts
+        spare = self.max_step_rows - n  # rows a forward may spend on drafts
+        for i, seq in enumerate(self.running):
+            if seq.cfg.temperature > 0 or spare <= 0:
+                continue
+            room = min(self.k, self.ctx - 1 - seq.length, seq.budget - len(seq.new) - 1, spare)
+            if room > 0:
+                d = [int(t) for t in self.propose(seq.tokens, room)[:room]]
+                drafts[i] = d
+                spare -= len(d)
+        return drafts
+
+    def _decode(self, events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
+        """One forward over every running row: its pending token at slot L_i, then its draft's tokens. A greedy
+        row keeps the longest prefix of its draft that equals its own targets, plus the target after it."""
+        rows = list(self.running)
+        drafts = self._drafts()
+        fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
+        M = max(len(f) for f in fed)
+        logits = self._forward(0, fed, [s.length for s in rows], last_only=M == 1)
+        logits = logits[:, None] if M == 1 else logits  # [n, M, V]
+        greedy = kernels.argmax(logits.reshape(-1, logits.shape[-1])).view(len(rows), M).tolist()
+        c = self.cache
+        for i, seq in enumerate(rows):
+            d, off = drafts[i], M - len(fed[i])  # row i's entries sit in columns off..M-1
+            seq.forwards += 1
+            if seq.cfg.temperature > 0:
+                take = [int(self._sample(seq, logits[i, off:off + 1])[0])]
+            else:
+                a = 0
+                while a < len(d) and d[a] == greedy[i][off + a]:
+                    a += 1
+                take = d[:a] + [greedy[i][off + a]]
+                seq.accept_hist[a] += 1
+                if a < len(d):  # the rejected drafts' slots: hidden from every later query, at every layer
+                    c.bias[:, seq.row, seq.length + 1 + a:seq.length + 1 + len(d)] = float("-inf")
+            seq.length += len(take)  # the pending token and the accepted drafts are in the cache now
+            self._commit(seq, take, events)
+        self._leave_finished(rows)

@@ -1,0 +1,167 @@
+"""Continuous batching (engine/batch.py, issue 45): sequences join a running batch between steps and leave it
+when done, each in its own cache row with its own length. In the q4 format every sequence's tokens equal
+single-request decoding token for token -- greedy and seeded sampling, dense and gated (real skipping), with
+prompt-lookup drafts in the batch -- whatever joins or leaves around it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from midlayer.engine.batch import ContinuousBatch
+from midlayer.engine.generate import GenerationConfig, generate
+from midlayer.engine.quantization import compress_weights
+from midlayer.ops import kernels
+from midlayer.speculative.lookup import PromptLookupDrafter
+from tiny_models import make_tiny
+
+V = 97
+DIMS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=96, multiple_of=32)
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
+
+
+def _q4(gating: bool = False, **over):
+    return compress_weights(make_tiny({**DIMS, **over}, gating, seed=1), "q4")
+
+
+def _workload(seed: int = 0, n: int = 12):
+    """Prompts of 1..38 tokens that repeat their own start (so lookup finds drafts), and per-prompt budgets."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+    prompts = [p + p[:8] for p in prompts]
+    cfgs = [GenerationConfig(max_new_tokens=rng.randint(1, 40), stop_tokens=(5,)) for _ in prompts]
+    return prompts, cfgs
+
+
+def _run(batch: ContinuousBatch, prompts, cfgs, seed: int = 0, join_p: float = 0.5):
+    """Feed the prompts in at random steps (a join probability per step); collect each one's tokens. Also the
+    most rows that ever ran together."""
+    rng = random.Random(seed)
+    handles, got, pending, most = {}, {}, list(range(len(prompts))), 0
+    while pending or len(batch):
+        if pending and rng.random() < join_p:
+            i = pending.pop(0)
+            handles[batch.add(prompts[i], cfgs[i])] = i
+            got[i] = []
+        for seq, tokens, _ in batch.step():
+            got[handles[seq.handle]] += tokens
+        most = max(most, len(batch.running))
+    return [got[i] for i in range(len(prompts))], most
+
+
+@needs_kernels
+@pytest.mark.parametrize("gating", [False, True])
+@pytest.mark.parametrize("lookup", [False, True])
+def test_joining_and_leaving_rows_give_single_request_tokens(gating, lookup):
+    model = _q4(gating)
+    prompts, cfgs = _workload()
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    drafter = PromptLookupDrafter(V)
+    batch = ContinuousBatch(model, max_rows=5, propose=drafter.chain if lookup else None, k=4 if lookup else 0,
+                            initial_len=8)  # 8 slots at first: the cache grows while rows hold keys
+    out, most = _run(batch, prompts, cfgs)
+    assert out == ref
+    assert most == 5  # rows really ran together, up to the cap (and the rest waited)
+    assert batch.cache.max_len > 8 and not batch.running and not batch.waiting
+
+
+@needs_kernels
+def test_lookup_drafts_are_accepted_and_save_forwards():
+    """A repetitive prompt: the rows accept drafts, so they need fewer batched forwards than tokens."""
+    model = _q4()
+    unit = [11, 23, 35, 47, 59, 71]
+    prompts = [unit * 4, unit[2:] * 5, unit * 3]
+    cfgs = [GenerationConfig(max_new_tokens=24)] * 3
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    drafter = PromptLookupDrafter(V)
+    batch = ContinuousBatch(model, max_rows=3, propose=drafter.chain, k=4)
+    handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
+    got = {h: [] for h in handles}
+    seqs = {}
+    while len(batch):
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] += tokens
+            seqs[seq.handle] = seq
+    assert [got[h] for h in handles] == ref
+    for h in handles:  # each round commits accepted drafts + 1; the first token came from the prefill
+        s = seqs[h]
+        assert sum(s.accept_hist) == s.forwards
+        assert sum((a + 1) * n for a, n in enumerate(s.accept_hist)) >= len(ref[handles.index(h)]) - 1
+    accepted = sum(a * n for s in seqs.values() for a, n in enumerate(s.accept_hist))
+    forwards = sum(s.forwards for s in seqs.values())
+    assert accepted > 0 and forwards < sum(len(r) for r in ref) - 3
+
+
+@needs_kernels
+def test_seeded_sampling_rows_reproduce_a_single_request():
+    model = _q4()
+    prompts, _ = _workload(seed=3, n=6)
+    cfgs = [GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=s) for s in range(6)]
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    greedy = GenerationConfig(max_new_tokens=12)
+    # sampled rows next to greedy lookup rows: a sampled row never drafts, and draws once per token
+    batch = ContinuousBatch(model, max_rows=4, propose=PromptLookupDrafter(V).chain, k=3)
+    out, _ = _run(batch, prompts + prompts[:2], cfgs + [greedy, greedy], seed=1)
+    assert out[:6] == ref
+    assert out[6:] == [generate(model, [p], greedy)[0] for p in prompts[:2]]
+
+
+@needs_kernels
+def test_cancel_frees_the_row_and_the_others_go_on():
+    model = _q4()
+    prompts, _ = _workload(seed=5, n=4)
+    cfg = GenerationConfig(max_new_tokens=20)
+    ref = [generate(model, [p], cfg)[0] for p in prompts]
+    batch = ContinuousBatch(model, max_rows=4)
+    handles = [batch.add(p, cfg) for p in prompts]
+    got = {h: [] for h in handles}
+    for _ in range(3):
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] += tokens
+    batch.cancel(handles[0])  # row 0 freed: the last row moves into it
+    assert len(batch.running) == 3 and batch.running[0].handle == handles[3]
+    while len(batch):
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] += tokens
+    assert [got[h] for h in handles[1:]] == ref[1:]
+    assert got[handles[0]] == ref[0][:len(got[handles[0]])]
+
+
+@needs_kernels
+def test_the_context_bounds_every_row():
+    """A prompt that fills the context: one new token (the last needs no slot), as `generate` gives."""
+    model = _q4()
+    full = [7] * DIMS["max_seq_len"]
+    cfg = GenerationConfig(max_new_tokens=10)
+    batch = ContinuousBatch(model, max_rows=2, propose=PromptLookupDrafter(V).chain, k=4)
+    out, _ = _run(batch, [full, full[:90]], [cfg, cfg], join_p=1.0)
+    assert out == [generate(model, [full], cfg)[0], generate(model, [full[:90]], cfg)[0]]
+    assert len(out[0]) == 1 and len(out[1]) == 7
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="sliding-window"):
+        ContinuousBatch(make_tiny({**DIMS, "sliding_window": 8}, False))
+    model = make_tiny(DIMS, False)
+    with pytest.raises(ValueError, match="max_rows"):
+        ContinuousBatch(model, max_rows=0)
+    batch = ContinuousBatch(model)
+    with pytest.raises(ValueError, match="empty"):
+        batch.add([], GenerationConfig())
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        batch.add([1] * 97, GenerationConfig())
+    batch.cancel(12345)  # an unknown handle: nothing to do
+    assert len(batch) == 0 and batch.step() == []
+
+
+def test_kv_cache_rows_share_the_buffers():
+    from midlayer.model.kv_cache import KVCache
+    cache = KVCache(2, 4, 1, 8, 16)
+    view = cache.rows(1, 3)
+    view.k[:, 0].fill_(3.0)
+    assert torch.all(cache.k[:, 1] == 3.0) and torch.all(cache.k[:, 0] == 0) and view.length == 0
+    assert view.k_layers[1].is_contiguous()
+    with pytest.raises(ValueError, match="outside"):
+        cache.rows(3, 5)
