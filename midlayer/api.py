@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
 
+import torch
 from tokenizers import Tokenizer
 
 from midlayer.data.pretrained_tokenizer import TextTokenizer
@@ -29,9 +30,10 @@ from midlayer.common import cache_dir
 from midlayer.data.shards import resolve_data
 from midlayer.engine.batch import BatchSequence, ContinuousBatch, unsupported as batch_unsupported
 from midlayer.engine.decode_step import static_stream
-from midlayer.engine.generate import GenerationConfig, generate, generate_stream, validate_prompts
+from midlayer.engine.generate import GenerationConfig, forward_cached, generate, generate_stream, validate_prompts
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import WEIGHT_FORMATS, compress_weights
+from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
 from midlayer.speculative.lookup import PromptLookupDrafter
 from midlayer.speculative.protocol import Drafter
@@ -45,7 +47,7 @@ from midlayer.train.checkpoint import load_model
 from midlayer.train.distributed import resolve_device
 
 Message = dict[str, Any]
-Prompt = Union[str, Sequence[Message]]
+Prompt = Union[str, Sequence[Message], Sequence[int]]
 
 
 @dataclass
@@ -138,17 +140,42 @@ class LLM:
 
     # ------------------------------------------------------------------------------------ prompts
     def encode(self, prompt: Prompt) -> list[int]:
-        """A prompt's token ids: text as is (with the model's own BOS rule), a chat through its template."""
+        """A prompt's token ids: text as is (with the model's own BOS rule), a chat through its template, token
+        ids as they are."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
+        elif _token_ids(prompt):
+            ids = [int(t) for t in prompt]
         elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
             ids = self.tokenizer.encode_chat(list(prompt))
         else:
-            raise ValueError("a prompt is a str or a list of {'role': ..., 'content': ...} messages, got "
-                             f"{type(prompt).__name__}")
+            raise ValueError("a prompt is a str, a list of {'role': ..., 'content': ...} messages or a list of token "
+                             f"ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
         return validate_prompts(self.model, [ids])[0]  # the engine's own refusals (longer than the context, ...)
+
+    def logprobs(self, ids: Sequence[int], top: int = 0) -> list[tuple[float | None, dict[int, float]]]:
+        """Per token of `ids`: its log-probability given the tokens before it (None for the first) and the `top`
+        most likely tokens at its place with theirs (empty for the first). ONE forward over the ids, the prefill
+        path of generation (so in q4 the same bits as the logits generation samples from); log-softmax in fp32.
+        What lm-eval's log-likelihood tasks read through the server's echo + logprobs."""
+        ids = validate_prompts(self.model, [list(ids)])[0]
+        dev = self.model.tok_embeddings.weight.device
+        cache = KVCache.for_model(self.model.cfg, 1, max_len=len(ids), device=dev,
+                                  dtype=self.model.tok_embeddings.weight.dtype)
+        tokens = torch.tensor([ids], device=dev)
+        logits = forward_cached(self.model, tokens, cache, torch.arange(len(ids), device=dev)[None], skip=self.skip)
+        lp = logits[0, :-1].float().log_softmax(-1)  # row t: the distribution of token t + 1
+        picked = lp.gather(1, tokens[0, 1:, None])[:, 0].tolist()
+        out: list[tuple[float | None, dict[int, float]]] = [(None, {})]
+        if top:
+            vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
+            tops = [dict(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        else:
+            tops = [{} for _ in picked]
+        out += list(zip(picked, tops))
+        return out
 
     def settings(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
                  ) -> GenerationConfig:
@@ -173,7 +200,7 @@ class LLM:
         if not isinstance(prompt, str) and isinstance(prompt, Sequence) and not prompt:
             raise ValueError("no prompt: give a str, a chat (a list of messages) or a list of prompts")
         many = not isinstance(prompt, str) and isinstance(prompt, Sequence) and \
-            not all(isinstance(m, dict) for m in prompt)
+            not all(isinstance(m, dict) for m in prompt) and not _token_ids(prompt)
         prompts = list(prompt) if many else [prompt]
         cfg = self.settings(max_tokens, temperature, top_k, top_p, seed)
         ids = [self.encode(p) for p in prompts]
@@ -240,8 +267,13 @@ class LLM:
         if why is not None:
             raise ValueError(f"continuous batching: {why}")
         lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else None
-        return ContinuousBatch(self.model, max_rows, skip=self.skip, propose=None if lookup is None else lookup.chain,
-                               k=0 if lookup is None else lookup.k)
+        if lookup is None:
+            return ContinuousBatch(self.model, max_rows, skip=self.skip)
+
+        def prior(ids: Sequence[int]) -> float | None:  # lookup's depth-1 hit rate on the prompt itself
+            return lookup.self_accuracies(ids, depth=1, ranks=1, positions=32)[0][0] if len(ids) >= 24 else None
+        return ContinuousBatch(self.model, max_rows, skip=self.skip, propose=lookup.chain, k=lookup.k,
+                               accept_prior=prior)
 
     def batch_completion(self, seq: BatchSequence, text: "TextStream") -> Completion:
         """The Completion of a sequence that left a continuous batch, with its speculative statistics when it
@@ -396,6 +428,12 @@ class TextStream:
 
     def completion(self, stats: SpecStats | None) -> Completion:
         return self.llm._completion(self.ids, self.new, stats, self.stop)
+
+
+def _token_ids(prompt: Any) -> bool:
+    """True for a non-empty list of token ids (ints, not bools)."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
 
 
 def _check_weights(weights: str) -> None:

@@ -63,6 +63,7 @@ class Job:
     kwargs: dict[str, Any]
     put: Callable[[tuple[str, Any]], None]  # ("piece", text) ... then ("done", Completion) or ("error", message)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    call: Callable[[], Any] | None = None  # a whole request run at once in the engine thread: ("result", value)
 
 
 class Engine:
@@ -118,10 +119,19 @@ class Engine:
                 break
             if self.stopping:
                 job.put(("error", "the server is shutting down"))
+            elif job.call is not None:
+                self._call(job)
             else:
                 self._decode(job)
             self._release()
         self._refuse_queued()
+
+    def _call(self, job: Job) -> None:
+        """A whole request (scoring, several prompts) in the engine thread, which owns the model."""
+        try:
+            job.put(("result", job.call()))
+        except Exception as e:
+            job.put(("error", f"{type(e).__name__}: {e}"))
 
     def _decode(self, job: Job) -> None:
         try:
@@ -185,7 +195,9 @@ class Engine:
         self._refuse_queued()
 
     def _admit(self, batch: ContinuousBatch, job: Job, live: dict[int, tuple[Job, TextStream]]) -> None:
-        if job.cancelled.is_set():
+        if job.cancelled.is_set() or job.call is not None:  # a whole request runs now, between two steps
+            if job.call is not None and not job.cancelled.is_set():
+                self._call(job)
             self._release()
             return
         k = job.kwargs
@@ -218,12 +230,15 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     return float(v)
 
 
-def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens") -> dict[str, Any]:
-    """The generation settings of a request, each checked (400 naming the field)."""
+def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens", scoring: bool = False) -> dict[str, Any]:
+    """The generation settings of a request, each checked (400 naming the field). `scoring`: a completion that
+    may ask for log-probabilities (`logprobs` 0-5) and an `echo` of the prompt, and then for 0 new tokens."""
     ctx = llm.model.cfg.max_seq_len
     max_tokens = body.get(max_name, body.get("max_completion_tokens", 16))
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= ctx:
-        raise RequestError(400, f"{max_name} must be an integer in [1, {ctx}] (the model's context), got "
+    echo = body.get("echo") or False
+    lo = 0 if scoring and echo else 1
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not lo <= max_tokens <= ctx:
+        raise RequestError(400, f"{max_name} must be an integer in [{lo}, {ctx}] (the model's context), got "
                                 f"{max_tokens!r}", param=max_name)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
@@ -235,8 +250,14 @@ def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens") -> dict[str, A
         raise RequestError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
     if body.get("n", 1) != 1:
         raise RequestError(400, "n must be 1 (one completion per request)", param="n")
-    if body.get("logprobs") not in (None, False, 0) or body.get("echo"):
-        raise RequestError(400, "logprobs and echo are not supported", param="logprobs")
+    logprobs = body.get("logprobs")
+    if not scoring and (logprobs not in (None, False) or body.get("top_logprobs") is not None):
+        raise RequestError(400, "logprobs are served by /v1/completions only", param="logprobs")
+    if scoring and logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                             or not 0 <= logprobs <= 5):
+        raise RequestError(400, f"logprobs must be an integer in [0, 5], got {logprobs!r}", param="logprobs")
+    if not isinstance(echo, bool):
+        raise RequestError(400, f"echo must be true or false, got {echo!r}", param="echo")
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise RequestError(400, f"{name} is not supported (only 0)", param=name)
@@ -244,7 +265,59 @@ def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens") -> dict[str, A
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise RequestError(400, "top_p must be > 0", param="top_p")
-    return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+    out = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+    if scoring:
+        out.update(logprobs=logprobs, echo=echo)
+    return out
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """A completion request's prompts: a string, a list of token ids, or a list of either (400 otherwise)."""
+    if isinstance(prompt, str) or _ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p) for p in prompt):
+        return prompt
+    raise RequestError(400, "prompt must be a string, a list of token ids, or a non-empty list of either",
+                       param="prompt")
+
+
+def _ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _scored_choices(llm: LLM, prompts: list[Any], kw: dict[str, Any]) -> tuple[list[dict], int, int]:
+    """Long: the choices of a completion request run whole (several prompts, echo, logprobs), in OpenAI's legacy
+    shape: per prompt its completion (unless max_tokens is 0), with the prompt's text in front when `echo`,
+    and with `logprobs` the tokens, their log-probabilities (None for the very first) and the top ones at each
+    place, over the echoed prompt and the completion. Returns (choices, prompt tokens, completion tokens)."""
+    tok = llm.tokenizer
+    choices, n_prompt, n_new = [], 0, 0
+    for i, prompt in enumerate(prompts):
+        ids = llm.encode(prompt)
+        new, finish = [], "length"
+        if kw["max_tokens"] > 0:
+            done = llm.generate(ids, max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"],
+                                seed=kw["seed"], stop=kw["stop"])
+            new, finish, text = done.token_ids, done.finish_reason, done.text
+        else:
+            text = ""
+        n_prompt, n_new = n_prompt + len(ids), n_new + len(new)
+        shown = ids + new if kw["echo"] else new
+        logprobs = None
+        if kw["logprobs"] is not None:
+            scored = llm.logprobs(ids + new, kw["logprobs"])[0 if kw["echo"] else len(ids):]
+            pieces = [tok.decode([t]) for t in shown]
+            offsets, at = [], 0
+            for piece in pieces:
+                offsets.append(at)
+                at += len(piece)
+            logprobs = {"tokens": pieces, "token_logprobs": [lp for lp, _ in scored],
+                        "top_logprobs": [None if lp is None else {tok.decode([t]): v for t, v in top.items()}
+                                         for lp, top in scored],
+                        "text_offset": offsets}
+        prefix = tok.decode(ids) if kw["echo"] and not isinstance(prompt, str) else (prompt if kw["echo"] else "")
+        choices.append({"text": prefix + text, "index": i, "logprobs": logprobs, "finish_reason": finish})
+    return choices, n_prompt, n_new
 
 
 def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int = 1 << 20, max_batch: int = 16):
@@ -261,6 +334,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         engine.stop()  # on shutdown (SIGTERM): queued requests get an error, running ones finish
+        await asyncio.to_thread(engine.thread.join, 30)  # the engine thread ends before the process does
 
     app = FastAPI(title="midlayer", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
@@ -293,11 +367,30 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         try:
             llm.encode(prompt)
         except ValueError as e:
-            raise RequestError(400, str(e), param="prompt" if isinstance(prompt, str) else "messages") from None
+            raise RequestError(400, str(e), param="messages" if isinstance(prompt, list) and prompt and
+                               isinstance(prompt[0], dict) else "prompt") from None
         try:
-            llm.settings(kwargs["max_tokens"], kwargs["temperature"], 0, kwargs["top_p"], kwargs["seed"])
+            llm.settings(max(kwargs["max_tokens"], 1), kwargs["temperature"], 0, kwargs["top_p"], kwargs["seed"])
         except ValueError as e:
             raise RequestError(400, str(e)) from None
+
+    async def run_whole(call: Callable[[], tuple[list[dict], int, int]], rid: str, name: str) -> Any:
+        """A request the engine thread answers at once (no stream): its choices and usage."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = Job(None, {}, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), call=call)
+        engine.submit(job)
+        try:
+            kind, value = await events.get()
+        finally:
+            job.cancelled.set()
+        if kind != "result":
+            return JSONResponse({"error": {"message": value, "type": "server_error", "param": None,
+                                           "code": "server_error"}}, status_code=500)
+        choices, n_prompt, n_new = value
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                "choices": choices, "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
+                                              "total_tokens": n_prompt + n_new}}
 
     async def run(prompt: Any, kwargs: dict, stream: bool,
                   shape: Callable[[str, str | None, Completion | None], dict]) -> Any:
@@ -349,6 +442,35 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         return {"status": "ok", "model": model_name, "queued_or_running": engine.active,
                 "batching": engine.max_batch if engine.batched else 1}
 
+    # the tokenizer, as vLLM's server exposes it: lm-eval's remote tokenizer reads these (no hub download)
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        tok = llm.tokenizer
+        eos = min(tok.eos_ids) if tok.eos_ids else None
+        return {"eos_token": None if eos is None else tok.decode([eos]),
+                "bos_token": None if tok.bos_id is None else tok.decode([tok.bos_id]), "pad_token": None,
+                "chat_template": tok.chat_template, "model_max_length": llm.model.cfg.max_seq_len}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = _check_fields(await read_json(request), {"model", "prompt", "add_special_tokens"})
+        check_model(body)
+        if not isinstance(body.get("prompt"), str):
+            raise RequestError(400, "prompt must be a string", param="prompt")
+        ids = llm.tokenizer.encode(body["prompt"], add_bos=None if body.get("add_special_tokens", True) else False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.model.cfg.max_seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = _check_fields(await read_json(request), {"model", "tokens"})
+        check_model(body)
+        ids = body.get("tokens")
+        V = llm.model.cfg.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V
+                                                for t in ids):
+            raise RequestError(400, f"tokens must be a list of token ids in [0, {V})", param="tokens")
+        return {"prompt": llm.tokenizer.decode(ids)}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -358,14 +480,19 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
     async def completions(request: Request) -> Any:
         body = _check_fields(await read_json(request), COMPLETION_FIELDS)
         check_model(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise RequestError(400, "prompt must be a string (one prompt per request)", param="prompt")
-        kwargs = _sampling(body, llm)
-        check(prompt, kwargs)
+        prompts = _prompts(body.get("prompt"))
+        kwargs = _sampling(body, llm, scoring=True)
+        for p in prompts:
+            check(p, kwargs)
         rid, stream = f"cmpl-{uuid.uuid4().hex}", bool(body.get("stream"))
+        echo, logprobs = kwargs.pop("echo"), kwargs.pop("logprobs")
+        if len(prompts) > 1 or echo or logprobs is not None:  # answered whole, by the engine thread
+            if stream:
+                raise RequestError(400, "stream is not supported with several prompts, echo or logprobs",
+                                   param="stream")
+            scored = dict(kwargs, echo=echo, logprobs=logprobs)
+            return await run_whole(lambda: _scored_choices(llm, prompts, scored), rid, model_name)
+        prompt = prompts[0]
 
         def shape(text: str, finish: str | None, done: Completion | None) -> dict:
             out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,

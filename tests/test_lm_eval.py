@@ -88,3 +88,47 @@ def test_the_committed_local_task_is_what_its_script_writes(tmp_path):
     make = runpy.run_path(str(root / "scripts" / "make_eval_task.py"))["main"]
     assert make(tmp_path / "arith.jsonl").read_text() == (root / "evals" / "arith.jsonl").read_text()
     assert "evals/arith.jsonl" in (root / "evals" / "midlayer_arith.yaml").read_text()
+
+
+def test_lm_eval_loglikelihood_task_through_echo_and_logprobs(tmp_path, llm):  # noqa: F811
+    """A multiple-choice task: lm-eval tokenizes through the server's /tokenize (its remote tokenizer), sends
+    token ids with echo + logprobs, and reads each choice's log-likelihood; every one equals the sum computed
+    here from `LLM.logprobs` over the same tokens, and the accuracy follows from them."""
+    rows = [{"q": q, "choices": [" alpha", " to be", " arrows"], "gold": i % 3} for i, q in enumerate(QUESTIONS)]
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "mc.yaml").write_text(f"""task: midlayer_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{q}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: gold
+target_delimiter: ""
+metric_list:
+  - metric: acc
+metadata:
+  version: 1.0
+""")
+    running = Running(create_app(llm, "tiny"))
+    try:
+        out = lm_eval.simple_evaluate(
+            model="local-completions", tasks=["midlayer_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+            log_samples=True, model_args=f"base_url={running.url}/v1/completions,model=tiny,"
+                                         "tokenizer_backend=remote,tokenized_requests=True")
+    finally:
+        running.stop()
+    samples = sorted(out["samples"]["midlayer_mc"], key=lambda s: s["doc_id"])
+    hits = 0
+    for row, s in zip(rows, samples):
+        ctx = llm.tokenizer.encode(row["q"], add_bos=False)
+        sums = []
+        for choice, resp in zip(row["choices"], s["resps"]):
+            whole = llm.tokenizer.encode(row["q"] + choice, add_bos=False)
+            sums.append(sum(lp for lp, _ in llm.logprobs(whole)[len(ctx):]))
+            assert resp[0][0] == pytest.approx(sums[-1], abs=1e-5)
+        hits += max(range(3), key=lambda i: sums[i]) == row["gold"]
+    assert out["results"]["midlayer_mc"]["acc,none"] == pytest.approx(hits / len(rows))

@@ -5,6 +5,7 @@ full queue answers 503, and a client that disconnects frees its slot."""
 
 from __future__ import annotations
 
+import copy
 import socket
 import threading
 import time
@@ -15,6 +16,9 @@ import openai
 import pytest
 import uvicorn
 
+from midlayer.api import LLM
+from midlayer.engine.quantization import compress_weights
+from midlayer.ops import kernels
 from midlayer.server import create_app
 from test_api import llm  # noqa: F401  (the tiny model with a tiny ChatML tokenizer, a fixture)
 
@@ -94,6 +98,83 @@ def test_concurrent_clients_each_get_their_single_request_output(client, llm):  
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(ask, prompts * 3))
     assert all(text == refs[p] for p, text in results)
+
+
+class Spy:
+    """An LLM whose continuous batch records the most sequences it ever stepped together."""
+
+    def __init__(self, llm) -> None:  # noqa: F811
+        self.llm, self.most = llm, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.llm, name)
+
+    def batch(self, max_rows):
+        batch = self.llm.batch(max_rows)
+        step = batch.step
+
+        def spied():
+            self.most = max(self.most, len(batch.running) + len(batch.waiting))
+            return step()
+        batch.step = spied
+        return batch
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
+@pytest.mark.parametrize("draft", [None, "lookup"])
+def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F811
+    """q4 (batch-invariant): 8 clients x 3 requests decode in one continuous batch -- with prompt-lookup drafts
+    verified in the batch -- and every output equals the single-request greedy output, token for token."""
+    q4 = LLM(compress_weights(copy.deepcopy(llm.model), "q4"), llm.tokenizer, "tiny", "q4")
+    prompts = [f"To be, or not {'to be ' * i}" for i in range(8)]
+    refs = {p: q4.generate(p, max_tokens=12).token_ids for p in prompts}
+    q4.attach(draft)
+    spy = Spy(q4)
+    running = Running(create_app(spy, NAME, max_queue=64))
+    try:
+        c = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+        def ask(p: str) -> tuple[str, str]:
+            return p, c.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(ask, prompts * 3))
+    finally:
+        running.stop()
+    assert all(text == q4.tokenizer.decode([t for t in refs[p] if t not in q4.tokenizer.eos_ids])
+               for p, text in results)
+    assert spy.most > 1  # requests really shared steps
+
+
+def test_echo_logprobs_several_prompts_and_the_tokenizer_endpoints(server, client, llm):  # noqa: F811
+    """The legacy completion fields lm-eval's log-likelihood tasks use: echo + logprobs over the prompt (and
+    the completion), token-id prompts, several prompts per request; and vLLM's tokenizer endpoints."""
+    ids = llm.encode("To be, or not")
+    out = client.completions.create(model=NAME, prompt="To be, or not", max_tokens=0, echo=True, logprobs=2)
+    ch = out.choices[0]
+    ref = llm.logprobs(ids, 2)
+    assert ch.text == "To be, or not" and ch.logprobs.token_logprobs[0] is None
+    assert ch.logprobs.token_logprobs[1:] == [lp for lp, _ in ref[1:]]
+    assert [sorted(t.values()) for t in ch.logprobs.top_logprobs[1:]] == [sorted(t.values()) for _, t in ref[1:]]
+    assert ch.logprobs.tokens == [llm.tokenizer.decode([t]) for t in ids]
+    # token ids and a string in one request, each with 3 new tokens: the completion's own log-probabilities
+    out = client.completions.create(model=NAME, prompt=[ids, "whether"], max_tokens=3, temperature=0, logprobs=0)
+    new = llm.generate(ids, max_tokens=3).token_ids
+    assert out.choices[0].text == llm.generate(ids, max_tokens=3).text
+    assert out.choices[0].logprobs.token_logprobs == [lp for lp, _ in llm.logprobs(ids + new)[len(ids):]]
+    assert out.choices[1].text == llm.generate("whether", max_tokens=3).text
+    assert out.usage.prompt_tokens == len(ids) + len(llm.encode("whether"))
+    for bad, param in [(dict(logprobs=6), "logprobs"), (dict(echo=True, stream=True), "stream"),
+                       (dict(echo="yes"), "echo"), (dict(prompt=[[]]), "prompt"), (dict(prompt=[1.5]), "prompt")]:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, bad
+    toks = httpx.post(f"{server.url}/tokenize", json={"prompt": "To be<|im_end|>", "add_special_tokens": False})
+    assert toks.json()["tokens"] == llm.tokenizer.encode("To be<|im_end|>", add_bos=False)
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": toks.json()["tokens"]})
+    assert back.json()["prompt"] == "To be<|im_end|>"
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]}).status_code == 400
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == llm.model.cfg.max_seq_len
 
 
 @pytest.mark.parametrize("kw,status,words", [

@@ -14,10 +14,16 @@ keeps every running sequence in one row of a shared KV cache and advances them a
   * **Joining.** A new sequence is prefilled alone into its row (`prefill` on a one-row view), exactly as a
     single request is, and takes part in the next step's forward.
   * **Speculation in the batch.** With `propose` (a chain drafter that reads tokens only, e.g. prompt lookup),
-    each greedy row feeds its pending token and up to `k` draft tokens in the same forward; rows with fewer
-    drafts are padding there (inactive, never written). A row keeps the longest prefix of its draft that
-    matches its own greedy targets plus one bonus token, and its rejected slots get key bias -inf. The total
-    rows of a forward are capped (`max_step_rows`), so speculation never makes a big batch's forward slow.
+    each greedy row feeds its pending token and its draft's tokens in the same forward (rows with shorter
+    drafts are padded). A row keeps the longest prefix of its draft that matches its own greedy targets plus
+    one bonus token; its rejected slots get key bias -inf.
+  * **When a draft pays.** A drafted token costs one more row of the forward and earns a token only if it and
+    every draft token before it are accepted. With the forward's time a line in its rows, t(R) = a + b R
+    (`StepCost`, fitted to this batch's own forwards), one more row costs b, and with n sequences a token is
+    worth t(n) / n; so a row drafts depth j only while p^j > b n / (a + b n), p being the row's acceptance
+    rate (a Beta estimate started from `accept_prior` on its prompt). One sequence drafts freely (a row costs
+    a few percent of a step); at 16 sequences only rows whose drafts have been right more than about half the
+    time do. The rows of a forward are capped too (`max_step_rows`).
 
 Exactness. In the q4 format every kernel gives a row the same bits whatever rows share its forward and
 whatever masked keys lie beyond its own (kernels.py), so each sequence's greedy tokens equal single-request
@@ -32,6 +38,8 @@ state and are refused by `unsupported`.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -68,10 +76,44 @@ class BatchSequence:
     done: bool = False
     forwards: int = 0  # batched decode forwards this sequence took part in (the prefill not counted)
     accept_hist: list[int] = field(default_factory=list)  # rounds that accepted a draft tokens, by a
+    hits: float = 1.0  # accepted draft tokens + the prior's (Beta estimate of the acceptance rate, `_drafts`)
+    tries: float = 2.0  # judged draft tokens (up to and including the first rejection) + the prior's
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / self.tries
 
     @property
     def new(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+
+class StepCost:
+    """A decode forward's seconds as a line in its rows, t(R) = a + b R, fitted by least squares to the last
+    `window` forwards of this batch. Until two row counts have been seen, the slope is `prior_slope` of the
+    mean time (a 4-row q4 forward costs ~1.3x a one-row one: docs/results/decode-cpu.md)."""
+
+    def __init__(self, prior_slope: float = 0.08, window: int = 256) -> None:
+        self.prior_slope = prior_slope
+        self.points: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.points.append((rows, seconds))
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), or None before any forward was timed."""
+        if not self.points:
+            return None
+        n = len(self.points)
+        mr = sum(r for r, _ in self.points) / n
+        mt = sum(t for _, t in self.points) / n
+        var = sum((r - mr) ** 2 for r, _ in self.points)
+        if var > 0:
+            b = sum((r - mr) * (t - mt) for r, t in self.points) / var
+            if b > 0 and mt - b * mr > 0:
+                return mt - b * mr, b
+        b = self.prior_slope * mt / (1 + self.prior_slope * mr)  # the prior: b = prior_slope * a
+        return mt - b * mr, b
 
 
 class ContinuousBatch:
@@ -79,6 +121,7 @@ class ContinuousBatch:
 
     def __init__(self, model: Transformer, max_rows: int = 16, *, skip: bool = True,
                  propose: Callable[[Sequence[int], int], list[int]] | None = None, k: int = 4,
+                 accept_prior: Callable[[Sequence[int]], float | None] | None = None,
                  max_step_rows: int = 64, max_prefill_rows: int = 4096, initial_len: int = 256) -> None:
         why = unsupported(model)
         if why is not None:
@@ -88,6 +131,8 @@ class ContinuousBatch:
                              f"{max_step_rows}")
         self.model, self.max_rows, self.skip = model.eval(), max_rows, skip
         self.propose, self.k, self.max_step_rows = propose, k, max_step_rows
+        self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
+        self.cost = StepCost()
         self.max_prefill_rows = max_prefill_rows  # joining prompts prefilled in one forward: longest x count
         self.ctx = model.cfg.max_seq_len
         self.device = model.tok_embeddings.weight.device
@@ -112,6 +157,9 @@ class ContinuousBatch:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
         seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1))
+        q = self.accept_prior(ids) if self.accept_prior is not None and self.propose is not None else None
+        if q is not None:  # the prior's mean, worth two judged tokens
+            seq.hits, seq.tries = 2.0 * q, 2.0
         self._next += 1
         self.by_handle[seq.handle] = seq
         if budget <= 0:
@@ -240,17 +288,24 @@ class ContinuousBatch:
             self._leave(seq)
 
     def _drafts(self) -> list[list[int]]:
-        """Each running row's chain draft (greedy rows with a proposer only), capped by the context, the row's
-        remaining budget and the forward's row cap."""
+        """Each running row's chain draft (greedy rows with a proposer only): as deep as it pays (module
+        docstring, "When a draft pays"), capped by k, the context, the row's remaining budget and the forward's
+        row cap."""
         n = len(self.running)
         drafts: list[list[int]] = [[] for _ in range(n)]
         if self.propose is None or self.k == 0:
             return drafts
+        line = self.cost.line()
+        theta = 0.0 if line is None else line[1] * n / (line[0] + line[1] * n)  # a draft token must beat this
         spare = self.max_step_rows - n  # rows a forward may spend on drafts
         for i, seq in enumerate(self.running):
             if seq.cfg.temperature > 0 or spare <= 0:
                 continue
             room = min(self.k, self.ctx - 1 - seq.length, seq.budget - len(seq.new) - 1, spare)
+            p, depth = seq.acceptance, 0
+            while depth < room and p ** (depth + 1) > theta:
+                depth += 1
+            room = depth
             if room > 0:
                 d = [int(t) for t in self.propose(seq.tokens, room)[:room]]
                 drafts[i] = d
@@ -264,7 +319,9 @@ class ContinuousBatch:
         drafts = self._drafts()
         fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
         M = max(len(f) for f in fed)
+        t0 = time.perf_counter()
         logits = self._forward(0, fed, [s.length for s in rows], last_only=M == 1)
+        self.cost.add(len(rows) * M, time.perf_counter() - t0)
         logits = logits[:, None] if M == 1 else logits  # [n, M, V]
         greedy = kernels.argmax(logits.reshape(-1, logits.shape[-1])).view(len(rows), M).tolist()
         c = self.cache
@@ -279,6 +336,8 @@ class ContinuousBatch:
                     a += 1
                 take = d[:a] + [greedy[i][off + a]]
                 seq.accept_hist[a] += 1
+                seq.hits += a
+                seq.tries += min(len(d), a + 1)
                 if a < len(d):  # the rejected drafts' slots: hidden from every later query, at every layer
                     c.bias[:, seq.row, seq.length + 1 + a:seq.length + 1 + len(d)] = float("-inf")
             seq.length += len(take)  # the pending token and the accepted drafts are in the cache now
