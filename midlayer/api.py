@@ -34,6 +34,7 @@ from midlayer.engine.generate import GenerationConfig, forward_cached, generate,
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import WEIGHT_FORMATS, compress_weights
 from midlayer.model.kv_cache import KVCache
+from midlayer.ops import kernels
 from midlayer.model.transformer import Transformer
 from midlayer.speculative.lookup import PromptLookupDrafter
 from midlayer.speculative.protocol import Drafter
@@ -322,6 +323,7 @@ class LLM:
             except BaseException as e:  # raised again in the caller's thread
                 rounds.put(("error", e))
 
+        kernels.release_threads()  # the worker runs the kernels now (kernels.release_threads: why)
         worker = threading.Thread(target=run, name="midlayer-speculate", daemon=True)
         worker.start()
         shown = 0

@@ -1,22 +1,26 @@
-"""`midlayer serve`: an OpenAI-compatible HTTP server over the Python API (issue 45, item 2; first part).
+"""`midlayer serve`: an OpenAI-compatible HTTP server over the Python API (issue 45, item 2).
 
     midlayer serve --model smollm2-135m --weights q4 --draft lookup --port 8000
     curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \
          -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 
 Endpoints: /v1/completions and /v1/chat/completions (JSON or server-sent events with "stream": true),
-/v1/models, /health. Requests are checked before they are queued, and a bad one gets an OpenAI-style error
-({"error": {"message", "type", "param", "code"}}) with a 4xx status: malformed JSON, a body over the limit,
-an unknown model, an unknown field, a prompt over the context, max_tokens out of range, a non-finite or
-negative temperature. The engine runs in one worker thread that takes requests in arrival order; a request
-that would make more than `max_queue` waiting or running is refused with 503 at once. A client that
-disconnects cancels its request (its slot is freed at the next token). On SIGTERM the server stops accepting
-connections, lets running requests finish, and answers queued ones with an error: never a hang.
+/v1/models, /health, and vLLM's tokenizer endpoints /tokenize, /detokenize, /tokenizer_info (lm-eval's remote
+tokenizer). /v1/completions also takes token-id prompts, several prompts per request, and `echo` + `logprobs`
+(the prompt's and the completion's log-probabilities: lm-eval's log-likelihood tasks); those requests are
+answered whole, not streamed. Requests are checked before they are queued, and a bad one gets an
+OpenAI-style error ({"error": {"message", "type", "param", "code"}}) with a 4xx status: malformed JSON, a body
+over the limit, an unknown model, an unknown field, a prompt over the context, max_tokens out of range, a
+non-finite or negative temperature.
 
-Not yet: continuous batching (requests are decoded one after another, each at batch 1; the engine's
-batched step exists, the scheduler that lets requests join and leave a running batch does not), hence
-neither speculative decoding within a batch. Chat contents are encoded as text (api.LLM.encode): markup in a
-message cannot forge a turn.
+One engine thread owns the model. Every request joins one continuous batch (engine/batch.py) at its next
+step and leaves it when done; with prompt lookup attached, each greedy row drafts in the batch. In q4 every
+output equals the request's single-request greedy output token for token. A request that would make more
+than `max_queue` waiting or running is refused with 503 at once. A client that disconnects, or a stop string,
+frees the row at the next step. On SIGTERM the server stops accepting connections, lets running requests
+finish, and answers queued ones with an error: never a hang. `--max-batch 1`, the static engine and trained
+drafters (which draft from one sequence's hidden states) decode requests one after another instead. Chat
+contents are encoded as text (api.LLM.encode): markup in a message cannot forge a turn.
 """
 
 # (no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, whose types are imported
@@ -35,6 +39,7 @@ from typing import Any, AsyncIterator, Callable
 
 from midlayer.api import LLM, Completion, TextStream
 from midlayer.engine.batch import ContinuousBatch
+from midlayer.ops import kernels
 
 # what an OpenAI client may send that we accept; anything else is refused by name (400)
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "user",
@@ -57,13 +62,34 @@ class RequestError(ValueError):
 
 @dataclass
 class Job:
-    """One request in the engine's queue: what to decode, and where its pieces go."""
+    """One request in the engine's queue: what to decode, and where its pieces go: ("piece", text) ... then
+    ("done", Completion) or ("error", message), onto `events`, an asyncio queue of the event loop `loop`."""
 
     prompt: Any
     kwargs: dict[str, Any]
-    put: Callable[[tuple[str, Any]], None]  # ("piece", text) ... then ("done", Completion) or ("error", message)
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
     call: Callable[[], Any] | None = None  # a whole request run at once in the engine thread: ("result", value)
+
+    def put(self, event: tuple[str, Any]) -> None:
+        """From the engine thread: hand one event over to the request's coroutine."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def _deliver(outbox: list[tuple[Job, tuple[str, Any]]]) -> None:
+    """Hand a step's events over with one wake-up per event loop, not one per event (with 16 streams, 16 writes to
+    the loop's wake-up pipe per step, each of which may preempt a kernel thread)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, tuple[str, Any]]]] = {}
+    for job, event in outbox:
+        by_loop.setdefault(job.loop, []).append((job, event))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[Job, tuple[str, Any]]]) -> None:
+    for job, event in items:
+        job.events.put_nowait(event)
 
 
 class Engine:
@@ -80,6 +106,9 @@ class Engine:
         self.active = 0  # queued + running
         self.lock = threading.Lock()
         self.stopping = False
+        # the engine thread runs the kernels from now on: this thread's OpenMP pool would slow every parallel
+        # region there (kernels.release_threads says how much)
+        kernels.release_threads()
         self.thread = threading.Thread(target=self._run_batched if self.batched else self._run, name="midlayer-engine",
                                        daemon=True)
         self.thread.start()
@@ -178,20 +207,22 @@ class Engine:
                 self._release(len(live))
                 live.clear()
                 continue
+            outbox: list[tuple[Job, tuple[str, Any]]] = []
             for seq, tokens, finished in events:
                 job, text = live[seq.handle]
                 piece, ended = text.feed(tokens)
                 if piece:
-                    job.put(("piece", piece))
+                    outbox.append((job, ("piece", piece)))
                 if ended or finished:
                     if not finished:  # a stop string: the sequence leaves now
                         batch.cancel(seq.handle)
                     rest = text.rest()
                     if rest:
-                        job.put(("piece", rest))
-                    job.put(("done", self.llm.batch_completion(seq, text)))
+                        outbox.append((job, ("piece", rest)))
+                    outbox.append((job, ("done", self.llm.batch_completion(seq, text))))
                     del live[seq.handle]
                     self._release()
+            _deliver(outbox)
         self._refuse_queued()
 
     def _admit(self, batch: ContinuousBatch, job: Job, live: dict[int, tuple[Job, TextStream]]) -> None:
@@ -378,7 +409,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         """A request the engine thread answers at once (no stream): its choices and usage."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(None, {}, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), call=call)
+        job = Job(None, {}, loop, events, call=call)
         engine.submit(job)
         try:
             kind, value = await events.get()
@@ -396,7 +427,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                   shape: Callable[[str, str | None, Completion | None], dict]) -> Any:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(prompt, kwargs, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        job = Job(prompt, kwargs, loop, events)
         engine.submit(job)
 
         async def sse() -> AsyncIterator[str]:

@@ -413,7 +413,7 @@ def test_cli_surface_is_frozen():
                              "presets", "serve", "sweep", "train", "train-draft", "train-gates"]
     # issue 45: the OpenAI-compatible server
     assert flags["serve"] == sorted(["-h", "--help", *CONFIG, "--model", "--checkpoint", "--weights", "--device", "--draft",
-                                     "--tree", "--served-name", "--host", "--port", "--max-queue"])
+                                     "--tree", "--served-name", "--host", "--port", "--max-queue", "--max-batch"])
     assert flags["demo"] == sorted(["-h", "--help", *CONFIG, "--steps", "--out-dir"])
     assert flags["kernels"] == sorted(["-h", "--help", *CONFIG])
     tools = next(a for a in sub.choices["data"]._actions if a.dest == "tool").choices
@@ -453,7 +453,7 @@ def test_cli_surface_is_frozen():
     assert sorted(bench) == ["decode", "gates", "generate", "serve", "static", "train"]  # train: issue 44; serve: 45
     assert sorted(o for a in bench["serve"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", *CONFIG, "--model", "--weights", "--draft", "--clients", "--requests-per-client",
-         "--max-tokens", "--prompts", "--output"])
+         "--max-tokens", "--prompts", "--no-llama-cpp", "--output"])
     assert sorted(o for a in bench["train"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", *CONFIG, "--steps", "--warmup", "--batch", "--seq-len", "--repeats", "--dtype", "--threads",
          "--no-grad-norm", "--only"])

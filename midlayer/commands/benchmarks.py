@@ -223,6 +223,8 @@ def _add_bench_serve(bsub: argparse._SubParsersAction) -> None:
     b.add_argument("--requests-per-client", type=int, default=2)
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--prompts", choices=["scaled", "base"], default="scaled")
+    b.add_argument("--no-llama-cpp", action="store_true",
+                   help="skip llama.cpp's server rows (they run where llama-cpp-python[server] is installed)")
     b.add_argument("--output", default=None, help="also write the results as JSON here")
 
 
@@ -303,7 +305,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if args.draft and args.draft != "lookup" and not Path(args.draft).is_dir():
         raise ValueError(f"--draft {args.draft}: no such directory (a train-draft output, or lookup)")
     r = bench_serve(args.model, args.weights, args.draft or None, clients, args.requests_per_client, args.max_tokens,
-                    args.prompts)
+                    args.prompts, llama_cpp=not args.no_llama_cpp)
     print(serve_table(r))
     write_output(args.output, json.dumps(r, indent=2))
     return 0

@@ -88,6 +88,20 @@ class BatchSequence:
         return self.tokens[self.prompt_len:]
 
 
+def _prefill_groups(seqs: list[BatchSequence], waste: float = 1.25) -> list[list[BatchSequence]]:
+    """Joining prompts in groups that share one prefill forward: longest first, a prompt joins the group while
+    the group's padded rows (its longest prompt x its size) stay within `waste` x its real rows. (Thirteen chat
+    prompts of 35-250 tokens padded to 250 cost 1.48 s in one forward; packed by length far less.)"""
+    groups: list[list[BatchSequence]] = []
+    for seq in sorted(seqs, key=lambda x: -x.prompt_len):
+        g = groups[-1] if groups else None
+        if g is not None and g[0].prompt_len * (len(g) + 1) <= waste * (sum(x.prompt_len for x in g) + seq.prompt_len):
+            g.append(seq)
+        else:
+            groups.append([seq])
+    return groups
+
+
 class StepCost:
     """A decode forward's seconds as a line in its rows, t(R) = a + b R, fitted by least squares to the last
     `window` forwards of this batch. Until two row counts have been seen, the slope is `prior_slope` of the
@@ -122,7 +136,7 @@ class ContinuousBatch:
     def __init__(self, model: Transformer, max_rows: int = 16, *, skip: bool = True,
                  propose: Callable[[Sequence[int], int], list[int]] | None = None, k: int = 4,
                  accept_prior: Callable[[Sequence[int]], float | None] | None = None,
-                 max_step_rows: int = 64, max_prefill_rows: int = 4096, initial_len: int = 256) -> None:
+                 max_step_rows: int = 64, max_prefill_rows: int = 1024, initial_len: int = 256) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"continuous batching does not support this model: {why}")
@@ -133,7 +147,7 @@ class ContinuousBatch:
         self.propose, self.k, self.max_step_rows = propose, k, max_step_rows
         self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
         self.cost = StepCost()
-        self.max_prefill_rows = max_prefill_rows  # joining prompts prefilled in one forward: longest x count
+        self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
         self.ctx = model.cfg.max_seq_len
         self.device = model.tok_embeddings.weight.device
         self.dtype = model.tok_embeddings.weight.dtype
@@ -222,12 +236,11 @@ class ContinuousBatch:
                 self.by_handle.pop(seq.handle, None)
                 events[seq.handle] = (seq, [])
                 continue
-            longest = max([seq.prompt_len] + [s.prompt_len for s in joining])
-            if joining and longest * (len(joining) + 1) > self.max_prefill_rows:
-                break  # the rest join at a later step: one prefill forward stays bounded
+            if joining and sum(x.prompt_len for x in joining) + seq.prompt_len > self.max_prefill_rows:
+                break  # the rest join at a later step: a step's prefill stays bounded, decoding goes on
             joining.append(self.waiting.pop(0))
-        if joining:
-            self._join(joining, events)
+        for group in _prefill_groups(joining):
+            self._join(group, events)
         if self.running:
             self._decode(events)
         return [(seq, toks, seq.done) for seq, toks in events.values()]

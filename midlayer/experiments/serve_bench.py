@@ -1,22 +1,32 @@
 """`midlayer bench serve`: the server under concurrent clients (issue 45). A real `midlayer serve` runs in this
 process on a free localhost port; for each concurrency c, c client threads stream chat completions of
 held-out prompts (the same max(clients) x requests_per_client requests at every concurrency, shared out
-among the c clients; greedy, `max_tokens` each) through the OpenAI-compatible endpoint. Reported per row: aggregate output tokens/s over the wall time, time to first token and time per
-output token (p50 / p90 over requests), and that every output equals the API's single-request output.
-Plain and speculative (`--draft`, default prompt lookup) run one after the other on the same prompts.
+among the c clients; greedy, `max_tokens` each) through the OpenAI-compatible endpoint. Reported per row:
+aggregate output tokens/s over the wall time, time to first token and time per output token (p50 / p90 over
+requests), and that every output equals the API's single-request output. Plain and speculative (`--draft`,
+default prompt lookup) run one after the other on the same prompts, each with its continuous batch.
+
+Beside them, where `llama-cpp-python` is installed with its server extra (`pip install 'llama-cpp-python[server]'`,
+built from source) and the model is a GGUF: llama.cpp's OpenAI-compatible server (`python -m llama_cpp.server`)
+in a child process on the same GGUF, the same prompts and the same threads. Its own tokens are counted from its
+stream (one chunk per token) when it reports no usage.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from midlayer.api import LLM
-from midlayer.experiments.bench import heldout_texts, machine_line
+from midlayer.engine.pretrained import resolve_pretrained
+from midlayer.experiments.bench import heldout_texts, machine_line, probe_llama_cpp
 from midlayer.server import create_app
 
 
@@ -32,16 +42,23 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _one_request(url: str, name: str, text: str, max_tokens: int) -> tuple[str, float, float, int]:
-    """(text, seconds to the first token, seconds per later token, output tokens) of one streamed chat request."""
-    import httpx  # the serve extra, as the server itself
-
-    body = {"model": name, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+    """(text, seconds to the first token, seconds per later token, output tokens) of one streamed chat request.
+    The client is the standard library's http.client: the clients share the server's cores, and a lighter
+    client leaves more of them to the server it measures."""
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True})
+    host, port = url.rsplit("//", 1)[1].split(":")
     t0 = time.perf_counter()
     first = None
-    pieces, usage = [], None
-    with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        for line in r.iter_lines():
+    pieces, usage, chunks = [], None, 0
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+        for raw in iter(r.readline, b""):
+            line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
@@ -50,18 +67,80 @@ def _one_request(url: str, name: str, text: str, max_tokens: int) -> tuple[str, 
             piece = chunk["choices"][0]["delta"].get("content") or ""
             if piece and first is None:
                 first = time.perf_counter()
+            chunks += bool(piece)
             pieces.append(piece)
             usage = chunk.get("usage") or usage
+    finally:
+        conn.close()
     end = time.perf_counter()
-    n = usage["completion_tokens"] if usage else 0
+    n = usage["completion_tokens"] if usage else chunks
     first = first or end
     return "".join(pieces), first - t0, (end - first) / max(n - 1, 1), n
 
 
+def _clients(url: str, name: str, texts: list[str], clients: Sequence[int], max_tokens: int, label: str,
+             ref: dict[str, str] | None) -> list[dict[str, Any]]:
+    """One row per concurrency: the same requests, shared out among c client threads."""
+    _one_request(url, name, texts[0], 4)  # warm-up
+    rows = []
+    for c in clients:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(c) as pool:
+            results = list(pool.map(lambda t: (t, *_one_request(url, name, t, max_tokens)), texts))
+        wall = time.perf_counter() - t0
+        tokens = sum(r[4] for r in results)
+        rows.append(dict(mode=label, clients=c, requests=len(texts), tokens=tokens, tok_s=tokens / wall,
+                         ttft_p50=_pct([r[2] for r in results], 0.5), ttft_p90=_pct([r[2] for r in results], 0.9),
+                         tpot_p50=_pct([r[3] for r in results], 0.5), tpot_p90=_pct([r[3] for r in results], 0.9),
+                         equal=None if ref is None else sum(r[1] == ref[r[0]] for r in results)))
+    return rows
+
+
+def _llama_cpp_rows(gguf: str, texts: list[str], clients: Sequence[int], max_tokens: int, threads: int
+                    ) -> list[dict[str, Any]]:
+    """llama.cpp's own server on the GGUF, in a child process (module docstring); [] when it cannot run."""
+    try:
+        import llama_cpp.server  # noqa: F401  (the optional extra: only its presence is checked here)
+        probe_llama_cpp(gguf, threads)
+    except ImportError as e:
+        print(f"no llama.cpp server rows: {e}", file=sys.stderr)
+        return []
+    import httpx
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+                             "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                             "--n_ctx", "2048", "--interrupt_requests", "False"],  # queue, never cut a stream
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() - t0 > 300:
+                print("no llama.cpp server rows: the server did not start", file=sys.stderr)
+                return []
+            time.sleep(0.5)
+        version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
+        return _clients(url, "llama.cpp", texts, clients, max_tokens, f"llama.cpp server {version}", None)
+    except httpx.HTTPError as e:  # its failure costs its rows, not midlayer's
+        print(f"no llama.cpp server rows: {type(e).__name__}: {e}", file=sys.stderr)
+        return []
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | None = "lookup",
                 clients: Sequence[int] = (1, 4, 16), requests_per_client: int = 2, max_tokens: int = 64,
-                prompts: str = "scaled") -> dict[str, Any]:
-    """Rows of the module docstring, for plain decoding and (with `draft`) speculative decoding."""
+                prompts: str = "scaled", llama_cpp: bool = True) -> dict[str, Any]:
+    """Rows of the module docstring, for plain decoding, (with `draft`) speculative decoding, and (with
+    `llama_cpp`, where it is installed) llama.cpp's server."""
+    import torch
     import uvicorn  # the serve extra
 
     if not clients or min(clients) < 1 or requests_per_client < 1 or max_tokens < 1:
@@ -79,23 +158,14 @@ def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | N
         thread.start()
         while not server.started:
             time.sleep(0.02)
-        url = f"http://127.0.0.1:{port}"
         try:
-            _one_request(url, model, texts[0], 4)  # warm-up
-            for c in clients:
-                work = texts  # the same requests at every concurrency: only the number of clients changes
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(c) as pool:
-                    results = list(pool.map(lambda t: (t, *_one_request(url, model, t, max_tokens)), work))
-                wall = time.perf_counter() - t0
-                tokens = sum(r[4] for r in results)
-                rows.append(dict(mode=mode, clients=c, requests=len(work), tokens=tokens, tok_s=tokens / wall,
-                                 ttft_p50=_pct([r[2] for r in results], 0.5), ttft_p90=_pct([r[2] for r in results], 0.9),
-                                 tpot_p50=_pct([r[3] for r in results], 0.5), tpot_p90=_pct([r[3] for r in results], 0.9),
-                                 equal=sum(r[1] == ref[r[0]] for r in results)))
+            rows += _clients(f"http://127.0.0.1:{port}", model, texts, clients, max_tokens, f"midlayer {mode}", ref)
         finally:
             server.should_exit = True
             thread.join(timeout=60)
+    gguf = str(resolve_pretrained(model).path)
+    if llama_cpp and gguf.endswith(".gguf"):
+        rows += _llama_cpp_rows(gguf, texts, clients, max_tokens, torch.get_num_threads())
     single = {r["mode"]: r["tok_s"] for r in rows if r["clients"] == 1}
     for r in rows:
         r["vs_one_client"] = r["tok_s"] / single[r["mode"]] if r["mode"] in single else None
@@ -104,13 +174,14 @@ def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | N
 
 def serve_table(r: dict[str, Any]) -> str:
     out = [machine_line(), "", f"{r['model']} ({r['weights']}), streamed chat requests of up to {r['max_tokens']} "
-           "tokens, greedy; one engine thread (requests decoded one after another: no continuous batching yet); "
-           "with a drafter the text arrives round by round", "",
+           "tokens, greedy; midlayer decodes the requests in one continuous batch (with a drafter: lookup chains "
+           "verified in the batch); llama.cpp's server decodes them one after another", "",
            "| mode | clients | requests | aggregate tok/s | vs 1 client | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) "
            "| = single-request output |", "|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         vs = f"{x['vs_one_client']:.2f}x" if x["vs_one_client"] else "-"
+        equal = "-" if x["equal"] is None else f"{x['equal']}/{x['requests']}"
         out.append(f"| {x['mode']} | {x['clients']} | {x['requests']} | {x['tok_s']:.1f} | {vs} | "
                    f"{x['ttft_p50']:.2f} / {x['ttft_p90']:.2f} | {1e3 * x['tpot_p50']:.1f} / {1e3 * x['tpot_p90']:.1f} "
-                   f"| {x['equal']}/{x['requests']} |")
+                   f"| {equal} |")
     return "\n".join(out)

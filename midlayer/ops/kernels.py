@@ -223,6 +223,27 @@ def available() -> bool:
     return library() is not None
 
 
+def release_threads() -> bool:
+    """Free the calling thread's OpenMP worker pool of the kernels' runtime (`omp_pause_resource_all`, OpenMP
+    5.0; libgomp's pool is per master thread). Call it in a thread that hands the kernels over to another one
+    (the server's engine thread, the API's speculative stream).
+
+    Why: libgomp throttles its workers' spin-wait (to ~1000 iterations) once it manages more threads than there
+    are CPUs, and a pool left docked by the thread that loaded the model counts. The second thread's parallel
+    regions then park and wake their workers through the kernel at every region: on 2 cores a SmolLM2-135M q4
+    decode step (~180 regions) took 10.9 ms from a thread after the load in the main thread, 3.6 ms after this
+    call, 3.5 ms when the load ran in that same thread (benchmarks/omp_threads.py, docs/results/serve-cpu.md).
+    True when the pool was released; False where the runtime has no such call (then nothing changes)."""
+    if not available():
+        return False
+    try:
+        pause = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all  # the runtime the kernels link (-fopenmp)
+    except (OSError, AttributeError):
+        return False
+    pause.restype, pause.argtypes = ctypes.c_int, [ctypes.c_int]
+    return pause(2) == 0  # omp_pause_hard: the pool's threads end; the next region starts a fresh one
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels are not in use (the build's or the loader's message, first line), or None."""
     return None if available() else (str(_lib_error or "unknown").strip().splitlines() or ["unknown"])[0][:200]
