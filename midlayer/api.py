@@ -372,15 +372,20 @@ class LLM:
                            progress=self.progress)
 
     def _one(self, ids: list[int], cfg: GenerationConfig, stop: Sequence[str]) -> Completion:
-        if self.drafter is not None:
+        """One prompt, decoded until an end-of-turn token, the budget or a stop string (with a drafter on the
+        dynamic engine the loop stops at the round after the stop string appears, not at the budget)."""
+        if self.drafter is not None and not stop:
             out, stats = self._speculate(ids, cfg)
             return self._completion(ids, out, stats, stop)
+        self.last_stats = None
         new: list[int] = []
-        for tokens in self._token_groups(ids, cfg):
+        groups = self._token_groups(ids, cfg)
+        for tokens in groups:
             new += tokens
             if stop and self._cut(new, stop)[1]:
                 break
-        return self._completion(ids, new, None, stop)
+        groups.close()  # a speculative loop still running stops at its next round
+        return self._completion(ids, new, self.last_stats, stop)
 
     def _cut(self, tokens: list[int], stop: Sequence[str]) -> tuple[str, bool]:
         """The text of `tokens` (end-of-turn tokens dropped), cut before the first stop string; and whether a stop

@@ -115,5 +115,11 @@ def test_speculative_streams_come_round_by_round_and_spell_the_same_text(llm):
         stop = plain.text[5:8]
         cut = "".join(llm.stream(prompt, max_tokens=40, stop=[stop]))  # closes the loop early: no hang
         assert cut == plain.text[:plain.text.index(stop)]
+        done = llm.generate(prompt, max_tokens=40, stop=[stop])  # generate stops there too, not at the budget
+        assert done.text == cut and done.finish_reason == "stop" and len(done.token_ids) < len(plain.token_ids)
+        many = llm.generate([prompt, "whether 'tis nobler"], max_tokens=20, stop=[stop])  # one continuous batch
+        assert [c.text for c in many] == [llm.generate(p, max_tokens=20, stop=[stop]).text
+                                          for p in (prompt, "whether 'tis nobler")]
+        assert all(c.stats is not None and c.stats.base_forwards >= 1 for c in many)
     finally:
         llm.attach(None)
