@@ -129,3 +129,16 @@ def test_real_gemma3_file_equals_transformers_on_the_same_gguf():
         assert out == hf.generate(x, max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     chat = tok.encode_chat([{"role": "user", "content": "hi<end_of_turn>\n<start_of_turn>model"}])
     assert chat[:3] == [2, 105, 2364] and chat.count(106) == 1  # one real end of turn: the markup stayed text
+
+
+def test_export_to_a_hugging_face_folder_loads_back_in_transformers(tiny, tmp_path):
+    from midlayer.engine.pretrained import export_hf
+
+    _, model = tiny
+    out = export_hf(model, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back).__name__ == "Gemma3ForCausalLM"
+    x = tokens_for(V, T=24)
+    assert (our_logits(model, x) - hf_logits(back, x)).abs().max().item() < TOL
+    again, _ = load_hf_dir(out)
+    assert again.cfg == model.cfg

@@ -284,11 +284,11 @@ def gguf_to_midlayer_name(name: str, arch: str = "llama") -> str | None:
     return _map_name(name, _GGUF_TOP_MAP, _GGUF_LAYER, _GGUF_LAYER_MAP_GEMMA3 if arch == "gemma3" else _GGUF_LAYER_MAP)
 
 
-def midlayer_to_hf_name(name: str) -> str:
+def midlayer_to_hf_name(name: str, model_type: str = "llama") -> str:
     inv_top = {v: k for k, v in _HF_TOP_MAP.items()}
     if name in inv_top:
         return inv_top[name]
-    inv_layer = {v: k for k, v in _HF_LAYER_MAP.items()}
+    inv_layer = {v: k for k, v in (_HF_LAYER_MAP_GEMMA3 if model_type == "gemma3_text" else _HF_LAYER_MAP).items()}
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if m and m.group(2) in inv_layer:
         return f"model.layers.{m.group(1)}.{inv_layer[m.group(2)]}"
@@ -890,9 +890,43 @@ def pretrained_config(name_or_path: str | Path, *, max_seq_len: int | None = Non
 
 
 # ----------------------------------------------------------------------------------------------- export
+def is_gemma3(cfg: ModelConfig) -> bool:
+    """Whether `cfg` is Gemma 3's shape (config_gemma3): exported as gemma3_text, with Gemma's names and norms."""
+    return (cfg.ffn_type == "geglu_tanh" and cfg.norm_placement == "sandwich" and cfg.qk_norm and cfg.scale_embeddings
+            and not cfg.gating and not cfg.embed_norm and not cfg.qkv_bias and cfg.norm_type == "rmsnorm"
+            and cfg.pos_encoding == "rope" and cfg.rope_scaling == "none" and not cfg.moe_experts
+            and not cfg.ssm_layers)
+
+
+def _gemma3_hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json of a Gemma3ForCausalLM (model_type gemma3_text) computing what `cfg` computes."""
+    full = set(cfg.full_attention_layers) if cfg.sliding_window else set(range(cfg.n_layers))
+    kinds = ["full_attention" if i in full else "sliding_attention" for i in range(cfg.n_layers)]
+    local = cfg.rope_theta_local or cfg.rope_theta
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "query_pre_attn_scalar": cfg.head_dim, "vocab_size": cfg.vocab_size, "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "sliding_window": cfg.sliding_window or cfg.max_seq_len,
+        "layer_types": kinds, "rope_theta": cfg.rope_theta, "rope_local_base_freq": local, "rope_scaling": None,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+        "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
+        "attention_dropout": 0.0, "initializer_range": cfg.init_std, "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
 def hf_config_for(cfg: ModelConfig, tokenizer: TextTokenizer | None = None,
                   dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The config.json of the Hugging Face model that computes what `cfg` computes (refusing the rest)."""
+    if is_gemma3(cfg):
+        hf = _gemma3_hf_config(cfg, dtype)
+        if tokenizer is not None:
+            hf.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+        return hf
     problems = []
     if cfg.gating:
         problems.append("gating=True (skip-middle routers have no Hugging Face counterpart)")
@@ -964,10 +998,14 @@ def export_hf(model: Transformer, out_dir: str | Path, tokenizer: TextTokenizer 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
+    gemma = is_gemma3(cfg)
     for name, t in model.state_dict().items():
         if name == "output.weight" and cfg.tie_embeddings:
             continue  # tied: safetensors refuses shared storage, and HF re-ties lm_head on load
-        tensors[midlayer_to_hf_name(name)] = t.detach().to("cpu").contiguous().clone()
+        t = t.detach().to("cpu")
+        if gemma and name.endswith("norm.weight"):
+            t = t.float() - 1.0  # Gemma's RMSNorm scales by (1 + w): what load_hf_dir added, taken off again
+        tensors[midlayer_to_hf_name(name, "gemma3_text" if gemma else "llama")] = t.contiguous().clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     if tokenizer is not None:
