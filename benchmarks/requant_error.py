@@ -4,9 +4,11 @@ own routines -- bit for bit what loading a file of type X gives (tests/test_gguf
 file's model"; the q4 format then requantises its block linears to Q4_1 and its head to Q8_0. Reported: mean
 and max KL(file's model || q4 model) per token, and top-1 agreement, over held-out chat prompts.
 
-The k-quants (Q2_K ... Q6_K) cannot be written by the gguf package (no quantiser), so they are not rows here.
+The k-quants (Q2_K ... Q6_K) cannot be written by the gguf package (no quantiser); `--model gemma3-270m`
+measures a real k-quant file instead (Gemma 3's Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 tensors), the file's model
+against its q4 version, in one row.
 
-    python benchmarks/requant_error.py [--prompts 16]
+    python benchmarks/requant_error.py [--prompts 16] [--model gemma3-270m]
 """
 
 from __future__ import annotations
@@ -44,14 +46,16 @@ def as_type(model: torch.nn.Module, qtype: T) -> torch.nn.Module:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m: every type gguf writes; another "
+                                                             "model: its own file's types, one row")
     args = ap.parse_args()
-    model, tok = load_pretrained("smollm2-135m")
+    model, tok = load_pretrained(args.model, max_seq_len=2048)
     texts = heldout_texts(args.prompts, "scaled")
     batches = [torch.tensor([tok.encode_chat([{"role": "user", "content": t}])]) for t in texts]
     print(machine_line(), "\n")
     print("| file type | mean KL (nats/token) | max KL | top-1 agreement | tokens |\n|---|---|---|---|---|")
-    for qtype in SOURCES:
-        file_model = as_type(model, qtype).eval()
+    for qtype in SOURCES if args.model == "smollm2-135m" else [None]:
+        file_model = (as_type(model, qtype) if qtype is not None else model).eval()
         q4 = compress_weights(copy.deepcopy(file_model), "q4").eval()
         kls, agree, n = [], 0, 0
         for x in batches:
@@ -60,7 +64,8 @@ def main() -> None:
             agree += int((a.argmax(-1) == b.argmax(-1)).sum())
             n += a.shape[0]
         kl = torch.cat(kls)
-        print(f"| {qtype.name} | {kl.mean():.5f} | {kl.max():.4f} | {agree / n:.4f} | {n} |")
+        name = qtype.name if qtype is not None else f"{args.model}'s own file"
+        print(f"| {name} | {kl.mean():.5f} | {kl.max():.4f} | {agree / n:.4f} | {n} |")
 
 
 if __name__ == "__main__":

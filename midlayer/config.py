@@ -126,6 +126,10 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2); Llama has none
 
     def __post_init__(self) -> None:
+        """Refuse a bad value by field name.
+
+        Long: one check per field of the model config, in the order of the fields; splitting them would only
+        scatter the rules that say which settings combine."""
         check_finite(self)
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
             v = getattr(self, name)

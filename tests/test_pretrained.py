@@ -504,8 +504,8 @@ def test_gguf_bad_files(tmp_path):
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported.*llama"):
         load_gguf(other)
     spm = tmp_path / "spm.gguf"
-    write_tiny_gguf(spm, ref, tok, tokenizer_model="llama")
-    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama' is not supported"):
+    write_tiny_gguf(spm, ref, tok, tokenizer_model="bert")
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='bert' is not supported"):
         load_gguf(spm)
     pre = tmp_path / "pre.gguf"
     write_tiny_gguf(pre, ref, tok, pre="mystery-bpe")

@@ -430,7 +430,8 @@ def test_cli_surface_is_frozen():
                    "--sliding-window", "--t5-buckets", "--t5-max-distance", "--moe-experts", "--moe-top-k",
                    "--moe-aux-coef", "--ssm-layers", "--ssm-state", "--ssm-expand", "--ssm-conv", "--ssm-dt-rank",
                    "--head-size", "--gate-attention", "--gate-grad", "--gate-values", "--scale-embeddings",
-                   "--no-scale-embeddings"]
+                   "--no-scale-embeddings",
+                   "--full-attention-layers", "--rope-theta-local"]  # issue 46: Gemma 3's windowed / global blocks
     sparsity_flags = ["--alpha", "--beta", "--beta-max", "--controller", "--delta", "--gamma", "--kp", "--mu-final", "--mu0",
                       "--reg-grad"]
     train_flags = ["--adam-eps", "--batch-size", "--beta1", "--beta2", "--ckpt-every", "--compile", "--control-batch-size",

@@ -355,9 +355,9 @@ class TextTokenizer:
         if model_type is None:
             raise ValueError("GGUF file has no tokenizer metadata (tokenizer.ggml.model missing)")
         if model_type != "gpt2":
-            raise ValueError(f"GGUF tokenizer.ggml.model={model_type!r} is not supported: only byte-level BPE "
-                             "('gpt2', used by Llama-3, SmolLM, Qwen2, ...) is; sentencepiece ('llama'), "
-                             "'t5', 'bert', 'rwkv' vocabularies are not")
+            raise ValueError(f"GGUF tokenizer.ggml.model={model_type!r} is not supported: byte-level BPE "
+                             "('gpt2', used by Llama-3, SmolLM, Qwen2, ...) and sentencepiece ('llama': Gemma, "
+                             "through transformers' converter) are; 't5', 'bert', 'rwkv' vocabularies are not")
         tokens: list[str] = get("tokenizer.ggml.tokens") or []
         merges_raw: list[str] = get("tokenizer.ggml.merges") or []
         if not tokens or not merges_raw:
