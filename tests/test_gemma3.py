@@ -148,7 +148,8 @@ def test_export_to_a_hugging_face_folder_loads_back_in_transformers(tiny, tmp_pa
 @pytest.mark.parametrize("tree", ["chain", "branching"])
 def test_speculative_decoding_on_gemma3_is_lossless(tiny, tree):
     """Tree verification over windowed and global blocks with their own RoPE bases: drafts that are partly right
-    (a noisy oracle) and prompt lookup give plain greedy decoding's tokens, past the window."""
+    (a noisy oracle), prompt lookup and an (untrained) EAGLE head, whose own full-attention layer takes the
+    global RoPE half, give plain greedy decoding's tokens, past the window."""
     from midlayer.speculative.lookup import PromptLookupDrafter
     from midlayer.speculative.tree import DraftTree
     from midlayer.speculative.verify import speculative_generate
@@ -159,8 +160,12 @@ def test_speculative_decoding_on_gemma3_is_lossless(tiny, tree):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 3, 1, 4, 1, 5]
     plain = generate(q4, [prompt], GenerationConfig(max_new_tokens=30))[0]
     shape = DraftTree.chain(4) if tree == "chain" else DraftTree.from_topk([2, 2, 1])
+    from midlayer.speculative.eagle import EagleDrafter, EagleHead
+
+    torch.manual_seed(0)
+    eagle = EagleHead.for_model(q4)  # untrained: its drafts are mostly wrong, verification must still hold
     forwards = []
-    for drafter in (NoisyOracle(prompt + plain, V, seed=1), PromptLookupDrafter(V)):
+    for drafter in (NoisyOracle(prompt + plain, V, seed=1), PromptLookupDrafter(V), EagleDrafter(q4, eagle)):
         out, stats = speculative_generate(q4, prompt, drafter, shape, 30)
         assert out == plain, type(drafter).__name__
         forwards.append(stats.base_forwards)

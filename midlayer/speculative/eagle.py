@@ -88,6 +88,16 @@ FEATURE_NOISE = 0.1  # EAGLE sec. 4: U(-0.1, 0.1) added to the input features du
 
 
 # ============================================================================================ the module
+def rope_rows(model: Transformer, index: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base's RoPE cos/sin rows at `index` for the head's own full-attention layer: the global half where the
+    base's windowed blocks have their own base (Gemma 3: position_tables puts [global | local] side by side)."""
+    cos, sin = model.rope_cos[index], model.rope_sin[index]
+    if model.cfg.rope_theta_local:
+        hd = model.cfg.head_dim
+        cos, sin = cos[..., :hd], sin[..., :hd]
+    return cos, sin
+
+
 class EagleHead(nn.Module):
     """The EAGLE draft network: fc [f ; e] -> d, then one decoder layer (module docstring).
 
@@ -205,7 +215,7 @@ def eagle_forward(model: Transformer, head: EagleHead, tokens: torch.Tensor, fea
         f = f + (torch.rand(f.shape, generator=generator, device=f.device, dtype=torch.float32) * 2 - 1
                  ).mul_(noise).to(f.dtype)
     if n_steps == 1:  # training: one causal pass (SDPA's fused causal kernel)
-        cos, sin = model.rope_cos[1:T], model.rope_sin[1:T]
+        cos, sin = rope_rows(model, slice(1, T))
         return [head(f, e[:, 1:], causal_step(cos, sin))]
     dev = tokens.device
     anchor = torch.arange(T - 1, device=dev)
@@ -220,7 +230,7 @@ def eagle_forward(model: Transformer, head: EagleHead, tokens: torch.Tensor, fea
             step = torch.cat([step, torch.full((A,), i - 1, dtype=torch.long, device=dev)])
         mask = additive_mask(visible(anchor, step, anchor, step, masked=False))[None, None]
         pos = anchor + step + 1
-        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+        cos, sin = rope_rows(model, pos)
         x_f = torch.cat([a for a, _ in inputs], 1)
         x_e = torch.cat([b for _, b in inputs], 1)
         # rows of earlier depths never see the new ones, so re-running them gives their outputs unchanged
@@ -380,7 +390,8 @@ class EagleDrafter(Drafter):
         """The head over the draft cache: rows [1, M] at the (reserved) slots start..start+M-1."""
         cache = self.cache
         M = tokens.shape[1]
-        cos, sin = self.model.rope_cos[positions][:, None], self.model.rope_sin[positions][:, None]
+        cos, sin = rope_rows(self.model, positions)
+        cos, sin = cos[:, None], sin[:, None]
         slots = torch.arange(start, start + M, device=cache.pos.device)[None]
         cache.pos[:, start:start + M] = positions
         step = CachedStep(cache, start, slots, cos, sin, skip=False, extra_mask=extra)
