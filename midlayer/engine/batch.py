@@ -17,13 +17,13 @@ keeps every running sequence in one row of a shared KV cache and advances them a
     each greedy row feeds its pending token and its draft's tokens in the same forward (rows with shorter
     drafts are padded). A row keeps the longest prefix of its draft that matches its own greedy targets plus
     one bonus token; its rejected slots get key bias -inf.
-  * **When a draft pays.** A drafted token costs one more row of the forward and earns a token only if it and
-    every draft token before it are accepted. With the forward's time a line in its rows, t(R) = a + b R
-    (`StepCost`, fitted to this batch's own forwards), one more row costs b, and with n sequences a token is
-    worth t(n) / n; so a row drafts depth j only while p^j > b n / (a + b n), p being the row's acceptance
-    rate (a Beta estimate started from `accept_prior` on its prompt). One sequence drafts freely (a row costs
-    a few percent of a step); at 16 sequences only rows whose drafts have been right more than about half the
-    time do. The rows of a forward are capped too (`max_step_rows`).
+  * **When a draft pays.** A drafted token earns a token only if it and every draft token before it are
+    accepted, and every row of a step is padded to the deepest draft: depth D costs n (1 + D) rows. With the
+    forward's time a line in its rows, t(R) = a + b R (`StepCost`, fitted to this batch's own forwards), the
+    step takes the depth D that maximises expected tokens per second, each row's j-th draft token counting
+    p^j, p the row's acceptance rate (a Beta estimate started from `accept_prior` on its prompt). One sequence
+    drafts deep (a row costs a few percent of a step); a big batch drafts only where its rows have been
+    right often. The rows of a forward are capped too (`max_step_rows`).
 
 Exactness. In the q4 format every kernel gives a row the same bits whatever rows share its forward and
 whatever masked keys lie beyond its own (kernels.py), so each sequence's greedy tokens equal single-request
@@ -148,6 +148,7 @@ class ContinuousBatch:
         self.propose, self.k, self.max_step_rows = propose, k, max_step_rows
         self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
         self.cost = StepCost()
+        self.grew = False  # the cache grew during this step (`_reserve`)
         self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
         self.ctx = model.cfg.max_seq_len
         self.device = model.tok_embeddings.weight.device
@@ -173,8 +174,8 @@ class ContinuousBatch:
             gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
         seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1))
         q = self.accept_prior(ids) if self.accept_prior is not None and self.propose is not None else None
-        if q is not None:  # the prior's mean, worth two judged tokens
-            seq.hits, seq.tries = 2.0 * q, 2.0
+        if q is not None:  # Beta(1 + 2q, 1 + 2(1 - q)): the prior's mean, worth two judged tokens, over a uniform
+            seq.hits, seq.tries = 1.0 + 2.0 * q, 4.0  # one (so a row whose prompt repeats nothing still tries)
         self._next += 1
         self.by_handle[seq.handle] = seq
         if budget <= 0:
@@ -215,6 +216,7 @@ class ContinuousBatch:
         if need <= old.max_len:
             return
         size = min(max(need, 2 * old.max_len), self.ctx + 1)  # + 1: a step's scratch slot (`_decode`)
+        self.grew = True  # (this step's time is not a sample of the cost line: it copied the cache)
         new = KVCache.for_model(self.model.cfg, self.max_rows, max_len=size, device=self.device, dtype=self.dtype)
         n = old.max_len
         new.k[..., :n, :] = old.k
@@ -302,40 +304,60 @@ class ContinuousBatch:
             self._leave(seq)
 
     def _drafts(self) -> list[list[int]]:
-        """Each running row's chain draft (greedy rows with a proposer only): as deep as it pays (module
-        docstring, "When a draft pays"), capped by k, the context, the row's remaining budget and the forward's
-        row cap."""
+        """Each running row's chain draft (greedy rows with a proposer only), all cut to one depth D, the one
+        that pays best (module docstring, "When a draft pays"); each also capped by the context, the row's
+        remaining budget and the forward's row cap."""
         n = len(self.running)
         drafts: list[list[int]] = [[] for _ in range(n)]
         if self.propose is None or self.k == 0:
             return drafts
-        line = self.cost.line()
-        theta = 0.0 if line is None else line[1] * n / (line[0] + line[1] * n)  # a draft token must beat this
         spare = self.max_step_rows - n  # rows a forward may spend on drafts
+        rooms = [min(self.k, self.ctx - 1 - seq.length, seq.budget - len(seq.new) - 1, spare // n)
+                 if seq.cfg.temperature == 0 else 0 for seq in self.running]
+        # priced as if every draft were as long as its row allows: no lookup at all when even that does not pay
+        # (proposing is Python work per row, a sizeable part of a big batch's step)
+        depth = self._pays([max(r, 0) for r in rooms])
+        if depth == 0:
+            return drafts
         for i, seq in enumerate(self.running):
-            if seq.cfg.temperature > 0 or spare <= 0:
-                continue
-            room = min(self.k, self.ctx - 1 - seq.length, seq.budget - len(seq.new) - 1, spare)
-            p, depth = seq.acceptance, 0
-            while depth < room and p ** (depth + 1) > theta:
-                depth += 1
-            room = depth
+            room = min(rooms[i], depth)
             if room > 0:
-                d = [int(t) for t in self.propose(seq.tokens, room)[:room]]
-                drafts[i] = d
-                spare -= len(d)
+                drafts[i] = [int(t) for t in self.propose(seq.tokens, room)[:room]]
         return drafts
+
+    def _pays(self, lengths: list[int]) -> int:
+        """The draft depth D for this step, for drafts of at most `lengths` tokens per row. Every row is padded to
+        the deepest draft, so depth D costs n (1 + D)
+        rows: t(D) = a + b n (1 + D) by the fitted line (`StepCost`). A chain's j-th token is accepted with
+        probability p^j (p the row's acceptance estimate), so the step yields n + sum_i sum_{j <= min(D, k_i)}
+        p_i^j tokens. D maximises tokens per second; before any forward is timed, the deepest draft."""
+        deepest = max(lengths)
+        line = self.cost.line()
+        if line is None or deepest == 0:
+            return deepest
+        a, b = line
+        n = len(lengths)
+        p = [seq.acceptance for seq in self.running]
+        best, best_rate = 0, n / (a + b * n)
+        for depth in range(1, deepest + 1):
+            tokens = n + sum(p[i] ** j for i, k in enumerate(lengths) for j in range(1, min(depth, k) + 1))
+            rate = tokens / (a + b * n * (1 + depth))
+            if rate > best_rate:
+                best, best_rate = depth, rate
+        return best
 
     def _decode(self, events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
         """One forward over every running row: its pending token at slot L_i, then its draft's tokens. A greedy
         row keeps the longest prefix of its draft that equals its own targets, plus the target after it."""
         rows = list(self.running)
+        self.grew = False
+        t0 = time.perf_counter()  # the step's cost includes proposing: Python work per row, only when drafting
         drafts = self._drafts()
         fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
         M = max(len(f) for f in fed)
-        t0 = time.perf_counter()
         logits = self._forward(0, fed, [s.length for s in rows], last_only=M == 1)
-        self.cost.add(len(rows) * M, time.perf_counter() - t0)
+        if not self.grew:
+            self.cost.add(len(rows) * M, time.perf_counter() - t0)
         logits = logits[:, None] if M == 1 else logits  # [n, M, V]
         greedy = kernels.argmax(logits.reshape(-1, logits.shape[-1])).view(len(rows), M).tolist()
         c = self.cache
