@@ -49,9 +49,10 @@ def step_costs(llm: midlayer.LLM, repeats: int) -> list[tuple[int, float, float]
     return out
 
 
-def engine_rates(llm: midlayer.LLM, max_tokens: int) -> list[tuple[int, float]]:
-    """(sequences at a time, tokens/s) over the 32 prompts."""
-    ids = [llm.encode([{"role": "user", "content": t}]) for t in heldout_texts(32, "scaled")]
+def engine_rates(llm: midlayer.LLM, max_tokens: int, n_prompts: int = 32) -> list[tuple[int, float]]:
+    """(sequences at a time, tokens/s) over `n_prompts` held-out chat prompts fed 1, 4 and 16 at a time into
+    `llm.batch` (also benchmarks/batch_lookup.py's measurement)."""
+    ids = [llm.encode([{"role": "user", "content": t}]) for t in heldout_texts(n_prompts, "scaled")]
     cfg = llm.settings(max_tokens, 0.0, 0, 1.0, None)
     out = []
     for conc in (1, 4, 16):

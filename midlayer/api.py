@@ -145,7 +145,7 @@ class LLM:
         ids as they are."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif _token_ids(prompt):
+        elif is_token_ids(prompt):
             ids = [int(t) for t in prompt]
         elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
             ids = self.tokenizer.encode_chat(list(prompt))
@@ -201,7 +201,7 @@ class LLM:
         if not isinstance(prompt, str) and isinstance(prompt, Sequence) and not prompt:
             raise ValueError("no prompt: give a str, a chat (a list of messages) or a list of prompts")
         many = not isinstance(prompt, str) and isinstance(prompt, Sequence) and \
-            not all(isinstance(m, dict) for m in prompt) and not _token_ids(prompt)
+            not all(isinstance(m, dict) for m in prompt) and not is_token_ids(prompt)
         prompts = list(prompt) if many else [prompt]
         cfg = self.settings(max_tokens, temperature, top_k, top_p, seed)
         ids = [self.encode(p) for p in prompts]
@@ -222,11 +222,7 @@ class LLM:
         while len(batch):
             for seq, tokens, finished in batch.step():
                 n, text = texts[seq.handle]
-                ended = text.feed(tokens)[1]
-                if ended and not finished:
-                    batch.cancel(seq.handle)
-                if ended or finished:
-                    done[n] = self.batch_completion(seq, text)
+                done[n] = self.batch_feed(batch, seq, tokens, finished, text)[1] or done[n]
         return [c for c in done if c is not None]
 
     def stream(self, prompt: Prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
@@ -275,6 +271,18 @@ class LLM:
             return lookup.self_accuracies(ids, depth=1, ranks=1, positions=32)[0][0] if len(ids) >= 24 else None
         return ContinuousBatch(self.model, max_rows, skip=self.skip, propose=lookup.chain, k=lookup.k,
                                accept_prior=prior)
+
+    def batch_feed(self, batch: ContinuousBatch, seq: BatchSequence, tokens: list[int], finished: bool,
+                   text: "TextStream") -> tuple[str, Completion | None]:
+        """Hand one step's tokens of `seq` to its text: (the new text, its Completion once it has ended). A stop
+        string ends it before the batch does: it leaves the batch here. The API's and the server's batch loops
+        both retire sequences through this."""
+        piece, ended = text.feed(tokens)
+        if not (ended or finished):
+            return piece, None
+        if not finished:
+            batch.cancel(seq.handle)
+        return piece + text.rest(), self.batch_completion(seq, text)
 
     def batch_completion(self, seq: BatchSequence, text: "TextStream") -> Completion:
         """The Completion of a sequence that left a continuous batch, with its speculative statistics when it
@@ -437,8 +445,8 @@ class TextStream:
         return self.llm._completion(self.ids, self.new, stats, self.stop)
 
 
-def _token_ids(prompt: Any) -> bool:
-    """True for a non-empty list of token ids (ints, not bools)."""
+def is_token_ids(prompt: Any) -> bool:
+    """True for a non-empty list of token ids (ints, not bools): a prompt given as ids (API and server)."""
     return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
             and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
 
@@ -462,4 +470,4 @@ def _cut_tokens(tokens: list[int], cfg: GenerationConfig) -> list[int]:
     return tokens
 
 
-__all__ = ["LLM", "Completion", "Prompt", "Message", "TextStream"]
+__all__ = ["LLM", "Completion", "Prompt", "Message", "TextStream", "is_token_ids"]

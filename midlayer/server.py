@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from midlayer.api import LLM, Completion, TextStream
+from midlayer.api import LLM, Completion, TextStream, is_token_ids
 from midlayer.engine.batch import ContinuousBatch
 from midlayer.ops import kernels
 
@@ -210,16 +210,11 @@ class Engine:
             outbox: list[tuple[Job, tuple[str, Any]]] = []
             for seq, tokens, finished in events:
                 job, text = live[seq.handle]
-                piece, ended = text.feed(tokens)
+                piece, done = self.llm.batch_feed(batch, seq, tokens, finished, text)
                 if piece:
                     outbox.append((job, ("piece", piece)))
-                if ended or finished:
-                    if not finished:  # a stop string: the sequence leaves now
-                        batch.cancel(seq.handle)
-                    rest = text.rest()
-                    if rest:
-                        outbox.append((job, ("piece", rest)))
-                    outbox.append((job, ("done", self.llm.batch_completion(seq, text))))
+                if done is not None:
+                    outbox.append((job, ("done", done)))
                     del live[seq.handle]
                     self._release()
             _deliver(outbox)
@@ -304,16 +299,12 @@ def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens", scoring: bool 
 
 def _prompts(prompt: Any) -> list[Any]:
     """A completion request's prompts: a string, a list of token ids, or a list of either (400 otherwise)."""
-    if isinstance(prompt, str) or _ids(prompt):
+    if isinstance(prompt, str) or is_token_ids(prompt):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_ids(p) for p in prompt):
         return prompt
     raise RequestError(400, "prompt must be a string, a list of token ids, or a non-empty list of either",
                        param="prompt")
-
-
-def _ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def _scored_choices(llm: LLM, prompts: list[Any], kw: dict[str, Any]) -> tuple[list[dict], int, int]:
@@ -405,19 +396,25 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         except ValueError as e:
             raise RequestError(400, str(e)) from None
 
+    def queue_job(prompt: Any, kwargs: dict, call: Callable[[], Any] | None = None) -> Job:
+        """A job for the engine whose events come back on this event loop; refused (503) when the queue is full."""
+        job = Job(prompt, kwargs, asyncio.get_running_loop(), asyncio.Queue(), call=call)
+        engine.submit(job)
+        return job
+
+    def failed(message: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
+                                       "code": "server_error"}}, status_code=500)
+
     async def run_whole(call: Callable[[], tuple[list[dict], int, int]], rid: str, name: str) -> Any:
         """A request the engine thread answers at once (no stream): its choices and usage."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job = Job(None, {}, loop, events, call=call)
-        engine.submit(job)
+        job = queue_job(None, {}, call)
         try:
-            kind, value = await events.get()
+            kind, value = await job.events.get()
         finally:
             job.cancelled.set()
         if kind != "result":
-            return JSONResponse({"error": {"message": value, "type": "server_error", "param": None,
-                                           "code": "server_error"}}, status_code=500)
+            return failed(value)
         choices, n_prompt, n_new = value
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
                 "choices": choices, "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
@@ -425,10 +422,8 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
 
     async def run(prompt: Any, kwargs: dict, stream: bool,
                   shape: Callable[[str, str | None, Completion | None], dict]) -> Any:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job = Job(prompt, kwargs, loop, events)
-        engine.submit(job)
+        job = queue_job(prompt, kwargs)
+        events = job.events
 
         async def sse() -> AsyncIterator[str]:
             try:
@@ -457,8 +452,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 elif kind == "done":
                     return shape("".join(text), value.finish_reason, value)
                 else:
-                    return JSONResponse({"error": {"message": value, "type": "server_error", "param": None,
-                                                   "code": "server_error"}}, status_code=500)
+                    return failed(value)
         finally:
             job.cancelled.set()
 

@@ -148,7 +148,6 @@ class ContinuousBatch:
         self.propose, self.k, self.max_step_rows = propose, k, max_step_rows
         self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
         self.cost = StepCost()
-        self.grew = False  # the cache grew during this step (`_reserve`)
         self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
         self.ctx = model.cfg.max_seq_len
         self.device = model.tok_embeddings.weight.device
@@ -216,7 +215,6 @@ class ContinuousBatch:
         if need <= old.max_len:
             return
         size = min(max(need, 2 * old.max_len), self.ctx + 1)  # + 1: a step's scratch slot (`_decode`)
-        self.grew = True  # (this step's time is not a sample of the cost line: it copied the cache)
         new = KVCache.for_model(self.model.cfg, self.max_rows, max_len=size, device=self.device, dtype=self.dtype)
         n = old.max_len
         new.k[..., :n, :] = old.k
@@ -327,8 +325,7 @@ class ContinuousBatch:
 
     def _pays(self, lengths: list[int]) -> int:
         """The draft depth D for this step, for drafts of at most `lengths` tokens per row. Every row is padded to
-        the deepest draft, so depth D costs n (1 + D)
-        rows: t(D) = a + b n (1 + D) by the fitted line (`StepCost`). A chain's j-th token is accepted with
+        the deepest draft, so depth D costs n (1 + D) rows: t(D) = a + b n (1 + D) by the fitted line (`StepCost`). A chain's j-th token is accepted with
         probability p^j (p the row's acceptance estimate), so the step yields n + sum_i sum_{j <= min(D, k_i)}
         p_i^j tokens. D maximises tokens per second; before any forward is timed, the deepest draft."""
         deepest = max(lengths)
@@ -350,13 +347,13 @@ class ContinuousBatch:
         """One forward over every running row: its pending token at slot L_i, then its draft's tokens. A greedy
         row keeps the longest prefix of its draft that equals its own targets, plus the target after it."""
         rows = list(self.running)
-        self.grew = False
+        cache = self.cache  # (replaced by a larger one if the cache grows during this step: `_reserve`)
         t0 = time.perf_counter()  # the step's cost includes proposing: Python work per row, only when drafting
         drafts = self._drafts()
         fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
         M = max(len(f) for f in fed)
         logits = self._forward(0, fed, [s.length for s in rows], last_only=M == 1)
-        if not self.grew:
+        if self.cache is cache:  # a step that grew the cache copied it: not a sample of the cost line
             self.cost.add(len(rows) * M, time.perf_counter() - t0)
         logits = logits[:, None] if M == 1 else logits  # [n, M, V]
         greedy = kernels.argmax(logits.reshape(-1, logits.shape[-1])).view(len(rows), M).tolist()

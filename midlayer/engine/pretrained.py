@@ -210,19 +210,33 @@ def config_gemma3(hf: dict[str, Any], *, max_seq_len: int | None = None) -> Mode
     max_pos = int(hf.get("max_position_embeddings") or 32768)
     if max_seq_len is not None:
         max_pos = min(max_pos, int(max_seq_len))
-    # the windowed blocks keep their window (and their RoPE base) even where it spans the whole context
     sliding = int(hf.get("sliding_window") or 0) if "sliding_attention" in kinds else 0
-    full = tuple(i for i, k in enumerate(kinds) if k == "full_attention") if sliding else ()
-    return ModelConfig(
+    return _gemma3_config(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_size=head_dim if head_dim != dim // n_heads or dim % n_heads else 0,
-        vocab_size=int(need("vocab_size")), ffn_hidden=int(need("intermediate_size")), ffn_type="geglu_tanh",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, max_seq_len=max_pos,
-        norm_placement="sandwich", qk_norm=True, scale_embeddings=True, embed_norm=False, gating=False,
+        head_dim=head_dim, vocab_size=int(need("vocab_size")), ffn_hidden=int(need("intermediate_size")),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_theta_local=local, max_seq_len=max_pos,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)), sliding_window=sliding,
-        full_attention_layers=full if len(full) < n_layers else (),
-        rope_theta_local=local if sliding and local != theta else 0.0,
-    )
+        full_attention_layers=tuple(i for i, k in enumerate(kinds) if k == "full_attention"))
+
+
+# What every Gemma 3 is in our parts (config_gemma3); export writes a gemma3_text folder for a config with them
+_GEMMA3_PARTS = dict(ffn_type="geglu_tanh", norm_placement="sandwich", qk_norm=True, scale_embeddings=True,
+                     embed_norm=False, gating=False, qkv_bias=False)
+
+
+def _gemma3_config(*, dim: int, n_heads: int, head_dim: int, sliding_window: int,
+                   full_attention_layers: tuple[int, ...], rope_theta: float, rope_theta_local: float,
+                   **sizes: Any) -> ModelConfig:
+    """The ModelConfig of a Gemma 3 from its numbers, whichever file they came from (config_gemma3,
+    _gemma3_gguf_config). The windowed blocks keep their window and their RoPE base even where the window
+    spans the whole context."""
+    n_layers = sizes["n_layers"]
+    full = full_attention_layers if sliding_window and len(full_attention_layers) < n_layers else ()
+    return ModelConfig(
+        dim=dim, n_heads=n_heads, head_size=head_dim if head_dim != dim // n_heads or dim % n_heads else 0,
+        rope_theta=rope_theta, sliding_window=sliding_window, full_attention_layers=full,
+        rope_theta_local=rope_theta_local if sliding_window and rope_theta_local != rope_theta else 0.0,
+        **_GEMMA3_PARTS, **sizes)
 
 
 # --------------------------------------------------------------------------------------- name maps
@@ -690,20 +704,14 @@ def _gemma3_gguf_config(key: Any, reader: Any, path: Path, max_seq_len: int | No
     max_pos = int(key("context_length"))
     if max_seq_len is not None:
         max_pos = min(max_pos, int(max_seq_len))
-    # the windowed blocks keep their window (and their RoPE base) even where it spans the whole context
-    sliding = int(key("attention.sliding_window", 0) or 0)
-    full = tuple(i for i in range(n_layers) if (i + 1) % pattern == 0) if sliding else ()
-    theta = float(key("rope.freq_base", 1_000_000.0))
-    return ModelConfig(
+    return _gemma3_config(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-        head_size=head_dim if head_dim != dim // n_heads or dim % n_heads else 0, vocab_size=vocab,
-        ffn_hidden=int(key("feed_forward_length")), ffn_type="geglu_tanh",
-        norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=theta, max_seq_len=max_pos,
-        norm_placement="sandwich", qk_norm=True, scale_embeddings=True, embed_norm=False, gating=False,
-        tie_embeddings="output.weight" not in {t.name for t in reader.tensors}, qkv_bias=False,
-        sliding_window=sliding, full_attention_layers=full if len(full) < n_layers else (),
-        rope_theta_local=10_000.0 if sliding and theta != 10_000.0 else 0.0,
-    )
+        head_dim=head_dim, vocab_size=vocab, ffn_hidden=int(key("feed_forward_length")),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=float(key("rope.freq_base", 1_000_000.0)),
+        rope_theta_local=10_000.0, max_seq_len=max_pos,
+        tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
+        sliding_window=int(key("attention.sliding_window", 0) or 0),
+        full_attention_layers=tuple(i for i in range(n_layers) if (i + 1) % pattern == 0))
 
 
 def _dequantize_blocks(raw: np.ndarray, qtype: Any) -> torch.Tensor | None:
@@ -892,8 +900,7 @@ def pretrained_config(name_or_path: str | Path, *, max_seq_len: int | None = Non
 # ----------------------------------------------------------------------------------------------- export
 def is_gemma3(cfg: ModelConfig) -> bool:
     """Whether `cfg` is Gemma 3's shape (config_gemma3): exported as gemma3_text, with Gemma's names and norms."""
-    return (cfg.ffn_type == "geglu_tanh" and cfg.norm_placement == "sandwich" and cfg.qk_norm and cfg.scale_embeddings
-            and not cfg.gating and not cfg.embed_norm and not cfg.qkv_bias and cfg.norm_type == "rmsnorm"
+    return (all(getattr(cfg, k) == v for k, v in _GEMMA3_PARTS.items()) and cfg.norm_type == "rmsnorm"
             and cfg.pos_encoding == "rope" and cfg.rope_scaling == "none" and not cfg.moe_experts
             and not cfg.ssm_layers)
 

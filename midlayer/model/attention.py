@@ -68,6 +68,13 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
     return emb.cos().float(), emb.sin().float()
 
 
+def rope_half(cos: torch.Tensor, sin: torch.Tensor, half: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of side-by-side [global | local] RoPE tables (transformer.position_tables with a local base) ->
+    the global (half 0) or local (half 1) base's cos/sin."""
+    part = slice(half * head_dim, (half + 1) * head_dim)
+    return cos[..., part], sin[..., part]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., d] with cos/sin broadcastable to it. x*cos + rotate_half(x)*sin."""
     d2 = x.shape[-1] // 2
@@ -283,8 +290,7 @@ class Attention(nn.Module):
         if cos.dim() == 4:
             cos, sin = cos[:, 0], sin[:, 0]
         if self.rope_half is not None:  # this block's RoPE base among the two (position_tables)
-            cos = cos[..., self.rope_half * hd:(self.rope_half + 1) * hd]
-            sin = sin[..., self.rope_half * hd:(self.rope_half + 1) * hd]
+            cos, sin = rope_half(cos, sin, self.rope_half, hd)
         if (cache is not None and cache.direct and self.row_invariant and self.wqkv is not None
                 and x.device.type == "cpu" and cache.k_buffer.dtype == torch.float32 and kernels.available()
                 and self.q_norm is None):

@@ -73,6 +73,7 @@ from midlayer.config import ModelConfig
 from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
 from midlayer.engine.generate import CachedStep
 from midlayer.engine.quantization import compress_block, Q8Linear
+from midlayer.model.attention import rope_half
 from midlayer.model.kv_cache import KVCache, MaskedView
 from midlayer.model.transformer import Block, causal_step, Transformer
 from midlayer.ops import kernels
@@ -92,10 +93,7 @@ def rope_rows(model: Transformer, index: Any) -> tuple[torch.Tensor, torch.Tenso
     """The base's RoPE cos/sin rows at `index` for the head's own full-attention layer: the global half where the
     base's windowed blocks have their own base (Gemma 3: position_tables puts [global | local] side by side)."""
     cos, sin = model.rope_cos[index], model.rope_sin[index]
-    if model.cfg.rope_theta_local:
-        hd = model.cfg.head_dim
-        cos, sin = cos[..., :hd], sin[..., :hd]
-    return cos, sin
+    return rope_half(cos, sin, 0, model.cfg.head_dim) if model.cfg.rope_theta_local else (cos, sin)
 
 
 class EagleHead(nn.Module):
