@@ -285,6 +285,35 @@ def test_attention_avx2_equals_scalar(D):
     assert torch.equal(fast, slow)
 
 
+@pytest.mark.parametrize("rep,D", [(2, 64), (3, 64), (3, 80), (4, 16)])
+def test_ragged_batch_attention_equals_scalar_and_each_row_alone(rep, D):
+    """A continuous batch's decode step: 16 sequences of different lengths read up to the longest one's
+    length, their unused slots masked -inf (the AVX2 path skips whole masked 4-key blocks). Each sequence alone
+    must get the bits it gets in the batch, and the AVX2 path the portable scalar path's. Also a finite gated
+    bias and a weight that underflows to exactly 0 (skipped, as the scalar loop skips it)."""
+    g = torch.Generator().manual_seed(rep * 100 + D)
+    B, Hk, S = 16, 2, 50
+    H = rep * Hk
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hk, S, D, generator=g), torch.randn(B, Hk, S, D, generator=g)
+    mask = torch.zeros(B, 1, 1, S)
+    for b in range(B):
+        mask[b, ..., 3 + 3 * b:] = float("-inf")  # row b holds 3 + 3b keys
+    mask[:, ..., 1] = -2.0     # a gated key
+    mask[:, ..., 2] = -200.0   # its weight underflows to 0
+    fast = kernels.attention(q, k, v, mask)
+    torch.testing.assert_close(fast, kernels.attention_reference(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    for b in (0, 5, 15):
+        alone = kernels.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask[b:b + 1])
+        assert torch.equal(alone, fast[b:b + 1])
+    kernels.set_simd(False)
+    try:
+        slow = kernels.attention(q, k, v, mask)
+    finally:
+        kernels.set_simd(True)
+    assert torch.equal(fast, slow)
+
+
 def test_rmsnorm_and_rope_store_match_pytorch():
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(7, 64, generator=g) * 100, torch.rand(64, generator=g)

@@ -610,6 +610,12 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
     int hidden = 0;
     int s = 0;
     for (; s + 4 <= S; s += 4) {
+        if (mask && mask[s] == -INFINITY && mask[s + 1] == -INFINITY && mask[s + 2] == -INFINITY &&
+            mask[s + 3] == -INFINITY) { /* four invisible keys: no dots. In a continuous batch a row reads up to */
+            for (int i = 0; i < 4; i++) scores[s + i] = -INFINITY; /* the longest row's length, mostly masked */
+            hidden += 4;
+            continue;
+        }
         const float *k0 = k + s * sk, *k1 = k0 + sk, *k2 = k1 + sk, *k3 = k2 + sk;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int j = 0; j < D; j += 8) {
