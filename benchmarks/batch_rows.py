@@ -1,10 +1,11 @@
 """What a continuous batch's rows cost and what the engine gives without HTTP (docs/results/serve-cpu.md,
-32nd session): (1) one decode step of a `ContinuousBatch` of N sequences at a 128-token context against a
-forward of N rows of one sequence after the same context (the tree-verification shape; the difference is N
-separate KV caches read per layer); (2) `ContinuousBatch` throughput on `midlayer bench serve`'s 32 held-out
-chat prompts fed 1, 4 and 16 at a time, plain, for two output lengths.
+32nd and 33rd sessions): (1) one decode step of a `ContinuousBatch` of N sequences at a --context-token
+context against a forward of N rows of one sequence after the same context (the tree-verification shape;
+the difference is N separate KV caches read per layer); (2) `ContinuousBatch` throughput on `midlayer bench
+serve`'s held-out chat prompts (--prompts of them) fed 1, 4 and 16 at a time, plain, for two output lengths.
+--kv-cache fp16,fp32 measures each KV cache dtype (fp16, the q4 default since the 33rd session), alternating.
 
-    python benchmarks/batch_rows.py [--repeats 10]
+    python benchmarks/batch_rows.py [--repeats 10] [--context 128] [--prompts 32] [--kv-cache fp16]
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import torch
 import midlayer
 from midlayer.engine.generate import GenerationConfig, forward_cached
 from midlayer.experiments.bench import heldout_texts, machine_line
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 
 
-def step_costs(llm: midlayer.LLM, repeats: int) -> list[tuple[int, float, float]]:
+def step_costs(llm: midlayer.LLM, repeats: int, context: int = 128) -> list[tuple[int, float, float]]:
     """(N, ms per batch step of N sequences, ms per forward of N rows of one sequence), medians."""
     model = llm.model
-    ids = llm.encode("The quick brown fox jumps over the lazy dog. " * 20)[:128]
+    ids = llm.encode("The quick brown fox jumps over the lazy dog. " * (1 + context // 8))[:context]
     out = []
     for n in (1, 4, 16):
         batch = llm.batch(16)
@@ -37,13 +38,13 @@ def step_costs(llm: midlayer.LLM, repeats: int) -> list[tuple[int, float, float]
             t = time.perf_counter()
             batch.step()
             steps.append(time.perf_counter() - t)
-        cache = KVCache.for_model(model.cfg, 1, max_len=200)
-        forward_cached(model, torch.tensor([ids]), cache, torch.arange(128)[None])
+        cache = KVCache.for_model(model.cfg, 1, max_len=context + 64, dtype=kv_dtype(model))
+        forward_cached(model, torch.tensor([ids]), cache, torch.arange(context)[None])
         rows = []
         for _ in range(repeats):
-            cache.truncate(128)
+            cache.truncate(context)
             t = time.perf_counter()
-            forward_cached(model, torch.tensor([ids[:n]]), cache, torch.arange(128, 128 + n)[None])
+            forward_cached(model, torch.tensor([ids[:n]]), cache, torch.arange(context, context + n)[None])
             rows.append(time.perf_counter() - t)
         out.append((n, 1e3 * statistics.median(steps), 1e3 * statistics.median(rows)))
     return out
@@ -70,16 +71,28 @@ def engine_rates(llm: midlayer.LLM, max_tokens: int, n_prompts: int = 32) -> lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--context", type=int, default=128, help="tokens before the timed decode steps of part (1)")
+    ap.add_argument("--prompts", type=int, default=32, help="held-out chat prompts of part (2)")
+    ap.add_argument("--kv-cache", default="fp16", help="KV cache dtypes, comma-separated (fp16, fp32)")
     args = ap.parse_args()
+    kvs = [k for k in args.kv_cache.split(",") if k]
+    bad = [k for k in kvs if k not in ("fp16", "fp32")]
+    if bad or not kvs:
+        raise SystemExit(f"--kv-cache takes fp16 and/or fp32, got {args.kv_cache!r}")
     llm = midlayer.LLM.load("smollm2-135m", weights="q4")
     print(machine_line(), "\n")
-    print("| N | batch step, N sequences (ms) | N rows of one sequence (ms) |\n|---|---|---|")
-    for n, step, rows in step_costs(llm, args.repeats):
-        print(f"| {n} | {step:.1f} | {rows:.1f} |")
+    dtypes = {"fp16": torch.float16, "fp32": torch.float32}
+    print("| KV cache | N | batch step, N sequences (ms) | N rows of one sequence (ms) |\n|---|---|---|---|")
+    for kv in kvs:
+        llm.model.kv_dtype = dtypes[kv]
+        for n, step, rows in step_costs(llm, args.repeats, args.context):
+            print(f"| {kv} | {n} | {step:.1f} | {rows:.1f} |")
     for max_tokens in (64, 256):
-        rates = engine_rates(llm, max_tokens)
-        print(f"\nContinuousBatch alone, 32 prompts, up to {max_tokens} tokens: " + ", ".join(
-            f"{c} at a time {r:.0f} tok/s ({r / rates[0][1]:.2f}x)" for c, r in rates))
+        for kv in kvs:
+            llm.model.kv_dtype = dtypes[kv]
+            rates = engine_rates(llm, max_tokens, args.prompts)
+            print(f"\nContinuousBatch alone, KV {kv}, {args.prompts} prompts, up to {max_tokens} tokens: " + ", ".join(
+                f"{c} at a time {r:.0f} tok/s ({r / rates[0][1]:.2f}x)" for c, r in rates))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from midlayer.engine.decode_step import static_stream
 from midlayer.engine.generate import GenerationConfig, forward_cached, generate, generate_stream, validate_prompts
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import WEIGHT_FORMATS, compress_weights
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.ops import kernels
 from midlayer.model.transformer import Transformer
 from midlayer.speculative.lookup import PromptLookupDrafter
@@ -86,9 +86,11 @@ class LLM:
         self.refresh_costs = False  # tree "auto": measure the row costs and overheads again, not from the cache
         self.progress = False  # tree "auto": show the row-cost measurement's progress
     @classmethod
-    def load(cls, model: str, *, weights: str = "fp32", device: str | None = None) -> "LLM":
+    def load(cls, model: str, *, weights: str = "fp32", device: str | None = None, kv_cache: str | None = None
+             ) -> "LLM":
         """A pretrained model: a short name (smollm2-135m), a .gguf file or a Hugging Face folder, compressed to
-        `weights` (fp32, bf16, int4, q4: the batch-invariant CPU format) on `device` (default cpu)."""
+        `weights` (fp32, bf16, int4, q4: the batch-invariant CPU format) on `device` (default cpu). `kv_cache`:
+        fp16 or fp32 K/V (default: fp16 for q4, else the weights' dtype)."""
         _check_weights(weights)
         dev = resolve_device(device) if device is not None else None
         if weights == "q4" and dev is not None and dev.type != "cpu":
@@ -98,10 +100,11 @@ class LLM:
             raise ValueError(f"{model} has no tokenizer: midlayer cannot turn a prompt into tokens for it")
         if dev is not None:
             net = net.to(dev)
-        return cls(compress_weights(net.float(), weights), tok, str(model), weights)
+        return cls(compress_weights(net.float(), weights, kv=kv_cache), tok, str(model), weights)
 
     @classmethod
-    def from_run(cls, checkpoint: str | Path, *, weights: str = "fp32", device: str | None = None) -> "LLM":
+    def from_run(cls, checkpoint: str | Path, *, weights: str = "fp32", device: str | None = None,
+                 kv_cache: str | None = None) -> "LLM":
         """One of our training runs (a run folder or a ckpt_*.pt file) with its corpus's tokenizer."""
         _check_weights(weights)
         net, _, tcfg = load_model(checkpoint, device)
@@ -110,7 +113,7 @@ class LLM:
             raise ValueError(f"this run was trained on {tcfg.data!r}, whose tokenizer midlayer does not know "
                              "(GPT-2 shards); generation from it is not supported")
         tok = TextTokenizer(Tokenizer.from_file(str(files.tokenizer_path)), bos_id=None, eos_ids=[files.eot_id])
-        return cls(compress_weights(net.float(), weights), tok, str(checkpoint), weights)
+        return cls(compress_weights(net.float(), weights, kv=kv_cache), tok, str(checkpoint), weights)
 
     def use_gates(self, gates: str | Path) -> "LLM":
         """Generate with the model gated by a train-gates output: per-token skipping of middle blocks, real
@@ -163,8 +166,7 @@ class LLM:
         What lm-eval's log-likelihood tasks read through the server's echo + logprobs."""
         ids = validate_prompts(self.model, [list(ids)])[0]
         dev = self.model.tok_embeddings.weight.device
-        cache = KVCache.for_model(self.model.cfg, 1, max_len=len(ids), device=dev,
-                                  dtype=self.model.tok_embeddings.weight.dtype)
+        cache = KVCache.for_model(self.model.cfg, 1, max_len=len(ids), device=dev, dtype=kv_dtype(self.model))
         tokens = torch.tensor([ids], device=dev)
         logits = forward_cached(self.model, tokens, cache, torch.arange(len(ids), device=dev)[None], skip=self.skip)
         lp = logits[0, :-1].float().log_softmax(-1)  # row t: the distribution of token t + 1

@@ -15,7 +15,7 @@ from midlayer.speculative.static import static_speculative_generate
 from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 from midlayer.speculative.eagle import EagleDrafter, EagleHead
 from midlayer.engine.generate import GenerationConfig, forward_cached, generate
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.engine.quantization import compress_weights
 from midlayer.speculative.protocol import Draft
 from midlayer.speculative.tree import DraftTree
@@ -126,7 +126,7 @@ def test_step_logits_equal_the_dynamic_engine_in_q4(models):
     model = models["q4"]
     prompt = _prompts()[2]
     st = DecodeStep(model, max_len=100)
-    cache = KVCache.for_model(model.cfg, 1, 100)
+    cache = KVCache.for_model(model.cfg, 1, 100, dtype=kv_dtype(model))  # both hold q4's fp16 K/V
     a, _ = st.prefill(torch.tensor([prompt]))
     b = forward_cached(model, torch.tensor([prompt]), cache, torch.arange(len(prompt))[None])
     assert torch.equal(a, b)

@@ -16,7 +16,8 @@ import transformers
 from midlayer.config import ModelConfig
 from midlayer.data.pretrained_tokenizer import GEMMA3_CHAT_TEMPLATE, render_chat_template
 from midlayer.engine.batch import ContinuousBatch
-from midlayer.engine.generate import GenerationConfig, generate, generate_naive
+from midlayer.engine.generate import GenerationConfig, decode_one_token, generate, generate_naive, prefill
+from midlayer.model.kv_cache import KVCache
 from midlayer.engine.pretrained import config_from_hf, load_hf_dir
 from midlayer.engine.quantization import compress_weights
 from midlayer.ops import kernels
@@ -84,6 +85,41 @@ def test_q4_is_batch_invariant_and_decodes_in_a_continuous_batch(tiny):
         for seq, tokens, _ in batch.step():
             got[handles[seq.handle]] += tokens
     assert [got[i] for i in range(len(prompts))] == single
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_windowed_layers_keep_a_bounded_cache(tiny, weights):
+    """With windowed and global blocks mixed, the windowed blocks keep 2 W - 1 slots (a chunk of W new tokens
+    beside the W - 1 keys the next query still sees); the global ones keep all. The logits equal a full cache's
+    through a chunked prefill and 30 decode steps: in q4 bit for bit (the kernels sum over the visible keys in
+    order, wherever they sit), in fp32 to rounding."""
+    _, model = tiny
+    if weights == "q4":
+        if not kernels.available():
+            pytest.skip("no C compiler: the q4 kernels are not built")
+        model = compress_weights(copy.deepcopy(model), "q4")
+    W, cfg = model.cfg.sliding_window, model.cfg
+    full = KVCache.for_model(cfg, 1, max_len=60)
+    bounded = KVCache.for_model(cfg, 1, max_len=60, local_len=2 * W - 1)
+    for layer in range(cfg.n_layers):
+        assert bounded.k_layers[layer].shape[2] == (60 if layer in cfg.full_attention_layers else 2 * W - 1)
+    prompt = list(range(1, 24))  # longer than 2 W - 1: prefilled W tokens at a time
+    lf, _ = prefill(model, [prompt], full)
+    lb, _ = prefill(model, [prompt], bounded)
+    for i in range(30):
+        if weights == "q4":
+            assert torch.equal(lb, lf)
+        else:
+            torch.testing.assert_close(lb, lf, rtol=1e-4, atol=1e-4)
+        tok, pos = lf.argmax(-1), torch.tensor([len(prompt) + i])
+        lf, lb = decode_one_token(model, full, tok, pos), decode_one_token(model, bounded, tok, pos)
+    assert bounded.local_off > len(prompt) and bounded.length - bounded.local_off <= 2 * W - 1  # it dropped keys
+    with pytest.raises(ValueError, match="bounded"):
+        bounded.keep(torch.tensor([[bounded.length - 1]]), bounded.length - 1)
+    with pytest.raises(ValueError, match="bounded"):
+        bounded.rows(0, 1)
+    with pytest.raises(ValueError, match="truncate"):
+        bounded.truncate(bounded.local_off - 1)
 
 
 def test_what_gemma3_has_and_we_do_not_run_is_refused(tmp_path):

@@ -335,6 +335,42 @@ def test_rmsnorm_and_rope_store_match_pytorch():
     assert float(kc[:, :, 6].abs().sum()) == 0.0
 
 
+@pytest.mark.parametrize("level", [0, 1, -1], ids=["scalar", "avx2", "best"])
+def test_fp16_kv_cache_stores_torchs_half_and_attends_over_the_widened_values(level):
+    """An fp16 KV cache: rope_store rounds K and V to nearest even, as torch's .half() does -- ties, values
+    below half's range (subnormals, underflow to +-0), overflow to infinity -- at every SIMD level (the scalar
+    converter and F16C's); attention over it gives the bits of fp32 attention over the same values widened."""
+    kernels.set_simd(level)
+    try:
+        g = torch.Generator().manual_seed(11)
+        B, T, H, Hk, D = 2, 4, 4, 2, 32
+        qkv = torch.randn(B, T, (H + 2 * Hk) * D, generator=g)
+        edge = torch.tensor([0.0, -0.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 65504.0, 65520.0, -1e6, 2.0 ** -24,
+                             2.0 ** -25, 2.0 ** -25 * 1.5, -(2.0 ** -26), 6.1e-5, 3.0e-5, 1.0e-7, 2.0 ** -14 * 0.999,
+                             float("inf"), -float("inf")])
+        vals = torch.randn(B * T * Hk * D, generator=g) * torch.logspace(-9, 5, B * T * Hk * D)
+        vals[:len(edge)] = edge
+        qkv.view(B, T, H + 2 * Hk, D)[:, :, H + Hk:] = vals.view(B, T, Hk, D)  # V is stored as it is: rounded
+        cos, sin = torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
+        k32, v32 = torch.zeros(B, Hk, 9, D), torch.zeros(B, Hk, 9, D)
+        k16, v16 = torch.zeros(B, Hk, 9, D, dtype=torch.float16), torch.zeros(B, Hk, 9, D, dtype=torch.float16)
+        slots = torch.tensor([[1, 2, 3, 5], [0, 4, 6, 8]])
+        kernels.rope_store(qkv.clone(), H, Hk, cos, sin, k32, v32, slots)
+        kernels.rope_store(qkv, H, Hk, cos, sin, k16, v16, slots)
+        assert torch.equal(v16.view(torch.int16), v32.half().view(torch.int16))  # bit for bit, signed zeros too
+        assert torch.equal(k16.view(torch.int16), k32.half().view(torch.int16))
+        q = torch.randn(B, H, T, D, generator=g)
+        mask = torch.zeros(B, 1, T, 9)
+        mask[0, ..., 4] = float("-inf")
+        mask[1, ..., 7] = -1.5
+        kf, vf = k16.float(), torch.randn(B, Hk, 9, D, generator=g).half()
+        got = kernels.attention(q, k16, vf, mask)
+        assert torch.equal(got, kernels.attention(q, kf, vf.float(), mask))
+        torch.testing.assert_close(got, kernels.attention_reference(q, kf, vf.float(), mask), rtol=1e-5, atol=1e-6)
+    finally:
+        kernels.set_simd(True)
+
+
 def test_silu_mul_matches_pytorch_and_its_simd_paths_agree():
     g = torch.Generator().manual_seed(6)
     ab = torch.randn(5, 2 * 44, generator=g) * 6  # 44: 5 vectors of 8 and a scalar tail of 4
@@ -355,8 +391,9 @@ def _q4(seed: int = 0, **over):
     return compress_weights(make_tiny(DIMS, gating=False, seed=seed, **over), "q4")
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["kv32", "kv16"])
 @pytest.mark.parametrize("placement", ["sandwich", "pre"])
-def test_fused_block_equals_the_block_module_by_module(simd, placement):
+def test_fused_block_equals_the_block_module_by_module(simd, placement, kv):
     """A q4 block over the KV cache runs as ONE C call (kernels.block_q4), and a forward's dense q4 blocks all
     in one (kernels.blocks_q4): outputs and the K/V written are the bits of the module-by-module path
     (Block.forward with `fused_q4` None) -- prefill, a decode step, a tree verification with its mask, and two
@@ -374,7 +411,7 @@ def test_fused_block_equals_the_block_module_by_module(simd, placement):
 
     def run(model):
         out = []
-        cache = KVCache.for_model(model.cfg, 1, 40)
+        cache = KVCache.for_model(model.cfg, 1, 40, dtype=kv)
         out.append(forward_cached(model, ids[:1, :12], cache, torch.arange(12)[None]))
         cap = {1: None, 3: None}  # a captured middle layer (drafters read them) splits the stacked call
         out.append(forward_cached(model, ids[:1, 12:13], cache, torch.tensor([[12]]), capture=cap))
@@ -388,7 +425,7 @@ def test_fused_block_equals_the_block_module_by_module(simd, placement):
                                   extra_mask=tree.verify_mask(L)))
         out += [cache.k[:, :, :, :cache.length].clone(), cache.v[:, :, :, :cache.length].clone(),
                 cache.bias[:, :, :cache.length].clone()]
-        batch = KVCache.for_model(model.cfg, 2, 40)
+        batch = KVCache.for_model(model.cfg, 2, 40, dtype=kv)
         active = torch.ones(2, 10, dtype=torch.bool)
         active[1, :3] = False  # the second prompt is 3 tokens shorter: left padding
         pos = (torch.arange(10)[None] - torch.tensor([[0], [3]])).clamp_min(0)

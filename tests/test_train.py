@@ -413,7 +413,8 @@ def test_cli_surface_is_frozen():
                              "presets", "serve", "sweep", "train", "train-draft", "train-gates"]
     # issue 45: the OpenAI-compatible server
     assert flags["serve"] == sorted(["-h", "--help", *CONFIG, "--model", "--checkpoint", "--weights", "--device", "--draft",
-                                     "--tree", "--served-name", "--host", "--port", "--max-queue", "--max-batch"])
+                                     "--tree", "--served-name", "--host", "--port", "--max-queue", "--max-batch",
+                                     "--kv-cache"])  # the KV cache's dtype (fp16 by default with q4)
     assert flags["demo"] == sorted(["-h", "--help", *CONFIG, "--steps", "--out-dir"])
     assert flags["kernels"] == sorted(["-h", "--help", *CONFIG])
     tools = next(a for a in sub.choices["data"]._actions if a.dest == "tool").choices
@@ -449,7 +450,7 @@ def test_cli_surface_is_frozen():
     assert flags["generate"] == sorted(["-h", "--help", *CONFIG, "--model", "--checkpoint", "--prompt", "--chat", "--system",
                                         "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
                                         "--no-skip", "--weights", "--device", "--draft", "--tree", "--stats",
-                                        "--refresh-costs", "--gates", "--engine", "--graphs"])
+                                        "--refresh-costs", "--gates", "--engine", "--graphs", "--kv-cache"])
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench").choices
     assert sorted(bench) == ["decode", "gates", "generate", "serve", "static", "train"]  # train: issue 44; serve: 45
     assert sorted(o for a in bench["serve"]._actions for o in a.option_strings) == sorted(

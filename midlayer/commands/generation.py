@@ -12,7 +12,7 @@ from pathlib import Path
 from midlayer.api import LLM
 from midlayer.commands.options import positive
 from midlayer.engine.decode_step import unsupported
-from midlayer.engine.quantization import WEIGHT_FORMATS
+from midlayer.engine.quantization import KV_FORMATS, WEIGHT_FORMATS
 from midlayer.ops import kernels
 from midlayer.speculative.tree_cost import parse_tree_spec
 from midlayer.train.distributed import resolve_device
@@ -40,6 +40,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32",
                    help="linear-weight format: fp32 (exact), bf16, or int4 (group-32, Q4_1 layout; fastest on CPU); "
                         "activations, residual and LM head stay fp32")
+    p.add_argument("--kv-cache", choices=[k for k in KV_FORMATS if k != "auto"], default=None,
+                   help="what the KV cache holds (default: fp16 with --weights q4, as llama.cpp keeps it; else the "
+                        "weights' dtype)")
     p.add_argument("--device", default=None)
     p.add_argument("--draft", default=None, metavar="DIR|lookup",
                    help="speculative decoding with a train-draft output, or `lookup`: prompt lookup, draft tokens "
@@ -72,9 +75,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """`midlayer generate`: a thin layer over the Python API (midlayer/api.py), which does the work."""
     check_generate_args(args)  # before any file is read: a bad flag is never blamed on a model file
     if args.model:
-        llm = LLM.load(args.model, weights=args.weights, device=args.device)
+        llm = LLM.load(args.model, weights=args.weights, device=args.device, kv_cache=args.kv_cache)
     else:
-        llm = LLM.from_run(args.checkpoint, weights=args.weights, device=args.device)
+        llm = LLM.from_run(args.checkpoint, weights=args.weights, device=args.device, kv_cache=args.kv_cache)
     model = llm.model
     if args.weights == "q4" and not model.batch_invariant:
         # q4 is defined by its C kernels: without them it is another computation (issue 43)
@@ -250,6 +253,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--checkpoint", help="one of our runs (directory or ckpt_*.pt); its corpus's tokenizer is used")
     p.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4",
                    help="linear-weight format (default q4: the row-invariant CPU format, lossless with a drafter)")
+    p.add_argument("--kv-cache", choices=[k for k in KV_FORMATS if k != "auto"], default=None,
+                   help="what the KV cache holds (default: fp16 with --weights q4, as llama.cpp keeps it; else the "
+                        "weights' dtype)")
     p.add_argument("--device", default=None)
     p.add_argument("--draft", default=None, metavar="DIR|lookup", help="decode every request speculatively with a "
                                                                       "train-draft output or prompt lookup")
@@ -273,8 +279,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.draft is not None and args.draft != LOOKUP and not Path(args.draft).is_dir():
         raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output, or lookup)")
     tree_nodes(args.tree)  # a bad --tree is refused before any model is loaded
-    llm = LLM.load(args.model, weights=args.weights, device=args.device) if args.model else \
-        LLM.from_run(args.checkpoint, weights=args.weights, device=args.device)
+    llm = LLM.load(args.model, weights=args.weights, device=args.device, kv_cache=args.kv_cache) if args.model \
+        else LLM.from_run(args.checkpoint, weights=args.weights, device=args.device, kv_cache=args.kv_cache)
     if args.draft:
         llm.attach(args.draft, tree=args.tree)
     serve(llm, args.served_name or args.model or args.checkpoint, host=args.host, port=args.port,

@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 import torch
 
 from .generate import GenerationConfig, forward_cached, sample_next, validate_prompts
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
 
@@ -151,7 +151,7 @@ class ContinuousBatch:
         self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
         self.ctx = model.cfg.max_seq_len
         self.device = model.tok_embeddings.weight.device
-        self.dtype = model.tok_embeddings.weight.dtype
+        self.dtype = kv_dtype(model)  # the KV cache's
         self.cache = KVCache.for_model(model.cfg, max_rows, max_len=min(initial_len, self.ctx), device=self.device,
                                        dtype=self.dtype)
         self.running: list[BatchSequence] = []  # running[i] holds row i

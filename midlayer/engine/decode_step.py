@@ -51,7 +51,7 @@ import torch
 
 from .draft_vocab import head_logits
 from .generate import GenerationConfig, sample_next, validate_prompts
-from midlayer.model.kv_cache import CacheView
+from midlayer.model.kv_cache import CacheView, kv_dtype
 from midlayer.model.transformer import Transformer
 
 # Candidate bucket sets, tried in order by `invariant_buckets`: several sizes (plain decoding pays for the
@@ -254,7 +254,7 @@ class DecodeStep:
         self.model, self.buckets, self.graphs, self.batch = model, buckets, graphs, batch
         self.max_len, self.scratch = max_len, max_len  # slots 0..max_len-1, then the scratch slot
         S = max_len + 1
-        dtype = model.tok_embeddings.weight.dtype
+        dtype = kv_dtype(model)  # (the q4 format's fp16, as the dynamic engine's cache holds)
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, S, cfg.head_dim)
         self.k = torch.zeros(shape, device=dev, dtype=dtype)
         self.v = torch.zeros(shape, device=dev, dtype=dtype)

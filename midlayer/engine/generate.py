@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from midlayer.model.kv_cache import KVCache, LayerView
+from midlayer.model.kv_cache import KVCache, LayerView, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
 
@@ -154,7 +154,7 @@ class CachedStep:
         alike = self.layers_alike if self.start is None else all(c.dense_layers[start:stop])
         if (stop - start < 2 or c.layer_windows is not None or self.active is not None or self.position_bias is not None or not alike
                 or h.device.type != "cpu" or h.dtype != torch.float32 or torch.is_grad_enabled()
-                or c.k.dtype != torch.float32):
+                or c.k_layers[0].dtype not in kernels.KV_DTYPES):
             return None
         plans = [blocks[layer].fused_q4 for layer in range(start, stop)]
         if any(p is None for p in plans):
@@ -274,7 +274,7 @@ def validate_prompts(model: Transformer, prompts: Sequence[Sequence[int]]) -> li
 def prefill(model: Transformer, prompts: list[list[int]], cache: KVCache, skip: bool = True
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad the prompts into one batch and fill the cache. Returns (last logits [B, V], next pos [B])."""
-    dev = cache.k.device
+    dev = cache.pos.device
     lengths = torch.tensor([len(p) for p in prompts], device=dev)
     P = int(lengths.max())
     pad = P - lengths
@@ -284,9 +284,7 @@ def prefill(model: Transformer, prompts: list[list[int]], cache: KVCache, skip: 
     cols = torch.arange(P, device=dev)[None, :]
     active = cols >= pad[:, None]
     positions = (cols - pad[:, None]).clamp_min(0)
-    # with a bounded sliding-window cache the prompt goes in chunks of at most W tokens (the same logits:
-    # each query sees the W - 1 keys before it either way)
-    step = cache.window if cache.window and P > cache.max_len - cache.length else P
+    step = cache.chunk(P)  # a bounded window takes the prompt in chunks of at most W tokens
     for a in range(0, P, step):
         b = min(a + step, P)
         cache.make_room(b - a)
@@ -318,11 +316,12 @@ def generate_stream(model: Transformer, prompts: Sequence[Sequence[int]], cfg: G
     budget = min(cfg.max_new_tokens, ctx - P + 1)  # the last token generated needs no cache slot
     if budget <= 0:
         return
-    W = 0 if model.cfg.mixed_windows else model.cfg.sliding_window  # (mixed: global blocks keep every key)
-    # a sliding window bounds the cache: W - 1 kept keys + a chunk of at most W new ones (`prefill`)
-    size = min(ctx, P + budget) if not W else min(ctx, P + budget, 2 * W - 1)
+    W = model.cfg.sliding_window
+    # a sliding window bounds the cache: W - 1 kept keys + a chunk of at most W new ones (`prefill`); with
+    # windowed and global blocks mixed, only the windowed blocks' keys are bounded (the global ones keep all)
+    size = min(ctx, P + budget) if not W or model.cfg.mixed_windows else min(ctx, P + budget, 2 * W - 1)
     cache = KVCache.for_model(model.cfg, len(prompts), max_len=size, device=dev,
-                              dtype=model.tok_embeddings.weight.dtype)
+                              dtype=kv_dtype(model), local_len=2 * W - 1 if model.cfg.mixed_windows else None)
     gen = None
     if cfg.temperature > 0:
         gen = torch.Generator(device=dev)

@@ -50,6 +50,7 @@ from midlayer.ops import kernels
 WeightFormat = Literal["fp32", "bf16", "int4", "q4"]
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int4", "q4")
 HEAD_FORMATS: tuple[str, ...] = ("fp32", "q8")
+KV_FORMATS: dict[str, torch.dtype | None] = {"auto": None, "fp32": torch.float32, "fp16": torch.float16}  # KV cache
 # Formats in which a row's logits are bit-identical whatever else shares its forward (SPEC section 9), so
 # speculative output equals plain output token for token. fp32 (MKL), bf16 and int4 use PyTorch matmuls
 # and SDPA, which are not row-invariant on CPU (tests/test_kernels.py shows where).
@@ -267,15 +268,20 @@ def fuses_q4(block: nn.Module) -> bool:
             and att.head_dim * att.n_heads == att.wo.in_features)
 
 
-def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.Module:
+def compress_weights(model: nn.Module, fmt: str, head: str | None = None, kv: str | None = None) -> nn.Module:
     """Prepare a model for inference in weight format `fmt`, in place (see the module docstring).
 
     Fuses q|k|v and w1|w3, then converts the block linears to `fmt` and the LM head to `head` (default: q8
     for q4, fp32 otherwise). The embedding and the routers of gated models stay as they are (routers are
     tiny and decide which blocks run). The q4 format also switches cached attention to the row-invariant
-    kernel. Returns the model, with `weight_format`, `head_format` and `batch_invariant` attributes."""
+    kernel. `kv`: what the KV cache holds (KV_FORMATS; default: fp16 for q4, as llama.cpp keeps it, else the
+    weights' dtype): fp16 halves the cache and the bytes attention reads, with attention still in fp32 over the
+    exactly widened values. Returns the model, with `weight_format`, `head_format`, `kv_dtype` and
+    `batch_invariant` attributes."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    if kv is not None and kv not in KV_FORMATS:
+        raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {kv!r}")
     head = head or ("q8" if fmt == "q4" else "fp32")
     if head not in HEAD_FORMATS:
         raise ValueError(f"head must be one of {', '.join(HEAD_FORMATS)}, got {head!r}")
@@ -294,6 +300,7 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None) -> nn.
         model.output = Q8Linear(model.output)  # unties: the embedding keeps its fp32 copy for lookups
     model.weight_format = fmt
     model.head_format = head
+    model.kv_dtype = KV_FORMATS[kv or ("fp16" if fmt == "q4" else "auto")]  # None: the weights' (kv_cache.kv_dtype)
     # Gated models: the routers stay fp32 and compute a row-invariant dot product at inference (gating.py),
     # so gates, and which blocks a token skips, do not depend on the rows sharing a forward either.
     model.batch_invariant = fmt in LOSSLESS_FORMATS and head != "fp32" and kernels.batch_invariant()

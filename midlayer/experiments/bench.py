@@ -40,7 +40,7 @@ from midlayer.engine.generate import decode_one_token, forward_cached, generate,
 from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
 from midlayer.engine.quantization import compress_weights, weight_bytes
 from midlayer.model.flops import decode_flops, forward_flops
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
 from midlayer.speculative.distill import DistillSet
@@ -271,7 +271,7 @@ class LlamaCppAnchor:
 
 def ours_run(model: Transformer, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
     """Our engine, timed like `LlamaCppAnchor.run`: (prefill seconds, decode seconds per token, tokens)."""
-    cache = KVCache.for_model(model.cfg, 1, len(ids) + new_tokens)
+    cache = KVCache.for_model(model.cfg, 1, len(ids) + new_tokens, dtype=kv_dtype(model))
     t0 = time.perf_counter()
     logits, pos = prefill(model, [ids], cache)
     t1 = time.perf_counter()
@@ -673,7 +673,7 @@ def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("q4
     for fmt in formats:
         model = compress_weights(copy.deepcopy(base), fmt).eval()
         ids = torch.randint(0, model.cfg.vocab_size, (1, context + max(rows)), generator=torch.Generator().manual_seed(0))
-        cache = KVCache.for_model(model.cfg, 1, context + max(rows))
+        cache = KVCache.for_model(model.cfg, 1, context + max(rows), dtype=kv_dtype(model))
         forward_cached(model, ids[:, :context], cache, torch.arange(context)[None], last_only=True)
         def step(T: int) -> float:
             cache.truncate(context)

@@ -292,7 +292,7 @@ class Attention(nn.Module):
         if self.rope_half is not None:  # this block's RoPE base among the two (position_tables)
             cos, sin = rope_half(cos, sin, self.rope_half, hd)
         if (cache is not None and cache.direct and self.row_invariant and self.wqkv is not None
-                and x.device.type == "cpu" and cache.k_buffer.dtype == torch.float32 and kernels.available()
+                and x.device.type == "cpu" and cache.k_buffer.dtype in kernels.KV_DTYPES and kernels.available()
                 and self.q_norm is None):
             return self._forward_kernels(x, cos, sin, cache)
         # RoPE in the projection's own [B, T, heads, hd] layout: no copy before the attention kernel.

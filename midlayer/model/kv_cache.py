@@ -15,6 +15,12 @@ So one additive mask carries causality-free occupancy, skipping and gating; the 
 `keep(slots)` compacts a chosen subset of slots to the front (tree verification keeps the accepted path);
 `truncate(n)` forgets everything from slot n on.
 
+Bounded windowed layers (`for_model(..., local_len=n)`, for windowed and global blocks mixed, Gemma 3): the
+windowed layers keep their K/V in buffers of n slots of their own, holding slots `local_off`..length-1 at
+columns 0..; `make_room` drops the slots every later query's window has passed by moving the rest to the
+front (in slot order, so a query sees the same keys in the same order as in a full cache). The global layers,
+the key biases and the positions keep every slot. `offset(layer)` says where a layer's column 0 lies.
+
 The cache-view protocol (`CacheView`): what a block's attention is handed in one forward instead of a cache
 type to check. `update(k, v)` stores this layer's new keys/values wherever the view keeps them and returns
 (keys, values, additive mask) to attend over; `attention(module, q, k, v)` stores and attends (by default
@@ -28,31 +34,69 @@ in place says so with `direct`; a view that holds a state-space mixer's state ha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from .attention import window_mask
 
 
+def kv_dtype(model) -> torch.dtype:
+    """What a KV cache for `model` holds: the model's `kv_dtype` where one is set (the q4 format's fp16 K/V,
+    engine/quantization.py), else its weights' dtype."""
+    return getattr(model, "kv_dtype", None) or model.tok_embeddings.weight.dtype
+
+
 class KVCache:
+    # bounded windowed layers (module docstring): none unless for_model is given local_len
+    local_layers: frozenset[int] = frozenset()
+    local_len = local_window = local_off = 0
+
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self._bind(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
-                   torch.full((n_layers, batch, max_len), float("-inf"), device=device),
-                   torch.zeros(batch, max_len, dtype=torch.long, device=device))
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 local: tuple[Sequence[int], int, int] | None = None) -> None:
+        """`local` (layers, local_len, window): those layers keep only their last `local_len` slots (module
+        docstring); `window`, the largest of their windows, says which slots every later query has passed."""
+        bias = torch.full((n_layers, batch, max_len), float("-inf"), device=device)
+        pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        if local is None or not local[0]:
+            shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+            self._bind(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+                       bias, pos)
+        else:
+            layers, self.local_len, self.local_window = frozenset(local[0]), local[1], local[2]
+            if not 0 < self.local_window <= self.local_len:
+                raise ValueError(f"bounded windowed layers: need 0 < window <= local_len, got {local[2]}, {local[1]}")
+            self.local_layers = layers
+
+            def buffers(n: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                shape = (n, batch, n_kv_heads, length, head_dim)
+                return (list(torch.zeros(shape, device=device, dtype=dtype).unbind(0)),
+                        list(torch.zeros(shape, device=device, dtype=dtype).unbind(0)))
+
+            gk, gv = buffers(n_layers - len(layers), max_len)
+            lk, lv = buffers(len(layers), self.local_len)
+            ks, vs = [], []
+            for layer in range(n_layers):
+                src = (lk, lv) if layer in layers else (gk, gv)
+                ks.append(src[0].pop(0))
+                vs.append(src[1].pop(0))
+            self._bind(None, None, bias, pos, ks, vs)
         self.window = 0  # sliding-window attention (> 0): keys `window` or more positions back are hidden
         self.layer_windows: list[int] | None = None  # per layer, where windowed and global layers mix
 
-    def _bind(self, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, pos: torch.Tensor) -> None:
-        """Take these buffers as the cache's storage, empty (length 0, every layer dense)."""
+    def _bind(self, k: torch.Tensor | None, v: torch.Tensor | None, bias: torch.Tensor, pos: torch.Tensor,
+              k_layers: list[torch.Tensor] | None = None, v_layers: list[torch.Tensor] | None = None) -> None:
+        """Take these buffers as the cache's storage, empty (length 0, every layer dense). k, v None: the
+        layers' buffers are separate (`k_layers`, `v_layers`: bounded windowed layers)."""
         self.k, self.v, self.bias, self.pos = k, v, bias, pos
-        n_layers, max_len = k.shape[0], k.shape[3]
+        n_layers, max_len = bias.shape[0], bias.shape[2]
         self.length = 0  # slots in use
         self.max_len = max_len
         # Per-layer views, taken once: the decode step indexes no 5-d buffer.
-        self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
+        if k_layers is None:
+            k_layers, v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
+        self.k_layers, self.v_layers = k_layers, v_layers
         self.bias_layers = list(self.bias.unbind(0))
         # Per layer: True while every slot < length is held by that layer with bias 0 (dense, no padding,
         # nothing skipped there): its attention then needs no mask at all in a decode step, the fast path of
@@ -67,6 +111,7 @@ class KVCache:
         length and dense flags are its own; what it writes lands in this cache's buffers."""
         if not 0 <= first < stop <= self.batch:
             raise ValueError(f"rows {first}..{stop} outside 0..{self.batch}")
+        self._whole("rows")
         view = KVCache.__new__(KVCache)
         view._bind(self.k[:, first:stop], self.v[:, first:stop], self.bias[:, first:stop], self.pos[first:stop])
         view.window, view.layer_windows = self.window, self.layer_windows
@@ -74,12 +119,19 @@ class KVCache:
 
     @classmethod
     def for_model(cls, cfg, batch: int, max_len: int | None = None, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> "KVCache":
+                  dtype: torch.dtype = torch.float32, local_len: int | None = None) -> "KVCache":
+        """A cache for `cfg`'s model. `local_len`: with windowed and global blocks mixed, the windowed blocks
+        keep only that many slots (at least their window; 2 W - 1 lets a chunk of W new tokens in beside the W - 1
+        kept keys); None or >= max_len: every layer keeps every slot."""
         if max_len is None:
             max_len = cfg.max_seq_len
         elif max_len < 1:  # never silently the default: 0 is a caller's bug
             raise ValueError(f"KV cache max_len must be >= 1, got {max_len}")
-        cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype)
+        local = None
+        if local_len is not None and cfg.mixed_windows and local_len < max_len:
+            layers = [layer for layer in range(cfg.n_layers) if cfg.window_of(layer)]
+            local = (layers, local_len, max(cfg.window_of(layer) for layer in layers))
+        cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype, local)
         # one window for the whole cache, which may then drop keys every block is done with (make_room); with
         # windowed and global blocks mixed nothing can be dropped, and each layer masks by its own window
         cache.window = 0 if cfg.mixed_windows else cfg.sliding_window
@@ -88,7 +140,7 @@ class KVCache:
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.bias.shape[1]
 
     def reserve(self, n: int) -> torch.Tensor:
         """Claim the next n slots; returns their indices. Refuses to overflow with a clear message."""
@@ -106,10 +158,30 @@ class KVCache:
             st = self.ssm[layer] = mixer.new_state(batch, self.pos.device, dtype)
         return st
 
+    def offset(self, layer: int) -> int:
+        """The slot held in column 0 of `layer`'s K/V buffers (> 0 only for bounded windowed layers)."""
+        return self.local_off if layer in self.local_layers else 0
+
+    def _whole(self, what: str) -> None:
+        if self.k is None:
+            raise ValueError(f"{what}: not supported by a cache whose windowed layers are bounded (plain "
+                             "generation only; speculative decoding and batches keep every slot)")
+
+    def chunk(self, n: int) -> int:
+        """How many of n new tokens fit in one forward: all of them, unless a bounded window (the whole cache's
+        or the windowed layers') needs the prompt in chunks of at most the window (the same logits: each query
+        sees the W - 1 keys before it either way)."""
+        if self.window and n > self.max_len - self.length:
+            return self.window
+        if self.local_len and n > self.local_len - (self.length - self.local_off):
+            return self.local_window
+        return n
+
     def evict_before(self, first: int) -> None:
         """Forget slots 0..first-1 and move the rest to the front (a bounded sliding-window cache: those keys
         lie outside every later query's window). Unlike `truncate`, nothing later is undone, so a state-space
         mixer's state stays valid."""
+        self._whole("evict_before")
         if not 0 <= first <= self.length:
             raise ValueError(f"evict_before: {first} not in [0, {self.length}]")
         if first == 0:
@@ -128,6 +200,18 @@ class KVCache:
         slot on can see (all but the last W - 1) if the new slots would not fit."""
         if self.window and self.length + n_new > self.max_len:
             self.evict_before(max(self.length - (self.window - 1), 0))
+        if self.local_len and self.length - self.local_off + n_new > self.local_len:
+            # the bounded windowed layers: no query from slot `length` on sees a slot before length - (W - 1)
+            first = max(self.length - (self.local_window - 1), self.local_off)
+            drop, n = first - self.local_off, self.length - first
+            for layer in self.local_layers:
+                for buf in (self.k_layers[layer], self.v_layers[layer]):
+                    buf[:, :, :n] = buf[:, :, drop:drop + n].clone()
+            self.local_off = first
+            self.mask_memo = None
+            if n + n_new > self.local_len:
+                raise ValueError(f"{n_new} new tokens do not fit beside the {n} kept keys of the bounded windowed "
+                                 f"layers ({self.local_len} slots): feed at most chunk() tokens per forward")
 
     def _no_rollback(self, what: str) -> None:
         if self.ssm:
@@ -135,8 +219,8 @@ class KVCache:
                              "(speculative decoding and drafters are not supported with ssm_layers)")
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"truncate: length {length} not in [0, {self.length}]")
+        if not self.local_off <= length <= self.length:
+            raise ValueError(f"truncate: length {length} not in [{self.local_off}, {self.length}]")
         if length < self.length:
             self._no_rollback("truncate")
         self.bias[:, :, length:self.length] = float("-inf")
@@ -146,6 +230,7 @@ class KVCache:
         """Move slots `slots` [B, n] (per row, increasing, all >= start) to start..start+n-1 and drop every
         other slot from `start` on. Used after verifying a draft tree: only the accepted path stays."""
         self._no_rollback("keep")
+        self._whole("keep")
         n = slots.shape[1]
         for b in range(self.batch):  # B is small; per-row copies keep the indexing obvious
             src = slots[b]
@@ -224,7 +309,12 @@ class LayerView(CacheView):
     gate_bias: torch.Tensor | None = None
     extra_mask: torch.Tensor | None = None
     position_bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None  # ALiBi / T5
-    direct = True  # (a class attribute: not a dataclass field)
+
+    @property
+    def direct(self) -> bool:
+        # the C kernels address a layer's buffers by slot: a bounded windowed layer whose columns have moved
+        # (offset > 0) stores and attends through `update` instead
+        return self.cache.offset(self.layer) == 0
 
     @property
     def k_buffer(self) -> torch.Tensor:
@@ -246,20 +336,22 @@ class LayerView(CacheView):
         """Store k, v [B, Hk, M, d] at this step's slots; return (keys, values [B, Hk, S, d], mask)."""
         self.store(k, v)
         mask = self.finish(k.shape[2], k.device)
-        S = self.cache.length
-        return self.cache.k_layers[self.layer][:, :, :S], self.cache.v_layers[self.layer][:, :, :S], mask
+        n = self.cache.length - self.cache.offset(self.layer)  # the slots this layer's buffers hold
+        return self.cache.k_layers[self.layer][:, :, :n], self.cache.v_layers[self.layer][:, :, :n], mask
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         c, l = self.cache, self.layer
+        off = c.offset(l)
         if self.valid is None:
-            c.k_layers[l].narrow(2, self.start, k.shape[2]).copy_(k)
-            c.v_layers[l].narrow(2, self.start, k.shape[2]).copy_(v)
+            c.k_layers[l].narrow(2, self.start - off, k.shape[2]).copy_(k)
+            c.v_layers[l].narrow(2, self.start - off, k.shape[2]).copy_(v)
         else:
             b_idx, m_idx = self.valid.nonzero(as_tuple=True)
-            s_idx = self.query_slots[b_idx, m_idx]
+            s_idx = self.query_slots[b_idx, m_idx] - off
             # Mixed advanced indexing: both sides come out as [N, H_kv, d].
-            c.k_layers[l][b_idx, :, s_idx] = k[b_idx, :, m_idx]
-            c.v_layers[l][b_idx, :, s_idx] = v[b_idx, :, m_idx]
+            kl, vl = c.k_layers[l], c.v_layers[l]
+            kl[b_idx, :, s_idx] = k[b_idx, :, m_idx].to(kl.dtype)  # (an fp16 cache rounds, as copy_ does)
+            vl[b_idx, :, s_idx] = v[b_idx, :, m_idx].to(vl.dtype)
 
     def finish(self, M: int, device: torch.device) -> torch.Tensor | None:
         """After this layer's K/V of the step are stored (by `store` or by a kernel that writes the cache
@@ -279,9 +371,9 @@ class LayerView(CacheView):
             b_idx, m_idx = self.valid.nonzero(as_tuple=True)
             s_idx = self.query_slots[b_idx, m_idx]
             bias_l[b_idx, s_idx] = 0.0 if self.gate_bias is None else self.gate_bias[b_idx, m_idx].float()
-        S = c.length
+        S, off = c.length, c.offset(l)  # this layer holds slots off..S-1 (off > 0: a bounded windowed layer)
         window = c.window if c.layer_windows is None else c.layer_windows[l]
-        local = 0 < window < S  # sliding window: keys far enough back are hidden too
+        local = 0 < window < S - off  # sliding window: keys far enough back are hidden too
         # a decode step: one query in the last slot, so causality hides nothing from it, and nothing else adds
         decode = (M == 1 and self.valid is None and self.start == S - 1 and self.extra_mask is None and not local
                   and self.position_bias is None)
@@ -291,26 +383,26 @@ class LayerView(CacheView):
             # the mask is this layer's key biases as they are (skipped slots -inf, gated keys ln g) -- a view
             # on the CPU, no tensor built; contiguous elsewhere (GPU attention kernels want an aligned bias,
             # and the view's batch stride is the cache's max_len)
-            mask = bias_l[:, None, None, :S]
+            mask = bias_l[:, None, None, off:S]
             return mask if mask.device.type == "cpu" else mask.contiguous()
         if dense:
             # Every held key has bias 0 at this layer: the mask (causality [+ tree]) is the same for all dense
             # layers of this forward, so it is built once and reused (keyed on what it depends on).
             em = self.extra_mask
-            key = (self.start, M, S, window, None if em is None else (em.data_ptr(), tuple(em.shape), tuple(em.stride())))
+            key = (self.start, M, S, off, window, None if em is None else (em.data_ptr(), tuple(em.shape), tuple(em.stride())))
             if c.mask_memo is not None and c.mask_memo[0] == key:
                 return c.mask_memo[1]
-        key_slots = torch.arange(S, device=device)
+        key_slots = torch.arange(off, S, device=device)
         causal = torch.where(key_slots[None, None, :] <= self.query_slots[:, :, None], 0.0, float("-inf"))
-        mask = (causal + bias_l[:, None, :S])[:, None]  # [B, 1, M, S]
+        mask = (causal + bias_l[:, None, off:S])[:, None]  # [B, 1, M, S - off]
         if local or self.position_bias is not None:  # by position: left padding, trees, joined rows alike
             q_pos = c.pos.gather(1, self.query_slots)
             if local:
-                mask = mask + window_mask(q_pos, c.pos[:, :S], window)[:, None]
+                mask = mask + window_mask(q_pos, c.pos[:, off:S], window)[:, None]
             if self.position_bias is not None:  # [B, H, M, S]: a per-head relative position bias
-                mask = mask + self.position_bias(q_pos, c.pos[:, :S])
+                mask = mask + self.position_bias(q_pos, c.pos[:, off:S])
         if self.extra_mask is not None:
-            mask = mask + self.extra_mask
+            mask = mask + self.extra_mask[..., off:]
         if dense:
             c.mask_memo = (key, mask)
         return mask

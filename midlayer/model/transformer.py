@@ -68,7 +68,7 @@ class Block(nn.Module):
         refused for gated models, config.py). Dropout (training) on M's output before the residual add."""
         if (self.fused_q4 is not None and gate is None and key_bias is None and cache is not None and cache.direct
                 and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and cache.k_buffer.dtype == torch.float32):
+                and cache.k_buffer.dtype in kernels.KV_DTYPES):
             return self._forward_fused(x, cos, sin, cache)
         post = self.placement == "post"
         xin = x if post else self.attention_norm(x)

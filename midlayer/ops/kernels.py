@@ -196,17 +196,17 @@ def library() -> ctypes.CDLL | None:
     lib.qk_quantize_q8.argtypes = [P, L, I, I, P, P, P]
     lib.qk_gemm_q4_1.argtypes = [P, P, P, I, I, P, P, I, P, L]
     lib.qk_gemm_q8_0.argtypes = [P, P, I, I, P, P, I, P, L]
-    lib.qk_attention.argtypes = [P, L, L, P, P, L, L, L, P, I, I, I, I, I, I, F, P, P, I]
+    lib.qk_attention.argtypes = [P, L, L, P, P, L, L, L, P, I, I, I, I, I, I, F, P, P, I, I]
     lib.qk_linear_q4_1.argtypes = [P, I, I, P, P, I, P, P]
     lib.qk_linear_q8_0.argtypes = [P, I, I, P, P, I, P, P]
     lib.qk_rmsnorm.argtypes = [P, P, I, I, F, P]
-    lib.qk_rope_store.argtypes = [P, L, I, I, I, I, I, P, P, P, P, L, L, P]
+    lib.qk_rope_store.argtypes = [P, L, I, I, I, I, I, P, P, P, P, L, L, P, I]
     lib.qk_silu_mul.argtypes = [P, I, I, P]
     lib.qk_topk.argtypes = [P, I, I, L, I, P, P, P]
-    lib.qk_blocks_q4.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, F, P, P, P, P, P, L, L, L, L, P, P, I, I, P]
+    lib.qk_blocks_q4.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, F, P, P, P, P, P, L, L, L, L, P, P, I, I, P, I]
     lib.qk_block_q4_work.argtypes = [I, I, I, I, I, I, I]
     lib.qk_block_q4_work.restype = L
-    lib.qk_block_q4.argtypes = [P, P, I, I, I, I, I, I, I, F, F] + [P] * 14 + [P, P, L, L, L, P, P, I, I, P]
+    lib.qk_block_q4.argtypes = [P, P, I, I, I, I, I, I, I, F, F] + [P] * 14 + [P, P, L, L, L, P, P, I, I, P, I]
     lib.qk_has_avx2.restype = I
     lib.qk_simd_level.restype = I
     lib.qk_set_simd.argtypes = [I]
@@ -602,10 +602,20 @@ def rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tens
         slots = slots.to(torch.long).contiguous()
     library().qk_rope_store(qkv.data_ptr(), qkv.stride(0), B, T, n_heads, n_kv_heads, D, cos.data_ptr(),
                             sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                            k_cache.stride(1), slots.data_ptr())
+                            k_cache.stride(1), slots.data_ptr(), _kv16(k_cache))
 
 
 # ===================================================================================== attention
+KV_DTYPES = (torch.float32, torch.float16)  # what a KV cache the kernels read and write may hold
+
+
+def _kv16(k_cache: torch.Tensor) -> int:
+    """1 for an fp16 KV cache (the kernels round stores to fp16 and widen reads exactly), 0 for fp32."""
+    if k_cache.dtype not in KV_DTYPES:
+        raise ValueError(f"the q4 kernels keep K/V in fp32 or fp16, not {k_cache.dtype}")
+    return int(k_cache.dtype == torch.float16)
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
                         ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v in fp32: q [B, H, T, d], k/v [B, Hk, S, d], mask [B, 1 or H, T, S]."""
@@ -626,7 +636,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     lib = library()
     if n_keys is not None:
         k, v = k[:, :, :n_keys], v[:, :, :n_keys]
-    if lib is None or q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32:
+    if (lib is None or q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype not in KV_DTYPES
+            or v.dtype != k.dtype):
         return attention_reference(q, k, v, mask)
     B, H, T, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
@@ -640,7 +651,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     scratch = _workspace(8 * B * T * H * S)  # per row: S scores + S key slots
     lib.qk_attention(_ptr(q), q.stride(0), q.stride(2), _ptr(k), _ptr(v), k.stride(0), k.stride(1), k.stride(2),
                      _ptr(m) if m is not None else None, B, T, H, Hk, S, D, float(D ** -0.5), _ptr(out),
-                     _ptr(scratch), mh)
+                     _ptr(scratch), mh, _kv16(k))
     return out.transpose(1, 2)
 
 
@@ -669,7 +680,7 @@ def attention_fused(qkv: torch.Tensor, n_heads: int, k_cache: torch.Tensor, v_ca
     library().qk_attention(qkv.data_ptr(), qkv.stride(0), qkv.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                            ks[0], ks[1], ks[2], None if mask is None else mask.data_ptr(), B, T, n_heads, Hk,
                            n_keys, D, float(D ** -0.5), out.data_ptr(), _workspace(8 * B * T * n_heads * n_keys).data_ptr(),
-                           mh)
+                           mh, _kv16(k_cache))
     return out
 
 
@@ -721,7 +732,8 @@ def block_q4(x: torch.Tensor, plan: BlockQ4, cos: torch.Tensor, sin: torch.Tenso
     B, M, d = x.shape
     Hk, D = k_cache.shape[1], k_cache.shape[3]
     H = plan.n_heads
-    if d != plan.dim or k_cache.stride(2) != D or k_cache.stride() != v_cache.stride():
+    if (d != plan.dim or k_cache.stride(2) != D or k_cache.stride() != v_cache.stride()
+            or v_cache.dtype != k_cache.dtype):
         raise ValueError(f"block_q4: x has {d} features (the block {plan.dim}), or the cache is not [B, Hk, S, hd]")
     x, cos, sin, slots, m, mh = _block_inputs(x, cos, sin, slots, mask, H, D, n_keys)
     y = torch.empty(B, M, d)
@@ -730,7 +742,7 @@ def block_q4(x: torch.Tensor, plan: BlockQ4, cos: torch.Tensor, sin: torch.Tenso
     lib.qk_block_q4(x.data_ptr(), y.data_ptr(), B, M, d, H, Hk, D, plan.hidden, plan.eps, D ** -0.5,
                     *[None if t is None else t.data_ptr() for t in plan.tensors], cos.data_ptr(), sin.data_ptr(),
                     k_cache.data_ptr(), v_cache.data_ptr(), ks[0], ks[1], ks[2], slots.data_ptr(), None if m is None else m.data_ptr(), mh, n_keys,
-                    work.data_ptr())
+                    work.data_ptr(), _kv16(k_cache))
     return y
 
 
@@ -767,7 +779,8 @@ def blocks_q4(x: torch.Tensor, plans: Sequence[BlockQ4], cos: torch.Tensor, sin:
     H = p0.n_heads
     if any(p.dim != d or p.n_heads != H or p.hidden != p0.hidden or p.eps != p0.eps for p in plans):
         raise ValueError("blocks_q4: the blocks differ in size or eps (one model's blocks only)")
-    if k.stride(3) != D or k.stride() != v.stride() or not first_layer + len(plans) <= k.shape[0]:
+    if (k.stride(3) != D or k.stride() != v.stride() or v.dtype != k.dtype
+            or not first_layer + len(plans) <= k.shape[0]):
         raise ValueError("blocks_q4: the cache is not [L, B, Hk, S, hd] covering the blocks")
     x, cos, sin, slots, m, mh = _block_inputs(x, cos, sin, slots, mask, H, D, n_keys)
     y, tmp = torch.empty(B, M, d), torch.empty(B, M, d)
@@ -775,8 +788,9 @@ def blocks_q4(x: torch.Tensor, plans: Sequence[BlockQ4], cos: torch.Tensor, sin:
     ks = k.stride()
     lib.qk_blocks_q4(x.data_ptr(), y.data_ptr(), tmp.data_ptr(), len(plans), B, M, d, H, Hk, D, p0.hidden, p0.eps,
                      D ** -0.5, _stack_pointers(plans), cos.data_ptr(), sin.data_ptr(),
-                     k.data_ptr() + 4 * first_layer * ks[0], v.data_ptr() + 4 * first_layer * ks[0], ks[0], ks[1],
-                     ks[2], ks[3], slots.data_ptr(), None if m is None else m.data_ptr(), mh, n_keys, work.data_ptr())
+                     k.data_ptr() + k.element_size() * first_layer * ks[0],
+                     v.data_ptr() + v.element_size() * first_layer * ks[0], ks[0], ks[1], ks[2], ks[3],
+                     slots.data_ptr(), None if m is None else m.data_ptr(), mh, n_keys, work.data_ptr(), _kv16(k))
     return y
 
 

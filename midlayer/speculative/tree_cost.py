@@ -52,7 +52,7 @@ import torch
 from midlayer.common import atomic_write, cache_dir
 from midlayer.engine.draft_vocab import draft_vocab
 from midlayer.engine.generate import forward_cached, generate_stream, GenerationConfig
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.ops.kernels import cpu_info, library_path
 from .drafting import run_blocks_cached
 from .protocol import Drafter, Forward
@@ -295,7 +295,7 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
     dev = model.tok_embeddings.weight.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, context + max(rows)), generator=g).to(dev)
-    cache = KVCache.for_model(cfg, 1, context + max(rows), device=dev)
+    cache = KVCache.for_model(cfg, 1, context + max(rows), device=dev, dtype=kv_dtype(model))
     h = torch.randn(1, max(rows), cfg.dim, generator=g).to(dev)
     total: dict[int, list[float]] = {T: [] for T in rows}
     head: dict[int, list[float]] = {T: [] for T in rows}

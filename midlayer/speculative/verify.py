@@ -50,7 +50,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from midlayer.engine.generate import forward_cached, generate, GenerationConfig, validate_prompts
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
 from .protocol import Draft, DraftContext, Drafter, FusedDrafter
@@ -394,7 +394,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     # Slots: the committed text, the largest tree in flight and, for a fused drafter, its joined rows
     # (slots are not positions: the context limit applies to positions, checked in verify_tree).
     cache = KVCache.for_model(cfg, 1, max_len=P + budget + len(tree) + extra_slots, device=dev,
-                              dtype=model.tok_embeddings.weight.dtype)
+                              dtype=kv_dtype(model))
     gen = None
     if temperature > 0:
         gen = torch.Generator(device=dev)

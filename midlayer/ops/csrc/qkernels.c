@@ -71,6 +71,33 @@ static float f16_to_f32(uint16_t h) {
     return f;
 }
 
+/* IEEE single -> half, rounded to nearest even: what F16C's vcvtps2ph (imm 0) and torch's .half() give for
+ * every finite value. Overflow goes to infinity, values below half's range to subnormals or zero; a NaN stays a
+ * quiet NaN (its payload's top bits kept, as vcvtps2ph keeps them). */
+static uint16_t f32_to_f16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    uint16_t sign = (uint16_t)((b >> 16) & 0x8000u);
+    uint32_t a = b & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((a >> 13) & 0x3ffu);
+    int e = (int)(a >> 23) - 127; /* a float subnormal (e = -127) lies far below half's range */
+    if (e > 15) return sign | 0x7c00u;
+    if (e < -25) return sign;     /* below 2^-25: nearer to 0 than to the least subnormal 2^-24 */
+    uint32_t m = (a & 0x7fffffu) | 0x800000u;
+    int shift = e >= -14 ? 13 : -1 - e; /* significand bits dropped: 13 for a normal half, more below 2^-14 */
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (q & 1u))) q++;
+    if (e < -14) return sign | (uint16_t)q; /* subnormal; q = 0x400 is the least normal, bits and all */
+    /* q in [0x400, 0x800]: a carry out of the 10 stored bits moves the exponent up (to infinity from 2^15) */
+    return sign | (uint16_t)(((uint32_t)(e + 15) << 10) + q - 0x400u);
+}
+
+/* Element i of a KV cache buffer that holds fp32 (kv16 = 0) or fp16 (kv16 = 1) values: an fp16 value widens
+ * exactly, so the attention's arithmetic is the same fp32 arithmetic either way. */
+static inline float kv_at(const void *p, long i, int kv16) {
+    return kv16 ? f16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
 static float hsum8_scalar(const float *a) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
@@ -187,15 +214,14 @@ static int visible_keys(float *scores, int S, const float *mask, int hidden, int
     return n;
 }
 
-static void attention_row_scalar(const float *q, const float *k, const float *v, long sk, const float *mask,
-                                 int S, int D, float scale, float *scores, int *keys, float *out) {
+static void attention_row_scalar(const float *q, const void *k, const void *v, long sk, const float *mask,
+                                 int S, int D, float scale, float *scores, int *keys, float *out, int kv16) {
     float mx = -INFINITY;
     int hidden = 0;
     for (int s = 0; s < S; s++) {
         if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; hidden++; continue; } /* invisible: skip the dot */
         float acc[8] = {0};
-        const float *kk = k + s * sk;
-        for (int j = 0; j < D; j++) acc[j & 7] = acc[j & 7] + q[j] * kk[j];
+        for (int j = 0; j < D; j++) acc[j & 7] = acc[j & 7] + q[j] * kv_at(k, s * sk + j, kv16);
         float sc = hsum8_scalar(acc) * scale;
         if (mask) sc = sc + mask[s];
         scores[s] = sc;
@@ -214,8 +240,8 @@ static void attention_row_scalar(const float *q, const float *k, const float *v,
     for (int s = 0; s < n; s++) {
         float p = scores[s];
         if (p == 0.0f) continue; /* a key whose weight underflowed: adds exactly nothing */
-        const float *vv = v + (slot ? slot[s] : s) * sk;
-        for (int j = 0; j < D; j++) out[j] = out[j] + p * vv[j];
+        long vs = (slot ? slot[s] : s) * sk;
+        for (int j = 0; j < D; j++) out[j] = out[j] + p * kv_at(v, vs + j, kv16);
     }
     for (int j = 0; j < D; j++) out[j] = out[j] * inv;
 }
@@ -595,15 +621,21 @@ AVX2 static inline __m256 exp_avx2(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
 
-AVX2 static inline float dot_avx2(const float *q, const float *kk, int D) {
+/* 8 consecutive cache values from element i, as fp32 (kv_at's rule) */
+AVX2 static inline __m256 kv8(const void *p, long i, int kv16) {
+    return kv16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
+AVX2 static inline float dot_avx2(const float *q, const void *k, long i, int D, int kv16) {
     __m256 acc = _mm256_setzero_ps();
     for (int j = 0; j < D; j += 8)
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kk + j)));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + j), kv8(k, i + j, kv16)));
     return hsum8_avx2(acc);
 }
 
-AVX2 static void attention_row_avx2(const float *q, const float *k, const float *v, long sk, const float *mask,
-                                    int S, int D, float scale, float *scores, int *keys, float *out) {
+AVX2 static void attention_row_avx2(const float *q, const void *k, const void *v, long sk, const float *mask,
+                                    int S, int D, float scale, float *scores, int *keys, float *out, int kv16) {
     /* Same arithmetic as attention_row_scalar, element by element; only independent chains are interleaved
      * (four keys' dot products at once, eight output columns at once) to hide the add latency. */
     float mx = -INFINITY;
@@ -616,14 +648,14 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
             hidden += 4;
             continue;
         }
-        const float *k0 = k + s * sk, *k1 = k0 + sk, *k2 = k1 + sk, *k3 = k2 + sk;
+        long k0 = s * sk, k1 = k0 + sk, k2 = k1 + sk, k3 = k2 + sk;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int j = 0; j < D; j += 8) {
             __m256 qj = _mm256_loadu_ps(q + j);
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(qj, _mm256_loadu_ps(k0 + j)));
-            a1 = _mm256_add_ps(a1, _mm256_mul_ps(qj, _mm256_loadu_ps(k1 + j)));
-            a2 = _mm256_add_ps(a2, _mm256_mul_ps(qj, _mm256_loadu_ps(k2 + j)));
-            a3 = _mm256_add_ps(a3, _mm256_mul_ps(qj, _mm256_loadu_ps(k3 + j)));
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(qj, kv8(k, k0 + j, kv16)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(qj, kv8(k, k1 + j, kv16)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(qj, kv8(k, k2 + j, kv16)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(qj, kv8(k, k3 + j, kv16)));
         }
         float d4[4] = {hsum8_avx2(a0), hsum8_avx2(a1), hsum8_avx2(a2), hsum8_avx2(a3)};
         for (int i = 0; i < 4; i++) {
@@ -639,7 +671,7 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
     }
     for (; s < S; s++) {
         if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; hidden++; continue; }
-        float sc = dot_avx2(q, k + s * sk, D) * scale;
+        float sc = dot_avx2(q, k, s * sk, D, kv16) * scale;
         if (mask) sc = sc + mask[s];
         scores[s] = sc;
         mx = sc > mx ? sc : mx;
@@ -669,15 +701,15 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
             float p = scores[t];
             if (p == 0.0f) continue;
             __m256 vp = _mm256_set1_ps(p);
-            const float *vv = v + (slot ? slot[t] : t) * sk + j;
-            o0 = _mm256_add_ps(o0, _mm256_mul_ps(vp, _mm256_loadu_ps(vv)));
-            o1 = _mm256_add_ps(o1, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 8)));
-            o2 = _mm256_add_ps(o2, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 16)));
-            o3 = _mm256_add_ps(o3, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 24)));
-            o4 = _mm256_add_ps(o4, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 32)));
-            o5 = _mm256_add_ps(o5, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 40)));
-            o6 = _mm256_add_ps(o6, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 48)));
-            o7 = _mm256_add_ps(o7, _mm256_mul_ps(vp, _mm256_loadu_ps(vv + 56)));
+            long vv = (slot ? slot[t] : t) * sk + j;
+            o0 = _mm256_add_ps(o0, _mm256_mul_ps(vp, kv8(v, vv, kv16)));
+            o1 = _mm256_add_ps(o1, _mm256_mul_ps(vp, kv8(v, vv + 8, kv16)));
+            o2 = _mm256_add_ps(o2, _mm256_mul_ps(vp, kv8(v, vv + 16, kv16)));
+            o3 = _mm256_add_ps(o3, _mm256_mul_ps(vp, kv8(v, vv + 24, kv16)));
+            o4 = _mm256_add_ps(o4, _mm256_mul_ps(vp, kv8(v, vv + 32, kv16)));
+            o5 = _mm256_add_ps(o5, _mm256_mul_ps(vp, kv8(v, vv + 40, kv16)));
+            o6 = _mm256_add_ps(o6, _mm256_mul_ps(vp, kv8(v, vv + 48, kv16)));
+            o7 = _mm256_add_ps(o7, _mm256_mul_ps(vp, kv8(v, vv + 56, kv16)));
         }
         _mm256_storeu_ps(out + j, _mm256_mul_ps(o0, vinv));
         _mm256_storeu_ps(out + j + 8, _mm256_mul_ps(o1, vinv));
@@ -693,7 +725,7 @@ AVX2 static void attention_row_avx2(const float *q, const float *k, const float 
         for (int t = 0; t < n; t++) {
             float p = scores[t];
             if (p == 0.0f) continue;
-            o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + (slot ? slot[t] : t) * sk + j)));
+            o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(p), kv8(v, (slot ? slot[t] : t) * sk + j, kv16)));
         }
         _mm256_storeu_ps(out + j, _mm256_mul_ps(o, vinv));
     }
@@ -768,9 +800,10 @@ void qk_gemm_q8_0(const int8_t *xq, const float *xd, int M, int K, const int8_t 
  * mask: additive [B, T, S] fp32 (row stride S, batch stride T*S), or NULL (every key visible).
  * out: (b, t, h) at out + (b*T + t)*H*D + h*D.  scratch: 2*B*T*H*S floats. */
 /* mask: [B, MH, T, S] additive, MH = 1 (shared by the heads) or H (per-head position biases: ALiBi, T5). */
-void qk_attention(const float *q, long qb, long qt, const float *k, const float *v, long kb, long kh, long ks,
+/* kv16: k and v hold fp16 values (else fp32); kb, kh, ks count elements either way. */
+void qk_attention(const float *q, long qb, long qt, const void *k, const void *v, long kb, long kh, long ks,
                   const float *mask, int B, int T, int H, int Hk, int S, int D, float scale, float *out,
-                  float *scratch, int MH) {
+                  float *scratch, int MH, int kv16) {
     int rep = H / Hk;
     int avx2 = qk_has_avx2() && D % 8 == 0;
     long items = (long)B * T * H;
@@ -778,13 +811,15 @@ void qk_attention(const float *q, long qb, long qt, const float *k, const float 
     for (long it = 0; it < items; it++) {
         int h = it % H, t = (it / H) % T, b = it / ((long)H * T);
         const float *qq = q + b * qb + t * qt + (long)h * D;
-        const float *kk = k + b * kb + (long)(h / rep) * kh, *vv = v + b * kb + (long)(h / rep) * kh;
+        long kv = b * kb + (long)(h / rep) * kh; /* element offset of this head's keys (and values) */
+        int esz = kv16 ? 2 : 4;
+        const void *kk = (const char *)k + kv * esz, *vv = (const char *)v + kv * esz;
         const float *mm = mask ? mask + (((long)b * MH + (MH > 1 ? h : 0)) * T + t) * S : 0;
         float *oo = out + ((long)b * T + t) * H * D + (long)h * D;
         float *sc = scratch + it * 2 * S;  /* S scores, then S key slots (int) */
         int *keys = (int *)(sc + S);
-        if (avx2) attention_row_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo);
-        else attention_row_scalar(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo);
+        if (avx2) attention_row_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+        else attention_row_scalar(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
     }
 }
 
@@ -832,9 +867,27 @@ void qk_rmsnorm(const float *x, const float *w, int M, int K, float eps, float *
  * rotate-half convention (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) on the two halves of each head.
  * q is rotated in place; k (rotated) and v go to kc/vc at slot slots[b*T + t] (head stride ch, slot
  * stride D, batch stride cb). */
+/* Row n of fp32 values into a KV cache buffer at element i: copied (kv16 = 0) or rounded to fp16 (f32_to_f16's
+ * rule; F16C's vcvtps2ph where the CPU has it, the same bits). */
+AVX2 static void kv_put_f16c(uint16_t *dst, const float *src, int n) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+    for (; j < n; j++) dst[j] = f32_to_f16(src[j]);
+}
+
+static void kv_put(void *base, long i, const float *src, int n, int kv16) {
+    if (!kv16) { memcpy((float *)base + i, src, n * sizeof(float)); return; }
+    uint16_t *dst = (uint16_t *)base + i;
+    if (qk_has_avx2()) { kv_put_f16c(dst, src, n); return; }
+    for (int j = 0; j < n; j++) dst[j] = f32_to_f16(src[j]);
+}
+
+/* kv16: the cache holds fp16 (else fp32); cb, ch count elements. */
 void qk_rope_store(float *qkv, long qkv_b, int B, int T, int H, int Hk, int D, const float *cos,
-                   const float *sin, float *kc, float *vc, long cb, long ch, const long *slots) {
+                   const float *sin, void *kc, void *vc, long cb, long ch, const long *slots, int kv16) {
     int half = D / 2;
+    float krow[1024]; /* one rotated key head (D <= 1024) */
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
             float *row = qkv + b * qkv_b + (long)t * (H + 2 * Hk) * D;
@@ -842,7 +895,7 @@ void qk_rope_store(float *qkv, long qkv_b, int B, int T, int H, int Hk, int D, c
             long slot = slots[(long)b * T + t];
             for (int h = 0; h < H + Hk; h++) {
                 float *x = row + (long)h * D;
-                float *dst = h < H ? x : kc + b * cb + (long)(h - H) * ch + slot * D;
+                float *dst = h < H ? x : krow;
                 for (int j = 0; j < half; j++) {
                     float x1 = x[j], x2 = x[j + half];
                     float r1 = x1 * c[j] - x2 * s[j];
@@ -850,9 +903,10 @@ void qk_rope_store(float *qkv, long qkv_b, int B, int T, int H, int Hk, int D, c
                     dst[j] = r1;
                     dst[j + half] = r2;
                 }
+                if (h >= H) kv_put(kc, b * cb + (long)(h - H) * ch + slot * D, krow, D, kv16);
             }
             for (int h = 0; h < Hk; h++)
-                memcpy(vc + b * cb + (long)h * ch + slot * D, row + (long)(H + Hk + h) * D, D * sizeof(float));
+                kv_put(vc, b * cb + (long)h * ch + slot * D, row + (long)(H + Hk + h) * D, D, kv16);
         }
     }
 }
@@ -987,8 +1041,9 @@ void qk_block_q4(const float *x, float *y, int B, int M, int d, int H, int Hk, i
                  float scale, const float *norm1, const float *norm2, const float *norm_ao, const float *norm_fo,
                  const uint8_t *wqkv, const uint16_t *sqkv,
                  const uint8_t *wo, const uint16_t *so, const uint8_t *w13, const uint16_t *s13,
-                 const uint8_t *w2, const uint16_t *s2, const float *cos, const float *sin, float *kc, float *vc,
-                 long cb, long ch, long cs, const long *slots, const float *mask, int MH, int S, void *work) {
+                 const uint8_t *w2, const uint16_t *s2, const float *cos, const float *sin, void *kc, void *vc,
+                 long cb, long ch, long cs, const long *slots, const float *mask, int MH, int S, void *work,
+                 int kv16) {
     long R = (long)B * M, nqkv = (long)(H + 2 * Hk) * D;
     char *p = (char *)work;
     float *xn = (float *)p;    p += align64(4L * R * d);
@@ -1001,8 +1056,8 @@ void qk_block_q4(const float *x, float *y, int B, int M, int d, int H, int Hk, i
     void *q8 = p;
     qk_rmsnorm(x, norm1, (int)R, d, eps, xn);
     qk_linear_q4_1(xn, (int)R, d, wqkv, sqkv, (int)nqkv, qkv, q8);
-    qk_rope_store(qkv, M * nqkv, B, M, H, Hk, D, cos, sin, kc, vc, cb, ch, slots);
-    qk_attention(qkv, M * nqkv, nqkv, kc, vc, cb, ch, cs, mask, B, M, H, Hk, S, D, scale, att, scr, MH);
+    qk_rope_store(qkv, M * nqkv, B, M, H, Hk, D, cos, sin, kc, vc, cb, ch, slots, kv16);
+    qk_attention(qkv, M * nqkv, nqkv, kc, vc, cb, ch, cs, mask, B, M, H, Hk, S, D, scale, att, scr, MH, kv16);
     qk_linear_q4_1(att, (int)R, H * D, wo, so, d, tmp, q8);
     if (norm_ao) qk_rmsnorm(tmp, norm_ao, (int)R, d, eps, tmp); /* in place: a row is read before written */
     for (long i = 0; i < R * d; i++) y[i] = x[i] + tmp[i];
@@ -1023,17 +1078,18 @@ void qk_block_q4(const float *x, float *y, int B, int M, int d, int H, int Hk, i
  * each), so that the last block writes y. */
 void qk_blocks_q4(const float *x, float *y, float *tmp, int nb, int B, int M, int d, int H, int Hk, int D,
                   int hid, float eps, float scale, const void *const *w, const float *cos, const float *sin,
-                  float *kc, float *vc, long ls, long cb, long ch, long cs, const long *slots, const float *mask,
-                  int MH, int S, void *work) {
+                  void *kc, void *vc, long ls, long cb, long ch, long cs, const long *slots, const float *mask,
+                  int MH, int S, void *work, int kv16) {
     const float *in = x;
+    int esz = kv16 ? 2 : 4; /* ls, cb, ch, cs count elements */
     for (int b = 0; b < nb; b++) {
         float *out = (nb - 1 - b) % 2 == 0 ? y : tmp;
         const void *const *p = w + 12L * b;
         qk_block_q4(in, out, B, M, d, H, Hk, D, hid, eps, scale, (const float *)p[0], (const float *)p[1],
                     (const float *)p[2], (const float *)p[3], (const uint8_t *)p[4], (const uint16_t *)p[5],
                     (const uint8_t *)p[6], (const uint16_t *)p[7], (const uint8_t *)p[8], (const uint16_t *)p[9],
-                    (const uint8_t *)p[10], (const uint16_t *)p[11], cos, sin, kc + b * ls, vc + b * ls, cb, ch,
-                    cs, slots, mask, MH, S, work);
+                    (const uint8_t *)p[10], (const uint16_t *)p[11], cos, sin, (char *)kc + b * ls * esz,
+                    (char *)vc + b * ls * esz, cb, ch, cs, slots, mask, MH, S, work, kv16);
         in = out;
     }
 }
