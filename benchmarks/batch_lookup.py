@@ -1,9 +1,10 @@
-"""Prompt lookup inside a continuous batch (docs/results/gemma3-cpu.md, 32nd session): 12 held-out chat
-prompts, up to 64 new tokens, fed 1, 4 and 16 at a time into `LLM.batch`, plain and with lookup attached
-(each step drafts to the depth that pays: engine/batch.py, "When a draft pays"); aggregate tokens/s, two
-interleaved passes.
+"""A drafter inside a continuous batch (docs/results/gemma3-cpu.md, 32nd session; docs/results/serve-cpu.md,
+33rd): 12 held-out chat prompts, up to 64 new tokens, fed 1, 4 and 16 at a time into `LLM.batch`, plain and
+with the drafter attached -- prompt lookup (default) or Medusa heads, the drafters a batch runs (each step
+drafts to the depth that pays: engine/batch.py, "When a draft pays"); aggregate tokens/s, two interleaved
+passes.
 
-    python benchmarks/batch_lookup.py [smollm2-135m | gemma3-270m]
+    python benchmarks/batch_lookup.py [smollm2-135m | gemma3-270m] [lookup | DRAFT_DIR]
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from midlayer.experiments.bench import machine_line
 
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "gemma3-270m"
+    draft = sys.argv[2] if len(sys.argv) > 2 else "lookup"
     llm = midlayer.LLM.load(name, weights="q4")
     rates: dict[tuple[str, int], list[float]] = {}
-    for mode in ("plain", "lookup") * 2:
-        llm.attach("lookup" if mode == "lookup" else None)
+    for mode in ("plain", "draft") * 2:
+        llm.attach(draft if mode == "draft" else None)
         for conc, rate in engine_rates(llm, 64, n_prompts=12):
             rates.setdefault((mode, conc), []).append(rate)
-    print(machine_line(), f"\n\n{name} (q4), tok/s of two passes\n\n| at a time | plain | lookup | lookup / plain |\n|---|---|---|---|")
+    print(machine_line(), f"\n\n{name} (q4), drafter {draft}, tok/s of two passes\n\n"
+          "| at a time | plain | with the drafter | drafter / plain |\n|---|---|---|---|")
     for conc in (1, 4, 16):
-        p, lk = rates[("plain", conc)], rates[("lookup", conc)]
+        p, lk = rates[("plain", conc)], rates[("draft", conc)]
         print(f"| {conc} | {p[0]:.0f}, {p[1]:.0f} | {lk[0]:.0f}, {lk[1]:.0f} | {sum(lk) / sum(p):.2f}x |")
 
 

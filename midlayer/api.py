@@ -37,6 +37,7 @@ from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.ops import kernels
 from midlayer.model.transformer import Transformer
 from midlayer.speculative.lookup import PromptLookupDrafter
+from midlayer.speculative.medusa import MedusaDrafter
 from midlayer.speculative.protocol import Drafter
 from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
 from midlayer.speculative.skip_gates import SkipGates, gated_twin
@@ -254,17 +255,24 @@ class LLM:
         why = batch_unsupported(self.model)
         if why is not None:
             return why
-        if self.drafter is not None and not isinstance(self.drafter, PromptLookupDrafter):
-            return (f"{type(self.drafter).__name__} drafts from one sequence's hidden states and KV cache; in a batch "
-                    "only prompt lookup drafts (a trained drafter decodes one request at a time)")
+        if self.drafter is not None and not isinstance(self.drafter, (PromptLookupDrafter, MedusaDrafter)):
+            return (f"{type(self.drafter).__name__} drafts with state of its own per sequence (a draft KV cache, "
+                    "pseudo rows in the base's cache); in a batch only prompt lookup and Medusa heads draft (this "
+                    "drafter decodes one request at a time)")
         return None
 
     def batch(self, max_rows: int = 16) -> ContinuousBatch:
         """A continuous batch over this model: many sequences decoded together, joining and leaving between
-        steps (the server's engine). With prompt lookup attached, its greedy rows draft chains in the batch."""
+        steps (the server's engine). With prompt lookup or Medusa heads attached, its greedy rows draft chains in
+        the batch."""
         why = self.batch_refusal()
         if why is not None:
             raise ValueError(f"continuous batching: {why}")
+        if isinstance(self.drafter, MedusaDrafter):
+            heads = self.drafter
+            q = self._acc[0][0] if self._acc else None  # its held-out depth-1 top-1: each row's prior acceptance
+            return ContinuousBatch(self.model, max_rows, skip=self.skip, propose_hidden=heads.chains,
+                                   k=heads.heads.k, accept_prior=lambda ids: q)
         lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else None
         if lookup is None:
             return ContinuousBatch(self.model, max_rows, skip=self.skip)

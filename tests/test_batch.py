@@ -95,6 +95,45 @@ def test_lookup_drafts_are_accepted_and_save_forwards():
 
 
 @needs_kernels
+def test_medusa_heads_draft_in_the_batch_from_each_rows_own_hidden_state():
+    """Medusa heads read the final residual at the position that predicted a row's pending token. In the batch
+    each row keeps its own (after a join, after accepted drafts, after a rejection): at every step it must be
+    the bits a fresh prefill of that row's tokens gives, and every output the single-request greedy one."""
+    from midlayer.engine.generate import forward_cached
+    from midlayer.model.kv_cache import KVCache, kv_dtype
+    from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
+
+    model = _q4()
+    heads = MedusaHeads(DIMS["dim"], 3)
+    g = torch.Generator().manual_seed(4)
+    for lin in heads.heads:  # small random heads: drafts that are sometimes right, sometimes not
+        lin.weight.data = torch.randn(lin.weight.shape, generator=g) * 0.05
+    drafter = MedusaDrafter(model, heads)
+    unit = [11, 23, 35, 47, 59, 71]
+    prompts, cfgs = _workload(seed=5, n=6)
+    prompts, cfgs = prompts + [unit * 4, unit * 3], cfgs + [GenerationConfig(max_new_tokens=30)] * 2
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    checked = []
+
+    def propose(hidden: torch.Tensor, k: int) -> list[list[int]]:
+        for seq in batch.running:
+            cache = KVCache.for_model(model.cfg, 1, DIMS["max_seq_len"], dtype=kv_dtype(model))
+            n = seq.length
+            _, h = forward_cached(model, torch.tensor([seq.tokens[:n]]), cache, torch.arange(n)[None],
+                                  last_only=True, return_hidden=True)
+            assert torch.equal(seq.hidden, h[0, -1])
+            checked.append(n)
+        return drafter.chains(hidden, k)
+
+    batch = ContinuousBatch(model, max_rows=4, propose_hidden=propose, k=3)
+    out, most = _run(batch, prompts, cfgs, seed=2)
+    assert out == ref and most == 4
+    assert len(checked) > 20
+    with pytest.raises(ValueError, match="one drafter"):
+        ContinuousBatch(model, propose=PromptLookupDrafter(V).chain, propose_hidden=propose)
+
+
+@needs_kernels
 def test_seeded_sampling_rows_reproduce_a_single_request():
     model = _q4()
     prompts, _ = _workload(seed=3, n=6)

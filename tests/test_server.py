@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+import torch
 
 from midlayer.api import LLM
 from midlayer.engine.quantization import compress_weights
@@ -121,14 +122,24 @@ class Spy:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
-@pytest.mark.parametrize("draft", [None, "lookup"])
+@pytest.mark.parametrize("draft", [None, "lookup", "medusa"])
 def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F811
-    """q4 (batch-invariant): 8 clients x 3 requests decode in one continuous batch -- with prompt-lookup drafts
-    verified in the batch -- and every output equals the single-request greedy output, token for token."""
+    """q4 (batch-invariant): 8 clients x 3 requests decode in one continuous batch -- with prompt-lookup or
+    Medusa drafts verified in the batch -- and every output equals the single-request greedy output, token for
+    token."""
+    from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
+
     q4 = LLM(compress_weights(copy.deepcopy(llm.model), "q4"), llm.tokenizer, "tiny", "q4")
     prompts = [f"To be, or not {'to be ' * i}" for i in range(8)]
     refs = {p: q4.generate(p, max_tokens=12).token_ids for p in prompts}
+    if draft == "medusa":
+        heads = MedusaHeads(q4.model.cfg.dim, 3)
+        torch.manual_seed(0)
+        for lin in heads.heads:
+            lin.weight.data.normal_(0, 0.05)
+        draft = MedusaDrafter(q4.model, heads)
     q4.attach(draft)
+    assert q4.batch_refusal() is None
     spy = Spy(q4)
     running = Running(create_app(spy, NAME, max_queue=64))
     try:

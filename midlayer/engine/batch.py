@@ -13,9 +13,10 @@ keeps every running sequence in one row of a shared KV cache and advances them a
     past its own length (-inf key bias), so a short row never sees a long row's stale keys.
   * **Joining.** A new sequence is prefilled alone into its row (`prefill` on a one-row view), exactly as a
     single request is, and takes part in the next step's forward.
-  * **Speculation in the batch.** With `propose` (a chain drafter that reads tokens only, e.g. prompt lookup),
-    each greedy row feeds its pending token and its draft's tokens in the same forward (rows with shorter
-    drafts are padded). A row keeps the longest prefix of its draft that matches its own greedy targets plus
+  * **Speculation in the batch.** With `propose` (a chain drafter that reads tokens only, e.g. prompt lookup)
+    or `propose_hidden` (one that reads the final residual at the position that predicted a row's pending
+    token and keeps no state of its own: Medusa heads), each greedy row feeds its pending token and its
+    draft's tokens in the same forward (rows with shorter drafts are padded). A row keeps the longest prefix of its draft that matches its own greedy targets plus
     one bonus token; its rejected slots get key bias -inf.
   * **When a draft pays.** A drafted token earns a token only if it and every draft token before it are
     accepted, and every row of a step is padded to the deepest draft: depth D costs n (1 + D) rows. With the
@@ -79,6 +80,7 @@ class BatchSequence:
     accept_hist: list[int] = field(default_factory=list)  # rounds that accepted a draft tokens, by a
     hits: float = 1.0  # accepted draft tokens + the prior's (Beta estimate of the acceptance rate, `_drafts`)
     tries: float = 2.0  # judged draft tokens (up to and including the first rejection) + the prior's
+    hidden: torch.Tensor | None = None  # [d] final residual that predicted tokens[length] (`propose_hidden`)
 
     @property
     def acceptance(self) -> float:
@@ -137,6 +139,7 @@ class ContinuousBatch:
     def __init__(self, model: Transformer, max_rows: int = 16, *, skip: bool = True,
                  propose: Callable[[Sequence[int], int], list[int]] | None = None, k: int = 4,
                  accept_prior: Callable[[Sequence[int]], float | None] | None = None,
+                 propose_hidden: Callable[[torch.Tensor, int], list[list[int]]] | None = None,
                  max_step_rows: int = 64, max_prefill_rows: int = 1024, initial_len: int = 256) -> None:
         why = unsupported(model)
         if why is not None:
@@ -144,8 +147,11 @@ class ContinuousBatch:
         if max_rows < 1 or k < 0 or max_step_rows < max_rows:
             raise ValueError(f"need max_rows >= 1, k >= 0 and max_step_rows >= max_rows; got {max_rows}, {k}, "
                              f"{max_step_rows}")
+        if propose is not None and propose_hidden is not None:
+            raise ValueError("one drafter per batch: propose (from tokens) or propose_hidden (from hidden states)")
         self.model, self.max_rows, self.skip = model.eval(), max_rows, skip
         self.propose, self.k, self.max_step_rows = propose, k, max_step_rows
+        self.propose_hidden = propose_hidden  # hidden [n, d], depth -> n chains (Medusa heads)
         self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
         self.cost = StepCost()
         self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
@@ -172,7 +178,8 @@ class ContinuousBatch:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
         seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1))
-        q = self.accept_prior(ids) if self.accept_prior is not None and self.propose is not None else None
+        drafting = self.propose is not None or self.propose_hidden is not None
+        q = self.accept_prior(ids) if self.accept_prior is not None and drafting else None
         if q is not None:  # Beta(1 + 2q, 1 + 2(1 - q)): the prior's mean, worth two judged tokens, over a uniform
             seq.hits, seq.tries = 1.0 + 2.0 * q, 4.0  # one (so a row whose prompt repeats nothing still tries)
         self._next += 1
@@ -246,13 +253,15 @@ class ContinuousBatch:
             self._decode(events)
         return [(seq, toks, seq.done) for seq, toks in events.values()]
 
-    def _forward(self, first: int, fed: list[list[int]], starts: list[int], last_only: bool) -> torch.Tensor:
+    def _forward(self, first: int, fed: list[list[int]], starts: list[int], last_only: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ONE forward over rows first.. of the cache: row i's tokens fed[i] at slots (= positions) starts[i],
         starts[i] + 1, ... Rows are right-aligned in the forward (the last column holds every row's last token);
         a shorter row is padded in front. A padding row is computed like the others -- so the forward stays one
         dense stretch for the fused kernels -- at the scratch slot `end`, past every row's real slots: free in
         every row, after every real query (causality hides it from them), at position 0; its key bias is reset
-        afterwards. Returns logits [n, V] of each row's last token (`last_only`), else [n, M, V]."""
+        afterwards. Returns logits [n, V] of each row's last token (`last_only`), else [n, M, V]; and, for a
+        `propose_hidden` drafter, the final residual at the same rows ([n, 1, d] or [n, M, d]), else None."""
         n, M = len(fed), max(len(f) for f in fed)
         counts = [len(f) for f in fed]
         end = max(s + c for s, c in zip(starts, counts))
@@ -266,18 +275,21 @@ class ContinuousBatch:
         tokens, positions, slots = (x.to(self.device) for x in (tokens, positions, slots))
         view = self.cache.rows(first, first + n)
         view.length = end + 1
-        logits = forward_cached(self.model, tokens, view, positions, skip=self.skip, slots=slots, last_only=last_only)
+        out = forward_cached(self.model, tokens, view, positions, skip=self.skip, slots=slots, last_only=last_only,
+                             return_hidden=self.propose_hidden is not None)
         self.cache.bias[:, first:first + n, end] = float("-inf")  # the scratch slot: never held
-        return logits
+        return out if isinstance(out, tuple) else (out, None)
 
     def _join(self, seqs: list[BatchSequence], events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
         """Prefill the joining sequences' prompts into the next free rows, together; sample each first token."""
         r = len(self.running)
         c = self.cache
         c.bias[:, r:r + len(seqs)] = float("-inf")  # whatever earlier sequences left in these rows is gone
-        logits = self._forward(r, [s.tokens for s in seqs], [0] * len(seqs), last_only=True)
+        logits, hidden = self._forward(r, [s.tokens for s in seqs], [0] * len(seqs), last_only=True)
         for i, seq in enumerate(seqs):
             seq.row, seq.length = r + i, seq.prompt_len
+            if hidden is not None:
+                seq.hidden = hidden[i, -1].clone()
             self.running.append(seq)
             self._commit(seq, [int(self._sample(seq, logits[i:i + 1])[0])], events)
         self._leave_finished(seqs)
@@ -307,7 +319,7 @@ class ContinuousBatch:
         remaining budget and the forward's row cap."""
         n = len(self.running)
         drafts: list[list[int]] = [[] for _ in range(n)]
-        if self.propose is None or self.k == 0:
+        if (self.propose is None and self.propose_hidden is None) or self.k == 0:
             return drafts
         spare = self.max_step_rows - n  # rows a forward may spend on drafts
         rooms = [min(self.k, self.ctx - 1 - seq.length, seq.budget - len(seq.new) - 1, spare // n)
@@ -317,10 +329,16 @@ class ContinuousBatch:
         depth = self._pays([max(r, 0) for r in rooms])
         if depth == 0:
             return drafts
-        for i, seq in enumerate(self.running):
+        rows = [i for i in range(n) if min(rooms[i], depth) > 0]
+        if self.propose_hidden is not None:  # one call for every drafting row, then each cut to its own room
+            if rows:
+                chains = self.propose_hidden(torch.stack([self.running[i].hidden for i in rows]), depth)
+                for i, chain in zip(rows, chains):
+                    drafts[i] = [int(t) for t in chain[:min(rooms[i], depth)]]
+            return drafts
+        for i in rows:
             room = min(rooms[i], depth)
-            if room > 0:
-                drafts[i] = [int(t) for t in self.propose(seq.tokens, room)[:room]]
+            drafts[i] = [int(t) for t in self.propose(self.running[i].tokens, room)[:room]]
         return drafts
 
     def _pays(self, lengths: list[int]) -> int:
@@ -352,7 +370,7 @@ class ContinuousBatch:
         drafts = self._drafts()
         fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
         M = max(len(f) for f in fed)
-        logits = self._forward(0, fed, [s.length for s in rows], last_only=M == 1)
+        logits, hidden = self._forward(0, fed, [s.length for s in rows], last_only=M == 1)
         if self.cache is cache:  # a step that grew the cache copied it: not a sample of the cost line
             self.cost.add(len(rows) * M, time.perf_counter() - t0)
         logits = logits[:, None] if M == 1 else logits  # [n, M, V]
@@ -373,6 +391,8 @@ class ContinuousBatch:
                 seq.tries += min(len(d), a + 1)
                 if a < len(d):  # the rejected drafts' slots: hidden from every later query, at every layer
                     c.bias[:, seq.row, seq.length + 1 + a:seq.length + 1 + len(d)] = float("-inf")
+            if hidden is not None:  # the row that predicted the new pending token: after the accepted drafts
+                seq.hidden = hidden[i, off + len(take) - 1 if M > 1 else 0].clone()
             seq.length += len(take)  # the pending token and the accepted drafts are in the cache now
             self._commit(seq, take, events)
         self._leave_finished(rows)

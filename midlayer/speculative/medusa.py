@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits
+from midlayer.engine.draft_vocab import draft_vocab, head_logits, restrict_logits, teacher_logits, to_token_ids
 from midlayer.model.transformer import Transformer
 from .drafting import (apply_linear, base_states, batch_stream, candidate_counts, FrozenBase, gather_counted,
                        kl_to_base, model_device, optimise, placeholder_candidates, split_batch, topk_lists)
@@ -82,6 +82,19 @@ class MedusaDrafter(Drafter):
             return placeholder_candidates(need, self.model.cfg.vocab_size)
         logits = self.heads.logits(self.model, ctx.hidden[-1])  # [k, V]
         return topk_lists(logits, need, draft_vocab(self.heads))
+
+    @torch.no_grad()
+    def chains(self, hidden: torch.Tensor, k: int) -> list[list[int]]:
+        """Greedy chains of k tokens for many sequences at once (a continuous batch, engine/batch.py): hidden
+        [n, d], each sequence's final residual at the position that predicted its pending token; head i's top-1
+        is the chain's token i + 1. Needs no state of its own, which is what lets the heads draft in a batch."""
+        if not 0 < k <= self.heads.k:
+            raise ValueError(f"a chain of {k} tokens from {self.heads.k} Medusa heads")
+        logits = self.heads.logits(self.model, hidden)[:, :k]  # [n, k, V]
+        vocab = draft_vocab(self.heads)
+        if vocab is not None and logits.shape[-1] != vocab.numel():
+            logits = restrict_logits(logits, vocab)
+        return to_token_ids(logits.argmax(-1), vocab).tolist()
 
 
 def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,
