@@ -272,17 +272,21 @@ def test_attention_depends_on_the_keys_seen_not_on_their_slots(simd, D):
     torch.testing.assert_close(interleaved, kernels.attention_reference(q, k, v, mask), rtol=1e-5, atol=1e-6)
 
 
+def _scalar_attention(q, k, v, mask):
+    """kernels.attention on the portable scalar path (the SIMD level restored after)."""
+    kernels.set_simd(False)
+    try:
+        return kernels.attention(q, k, v, mask)
+    finally:
+        kernels.set_simd(True)
+
+
 @pytest.mark.parametrize("D", [16, 64, 80])  # the AVX2 path takes 64 columns at a time, then 8
 def test_attention_avx2_equals_scalar(D):
     q, k, v, mask = _attention_inputs(5, 70, seed=3, D=D)
     fast = kernels.attention(q, k, v, mask)
     torch.testing.assert_close(fast, kernels.attention_reference(q, k, v, mask), rtol=1e-5, atol=1e-6)
-    kernels.set_simd(False)
-    try:
-        slow = kernels.attention(q, k, v, mask)
-    finally:
-        kernels.set_simd(True)
-    assert torch.equal(fast, slow)
+    assert torch.equal(fast, _scalar_attention(q, k, v, mask))
 
 
 @pytest.mark.parametrize("rep,D", [(2, 64), (3, 64), (3, 80), (4, 16)])
@@ -306,12 +310,7 @@ def test_ragged_batch_attention_equals_scalar_and_each_row_alone(rep, D):
     for b in (0, 5, 15):
         alone = kernels.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask[b:b + 1])
         assert torch.equal(alone, fast[b:b + 1])
-    kernels.set_simd(False)
-    try:
-        slow = kernels.attention(q, k, v, mask)
-    finally:
-        kernels.set_simd(True)
-    assert torch.equal(fast, slow)
+    assert torch.equal(fast, _scalar_attention(q, k, v, mask))
 
 
 def test_rmsnorm_and_rope_store_match_pytorch():
