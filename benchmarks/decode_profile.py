@@ -13,7 +13,7 @@ import sys
 import torch
 
 from midlayer.engine.generate import decode_one_token, prefill
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import compress_weights
 
@@ -22,7 +22,7 @@ def main(fmt: str = "q4") -> None:
     model, tok = load_pretrained("smollm2-135m")
     model = compress_weights(model, fmt).eval()
     ids = tok.encode_chat([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
-    cache = KVCache.for_model(model.cfg, 1, len(ids) + 64)
+    cache = KVCache.for_model(model.cfg, 1, len(ids) + 64, dtype=kv_dtype(model))
     logits, pos = prefill(model, [ids], cache)
     tok_ = logits.argmax(-1)
 

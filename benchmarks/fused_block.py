@@ -20,7 +20,7 @@ import torch
 
 from midlayer.ops import kernels
 from midlayer.engine.generate import forward_cached
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import compress_weights
 from midlayer.speculative.tree import DraftTree
@@ -44,7 +44,7 @@ def main() -> None:
     model = compress_weights(model, "q4").eval()
     plans = [b.fused_q4 for b in model.layers]
     ids = torch.randint(0, 1000, (1, args.context), generator=torch.Generator().manual_seed(0))
-    cache = KVCache.for_model(model.cfg, 1, max_len=args.context + max(rows))
+    cache = KVCache.for_model(model.cfg, 1, max_len=args.context + max(rows), dtype=kv_dtype(model))
     with torch.inference_mode():
         forward_cached(model, ids, cache, torch.arange(args.context)[None])
     L = cache.length

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from midlayer.experiments.bench import machine_line, static_skip_gates  # noqa: E402
 from midlayer.engine.generate import decode_one_token, prefill  # noqa: E402
-from midlayer.model.kv_cache import KVCache  # noqa: E402
+from midlayer.model.kv_cache import KVCache, kv_dtype  # noqa: E402
 from midlayer.engine.pretrained import load_pretrained  # noqa: E402
 from midlayer.engine.quantization import compress_weights  # noqa: E402
 from midlayer.speculative.skip_gates import SkipGates  # noqa: E402
@@ -34,7 +34,7 @@ from midlayer.speculative.skip_gates import SkipGates  # noqa: E402
 
 @torch.no_grad()
 def ms_per_token(model, ids: list[int], n: int, masked: bool = False) -> float:
-    cache = KVCache.for_model(model.cfg, 1, len(ids) + n)
+    cache = KVCache.for_model(model.cfg, 1, len(ids) + n, dtype=kv_dtype(model))
     logits, pos = prefill(model, [ids], cache)
     if masked:
         cache.dense_layers = [False] * model.cfg.n_layers

@@ -16,7 +16,7 @@ import torch
 
 from midlayer.ops import kernels
 from midlayer.engine.generate import CachedStep, forward_cached
-from midlayer.model.kv_cache import KVCache
+from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import compress_weights
 
@@ -35,7 +35,7 @@ def main() -> None:
     model, _ = load_pretrained("smollm2-135m")
     model = compress_weights(model, "q4").eval()
     plans = [b.fused_q4 for b in model.layers]
-    cache = KVCache.for_model(model.cfg, 1, max_len=128)
+    cache = KVCache.for_model(model.cfg, 1, max_len=128, dtype=kv_dtype(model))
     with torch.inference_mode():
         forward_cached(model, torch.randint(0, 1000, (1, 120), generator=torch.Generator().manual_seed(0)), cache,
                        torch.arange(120)[None])

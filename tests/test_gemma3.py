@@ -120,6 +120,11 @@ def test_windowed_layers_keep_a_bounded_cache(tiny, weights):
         bounded.rows(0, 1)
     with pytest.raises(ValueError, match="truncate"):
         bounded.truncate(bounded.local_off - 1)
+    with pytest.raises(ValueError, match="make_room"):  # more new slots than the windowed layers hold
+        bounded.reserve(W)
+    every_block_global = ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=4, vocab_size=V, sliding_window=W,
+                                     full_attention_layers=(0, 1))
+    assert not KVCache.for_model(every_block_global, 1, max_len=60, local_len=2 * W - 1).local_layers
 
 
 def test_what_gemma3_has_and_we_do_not_run_is_refused(tmp_path):

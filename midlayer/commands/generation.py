@@ -40,7 +40,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32",
                    help="linear-weight format: fp32 (exact), bf16, or int4 (group-32, Q4_1 layout; fastest on CPU); "
                         "activations, residual and LM head stay fp32")
-    p.add_argument("--kv-cache", choices=[k for k in KV_FORMATS if k != "auto"], default=None,
+    p.add_argument("--kv-cache", choices=list(KV_FORMATS), default=None,
                    help="what the KV cache holds (default: fp16 with --weights q4, as llama.cpp keeps it; else the "
                         "weights' dtype)")
     p.add_argument("--device", default=None)
@@ -253,7 +253,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--checkpoint", help="one of our runs (directory or ckpt_*.pt); its corpus's tokenizer is used")
     p.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4",
                    help="linear-weight format (default q4: the row-invariant CPU format, lossless with a drafter)")
-    p.add_argument("--kv-cache", choices=[k for k in KV_FORMATS if k != "auto"], default=None,
+    p.add_argument("--kv-cache", choices=list(KV_FORMATS), default=None,
                    help="what the KV cache holds (default: fp16 with --weights q4, as llama.cpp keeps it; else the "
                         "weights' dtype)")
     p.add_argument("--device", default=None)

@@ -73,7 +73,7 @@ def invariant_buckets(model: Transformer, max_len: int = 16) -> tuple[tuple[int,
     eagerly: a captured CUDA graph replays the eager kernels; torch.compile's own kernels are not probed."""
     memo = _probed.setdefault(model, {})
     key = (model.tok_embeddings.weight.dtype, str(model.tok_embeddings.weight.device),
-           getattr(model, "weight_format", None), int(max_len))
+           getattr(model, "weight_format", None), int(max_len), kv_dtype(model))
     if key not in memo:
         found = None
         for cand in BUCKET_CANDIDATES:

@@ -50,7 +50,7 @@ from midlayer.ops import kernels
 WeightFormat = Literal["fp32", "bf16", "int4", "q4"]
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int4", "q4")
 HEAD_FORMATS: tuple[str, ...] = ("fp32", "q8")
-KV_FORMATS: dict[str, torch.dtype | None] = {"auto": None, "fp32": torch.float32, "fp16": torch.float16}  # KV cache
+KV_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}  # what a KV cache holds
 # Formats in which a row's logits are bit-identical whatever else shares its forward (SPEC section 9), so
 # speculative output equals plain output token for token. fp32 (MKL), bf16 and int4 use PyTorch matmuls
 # and SDPA, which are not row-invariant on CPU (tests/test_kernels.py shows where).
@@ -300,7 +300,8 @@ def compress_weights(model: nn.Module, fmt: str, head: str | None = None, kv: st
         model.output = Q8Linear(model.output)  # unties: the embedding keeps its fp32 copy for lookups
     model.weight_format = fmt
     model.head_format = head
-    model.kv_dtype = KV_FORMATS[kv or ("fp16" if fmt == "q4" else "auto")]  # None: the weights' (kv_cache.kv_dtype)
+    # None: the weights' dtype (kv_cache.kv_dtype)
+    model.kv_dtype = KV_FORMATS[kv] if kv is not None else torch.float16 if fmt == "q4" else None
     # Gated models: the routers stay fp32 and compute a row-invariant dot product at inference (gating.py),
     # so gates, and which blocks a token skips, do not depend on the rows sharing a forward either.
     model.batch_invariant = fmt in LOSSLESS_FORMATS and head != "fp32" and kernels.batch_invariant()

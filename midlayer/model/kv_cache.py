@@ -128,8 +128,8 @@ class KVCache:
         elif max_len < 1:  # never silently the default: 0 is a caller's bug
             raise ValueError(f"KV cache max_len must be >= 1, got {max_len}")
         local = None
-        if local_len is not None and cfg.mixed_windows and local_len < max_len:
-            layers = [layer for layer in range(cfg.n_layers) if cfg.window_of(layer)]
+        layers = [layer for layer in range(cfg.n_layers) if cfg.window_of(layer)]
+        if local_len is not None and cfg.mixed_windows and local_len < max_len and layers:
             local = (layers, local_len, max(cfg.window_of(layer) for layer in layers))
         cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype, local)
         # one window for the whole cache, which may then drop keys every block is done with (make_room); with
@@ -147,6 +147,9 @@ class KVCache:
         if self.length + n > self.max_len:
             raise ValueError(f"KV cache full: {self.length} slots used + {n} new > max_len {self.max_len} "
                              "(the model's context length)")
+        if self.local_len and self.length - self.local_off + n > self.local_len:
+            raise ValueError(f"the bounded windowed layers hold {self.local_len} slots: call make_room({n}) before "
+                             f"reserving {n} more (they hold {self.length - self.local_off})")
         slots = torch.arange(self.length, self.length + n, device=self.pos.device)
         self.length += n
         return slots

@@ -354,6 +354,9 @@ def cost_key(model_name: str, weights: str, model=None) -> str:
         if d.type == "cuda":
             dev = torch.cuda.get_device_name(d)
     info = cpu_info()
+    kv = getattr(model, "kv_dtype", None)  # an fp16 KV cache (the q4 default) makes attention cheaper
+    if kv is not None:
+        weights = f"{weights}|kv {str(kv).removeprefix('torch.')}"
     return f"{model_name}|{weights}|{dev}|{info.model}|{','.join(sorted(info.flags & {'avx2', 'avx512f', 'amx_bf16', 'avx512_vnni', 'avx_vnni'}))}|{torch.get_num_threads()}t|torch {torch.__version__}|{library_path().stem}"
 
 

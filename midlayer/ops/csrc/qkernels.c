@@ -887,7 +887,7 @@ static void kv_put(void *base, long i, const float *src, int n, int kv16) {
 void qk_rope_store(float *qkv, long qkv_b, int B, int T, int H, int Hk, int D, const float *cos,
                    const float *sin, void *kc, void *vc, long cb, long ch, const long *slots, int kv16) {
     int half = D / 2;
-    float krow[1024]; /* one rotated key head (D <= 1024) */
+    float krow[D]; /* one rotated key head */
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
             float *row = qkv + b * qkv_b + (long)t * (H + 2 * Hk) * D;
