@@ -78,6 +78,29 @@ def test_a_drafter_changes_no_greedy_token(llm):
     assert llm.drafter is None and llm.generate(prompt, max_tokens=24).stats is None
 
 
+def test_lookup_with_tree_auto_drafts_step_by_step_in_a_one_row_batch(llm, monkeypatch):
+    """Prompt lookup with tree auto decodes one prompt in a one-row continuous batch, whose per-step rule drafts
+    as deep as the acceptance seen so far pays (the up-front tree could only price it from the prompt): the
+    speculative loop is not used, the text is plain greedy's, drafts are accepted, generate and stream agree."""
+    import midlayer.api as api
+
+    prompt = "To be, or not to be, to be, or not to be, to be"
+    plain = llm.generate(prompt, max_tokens=40)
+
+    def no_loop(*a, **k):
+        raise AssertionError("the one-sequence speculative loop ran")
+    monkeypatch.setattr(api, "speculative_generate", no_loop)
+    try:
+        out = llm.attach("lookup").generate(prompt, max_tokens=40)
+        assert out.token_ids == plain.token_ids
+        assert out.stats.new_tokens == len(out.token_ids) and sum(out.stats.accept_hist[1:]) > 0
+        assert out.stats.tau > 1.0
+        assert "".join(llm.stream(prompt, max_tokens=40)) == plain.text
+        assert llm.last_stats.base_forwards == out.stats.base_forwards
+    finally:
+        llm.attach(None)
+
+
 @pytest.mark.parametrize("kw,msg", [(dict(prompt=""), "empty"), (dict(prompt=[]), "no prompt"),
                                     (dict(prompt=42), "a prompt is a str"),
                                     (dict(prompt="x" * 400), "context"), (dict(max_tokens=0), "max_tokens"),

@@ -114,8 +114,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if llm.last_report:
                 print(llm.last_report, file=sys.stderr)
             n = done.completion_tokens
+            drafts = (f"tree of {len(llm.last_tree)} nodes" if llm.last_tree is not None else
+                      "chains as deep as pays, step by step (a one-row continuous batch)")
             print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), tau {stats.tau:.2f} over "
-                  f"{stats.base_forwards} base forwards, tree of {len(llm.last_tree)} nodes", file=sys.stderr)
+                  f"{stats.base_forwards} base forwards, {drafts}", file=sys.stderr)
     return 0
 
 
