@@ -7,14 +7,15 @@
 Endpoints: /v1/completions and /v1/chat/completions (JSON or server-sent events with "stream": true),
 /v1/models, /health, and vLLM's tokenizer endpoints /tokenize, /detokenize, /tokenizer_info (lm-eval's remote
 tokenizer). /v1/completions also takes token-id prompts, several prompts per request, and `echo` + `logprobs`
-(the prompt's and the completion's log-probabilities: lm-eval's log-likelihood tasks); those requests are
-answered whole, not streamed. Requests are checked before they are queued, and a bad one gets an
+(the prompt's and the completion's log-probabilities: lm-eval's log-likelihood tasks); /v1/chat/completions
+takes `logprobs` + `top_logprobs` (OpenAI's logprobs.content over the answer). Those requests are answered
+whole, not streamed. Requests are checked before they are queued, and a bad one gets an
 OpenAI-style error ({"error": {"message", "type", "param", "code"}}) with a 4xx status: malformed JSON, a body
 over the limit, an unknown model, an unknown field, a prompt over the context, max_tokens out of range, a
 non-finite or negative temperature.
 
 One engine thread owns the model. Every request joins one continuous batch (engine/batch.py) at its next
-step and leaves it when done; with prompt lookup attached, each greedy row drafts in the batch. In q4 every
+step and leaves it when done; with prompt lookup or Medusa heads attached, each greedy row drafts in the batch. In q4 every
 output equals the request's single-request greedy output token for token. A request that would make more
 than `max_queue` waiting or running is refused with 503 at once. A client that disconnects, or a stop string,
 frees the row at the next step. On SIGTERM the server stops accepting connections, lets running requests
@@ -298,6 +299,42 @@ def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens", scoring: bool 
     return out
 
 
+def _chat_logprobs(body: dict) -> int | None:
+    """A chat request's ask for log-probabilities: None (not asked), else how many most likely alternatives
+    (`top_logprobs`, 0-5) to give beside each token's own (400 naming the field otherwise)."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp not in (None, False, True):
+        raise RequestError(400, f"logprobs must be true or false, got {lp!r}", param="logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 5):
+        raise RequestError(400, f"top_logprobs must be an integer in [0, 5], got {top!r}", param="top_logprobs")
+    if top is not None and not lp:
+        raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if lp else None
+
+
+def _chat_scored(llm: LLM, messages: list[dict], kw: dict[str, Any], top: int) -> tuple[list[dict], int, int]:
+    """A chat completion with OpenAI's `logprobs.content`: per token of the answer's content (the end-of-turn
+    token is not content), its text, log-probability, UTF-8 bytes and the `top` most likely tokens at its place,
+    from one forward over the prompt and the answer (`LLM.logprobs`). Returns (choices, prompt and completion
+    tokens)."""
+    tok = llm.tokenizer
+    ids = llm.encode(messages)
+    done = llm.generate(ids, max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"],
+                        seed=kw["seed"], stop=kw["stop"])
+    new = done.token_ids
+    scored = llm.logprobs(ids + new, top)[len(ids):]
+
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        text = tok.decode([t])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    content = [dict(entry(t, lp), top_logprobs=[entry(a, v) for a, v in sorted(alts.items(), key=lambda x: -x[1])])
+               for t, (lp, alts) in zip(new, scored) if t not in tok.eos_ids]
+    choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
+              "logprobs": {"content": content}, "finish_reason": done.finish_reason}
+    return [choice], len(ids), len(new)
+
+
 def _prompts(prompt: Any) -> list[Any]:
     """A completion request's prompts: a string, a list of token ids, or a list of either (400 otherwise)."""
     if isinstance(prompt, str) or is_token_ids(prompt):
@@ -407,7 +444,8 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
                                        "code": "server_error"}}, status_code=500)
 
-    async def run_whole(call: Callable[[], tuple[list[dict], int, int]], rid: str, name: str) -> Any:
+    async def run_whole(call: Callable[[], tuple[list[dict], int, int]], rid: str, name: str,
+                        kind: str = "text_completion") -> Any:
         """A request the engine thread answers at once (no stream): its choices and usage."""
         job = queue_job(None, {}, call)
         try:
@@ -417,7 +455,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         if kind != "result":
             return failed(value)
         choices, n_prompt, n_new = value
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": name,
                 "choices": choices, "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
                                               "total_tokens": n_prompt + n_new}}
 
@@ -540,10 +578,17 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
             raise RequestError(400, "messages must be a non-empty list of {'role': str, 'content': str}",
                                param="messages")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        kwargs = _sampling(body, llm, "max_tokens" if "max_tokens" in body or "max_completion_tokens" not in body
+        top = _chat_logprobs(body)
+        kwargs = _sampling({k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}, llm,
+                           "max_tokens" if "max_tokens" in body or "max_completion_tokens" not in body
                            else "max_completion_tokens")
         check(messages, kwargs)
         rid, stream = f"chatcmpl-{uuid.uuid4().hex}", bool(body.get("stream"))
+        if top is not None:  # answered whole, by the engine thread
+            if stream:
+                raise RequestError(400, "stream is not supported with logprobs", param="stream")
+            return await run_whole(lambda: _chat_scored(llm, messages, kwargs, top), rid, model_name,
+                                   "chat.completion")
         first = [True]
 
         def shape(text: str, finish: str | None, done: Completion | None) -> dict:

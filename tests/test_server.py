@@ -157,6 +157,31 @@ def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F
     assert spy.most > 1  # requests really shared steps
 
 
+def test_chat_logprobs(server, client, llm):  # noqa: F811
+    """Chat completions with logprobs: per token of the answer's content its text, log-probability, bytes and
+    the most likely alternatives (OpenAI's logprobs.content), the values one forward over prompt and answer
+    gives (LLM.logprobs); refused with a stream, with top_logprobs beyond 5 or without logprobs."""
+    messages = [{"role": "user", "content": "To be, or not"}]
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                         top_logprobs=2)
+    ids = llm.encode(messages)
+    plain = llm.generate(messages, max_tokens=6)
+    content = [t for t in plain.token_ids if t not in llm.tokenizer.eos_ids]
+    ref = llm.logprobs(ids + plain.token_ids, 2)[len(ids):]
+    got = out.choices[0].logprobs.content
+    assert out.choices[0].message.content == plain.text and len(got) == len(content)
+    for entry, t, (lp, alts) in zip(got, content, ref):
+        assert entry.token == llm.tokenizer.decode([t]) and entry.logprob == lp
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert [a.logprob for a in entry.top_logprobs] == sorted(alts.values(), reverse=True)
+    assert out.usage.completion_tokens == len(plain.token_ids)
+    for bad, param in [(dict(logprobs=True, stream=True), "stream"), (dict(top_logprobs=1), "top_logprobs"),
+                       (dict(logprobs=True, top_logprobs=6), "top_logprobs"), (dict(logprobs="yes"), "logprobs")]:
+        r = httpx.post(f"{server.url}/v1/chat/completions",
+                       json={"model": NAME, "messages": messages, "max_tokens": 2, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, bad
+
+
 def test_echo_logprobs_several_prompts_and_the_tokenizer_endpoints(server, client, llm):  # noqa: F811
     """The legacy completion fields lm-eval's log-likelihood tasks use: echo + logprobs over the prompt (and
     the completion), token-id prompts, several prompts per request; and vLLM's tokenizer endpoints."""
