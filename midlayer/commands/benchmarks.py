@@ -220,7 +220,10 @@ def _add_bench_serve(bsub: argparse._SubParsersAction) -> None:
     b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4")
     b.add_argument("--draft", default="lookup", metavar="DIR|lookup", help="the speculative rows' drafter ('' = none)")
     b.add_argument("--clients", default="1,4,16", help="comma-separated concurrency levels")
-    b.add_argument("--requests-per-client", type=int, default=2)
+    b.add_argument("--requests-per-client", type=int, default=4,
+                   help="requests each client sends one after another at the largest concurrency; every concurrency "
+                        "serves the same max(clients) x this many requests (4: the batch runs full between its "
+                        "ramp-up and drain)")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--prompts", choices=["scaled", "base"], default="scaled")
     b.add_argument("--no-llama-cpp", action="store_true",

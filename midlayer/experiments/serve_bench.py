@@ -136,7 +136,7 @@ def _llama_cpp_rows(gguf: str, texts: list[str], clients: Sequence[int], max_tok
 
 
 def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | None = "lookup",
-                clients: Sequence[int] = (1, 4, 16), requests_per_client: int = 2, max_tokens: int = 64,
+                clients: Sequence[int] = (1, 4, 16), requests_per_client: int = 4, max_tokens: int = 64,
                 prompts: str = "scaled", llama_cpp: bool = True) -> dict[str, Any]:
     """Rows of the module docstring, for plain decoding, (with `draft`) speculative decoding, and (with
     `llama_cpp`, where it is installed) llama.cpp's server."""
