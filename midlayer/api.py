@@ -276,11 +276,8 @@ class LLM:
         lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else None
         if lookup is None:
             return ContinuousBatch(self.model, max_rows, skip=self.skip)
-
-        def prior(ids: Sequence[int]) -> float | None:  # lookup's depth-1 hit rate on the prompt itself
-            return lookup.self_accuracies(ids, depth=1, ranks=1, positions=32)[0][0] if len(ids) >= 24 else None
         return ContinuousBatch(self.model, max_rows, skip=self.skip, propose=lookup.chain, k=lookup.k,
-                               accept_prior=prior)
+                               accept_prior=lookup.prompt_prior)
 
     def batch_feed(self, batch: ContinuousBatch, seq: BatchSequence, tokens: list[int], finished: bool,
                    text: "TextStream") -> tuple[str, Completion | None]:

@@ -36,6 +36,7 @@ from midlayer.config import get_preset
 from midlayer.data.corpus import corpus_documents
 from midlayer.data.prompt_recipe import load as load_scaled
 from midlayer.data.prompts import prompt_set
+from midlayer.engine.batch import ContinuousBatch
 from midlayer.engine.generate import decode_one_token, forward_cached, generate, GenerationConfig, prefill
 from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
 from midlayer.engine.quantization import compress_weights, weight_bytes
@@ -490,7 +491,9 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
 
     drafts: label -> draft directory (train-draft output); "<label>-separate" rows are added for hidden
     transfer (drafting with a separate forward instead of the fused one), "<label>-dynamic" rows for EAGLE
-    (EAGLE-2's dynamic tree within the same node budget). layer_skip (a, b): a layer-skip
+    (EAGLE-2's dynamic tree within the same node budget), with tree "auto" a "<label>-steps" row for prompt
+    lookup (a one-row continuous batch drafting each step as deep as pays: what `generate` runs for lookup with
+    tree auto; no per-depth top-1 there). layer_skip (a, b): a layer-skip
     drafter skipping blocks a..b-1. tree: "chain" (the top-1 chain of depth k) or "sparse" (the `nodes`
     nodes of highest estimated acceptance, `DraftTree.greedy_from_accuracies` on the draft's held-out
     per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden transfer's tree, or
@@ -508,6 +511,12 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     stop = tuple(sorted(tok.eos_ids))
     encoded = heldout_chats(tok, max_prompts, prompts)
     methods, own_acc, depth = speculative_methods(model, drafts, layer_skip, encoded)
+    stepwise = frozenset()
+    if tree == "auto":  # what `generate --draft lookup` runs with tree auto: lookup's "-steps" row, after its own
+        lookups = [label for label, (d, _) in methods.items() if isinstance(d, PromptLookupDrafter)]
+        methods = {name: m for label, m in methods.items()
+                   for name in ([label, f"{label}-steps"] if label in lookups else [label])}
+        stepwise = frozenset(f"{label}-steps" for label in lookups)
     costs = row_costs(model, model_name, weights, progress=progress) if tree == "auto" else None
     hf = load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
     anchor = None
@@ -530,10 +539,10 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
         anchor.run(warm, 4)  # warm-up, as ours above
     # once per method (auto measures)
     trees = {label: method_tree(tree, label, k, depth, nodes, own_acc, model, methods[label][0], costs, encoded[0])
-             for label, (_, k) in methods.items()}
+             for label, (_, k) in methods.items() if label not in stepwise}
     for ids in (tqdm(encoded, desc="bench decode", unit="prompt") if progress else encoded):
         _bench_prompt(model, ids, rows, methods, trees, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop),
-                      hf, anchor, depth)
+                      hf, anchor, depth, stepwise)
     return dict(model=model_name, weights=weights, prompts=len(encoded), prompt_set=prompts, new_tokens=new_tokens,
                 tree=tree, nodes=nodes, rows=_speculative_rows(rows, len(encoded)),
                 llama_cpp_version=getattr(anchor, "version", None))
@@ -591,8 +600,10 @@ def method_tree(tree: str, label: str, k: int, depth: int, nodes: int, own_acc: 
 
 
 def _bench_prompt(model, ids: list[int], rows: dict[str, dict], methods: dict[str, tuple],
-                  trees: dict[str, DraftTree], gcfg: GenerationConfig, hf, anchor, depth: int) -> None:
-    """One prompt through plain decoding, the anchors and every method, added to `rows`."""
+                  trees: dict[str, DraftTree], gcfg: GenerationConfig, hf, anchor, depth: int,
+                  stepwise: frozenset[str] = frozenset()) -> None:
+    """One prompt through plain decoding, the anchors and every method, added to `rows`; the `stepwise`
+    methods (prompt lookup's "-steps" row) in a one-row continuous batch instead of the speculative loop."""
     t = time.perf_counter()
     plain = generate(model, [ids], gcfg)[0]
     rows["plain"]["time"] += time.perf_counter() - t
@@ -615,6 +626,20 @@ def _bench_prompt(model, ids: list[int], rows: dict[str, dict], methods: dict[st
         rows["llama.cpp"]["tokens"] += len(plain)
         rows["llama.cpp"]["equal"] += int(out == plain)
     for label, (drafter, k) in methods.items():
+        if label in stepwise:  # prompt lookup as `generate` runs it with tree auto: a one-row continuous batch
+            batch = ContinuousBatch(model, 1, propose=drafter.chain, k=drafter.k, accept_prior=drafter.prompt_prior)
+            t = time.perf_counter()
+            seq = batch.by_handle[batch.add(ids, gcfg)]
+            out = []
+            while len(batch):
+                for _, tokens, _ in batch.step():
+                    out += tokens
+            r = rows[label]
+            r["time"] += time.perf_counter() - t
+            r["tokens"] += len(out)
+            r["forwards"] += seq.forwards
+            r["equal"] += int(out == plain)
+            continue
         rec = DraftRecorder(drafter)
         tr = trees[label]
         rows[label]["tree"] = len(tr)

@@ -95,6 +95,11 @@ class PromptLookupDrafter(Drafter):
         placeholder = int(ctx.tokens[-1]) if ctx.tokens else 0
         return Draft(node_tokens=torch.tensor(fill_tree(ctx.tree, conts, placeholder), dtype=torch.long))
 
+    def prompt_prior(self, tokens: Sequence[int]) -> float | None:
+        """The acceptance a continuous batch starts a row at (engine/batch.py, `accept_prior`): lookup's
+        depth-1 hit rate on the prompt itself, over its last 32 positions; None for a prompt under 24 tokens."""
+        return self.self_accuracies(tokens, depth=1, ranks=1, positions=32)[0][0] if len(tokens) >= 24 else None
+
     def self_accuracies(self, tokens: Sequence[int], depth: int | None = None, ranks: int = 3,
                         start: int = 8, positions: int = 256) -> list[list[float]]:
         """acc[d][r] (tree.greedy_from_accuracies' format) measured on `tokens` (a prompt): at every position
