@@ -546,6 +546,25 @@ def test_only_q4_is_called_lossless():
     assert not compress_weights(make_tiny(DIMS, gating=False), "q4", head="fp32").batch_invariant
 
 
+def test_kv_cache_dtype_per_format_and_its_choice():
+    """q4 keeps fp16 K/V by default, the other formats their weights' dtype; kv= chooses; the engine's caches
+    follow (kv_dtype), and a q4 model with either cache still decodes speculatively as it decodes plainly."""
+    from midlayer.model.kv_cache import kv_dtype
+
+    assert compress_weights(make_tiny(DIMS, gating=False), "q4").kv_dtype == torch.float16
+    assert kv_dtype(compress_weights(make_tiny(DIMS, gating=False), "fp32")) == torch.float32
+    with pytest.raises(ValueError, match="kv must be one of fp32, fp16"):
+        compress_weights(make_tiny(DIMS, gating=False), "q4", kv="int8")
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
+    for kv in ("fp32", "fp16"):
+        model = compress_weights(make_tiny(DIMS, gating=False), "q4", kv=kv)
+        assert kv_dtype(model) == {"fp32": torch.float32, "fp16": torch.float16}[kv]
+        plain = generate(model, [prompt], GenerationConfig(max_new_tokens=16))[0]
+        for drafter in (OracleDrafter(prompt + plain, V), RandomDrafter(V, seed=3)):  # all accepted; rejected
+            spec, _ = speculative_generate(model, prompt, drafter, DraftTree([(0,), (1,), (0, 0), (0, 0, 0)]), 16)
+            assert spec == plain
+
+
 def test_topk_and_argmax_match_torch_with_ties_nan_and_every_simd_level():
     """kernels.topk: the k largest per row, largest first, equal values in index order (torch.argmax's first
     maximum), NaN above every number; lse = logsumexp per row. The same bits at every SIMD level (only the
