@@ -289,17 +289,19 @@ def test_attention_avx2_equals_scalar(D):
     assert torch.equal(fast, _scalar_attention(q, k, v, mask))
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["kv32", "kv16"])
 @pytest.mark.parametrize("rep,D", [(2, 64), (3, 64), (3, 80), (4, 16)])
-def test_ragged_batch_attention_equals_scalar_and_each_row_alone(rep, D):
+def test_ragged_batch_attention_equals_scalar_and_each_row_alone(rep, D, kv):
     """A continuous batch's decode step: 16 sequences of different lengths read up to the longest one's
     length, their unused slots masked -inf (the AVX2 path skips whole masked 4-key blocks). Each sequence alone
-    must get the bits it gets in the batch, and the AVX2 path the portable scalar path's. Also a finite gated
-    bias and a weight that underflows to exactly 0 (skipped, as the scalar loop skips it)."""
+    must get the bits it gets in the batch, and the AVX2 path the portable scalar path's, over fp32 and fp16
+    caches. Also a finite gated bias and a weight that underflows to exactly 0 (skipped, as the scalar loop
+    skips it)."""
     g = torch.Generator().manual_seed(rep * 100 + D)
     B, Hk, S = 16, 2, 50
     H = rep * Hk
     q = torch.randn(B, H, 1, D, generator=g)
-    k, v = torch.randn(B, Hk, S, D, generator=g), torch.randn(B, Hk, S, D, generator=g)
+    k, v = torch.randn(B, Hk, S, D, generator=g).to(kv), torch.randn(B, Hk, S, D, generator=g).to(kv)
     mask = torch.zeros(B, 1, 1, S)
     for b in range(B):
         mask[b, ..., 3 + 3 * b:] = float("-inf")  # row b holds 3 + 3b keys
