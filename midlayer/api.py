@@ -307,25 +307,20 @@ class LLM:
         """Whether one prompt decodes in a one-row continuous batch: prompt lookup with `tree` auto. There each
         step drafts to the depth that pays from the acceptance seen so far (engine/batch.py, "When a draft
         pays"), where the up-front tree of auto can only price lookup from the prompt, which says little about
-        an answer that starts repeating itself later (docs/results/gemma3-cpu.md: no draft chosen, 1.01x; the
-        batch's rule 2.3x on the same prompts)."""
+        an answer that starts repeating itself later (docs/results/gemma3-cpu.md, Gemma 3: no draft chosen,
+        0.99-1.01x; the batch's rule 2.03-2.12x on the same prompts)."""
         return (isinstance(self.drafter, PromptLookupDrafter) and self.tree_spec == "auto"
                 and self.batch_refusal() is None)
 
     def _batch_groups(self, ids: list[int], cfg: GenerationConfig) -> Iterator[list[int]]:
         """One prompt's new tokens, step by step, from a one-row continuous batch (`_adaptive`); its statistics
         in `last_stats` once the loop ends or the consumer stops it."""
-        batch = self.batch(1)
-        handle = batch.add(ids, cfg)
-        seq = batch.by_handle[handle]
+        seq, steps = self.batch(1).alone(ids, cfg)
         self.last_tree = self.last_report = None  # no tree is chosen up front
         try:
-            while len(batch):
-                for _, tokens, _ in batch.step():
-                    if tokens:
-                        yield tokens
+            yield from steps
         finally:
-            batch.cancel(handle)  # (nothing to do once it finished)
+            steps.close()
             self.last_stats = self._batch_stats(seq)
 
     # ------------------------------------------------------------------------------------ internals

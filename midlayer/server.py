@@ -15,8 +15,8 @@ over the limit, an unknown model, an unknown field, a prompt over the context, m
 non-finite or negative temperature.
 
 One engine thread owns the model. Every request joins one continuous batch (engine/batch.py) at its next
-step and leaves it when done; with prompt lookup or Medusa heads attached, each greedy row drafts in the batch. In q4 every
-output equals the request's single-request greedy output token for token. A request that would make more
+step and leaves it when done; with prompt lookup or Medusa heads attached, each greedy row drafts in the
+batch. In q4 every output equals the request's single-request greedy output token for token. A request that would make more
 than `max_queue` waiting or running is refused with 503 at once. A client that disconnects, or a stop string,
 frees the row at the next step. On SIGTERM the server stops accepting connections, lets running requests
 finish, and answers queued ones with an error: never a hang. `--max-batch 1`, the static engine and trained

@@ -16,8 +16,8 @@ keeps every running sequence in one row of a shared KV cache and advances them a
   * **Speculation in the batch.** With `propose` (a chain drafter that reads tokens only, e.g. prompt lookup)
     or `propose_hidden` (one that reads the final residual at the position that predicted a row's pending
     token and keeps no state of its own: Medusa heads), each greedy row feeds its pending token and its
-    draft's tokens in the same forward (rows with shorter drafts are padded). A row keeps the longest prefix of its draft that matches its own greedy targets plus
-    one bonus token; its rejected slots get key bias -inf.
+    draft's tokens in the same forward (rows with shorter drafts are padded). A row keeps the longest prefix of
+    its draft that matches its own greedy targets plus one bonus token; its rejected slots get key bias -inf.
   * **When a draft pays.** A drafted token earns a token only if it and every draft token before it are
     accepted, and every row of a step is padded to the deepest draft: depth D costs n (1 + D) rows. With the
     forward's time a line in its rows, t(R) = a + b R (`StepCost`, fitted to this batch's own forwards), the
@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -189,6 +189,24 @@ class ContinuousBatch:
         self.waiting.append(seq)
         return seq.handle
 
+    def alone(self, prompt: Sequence[int], cfg: GenerationConfig) -> tuple[BatchSequence, Iterator[list[int]]]:
+        """One sequence decoded by itself in this (empty) batch: the sequence (its statistics fill in as it goes)
+        and an iterator over its new tokens, step by step; closing the iterator early cancels the sequence. The
+        API's prompt lookup with tree auto and bench decode's lookup "-steps" row decode through this."""
+        if len(self):
+            raise ValueError(f"alone: the batch already holds {len(self)} sequences")
+        handle = self.add(prompt, cfg)
+
+        def steps() -> Iterator[list[int]]:
+            try:
+                while len(self):
+                    for _, tokens, _ in self.step():
+                        if tokens:
+                            yield tokens
+            finally:
+                self.cancel(handle)  # (nothing to do once it finished)
+        return self.by_handle[handle], steps()
+
     def cancel(self, handle: int) -> None:
         """Drop a sequence (a client gone, a stop string found): its row is free at once."""
         seq = self.by_handle.pop(handle, None)
@@ -329,16 +347,14 @@ class ContinuousBatch:
         depth = self._pays([max(r, 0) for r in rooms])
         if depth == 0:
             return drafts
-        rows = [i for i in range(n) if min(rooms[i], depth) > 0]
-        if self.propose_hidden is not None:  # one call for every drafting row, then each cut to its own room
-            if rows:
-                chains = self.propose_hidden(torch.stack([self.running[i].hidden for i in rows]), depth)
-                for i, chain in zip(rows, chains):
-                    drafts[i] = [int(t) for t in chain[:min(rooms[i], depth)]]
-            return drafts
-        for i in rows:
-            room = min(rooms[i], depth)
-            drafts[i] = [int(t) for t in self.propose(self.running[i].tokens, room)[:room]]
+        cut = [min(r, depth) for r in rooms]
+        rows = [i for i in range(n) if cut[i] > 0]
+        if self.propose_hidden is not None:  # one call for every drafting row, each chain then cut to its room
+            chains = self.propose_hidden(torch.stack([self.running[i].hidden for i in rows]), depth) if rows else []
+        else:
+            chains = [self.propose(self.running[i].tokens, cut[i]) for i in rows]
+        for i, chain in zip(rows, chains):
+            drafts[i] = [int(t) for t in chain[:cut[i]]]
         return drafts
 
     def _pays(self, lengths: list[int]) -> int:

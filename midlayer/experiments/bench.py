@@ -629,11 +629,8 @@ def _bench_prompt(model, ids: list[int], rows: dict[str, dict], methods: dict[st
         if label in stepwise:  # prompt lookup as `generate` runs it with tree auto: a one-row continuous batch
             batch = ContinuousBatch(model, 1, propose=drafter.chain, k=drafter.k, accept_prior=drafter.prompt_prior)
             t = time.perf_counter()
-            seq = batch.by_handle[batch.add(ids, gcfg)]
-            out = []
-            while len(batch):
-                for _, tokens, _ in batch.step():
-                    out += tokens
+            seq, steps = batch.alone(ids, gcfg)
+            out = [tok for tokens in steps for tok in tokens]
             r = rows[label]
             r["time"] += time.perf_counter() - t
             r["tokens"] += len(out)

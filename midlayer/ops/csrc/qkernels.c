@@ -807,12 +807,12 @@ void qk_attention(const float *q, long qb, long qt, const void *k, const void *v
     int rep = H / Hk;
     int avx2 = qk_has_avx2() && D % 8 == 0;
     long items = (long)B * T * H;
+    int esz = kv16 ? 2 : 4;
 #pragma omp parallel for schedule(static)
     for (long it = 0; it < items; it++) {
         int h = it % H, t = (it / H) % T, b = it / ((long)H * T);
         const float *qq = q + b * qb + t * qt + (long)h * D;
         long kv = b * kb + (long)(h / rep) * kh; /* element offset of this head's keys (and values) */
-        int esz = kv16 ? 2 : 4;
         const void *kk = (const char *)k + kv * esz, *vv = (const char *)v + kv * esz;
         const float *mm = mask ? mask + (((long)b * MH + (MH > 1 ? h : 0)) * T + t) * S : 0;
         float *oo = out + ((long)b * T + t) * H * D + (long)h * D;
@@ -862,11 +862,6 @@ void qk_rmsnorm(const float *x, const float *w, int M, int K, float eps, float *
     }
 }
 
-/* RoPE on the q and k heads of a fused qkv projection, then k and v stored in the KV cache.
- * qkv: [T, (H + 2 Hk) * D] rows of one sequence (b = 0..B-1 via qkv_b); cos/sin: [B*T, D] per row;
- * rotate-half convention (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) on the two halves of each head.
- * q is rotated in place; k (rotated) and v go to kc/vc at slot slots[b*T + t] (head stride ch, slot
- * stride D, batch stride cb). */
 /* Row n of fp32 values into a KV cache buffer at element i: copied (kv16 = 0) or rounded to fp16 (f32_to_f16's
  * rule; F16C's vcvtps2ph where the CPU has it, the same bits). */
 AVX2 static void kv_put_f16c(uint16_t *dst, const float *src, int n) {
@@ -883,6 +878,11 @@ static void kv_put(void *base, long i, const float *src, int n, int kv16) {
     for (int j = 0; j < n; j++) dst[j] = f32_to_f16(src[j]);
 }
 
+/* RoPE on the q and k heads of a fused qkv projection, then k and v stored in the KV cache.
+ * qkv: [T, (H + 2 Hk) * D] rows of one sequence (b = 0..B-1 via qkv_b); cos/sin: [B*T, D] per row;
+ * rotate-half convention (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) on the two halves of each head.
+ * q is rotated in place; k (rotated) and v go to kc/vc at slot slots[b*T + t] (head stride ch, slot
+ * stride D, batch stride cb). */
 /* kv16: the cache holds fp16 (else fp32); cb, ch count elements. */
 void qk_rope_store(float *qkv, long qkv_b, int B, int T, int H, int Hk, int D, const float *cos,
                    const float *sin, void *kc, void *vc, long cb, long ch, const long *slots, int kv16) {
