@@ -30,7 +30,8 @@ from midlayer.common import cache_dir
 from midlayer.data.shards import resolve_data
 from midlayer.engine.batch import BatchSequence, ContinuousBatch, unsupported as batch_unsupported
 from midlayer.engine.decode_step import static_stream
-from midlayer.engine.generate import GenerationConfig, forward_cached, generate, generate_stream, validate_prompts
+from midlayer.engine.generate import (GenerationConfig, forward_cached, generate, generate_stream, token_logprobs,
+                                      validate_prompts)
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import WEIGHT_FORMATS, compress_weights
 from midlayer.model.kv_cache import KVCache, kv_dtype
@@ -170,16 +171,9 @@ class LLM:
         cache = KVCache.for_model(self.model.cfg, 1, max_len=len(ids), device=dev, dtype=kv_dtype(self.model))
         tokens = torch.tensor([ids], device=dev)
         logits = forward_cached(self.model, tokens, cache, torch.arange(len(ids), device=dev)[None], skip=self.skip)
-        lp = logits[0, :-1].float().log_softmax(-1)  # row t: the distribution of token t + 1
-        picked = lp.gather(1, tokens[0, 1:, None])[:, 0].tolist()
+        # row t: the distribution of token t + 1
         out: list[tuple[float | None, dict[int, float]]] = [(None, {})]
-        if top:
-            vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
-            tops = [dict(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-        else:
-            tops = [{} for _ in picked]
-        out += list(zip(picked, tops))
-        return out
+        return out + token_logprobs(logits[0, :-1], tokens[0, 1:], top)  # type: ignore[operator]
 
     def settings(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
                  ) -> GenerationConfig:

@@ -7,9 +7,10 @@
 Endpoints: /v1/completions and /v1/chat/completions (JSON or server-sent events with "stream": true),
 /v1/models, /health, and vLLM's tokenizer endpoints /tokenize, /detokenize, /tokenizer_info (lm-eval's remote
 tokenizer). /v1/completions also takes token-id prompts, several prompts per request, and `echo` + `logprobs`
-(the prompt's and the completion's log-probabilities: lm-eval's log-likelihood tasks); /v1/chat/completions
-takes `logprobs` + `top_logprobs` (OpenAI's logprobs.content over the answer). Those requests are answered
-whole, not streamed. Requests are checked before they are queued, and a bad one gets an
+(the prompt's and the completion's log-probabilities: lm-eval's log-likelihood tasks), answered whole, not
+streamed. /v1/chat/completions takes `logprobs` + `top_logprobs` (OpenAI's logprobs.content over the answer),
+streamed or not: the batch scores each token from the logits that chose it, each chunk carrying its own
+tokens' scores (the engine that decodes one request at a time scores the answer once it is done). Requests are checked before they are queued, and a bad one gets an
 OpenAI-style error ({"error": {"message", "type", "param", "code"}}) with a 4xx status: malformed JSON, a body
 over the limit, an unknown model, an unknown field, a prompt over the context, max_tokens out of range, a
 non-finite or negative temperature.
@@ -64,7 +65,9 @@ class RequestError(ValueError):
 @dataclass
 class Job:
     """One request in the engine's queue: what to decode, and where its pieces go: ("piece", text) ... then
-    ("done", Completion) or ("error", message), onto `events`, an asyncio queue of the event loop `loop`."""
+    ("done", Completion) or ("error", message), onto `events`, an asyncio queue of the event loop `loop`. A
+    request that asked for logprobs (kwargs["logprobs"], batched engine) also gets ("scores", [(token id,
+    log-probability, {alternative: log-probability})]) for each step's tokens, before that step's piece."""
 
     prompt: Any
     kwargs: dict[str, Any]
@@ -212,6 +215,9 @@ class Engine:
             outbox: list[tuple[Job, tuple[str, Any]]] = []
             for seq, tokens, finished in events:
                 job, text = live[seq.handle]
+                if seq.logprobs is not None and tokens:  # this step's tokens are the last of seq.scores
+                    outbox.append((job, ("scores", [(t, lp, alts) for t, (lp, alts)
+                                                    in zip(tokens, seq.scores[len(seq.scores) - len(tokens):])])))
                 piece, done = self.llm.batch_feed(batch, seq, tokens, finished, text)
                 if piece:
                     outbox.append((job, ("piece", piece)))
@@ -232,7 +238,7 @@ class Engine:
         try:
             ids = self.llm.encode(job.prompt)
             cfg = self.llm.settings(k["max_tokens"], k["temperature"], k.get("top_k", 0), k["top_p"], k["seed"])
-            handle = batch.add(ids, cfg)
+            handle = batch.add(ids, cfg, logprobs=k.get("logprobs"))
         except Exception as e:  # checked before queueing; a failure here is the engine's, answered as such
             job.put(("error", f"{type(e).__name__}: {e}"))
             self._release()
@@ -317,22 +323,47 @@ def _chat_scored(llm: LLM, messages: list[dict], kw: dict[str, Any], top: int) -
     token is not content), its text, log-probability, UTF-8 bytes and the `top` most likely tokens at its place,
     from one forward over the prompt and the answer (`LLM.logprobs`). Returns (choices, prompt and completion
     tokens)."""
-    tok = llm.tokenizer
     ids = llm.encode(messages)
     done = llm.generate(ids, max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"],
                         seed=kw["seed"], stop=kw["stop"])
     new = done.token_ids
     scored = llm.logprobs(ids + new, top)[len(ids):]
+    content = _logprob_content(llm, [(t, lp, alts) for t, (lp, alts) in zip(new, scored)])
+    choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
+              "logprobs": {"content": content}, "finish_reason": done.finish_reason}
+    return [choice], len(ids), len(new)
+
+
+def _logprob_content(llm: LLM, scores: list[tuple[int, float, dict[int, float]]]) -> list[dict[str, Any]]:
+    """OpenAI's logprobs.content for scored tokens (token id, log-probability, alternatives): per token of the
+    answer's content (the end-of-turn token is not content) its text, log-probability, UTF-8 bytes, and its
+    alternatives, most likely first."""
+    tok = llm.tokenizer
 
     def entry(t: int, lp: float) -> dict[str, Any]:
         text = tok.decode([t])
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-    content = [dict(entry(t, lp), top_logprobs=[entry(a, v) for a, v in sorted(alts.items(), key=lambda x: -x[1])])
-               for t, (lp, alts) in zip(new, scored) if t not in tok.eos_ids]
-    choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-              "logprobs": {"content": content}, "finish_reason": done.finish_reason}
-    return [choice], len(ids), len(new)
+    return [dict(entry(t, lp), top_logprobs=[entry(a, v) for a, v in sorted(alts.items(), key=lambda x: -x[1])])
+            for t, lp, alts in scores if t not in tok.eos_ids]
+
+
+async def _as_chunks(response: Any) -> AsyncIterator[str]:
+    """A whole chat completion (or its error response) as server-sent events: one chunk with the answer and its
+    logprobs, then one with the finish reason and usage. How a server that decodes one request at a time streams
+    a request with logprobs: the tokens are scored after the answer is done (`_chat_scored`)."""
+    if not isinstance(response, dict):  # an error: its body as the one event
+        yield f"data: {response.body.decode()}\n\n"
+        return
+    choice = response["choices"][0]
+    base = {k: response[k] for k in ("id", "created", "model")}
+    base["object"] = "chat.completion.chunk"
+    first = {"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]},
+             "logprobs": choice["logprobs"], "finish_reason": None}
+    last = {"index": 0, "delta": {}, "logprobs": {"content": []}, "finish_reason": choice["finish_reason"]}
+    for chunk in (dict(base, choices=[first]), dict(base, choices=[last], usage=response["usage"])):
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -460,18 +491,24 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                                               "total_tokens": n_prompt + n_new}}
 
     async def run(prompt: Any, kwargs: dict, stream: bool,
-                  shape: Callable[[str, str | None, Completion | None], dict]) -> Any:
+                  shape: Callable[[str, str | None, Completion | None, list], dict]) -> Any:
+        """A request decoded by the engine, streamed or whole. `shape(text, finish reason, completion, scores)`
+        makes a response (or a chunk) of a piece of text and the scores of the tokens it came with."""
         job = queue_job(prompt, kwargs)
         events = job.events
+        scores: list = []  # ("scores" events) the tokens scored since the last piece
 
         async def sse() -> AsyncIterator[str]:
             try:
                 while True:
                     kind, value = await events.get()
-                    if kind == "piece":
-                        yield f"data: {json.dumps(shape(value, None, None))}\n\n"
+                    if kind == "scores":
+                        scores.extend(value)
+                    elif kind == "piece":
+                        yield f"data: {json.dumps(shape(value, None, None, scores))}\n\n"
+                        scores.clear()
                     elif kind == "done":
-                        yield f"data: {json.dumps(shape('', value.finish_reason, value))}\n\n"
+                        yield f"data: {json.dumps(shape('', value.finish_reason, value, scores))}\n\n"
                         yield "data: [DONE]\n\n"
                         return
                     else:
@@ -486,10 +523,12 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         try:
             while True:
                 kind, value = await events.get()
-                if kind == "piece":
+                if kind == "scores":
+                    scores.extend(value)
+                elif kind == "piece":
                     text.append(value)
                 elif kind == "done":
-                    return shape("".join(text), value.finish_reason, value)
+                    return shape("".join(text), value.finish_reason, value, scores)
                 else:
                     return failed(value)
         finally:
@@ -558,7 +597,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
             return await run_whole(lambda: _scored_choices(llm, prompts, scored), rid, model_name)
         prompt = prompts[0]
 
-        def shape(text: str, finish: str | None, done: Completion | None) -> dict:
+        def shape(text: str, finish: str | None, done: Completion | None, scores: list) -> dict:
             out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                    "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
             if done is not None:
@@ -584,25 +623,32 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                            else "max_completion_tokens")
         check(messages, kwargs)
         rid, stream = f"chatcmpl-{uuid.uuid4().hex}", bool(body.get("stream"))
-        if top is not None:  # answered whole, by the engine thread
-            if stream:
-                raise RequestError(400, "stream is not supported with logprobs", param="stream")
-            return await run_whole(lambda: _chat_scored(llm, messages, kwargs, top), rid, model_name,
-                                   "chat.completion")
+        if top is not None and not engine.batched:  # scored by a second forward, answered whole (`_chat_scored`)
+            whole = run_whole(lambda: _chat_scored(llm, messages, kwargs, top), rid, model_name, "chat.completion")
+            if not stream:
+                return await whole
+            return StreamingResponse(_as_chunks(await whole), media_type="text/event-stream")
+        if top is not None:  # the batch scores each token from the logits that chose it
+            kwargs["logprobs"] = top
         first = [True]
 
-        def shape(text: str, finish: str | None, done: Completion | None) -> dict:
+        def shape(text: str, finish: str | None, done: Completion | None, scores: list) -> dict:
+            choice: dict[str, Any] = {"index": 0}
             if stream:
                 delta: dict[str, str] = {"content": text} if text or finish is None else {}
                 if first[0]:
                     delta["role"] = "assistant"
                     first[0] = False
                 out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                       "model": model_name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                       "model": model_name, "choices": [choice]}
+                choice["delta"] = delta
             else:
                 out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                       "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                    "finish_reason": finish}]}
+                       "choices": [choice]}
+                choice["message"] = {"role": "assistant", "content": text}
+            if top is not None:
+                choice["logprobs"] = {"content": _logprob_content(llm, scores)}
+            choice["finish_reason"] = finish
             if done is not None:
                 out["usage"] = usage(done)
             return out

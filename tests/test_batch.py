@@ -95,6 +95,39 @@ def test_lookup_drafts_are_accepted_and_save_forwards():
 
 
 @needs_kernels
+def test_logprobs_come_from_the_logits_that_chose_each_token():
+    """A row asking for logprobs gets, per new token, its log-probability and alternatives from the column of the
+    forward that chose it -- the prefill's for the first, the pending token's or an accepted draft's after --
+    in q4 the bits of one forward over prompt and answer (`token_logprobs` over its rows), with lookup drafts
+    accepted and rejected, and rows joining and leaving around it."""
+    from midlayer.engine.generate import forward_cached, token_logprobs
+    from midlayer.model.kv_cache import KVCache, kv_dtype
+
+    model = _q4()
+    unit = [11, 23, 35, 47, 59, 71]
+    prompts = [unit * 4, [3, 9, 27, 81, 4], unit[2:] * 5 + [8]]
+    cfgs = [GenerationConfig(max_new_tokens=20, stop_tokens=(5,))] * 3
+    batch = ContinuousBatch(model, max_rows=3, propose=PromptLookupDrafter(V).chain, k=4)
+    handles = [batch.add(p, c, logprobs=3 if i != 1 else None) for i, (p, c) in enumerate(zip(prompts, cfgs))]
+    seqs = {}
+    while len(batch):
+        for seq, _, _ in batch.step():
+            seqs[seq.handle] = seq
+    assert sum(a * n for s in seqs.values() for a, n in enumerate(s.accept_hist)) > 0  # drafts were accepted
+    assert seqs[handles[1]].scores == []
+    for h in (handles[0], handles[2]):
+        s = seqs[h]
+        ids = torch.tensor([s.tokens])
+        cache = KVCache.for_model(model.cfg, 1, max_len=len(s.tokens), dtype=kv_dtype(model))
+        logits = forward_cached(model, ids, cache, torch.arange(len(s.tokens))[None])
+        ref = token_logprobs(logits[0, s.prompt_len - 1:-1], ids[0, s.prompt_len:], 3)
+        assert len(s.scores) == len(s.new) and s.scores == ref
+        assert all(max(alts.values()) == lp for lp, alts in s.scores)  # greedy: the chosen token is the top one
+    with pytest.raises(ValueError, match="logprobs"):
+        batch.add([1, 2], GenerationConfig(), logprobs=-1)
+
+
+@needs_kernels
 def test_medusa_heads_draft_in_the_batch_from_each_rows_own_hidden_state():
     """Medusa heads read the final residual at the position that predicted a row's pending token. In the batch
     each row keeps its own (after a join, after accepted drafts, after a rejection): at every step it must be

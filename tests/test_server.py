@@ -157,29 +157,61 @@ def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F
     assert spy.most > 1  # requests really shared steps
 
 
-def test_chat_logprobs(server, client, llm):  # noqa: F811
-    """Chat completions with logprobs: per token of the answer's content its text, log-probability, bytes and
-    the most likely alternatives (OpenAI's logprobs.content), the values one forward over prompt and answer
-    gives (LLM.logprobs); refused with a stream, with top_logprobs beyond 5 or without logprobs."""
+def _check_chat_logprobs(url: str, llm: LLM, exact: bool) -> None:  # noqa: F811
+    """Chat logprobs, whole and streamed: per token of the answer's content its text, log-probability, bytes and
+    most likely alternatives (OpenAI's logprobs.content), the values one forward over prompt and answer gives
+    (LLM.logprobs): bit for bit where `exact`. The stream's chunks carry the scores of their own tokens."""
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "To be, or not"}]
-    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True,
-                                         top_logprobs=2)
     ids = llm.encode(messages)
     plain = llm.generate(messages, max_tokens=6)
     content = [t for t in plain.token_ids if t not in llm.tokenizer.eos_ids]
     ref = llm.logprobs(ids + plain.token_ids, 2)[len(ids):]
-    got = out.choices[0].logprobs.content
-    assert out.choices[0].message.content == plain.text and len(got) == len(content)
-    for entry, t, (lp, alts) in zip(got, content, ref):
-        assert entry.token == llm.tokenizer.decode([t]) and entry.logprob == lp
-        assert entry.bytes == list(entry.token.encode("utf-8"))
-        assert [a.logprob for a in entry.top_logprobs] == sorted(alts.values(), reverse=True)
+    same = (lambda a, b: a == b) if exact else (lambda a, b: a == pytest.approx(b, abs=1e-4))
+    out = c.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                    top_logprobs=2)
+    chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == plain.text
+    assert chunks[-1].choices[0].finish_reason == plain.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(plain.token_ids)
+    for got in (out.choices[0].logprobs.content, streamed):
+        assert len(got) == len(content)
+        for entry, t, (lp, alts) in zip(got, content, ref):
+            assert entry.token == llm.tokenizer.decode([t]) and same(entry.logprob, lp)
+            assert entry.bytes == list(entry.token.encode("utf-8"))
+            assert same([a.logprob for a in entry.top_logprobs], sorted(alts.values(), reverse=True))
+    assert out.choices[0].message.content == plain.text
     assert out.usage.completion_tokens == len(plain.token_ids)
-    for bad, param in [(dict(logprobs=True, stream=True), "stream"), (dict(top_logprobs=1), "top_logprobs"),
-                       (dict(logprobs=True, top_logprobs=6), "top_logprobs"), (dict(logprobs="yes"), "logprobs")]:
+
+
+def test_chat_logprobs(server, client, llm):  # noqa: F811
+    """Chat logprobs from the batched fp32 engine (whose decode rows may differ from a prefill's in the last
+    bits); refused with top_logprobs beyond 5 or without logprobs."""
+    _check_chat_logprobs(server.url, llm, exact=False)
+    messages = [{"role": "user", "content": "To be, or not"}]
+    for bad, param in [(dict(top_logprobs=1), "top_logprobs"), (dict(logprobs=True, top_logprobs=6), "top_logprobs"),
+                       (dict(logprobs="yes"), "logprobs")]:
         r = httpx.post(f"{server.url}/v1/chat/completions",
                        json={"model": NAME, "messages": messages, "max_tokens": 2, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, bad
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
+@pytest.mark.parametrize("max_batch", [16, 1])
+def test_chat_logprobs_in_q4_equal_one_forward_bit_for_bit(llm, max_batch):  # noqa: F811
+    """q4: the continuous batch scores each token from the logits that chose it (max_batch 16), and the engine
+    that decodes one request at a time scores the answer with a second forward (max_batch 1); both give the
+    bits of one forward over prompt and answer, whole and streamed."""
+    q4 = LLM(compress_weights(copy.deepcopy(llm.model), "q4"), llm.tokenizer, "tiny", "q4")
+    app = create_app(q4, NAME, max_queue=64, max_batch=max_batch)
+    assert app.state.engine.batched == (max_batch > 1)
+    running = Running(app)
+    try:
+        _check_chat_logprobs(running.url, q4, exact=True)
+    finally:
+        running.stop()
 
 
 def test_echo_logprobs_several_prompts_and_the_tokenizer_endpoints(server, client, llm):  # noqa: F811

@@ -47,7 +47,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .generate import GenerationConfig, forward_cached, sample_next, validate_prompts
+from .generate import GenerationConfig, forward_cached, sample_next, token_logprobs, validate_prompts
 from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
@@ -81,6 +81,8 @@ class BatchSequence:
     hits: float = 1.0  # accepted draft tokens + the prior's (Beta estimate of the acceptance rate, `_drafts`)
     tries: float = 2.0  # judged draft tokens (up to and including the first rejection) + the prior's
     hidden: torch.Tensor | None = None  # [d] final residual that predicted tokens[length] (`propose_hidden`)
+    logprobs: int | None = None  # None: no scores; else how many most likely alternatives to keep per token
+    scores: list[tuple[float, dict[int, float]]] = field(default_factory=list)  # per new token (`token_logprobs`)
 
     @property
     def acceptance(self) -> float:
@@ -169,15 +171,20 @@ class ContinuousBatch:
         return len(self.running) + len(self.waiting)
 
     # ------------------------------------------------------------------------------------ membership
-    def add(self, prompt: Sequence[int], cfg: GenerationConfig) -> int:
-        """Queue a sequence; it joins at the next `step` with a free row. Returns its handle."""
+    def add(self, prompt: Sequence[int], cfg: GenerationConfig, *, logprobs: int | None = None) -> int:
+        """Queue a sequence; it joins at the next `step` with a free row. Returns its handle. `logprobs`: keep, per
+        new token, its log-probability and that many most likely alternatives (`seq.scores`), from the logits
+        of the forward that chose it: in q4 the numbers one forward over prompt and answer gives."""
         ids = validate_prompts(self.model, [prompt])[0]
         budget = min(cfg.max_new_tokens, self.ctx - len(ids) + 1)  # the last new token needs no slot
         gen = None
         if cfg.temperature > 0:  # seeded as generate_stream seeds it: the same draws as a single request
             gen = torch.Generator(device=self.device)
             gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
-        seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1))
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
+        seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1),
+                            logprobs=logprobs)
         drafting = self.propose is not None or self.propose_hidden is not None
         q = self.accept_prior(ids) if self.accept_prior is not None and drafting else None
         if q is not None:  # Beta(1 + 2q, 1 + 2(1 - q)): the prior's mean, worth two judged tokens, over a uniform
@@ -309,22 +316,28 @@ class ContinuousBatch:
             if hidden is not None:
                 seq.hidden = hidden[i, -1].clone()
             self.running.append(seq)
-            self._commit(seq, [int(self._sample(seq, logits[i:i + 1])[0])], events)
+            self._commit(seq, [int(self._sample(seq, logits[i:i + 1])[0])], events, logits[i:i + 1])
         self._leave_finished(seqs)
 
     def _sample(self, seq: BatchSequence, logits: torch.Tensor) -> torch.Tensor:
         cfg = seq.cfg
         return sample_next(logits, cfg.temperature, cfg.top_k, cfg.top_p, seq.generator)
 
-    def _commit(self, seq: BatchSequence, tokens: list[int], events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
-        """Append tokens (accepted drafts + the new pending token) up to a stop token or the budget."""
+    def _commit(self, seq: BatchSequence, tokens: list[int], events: dict[int, tuple[BatchSequence, list[int]]],
+                logits: torch.Tensor) -> None:
+        """Append tokens (accepted drafts + the new pending token) up to a stop token or the budget; logits
+        [len(tokens), V]: the rows that chose them (scored when the sequence asked for logprobs)."""
         got = events.setdefault(seq.handle, (seq, []))[1]
+        n = 0
         for tok in tokens:
             seq.tokens.append(tok)
             got.append(tok)
+            n += 1
             if tok in seq.cfg.stop_tokens or len(seq.new) >= seq.budget:
                 seq.done = True
                 break
+        if seq.logprobs is not None:
+            seq.scores += token_logprobs(logits[:n], torch.tensor(tokens[:n]), seq.logprobs)
 
     def _leave_finished(self, seqs: list[BatchSequence]) -> None:
         """Finished sequences leave, highest row first: the row that moves into a freed one is never finished."""
@@ -410,5 +423,5 @@ class ContinuousBatch:
             if hidden is not None:  # the row that predicted the new pending token: after the accepted drafts
                 seq.hidden = hidden[i, off + len(take) - 1 if M > 1 else 0].clone()
             seq.length += len(take)  # the pending token and the accepted drafts are in the cache now
-            self._commit(seq, take, events)
+            self._commit(seq, take, events, logits[i, off:off + len(take)])  # column off + j chose take[j]
         self._leave_finished(rows)

@@ -252,6 +252,18 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int = 0) -> list[tuple[float, dict[int, float]]]:
+    """Per row of logits [R, V]: the log-probability of tokens[r] under it and the `top` most likely tokens with
+    theirs, log-softmax in fp32. The one scoring rule of the API's `LLM.logprobs` and the continuous batch's
+    per-token logprobs (the server's chat logprobs), so the two give the same numbers for the same logits."""
+    lp = logits.float().log_softmax(-1)
+    picked = lp.gather(1, tokens.view(-1, 1).to(lp.device))[:, 0].tolist()
+    if not top:
+        return [(p, {}) for p in picked]
+    vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
+    return [(p, dict(zip(i, v))) for p, i, v in zip(picked, idx.tolist(), vals.tolist())]
+
+
 # --------------------------------------------------------------------------------------- generation
 def validate_prompts(model: Transformer, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     if len(prompts) == 0:
