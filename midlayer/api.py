@@ -37,6 +37,7 @@ from midlayer.engine.quantization import WEIGHT_FORMATS, compress_weights
 from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.ops import kernels
 from midlayer.model.transformer import Transformer
+from midlayer.speculative.eagle import EagleDrafter, EagleRows
 from midlayer.speculative.lookup import PromptLookupDrafter
 from midlayer.speculative.medusa import MedusaDrafter
 from midlayer.speculative.protocol import Drafter
@@ -51,6 +52,9 @@ from midlayer.train.distributed import resolve_device
 
 Message = dict[str, Any]
 Prompt = Union[str, Sequence[Message], Sequence[int]]
+# the longest EAGLE chain a continuous batch drafts (each step then drafts as deep as pays, engine/batch.py); the
+# EAGLE paper's trees are 5-6 deep (Li et al. 2024, arXiv 2401.15077, sec. 5)
+EAGLE_CHAIN = 5
 
 
 @dataclass
@@ -249,9 +253,10 @@ class LLM:
         why = batch_unsupported(self.model)
         if why is not None:
             return why
-        if self.drafter is not None and not isinstance(self.drafter, (PromptLookupDrafter, MedusaDrafter)):
-            return (f"{type(self.drafter).__name__} drafts with state of its own per sequence (a draft KV cache, "
-                    "pseudo rows in the base's cache); in a batch only prompt lookup and Medusa heads draft (this "
+        if self.drafter is not None and not isinstance(self.drafter, (PromptLookupDrafter, MedusaDrafter,
+                                                                      EagleDrafter)):
+            return (f"{type(self.drafter).__name__} drafts inside the base's own cache and blocks (pseudo rows, the "
+                    "base's first layers); in a batch only prompt lookup, Medusa heads and EAGLE draft (this "
                     "drafter decodes one request at a time)")
         return None
 
@@ -262,11 +267,14 @@ class LLM:
         why = self.batch_refusal()
         if why is not None:
             raise ValueError(f"continuous batching: {why}")
+        q = self._acc[0][0] if self._acc else None  # a trained draft's held-out depth-1 top-1: the prior acceptance
         if isinstance(self.drafter, MedusaDrafter):
             heads = self.drafter
-            q = self._acc[0][0] if self._acc else None  # its held-out depth-1 top-1: each row's prior acceptance
             return ContinuousBatch(self.model, max_rows, skip=self.skip, propose_hidden=heads.chains,
                                    k=heads.heads.k, accept_prior=lambda ids: q)
+        if isinstance(self.drafter, EagleDrafter):  # chains of up to EAGLE_CHAIN tokens from the draft layer
+            return ContinuousBatch(self.model, max_rows, skip=self.skip, k=EAGLE_CHAIN,
+                                   row_drafter=EagleRows(self.drafter, max_rows), accept_prior=lambda ids: q)
         lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else None
         if lookup is None:
             return ContinuousBatch(self.model, max_rows, skip=self.skip)

@@ -166,6 +166,83 @@ def test_medusa_heads_draft_in_the_batch_from_each_rows_own_hidden_state():
         ContinuousBatch(model, propose=PromptLookupDrafter(V).chain, propose_hidden=propose)
 
 
+def _eagle(model, seed: int = 3):
+    """An EAGLE drafter over `model` with a random (untrained, not identity) head."""
+    from midlayer.speculative.eagle import EagleDrafter, EagleHead
+
+    head = EagleHead.for_model(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return EagleDrafter(model, head)
+
+
+@needs_kernels
+def test_eagle_drafts_in_the_batch_the_chains_it_drafts_alone():
+    """EAGLE in the batch (`EagleRows`): each row's draft KV cache row is fed the base states of the positions
+    it committed, and moves when the batch moves the row. At every step each row's chain equals, bit for bit,
+    the top-1 chain a fresh one-sequence `EagleDrafter` drafts from the same tokens and base states; every
+    output equals single-request greedy decoding, with rows joining, leaving and moving around."""
+    from midlayer.engine.generate import forward_cached
+    from midlayer.model.kv_cache import KVCache, kv_dtype
+    from midlayer.speculative.eagle import EagleRows
+    from midlayer.speculative.protocol import DraftContext
+    from midlayer.speculative.tree import DraftTree
+
+    model = _q4()
+    drafter = _eagle(model)
+    prompts, cfgs = _workload(seed=2, n=8)
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    rows = EagleRows(drafter, 4, initial_len=8)  # 8 slots at first: the draft cache grows too
+    batch = ContinuousBatch(model, max_rows=4, row_drafter=rows, k=3, initial_len=8)
+    batch._pays = lambda lengths: max(lengths)  # draft every step, as deep as each row allows
+    chains, checked = rows.chains, []
+
+    def spied(rs, starts, hidden, tokens, depth):
+        got = chains(rs, starts, hidden, tokens, depth)
+        for r, chain in zip(rs, got):
+            seq = batch.running[r]
+            ids = seq.tokens[:seq.length + 1]
+            cache = KVCache.for_model(model.cfg, 1, max_len=seq.length, dtype=kv_dtype(model))
+            _, h = forward_cached(model, torch.tensor([ids[:-1]]), cache, torch.arange(seq.length)[None],
+                                  return_hidden=True, all_hidden=True)
+            drafter.reset()
+            ctx = DraftContext(model, None, ids, h[0], None, {}, DraftTree.chain(depth), 0.0, None)
+            assert chain == drafter.propose(ctx).node_tokens.tolist()
+            checked.append(len(chain))
+        return got
+    rows.chains = spied
+    out, most = _run(batch, prompts, cfgs, seed=1)
+    assert out == ref and most == 4
+    assert len(checked) > 20 and max(checked) == 3 and rows.cache.max_len > 8
+
+
+@needs_kernels
+def test_eagle_in_the_batch_accepts_drafts_and_stays_exact():
+    """An EAGLE head that predicts the base's own next feature (its identity start, fhat = f) drafts the token
+    the base chose last: on prompts that loop, rows accept drafts and save forwards; the output is exact."""
+    from midlayer.speculative.eagle import EagleDrafter, EagleHead, EagleRows
+
+    model = _q4()
+    drafter = EagleDrafter(model, EagleHead.for_model(model))
+    unit = [11, 23, 35, 47, 59, 71]
+    prompts = [unit * 4, [7] * 12, unit[2:] * 5]
+    cfgs = [GenerationConfig(max_new_tokens=24)] * 3
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    batch = ContinuousBatch(model, max_rows=3, row_drafter=EagleRows(drafter, 3), k=4)
+    handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
+    got, seqs = {h: [] for h in handles}, {}
+    while len(batch):
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] += tokens
+            seqs[seq.handle] = seq
+    assert [got[h] for h in handles] == ref
+    accepted = sum(a * n for s in seqs.values() for a, n in enumerate(s.accept_hist))
+    forwards = sum(s.forwards for s in seqs.values())
+    assert accepted > 0 and forwards < sum(len(r) for r in ref) - 3
+
+
 @needs_kernels
 def test_seeded_sampling_rows_reproduce_a_single_request():
     model = _q4()

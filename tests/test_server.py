@@ -122,11 +122,12 @@ class Spy:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
-@pytest.mark.parametrize("draft", [None, "lookup", "medusa"])
+@pytest.mark.parametrize("draft", [None, "lookup", "medusa", "eagle"])
 def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F811
-    """q4 (batch-invariant): 8 clients x 3 requests decode in one continuous batch -- with prompt-lookup or
-    Medusa drafts verified in the batch -- and every output equals the single-request greedy output, token for
+    """q4 (batch-invariant): 8 clients x 3 requests decode in one continuous batch -- with prompt-lookup, Medusa
+    or EAGLE drafts verified in the batch -- and every output equals the single-request greedy output, token for
     token."""
+    from midlayer.speculative.eagle import EagleDrafter, EagleHead
     from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 
     q4 = LLM(compress_weights(copy.deepcopy(llm.model), "q4"), llm.tokenizer, "tiny", "q4")
@@ -138,6 +139,8 @@ def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F
         for lin in heads.heads:
             lin.weight.data.normal_(0, 0.05)
         draft = MedusaDrafter(q4.model, heads)
+    elif draft == "eagle":  # the identity start: it drafts the token the base chose last
+        draft = EagleDrafter(q4.model, EagleHead.for_model(q4.model))
     q4.attach(draft)
     assert q4.batch_refusal() is None
     spy = Spy(q4)

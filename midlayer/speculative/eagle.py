@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from midlayer.config import ModelConfig
-from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
+from midlayer.engine.draft_vocab import draft_vocab, head_logits, restrict_logits, teacher_logits, to_token_ids
 from midlayer.engine.generate import CachedStep
 from midlayer.engine.quantization import compress_block, Q8Linear
 from midlayer.model.attention import rope_half
@@ -510,5 +510,115 @@ class EagleDrafter(Drafter):
         return Draft(node_tokens=torch.tensor([cand[x][0] for x in tree.paths], dtype=torch.long), tree=tree)
 
 
-__all__ = ["EagleHead", "EagleDrafter", "eagle_forward", "eagle_loss", "train_eagle", "embed", "feature_logits",
+
+class EagleRows:
+    """EAGLE chains for the rows of a continuous batch (engine/batch.py, its `RowDrafter`): the draft KV cache
+    of `EagleDrafter` with one row per batch row, each row with its own length, as the base's batch cache has.
+
+    Slots. Row r's draft entry for position t -- the input (f_t, e_{t+1}) at RoPE position t + 1, as in
+    `EagleDrafter` -- sits at slot t. The chain's entries follow the committed ones at the next slots; the
+    next call writes the newly committed entries over them. Attention is causal by slot, and a row's slots
+    below a query's are always its own latest entries (committed, or this chain's), so nothing else is needed
+    to hide what earlier chains, earlier sequences of the row or padding left behind.
+
+    One call per step: ONE draft-layer forward over every row's newly committed entries (rows right-aligned,
+    shorter ones padded in front at a scratch slot past every row's entries, as `ContinuousBatch._forward`
+    pads), whose last row per sequence predicts the feature at its pending position; then depth - 1 forwards
+    of one row per sequence (the predicted feature and the token drafted from it, EAGLE's drafting phase).
+    Each chain is the top-1 path of the drafter's tree, so in q4 (row-invariant kernels) it is the chain the
+    one-sequence `EagleDrafter` drafts from the same context (tests/test_batch.py)."""
+
+    def __init__(self, drafter: EagleDrafter, max_rows: int, initial_len: int = 256) -> None:
+        self.d = drafter
+        c, w = drafter.head.block_cfg, drafter.head.fc.weight
+        self.ctx = drafter.model.cfg.max_seq_len
+        self.cache = KVCache(1, max_rows, c.n_kv_heads, c.head_dim, min(initial_len, self.ctx + 1), device=w.device,
+                             dtype=w.dtype)
+
+    def _reserve(self, need: int) -> None:
+        """At least `need` slots (doubling), keeping what the rows hold."""
+        old = self.cache
+        if need <= old.max_len:
+            return
+        new = KVCache(1, old.batch, old.k.shape[2], old.k.shape[-1], max(need, 2 * old.max_len),
+                      device=old.k.device, dtype=old.k.dtype)
+        n = old.max_len
+        new.k[..., :n, :], new.v[..., :n, :] = old.k, old.v
+        new.bias[..., :n], new.pos[:, :n] = old.bias, old.pos
+        self.cache = new
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        c = self.cache
+        c.k[:, dst, :, :length] = c.k[:, src, :, :length]
+        c.v[:, dst, :, :length] = c.v[:, src, :, :length]
+        c.bias[:, dst, :length] = c.bias[:, src, :length]
+        c.pos[dst, :length] = c.pos[src, :length]
+
+    def _run(self, rows: list[int], feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             slots: torch.Tensor) -> torch.Tensor:
+        """The head over rows `rows` of the draft cache: entries [n, M] at their own slots."""
+        view = self.cache.rows(rows[0], rows[-1] + 1)
+        view.length = int(slots.max()) + 1
+        view.pos.scatter_(1, slots, positions)
+        cos, sin = rope_rows(self.d.model, positions)
+        step = CachedStep(view, None, slots, cos[:, None], sin[:, None], skip=False)
+        return self.d.head(feats, embed(self.d.model, tokens, positions), step, self.d.layer, self.d.fc)
+
+    def _top1(self, out: torch.Tensor) -> torch.Tensor:
+        """The draft token of each predicted feature [n, d]: the head's top-1 (over its draft vocabulary)."""
+        vocab = draft_vocab(self.d.head)
+        logits = feature_logits(self.d.model, out, self.d.head)
+        if vocab is not None and logits.shape[-1] != vocab.numel():
+            logits = restrict_logits(logits, vocab)
+        return to_token_ids(logits.topk(1, -1).indices[:, 0], vocab)
+
+    @torch.no_grad()
+    def chains(self, rows: list[int], starts: list[int], hidden: list[torch.Tensor], tokens: list[list[int]],
+               depth: int) -> list[list[int]]:
+        n = len(rows)
+        if n == 0 or depth == 0:
+            return [[] for _ in rows]
+        if rows != list(range(rows[0], rows[0] + n)):  # the batch's drafting rows, taken as one stretch
+            return self._scattered(rows, starts, hidden, tokens, depth)
+        dev = self.cache.k.device
+        counts = [h.shape[0] for h in hidden]
+        M = max(counts)
+        ends = [s + m for s, m in zip(starts, counts)]  # each row's pending position
+        scratch = max(ends)  # padding's slot: past every row's entries
+        self._reserve(max(scratch + 1, max(ends) + depth - 1))
+        model = self.d.model
+        feats = torch.zeros(n, M, hidden[0].shape[-1], dtype=hidden[0].dtype)
+        toks = torch.zeros(n, M, dtype=torch.long)
+        pos = torch.zeros(n, M, dtype=torch.long)
+        slots = torch.full((n, M), scratch, dtype=torch.long)
+        for i, (h, t, s, m) in enumerate(zip(hidden, tokens, starts, counts)):
+            feats[i, M - m:] = h
+            toks[i, M - m:] = torch.tensor(t)
+            slots[i, M - m:] = torch.arange(s, s + m)
+            pos[i, M - m:] = slots[i, M - m:] + 1
+        feats, toks, pos, slots = (x.to(dev) for x in (feats, toks, pos, slots))
+        out = self._run(rows, feature(model, feats), toks, pos, slots)[:, -1]  # [n, d]: the pending positions
+        end = torch.tensor(ends, device=dev)[:, None]
+        chain = [self._top1(out)]
+        for j in range(1, depth):  # entry (fhat_{p+j-1}, e_{d_j}) at slot p + j - 1, RoPE position p + j
+            out = self._run(rows, out[:, None], chain[-1][:, None], end + j, end + j - 1)[:, 0]
+            chain.append(self._top1(out))
+        return torch.stack(chain, 1).tolist()
+
+    def _scattered(self, rows: list[int], starts: list[int], hidden: list[torch.Tensor], tokens: list[list[int]],
+                   depth: int) -> list[list[int]]:
+        """Rows that are not one stretch (some rows of the batch do not draft this step): each maximal run of
+        consecutive rows in one call (every row's chain depends on its own row only)."""
+        out: list[list[int]] = []
+        i = 0
+        while i < len(rows):
+            j = i + 1
+            while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                j += 1
+            out += self.chains(rows[i:j], starts[i:j], hidden[i:j], tokens[i:j], depth)
+            i = j
+        return out
+
+
+__all__ = ["EagleHead", "EagleDrafter", "EagleRows", "eagle_forward", "eagle_loss", "train_eagle", "embed", "feature_logits",
            "W_CLS", "FEATURE_NOISE"]
