@@ -19,11 +19,18 @@ from tiny_models import make_tiny
 V, D = 64, 32
 TINY = dict(dim=D, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=64, multiple_of=16,
             norm_placement="pre")
+# Gemma 3's shape (issue 46): sandwich norms, QK-norm, GeGLU, scaled embeddings, windowed blocks with their own
+# RoPE base beside a global one, a tied head -- what `train-gates --model gemma3-270m` puts gates on
+GEMMA = dict(dim=D, n_layers=6, n_heads=4, n_kv_heads=1, head_size=16, vocab_size=V, max_seq_len=64,
+             multiple_of=16, ffn_type="geglu_tanh", norm_placement="sandwich", qk_norm=True, scale_embeddings=True,
+             embed_norm=False, sliding_window=5, full_attention_layers=(3,), rope_theta=1e6, rope_theta_local=1e4,
+             tie_embeddings=True)
+SHAPES = pytest.mark.parametrize("shape", ["llama", "gemma3"])
 PROMPT = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-def dense():
-    return make_tiny(TINY, gating=False, seed=0)
+def dense(shape: str = "llama"):
+    return make_tiny(TINY if shape == "llama" else GEMMA, gating=False, seed=0)
 
 
 def randomised(gates: SkipGates, seed: int, scale: float = 0.4, bias: float = 0.15) -> SkipGates:
@@ -38,8 +45,9 @@ def randomised(gates: SkipGates, seed: int, scale: float = 0.4, bias: float = 0.
     return gates
 
 
-def test_fresh_routers_and_adapters_give_the_dense_logits_exactly():
-    model = dense()
+@SHAPES
+def test_fresh_routers_and_adapters_give_the_dense_logits_exactly(shape):
+    model = dense(shape)
     tokens = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = model(tokens).logits
@@ -122,8 +130,9 @@ def greedy(model, prompt, n):
     return generate(model, [prompt], GenerationConfig(max_new_tokens=n))[0]
 
 
-def test_self_drafting_is_lossless_with_any_gates(tmp_path):
-    model = dense()
+@SHAPES
+def test_self_drafting_is_lossless_with_any_gates(tmp_path, shape):
+    model = dense(shape)
     ref = greedy(model, PROMPT, 24)
     fresh = SkipGates.for_model(model)
     rand = randomised(SkipGates.for_model(model, lora_rank=2), seed=6)
@@ -149,9 +158,11 @@ def test_self_drafting_is_lossless_with_any_gates(tmp_path):
     assert out == ref
 
 
-def test_twin_decodes_with_real_skipping_like_its_full_forward():
-    """The gated twin in the KV-cache engine (real skipping) generates what its own full forward predicts."""
-    model = dense()
+@SHAPES
+def test_twin_decodes_with_real_skipping_like_its_full_forward(shape):
+    """The gated twin in the KV-cache engine (real skipping) generates what its own full forward predicts; on a
+    Gemma 3 shape past the window (12 tokens of a 5-token window)."""
+    model = dense(shape)
     twin = gated_twin(model, randomised(SkipGates.for_model(model), seed=7))
     out = greedy(twin, PROMPT, 12)
     seq = list(PROMPT)

@@ -116,6 +116,9 @@ def run_blocks_cached(model: Transformer, tokens: torch.Tensor, positions: torch
     cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]
     M = tokens.shape[1]
     query_slots = torch.arange(start, start + M, device=h.device)[None]
+    # the rows' positions at their slots: windowed blocks mask keys by position (kv_cache.LayerView), and a
+    # scratch slot holds whatever position an earlier round left there
+    cache.pos[:, start:start + M] = positions
     step = CachedStep(cache, start, query_slots, cos, sin, skip=skip, extra_mask=extra_mask,
                       position_bias=model.pos_bias, gate_mode=model.cfg.gate_attention)
     return model.run_blocks(h, step, stop=n_blocks, run=run)
