@@ -270,8 +270,8 @@ class LLM:
         q = self._acc[0][0] if self._acc else None  # a trained draft's held-out depth-1 top-1: the prior acceptance
         if isinstance(self.drafter, MedusaDrafter):
             heads = self.drafter
-            return ContinuousBatch(self.model, max_rows, skip=self.skip, propose_hidden=heads.chains,
-                                   k=heads.heads.k, accept_prior=lambda ids: q)
+            return ContinuousBatch(self.model, max_rows, skip=self.skip, row_drafter=heads, k=heads.heads.k,
+                                   accept_prior=lambda ids: q)
         if isinstance(self.drafter, EagleDrafter):  # chains of up to EAGLE_CHAIN tokens from the draft layer
             return ContinuousBatch(self.model, max_rows, skip=self.skip, k=EAGLE_CHAIN,
                                    row_drafter=EagleRows(self.drafter, max_rows), accept_prior=lambda ids: q)

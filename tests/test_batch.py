@@ -129,9 +129,10 @@ def test_logprobs_come_from_the_logits_that_chose_each_token():
 
 @needs_kernels
 def test_medusa_heads_draft_in_the_batch_from_each_rows_own_hidden_state():
-    """Medusa heads read the final residual at the position that predicted a row's pending token. In the batch
-    each row keeps its own (after a join, after accepted drafts, after a rejection): at every step it must be
-    the bits a fresh prefill of that row's tokens gives, and every output the single-request greedy one."""
+    """A row drafter is handed each row's final residuals as the row commits them (after a join: the prompt's;
+    after a step: the pending token's and the accepted drafts'); Medusa heads read the last, the one that
+    predicted the row's pending token. At every call the states handed over are the bits a fresh prefill of the
+    row's tokens gives at those positions, and every output is the single-request greedy one."""
     from midlayer.engine.generate import forward_cached
     from midlayer.model.kv_cache import KVCache, kv_dtype
     from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
@@ -147,23 +148,27 @@ def test_medusa_heads_draft_in_the_batch_from_each_rows_own_hidden_state():
     prompts, cfgs = prompts + [unit * 4, unit * 3], cfgs + [GenerationConfig(max_new_tokens=30)] * 2
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
     checked = []
+    chains = drafter.chains
 
-    def propose(hidden: torch.Tensor, k: int) -> list[list[int]]:
-        for seq in batch.running:
-            cache = KVCache.for_model(model.cfg, 1, DIMS["max_seq_len"], dtype=kv_dtype(model))
+    def spied(rows, starts, hidden, tokens, k):
+        for r, s, h, t in zip(rows, starts, hidden, tokens):
+            seq = batch.running[r]
             n = seq.length
-            _, h = forward_cached(model, torch.tensor([seq.tokens[:n]]), cache, torch.arange(n)[None],
-                                  last_only=True, return_hidden=True)
-            assert torch.equal(seq.hidden, h[0, -1])
+            assert s + h.shape[0] == n and t == seq.tokens[s + 1:n + 1]
+            cache = KVCache.for_model(model.cfg, 1, DIMS["max_seq_len"], dtype=kv_dtype(model))
+            _, want = forward_cached(model, torch.tensor([seq.tokens[:n]]), cache, torch.arange(n)[None],
+                                     last_only=True, return_hidden=True, all_hidden=True)
+            assert torch.equal(h, want[0, s:])
             checked.append(n)
-        return drafter.chains(hidden, k)
+        return chains(rows, starts, hidden, tokens, k)
+    drafter.chains = spied
 
-    batch = ContinuousBatch(model, max_rows=4, propose_hidden=propose, k=3)
+    batch = ContinuousBatch(model, max_rows=4, row_drafter=drafter, k=3)
     out, most = _run(batch, prompts, cfgs, seed=2)
     assert out == ref and most == 4
     assert len(checked) > 20
     with pytest.raises(ValueError, match="one drafter"):
-        ContinuousBatch(model, propose=PromptLookupDrafter(V).chain, propose_hidden=propose)
+        ContinuousBatch(model, propose=PromptLookupDrafter(V).chain, row_drafter=drafter)
 
 
 def _eagle(model, seed: int = 3):
@@ -231,6 +236,7 @@ def test_eagle_in_the_batch_accepts_drafts_and_stays_exact():
     cfgs = [GenerationConfig(max_new_tokens=24)] * 3
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
     batch = ContinuousBatch(model, max_rows=3, row_drafter=EagleRows(drafter, 3), k=4)
+    batch._pays = lambda lengths: max(lengths)  # draft every step (the rule follows measured step times)
     handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
     got, seqs = {h: [] for h in handles}, {}
     while len(batch):

@@ -13,12 +13,11 @@ keeps every running sequence in one row of a shared KV cache and advances them a
     past its own length (-inf key bias), so a short row never sees a long row's stale keys.
   * **Joining.** A new sequence is prefilled alone into its row (`prefill` on a one-row view), exactly as a
     single request is, and takes part in the next step's forward.
-  * **Speculation in the batch.** With `propose` (a chain drafter that reads tokens only, e.g. prompt lookup),
-    `propose_hidden` (one that reads the final residual at the position that predicted a row's pending
-    token and keeps no state of its own: Medusa heads) or `row_drafter` (one with rows of its own that mirror
-    the batch's, fed the base states of every committed position: EAGLE's draft KV cache, `RowDrafter`), each
-    greedy row feeds its pending token and its draft's tokens in the same forward (rows with shorter drafts are
-    padded). A row keeps the longest prefix of
+  * **Speculation in the batch.** With `propose` (a chain drafter that reads tokens only, e.g. prompt lookup)
+    or `row_drafter` (one that reads the base's final residuals: fed those of every position a row commits,
+    it may keep rows of its own that mirror the batch's, as EAGLE's draft KV cache does, or none, as Medusa
+    heads, which read the residual that predicted the pending token; `RowDrafter`), each greedy row feeds its
+    pending token and its draft's tokens in the same forward (rows with shorter drafts are padded). A row keeps the longest prefix of
     its draft that matches its own greedy targets plus one bonus token; its rejected slots get key bias -inf.
   * **When a draft pays.** A drafted token earns a token only if it and every draft token before it are
     accepted, and every row of a step is padded to the deepest draft: depth D costs n (1 + D) rows. With the
@@ -66,9 +65,9 @@ def unsupported(model: Transformer) -> str | None:
 
 
 class RowDrafter(Protocol):
-    """A drafter with state of its own per sequence, kept in rows that mirror the batch's (EAGLE's draft KV
-    cache: speculative/eagle.py, `EagleRows`). The batch hands it each row's base states as they are
-    committed and moves its rows as it moves its own."""
+    """A drafter that reads the base's final residuals (its "states"). The batch hands it each row's states as
+    the row commits them and moves its rows as it moves its own: a drafter may keep rows of its own (EAGLE's
+    draft KV cache: speculative/eagle.py, `EagleRows`) or none (Medusa heads: speculative/medusa.py)."""
 
     def chains(self, rows: list[int], starts: list[int], hidden: list[torch.Tensor], tokens: list[list[int]],
                depth: int) -> list[list[int]]:
@@ -100,7 +99,6 @@ class BatchSequence:
     accept_hist: list[int] = field(default_factory=list)  # rounds that accepted a draft tokens, by a
     hits: float = 1.0  # accepted draft tokens + the prior's (Beta estimate of the acceptance rate, `_drafts`)
     tries: float = 2.0  # judged draft tokens (up to and including the first rejection) + the prior's
-    hidden: torch.Tensor | None = None  # [d] final residual that predicted tokens[length] (`propose_hidden`)
     fed: int = 0  # positions whose base states the row drafter holds (`row_drafter`)
     states: list[torch.Tensor] = field(default_factory=list)  # final residuals at positions fed..length-1, unfed
     logprobs: int | None = None  # None: no scores; else how many most likely alternatives to keep per token
@@ -163,7 +161,6 @@ class ContinuousBatch:
     def __init__(self, model: Transformer, max_rows: int = 16, *, skip: bool = True,
                  propose: Callable[[Sequence[int], int], list[int]] | None = None, k: int = 4,
                  accept_prior: Callable[[Sequence[int]], float | None] | None = None,
-                 propose_hidden: Callable[[torch.Tensor, int], list[list[int]]] | None = None,
                  row_drafter: RowDrafter | None = None, max_step_rows: int = 64, max_prefill_rows: int = 1024, initial_len: int = 256) -> None:
         why = unsupported(model)
         if why is not None:
@@ -171,13 +168,11 @@ class ContinuousBatch:
         if max_rows < 1 or k < 0 or max_step_rows < max_rows:
             raise ValueError(f"need max_rows >= 1, k >= 0 and max_step_rows >= max_rows; got {max_rows}, {k}, "
                              f"{max_step_rows}")
-        if sum(x is not None for x in (propose, propose_hidden, row_drafter)) > 1:
-            raise ValueError("one drafter per batch: propose (from tokens), propose_hidden (from hidden states) or "
-                             "row_drafter (with rows of its own)")
+        if propose is not None and row_drafter is not None:
+            raise ValueError("one drafter per batch: propose (from tokens) or row_drafter (from the base's states)")
         self.model, self.max_rows, self.skip = model.eval(), max_rows, skip
         self.propose, self.k, self.max_step_rows = propose, k, max_step_rows
-        self.propose_hidden = propose_hidden  # hidden [n, d], depth -> n chains (Medusa heads)
-        self.row_drafter = row_drafter  # rows of its own, fed every committed position's state (EAGLE)
+        self.row_drafter = row_drafter  # fed every committed position's state (EAGLE, Medusa heads)
         self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
         self.cost = StepCost()
         self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
@@ -209,7 +204,7 @@ class ContinuousBatch:
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
         seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1),
                             logprobs=logprobs)
-        drafting = self.propose is not None or self.propose_hidden is not None or self.row_drafter is not None
+        drafting = self.propose is not None or self.row_drafter is not None
         q = self.accept_prior(ids) if self.accept_prior is not None and drafting else None
         if q is not None:  # Beta(1 + 2q, 1 + 2(1 - q)): the prior's mean, worth two judged tokens, over a uniform
             seq.hits, seq.tries = 1.0 + 2.0 * q, 4.0  # one (so a row whose prompt repeats nothing still tries)
@@ -312,8 +307,7 @@ class ContinuousBatch:
         dense stretch for the fused kernels -- at the scratch slot `end`, past every row's real slots: free in
         every row, after every real query (causality hides it from them), at position 0; its key bias is reset
         afterwards. Returns logits [n, V] of each row's last token (`last_only`), else [n, M, V]; and, for a
-        `propose_hidden` drafter, the final residual at the same rows ([n, 1, d] or [n, M, d]); for a
-        `row_drafter`, at every row ([n, M, d]); else None."""
+        `row_drafter`, the final residual at every row ([n, M, d]), else None."""
         n, M = len(fed), max(len(f) for f in fed)
         counts = [len(f) for f in fed]
         end = max(s + c for s, c in zip(starts, counts))
@@ -328,8 +322,7 @@ class ContinuousBatch:
         view = self.cache.rows(first, first + n)
         view.length = end + 1
         out = forward_cached(self.model, tokens, view, positions, skip=self.skip, slots=slots, last_only=last_only,
-                             return_hidden=self.propose_hidden is not None or self.row_drafter is not None,
-                             all_hidden=self.row_drafter is not None)
+                             return_hidden=self.row_drafter is not None, all_hidden=True)
         self.cache.bias[:, first:first + n, end] = float("-inf")  # the scratch slot: never held
         return out if isinstance(out, tuple) else (out, None)
 
@@ -341,8 +334,6 @@ class ContinuousBatch:
         logits, hidden = self._forward(r, [s.tokens for s in seqs], [0] * len(seqs), last_only=True)
         for i, seq in enumerate(seqs):
             seq.row, seq.length = r + i, seq.prompt_len
-            if hidden is not None:
-                seq.hidden = hidden[i, -1].clone()
             if self.row_drafter is not None and seq.cfg.temperature == 0:  # (sampled rows never draft)
                 seq.fed, seq.states = 0, [hidden[i, hidden.shape[1] - seq.prompt_len:].clone()]
             self.running.append(seq)
@@ -380,7 +371,7 @@ class ContinuousBatch:
         remaining budget and the forward's row cap."""
         n = len(self.running)
         drafts: list[list[int]] = [[] for _ in range(n)]
-        if (self.propose is None and self.propose_hidden is None and self.row_drafter is None) or self.k == 0:
+        if (self.propose is None and self.row_drafter is None) or self.k == 0:
             return drafts
         spare = self.max_step_rows - n  # rows a forward may spend on drafts
         rooms = [min(self.k, self.ctx - 1 - seq.length, seq.budget - len(seq.new) - 1, spare // n)
@@ -392,9 +383,8 @@ class ContinuousBatch:
             return drafts
         cut = [min(r, depth) for r in rooms]
         rows = [i for i in range(n) if cut[i] > 0]
-        if self.propose_hidden is not None:  # one call for every drafting row, each chain then cut to its room
-            chains = self.propose_hidden(torch.stack([self.running[i].hidden for i in rows]), depth) if rows else []
-        elif self.row_drafter is not None:  # the drafter takes in every state committed since its last call
+        if self.row_drafter is not None:  # one call for every drafting row, with every state committed since its
+            # last call; each chain then cut to its row's room
             seqs = [self.running[i] for i in rows]
             chains = self.row_drafter.chains([x.row for x in seqs], [x.fed for x in seqs],
                                              [torch.cat(x.states) for x in seqs],
@@ -457,8 +447,6 @@ class ContinuousBatch:
                 seq.tries += min(len(d), a + 1)
                 if a < len(d):  # the rejected drafts' slots: hidden from every later query, at every layer
                     c.bias[:, seq.row, seq.length + 1 + a:seq.length + 1 + len(d)] = float("-inf")
-            if hidden is not None and self.propose_hidden is not None:  # the row that predicted the new pending
-                seq.hidden = hidden[i, off + len(take) - 1 if M > 1 else 0].clone()  # token: after the accepted drafts
             if self.row_drafter is not None and seq.cfg.temperature == 0:  # the states of the committed positions
                 seq.states.append(hidden[i, off:off + len(take)].clone())
             seq.length += len(take)  # the pending token and the accepted drafts are in the cache now

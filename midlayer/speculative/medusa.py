@@ -83,18 +83,25 @@ class MedusaDrafter(Drafter):
         logits = self.heads.logits(self.model, ctx.hidden[-1])  # [k, V]
         return topk_lists(logits, need, draft_vocab(self.heads))
 
+    # -------------------------------------------------------------------- in a continuous batch (`RowDrafter`)
     @torch.no_grad()
-    def chains(self, hidden: torch.Tensor, k: int) -> list[list[int]]:
-        """Greedy chains of k tokens for many sequences at once (a continuous batch, engine/batch.py): hidden
-        [n, d], each sequence's final residual at the position that predicted its pending token; head i's top-1
-        is the chain's token i + 1. Needs no state of its own, which is what lets the heads draft in a batch."""
+    def chains(self, rows: list[int], starts: list[int], hidden: list[torch.Tensor], tokens: list[list[int]],
+               k: int) -> list[list[int]]:
+        """Greedy chains of k tokens for many sequences at once (a continuous batch, engine/batch.py's
+        `RowDrafter`): each row's last state hidden[i][-1] is the final residual at the position that predicted
+        its pending token; head i's top-1 is the chain's token i + 1. The heads keep no state of their own."""
         if not 0 < k <= self.heads.k:
             raise ValueError(f"a chain of {k} tokens from {self.heads.k} Medusa heads")
-        logits = self.heads.logits(self.model, hidden)[:, :k]  # [n, k, V]
+        if not rows:
+            return []
+        logits = self.heads.logits(self.model, torch.stack([h[-1] for h in hidden]))[:, :k]  # [n, k, V]
         vocab = draft_vocab(self.heads)
         if vocab is not None and logits.shape[-1] != vocab.numel():
             logits = restrict_logits(logits, vocab)
         return to_token_ids(logits.argmax(-1), vocab).tolist()
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """(No state per row: nothing to move.)"""
 
 
 def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,
