@@ -114,8 +114,19 @@ def test_windowed_layers_keep_a_bounded_cache(tiny, weights):
         tok, pos = lf.argmax(-1), torch.tensor([len(prompt) + i])
         lf, lb = decode_one_token(model, full, tok, pos), decode_one_token(model, bounded, tok, pos)
     assert bounded.local_off > len(prompt) and bounded.length - bounded.local_off <= 2 * W - 1  # it dropped keys
-    with pytest.raises(ValueError, match="bounded"):
-        bounded.keep(torch.tensor([[bounded.length - 1]]), bounded.length - 1)
+    # keep (tree verification's compaction) moves kept slots within every layer's buffer: drop the next-to-last
+    # slot in both caches, and the next step's logits still agree
+    L = full.length
+    for c in (full, bounded):
+        c.keep(torch.tensor([[L - 1]]), L - 2)
+    tok, pos = lf.argmax(-1), torch.tensor([len(prompt) + 30])
+    lf, lb = decode_one_token(model, full, tok, pos), decode_one_token(model, bounded, tok, pos)
+    if weights == "q4":
+        assert torch.equal(lb, lf)
+    else:
+        torch.testing.assert_close(lb, lf, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="dropped"):
+        bounded.keep(torch.tensor([[bounded.length - 1]]), bounded.local_off - 1)
     with pytest.raises(ValueError, match="bounded"):
         bounded.rows(0, 1)
     with pytest.raises(ValueError, match="truncate"):
@@ -189,8 +200,12 @@ def test_export_to_a_hugging_face_folder_loads_back_in_transformers(tiny, tmp_pa
 @pytest.mark.parametrize("tree", ["chain", "branching"])
 def test_speculative_decoding_on_gemma3_is_lossless(tiny, tree):
     """Tree verification over windowed and global blocks with their own RoPE bases: drafts that are partly right
-    (a noisy oracle), prompt lookup and an (untrained) EAGLE head, whose own full-attention layer takes the
-    global RoPE half, give plain greedy decoding's tokens, past the window."""
+    (a noisy oracle), prompt lookup, an (untrained) EAGLE head, whose own full-attention layer takes the
+    global RoPE half, (untrained) hidden transfer fused and not, and a layer-skip draft that skips nothing (the base itself, drafting through its own
+    cache: every draft must be accepted) give plain greedy decoding's tokens, past the window. The windowed
+    blocks keep a bounded cache (the prompt prefilled in chunks of the window, keys dropped between rounds)."""
+    from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+    from midlayer.speculative.layer_skip import LayerSkipDrafter
     from midlayer.speculative.lookup import PromptLookupDrafter
     from midlayer.speculative.tree import DraftTree
     from midlayer.speculative.verify import speculative_generate
@@ -205,12 +220,28 @@ def test_speculative_decoding_on_gemma3_is_lossless(tiny, tree):
 
     torch.manual_seed(0)
     eagle = EagleHead.for_model(q4)  # untrained: its drafts are mostly wrong, verification must still hold
-    forwards = []
-    for drafter in (NoisyOracle(prompt + plain, V, seed=1), PromptLookupDrafter(V), EagleDrafter(q4, eagle)):
-        out, stats = speculative_generate(q4, prompt, drafter, shape, 30)
+    forwards, dropped, sizes = [], [], []
+
+    def on_round(cache, tokens):
+        assert cache.local_len < cache.max_len  # the windowed blocks' buffers are bounded
+        dropped.append(cache.local_off)
+        sizes.append(cache.local_len)
+    for drafter in (NoisyOracle(prompt + plain, V, seed=1), PromptLookupDrafter(V), EagleDrafter(q4, eagle),
+                    HiddenTransferDrafter(q4, HiddenTransfer(q4.cfg.dim, [2, 3, 3, 4])),
+                    HiddenTransferDrafter(q4, HiddenTransfer(q4.cfg.dim, [2, 3, 3, 4]), fused=False),
+                    LayerSkipDrafter(q4, ())):
+        out, stats = speculative_generate(q4, prompt, drafter, shape, 30, on_round=on_round)
         assert out == plain, type(drafter).__name__
         forwards.append(stats.base_forwards)
+        assert dropped[-1] > 0  # keys the window had passed were dropped
     assert forwards[0] < len(plain) // 2  # the oracle's drafts were accepted: fewer forwards than tokens
+    assert stats.base_forwards == -(-30 // (shape.max_depth + 1))  # the base drafting itself: all accepted
+    # a prompt longer than the bounded buffers: prefilled in chunks of the window (EAGLE reads every chunk's rows)
+    long = (prompt * 4)[:46]
+    plain = generate(q4, [long], GenerationConfig(max_new_tokens=16))[0]
+    for drafter in (EagleDrafter(q4, eagle), LayerSkipDrafter(q4, ())):
+        out, stats = speculative_generate(q4, long, drafter, shape, 16, on_round=on_round)
+        assert out == plain and len(long) - 1 > sizes[-1], type(drafter).__name__
 
 
 def test_gemma3_shaped_model_with_skip_middle_gating():

@@ -19,7 +19,9 @@ Bounded windowed layers (`for_model(..., local_len=n)`, for windowed and global 
 windowed layers keep their K/V in buffers of n slots of their own, holding slots `local_off`..length-1 at
 columns 0..; `make_room` drops the slots every later query's window has passed by moving the rest to the
 front (in slot order, so a query sees the same keys in the same order as in a full cache). The global layers,
-the key biases and the positions keep every slot. `offset(layer)` says where a layer's column 0 lies.
+the key biases and the positions keep every slot. `offset(layer)` says where a layer's column 0 lies. `keep`
+and `truncate` work on slots the windowed layers still hold (speculative decoding); `rows` and `evict_before`,
+which need every slot in every layer, refuse.
 
 The cache-view protocol (`CacheView`): what a block's attention is handed in one forward instead of a cache
 type to check. `update(k, v)` stores this layer's new keys/values wherever the view keeps them and returns
@@ -167,8 +169,8 @@ class KVCache:
 
     def _whole(self, what: str) -> None:
         if self.k is None:
-            raise ValueError(f"{what}: not supported by a cache whose windowed layers are bounded (plain "
-                             "generation only; speculative decoding and batches keep every slot)")
+            raise ValueError(f"{what}: not supported by a cache whose windowed layers are bounded (plain and "
+                             "speculative decoding only; a continuous batch keeps every slot)")
 
     def chunk(self, n: int) -> int:
         """How many of n new tokens fit in one forward: all of them, unless a bounded window (the whole cache's
@@ -233,12 +235,20 @@ class KVCache:
         """Move slots `slots` [B, n] (per row, increasing, all >= start) to start..start+n-1 and drop every
         other slot from `start` on. Used after verifying a draft tree: only the accepted path stays."""
         self._no_rollback("keep")
-        self._whole("keep")
         n = slots.shape[1]
+        if self.k is None and start < self.local_off:
+            raise ValueError(f"keep: slot {start} was dropped from the bounded windowed layers (they hold slots "
+                             f"{self.local_off}.. now)")
         for b in range(self.batch):  # B is small; per-row copies keep the indexing obvious
             src = slots[b]
-            self.k[:, b, :, start:start + n] = self.k[:, b, :, src].clone()
-            self.v[:, b, :, start:start + n] = self.v[:, b, :, src].clone()
+            if self.k is not None:
+                self.k[:, b, :, start:start + n] = self.k[:, b, :, src].clone()
+                self.v[:, b, :, start:start + n] = self.v[:, b, :, src].clone()
+            else:  # bounded windowed layers: each layer's column c holds slot c + offset(layer)
+                for layer, (kl, vl) in enumerate(zip(self.k_layers, self.v_layers)):
+                    off = self.offset(layer)
+                    kl[b, :, start - off:start - off + n] = kl[b, :, src - off].clone()
+                    vl[b, :, start - off:start - off + n] = vl[b, :, src - off].clone()
             self.bias[:, b, start:start + n] = self.bias[:, b, src].clone()
             self.pos[b, start:start + n] = self.pos[b, src].clone()
         self.bias[:, :, start + n:self.length] = float("-inf")

@@ -393,8 +393,13 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     extra_slots = fused.extra_slots(tree) if fused is not None else 0
     # Slots: the committed text, the largest tree in flight and, for a fused drafter, its joined rows
     # (slots are not positions: the context limit applies to positions, checked in verify_tree).
+    # With windowed blocks beside global ones (Gemma 3) the windowed blocks keep a bounded cache, as in plain
+    # generation (kv_cache.py): the W - 1 keys a later query may still see, plus room for one round -- the
+    # drafter's scratch rows, then the verified tree and its joined rows -- made before each round.
+    room = 2 * (len(tree) + 1) + extra_slots + 16
+    W = max((cfg.window_of(layer) for layer in range(cfg.n_layers)), default=0) if cfg.mixed_windows else 0
     cache = KVCache.for_model(cfg, 1, max_len=P + budget + len(tree) + extra_slots, device=dev,
-                              dtype=kv_dtype(model))
+                              dtype=kv_dtype(model), local_len=W - 1 + max(W, room) if W else None)
     gen = None
     if temperature > 0:
         gen = torch.Generator(device=dev)
@@ -407,6 +412,8 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     while len(new) < budget:
         # Drafting deeper than the remaining budget is wasted work (and would make tau depend on it).
         t = tree.prune(min(budget - len(new) - 1, tree.max_depth), min(cache.max_len - cache.length - 1, len(tree)))
+        if cache.local_len:  # bounded windowed layers: drop the keys no later query sees, if room is short
+            cache.make_room(room)
         dctx = DraftContext(model, cache, tokens, hidden, logits, layer_hidden, t, temperature, gen, draft_logits)
         t, node_tokens, q = draft(drafter, dctx, fused is not None)
         res = verify_tree(model, cache, tokens[-1], len(tokens) - 1, t, node_tokens, skip=skip,
@@ -443,13 +450,20 @@ def prefill_round(model: Transformer, prompt: list[int], cache: KVCache, drafter
     if P <= 1:
         hidden = torch.zeros(0, cfg.dim, device=dev)
         return hidden, torch.zeros(0, cfg.vocab_size, device=dev), {layer: hidden for layer in hidden_layers}
-    store = _capture_request(model, hidden_layers)
-    logits, hidden = forward_cached(model, torch.tensor([prompt[:-1]], device=dev),
-                                    cache, torch.arange(P - 1, device=dev)[None], skip=skip,
-                                    last_only=True, return_hidden=True, capture=store,
-                                    all_hidden=drafter.prefill_features)
-    hidden = hidden[0]  # [1, d] or [P - 1, d]; logits is already [1, V] (last_only)
-    layer_hidden = _collect_layers(model, hidden_layers, store, hidden[-1:], P - 1, torch.tensor([P - 2], device=dev))
+    ids = torch.tensor([prompt[:-1]], device=dev)
+    step = cache.chunk(P - 1)  # bounded windowed layers take the prompt in chunks of at most their window
+    parts = []
+    for a in range(0, P - 1, step):
+        b = min(a + step, P - 1)
+        cache.make_room(b - a)
+        store = _capture_request(model, hidden_layers)  # (the last chunk's: the drafters read the last row)
+        logits, hidden = forward_cached(model, ids[:, a:b], cache, torch.arange(a, b, device=dev)[None], skip=skip,
+                                        last_only=True, return_hidden=True, capture=store,
+                                        all_hidden=drafter.prefill_features)
+        parts.append(hidden[0])  # [1, d] or [b - a, d]; logits is already [1, V] (last_only)
+    hidden = torch.cat(parts) if drafter.prefill_features else parts[-1]
+    layer_hidden = _collect_layers(model, hidden_layers, store, hidden[-1:], b - a,
+                                   torch.tensor([b - a - 1], device=dev))
     return hidden, logits, layer_hidden
 
 
