@@ -10,19 +10,19 @@ tokenizer). /v1/completions also takes token-id prompts, several prompts per req
 (the prompt's and the completion's log-probabilities: lm-eval's log-likelihood tasks), answered whole, not
 streamed. /v1/chat/completions takes `logprobs` + `top_logprobs` (OpenAI's logprobs.content over the answer),
 streamed or not: the batch scores each token from the logits that chose it, each chunk carrying its own
-tokens' scores (the engine that decodes one request at a time scores the answer once it is done). Requests are checked before they are queued, and a bad one gets an
-OpenAI-style error ({"error": {"message", "type", "param", "code"}}) with a 4xx status: malformed JSON, a body
-over the limit, an unknown model, an unknown field, a prompt over the context, max_tokens out of range, a
-non-finite or negative temperature.
+tokens' scores (the engine that decodes one request at a time scores the answer once it is done). Requests are
+checked before they are queued, and a bad one gets an OpenAI-style error ({"error": {"message", "type",
+"param", "code"}}) with a 4xx status: malformed JSON, a body over the limit, an unknown model, an unknown field,
+a prompt over the context, max_tokens out of range, a non-finite or negative temperature.
 
-One engine thread owns the model. Every request joins one continuous batch (engine/batch.py) at its next
-step and leaves it when done; with prompt lookup, Medusa heads or EAGLE attached, each greedy row drafts in
-the batch. In q4 every output equals the request's single-request greedy output token for token. A request that would make more
-than `max_queue` waiting or running is refused with 503 at once. A client that disconnects, or a stop string,
-frees the row at the next step. On SIGTERM the server stops accepting connections, lets running requests
-finish, and answers queued ones with an error: never a hang. `--max-batch 1`, the static engine and the drafters
-that draft inside the base's own cache (hidden transfer, early exit) decode requests one after another instead. Chat
-contents are encoded as text (api.LLM.encode): markup in a message cannot forge a turn.
+One engine thread owns the model. Every request joins one continuous batch (engine/batch.py) at its next step and
+leaves it when done; with prompt lookup, Medusa heads or EAGLE attached, each greedy row drafts in the batch. In q4
+every output equals the request's single-request greedy output token for token. A request that would make more than
+`max_queue` waiting or running is refused with 503 at once. A client that disconnects, or a stop string, frees the
+row at the next step. On SIGTERM the server stops accepting connections, lets running requests finish, and answers
+queued ones with an error: never a hang. `--max-batch 1`, the static engine and the drafters that draft inside the
+base's own cache (hidden transfer, early exit) decode requests one after another instead. Chat contents are encoded
+as text (api.LLM.encode): markup in a message cannot forge a turn.
 """
 
 # (no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, whose types are imported

@@ -201,8 +201,8 @@ def test_export_to_a_hugging_face_folder_loads_back_in_transformers(tiny, tmp_pa
 def test_speculative_decoding_on_gemma3_is_lossless(tiny, tree):
     """Tree verification over windowed and global blocks with their own RoPE bases: drafts that are partly right
     (a noisy oracle), prompt lookup, an (untrained) EAGLE head, whose own full-attention layer takes the
-    global RoPE half, (untrained) hidden transfer fused and not, and a layer-skip draft that skips nothing (the base itself, drafting through its own
-    cache: every draft must be accepted) give plain greedy decoding's tokens, past the window. The windowed
+    global RoPE half, (untrained) hidden transfer fused and not, and a layer-skip draft that skips nothing (the
+    base itself, drafting through its own cache: every draft must be accepted) give plain greedy decoding's tokens, past the window. The windowed
     blocks keep a bounded cache (the prompt prefilled in chunks of the window, keys dropped between rounds)."""
     from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
     from midlayer.speculative.layer_skip import LayerSkipDrafter

@@ -17,8 +17,9 @@ keeps every running sequence in one row of a shared KV cache and advances them a
     or `row_drafter` (one that reads the base's final residuals: fed those of every position a row commits,
     it may keep rows of its own that mirror the batch's, as EAGLE's draft KV cache does, or none, as Medusa
     heads, which read the residual that predicted the pending token; `RowDrafter`), each greedy row feeds its
-    pending token and its draft's tokens in the same forward (rows with shorter drafts are padded). A row keeps the longest prefix of
-    its draft that matches its own greedy targets plus one bonus token; its rejected slots get key bias -inf.
+    pending token and its draft's tokens in the same forward (rows with shorter drafts are padded). A row keeps
+    the longest prefix of its draft that matches its own greedy targets plus one bonus token; its rejected slots
+    get key bias -inf.
   * **When a draft pays.** A drafted token earns a token only if it and every draft token before it are
     accepted, and every row of a step is padded to the deepest draft: depth D costs n (1 + D) rows. With the
     forward's time a line in its rows, t(R) = a + b R (`StepCost`, fitted to this batch's own forwards), the
@@ -161,7 +162,8 @@ class ContinuousBatch:
     def __init__(self, model: Transformer, max_rows: int = 16, *, skip: bool = True,
                  propose: Callable[[Sequence[int], int], list[int]] | None = None, k: int = 4,
                  accept_prior: Callable[[Sequence[int]], float | None] | None = None,
-                 row_drafter: RowDrafter | None = None, max_step_rows: int = 64, max_prefill_rows: int = 1024, initial_len: int = 256) -> None:
+                 row_drafter: RowDrafter | None = None, max_step_rows: int = 64, max_prefill_rows: int = 1024,
+                 initial_len: int = 256) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"continuous batching does not support this model: {why}")

@@ -620,5 +620,5 @@ class EagleRows:
         return out
 
 
-__all__ = ["EagleHead", "EagleDrafter", "EagleRows", "eagle_forward", "eagle_loss", "train_eagle", "embed", "feature_logits",
-           "W_CLS", "FEATURE_NOISE"]
+__all__ = ["EagleHead", "EagleDrafter", "EagleRows", "eagle_forward", "eagle_loss", "train_eagle", "embed",
+           "feature_logits", "W_CLS", "FEATURE_NOISE"]
