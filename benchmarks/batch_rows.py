@@ -2,7 +2,9 @@
 32nd and 33rd sessions): (1) one decode step of a `ContinuousBatch` of N sequences at a --context-token
 context against a forward of N rows of one sequence after the same context (the tree-verification shape;
 the difference is N separate KV caches read per layer); (2) `ContinuousBatch` throughput on `midlayer bench
-serve`'s held-out chat prompts (--prompts of them) fed 1, 4 and 16 at a time, plain, for two output lengths.
+serve`'s held-out chat prompts (--prompts of them) fed 1, 4 and 16 at a time, plain, for two output lengths,
+and how that time splits into the prompts' prefill (the same prompts with one new token each) and decoding:
+the prefill costs about the same at any concurrency, so it bounds what the batch can gain (34th session).
 --kv-cache fp16,fp32 measures each KV cache dtype (fp16, the q4 default since the 33rd session), alternating.
 
     python benchmarks/batch_rows.py [--repeats 10] [--context 128] [--prompts 32] [--kv-cache fp16]
@@ -50,9 +52,9 @@ def step_costs(llm: midlayer.LLM, repeats: int, context: int = 128) -> list[tupl
     return out
 
 
-def engine_rates(llm: midlayer.LLM, max_tokens: int, n_prompts: int = 32) -> list[tuple[int, float]]:
-    """(sequences at a time, tokens/s) over `n_prompts` held-out chat prompts fed 1, 4 and 16 at a time into
-    `llm.batch` (also benchmarks/batch_lookup.py's measurement)."""
+def engine_rates(llm: midlayer.LLM, max_tokens: int, n_prompts: int = 32) -> list[tuple[int, float, float]]:
+    """(sequences at a time, tokens/s, seconds) over `n_prompts` held-out chat prompts fed 1, 4 and 16 at a time
+    into `llm.batch` (also benchmarks/batch_lookup.py's measurement)."""
     ids = [llm.encode([{"role": "user", "content": t}]) for t in heldout_texts(n_prompts, "scaled")]
     cfg = llm.settings(max_tokens, 0.0, 0, 1.0, None)
     out = []
@@ -64,7 +66,8 @@ def engine_rates(llm: midlayer.LLM, max_tokens: int, n_prompts: int = 32) -> lis
             while pending and len(batch) < conc:
                 batch.add(pending.pop(0), cfg)
             tokens += sum(len(new) for _, new, _ in batch.step())
-        out.append((conc, tokens / (time.perf_counter() - t0)))
+        seconds = time.perf_counter() - t0
+        out.append((conc, tokens / seconds, seconds))
     return out
 
 
@@ -92,7 +95,15 @@ def main() -> None:
             llm.model.kv_dtype = dtypes[kv]
             rates = engine_rates(llm, max_tokens, args.prompts)
             print(f"\nContinuousBatch alone, KV {kv}, {args.prompts} prompts, up to {max_tokens} tokens: " + ", ".join(
-                f"{c} at a time {r:.0f} tok/s ({r / rates[0][1]:.2f}x)" for c, r in rates))
+                f"{c} at a time {r:.0f} tok/s ({r / rates[0][1]:.2f}x)" for c, r, _ in rates))
+            # the split: the same prompts with one new token each (their prefill, and one sampled token)
+            prefill = {c: sec for c, _, sec in engine_rates(llm, 1, args.prompts)}
+            decode = [(c, r * sec - args.prompts, sec - prefill[c]) for c, r, sec in rates]
+            print("  prefill alone: " + ", ".join(f"{c} at a time {prefill[c]:.2f} s" for c, _, _ in rates)
+                  + f"; of {', '.join(f'{sec:.2f}' for _, _, sec in rates)} s in all")
+            print("  decoding alone (the rest): " + ", ".join(
+                f"{c} at a time {n / sec:.0f} tok/s ({n / sec / (decode[0][1] / decode[0][2]):.2f}x)"
+                for c, n, sec in decode))
 
 
 if __name__ == "__main__":
