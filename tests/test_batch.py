@@ -171,8 +171,9 @@ def test_medusa_heads_draft_in_the_batch_from_each_rows_own_hidden_state():
         ContinuousBatch(model, propose=PromptLookupDrafter(V).chain, row_drafter=drafter)
 
 
-def _eagle(model, seed: int = 3):
-    """An EAGLE drafter over `model` with a random (untrained, not identity) head."""
+def _eagle(model, seed: int = 3, vocab: torch.Tensor | None = None):
+    """An EAGLE drafter over `model` with a random (untrained, not identity) head, on a draft vocabulary."""
+    from midlayer.engine.draft_vocab import set_draft_vocab
     from midlayer.speculative.eagle import EagleDrafter, EagleHead
 
     head = EagleHead.for_model(model)
@@ -180,15 +181,19 @@ def _eagle(model, seed: int = 3):
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    if vocab is not None:
+        set_draft_vocab(head, vocab)
     return EagleDrafter(model, head)
 
 
 @needs_kernels
-def test_eagle_drafts_in_the_batch_the_chains_it_drafts_alone():
+@pytest.mark.parametrize("vocab", [False, True])
+def test_eagle_drafts_in_the_batch_the_chains_it_drafts_alone(vocab):
     """EAGLE in the batch (`EagleRows`): each row's draft KV cache row is fed the base states of the positions
     it committed, and moves when the batch moves the row. At every step each row's chain equals, bit for bit,
-    the top-1 chain a fresh one-sequence `EagleDrafter` drafts from the same tokens and base states; every
-    output equals single-request greedy decoding, with rows joining, leaving and moving around."""
+    the top-1 chain a fresh one-sequence `EagleDrafter` drafts from the same tokens and base states (on the full
+    vocabulary and on a draft vocabulary of every third token); every output equals single-request greedy
+    decoding, with rows joining, leaving and moving around."""
     from midlayer.engine.generate import forward_cached
     from midlayer.model.kv_cache import KVCache, kv_dtype
     from midlayer.speculative.eagle import EagleRows
@@ -196,7 +201,7 @@ def test_eagle_drafts_in_the_batch_the_chains_it_drafts_alone():
     from midlayer.speculative.tree import DraftTree
 
     model = _q4()
-    drafter = _eagle(model)
+    drafter = _eagle(model, vocab=torch.arange(0, V, 3) if vocab else None)
     prompts, cfgs = _workload(seed=2, n=8)
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
     rows = EagleRows(drafter, 4, initial_len=8)  # 8 slots at first: the draft cache grows too
