@@ -197,7 +197,8 @@ class LLM:
     def generate(self, prompt: Prompt | Sequence[Prompt], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()
                  ) -> Completion | list[Completion]:
-        """One `Completion` for one prompt, a list for a list of prompts (plain decoding batches them; a drafter
+        """One `Completion` for one prompt, a list for a list of prompts (decoded together: in one batch, or with
+        prompt lookup, Medusa heads or EAGLE in one continuous batch whose rows draft chains; another drafter
         decodes them one by one). `stop`: strings that end a completion (cut before the string)."""
         if not isinstance(prompt, str) and isinstance(prompt, Sequence) and not prompt:
             raise ValueError("no prompt: give a str, a chat (a list of messages) or a list of prompts")
@@ -216,7 +217,8 @@ class LLM:
         return done if many else done[0]
 
     def _batched(self, ids: list[list[int]], cfg: GenerationConfig, stop: Sequence[str]) -> list[Completion]:
-        """Many prompts through one continuous batch (stop strings end a row early; lookup rows draft)."""
+        """Many prompts through one continuous batch (stop strings end a row early; with a drafter that drafts in
+        a batch, its rows draft chains)."""
         batch = self.batch(min(len(ids), 16))
         texts = {batch.add(i, cfg): (n, TextStream(self, i, stop)) for n, i in enumerate(ids)}
         done: list[Completion | None] = [None] * len(ids)
