@@ -293,15 +293,22 @@ def test_cancel_frees_the_row_and_the_others_go_on():
 
 
 @needs_kernels
-def test_the_context_bounds_every_row():
-    """A prompt that fills the context: one new token (the last needs no slot), as `generate` gives."""
+@pytest.mark.parametrize("drafter", ["lookup", "eagle"])
+def test_the_context_bounds_every_row(drafter):
+    """A prompt that fills the context: one new token (the last needs no slot), as `generate` gives; rows near
+    the end draft only what fits (an EAGLE chain's positions stay inside the RoPE tables)."""
+    from midlayer.speculative.eagle import EagleRows
+
     model = _q4()
     full = [7] * DIMS["max_seq_len"]
     cfg = GenerationConfig(max_new_tokens=10)
-    batch = ContinuousBatch(model, max_rows=2, propose=PromptLookupDrafter(V).chain, k=4)
-    out, _ = _run(batch, [full, full[:90]], [cfg, cfg], join_p=1.0)
-    assert out == [generate(model, [full], cfg)[0], generate(model, [full[:90]], cfg)[0]]
-    assert len(out[0]) == 1 and len(out[1]) == 7
+    drafting = {"lookup": dict(propose=PromptLookupDrafter(V).chain),
+                "eagle": dict(row_drafter=EagleRows(_eagle(model), 3))}
+    batch = ContinuousBatch(model, max_rows=3, k=4, **drafting[drafter])
+    batch._pays = lambda lengths: max(lengths)  # draft as deep as the deepest row allows
+    out, _ = _run(batch, [full, full[:90], full[:60]], [cfg] * 3, join_p=1.0)
+    assert out == [generate(model, [p], cfg)[0] for p in (full, full[:90], full[:60])]
+    assert len(out[0]) == 1 and len(out[1]) == 7 and len(out[2]) == 10
 
 
 def test_refusals():

@@ -601,7 +601,10 @@ class EagleRows:
         end = torch.tensor(ends, device=dev)[:, None]
         chain = [self._top1(out)]
         for j in range(1, depth):  # entry (fhat_{p+j-1}, e_{d_j}) at slot p + j - 1, RoPE position p + j
-            out = self._run(rows, out[:, None], chain[-1][:, None], end + j, end + j - 1)[:, 0]
+            # (a row near the context's end drafts past it here; the batch cuts its chain to what fits, and the
+            # position is clamped only so that the RoPE table has it)
+            pos = (end + j).clamp(max=self.ctx - 1)
+            out = self._run(rows, out[:, None], chain[-1][:, None], pos, end + j - 1)[:, 0]
             chain.append(self._top1(out))
         return torch.stack(chain, 1).tolist()
 
