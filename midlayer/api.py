@@ -264,8 +264,8 @@ class LLM:
 
     def batch(self, max_rows: int = 16) -> ContinuousBatch:
         """A continuous batch over this model: many sequences decoded together, joining and leaving between
-        steps (the server's engine). With prompt lookup or Medusa heads attached, its greedy rows draft chains in
-        the batch."""
+        steps (the server's engine). With prompt lookup, Medusa heads or EAGLE attached, its greedy rows draft chains
+        in the batch."""
         why = self.batch_refusal()
         if why is not None:
             raise ValueError(f"continuous batching: {why}")
@@ -297,7 +297,7 @@ class LLM:
 
     def batch_completion(self, seq: BatchSequence, text: "TextStream") -> Completion:
         """The Completion of a sequence that left a continuous batch, with its speculative statistics when it
-        drafted (a prompt lookup row)."""
+        drafted (a row of prompt lookup, Medusa heads or EAGLE)."""
         return text.completion(self._batch_stats(seq))
 
     def _batch_stats(self, seq: BatchSequence) -> SpecStats | None:

@@ -335,3 +335,23 @@ def test_kv_cache_rows_share_the_buffers():
     assert view.k_layers[1].is_contiguous()
     with pytest.raises(ValueError, match="outside"):
         cache.rows(3, 5)
+
+
+def test_a_grown_cache_holds_what_it_held():
+    """`KVCache.grown` (a batch's cache, EAGLE's batch rows, when they outgrow their slots): the same keys,
+    values, key biases, positions and windows in more slots, the new ones empty; never fewer slots."""
+    from midlayer.model.kv_cache import KVCache
+    cache = KVCache(2, 3, 1, 4, 8, dtype=torch.float16)
+    cache.window, cache.layer_windows = 5, [5, 0]
+    g = torch.Generator().manual_seed(0)
+    for t in (cache.k, cache.v):
+        t.copy_(torch.randn(t.shape, generator=g))
+    cache.bias[:, :, :6] = 0.0
+    cache.pos.copy_(torch.arange(8).expand(3, -1))
+    big = cache.grown(20)
+    assert big.max_len == 20 and big.k.dtype == torch.float16 and (big.window, big.layer_windows) == (5, [5, 0])
+    assert torch.equal(big.k[..., :8, :], cache.k) and torch.equal(big.v[..., :8, :], cache.v)
+    assert torch.equal(big.bias[..., :8], cache.bias) and torch.equal(big.pos[:, :8], cache.pos)
+    assert bool((big.bias[..., 8:] == float("-inf")).all()) and not big.k[..., 8:, :].any()
+    with pytest.raises(ValueError, match="fewer"):
+        cache.grown(7)

@@ -269,14 +269,7 @@ class ContinuousBatch:
         old = self.cache
         if need <= old.max_len:
             return
-        size = min(max(need, 2 * old.max_len), self.ctx + 1)  # + 1: a step's scratch slot (`_decode`)
-        new = KVCache.for_model(self.model.cfg, self.max_rows, max_len=size, device=self.device, dtype=self.dtype)
-        n = old.max_len
-        new.k[..., :n, :] = old.k
-        new.v[..., :n, :] = old.v
-        new.bias[..., :n] = old.bias
-        new.pos[:, :n] = old.pos
-        self.cache = new
+        self.cache = old.grown(min(max(need, 2 * old.max_len), self.ctx + 1))  # + 1: a step's scratch slot
 
     # ------------------------------------------------------------------------------------ stepping
     def step(self) -> list[tuple[BatchSequence, list[int], bool]]:

@@ -119,6 +119,21 @@ class KVCache:
         view.window, view.layer_windows = self.window, self.layer_windows
         return view
 
+    def grown(self, max_len: int) -> "KVCache":
+        """A cache of `max_len` slots (at least this one's) holding what this one holds, in the same rows, with
+        the same windows: where a cache that outgrew its slots moves (a continuous batch, EAGLE's batch rows).
+        Its length and dense flags start afresh, as a new cache's do."""
+        self._whole("grown")
+        if max_len < self.max_len:
+            raise ValueError(f"grown: {max_len} slots is fewer than the {self.max_len} held")
+        new = KVCache(self.bias.shape[0], self.batch, self.k.shape[2], self.k.shape[-1], max_len,
+                      device=self.k.device, dtype=self.k.dtype)
+        new.window, new.layer_windows = self.window, self.layer_windows
+        n = self.max_len
+        new.k[..., :n, :], new.v[..., :n, :] = self.k, self.v
+        new.bias[..., :n], new.pos[:, :n] = self.bias, self.pos
+        return new
+
     @classmethod
     def for_model(cls, cfg, batch: int, max_len: int | None = None, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32, local_len: int | None = None) -> "KVCache":

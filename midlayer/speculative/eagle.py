@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from midlayer.config import ModelConfig
-from midlayer.engine.draft_vocab import draft_vocab, head_logits, restrict_logits, teacher_logits, to_token_ids
+from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
 from midlayer.engine.generate import CachedStep
 from midlayer.engine.quantization import compress_block, Q8Linear
 from midlayer.model.attention import rope_half
@@ -537,15 +537,8 @@ class EagleRows:
 
     def _reserve(self, need: int) -> None:
         """At least `need` slots (doubling), keeping what the rows hold."""
-        old = self.cache
-        if need <= old.max_len:
-            return
-        new = KVCache(1, old.batch, old.k.shape[2], old.k.shape[-1], max(need, 2 * old.max_len),
-                      device=old.k.device, dtype=old.k.dtype)
-        n = old.max_len
-        new.k[..., :n, :], new.v[..., :n, :] = old.k, old.v
-        new.bias[..., :n], new.pos[:, :n] = old.bias, old.pos
-        self.cache = new
+        if need > self.cache.max_len:
+            self.cache = self.cache.grown(max(need, 2 * self.cache.max_len))
 
     def move(self, src: int, dst: int, length: int) -> None:
         c = self.cache
@@ -566,11 +559,8 @@ class EagleRows:
 
     def _top1(self, out: torch.Tensor) -> torch.Tensor:
         """The draft token of each predicted feature [n, d]: the head's top-1 (over its draft vocabulary)."""
-        vocab = draft_vocab(self.d.head)
-        logits = feature_logits(self.d.model, out, self.d.head)
-        if vocab is not None and logits.shape[-1] != vocab.numel():
-            logits = restrict_logits(logits, vocab)
-        return to_token_ids(logits.topk(1, -1).indices[:, 0], vocab)
+        logits = teacher_logits(feature_logits(self.d.model, out, self.d.head), self.d.head)
+        return to_token_ids(logits.topk(1, -1).indices[:, 0], draft_vocab(self.d.head))
 
     @torch.no_grad()
     def chains(self, rows: list[int], starts: list[int], hidden: list[torch.Tensor], tokens: list[list[int]],

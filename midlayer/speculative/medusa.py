@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from midlayer.engine.draft_vocab import draft_vocab, head_logits, restrict_logits, teacher_logits, to_token_ids
+from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
 from midlayer.model.transformer import Transformer
 from .drafting import (apply_linear, base_states, batch_stream, candidate_counts, FrozenBase, gather_counted,
                        kl_to_base, model_device, optimise, placeholder_candidates, split_batch, topk_lists)
@@ -95,10 +95,7 @@ class MedusaDrafter(Drafter):
         if not rows:
             return []
         logits = self.heads.logits(self.model, torch.stack([h[-1] for h in hidden]))[:, :k]  # [n, k, V]
-        vocab = draft_vocab(self.heads)
-        if vocab is not None and logits.shape[-1] != vocab.numel():
-            logits = restrict_logits(logits, vocab)
-        return to_token_ids(logits.argmax(-1), vocab).tolist()
+        return to_token_ids(teacher_logits(logits, self.heads).argmax(-1), draft_vocab(self.heads)).tolist()
 
     def move(self, src: int, dst: int, length: int) -> None:
         """(No state per row: nothing to move.)"""

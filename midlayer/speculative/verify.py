@@ -397,7 +397,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     # generation (kv_cache.py): the W - 1 keys a later query may still see, plus room for one round -- the
     # drafter's scratch rows, then the verified tree and its joined rows -- made before each round.
     room = 2 * (len(tree) + 1) + extra_slots + 16
-    W = max((cfg.window_of(layer) for layer in range(cfg.n_layers)), default=0) if cfg.mixed_windows else 0
+    W = cfg.sliding_window if cfg.mixed_windows else 0
     cache = KVCache.for_model(cfg, 1, max_len=P + budget + len(tree) + extra_slots, device=dev,
                               dtype=kv_dtype(model), local_len=W - 1 + max(W, room) if W else None)
     gen = None
@@ -453,12 +453,12 @@ def prefill_round(model: Transformer, prompt: list[int], cache: KVCache, drafter
     ids = torch.tensor([prompt[:-1]], device=dev)
     step = cache.chunk(P - 1)  # bounded windowed layers take the prompt in chunks of at most their window
     parts = []
+    store = _capture_request(model, hidden_layers)  # filled by the last chunk: the drafters read the last row
     for a in range(0, P - 1, step):
         b = min(a + step, P - 1)
         cache.make_room(b - a)
-        store = _capture_request(model, hidden_layers)  # (the last chunk's: the drafters read the last row)
         logits, hidden = forward_cached(model, ids[:, a:b], cache, torch.arange(a, b, device=dev)[None], skip=skip,
-                                        last_only=True, return_hidden=True, capture=store,
+                                        last_only=True, return_hidden=True, capture=store if b == P - 1 else None,
                                         all_hidden=drafter.prefill_features)
         parts.append(hidden[0])  # [1, d] or [b - a, d]; logits is already [1, V] (last_only)
     hidden = torch.cat(parts) if drafter.prefill_features else parts[-1]
