@@ -38,6 +38,7 @@ from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.ops import kernels
 from midlayer.model.transformer import Transformer
 from midlayer.speculative.eagle import EagleDrafter, EagleRows
+from midlayer.speculative.hidden_transfer import HiddenTransferDrafter, HiddenTransferRows
 from midlayer.speculative.lookup import PromptLookupDrafter
 from midlayer.speculative.medusa import MedusaDrafter
 from midlayer.speculative.protocol import Drafter
@@ -256,16 +257,16 @@ class LLM:
         if why is not None:
             return why
         if self.drafter is not None and not isinstance(self.drafter, (PromptLookupDrafter, MedusaDrafter,
-                                                                      EagleDrafter)):
-            return (f"{type(self.drafter).__name__} drafts inside the base's own cache and blocks (pseudo rows, the "
-                    "base's first layers); in a batch only prompt lookup, Medusa heads and EAGLE draft (this "
-                    "drafter decodes one request at a time)")
+                                                                      EagleDrafter, HiddenTransferDrafter)):
+            return (f"{type(self.drafter).__name__} drafts with the base's own first layers, token by token; in a "
+                    "batch only prompt lookup, Medusa heads, EAGLE and hidden transfer draft (this drafter decodes "
+                    "one request at a time)")
         return None
 
     def batch(self, max_rows: int = 16) -> ContinuousBatch:
         """A continuous batch over this model: many sequences decoded together, joining and leaving between
-        steps (the server's engine). With prompt lookup, Medusa heads or EAGLE attached, its greedy rows draft chains
-        in the batch."""
+        steps (the server's engine). With prompt lookup, Medusa heads, EAGLE or hidden transfer attached, its greedy rows
+        draft chains in the batch."""
         why = self.batch_refusal()
         if why is not None:
             raise ValueError(f"continuous batching: {why}")
@@ -277,6 +278,9 @@ class LLM:
         if isinstance(self.drafter, EagleDrafter):  # chains of up to EAGLE_CHAIN tokens from the draft layer
             return ContinuousBatch(self.model, max_rows, skip=self.skip, k=EAGLE_CHAIN,
                                    row_drafter=EagleRows(self.drafter, max_rows), accept_prior=lambda ids: q)
+        if isinstance(self.drafter, HiddenTransferDrafter):  # its pseudo rows ride each step's forward (fused)
+            return ContinuousBatch(self.model, max_rows, skip=self.skip, k=self.drafter.transfer.k,
+                                   fused=HiddenTransferRows(self.drafter), accept_prior=lambda ids: q)
         lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else None
         if lookup is None:
             return ContinuousBatch(self.model, max_rows, skip=self.skip)
@@ -297,7 +301,7 @@ class LLM:
 
     def batch_completion(self, seq: BatchSequence, text: "TextStream") -> Completion:
         """The Completion of a sequence that left a continuous batch, with its speculative statistics when it
-        drafted (a row of prompt lookup, Medusa heads or EAGLE)."""
+        drafted (a row of prompt lookup, Medusa heads, EAGLE or hidden transfer)."""
         return text.completion(self._batch_stats(seq))
 
     def _batch_stats(self, seq: BatchSequence) -> SpecStats | None:

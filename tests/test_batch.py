@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from midlayer.engine.batch import ContinuousBatch
+from midlayer.engine.batch import BatchSequence, ContinuousBatch
 from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.engine.quantization import compress_weights
 from midlayer.ops import kernels
@@ -254,6 +254,113 @@ def test_eagle_in_the_batch_accepts_drafts_and_stays_exact():
     assert accepted > 0 and forwards < sum(len(r) for r in ref) - 3
 
 
+def _transfer(model, layers, seed: int = 0, vocab: torch.Tensor | None = None):
+    """A hidden-transfer drafter over `model`: identity maps plus noise (so every part of the mask matters)."""
+    from midlayer.engine.draft_vocab import set_draft_vocab
+    from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+
+    ht = HiddenTransfer(model.cfg.dim, layers)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in ht.maps:
+            m.weight.add_(0.3 * torch.randn(m.weight.shape, generator=g))
+    if vocab is not None:
+        set_draft_vocab(ht, vocab)
+    return HiddenTransferDrafter(model, ht)
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [False, True])
+def test_hidden_transfer_drafts_in_the_batch_the_chains_it_drafts_alone(vocab):
+    """Hidden transfer in the batch (`HiddenTransferRows`, the fused pass of arXiv 2404.12022 sec. 3.4): each
+    step's forward carries the pseudo rows of every column of every row, and the rows of each row's anchor (its
+    last accepted token) are its next chain. Every chain equals, bit for bit, the top-1 chain the one-sequence
+    drafter's separate pass (`pseudo_logits_cached`) drafts from a fresh prefill of the same tokens (full
+    vocabulary and a draft vocabulary); every output equals single-request greedy decoding, with rows joining,
+    leaving and moving, drafts of different lengths (padding columns) and the cache growing."""
+    from midlayer.engine.draft_vocab import draft_vocab
+    from midlayer.engine.generate import forward_cached
+    from midlayer.model.kv_cache import KVCache, kv_dtype
+    from midlayer.speculative.drafting import topk_lists
+    from midlayer.speculative.hidden_transfer import HiddenTransferRows, pseudo_logits_cached
+
+    model = _q4()
+    drafter = _transfer(model, [1, 2, 2], vocab=torch.arange(0, V, 3) if vocab else None)
+    prompts, cfgs = _workload(seed=2, n=8)
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    rows = HiddenTransferRows(drafter)
+    batch = ContinuousBatch(model, max_rows=4, fused=rows, k=3, initial_len=8)
+    batch._pays = lambda lengths: max(lengths)  # draft every step, as deep as each row allows
+    chains, checked = rows.chains, []
+    t = drafter.transfer
+
+    def spied(pseudo, columns):
+        got = chains(pseudo, columns)
+        seqs = [s for s in batch.running if not s.done]  # the rows `_decode` asked for, in order
+        assert len(seqs) == len(got)
+        for seq, chain in zip(seqs, got):
+            n = seq.length  # tokens[:n] are in the cache; the anchor is position n - 1
+            cache = KVCache.for_model(model.cfg, 1, max_len=n + t.k, dtype=kv_dtype(model))
+            capture = {b: None for b in set(t.layers)}
+            forward_cached(model, torch.tensor([seq.tokens[:n]]), cache, torch.arange(n)[None], capture=capture)
+            logits = pseudo_logits_cached(model, t, cache, n - 1, {b: h[0, -1] for b, h in capture.items()}, t.k,
+                                          draft_head=True)
+            assert chain == [c[0] for c in topk_lists(logits, [1] * t.k, draft_vocab(t))]
+            checked.append(len(chain))
+        return got
+    rows.chains = spied
+    out, most = _run(batch, prompts, cfgs, seed=1)
+    assert out == ref and most == 4
+    assert len(checked) > 20 and max(checked) == 3 and batch.cache.max_len > 8
+
+
+@needs_kernels
+def test_hidden_transfer_in_the_batch_accepts_drafts_and_stays_exact():
+    """Identity maps after the last block (t_i = L) make each pseudo state a copy of the anchor's final state, so
+    every chain repeats the pending token: accepted where the base repeats a token, rejected elsewhere. Rows
+    accept drafts and save forwards; the output is exact; the step's cost line counts the pseudo rows."""
+    from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter, HiddenTransferRows
+
+    model = _q4()
+    L = model.cfg.n_layers
+    rows = HiddenTransferRows(HiddenTransferDrafter(model, HiddenTransfer(model.cfg.dim, [L, L, L])))
+    assert rows.rows_per_column == 0.0  # rows that join after the last block run no block
+    unit = [11, 23, 35, 47, 59, 71]
+    prompts = [unit * 4, [7] * 12, unit[2:] * 5]
+    cfgs = [GenerationConfig(max_new_tokens=24)] * 3
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    batch = ContinuousBatch(model, max_rows=3, fused=rows, k=3)
+    batch._pays = lambda lengths: max(lengths)
+    handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
+    got, seqs = {h: [] for h in handles}, {}
+    while len(batch):
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] += tokens
+            seqs[seq.handle] = seq
+    assert [got[h] for h in handles] == ref
+    accepted = sum(a * n for s in seqs.values() for a, n in enumerate(s.accept_hist))
+    forwards = sum(s.forwards for s in seqs.values())
+    assert accepted > 0 and forwards < sum(len(r) for r in ref) - 3
+
+
+def test_the_fused_drafters_rows_are_priced_into_the_depth():
+    """`_pays` with a fused drafter: depth D costs a + b n (1 + D)(1 + w). Hand computation, one row, p = 0.5,
+    a = 1, b = 0.1: without fused rows D = 1 gives 1.5 / 1.2 = 1.25 tokens/s against 1 / 1.1 = 0.909 for D = 0;
+    with w = 3, D = 1 gives 1.5 / 1.8 = 0.833 < 0.909: no draft."""
+    class Fused:
+        k, rows_per_column = 3, 3.0
+
+    model = make_tiny(DIMS, False)
+    for fused, want in ((None, 1), (Fused(), 0)):
+        batch = ContinuousBatch(model, propose=None if fused else (lambda toks, n: [0] * n), fused=fused, k=1)
+        batch.cost.add(1, 1.1)
+        batch.cost.add(2, 1.2)
+        seq = BatchSequence(0, [1], 1, GenerationConfig(), 1, None, hits=1.0, tries=2.0)
+        batch.running = [seq]
+        assert batch.cost.line() == pytest.approx((1.0, 0.1))
+        assert batch._pays([1]) == want
+
+
 @needs_kernels
 def test_seeded_sampling_rows_reproduce_a_single_request():
     model = _q4()
@@ -293,17 +400,20 @@ def test_cancel_frees_the_row_and_the_others_go_on():
 
 
 @needs_kernels
-@pytest.mark.parametrize("drafter", ["lookup", "eagle"])
+@pytest.mark.parametrize("drafter", ["lookup", "eagle", "hidden-transfer"])
 def test_the_context_bounds_every_row(drafter):
     """A prompt that fills the context: one new token (the last needs no slot), as `generate` gives; rows near
-    the end draft only what fits (an EAGLE chain's positions stay inside the RoPE tables)."""
+    the end draft only what fits (an EAGLE chain's and the pseudo rows' positions stay inside the RoPE tables,
+    the pseudo rows' scratch slots past the context)."""
     from midlayer.speculative.eagle import EagleRows
+    from midlayer.speculative.hidden_transfer import HiddenTransferRows
 
     model = _q4()
     full = [7] * DIMS["max_seq_len"]
     cfg = GenerationConfig(max_new_tokens=10)
     drafting = {"lookup": dict(propose=PromptLookupDrafter(V).chain),
-                "eagle": dict(row_drafter=EagleRows(_eagle(model), 3))}
+                "eagle": dict(row_drafter=EagleRows(_eagle(model), 3)),
+                "hidden-transfer": dict(fused=HiddenTransferRows(_transfer(model, [1, 2, 3])))}
     batch = ContinuousBatch(model, max_rows=3, k=4, **drafting[drafter])
     batch._pays = lambda lengths: max(lengths)  # draft as deep as the deepest row allows
     out, _ = _run(batch, [full, full[:90], full[:60]], [cfg] * 3, join_p=1.0)

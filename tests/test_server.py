@@ -122,12 +122,13 @@ class Spy:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
-@pytest.mark.parametrize("draft", [None, "lookup", "medusa", "eagle"])
+@pytest.mark.parametrize("draft", [None, "lookup", "medusa", "eagle", "hidden-transfer"])
 def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F811
-    """q4 (batch-invariant): 8 clients x 3 requests decode in one continuous batch -- with prompt-lookup, Medusa
-    or EAGLE drafts verified in the batch -- and every output equals the single-request greedy output, token for
-    token."""
+    """q4 (batch-invariant): 8 clients x 3 requests decode in one continuous batch -- with prompt-lookup, Medusa,
+    EAGLE or hidden-transfer drafts verified in the batch -- and every output equals the single-request greedy
+    output, token for token."""
     from midlayer.speculative.eagle import EagleDrafter, EagleHead
+    from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
     from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 
     q4 = LLM(compress_weights(copy.deepcopy(llm.model), "q4"), llm.tokenizer, "tiny", "q4")
@@ -141,6 +142,9 @@ def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F
         draft = MedusaDrafter(q4.model, heads)
     elif draft == "eagle":  # the identity start: it drafts the token the base chose last
         draft = EagleDrafter(q4.model, EagleHead.for_model(q4.model))
+    elif draft == "hidden-transfer":  # identity maps after the last block: it drafts the pending token again
+        L = q4.model.cfg.n_layers
+        draft = HiddenTransferDrafter(q4.model, HiddenTransfer(q4.model.cfg.dim, [L // 2, L, L]))
     q4.attach(draft)
     assert q4.batch_refusal() is None
     spy = Spy(q4)

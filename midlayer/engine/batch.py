@@ -49,7 +49,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from .generate import GenerationConfig, forward_cached, sample_next, token_logprobs, validate_prompts
+from .generate import GenerationConfig, forward_cached, JoinedRows, sample_next, token_logprobs, validate_prompts
 from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
@@ -83,6 +83,29 @@ class RowDrafter(Protocol):
         ...
 
 
+class FusedDrafter(Protocol):
+    """A drafter whose rows ride the batch's own forward: hidden transfer's pseudo rows (arXiv 2404.12022 sec.
+    3.4; speculative/hidden_transfer.py, `HiddenTransferRows`). A step's forward over M token columns per row
+    carries M k joined rows per row from the middle of the network up; after verification, the k joined rows of
+    each row's anchor column (its last accepted token) give its next chain of k tokens."""
+
+    k: int  # tokens per chain
+    rows_per_column: float  # a column's joined rows, in rows of a full forward (their blocks over all blocks)
+
+    def joins(self, M: int) -> JoinedRows:
+        """The rows that join the forward of M token columns per row (M k of them per row)."""
+        ...
+
+    def visible(self, off: int, M: int) -> torch.Tensor:
+        """bool [M (1 + k), M (1 + k)]: which of the forward's own rows (M token columns, then the joined rows)
+        each may see, for a row whose real columns are off..M-1 (the rest is padding)."""
+        ...
+
+    def chains(self, pseudo: torch.Tensor, columns: list[int]) -> list[list[int]]:
+        """pseudo [n, M k, d]: the joined rows' final residuals; columns[b]: row b's anchor column. A chain per row."""
+        ...
+
+
 @dataclass
 class BatchSequence:
     """One sequence of the batch: its tokens so far, where it lives, and how it decodes."""
@@ -101,6 +124,7 @@ class BatchSequence:
     hits: float = 1.0  # accepted draft tokens + the prior's (Beta estimate of the acceptance rate, `_drafts`)
     tries: float = 2.0  # judged draft tokens (up to and including the first rejection) + the prior's
     fed: int = 0  # positions whose base states the row drafter holds (`row_drafter`)
+    chain: list[int] = field(default_factory=list)  # the fused drafter's next chain (`fused`), from the last step
     states: list[torch.Tensor] = field(default_factory=list)  # final residuals at positions fed..length-1, unfed
     logprobs: int | None = None  # None: no scores; else how many most likely alternatives to keep per token
     scores: list[tuple[float, dict[int, float]]] = field(default_factory=list)  # per new token (`token_logprobs`)
@@ -162,19 +186,26 @@ class ContinuousBatch:
     def __init__(self, model: Transformer, max_rows: int = 16, *, skip: bool = True,
                  propose: Callable[[Sequence[int], int], list[int]] | None = None, k: int = 4,
                  accept_prior: Callable[[Sequence[int]], float | None] | None = None,
-                 row_drafter: RowDrafter | None = None, max_step_rows: int = 64, max_prefill_rows: int = 1024,
-                 initial_len: int = 256) -> None:
+                 row_drafter: RowDrafter | None = None, fused: FusedDrafter | None = None, max_step_rows: int = 64,
+                 max_prefill_rows: int = 1024, initial_len: int = 256) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"continuous batching does not support this model: {why}")
         if max_rows < 1 or k < 0 or max_step_rows < max_rows:
             raise ValueError(f"need max_rows >= 1, k >= 0 and max_step_rows >= max_rows; got {max_rows}, {k}, "
                              f"{max_step_rows}")
-        if propose is not None and row_drafter is not None:
-            raise ValueError("one drafter per batch: propose (from tokens) or row_drafter (from the base's states)")
+        if sum(x is not None for x in (propose, row_drafter, fused)) > 1:
+            raise ValueError("one drafter per batch: propose (from tokens), row_drafter (from the base's states) or "
+                             "fused (rows that ride the base's forward)")
         self.model, self.max_rows, self.skip = model.eval(), max_rows, skip
         self.propose, self.k, self.max_step_rows = propose, k, max_step_rows
         self.row_drafter = row_drafter  # fed every committed position's state (EAGLE, Medusa heads)
+        self.fused = fused  # rows in the base's forward (hidden transfer)
+        if fused is not None:
+            self.k = min(k, fused.k)
+        self.carry = False  # this step's forward carries the fused drafter's rows (`_drafts`)
+        # slots past the context for a step's scratch slot and the fused drafter's rows
+        self.scratch = 1 + (0 if fused is None else (1 + self.k) * fused.k)
         self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
         self.cost = StepCost()
         self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
@@ -206,7 +237,7 @@ class ContinuousBatch:
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
         seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1),
                             logprobs=logprobs)
-        drafting = self.propose is not None or self.row_drafter is not None
+        drafting = self.propose is not None or self.row_drafter is not None or self.fused is not None
         q = self.accept_prior(ids) if self.accept_prior is not None and drafting else None
         if q is not None:  # Beta(1 + 2q, 1 + 2(1 - q)): the prior's mean, worth two judged tokens, over a uniform
             seq.hits, seq.tries = 1.0 + 2.0 * q, 4.0  # one (so a row whose prompt repeats nothing still tries)
@@ -269,7 +300,7 @@ class ContinuousBatch:
         old = self.cache
         if need <= old.max_len:
             return
-        self.cache = old.grown(min(max(need, 2 * old.max_len), self.ctx + 1))  # + 1: a step's scratch slot
+        self.cache = old.grown(min(max(need, 2 * old.max_len), self.ctx + self.scratch))
 
     # ------------------------------------------------------------------------------------ stepping
     def step(self) -> list[tuple[BatchSequence, list[int], bool]]:
@@ -294,32 +325,63 @@ class ContinuousBatch:
             self._decode(events)
         return [(seq, toks, seq.done) for seq, toks in events.values()]
 
-    def _forward(self, first: int, fed: list[list[int]], starts: list[int], last_only: bool
+    def _forward(self, first: int, fed: list[list[int]], starts: list[int], last_only: bool, carry: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ONE forward over rows first.. of the cache: row i's tokens fed[i] at slots (= positions) starts[i],
         starts[i] + 1, ... Rows are right-aligned in the forward (the last column holds every row's last token);
         a shorter row is padded in front. A padding row is computed like the others -- so the forward stays one
         dense stretch for the fused kernels -- at the scratch slot `end`, past every row's real slots: free in
         every row, after every real query (causality hides it from them), at position 0; its key bias is reset
-        afterwards. Returns logits [n, V] of each row's last token (`last_only`), else [n, M, V]; and, for a
-        `row_drafter`, the final residual at every row ([n, M, d]), else None."""
+        afterwards. With `carry`, the fused drafter's M k rows per row join too (`_fused_rows`). Returns logits
+        [n, V] of each row's last token (`last_only`), else [n, M, V]; and, for a `row_drafter` or with `carry`,
+        the final residual at every row ([n, M (+ M k), d]), else None."""
         n, M = len(fed), max(len(f) for f in fed)
         counts = [len(f) for f in fed]
         end = max(s + c for s, c in zip(starts, counts))
-        self._reserve(end + 1)
+        J = self.fused.k * M if carry else 0
+        self._reserve(end + 1 + J)
         tokens = torch.zeros(n, M, dtype=torch.long)
-        positions = torch.zeros(n, M, dtype=torch.long)
-        slots = torch.full((n, M), end, dtype=torch.long)
+        positions = torch.zeros(n, M + J, dtype=torch.long)
+        slots = torch.full((n, M + J), end, dtype=torch.long)
         for i, (f, s, c) in enumerate(zip(fed, starts, counts)):
             tokens[i, M - c:] = torch.tensor(f)
-            positions[i, M - c:] = slots[i, M - c:] = torch.arange(s, s + c)
+            positions[i, M - c:M] = slots[i, M - c:M] = torch.arange(s, s + c)
+        joins = extra = None
+        if carry:
+            joins, extra = self._fused_rows(M, counts, starts, positions, slots, end)
         tokens, positions, slots = (x.to(self.device) for x in (tokens, positions, slots))
         view = self.cache.rows(first, first + n)
-        view.length = end + 1
-        out = forward_cached(self.model, tokens, view, positions, skip=self.skip, slots=slots, last_only=last_only,
-                             return_hidden=self.row_drafter is not None, all_hidden=True)
-        self.cache.bias[:, first:first + n, end] = float("-inf")  # the scratch slot: never held
-        return out if isinstance(out, tuple) else (out, None)
+        view.length = end + 1 + J
+        out = forward_cached(self.model, tokens, view, positions, skip=self.skip, slots=slots,
+                             last_only=last_only and not carry, return_hidden=self.row_drafter is not None or carry,
+                             all_hidden=True, joins=joins, extra_mask=extra, head_rows=M if carry else None)
+        self.cache.bias[:, first:first + n, end:end + 1 + J] = float("-inf")  # the scratch slots: never held
+        logits, hidden = out if isinstance(out, tuple) else (out, None)
+        return (logits[:, -1] if last_only and carry else logits), hidden
+
+    def _fused_rows(self, M: int, counts: list[int], starts: list[int], positions: torch.Tensor, slots: torch.Tensor,
+                    end: int) -> tuple[JoinedRows, torch.Tensor]:
+        """The fused drafter's rows of a forward over M token columns per row: step s of column c (joined row
+        (s - 1) M + c) at scratch slot end + 1 + (s - 1) M + c, past every real and padding slot, at the
+        column's position + s (kept inside the RoPE tables: such tokens lie past the context and are never
+        drafted). Fills their positions and slots; returns the JoinedRows and the extra mask [n, 1, M + J, S]:
+        0 for the token columns (causality by slot already hides every joined row from them); a joined row sees
+        the row's committed slots (the cache's own rule) and, of this forward's rows, those `visible` allows."""
+        f, n = self.fused, len(counts)
+        J = f.k * M
+        col = positions[:, :M]
+        step = torch.arange(1, f.k + 1).repeat_interleave(M)
+        positions[:, M:] = (col.repeat(1, f.k) + step).clamp(max=self.ctx - 1)
+        slots[:, M:] = end + 1 + torch.arange(J)
+        S = end + 1 + J
+        extra = torch.zeros(n, 1, M + J, S)
+        for i, (s, c) in enumerate(zip(starts, counts)):
+            rows = torch.full((J, S), float("-inf"))
+            rows[:, :s] = 0.0
+            seen = torch.zeros(J, M + J).masked_fill(~f.visible(M - c, M)[M:], float("-inf"))
+            # padding columns share one slot: a key counts as seen if any row at its slot is (amax)
+            extra[i, 0, M:] = rows.scatter_reduce(1, slots[i].expand(J, M + J), seen, "amax")
+        return f.joins(M), extra.to(self.device)
 
     def _join(self, seqs: list[BatchSequence], events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
         """Prefill the joining sequences' prompts into the next free rows, together; sample each first token."""
@@ -366,7 +428,8 @@ class ContinuousBatch:
         remaining budget and the forward's row cap."""
         n = len(self.running)
         drafts: list[list[int]] = [[] for _ in range(n)]
-        if (self.propose is None and self.row_drafter is None) or self.k == 0:
+        self.carry = False
+        if (self.propose is None and self.row_drafter is None and self.fused is None) or self.k == 0:
             return drafts
         spare = self.max_step_rows - n  # rows a forward may spend on drafts
         rooms = [min(self.k, self.ctx - 1 - seq.length, seq.budget - len(seq.new) - 1, spare // n)
@@ -378,7 +441,10 @@ class ContinuousBatch:
             return drafts
         cut = [min(r, depth) for r in rooms]
         rows = [i for i in range(n) if cut[i] > 0]
-        if self.row_drafter is not None:  # one call for every drafting row, with every state committed since its
+        if self.fused is not None:  # the chains the last step's forward drafted; this one drafts the next ones
+            self.carry = True
+            chains = [self.running[i].chain for i in rows]
+        elif self.row_drafter is not None:  # one call for every drafting row, with every state committed since its
             # last call; each chain then cut to its row's room
             seqs = [self.running[i] for i in rows]
             chains = self.row_drafter.chains([x.row for x in seqs], [x.fed for x in seqs],
@@ -394,9 +460,12 @@ class ContinuousBatch:
 
     def _pays(self, lengths: list[int]) -> int:
         """The draft depth D for this step, for drafts of at most `lengths` tokens per row. Every row is padded to
-        the deepest draft, so depth D costs n (1 + D) rows: t(D) = a + b n (1 + D) by the fitted line (`StepCost`). A chain's j-th token is accepted with
-        probability p^j (p the row's acceptance estimate), so the step yields n + sum_i sum_{j <= min(D, k_i)}
-        p_i^j tokens. D maximises tokens per second; before any forward is timed, the deepest draft."""
+        the deepest draft, so depth D costs n (1 + D) rows: t(D) = a + b n (1 + D) by the fitted line (`StepCost`);
+        a fused drafter's rows add w rows per column (w = `rows_per_column`): t(D) = a + b n (1 + D)(1 + w), the
+        price in steady state, where each step carries the rows of the next step's chains. A chain's j-th token
+        is accepted with probability p^j (p the row's acceptance estimate), so the step yields n + sum_i
+        sum_{j <= min(D, k_i)} p_i^j tokens. D maximises tokens per second; before any forward is timed, the
+        deepest draft."""
         deepest = max(lengths)
         line = self.cost.line()
         if line is None or deepest == 0:
@@ -404,10 +473,11 @@ class ContinuousBatch:
         a, b = line
         n = len(lengths)
         p = [seq.acceptance for seq in self.running]
+        w = 1.0 + (self.fused.rows_per_column if self.fused is not None else 0.0)
         best, best_rate = 0, n / (a + b * n)
         for depth in range(1, deepest + 1):
             tokens = n + sum(p[i] ** j for i, k in enumerate(lengths) for j in range(1, min(depth, k) + 1))
-            rate = tokens / (a + b * n * (1 + depth))
+            rate = tokens / (a + b * n * (1 + depth) * w)
             if rate > best_rate:
                 best, best_rate = depth, rate
         return best
@@ -421,12 +491,15 @@ class ContinuousBatch:
         drafts = self._drafts()
         fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
         M = max(len(f) for f in fed)
-        logits, hidden = self._forward(0, fed, [s.length for s in rows], last_only=M == 1)
+        carry = self.carry
+        logits, hidden = self._forward(0, fed, [s.length for s in rows], last_only=M == 1, carry=carry)
         if self.cache is cache:  # a step that grew the cache copied it: not a sample of the cost line
-            self.cost.add(len(rows) * M, time.perf_counter() - t0)
+            w = 1.0 + self.fused.rows_per_column if carry else 1.0
+            self.cost.add(len(rows) * M * w, time.perf_counter() - t0)
         logits = logits[:, None] if M == 1 else logits  # [n, M, V]
         greedy = kernels.argmax(logits.reshape(-1, logits.shape[-1])).view(len(rows), M).tolist()
         c = self.cache
+        anchors: list[int] = []  # per row, the column of its last accepted token: its fused rows draft next
         for i, seq in enumerate(rows):
             d, off = drafts[i], M - len(fed[i])  # row i's entries sit in columns off..M-1
             seq.forwards += 1
@@ -445,5 +518,13 @@ class ContinuousBatch:
             if self.row_drafter is not None and seq.cfg.temperature == 0:  # the states of the committed positions
                 seq.states.append(hidden[i, off:off + len(take)].clone())
             seq.length += len(take)  # the pending token and the accepted drafts are in the cache now
+            anchors.append(off + len(take) - 1)
             self._commit(seq, take, events, logits[i, off:off + len(take)])  # column off + j chose take[j]
+        if self.fused is not None:
+            drafting = [i for i, seq in enumerate(rows) if carry and seq.cfg.temperature == 0 and not seq.done]
+            chains = self.fused.chains(hidden[drafting, M:], [anchors[i] for i in drafting]) if drafting else []
+            for seq in rows:
+                seq.chain = []
+            for i, chain in zip(drafting, chains):
+                rows[i].chain = chain
         self._leave_finished(rows)

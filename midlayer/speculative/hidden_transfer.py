@@ -546,6 +546,56 @@ class HiddenTransferDrafter(Drafter):
         return topk_lists(logits, need, draft_vocab(self.transfer))
 
 
-__all__ = ["HiddenTransfer", "HiddenTransferDrafter", "visible", "tree_visible", "training_rows", "training_mask",
+class HiddenTransferRows:
+    """Hidden transfer inside a continuous batch (engine/batch.py, its `FusedDrafter`): the fused pass of
+    sec. 3.4 with a chain per batch row. Each step's forward feeds row b its columns [pending token, draft
+    tokens] (right-aligned: columns before off_b are padding); from block t_i up it also carries the step-i
+    pseudo rows W_i h of every column (column-major within a step: joined row (i - 1) M + c is column c's step
+    i), at scratch slots past every real one. Whichever column turns out to be the row's anchor (its last
+    accepted token), its k pseudo rows are the row's next chain (`chains`), so no forward is spent on drafting.
+
+    The mask is `tree_visible` on the row's chain: column c's ancestors are the real columns off_b..c, and a
+    padding column is its own only ancestor (its pseudo rows see themselves: nothing reads them, but each
+    query keeps a visible key). The cache's own rule shows every pseudo row the row's committed keys. So a
+    pseudo row sees what the one-sequence drafter's fused rows see, in the same slot order, and in q4
+    (row-invariant kernels) its chain is bit for bit the top-1 chain of `HiddenTransferDrafter` on the same
+    context (tests/test_batch.py). A row's first step after its prefill has no chain yet: its pseudo rows are
+    carried, its draft is empty (the one-sequence drafter spends a separate partial forward there instead)."""
+
+    def __init__(self, drafter: HiddenTransferDrafter) -> None:
+        self.d = drafter
+        self.k = drafter.transfer.k
+        L = drafter.model.cfg.n_layers
+        # a column's pseudo rows, in rows of a full forward: step i's row runs blocks t_i..L-1 (the step cost line)
+        self.rows_per_column = sum((L - t) / L for t in drafter.transfer.layers)
+        self._memo: dict[tuple[int, int], torch.Tensor] = {}
+
+    def joins(self, M: int) -> JoinedRows:
+        """Step i's rows: W_i of the M token columns (the first M rows present at block t_i)."""
+        t = self.d.transfer
+        return JoinedRows({b: (lambda h, steps=steps: torch.cat([t.transfer(h[:, :M], i) for i in steps], 1))
+                           for b, steps in t.steps_at(self.k).items()}, M * self.k)
+
+    def visible(self, off: int, M: int) -> torch.Tensor:
+        """bool [M (1 + k), M (1 + k)] over the forward's own rows of a batch row whose real columns are off..M-1."""
+        vis = self._memo.get((off, M))
+        if vis is None:
+            anc = torch.eye(M, dtype=torch.bool)
+            anc[off:, off:] = torch.ones(M - off, M - off, dtype=torch.bool).tril()
+            vis = self._memo[(off, M)] = tree_visible(anc, self.k, self.d.transfer.masked)
+        return vis
+
+    @torch.no_grad()
+    def chains(self, pseudo: torch.Tensor, columns: list[int]) -> list[list[int]]:
+        """pseudo [n, M k, d]: the joined rows' final residuals; columns[b]: row b's anchor column. The top-1
+        token of each anchor's k pseudo rows on the draft vocabulary (`fused_draft`'s rows, `topk_lists`)."""
+        n, M = len(columns), pseudo.shape[1] // self.k
+        rows = pseudo.view(n, self.k, M, -1)[torch.arange(n), :, torch.tensor(columns)]  # [n, k, d]
+        logits = head_logits(self.d.transfer, self.d.model, self.d.model.norm(rows))
+        vocab = draft_vocab(self.d.transfer)
+        return [[c[0] for c in topk_lists(logits[b], [1] * self.k, vocab)] for b in range(n)]
+
+
+__all__ = ["HiddenTransfer", "HiddenTransferDrafter", "HiddenTransferRows", "visible", "tree_visible", "training_rows", "training_mask",
            "transfer_forward", "hidden_transfer_loss", "train_hidden_transfer", "pseudo_logits_cached",
            "draft_top1_accuracy"]
