@@ -52,22 +52,26 @@ def step_costs(llm: midlayer.LLM, repeats: int, context: int = 128) -> list[tupl
     return out
 
 
-def engine_rates(llm: midlayer.LLM, max_tokens: int, n_prompts: int = 32) -> list[tuple[int, float, float]]:
-    """(sequences at a time, tokens/s, seconds) over `n_prompts` held-out chat prompts fed 1, 4 and 16 at a time
-    into `llm.batch` (also benchmarks/batch_lookup.py's measurement)."""
+def engine_rates(llm: midlayer.LLM, max_tokens: int, n_prompts: int = 32) -> list[tuple[int, float, float, float]]:
+    """(sequences at a time, tokens/s, seconds, new tokens per decode forward) over `n_prompts` held-out chat
+    prompts fed 1, 4 and 16 at a time into `llm.batch` (also benchmarks/batch_lookup.py's measurement). Tokens
+    per forward counts each sequence's first token (from its prefill) as a forward of its own: 1.00 without
+    drafts; with a drafter, the mean accepted length tau."""
     ids = [llm.encode([{"role": "user", "content": t}]) for t in heldout_texts(n_prompts, "scaled")]
     cfg = llm.settings(max_tokens, 0.0, 0, 1.0, None)
     out = []
     for conc in (1, 4, 16):
         batch = llm.batch(16)
-        pending, tokens = list(ids), 0
+        pending, tokens, forwards = list(ids), 0, 0
         t0 = time.perf_counter()
         while pending or len(batch):
             while pending and len(batch) < conc:
                 batch.add(pending.pop(0), cfg)
-            tokens += sum(len(new) for _, new, _ in batch.step())
+            for seq, new, done in batch.step():
+                tokens += len(new)
+                forwards += (seq.forwards + 1) if done else 0
         seconds = time.perf_counter() - t0
-        out.append((conc, tokens / seconds, seconds))
+        out.append((conc, tokens / seconds, seconds, tokens / max(forwards, 1)))
     return out
 
 
@@ -95,12 +99,12 @@ def main() -> None:
             llm.model.kv_dtype = dtypes[kv]
             rates = engine_rates(llm, max_tokens, args.prompts)
             print(f"\nContinuousBatch alone, KV {kv}, {args.prompts} prompts, up to {max_tokens} tokens: " + ", ".join(
-                f"{c} at a time {r:.0f} tok/s ({r / rates[0][1]:.2f}x)" for c, r, _ in rates))
+                f"{c} at a time {r:.0f} tok/s ({r / rates[0][1]:.2f}x)" for c, r, _, _ in rates))
             # the split: the same prompts with one new token each (their prefill, and one sampled token)
-            prefill = {c: sec for c, _, sec in engine_rates(llm, 1, args.prompts)}
-            decode = [(c, r * sec - args.prompts, sec - prefill[c]) for c, r, sec in rates]
-            print("  prefill alone: " + ", ".join(f"{c} at a time {prefill[c]:.2f} s" for c, _, _ in rates)
-                  + f"; of {', '.join(f'{sec:.2f}' for _, _, sec in rates)} s in all")
+            prefill = {c: sec for c, _, sec, _ in engine_rates(llm, 1, args.prompts)}
+            decode = [(c, r * sec - args.prompts, sec - prefill[c]) for c, r, sec, _ in rates]
+            print("  prefill alone: " + ", ".join(f"{c} at a time {prefill[c]:.2f} s" for c, _, _, _ in rates)
+                  + f"; of {', '.join(f'{sec:.2f}' for _, _, sec, _ in rates)} s in all")
             print("  decoding alone (the rest): " + ", ".join(
                 f"{c} at a time {n / sec:.0f} tok/s ({n / sec / (decode[0][1] / decode[0][2]):.2f}x)"
                 for c, n, sec in decode))

@@ -344,9 +344,10 @@ def test_hidden_transfer_in_the_batch_accepts_drafts_and_stays_exact():
 
 
 def test_the_fused_drafters_rows_are_priced_into_the_depth():
-    """`_pays` with a fused drafter: depth D costs a + b n (1 + D)(1 + w). Hand computation, one row, p = 0.5,
-    a = 1, b = 0.1: without fused rows D = 1 gives 1.5 / 1.2 = 1.25 tokens/s against 1 / 1.1 = 0.909 for D = 0;
-    with w = 3, D = 1 gives 1.5 / 1.8 = 0.833 < 0.909: no draft."""
+    """`_pays` with a fused drafter, by hand, one row, p = 0.5. Plain line a = 1, b = 0.1: without fused rows
+    D = 1 gives 1.5 / 1.2 = 1.25 tokens/s against 1 / 1.1 = 0.909 for D = 0. With w = 3 more rows per column and
+    no forward yet timed with them, D = 1 costs 1 + 0.1 * 2 * 4 = 1.8: 1.5 / 1.8 = 0.833 < 0.909, no draft. Once
+    the forwards that carried them fit a line of their own, a = 1, b = 0.15: 1.5 / 1.3 = 1.154, a draft."""
     class Fused:
         k, rows_per_column = 3, 3.0
 
@@ -359,6 +360,11 @@ def test_the_fused_drafters_rows_are_priced_into_the_depth():
         batch.running = [seq]
         assert batch.cost.line() == pytest.approx((1.0, 0.1))
         assert batch._pays([1]) == want
+    batch.fused_cost.add(1, 1.15)
+    batch.fused_cost.add(2, 1.3)
+    assert batch._pays([1]) == 1
+    batch.cost.points.clear()  # the plain line from the fused one (b / (1 + w) = 0.0375): D = 0 gives 1 / 1.0375
+    assert batch._pays([1]) == 1
 
 
 @needs_kernels

@@ -208,6 +208,7 @@ class ContinuousBatch:
         self.scratch = 1 + (0 if fused is None else (1 + self.k) * fused.k)
         self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
         self.cost = StepCost()
+        self.fused_cost = StepCost()  # the forwards that carried a fused drafter's rows (`_pays`)
         self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
         self.ctx = model.cfg.max_seq_len
         self.device = model.tok_embeddings.weight.device
@@ -460,24 +461,32 @@ class ContinuousBatch:
 
     def _pays(self, lengths: list[int]) -> int:
         """The draft depth D for this step, for drafts of at most `lengths` tokens per row. Every row is padded to
-        the deepest draft, so depth D costs n (1 + D) rows: t(D) = a + b n (1 + D) by the fitted line (`StepCost`);
-        a fused drafter's rows add w rows per column (w = `rows_per_column`): t(D) = a + b n (1 + D)(1 + w), the
-        price in steady state, where each step carries the rows of the next step's chains. A chain's j-th token
-        is accepted with probability p^j (p the row's acceptance estimate), so the step yields n + sum_i
-        sum_{j <= min(D, k_i)} p_i^j tokens. D maximises tokens per second; before any forward is timed, the
-        deepest draft."""
+        the deepest draft, so depth D costs n (1 + D) rows: t(D) = a + b n (1 + D) by the fitted line (`StepCost`).
+        A fused drafter's steps carry its rows too, priced in steady state (each step carries the rows of the next
+        step's chains) by a line of their own, fitted to the forwards that carried them (`fused_cost`); until it
+        has one, the plain line with w = `rows_per_column` more rows per column, t(D) = a + b n (1 + D)(1 + w),
+        and the other way round. A chain's j-th token is accepted with probability p^j (p the row's acceptance
+        estimate), so the step yields n + sum_i sum_{j <= min(D, k_i)} p_i^j tokens. D maximises tokens per
+        second; before any forward is timed, the deepest draft."""
         deepest = max(lengths)
-        line = self.cost.line()
-        if line is None or deepest == 0:
+        line = drafting = self.cost.line()
+        if self.fused is not None:
+            w = 1.0 + self.fused.rows_per_column
+            drafting = self.fused_cost.line()
+            if drafting is None and line is not None:
+                drafting = (line[0], line[1] * w)
+            elif line is None and drafting is not None:
+                line = (drafting[0], drafting[1] / w)
+        if line is None or drafting is None or deepest == 0:
             return deepest
         a, b = line
         n = len(lengths)
         p = [seq.acceptance for seq in self.running]
-        w = 1.0 + (self.fused.rows_per_column if self.fused is not None else 0.0)
         best, best_rate = 0, n / (a + b * n)
+        a, b = drafting
         for depth in range(1, deepest + 1):
             tokens = n + sum(p[i] ** j for i, k in enumerate(lengths) for j in range(1, min(depth, k) + 1))
-            rate = tokens / (a + b * n * (1 + depth) * w)
+            rate = tokens / (a + b * n * (1 + depth))
             if rate > best_rate:
                 best, best_rate = depth, rate
         return best
@@ -494,8 +503,7 @@ class ContinuousBatch:
         carry = self.carry
         logits, hidden = self._forward(0, fed, [s.length for s in rows], last_only=M == 1, carry=carry)
         if self.cache is cache:  # a step that grew the cache copied it: not a sample of the cost line
-            w = 1.0 + self.fused.rows_per_column if carry else 1.0
-            self.cost.add(len(rows) * M * w, time.perf_counter() - t0)
+            (self.fused_cost if carry else self.cost).add(len(rows) * M, time.perf_counter() - t0)
         logits = logits[:, None] if M == 1 else logits  # [n, M, V]
         greedy = kernels.argmax(logits.reshape(-1, logits.shape[-1])).view(len(rows), M).tolist()
         c = self.cache
