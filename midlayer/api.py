@@ -37,12 +37,9 @@ from midlayer.engine.quantization import WEIGHT_FORMATS, compress_weights
 from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.ops import kernels
 from midlayer.model.transformer import Transformer
-from midlayer.speculative.eagle import EagleDrafter, EagleRows
-from midlayer.speculative.hidden_transfer import HiddenTransferDrafter, HiddenTransferRows
 from midlayer.speculative.lookup import PromptLookupDrafter
-from midlayer.speculative.medusa import MedusaDrafter
 from midlayer.speculative.protocol import Drafter
-from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
+from midlayer.speculative.registry import batch_drafting, heldout_accuracies, load_draft, load_drafter
 from midlayer.speculative.skip_gates import SkipGates, gated_twin
 from midlayer.speculative.static import static_speculative_generate
 from midlayer.speculative.tree import DraftTree
@@ -53,9 +50,6 @@ from midlayer.train.distributed import resolve_device
 
 Message = dict[str, Any]
 Prompt = Union[str, Sequence[Message], Sequence[int]]
-# the longest EAGLE chain a continuous batch drafts (each step then drafts as deep as pays, engine/batch.py); the
-# EAGLE paper's trees are 5-6 deep (Li et al. 2024, arXiv 2401.15077, sec. 5)
-EAGLE_CHAIN = 5
 
 
 @dataclass
@@ -256,8 +250,7 @@ class LLM:
         why = batch_unsupported(self.model)
         if why is not None:
             return why
-        if self.drafter is not None and not isinstance(self.drafter, (PromptLookupDrafter, MedusaDrafter,
-                                                                      EagleDrafter, HiddenTransferDrafter)):
+        if batch_drafting(self.drafter, 1) is None:
             return (f"{type(self.drafter).__name__} drafts with the base's own first layers, token by token; in a "
                     "batch only prompt lookup, Medusa heads, EAGLE and hidden transfer draft (this drafter decodes "
                     "one request at a time)")
@@ -265,27 +258,13 @@ class LLM:
 
     def batch(self, max_rows: int = 16) -> ContinuousBatch:
         """A continuous batch over this model: many sequences decoded together, joining and leaving between
-        steps (the server's engine). With prompt lookup, Medusa heads, EAGLE or hidden transfer attached, its greedy rows
-        draft chains in the batch."""
+        steps (the server's engine). With prompt lookup, Medusa heads, EAGLE or hidden transfer attached, its greedy
+        rows draft chains in the batch (`registry.batch_drafting`)."""
         why = self.batch_refusal()
         if why is not None:
             raise ValueError(f"continuous batching: {why}")
         q = self._acc[0][0] if self._acc else None  # a trained draft's held-out depth-1 top-1: the prior acceptance
-        if isinstance(self.drafter, MedusaDrafter):
-            heads = self.drafter
-            return ContinuousBatch(self.model, max_rows, skip=self.skip, row_drafter=heads, k=heads.heads.k,
-                                   accept_prior=lambda ids: q)
-        if isinstance(self.drafter, EagleDrafter):  # chains of up to EAGLE_CHAIN tokens from the draft layer
-            return ContinuousBatch(self.model, max_rows, skip=self.skip, k=EAGLE_CHAIN,
-                                   row_drafter=EagleRows(self.drafter, max_rows), accept_prior=lambda ids: q)
-        if isinstance(self.drafter, HiddenTransferDrafter):  # its pseudo rows ride each step's forward (fused)
-            return ContinuousBatch(self.model, max_rows, skip=self.skip, k=self.drafter.transfer.k,
-                                   fused=HiddenTransferRows(self.drafter), accept_prior=lambda ids: q)
-        lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else None
-        if lookup is None:
-            return ContinuousBatch(self.model, max_rows, skip=self.skip)
-        return ContinuousBatch(self.model, max_rows, skip=self.skip, propose=lookup.chain, k=lookup.k,
-                               accept_prior=lookup.prompt_prior)
+        return ContinuousBatch(self.model, max_rows, skip=self.skip, **batch_drafting(self.drafter, max_rows, q))
 
     def batch_feed(self, batch: ContinuousBatch, seq: BatchSequence, tokens: list[int], finished: bool,
                    text: "TextStream") -> tuple[str, Completion | None]:

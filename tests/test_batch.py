@@ -471,3 +471,28 @@ def test_a_grown_cache_holds_what_it_held():
     assert bool((big.bias[..., 8:] == float("-inf")).all()) and not big.k[..., 8:, :].any()
     with pytest.raises(ValueError, match="fewer"):
         cache.grown(7)
+
+
+@needs_kernels
+def test_bench_decodes_steps_rows_run_every_batch_drafter_exactly():
+    """`bench decode`'s "-steps" rows (a one-row continuous batch per prompt, `registry.batch_drafting`) for prompt
+    lookup, Medusa heads, EAGLE and hidden transfer: every output equals plain greedy decoding; early exit has
+    no such row (it drafts with the base's first layers, token by token)."""
+    from midlayer.experiments.bench import _bench_prompt
+    from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
+    from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
+    from midlayer.speculative.registry import batch_drafting
+
+    model = _q4()
+    drafters = {"lookup": PromptLookupDrafter(V), "medusa": MedusaDrafter(model, MedusaHeads(model.cfg.dim, 3)),
+                "eagle": _eagle(model), "ht": _transfer(model, [1, 2, 2])}
+    assert batch_drafting(EarlyExitDrafter(model, EarlyExitHead(model.cfg.dim, 2)), 1) is None
+    stepwise = {f"{label}-steps": batch_drafting(d, 1, 0.5) for label, d in drafters.items()}
+    methods = {label: (drafters[label.removesuffix("-steps")], 3) for label in stepwise}
+    rows = {name: dict(time=0.0, tokens=0, forwards=0, equal=0, hits=[0] * 3, counts=[0] * 3, tree=None)
+            for name in ["plain", *methods]}
+    prompts, _ = _workload(seed=4, n=4)
+    for ids in prompts:
+        _bench_prompt(model, ids, rows, methods, {}, GenerationConfig(max_new_tokens=20, stop_tokens=(5,)), None,
+                      None, 3, stepwise)
+    assert all(rows[label]["equal"] == 4 and rows[label]["tokens"] == rows["plain"]["tokens"] for label in methods)

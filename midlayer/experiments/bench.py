@@ -48,7 +48,7 @@ from midlayer.speculative.distill import DistillSet
 from midlayer.speculative.draft_training import DraftTrainConfig, heldout_metrics, response_batches
 from midlayer.speculative.layer_skip import LayerSkipDrafter
 from midlayer.speculative.lookup import PromptLookupDrafter
-from midlayer.speculative.registry import heldout_accuracies, load_draft, load_drafter
+from midlayer.speculative.registry import batch_drafting, heldout_accuracies, load_draft, load_drafter
 from midlayer.speculative.skip_gates import SkipGates
 from midlayer.speculative.tree import DraftTree
 from midlayer.speculative.tree_cost import auto_tree, measure_overhead, row_costs
@@ -491,9 +491,10 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
 
     drafts: label -> draft directory (train-draft output); "<label>-separate" rows are added for hidden
     transfer (drafting with a separate forward instead of the fused one), "<label>-dynamic" rows for EAGLE
-    (EAGLE-2's dynamic tree within the same node budget), with tree "auto" a "<label>-steps" row for prompt
-    lookup (a one-row continuous batch drafting each step as deep as pays: what `generate` runs for lookup with
-    tree auto; no per-depth top-1 there). layer_skip (a, b): a layer-skip
+    (EAGLE-2's dynamic tree within the same node budget), with tree "auto" a "<label>-steps" row for every
+    drafter a continuous batch runs (prompt lookup, Medusa, EAGLE, hidden transfer: `registry.batch_drafting`): a
+    one-row continuous batch drafting a chain each step as deep as pays, what `generate` runs for lookup with
+    tree auto; no per-depth top-1 there. layer_skip (a, b): a layer-skip
     drafter skipping blocks a..b-1. tree: "chain" (the top-1 chain of depth k) or "sparse" (the `nodes`
     nodes of highest estimated acceptance, `DraftTree.greedy_from_accuracies` on the draft's held-out
     per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden transfer's tree, or
@@ -511,12 +512,18 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     stop = tuple(sorted(tok.eos_ids))
     encoded = heldout_chats(tok, max_prompts, prompts)
     methods, own_acc, depth = speculative_methods(model, drafts, layer_skip, encoded)
-    stepwise = frozenset()
-    if tree == "auto":  # what `generate --draft lookup` runs with tree auto: lookup's "-steps" row, after its own
-        lookups = [label for label, (d, _) in methods.items() if isinstance(d, PromptLookupDrafter)]
+    stepwise: dict[str, dict] = {}  # "-steps" rows: label -> ContinuousBatch arguments
+    if tree == "auto":  # a one-row continuous batch drafting each step as deep as pays, after its drafter's row
+        # (what `generate --draft lookup` runs with tree auto)
+        for label, (d, _) in list(methods.items()):
+            if label.endswith(("-separate", "-dynamic")):
+                continue
+            acc = own_acc.get(label)
+            drafting = batch_drafting(d, 1, acc[0][0] if acc and not isinstance(d, PromptLookupDrafter) else None)
+            if drafting:
+                stepwise[f"{label}-steps"] = drafting
         methods = {name: m for label, m in methods.items()
-                   for name in ([label, f"{label}-steps"] if label in lookups else [label])}
-        stepwise = frozenset(f"{label}-steps" for label in lookups)
+                   for name in ([label, f"{label}-steps"] if f"{label}-steps" in stepwise else [label])}
     costs = row_costs(model, model_name, weights, progress=progress) if tree == "auto" else None
     hf = load_hf_same_weights(resolve_pretrained(model_name).path) if compare_transformers else None
     anchor = None
@@ -601,9 +608,11 @@ def method_tree(tree: str, label: str, k: int, depth: int, nodes: int, own_acc: 
 
 def _bench_prompt(model, ids: list[int], rows: dict[str, dict], methods: dict[str, tuple],
                   trees: dict[str, DraftTree], gcfg: GenerationConfig, hf, anchor, depth: int,
-                  stepwise: frozenset[str] = frozenset()) -> None:
+                  stepwise: dict[str, dict] | None = None) -> None:
     """One prompt through plain decoding, the anchors and every method, added to `rows`; the `stepwise`
-    methods (prompt lookup's "-steps" row) in a one-row continuous batch instead of the speculative loop."""
+    methods (the "-steps" rows: label -> ContinuousBatch arguments) in a one-row continuous batch instead of the
+    speculative loop."""
+    stepwise = stepwise or {}
     t = time.perf_counter()
     plain = generate(model, [ids], gcfg)[0]
     rows["plain"]["time"] += time.perf_counter() - t
@@ -626,8 +635,8 @@ def _bench_prompt(model, ids: list[int], rows: dict[str, dict], methods: dict[st
         rows["llama.cpp"]["tokens"] += len(plain)
         rows["llama.cpp"]["equal"] += int(out == plain)
     for label, (drafter, k) in methods.items():
-        if label in stepwise:  # prompt lookup as `generate` runs it with tree auto: a one-row continuous batch
-            batch = ContinuousBatch(model, 1, propose=drafter.chain, k=drafter.k, accept_prior=drafter.prompt_prior)
+        if label in stepwise:  # a one-row continuous batch (as `generate` runs prompt lookup with tree auto)
+            batch = ContinuousBatch(model, 1, **stepwise[label])
             t = time.perf_counter()
             seq, steps = batch.alone(ids, gcfg)
             out = [tok for tokens in steps for tok in tokens]

@@ -20,9 +20,10 @@ from midlayer.common import atomic_write, file_sha256
 from midlayer.engine.draft_vocab import set_draft_vocab
 from midlayer.model.transformer import nonfinite_tensors, Transformer
 from .drafting import model_device
-from .eagle import EagleDrafter, EagleHead
+from .eagle import EagleDrafter, EagleHead, EagleRows
 from .early_exit import EarlyExitDrafter, EarlyExitHead
-from .hidden_transfer import HiddenTransfer, HiddenTransferDrafter
+from .hidden_transfer import HiddenTransfer, HiddenTransferDrafter, HiddenTransferRows
+from .lookup import PromptLookupDrafter
 from .medusa import MedusaDrafter, MedusaHeads
 from .protocol import Drafter
 from .skip_gates import GatedDrafter, SkipGates
@@ -191,3 +192,33 @@ def load_drafter(path: str | Path, model: Transformer, base_name: str | None = N
     module, meta = load_draft(path, model, base_name)
     module.eval()
     return KINDS[module.KIND][1](model, module, **kw), module, meta
+
+
+# the longest EAGLE chain a continuous batch drafts (each step then drafts as deep as pays, engine/batch.py); the
+# EAGLE paper's trees are 5-6 deep (Li et al. 2024, arXiv 2401.15077, sec. 5)
+EAGLE_CHAIN = 5
+
+
+def batch_drafting(drafter: Drafter | None, max_rows: int, prior: float | None = None) -> dict[str, Any] | None:
+    """How `drafter` drafts in a continuous batch (engine/batch.py): the `ContinuousBatch` arguments that attach it
+    ({} without a drafter), or None where it cannot. prior: a trained draft's expected acceptance (its held-out
+    depth-1 top-1), the rows' prior; prompt lookup prices each prompt itself. The one mapping the API's batch
+    (and so the server) and `bench decode`'s one-row "-steps" rows use.
+
+    Prompt lookup proposes from tokens; Medusa heads and EAGLE read the base's final residuals (EAGLE keeps a
+    draft KV cache row per batch row); hidden transfer's pseudo rows ride the batch's forward. Early exit,
+    layer skip and skip gates draft with the base's own first layers token by token: not in a batch."""
+    def acc(ids: Any) -> float | None:
+        return prior
+
+    if drafter is None:
+        return {}
+    if isinstance(drafter, PromptLookupDrafter):
+        return dict(propose=drafter.chain, k=drafter.k, accept_prior=drafter.prompt_prior)
+    if isinstance(drafter, MedusaDrafter):
+        return dict(row_drafter=drafter, k=drafter.heads.k, accept_prior=acc)
+    if isinstance(drafter, EagleDrafter):
+        return dict(row_drafter=EagleRows(drafter, max_rows), k=EAGLE_CHAIN, accept_prior=acc)
+    if isinstance(drafter, HiddenTransferDrafter):
+        return dict(fused=HiddenTransferRows(drafter), k=drafter.transfer.k, accept_prior=acc)
+    return None
