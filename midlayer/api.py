@@ -251,15 +251,14 @@ class LLM:
         if why is not None:
             return why
         if batch_drafting(self.drafter, 1) is None:
-            return (f"{type(self.drafter).__name__} drafts with the base's own first layers, token by token; in a "
-                    "batch only prompt lookup, Medusa heads, EAGLE and hidden transfer draft (this drafter decodes "
-                    "one request at a time)")
+            return (f"{type(self.drafter).__name__} is no drafter a batch runs (prompt lookup, Medusa heads, EAGLE, "
+                    "hidden transfer, early exit, layer skip, skip gates): it decodes one request at a time")
         return None
 
     def batch(self, max_rows: int = 16) -> ContinuousBatch:
         """A continuous batch over this model: many sequences decoded together, joining and leaving between
-        steps (the server's engine). With prompt lookup, Medusa heads, EAGLE or hidden transfer attached, its greedy
-        rows draft chains in the batch (`registry.batch_drafting`)."""
+        steps (the server's engine). With a drafter attached (any of ours), its greedy rows draft chains in the batch
+        (`registry.batch_drafting`)."""
         why = self.batch_refusal()
         if why is not None:
             raise ValueError(f"continuous batching: {why}")
@@ -280,7 +279,7 @@ class LLM:
 
     def batch_completion(self, seq: BatchSequence, text: "TextStream") -> Completion:
         """The Completion of a sequence that left a continuous batch, with its speculative statistics when it
-        drafted (a row of prompt lookup, Medusa heads, EAGLE or hidden transfer)."""
+        drafted."""
         return text.completion(self._batch_stats(seq))
 
     def _batch_stats(self, seq: BatchSequence) -> SpecStats | None:

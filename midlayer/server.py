@@ -16,14 +16,13 @@ checked before they are queued, and a bad one gets an OpenAI-style error ({"erro
 a prompt over the context, max_tokens out of range, a non-finite or negative temperature.
 
 One engine thread owns the model. Every request joins one continuous batch (engine/batch.py) at its next step and
-leaves it when done; with prompt lookup, Medusa heads, EAGLE or hidden transfer attached, each greedy row drafts in
-the batch. In q4 every output equals the request's single-request greedy output token for token. A request that
-would make more than `max_queue` waiting or running is refused with 503 at once. A client that disconnects, or a stop
+leaves it when done; with a drafter attached (prompt lookup or any trained draft), each greedy row drafts in the
+batch. In q4 every output equals the request's single-request greedy output token for token. A request that would
+make more than `max_queue` waiting or running is refused with 503 at once. A client that disconnects, or a stop
 string, frees the row at the next step. On SIGTERM the server stops accepting connections, lets running requests
-finish, and answers queued ones with an error: never a hang. `--max-batch 1`, the static engine and the drafters that
-draft with the base's own first layers token by token (early exit, layer skip, skip gates) decode requests one after
-another instead. Chat contents are encoded
-as text (api.LLM.encode): markup in a message cannot forge a turn.
+finish, and answers queued ones with an error: never a hang. `--max-batch 1` and the static engine decode requests
+one after another instead. Chat contents are encoded as text (api.LLM.encode): markup in a message cannot forge a
+turn.
 """
 
 # (no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, whose types are imported
@@ -100,9 +99,7 @@ def _put_all(items: list[tuple[Job, tuple[str, Any]]]) -> None:
 class Engine:
     """The worker thread that owns the model. Batched (the default where `LLM.batch_refusal` allows it): every
     request joins one continuous batch (engine/batch.py) at the next step and leaves it when done, its slot
-    freed at once when it is cancelled or its client goes away. Otherwise (`max_batch` 1, the static engine,
-    a drafter that drafts with the base's first layers token by token: early exit, layer skip): requests are decoded
-    one after another."""
+    freed at once when it is cancelled or its client goes away. Otherwise (`max_batch` 1, the static engine): requests are decoded one after another."""
 
     def __init__(self, llm: LLM, max_queue: int, max_batch: int = 16) -> None:
         self.llm, self.max_queue = llm, max_queue

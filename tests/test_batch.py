@@ -343,6 +343,87 @@ def test_hidden_transfer_in_the_batch_accepts_drafts_and_stays_exact():
     assert accepted > 0 and forwards < sum(len(r) for r in ref) - 3
 
 
+def _self_drafters(model, vocab: bool):
+    """Early exit (a perturbed exit map at block 2, optionally on a draft vocabulary of every third token), layer
+    skip (blocks 1-2 passed through) and skip gates (fresh gates: the gated twin skips nothing)."""
+    from midlayer.engine.draft_vocab import set_draft_vocab
+    from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
+    from midlayer.speculative.layer_skip import LayerSkipDrafter
+    from midlayer.speculative.skip_gates import GatedDrafter, SkipGates
+
+    head = EarlyExitHead(model.cfg.dim, 2)
+    with torch.no_grad():
+        head.proj.weight.add_(0.2 * torch.randn(head.proj.weight.shape, generator=torch.Generator().manual_seed(5)))
+    if vocab:
+        set_draft_vocab(head, torch.arange(0, V, 3))
+    return {"early-exit": EarlyExitDrafter(model, head), "layer-skip": LayerSkipDrafter(model, [1, 2]),
+            "skip-gates": GatedDrafter(model, SkipGates.for_model(model))}
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["early-exit", "layer-skip", "skip-gates"])
+def test_self_drafters_draft_in_the_batch_the_chains_they_draft_alone(kind):
+    """Early exit, layer skip and skip gates in the batch (`self_drafter`): a partial forward of the base's own
+    blocks per chain token over every row at its own slot. Each chain equals, bit for bit, the chain the
+    one-sequence drafter drafts from a fresh prefill of the same tokens; every output equals single-request
+    greedy decoding, with rows joining, leaving and moving; the draft K/V never outlives its step (a layer-skip
+    draft writes only some layers)."""
+    from midlayer.engine.generate import forward_cached
+    from midlayer.model.kv_cache import KVCache, kv_dtype
+    from midlayer.speculative.protocol import DraftContext
+    from midlayer.speculative.tree import DraftTree
+
+    model = _q4()
+    drafter = _self_drafters(model, vocab=kind == "early-exit")[kind]
+    prompts, cfgs = _workload(seed=2, n=8)
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    batch = ContinuousBatch(model, max_rows=4, self_drafter=drafter, k=3, initial_len=8)
+    batch._pays = lambda lengths: max(lengths)  # draft every step, as deep as each row allows
+    chains, checked = batch._self_chains, []
+
+    def spied(cut, rows):
+        got = chains(cut, rows)
+        for i, chain in zip(rows, got):
+            seq = batch.running[i]
+            ids = seq.tokens[:seq.length + 1]
+            cache = KVCache.for_model(model.cfg, 1, max_len=seq.length + 8, dtype=kv_dtype(model))
+            forward_cached(model, torch.tensor([ids[:-1]]), cache, torch.arange(seq.length)[None])
+            ctx = DraftContext(model, cache, ids, torch.zeros(0, model.cfg.dim), None, {}, DraftTree.chain(cut[i]),
+                               0.0, None)
+            assert chain == list(drafter.propose(ctx).node_tokens)
+            checked.append(len(chain))
+        return got
+    batch._self_chains = spied
+    out, most = _run(batch, prompts, cfgs, seed=1)
+    assert out == ref and most == 4
+    assert len(checked) > 20 and max(checked) == 3
+
+
+@needs_kernels
+def test_a_self_drafter_that_is_the_base_is_always_right_in_the_batch():
+    """Layer skip of no block is the base itself: every drafted token is accepted, so each row takes 1 + D tokens
+    a forward, until its budget; outputs exact. Its draft forwards fit a cost line of their own."""
+    from midlayer.speculative.layer_skip import LayerSkipDrafter
+
+    model = _q4()
+    prompts, cfgs = _workload(seed=5, n=6)
+    cfgs = [GenerationConfig(max_new_tokens=c.max_new_tokens) for c in cfgs]  # no stop token
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    batch = ContinuousBatch(model, max_rows=3, self_drafter=LayerSkipDrafter(model, []), k=3)
+    batch._pays = lambda lengths: max(lengths)
+    handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
+    got, seqs = {h: [] for h in handles}, {}
+    while len(batch):
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] += tokens
+            seqs[seq.handle] = seq
+    assert [got[h] for h in handles] == ref
+    for seq in seqs.values():  # every round accepts its whole draft: rejections never happen
+        judged = sum(n for a, n in enumerate(seq.accept_hist) if a > 0)
+        assert seq.tries - 2.0 == seq.hits - 1.0 and seq.forwards == sum(seq.accept_hist) and judged > 0
+    assert batch.draft_cost.line() is not None
+
+
 def test_the_fused_drafters_rows_are_priced_into_the_depth():
     """`_pays` with a fused drafter, by hand, one row, p = 0.5. Plain line a = 1, b = 0.1: without fused rows
     D = 1 gives 1.5 / 1.2 = 1.25 tokens/s against 1 / 1.1 = 0.909 for D = 0. With w = 3 more rows per column and
@@ -475,18 +556,17 @@ def test_a_grown_cache_holds_what_it_held():
 
 @needs_kernels
 def test_bench_decodes_steps_rows_run_every_batch_drafter_exactly():
-    """`bench decode`'s "-steps" rows (a one-row continuous batch per prompt, `registry.batch_drafting`) for prompt
-    lookup, Medusa heads, EAGLE and hidden transfer: every output equals plain greedy decoding; early exit has
-    no such row (it drafts with the base's first layers, token by token)."""
+    """`bench decode`'s "-steps" rows (a one-row continuous batch per prompt, `registry.batch_drafting`) for every
+    kind of drafter -- prompt lookup, Medusa heads, EAGLE, hidden transfer, early exit, layer skip, skip gates:
+    every output equals plain greedy decoding. A drafter of no kind the batch knows has no such row."""
     from midlayer.experiments.bench import _bench_prompt
-    from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
     from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
     from midlayer.speculative.registry import batch_drafting
 
     model = _q4()
     drafters = {"lookup": PromptLookupDrafter(V), "medusa": MedusaDrafter(model, MedusaHeads(model.cfg.dim, 3)),
-                "eagle": _eagle(model), "ht": _transfer(model, [1, 2, 2])}
-    assert batch_drafting(EarlyExitDrafter(model, EarlyExitHead(model.cfg.dim, 2)), 1) is None
+                "eagle": _eagle(model), "ht": _transfer(model, [1, 2, 2]), **_self_drafters(model, True)}
+    assert batch_drafting(object(), 1) is None
     stepwise = {f"{label}-steps": batch_drafting(d, 1, 0.5) for label, d in drafters.items()}
     methods = {label: (drafters[label.removesuffix("-steps")], 3) for label in stepwise}
     rows = {name: dict(time=0.0, tokens=0, forwards=0, equal=0, hits=[0] * 3, counts=[0] * 3, tree=None)

@@ -122,12 +122,13 @@ class Spy:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
-@pytest.mark.parametrize("draft", [None, "lookup", "medusa", "eagle", "hidden-transfer"])
+@pytest.mark.parametrize("draft", [None, "lookup", "medusa", "eagle", "hidden-transfer", "early-exit"])
 def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F811
     """q4 (batch-invariant): 8 clients x 3 requests decode in one continuous batch -- with prompt-lookup, Medusa,
-    EAGLE or hidden-transfer drafts verified in the batch -- and every output equals the single-request greedy
-    output, token for token."""
+    EAGLE, hidden-transfer or early-exit drafts verified in the batch -- and every output equals the
+    single-request greedy output, token for token."""
     from midlayer.speculative.eagle import EagleDrafter, EagleHead
+    from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
     from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
     from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 
@@ -145,6 +146,8 @@ def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F
     elif draft == "hidden-transfer":  # identity maps after the last block: it drafts the pending token again
         L = q4.model.cfg.n_layers
         draft = HiddenTransferDrafter(q4.model, HiddenTransfer(q4.model.cfg.dim, [L // 2, L, L]))
+    elif draft == "early-exit":  # an identity exit at block L // 2
+        draft = EarlyExitDrafter(q4.model, EarlyExitHead(q4.model.cfg.dim, q4.model.cfg.n_layers // 2))
     q4.attach(draft)
     assert q4.batch_refusal() is None
     spy = Spy(q4)

@@ -49,6 +49,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
+from .draft_vocab import to_token_ids
 from .generate import GenerationConfig, forward_cached, JoinedRows, sample_next, token_logprobs, validate_prompts
 from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.model.transformer import Transformer
@@ -103,6 +104,28 @@ class FusedDrafter(Protocol):
 
     def chains(self, pseudo: torch.Tensor, columns: list[int]) -> list[list[int]]:
         """pseudo [n, M k, d]: the joined rows' final residuals; columns[b]: row b's anchor column. A chain per row."""
+        ...
+
+
+@dataclass
+class DraftPass:
+    """How a self-speculative drafter drafts one token per row with the base's own blocks (early exit, layer
+    skip, skip gates): `model` (the base, or a gated twin sharing its blocks) runs blocks l < stop with run(l)
+    True over the base's cache (`skip`: real skipping of closed gates), and logits(h) [n, V'] reads the
+    residual leaving them (V': the draft vocabulary `vocab`, or all)."""
+
+    model: Transformer
+    run: Callable[[int], bool] | None
+    stop: int
+    skip: bool
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    vocab: torch.Tensor | None = None
+
+
+class SelfDrafter(Protocol):
+    """A drafter that drafts with the base's own blocks, one token per partial forward (`DraftPass`)."""
+
+    def draft_pass(self) -> DraftPass:
         ...
 
 
@@ -186,21 +209,24 @@ class ContinuousBatch:
     def __init__(self, model: Transformer, max_rows: int = 16, *, skip: bool = True,
                  propose: Callable[[Sequence[int], int], list[int]] | None = None, k: int = 4,
                  accept_prior: Callable[[Sequence[int]], float | None] | None = None,
-                 row_drafter: RowDrafter | None = None, fused: FusedDrafter | None = None, max_step_rows: int = 64,
-                 max_prefill_rows: int = 1024, initial_len: int = 256) -> None:
+                 row_drafter: RowDrafter | None = None, fused: FusedDrafter | None = None,
+                 self_drafter: SelfDrafter | None = None, max_step_rows: int = 64, max_prefill_rows: int = 1024,
+                 initial_len: int = 256) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"continuous batching does not support this model: {why}")
         if max_rows < 1 or k < 0 or max_step_rows < max_rows:
             raise ValueError(f"need max_rows >= 1, k >= 0 and max_step_rows >= max_rows; got {max_rows}, {k}, "
                              f"{max_step_rows}")
-        if sum(x is not None for x in (propose, row_drafter, fused)) > 1:
-            raise ValueError("one drafter per batch: propose (from tokens), row_drafter (from the base's states) or "
-                             "fused (rows that ride the base's forward)")
+        if sum(x is not None for x in (propose, row_drafter, fused, self_drafter)) > 1:
+            raise ValueError("one drafter per batch: propose (from tokens), row_drafter (from the base's states), "
+                             "fused (rows that ride the base's forward) or self_drafter (the base's own blocks)")
         self.model, self.max_rows, self.skip = model.eval(), max_rows, skip
         self.propose, self.k, self.max_step_rows = propose, k, max_step_rows
         self.row_drafter = row_drafter  # fed every committed position's state (EAGLE, Medusa heads)
         self.fused = fused  # rows in the base's forward (hidden transfer)
+        self.self_drafter = self_drafter  # partial forwards of the base's own blocks (early exit, layer skip)
+        self.draft_cost = StepCost()  # a self drafter's forwards, by rows (`_pays`)
         if fused is not None:
             self.k = min(k, fused.k)
         self.carry = False  # this step's forward carries the fused drafter's rows (`_drafts`)
@@ -238,7 +264,7 @@ class ContinuousBatch:
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
         seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1),
                             logprobs=logprobs)
-        drafting = self.propose is not None or self.row_drafter is not None or self.fused is not None
+        drafting = any(x is not None for x in (self.propose, self.row_drafter, self.fused, self.self_drafter))
         q = self.accept_prior(ids) if self.accept_prior is not None and drafting else None
         if q is not None:  # Beta(1 + 2q, 1 + 2(1 - q)): the prior's mean, worth two judged tokens, over a uniform
             seq.hits, seq.tries = 1.0 + 2.0 * q, 4.0  # one (so a row whose prompt repeats nothing still tries)
@@ -430,7 +456,7 @@ class ContinuousBatch:
         n = len(self.running)
         drafts: list[list[int]] = [[] for _ in range(n)]
         self.carry = False
-        if (self.propose is None and self.row_drafter is None and self.fused is None) or self.k == 0:
+        if all(x is None for x in (self.propose, self.row_drafter, self.fused, self.self_drafter)) or self.k == 0:
             return drafts
         spare = self.max_step_rows - n  # rows a forward may spend on drafts
         rooms = [min(self.k, self.ctx - 1 - seq.length, seq.budget - len(seq.new) - 1, spare // n)
@@ -445,6 +471,8 @@ class ContinuousBatch:
         if self.fused is not None:  # the chains the last step's forward drafted; this one drafts the next ones
             self.carry = True
             chains = [self.running[i].chain for i in rows]
+        elif self.self_drafter is not None:
+            chains = self._self_chains(cut, rows)
         elif self.row_drafter is not None:  # one call for every drafting row, with every state committed since its
             # last call; each chain then cut to its row's room
             seqs = [self.running[i] for i in rows]
@@ -459,6 +487,42 @@ class ContinuousBatch:
             drafts[i] = [int(t) for t in chain[:cut[i]]]
         return drafts
 
+    @torch.no_grad()
+    def _self_chains(self, cut: list[int], rows: list[int]) -> list[list[int]]:
+        """A self drafter's chains (`DraftPass`): forward j runs every row's j-th chain token (the pending token
+        first) through the drafter's blocks at its own slot L_i + j, as the one-sequence drafter runs one level
+        of a chain at the next slot; rows whose chain is done sit at a scratch slot past every row's chain. The
+        draft K/V is then dropped at every layer (key bias -inf): the verification forward writes those slots
+        anew, at every block the base runs (the drafter ran only some). Returns the chains of `rows`; their
+        forwards' seconds fit `draft_cost`."""
+        p, seqs = self.self_drafter.draft_pass(), self.running
+        n, steps = len(seqs), max(cut)
+        chains: list[list[int]] = [[] for _ in range(n)]
+        last = [seq.tokens[seq.length] for seq in seqs]
+        end = max(seq.length + c for seq, c in zip(seqs, cut))
+        self._reserve(end + 1)
+        t0 = time.perf_counter()
+        for j in range(steps):
+            live = [c > j for c in cut]
+            tokens = torch.tensor([[last[i] if live[i] else 0] for i in range(n)], device=self.device)
+            positions = torch.tensor([[seqs[i].length + j if live[i] else 0] for i in range(n)], device=self.device)
+            slots = torch.tensor([[seqs[i].length + j if live[i] else end] for i in range(n)], device=self.device)
+            view = self.cache.rows(0, n)
+            view.length = end + 1
+            h = forward_cached(p.model, tokens, view, positions, skip=p.skip, slots=slots, run=p.run, stop=p.stop)
+            self.cache.bias[:, :n, end] = float("-inf")
+            logits = p.logits(h[:, -1])
+            fast = kernels.topk(logits, 1)  # top-1 as the one-sequence drafter takes it (draft_tree_autoregressive)
+            top = to_token_ids(fast[1] if fast is not None else logits.topk(1, -1).indices, p.vocab)[:, 0].tolist()
+            for i in range(n):
+                if live[i]:
+                    chains[i].append(top[i])
+                    last[i] = top[i]
+        self.draft_cost.add(n, (time.perf_counter() - t0) / steps)
+        for i, seq in enumerate(seqs):
+            self.cache.bias[:, i, seq.length:seq.length + cut[i]] = float("-inf")
+        return [chains[i] for i in rows]
+
     def _pays(self, lengths: list[int]) -> int:
         """The draft depth D for this step, for drafts of at most `lengths` tokens per row. Every row is padded to
         the deepest draft, so depth D costs n (1 + D) rows: t(D) = a + b n (1 + D) by the fitted line (`StepCost`).
@@ -466,8 +530,9 @@ class ContinuousBatch:
         step's chains) by a line of their own, fitted to the forwards that carried them (`fused_cost`); until it
         has one, the plain line with w = `rows_per_column` more rows per column, t(D) = a + b n (1 + D)(1 + w),
         and the other way round. A chain's j-th token is accepted with probability p^j (p the row's acceptance
-        estimate), so the step yields n + sum_i sum_{j <= min(D, k_i)} p_i^j tokens. D maximises tokens per
-        second; before any forward is timed, the deepest draft."""
+        estimate), so the step yields n + sum_i sum_{j <= min(D, k_i)} p_i^j tokens. A self drafter's D forwards
+        of n rows add D d(n), d its own fitted line (`draft_cost`; until timed, the plain line: as dear as a full
+        forward). D maximises tokens per second; before any forward is timed, the deepest draft."""
         deepest = max(lengths)
         line = drafting = self.cost.line()
         if self.fused is not None:
@@ -484,9 +549,10 @@ class ContinuousBatch:
         p = [seq.acceptance for seq in self.running]
         best, best_rate = 0, n / (a + b * n)
         a, b = drafting
+        da, db = (self.draft_cost.line() or line) if self.self_drafter is not None else (0.0, 0.0)
         for depth in range(1, deepest + 1):
             tokens = n + sum(p[i] ** j for i, k in enumerate(lengths) for j in range(1, min(depth, k) + 1))
-            rate = tokens / (a + b * n * (1 + depth))
+            rate = tokens / (a + b * n * (1 + depth) + depth * (da + db * n))
             if rate > best_rate:
                 best, best_rate = depth, rate
         return best
@@ -498,6 +564,8 @@ class ContinuousBatch:
         cache = self.cache  # (replaced by a larger one if the cache grows during this step: `_reserve`)
         t0 = time.perf_counter()  # the step's cost includes proposing: Python work per row, only when drafting
         drafts = self._drafts()
+        if self.self_drafter is not None:  # its forwards have a line of their own (`_self_chains`)
+            t0 = time.perf_counter()
         fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
         M = max(len(f) for f in fed)
         carry = self.carry

@@ -68,7 +68,8 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
                    extra_mask: torch.Tensor | None = None, last_only: bool = False,
                    return_hidden: bool = False, capture: dict[int, torch.Tensor | None] | None = None,
                    joins: JoinedRows | None = None, all_hidden: bool = False, head_rows: int | None = None,
-                   slots: torch.Tensor | None = None):
+                   slots: torch.Tensor | None = None, run: Callable[[int], bool] | None = None,
+                   stop: int | None = None):
     """Run `tokens` [B, T] at the next T cache slots; returns logits [B, T, V] ([B, V] if `last_only`).
 
     positions [B, T]: RoPE positions. active [B, T] (None: all): tokens to compute at all (False for
@@ -82,7 +83,9 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     the LM head (the logits have that many rows; the hidden states all of them): rows whose logits a caller
     computes itself, on a draft vocabulary, or not at all. `slots` [B, T + J]: each row's own cache slots
     (the rows of a continuous batch have lengths of their own, engine/batch.py; the caller has set
-    cache.length past every slot); None: the next T + J slots, the same for every row.
+    cache.length past every slot); None: the next T + J slots, the same for every row. `run` / `stop`: a
+    drafter's partial forward (`Transformer.run_blocks`: only blocks l < stop with run(l) True); with `stop`
+    the result is the residual leaving block stop - 1 [B, T + J, d], no head.
     """
     B, T = tokens.shape
     J = joins.count if joins is not None else 0
@@ -107,7 +110,10 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     step = CachedStep(cache, start, slots, cos_all, sin_all, active=active,
                       skip=skip, extra_mask=extra_mask, position_bias=model.pos_bias,
                       gate_mode=model.cfg.gate_attention, layers_alike=model.routers is None)
-    h = model.run_blocks(h, step, routed=T, capture=capture, joins=None if joins is None else joins.at)
+    h = model.run_blocks(h, step, routed=T, capture=capture, joins=None if joins is None else joins.at, run=run,
+                         stop=stop)
+    if stop is not None:
+        return h
     if h.shape[1] != T + J:
         raise ValueError(f"joined rows: {h.shape[1] - T} rows joined, JoinedRows.count says {J}")
     hidden = h

@@ -492,12 +492,11 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     drafts: label -> draft directory (train-draft output); "<label>-separate" rows are added for hidden
     transfer (drafting with a separate forward instead of the fused one), "<label>-dynamic" rows for EAGLE
     (EAGLE-2's dynamic tree within the same node budget), with tree "auto" a "<label>-steps" row for every
-    drafter a continuous batch runs (prompt lookup, Medusa, EAGLE, hidden transfer: `registry.batch_drafting`): a
-    one-row continuous batch drafting a chain each step as deep as pays, what `generate` runs for lookup with
-    tree auto; no per-depth top-1 there. layer_skip (a, b): a layer-skip
-    drafter skipping blocks a..b-1. tree: "chain" (the top-1 chain of depth k) or "sparse" (the `nodes`
-    nodes of highest estimated acceptance, `DraftTree.greedy_from_accuracies` on the draft's held-out
-    per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden transfer's tree, or
+    drafter a continuous batch runs (every kind of ours: `registry.batch_drafting`): a one-row continuous batch
+    drafting a chain each step as deep as pays, what `generate` runs for lookup with tree auto; no per-depth top-1
+    there. layer_skip (a, b): a layer-skip drafter skipping blocks a..b-1. tree: "chain" (the top-1 chain of depth
+    k) or "sparse" (the `nodes` nodes of highest estimated acceptance, `DraftTree.greedy_from_accuracies` on the
+    draft's held-out per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden transfer's tree, or
     Medusa's, so every method runs the same tree size) or "auto" (per drafter, `tree_cost.auto_tree`: the
     tree of highest expected tokens/s from those accuracies and this machine's measured row costs).
     Phases: the methods (`speculative_methods`), their trees (`method_tree`), the anchors (transformers,

@@ -174,9 +174,8 @@ def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | N
 
 def serve_table(r: dict[str, Any]) -> str:
     out = [machine_line(), "", f"{r['model']} ({r['weights']}), streamed chat requests of up to {r['max_tokens']} "
-           "tokens, greedy; midlayer decodes the requests in one continuous batch (with a drafter that drafts in "
-           "one -- prompt lookup, Medusa, EAGLE, hidden transfer -- its chains verified in the batch; with another, "
-           "one request at a time); llama.cpp's server decodes them one after another", "",
+           "tokens, greedy; midlayer decodes the requests in one continuous batch (with a drafter, its chains verified "
+           "in the batch); llama.cpp's server decodes them one after another", "",
            "| mode | clients | requests | aggregate tok/s | vs 1 client | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) "
            "| = single-request output |", "|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:

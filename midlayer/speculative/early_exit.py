@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits
+from midlayer.engine.batch import DraftPass
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
 from .drafting import (apply_linear, base_states, batch_stream, check_layer, draft_tree_autoregressive, FrozenBase,
@@ -62,6 +63,11 @@ class EarlyExitDrafter(Drafter):
         """One partial forward per level of the tree through the lower `layer` blocks and the exit head."""
         ell, share = self.head.layer, head_share(self.head, self.model.cfg.vocab_size)
         return [([r if b < ell else 0 for b in range(n_layers)], r, share) for r in tree.level_sizes()]
+
+    def draft_pass(self) -> DraftPass:
+        """Its drafting in a continuous batch (engine/batch.py): blocks below the exit layer, the exit head."""
+        return DraftPass(self.model, None, self.head.layer, False, lambda h: self.head.logits(self.model, h),
+                         draft_vocab(self.head))
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, extra: torch.Tensor,
               cache: KVCache) -> torch.Tensor:

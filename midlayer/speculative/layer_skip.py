@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from midlayer.engine.batch import DraftPass
 from midlayer.model.transformer import Transformer
 from .drafting import draft_tree_autoregressive, lm_logits, run_blocks_cached
 from .protocol import Draft, DraftContext, Drafter, Forward
@@ -38,6 +39,12 @@ class LayerSkipDrafter(Drafter):
     def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[Forward]:
         """One forward per level of the tree through the blocks outside the skipped span."""
         return [([0 if b in self.skip_span else r for b in range(n_layers)], r) for r in tree.level_sizes()]
+
+    def draft_pass(self) -> DraftPass:
+        """Its drafting in a continuous batch (engine/batch.py): every block outside the span, the base's head."""
+        model = self.model
+        return DraftPass(model, lambda layer: layer not in self.skip_span, model.cfg.n_layers, self.real_skip,
+                         lambda h: lm_logits(model, h))
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:

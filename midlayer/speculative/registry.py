@@ -23,6 +23,7 @@ from .drafting import model_device
 from .eagle import EagleDrafter, EagleHead, EagleRows
 from .early_exit import EarlyExitDrafter, EarlyExitHead
 from .hidden_transfer import HiddenTransfer, HiddenTransferDrafter, HiddenTransferRows
+from .layer_skip import LayerSkipDrafter
 from .lookup import PromptLookupDrafter
 from .medusa import MedusaDrafter, MedusaHeads
 from .protocol import Drafter
@@ -194,9 +195,10 @@ def load_drafter(path: str | Path, model: Transformer, base_name: str | None = N
     return KINDS[module.KIND][1](model, module, **kw), module, meta
 
 
-# the longest EAGLE chain a continuous batch drafts (each step then drafts as deep as pays, engine/batch.py); the
-# EAGLE paper's trees are 5-6 deep (Li et al. 2024, arXiv 2401.15077, sec. 5)
-EAGLE_CHAIN = 5
+# the longest chain an autoregressive drafter (EAGLE, early exit, layer skip) drafts in a continuous batch (each
+# step then drafts as deep as pays, engine/batch.py); the EAGLE paper's trees are 5-6 deep (Li et al. 2024,
+# arXiv 2401.15077, sec. 5)
+CHAIN = 5
 
 
 def batch_drafting(drafter: Drafter | None, max_rows: int, prior: float | None = None) -> dict[str, Any] | None:
@@ -206,8 +208,8 @@ def batch_drafting(drafter: Drafter | None, max_rows: int, prior: float | None =
     (and so the server) and `bench decode`'s one-row "-steps" rows use.
 
     Prompt lookup proposes from tokens; Medusa heads and EAGLE read the base's final residuals (EAGLE keeps a
-    draft KV cache row per batch row); hidden transfer's pseudo rows ride the batch's forward. Early exit,
-    layer skip and skip gates draft with the base's own first layers token by token: not in a batch."""
+    draft KV cache row per batch row); hidden transfer's pseudo rows ride the batch's forward; early exit, layer
+    skip and skip gates run the base's own blocks over the batch's cache, a partial forward per chain token."""
     def acc(ids: Any) -> float | None:
         return prior
 
@@ -218,7 +220,9 @@ def batch_drafting(drafter: Drafter | None, max_rows: int, prior: float | None =
     if isinstance(drafter, MedusaDrafter):
         return dict(row_drafter=drafter, k=drafter.heads.k, accept_prior=acc)
     if isinstance(drafter, EagleDrafter):
-        return dict(row_drafter=EagleRows(drafter, max_rows), k=EAGLE_CHAIN, accept_prior=acc)
+        return dict(row_drafter=EagleRows(drafter, max_rows), k=CHAIN, accept_prior=acc)
     if isinstance(drafter, HiddenTransferDrafter):
         return dict(fused=HiddenTransferRows(drafter), k=drafter.transfer.k, accept_prior=acc)
+    if isinstance(drafter, (EarlyExitDrafter, LayerSkipDrafter)):  # skip gates' GatedDrafter is a LayerSkipDrafter
+        return dict(self_drafter=drafter, k=CHAIN, accept_prior=acc)
     return None
