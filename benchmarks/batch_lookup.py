@@ -22,6 +22,7 @@ def main() -> None:
     llm = midlayer.LLM.load(name, weights="q4")
     rates: dict[tuple[str, int], list[float]] = {}
     taus: dict[int, list[float]] = {}
+    engine_rates(llm, 8, n_prompts=2)  # warm-up: the first timed pass would pay for it otherwise
     for mode in ("plain", "draft") * 2:
         llm.attach(draft if mode == "draft" else None)
         for conc, rate, _, tau in engine_rates(llm, 64, n_prompts=12):
