@@ -61,6 +61,7 @@ class Completion:
     prompt_tokens: int
     finish_reason: str
     stats: SpecStats | None = None  # speculative decoding's statistics (tau, forwards), None for plain decoding
+    cached_tokens: int = 0  # prompt tokens whose K/V a continuous batch reused from another row (engine/batch.py)
 
     @property
     def completion_tokens(self) -> int:
@@ -279,8 +280,10 @@ class LLM:
 
     def batch_completion(self, seq: BatchSequence, text: "TextStream") -> Completion:
         """The Completion of a sequence that left a continuous batch, with its speculative statistics when it
-        drafted."""
-        return text.completion(self._batch_stats(seq))
+        drafted and the prompt tokens it reused (`cached_tokens`)."""
+        done = text.completion(self._batch_stats(seq))
+        done.cached_tokens = seq.reused
+        return done
 
     def _batch_stats(self, seq: BatchSequence) -> SpecStats | None:
         """The speculative statistics of a sequence decoded in a continuous batch (None without a drafter)."""

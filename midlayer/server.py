@@ -535,8 +535,10 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
     def usage(done: Completion | None) -> dict[str, int] | None:
         if done is None:
             return None
+        # OpenAI's prompt_tokens_details.cached_tokens: the prompt's start whose K/V were reused (engine/batch.py)
         return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens}
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

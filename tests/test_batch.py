@@ -35,6 +35,23 @@ def _workload(seed: int = 0, n: int = 12):
     return prompts, cfgs
 
 
+def _shared_workload(seed: int = 0, n: int = 12):
+    """Prompts that share starts, as chat prompts share their template's system turn: a 20-token "system" start
+    and a random rest; some repeat an earlier prompt whole, some extend one (a follow-up turn)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(V) for _ in range(20)]
+    prompts: list[list[int]] = []
+    for i in range(n):
+        if i >= 2 and i % 4 == 2:
+            prompts.append(list(prompts[i - 2]))
+        elif i >= 2 and i % 4 == 3:
+            prompts.append(prompts[i - 1] + [rng.randrange(V) for _ in range(rng.randint(1, 6))])
+        else:
+            prompts.append(system + [rng.randrange(V) for _ in range(rng.randint(1, 12))])
+    cfgs = [GenerationConfig(max_new_tokens=rng.randint(1, 24), stop_tokens=(5,)) for _ in prompts]
+    return prompts, cfgs
+
+
 def _run(batch: ContinuousBatch, prompts, cfgs, seed: int = 0, join_p: float = 0.5):
     """Feed the prompts in at random steps (a join probability per step); collect each one's tokens. Also the
     most rows that ever ran together."""
@@ -202,7 +219,7 @@ def test_eagle_drafts_in_the_batch_the_chains_it_drafts_alone(vocab):
 
     model = _q4()
     drafter = _eagle(model, vocab=torch.arange(0, V, 3) if vocab else None)
-    prompts, cfgs = _workload(seed=2, n=8)
+    prompts, cfgs = _workload(seed=2, n=8) if not vocab else _shared_workload(seed=2, n=10)
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
     rows = EagleRows(drafter, 4, initial_len=8)  # 8 slots at first: the draft cache grows too
     batch = ContinuousBatch(model, max_rows=4, row_drafter=rows, k=3, initial_len=8)
@@ -226,6 +243,53 @@ def test_eagle_drafts_in_the_batch_the_chains_it_drafts_alone(vocab):
     out, most = _run(batch, prompts, cfgs, seed=1)
     assert out == ref and most == 4
     assert len(checked) > 20 and max(checked) == 3 and rows.cache.max_len > 8
+
+
+@needs_kernels
+@pytest.mark.parametrize("gating", [False, True])
+@pytest.mark.parametrize("drafter", [None, "lookup", "eagle", "hidden-transfer", "early-exit"])
+def test_prompts_that_start_alike_reuse_the_prefix_and_stay_exact(gating, drafter):
+    """Prefix reuse (`ContinuousBatch._prefix`): a joining prompt that starts as a running row's tokens, or as
+    what its free row still holds from a sequence that left, takes that prefix's K/V and prefills only the rest.
+    Every output still equals single-request decoding (q4), dense and gated (real skipping: the key biases move
+    too), with every kind of drafter (EAGLE's draft rows move with the prefix); and prefixes were reused."""
+    from midlayer.speculative.eagle import EagleRows
+    from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
+    from midlayer.speculative.hidden_transfer import HiddenTransferRows
+
+    model = _q4(gating)
+    prompts, cfgs = _shared_workload(seed=7)
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    kw = {None: lambda: {}, "lookup": lambda: dict(propose=PromptLookupDrafter(V).chain),
+          "eagle": lambda: dict(row_drafter=EagleRows(_eagle(model), 3)),
+          "hidden-transfer": lambda: dict(fused=HiddenTransferRows(_transfer(model, [1, 2, 2]))),
+          "early-exit": lambda: dict(self_drafter=EarlyExitDrafter(model, EarlyExitHead(model.cfg.dim, 2)))}[drafter]()
+    batch = ContinuousBatch(model, max_rows=3, k=3, **kw)
+    if drafter is not None:
+        batch._pays = lambda lengths: max(lengths)
+    reused = []
+    join = batch._join
+    batch._join = lambda seqs, events: (join(seqs, events), reused.extend(x.reused for x in seqs))
+    out, most = _run(batch, prompts, cfgs, seed=3)
+    assert out == ref and most == 3
+    assert sum(1 for r in reused if r >= 16) >= 6 and max(reused) > 20  # the system start, and whole prompts
+
+
+@needs_kernels
+def test_a_free_row_remembers_what_it_held():
+    """One row, requests one after another: the second finds the first's K/V still in the row (a system start
+    and more) and prefills only the rest; `prefix_reuse=0` turns reuse off. Outputs exact either way."""
+    model = _q4()
+    prompts, _ = _shared_workload(seed=1, n=2)
+    cfg = GenerationConfig(max_new_tokens=6)
+    for threshold, want in ((16, 20), (0, 0)):
+        batch = ContinuousBatch(model, max_rows=1, prefix_reuse=threshold)
+        for p in prompts:
+            seq, steps = batch.alone(p, cfg)
+            assert [t for toks in steps for t in toks] == generate(model, [p], cfg)[0]
+        assert seq.reused == want
+    with pytest.raises(ValueError, match="prefix_reuse"):
+        ContinuousBatch(model, prefix_reuse=-1)
 
 
 @needs_kernels

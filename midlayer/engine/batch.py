@@ -71,6 +71,8 @@ class RowDrafter(Protocol):
     the row commits them and moves its rows as it moves its own: a drafter may keep rows of its own (EAGLE's
     draft KV cache: speculative/eagle.py, `EagleRows`) or none (Medusa heads: speculative/medusa.py)."""
 
+    keeps_rows: bool  # rows of its own, one per batch row, that must hold every position's entry (EAGLE)
+
     def chains(self, rows: list[int], starts: list[int], hidden: list[torch.Tensor], tokens: list[list[int]],
                depth: int) -> list[list[int]]:
         """Chains of `depth` draft tokens, one per row. Row rows[i] has states up to position starts[i] - 1
@@ -147,6 +149,7 @@ class BatchSequence:
     hits: float = 1.0  # accepted draft tokens + the prior's (Beta estimate of the acceptance rate, `_drafts`)
     tries: float = 2.0  # judged draft tokens (up to and including the first rejection) + the prior's
     fed: int = 0  # positions whose base states the row drafter holds (`row_drafter`)
+    reused: int = 0  # prompt tokens whose K/V it took from another row instead of prefilling them (`_prefix`)
     chain: list[int] = field(default_factory=list)  # the fused drafter's next chain (`fused`), from the last step
     states: list[torch.Tensor] = field(default_factory=list)  # final residuals at positions fed..length-1, unfed
     logprobs: int | None = None  # None: no scores; else how many most likely alternatives to keep per token
@@ -211,7 +214,7 @@ class ContinuousBatch:
                  accept_prior: Callable[[Sequence[int]], float | None] | None = None,
                  row_drafter: RowDrafter | None = None, fused: FusedDrafter | None = None,
                  self_drafter: SelfDrafter | None = None, max_step_rows: int = 64, max_prefill_rows: int = 1024,
-                 initial_len: int = 256) -> None:
+                 initial_len: int = 256, prefix_reuse: int = 16) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"continuous batching does not support this model: {why}")
@@ -245,6 +248,11 @@ class ContinuousBatch:
         self.waiting: list[BatchSequence] = []
         self.by_handle: dict[int, BatchSequence] = {}
         self._next = 0
+        if prefix_reuse < 0:
+            raise ValueError(f"prefix_reuse must be >= 0 (0: off), got {prefix_reuse}")
+        self.prefix_reuse = prefix_reuse  # the shortest shared prompt prefix whose K/V a joining row reuses
+        # free rows whose slots still hold a left sequence's K/V: row -> (its tokens there, its row drafter's fed)
+        self.memory: dict[int, tuple[list[int], int]] = {}
 
     def __len__(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -304,9 +312,12 @@ class ContinuousBatch:
             self._leave(seq)
 
     def _leave(self, seq: BatchSequence) -> None:
-        """Free seq's row: the last running sequence moves into it (K/V, key biases, positions), one copy."""
+        """Free seq's row: the last running sequence moves into it (K/V, key biases, positions), one copy. The
+        freed last row still holds its sequence's K/V: remembered for a prompt that starts the same (`_prefix`)."""
         r, last = seq.row, len(self.running) - 1
         c = self.cache
+        gone = self.running[last]
+        self.memory[last] = (gone.tokens[:gone.length], gone.fed)
         if r != last:
             mover = self.running[last]
             n = mover.length
@@ -410,16 +421,61 @@ class ContinuousBatch:
             extra[i, 0, M:] = rows.scatter_reduce(1, slots[i].expand(J, M + J), seen, "amax")
         return f.joins(M), extra.to(self.device)
 
+    def _prefix(self, seq: BatchSequence, row: int) -> tuple[int, int]:
+        """(s, donor): the joining `seq` (into `row`) takes slots 0..s-1 from row `donor` -- a running row, or
+        `row` itself where it remembers a left sequence's K/V (`memory`) -- whose tokens start as its prompt
+        does, the longest such prefix; (0, -1) if none reaches `prefix_reuse` tokens. The prompt's last token is
+        always run (its logits choose the first new token). With a row drafter that keeps rows, s also stops where
+        the donor's draft entries do and one before the shared tokens end (EAGLE's entry at position t reads token
+        t + 1).
+        In q4 the reused K/V are the bits the joiner's own prefill gives (row-invariant kernels), so its tokens
+        stay those of a single request (tests/test_batch.py)."""
+        if not self.prefix_reuse:
+            return 0, -1
+        ids = seq.tokens[:seq.prompt_len - 1]
+        held = [(x.row, x.tokens[:x.length], x.fed) for x in self.running]
+        if row in self.memory:
+            held.append((row, *self.memory[row]))
+        best, donor = 0, -1
+        for r, toks, fed in held:
+            n = 0
+            for a, b in zip(ids, toks):
+                if a != b:
+                    break
+                n += 1
+            if self.row_drafter is not None and self.row_drafter.keeps_rows:
+                n = min(n - 1, fed)
+            if n > best:
+                best, donor = n, r
+        return (best, donor) if best >= self.prefix_reuse else (0, -1)
+
     def _join(self, seqs: list[BatchSequence], events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
-        """Prefill the joining sequences' prompts into the next free rows, together; sample each first token."""
+        """Prefill the joining sequences' prompts into the next free rows, together; sample each first token. A
+        prompt that starts as a running row's tokens (or those the free row remembers) takes that prefix's K/V
+        from it and prefills only the rest (`_prefix`): chat prompts share their template's system turn."""
         r = len(self.running)
         c = self.cache
-        c.bias[:, r:r + len(seqs)] = float("-inf")  # whatever earlier sequences left in these rows is gone
-        logits, hidden = self._forward(r, [s.tokens for s in seqs], [0] * len(seqs), last_only=True)
+        starts = []
+        for i, seq in enumerate(seqs):
+            row = r + i
+            s, donor = self._prefix(seq, row)
+            if donor not in (-1, row):  # (running rows are never joining rows: no copy reads a row written here)
+                c.k[:, row, :, :s] = c.k[:, donor, :, :s]
+                c.v[:, row, :, :s] = c.v[:, donor, :, :s]
+                c.bias[:, row, :s] = c.bias[:, donor, :s]
+                c.pos[row, :s] = c.pos[donor, :s]
+                if self.row_drafter is not None:
+                    self.row_drafter.move(donor, row, s)
+            c.bias[:, row, s:] = float("-inf")  # whatever earlier sequences left past the prefix is gone
+            self.memory.pop(row, None)
+            seq.reused = s
+            starts.append(s)
+        logits, hidden = self._forward(r, [s.tokens[st:] for s, st in zip(seqs, starts)], starts, last_only=True)
         for i, seq in enumerate(seqs):
             seq.row, seq.length = r + i, seq.prompt_len
             if self.row_drafter is not None and seq.cfg.temperature == 0:  # (sampled rows never draft)
-                seq.fed, seq.states = 0, [hidden[i, hidden.shape[1] - seq.prompt_len:].clone()]
+                m = seq.prompt_len - starts[i]
+                seq.fed, seq.states = starts[i], [hidden[i, hidden.shape[1] - m:].clone()]
             self.running.append(seq)
             self._commit(seq, [int(self._sample(seq, logits[i:i + 1])[0])], events, logits[i:i + 1])
         self._leave_finished(seqs)

@@ -528,6 +528,8 @@ class EagleRows:
     Each chain is the top-1 path of the drafter's tree, so in q4 (row-invariant kernels) it is the chain the
     one-sequence `EagleDrafter` drafts from the same context (tests/test_batch.py)."""
 
+    keeps_rows = True  # a draft KV cache row per batch row (engine/batch.py, `RowDrafter`)
+
     def __init__(self, drafter: EagleDrafter, max_rows: int, initial_len: int = 256) -> None:
         self.d = drafter
         c, w = drafter.head.block_cfg, drafter.head.fc.weight

@@ -58,6 +58,7 @@ class MedusaDrafter(Drafter):
     """Per-depth top-k candidates from Medusa heads on ctx.hidden[-1] (head i -> depth i + 1)."""
 
     static_step = True  # reads ctx.hidden only
+    keeps_rows = False  # in a continuous batch (its RowDrafter): it reads each row's last state, keeps no rows
 
     def __init__(self, model: Transformer, heads: MedusaHeads, topk_per_depth: Sequence[int] | None = None) -> None:
         if heads.dim != model.cfg.dim:
