@@ -81,6 +81,9 @@ class LLM:
         # how it decodes: the dynamic engine (real skipping, every drafter) or the static step ("static", with
         # graphs eager / cudagraph / compile); skip: real skipping of a gated model's blocks
         self.engine, self.graphs, self.skip = "dynamic", "eager", True
+        # a continuous batch's prefix reuse: the shortest shared prompt start whose K/V a joining row takes from
+        # another row (0: off; engine/batch.py)
+        self.prefix_reuse = 16
         self.last_stats: SpecStats | None = None  # the last speculative generation's statistics
         self.last_tree: DraftTree | None = None
         self.last_report: str | None = None  # how --tree auto chose the last tree
@@ -264,7 +267,8 @@ class LLM:
         if why is not None:
             raise ValueError(f"continuous batching: {why}")
         q = self._acc[0][0] if self._acc else None  # a trained draft's held-out depth-1 top-1: the prior acceptance
-        return ContinuousBatch(self.model, max_rows, skip=self.skip, **batch_drafting(self.drafter, max_rows, q))
+        return ContinuousBatch(self.model, max_rows, skip=self.skip, prefix_reuse=self.prefix_reuse,
+                               **batch_drafting(self.drafter, max_rows, q))
 
     def batch_feed(self, batch: ContinuousBatch, seq: BatchSequence, tokens: list[int], finished: bool,
                    text: "TextStream") -> tuple[str, Completion | None]:

@@ -528,3 +528,9 @@ def test_q4_without_its_kernels_says_it_is_another_computation(tiny, work, capsy
     err = capsys.readouterr().err
     assert "the q4 kernels are not available here (no C compiler found" in err and "other bits" in err
     assert "is bit-identical" not in err
+
+
+@pytest.mark.parametrize("flag, value", [("--prefix-reuse", "-1"), ("--max-batch", "0"), ("--port", "0")])
+def test_serve_flags_are_refused_before_any_model_is_loaded(flag, value, capsys):
+    pytest.importorskip("fastapi")
+    refused(capsys, ["serve", "--model", "no-such-model", flag, value], flag)

@@ -414,7 +414,8 @@ def test_cli_surface_is_frozen():
     # issue 45: the OpenAI-compatible server
     assert flags["serve"] == sorted(["-h", "--help", *CONFIG, "--model", "--checkpoint", "--weights", "--device", "--draft",
                                      "--tree", "--served-name", "--host", "--port", "--max-queue", "--max-batch",
-                                     "--kv-cache"])  # the KV cache's dtype (fp16 by default with q4)
+                                     "--kv-cache",  # the KV cache's dtype (fp16 by default with q4)
+                                     "--prefix-reuse"])  # the continuous batch's prefix reuse (36th session)
     assert flags["demo"] == sorted(["-h", "--help", *CONFIG, "--steps", "--out-dir"])
     assert flags["kernels"] == sorted(["-h", "--help", *CONFIG])
     tools = next(a for a in sub.choices["data"]._actions if a.dest == "tool").choices

@@ -269,6 +269,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="requests queued or running at once; more are refused with 503")
     p.add_argument("--max-batch", type=int, default=16,
                    help="requests decoded together in one continuous batch (1: one after another)")
+    p.add_argument("--prefix-reuse", type=int, default=16, metavar="TOKENS",
+                   help="a request whose prompt starts as another's (a running one's, or one a free batch row still "
+                        "holds) for at least this many tokens reuses their K/V instead of prefilling them (0: off)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -278,6 +281,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     positive("--max-queue", args.max_queue)
     positive("--max-batch", args.max_batch)
+    if args.prefix_reuse < 0:
+        raise ValueError(f"--prefix-reuse must be >= 0 (0: off), got {args.prefix_reuse}")
     if args.draft is not None and args.draft != LOOKUP and not Path(args.draft).is_dir():
         raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output, or lookup)")
     tree_nodes(args.tree)  # a bad --tree is refused before any model is loaded
@@ -285,6 +290,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else LLM.from_run(args.checkpoint, weights=args.weights, device=args.device, kv_cache=args.kv_cache)
     if args.draft:
         llm.attach(args.draft, tree=args.tree)
+    llm.prefix_reuse = args.prefix_reuse
     serve(llm, args.served_name or args.model or args.checkpoint, host=args.host, port=args.port,
           max_queue=args.max_queue, max_batch=args.max_batch)
     return 0
