@@ -276,6 +276,33 @@ def test_prompts_that_start_alike_reuse_the_prefix_and_stay_exact(gating, drafte
 
 
 @needs_kernels
+def test_prompts_arriving_together_with_one_start_share_one_prefill_of_it():
+    """Four prompts with one 20-token start arrive at once: the first joins, the others wait one step (`_defer`)
+    and then join together, each reusing the start from the first's row. A prompt with another start is not held
+    back. Outputs exact."""
+    model = _q4()
+    prompts, _ = _shared_workload(seed=3, n=2)
+    system = prompts[0][:20]
+    rng = random.Random(0)
+    prompts = [system + [rng.randrange(V) for _ in range(5 + i)] for i in range(4)] + [[7, 8, 9] * 8]
+    cfg = GenerationConfig(max_new_tokens=5)
+    batch = ContinuousBatch(model, max_rows=5)
+    handles = [batch.add(p, cfg) for p in prompts]
+    got = {h: [] for h in handles}
+    reused = {}
+    first = True
+    while len(batch):
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] += tokens
+            reused[seq.handle] = seq.reused
+        if first:
+            assert sorted(x.handle for x in batch.running) == [handles[0], handles[4]] and len(batch.waiting) == 3
+            first = False
+    assert [got[h] for h in handles] == [generate(model, [p], cfg)[0] for p in prompts]
+    assert [reused[h] for h in handles] == [0, 20, 20, 20, 0]
+
+
+@needs_kernels
 def test_a_free_row_remembers_what_it_held():
     """One row, requests one after another: the second finds the first's K/V still in the row (a system start
     and more) and prefills only the rest; `prefix_reuse=0` turns reuse off. Outputs exact either way."""

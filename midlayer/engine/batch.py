@@ -164,6 +164,16 @@ class BatchSequence:
         return self.tokens[self.prompt_len:]
 
 
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens a and b start with alike."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _prefill_groups(seqs: list[BatchSequence], waste: float = 1.25) -> list[list[BatchSequence]]:
     """Joining prompts in groups that share one prefill forward: longest first, a prompt joins the group while
     the group's padded rows (its longest prompt x its size) stay within `waste` x its real rows. (Thirteen chat
@@ -347,16 +357,20 @@ class ContinuousBatch:
         finished) per sequence that moved; a finished sequence has left the batch."""
         events: dict[int, tuple[BatchSequence, list[int]]] = {}
         joining: list[BatchSequence] = []
-        while self.waiting and len(self.running) + len(joining) < self.max_rows:
-            seq = self.waiting[0]
+        i = 0  # waiting[:i]: deferred to the next step (they share a start with a sequence joining now)
+        while i < len(self.waiting) and len(self.running) + len(joining) < self.max_rows:
+            seq = self.waiting[i]
             if seq.done:  # nothing fits in the context after this prompt
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 self.by_handle.pop(seq.handle, None)
                 events[seq.handle] = (seq, [])
                 continue
             if joining and sum(x.prompt_len for x in joining) + seq.prompt_len > self.max_prefill_rows:
                 break  # the rest join at a later step: a step's prefill stays bounded, decoding goes on
-            joining.append(self.waiting.pop(0))
+            if self._defer(seq, joining):
+                i += 1
+                continue
+            joining.append(self.waiting.pop(i))
         for group in _prefill_groups(joining):
             self._join(group, events)
         if self.running:
@@ -421,6 +435,17 @@ class ContinuousBatch:
             extra[i, 0, M:] = rows.scatter_reduce(1, slots[i].expand(J, M + J), seen, "amax")
         return f.joins(M), extra.to(self.device)
 
+    def _defer(self, seq: BatchSequence, joining: list[BatchSequence]) -> bool:
+        """Whether `seq` waits a step: no running row shares `prefix_reuse` tokens with its prompt, but a sequence
+        joining this step does. Prefilled beside it, it would compute that start again; a step later it reuses it
+        from that row (`_prefix`). (Sixteen chat prompts arriving at once share SmolLM2's 24-token system turn.)"""
+        if not self.prefix_reuse or not joining:
+            return False
+        ids = seq.tokens[:seq.prompt_len - 1]
+        if any(_shared(ids, x.tokens[:x.length]) >= self.prefix_reuse for x in self.running):
+            return False
+        return any(_shared(ids, x.tokens) >= self.prefix_reuse for x in joining)
+
     def _prefix(self, seq: BatchSequence, row: int) -> tuple[int, int]:
         """(s, donor): the joining `seq` (into `row`) takes slots 0..s-1 from row `donor` -- a running row, or
         `row` itself where it remembers a left sequence's K/V (`memory`) -- whose tokens start as its prompt
@@ -438,11 +463,7 @@ class ContinuousBatch:
             held.append((row, *self.memory[row]))
         best, donor = 0, -1
         for r, toks, fed in held:
-            n = 0
-            for a, b in zip(ids, toks):
-                if a != b:
-                    break
-                n += 1
+            n = _shared(ids, toks)
             if self.row_drafter is not None and self.row_drafter.keeps_rows:
                 n = min(n - 1, fed)
             if n > best:
