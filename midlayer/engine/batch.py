@@ -11,22 +11,28 @@ keeps every running sequence in one row of a shared KV cache and advances them a
   * **Slots.** Slot p of a row holds that sequence's token at position p: each row has its own length, and a
     step writes row i's token at slot L_i (`forward_cached(..., slots=)`); the cache's mask hides a row's slots
     past its own length (-inf key bias), so a short row never sees a long row's stale keys.
-  * **Joining.** A new sequence is prefilled alone into its row (`prefill` on a one-row view), exactly as a
-    single request is, and takes part in the next step's forward.
-  * **Speculation in the batch.** With `propose` (a chain drafter that reads tokens only, e.g. prompt lookup)
-    or `row_drafter` (one that reads the base's final residuals: fed those of every position a row commits,
-    it may keep rows of its own that mirror the batch's, as EAGLE's draft KV cache does, or none, as Medusa
-    heads, which read the residual that predicted the pending token; `RowDrafter`), each greedy row feeds its
-    pending token and its draft's tokens in the same forward (rows with shorter drafts are padded). A row keeps
-    the longest prefix of its draft that matches its own greedy targets plus one bonus token; its rejected slots
-    get key bias -inf.
+  * **Joining.** Joining prompts are prefilled into their rows, several in one forward, as a single request's
+    is, and take part in the next step's forward.
+  * **Prefix reuse.** A joining prompt that starts as a running row's tokens, or as what its free row still
+    holds from a sequence that left, takes that prefix's K/V from there and prefills only the rest (`_prefix`;
+    chat prompts share their template's system turn); prompts that arrive together with one start share one
+    prefill of it (`_defer`). In q4 the reused K/V are the bits the prompt's own prefill would give.
+  * **Speculation in the batch.** Every drafter drafts a chain per greedy row: `propose` (from tokens: prompt
+    lookup), `row_drafter` (from the base's final residuals, fed those of every position a row commits: EAGLE,
+    which keeps a draft KV cache row per batch row, or Medusa heads, which keep none; `RowDrafter`), `fused`
+    (rows that ride the step's own forward from the middle of the network up: hidden transfer's pseudo rows,
+    `FusedDrafter`) or `self_drafter` (partial forwards of the base's own blocks: early exit, layer skip, skip
+    gates; `SelfDrafter`). Each greedy row feeds its pending token and its draft's tokens in the same forward
+    (rows with shorter drafts are padded). A row keeps the longest prefix of its draft that matches its own
+    greedy targets plus one bonus token; its rejected slots get key bias -inf.
   * **When a draft pays.** A drafted token earns a token only if it and every draft token before it are
     accepted, and every row of a step is padded to the deepest draft: depth D costs n (1 + D) rows. With the
     forward's time a line in its rows, t(R) = a + b R (`StepCost`, fitted to this batch's own forwards), the
     step takes the depth D that maximises expected tokens per second, each row's j-th draft token counting
-    p^j, p the row's acceptance rate (a Beta estimate started from `accept_prior` on its prompt). One sequence
-    drafts deep (a row costs a few percent of a step); a big batch drafts only where its rows have been
-    right often. The rows of a forward are capped too (`max_step_rows`).
+    p^j, p the row's acceptance rate (a Beta estimate started from `accept_prior` on its prompt); a drafter's
+    own forwards, or the rows it adds to the step's, are priced by lines of their own. One sequence drafts deep
+    (a row costs a few percent of a step); a big batch drafts only where its rows have been right often. The
+    rows of a forward are capped too (`max_step_rows`).
 
 Exactness. In the q4 format every kernel gives a row the same bits whatever rows share its forward and
 whatever masked keys lie beyond its own (kernels.py), so each sequence's greedy tokens equal single-request
