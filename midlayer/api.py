@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from midlayer.data.pretrained_tokenizer import TextTokenizer
 from midlayer.common import cache_dir
 from midlayer.data.shards import resolve_data
-from midlayer.engine.batch import BatchSequence, ContinuousBatch, unsupported as batch_unsupported
+from midlayer.engine.batch import BatchSequence, ContinuousBatch, shared_prefix, unsupported as batch_unsupported
 from midlayer.engine.decode_step import static_stream
 from midlayer.engine.generate import (GenerationConfig, forward_cached, generate, generate_stream, token_logprobs,
                                       validate_prompts)
@@ -84,6 +84,8 @@ class LLM:
         # a continuous batch's prefix reuse: the shortest shared prompt start whose K/V a joining row takes from
         # another row (0: off; engine/batch.py)
         self.prefix_reuse = 16
+        # `logprobs`'s last call (ids, its KV cache, top, scores): a call whose ids start alike reuses them
+        self._scored: tuple[list[int], KVCache, int, list] | None = None
         self.last_stats: SpecStats | None = None  # the last speculative generation's statistics
         self.last_tree: DraftTree | None = None
         self.last_report: str | None = None  # how --tree auto chose the last tree
@@ -168,15 +170,36 @@ class LLM:
         """Per token of `ids`: its log-probability given the tokens before it (None for the first) and the `top`
         most likely tokens at its place with theirs (empty for the first). ONE forward over the ids, the prefill
         path of generation (so in q4 the same bits as the logits generation samples from); log-softmax in fp32.
-        What lm-eval's log-likelihood tasks read through the server's echo + logprobs."""
+        What lm-eval's log-likelihood tasks read through the server's echo + logprobs.
+
+        Prefix reuse (batch-invariant formats only, q4: there the result is the same bits). When the ids start
+        as the last call's did for at least `prefix_reuse` tokens -- a multiple-choice task scores one context
+        with each of its answers -- the forward runs only from the last shared token on, over that call's KV
+        cache; the shared tokens' scores are that call's."""
         ids = validate_prompts(self.model, [list(ids)])[0]
         dev = self.model.tok_embeddings.weight.device
-        cache = KVCache.for_model(self.model.cfg, 1, max_len=len(ids), device=dev, dtype=kv_dtype(self.model))
         tokens = torch.tensor([ids], device=dev)
-        logits = forward_cached(self.model, tokens, cache, torch.arange(len(ids), device=dev)[None], skip=self.skip)
+        start, memo = 0, self._scored
+        if self.prefix_reuse and memo is not None and memo[2] == top and getattr(self.model, "batch_invariant", False):
+            shared = shared_prefix(ids, memo[0])
+            if shared >= self.prefix_reuse:
+                start = shared - 1  # (row start - 1's logits score token start)
+        out: list[tuple[float | None, dict[int, float]]]
+        if start > 0:
+            cache = memo[1] if memo[1].max_len >= len(ids) else memo[1].grown(len(ids), keep_length=True)
+            cache.truncate(start)
+            out = memo[3][:start + 1]
+        else:
+            start, out = 0, [(None, {})]
+            cache = KVCache.for_model(self.model.cfg, 1, max_len=len(ids), device=dev, dtype=kv_dtype(self.model))
+        self._scored = None  # (the cache changes below: no half-updated memo survives an error)
+        logits = forward_cached(self.model, tokens[:, start:], cache, torch.arange(start, len(ids), device=dev)[None],
+                                skip=self.skip)
         # row t: the distribution of token t + 1
-        out: list[tuple[float | None, dict[int, float]]] = [(None, {})]
-        return out + token_logprobs(logits[0, :-1], tokens[0, 1:], top)  # type: ignore[operator]
+        out = out + token_logprobs(logits[0, :-1], tokens[0, start + 1:], top)  # type: ignore[operator]
+        if not self.model.cfg.ssm_layers:  # (a state-space mixer's state cannot be rolled back to a prefix)
+            self._scored = (ids, cache, top, out)
+        return out
 
     def settings(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
                  ) -> GenerationConfig:

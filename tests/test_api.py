@@ -150,3 +150,48 @@ def test_speculative_streams_come_round_by_round_and_spell_the_same_text(llm):
         assert all(c.stats is not None and c.stats.base_forwards >= 1 for c in many)
     finally:
         llm.attach(None)
+
+
+def test_logprobs_reuse_the_last_calls_prefix_bit_for_bit(llm, monkeypatch):
+    """`LLM.logprobs` in q4: a call whose ids start as the last call's (one context scored with each of its
+    answers, as lm-eval's multiple-choice tasks ask) runs its forward only from the last shared token, over the
+    last call's KV cache, grown when the ids are longer; every score is the bits a fresh call gives. Another
+    `top` starts afresh. fp32 (not batch-invariant) never reuses."""
+    import copy
+
+    from midlayer import api
+    from midlayer.engine.batch import shared_prefix
+    from midlayer.engine.quantization import compress_weights
+    from midlayer.ops import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler: the q4 kernels are not built")
+    q4 = LLM(compress_weights(copy.deepcopy(llm.model), "q4"), llm.tokenizer, "tiny", "q4")
+    q4.prefix_reuse = 2  # (the server's default is 16 shared tokens)
+    ctx = q4.encode("To be, or not to be: that is the question")
+    answers = [q4.encode(" whether"), q4.encode(" 'tis nobler in the mind to suffer"), q4.encode(" the slings")]
+    calls = [(ctx + a, 2) for a in answers] + [(ctx + answers[0], 2), (ctx + answers[0], 3), (ctx[:5], 3)]
+    fed = []
+    real = api.forward_cached
+    monkeypatch.setattr(api, "forward_cached", lambda model, tokens, *a, **kw: (fed.append(tokens.shape[1]),
+                                                                                real(model, tokens, *a, **kw))[1])
+    want, last = [], None
+    for ids, top in calls:
+        got = q4.logprobs(ids, top)
+        memo, q4._scored = q4._scored, None
+        n = len(fed)
+        assert got == q4.logprobs(ids, top)  # a fresh call's bits
+        del fed[n:]
+        q4._scored = memo
+        shared = shared_prefix(ids, last[0]) if last and last[1] == top else 0
+        want.append(len(ids) - (shared - 1) if shared > 1 else len(ids))  # from the last shared token on
+        last = (ids, top)
+    assert fed == want and want[1:4] == [len(answers[1]) + 1, len(answers[2]) + 1, len(answers[0]) + 1] \
+        and want[-1] == 1  # (the answers' first tokens differ here; the last call is a prefix of the one before)
+    fed.clear()
+    llm.logprobs(ctx + answers[0])
+    llm.logprobs(ctx + answers[1])
+    q4.prefix_reuse = 0  # off
+    q4.logprobs(ctx + answers[0])
+    q4.logprobs(ctx + answers[1])
+    assert fed == [len(ctx + answers[0]), len(ctx + answers[1])] * 2

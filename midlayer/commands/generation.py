@@ -270,8 +270,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=16,
                    help="requests decoded together in one continuous batch (1: one after another)")
     p.add_argument("--prefix-reuse", type=int, default=16, metavar="TOKENS",
-                   help="a request whose prompt starts as another's (a running one's, or one a free batch row still "
-                        "holds) for at least this many tokens reuses their K/V instead of prefilling them (0: off)")
+                   help="a request whose prompt starts as another's (a running one's, one a free batch row still "
+                        "holds, or the last scored prompt's) for at least this many tokens reuses their K/V instead "
+                        "of prefilling them (0: off)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

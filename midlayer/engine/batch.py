@@ -170,7 +170,7 @@ class BatchSequence:
         return self.tokens[self.prompt_len:]
 
 
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many tokens a and b start with alike."""
     n = 0
     for x, y in zip(a, b):
@@ -448,9 +448,9 @@ class ContinuousBatch:
         if not self.prefix_reuse or not joining:
             return False
         ids = seq.tokens[:seq.prompt_len - 1]
-        if any(_shared(ids, x.tokens[:x.length]) >= self.prefix_reuse for x in self.running):
+        if any(shared_prefix(ids, x.tokens[:x.length]) >= self.prefix_reuse for x in self.running):
             return False
-        return any(_shared(ids, x.tokens) >= self.prefix_reuse for x in joining)
+        return any(shared_prefix(ids, x.tokens) >= self.prefix_reuse for x in joining)
 
     def _prefix(self, seq: BatchSequence, row: int) -> tuple[int, int]:
         """(s, donor): the joining `seq` (into `row`) takes slots 0..s-1 from row `donor` -- a running row, or
@@ -469,7 +469,7 @@ class ContinuousBatch:
             held.append((row, *self.memory[row]))
         best, donor = 0, -1
         for r, toks, fed in held:
-            n = _shared(ids, toks)
+            n = shared_prefix(ids, toks)
             if self.row_drafter is not None and self.row_drafter.keeps_rows:
                 n = min(n - 1, fed)
             if n > best:

@@ -119,10 +119,11 @@ class KVCache:
         view.window, view.layer_windows = self.window, self.layer_windows
         return view
 
-    def grown(self, max_len: int) -> "KVCache":
+    def grown(self, max_len: int, keep_length: bool = False) -> "KVCache":
         """A cache of `max_len` slots (at least this one's) holding what this one holds, in the same rows, with
         the same windows: where a cache that outgrew its slots moves (a continuous batch, EAGLE's batch rows).
-        Its length and dense flags start afresh, as a new cache's do."""
+        Its length and dense flags start afresh, as a new cache's do, or carry over with `keep_length` (a
+        sequence that goes on in the new cache: `LLM.logprobs`'s prefix reuse)."""
         self._whole("grown")
         if max_len < self.max_len:
             raise ValueError(f"grown: {max_len} slots is fewer than the {self.max_len} held")
@@ -132,6 +133,8 @@ class KVCache:
         n = self.max_len
         new.k[..., :n, :], new.v[..., :n, :] = self.k, self.v
         new.bias[..., :n], new.pos[:, :n] = self.bias, self.pos
+        if keep_length:
+            new.length, new.dense_layers = self.length, list(self.dense_layers)
         return new
 
     @classmethod
