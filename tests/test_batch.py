@@ -303,6 +303,47 @@ def test_prompts_arriving_together_with_one_start_share_one_prefill_of_it():
 
 
 @needs_kernels
+@pytest.mark.parametrize("drafter", [None, "lookup", "eagle", "hidden-transfer", "layer-skip"])
+def test_random_arrivals_cancels_and_shared_starts_stay_exact(drafter):
+    """A stress run: over five seeds, prompts with shared starts (repeats, follow-up turns) arrive at random
+    steps into a batch of 1-4 rows, some are cancelled at random steps (a client gone), rows move, free rows
+    remember and are reused, the cache grows from 8 slots, and every drafter kind drafts as deep as it can.
+    Every sequence that ran to its end equals single-request greedy decoding; a cancelled one got a prefix of
+    it."""
+    from midlayer.speculative.eagle import EagleRows
+    from midlayer.speculative.hidden_transfer import HiddenTransferRows
+    from midlayer.speculative.layer_skip import LayerSkipDrafter
+
+    model = _q4()
+    prompts, cfgs = _shared_workload(seed=11, n=14)
+    ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    for seed in range(5):
+        rng = random.Random(seed)
+        kw = {None: lambda: {}, "lookup": lambda: dict(propose=PromptLookupDrafter(V).chain),
+              "eagle": lambda: dict(row_drafter=EagleRows(_eagle(model), 4, initial_len=8)),
+              "hidden-transfer": lambda: dict(fused=HiddenTransferRows(_transfer(model, [1, 2, 3]))),
+              "layer-skip": lambda: dict(self_drafter=LayerSkipDrafter(model, [2]))}[drafter]()
+        batch = ContinuousBatch(model, max_rows=rng.randint(1, 4), k=3, initial_len=8, **kw)
+        if drafter is not None:
+            batch._pays = lambda lengths: max(lengths)
+        handles, got, gone, pending = {}, {}, set(), list(range(len(prompts)))
+        while pending or len(batch):
+            if pending and rng.random() < 0.4:
+                i = pending.pop(0)
+                handles[batch.add(prompts[i], cfgs[i])] = i
+                got[i] = []
+            live = [h for h in handles if handles[h] not in gone and h in batch.by_handle]
+            if live and rng.random() < 0.05:
+                h = rng.choice(live)
+                batch.cancel(h)
+                gone.add(handles[h])
+            for seq, tokens, _ in batch.step():
+                got[handles[seq.handle]] += tokens
+        for i in range(len(prompts)):
+            assert got[i] == ref[i] if i not in gone else got[i] == ref[i][:len(got[i])], (seed, i)
+
+
+@needs_kernels
 def test_a_free_row_remembers_what_it_held():
     """One row, requests one after another: the second finds the first's K/V still in the row (a system start
     and more) and prefills only the rest; `prefix_reuse=0` turns reuse off. Outputs exact either way."""
