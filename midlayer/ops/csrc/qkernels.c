@@ -40,7 +40,8 @@
  * chunks stay below 8 * 3810 = 30480 and are summed in int16 before one madd; Q8_0 (|w a| <= 127^2) widens
  * every chunk to int32.
  *
- * Compile with -ffp-contract=off so that the compiler does not fuse the multiply-adds of the scalar path.
+ * Compile with -ffp-contract=off so that the compiler does not fuse the multiply-adds of the scalar path (the
+ * attention's dot products and weighted sums are fused on purpose, fmaf and vfmadd alike).
  */
 #include <math.h>
 #include <stdint.h>
@@ -221,7 +222,7 @@ static void attention_row_scalar(const float *q, const void *k, const void *v, l
     for (int s = 0; s < S; s++) {
         if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; hidden++; continue; } /* invisible: skip the dot */
         float acc[8] = {0};
-        for (int j = 0; j < D; j++) acc[j & 7] = acc[j & 7] + q[j] * kv_at(k, s * sk + j, kv16);
+        for (int j = 0; j < D; j++) acc[j & 7] = fmaf(q[j], kv_at(k, s * sk + j, kv16), acc[j & 7]);
         float sc = hsum8_scalar(acc) * scale;
         if (mask) sc = sc + mask[s];
         scores[s] = sc;
@@ -241,7 +242,7 @@ static void attention_row_scalar(const float *q, const void *k, const void *v, l
         float p = scores[s];
         if (p == 0.0f) continue; /* a key whose weight underflowed: adds exactly nothing */
         long vs = (slot ? slot[s] : s) * sk;
-        for (int j = 0; j < D; j++) out[j] = out[j] + p * kv_at(v, vs + j, kv16);
+        for (int j = 0; j < D; j++) out[j] = fmaf(p, kv_at(v, vs + j, kv16), out[j]);
     }
     for (int j = 0; j < D; j++) out[j] = out[j] * inv;
 }
@@ -627,60 +628,11 @@ AVX2 static inline __m256 kv8(const void *p, long i, int kv16) {
                 : _mm256_loadu_ps((const float *)p + i);
 }
 
-AVX2 static inline float dot_avx2(const float *q, const void *k, long i, int D, int kv16) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int j = 0; j < D; j += 8)
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + j), kv8(k, i + j, kv16)));
-    return hsum8_avx2(acc);
-}
-
-AVX2 static void attention_row_avx2(const float *q, const void *k, const void *v, long sk, const float *mask,
-                                    int S, int D, float scale, float *scores, int *keys, float *out, int kv16) {
-    /* Same arithmetic as attention_row_scalar, element by element; only independent chains are interleaved
-     * (four keys' dot products at once, eight output columns at once) to hide the add latency. */
-    float mx = -INFINITY;
-    int hidden = 0;
-    int s = 0;
-    for (; s + 4 <= S; s += 4) {
-        if (mask && mask[s] == -INFINITY && mask[s + 1] == -INFINITY && mask[s + 2] == -INFINITY &&
-            mask[s + 3] == -INFINITY) { /* four invisible keys: no dots. In a continuous batch a row reads up to */
-            for (int i = 0; i < 4; i++) scores[s + i] = -INFINITY; /* the longest row's length, mostly masked */
-            hidden += 4;
-            continue;
-        }
-        long k0 = s * sk, k1 = k0 + sk, k2 = k1 + sk, k3 = k2 + sk;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int j = 0; j < D; j += 8) {
-            __m256 qj = _mm256_loadu_ps(q + j);
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(qj, kv8(k, k0 + j, kv16)));
-            a1 = _mm256_add_ps(a1, _mm256_mul_ps(qj, kv8(k, k1 + j, kv16)));
-            a2 = _mm256_add_ps(a2, _mm256_mul_ps(qj, kv8(k, k2 + j, kv16)));
-            a3 = _mm256_add_ps(a3, _mm256_mul_ps(qj, kv8(k, k3 + j, kv16)));
-        }
-        float d4[4] = {hsum8_avx2(a0), hsum8_avx2(a1), hsum8_avx2(a2), hsum8_avx2(a3)};
-        for (int i = 0; i < 4; i++) {
-            float sc;
-            if (mask && mask[s + i] == -INFINITY) { sc = -INFINITY; hidden++; } /* invisible (dot discarded) */
-            else {
-                sc = d4[i] * scale;
-                if (mask) sc = sc + mask[s + i];
-            }
-            scores[s + i] = sc;
-            mx = sc > mx ? sc : mx;
-        }
-    }
-    for (; s < S; s++) {
-        if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; hidden++; continue; }
-        float sc = dot_avx2(q, k, s * sk, D, kv16) * scale;
-        if (mask) sc = sc + mask[s];
-        scores[s] = sc;
-        mx = sc > mx ? sc : mx;
-    }
-    int *slot;
-    int n = visible_keys(scores, S, mask, hidden, keys, &slot);
-    /* lanes[s & 7] accumulation over the visible keys, as in the scalar version: vector i holds s = 8i..8i+7 */
+/* exp of the visible scores in place (scores[0..n), max mx) and 1 / their sum, attention_row_scalar's lanes[s & 7]
+ * order: vector i holds s = 8i..8i+7 */
+AVX2 static float softmax_visible_avx2(float *scores, int n, float mx) {
     __m256 lanes = _mm256_setzero_ps(), vmx = _mm256_set1_ps(mx);
-    s = 0;
+    int s = 0;
     for (; s + 8 <= n; s += 8) {
         __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + s), vmx));
         _mm256_storeu_ps(scores + s, p);
@@ -693,43 +645,128 @@ AVX2 static void attention_row_avx2(const float *q, const void *k, const void *v
         scores[s] = p;
         ln[s & 7] = ln[s & 7] + p;
     }
-    __m256 vinv = _mm256_set1_ps(1.0f / hsum8_scalar(ln));
-    int j = 0;
-    for (; j + 64 <= D; j += 64) { /* eight output vectors at once: out[j] accumulates over t in order */
-        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
-        for (int t = 0; t < n; t++) {
-            float p = scores[t];
-            if (p == 0.0f) continue;
-            __m256 vp = _mm256_set1_ps(p);
-            long vv = (slot ? slot[t] : t) * sk + j;
-            o0 = _mm256_add_ps(o0, _mm256_mul_ps(vp, kv8(v, vv, kv16)));
-            o1 = _mm256_add_ps(o1, _mm256_mul_ps(vp, kv8(v, vv + 8, kv16)));
-            o2 = _mm256_add_ps(o2, _mm256_mul_ps(vp, kv8(v, vv + 16, kv16)));
-            o3 = _mm256_add_ps(o3, _mm256_mul_ps(vp, kv8(v, vv + 24, kv16)));
-            o4 = _mm256_add_ps(o4, _mm256_mul_ps(vp, kv8(v, vv + 32, kv16)));
-            o5 = _mm256_add_ps(o5, _mm256_mul_ps(vp, kv8(v, vv + 40, kv16)));
-            o6 = _mm256_add_ps(o6, _mm256_mul_ps(vp, kv8(v, vv + 48, kv16)));
-            o7 = _mm256_add_ps(o7, _mm256_mul_ps(vp, kv8(v, vv + 56, kv16)));
-        }
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(o0, vinv));
-        _mm256_storeu_ps(out + j + 8, _mm256_mul_ps(o1, vinv));
-        _mm256_storeu_ps(out + j + 16, _mm256_mul_ps(o2, vinv));
-        _mm256_storeu_ps(out + j + 24, _mm256_mul_ps(o3, vinv));
-        _mm256_storeu_ps(out + j + 32, _mm256_mul_ps(o4, vinv));
-        _mm256_storeu_ps(out + j + 40, _mm256_mul_ps(o5, vinv));
-        _mm256_storeu_ps(out + j + 48, _mm256_mul_ps(o6, vinv));
-        _mm256_storeu_ps(out + j + 56, _mm256_mul_ps(o7, vinv));
-    }
-    for (; j < D; j += 8) {
-        __m256 o = _mm256_setzero_ps();
-        for (int t = 0; t < n; t++) {
-            float p = scores[t];
-            if (p == 0.0f) continue;
-            o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(p), kv8(v, (slot ? slot[t] : t) * sk + j, kv16)));
-        }
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(o, vinv));
-    }
+    return 1.0f / hsum8_scalar(ln);
 }
+
+/* Attention of R query heads (R = 1..4) that share one KV head, over the same keys and mask (GQA): each head's
+ * arithmetic is attention_row_scalar's, operation for operation (fused multiply-adds in the same order, the
+ * same sums), so the bits do not depend on R; what R changes is that each 8-column chunk of a key or a value
+ * is loaded (and widened from fp16) once for the R heads. Independent chains hide the FMA latency (4 cycles at
+ * 2 a cycle: 8 chains keep the units busy): KB keys at a time in the dot products (R x KB accumulators), and C
+ * 8-column chunks at a time of each head's output (R x C accumulators); both fit the 16 ymm registers. */
+#define DEFINE_ATTENTION_HEADS(R, KB, C)                                                                     \
+    AVX2 static void attention_heads##R##_avx2(const float *const *q, const void *k, const void *v, long sk, \
+                                               const float *mask, int S, int D, float scale,                \
+                                               float *const *scores, int *keys, float *const *out, int kv16) { \
+        float mx[R];                                                                                         \
+        for (int r = 0; r < R; r++) mx[r] = -INFINITY;                                                       \
+        int hidden = 0, s = 0;                                                                               \
+        for (; s + KB <= S; s += KB) {                                                                       \
+            int all = mask != 0; /* KB invisible keys: no dots (a continuous batch's rows read up to the */  \
+            for (int i = 0; i < KB && all; i++) all = mask[s + i] == -INFINITY; /* longest row's length) */ \
+            if (all) {                                                                                       \
+                for (int r = 0; r < R; r++)                                                                  \
+                    for (int i = 0; i < KB; i++) scores[r][s + i] = -INFINITY;                               \
+                hidden += KB;                                                                                \
+                continue;                                                                                    \
+            }                                                                                                \
+            __m256 acc[R][KB];                                                                               \
+            for (int r = 0; r < R; r++)                                                                      \
+                for (int i = 0; i < KB; i++) acc[r][i] = _mm256_setzero_ps();                                \
+            for (int j = 0; j < D; j += 8)                                                                   \
+                for (int i = 0; i < KB; i++) {                                                               \
+                    __m256 x = kv8(k, (s + i) * sk + j, kv16);                                               \
+                    for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + j), x, acc[r][i]); \
+                }                                                                                            \
+            for (int i = 0; i < KB; i++) {                                                                   \
+                int hid = mask && mask[s + i] == -INFINITY; /* invisible: its dot is discarded */            \
+                hidden += hid;                                                                               \
+                for (int r = 0; r < R; r++) {                                                                \
+                    float sc = -INFINITY;                                                                    \
+                    if (!hid) {                                                                              \
+                        sc = hsum8_avx2(acc[r][i]) * scale;                                                  \
+                        if (mask) sc = sc + mask[s + i];                                                     \
+                    }                                                                                        \
+                    scores[r][s + i] = sc;                                                                   \
+                    mx[r] = sc > mx[r] ? sc : mx[r];                                                         \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (; s < S; s++) {                                                                                 \
+            if (mask && mask[s] == -INFINITY) {                                                              \
+                for (int r = 0; r < R; r++) scores[r][s] = -INFINITY;                                        \
+                hidden++;                                                                                    \
+                continue;                                                                                    \
+            }                                                                                                \
+            __m256 acc[R];                                                                                   \
+            for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                        \
+            for (int j = 0; j < D; j += 8) {                                                                 \
+                __m256 x = kv8(k, s * sk + j, kv16);                                                         \
+                for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + j), x, acc[r]); \
+            }                                                                                                \
+            for (int r = 0; r < R; r++) {                                                                    \
+                float sc = hsum8_avx2(acc[r]) * scale;                                                       \
+                if (mask) sc = sc + mask[s];                                                                 \
+                scores[r][s] = sc;                                                                           \
+                mx[r] = sc > mx[r] ? sc : mx[r];                                                             \
+            }                                                                                                \
+        }                                                                                                    \
+        int *slot = 0, n = S;                                                                                \
+        float inv[R];                                                                                        \
+        for (int r = 0; r < R; r++) { /* the same visible keys for every head: the same compaction */       \
+            n = visible_keys(scores[r], S, mask, hidden, keys, &slot);                                       \
+            inv[r] = softmax_visible_avx2(scores[r], n, mx[r]);                                              \
+        }                                                                                                    \
+        int j = 0;                                                                                           \
+        for (; j + 8 * C <= D; j += 8 * C) { /* out[j] accumulates over the visible keys in order */        \
+            __m256 o[R][C];                                                                                  \
+            for (int r = 0; r < R; r++)                                                                      \
+                for (int c = 0; c < C; c++) o[r][c] = _mm256_setzero_ps();                                   \
+            for (int t = 0; t < n; t++) {                                                                    \
+                long vv = (slot ? slot[t] : t) * sk + j;                                                     \
+                __m256 vp[R];                                                                                \
+                int some_zero = 0;                                                                           \
+                for (int r = 0; r < R; r++) {                                                                \
+                    some_zero |= scores[r][t] == 0.0f;                                                       \
+                    vp[r] = _mm256_set1_ps(scores[r][t]);                                                    \
+                }                                                                                            \
+                if (!some_zero) {                                                                            \
+                    for (int c = 0; c < C; c++) {                                                            \
+                        __m256 x = kv8(v, vv + 8 * c, kv16);                                                 \
+                        for (int r = 0; r < R; r++) o[r][c] = _mm256_fmadd_ps(vp[r], x, o[r][c]);            \
+                    }                                                                                        \
+                } else { /* a key whose weight underflowed to 0 in some head adds exactly nothing there */   \
+                    for (int c = 0; c < C; c++) {                                                            \
+                        __m256 x = kv8(v, vv + 8 * c, kv16);                                                 \
+                        for (int r = 0; r < R; r++)                                                          \
+                            if (scores[r][t] != 0.0f) o[r][c] = _mm256_fmadd_ps(vp[r], x, o[r][c]);          \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+            for (int r = 0; r < R; r++) {                                                                    \
+                __m256 vi = _mm256_set1_ps(inv[r]);                                                          \
+                for (int c = 0; c < C; c++) _mm256_storeu_ps(out[r] + j + 8 * c, _mm256_mul_ps(o[r][c], vi)); \
+            }                                                                                                \
+        }                                                                                                    \
+        for (; j < D; j += 8) {                                                                              \
+            __m256 o[R];                                                                                     \
+            for (int r = 0; r < R; r++) o[r] = _mm256_setzero_ps();                                          \
+            for (int t = 0; t < n; t++) {                                                                    \
+                __m256 x = kv8(v, (slot ? slot[t] : t) * sk + j, kv16);                                      \
+                for (int r = 0; r < R; r++) {                                                                \
+                    float p = scores[r][t];                                                                  \
+                    if (p == 0.0f) continue;                                                                 \
+                    o[r] = _mm256_fmadd_ps(_mm256_set1_ps(p), x, o[r]);                                      \
+                }                                                                                            \
+            }                                                                                                \
+            for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + j, _mm256_mul_ps(o[r], _mm256_set1_ps(inv[r]))); \
+        }                                                                                                    \
+    }
+
+DEFINE_ATTENTION_HEADS(1, 8, 8)
+DEFINE_ATTENTION_HEADS(2, 4, 4)
+DEFINE_ATTENTION_HEADS(3, 4, 4)
+DEFINE_ATTENTION_HEADS(4, 2, 2)
 
 /* ======================================================================================= dispatch */
 /* The instruction set the kernels use: 0 portable scalar, 1 AVX2 (+FMA, F16C), 2 AVX2 with the AVX512-VNNI
@@ -806,20 +843,36 @@ void qk_attention(const float *q, long qb, long qt, const void *k, const void *v
                   float *scratch, int MH, int kv16) {
     int rep = H / Hk;
     int avx2 = qk_has_avx2() && D % 8 == 0;
-    long items = (long)B * T * H;
+    /* A work item is G query heads of one KV head (the AVX2 path, where the heads share their mask): G of them
+     * read each key and value once. G = 1 where that would leave fewer than 8 items to share between threads
+     * (one decode row: H items of one head each, as before). The bits do not depend on G. */
+    int G = 1;
+    for (int g = rep < 4 ? rep : 4; avx2 && MH == 1 && g > 1; g--)
+        if (rep % g == 0 && (long)B * T * Hk * (rep / g) >= 8) { G = g; break; }
+    long items = (long)B * T * H / G;
     int esz = kv16 ? 2 : 4;
 #pragma omp parallel for schedule(static)
     for (long it = 0; it < items; it++) {
-        int h = it % H, t = (it / H) % T, b = it / ((long)H * T);
-        const float *qq = q + b * qb + t * qt + (long)h * D;
-        long kv = b * kb + (long)(h / rep) * kh; /* element offset of this head's keys (and values) */
+        int h0 = (int)(it % (H / G)) * G, t = (it / (H / G)) % T, b = it / ((long)(H / G) * T);
+        long kv = b * kb + (long)(h0 / rep) * kh; /* element offset of these heads' keys (and values) */
         const void *kk = (const char *)k + kv * esz, *vv = (const char *)v + kv * esz;
-        const float *mm = mask ? mask + (((long)b * MH + (MH > 1 ? h : 0)) * T + t) * S : 0;
-        float *oo = out + ((long)b * T + t) * H * D + (long)h * D;
-        float *sc = scratch + it * 2 * S;  /* S scores, then S key slots (int) */
-        int *keys = (int *)(sc + S);
-        if (avx2) attention_row_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
-        else attention_row_scalar(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+        const float *qq[4];
+        float *oo[4], *sc[4];
+        int *keys = 0;
+        for (int r = 0; r < G; r++) {
+            int h = h0 + r;
+            long row = ((long)b * T + t) * H + h;
+            qq[r] = q + b * qb + t * qt + (long)h * D;
+            oo[r] = out + row * D;
+            sc[r] = scratch + row * 2 * S; /* S scores, then S key slots (int) */
+            if (r == 0) keys = (int *)(sc[r] + S);
+        }
+        const float *mm = mask ? mask + (((long)b * MH + (MH > 1 ? h0 : 0)) * T + t) * S : 0;
+        if (!avx2) attention_row_scalar(qq[0], kk, vv, ks, mm, S, D, scale, sc[0], keys, oo[0], kv16);
+        else if (G == 1) attention_heads1_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+        else if (G == 2) attention_heads2_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+        else if (G == 3) attention_heads3_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+        else attention_heads4_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
     }
 }
 
