@@ -420,3 +420,29 @@ def test_sigterm_stops_the_server_cleanly_with_requests_in_flight(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
+def test_bench_serves_client_rows_count_tokens_and_reused_prompt_tokens(llm):  # noqa: F811
+    """`midlayer bench serve`'s client side (experiments/serve_bench.py) against a real server: one streamed
+    request gives the greedy text, its token count and the prompt tokens the server reused; a row of 2 clients
+    over 4 requests (one prompt asked four times) finds every answer equal to its single-request text and part
+    of the prompts reused (the server's prefix reuse)."""
+    from midlayer.experiments.serve_bench import _clients, _one_request, serve_table
+
+    q4 = LLM(compress_weights(copy.deepcopy(llm.model), "q4"), llm.tokenizer, "tiny", "q4")
+    q4.prefix_reuse = 4
+    text = "To be, or not to be, that is the question"
+    messages = [{"role": "user", "content": text}]
+    ref = q4.generate(messages, max_tokens=6)
+    running = Running(create_app(q4, NAME, max_queue=8))
+    try:
+        got, ttft, tpot, n, prompt, cached = _one_request(running.url, NAME, text, 6)
+        assert (got, n, prompt) == (ref.text, len(ref.token_ids), len(q4.encode(messages))) and cached >= 0
+        rows = _clients(running.url, NAME, [text] * 4, [2], 6, "tiny", {text: ref.text})
+    finally:
+        running.stop()
+    (row,) = rows
+    assert row["equal"] == 4 and row["tokens"] == 4 * len(ref.token_ids) and 0 < row["reused"] < 1
+    table = serve_table(dict(model="tiny", weights="q4", max_tokens=6, rows=[dict(row, vs_one_client=None)]))
+    assert f"{100 * row['reused']:.0f}%" in table.splitlines()[-1]

@@ -41,10 +41,12 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def _one_request(url: str, name: str, text: str, max_tokens: int) -> tuple[str, float, float, int]:
-    """(text, seconds to the first token, seconds per later token, output tokens) of one streamed chat request.
-    The client is the standard library's http.client: the clients share the server's cores, and a lighter
-    client leaves more of them to the server it measures."""
+def _one_request(url: str, name: str, text: str, max_tokens: int
+                 ) -> tuple[str, float, float, int, int | None, int | None]:
+    """(text, seconds to the first token, seconds per later token, output tokens, prompt tokens, prompt tokens
+    the server reused: OpenAI's usage.prompt_tokens_details.cached_tokens; None where the server does not say) of
+    one streamed chat request. The client is the standard library's http.client: the clients share the server's
+    cores, and a lighter client leaves more of them to the server it measures."""
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                        "temperature": 0, "stream": True})
     host, port = url.rsplit("//", 1)[1].split(":")
@@ -75,7 +77,8 @@ def _one_request(url: str, name: str, text: str, max_tokens: int) -> tuple[str, 
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else chunks
     first = first or end
-    return "".join(pieces), first - t0, (end - first) / max(n - 1, 1), n
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return "".join(pieces), first - t0, (end - first) / max(n - 1, 1), n, (usage or {}).get("prompt_tokens"), cached
 
 
 def _clients(url: str, name: str, texts: list[str], clients: Sequence[int], max_tokens: int, label: str,
@@ -89,7 +92,9 @@ def _clients(url: str, name: str, texts: list[str], clients: Sequence[int], max_
             results = list(pool.map(lambda t: (t, *_one_request(url, name, t, max_tokens)), texts))
         wall = time.perf_counter() - t0
         tokens = sum(r[4] for r in results)
-        rows.append(dict(mode=label, clients=c, requests=len(texts), tokens=tokens, tok_s=tokens / wall,
+        known = [r for r in results if r[5] and r[6] is not None]
+        reused = sum(r[6] for r in known) / sum(r[5] for r in known) if known else None
+        rows.append(dict(mode=label, clients=c, requests=len(texts), tokens=tokens, tok_s=tokens / wall, reused=reused,
                          ttft_p50=_pct([r[2] for r in results], 0.5), ttft_p90=_pct([r[2] for r in results], 0.9),
                          tpot_p50=_pct([r[3] for r in results], 0.5), tpot_p90=_pct([r[3] for r in results], 0.9),
                          equal=None if ref is None else sum(r[1] == ref[r[0]] for r in results)))
@@ -177,11 +182,12 @@ def serve_table(r: dict[str, Any]) -> str:
            "tokens, greedy; midlayer decodes the requests in one continuous batch (with a drafter, its chains verified "
            "in the batch); llama.cpp's server decodes them one after another", "",
            "| mode | clients | requests | aggregate tok/s | vs 1 client | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) "
-           "| = single-request output |", "|---|---|---|---|---|---|---|---|"]
+           "| prompt tokens reused | = single-request output |", "|---|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         vs = f"{x['vs_one_client']:.2f}x" if x["vs_one_client"] else "-"
         equal = "-" if x["equal"] is None else f"{x['equal']}/{x['requests']}"
+        reused = "-" if x.get("reused") is None else f"{100 * x['reused']:.0f}%"
         out.append(f"| {x['mode']} | {x['clients']} | {x['requests']} | {x['tok_s']:.1f} | {vs} | "
                    f"{x['ttft_p50']:.2f} / {x['ttft_p90']:.2f} | {1e3 * x['tpot_p50']:.1f} / {1e3 * x['tpot_p90']:.1f} "
-                   f"| {equal} |")
+                   f"| {reused} | {equal} |")
     return "\n".join(out)
