@@ -394,6 +394,8 @@ class ContinuousBatch:
         [n, V] of each row's last token (`last_only`), else [n, M, V]; and, for a `row_drafter` or with `carry`,
         the final residual at every row ([n, M (+ M k), d]), else None."""
         n, M = len(fed), max(len(f) for f in fed)
+        if n == 1 and not carry and self.model.routers is None:
+            return self._forward_one(first, fed[0], starts[0], last_only)
         counts = [len(f) for f in fed]
         end = max(s + c for s, c in zip(starts, counts))
         J = self.fused.k * M if carry else 0
@@ -416,6 +418,22 @@ class ContinuousBatch:
         self.cache.bias[:, first:first + n, end:end + 1 + J] = float("-inf")  # the scratch slots: never held
         logits, hidden = out if isinstance(out, tuple) else (out, None)
         return (logits[:, -1] if last_only and carry else logits), hidden
+
+    def _forward_one(self, row: int, fed: list[int], start: int, last_only: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward` of one row (one sequence running, or one prompt joining): `generate`'s own contiguous step
+        at the next slots, with no per-row slots and, for one token, no mask at all (every slot before the row's
+        length holds a committed key with bias 0 at every layer: a dense model, whose rejected drafts always lie
+        past that length). In q4 the same bits as the per-row path (the kernels depend only on the keys seen);
+        less Python per step. Gated models keep the per-row path: a skipped key's bias is -inf at its layer."""
+        self._reserve(start + len(fed))
+        view = self.cache.rows(row, row + 1)
+        view.length = start  # (a fresh view: dense, as the row's committed slots are)
+        tokens = torch.tensor([fed], device=self.device)
+        positions = torch.arange(start, start + len(fed), device=self.device)[None]
+        out = forward_cached(self.model, tokens, view, positions, skip=self.skip, last_only=last_only,
+                             return_hidden=self.row_drafter is not None, all_hidden=True)
+        return out if isinstance(out, tuple) else (out, None)
 
     def _fused_rows(self, M: int, counts: list[int], starts: list[int], positions: torch.Tensor, slots: torch.Tensor,
                     end: int) -> tuple[JoinedRows, torch.Tensor]:
