@@ -290,7 +290,7 @@ def test_attention_avx2_equals_scalar(D):
 
 
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["kv32", "kv16"])
-@pytest.mark.parametrize("rep,D", [(2, 64), (3, 64), (3, 80), (4, 16)])
+@pytest.mark.parametrize("rep,D", [(2, 64), (3, 64), (3, 80), (4, 16), (4, 256)])  # 256: wide heads, 2 per item
 def test_ragged_batch_attention_equals_scalar_and_each_row_alone(rep, D, kv):
     """A continuous batch's decode step: 16 sequences of different lengths read up to the longest one's
     length, their unused slots masked -inf (the AVX2 path skips whole masked 4-key blocks). Each sequence alone

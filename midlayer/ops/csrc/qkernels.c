@@ -846,8 +846,11 @@ void qk_attention(const float *q, long qb, long qt, const void *k, const void *v
     /* A work item is G query heads of one KV head (the AVX2 path, where the heads share their mask): G of them
      * read each key and value once. G = 1 where that would leave fewer than 8 items to share between threads
      * (one decode row: H items of one head each, as before). The bits do not depend on G. */
-    int G = 1;
-    for (int g = rep < 4 ? rep : 4; avx2 && MH == 1 && g > 1; g--)
+    /* Wide heads (D > 128, Gemma 3's 256) take at most 2 per item: 4 heads' outputs leave room for only 2
+     * accumulator columns per pass over the keys (C = 2), and re-broadcasting 4 weights per key and pass cost
+     * more than 2 heads with 4 columns (benchmarks/attention_shapes.py: 58 against 81 us, 16 rows of Gemma 3). */
+    int G = 1, gmax = D > 128 ? 2 : 4;
+    for (int g = rep < gmax ? rep : gmax; avx2 && MH == 1 && g > 1; g--)
         if (rep % g == 0 && (long)B * T * Hk * (rep / g) >= 8) { G = g; break; }
     long items = (long)B * T * H / G;
     int esz = kv16 ? 2 : 4;
