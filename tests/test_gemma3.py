@@ -183,6 +183,33 @@ def test_real_gemma3_file_equals_transformers_on_the_same_gguf():
     assert chat[:3] == [2, 105, 2364] and chat.count(106) == 1  # one real end of turn: the markup stayed text
 
 
+@pytest.mark.skipif(not GEMMA_FILE or not kernels.available(), reason="the gemma3 extra or the q4 kernels are absent")
+def test_real_gemma3_file_in_a_continuous_batch_with_shared_prompts_is_exact():
+    """The real 270M file in q4 (windowed and global layers, the 262k head) in a continuous batch: five chat
+    prompts, one asked again and one a follow-up of another, join and leave a 3-row batch; every output equals
+    `LLM.generate`'s, token for token. Then one at a time through one row: the repeat reuses the first's K/V
+    still in the row, the follow-up the whole prompt it extends (prefix reuse)."""
+    import midlayer
+
+    llm = midlayer.LLM.load("gemma3-270m", weights="q4")
+    llm.prefix_reuse = 4  # (these prompts are shorter than the default 16)
+    texts = ["Name three primes.", "What is the capital of France?", "Write a haiku about rain."]
+    p = [llm.encode([{"role": "user", "content": t}]) for t in texts]
+    prompts = [p[0], p[0], p[1], p[1] + llm.encode(" Answer in one word."), p[2]]
+    cfg = llm.settings(12, 0.0, 0, 1.0, None)
+    ref = [llm.generate(x, max_tokens=12).token_ids for x in prompts]
+    for rows in (3, 1):
+        batch = llm.batch(rows)
+        handles = {batch.add(x, cfg): i for i, x in enumerate(prompts)}
+        got, reused = {i: [] for i in range(len(prompts))}, {}
+        while len(batch):
+            for seq, tokens, _ in batch.step():
+                got[handles[seq.handle]] += tokens
+                reused[handles[seq.handle]] = seq.reused
+        assert [got[i] for i in range(len(prompts))] == ref
+    assert reused[1] == len(p[0]) - 1 and reused[3] >= len(p[1])
+
+
 def test_export_to_a_hugging_face_folder_loads_back_in_transformers(tiny, tmp_path):
     from midlayer.engine.pretrained import export_hf
 
