@@ -190,7 +190,7 @@ class LLM:
             cache.truncate(start)
             out = memo[3][:start + 1]
         else:
-            start, out = 0, [(None, {})]
+            out = [(None, {})]
             cache = KVCache.for_model(self.model.cfg, 1, max_len=len(ids), device=dev, dtype=kv_dtype(self.model))
         self._scored = None  # (the cache changes below: no half-updated memo survives an error)
         logits = forward_cached(self.model, tokens[:, start:], cache, torch.arange(start, len(ids), device=dev)[None],
@@ -219,9 +219,9 @@ class LLM:
     def generate(self, prompt: Prompt | Sequence[Prompt], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()
                  ) -> Completion | list[Completion]:
-        """One `Completion` for one prompt, a list for a list of prompts (decoded together: in one batch, or with
-        prompt lookup, Medusa heads or EAGLE in one continuous batch whose rows draft chains; another drafter
-        decodes them one by one). `stop`: strings that end a completion (cut before the string)."""
+        """One `Completion` for one prompt, a list for a list of prompts (decoded together: plain decoding in one
+        batch; with stop strings or a drafter, in one continuous batch whose rows draft chains, unless
+        `batch_refusal` says why not: then one by one). `stop`: strings that end a completion (cut before the string)."""
         if not isinstance(prompt, str) and isinstance(prompt, Sequence) and not prompt:
             raise ValueError("no prompt: give a str, a chat (a list of messages) or a list of prompts")
         many = not isinstance(prompt, str) and isinstance(prompt, Sequence) and \

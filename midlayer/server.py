@@ -99,7 +99,8 @@ def _put_all(items: list[tuple[Job, tuple[str, Any]]]) -> None:
 class Engine:
     """The worker thread that owns the model. Batched (the default where `LLM.batch_refusal` allows it): every
     request joins one continuous batch (engine/batch.py) at the next step and leaves it when done, its slot
-    freed at once when it is cancelled or its client goes away. Otherwise (`max_batch` 1, the static engine): requests are decoded one after another."""
+    freed at once when it is cancelled or its client goes away. Otherwise (`max_batch` 1, the static engine):
+    requests are decoded one after another."""
 
     def __init__(self, llm: LLM, max_queue: int, max_batch: int = 16) -> None:
         self.llm, self.max_queue = llm, max_queue

@@ -248,7 +248,6 @@ class ContinuousBatch:
         self.draft_cost = StepCost()  # a self drafter's forwards, by rows (`_pays`)
         if fused is not None:
             self.k = min(k, fused.k)
-        self.carry = False  # this step's forward carries the fused drafter's rows (`_drafts`)
         # slots past the context for a step's scratch slot and the fused drafter's rows
         self.scratch = 1 + (0 if fused is None else (1 + self.k) * fused.k)
         self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
@@ -331,16 +330,12 @@ class ContinuousBatch:
         """Free seq's row: the last running sequence moves into it (K/V, key biases, positions), one copy. The
         freed last row still holds its sequence's K/V: remembered for a prompt that starts the same (`_prefix`)."""
         r, last = seq.row, len(self.running) - 1
-        c = self.cache
-        gone = self.running[last]
-        self.memory[last] = (gone.tokens[:gone.length], gone.fed)
+        mover = self.running[last]
+        self.memory[last] = (mover.tokens[:mover.length], mover.fed)
         if r != last:
-            mover = self.running[last]
             n = mover.length
-            c.k[:, r, :, :n] = c.k[:, last, :, :n]
-            c.v[:, r, :, :n] = c.v[:, last, :, :n]
-            c.bias[:, r] = c.bias[:, last]
-            c.pos[r, :n] = c.pos[last, :n]
+            self.cache.copy_row(last, r, n)
+            self.cache.bias[:, r, n:] = float("-inf")  # (as in row last: a row's slots past its length are hidden)
             if self.row_drafter is not None:
                 self.row_drafter.move(last, r, mover.fed)
             mover.row = r
@@ -505,10 +500,7 @@ class ContinuousBatch:
             row = r + i
             s, donor = self._prefix(seq, row)
             if donor not in (-1, row):  # (running rows are never joining rows: no copy reads a row written here)
-                c.k[:, row, :, :s] = c.k[:, donor, :, :s]
-                c.v[:, row, :, :s] = c.v[:, donor, :, :s]
-                c.bias[:, row, :s] = c.bias[:, donor, :s]
-                c.pos[row, :s] = c.pos[donor, :s]
+                c.copy_row(donor, row, s)
                 if self.row_drafter is not None:
                     self.row_drafter.move(donor, row, s)
             c.bias[:, row, s:] = float("-inf")  # whatever earlier sequences left past the prefix is gone
@@ -550,15 +542,15 @@ class ContinuousBatch:
         for seq in sorted((s for s in seqs if s.done), key=lambda s: -s.row):
             self._leave(seq)
 
-    def _drafts(self) -> list[list[int]]:
+    def _drafts(self) -> tuple[list[list[int]], bool]:
         """Each running row's chain draft (greedy rows with a proposer only), all cut to one depth D, the one
         that pays best (module docstring, "When a draft pays"); each also capped by the context, the row's
-        remaining budget and the forward's row cap."""
+        remaining budget and the forward's row cap. And whether this step's forward carries a fused drafter's
+        rows (it does whenever the step drafts: they make the next step's chains)."""
         n = len(self.running)
         drafts: list[list[int]] = [[] for _ in range(n)]
-        self.carry = False
         if all(x is None for x in (self.propose, self.row_drafter, self.fused, self.self_drafter)) or self.k == 0:
-            return drafts
+            return drafts, False
         spare = self.max_step_rows - n  # rows a forward may spend on drafts
         rooms = [min(self.k, self.ctx - 1 - seq.length, seq.budget - len(seq.new) - 1, spare // n)
                  if seq.cfg.temperature == 0 else 0 for seq in self.running]
@@ -566,11 +558,10 @@ class ContinuousBatch:
         # (proposing is Python work per row, a sizeable part of a big batch's step)
         depth = self._pays([max(r, 0) for r in rooms])
         if depth == 0:
-            return drafts
+            return drafts, False
         cut = [min(r, depth) for r in rooms]
         rows = [i for i in range(n) if cut[i] > 0]
         if self.fused is not None:  # the chains the last step's forward drafted; this one drafts the next ones
-            self.carry = True
             chains = [self.running[i].chain for i in rows]
         elif self.self_drafter is not None:
             chains = self._self_chains(cut, rows)
@@ -586,7 +577,7 @@ class ContinuousBatch:
             chains = [self.propose(self.running[i].tokens, cut[i]) for i in rows]
         for i, chain in zip(rows, chains):
             drafts[i] = [int(t) for t in chain[:cut[i]]]
-        return drafts
+        return drafts, self.fused is not None
 
     @torch.no_grad()
     def _self_chains(self, cut: list[int], rows: list[int]) -> list[list[int]]:
@@ -664,12 +655,11 @@ class ContinuousBatch:
         rows = list(self.running)
         cache = self.cache  # (replaced by a larger one if the cache grows during this step: `_reserve`)
         t0 = time.perf_counter()  # the step's cost includes proposing: Python work per row, only when drafting
-        drafts = self._drafts()
+        drafts, carry = self._drafts()
         if self.self_drafter is not None:  # its forwards have a line of their own (`_self_chains`)
             t0 = time.perf_counter()
         fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
         M = max(len(f) for f in fed)
-        carry = self.carry
         logits, hidden = self._forward(0, fed, [s.length for s in rows], last_only=M == 1, carry=carry)
         if self.cache is cache:  # a step that grew the cache copied it: not a sample of the cost line
             (self.fused_cost if carry else self.cost).add(len(rows) * M, time.perf_counter() - t0)

@@ -496,8 +496,8 @@ def bench_speculative(model_name: str = "smollm2-135m", drafts: dict[str, str] |
     drafting a chain each step as deep as pays, what `generate` runs for lookup with tree auto; no per-depth top-1
     there. layer_skip (a, b): a layer-skip drafter skipping blocks a..b-1. tree: "chain" (the top-1 chain of depth
     k) or "sparse" (the `nodes` nodes of highest estimated acceptance, `DraftTree.greedy_from_accuracies` on the
-    draft's held-out per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden transfer's tree, or
-    Medusa's, so every method runs the same tree size) or "auto" (per drafter, `tree_cost.auto_tree`: the
+    draft's held-out per-rank accuracies; drafters without them -- early exit, layer skip -- use hidden
+    transfer's tree, or Medusa's, so every method runs the same tree size) or "auto" (per drafter, `tree_cost.auto_tree`: the
     tree of highest expected tokens/s from those accuracies and this machine's measured row costs).
     Phases: the methods (`speculative_methods`), their trees (`method_tree`), the anchors (transformers,
     llama.cpp), each prompt through every side (`_bench_prompt`), the table (`_speculative_rows`).

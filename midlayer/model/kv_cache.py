@@ -119,6 +119,15 @@ class KVCache:
         view.window, view.layer_windows = self.window, self.layer_windows
         return view
 
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Slots 0..length-1 of row src (K, V, key biases, positions) become row dst's: a continuous batch moving
+        a sequence to another row, or a joining prompt taking a shared prefix (engine/batch.py; EAGLE's rows)."""
+        self._whole("copy_row")
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.bias[:, dst, :length] = self.bias[:, src, :length]
+        self.pos[dst, :length] = self.pos[src, :length]
+
     def grown(self, max_len: int, keep_length: bool = False) -> "KVCache":
         """A cache of `max_len` slots (at least this one's) holding what this one holds, in the same rows, with
         the same windows: where a cache that outgrew its slots moves (a continuous batch, EAGLE's batch rows).

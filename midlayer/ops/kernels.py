@@ -156,7 +156,8 @@ def build(verbose: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}.so")
     # -ffp-contract=off: no fused multiply-adds the source does not write, so the scalar and AVX2 paths (and
-    # the PyTorch reference) round identically (the attention's are explicit in both: fmaf, vfmadd). OpenMP: the library joins the libgomp pool torch itself uses (same soname).
+    # the PyTorch reference) round identically (the attention's are explicit in both: fmaf, vfmadd). OpenMP:
+    # the library joins the libgomp pool torch itself uses (same soname).
     cmd = [cc, "-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-o", str(tmp), str(_SRC), "-lm"]
     if platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"the q4 kernels are written for x86-64, not {platform.machine()}")

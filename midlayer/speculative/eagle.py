@@ -543,11 +543,7 @@ class EagleRows:
             self.cache = self.cache.grown(max(need, 2 * self.cache.max_len))
 
     def move(self, src: int, dst: int, length: int) -> None:
-        c = self.cache
-        c.k[:, dst, :, :length] = c.k[:, src, :, :length]
-        c.v[:, dst, :, :length] = c.v[:, src, :, :length]
-        c.bias[:, dst, :length] = c.bias[:, src, :length]
-        c.pos[dst, :length] = c.pos[src, :length]
+        self.cache.copy_row(src, dst, length)
 
     def _run(self, rows: list[int], feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              slots: torch.Tensor) -> torch.Tensor:

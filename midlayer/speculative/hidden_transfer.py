@@ -596,6 +596,6 @@ class HiddenTransferRows:
         return [[c[0] for c in topk_lists(logits[b], [1] * self.k, vocab)] for b in range(n)]
 
 
-__all__ = ["HiddenTransfer", "HiddenTransferDrafter", "HiddenTransferRows", "visible", "tree_visible", "training_rows", "training_mask",
-           "transfer_forward", "hidden_transfer_loss", "train_hidden_transfer", "pseudo_logits_cached",
+__all__ = ["HiddenTransfer", "HiddenTransferDrafter", "HiddenTransferRows", "visible", "tree_visible",
+           "training_rows", "training_mask", "transfer_forward", "hidden_transfer_loss", "train_hidden_transfer", "pseudo_logits_cached",
            "draft_top1_accuracy"]
