@@ -188,19 +188,43 @@ def test_medusa_heads_draft_in_the_batch_from_each_rows_own_hidden_state():
         ContinuousBatch(model, propose=PromptLookupDrafter(V).chain, row_drafter=drafter)
 
 
-def _eagle(model, seed: int = 3, vocab: torch.Tensor | None = None):
-    """An EAGLE drafter over `model` with a random (untrained, not identity) head, on a draft vocabulary."""
-    from midlayer.engine.draft_vocab import set_draft_vocab
-    from midlayer.speculative.eagle import EagleDrafter, EagleHead
+def _spy_chains(owner, name: str, seqs_of, reference) -> list[int]:
+    """Wrap owner.<name>, where a drafter hands the batch its chains: after every call each chain must equal
+    reference(seq, len(chain)), the chain the one-sequence drafter drafts for that row's sequence (seqs_of(*args):
+    the sequences of the call's chains, in order). Returns the lengths checked, filled as the batch runs."""
+    real, checked = getattr(owner, name), []
 
-    head = EagleHead.for_model(model)
+    def spied(*args):
+        got = real(*args)
+        seqs = seqs_of(*args)
+        assert len(seqs) == len(got)
+        for seq, chain in zip(seqs, got):
+            assert chain == reference(seq, len(chain))
+            checked.append(len(chain))
+        return got
+    setattr(owner, name, spied)
+    return checked
+
+
+def _perturbed(module, scale: float, seed: int, vocab: torch.Tensor | None):
+    """A draft module with seeded noise of `scale` added to every weight (untrained, not its identity start),
+    on a draft vocabulary when `vocab` is given."""
+    from midlayer.engine.draft_vocab import set_draft_vocab
+
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
     if vocab is not None:
-        set_draft_vocab(head, vocab)
-    return EagleDrafter(model, head)
+        set_draft_vocab(module, vocab)
+    return module
+
+
+def _eagle(model, seed: int = 3, vocab: torch.Tensor | None = None):
+    """An EAGLE drafter over `model` with a random (untrained, not identity) head, on a draft vocabulary."""
+    from midlayer.speculative.eagle import EagleDrafter, EagleHead
+
+    return EagleDrafter(model, _perturbed(EagleHead.for_model(model), 0.05, seed, vocab))
 
 
 @needs_kernels
@@ -224,22 +248,16 @@ def test_eagle_drafts_in_the_batch_the_chains_it_drafts_alone(vocab):
     rows = EagleRows(drafter, 4, initial_len=8)  # 8 slots at first: the draft cache grows too
     batch = ContinuousBatch(model, max_rows=4, row_drafter=rows, k=3, initial_len=8)
     batch._pays = lambda lengths: max(lengths)  # draft every step, as deep as each row allows
-    chains, checked = rows.chains, []
 
-    def spied(rs, starts, hidden, tokens, depth):
-        got = chains(rs, starts, hidden, tokens, depth)
-        for r, chain in zip(rs, got):
-            seq = batch.running[r]
-            ids = seq.tokens[:seq.length + 1]
-            cache = KVCache.for_model(model.cfg, 1, max_len=seq.length, dtype=kv_dtype(model))
-            _, h = forward_cached(model, torch.tensor([ids[:-1]]), cache, torch.arange(seq.length)[None],
-                                  return_hidden=True, all_hidden=True)
-            drafter.reset()
-            ctx = DraftContext(model, None, ids, h[0], None, {}, DraftTree.chain(depth), 0.0, None)
-            assert chain == drafter.propose(ctx).node_tokens.tolist()
-            checked.append(len(chain))
-        return got
-    rows.chains = spied
+    def alone(seq, depth):
+        ids = seq.tokens[:seq.length + 1]
+        cache = KVCache.for_model(model.cfg, 1, max_len=seq.length, dtype=kv_dtype(model))
+        _, h = forward_cached(model, torch.tensor([ids[:-1]]), cache, torch.arange(seq.length)[None],
+                              return_hidden=True, all_hidden=True)
+        drafter.reset()
+        ctx = DraftContext(model, None, ids, h[0], None, {}, DraftTree.chain(depth), 0.0, None)
+        return drafter.propose(ctx).node_tokens.tolist()
+    checked = _spy_chains(rows, "chains", lambda rs, *_: [batch.running[r] for r in rs], alone)
     out, most = _run(batch, prompts, cfgs, seed=1)
     assert out == ref and most == 4
     assert len(checked) > 20 and max(checked) == 3 and rows.cache.max_len > 8
@@ -371,6 +389,17 @@ def test_eagle_in_the_batch_accepts_drafts_and_stays_exact():
     _accepts_on_loops(model, row_drafter=EagleRows(drafter, 3), k=4)
 
 
+def _all_at_once(batch: ContinuousBatch, prompts, cfgs):
+    """Every prompt added at once, the batch stepped until empty: each one's new tokens and its sequence."""
+    handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
+    got, seqs = {h: [] for h in handles}, {}
+    while len(batch):
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] += tokens
+            seqs[seq.handle] = seq
+    return [got[h] for h in handles], [seqs[h] for h in handles]
+
+
 def _accepts_on_loops(model, **drafting) -> None:
     """Three prompts that loop, decoded together with a drafter that repeats what the base chose last, drafting
     every step (the rule follows measured step times): exact output, drafts accepted, forwards saved."""
@@ -380,31 +409,18 @@ def _accepts_on_loops(model, **drafting) -> None:
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
     batch = ContinuousBatch(model, max_rows=3, **drafting)
     batch._pays = lambda lengths: max(lengths)
-    handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
-    got, seqs = {h: [] for h in handles}, {}
-    while len(batch):
-        for seq, tokens, _ in batch.step():
-            got[seq.handle] += tokens
-            seqs[seq.handle] = seq
-    assert [got[h] for h in handles] == ref
-    accepted = sum(a * n for s in seqs.values() for a, n in enumerate(s.accept_hist))
-    forwards = sum(s.forwards for s in seqs.values())
+    out, seqs = _all_at_once(batch, prompts, cfgs)
+    assert out == ref
+    accepted = sum(a * n for s in seqs for a, n in enumerate(s.accept_hist))
+    forwards = sum(s.forwards for s in seqs)
     assert accepted > 0 and forwards < sum(len(r) for r in ref) - 3
 
 
 def _transfer(model, layers, seed: int = 0, vocab: torch.Tensor | None = None):
     """A hidden-transfer drafter over `model`: identity maps plus noise (so every part of the mask matters)."""
-    from midlayer.engine.draft_vocab import set_draft_vocab
     from midlayer.speculative.hidden_transfer import HiddenTransfer, HiddenTransferDrafter
 
-    ht = HiddenTransfer(model.cfg.dim, layers)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in ht.maps:
-            m.weight.add_(0.3 * torch.randn(m.weight.shape, generator=g))
-    if vocab is not None:
-        set_draft_vocab(ht, vocab)
-    return HiddenTransferDrafter(model, ht)
+    return HiddenTransferDrafter(model, _perturbed(HiddenTransfer(model.cfg.dim, layers), 0.3, seed, vocab))
 
 
 @needs_kernels
@@ -429,24 +445,18 @@ def test_hidden_transfer_drafts_in_the_batch_the_chains_it_drafts_alone(vocab):
     rows = HiddenTransferRows(drafter)
     batch = ContinuousBatch(model, max_rows=4, fused=rows, k=3, initial_len=8)
     batch._pays = lambda lengths: max(lengths)  # draft every step, as deep as each row allows
-    chains, checked = rows.chains, []
     t = drafter.transfer
 
-    def spied(pseudo, columns):
-        got = chains(pseudo, columns)
-        seqs = [s for s in batch.running if not s.done]  # the rows `_decode` asked for, in order
-        assert len(seqs) == len(got)
-        for seq, chain in zip(seqs, got):
-            n = seq.length  # tokens[:n] are in the cache; the anchor is position n - 1
-            cache = KVCache.for_model(model.cfg, 1, max_len=n + t.k, dtype=kv_dtype(model))
-            capture = {b: None for b in set(t.layers)}
-            forward_cached(model, torch.tensor([seq.tokens[:n]]), cache, torch.arange(n)[None], capture=capture)
-            logits = pseudo_logits_cached(model, t, cache, n - 1, {b: h[0, -1] for b, h in capture.items()}, t.k,
-                                          draft_head=True)
-            assert chain == [c[0] for c in topk_lists(logits, [1] * t.k, draft_vocab(t))]
-            checked.append(len(chain))
-        return got
-    rows.chains = spied
+    def alone(seq, _):
+        n = seq.length  # tokens[:n] are in the cache; the anchor is position n - 1
+        cache = KVCache.for_model(model.cfg, 1, max_len=n + t.k, dtype=kv_dtype(model))
+        capture = {b: None for b in set(t.layers)}
+        forward_cached(model, torch.tensor([seq.tokens[:n]]), cache, torch.arange(n)[None], capture=capture)
+        logits = pseudo_logits_cached(model, t, cache, n - 1, {b: h[0, -1] for b, h in capture.items()}, t.k,
+                                      draft_head=True)
+        return [c[0] for c in topk_lists(logits, [1] * t.k, draft_vocab(t))]
+    # the rows `_decode` asked for, in order: those still going
+    checked = _spy_chains(rows, "chains", lambda *_: [s for s in batch.running if not s.done], alone)
     out, most = _run(batch, prompts, cfgs, seed=1)
     assert out == ref and most == 4
     assert len(checked) > 20 and max(checked) == 3 and batch.cache.max_len > 8
@@ -502,21 +512,15 @@ def test_self_drafters_draft_in_the_batch_the_chains_they_draft_alone(kind):
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
     batch = ContinuousBatch(model, max_rows=4, self_drafter=drafter, k=3, initial_len=8)
     batch._pays = lambda lengths: max(lengths)  # draft every step, as deep as each row allows
-    chains, checked = batch._self_chains, []
 
-    def spied(cut, rows):
-        got = chains(cut, rows)
-        for i, chain in zip(rows, got):
-            seq = batch.running[i]
-            ids = seq.tokens[:seq.length + 1]
-            cache = KVCache.for_model(model.cfg, 1, max_len=seq.length + 8, dtype=kv_dtype(model))
-            forward_cached(model, torch.tensor([ids[:-1]]), cache, torch.arange(seq.length)[None])
-            ctx = DraftContext(model, cache, ids, torch.zeros(0, model.cfg.dim), None, {}, DraftTree.chain(cut[i]),
-                               0.0, None)
-            assert chain == list(drafter.propose(ctx).node_tokens)
-            checked.append(len(chain))
-        return got
-    batch._self_chains = spied
+    def alone(seq, depth):
+        ids = seq.tokens[:seq.length + 1]
+        cache = KVCache.for_model(model.cfg, 1, max_len=seq.length + 8, dtype=kv_dtype(model))
+        forward_cached(model, torch.tensor([ids[:-1]]), cache, torch.arange(seq.length)[None])
+        ctx = DraftContext(model, cache, ids, torch.zeros(0, model.cfg.dim), None, {}, DraftTree.chain(depth), 0.0,
+                           None)
+        return list(drafter.propose(ctx).node_tokens)
+    checked = _spy_chains(batch, "_self_chains", lambda cut, rows: [batch.running[i] for i in rows], alone)
     out, most = _run(batch, prompts, cfgs, seed=1)
     assert out == ref and most == 4
     assert len(checked) > 20 and max(checked) == 3
@@ -534,14 +538,9 @@ def test_a_self_drafter_that_is_the_base_is_always_right_in_the_batch():
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
     batch = ContinuousBatch(model, max_rows=3, self_drafter=LayerSkipDrafter(model, []), k=3)
     batch._pays = lambda lengths: max(lengths)
-    handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
-    got, seqs = {h: [] for h in handles}, {}
-    while len(batch):
-        for seq, tokens, _ in batch.step():
-            got[seq.handle] += tokens
-            seqs[seq.handle] = seq
-    assert [got[h] for h in handles] == ref
-    for seq in seqs.values():  # every round accepts its whole draft: rejections never happen
+    out, seqs = _all_at_once(batch, prompts, cfgs)
+    assert out == ref
+    for seq in seqs:  # every round accepts its whole draft: rejections never happen
         judged = sum(n for a, n in enumerate(seq.accept_hist) if a > 0)
         assert seq.tries - 2.0 == seq.hits - 1.0 and seq.forwards == sum(seq.accept_hist) and judged > 0
     assert batch.draft_cost.line() is not None
