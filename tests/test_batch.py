@@ -378,6 +378,107 @@ def test_a_free_row_remembers_what_it_held():
         ContinuousBatch(model, prefix_reuse=-1)
 
 
+def test_swap_rows_trades_each_rows_first_slots_and_leaves_the_rest():
+    """`KVCache.swap_rows(a, b, la, lb)`: row a's first la slots (K, V, key biases, positions) become row b's and
+    row b's first lb row a's; slots past those, and other rows, are untouched."""
+    from midlayer.model.kv_cache import KVCache
+
+    torch.manual_seed(0)
+    c = KVCache(2, 3, 2, 4, 10)
+    for t in (c.k, c.v, c.bias):
+        t.copy_(torch.randn_like(t))
+    c.pos.copy_(torch.randint(0, 99, c.pos.shape))
+    before = [t.clone() for t in (c.k, c.v, c.bias, c.pos)]
+    c.swap_rows(0, 2, 7, 4)
+    for new, old, row_dim in zip((c.k, c.v, c.bias, c.pos), before, (1, 1, 1, 0)):
+        def at(t, r, first, stop):
+            return t.select(row_dim, r)[..., first:stop, :] if t.dim() == 5 else t.select(row_dim, r)[..., first:stop]
+        assert torch.equal(at(new, 2, 0, 7), at(old, 0, 0, 7)) and torch.equal(at(new, 0, 0, 4), at(old, 2, 0, 4))
+        assert torch.equal(at(new, 0, 4, 10), at(old, 0, 4, 10)) and torch.equal(at(new, 2, 7, 10), at(old, 2, 7, 10))
+        assert torch.equal(new.select(row_dim, 1), old.select(row_dim, 1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("drafter", [None, "eagle"])
+def test_a_follow_up_turn_finds_its_previous_turn_after_others_joined(drafter):
+    """Sequence A leaves from the first row while B runs: the rows swap, so A's K/V stay in the freed row
+    (`_leave`). C, an unrelated prompt, then takes that row: A's K/V move to another free row first
+    (`_keep_memory`). D, A's prompt and answer and a new turn, finds them there and prefills only its new part.
+    Outputs equal single-request decoding (q4), with EAGLE's draft rows swapped and moved along."""
+    from midlayer.speculative.eagle import EagleRows
+
+    model = _q4()
+    rng = random.Random(5)
+    pa, pb, pc = ([rng.randrange(6, V) for _ in range(n)] for n in (18, 9, 11))
+    cfgs = [GenerationConfig(max_new_tokens=n) for n in (4, 30, 10, 6)]
+    answer = generate(model, [pa], cfgs[0])[0]
+    pd = pa + answer + [rng.randrange(6, V) for _ in range(5)]
+    kw = {} if drafter is None else dict(row_drafter=EagleRows(_eagle(model), 3))
+    batch = ContinuousBatch(model, max_rows=3, k=3, **kw)
+    if drafter is not None:
+        batch._pays = lambda lengths: max(lengths)
+    got, seqs = {}, {}
+
+    def step() -> None:
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] = got.get(seq.handle, []) + tokens
+            seqs[seq.handle] = seq
+
+    def until(handle) -> None:
+        while handle in batch.by_handle:
+            step()
+    ha = batch.add(pa, cfgs[0])
+    hb = batch.add(pb, cfgs[1])
+    until(ha)
+    assert [x.handle for x in batch.running] == [hb] and list(batch.memory) == [1]
+    hc = batch.add(pc, cfgs[2])
+    step()
+    assert [x.handle for x in batch.running] == [hb, hc] and list(batch.memory) == [2]
+    hd = batch.add(pd, cfgs[3])
+    for h in (hb, hc, hd):
+        until(h)
+    assert [got[h] for h in (ha, hb, hc, hd)] == [generate(model, [p], c)[0] for p, c in zip((pa, pb, pc, pd), cfgs)]
+    # D reuses A's prompt and answer but the last answer token (never fed); with EAGLE, as far as A's draft entries
+    # go and one fewer (`_prefix`)
+    shared = len(pa) + len(answer) - 1
+    want = shared if drafter is None else min(shared - 1, seqs[ha].fed)
+    assert seqs[hd].reused == want and want >= len(pa) and seqs[hc].reused == 0
+
+
+@needs_kernels
+def test_a_row_whose_drafts_stopped_paying_tries_again_and_finds_the_good_ones():
+    """The depth rule's forgetting (`forget`): a proposer that is wrong for the first 12 steps and right after. The
+    row's estimate falls until no draft pays, and the row stops drafting. Without forgetting (forget=1) it never
+    drafts again; with it, its estimate drifts back to its prior, it tries again, finds the drafts right and
+    takes them. The step's cost line is fixed (a = 1, b = 0.3: a draft pays while p > ~0.23), so the rule is
+    deterministic. Output exact either way."""
+    model = _q4()
+    prompt, cfg = [3, 14, 15, 92, 65, 35], GenerationConfig(max_new_tokens=60)
+    ref = generate(model, [prompt], cfg)[0]
+    runs = {}
+    for forget in (1.0, 0.9):
+        steps = []
+
+        def propose(tokens, k):
+            t = len(tokens) - len(prompt)  # ref[t - 1] is the pending token, ref[t..] the right draft
+            right = ref[t:t + k]
+            return right if len(steps) > 12 else [(x + 1) % V for x in right]
+        batch = ContinuousBatch(model, max_rows=1, k=3, propose=propose, accept_prior=lambda ids: 0.9,
+                                forget=forget)
+        batch.cost.line = lambda: (1.0, 0.3)
+        seq, it = batch.alone(prompt, cfg)
+        out = []
+        for toks in it:
+            steps.append((seq.hits, seq.tries))
+            out += toks
+        assert out == ref
+        runs[forget] = seq.accept_hist
+    assert sum(runs[1.0][1:]) == 0  # it never took a draft token: wrong first, then never tried again
+    assert sum(runs[0.9][1:]) >= 5 and runs[0.9][3] >= 3  # it tried again and took whole chains
+    with pytest.raises(ValueError, match="forget"):
+        ContinuousBatch(model, forget=0.0)
+
+
 @needs_kernels
 def test_eagle_in_the_batch_accepts_drafts_and_stays_exact():
     """An EAGLE head that predicts the base's own next feature (its identity start, fhat = f) drafts the token

@@ -7,14 +7,15 @@ keeps every running sequence in one row of a shared KV cache and advances them a
 
   * **Rows.** The cache has `max_rows` rows; the running sequences hold rows 0..n-1, so a step's forward runs
     over a prefix of the buffers (`KVCache.rows`, no copy). A sequence that ends frees its row: the last
-    running sequence moves into it (its K/V copied once), so the prefix stays dense.
+    running sequence moves into it (the two rows swap), so the prefix stays dense and the freed row keeps the
+    left sequence's K/V for a follow-up prompt.
   * **Slots.** Slot p of a row holds that sequence's token at position p: each row has its own length, and a
     step writes row i's token at slot L_i (`forward_cached(..., slots=)`); the cache's mask hides a row's slots
     past its own length (-inf key bias), so a short row never sees a long row's stale keys.
   * **Joining.** Joining prompts are prefilled into their rows, several in one forward, as a single request's
     is, and take part in the next step's forward.
-  * **Prefix reuse.** A joining prompt that starts as a running row's tokens, or as what its free row still
-    holds from a sequence that left, takes that prefix's K/V from there and prefills only the rest (`_prefix`;
+  * **Prefix reuse.** A joining prompt that starts as a running row's tokens, or as what a free row still
+    holds from a sequence that left (a follow-up chat turn), takes that prefix's K/V from there and prefills only the rest (`_prefix`;
     chat prompts share their template's system turn); prompts that arrive together with one start share one
     prefill of it (`_defer`). In q4 the reused K/V are the bits the prompt's own prefill would give.
   * **Speculation in the batch.** Every drafter drafts a chain per greedy row: `propose` (from tokens: prompt
@@ -32,7 +33,9 @@ keeps every running sequence in one row of a shared KV cache and advances them a
     p^j, p the row's acceptance rate (a Beta estimate started from `accept_prior` on its prompt); a drafter's
     own forwards, or the rows it adds to the step's, are priced by lines of their own. One sequence drafts deep
     (a row costs a few percent of a step); a big batch drafts only where its rows have been right often. The
-    rows of a forward are capped too (`max_step_rows`).
+    rows of a forward are capped too (`max_step_rows`). A row that judges no draft token in a step forgets a
+    little of its evidence (`forget`): its estimate drifts back to its prior, so a row whose drafts stopped
+    paying tries again later -- an answer that turns to copying its prompt (a code edit) is noticed.
 
 Exactness. In the q4 format every kernel gives a row the same bits whatever rows share its forward and
 whatever masked keys lie beyond its own (kernels.py), so each sequence's greedy tokens equal single-request
@@ -89,6 +92,11 @@ class RowDrafter(Protocol):
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Row src's first `length` positions are row dst's from now on (the batch moved a sequence)."""
+        ...
+
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Rows a and b trade their first positions (length_a of row a's, length_b of row b's): a sequence left
+        row a, the last row's sequence moves into it, and row b keeps the left one's entries for a later prompt."""
         ...
 
 
@@ -154,6 +162,7 @@ class BatchSequence:
     accept_hist: list[int] = field(default_factory=list)  # rounds that accepted a draft tokens, by a
     hits: float = 1.0  # accepted draft tokens + the prior's (Beta estimate of the acceptance rate, `_drafts`)
     tries: float = 2.0  # judged draft tokens (up to and including the first rejection) + the prior's
+    prior: tuple[float, float] = (1.0, 2.0)  # (hits, tries) of the prior alone: what forgetting returns to
     fed: int = 0  # positions whose base states the row drafter holds (`row_drafter`)
     reused: int = 0  # prompt tokens whose K/V it took from another row instead of prefilling them (`_prefix`)
     chain: list[int] = field(default_factory=list)  # the fused drafter's next chain (`fused`), from the last step
@@ -230,7 +239,7 @@ class ContinuousBatch:
                  accept_prior: Callable[[Sequence[int]], float | None] | None = None,
                  row_drafter: RowDrafter | None = None, fused: FusedDrafter | None = None,
                  self_drafter: SelfDrafter | None = None, max_step_rows: int = 64, max_prefill_rows: int = 1024,
-                 initial_len: int = 256, prefix_reuse: int = 16) -> None:
+                 initial_len: int = 256, prefix_reuse: int = 16, forget: float = 0.995) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"continuous batching does not support this model: {why}")
@@ -251,6 +260,10 @@ class ContinuousBatch:
         # slots past the context for a step's scratch slot and the fused drafter's rows
         self.scratch = 1 + (0 if fused is None else (1 + self.k) * fused.k)
         self.accept_prior = accept_prior  # a prompt -> the drafter's expected acceptance rate on it (or None)
+        if not 0.0 < forget <= 1.0:
+            raise ValueError(f"forget must be in (0, 1] (1: never forget), got {forget}")
+        # per step without a judged draft token, a row keeps this share of its evidence beyond its prior
+        self.forget = forget
         self.cost = StepCost()
         self.fused_cost = StepCost()  # the forwards that carried a fused drafter's rows (`_pays`)
         self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
@@ -291,6 +304,7 @@ class ContinuousBatch:
         q = self.accept_prior(ids) if self.accept_prior is not None and drafting else None
         if q is not None:  # Beta(1 + 2q, 1 + 2(1 - q)): the prior's mean, worth two judged tokens, over a uniform
             seq.hits, seq.tries = 1.0 + 2.0 * q, 4.0  # one (so a row whose prompt repeats nothing still tries)
+        seq.prior = (seq.hits, seq.tries)
         self._next += 1
         self.by_handle[seq.handle] = seq
         if budget <= 0:
@@ -327,19 +341,21 @@ class ContinuousBatch:
             self._leave(seq)
 
     def _leave(self, seq: BatchSequence) -> None:
-        """Free seq's row: the last running sequence moves into it (K/V, key biases, positions), one copy. The
-        freed last row still holds its sequence's K/V: remembered for a prompt that starts the same (`_prefix`)."""
+        """Free seq's row: the last running sequence moves into it (K/V, key biases, positions) and seq's K/V go to
+        the freed last row, a swap. That row remembers them (`memory`) for a prompt that starts as seq's tokens: a
+        follow-up chat turn prefills only its new part (`_prefix`)."""
         r, last = seq.row, len(self.running) - 1
-        mover = self.running[last]
-        self.memory[last] = (mover.tokens[:mover.length], mover.fed)
         if r != last:
-            n = mover.length
-            self.cache.copy_row(last, r, n)
-            self.cache.bias[:, r, n:] = float("-inf")  # (as in row last: a row's slots past its length are hidden)
+            mover = self.running[last]
+            self.cache.swap_rows(r, last, seq.length, mover.length)
+            self.cache.bias[:, r, mover.length:] = float("-inf")  # a row's slots past its length are hidden
             if self.row_drafter is not None:
-                self.row_drafter.move(last, r, mover.fed)
+                self.row_drafter.swap(r, last, seq.fed, mover.fed)
             mover.row = r
             self.running[r] = mover
+        self.cache.bias[:, last, seq.length:] = float("-inf")
+        self.memory.pop(last, None)  # (re-inserted: the newest memory comes last, `_keep_memory`)
+        self.memory[last] = (seq.tokens[:seq.length], seq.fed)
         self.running.pop()
         seq.row = -1
         self.by_handle.pop(seq.handle, None)
@@ -466,8 +482,9 @@ class ContinuousBatch:
         return any(shared_prefix(ids, x.tokens) >= self.prefix_reuse for x in joining)
 
     def _prefix(self, seq: BatchSequence, row: int) -> tuple[int, int]:
-        """(s, donor): the joining `seq` (into `row`) takes slots 0..s-1 from row `donor` -- a running row, or
-        `row` itself where it remembers a left sequence's K/V (`memory`) -- whose tokens start as its prompt
+        """(s, donor): the joining `seq` (into `row`) takes slots 0..s-1 from row `donor` -- a running row, or a
+        free row (`row` itself or a later one) that remembers a left sequence's K/V (`memory`) -- whose tokens start
+        as its prompt
         does, the longest such prefix; (0, -1) if none reaches `prefix_reuse` tokens. The prompt's last token is
         always run (its logits choose the first new token). With a row drafter that keeps rows, s also stops where
         the donor's draft entries do and one before the shared tokens end (EAGLE's entry at position t reads token
@@ -478,8 +495,8 @@ class ContinuousBatch:
             return 0, -1
         ids = seq.tokens[:seq.prompt_len - 1]
         held = [(x.row, x.tokens[:x.length], x.fed) for x in self.running]
-        if row in self.memory:
-            held.append((row, *self.memory[row]))
+        # free rows: `row` and those after it, which this join has not written yet (joiners take rows in order)
+        held += [(m, *self.memory[m]) for m in sorted(self.memory) if m >= row]
         best, donor = 0, -1
         for r, toks, fed in held:
             n = shared_prefix(ids, toks)
@@ -499,6 +516,8 @@ class ContinuousBatch:
         for i, seq in enumerate(seqs):
             row = r + i
             s, donor = self._prefix(seq, row)
+            if donor != row and row in self.memory:
+                self._keep_memory(row, r + len(seqs), donor)
             if donor not in (-1, row):  # (running rows are never joining rows: no copy reads a row written here)
                 c.copy_row(donor, row, s)
                 if self.row_drafter is not None:
@@ -516,6 +535,24 @@ class ContinuousBatch:
             self.running.append(seq)
             self._commit(seq, [int(self._sample(seq, logits[i:i + 1])[0])], events, logits[i:i + 1])
         self._leave_finished(seqs)
+
+    def _keep_memory(self, row: int, free: int, donor: int) -> None:
+        """A joining prompt is about to overwrite free `row`, whose remembered K/V it does not start with: copy them
+        to a free row that this join leaves alone (`free`.. `max_rows` - 1) and that is not the joiner's `donor`,
+        one that remembers nothing if there is one, else the one whose memory is oldest. So a follow-up turn still
+        finds its previous turn when other requests joined in between."""
+        spare = [t for t in range(free, self.max_rows) if t not in self.memory]
+        older = [t for t in self.memory if t >= free and t != donor]  # (dict order: oldest first)
+        target = spare[0] if spare else older[0] if older else -1
+        if target < 0:
+            return
+        tokens, fed = self.memory.pop(row)
+        self.memory.pop(target, None)
+        self.cache.copy_row(row, target, len(tokens))
+        self.cache.bias[:, target, len(tokens):] = float("-inf")
+        if self.row_drafter is not None:
+            self.row_drafter.move(row, target, fed)
+        self.memory[target] = (tokens, fed)
 
     def _sample(self, seq: BatchSequence, logits: torch.Tensor) -> torch.Tensor:
         cfg = seq.cfg
@@ -680,6 +717,9 @@ class ContinuousBatch:
                 seq.accept_hist[a] += 1
                 seq.hits += a
                 seq.tries += min(len(d), a + 1)
+                if not d:  # no evidence this step: keep `forget` of what lies beyond the prior
+                    (h0, t0), f = seq.prior, self.forget
+                    seq.hits, seq.tries = h0 + f * (seq.hits - h0), t0 + f * (seq.tries - t0)
                 if a < len(d):  # the rejected drafts' slots: hidden from every later query, at every layer
                     c.bias[:, seq.row, seq.length + 1 + a:seq.length + 1 + len(d)] = float("-inf")
             if self.row_drafter is not None and seq.cfg.temperature == 0:  # the states of the committed positions

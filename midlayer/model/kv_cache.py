@@ -128,6 +128,17 @@ class KVCache:
         self.bias[:, dst, :length] = self.bias[:, src, :length]
         self.pos[dst, :length] = self.pos[src, :length]
 
+    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Rows a and b trade their first slots: row a's 0..length_a-1 become row b's and row b's 0..length_b-1 row
+        a's (K, V, key biases, positions). A continuous batch freeing row a moves its last running sequence (row
+        b) into it and keeps the leaving sequence's K/V in row b for a follow-up prompt (engine/batch.py)."""
+        self._whole("swap_rows")
+        held = (self.k[:, b, :, :length_b].clone(), self.v[:, b, :, :length_b].clone(),
+                self.bias[:, b, :length_b].clone(), self.pos[b, :length_b].clone())
+        self.copy_row(a, b, length_a)
+        self.k[:, a, :, :length_b], self.v[:, a, :, :length_b] = held[0], held[1]
+        self.bias[:, a, :length_b], self.pos[a, :length_b] = held[2], held[3]
+
     def grown(self, max_len: int, keep_length: bool = False) -> "KVCache":
         """A cache of `max_len` slots (at least this one's) holding what this one holds, in the same rows, with
         the same windows: where a cache that outgrew its slots moves (a continuous batch, EAGLE's batch rows).

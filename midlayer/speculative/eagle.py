@@ -545,6 +545,9 @@ class EagleRows:
     def move(self, src: int, dst: int, length: int) -> None:
         self.cache.copy_row(src, dst, length)
 
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        self.cache.swap_rows(a, b, length_a, length_b)
+
     def _run(self, rows: list[int], feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              slots: torch.Tensor) -> torch.Tensor:
         """The head over rows `rows` of the draft cache: entries [n, M] at their own slots."""

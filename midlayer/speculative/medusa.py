@@ -101,6 +101,9 @@ class MedusaDrafter(Drafter):
     def move(self, src: int, dst: int, length: int) -> None:
         """(No state per row: nothing to move.)"""
 
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """(No state per row: nothing to swap.)"""
+
 
 def medusa_loss(model: Transformer, heads: MedusaHeads, tokens: torch.Tensor,
                 states: tuple[torch.Tensor, list[torch.Tensor]] | None = None, mask: torch.Tensor | None = None
