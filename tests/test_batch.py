@@ -327,7 +327,7 @@ def test_random_arrivals_cancels_and_shared_starts_stay_exact(drafter):
     steps into a batch of 1-4 rows, some are cancelled at random steps (a client gone), rows move, free rows
     remember and are reused, the cache grows from 8 slots, and every drafter kind drafts as deep as it can.
     Every sequence that ran to its end equals single-request greedy decoding; a cancelled one got a prefix of
-    it."""
+    it. After every step, every free row's memory holds its remembered tokens' K/V as a fresh prefill does."""
     from midlayer.speculative.eagle import EagleRows
     from midlayer.speculative.hidden_transfer import HiddenTransferRows
     from midlayer.speculative.layer_skip import LayerSkipDrafter
@@ -357,8 +357,24 @@ def test_random_arrivals_cancels_and_shared_starts_stay_exact(drafter):
                 gone.add(handles[h])
             for seq, tokens, _ in batch.step():
                 got[handles[seq.handle]] += tokens
+            _memory_is_a_prefill(model, batch)
         for i in range(len(prompts)):
             assert got[i] == ref[i] if i not in gone else got[i] == ref[i][:len(got[i])], (seed, i)
+
+
+def _memory_is_a_prefill(model, batch: ContinuousBatch) -> None:
+    """Every free row that remembers a left sequence (`batch.memory`) holds, at every layer, the K/V a fresh
+    prefill of the remembered tokens gives (q4: the same bits), and their positions."""
+    from midlayer.engine.generate import forward_cached
+    from midlayer.model.kv_cache import KVCache, kv_dtype
+
+    for row, (tokens, _) in batch.memory.items():
+        n = len(tokens)
+        fresh = KVCache.for_model(model.cfg, 1, max_len=n, dtype=kv_dtype(model))
+        forward_cached(model, torch.tensor([tokens]), fresh, torch.arange(n)[None])
+        c = batch.cache
+        assert torch.equal(c.k[:, row, :, :n], fresh.k[:, 0]) and torch.equal(c.v[:, row, :, :n], fresh.v[:, 0]), row
+        assert c.pos[row, :n].tolist() == list(range(n)), row
 
 
 @needs_kernels
