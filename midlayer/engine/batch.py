@@ -508,7 +508,7 @@ class ContinuousBatch:
 
     def _join(self, seqs: list[BatchSequence], events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
         """Prefill the joining sequences' prompts into the next free rows, together; sample each first token. A
-        prompt that starts as a running row's tokens (or those the free row remembers) takes that prefix's K/V
+        prompt that starts as a running row's tokens (or those a free row remembers) takes that prefix's K/V
         from it and prefills only the rest (`_prefix`): chat prompts share their template's system turn."""
         r = len(self.running)
         c = self.cache
