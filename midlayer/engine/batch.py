@@ -15,9 +15,10 @@ keeps every running sequence in one row of a shared KV cache and advances them a
   * **Joining.** Joining prompts are prefilled into their rows, several in one forward, as a single request's
     is, and take part in the next step's forward.
   * **Prefix reuse.** A joining prompt that starts as a running row's tokens, or as what a free row still
-    holds from a sequence that left (a follow-up chat turn), takes that prefix's K/V from there and prefills only the rest (`_prefix`;
-    chat prompts share their template's system turn); prompts that arrive together with one start share one
-    prefill of it (`_defer`). In q4 the reused K/V are the bits the prompt's own prefill would give.
+    holds from a sequence that left (a follow-up chat turn), takes that prefix's K/V from there and prefills
+    only the rest (`_prefix`; chat prompts share their template's system turn); prompts that arrive together
+    with one start share one prefill of it (`_defer`). In q4 the reused K/V are the bits the prompt's own
+    prefill would give.
   * **Speculation in the batch.** Every drafter drafts a chain per greedy row: `propose` (from tokens: prompt
     lookup), `row_drafter` (from the base's final residuals, fed those of every position a row commits: EAGLE,
     which keeps a draft KV cache row per batch row, or Medusa heads, which keep none; `RowDrafter`), `fused`
@@ -119,7 +120,8 @@ class FusedDrafter(Protocol):
         ...
 
     def chains(self, pseudo: torch.Tensor, columns: list[int]) -> list[list[int]]:
-        """pseudo [n, M k, d]: the joined rows' final residuals; columns[b]: row b's anchor column. A chain per row."""
+        """pseudo [n, M k, d]: the joined rows' final residuals; columns[b]: row b's anchor column. A chain per
+        row."""
         ...
 
 
@@ -353,7 +355,6 @@ class ContinuousBatch:
                 self.row_drafter.swap(r, last, seq.fed, mover.fed)
             mover.row = r
             self.running[r] = mover
-        self.cache.bias[:, last, seq.length:] = float("-inf")
         self.memory.pop(last, None)  # (re-inserted: the newest memory comes last, `_keep_memory`)
         self.memory[last] = (seq.tokens[:seq.length], seq.fed)
         self.running.pop()
@@ -483,14 +484,12 @@ class ContinuousBatch:
 
     def _prefix(self, seq: BatchSequence, row: int) -> tuple[int, int]:
         """(s, donor): the joining `seq` (into `row`) takes slots 0..s-1 from row `donor` -- a running row, or a
-        free row (`row` itself or a later one) that remembers a left sequence's K/V (`memory`) -- whose tokens start
-        as its prompt
-        does, the longest such prefix; (0, -1) if none reaches `prefix_reuse` tokens. The prompt's last token is
-        always run (its logits choose the first new token). With a row drafter that keeps rows, s also stops where
-        the donor's draft entries do and one before the shared tokens end (EAGLE's entry at position t reads token
-        t + 1).
-        In q4 the reused K/V are the bits the joiner's own prefill gives (row-invariant kernels), so its tokens
-        stay those of a single request (tests/test_batch.py)."""
+        free row (`row` itself or a later one) that remembers a left sequence's K/V (`memory`) -- whose tokens
+        start as its prompt does, the longest such prefix; (0, -1) if none reaches `prefix_reuse` tokens. The
+        prompt's last token is always run (its logits choose the first new token). With a row drafter that keeps
+        rows, s also stops where the donor's draft entries do and one before the shared tokens end (EAGLE's entry
+        at position t reads token t + 1). In q4 the reused K/V are the bits the joiner's own prefill gives
+        (row-invariant kernels), so its tokens stay those of a single request (tests/test_batch.py)."""
         if not self.prefix_reuse:
             return 0, -1
         ids = seq.tokens[:seq.prompt_len - 1]
@@ -548,8 +547,7 @@ class ContinuousBatch:
             return
         tokens, fed = self.memory.pop(row)
         self.memory.pop(target, None)
-        self.cache.copy_row(row, target, len(tokens))
-        self.cache.bias[:, target, len(tokens):] = float("-inf")
+        self.cache.copy_row(row, target, len(tokens))  # (past them the row is hidden when a prompt joins it)
         if self.row_drafter is not None:
             self.row_drafter.move(row, target, fed)
         self.memory[target] = (tokens, fed)
