@@ -320,21 +320,31 @@ def test_prompts_arriving_together_with_one_start_share_one_prefill_of_it():
     assert [reused[h] for h in handles] == [0, 20, 20, 20, 0]
 
 
+# windowed blocks beside a global one (Gemma 3's pattern): the batch bounds the windowed layers per row
+WINDOWED = dict(sliding_window=6, full_attention_layers=(2,), rope_theta_local=1e4)
+
+
 @needs_kernels
+@pytest.mark.parametrize("windowed", [False, True])
 @pytest.mark.parametrize("drafter", [None, "lookup", "eagle", "hidden-transfer", "layer-skip"])
-def test_random_arrivals_cancels_and_shared_starts_stay_exact(drafter):
+def test_random_arrivals_cancels_and_shared_starts_stay_exact(drafter, windowed):
     """A stress run: over five seeds, prompts with shared starts (repeats, follow-up turns) arrive at random
     steps into a batch of 1-4 rows, some are cancelled at random steps (a client gone), rows move, free rows
     remember and are reused, the cache grows from 8 slots, and every drafter kind drafts as deep as it can.
     Every sequence that ran to its end equals single-request greedy decoding; a cancelled one got a prefix of
-    it. After every step, every free row's memory holds its remembered tokens' K/V as a fresh prefill does."""
+    it. After every step, every running row and every free row's memory hold their tokens' K/V as a fresh
+    prefill does. `windowed`: windowed blocks beside a global one, whose buffers in the batch hold 2 W - 1
+    columns per row (plus the scratch ones) and drop each row's passed keys on their own: prompts longer than W
+    are prefilled W at a time, rows' offsets differ, and a row that dropped keys a joiner's window would see is
+    no donor for it (without that rule this test fails)."""
     from midlayer.speculative.eagle import EagleRows
     from midlayer.speculative.hidden_transfer import HiddenTransferRows
     from midlayer.speculative.layer_skip import LayerSkipDrafter
 
-    model = _q4()
+    model = _q4(**(WINDOWED if windowed else {}))
     prompts, cfgs = _shared_workload(seed=11, n=14)
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
+    seen_offsets: set[tuple[int, ...]] = set()
     for seed in range(5):
         rng = random.Random(seed)
         kw = {None: lambda: {}, "lookup": lambda: dict(propose=PromptLookupDrafter(V).chain),
@@ -358,22 +368,35 @@ def test_random_arrivals_cancels_and_shared_starts_stay_exact(drafter):
             for seq, tokens, _ in batch.step():
                 got[handles[seq.handle]] += tokens
             _memory_is_a_prefill(model, batch)
+            if windowed:
+                c = batch.cache
+                assert all(c.k_layers[layer].shape[2] <= 2 * 6 - 1 + batch.scratch for layer in c.local_layers)
+                seen_offsets.add(tuple(c.row_offs[:len(batch.running)]))
         for i in range(len(prompts)):
             assert got[i] == ref[i] if i not in gone else got[i] == ref[i][:len(got[i])], (seed, i)
+    if windowed:  # keys were dropped, and rows with different offsets ran in one forward
+        assert any(len(set(offs)) > 1 for offs in seen_offsets) and max(max(o, default=0) for o in seen_offsets) > 6
 
 
 def _memory_is_a_prefill(model, batch: ContinuousBatch) -> None:
-    """Every free row that remembers a left sequence (`batch.memory`) holds, at every layer, the K/V a fresh
-    prefill of the remembered tokens gives (q4: the same bits), and their positions."""
+    """Every running row (its committed tokens) and every free row that remembers a left sequence (`batch.memory`)
+    holds, at every layer, the K/V a fresh prefill of those tokens gives (q4: the same bits), and their
+    positions. A bounded windowed layer holds them from the row's offset on, from its column 0."""
     from midlayer.engine.generate import forward_cached
     from midlayer.model.kv_cache import KVCache, kv_dtype
 
-    for row, (tokens, _) in batch.memory.items():
+    held = {row: tokens for row, (tokens, _) in batch.memory.items()}
+    held.update({seq.row: seq.tokens[:seq.length] for seq in batch.running})
+    c = batch.cache
+    for row, tokens in held.items():
         n = len(tokens)
         fresh = KVCache.for_model(model.cfg, 1, max_len=n, dtype=kv_dtype(model))
         forward_cached(model, torch.tensor([tokens]), fresh, torch.arange(n)[None])
-        c = batch.cache
-        assert torch.equal(c.k[:, row, :, :n], fresh.k[:, 0]) and torch.equal(c.v[:, row, :, :n], fresh.v[:, 0]), row
+        for layer in range(model.cfg.n_layers):
+            off = c.row_offset(row) if layer in c.local_layers else 0
+            assert off <= max(n - 5, 0), (row, off, n)  # (W - 1 = 5 keys before the next query are kept)
+            for mine, ref in ((c.k_layers, fresh.k), (c.v_layers, fresh.v)):
+                assert torch.equal(mine[layer][row, :, :n - off], ref[layer, 0, :, off:n]), (row, layer)
         assert c.pos[row, :n].tolist() == list(range(n)), row
 
 

@@ -127,8 +127,8 @@ def test_windowed_layers_keep_a_bounded_cache(tiny, weights):
         torch.testing.assert_close(lb, lf, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="dropped"):
         bounded.keep(torch.tensor([[bounded.length - 1]]), bounded.local_off - 1)
-    with pytest.raises(ValueError, match="bounded"):
-        bounded.rows(0, 1)
+    with pytest.raises(ValueError, match="bounded"):  # (it would drop keys from every layer)
+        bounded.evict_before(1)
     with pytest.raises(ValueError, match="truncate"):
         bounded.truncate(bounded.local_off - 1)
     with pytest.raises(ValueError, match="make_room"):  # more new slots than the windowed layers hold

@@ -45,9 +45,17 @@ PyTorch's matrix products pick their kernels by row count, so a batched row may 
 at a near-tie, in a token. A sampled row (temperature > 0) draws from its own generator, seeded from its
 `GenerationConfig`, one draw per token as `generate` does, so it reproduces a single request's sample too.
 
-Scope: dense and gated models (real skipping per row), and windowed blocks mixed with global ones (Gemma 3: no
-key is ever dropped, each layer masks by its window); a window on every block (whose cache drops keys for all
-rows at once) and state-space mixers keep whole-cache state and are refused by `unsupported`.
+Windowed blocks beside global ones (Gemma 3). Each layer masks by its own window, and the windowed layers keep
+what their window still sees, per row: 2 W - 1 columns (W - 1 kept keys beside a forward's W new tokens; a
+prompt's longer rest is prefilled W tokens at a time in its own row first), plus the scratch columns. A row that
+lacks room drops its passed keys (`KVCache.make_room_row`), so rows in one forward have offsets of their own; a
+forward names its scratch slots, which the windowed layers hold past every row's real columns (kv_cache.py). A
+row that dropped keys is a prefix donor only for a joiner whose first window it still holds. `bound_windows=False`
+keeps every slot instead (the same tokens).
+
+Scope: dense and gated models (real skipping per row), and windowed blocks mixed with global ones; a window on
+every block (whose cache drops keys for all rows at once) and state-space mixers keep whole-cache state and are
+refused by `unsupported`.
 """
 
 from __future__ import annotations
@@ -241,7 +249,8 @@ class ContinuousBatch:
                  accept_prior: Callable[[Sequence[int]], float | None] | None = None,
                  row_drafter: RowDrafter | None = None, fused: FusedDrafter | None = None,
                  self_drafter: SelfDrafter | None = None, max_step_rows: int = 64, max_prefill_rows: int = 1024,
-                 initial_len: int = 256, prefix_reuse: int = 16, forget: float = 0.995) -> None:
+                 initial_len: int = 256, prefix_reuse: int = 16, forget: float = 0.995,
+                 bound_windows: bool = True) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"continuous batching does not support this model: {why}")
@@ -272,8 +281,16 @@ class ContinuousBatch:
         self.ctx = model.cfg.max_seq_len
         self.device = model.tok_embeddings.weight.device
         self.dtype = kv_dtype(model)  # the KV cache's
-        self.cache = KVCache.for_model(model.cfg, max_rows, max_len=min(initial_len, self.ctx), device=self.device,
-                                       dtype=self.dtype)
+        # Windowed blocks beside global ones (Gemma 3), `bound_windows`: each row's windowed layers keep the W - 1
+        # keys its next query still sees plus room for one forward's new tokens (a prompt chunk of `chunk`, a
+        # verified draft), not every slot; each row drops its passed keys when it needs room (`_room`).
+        cfg = model.cfg
+        windows = [cfg.window_of(layer) for layer in range(cfg.n_layers)] if cfg.mixed_windows else []
+        self.window = max(windows, default=0) if bound_windows else 0
+        self.chunk = max(self.window, self.k + 1)  # (a prompt's tokens per forward, when windows are bounded)
+        self.cache = KVCache.for_model(cfg, max_rows, max_len=min(initial_len, self.ctx), device=self.device,
+                                       dtype=self.dtype, local_len=self.window - 1 + self.chunk if self.window else None,
+                                       spare=self.scratch, row_offsets=True)
         self.running: list[BatchSequence] = []  # running[i] holds row i
         self.waiting: list[BatchSequence] = []
         self.by_handle: dict[int, BatchSequence] = {}
@@ -361,6 +378,18 @@ class ContinuousBatch:
         seq.row = -1
         self.by_handle.pop(seq.handle, None)
 
+    def _room(self, first: int, starts: list[int], counts: list[int]) -> int:
+        """Before a forward writes counts[i] tokens at slots starts[i].. of row first + i: with bounded windowed
+        layers, a row that lacks the room drops the keys its queries have passed (`KVCache.make_room_row`).
+        Returns the column past every row's new tokens in those layers (a forward's scratch slots sit from there:
+        `KVCache.scratch`); without bounded layers, past every slot."""
+        c = self.cache
+        if not self.window:
+            return max(s + n for s, n in zip(starts, counts))
+        for i, (s, n) in enumerate(zip(starts, counts)):
+            c.make_room_row(first + i, s, n)
+        return max(s + n - c.row_offs[first + i] for i, (s, n) in enumerate(zip(starts, counts)))
+
     def _reserve(self, need: int) -> None:
         """Grow the cache's slots to at least `need` (doubling, at most the context), keeping what it holds."""
         old = self.cache
@@ -412,6 +441,7 @@ class ContinuousBatch:
         end = max(s + c for s, c in zip(starts, counts))
         J = self.fused.k * M if carry else 0
         self._reserve(end + 1 + J)
+        E = self._room(first, starts, counts)
         tokens = torch.zeros(n, M, dtype=torch.long)
         positions = torch.zeros(n, M + J, dtype=torch.long)
         slots = torch.full((n, M + J), end, dtype=torch.long)
@@ -423,7 +453,7 @@ class ContinuousBatch:
             joins, extra = self._fused_rows(M, counts, starts, positions, slots, end)
         tokens, positions, slots = (x.to(self.device) for x in (tokens, positions, slots))
         view = self.cache.rows(first, first + n)
-        view.length = end + 1 + J
+        view.length, view.scratch = end + 1 + J, (end, E)
         out = forward_cached(self.model, tokens, view, positions, skip=self.skip, slots=slots,
                              last_only=last_only and not carry, return_hidden=self.row_drafter is not None or carry,
                              all_hidden=True, joins=joins, extra_mask=extra, head_rows=M if carry else None)
@@ -439,6 +469,7 @@ class ContinuousBatch:
         past that length). In q4 the same bits as the per-row path (the kernels depend only on the keys seen);
         less Python per step. Gated models keep the per-row path: a skipped key's bias is -inf at its layer."""
         self._reserve(start + len(fed))
+        self._room(row, [start], [len(fed)])
         view = self.cache.rows(row, row + 1)
         view.length = start  # (a fresh view: dense, as the row's committed slots are)
         tokens = torch.tensor([fed], device=self.device)
@@ -488,8 +519,10 @@ class ContinuousBatch:
         start as its prompt does, the longest such prefix; (0, -1) if none reaches `prefix_reuse` tokens. The
         prompt's last token is always run (its logits choose the first new token). With a row drafter that keeps
         rows, s also stops where the donor's draft entries do and one before the shared tokens end (EAGLE's entry
-        at position t reads token t + 1). In q4 the reused K/V are the bits the joiner's own prefill gives
-        (row-invariant kernels), so its tokens stay those of a single request (tests/test_batch.py)."""
+        at position t reads token t + 1). With bounded windowed layers, a donor that has dropped keys (offset o > 0)
+        gives only a prefix whose first query's window it still holds: s - (W - 1) >= o. In q4 the reused K/V are
+        the bits the joiner's own prefill gives (row-invariant kernels), so its tokens stay those of a single
+        request (tests/test_batch.py)."""
         if not self.prefix_reuse:
             return 0, -1
         ids = seq.tokens[:seq.prompt_len - 1]
@@ -501,6 +534,9 @@ class ContinuousBatch:
             n = shared_prefix(ids, toks)
             if self.row_drafter is not None and self.row_drafter.keeps_rows:
                 n = min(n - 1, fed)
+            off = self.cache.row_offset(r)
+            if off and n - (self.window - 1) < off:  # keys the joiner's first query sees are gone
+                n = 0
             if n > best:
                 best, donor = n, r
         return (best, donor) if best >= self.prefix_reuse else (0, -1)
@@ -521,16 +557,28 @@ class ContinuousBatch:
                 c.copy_row(donor, row, s)
                 if self.row_drafter is not None:
                     self.row_drafter.move(donor, row, s)
+            if donor == -1 and self.window:
+                c.row_offs[row] = 0  # nothing reused: the row's windowed layers start afresh at slot 0
             c.bias[:, row, s:] = float("-inf")  # whatever earlier sequences left past the prefix is gone
             self.memory.pop(row, None)
             seq.reused = s
             starts.append(s)
+        # bounded windowed layers take at most `chunk` of a prompt's tokens per forward: a longer rest goes first
+        # through forwards of its own row (the same bits in q4: the kernels see the same keys)
+        early: list[list[torch.Tensor]] = [[] for _ in seqs]  # their final residuals, for a row drafter
+        for i, seq in enumerate(seqs):
+            while self.window and seq.prompt_len - starts[i] > self.chunk:
+                a = starts[i]
+                _, h = self._forward(r + i, [seq.tokens[a:a + self.chunk]], [a], last_only=True)
+                if h is not None:
+                    early[i].append(h[0])
+                starts[i] = a + self.chunk
         logits, hidden = self._forward(r, [s.tokens[st:] for s, st in zip(seqs, starts)], starts, last_only=True)
         for i, seq in enumerate(seqs):
             seq.row, seq.length = r + i, seq.prompt_len
             if self.row_drafter is not None and seq.cfg.temperature == 0:  # (sampled rows never draft)
                 m = seq.prompt_len - starts[i]
-                seq.fed, seq.states = starts[i], [hidden[i, hidden.shape[1] - m:].clone()]
+                seq.fed, seq.states = seq.reused, early[i] + [hidden[i, hidden.shape[1] - m:].clone()]
             self.running.append(seq)
             self._commit(seq, [int(self._sample(seq, logits[i:i + 1])[0])], events, logits[i:i + 1])
         self._leave_finished(seqs)
@@ -628,6 +676,7 @@ class ContinuousBatch:
         last = [seq.tokens[seq.length] for seq in seqs]
         end = max(seq.length + c for seq, c in zip(seqs, cut))
         self._reserve(end + 1)
+        E = self._room(0, [seq.length for seq in seqs], [1 + c for c in cut])  # (and the verification's rows)
         t0 = time.perf_counter()
         for j in range(steps):
             live = [c > j for c in cut]
@@ -635,7 +684,7 @@ class ContinuousBatch:
             positions = torch.tensor([[seqs[i].length + j if live[i] else 0] for i in range(n)], device=self.device)
             slots = torch.tensor([[seqs[i].length + j if live[i] else end] for i in range(n)], device=self.device)
             view = self.cache.rows(0, n)
-            view.length = end + 1
+            view.length, view.scratch = end + 1, (end, E)
             h = forward_cached(p.model, tokens, view, positions, skip=p.skip, slots=slots, run=p.run, stop=p.stop)
             self.cache.bias[:, :n, end] = float("-inf")
             logits = p.logits(h[:, -1])

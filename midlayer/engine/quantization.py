@@ -261,7 +261,9 @@ def fuses_q4(block: nn.Module) -> bool:
         return False  # (row_invariant first: a format other than q4 never builds the C library)
     norms = [n for n in _block_norms(block) if n is not None]
     linears = (att.wqkv, att.wo, getattr(ff, "w13", None), getattr(ff, "w2", None))
+    # (a block with a RoPE base of its own reads half of the position tables: Attention.forward's rope_half)
     return (block.placement in ("pre", "sandwich") and block.drop is None and att.q_norm is None
+            and att.rope_half is None
             and att.row_invariant and type(ff) is FeedForward and ff.kind == "swiglu"
             and all(type(n) is RMSNorm and n.eps == norms[0].eps for n in norms)
             and all(type(m) is Q4Linear and m.bias is None for m in linears)

@@ -20,8 +20,16 @@ windowed layers keep their K/V in buffers of n slots of their own, holding slots
 columns 0..; `make_room` drops the slots every later query's window has passed by moving the rest to the
 front (in slot order, so a query sees the same keys in the same order as in a full cache). The global layers,
 the key biases and the positions keep every slot. `offset(layer)` says where a layer's column 0 lies. `keep`
-and `truncate` work on slots the windowed layers still hold (speculative decoding); `rows` and `evict_before`,
-which need every slot in every layer, refuse.
+and `truncate` work on slots the windowed layers still hold (speculative decoding); `evict_before`, which needs
+every slot in every layer, refuses.
+
+Bounded windowed layers with an offset per row (`row_offsets`, the continuous batch: rows of different lengths):
+row b's column c of a windowed layer holds slot c + `row_offs[b]`, and `make_room_row` drops one row's passed keys.
+A forward over rows whose offsets differ also has scratch slots past every row's own (a padding row's, a drafter's
+rows): it names them `scratch` = (end, E), and slot end + j sits at column E + j of the windowed layers, E past
+every row's real columns. The mapping keeps each row's keys in slot order, so a query sees the keys a full cache
+would show it, in the same order (the C attention kernel reads only the visible keys, in column order: the q4
+bits do not change).
 
 The cache-view protocol (`CacheView`): what a block's attention is handed in one forward instead of a cache
 type to check. `update(k, v)` stores this layer's new keys/values wherever the view keeps them and returns
@@ -52,13 +60,18 @@ def kv_dtype(model) -> torch.dtype:
 class KVCache:
     # bounded windowed layers (module docstring): none unless for_model is given local_len
     local_layers: frozenset[int] = frozenset()
-    local_len = local_window = local_off = 0
+    local_len = local_window = local_off = local_spare = 0
+    row_offs: list[int] | None = None  # with `row_offsets`: each row's slot at column 0 of the windowed layers
+    scratch: tuple[int, int] | None = None  # a forward's (first scratch slot, its column in the windowed layers)
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 local: tuple[Sequence[int], int, int] | None = None) -> None:
+                 local: tuple[Sequence[int], int, int] | None = None, spare: int = 0,
+                 row_offsets: bool = False) -> None:
         """`local` (layers, local_len, window): those layers keep only their last `local_len` slots (module
-        docstring); `window`, the largest of their windows, says which slots every later query has passed."""
+        docstring); `window`, the largest of their windows, says which slots every later query has passed.
+        Their buffers have min(max_len, local_len + `spare`) columns (`spare`: the continuous batch's scratch
+        columns). `row_offsets`: each row has its own offset (`make_room_row`), else one for all rows."""
         bias = torch.full((n_layers, batch, max_len), float("-inf"), device=device)
         pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         if local is None or not local[0]:
@@ -67,9 +80,12 @@ class KVCache:
                        bias, pos)
         else:
             layers, self.local_len, self.local_window = frozenset(local[0]), local[1], local[2]
-            if not 0 < self.local_window <= self.local_len:
-                raise ValueError(f"bounded windowed layers: need 0 < window <= local_len, got {local[2]}, {local[1]}")
-            self.local_layers = layers
+            if not 0 < self.local_window <= self.local_len or spare < 0:
+                raise ValueError(f"bounded windowed layers: need 0 < window <= local_len and spare >= 0, got "
+                                 f"{local[2]}, {local[1]}, {spare}")
+            self.local_layers, self.local_spare = layers, spare
+            if row_offsets:
+                self.row_offs = [0] * batch
 
             def buffers(n: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
                 shape = (n, batch, n_kv_heads, length, head_dim)
@@ -77,7 +93,7 @@ class KVCache:
                         list(torch.zeros(shape, device=device, dtype=dtype).unbind(0)))
 
             gk, gv = buffers(n_layers - len(layers), max_len)
-            lk, lv = buffers(len(layers), self.local_len)
+            lk, lv = buffers(len(layers), min(max_len, self.local_len + spare))
             ks, vs = [], []
             for layer in range(n_layers):
                 src = (lk, lv) if layer in layers else (gk, gv)
@@ -105,53 +121,93 @@ class KVCache:
         # batch-1 decoding. Per layer, so that a layer no token skips keeps it while others lose it.
         self.dense_layers = [True] * n_layers
         self.mask_memo: tuple | None = None  # (key, mask): this forward's dense-prefix mask (LayerView.finish)
+        self.key_memo: tuple | None = None  # (key, slots, hidden): `key_slots`'s answer for this forward
         self.ssm: dict[int, object] = {}  # layer -> ssm.SSMState of a state-space mixer (created on first use)
 
     def rows(self, first: int, stop: int) -> "KVCache":
         """A cache over rows first..stop-1 of this one's buffers (shared memory, no copy), empty and dense:
         the continuous batch (engine/batch.py) fills one row through it and steps a prefix of rows. Its
-        length and dense flags are its own; what it writes lands in this cache's buffers."""
+        length and dense flags are its own; what it writes lands in this cache's buffers. Bounded windowed
+        layers with an offset per row: the view's rows share one offset if they have the same, else keep theirs
+        (a forward over them then names its `scratch`)."""
         if not 0 <= first < stop <= self.batch:
             raise ValueError(f"rows {first}..{stop} outside 0..{self.batch}")
-        self._whole("rows")
         view = KVCache.__new__(KVCache)
-        view._bind(self.k[:, first:stop], self.v[:, first:stop], self.bias[:, first:stop], self.pos[first:stop])
+        if self.k is not None:
+            view._bind(self.k[:, first:stop], self.v[:, first:stop], self.bias[:, first:stop], self.pos[first:stop])
+        else:
+            view._bind(None, None, self.bias[:, first:stop], self.pos[first:stop],
+                       [t[first:stop] for t in self.k_layers], [t[first:stop] for t in self.v_layers])
         view.window, view.layer_windows = self.window, self.layer_windows
+        view.local_layers, view.local_len, view.local_window = self.local_layers, self.local_len, self.local_window
+        view.local_off, view.local_spare = self.local_off, self.local_spare
+        if self.row_offs is not None:
+            offs = self.row_offs[first:stop]
+            if len(set(offs)) == 1:
+                view.local_off = offs[0]
+            else:
+                view.row_offs = offs
         return view
+
+    def row_offset(self, row: int) -> int:
+        """The slot at column 0 of `row`'s windowed layers (0 without bounded windowed layers)."""
+        return self.row_offs[row] if self.row_offs is not None else self.local_off
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Slots 0..length-1 of row src (K, V, key biases, positions) become row dst's: a continuous batch moving
-        a sequence to another row, or a joining prompt taking a shared prefix (engine/batch.py; EAGLE's rows)."""
-        self._whole("copy_row")
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-        self.bias[:, dst, :length] = self.bias[:, src, :length]
-        self.pos[dst, :length] = self.pos[src, :length]
+        a sequence to another row, or a joining prompt taking a shared prefix (engine/batch.py; EAGLE's rows).
+        Bounded windowed layers: what src holds of them (from its offset on), and with it its offset."""
+        self._put_row(dst, self._row_state(src, length))
 
     def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
         """Rows a and b trade their first slots: row a's 0..length_a-1 become row b's and row b's 0..length_b-1 row
         a's (K, V, key biases, positions). A continuous batch freeing row a moves its last running sequence (row
         b) into it and keeps the leaving sequence's K/V in row b for a follow-up prompt (engine/batch.py)."""
-        self._whole("swap_rows")
-        held = (self.k[:, b, :, :length_b].clone(), self.v[:, b, :, :length_b].clone(),
-                self.bias[:, b, :length_b].clone(), self.pos[b, :length_b].clone())
+        held = self._row_state(b, length_b)
         self.copy_row(a, b, length_a)
-        self.k[:, a, :, :length_b], self.v[:, a, :, :length_b] = held[0], held[1]
-        self.bias[:, a, :length_b], self.pos[a, :length_b] = held[2], held[3]
+        self._put_row(a, held)
+
+    def _row_state(self, row: int, length: int) -> tuple:
+        """Row `row`'s slots 0..length-1, copied out: (length, offset, per layer (K, V) of what it holds, bias, pos)."""
+        off = self.row_offset(row)
+        if self.local_layers and off > length:
+            raise ValueError(f"row {row}: its windowed layers hold slots {off}.. only, not 0..{length - 1}")
+        kv = [(k[row, :, :length - (off if layer in self.local_layers else 0)].clone(),
+               v[row, :, :length - (off if layer in self.local_layers else 0)].clone())
+              for layer, (k, v) in enumerate(zip(self.k_layers, self.v_layers))]
+        return length, off, kv, self.bias[:, row, :length].clone(), self.pos[row, :length].clone()
+
+    def _put_row(self, row: int, state: tuple) -> None:
+        length, off, kv, bias, pos = state
+        if self.row_offs is not None:
+            self.row_offs[row] = off
+        elif off != self.local_off:
+            raise ValueError(f"row {row}: offset {off} differs from the cache's {self.local_off}")
+        for (k, v), kl, vl in zip(kv, self.k_layers, self.v_layers):
+            kl[row, :, :k.shape[1]], vl[row, :, :v.shape[1]] = k, v
+        self.bias[:, row, :length], self.pos[row, :length] = bias, pos
 
     def grown(self, max_len: int, keep_length: bool = False) -> "KVCache":
         """A cache of `max_len` slots (at least this one's) holding what this one holds, in the same rows, with
         the same windows: where a cache that outgrew its slots moves (a continuous batch, EAGLE's batch rows).
         Its length and dense flags start afresh, as a new cache's do, or carry over with `keep_length` (a
-        sequence that goes on in the new cache: `LLM.logprobs`'s prefix reuse)."""
-        self._whole("grown")
+        sequence that goes on in the new cache: `LLM.logprobs`'s prefix reuse). Bounded windowed layers keep
+        their offsets; their buffers grow up to local_len + spare columns."""
         if max_len < self.max_len:
             raise ValueError(f"grown: {max_len} slots is fewer than the {self.max_len} held")
-        new = KVCache(self.bias.shape[0], self.batch, self.k.shape[2], self.k.shape[-1], max_len,
-                      device=self.k.device, dtype=self.k.dtype)
+        kl = self.k_layers[0]
+        local = None
+        if self.local_layers:
+            local = (self.local_layers, self.local_len, self.local_window)
+        new = KVCache(self.bias.shape[0], self.batch, kl.shape[1], kl.shape[-1], max_len, device=kl.device,
+                      dtype=kl.dtype, local=local, spare=self.local_spare, row_offsets=self.row_offs is not None)
         new.window, new.layer_windows = self.window, self.layer_windows
+        new.local_off = self.local_off
+        if self.row_offs is not None:
+            new.row_offs = list(self.row_offs)
+        for src, dst in zip(self.k_layers + self.v_layers, new.k_layers + new.v_layers):
+            dst[:, :, :src.shape[2]] = src
         n = self.max_len
-        new.k[..., :n, :], new.v[..., :n, :] = self.k, self.v
         new.bias[..., :n], new.pos[:, :n] = self.bias, self.pos
         if keep_length:
             new.length, new.dense_layers = self.length, list(self.dense_layers)
@@ -159,19 +215,23 @@ class KVCache:
 
     @classmethod
     def for_model(cls, cfg, batch: int, max_len: int | None = None, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32, local_len: int | None = None) -> "KVCache":
+                  dtype: torch.dtype = torch.float32, local_len: int | None = None, spare: int = 0,
+                  row_offsets: bool = False) -> "KVCache":
         """A cache for `cfg`'s model. `local_len`: with windowed and global blocks mixed, the windowed blocks
         keep only that many slots (at least their window; 2 W - 1 lets a chunk of W new tokens in beside the W - 1
-        kept keys); None or >= max_len: every layer keeps every slot."""
+        kept keys); None or >= max_len: every layer keeps every slot. `row_offsets` (the continuous batch): an
+        offset per row, and the windowed blocks' buffers grow with the cache up to local_len + `spare` columns
+        (its scratch), bounded whatever max_len is now."""
         if max_len is None:
             max_len = cfg.max_seq_len
         elif max_len < 1:  # never silently the default: 0 is a caller's bug
             raise ValueError(f"KV cache max_len must be >= 1, got {max_len}")
         local = None
         layers = [layer for layer in range(cfg.n_layers) if cfg.window_of(layer)]
-        if local_len is not None and cfg.mixed_windows and local_len < max_len and layers:
+        if local_len is not None and cfg.mixed_windows and (local_len < max_len or row_offsets) and layers:
             local = (layers, local_len, max(cfg.window_of(layer) for layer in layers))
-        cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype, local)
+        cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, max_len, device, dtype, local, spare,
+                    row_offsets)
         # one window for the whole cache, which may then drop keys every block is done with (make_room); with
         # windowed and global blocks mixed nothing can be dropped, and each layer masks by its own window
         cache.window = 0 if cfg.mixed_windows else cfg.sliding_window
@@ -201,14 +261,37 @@ class KVCache:
             st = self.ssm[layer] = mixer.new_state(batch, self.pos.device, dtype)
         return st
 
-    def offset(self, layer: int) -> int:
-        """The slot held in column 0 of `layer`'s K/V buffers (> 0 only for bounded windowed layers)."""
-        return self.local_off if layer in self.local_layers else 0
+    def offset(self, layer: int) -> int | None:
+        """The slot held in column 0 of `layer`'s K/V buffers (> 0 only for bounded windowed layers); None where
+        the rows have offsets of their own (`row_offs`: `key_slots` maps the columns)."""
+        if layer not in self.local_layers:
+            return 0
+        return self.local_off if self.row_offs is None else None
+
+    def key_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows with offsets of their own, in a forward that named its `scratch` (end, E): (slots, hidden), both
+        [B, columns]. Column c of row b holds slot c + row_offs[b] for c < E and scratch slot end + c - E after;
+        `hidden` marks the columns c < E whose slot would be a scratch slot or later (stale: nothing of the row's
+        own). The slots of hidden columns are clamped into the cache (they are masked)."""
+        if self.scratch is None:
+            raise ValueError("a forward over rows with windowed-layer offsets of their own must name its scratch "
+                             "slots (KVCache.scratch = (first scratch slot, its column))")
+        end, E = self.scratch
+        key = (self.length, end, E, tuple(self.row_offs))
+        if self.key_memo is None or self.key_memo[0] != key:
+            dev = self.pos.device
+            col = torch.arange(self.length - (end - E), device=dev)[None]
+            offs = torch.tensor(self.row_offs, device=dev)[:, None]
+            real = col < E
+            slots = torch.where(real, col + offs, col + (end - E))
+            hidden = real & (slots >= end)
+            self.key_memo = (key, slots.clamp(max=self.length - 1), hidden)
+        return self.key_memo[1], self.key_memo[2]
 
     def _whole(self, what: str) -> None:
         if self.k is None:
-            raise ValueError(f"{what}: not supported by a cache whose windowed layers are bounded (plain and "
-                             "speculative decoding only; a continuous batch keeps every slot)")
+            raise ValueError(f"{what}: not supported by a cache whose windowed layers are bounded (it drops keys "
+                             "from every layer; the windowed layers drop theirs with make_room)")
 
     def chunk(self, n: int) -> int:
         """How many of n new tokens fit in one forward: all of them, unless a bounded window (the whole cache's
@@ -244,17 +327,31 @@ class KVCache:
         if self.window and self.length + n_new > self.max_len:
             self.evict_before(max(self.length - (self.window - 1), 0))
         if self.local_len and self.length - self.local_off + n_new > self.local_len:
-            # the bounded windowed layers: no query from slot `length` on sees a slot before length - (W - 1)
-            first = max(self.length - (self.local_window - 1), self.local_off)
-            drop, n = first - self.local_off, self.length - first
-            for layer in self.local_layers:
-                for buf in (self.k_layers[layer], self.v_layers[layer]):
-                    buf[:, :, :n] = buf[:, :, drop:drop + n].clone()
-            self.local_off = first
-            self.mask_memo = None
-            if n + n_new > self.local_len:
-                raise ValueError(f"{n_new} new tokens do not fit beside the {n} kept keys of the bounded windowed "
-                                 f"layers ({self.local_len} slots): feed at most chunk() tokens per forward")
+            if self.row_offs is not None:
+                raise ValueError("make_room: this cache's rows have offsets of their own: make_room_row")
+            self.local_off = self._slide(slice(None), self.length, self.local_off, n_new)
+
+    def make_room_row(self, row: int, start: int, n_new: int) -> None:
+        """`make_room` for one row with an offset of its own (`row_offs`, the continuous batch): n_new tokens go
+        to its slots start.. (start: its committed length; what it held from there on is dropped)."""
+        off = self.row_offs[row]
+        if start + n_new - off > self.local_len:
+            self.row_offs[row] = self._slide(row, start, off, n_new)
+
+    def _slide(self, rows: int | slice, start: int, off: int, n_new: int) -> int:
+        """Drop the bounded windowed layers' keys that no query from slot `start` on sees (those before start - (W
+        - 1)) from `rows`, whose column 0 holds slot `off`: the kept ones move to the front, in slot order. Returns
+        the new offset; refuses if n_new new slots still do not fit."""
+        first = max(start - (self.local_window - 1), off)
+        drop, n = first - off, start - first
+        if n + n_new > self.local_len:  # (checked first: nothing is dropped for a forward that cannot run)
+            raise ValueError(f"{n_new} new tokens do not fit beside the {n} kept keys of the bounded windowed "
+                             f"layers ({self.local_len} slots): feed at most chunk() tokens per forward")
+        for layer in self.local_layers:
+            for buf in (self.k_layers[layer], self.v_layers[layer]):
+                buf[rows, :, :n] = buf[rows, :, drop:drop + n].clone()
+        self.mask_memo = None
+        return first
 
     def _no_rollback(self, what: str) -> None:
         if self.ssm:
@@ -387,22 +484,37 @@ class LayerView(CacheView):
         """Store k, v [B, Hk, M, d] at this step's slots; return (keys, values [B, Hk, S, d], mask)."""
         self.store(k, v)
         mask = self.finish(k.shape[2], k.device)
-        n = self.cache.length - self.cache.offset(self.layer)  # the slots this layer's buffers hold
+        n = self._columns()  # the columns this layer's buffers hold
         return self.cache.k_layers[self.layer][:, :, :n], self.cache.v_layers[self.layer][:, :, :n], mask
+
+    def _columns(self) -> int:
+        """How many columns of this layer's buffers the step reads: the slots it holds (module docstring)."""
+        c = self.cache
+        off = c.offset(self.layer)
+        return c.length - (off if off is not None else c.scratch[0] - c.scratch[1])
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         c, l = self.cache, self.layer
         off = c.offset(l)
-        if self.valid is None:
+        if self.valid is None and off is not None:
             c.k_layers[l].narrow(2, self.start - off, k.shape[2]).copy_(k)
             c.v_layers[l].narrow(2, self.start - off, k.shape[2]).copy_(v)
+            return
+        if self.valid is None:
+            b_idx, m_idx = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device).nonzero(as_tuple=True)
         else:
             b_idx, m_idx = self.valid.nonzero(as_tuple=True)
-            s_idx = self.query_slots[b_idx, m_idx] - off
-            # Mixed advanced indexing: both sides come out as [N, H_kv, d].
-            kl, vl = c.k_layers[l], c.v_layers[l]
-            kl[b_idx, :, s_idx] = k[b_idx, :, m_idx].to(kl.dtype)  # (an fp16 cache rounds, as copy_ does)
-            vl[b_idx, :, s_idx] = v[b_idx, :, m_idx].to(vl.dtype)
+        slots = self.query_slots[b_idx, m_idx]
+        if off is not None:
+            cols = slots - off
+        else:  # rows with offsets of their own: slot s of row b at column s - row_offs[b]; scratch slots from E on
+            end, E = c.scratch
+            offs = torch.tensor(c.row_offs, device=slots.device)[b_idx]
+            cols = torch.where(slots >= end, slots - (end - E), slots - offs)
+        # Mixed advanced indexing: both sides come out as [N, H_kv, d].
+        kl, vl = c.k_layers[l], c.v_layers[l]
+        kl[b_idx, :, cols] = k[b_idx, :, m_idx].to(kl.dtype)  # (an fp16 cache rounds, as copy_ does)
+        vl[b_idx, :, cols] = v[b_idx, :, m_idx].to(vl.dtype)
 
     def finish(self, M: int, device: torch.device) -> torch.Tensor | None:
         """After this layer's K/V of the step are stored (by `store` or by a kernel that writes the cache
@@ -424,10 +536,11 @@ class LayerView(CacheView):
             bias_l[b_idx, s_idx] = 0.0 if self.gate_bias is None else self.gate_bias[b_idx, m_idx].float()
         S, off = c.length, c.offset(l)  # this layer holds slots off..S-1 (off > 0: a bounded windowed layer)
         window = c.window if c.layer_windows is None else c.layer_windows[l]
-        local = 0 < window < S - off  # sliding window: keys far enough back are hidden too
+        # sliding window: keys far enough back are hidden too (rows with offsets of their own: always masked)
+        local = 0 < window and (off is None or window < S - off)
         # a decode step: one query in the last slot, so causality hides nothing from it, and nothing else adds
         decode = (M == 1 and self.valid is None and self.start == S - 1 and self.extra_mask is None and not local
-                  and self.position_bias is None)
+                  and self.position_bias is None and off is not None)
         if decode and dense:
             return None  # every held key is visible to the one new query
         if decode:
@@ -443,17 +556,29 @@ class LayerView(CacheView):
             key = (self.start, M, S, off, window, None if em is None else (em.data_ptr(), tuple(em.shape), tuple(em.stride())))
             if c.mask_memo is not None and c.mask_memo[0] == key:
                 return c.mask_memo[1]
-        key_slots = torch.arange(off, S, device=device)
-        causal = torch.where(key_slots[None, None, :] <= self.query_slots[:, :, None], 0.0, float("-inf"))
-        mask = (causal + bias_l[:, None, off:S])[:, None]  # [B, 1, M, S - off]
+        if off is not None:  # columns 0.. hold slots off..S-1
+            key_slots, hidden = torch.arange(off, S, device=device)[None], None
+
+            def keys(x: torch.Tensor) -> torch.Tensor:  # x [..., S] by slot -> [..., columns]
+                return x[..., off:S]
+        else:  # rows with offsets of their own: each row's column c holds its own slot (KVCache.key_slots)
+            key_slots, hidden = c.key_slots()
+
+            def keys(x: torch.Tensor) -> torch.Tensor:
+                B, n = key_slots.shape
+                return x.gather(-1, key_slots.view(B, *[1] * (x.dim() - 2), n).expand(*x.shape[:-1], n))
+        causal = torch.where(key_slots[:, None, :] <= self.query_slots[:, :, None], 0.0, float("-inf"))
+        mask = (causal + keys(bias_l)[:, None])[:, None]  # [B, 1, M, columns]
         if local or self.position_bias is not None:  # by position: left padding, trees, joined rows alike
-            q_pos = c.pos.gather(1, self.query_slots)
+            q_pos, k_pos = c.pos.gather(1, self.query_slots), keys(c.pos)
             if local:
-                mask = mask + window_mask(q_pos, c.pos[:, off:S], window)[:, None]
+                mask = mask + window_mask(q_pos, k_pos, window)[:, None]
             if self.position_bias is not None:  # [B, H, M, S]: a per-head relative position bias
-                mask = mask + self.position_bias(q_pos, c.pos[:, off:S])
+                mask = mask + self.position_bias(q_pos, k_pos)
         if self.extra_mask is not None:
-            mask = mask + self.extra_mask[..., off:]
+            mask = mask + keys(self.extra_mask)
+        if hidden is not None:
+            mask = mask.masked_fill(hidden[:, None, None, :], float("-inf"))
         if dense:
             c.mask_memo = (key, mask)
         return mask
