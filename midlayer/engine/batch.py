@@ -563,11 +563,12 @@ class ContinuousBatch:
             self.memory.pop(row, None)
             seq.reused = s
             starts.append(s)
-        # bounded windowed layers take at most `chunk` of a prompt's tokens per forward: a longer rest goes first
-        # through forwards of its own row (the same bits in q4: the kernels see the same keys)
+        # bounded windowed layers: a rest that does not fit beside what the row holds goes first through forwards
+        # of its own row, `chunk` tokens each, until it does (the same bits in q4: the kernels see the same keys)
         early: list[list[torch.Tensor]] = [[] for _ in seqs]  # their final residuals, for a row drafter
         for i, seq in enumerate(seqs):
-            while self.window and seq.prompt_len - starts[i] > self.chunk:
+            while (self.window and seq.prompt_len - starts[i] > self.chunk
+                   and seq.prompt_len - c.row_offs[r + i] > c.local_len):
                 a = starts[i]
                 _, h = self._forward(r + i, [seq.tokens[a:a + self.chunk]], [a], last_only=True)
                 if h is not None:
