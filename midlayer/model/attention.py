@@ -349,7 +349,11 @@ class Attention(nn.Module):
         """Attention with an explicit additive mask [B, 1, Tq, Tk] (None: every key visible), logits and
         softmax in fp32 whatever the cache dtype (the module's promise)."""
         if self.row_invariant and q.device.type == "cpu":
-            return kernels.attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
+            if k.dtype not in kernels.KV_DTYPES or v.dtype != k.dtype:
+                k, v = k.float(), v.float()
+            # (an fp16 cache is read as it is: the kernel widens each value exactly, the bits of a widened copy
+            # without making one per layer per step)
+            return kernels.attention(q.float(), k, v, mask).to(q.dtype)
         dtype = q.dtype
         kwargs = {}
         if q.shape[1] != k.shape[1]:
