@@ -437,6 +437,38 @@ def test_swap_rows_trades_each_rows_first_slots_and_leaves_the_rest():
         assert torch.equal(new.select(row_dim, 1), old.select(row_dim, 1))
 
 
+def test_rows_with_offsets_of_their_own_map_columns_to_slots_by_hand():
+    """A bounded windowed layer with an offset per row (the continuous batch's cache): local_len 5, window 3, 2 scratch
+    columns. `make_room_row` keeps the W - 1 = 2 keys before the new tokens, moved to the front; a forward whose
+    rows' offsets differ maps columns to slots (`key_slots`) as worked out here by hand; copies carry the offset."""
+    from midlayer.model.kv_cache import KVCache
+
+    c = KVCache(2, 3, 1, 1, 20, local=([1], 5, 3), spare=2, row_offsets=True)
+    assert c.k_layers[0].shape[2] == 20 and c.k_layers[1].shape[2] == 7  # layer 1 windowed: 5 + 2 columns
+    c.k_layers[1][0, 0, :5, 0] = torch.arange(5.0)  # row 0 holds slots 0..4 (value = slot) at columns 0..4
+    c.make_room_row(0, 5, 1)  # slot 5 does not fit: keep slots 3, 4 (the next query's window) at columns 0, 1
+    assert c.row_offs[0] == 3 and c.k_layers[1][0, 0, :2, 0].tolist() == [3.0, 4.0]
+    c.make_room_row(0, 5, 3)  # 2 kept + 3 new = 5: fits, nothing moves
+    assert c.row_offs[0] == 3
+    with pytest.raises(ValueError, match="do not fit"):  # 2 kept + 4 new > 5: refused, nothing dropped
+        c.make_room_row(0, 6, 4)
+    assert c.row_offs[0] == 3 and c.k_layers[1][0, 0, :2, 0].tolist() == [3.0, 4.0]
+    # a forward over rows at offsets 3, 0, 7 whose scratch slots start at 10, from column E = 5
+    c.row_offs[1:] = [0, 7]
+    view = c.rows(0, 3)
+    assert view.row_offs == [3, 0, 7] and view.offset(1) is None and view.offset(0) == 0
+    view.length, view.scratch = 12, (10, 5)
+    slots, hidden = view.key_slots()
+    assert slots.tolist() == [[3, 4, 5, 6, 7, 10, 11], [0, 1, 2, 3, 4, 10, 11], [7, 8, 9, 10, 11, 10, 11]]
+    assert hidden.tolist() == [[False] * 7, [False] * 7, [False, False, False, True, True, False, False]]
+    same = c.rows(1, 2)  # one row (or rows at one offset): the cache's shared-offset path
+    assert same.row_offs is None and same.local_off == 0 and same.offset(1) == 0
+    c.copy_row(0, 2, 6)  # row 0's slots 0..5: the windowed layer from its offset 3 on, and the offset with it
+    assert c.row_offs[2] == 3 and c.k_layers[1][2, 0, :2, 0].tolist() == [3.0, 4.0]
+    with pytest.raises(ValueError, match="hold slots 3"):  # fewer slots than row 0 has dropped
+        c.copy_row(0, 1, 2)
+
+
 @needs_kernels
 @pytest.mark.parametrize("drafter", [None, "eagle"])
 def test_a_follow_up_turn_finds_its_previous_turn_after_others_joined(drafter):

@@ -567,8 +567,8 @@ class ContinuousBatch:
         # of its own row, `chunk` tokens each, until it does (the same bits in q4: the kernels see the same keys)
         early: list[list[torch.Tensor]] = [[] for _ in seqs]  # their final residuals, for a row drafter
         for i, seq in enumerate(seqs):
-            while (self.window and seq.prompt_len - starts[i] > self.chunk
-                   and seq.prompt_len - c.row_offs[r + i] > c.local_len):
+            while (self.window and seq.prompt_len - starts[i] > self.chunk  # (self.cache: a forward may grow it)
+                   and seq.prompt_len - self.cache.row_offs[r + i] > self.cache.local_len):
                 a = starts[i]
                 _, h = self._forward(r + i, [seq.tokens[a:a + self.chunk]], [a], last_only=True)
                 if h is not None:

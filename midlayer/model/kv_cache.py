@@ -157,7 +157,17 @@ class KVCache:
         """Slots 0..length-1 of row src (K, V, key biases, positions) become row dst's: a continuous batch moving
         a sequence to another row, or a joining prompt taking a shared prefix (engine/batch.py; EAGLE's rows).
         Bounded windowed layers: what src holds of them (from its offset on), and with it its offset."""
-        self._put_row(dst, self._row_state(src, length))
+        off = self._held_from(src, length)
+        if self.k is not None:  # one copy per buffer
+            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        else:
+            for layer, (kl, vl) in enumerate(zip(self.k_layers, self.v_layers)):
+                n = length - (off if layer in self.local_layers else 0)
+                kl[dst, :, :n], vl[dst, :, :n] = kl[src, :, :n], vl[src, :, :n]
+        self._set_offset(dst, off)
+        self.bias[:, dst, :length] = self.bias[:, src, :length]
+        self.pos[dst, :length] = self.pos[src, :length]
 
     def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
         """Rows a and b trade their first slots: row a's 0..length_a-1 become row b's and row b's 0..length_b-1 row
@@ -167,11 +177,22 @@ class KVCache:
         self.copy_row(a, b, length_a)
         self._put_row(a, held)
 
-    def _row_state(self, row: int, length: int) -> tuple:
-        """Row `row`'s slots 0..length-1, copied out: (length, offset, per layer (K, V) of what it holds, bias, pos)."""
+    def _held_from(self, row: int, length: int) -> int:
+        """`row`'s offset, checked to lie within the `length` slots a copy of the row takes."""
         off = self.row_offset(row)
         if self.local_layers and off > length:
             raise ValueError(f"row {row}: its windowed layers hold slots {off}.. only, not 0..{length - 1}")
+        return off
+
+    def _set_offset(self, row: int, off: int) -> None:
+        if self.row_offs is not None:
+            self.row_offs[row] = off
+        elif off != self.local_off:
+            raise ValueError(f"row {row}: offset {off} differs from the cache's {self.local_off}")
+
+    def _row_state(self, row: int, length: int) -> tuple:
+        """Row `row`'s slots 0..length-1, copied out: (length, offset, per layer (K, V) of what it holds, bias, pos)."""
+        off = self._held_from(row, length)
         kv = [(k[row, :, :length - (off if layer in self.local_layers else 0)].clone(),
                v[row, :, :length - (off if layer in self.local_layers else 0)].clone())
               for layer, (k, v) in enumerate(zip(self.k_layers, self.v_layers))]
@@ -179,10 +200,7 @@ class KVCache:
 
     def _put_row(self, row: int, state: tuple) -> None:
         length, off, kv, bias, pos = state
-        if self.row_offs is not None:
-            self.row_offs[row] = off
-        elif off != self.local_off:
-            raise ValueError(f"row {row}: offset {off} differs from the cache's {self.local_off}")
+        self._set_offset(row, off)
         for (k, v), kl, vl in zip(kv, self.k_layers, self.v_layers):
             kl[row, :, :k.shape[1]], vl[row, :, :v.shape[1]] = k, v
         self.bias[:, row, :length], self.pos[row, :length] = bias, pos
