@@ -5,6 +5,7 @@ the share of prompt tokens whose K/V a turn took from another row or from a free
 prefilling them, and the run's seconds.
 
     python benchmarks/follow_up_turns.py [--conversations 8] [--turns 3] [--rows 4] [--max-tokens 48]
+        [--memory-rows 0]
 
 To compare with another checkout's engine (e.g. one before free rows kept the left sequence), run this file
 with that checkout first on PYTHONPATH.
@@ -28,11 +29,12 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--rows", type=int, default=4, help="rows of the batch (sequences at a time)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--memory-rows", type=int, default=0, help="batch cache rows that only keep left sequences' K/V")
     args = ap.parse_args()
     llm = midlayer.LLM.load(args.model, weights="q4")
     cfg = llm.settings(args.max_tokens, 0.0, 0, 1.0, None)
     chats = [[{"role": "user", "content": t}] for t in heldout_texts(args.conversations, "scaled")]
-    batch = llm.batch(args.rows)
+    batch = llm.batch(args.rows, memory_rows=args.memory_rows) if args.memory_rows else llm.batch(args.rows)
     turn = {i: 0 for i in range(len(chats))}
     running: dict[int, int] = {}  # handle -> conversation
     prompt_tokens = reused = 0
@@ -53,7 +55,7 @@ def main() -> None:
                 running[batch.add(llm.encode(chats[i]), cfg)] = i
     seconds = time.perf_counter() - t0
     print(machine_line(), f"\n\n{args.model} (q4), {args.conversations} conversations x {args.turns} turns, "
-          f"{args.rows} rows, up to {args.max_tokens} new tokens a turn\n")
+          f"{args.rows} rows (+ {args.memory_rows} memory rows), up to {args.max_tokens} new tokens a turn\n")
     print(f"prompt tokens {prompt_tokens}, reused {reused} ({reused / prompt_tokens:.0%}); {seconds:.2f} s")
 
 

@@ -282,16 +282,18 @@ class LLM:
                     "hidden transfer, early exit, layer skip, skip gates): it decodes one request at a time")
         return None
 
-    def batch(self, max_rows: int = 16, bound_windows: bool = True) -> ContinuousBatch:
+    def batch(self, max_rows: int = 16, bound_windows: bool = True, memory_rows: int = 0) -> ContinuousBatch:
         """A continuous batch over this model: many sequences decoded together, joining and leaving between
         steps (the server's engine). With a drafter attached (any of ours), its greedy rows draft chains in the batch
-        (`registry.batch_drafting`). `bound_windows=False`: windowed blocks (Gemma 3) keep every slot."""
+        (`registry.batch_drafting`). `bound_windows=False`: windowed blocks (Gemma 3) keep every slot.
+        `memory_rows`: cache rows that keep left sequences' K/V for follow-up turns when the batch is full."""
         why = self.batch_refusal()
         if why is not None:
             raise ValueError(f"continuous batching: {why}")
         q = self._acc[0][0] if self._acc else None  # a trained draft's held-out depth-1 top-1: the prior acceptance
         return ContinuousBatch(self.model, max_rows, skip=self.skip, prefix_reuse=self.prefix_reuse,
-                               bound_windows=bound_windows, **batch_drafting(self.drafter, max_rows, q))
+                               bound_windows=bound_windows, memory_rows=memory_rows,
+                               **batch_drafting(self.drafter, max_rows + memory_rows, q))
 
     def batch_feed(self, batch: ContinuousBatch, seq: BatchSequence, tokens: list[int], finished: bool,
                    text: "TextStream") -> tuple[str, Completion | None]:

@@ -102,10 +102,11 @@ class Engine:
     freed at once when it is cancelled or its client goes away. Otherwise (`max_batch` 1, the static engine):
     requests are decoded one after another."""
 
-    def __init__(self, llm: LLM, max_queue: int, max_batch: int = 16) -> None:
+    def __init__(self, llm: LLM, max_queue: int, max_batch: int = 16, memory_rows: int = 0) -> None:
         self.llm, self.max_queue = llm, max_queue
         self.batched = max_batch > 1 and llm.batch_refusal() is None
         self.max_batch = max_batch
+        self.memory_rows = memory_rows  # batch cache rows that only keep left requests' K/V (follow-up turns)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.active = 0  # queued + running
         self.lock = threading.Lock()
@@ -180,7 +181,7 @@ class Engine:
         """Long: one loop owns the batch: take new jobs (waiting for one only when nothing runs), drop cancelled
         ones, step once, hand each sequence's tokens to its job as text, and retire finished ones. After stop,
         running and already admitted requests finish; queued ones get an error."""
-        batch = self.llm.batch(self.max_batch)
+        batch = self.llm.batch(self.max_batch, memory_rows=self.memory_rows)
         live: dict[int, tuple[Job, TextStream]] = {}
         draining = False
         while True:
@@ -410,7 +411,8 @@ def _scored_choices(llm: LLM, prompts: list[Any], kw: dict[str, Any]) -> tuple[l
     return choices, n_prompt, n_new
 
 
-def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int = 1 << 20, max_batch: int = 16):
+def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int = 1 << 20, max_batch: int = 16,
+               memory_rows: int = 0):
     """The ASGI app (FastAPI) serving `llm` as `model_name`. The engine thread starts with the app.
 
     Long: the endpoints are closures over one engine, one model and its name (FastAPI's usual shape); each
@@ -418,7 +420,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
     from fastapi import FastAPI, Request  # an optional extra (pip install 'midlayer[serve]'): imported here,
     from fastapi.responses import JSONResponse, StreamingResponse  # so that midlayer runs without it
 
-    engine = Engine(llm, max_queue, max_batch)
+    engine = Engine(llm, max_queue, max_batch, memory_rows)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -660,10 +662,11 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
 
 
 def serve(llm: LLM, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
-          max_batch: int = 16) -> None:
+          max_batch: int = 16, memory_rows: int = 0) -> None:
     """Run the server until SIGINT / SIGTERM (uvicorn: running requests finish, then it stops)."""
     import uvicorn  # the optional extra: imported here, so that midlayer runs without it
 
-    uvicorn.run(create_app(llm, model_name, max_queue=max_queue, max_batch=max_batch), host=host, port=port,
+    uvicorn.run(create_app(llm, model_name, max_queue=max_queue, max_batch=max_batch, memory_rows=memory_rows),
+                host=host, port=port,
                 log_level="info",
                 timeout_graceful_shutdown=30)

@@ -517,6 +517,50 @@ def test_a_follow_up_turn_finds_its_previous_turn_after_others_joined(drafter):
 
 
 @needs_kernels
+@pytest.mark.parametrize("drafter", [None, "eagle"])
+def test_memory_rows_keep_a_full_batchs_left_sequences_for_their_follow_ups(drafter):
+    """A full batch (2 rows): A leaves and C, waiting, takes its row at once. Without memory rows A's K/V are gone
+    when its follow-up D joins; with one memory row C's join moves them there first (`_keep_memory`), and D
+    reuses A's prompt and answer. Outputs equal single-request decoding either way (q4), with EAGLE's draft rows
+    moved along; a row drafter with fewer rows than the batch's cache is refused."""
+    from midlayer.speculative.eagle import EagleRows
+
+    model = _q4()
+    rng = random.Random(7)
+    pa, pb, pc = ([rng.randrange(6, V) for _ in range(n)] for n in (18, 9, 11))
+    cfgs = [GenerationConfig(max_new_tokens=n) for n in (4, 30, 10, 6)]
+    answer = generate(model, [pa], cfgs[0])[0]
+    pd = pa + answer + [rng.randrange(6, V) for _ in range(5)]
+    ref = [generate(model, [p], c)[0] for p, c in zip((pa, pb, pc, pd), cfgs)]
+    shared = len(pa) + len(answer) - 1  # (the last answer token was never fed)
+    for memory_rows in (0, 1):
+        kw = {} if drafter is None else dict(row_drafter=EagleRows(_eagle(model), 2 + memory_rows))
+        batch = ContinuousBatch(model, max_rows=2, k=3, memory_rows=memory_rows, **kw)
+        if drafter is not None:
+            batch._pays = lambda lengths: max(lengths)
+        got, seqs = {}, {}
+        handles = [batch.add(p, c) for p, c in zip((pa, pb, pc), cfgs)]
+        while handles[0] in batch.by_handle or any(x.handle == handles[2] for x in batch.waiting):
+            for seq, tokens, _ in batch.step():
+                got[seq.handle] = got.get(seq.handle, []) + tokens
+                seqs[seq.handle] = seq
+        assert len(batch.running) == 2  # C took A's row at once: the batch stayed full
+        handles.append(batch.add(pd, cfgs[3]))
+        while len(batch):
+            for seq, tokens, _ in batch.step():
+                got[seq.handle] = got.get(seq.handle, []) + tokens
+                seqs[seq.handle] = seq
+        assert [got[h] for h in handles] == ref, memory_rows
+        want = 0 if memory_rows == 0 else shared if drafter is None else min(shared - 1, seqs[handles[0]].fed)
+        assert seqs[handles[3]].reused == want and (memory_rows == 0 or want >= len(pa))
+    if drafter is not None:
+        with pytest.raises(ValueError, match="row drafter keeps 2 rows"):
+            ContinuousBatch(model, max_rows=2, memory_rows=1, row_drafter=EagleRows(_eagle(model), 2))
+    with pytest.raises(ValueError, match="memory_rows >= 0"):
+        ContinuousBatch(model, max_rows=2, memory_rows=-1)
+
+
+@needs_kernels
 def test_a_row_whose_drafts_stopped_paying_tries_again_and_finds_the_good_ones():
     """The depth rule's forgetting (`forget`): a proposer that is wrong for the first 12 steps and right after. The
     row's estimate falls until no draft pays, and the row stops drafting. Without forgetting (forget=1) it never

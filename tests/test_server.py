@@ -110,8 +110,9 @@ class Spy:
     def __getattr__(self, name: str):
         return getattr(self.llm, name)
 
-    def batch(self, max_rows):
-        batch = self.llm.batch(max_rows)
+    def batch(self, max_rows, **kw):
+        batch = self.llm.batch(max_rows, **kw)
+        self.cache_rows = batch.cache_rows
         step = batch.step
 
         def spied():
@@ -152,7 +153,7 @@ def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F
     q4.attach(draft)
     assert q4.batch_refusal() is None
     spy = Spy(q4)
-    running = Running(create_app(spy, NAME, max_queue=64))
+    running = Running(create_app(spy, NAME, max_queue=64, memory_rows=2))  # (EAGLE's draft rows: 16 + 2)
     try:
         c = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0, timeout=60)
 
@@ -169,7 +170,7 @@ def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F
         running.stop()
     assert all(text == q4.tokenizer.decode([t for t in refs[p] if t not in q4.tokenizer.eos_ids])
                for p, text, _ in results + again)
-    assert spy.most > 1  # requests really shared steps
+    assert spy.most > 1 and spy.cache_rows == 16 + 2  # requests really shared steps; the memory rows came through
     if kind != "eagle":
         assert again[1][2] == len(q4.encode(prompts[-1])) - 1
 
@@ -306,8 +307,8 @@ class Held:
                 self.held = True
                 self.release.wait(30)
 
-    def batch(self, max_rows):  # the batched engine: the first step after which a sequence has text holds it
-        batch = self.llm.batch(max_rows)
+    def batch(self, max_rows, **kw):  # the batched engine: the first step after which a sequence has text holds it
+        batch = self.llm.batch(max_rows, **kw)
         step = batch.step
 
         def held_step():

@@ -269,6 +269,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="requests queued or running at once; more are refused with 503")
     p.add_argument("--max-batch", type=int, default=16,
                    help="requests decoded together in one continuous batch (1: one after another)")
+    p.add_argument("--memory-rows", type=int, default=4, metavar="ROWS",
+                   help="batch cache rows beyond --max-batch that keep finished requests' K/V, so that a follow-up "
+                        "turn reuses its conversation's prefix when the batch is full (each costs one row of K/V)")
     p.add_argument("--prefix-reuse", type=int, default=16, metavar="TOKENS",
                    help="a request whose prompt starts as another's (a running one's, one a free batch row still "
                         "holds, or the last scored prompt's) for at least this many tokens reuses their K/V instead "
@@ -284,6 +287,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     positive("--max-batch", args.max_batch)
     if args.prefix_reuse < 0:
         raise ValueError(f"--prefix-reuse must be >= 0 (0: off), got {args.prefix_reuse}")
+    if args.memory_rows < 0:
+        raise ValueError(f"--memory-rows must be >= 0 (0: none), got {args.memory_rows}")
     if args.draft is not None and args.draft != LOOKUP and not Path(args.draft).is_dir():
         raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output, or lookup)")
     tree_nodes(args.tree)  # a bad --tree is refused before any model is loaded
@@ -293,6 +298,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm.attach(args.draft, tree=args.tree)
     llm.prefix_reuse = args.prefix_reuse
     serve(llm, args.served_name or args.model or args.checkpoint, host=args.host, port=args.port,
-          max_queue=args.max_queue, max_batch=args.max_batch)
+          max_queue=args.max_queue, max_batch=args.max_batch, memory_rows=args.memory_rows)
     return 0
 

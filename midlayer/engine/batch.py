@@ -8,7 +8,8 @@ keeps every running sequence in one row of a shared KV cache and advances them a
   * **Rows.** The cache has `max_rows` rows; the running sequences hold rows 0..n-1, so a step's forward runs
     over a prefix of the buffers (`KVCache.rows`, no copy). A sequence that ends frees its row: the last
     running sequence moves into it (the two rows swap), so the prefix stays dense and the freed row keeps the
-    left sequence's K/V for a follow-up prompt.
+    left sequence's K/V for a follow-up prompt. `memory_rows` more rows hold only such memories: a full batch,
+    whose freed rows are taken at once, keeps the newest ones there.
   * **Slots.** Slot p of a row holds that sequence's token at position p: each row has its own length, and a
     step writes row i's token at slot L_i (`forward_cached(..., slots=)`); the cache's mask hides a row's slots
     past its own length (-inf key bias), so a short row never sees a long row's stale keys.
@@ -90,6 +91,7 @@ class RowDrafter(Protocol):
     draft KV cache: speculative/eagle.py, `EagleRows`) or none (Medusa heads: speculative/medusa.py)."""
 
     keeps_rows: bool  # rows of its own, one per batch row, that must hold every position's entry (EAGLE)
+    rows: int  # with keeps_rows: how many (at least the batch's cache rows: max_rows + memory_rows)
 
     def chains(self, rows: list[int], starts: list[int], hidden: list[torch.Tensor], tokens: list[list[int]],
                depth: int) -> list[list[int]]:
@@ -250,13 +252,18 @@ class ContinuousBatch:
                  row_drafter: RowDrafter | None = None, fused: FusedDrafter | None = None,
                  self_drafter: SelfDrafter | None = None, max_step_rows: int = 64, max_prefill_rows: int = 1024,
                  initial_len: int = 256, prefix_reuse: int = 16, forget: float = 0.995,
-                 bound_windows: bool = True) -> None:
+                 bound_windows: bool = True, memory_rows: int = 0) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"continuous batching does not support this model: {why}")
-        if max_rows < 1 or k < 0 or max_step_rows < max_rows:
-            raise ValueError(f"need max_rows >= 1, k >= 0 and max_step_rows >= max_rows; got {max_rows}, {k}, "
-                             f"{max_step_rows}")
+        if max_rows < 1 or k < 0 or max_step_rows < max_rows or memory_rows < 0:
+            raise ValueError(f"need max_rows >= 1, k >= 0, max_step_rows >= max_rows and memory_rows >= 0; got "
+                             f"{max_rows}, {k}, {max_step_rows}, {memory_rows}")
+        # cache rows past max_rows: free rows that only remember left sequences, so a full batch keeps them too
+        self.cache_rows = max_rows + memory_rows
+        if row_drafter is not None and row_drafter.keeps_rows and row_drafter.rows < self.cache_rows:
+            raise ValueError(f"the row drafter keeps {row_drafter.rows} rows, the batch's cache {self.cache_rows} "
+                             "(max_rows + memory_rows): give it as many")
         if sum(x is not None for x in (propose, row_drafter, fused, self_drafter)) > 1:
             raise ValueError("one drafter per batch: propose (from tokens), row_drafter (from the base's states), "
                              "fused (rows that ride the base's forward) or self_drafter (the base's own blocks)")
@@ -288,7 +295,7 @@ class ContinuousBatch:
         windows = [cfg.window_of(layer) for layer in range(cfg.n_layers)] if cfg.mixed_windows else []
         self.window = max(windows, default=0) if bound_windows else 0
         self.chunk = max(self.window, self.k + 1)  # (a prompt's tokens per forward, when windows are bounded)
-        self.cache = KVCache.for_model(cfg, max_rows, max_len=min(initial_len, self.ctx), device=self.device,
+        self.cache = KVCache.for_model(cfg, self.cache_rows, max_len=min(initial_len, self.ctx), device=self.device,
                                        dtype=self.dtype, local_len=self.window - 1 + self.chunk if self.window else None,
                                        spare=self.scratch, row_offsets=True)
         self.running: list[BatchSequence] = []  # running[i] holds row i
@@ -586,10 +593,10 @@ class ContinuousBatch:
 
     def _keep_memory(self, row: int, free: int, donor: int) -> None:
         """A joining prompt is about to overwrite free `row`, whose remembered K/V it does not start with: copy them
-        to a free row that this join leaves alone (`free`.. `max_rows` - 1) and that is not the joiner's `donor`,
+        to a free row that this join leaves alone (`free`.. `cache_rows` - 1) and that is not the joiner's `donor`,
         one that remembers nothing if there is one, else the one whose memory is oldest. So a follow-up turn still
         finds its previous turn when other requests joined in between."""
-        spare = [t for t in range(free, self.max_rows) if t not in self.memory]
+        spare = [t for t in range(free, self.cache_rows) if t not in self.memory]
         older = [t for t in self.memory if t >= free and t != donor]  # (dict order: oldest first)
         target = spare[0] if spare else older[0] if older else -1
         if target < 0:

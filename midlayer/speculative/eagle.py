@@ -537,6 +537,10 @@ class EagleRows:
         self.cache = KVCache(1, max_rows, c.n_kv_heads, c.head_dim, min(initial_len, self.ctx + 1), device=w.device,
                              dtype=w.dtype)
 
+    @property
+    def rows(self) -> int:
+        return self.cache.batch
+
     def _reserve(self, need: int) -> None:
         """At least `need` slots (doubling), keeping what the rows hold."""
         if need > self.cache.max_len:

@@ -201,11 +201,12 @@ def load_drafter(path: str | Path, model: Transformer, base_name: str | None = N
 CHAIN = 5
 
 
-def batch_drafting(drafter: Drafter | None, max_rows: int, prior: float | None = None) -> dict[str, Any] | None:
+def batch_drafting(drafter: Drafter | None, rows: int, prior: float | None = None) -> dict[str, Any] | None:
     """How `drafter` drafts in a continuous batch (engine/batch.py): the `ContinuousBatch` arguments that attach it
-    ({} without a drafter), or None where it cannot. prior: a trained draft's expected acceptance (its held-out
-    depth-1 top-1), the rows' prior; prompt lookup prices each prompt itself. The one mapping the API's batch
-    (and so the server) and `bench decode`'s one-row "-steps" rows use.
+    ({} without a drafter), or None where it cannot. rows: the batch's cache rows (max_rows + memory_rows).
+    prior: a trained draft's expected acceptance (its held-out depth-1 top-1), the rows' prior; prompt lookup
+    prices each prompt itself. The one mapping the API's batch (and so the server) and `bench decode`'s one-row
+    "-steps" rows use.
 
     Prompt lookup proposes from tokens; Medusa heads and EAGLE read the base's final residuals (EAGLE keeps a
     draft KV cache row per batch row); hidden transfer's pseudo rows ride the batch's forward; early exit, layer
@@ -220,7 +221,7 @@ def batch_drafting(drafter: Drafter | None, max_rows: int, prior: float | None =
     if isinstance(drafter, MedusaDrafter):
         return dict(row_drafter=drafter, k=drafter.heads.k, accept_prior=acc)
     if isinstance(drafter, EagleDrafter):
-        return dict(row_drafter=EagleRows(drafter, max_rows), k=CHAIN, accept_prior=acc)
+        return dict(row_drafter=EagleRows(drafter, rows), k=CHAIN, accept_prior=acc)
     if isinstance(drafter, HiddenTransferDrafter):
         return dict(fused=HiddenTransferRows(drafter), k=drafter.transfer.k, accept_prior=acc)
     if isinstance(drafter, (EarlyExitDrafter, LayerSkipDrafter)):  # skip gates' GatedDrafter is a LayerSkipDrafter
