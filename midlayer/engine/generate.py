@@ -143,7 +143,8 @@ class CachedStep:
         # "key" gating keeps each key's ln g in the cache; a "query" bias is a row constant of the softmax (no
         # effect), so the cached path leaves it out; "none" has none
         self.gate_mode = gate_mode
-        cache.mask_memo = None  # a mask is shared by the layers of one forward only (LayerView.finish)
+        cache.mask_memo = {}  # a mask is shared by the layers of one forward only (LayerView.finish)
+        cache.layers_alike = layers_alike
         self.rows_valid = None if start is not None else torch.ones_like(query_slots, dtype=torch.bool)
         # every layer of the cache holds the same keys with the same biases (a model without routers): then
         # per-row slots (start None) still share one mask across the blocks of a fused stretch

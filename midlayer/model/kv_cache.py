@@ -63,6 +63,7 @@ class KVCache:
     local_len = local_window = local_off = local_spare = 0
     row_offs: list[int] | None = None  # with `row_offsets`: each row's slot at column 0 of the windowed layers
     scratch: tuple[int, int] | None = None  # a forward's (first scratch slot, its column in the windowed layers)
+    layers_alike = False  # this forward's layers hold the same keys with the same biases (generate.CachedStep)
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -120,7 +121,7 @@ class KVCache:
         # nothing skipped there): its attention then needs no mask at all in a decode step, the fast path of
         # batch-1 decoding. Per layer, so that a layer no token skips keeps it while others lose it.
         self.dense_layers = [True] * n_layers
-        self.mask_memo: tuple | None = None  # (key, mask): this forward's dense-prefix mask (LayerView.finish)
+        self.mask_memo: dict[tuple, torch.Tensor] = {}  # this forward's masks that layers share (LayerView.finish)
         self.key_memo: tuple | None = None  # (key, slots, hidden): `key_slots`'s answer for this forward
         self.ssm: dict[int, object] = {}  # layer -> ssm.SSMState of a state-space mixer (created on first use)
 
@@ -337,7 +338,7 @@ class KVCache:
         self.pos[:, :n] = self.pos[:, first:self.length].clone()
         self.bias[:, :, n:self.length] = float("-inf")
         self.length = n
-        self.mask_memo = None
+        self.mask_memo = {}
 
     def make_room(self, n_new: int) -> None:
         """With a sliding window W: before n_new slots are reserved, evict the keys no query from the next
@@ -368,7 +369,7 @@ class KVCache:
         for layer in self.local_layers:
             for buf in (self.k_layers[layer], self.v_layers[layer]):
                 buf[rows, :, :n] = buf[rows, :, drop:drop + n].clone()
-        self.mask_memo = None
+        self.mask_memo = {}
         return first
 
     def _no_rollback(self, what: str) -> None:
@@ -567,13 +568,18 @@ class LayerView(CacheView):
             # and the view's batch stride is the cache's max_len)
             mask = bias_l[:, None, None, off:S]
             return mask if mask.device.type == "cpu" else mask.contiguous()
-        if dense:
-            # Every held key has bias 0 at this layer: the mask (causality [+ tree]) is the same for all dense
-            # layers of this forward, so it is built once and reused (keyed on what it depends on).
-            em = self.extra_mask
-            key = (self.start, M, S, off, window, None if em is None else (em.data_ptr(), tuple(em.shape), tuple(em.stride())))
-            if c.mask_memo is not None and c.mask_memo[0] == key:
-                return c.mask_memo[1]
+        # Every held key has bias 0 at this layer (dense), or every layer holds the same keys with the same biases
+        # (`layers_alike`: a model without routers): the mask is the same for all such layers of this forward with
+        # the same window and offset, so it is built once and reused (keyed on what it depends on)
+        shared = dense or (c.layers_alike and self.gate_bias is None)
+        if shared:
+            em, qs = self.extra_mask, self.query_slots
+
+            def ident(t: torch.Tensor | None) -> tuple | None:
+                return None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            key = (dense, self.start, M, S, off, window, ident(em), None if dense else ident(qs))
+            if key in c.mask_memo:
+                return c.mask_memo[key]
         if off is not None:  # columns 0.. hold slots off..S-1
             key_slots, hidden = torch.arange(off, S, device=device)[None], None
 
@@ -597,6 +603,6 @@ class LayerView(CacheView):
             mask = mask + keys(self.extra_mask)
         if hidden is not None:
             mask = mask.masked_fill(hidden[:, None, None, :], float("-inf"))
-        if dense:
-            c.mask_memo = (key, mask)
+        if shared:
+            c.mask_memo[key] = mask
         return mask
