@@ -530,7 +530,8 @@ def test_q4_without_its_kernels_says_it_is_another_computation(tiny, work, capsy
     assert "is bit-identical" not in err
 
 
-@pytest.mark.parametrize("flag, value", [("--prefix-reuse", "-1"), ("--max-batch", "0"), ("--port", "0")])
+@pytest.mark.parametrize("flag, value", [("--prefix-reuse", "-1"), ("--max-batch", "0"), ("--port", "0"),
+                                         ("--memory-rows", "-1")])
 def test_serve_flags_are_refused_before_any_model_is_loaded(flag, value, capsys):
     pytest.importorskip("fastapi")
     refused(capsys, ["serve", "--model", "no-such-model", flag, value], flag)

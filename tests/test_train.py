@@ -415,7 +415,8 @@ def test_cli_surface_is_frozen():
     assert flags["serve"] == sorted(["-h", "--help", *CONFIG, "--model", "--checkpoint", "--weights", "--device", "--draft",
                                      "--tree", "--served-name", "--host", "--port", "--max-queue", "--max-batch",
                                      "--kv-cache",  # the KV cache's dtype (fp16 by default with q4)
-                                     "--prefix-reuse"])  # the continuous batch's prefix reuse (35th session)
+                                     "--prefix-reuse",  # the continuous batch's prefix reuse (35th session)
+                                     "--memory-rows"])  # rows that keep left requests' K/V (37th session)
     assert flags["demo"] == sorted(["-h", "--help", *CONFIG, "--steps", "--out-dir"])
     assert flags["kernels"] == sorted(["-h", "--help", *CONFIG])
     tools = next(a for a in sub.choices["data"]._actions if a.dest == "tool").choices
