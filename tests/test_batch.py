@@ -469,6 +469,16 @@ def test_rows_with_offsets_of_their_own_map_columns_to_slots_by_hand():
         c.copy_row(0, 1, 2)
 
 
+def _follow_up(model, seed: int):
+    """Prompts A, B, C (18, 9 and 11 random tokens), D = A + A's answer + a new turn of 5, and their settings
+    (A answers in 4 tokens, B runs 30, C 10, D 6); and A's answer."""
+    rng = random.Random(seed)
+    pa, pb, pc = ([rng.randrange(6, V) for _ in range(n)] for n in (18, 9, 11))
+    cfgs = [GenerationConfig(max_new_tokens=n) for n in (4, 30, 10, 6)]
+    answer = generate(model, [pa], cfgs[0])[0]
+    return pa, pb, pc, pa + answer + [rng.randrange(6, V) for _ in range(5)], cfgs, answer
+
+
 @needs_kernels
 @pytest.mark.parametrize("drafter", [None, "eagle"])
 def test_a_follow_up_turn_finds_its_previous_turn_after_others_joined(drafter):
@@ -479,11 +489,7 @@ def test_a_follow_up_turn_finds_its_previous_turn_after_others_joined(drafter):
     from midlayer.speculative.eagle import EagleRows
 
     model = _q4()
-    rng = random.Random(5)
-    pa, pb, pc = ([rng.randrange(6, V) for _ in range(n)] for n in (18, 9, 11))
-    cfgs = [GenerationConfig(max_new_tokens=n) for n in (4, 30, 10, 6)]
-    answer = generate(model, [pa], cfgs[0])[0]
-    pd = pa + answer + [rng.randrange(6, V) for _ in range(5)]
+    pa, pb, pc, pd, cfgs, answer = _follow_up(model, seed=5)
     kw = {} if drafter is None else dict(row_drafter=EagleRows(_eagle(model), 3))
     batch = ContinuousBatch(model, max_rows=3, k=3, **kw)
     if drafter is not None:
@@ -526,11 +532,7 @@ def test_memory_rows_keep_a_full_batchs_left_sequences_for_their_follow_ups(draf
     from midlayer.speculative.eagle import EagleRows
 
     model = _q4()
-    rng = random.Random(7)
-    pa, pb, pc = ([rng.randrange(6, V) for _ in range(n)] for n in (18, 9, 11))
-    cfgs = [GenerationConfig(max_new_tokens=n) for n in (4, 30, 10, 6)]
-    answer = generate(model, [pa], cfgs[0])[0]
-    pd = pa + answer + [rng.randrange(6, V) for _ in range(5)]
+    pa, pb, pc, pd, cfgs, answer = _follow_up(model, seed=7)
     ref = [generate(model, [p], c)[0] for p, c in zip((pa, pb, pc, pd), cfgs)]
     shared = len(pa) + len(answer) - 1  # (the last answer token was never fed)
     for memory_rows in (0, 1):
