@@ -20,6 +20,8 @@ from tiny_models import make_tiny
 V = 97
 DIMS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=96, multiple_of=32)
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")
+# windowed blocks beside a global one (Gemma 3's pattern): the batch bounds the windowed layers per row
+WINDOWED = dict(sliding_window=6, full_attention_layers=(2,), rope_theta_local=1e4)
 
 
 def _q4(gating: bool = False, **over):
@@ -71,8 +73,12 @@ def _run(batch: ContinuousBatch, prompts, cfgs, seed: int = 0, join_p: float = 0
 @needs_kernels
 @pytest.mark.parametrize("gating", [False, True])
 @pytest.mark.parametrize("lookup", [False, True])
-def test_joining_and_leaving_rows_give_single_request_tokens(gating, lookup):
-    model = _q4(gating)
+@pytest.mark.parametrize("windowed", [False, True])
+def test_joining_and_leaving_rows_give_single_request_tokens(gating, lookup, windowed):
+    """Every sequence's tokens equal single-request decoding: dense and gated (real skipping: per-row sparse
+    writes), with and without lookup drafts, and with windowed blocks beside a global one, whose buffers the
+    batch bounds per row (sparse writes and masks over rows with offsets of their own)."""
+    model = _q4(gating, **(WINDOWED if windowed else {}))
     prompts, cfgs = _workload()
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
     drafter = PromptLookupDrafter(V)
@@ -318,10 +324,6 @@ def test_prompts_arriving_together_with_one_start_share_one_prefill_of_it():
             first = False
     assert [got[h] for h in handles] == [generate(model, [p], cfg)[0] for p in prompts]
     assert [reused[h] for h in handles] == [0, 20, 20, 20, 0]
-
-
-# windowed blocks beside a global one (Gemma 3's pattern): the batch bounds the windowed layers per row
-WINDOWED = dict(sliding_window=6, full_attention_layers=(2,), rope_theta_local=1e4)
 
 
 @needs_kernels
@@ -789,8 +791,9 @@ def test_the_fused_drafters_rows_are_priced_into_the_depth():
 
 
 @needs_kernels
-def test_seeded_sampling_rows_reproduce_a_single_request():
-    model = _q4()
+@pytest.mark.parametrize("windowed", [False, True])
+def test_seeded_sampling_rows_reproduce_a_single_request(windowed):
+    model = _q4(**(WINDOWED if windowed else {}))
     prompts, _ = _workload(seed=3, n=6)
     cfgs = [GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=s) for s in range(6)]
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
