@@ -327,6 +327,32 @@ def test_prompts_arriving_together_with_one_start_share_one_prefill_of_it():
 
 
 @needs_kernels
+def test_with_bounded_windows_a_prompt_waits_only_for_a_joiner_that_will_still_hold_the_start():
+    """`_defer` with windowed layers bounded per row: B, sharing A's start, waits a step for A's row only if A's
+    prompt and next step fit A's columns (A then keeps every key, and B reuses the start); a longer A drops keys in
+    its own prefill and could lend nothing, so B joins at once beside it. Outputs exact either way."""
+    model = _q4(**WINDOWED)  # W = 6; with k = 0 a row holds 5 + 6 = 11 columns
+    rng = random.Random(0)
+    start = [rng.randrange(6, V) for _ in range(5)]
+    for rest, waits in ((3, True), (25, False)):
+        a, b = ([*start, *(rng.randrange(6, V) for _ in range(rest))] for _ in range(2))
+        cfg = GenerationConfig(max_new_tokens=4)
+        batch = ContinuousBatch(model, max_rows=4, k=0, prefix_reuse=3)
+        ha, hb = batch.add(a, cfg), batch.add(b, cfg)
+        got = {ha: [], hb: []}
+        seqs = {}
+        for seq, tokens, _ in batch.step():
+            got[seq.handle] += tokens
+        assert (hb in [x.handle for x in batch.waiting]) == waits
+        while len(batch):
+            for seq, tokens, _ in batch.step():
+                got[seq.handle] += tokens
+                seqs[seq.handle] = seq
+        assert [got[ha], got[hb]] == [generate(model, [p], cfg)[0] for p in (a, b)]
+        assert seqs[hb].reused == (len(start) if waits else 0)
+
+
+@needs_kernels
 @pytest.mark.parametrize("windowed", [False, True])
 @pytest.mark.parametrize("drafter", [None, "lookup", "eagle", "hidden-transfer", "layer-skip"])
 def test_random_arrivals_cancels_and_shared_starts_stay_exact(drafter, windowed):
@@ -443,7 +469,7 @@ def test_rows_with_offsets_of_their_own_map_columns_to_slots_by_hand():
     """A bounded windowed layer with an offset per row (the continuous batch's cache): local_len 5, window 3, 2 scratch
     columns. `make_room_row` keeps the W - 1 = 2 keys before the new tokens, moved to the front; a forward whose
     rows' offsets differ maps columns to slots (`key_slots`) as worked out here by hand; copies carry the offset."""
-    from midlayer.model.kv_cache import KVCache
+    from midlayer.model.kv_cache import KVCache, LayerView
 
     c = KVCache(2, 3, 1, 1, 20, local=([1], 5, 3), spare=2, row_offsets=True)
     assert c.k_layers[0].shape[2] == 20 and c.k_layers[1].shape[2] == 7  # layer 1 windowed: 5 + 2 columns
@@ -459,7 +485,11 @@ def test_rows_with_offsets_of_their_own_map_columns_to_slots_by_hand():
     c.row_offs[1:] = [0, 7]
     view = c.rows(0, 3)
     assert view.row_offs == [3, 0, 7] and view.offset(1) is None and view.offset(0) == 0
-    view.length, view.scratch = 12, (10, 5)
+    view.length = 12
+    with pytest.raises(ValueError, match="scratch"):  # a forward over such rows must say where its scratch goes
+        LayerView(view, 1, torch.zeros(3, 1, dtype=torch.long), valid=torch.ones(3, 1, dtype=torch.bool)).update(
+            torch.zeros(3, 1, 1, 1), torch.zeros(3, 1, 1, 1))
+    view.scratch = (10, 5)
     slots, hidden = view.key_slots()
     assert slots.tolist() == [[3, 4, 5, 6, 7, 10, 11], [0, 1, 2, 3, 4, 10, 11], [7, 8, 9, 10, 11, 10, 11]]
     assert hidden.tolist() == [[False] * 7, [False] * 7, [False, False, False, True, True, False, False]]

@@ -512,13 +512,16 @@ class ContinuousBatch:
     def _defer(self, seq: BatchSequence, joining: list[BatchSequence]) -> bool:
         """Whether `seq` waits a step: no running row shares `prefix_reuse` tokens with its prompt, but a sequence
         joining this step does. Prefilled beside it, it would compute that start again; a step later it reuses it
-        from that row (`_prefix`). (Sixteen chat prompts arriving at once share SmolLM2's 24-token system turn.)"""
+        from that row (`_prefix`). (Sixteen chat prompts arriving at once share SmolLM2's 24-token system turn.)
+        With bounded windowed layers only a joiner whose row drops no key before then counts (its prompt and next
+        step fit its columns): one that does would lend `_prefix` nothing, and the wait would be for nothing."""
         if not self.prefix_reuse or not joining:
             return False
         ids = seq.tokens[:seq.prompt_len - 1]
         if any(shared_prefix(ids, x.tokens[:x.length]) >= self.prefix_reuse for x in self.running):
             return False
-        return any(shared_prefix(ids, x.tokens) >= self.prefix_reuse for x in joining)
+        room = self.cache.local_len - 1 - self.k if self.window else self.ctx
+        return any(shared_prefix(ids, x.tokens) >= self.prefix_reuse and x.prompt_len <= room for x in joining)
 
     def _prefix(self, seq: BatchSequence, row: int) -> tuple[int, int]:
         """(s, donor): the joining `seq` (into `row`) takes slots 0..s-1 from row `donor` -- a running row, or a

@@ -287,15 +287,19 @@ class KVCache:
             return 0
         return self.local_off if self.row_offs is None else None
 
+    def scratch_columns(self) -> tuple[int, int]:
+        """`scratch`, which a forward over rows with offsets of their own must have named."""
+        if self.scratch is None:
+            raise ValueError("a forward over rows with windowed-layer offsets of their own must name its scratch "
+                             "slots (KVCache.scratch = (first scratch slot, its column))")
+        return self.scratch
+
     def key_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows with offsets of their own, in a forward that named its `scratch` (end, E): (slots, hidden), both
         [B, columns]. Column c of row b holds slot c + row_offs[b] for c < E and scratch slot end + c - E after;
         `hidden` marks the columns c < E whose slot would be a scratch slot or later (stale: nothing of the row's
         own). The slots of hidden columns are clamped into the cache (they are masked)."""
-        if self.scratch is None:
-            raise ValueError("a forward over rows with windowed-layer offsets of their own must name its scratch "
-                             "slots (KVCache.scratch = (first scratch slot, its column))")
-        end, E = self.scratch
+        end, E = self.scratch_columns()
         key = (self.length, end, E, tuple(self.row_offs))
         if self.key_memo is None or self.key_memo[0] != key:
             dev = self.pos.device
@@ -510,7 +514,10 @@ class LayerView(CacheView):
         """How many columns of this layer's buffers the step reads: the slots it holds (module docstring)."""
         c = self.cache
         off = c.offset(self.layer)
-        return c.length - (off if off is not None else c.scratch[0] - c.scratch[1])
+        if off is None:
+            end, E = c.scratch_columns()
+            off = end - E  # (the scratch slots' shift)
+        return c.length - off
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         c, l = self.cache, self.layer
@@ -527,7 +534,7 @@ class LayerView(CacheView):
         if off is not None:
             cols = slots - off
         else:  # rows with offsets of their own: slot s of row b at column s - row_offs[b]; scratch slots from E on
-            end, E = c.scratch
+            end, E = c.scratch_columns()
             offs = torch.tensor(c.row_offs, device=slots.device)[b_idx]
             cols = torch.where(slots >= end, slots - (end - E), slots - offs)
         # Mixed advanced indexing: both sides come out as [N, H_kv, d].
