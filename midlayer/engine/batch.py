@@ -295,9 +295,9 @@ class ContinuousBatch:
         windows = [cfg.window_of(layer) for layer in range(cfg.n_layers)] if cfg.mixed_windows else []
         self.window = max(windows, default=0) if bound_windows else 0
         self.chunk = max(self.window, self.k + 1)  # (a prompt's tokens per forward, when windows are bounded)
+        local_len = self.window - 1 + self.chunk if self.window else None
         self.cache = KVCache.for_model(cfg, self.cache_rows, max_len=min(initial_len, self.ctx), device=self.device,
-                                       dtype=self.dtype, local_len=self.window - 1 + self.chunk if self.window else None,
-                                       spare=self.scratch, row_offsets=True)
+                                       dtype=self.dtype, local_len=local_len, spare=self.scratch, row_offsets=True)
         self.running: list[BatchSequence] = []  # running[i] holds row i
         self.waiting: list[BatchSequence] = []
         self.by_handle: dict[int, BatchSequence] = {}
@@ -374,7 +374,7 @@ class ContinuousBatch:
         if r != last:
             mover = self.running[last]
             self.cache.swap_rows(r, last, seq.length, mover.length)
-            self.cache.bias[:, r, mover.length:] = float("-inf")  # a row's slots past its length are hidden
+            self.cache.truncate_row(r, mover.length)  # a row's slots past its length are hidden
             if self.row_drafter is not None:
                 self.row_drafter.swap(r, last, seq.fed, mover.fed)
             mover.row = r
@@ -567,9 +567,7 @@ class ContinuousBatch:
                 c.copy_row(donor, row, s)
                 if self.row_drafter is not None:
                     self.row_drafter.move(donor, row, s)
-            if donor == -1 and self.window:
-                c.row_offs[row] = 0  # nothing reused: the row's windowed layers start afresh at slot 0
-            c.bias[:, row, s:] = float("-inf")  # whatever earlier sequences left past the prefix is gone
+            c.truncate_row(row, s)  # whatever earlier sequences left past the prefix is gone
             self.memory.pop(row, None)
             seq.reused = s
             starts.append(s)

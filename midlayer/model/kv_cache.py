@@ -163,8 +163,7 @@ class KVCache:
             self.k[:, dst, :, :length] = self.k[:, src, :, :length]
             self.v[:, dst, :, :length] = self.v[:, src, :, :length]
         else:
-            for layer, (kl, vl) in enumerate(zip(self.k_layers, self.v_layers)):
-                n = length - (off if layer in self.local_layers else 0)
+            for n, kl, vl in zip(self._row_columns(length, off), self.k_layers, self.v_layers):
                 kl[dst, :, :n], vl[dst, :, :n] = kl[src, :, :n], vl[src, :, :n]
         self._set_offset(dst, off)
         self.bias[:, dst, :length] = self.bias[:, src, :length]
@@ -185,6 +184,10 @@ class KVCache:
             raise ValueError(f"row {row}: its windowed layers hold slots {off}.. only, not 0..{length - 1}")
         return off
 
+    def _row_columns(self, length: int, off: int) -> list[int]:
+        """Per layer, the columns that a row's slots 0..length-1 fill when its windowed layers start at `off`."""
+        return [length - (off if layer in self.local_layers else 0) for layer in range(len(self.k_layers))]
+
     def _set_offset(self, row: int, off: int) -> None:
         if self.row_offs is not None:
             self.row_offs[row] = off
@@ -194,9 +197,8 @@ class KVCache:
     def _row_state(self, row: int, length: int) -> tuple:
         """Row `row`'s slots 0..length-1, copied out: (length, offset, per layer (K, V) of what it holds, bias, pos)."""
         off = self._held_from(row, length)
-        kv = [(k[row, :, :length - (off if layer in self.local_layers else 0)].clone(),
-               v[row, :, :length - (off if layer in self.local_layers else 0)].clone())
-              for layer, (k, v) in enumerate(zip(self.k_layers, self.v_layers))]
+        kv = [(k[row, :, :n].clone(), v[row, :, :n].clone())
+              for n, k, v in zip(self._row_columns(length, off), self.k_layers, self.v_layers)]
         return length, off, kv, self.bias[:, row, :length].clone(), self.pos[row, :length].clone()
 
     def _put_row(self, row: int, state: tuple) -> None:
@@ -388,6 +390,14 @@ class KVCache:
             self._no_rollback("truncate")
         self.bias[:, :, length:self.length] = float("-inf")
         self.length = length
+
+    def truncate_row(self, row: int, length: int) -> None:
+        """`truncate` for one row of a cache whose rows have lengths of their own (the continuous batch): its slots
+        from `length` on are hidden at every layer; a row cut to nothing holds no windowed-layer key either, so
+        its offset starts again at slot 0."""
+        self.bias[:, row, length:] = float("-inf")
+        if length == 0 and self.row_offs is not None:
+            self.row_offs[row] = 0
 
     def keep(self, slots: torch.Tensor, start: int) -> None:
         """Move slots `slots` [B, n] (per row, increasing, all >= start) to start..start+n-1 and drop every

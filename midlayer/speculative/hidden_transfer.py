@@ -597,5 +597,5 @@ class HiddenTransferRows:
 
 
 __all__ = ["HiddenTransfer", "HiddenTransferDrafter", "HiddenTransferRows", "visible", "tree_visible",
-           "training_rows", "training_mask", "transfer_forward", "hidden_transfer_loss", "train_hidden_transfer", "pseudo_logits_cached",
-           "draft_top1_accuracy"]
+           "training_rows", "training_mask", "transfer_forward", "hidden_transfer_loss", "train_hidden_transfer",
+           "pseudo_logits_cached", "draft_top1_accuracy"]
