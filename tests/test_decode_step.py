@@ -83,6 +83,121 @@ def test_medusa_draft_step_traces_without_graph_breaks(models):
     torch.testing.assert_close(eager, traced, atol=1e-5, rtol=1e-5)  # (the C RMSNorm eagerly, PyTorch's traced)
 
 
+def _drafters(model) -> dict:
+    """One drafter of each kind that drafts on the device: EAGLE-2 (a perturbed head: drafts that are neither
+    all right nor all wrong), Medusa (one head trained-like), hidden transfer's fused pass."""
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+
+    torch.manual_seed(0)
+    eagle = EagleHead.for_model(model)
+    with torch.no_grad():
+        for p in eagle.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    heads = MedusaHeads(DIMS["dim"], 3)
+    torch.nn.init.normal_(heads.heads[0].weight, std=0.1)
+    return {"eagle-2": EagleDrafter(model, eagle, dynamic_k=3), "medusa": MedusaDrafter(model, heads),
+            "hidden-transfer": HiddenTransferDrafter(model, _transfer([1, 2, 3], False))}
+
+
+@pytest.mark.parametrize("kind", ["eagle-2", "medusa", "hidden-transfer"])
+def test_a_device_round_traces_without_graph_breaks(models, kind):
+    """A whole device round (speculative/static.py: the draft, the verification, the acceptance, the
+    compaction and what the next round drafts from) under torch.compile(fullgraph=True): the same round as
+    eagerly, from the same state."""
+    from midlayer.speculative.static import DeviceRounds
+
+    model = models["fp32"]
+    drafter = _drafters(model)[kind]
+    tree = TREES[1]
+    prompt = _prompts()[2][:20]
+    res = []
+    for compiled in (False, True):
+        step = DecodeStep(model, max_len=96, buckets=(8, 16, 32, 64))
+        if kind == "hidden-transfer":
+            step.attach(drafter)
+        rounds = DeviceRounds.for_step(step, drafter, tree)
+        _, hidden = step.prefill(torch.tensor([prompt[:-1]]))
+        draft = None
+        if kind == "hidden-transfer":  # the first round: the root alone, whose pseudo rows are the first draft
+            *_, draft = step.verify(prompt[-1], [], step.tree_tensors([], [], 3), len(prompt) - 1, len(prompt) - 1)
+            hidden = hidden[0]
+        carry = rounds.draft.first(list(prompt), hidden[0] if kind != "hidden-transfer" else hidden, draft)
+        fn = torch.compile(rounds.round, backend="eager", fullgraph=True) if compiled else rounds.round
+        with torch.no_grad():
+            out = fn(step._scalar(prompt[-1]), step._scalar(len(prompt) - 1), *carry)
+        res.append((out, step.k.clone(), step.held.clone()))
+    (a, ka, ha), (b, kb, hb) = res
+    assert torch.equal(a[0], b[0]) and torch.equal(ha, hb)  # the same acceptance, tokens and commits
+    for x, y in zip(a[1:], b[1:]):
+        if x.is_floating_point():
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)  # (the C RMSNorm eagerly, PyTorch's traced)
+        else:
+            assert torch.equal(x, y)
+    torch.testing.assert_close(ka, kb, atol=1e-4, rtol=1e-4)
+
+
+def _token_paths(nodes: list[int], parent_rows: list[int]) -> frozenset:
+    """A draft tree as the set of its nodes' token paths from the root (parent_rows: row numbering, root 0)."""
+    paths: dict[int, tuple] = {0: ()}
+    for i, t in enumerate(nodes):
+        paths[i + 1] = paths[parent_rows[i + 1]] + (t,)
+    return frozenset(paths[r] for r in range(1, len(nodes) + 1))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+@pytest.mark.parametrize("kind", ["eagle-2", "medusa", "hidden-transfer"])
+def test_device_rounds_draft_what_the_host_drafts(models, fmt, kind):
+    """Round by round, the device rounds verify the trees the host rounds (`propose`) verify: the same token
+    paths (EAGLE-2's dynamic tree too: its expansion and reranking on the device), so the same acceptance;
+    and both give plain greedy decoding's tokens. (The host prunes the last rounds to the budget, the device
+    does not: those rounds are not compared.)"""
+    from midlayer.speculative.static import DeviceRounds
+    from midlayer.speculative.verify import draft_node_tokens, round_tree
+
+    model = models[fmt]
+    drafter = _drafters(model)[kind]
+    tree = TREES[1]
+    cfg = GenerationConfig(max_new_tokens=40)
+    for prompt in _prompts():
+        ref = static_generate(model, [prompt], cfg)[0]
+        trees: dict[bool, list] = {}
+        for device in (False, True):
+            seen, pruned = trees[device] = [], []
+            step = DecodeStep(model, max_len=len(prompt) + 40 + 64)
+            propose = drafter.propose
+
+            def host(ctx):
+                d = propose(ctx)
+                t = round_tree(d, ctx.tree)
+                seen.append(_token_paths(draft_node_tokens(d, t)[0].tolist(), [0] + (t.parent + 1).tolist()))
+                pruned.append(ctx.tree.max_depth < tree.max_depth and len(seen) > 1)
+                return d
+
+            drafter.propose = host
+            if device:
+                if kind == "hidden-transfer":
+                    step.attach(drafter)
+                dd = DeviceRounds.for_step(step, drafter, tree).draft
+                made = type(dd).draft
+
+                def on_device(*args):
+                    nodes, fields = made(dd, *args)
+                    seen.append(_token_paths(nodes.tolist(), fields[1].tolist()))
+                    return nodes, fields
+
+                dd.draft = on_device
+            try:
+                out, stats = static_speculative_generate(model, prompt, drafter, tree, 40, step=step,
+                                                         device_rounds=device)
+            finally:
+                del drafter.propose
+            assert out == ref
+            assert len(seen) == stats.base_forwards
+        host, pruned = trees[False]
+        n = pruned.index(True) if True in pruned else len(host)  # the host prunes the rounds near the budget
+        assert n > 5 and host[:n] == trees[True][0][:n]
+
+
 # ------------------------------------------------------------------------------------ row invariance
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
 def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):
@@ -333,10 +448,14 @@ def test_fused_hidden_transfer_is_lossless(models, fmt, masked):
     for prompt in _prompts():
         ref = static_generate(model, [prompt], cfg)[0]
         for tree in TREES:
-            seen.clear()
-            out, stats = static_speculative_generate(model, prompt, drafter, tree, 40)
-            assert out == ref
-            assert seen[0] is False and all(seen[1:]) and len(seen) == stats.base_forwards
+            for device in (False, True):
+                seen.clear()
+                out, stats = static_speculative_generate(model, prompt, drafter, tree, 40, device_rounds=device)
+                assert out == ref
+                if device:  # only the first round, with no draft yet, on the host; the others on the device
+                    assert seen == [False] and stats.base_forwards > 1
+                else:
+                    assert seen[0] is False and all(seen[1:]) and len(seen) == stats.base_forwards
 
 
 def test_separate_hidden_transfer_is_refused_by_the_static_step(models):

@@ -452,14 +452,19 @@ class DecodeStep:
         if fn is None:
             base = self.forward if kind == "forward" else functools.partial(
                 self.verify_round, tree_rows=tree_rows, head_rows=head_rows)
-            if self.graphs == "compile":
-                fn = torch.compile(base, mode="reduce-overhead" if self.device.type == "cuda" else None,
-                                   fullgraph=True, dynamic=False)
-            elif self.graphs == "cudagraph":
-                fn = _CudaGraph(base)
-            else:
-                fn = base
-            self._runners[key] = fn
+            fn = self._runners[key] = self.capture(base)
+        return fn
+
+    def capture(self, fn):
+        """`fn` (a function of device tensors with no host read) run as `graphs` says: eagerly, through a
+        torch.cuda.CUDAGraph captured on its first call, or through torch.compile(fullgraph=True) (with CUDA
+        graphs, mode="reduce-overhead", on CUDA). What the step's own calls and a device round
+        (speculative/static.py) are run through."""
+        if self.graphs == "compile":
+            return torch.compile(fn, mode="reduce-overhead" if self.device.type == "cuda" else None,
+                                 fullgraph=True, dynamic=False)
+        if self.graphs == "cudagraph":
+            return _CudaGraph(fn)
         return fn
 
     def _scalar(self, x: int) -> torch.Tensor:

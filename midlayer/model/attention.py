@@ -348,7 +348,7 @@ class Attention(nn.Module):
                       mask: torch.Tensor | None) -> torch.Tensor:
         """Attention with an explicit additive mask [B, 1, Tq, Tk] (None: every key visible), logits and
         softmax in fp32 whatever the cache dtype (the module's promise)."""
-        if self.row_invariant and q.device.type == "cpu":
+        if self.row_invariant and q.device.type == "cpu" and not torch.compiler.is_compiling():
             if k.dtype not in kernels.KV_DTYPES or v.dtype != k.dtype:
                 k, v = k.float(), v.float()
             # (an fp16 cache is read as it is: the kernel widens each value exactly, the bits of a widened copy

@@ -470,6 +470,21 @@ class MaskedView(CacheView):
         return k, v, self.mask
 
 
+class SlotView(CacheView):
+    """A view over preallocated buffers k, v [B, Hk, S, d] that writes the rows' K/V at `slots` [M] (device
+    indices; any padding rows all at one spare slot) and reads every slot through the additive `mask`
+    [B, 1, M, S]: static shapes, no host read (speculative/eagle.py's draft cache in the static step's device
+    rounds)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> None:
+        self.k, self.v, self.slots, self.mask = k, v, slots, mask
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.k.index_copy_(2, self.slots, k.to(self.k.dtype))
+        self.v.index_copy_(2, self.slots, v.to(self.v.dtype))
+        return self.k, self.v, self.mask
+
+
 @dataclass
 class LayerView(CacheView):
     """What one layer's attention needs in one step: where to write, and the mask to read with.

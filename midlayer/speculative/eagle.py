@@ -71,10 +71,11 @@ from torch import nn
 
 from midlayer.config import ModelConfig
 from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
+from midlayer.engine.decode_step import DecodeStep, round_layout
 from midlayer.engine.generate import CachedStep
 from midlayer.engine.quantization import compress_block, Q8Linear
 from midlayer.model.attention import rope_half
-from midlayer.model.kv_cache import KVCache, MaskedView
+from midlayer.model.kv_cache import KVCache, MaskedView, SlotView
 from midlayer.model.transformer import Block, causal_step, Transformer
 from midlayer.ops import kernels
 from .drafting import (base_states, batch_stream, draft_tree_autoregressive, FrozenBase, gather_counted, kl_to_base,
@@ -510,6 +511,160 @@ class EagleDrafter(Drafter):
         return Draft(node_tokens=torch.tensor([cand[x][0] for x in tree.paths], dtype=torch.long), tree=tree)
 
 
+    def device_draft(self, step: DecodeStep, tree: DraftTree) -> "EagleRounds | None":
+        """EAGLE-2's draft on the device, for the static step's device rounds (speculative/static.py); None for
+        a static tree (drafted on the host) or a tree without nodes."""
+        return EagleRounds(self, step, tree) if self.dynamic_k and tree.max_depth else None
+
+
+class EagleRounds:
+    """EAGLE-2's dynamic tree drafted on the device: the draft of `EagleDrafter._dynamic`, in static shapes and
+    with no host read, for the static step's device rounds (speculative/static.py, `DeviceDraft`).
+
+    The draft cache is the drafter's own rule with fixed addresses: k, v [1, Hk, S, d], where slot t < S_ctx
+    (the step's max_len) holds the entry of position t (input (f_t, e_{t+1}) at RoPE position t + 1), the
+    next (D - 1) k slots hold the tree's expanded rows (depth d's k rows at S_ctx + (d - 1) k ..), and the
+    last is where padding rows write. Visibility is positional (an entry below the root's position is
+    committed text), so nothing but the slots is tracked.
+
+    A round: (1) the D + 1 rows committed by the last round (the root and up to D accepted nodes, padded) go
+    through the draft layer, each seeing the entries before it; the last real row predicts the root's feature.
+    (2) Expansion (EAGLE-2 sec. 4): its top-k tokens are depth 1's candidates, scored by their draft
+    log-probability; at every depth d < D the k best candidates of depth d (a stable sort: ties in
+    candidate order) run through the draft layer, each seeing the context and its run ancestors, and each
+    proposes its top k, scored by the sum of log-probabilities along the path. (3) Reranking: the n best of
+    all k + (D - 1) k^2 candidates (stable: a child, never above its parent, comes after it) are the tree, in
+    candidate order, which is by depth, so parents come first. (4) Its layout (`TreeTensors`' fields)
+    follows from the parent of each node by D index steps. Ties aside, it is the host drafter's tree
+    (tests/test_decode_step.py)."""
+
+    def __init__(self, drafter: EagleDrafter, step: DecodeStep, tree: DraftTree) -> None:
+        self.d, self.step = drafter, step
+        self.k, self.D = k, D = drafter.dynamic_k, tree.max_depth
+        self.C = k + (D - 1) * k * k  # candidates proposed
+        self.n = min(len(tree), self.C)
+        self.tree_rows, self.N, self.head_rows = round_layout(self.n, 0, step.buckets)
+        self.reach = D
+        self.ctx = step.max_len
+        S = self.ctx + (D - 1) * k + 1
+        dev = step.device
+        c, w = drafter.head.block_cfg, drafter.head.fc.weight
+        self.kc = torch.zeros(1, c.n_kv_heads, S, c.head_dim, device=dev, dtype=w.dtype)
+        self.vc = torch.zeros_like(self.kc)
+        if step.graphs == "compile":  # written in place: static addresses keep CUDA graphs on (as the step's cache)
+            for t in (self.kc, self.vc):
+                torch._dynamo.mark_static_address(t)
+        self.pad = S - 1
+        self.slot_ids = torch.arange(S, device=dev)
+        self.cand_depth = torch.cat([torch.ones(k, dtype=torch.long)] +
+                                    [torch.full((k * k,), d + 1, dtype=torch.long) for d in range(1, D)]).to(dev)
+        ar = torch.arange(self.N, device=dev)
+        self.real = ar < self.n + 1
+        self.is_node = self.real & (ar > 0)
+        self.zeros = torch.zeros(self.N, dtype=torch.long, device=dev)
+        self.prow = torch.zeros(self.N, 1, dtype=torch.long, device=dev)
+
+    def _run(self, feats: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+             visible: torch.Tensor) -> torch.Tensor:
+        """The draft layer over M rows: input features [M, d] (already in feature space), tokens, RoPE
+        positions and slots [M], visible [M, S] bool. Returns the predicted features [M, d]."""
+        model = self.d.model
+        cos, sin = rope_rows(model, pos)
+        cos, sin = cos[None, None], sin[None, None]
+        view = SlotView(self.kc, self.vc, slots, torch.where(visible, 0.0, float("-inf"))[None, None])
+        return self.d.head(feats[None], embed(model, toks[None], pos[None]),
+                           lambda i, block, h, gate, kb: block(h, cos, sin, None, None, view), self.d.layer,
+                           self.d.fc)[0]
+
+    def _top(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best (log-probability, token id) of each predicted feature [m, d]."""
+        logits = feature_logits(self.d.model, out, self.d.head).float()
+        lp, ix = _top_logprobs(logits, min(self.k, logits.shape[-1]))
+        return lp, to_token_ids(ix, draft_vocab(self.d.head))
+
+    def first(self, tokens: list[int], hidden: torch.Tensor, draft_logits: torch.Tensor | None
+              ) -> tuple[torch.Tensor, ...] | None:
+        """Commit the entries of every position before the root's but the last D + 1 (one eager call); those
+        are the first round's rows. None without a feature for every position (a 1-token prompt's start)."""
+        p = len(tokens) - 1
+        if p < 1 or hidden.shape[0] != p:
+            return None
+        M, dev, st = self.D + 1, self.step.device, self.step
+        c = min(M, p)
+        if p > c:
+            i = torch.arange(p - c, device=dev)
+            self._run(feature(self.d.model, hidden[:p - c]), torch.tensor(tokens[1:p - c + 1], device=dev), i + 1, i,
+                      self.slot_ids[None, :] <= i[:, None])
+        feats = hidden.new_zeros(M, hidden.shape[-1])
+        feats[:c] = hidden[p - c:]
+        toks = torch.zeros(M, dtype=torch.long, device=dev)
+        toks[:c] = torch.tensor(tokens[p - c + 1:p + 1], device=dev)
+        return feats, toks, st._scalar(p - c), st._scalar(c)
+
+    def draft(self, root: torch.Tensor, last_pos: torch.Tensor, feats: torch.Tensor, toks: torch.Tensor,
+              first: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(node tokens [n], the tree's TreeTensors fields) from the `count` rows committed last: residuals
+        `feats` [D + 1, d] of positions first.., with their next tokens `toks` (class docstring)."""
+        k, D, dev = self.k, self.D, feats.device
+        # (1) the committed rows; row count - 1 (the entry of position last_pos - 1) predicts the root's feature
+        i = torch.arange(D + 1, device=dev)
+        real = i < count
+        out = self._run(feature(self.d.model, feats), toks, torch.where(real, first + i + 1, 0),
+                        torch.where(real, first + i, self.pad), self.slot_ids[None, :] <= (first + i)[:, None])
+        prev = out.index_select(0, (count - 1).view(1)).expand(k, -1)
+        lp, ids = self._top(prev[:1])
+        toks_all, scores, parents = [ids[0]], [lp[0]], [torch.full((k,), -1, dtype=torch.long, device=dev)]
+        # (2) expansion: the k best of each depth run, each proposes its k best
+        committed = (self.slot_ids < last_pos)[None, :]
+        anc = torch.zeros(k, self.slot_ids.shape[0], dtype=torch.bool, device=dev)
+        ar, base = torch.arange(k, device=dev), 0
+        for d in range(1, D):
+            last = scores[-1]
+            sel = ar if d == 1 else torch.sort(last, descending=True, stable=True).indices[:k]
+            src = sel // k if d > 1 else torch.zeros_like(ar)  # the previous level's run row of each
+            own = self.ctx + (d - 1) * k + ar
+            anc = anc.index_select(0, src) | (self.slot_ids[None, :] == own[:, None])
+            prev = self._run(prev.index_select(0, src), toks_all[-1].index_select(0, sel), (last_pos + d).expand(k),
+                             own, committed | anc)
+            lp, ids = self._top(prev)
+            toks_all.append(ids.reshape(-1))
+            scores.append((last.index_select(0, sel)[:, None] + lp).reshape(-1))
+            parents.append((base + sel)[:, None].expand(k, k).reshape(-1))  # (no repeat_interleave: no host read)
+            base += last.shape[0]
+        # (3) reranking: the n best, in candidate order (by depth: parents first)
+        score, tok, par = torch.cat(scores), torch.cat(toks_all), torch.cat(parents)
+        chosen = torch.sort(torch.sort(score, descending=True, stable=True).indices[:self.n]).values
+        n, N = self.n, self.N
+        row_of = torch.zeros(self.C, dtype=torch.long, device=dev).index_copy(
+            0, chosen, torch.arange(1, n + 1, device=dev))
+        pc = par.index_select(0, chosen)
+        pad = self.zeros[:N - 1 - n]
+        parent = torch.cat([self.zeros[:1], torch.where(pc >= 0, row_of.index_select(0, pc.clamp_min(0)), 0), pad])
+        depth = torch.cat([self.zeros[:1], self.cand_depth.index_select(0, chosen), pad])
+        # (4) the layout: ancestors-or-self by D steps up the parents; path[r, depth] = the ancestor there
+        rows = torch.arange(N, device=dev)
+        eye = rows[:, None] == rows[None, :]
+        vis, cur = eye, rows
+        for _ in range(D):
+            cur = parent.index_select(0, cur)
+            vis = vis | (cur[:, None] == rows[None, :])
+        vis = torch.where(self.real[:, None], vis, eye)  # padding: itself only
+        at = torch.where(vis, depth[None, :].expand(N, N), N)
+        path = torch.full((N, N + 1), -1, dtype=torch.long, device=dev).scatter(1, at, rows[None, :].expand(N, N))
+        fields = (vis, parent, depth, self.real, self.is_node, path[:, :N], self.zeros, self.zeros, self.prow)
+        return tok.index_select(0, chosen), fields
+
+    def after(self, packed: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor, draft: torch.Tensor,
+              last_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The next round's rows: the residuals of the root and the accepted nodes (positions last_pos..), with
+        their next tokens (the accepted ones, then the bonus)."""
+        M = self.D + 1
+        a = packed[0]
+        i = torch.arange(M, device=packed.device)
+        feats = hidden[0].index_select(0, rows[:M].clamp_min(0))
+        toks = torch.where(i < a, packed[1:1 + M], torch.where(i == a, packed[-1], 0))
+        return feats, toks, last_pos, a + 1
+
 
 class EagleRows:
     """EAGLE chains for the rows of a continuous batch (engine/batch.py, its `RowDrafter`): the draft KV cache
@@ -618,5 +773,5 @@ class EagleRows:
         return out
 
 
-__all__ = ["EagleHead", "EagleDrafter", "EagleRows", "eagle_forward", "eagle_loss", "train_eagle", "embed",
+__all__ = ["EagleHead", "EagleDrafter", "EagleRounds", "EagleRows", "eagle_forward", "eagle_loss", "train_eagle", "embed",
            "feature_logits", "W_CLS", "FEATURE_NOISE"]

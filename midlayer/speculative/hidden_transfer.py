@@ -90,6 +90,7 @@ from midlayer.model.transformer import Transformer
 from .drafting import (apply_linear, batch_stream, candidate_counts, FrozenBase, kl_to_base, model_device, optimise,
                        placeholder_candidates, split_batch, topk_lists)
 from .protocol import DraftContext, Drafter, Forward
+from .static import TopkTreeDraft
 from .tree import DraftTree
 from .tree_cost import head_share
 
@@ -466,6 +467,18 @@ class HiddenTransferDrafter(Drafter):
         """Fused, it drafts for the static decode step too (decode_step.py): its rows ride the step's own
         verification forward. Separate drafting reads the dynamic cache (`pseudo_logits_cached`)."""
         return self.fused
+
+    def device_draft(self, step, tree: DraftTree) -> TopkTreeDraft | None:
+        """The fused pass's draft on the device, for the static step's device rounds (speculative/static.py):
+        a round's pseudo rows give the next round's logits, which stay on the device. Its first round (no
+        draft yet) runs on the host."""
+        if not self.fused or not 0 < tree.max_depth <= self.transfer.k:
+            return None
+        D = tree.max_depth
+        return TopkTreeDraft(step, tree, candidate_counts(tree, self.topk_per_depth), draft_vocab(self.transfer),
+                             lambda logits: logits, lambda packed, rows, hidden, draft: (draft,),
+                             lambda tokens, hidden, dl: (dl,) if dl is not None and dl.shape[0] >= D else None,
+                             k_steps=self.transfer.k, masked=self.transfer.masked)
 
     def draft_steps(self) -> int:
         return self.transfer.k

@@ -23,6 +23,7 @@ from midlayer.model.transformer import Transformer
 from .drafting import (apply_linear, base_states, batch_stream, candidate_counts, FrozenBase, gather_counted,
                        kl_to_base, model_device, optimise, placeholder_candidates, split_batch, topk_lists)
 from .protocol import DraftContext, Drafter, Forward
+from .static import last_accepted, TopkTreeDraft
 from .tree import DraftTree
 from .tree_cost import head_share
 
@@ -72,6 +73,16 @@ class MedusaDrafter(Drafter):
     def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[Forward]:
         """k heads over the last row, each through the LM head (its draft vocabulary's share)."""
         return [([0] * n_layers, tree.max_depth, head_share(self.heads, self.model.cfg.vocab_size))]
+
+    def device_draft(self, step, tree: DraftTree) -> TopkTreeDraft | None:
+        """The heads' draft on the device, for the static step's device rounds (speculative/static.py): the heads
+        read the last accepted row's residual, which the round leaves on the device."""
+        if not 0 < tree.max_depth <= self.heads.k:
+            return None
+        return TopkTreeDraft(step, tree, candidate_counts(tree, self.topk_per_depth), draft_vocab(self.heads),
+                             lambda h: self.heads.logits(self.model, h),
+                             lambda packed, rows, hidden, draft: (last_accepted(packed, rows, hidden),),
+                             lambda tokens, hidden, draft_logits: (hidden[-1],) if hidden.shape[0] else None)
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> list[list[int]]:

@@ -3,18 +3,31 @@ greedy acceptance and the cache compaction on the device, one host read per roun
 
 The dynamic loop (`verify.speculative_generate`) stays the reference: for drafters that declare `static_step`
 this loop's output equals it, and plain greedy decoding, token for token (tests/test_decode_step.py).
+
+Device rounds. A drafter that can draft on the device (its `device_draft`: EAGLE-2's dynamic tree, Medusa's
+heads, hidden transfer's fused pass) runs each round as ONE capturable function (`DeviceRounds.round`): its
+draft from what the last round left on the device (EAGLE-2: the draft layer over the newly committed rows,
+the tree's expansion and reranking; Medusa: its heads on the last accepted row; hidden transfer: the pseudo
+rows' logits of the last round), the node tokens and the tree's layout as index tensors, the verification
+forward, the acceptance and the compaction, and what the next round drafts from. The host reads one tensor
+per round, [accepted count, path tokens, bonus], and nothing else: no draft crosses to the host and back, so
+on a GPU the whole round is one graph replay (issue 42: the drafting between captured verifications cost
+host time every round). The per-round loop (`propose` on the host) stays the reference: both draft the same
+trees (tests/test_decode_step.py).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, round_slots, step_for
+from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, round_slots, step_for, TreeTensors
+from midlayer.engine.draft_vocab import restrict_logits, to_token_ids
 from midlayer.engine.generate import validate_prompts
 from midlayer.model.transformer import Transformer
 from .protocol import DraftContext, Drafter
+from .tree import DraftTree
 from .verify import draft_node_tokens, round_tree, SpecStats
 
 
@@ -27,7 +40,7 @@ def fused_steps(drafter: Drafter) -> int:
 @torch.no_grad()
 def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], drafter: Drafter, tree,
                                 max_new_tokens: int, stop_tokens: Sequence[int] = (), *,
-                                step: DecodeStep | None = None, **step_kw):
+                                step: DecodeStep | None = None, device_rounds: bool = True, **step_kw):
     """`speculative.speculative_generate` at temperature 0 through the static step: every round is one
     bucketed forward over [root, nodes] with acceptance and compaction on the device and one host read.
     Where the step is row-invariant (`DecodeStep.row_invariant`: the CPU buckets in fp32, q4 anywhere) the
@@ -35,7 +48,10 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     ctx.cache: Medusa, EAGLE / EAGLE-2, and hidden transfer's fused pass) draft here; the others are refused
     by name. Hidden transfer (a drafter with `fused` and `transfer`) rides every round: its pseudo rows join
     the verification forward (`DecodeStep.attach`) and the accepted anchor's rows are the next draft; its
-    first round, with no draft yet, verifies the root alone. Returns (new tokens, speculative.SpecStats)."""
+    first round, with no draft yet, verifies the root alone. `device_rounds`: a drafter with a `device_draft`
+    drafts on the device, each round one capturable call (module docstring), once it has what to draft from
+    (a 1-token prompt's first round, and hidden transfer's, run here); False: every round drafts on the host
+    (the reference). Returns (new tokens, speculative.SpecStats)."""
     if not drafter.static_step:
         raise ValueError(f"{type(drafter).__name__} reads the dynamic KV cache (or rides a fused pass) and does not "
                          "draft for the static step yet: use speculative.speculative_generate")
@@ -71,7 +87,12 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
         logits = torch.zeros(0, model.cfg.vocab_size, device=dev, dtype=dtype)
     tokens, new = list(prompt), []
     draft_logits = None
+    rounds = DeviceRounds.for_step(st, drafter, tree) if device_rounds else None
     while len(new) < budget:
+        carry = None if rounds is None else rounds.draft.first(tokens, hidden, draft_logits)
+        if carry is not None:  # every later round on the device (the context's last tokens plainly)
+            rounds.run(tokens, new, stats, budget, stop_tokens, carry)
+            break
         # the first round of a fused drafter has no draft yet: the root alone (its pseudo rows draft the next)
         t = tree.prune(0 if fused and draft_logits is None else min(budget - len(new) - 1, tree.max_depth), len(tree))
         draft = drafter.propose(DraftContext(model, None, tokens, hidden, logits, {}, t, 0.0, None, draft_logits))
@@ -86,3 +107,137 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
         if stats.commit(accepted + [bonus], new, stop_tokens, budget):
             break
     return new, stats
+
+
+# ======================================================================================= device rounds
+class DeviceDraft(Protocol):
+    """What a drafter gives `DeviceRounds` (its `device_draft(step, tree)`): a draft made on the device.
+
+    `tree_rows`, `head_rows`: the round's layout (`round_layout`); `reach`: how far past the root a round's
+    positions go (its depth, plus hidden transfer's pseudo steps). `first(tokens, hidden, draft_logits)`
+    (eager, once): what the first device round drafts from, given the host loop's state after the prefill or
+    a round (hidden: the final residuals of the rows committed last, draft_logits: hidden transfer's), or
+    None when that is not enough yet (the host loop runs one more round). `draft(root, last_pos, *carry)`
+    (captured): (node tokens [n], the round's TreeTensors fields from vis to prow). `after(packed, rows,
+    hidden, draft, last_pos)` (captured): the next round's carry, from `DecodeStep.verify_round`'s outputs."""
+
+    tree_rows: int
+    head_rows: int
+    reach: int
+
+    def first(self, tokens: list[int], hidden: torch.Tensor, draft_logits: torch.Tensor | None
+              ) -> tuple[torch.Tensor, ...] | None: ...
+
+    def draft(self, root: torch.Tensor, last_pos: torch.Tensor, *carry: torch.Tensor
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]: ...
+
+    def after(self, packed: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor, draft: torch.Tensor,
+              last_pos: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+
+def tree_fields(t: TreeTensors) -> tuple[torch.Tensor, ...]:
+    """The fields of a tree layout that `DecodeStep.verify_round` reads, in its argument order."""
+    return (t.vis, t.parent, t.depth, t.real, t.is_node, t.path, t.join_src, t.join_step, t.prow)
+
+
+class TopkTreeDraft:
+    """A fixed tree filled from per-depth logits on the device (Medusa's heads, hidden transfer's pseudo
+    rows): node (r_1..r_d) takes the rank-r_d candidate of depth d (`tree.candidates_from_topk`), the top-k
+    of `drafting.topk_lists` gathered by index tensors. `logits_of(*carry)` gives the [depth, V'] logits,
+    `carry_after(packed, rows, hidden, draft)` the next carry; `start(tokens, hidden, draft_logits)` the
+    first carry or None. `need`: the candidates per depth the host path takes (the same top-k call)."""
+
+    def __init__(self, step: DecodeStep, tree: DraftTree, need: Sequence[int], vocab: torch.Tensor | None,
+                 logits_of, carry_after, start, k_steps: int = 0, masked: bool = False) -> None:
+        self.layout = step.tree_tensors(tree.parent.tolist(), tree.depth.tolist(), k_steps, masked)
+        self.fields = tree_fields(self.layout)
+        self.tree_rows, self.head_rows = self.layout.tree_rows, self.layout.head_rows
+        self.reach = self.layout.reach
+        self.D, self.kmax, self.vocab = tree.max_depth, max(need), vocab
+        dev = step.device
+        self.depth_ix = (tree.depth - 1).to(dev)
+        self.rank_ix = torch.tensor([p[-1] for p in tree.paths], dtype=torch.long, device=dev)
+        self.logits_of, self.carry_after, self.start = logits_of, carry_after, start
+
+    def first(self, tokens: list[int], hidden: torch.Tensor, draft_logits: torch.Tensor | None):
+        return self.start(tokens, hidden, draft_logits)
+
+    def draft(self, root: torch.Tensor, last_pos: torch.Tensor, *carry: torch.Tensor):
+        logits = self.logits_of(*carry)[:self.D]
+        if self.vocab is not None and logits.shape[-1] != self.vocab.numel():
+            logits = restrict_logits(logits, self.vocab)
+        ids = to_token_ids(logits.topk(min(self.kmax, logits.shape[-1]), -1).indices, self.vocab)  # [D, kmax]
+        return ids[self.depth_ix, self.rank_ix], self.fields
+
+    def after(self, packed, rows, hidden, draft, last_pos):
+        return self.carry_after(packed, rows, hidden, draft)
+
+
+def last_accepted(packed: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The final residual [d] of a round's last accepted row (the root when none was), on the device."""
+    return hidden[0].index_select(0, rows.gather(0, packed[:1]))[0]
+
+
+class DeviceRounds:
+    """Speculative rounds made whole on the device (module docstring): `round` is the one capturable call
+    (`DecodeStep.capture`: eager, a CUDA graph, or torch.compile), `run` the host loop that reads one tensor
+    a round. Built once per step, drafter and tree (`for_step`), so a captured round is replayed across
+    prompts."""
+
+    def __init__(self, step: DecodeStep, draft: DeviceDraft) -> None:
+        self.step, self.draft = step, draft
+        self.runner = step.capture(self.round)
+
+    @classmethod
+    def for_step(cls, step: DecodeStep, drafter: Drafter, tree: DraftTree) -> "DeviceRounds | None":
+        """The rounds of `drafter` on `tree` for this step (memoised on the step), or None where the drafter
+        cannot draft on the device."""
+        make = getattr(drafter, "device_draft", None)
+        if make is None:
+            return None
+        memo = step.__dict__.setdefault("_device_rounds", {})
+        key = (id(drafter), tree.paths)
+        hit = memo.get(key)
+        if hit is None or hit[0] is not drafter:
+            draft = make(step, tree)
+            hit = memo[key] = (drafter, None if draft is None else cls(step, draft))
+        return hit[1]
+
+    def round(self, root: torch.Tensor, last_pos: torch.Tensor, *carry: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One round, no host read: the draft, then `verify_round` over [root, nodes, padding] at slots
+        last_pos.. (slot p holds position p). Returns (packed [accepted count a, path tokens, bonus], the next
+        root (the bonus), its position, the next carry...)."""
+        st, dd = self.step, self.draft
+        nodes, fields = dd.draft(root, last_pos, *carry)
+        vis, parent, depth, real = fields[:4]
+        N, dev = vis.shape[0], nodes.device
+        tokens = torch.cat([root.view(1), nodes, nodes.new_zeros(N - 1 - nodes.shape[0])])[None]
+        positions = torch.where(real, last_pos + depth, 0)[None]
+        slots = torch.where(real, last_pos + torch.arange(N, device=dev), st.scratch)[None]
+        packed, rows, _, hidden, draft = st.verify_round(tokens, positions, slots, last_pos, *fields,
+                                                         tree_rows=dd.tree_rows, head_rows=dd.head_rows)
+        nxt = last_pos + packed[0]
+        return (packed, packed[-1], nxt + 1, *dd.after(packed, rows, hidden, draft, last_pos))
+
+    def run(self, tokens: list[int], new: list[int], stats: SpecStats, budget: int, stop: Sequence[int],
+            carry: tuple[torch.Tensor, ...]) -> None:
+        """Rounds until the budget, a stop token, or the context's end; the last tokens that no round fits
+        are decoded plainly through the same step (plain decoding's bits: the step is row-invariant where the
+        probe passed). Appends to `tokens` and `new` and counts in `stats`."""
+        st = self.step
+        ctx = st.model.cfg.max_seq_len
+        state = (st._scalar(tokens[-1]), st._scalar(len(tokens) - 1), *carry)
+        while len(new) < budget and len(tokens) - 1 + self.draft.reach < ctx:
+            out = self.runner(*state)
+            host = out[0].tolist()  # the one read of the round
+            got = host[1:1 + host[0]] + [host[-1]]
+            tokens += got
+            if stats.commit(got, new, stop, budget):
+                return
+            state = tuple(t.clone() for t in out[1:])  # (a captured round's outputs are overwritten)
+        while len(new) < budget:
+            logits = st.decode(torch.tensor([tokens[-1]], device=st.device), len(tokens) - 1)[0]
+            t = int(logits.argmax(-1)[0])
+            tokens.append(t)
+            if stats.commit([t], new, stop, budget):
+                return
