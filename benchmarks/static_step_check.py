@@ -3,7 +3,7 @@
 CUDA), whether each candidate bucket set is row-invariant there, whether plain static decoding equals the
 dynamic engine's tokens, and whether speculative output equals plain output token for token (right, partly
 right and wrong drafts; chain and branching trees) on a tiny random model and on SmolLM2 with its EAGLE
-draft when given. Prints one line per check; exit status 0 whatever the outcome (the lines are the result).
+and hidden-transfer drafts when given, those in device rounds and drafted on the host. Prints one line per check; exit status 0 whatever the outcome (the lines are the result).
 
     python benchmarks/static_step_check.py --device cuda [--eagle drafts/smollm2-135m-scale/eagle]
 Written up in docs/results/static-step.md.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny  # noqa: E402
 
 from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_generate
-from midlayer.speculative.static import fused_steps, static_speculative_generate
+from midlayer.speculative.static import DeviceRounds, fused_steps, static_speculative_generate
 from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
 from midlayer.speculative.tree import DraftTree  # noqa: E402
 
@@ -53,13 +53,18 @@ def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: i
             for name, make in (drafters or {"oracle": lambda p, r: OracleDrafter(p + r, V),
                                             "noisy": lambda p, r: NoisyOracle(p + r, V),
                                             "random": lambda p, r: RandomDrafter(V, 0)}).items():
-                eq, tau = 0, []
-                for p, ref in zip(prompts, plain):
-                    out, stats = static_speculative_generate(model, p, make(p, ref), tree, new_tokens, step=step)
-                    eq += out == ref
-                    tau.append(stats.tau)
-                print(f"{label} {mode} {name} {len(tree)}-node tree: speculative == plain on {eq}/{len(prompts)}, "
-                      f"tau {sum(tau) / len(tau):.2f}")
+                # a drafter that drafts on the device (DeviceRounds) is checked that way and on the host
+                kinds = (True, False) if DeviceRounds.for_step(step, make(prompts[0], []), tree) else (False,)
+                for on_device in kinds:
+                    eq, tau = 0, []
+                    for p, ref in zip(prompts, plain):
+                        out, stats = static_speculative_generate(model, p, make(p, ref), tree, new_tokens, step=step,
+                                                                 device_rounds=on_device)
+                        eq += out == ref
+                        tau.append(stats.tau)
+                    how = " (device rounds)" if on_device else (" (drafted on the host)" if len(kinds) > 1 else "")
+                    print(f"{label} {mode} {name}{how} {len(tree)}-node tree: speculative == plain on "
+                          f"{eq}/{len(prompts)}, tau {sum(tau) / len(tau):.2f}")
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from .bench import heldout_chats, load_hf_same_weights
 from midlayer.model.transformer import Transformer
 from midlayer.ops.kernels import cpu_info
 from midlayer.speculative.registry import heldout_accuracies, load_drafter
-from midlayer.speculative.static import fused_steps, static_speculative_generate
+from midlayer.speculative.static import DeviceRounds, fused_steps, static_speculative_generate
 from midlayer.speculative.tree import DraftTree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -214,18 +214,28 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
         for g, st in steps.items():
             _add_row(rows, f"midlayer static, {g}", *_decode_timed(static_stream(model, ids, cfg, step=st)))
         for label, (drafter, tree) in methods.items():
-            pre = _prefill_s(spec_step, ids[:-1]) if len(ids) > 1 else 0.0
-            _sync(dev)
-            t = time.perf_counter()
-            out, stats = static_speculative_generate(model, ids, drafter, tree, new_tokens, step=spec_step)
-            _sync(dev)
-            dt = time.perf_counter() - t - pre
-            # its rounds make every new token (plain decoding's first comes with its prefill)
-            _add_row(rows, f"{label} ({len(tree)}-node tree), static {graphs[-1]}", out, dt / len(out), len(out),
-                     stats.base_forwards)
+            for on_device in _round_kinds(spec_step, drafter, tree):
+                pre = _prefill_s(spec_step, ids[:-1]) if len(ids) > 1 else 0.0
+                _sync(dev)
+                t = time.perf_counter()
+                out, stats = static_speculative_generate(model, ids, drafter, tree, new_tokens, step=spec_step,
+                                                         device_rounds=on_device)
+                _sync(dev)
+                dt = time.perf_counter() - t - pre
+                # its rounds make every new token (plain decoding's first comes with its prefill)
+                kind = "device rounds" if on_device else "drafted on the host"
+                _add_row(rows, f"{label} ({len(tree)}-node tree), {kind}, static {graphs[-1]}", out, dt / len(out),
+                         len(out), stats.base_forwards)
     return dict(rows=_static_rows(rows, rows[f"midlayer static, {graphs[-1]}"]["tokens"]),
                 invariant={g: st.invariant for g, st in steps.items()},
                 buckets={g: st.buckets for g, st in steps.items()})
+
+
+def _round_kinds(step: DecodeStep, drafter, tree: DraftTree) -> tuple[bool, ...]:
+    """The rounds a drafter's rows time: on the device (`speculative.static.DeviceRounds`) and, beside them, its
+    drafts made on the host between captured verifications (the path before); the host's alone for a drafter
+    without a device draft."""
+    return (True, False) if DeviceRounds.for_step(step, drafter, tree) is not None else (False,)
 
 
 def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: DecodeStep, methods: dict[str, tuple],
@@ -241,7 +251,8 @@ def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: Decode
                 _prefill_s(st, ids[:-1])
     for label, (drafter, tree) in list(methods.items()):
         try:
-            static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step)
+            for on_device in _round_kinds(spec_step, drafter, tree):
+                static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step, device_rounds=on_device)
         except Exception as e:  # one drafter's failure costs its row only
             errors[f"{dname} {label}"] = f"{type(e).__name__}: {e}"
             del methods[label]
