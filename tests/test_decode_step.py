@@ -84,8 +84,9 @@ def test_medusa_draft_step_traces_without_graph_breaks(models):
 
 
 def _drafters(model) -> dict:
-    """One drafter of each kind that drafts on the device: EAGLE-2 (a perturbed head: drafts that are neither
-    all right nor all wrong), Medusa (one head trained-like), hidden transfer's fused pass."""
+    """One drafter of each kind that drafts on the device: EAGLE-2 and EAGLE on a static tree (a perturbed head:
+    drafts that are neither all right nor all wrong), Medusa (one head trained-like), hidden transfer's fused
+    pass."""
     from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
 
     torch.manual_seed(0)
@@ -95,11 +96,12 @@ def _drafters(model) -> dict:
             p.add_(0.05 * torch.randn_like(p))
     heads = MedusaHeads(DIMS["dim"], 3)
     torch.nn.init.normal_(heads.heads[0].weight, std=0.1)
-    return {"eagle-2": EagleDrafter(model, eagle, dynamic_k=3), "medusa": MedusaDrafter(model, heads),
+    return {"eagle-2": EagleDrafter(model, eagle, dynamic_k=3), "eagle": EagleDrafter(model, eagle),
+            "medusa": MedusaDrafter(model, heads),
             "hidden-transfer": HiddenTransferDrafter(model, _transfer([1, 2, 3], False))}
 
 
-@pytest.mark.parametrize("kind", ["eagle-2", "medusa", "hidden-transfer"])
+@pytest.mark.parametrize("kind", ["eagle-2", "eagle", "medusa", "hidden-transfer"])
 def test_a_device_round_traces_without_graph_breaks(models, kind):
     """A whole device round (speculative/static.py: the draft, the verification, the acceptance, the
     compaction and what the next round drafts from) under torch.compile(fullgraph=True): the same round as
@@ -145,10 +147,11 @@ def _token_paths(nodes: list[int], parent_rows: list[int]) -> frozenset:
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
-@pytest.mark.parametrize("kind", ["eagle-2", "medusa", "hidden-transfer"])
+@pytest.mark.parametrize("kind", ["eagle-2", "eagle", "medusa", "hidden-transfer"])
 def test_device_rounds_draft_what_the_host_drafts(models, fmt, kind):
     """Round by round, the device rounds verify the trees the host rounds (`propose`) verify: the same token
-    paths (EAGLE-2's dynamic tree too: its expansion and reranking on the device), so the same acceptance;
+    paths (EAGLE's static tree, and EAGLE-2's dynamic one: its expansion and reranking on the device), so the
+    same acceptance;
     and both give plain greedy decoding's tokens. (The host prunes the last rounds to the budget, the device
     does not: those rounds are not compared.)"""
     from midlayer.speculative.static import DeviceRounds

@@ -512,19 +512,20 @@ class EagleDrafter(Drafter):
 
 
     def device_draft(self, step: DecodeStep, tree: DraftTree) -> "EagleRounds | None":
-        """EAGLE-2's draft on the device, for the static step's device rounds (speculative/static.py); None for
-        a static tree (drafted on the host) or a tree without nodes."""
-        return EagleRounds(self, step, tree) if self.dynamic_k and tree.max_depth else None
+        """The draft on the device (EAGLE-2's dynamic tree, or a static tree), for the static step's device rounds
+        (speculative/static.py); None for a tree without nodes."""
+        return EagleRounds(self, step, tree) if tree.max_depth else None
 
 
 class EagleRounds:
-    """EAGLE-2's dynamic tree drafted on the device: the draft of `EagleDrafter._dynamic`, in static shapes and
-    with no host read, for the static step's device rounds (speculative/static.py, `DeviceDraft`).
+    """EAGLE's draft made on the device: `EagleDrafter`'s, in static shapes and with no host read, for the static
+    step's device rounds (speculative/static.py, `DeviceDraft`). EAGLE-2's dynamic tree (`dynamic_k`, below) or
+    a static tree (`_static_tree`).
 
     The draft cache is the drafter's own rule with fixed addresses: k, v [1, Hk, S, d], where slot t < S_ctx
     (the step's max_len) holds the entry of position t (input (f_t, e_{t+1}) at RoPE position t + 1), the
-    next (D - 1) k slots hold the tree's expanded rows (depth d's k rows at S_ctx + (d - 1) k ..), and the
-    last is where padding rows write. Visibility is positional (an entry below the root's position is
+    next (D - 1) k slots hold the tree's expanded rows (depth d's k rows at S_ctx + (d - 1) k ..; a static tree:
+    node i at S_ctx + i), and the last is where padding rows write. Visibility is positional (an entry below the root's position is
     committed text), so nothing but the slots is tracked.
 
     A round: (1) the D + 1 rows committed by the last round (the root and up to D accepted nodes, padded) go
@@ -541,13 +542,40 @@ class EagleRounds:
     def __init__(self, drafter: EagleDrafter, step: DecodeStep, tree: DraftTree) -> None:
         self.d, self.step = drafter, step
         self.k, self.D = k, D = drafter.dynamic_k, tree.max_depth
-        self.C = k + (D - 1) * k * k  # candidates proposed
-        self.n = min(len(tree), self.C)
-        self.tree_rows, self.N, self.head_rows = round_layout(self.n, 0, step.buckets)
+        self.dynamic = k > 0
         self.reach = D
         self.ctx = step.max_len
-        S = self.ctx + (D - 1) * k + 1
         dev = step.device
+        if self.dynamic:
+            self.C = k + (D - 1) * k * k  # candidates proposed
+            self.n = min(len(tree), self.C)
+            self.tree_rows, self.N, self.head_rows = round_layout(self.n, 0, step.buckets)
+            S = self.ctx + (D - 1) * k + 1
+            self.cand_depth = torch.cat([torch.ones(k, dtype=torch.long)] +
+                                        [torch.full((k * k,), d + 1, dtype=torch.long) for d in range(1, D)]).to(dev)
+            ar = torch.arange(self.N, device=dev)
+            self.real = ar < self.n + 1
+            self.is_node = self.real & (ar > 0)
+            self.zeros = torch.zeros(self.N, dtype=torch.long, device=dev)
+            self.prow = torch.zeros(self.N, 1, dtype=torch.long, device=dev)
+        else:  # a static tree: its layout once; node i's draft row at slot S_ctx + i
+            self.n = len(tree)
+            layout = step.tree_tensors(tree.parent.tolist(), tree.depth.tolist())
+            self.fields = (layout.vis, layout.parent, layout.depth, layout.real, layout.is_node, layout.path,
+                           layout.join_src, layout.join_step, layout.prow)
+            self.tree_rows, self.N, self.head_rows = layout.tree_rows, layout.vis.shape[0], layout.head_rows
+            S = self.ctx + self.n + 1
+            depth, parent = tree.depth.tolist(), tree.parent.tolist()
+            first = [depth.index(d) for d in range(1, D + 1)]  # BFS order: each depth a contiguous range
+            self.levels = [(first[d - 1], first[d] if d < D else self.n) for d in range(1, D + 1)]
+            # per depth d + 1: each node's parent as an index into depth d's rows (the root: 0), and its rank
+            self.parent_at = [torch.tensor([max(parent[i], 0) - (first[d - 1] if d else 0) for i in range(a, b)],
+                                           device=dev) for d, (a, b) in enumerate(self.levels)]
+            self.rank_at = [torch.tensor([tree.paths[i][-1] for i in range(a, b)], device=dev) for a, b in self.levels]
+            self.kmax = [max(tree.paths[i][-1] for i in range(a, b)) + 1 for a, b in self.levels]
+            anc = torch.zeros(self.n, S, dtype=torch.bool)
+            anc[:, self.ctx:self.ctx + self.n] = tree.ancestor_mask
+            self.anc = anc.to(dev)
         c, w = drafter.head.block_cfg, drafter.head.fc.weight
         self.kc = torch.zeros(1, c.n_kv_heads, S, c.head_dim, device=dev, dtype=w.dtype)
         self.vc = torch.zeros_like(self.kc)
@@ -556,13 +584,6 @@ class EagleRounds:
                 torch._dynamo.mark_static_address(t)
         self.pad = S - 1
         self.slot_ids = torch.arange(S, device=dev)
-        self.cand_depth = torch.cat([torch.ones(k, dtype=torch.long)] +
-                                    [torch.full((k * k,), d + 1, dtype=torch.long) for d in range(1, D)]).to(dev)
-        ar = torch.arange(self.N, device=dev)
-        self.real = ar < self.n + 1
-        self.is_node = self.real & (ar > 0)
-        self.zeros = torch.zeros(self.N, dtype=torch.long, device=dev)
-        self.prow = torch.zeros(self.N, 1, dtype=torch.long, device=dev)
 
     def _run(self, feats: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
@@ -576,10 +597,10 @@ class EagleRounds:
                            lambda i, block, h, gate, kb: block(h, cos, sin, None, None, view), self.d.layer,
                            self.d.fc)[0]
 
-    def _top(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k best (log-probability, token id) of each predicted feature [m, d]."""
+    def _top(self, out: torch.Tensor, k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k (default: the expansion width) best (log-probability, token id) of each predicted feature [m, d]."""
         logits = feature_logits(self.d.model, out, self.d.head).float()
-        lp, ix = _top_logprobs(logits, min(self.k, logits.shape[-1]))
+        lp, ix = _top_logprobs(logits, min(k or self.k, logits.shape[-1]))
         return lp, to_token_ids(ix, draft_vocab(self.d.head))
 
     def first(self, tokens: list[int], hidden: torch.Tensor, draft_logits: torch.Tensor | None
@@ -611,8 +632,11 @@ class EagleRounds:
         real = i < count
         out = self._run(feature(self.d.model, feats), toks, torch.where(real, first + i + 1, 0),
                         torch.where(real, first + i, self.pad), self.slot_ids[None, :] <= (first + i)[:, None])
-        prev = out.index_select(0, (count - 1).view(1)).expand(k, -1)
-        lp, ids = self._top(prev[:1])
+        root_out = out.index_select(0, (count - 1).view(1))
+        if not self.dynamic:
+            return self._static_tree(root_out, last_pos), self.fields
+        prev = root_out.expand(k, -1)
+        lp, ids = self._top(root_out)
         toks_all, scores, parents = [ids[0]], [lp[0]], [torch.full((k,), -1, dtype=torch.long, device=dev)]
         # (2) expansion: the k best of each depth run, each proposes its k best
         committed = (self.slot_ids < last_pos)[None, :]
@@ -653,6 +677,23 @@ class EagleRounds:
         path = torch.full((N, N + 1), -1, dtype=torch.long, device=dev).scatter(1, at, rows[None, :].expand(N, N))
         fields = (vis, parent, depth, self.real, self.is_node, path[:, :N], self.zeros, self.zeros, self.prow)
         return tok.index_select(0, chosen), fields
+
+    def _static_tree(self, root_out: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
+        """A static tree's node tokens [n], level by level as `drafting.draft_tree_autoregressive` fills it: node
+        (r_1..r_d) takes the rank-r_d token of its parent's draft distribution, and every node above the last
+        depth runs the draft layer (its parent's predicted feature and its own token), seeing the context and its
+        ancestors-or-self."""
+        committed = (self.slot_ids < last_pos)[None, :]
+        _, ids = self._top(root_out, self.kmax[0])
+        toks = [ids[0].index_select(0, self.rank_at[0])]  # depth 1
+        prev = root_out
+        for d in range(1, self.D):
+            a, b = self.levels[d - 1]  # depth d's nodes: run; their top tokens are depth d + 1's
+            prev = self._run(prev.index_select(0, self.parent_at[d - 1]), toks[-1], (last_pos + d).expand(b - a),
+                             self.ctx + torch.arange(a, b, device=root_out.device), committed | self.anc[a:b])
+            _, ids = self._top(prev, self.kmax[d])
+            toks.append(ids[self.parent_at[d], self.rank_at[d]])
+        return torch.cat(toks)
 
     def after(self, packed: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor, draft: torch.Tensor,
               last_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
