@@ -525,8 +525,8 @@ class EagleRounds:
     The draft cache is the drafter's own rule with fixed addresses: k, v [1, Hk, S, d], where slot t < S_ctx
     (the step's max_len) holds the entry of position t (input (f_t, e_{t+1}) at RoPE position t + 1), the
     next (D - 1) k slots hold the tree's expanded rows (depth d's k rows at S_ctx + (d - 1) k ..; a static tree:
-    node i at S_ctx + i), and the last is where padding rows write. Visibility is positional (an entry below the root's position is
-    committed text), so nothing but the slots is tracked.
+    node i at S_ctx + i), and the last is where padding rows write. Visibility is positional (an entry below
+    the root's position is committed text), so nothing but the slots is tracked.
 
     A round: (1) the D + 1 rows committed by the last round (the root and up to D accepted nodes, padded) go
     through the draft layer, each seeing the entries before it; the last real row predicts the root's feature.

@@ -22,7 +22,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, round_slots, step_for, TreeTensors
+from midlayer.engine.decode_step import (any_round_slots, BUCKET_CANDIDATES, DecodeStep, round_slots, step_for,
+                                        TreeTensors)
 from midlayer.engine.draft_vocab import restrict_logits, to_token_ids
 from midlayer.engine.generate import validate_prompts
 from midlayer.model.transformer import Transformer
