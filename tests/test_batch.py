@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from midlayer.engine.batch import BatchSequence, ContinuousBatch
+from midlayer.engine.batch import BatchSequence, ContinuousBatch, StepCost
 from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.engine.quantization import compress_weights
 from midlayer.ops import kernels
@@ -818,6 +818,56 @@ def test_the_fused_drafters_rows_are_priced_into_the_depth():
     assert batch._pays([1]) == 1
     batch.cost.points.clear()  # the plain line from the fused one (b / (1 + w) = 0.0375): D = 0 gives 1 / 1.0375
     assert batch._pays([1]) == 1
+
+
+def test_the_cost_line_follows_the_load_by_its_clock():
+    """`StepCost`: weighted least squares, a forward's weight halving every half-life of the clock. Two forwards
+    (1 and 3 rows) at tick 0, two more at tick 10 with a half-life of 1 tick: the old weigh w = 2^-10 each, so
+    with every mean at 2 rows, b = (0.2 w + 0.6) / (2 w + 2) and a = mean(t) - 2 b (by hand) -- the new load's
+    line, where an unweighted fit would give b = 0.2."""
+    now = [0]
+    cost = StepCost(half_life=1.0, clock=lambda: now[0])
+    cost.add(1, 1.0)
+    cost.add(3, 1.2)
+    assert cost.line() == pytest.approx((0.9, 0.1))
+    now[0] = 10
+    cost.add(1, 2.0)
+    cost.add(3, 2.6)
+    w = 2.0 ** -10
+    b = (0.2 * w + 0.6) / (2 * w + 2)
+    a = (w * 2.2 + 4.6) / (2 * w + 2) - 2 * b
+    assert cost.line() == pytest.approx((a, b), rel=1e-12)
+    assert StepCost(half_life=float("inf")).line() is None
+    flat = StepCost(half_life=float("inf"))
+    for r, t in ((1, 1.0), (3, 1.2), (1, 2.0), (3, 2.6)):
+        flat.add(r, t)
+    assert flat.line() == pytest.approx((1.3, 0.2))
+    assert cost.seen(3, 0) and cost.seen(1, 0) and not cost.seen(8, 100)  # 8 rows: none within a quarter
+    now[0] = 20
+    assert not cost.seen(3, 9) and cost.seen(3, 10)
+
+
+def test_a_fused_drafters_batch_times_a_plain_step_at_its_load():
+    """With a fused drafter, drafting is priced by its own line and staying plain by the plain line, which only
+    plain steps time. Four rows whose drafts pay: while the plain line has timed no forward of about 4 rows in
+    the last PROBE_STEPS steps, the step is plain (it times one); once it has, the step drafts; PROBE_STEPS
+    steps later it probes again."""
+    from midlayer.engine.batch import PROBE_STEPS
+
+    class Fused:
+        k, rows_per_column = 3, 0.5
+
+    batch = ContinuousBatch(make_tiny(DIMS, False), fused=Fused(), k=1)
+    batch.running = [BatchSequence(i, [1], 1, GenerationConfig(), 1, None, hits=9.0, tries=10.0) for i in range(4)]
+    batch.fused_cost.add(8, 1.2)
+    batch.fused_cost.add(16, 1.4)
+    batch.cost.add(1, 1.0)  # timed at one row (a lighter load), long ago or not
+    assert batch._pays([1] * 4) == 0  # a probe: nothing timed at 4 rows
+    batch.cost.add(4, 1.1)
+    assert batch._pays([1] * 4) == 1  # now 4 rows: 4 / 1.1 against 7.6 / 1.2
+    batch.steps += PROBE_STEPS + 1
+    batch.fused_cost.add(8, 1.2)
+    assert batch._pays([1] * 4) == 0  # the plain line's 4-row forward is stale: probe again
 
 
 @needs_kernels

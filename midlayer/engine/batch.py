@@ -30,7 +30,7 @@ keeps every running sequence in one row of a shared KV cache and advances them a
     greedy targets plus one bonus token; its rejected slots get key bias -inf.
   * **When a draft pays.** A drafted token earns a token only if it and every draft token before it are
     accepted, and every row of a step is padded to the deepest draft: depth D costs n (1 + D) rows. With the
-    forward's time a line in its rows, t(R) = a + b R (`StepCost`, fitted to this batch's own forwards), the
+    forward's time a line in its rows, t(R) = a + b R (`StepCost`, fitted to this batch's own recent forwards), the
     step takes the depth D that maximises expected tokens per second, each row's j-th draft token counting
     p^j, p the row's acceptance rate (a Beta estimate started from `accept_prior` on its prompt); a drafter's
     own forwards, or the rows it adds to the step's, are priced by lines of their own. One sequence drafts deep
@@ -215,32 +215,54 @@ def _prefill_groups(seqs: list[BatchSequence], waste: float = 1.25) -> list[list
     return groups
 
 
-class StepCost:
-    """A decode forward's seconds as a line in its rows, t(R) = a + b R, fitted by least squares to the last
-    `window` forwards of this batch. Until two row counts have been seen, the slope is `prior_slope` of the
-    mean time (a 4-row q4 forward costs ~1.3x a one-row one: docs/results/decode-cpu.md)."""
+PROBE_STEPS = 128  # a fused drafter's batch times a plain step at its load at least this often (`_pays`)
 
-    def __init__(self, prior_slope: float = 0.08, window: int = 256) -> None:
-        self.prior_slope = prior_slope
-        self.points: deque[tuple[int, float]] = deque(maxlen=window)
+
+class StepCost:
+    """A decode forward's seconds as a line in its rows, t(R) = a + b R, fitted by weighted least squares to the
+    last `window` forwards of this batch. A forward's weight halves every `half_life` ticks of `clock` (the
+    batch's decode steps; without one, this line's own forwards), so the line follows a change of load within a
+    few dozen steps: a forward's cost is not a line over all row counts (flat while the weights' reads dominate,
+    steeper once the rows' arithmetic does), and a fit that mixed the rows of an hour of light load with those
+    of a busy minute priced the busy batch's drafts by the light load's slope (docs/results/serve-cpu.md, 38th
+    session). Until two row counts have been seen, the slope is `prior_slope` of the mean time (a 4-row q4
+    forward costs ~1.3x a one-row one: docs/results/decode-cpu.md)."""
+
+    def __init__(self, prior_slope: float = 0.08, window: int = 256, half_life: float = 64.0,
+                 clock: Callable[[], int] | None = None) -> None:
+        self.prior_slope, self.half_life = prior_slope, half_life
+        self.clock = clock
+        self.points: deque[tuple[int, float, int]] = deque(maxlen=window)  # (rows, seconds, tick)
+        self._ticks = 0
+
+    def _now(self) -> int:
+        return self.clock() if self.clock is not None else self._ticks
 
     def add(self, rows: int, seconds: float) -> None:
-        self.points.append((rows, seconds))
+        self._ticks += 1
+        self.points.append((rows, seconds, self._now()))
 
     def line(self) -> tuple[float, float] | None:
         """(a, b), or None before any forward was timed."""
         if not self.points:
             return None
-        n = len(self.points)
-        mr = sum(r for r, _ in self.points) / n
-        mt = sum(t for _, t in self.points) / n
-        var = sum((r - mr) ** 2 for r, _ in self.points)
-        if var > 0:
-            b = sum((r - mr) * (t - mt) for r, t in self.points) / var
+        now = self._now()
+        w = [0.5 ** ((now - tick) / self.half_life) for _, _, tick in self.points]
+        W = sum(w)
+        mr = sum(wi * r for wi, (r, _, _) in zip(w, self.points)) / W
+        mt = sum(wi * t for wi, (_, t, _) in zip(w, self.points)) / W
+        var = sum(wi * (r - mr) ** 2 for wi, (r, _, _) in zip(w, self.points))
+        if var > 1e-9 * W:
+            b = sum(wi * (r - mr) * (t - mt) for wi, (r, t, _) in zip(w, self.points)) / var
             if b > 0 and mt - b * mr > 0:
                 return mt - b * mr, b
         b = self.prior_slope * mt / (1 + self.prior_slope * mr)  # the prior: b = prior_slope * a
         return mt - b * mr, b
+
+    def seen(self, rows: int, within: float) -> bool:
+        """Whether a forward of about `rows` rows (within a quarter) was timed in the last `within` ticks."""
+        now, tol = self._now(), max(1.0, 0.25 * rows)
+        return any(abs(r - rows) <= tol and now - tick <= within for r, _, tick in self.points)
 
 
 class ContinuousBatch:
@@ -272,7 +294,8 @@ class ContinuousBatch:
         self.row_drafter = row_drafter  # fed every committed position's state (EAGLE, Medusa heads)
         self.fused = fused  # rows in the base's forward (hidden transfer)
         self.self_drafter = self_drafter  # partial forwards of the base's own blocks (early exit, layer skip)
-        self.draft_cost = StepCost()  # a self drafter's forwards, by rows (`_pays`)
+        self.steps = 0  # decode steps taken: the cost lines' clock (`StepCost`)
+        self.draft_cost = StepCost(clock=self._clock)  # a self drafter's forwards, by rows (`_pays`)
         if fused is not None:
             self.k = min(k, fused.k)
         # slots past the context for a step's scratch slot and the fused drafter's rows
@@ -282,8 +305,8 @@ class ContinuousBatch:
             raise ValueError(f"forget must be in (0, 1] (1: never forget), got {forget}")
         # per step without a judged draft token, a row keeps this share of its evidence beyond its prior
         self.forget = forget
-        self.cost = StepCost()
-        self.fused_cost = StepCost()  # the forwards that carried a fused drafter's rows (`_pays`)
+        self.cost = StepCost(clock=self._clock)
+        self.fused_cost = StepCost(clock=self._clock)  # the forwards that carried a fused drafter's rows (`_pays`)
         self.max_prefill_rows = max_prefill_rows  # prompt tokens prefilled in one step (at least one prompt)
         self.ctx = model.cfg.max_seq_len
         self.device = model.tok_embeddings.weight.device
@@ -428,8 +451,12 @@ class ContinuousBatch:
         for group in _prefill_groups(joining):
             self._join(group, events)
         if self.running:
+            self.steps += 1
             self._decode(events)
         return [(seq, toks, seq.done) for seq, toks in events.values()]
+
+    def _clock(self) -> int:
+        return self.steps
 
     def _forward(self, first: int, fed: list[list[int]], starts: list[int], last_only: bool, carry: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -717,7 +744,10 @@ class ContinuousBatch:
         and the other way round. A chain's j-th token is accepted with probability p^j (p the row's acceptance
         estimate), so the step yields n + sum_i sum_{j <= min(D, k_i)} p_i^j tokens. A self drafter's D forwards
         of n rows add D d(n), d its own fitted line (`draft_cost`; until timed, the plain line: as dear as a full
-        forward). D maximises tokens per second; before any forward is timed, the deepest draft."""
+        forward). D maximises tokens per second; before any forward is timed, the deepest draft. With a fused
+        drafter the two sides are priced by two lines, and the plain one is timed only by plain steps: where it
+        has timed none at about n rows in the last `PROBE_STEPS` steps though drafting wins, this step is plain
+        (a probe), so that a line fitted at another load cannot keep the batch drafting at a loss."""
         deepest = max(lengths)
         line = drafting = self.cost.line()
         if self.fused is not None:
@@ -740,6 +770,8 @@ class ContinuousBatch:
             rate = tokens / (a + b * n * (1 + depth) + depth * (da + db * n))
             if rate > best_rate:
                 best, best_rate = depth, rate
+        if best and self.fused is not None and self.cost.points and not self.cost.seen(n, PROBE_STEPS):
+            return 0
         return best
 
     def _decode(self, events: dict[int, tuple[BatchSequence, list[int]]]) -> None:
