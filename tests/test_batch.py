@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import time
+
 import pytest
 import torch
 
@@ -845,6 +847,21 @@ def test_the_cost_line_follows_the_load_by_its_clock():
     assert cost.seen(3, 0) and cost.seen(1, 0) and not cost.seen(8, 100)  # 8 rows: none within a quarter
     now[0] = 20
     assert not cost.seen(3, 9) and cost.seen(3, 10)
+
+
+def test_the_cost_lines_hold_the_steps_own_seconds():
+    """Every forward the cost line is fitted to is timed from its own step's start: rows whose proposer gave no
+    draft (their estimate drifts back to its prior in the same loop) leave the timing alone."""
+    model = make_tiny(DIMS, False)
+    batch = ContinuousBatch(model, max_rows=2, k=3, propose=lambda tokens, n: [] if len(tokens) % 2 else [1] * n)
+    t0 = time.perf_counter()
+    for p in ([1, 2, 3], [4, 5]):
+        batch.add(p, GenerationConfig(max_new_tokens=12))
+    while batch.running or batch.waiting:
+        batch.step()
+    took = time.perf_counter() - t0
+    assert len(batch.cost.points) >= 6
+    assert all(0 < t < took for _, t, _ in batch.cost.points)
 
 
 def test_a_fused_drafters_batch_times_a_plain_step_at_its_load():

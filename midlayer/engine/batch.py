@@ -786,8 +786,7 @@ class ContinuousBatch:
         fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
         M = max(len(f) for f in fed)
         logits, hidden = self._forward(0, fed, [s.length for s in rows], last_only=M == 1, carry=carry)
-        if self.cache is cache:  # a step that grew the cache copied it: not a sample of the cost line
-            (self.fused_cost if carry else self.cost).add(len(rows) * M, time.perf_counter() - t0)
+        timed = self.cache is cache  # a step that grew the cache copied it: not a sample of the cost line
         logits = logits[:, None] if M == 1 else logits  # [n, M, V]
         greedy = kernels.argmax(logits.reshape(-1, logits.shape[-1])).view(len(rows), M).tolist()
         c = self.cache
@@ -806,8 +805,8 @@ class ContinuousBatch:
                 seq.hits += a
                 seq.tries += min(len(d), a + 1)
                 if not d:  # no evidence this step: keep `forget` of what lies beyond the prior
-                    (h0, t0), f = seq.prior, self.forget
-                    seq.hits, seq.tries = h0 + f * (seq.hits - h0), t0 + f * (seq.tries - t0)
+                    (h0, n0), f = seq.prior, self.forget
+                    seq.hits, seq.tries = h0 + f * (seq.hits - h0), n0 + f * (seq.tries - n0)
                 if a < len(d):  # the rejected drafts' slots: hidden from every later query, at every layer
                     c.bias[:, seq.row, seq.length + 1 + a:seq.length + 1 + len(d)] = float("-inf")
             if self.row_drafter is not None and seq.cfg.temperature == 0:  # the states of the committed positions
@@ -822,4 +821,6 @@ class ContinuousBatch:
                 seq.chain = []
             for i, chain in zip(drafting, chains):
                 rows[i].chain = chain
+        if timed:  # the step up to here: the forward, the acceptance and a fused drafter's chains (its LM head)
+            (self.fused_cost if carry else self.cost).add(len(rows) * M, time.perf_counter() - t0)
         self._leave_finished(rows)

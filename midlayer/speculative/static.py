@@ -197,7 +197,7 @@ class DeviceRounds:
         if make is None:
             return None
         memo = step.__dict__.setdefault("_device_rounds", {})
-        key = (id(drafter), tree.paths)
+        key = (id(drafter), tree.paths, drafter.dynamic_k)  # (an EAGLE drafter's width may be set between calls)
         hit = memo.get(key)
         if hit is None or hit[0] is not drafter:
             draft = make(step, tree)
