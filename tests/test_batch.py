@@ -616,7 +616,7 @@ def test_a_row_whose_drafts_stopped_paying_tries_again_and_finds_the_good_ones()
             return right if len(steps) > 12 else [(x + 1) % V for x in right]
         batch = ContinuousBatch(model, max_rows=1, k=3, propose=propose, accept_prior=lambda ids: 0.9,
                                 forget=forget)
-        batch.cost.line = lambda: (1.0, 0.3)
+        batch.cost.line = lambda load=None: (1.0, 0.3)
         seq, it = batch.alone(prompt, cfg)
         out = []
         for toks in it:
@@ -822,31 +822,36 @@ def test_the_fused_drafters_rows_are_priced_into_the_depth():
     assert batch._pays([1]) == 1
 
 
-def test_the_cost_line_follows_the_load_by_its_clock():
-    """`StepCost`: weighted least squares, a forward's weight halving every half-life of the clock. Two forwards
-    (1 and 3 rows) at tick 0, two more at tick 10 with a half-life of 1 tick: the old weigh w = 2^-10 each, so
-    with every mean at 2 rows, b = (0.2 w + 0.6) / (2 w + 2) and a = mean(t) - 2 b (by hand) -- the new load's
-    line, where an unweighted fit would give b = 0.2."""
+def test_the_cost_line_is_fitted_at_the_load_it_prices():
+    """`StepCost`: weighted least squares, a forward weighing LOAD_WEIGHT = 4 times less per doubling between the
+    load it ran at and the priced one. Forwards of 1 and 3 rows at load 1 (0.1 s a row), of 16 and 48 rows at
+    load 16 (0.2 s a row): priced at load 16 the light ones weigh w = 4^-4 each against 1 (the weighted fit,
+    written out), nearly the busy load's line; unweighted (load None) the plain fit; at load 1, nearly the
+    light load's."""
     now = [0]
-    cost = StepCost(half_life=1.0, clock=lambda: now[0])
-    cost.add(1, 1.0)
-    cost.add(3, 1.2)
-    assert cost.line() == pytest.approx((0.9, 0.1))
+    cost = StepCost(clock=lambda: now[0])
+    pts = [(1, 1.0, 1), (3, 1.2, 1), (16, 4.0, 16), (48, 10.4, 16)]
+    for r, t, n in pts:
+        cost.add(r, t, n)
+
+    def fit(w):
+        W = sum(w)
+        mr = sum(wi * r for wi, (r, _, _) in zip(w, pts)) / W
+        mt = sum(wi * t for wi, (_, t, _) in zip(w, pts)) / W
+        b = (sum(wi * (r - mr) * (t - mt) for wi, (r, t, _) in zip(w, pts))
+             / sum(wi * (r - mr) ** 2 for wi, (r, _, _) in zip(w, pts)))
+        return mt - b * mr, b
+
+    w = 4.0 ** -4
+    assert cost.line(16) == pytest.approx(fit([w, w, 1, 1]), rel=1e-12)
+    assert cost.line(16) == pytest.approx((0.8, 0.2), abs=2e-3)  # nearly the busy load's own line: 0.2 s a row
+    assert cost.line() == pytest.approx(fit([1, 1, 1, 1]), rel=1e-12)
+    assert cost.line(1)[1] < 0.2 and cost.line(1) == pytest.approx(fit([1, 1, w, w]), rel=1e-12)
+    assert StepCost().line() is None
     now[0] = 10
-    cost.add(1, 2.0)
-    cost.add(3, 2.6)
-    w = 2.0 ** -10
-    b = (0.2 * w + 0.6) / (2 * w + 2)
-    a = (w * 2.2 + 4.6) / (2 * w + 2) - 2 * b
-    assert cost.line() == pytest.approx((a, b), rel=1e-12)
-    assert StepCost(half_life=float("inf")).line() is None
-    flat = StepCost(half_life=float("inf"))
-    for r, t in ((1, 1.0), (3, 1.2), (1, 2.0), (3, 2.6)):
-        flat.add(r, t)
-    assert flat.line() == pytest.approx((1.3, 0.2))
-    assert cost.seen(3, 0) and cost.seen(1, 0) and not cost.seen(8, 100)  # 8 rows: none within a quarter
+    assert cost.seen(3, 10) and cost.seen(48, 10) and not cost.seen(8, 100)  # 8 rows: none within a quarter
     now[0] = 20
-    assert not cost.seen(3, 9) and cost.seen(3, 10)
+    assert not cost.seen(3, 19) and cost.seen(3, 20)
 
 
 def test_the_cost_lines_hold_the_steps_own_seconds():
@@ -861,7 +866,7 @@ def test_the_cost_lines_hold_the_steps_own_seconds():
         batch.step()
     took = time.perf_counter() - t0
     assert len(batch.cost.points) >= 6
-    assert all(0 < t < took for _, t, _ in batch.cost.points)
+    assert all(0 < t < took for _, t, _, _ in batch.cost.points)
 
 
 def test_a_fused_drafters_batch_times_a_plain_step_at_its_load():

@@ -61,6 +61,7 @@ refused by `unsupported`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -216,53 +217,48 @@ def _prefill_groups(seqs: list[BatchSequence], waste: float = 1.25) -> list[list
 
 
 PROBE_STEPS = 128  # a fused drafter's batch times a plain step at its load at least this often (`_pays`)
+LOAD_WEIGHT = 4.0  # a timed forward weighs this many times less per doubling between its load and the priced one
 
 
 class StepCost:
     """A decode forward's seconds as a line in its rows, t(R) = a + b R, fitted by weighted least squares to the
-    last `window` forwards of this batch. A forward's weight halves every `half_life` ticks of `clock` (the
-    batch's decode steps; without one, this line's own forwards), so the line follows a change of load within a
-    few dozen steps: a forward's cost is not a line over all row counts (flat while the weights' reads dominate,
-    steeper once the rows' arithmetic does), and a fit that mixed the rows of an hour of light load with those
-    of a busy minute priced the busy batch's drafts by the light load's slope (docs/results/serve-cpu.md, 38th
-    session). Until two row counts have been seen, the slope is `prior_slope` of the mean time (a 4-row q4
-    forward costs ~1.3x a one-row one: docs/results/decode-cpu.md)."""
+    last `window` forwards of this batch, each weighed by how close the load it ran at (its sequences) is to the
+    load being priced: `LOAD_WEIGHT` times less per doubling apart. A forward's cost is not one line over all
+    row counts (flat while reading the weights dominates, steeper once the rows' arithmetic does), and an
+    unweighted fit over an hour of light load priced a busy minute's drafts by the light load's slope (docs/
+    results/serve-cpu.md, 38th session); at a steady load every forward weighs the same. Until two row counts
+    have been seen, the slope is `prior_slope` of the mean time (a 4-row q4 forward costs ~1.3x a one-row one:
+    docs/results/decode-cpu.md). `clock` (the batch's decode steps) dates the forwards for `seen`."""
 
-    def __init__(self, prior_slope: float = 0.08, window: int = 256, half_life: float = 64.0,
-                 clock: Callable[[], int] | None = None) -> None:
-        self.prior_slope, self.half_life = prior_slope, half_life
+    def __init__(self, prior_slope: float = 0.08, window: int = 256, clock: Callable[[], int] | None = None) -> None:
+        self.prior_slope = prior_slope
         self.clock = clock
-        self.points: deque[tuple[int, float, int]] = deque(maxlen=window)  # (rows, seconds, tick)
-        self._ticks = 0
+        self.points: deque[tuple[int, float, int, int]] = deque(maxlen=window)  # (rows, seconds, load, tick)
 
-    def _now(self) -> int:
-        return self.clock() if self.clock is not None else self._ticks
+    def add(self, rows: int, seconds: float, load: int = 1) -> None:
+        self.points.append((rows, seconds, load, self.clock() if self.clock is not None else 0))
 
-    def add(self, rows: int, seconds: float) -> None:
-        self._ticks += 1
-        self.points.append((rows, seconds, self._now()))
-
-    def line(self) -> tuple[float, float] | None:
-        """(a, b), or None before any forward was timed."""
+    def line(self, load: int | None = None) -> tuple[float, float] | None:
+        """(a, b) at `load` sequences (None: every forward weighs the same), or None before any forward was timed."""
         if not self.points:
             return None
-        now = self._now()
-        w = [0.5 ** ((now - tick) / self.half_life) for _, _, tick in self.points]
+        w = [1.0 if load is None else LOAD_WEIGHT ** -abs(math.log2(max(n, 1) / max(load, 1)))
+             for _, _, n, _ in self.points]
         W = sum(w)
-        mr = sum(wi * r for wi, (r, _, _) in zip(w, self.points)) / W
-        mt = sum(wi * t for wi, (_, t, _) in zip(w, self.points)) / W
-        var = sum(wi * (r - mr) ** 2 for wi, (r, _, _) in zip(w, self.points))
+        mr = sum(wi * r for wi, (r, _, _, _) in zip(w, self.points)) / W
+        mt = sum(wi * t for wi, (_, t, _, _) in zip(w, self.points)) / W
+        var = sum(wi * (r - mr) ** 2 for wi, (r, _, _, _) in zip(w, self.points))
         if var > 1e-9 * W:
-            b = sum(wi * (r - mr) * (t - mt) for wi, (r, t, _) in zip(w, self.points)) / var
+            b = sum(wi * (r - mr) * (t - mt) for wi, (r, t, _, _) in zip(w, self.points)) / var
             if b > 0 and mt - b * mr > 0:
                 return mt - b * mr, b
         b = self.prior_slope * mt / (1 + self.prior_slope * mr)  # the prior: b = prior_slope * a
         return mt - b * mr, b
 
-    def seen(self, rows: int, within: float) -> bool:
-        """Whether a forward of about `rows` rows (within a quarter) was timed in the last `within` ticks."""
-        now, tol = self._now(), max(1.0, 0.25 * rows)
-        return any(abs(r - rows) <= tol and now - tick <= within for r, _, tick in self.points)
+    def seen(self, rows: int, within: int) -> bool:
+        """Whether a forward of about `rows` rows (within a quarter) was timed in the last `within` clock ticks."""
+        now, tol = self.clock() if self.clock is not None else 0, max(1.0, 0.25 * rows)
+        return any(abs(r - rows) <= tol and now - tick <= within for r, _, _, tick in self.points)
 
 
 class ContinuousBatch:
@@ -730,7 +726,7 @@ class ContinuousBatch:
                 if live[i]:
                     chains[i].append(top[i])
                     last[i] = top[i]
-        self.draft_cost.add(n, (time.perf_counter() - t0) / steps)
+        self.draft_cost.add(n, (time.perf_counter() - t0) / steps, n)
         for i, seq in enumerate(seqs):
             self.cache.bias[:, i, seq.length:seq.length + cut[i]] = float("-inf")
         return [chains[i] for i in rows]
@@ -748,11 +744,11 @@ class ContinuousBatch:
         drafter the two sides are priced by two lines, and the plain one is timed only by plain steps: where it
         has timed none at about n rows in the last `PROBE_STEPS` steps though drafting wins, this step is plain
         (a probe), so that a line fitted at another load cannot keep the batch drafting at a loss."""
-        deepest = max(lengths)
-        line = drafting = self.cost.line()
+        deepest, n = max(lengths), len(lengths)
+        line = drafting = self.cost.line(n)
         if self.fused is not None:
             w = 1.0 + self.fused.rows_per_column
-            drafting = self.fused_cost.line()
+            drafting = self.fused_cost.line(n)
             if drafting is None and line is not None:
                 drafting = (line[0], line[1] * w)
             elif line is None and drafting is not None:
@@ -760,11 +756,10 @@ class ContinuousBatch:
         if line is None or drafting is None or deepest == 0:
             return deepest
         a, b = line
-        n = len(lengths)
         p = [seq.acceptance for seq in self.running]
         best, best_rate = 0, n / (a + b * n)
         a, b = drafting
-        da, db = (self.draft_cost.line() or line) if self.self_drafter is not None else (0.0, 0.0)
+        da, db = (self.draft_cost.line(n) or line) if self.self_drafter is not None else (0.0, 0.0)
         for depth in range(1, deepest + 1):
             tokens = n + sum(p[i] ** j for i, k in enumerate(lengths) for j in range(1, min(depth, k) + 1))
             rate = tokens / (a + b * n * (1 + depth) + depth * (da + db * n))
@@ -822,5 +817,5 @@ class ContinuousBatch:
             for i, chain in zip(drafting, chains):
                 rows[i].chain = chain
         if timed:  # the step up to here: the forward, the acceptance and a fused drafter's chains (its LM head)
-            (self.fused_cost if carry else self.cost).add(len(rows) * M, time.perf_counter() - t0)
+            (self.fused_cost if carry else self.cost).add(len(rows) * M, time.perf_counter() - t0, len(rows))
         self._leave_finished(rows)
