@@ -5,6 +5,7 @@ prompt-lookup drafts in the batch -- whatever joins or leaves around it."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import time
@@ -818,7 +819,7 @@ def test_the_fused_drafters_rows_are_priced_into_the_depth():
     batch.fused_cost.add(1, 1.15)
     batch.fused_cost.add(2, 1.3)
     assert batch._pays([1]) == 1
-    batch.cost.points.clear()  # the plain line from the fused one (b / (1 + w) = 0.0375): D = 0 gives 1 / 1.0375
+    batch.cost.clear()  # the plain line from the fused one (b / (1 + w) = 0.0375): D = 0 gives 1 / 1.0375
     assert batch._pays([1]) == 1
 
 
@@ -848,6 +849,25 @@ def test_the_cost_line_is_fitted_at_the_load_it_prices():
     assert cost.line() == pytest.approx(fit([1, 1, 1, 1]), rel=1e-12)
     assert cost.line(1)[1] < 0.2 and cost.line(1) == pytest.approx(fit([1, 1, w, w]), rel=1e-12)
     assert StepCost().line() is None
+    # a window of 5 over 23 forwards (the sums kept per load as points leave, and now and then afresh): the fit
+    # of the last 5, at every load
+    small, rng = StepCost(window=5), random.Random(0)
+    for _ in range(23):
+        small.add(rng.randint(1, 40), rng.uniform(0.5, 3.0), rng.choice([1, 2, 4, 16]))
+    last = [(r, t, n) for r, t, n, _ in small.points]
+    checked = 0
+    for load in (1, 3, 16):
+        w = [4.0 ** -abs(math.log2(n / load)) for _, _, n in last]
+        W = sum(w)
+        mr = sum(wi * r for wi, (r, _, _) in zip(w, last)) / W
+        mt = sum(wi * t for wi, (_, t, _) in zip(w, last)) / W
+        b = (sum(wi * (r - mr) * (t - mt) for wi, (r, t, _) in zip(w, last))
+             / sum(wi * (r - mr) ** 2 for wi, (r, _, _) in zip(w, last)))
+        want = (mt - b * mr, b) if b > 0 and mt - b * mr > 0 else None
+        if want is not None:  # (else the prior's slope: a line with a negative intercept is not taken)
+            assert small.line(load) == pytest.approx(want, rel=1e-9)
+            checked += 1
+    assert checked >= 2
     now[0] = 10
     assert cost.seen(3, 10) and cost.seen(48, 10) and not cost.seen(8, 100)  # 8 rows: none within a quarter
     now[0] = 20

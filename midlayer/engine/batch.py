@@ -234,22 +234,46 @@ class StepCost:
         self.prior_slope = prior_slope
         self.clock = clock
         self.points: deque[tuple[int, float, int, int]] = deque(maxlen=window)  # (rows, seconds, load, tick)
+        # per load, the sums of the window's points (count, R, t, R^2, R t): a fit costs a few operations per load,
+        # not per point (it runs every decode step, where a one-row step takes ~3 ms)
+        self._sums: dict[int, list[float]] = {}
+        self._evicted = 0
+
+    def _tally(self, rows: int, seconds: float, load: int, sign: float) -> None:
+        s = self._sums.setdefault(load, [0.0] * 5)
+        for i, x in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            s[i] += sign * x
 
     def add(self, rows: int, seconds: float, load: int = 1) -> None:
+        if len(self.points) == self.points.maxlen:
+            self._tally(*self.points[0][:3], -1.0)
+            self._evicted += 1
         self.points.append((rows, seconds, load, self.clock() if self.clock is not None else 0))
+        if self._evicted >= (self.points.maxlen or 1):  # now and then, the sums afresh (no drift from -/+)
+            self._sums, self._evicted = {}, 0
+            for r, t, n, _ in self.points:
+                self._tally(r, t, n, 1.0)
+        else:
+            self._tally(rows, seconds, load, 1.0)
+
+    def clear(self) -> None:
+        self.points.clear()
+        self._sums, self._evicted = {}, 0
 
     def line(self, load: int | None = None) -> tuple[float, float] | None:
         """(a, b) at `load` sequences (None: every forward weighs the same), or None before any forward was timed."""
         if not self.points:
             return None
-        w = [1.0 if load is None else LOAD_WEIGHT ** -abs(math.log2(max(n, 1) / max(load, 1)))
-             for _, _, n, _ in self.points]
-        W = sum(w)
-        mr = sum(wi * r for wi, (r, _, _, _) in zip(w, self.points)) / W
-        mt = sum(wi * t for wi, (_, t, _, _) in zip(w, self.points)) / W
-        var = sum(wi * (r - mr) ** 2 for wi, (r, _, _, _) in zip(w, self.points))
-        if var > 1e-9 * W:
-            b = sum(wi * (r - mr) * (t - mt) for wi, (r, t, _, _) in zip(w, self.points)) / var
+        tot = [0.0] * 5
+        for n, s in self._sums.items():
+            w = 1.0 if load is None else LOAD_WEIGHT ** -abs(math.log2(max(n, 1) / max(load, 1)))
+            for i in range(5):
+                tot[i] += w * s[i]
+        W, SR, ST, SRR, SRT = tot
+        mr, mt = SR / W, ST / W
+        var, cov = SRR - W * mr * mr, SRT - W * mr * mt  # sum w (R - mr)^2, sum w (R - mr)(t - mt)
+        if var > 1e-9 * W * max(1.0, mr * mr):
+            b = cov / var
             if b > 0 and mt - b * mr > 0:
                 return mt - b * mr, b
         b = self.prior_slope * mt / (1 + self.prior_slope * mr)  # the prior: b = prior_slope * a
@@ -258,7 +282,12 @@ class StepCost:
     def seen(self, rows: int, within: int) -> bool:
         """Whether a forward of about `rows` rows (within a quarter) was timed in the last `within` clock ticks."""
         now, tol = self.clock() if self.clock is not None else 0, max(1.0, 0.25 * rows)
-        return any(abs(r - rows) <= tol and now - tick <= within for r, _, _, tick in self.points)
+        for r, _, _, tick in reversed(self.points):  # newest first
+            if now - tick > within:
+                return False
+            if abs(r - rows) <= tol:
+                return True
+        return False
 
 
 class ContinuousBatch:
@@ -781,6 +810,7 @@ class ContinuousBatch:
         fed = [[s.tokens[s.length]] + d for s, d in zip(rows, drafts)]
         M = max(len(f) for f in fed)
         logits, hidden = self._forward(0, fed, [s.length for s in rows], last_only=M == 1, carry=carry)
+        took = time.perf_counter() - t0
         timed = self.cache is cache  # a step that grew the cache copied it: not a sample of the cost line
         logits = logits[:, None] if M == 1 else logits  # [n, M, V]
         greedy = kernels.argmax(logits.reshape(-1, logits.shape[-1])).view(len(rows), M).tolist()
@@ -810,12 +840,14 @@ class ContinuousBatch:
             anchors.append(off + len(take) - 1)
             self._commit(seq, take, events, logits[i, off:off + len(take)])  # column off + j chose take[j]
         if self.fused is not None:
+            t1 = time.perf_counter()
             drafting = [i for i, seq in enumerate(rows) if carry and seq.cfg.temperature == 0 and not seq.done]
             chains = self.fused.chains(hidden[drafting, M:], [anchors[i] for i in drafting]) if drafting else []
             for seq in rows:
                 seq.chain = []
             for i, chain in zip(drafting, chains):
                 rows[i].chain = chain
-        if timed:  # the step up to here: the forward, the acceptance and a fused drafter's chains (its LM head)
-            (self.fused_cost if carry else self.cost).add(len(rows) * M, time.perf_counter() - t0, len(rows))
+            took += time.perf_counter() - t1  # a fused drafter's chains (its LM head) are part of its step
+        if timed:  # (not the acceptance: committing a token costs the same with or without drafts)
+            (self.fused_cost if carry else self.cost).add(len(rows) * M, took, len(rows))
         self._leave_finished(rows)
