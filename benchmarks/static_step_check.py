@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny  # noqa: E402
 
 from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_generate
-from midlayer.speculative.static import DeviceRounds, fused_steps, static_speculative_generate
+from midlayer.speculative.static import fused_steps, round_kinds, static_speculative_generate
 from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
 from midlayer.speculative.tree import DraftTree  # noqa: E402
 
@@ -55,7 +55,7 @@ def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: i
                                             "noisy": lambda p, r: NoisyOracle(p + r, V),
                                             "random": lambda p, r: RandomDrafter(V, 0)}).items():
                 # a drafter that drafts on the device (DeviceRounds) is checked that way and on the host
-                kinds = (True, False) if DeviceRounds.for_step(step, make(prompts[0], []), tree) else (False,)
+                kinds = round_kinds(step, make(prompts[0], []), tree)
                 for on_device in kinds:
                     eq, tau = 0, []
                     for p, ref in zip(prompts, plain):

@@ -268,6 +268,7 @@ class DecodeStep:
         self.cur_keys = self.cur_kmask = self.cur_pos = None
         self._trees: dict[tuple, TreeTensors] = {}
         self._runners: dict[tuple, object] = {}
+        self.device_rounds: dict[tuple, tuple] = {}  # speculative.static.DeviceRounds built on this step (memo)
         self.device = dev
         if graphs == "compile":
             # one compiled entry per bucket and kind of call: more than dynamo's default of 8 recompiles

@@ -29,7 +29,7 @@ from .bench import heldout_chats, load_hf_same_weights
 from midlayer.model.transformer import Transformer
 from midlayer.ops.kernels import cpu_info
 from midlayer.speculative.registry import heldout_accuracies, load_drafter
-from midlayer.speculative.static import DeviceRounds, fused_steps, static_speculative_generate
+from midlayer.speculative.static import fused_steps, round_kinds, static_speculative_generate
 from midlayer.speculative.tree import DraftTree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -214,7 +214,7 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
         for g, st in steps.items():
             _add_row(rows, f"midlayer static, {g}", *_decode_timed(static_stream(model, ids, cfg, step=st)))
         for label, (drafter, tree) in methods.items():
-            for on_device in _round_kinds(spec_step, drafter, tree):
+            for on_device in round_kinds(spec_step, drafter, tree):
                 pre = _prefill_s(spec_step, ids[:-1]) if len(ids) > 1 else 0.0
                 _sync(dev)
                 t = time.perf_counter()
@@ -231,13 +231,6 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
                 buckets={g: st.buckets for g, st in steps.items()})
 
 
-def _round_kinds(step: DecodeStep, drafter, tree: DraftTree) -> tuple[bool, ...]:
-    """The rounds a drafter's rows time: on the device (`speculative.static.DeviceRounds`) and, beside them, its
-    drafts made on the host between captured verifications (the path before); the host's alone for a drafter
-    without a device draft."""
-    return (True, False) if DeviceRounds.for_step(step, drafter, tree) is not None else (False,)
-
-
 def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: DecodeStep, methods: dict[str, tuple],
              encoded: list[list[int]], errors: dict[str, str], dname: str) -> None:
     """Compile / capture every bucket the run will use (each prompt's prefill chunks too, so that no capture
@@ -251,7 +244,7 @@ def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: Decode
                 _prefill_s(st, ids[:-1])
     for label, (drafter, tree) in list(methods.items()):
         try:
-            for on_device in _round_kinds(spec_step, drafter, tree):
+            for on_device in round_kinds(spec_step, drafter, tree):
                 static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step, device_rounds=on_device)
         except Exception as e:  # one drafter's failure costs its row only
             errors[f"{dname} {label}"] = f"{type(e).__name__}: {e}"

@@ -82,6 +82,7 @@ from .drafting import (base_states, batch_stream, draft_tree_autoregressive, Fro
                        model_device, optimise, placeholder_candidates, split_batch)
 from .hidden_transfer import additive_mask, visible
 from .protocol import Draft, DraftContext, Drafter
+from .static import tree_fields
 from .tree import DraftTree
 from .tree_cost import head_share
 
@@ -561,8 +562,7 @@ class EagleRounds:
         else:  # a static tree: its layout once; node i's draft row at slot S_ctx + i
             self.n = len(tree)
             layout = step.tree_tensors(tree.parent.tolist(), tree.depth.tolist())
-            self.fields = (layout.vis, layout.parent, layout.depth, layout.real, layout.is_node, layout.path,
-                           layout.join_src, layout.join_step, layout.prow)
+            self.fields = tree_fields(layout)
             self.tree_rows, self.N, self.head_rows = layout.tree_rows, layout.vis.shape[0], layout.head_rows
             S = self.ctx + self.n + 1
             depth, parent = tree.depth.tolist(), tree.parent.tolist()

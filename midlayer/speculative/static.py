@@ -136,6 +136,12 @@ class DeviceDraft(Protocol):
               last_pos: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
 
+def round_kinds(step: DecodeStep, drafter: Drafter, tree: DraftTree) -> tuple[bool, ...]:
+    """The rounds a benchmark or check runs a drafter in, as `device_rounds` values: on the device and, beside
+    them, drafted on the host (the reference) where it drafts on the device; else on the host alone."""
+    return (True, False) if DeviceRounds.for_step(step, drafter, tree) is not None else (False,)
+
+
 def tree_fields(t: TreeTensors) -> tuple[torch.Tensor, ...]:
     """The fields of a tree layout that `DecodeStep.verify_round` reads, in its argument order."""
     return (t.vis, t.parent, t.depth, t.real, t.is_node, t.path, t.join_src, t.join_step, t.prow)
@@ -196,7 +202,7 @@ class DeviceRounds:
         make = getattr(drafter, "device_draft", None)
         if make is None:
             return None
-        memo = step.__dict__.setdefault("_device_rounds", {})
+        memo = step.device_rounds
         key = (id(drafter), tree.paths, drafter.dynamic_k)  # (an EAGLE drafter's width may be set between calls)
         hit = memo.get(key)
         if hit is None or hit[0] is not drafter:
@@ -210,7 +216,7 @@ class DeviceRounds:
         root (the bonus), its position, the next carry...)."""
         st, dd = self.step, self.draft
         nodes, fields = dd.draft(root, last_pos, *carry)
-        vis, parent, depth, real = fields[:4]
+        vis, _, depth, real = fields[:4]
         N, dev = vis.shape[0], nodes.device
         tokens = torch.cat([root.view(1), nodes, nodes.new_zeros(N - 1 - nodes.shape[0])])[None]
         positions = torch.where(real, last_pos + depth, 0)[None]
