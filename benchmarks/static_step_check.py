@@ -2,8 +2,9 @@
 (scripts/static_check.sh) and runnable on a CPU: for fp32 and bf16, per step mode (eager, cudagraph on
 CUDA), whether each candidate bucket set is row-invariant there, whether plain static decoding equals the
 dynamic engine's tokens, and whether speculative output equals plain output token for token (right, partly
-right and wrong drafts; chain and branching trees) on a tiny random model and on SmolLM2 with its EAGLE
-and hidden-transfer drafts when given, those in device rounds and drafted on the host. Prints one line per
+right and wrong drafts, and layer skip's self-speculation; chain and branching trees) on a tiny random model
+and on SmolLM2 with its EAGLE and hidden-transfer drafts when given, those in device rounds and drafted on the
+host. Prints one line per
 check; exit status 0 whatever the outcome (the lines are the result).
 
     python benchmarks/static_step_check.py --device cuda [--eagle drafts/smollm2-135m-scale/eagle]
@@ -27,6 +28,7 @@ from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny  # 
 from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, any_round_slots, static_generate
 from midlayer.speculative.static import fused_steps, round_kinds, static_speculative_generate
 from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
+from midlayer.speculative.layer_skip import LayerSkipDrafter  # noqa: E402
 from midlayer.speculative.tree import DraftTree  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -51,9 +53,11 @@ def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: i
         print(f"{label} {mode} (buckets {step.buckets}, invariant {step.invariant}): static == dynamic on "
               f"{sum(a == b for a, b in zip(plain, dyn))}/{len(prompts)} prompts ({dt:.1f} s)")
         for tree in trees:
+            skip = LayerSkipDrafter(model, [1])  # (one drafter: its captured rounds are kept per drafter)
             for name, make in (drafters or {"oracle": lambda p, r: OracleDrafter(p + r, V),
                                             "noisy": lambda p, r: NoisyOracle(p + r, V),
-                                            "random": lambda p, r: RandomDrafter(V, 0)}).items():
+                                            "random": lambda p, r: RandomDrafter(V, 0),
+                                            "layer-skip": lambda p, r: skip}).items():
                 # a drafter that drafts on the device (DeviceRounds) is checked that way and on the host
                 kinds = round_kinds(step, make(prompts[0], []), tree)
                 for on_device in kinds:

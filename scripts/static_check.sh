@@ -6,8 +6,9 @@
 # Nothing in midlayer needs a GPU; everything here also runs on a CPU (DEVICE=cpu, for a dry run).
 #
 # Two calls, because what travels is at most 64 MiB a call and the GGUF alone is 98 MB (as draft_scale_device.sh):
-#   here:   bash scripts/static_check.sh prepare     # .dev1/ = GGUF part 1; .dev2/ = part 2, the EAGLE, Medusa
-#                                                     # and hidden-transfer drafts (draft files only), the gguf wheel
+#   here:   bash scripts/static_check.sh prepare     # .dev1/ = GGUF part 1; .dev2/ = part 2, the EAGLE, Medusa,
+#                                                     # hidden-transfer and early-exit drafts (draft files only),
+#                                                     # the gguf wheel
 #           git rm -r -q --cached drafts gates sweeps data/distill
 #           printf '/drafts/\n/gates/\n/sweeps/\n/data/distill/\n' >> .git/info/exclude   # ~180 MB must not travel
 #   call 1, carry [".dev1"]:  bash scripts/static_check.sh stash
@@ -33,10 +34,10 @@ PROMPTS=${MAX_PROMPTS:-6}
 case ${1:-} in
 prepare)
   src=$(.venv/bin/python -c "from midlayer.engine.pretrained import resolve_pretrained as r; print(r('smollm2-135m').path)")
-  rm -rf .dev1 .dev2 && mkdir -p .dev1 .dev2/drafts/eagle .dev2/drafts/medusa .dev2/drafts/hidden-transfer
+  rm -rf .dev1 .dev2 && mkdir -p .dev1 .dev2/drafts/eagle .dev2/drafts/medusa .dev2/drafts/hidden-transfer .dev2/drafts/early-exit
   head -c $PART "$src" > .dev1/gguf.part1
   tail -c +$((PART + 1)) "$src" > .dev2/gguf.part2
-  for d in eagle medusa hidden-transfer; do cp drafts/smollm2-135m-scale/$d/draft.json drafts/smollm2-135m-scale/$d/draft.safetensors .dev2/drafts/$d/; done
+  for d in eagle medusa hidden-transfer early-exit; do cp drafts/smollm2-135m-scale/$d/draft.json drafts/smollm2-135m-scale/$d/draft.safetensors .dev2/drafts/$d/; done
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .dev2 \
     "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
   grep -qx '/.dev1/' .git/info/exclude 2>/dev/null || printf '/.dev1/\n/.dev2/\n' >> .git/info/exclude
@@ -70,7 +71,7 @@ run)
   echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   s=$SECONDS
   timeout "$BENCH_S" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
-    --drafts "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer" --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
+    --drafts "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer,early-exit=$DR/early-exit" --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
   echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   tail -c 20000 "$OUT/bench.log" > "$OUT/bench.log.tail" && mv "$OUT/bench.log.tail" "$OUT/bench.log"
   cat "$OUT/env.txt" "$OUT/rows.txt" "$OUT/check.txt" "$OUT/bench.md"

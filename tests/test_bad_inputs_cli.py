@@ -327,6 +327,25 @@ def test_static_and_dynamic_engines_print_the_same_text(tiny, capsys):
     assert outs[0] == outs[1] and outs[0].strip()
 
 
+def test_an_early_exit_draft_runs_on_the_static_engine(tiny, tmp_path, capsys):
+    """Early exit drafts on the static step (in device rounds, through the step's own blocks): --engine static
+    takes it, and prints the dynamic engine's text."""
+    from midlayer.engine.pretrained import load_gguf
+    from midlayer.speculative.early_exit import EarlyExitHead
+    from midlayer.speculative.registry import save_draft
+
+    model, _ = load_gguf(tiny[0])
+    draft = save_draft(tmp_path / "exit", EarlyExitHead(model.cfg.dim, 1), {"note": "test"}, base=model)
+    base = ["generate", "--model", str(tiny[0]), "--prompt", "hello there", "--max-new-tokens", "12", "--draft",
+            str(draft), "--tree", "chain"]
+    outs = []
+    for engine in ("dynamic", "static"):
+        capsys.readouterr()
+        assert main([*base, "--engine", engine]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()
+
+
 def test_generation_config_and_speculative_refuse_nonfinite_temperature():
     from midlayer.engine.generate import GenerationConfig
 

@@ -20,6 +20,9 @@ from midlayer.engine.quantization import compress_weights
 from midlayer.speculative.protocol import Draft
 from midlayer.speculative.tree import DraftTree
 from midlayer.speculative.protocol import Drafter
+from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
+from midlayer.speculative.layer_skip import LayerSkipDrafter
+from midlayer.speculative.verify import speculative_generate
 
 V = 96
 DIMS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=160, multiple_of=32)
@@ -83,10 +86,13 @@ def test_medusa_draft_step_traces_without_graph_breaks(models):
     torch.testing.assert_close(eager, traced, atol=1e-5, rtol=1e-5)  # (the C RMSNorm eagerly, PyTorch's traced)
 
 
+DEVICE_KINDS = ["eagle-2", "eagle", "medusa", "hidden-transfer", "early-exit", "layer-skip"]
+
+
 def _drafters(model) -> dict:
     """One drafter of each kind that drafts on the device: EAGLE-2 and EAGLE on a static tree (a perturbed head:
     drafts that are neither all right nor all wrong), Medusa (one head trained-like), hidden transfer's fused
-    pass."""
+    pass, early exit at block 2 (a perturbed exit map) and layer skip without block 1."""
     from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
 
     torch.manual_seed(0)
@@ -96,12 +102,16 @@ def _drafters(model) -> dict:
             p.add_(0.05 * torch.randn_like(p))
     heads = MedusaHeads(DIMS["dim"], 3)
     torch.nn.init.normal_(heads.heads[0].weight, std=0.1)
+    exit_head = EarlyExitHead(DIMS["dim"], 2)
+    with torch.no_grad():
+        exit_head.proj.weight.add_(0.05 * torch.randn(DIMS["dim"], DIMS["dim"]))
     return {"eagle-2": EagleDrafter(model, eagle, dynamic_k=3), "eagle": EagleDrafter(model, eagle),
             "medusa": MedusaDrafter(model, heads),
-            "hidden-transfer": HiddenTransferDrafter(model, _transfer([1, 2, 3], False))}
+            "hidden-transfer": HiddenTransferDrafter(model, _transfer([1, 2, 3], False)),
+            "early-exit": EarlyExitDrafter(model, exit_head), "layer-skip": LayerSkipDrafter(model, [1])}
 
 
-@pytest.mark.parametrize("kind", ["eagle-2", "eagle", "medusa", "hidden-transfer"])
+@pytest.mark.parametrize("kind", DEVICE_KINDS)
 def test_a_device_round_traces_without_graph_breaks(models, kind):
     """A whole device round (speculative/static.py: the draft, the verification, the acceptance, the
     compaction and what the next round drafts from) under torch.compile(fullgraph=True): the same round as
@@ -147,13 +157,14 @@ def _token_paths(nodes: list[int], parent_rows: list[int]) -> frozenset:
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
-@pytest.mark.parametrize("kind", ["eagle-2", "eagle", "medusa", "hidden-transfer"])
+@pytest.mark.parametrize("kind", DEVICE_KINDS)
 def test_device_rounds_draft_what_the_host_drafts(models, fmt, kind):
     """Round by round, the device rounds verify the trees the host rounds (`propose`) verify: the same token
-    paths (EAGLE's static tree, and EAGLE-2's dynamic one: its expansion and reranking on the device), so the
-    same acceptance;
-    and both give plain greedy decoding's tokens. (The host prunes the last rounds to the budget, the device
-    does not: those rounds are not compared.)"""
+    paths (EAGLE's static tree, and EAGLE-2's dynamic one: its expansion and reranking on the device; early
+    exit's and layer skip's level-by-level fill through the step's own blocks), so the same acceptance;
+    and both give plain greedy decoding's tokens. The self-speculative drafters' host rounds are the dynamic
+    engine's (`speculative_generate`: their `propose` runs the model on its KV cache). (The host prunes the
+    last rounds to the budget, the device does not: those rounds are not compared.)"""
     from midlayer.speculative.static import DeviceRounds
     from midlayer.speculative.verify import draft_node_tokens, round_tree
 
@@ -190,8 +201,11 @@ def test_device_rounds_draft_what_the_host_drafts(models, fmt, kind):
 
                 dd.draft = on_device
             try:
-                out, stats = static_speculative_generate(model, prompt, drafter, tree, 40, step=step,
-                                                         device_rounds=device)
+                if drafter.reads_cache and not device:
+                    out, stats = speculative_generate(model, prompt, drafter, tree, 40)
+                else:
+                    out, stats = static_speculative_generate(model, prompt, drafter, tree, 40, step=step,
+                                                             device_rounds=device)
             finally:
                 del drafter.propose
             assert out == ref
@@ -350,6 +364,17 @@ def test_speculative_refuses_drafters_that_need_the_dynamic_cache(models):
 
     with pytest.raises(ValueError, match="does not draft for the static step"):
         static_speculative_generate(models["fp32"], [1, 2], NeedsCache(), DraftTree.chain(1), 4)
+    # the self-speculative drafters draft on the static step through its blocks, in device rounds only
+    model = models["fp32"]
+    for drafter in (LayerSkipDrafter(model, [1]), EarlyExitDrafter(model, EarlyExitHead(DIMS["dim"], 1))):
+        with pytest.raises(ValueError, match="in device rounds only"):
+            static_speculative_generate(model, [1, 2], drafter, DraftTree.chain(2), 4, device_rounds=False)
+    # learned skipping drafts with the gated twin, which the static step does not run
+    from midlayer.speculative.skip_gates import GatedDrafter, SkipGates
+
+    four = make_tiny({**DIMS, "n_layers": 4}, False)
+    with pytest.raises(ValueError, match="does not draft for the static step"):
+        static_speculative_generate(four, [1, 2], GatedDrafter(four, SkipGates.for_model(four)), DraftTree.chain(1), 4)
 
 
 def test_verification_keeps_exactly_the_plain_cache(models):

@@ -60,7 +60,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["auto", "dynamic", "static"], default="auto",
                    help="static: the static-shape decode step (midlayer.engine.decode_step: bucketed rows, acceptance on the "
                         "device, capturable in CUDA graphs; dense models, and drafters that declare static_step: EAGLE, "
-                        "Medusa); dynamic: the cache engine with real skipping and every drafter; auto (default): "
+                        "Medusa, hidden transfer's fused pass, early exit, layer skip, prompt lookup); dynamic: the "
+                        "cache engine with real skipping and every drafter; auto (default): "
                         "static on CUDA where it applies, else dynamic")
     p.add_argument("--graphs", choices=["auto", "eager", "cudagraph", "compile"], default="auto",
                    help="with the static engine: run its step eagerly, captured in a CUDA graph per bucket, or through "

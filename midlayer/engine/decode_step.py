@@ -299,6 +299,22 @@ class DecodeStep:
         Writes the rows' K/V at their slots; `held` is left as it is (what a forward commits is the caller's:
         `decode`, `verify`). No host read, no data-dependent branch. A call depends on the held slots before
         `start` only, so running it twice gives the same result (a CUDA graph's warm-up does)."""
+        B, N = tokens.shape
+        # row i's key at position start + j sits at the slot of row path[i, j] of this forward
+        path_slots = slots.gather(1, path.clamp_min(0).reshape(1, N * N).expand(B, N * N)).view(B, N, N)
+        h = self.blocks(tokens, positions, slots, start, torch.where(path >= 0, path_slots, -1), depth, real,
+                        join_src, join_step)
+        m = self.model
+        return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
+
+    def blocks(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+               path_slots: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, join_src: torch.Tensor | None = None,
+               join_step: torch.Tensor | None = None, *, stop: int | None = None, run=None) -> torch.Tensor:
+        """`forward`'s blocks, with the rows' keys given by slot: path_slots [B, N, Wp] (long), the slot holding
+        row i's key at position start + j for j <= depth[i] (-1: it sees none there), so a row may see keys
+        that no row of this forward wrote (a drafter's level reads the levels before it: speculative/static.py).
+        stop, run (static): only blocks l < stop with run(l) run (`Transformer.run_blocks`; skipped blocks pass
+        the residual on). Returns the residual leaving the last block run [B, N, d], before the final norm."""
         m = self.model
         B, N = tokens.shape
         S = self.slot_ids.shape[0]
@@ -306,10 +322,8 @@ class DecodeStep:
         # Each row's keys in position order: keys[b, i, p] is the slot that holds row i's key at position p.
         committed = (p < start) & self.held  # [B, S]: slot p = position p
         j = p - start  # a tail position's index on the row's path
-        jc = j.clamp(0, N - 1)
-        tail = (j >= 0) & (j <= depth[:, None]) & real[:, None] & (path.gather(1, jc.expand(N, S)) >= 0)  # [N, S]
-        path_slots = slots.gather(1, path.clamp_min(0).reshape(1, N * N).expand(B, N * N)).view(B, N, N)
-        tail_slots = path_slots.gather(2, jc.view(1, 1, S).expand(B, N, S))
+        tail_slots = path_slots.gather(2, j.clamp(0, path_slots.shape[-1] - 1).view(1, 1, S).expand(B, N, S))
+        tail = (j >= 0) & (j <= depth[:, None]) & real[:, None] & (tail_slots >= 0)  # [B, N, S]
         pad0 = (~real)[:, None] & (p == 0)  # [N, S]: padding sees the scratch slot alone (a finite softmax)
         keys = torch.where(tail, tail_slots, torch.where(pad0, self.scratch, p.expand(B, N, S)))
         visible = tail | pad0 | committed[:, None, :] & real[:, None]  # [B, N, S]
@@ -320,9 +334,8 @@ class DecodeStep:
         self.cur_slots = slots
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
         self.cur_join = None if self.transfer is None or join_src is None else (join_src, join_step)
-        h = m.run_blocks(m.embed(tokens, positions), self._block)
-        h = self._join(m.cfg.n_layers, h)  # rows that join after the last block (t_i = L)
-        return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
+        h = m.run_blocks(m.embed(tokens, positions), self._block, stop=stop, run=run)
+        return h if stop is not None else self._join(m.cfg.n_layers, h)  # rows that join after the last block
 
     def slot_mask(self) -> torch.Tensor:
         """This forward's visibility by slot, additive [B, 1, N, S]: what the C kernels of a direct view read

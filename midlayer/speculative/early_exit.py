@@ -22,6 +22,7 @@ from midlayer.model.transformer import Transformer
 from .drafting import (apply_linear, base_states, batch_stream, check_layer, draft_tree_autoregressive, FrozenBase,
                        gather_counted, kl_to_base, model_device, optimise, run_blocks_cached, split_batch)
 from .protocol import Draft, DraftContext, Drafter, Forward
+from .static import LevelTreeDraft
 from .tree import DraftTree
 from .tree_cost import head_share
 
@@ -51,7 +52,11 @@ class EarlyExitHead(nn.Module):
 
 class EarlyExitDrafter(Drafter):
     """Self-speculative early exit: the lower `head.layer` blocks + the exit head draft autoregressively
-    (module docstring, "Autoregressive tree drafting")."""
+    (module docstring, "Autoregressive tree drafting"). On the static step it drafts through the step's own
+    blocks, in device rounds (`device_draft`)."""
+
+    static_step = True
+    reads_cache = True
 
     def __init__(self, model: Transformer, head: EarlyExitHead) -> None:
         check_layer(model, head.layer, "the exit layer")
@@ -68,6 +73,14 @@ class EarlyExitDrafter(Drafter):
         """Its drafting in a continuous batch (engine/batch.py): blocks below the exit layer, the exit head."""
         return DraftPass(self.model, None, self.head.layer, False, lambda h: self.head.logits(self.model, h),
                          draft_vocab(self.head))
+
+    def device_draft(self, step, tree: DraftTree) -> LevelTreeDraft | None:
+        """Its draft on the static step: the blocks below the exit layer and the exit head, level by level through
+        the step's own cache (speculative/static.py)."""
+        if step.model is not self.model:
+            return None
+        return LevelTreeDraft(step, tree, self.head.layer, None, lambda h: self.head.logits(self.model, h),
+                              draft_vocab(self.head))
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, extra: torch.Tensor,
               cache: KVCache) -> torch.Tensor:

@@ -15,6 +15,7 @@ from midlayer.engine.batch import DraftPass
 from midlayer.model.transformer import Transformer
 from .drafting import draft_tree_autoregressive, lm_logits, run_blocks_cached
 from .protocol import Draft, DraftContext, Drafter, Forward
+from .static import LevelTreeDraft
 from .tree import DraftTree
 
 
@@ -22,9 +23,12 @@ class LayerSkipDrafter(Drafter):
     """Draft & Verify self-speculation (Zhang et al. 2023): the base model with `skip_span` blocks passed
     through drafts autoregressively. skip_span: any collection of block indices (e.g. range(2, 6)).
     `real_skip`: a gated drafting model's rows whose gate is 0 do not run their blocks (run_blocks_cached's
-    `skip`); skip_gates.GatedDrafter drafts this way with the gated twin of the base."""
+    `skip`); skip_gates.GatedDrafter drafts this way with the gated twin of the base. On the static step it
+    drafts through the step's own blocks, in device rounds (`device_draft`)."""
 
     real_skip = False
+    static_step = True
+    reads_cache = True
 
     def __init__(self, model: Transformer, skip_span: Sequence[int] | range = ()) -> None:
         span = sorted(set(int(i) for i in skip_span))
@@ -45,6 +49,16 @@ class LayerSkipDrafter(Drafter):
         model = self.model
         return DraftPass(model, lambda layer: layer not in self.skip_span, model.cfg.n_layers, self.real_skip,
                          lambda h: lm_logits(model, h))
+
+    def device_draft(self, step, tree: DraftTree) -> LevelTreeDraft | None:
+        """Its draft on the static step: the blocks outside the span and the base's head, level by level through
+        the step's own cache (speculative/static.py). None for a drafter that drafts with another model (the
+        gated twin)."""
+        model = self.model
+        if step.model is not model:
+            return None
+        return LevelTreeDraft(step, tree, model.cfg.n_layers, lambda layer: layer not in self.skip_span,
+                              lambda h: lm_logits(model, h), None)
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:

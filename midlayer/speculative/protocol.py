@@ -94,7 +94,11 @@ class Drafter(Protocol):
       final residual).
     - `prefill_features`: the first round's `ctx.hidden` holds every prompt row, not only the last.
     - `static_step`: the drafter reads only ctx.tokens, ctx.hidden, ctx.logits and ctx.tree, never ctx.cache,
-      so it also drafts for the static decode step (engine/decode_step.py), whose cache is not a KVCache.
+      so it also drafts for the static decode step (engine/decode_step.py), whose cache is not a KVCache; or
+      it declares `reads_cache` too and drafts there on the device only (its `device_draft`).
+    - `reads_cache`: `propose` runs the base model on ctx.cache (the self-speculative drafters: early exit,
+      layer skip); with `static_step` the static step's rounds draft through the step's own blocks instead
+      (speculative/static.py, `LevelTreeDraft`), never through `propose`.
     - `fused`: None for a drafter without a fused pass; True / False for one that has it (hidden transfer):
       when True it also implements `FusedDrafter` and its next draft rides the verification forward.
     - `dynamic_k`: an EAGLE-2 style expansion width, None where the drafter has none (part of the cost key).
@@ -107,6 +111,7 @@ class Drafter(Protocol):
     hidden_layers: tuple[int, ...] = ()
     prefill_features: bool = False
     static_step: bool = False
+    reads_cache: bool = False
     fused: bool | None = None
     dynamic_k: int | None = None
 

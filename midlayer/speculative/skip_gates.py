@@ -314,6 +314,7 @@ class GatedDrafter(LayerSkipDrafter):
     nothing: an upper bound, since how much the gates skip is not known before drafting."""
 
     real_skip = True
+    static_step = False  # (its drafting model, the gated twin, is not the static step's: real skipping)
 
     def __init__(self, model: Transformer, gates: SkipGates) -> None:
         super().__init__(gates.twin(model))

@@ -5,7 +5,8 @@ The dynamic loop (`verify.speculative_generate`) stays the reference: for drafte
 this loop's output equals it, and plain greedy decoding, token for token (tests/test_decode_step.py).
 
 Device rounds. A drafter that can draft on the device (its `device_draft`: EAGLE-2's dynamic tree, Medusa's
-heads, hidden transfer's fused pass) runs each round as ONE capturable function (`DeviceRounds.round`): its
+heads, hidden transfer's fused pass, and the self-speculative drafters, early exit and layer skip, through the
+step's own blocks: `LevelTreeDraft`) runs each round as ONE capturable function (`DeviceRounds.round`): its
 draft from what the last round left on the device (EAGLE-2: the draft layer over the newly committed rows,
 the tree's expansion and reranking; Medusa: its heads on the last accepted row; hidden transfer: the pseudo
 rows' logits of the last round), the node tokens and the tree's layout as index tensors, the verification
@@ -13,7 +14,9 @@ forward, the acceptance and the compaction, and what the next round drafts from.
 per round, [accepted count, path tokens, bonus], and nothing else: no draft crosses to the host and back, so
 on a GPU the whole round is one graph replay (issue 42: the drafting between captured verifications cost
 host time every round). The per-round loop (`propose` on the host) stays the reference: both draft the same
-trees (tests/test_decode_step.py).
+trees (tests/test_decode_step.py). The self-speculative drafters' `propose` runs the model on the dynamic
+cache (`reads_cache`), so on the static step they draft in device rounds only, and their reference is the
+dynamic loop: the same trees round by round.
 """
 
 from __future__ import annotations
@@ -46,16 +49,21 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     bucketed forward over [root, nodes] with acceptance and compaction on the device and one host read.
     Where the step is row-invariant (`DecodeStep.row_invariant`: the CPU buckets in fp32, q4 anywhere) the
     output equals `static_generate`'s token for token. Drafters that declare `static_step` (they never read
-    ctx.cache: Medusa, EAGLE / EAGLE-2, and hidden transfer's fused pass) draft here; the others are refused
-    by name. Hidden transfer (a drafter with `fused` and `transfer`) rides every round: its pseudo rows join
-    the verification forward (`DecodeStep.attach`) and the accepted anchor's rows are the next draft; its
-    first round, with no draft yet, verifies the root alone. `device_rounds`: a drafter with a `device_draft`
-    drafts on the device, each round one capturable call (module docstring), once it has what to draft from
-    (a 1-token prompt's first round, and hidden transfer's, run here); False: every round drafts on the host
-    (the reference). Returns (new tokens, speculative.SpecStats)."""
+    ctx.cache: Medusa, EAGLE / EAGLE-2, and hidden transfer's fused pass; early exit and layer skip, which
+    draft here in device rounds only) draft here; the others are refused by name. Hidden transfer (a drafter
+    with `fused` and `transfer`) rides every round: its pseudo rows join the verification forward
+    (`DecodeStep.attach`) and the accepted anchor's rows are the next draft; its first round, with no draft
+    yet, verifies the root alone. `device_rounds`: a drafter with a `device_draft` drafts on the device, each
+    round one capturable call (module docstring), once it has what to draft from (a 1-token prompt's first
+    round, and hidden transfer's, run here); False: every round drafts on the host (the reference; refused
+    for a drafter that `reads_cache`). Returns (new tokens, speculative.SpecStats)."""
+    name = type(drafter).__name__
     if not drafter.static_step:
-        raise ValueError(f"{type(drafter).__name__} reads the dynamic KV cache (or rides a fused pass) and does not "
+        raise ValueError(f"{name} reads the dynamic KV cache (or rides a fused pass) and does not "
                          "draft for the static step yet: use speculative.speculative_generate")
+    if drafter.reads_cache and not device_rounds:
+        raise ValueError(f"{name} drafts on the static step in device rounds only (its propose runs the model on "
+                         "the dynamic KV cache): device_rounds=True, or speculative.speculative_generate")
     prompt = validate_prompts(model, [list(prompt_ids)])[0]
     model.eval()
     P = len(prompt)
@@ -89,6 +97,8 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     tokens, new = list(prompt), []
     draft_logits = None
     rounds = DeviceRounds.for_step(st, drafter, tree) if device_rounds else None
+    if rounds is None and drafter.reads_cache:
+        raise ValueError(f"{name} cannot draft this tree on the static step: use speculative.speculative_generate")
     while len(new) < budget:
         carry = None if rounds is None else rounds.draft.first(tokens, hidden, draft_logits)
         if carry is not None:  # every later round on the device (the context's last tokens plainly)
@@ -138,8 +148,11 @@ class DeviceDraft(Protocol):
 
 def round_kinds(step: DecodeStep, drafter: Drafter, tree: DraftTree) -> tuple[bool, ...]:
     """The rounds a benchmark or check runs a drafter in, as `device_rounds` values: on the device and, beside
-    them, drafted on the host (the reference) where it drafts on the device; else on the host alone."""
-    return (True, False) if DeviceRounds.for_step(step, drafter, tree) is not None else (False,)
+    them, drafted on the host (the reference) where it drafts on the device and `propose` can draft for the
+    step; else on the host alone."""
+    if DeviceRounds.for_step(step, drafter, tree) is None:
+        return (False,)
+    return (True,) if drafter.reads_cache else (True, False)
 
 
 def tree_fields(t: TreeTensors) -> tuple[torch.Tensor, ...]:
@@ -178,6 +191,63 @@ class TopkTreeDraft:
 
     def after(self, packed, rows, hidden, draft, last_pos):
         return self.carry_after(packed, rows, hidden, draft)
+
+
+class LevelTreeDraft:
+    """A fixed tree filled level by level through the step's own blocks: the self-speculative drafters (early
+    exit: the blocks below its exit layer and its exit head; layer skip: the blocks outside its span and the
+    base's head), as `drafting.draft_tree_autoregressive` fills the tree over the dynamic cache. Level d (the
+    root for d = 0; the leaves never run) is one partial forward (`DecodeStep.blocks`, `stop` and `run` its
+    blocks) in the smallest bucket that holds it. Its rows sit at the slots the verification of the round then
+    overwrites (the root's slot + its row), at position root + d, and see the committed text (the base's own
+    K/V, as the dynamic drafter reads the base's cache) and their ancestors-or-self, whose K/V the levels
+    before wrote. The rank-r child of a node takes the r-th most likely token of its draft distribution. A
+    round needs only its root, so every round drafts here, the first one included (`first` gives no carry)."""
+
+    def __init__(self, step: DecodeStep, tree: DraftTree, stop: int, run, head, vocab: torch.Tensor | None) -> None:
+        self.layout = step.tree_tensors(tree.parent.tolist(), tree.depth.tolist())
+        self.fields = tree_fields(self.layout)
+        self.tree_rows, self.head_rows, self.reach = self.layout.tree_rows, self.layout.head_rows, self.layout.reach
+        self.step, self.stop, self.run, self.head, self.vocab = step, stop, run, head, vocab
+        n, D, dev = len(tree), tree.max_depth, step.device
+        depth, parent = tree.depth.tolist(), tree.parent.tolist()
+        ranks = [p[-1] for p in tree.paths]
+        path = self.layout.path.cpu()
+        self.levels = []
+        for d in range(D):
+            rows = [0] if d == 0 else [i + 1 for i in range(n) if depth[i] == d]  # root-included numbering
+            kids = [i for i in range(n) if depth[i] == d + 1]
+            N, m = step.bucket_for(len(rows)), len(rows)
+            row_ix = torch.tensor(rows + [0] * (N - m))
+            keys = torch.full((N, D + 1), -1, dtype=torch.long)  # a row's keys: its ancestors-or-self by depth
+            keys[:m] = path[rows, :D + 1]
+            real = torch.arange(N) < m
+            local = {r: i for i, r in enumerate(rows)}
+            self.levels.append(tuple(x.to(dev) for x in (
+                row_ix, keys, real, torch.where(real, d, 0),
+                torch.tensor(kids) + 1, torch.tensor([local[parent[i] + 1] for i in kids]),
+                torch.tensor([ranks[i] for i in kids]))) + (d, m, max(ranks[i] for i in kids) + 1))
+
+    def first(self, tokens: list[int], hidden: torch.Tensor, draft_logits: torch.Tensor | None):
+        return ()
+
+    def draft(self, root: torch.Tensor, last_pos: torch.Tensor, *carry: torch.Tensor):
+        st = self.step
+        toks = torch.cat([root.view(1), root.new_zeros(self.layout.n_nodes)])  # the root, then the nodes so far
+        for row_ix, keys, real, depth, kid_rows, kid_src, kid_rank, d, m, k in self.levels:
+            slots = torch.where(real, last_pos + row_ix, st.scratch)[None]
+            positions = torch.where(real, last_pos + d, 0)[None]
+            h = st.blocks(toks.index_select(0, row_ix)[None], positions, slots, last_pos,
+                          torch.where(keys >= 0, last_pos + keys, -1)[None], depth, real, stop=self.stop, run=self.run)
+            logits = self.head(h[0, :m])
+            if self.vocab is not None and logits.shape[-1] != self.vocab.numel():
+                logits = restrict_logits(logits, self.vocab)
+            top = to_token_ids(logits.topk(min(k, logits.shape[-1]), -1).indices, self.vocab)  # [m, k]
+            toks = toks.index_copy(0, kid_rows, top[kid_src, kid_rank])
+        return toks[1:], self.fields
+
+    def after(self, packed, rows, hidden, draft, last_pos):
+        return ()
 
 
 def last_accepted(packed: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
