@@ -92,11 +92,12 @@ def main() -> None:
         from midlayer.experiments.bench import heldout_chats
         from midlayer.speculative.registry import load_drafter
         from midlayer.engine.pretrained import load_pretrained
+        from midlayer.engine.quantization import fuse_projections
 
         base, tok = load_pretrained("smollm2-135m")
         chats = heldout_chats(tok, 4)
         for dname, dtype in DTYPES.items():
-            model = copy.deepcopy(base).to(dev, dtype).eval()
+            model = fuse_projections(copy.deepcopy(base).to(dev, dtype).eval())  # (as `generate` runs it)
             drafters = {}
             for label, path in (("eagle-2", args.eagle), ("hidden-transfer", args.hidden_transfer)):
                 if path:

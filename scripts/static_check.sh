@@ -17,7 +17,8 @@
 # Files under $OUT (at most 8 come back): env.txt, rows.txt (benchmarks/row_invariance.py: which kernels are
 # row-invariant on that GPU), check.txt (benchmarks/static_step_check.py), bench.md and bench.json (`bench
 # static`, each dtype's table printed as it is done), check.log and bench.log. Budget: call 2 at most
-# 40 + 110 + BENCH_S (360) s plus the set-up; bf16 runs first.
+# 40 + 110 + BENCH_S (360) s plus the set-up; bf16 runs first. GRAPHS: the step's modes in the bench (default
+# eager,compile,cudagraph; a CPU dry run: GRAPHS=compile,eager, as cudagraph needs CUDA).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -70,7 +71,10 @@ run)
     --hidden-transfer "$DR/hidden-transfer" > "$OUT/check.txt" 2> "$OUT/check.log"
   echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   s=$SECONDS
+  # modes: eager, then torch.compile (Inductor's fused kernels; prefill eager), then CUDA graphs of the eager
+  # kernels, where the speculative rows run; the dynamic engine's row is left out (issue 42's table has it)
   timeout "$BENCH_S" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
+    --graphs "${GRAPHS:-eager,compile,cudagraph}" --no-dynamic \
     --drafts "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer,early-exit=$DR/early-exit" --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
   echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   tail -c 20000 "$OUT/bench.log" > "$OUT/bench.log.tail" && mv "$OUT/bench.log.tail" "$OUT/bench.log"

@@ -340,3 +340,27 @@ def test_auto_backend_takes_flex_only_for_a_bias_or_window():
     assert forced_narrow.use_flex(cpu)
     with pytest.raises(ValueError, match="head_dim >= 16 .* this model has 8"):
         forced_narrow.use_flex(cuda)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rmsnorm_fused_inference_path_is_the_same_formula(monkeypatch, dtype):
+    """On CUDA, inference calls aten's rms_norm (one fused kernel: issue 42's CUDA-graph replays pay per
+    kernel). Taken here on the CPU, it gives the six-op formula x / sqrt(mean(x^2) + eps) * weight in fp32:
+    eps inside the root, the weight applied before the cast back. With grad enabled it is never taken."""
+    from midlayer.model.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x = (torch.randn(3, 5, 64) * 1e-3).to(dtype)  # small values: eps matters at this scale
+    want = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(norm(x), want)  # (the six ops on the CPU by default)
+    monkeypatch.setattr(RMSNorm, "FUSED_DEVICES", ("cpu",))
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), want, atol=0, rtol=2e-6 if dtype == torch.float32 else 8e-3)
+    calls = []
+    monkeypatch.setattr(F, "rms_norm", lambda *a, **k: calls.append(1))
+    norm(x)  # (grad enabled: training's six ops)
+    assert calls == []

@@ -201,3 +201,38 @@ def test_select_rows_equals_requantising_the_dequantised_rows():
     assert torch.equal(kernels.unpack_q8_0(sub.codes, rows.numel())[i], kernels.unpack_q8_0(head.codes, 37)[9])
     assert torch.equal(sub.dequantized()[i], head.dequantized()[9])
     assert torch.equal(sub(x), head(x)[:, rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fuse_projections_keeps_the_dtype_and_the_logits(dtype):
+    """The static benchmarks' preparation (quantization.fuse_projections): every block computes q|k|v and
+    w1|w3 as one projection each (3 + 2 GEMMs become 2), weights stay in the model's dtype, no format is set,
+    and the logits are the unfused model's (fp32: to GEMM rounding; bf16: a bf16 ulp)."""
+    from midlayer.engine.quantization import fuse_projections
+
+    ref = _tiny().to(dtype)
+    model = fuse_projections(copy.deepcopy(ref))
+    for block in model.layers:
+        assert block.attention.wqkv.weight.shape == (64 + 2 * 32, 64)
+        assert block.attention.wqkv.weight.dtype == dtype and block.feed_forward.w13 is not None
+    assert getattr(model, "weight_format", None) is None
+    x = torch.randint(0, 96, (2, 20))
+    with torch.no_grad():
+        a, b = ref(x).logits.float(), model(x).logits.float()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(a, b, **tol)
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):  # the GEMMs a forward launches
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "linear")
+            return func(*args, **(kwargs or {}))
+
+    gemms = []
+    for m in (ref, model):
+        Count.n = 0
+        with torch.no_grad(), Count():
+            m(x)
+        gemms.append(Count.n)
+    assert gemms == [4 * 7 + 1, 4 * 4 + 1]  # per block q, k, v, o, w1, w3, w2 -> qkv, o, w13, w2; the LM head

@@ -265,7 +265,7 @@ class DecodeStep:
         self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
-        self.cur_keys = self.cur_kmask = self.cur_pos = None
+        self.cur_keys = self.cur_kmask = self.cur_split = None
         self._trees: dict[tuple, TreeTensors] = {}
         self._runners: dict[tuple, object] = {}
         self.device_rounds: dict[tuple, tuple] = {}  # speculative.static.DeviceRounds built on this step (memo)
@@ -327,7 +327,15 @@ class DecodeStep:
         pad0 = (~real)[:, None] & (p == 0)  # [N, S]: padding sees the scratch slot alone (a finite softmax)
         keys = torch.where(tail, tail_slots, torch.where(pad0, self.scratch, p.expand(B, N, S)))
         visible = tail | pad0 | committed[:, None, :] & real[:, None]  # [B, N, S]
-        self.cur_keys, self.cur_pos = keys, positions
+        self.cur_keys = keys
+        # `attend`'s split of the values, the same at every layer (built once per forward, not once per layer):
+        # below s0 = position - (W - 1) the shared GEMM, from s0 on a W-key window per row in position order
+        s0 = (positions - (self.window - 1)).clamp_min(0)  # [B, N]
+        wpos = s0[..., None] + self.win_ids  # [B, N, W]: positions s0 .. s0 + W - 1
+        inside = (wpos < S)[:, None, None]
+        wpos = wpos.clamp_max(S - 1)
+        below = (p < s0[..., None])[:, None, None]  # [B, 1, 1, N, S]
+        self.cur_split = (below, wpos, inside, keys.gather(2, wpos))  # the window's keys: [B, N, W] slots
         self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
         self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
         self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
@@ -368,15 +376,10 @@ class DecodeStep:
         s_pos = scores.gather(-1, self.cur_keys[:, None, None].expand(B, Hk, rep, N, S)) + self.cur_kmask[:, None, None]
         e = torch.exp(s_pos - s_pos.amax(-1, keepdim=True))  # masked keys: exp(-inf) = 0
         z = e.sum(-1, keepdim=True)
-        s0 = (self.cur_pos - (W - 1)).clamp_min(0)  # [B, N]
-        below = (self.slot_ids < s0[..., None])[:, None, None]  # [B, 1, 1, N, S]
+        below, wpos, inside, wslots = self.cur_split  # (the same at every layer: `blocks` builds them)
         out = torch.matmul((e * below).reshape(B, Hk, rep * N, S), vf).view(B, Hk, rep, N, d)
-        wpos = s0[..., None] + self.win_ids  # [B, N, W]: positions s0 .. s0 + W - 1
-        inside = wpos < S
-        wpos = wpos.clamp_max(S - 1)
-        wslots = self.cur_keys.gather(2, wpos)  # [B, N, W]
         v_win = vf.gather(2, wslots.reshape(B, 1, N * W, 1).expand(B, Hk, N * W, d)).view(B, Hk, N, W, d)
-        e_win = e.gather(-1, wpos[:, None, None].expand(B, Hk, rep, N, W)) * inside[:, None, None]
+        e_win = e.gather(-1, wpos[:, None, None].expand(B, Hk, rep, N, W)) * inside
         out = out + torch.matmul(e_win.transpose(2, 3), v_win).transpose(2, 3)  # per row: [rep, W] @ [W, d]
         return (out / z).reshape(B, H, N, d).to(q.dtype)
 
@@ -527,7 +530,10 @@ class DecodeStep:
             Nb = self.bucket_for(n)
             idx = torch.arange(start + a, start + a + n, device=self.device)[None].expand(B, n)
             t, p, s = self._pad(tokens[:, a:a + n].to(self.device), idx, idx, Nb)
-            logits, hidden = self._runner("forward", Nb)(t, p, s, self._scalar(start + a), *self._chain(n, Nb))
+            # (under graphs="compile" the prefill runs eagerly: one compile per bucket would cost every prompt
+            # length's chunk sizes a compile, and prefill is one call per chunk, not per token)
+            run = self.forward if self.graphs == "compile" else self._runner("forward", Nb)
+            logits, hidden = run(t, p, s, self._scalar(start + a), *self._chain(n, Nb))
             self.held[:, start + a:start + a + n] = True
             outs.append(logits[:, :n].clone())
             hids.append(hidden[:, :n].clone())

@@ -210,15 +210,12 @@ def compress_block(block: nn.Module, fmt: str) -> nn.Module:
     q4 also switches its cached attention to the row-invariant kernel."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-    att = getattr(block, "attention", None)  # a state-space mixer (ssm_layers) stays fp32
+    att, ffs = _fuse_block(block)
     if att is not None:
-        att.fuse()
         att.wqkv = _convert(att.wqkv, fmt)
         att.wo = _convert(att.wo, fmt)
         att.row_invariant = fmt == "q4"
-    # a mixture of experts converts every expert; its router stays fp32 (it decides, like skip routers)
-    for ff in getattr(block.feed_forward, "experts", [block.feed_forward]):
-        ff.fuse()
+    for ff in ffs:
         if ff.w13 is not None:  # a GLU: w1|w3 fused
             ff.w13 = _convert(ff.w13, fmt)
         else:  # a plain MLP: w1 alone
@@ -232,6 +229,30 @@ def compress_block(block: nn.Module, fmt: str) -> nn.Module:
             ((att.wqkv.codes, att.wqkv.scales), (att.wo.codes, att.wo.scales), (ff.w13.codes, ff.w13.scales),
              (ff.w2.codes, ff.w2.scales)), att.n_heads) if fuses_q4(block) else None
     return block
+
+
+def _fuse_block(block: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
+    """Join a block's q|k|v and w1|w3 into one projection each (inference); returns its attention (None for a
+    state-space mixer, which stays fp32) and its feed-forwards (every expert of a mixture; its router stays
+    fp32: it decides, like skip routers)."""
+    att = getattr(block, "attention", None)
+    if att is not None:
+        att.fuse()
+    ffs = list(getattr(block.feed_forward, "experts", [block.feed_forward]))
+    for ff in ffs:
+        ff.fuse()
+    return att, ffs
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """`compress_weights`' inference preparation without its change of weight format, in place: every block's
+    q|k|v and w1|w3 joined (one GEMM where there were three and two; RoPE then rotates q and k in one go)
+    and the norms' fast path. What the static step's benchmarks run at each dtype, as `generate` runs a
+    compressed model: a CUDA-graph replay pays per kernel (issue 42)."""
+    for block in model.layers:
+        _fuse_block(block)
+    _fast_norms(model)
+    return model
 
 
 def _fast_norms(module: nn.Module) -> None:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, static_stream
 from midlayer.engine.generate import generate_stream, GenerationConfig
 from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
+from midlayer.engine.quantization import fuse_projections
 from .bench import heldout_chats, load_hf_same_weights
 from midlayer.model.transformer import Transformer
 from midlayer.ops.kernels import cpu_info
@@ -152,7 +153,8 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
                   prompt_tokens=[len(p) for p in encoded], machine=machine_lines(dev), tables={})
     errors = result.setdefault("errors", {})
     for dname in dtypes:
-        model: Transformer = copy.deepcopy(base).to(dev, DTYPES[dname]).eval()  # (the fp32 original stays on the CPU)
+        # (the fp32 original stays on the CPU); fused as `generate` runs a model (quantization.fuse_projections)
+        model: Transformer = fuse_projections(copy.deepcopy(base).to(dev, DTYPES[dname]).eval())
         result["tables"][dname] = _bench_dtype(model, dname, drafts, nodes, graphs, encoded, new_tokens, hf_cpu,
                                                dynamic, progress, errors)
         if on_table is not None:
@@ -226,7 +228,10 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
                 kind = "device rounds" if on_device else "drafted on the host"
                 _add_row(rows, f"{label} ({len(tree)}-node tree), {kind}, static {graphs[-1]}", out, dt / len(out),
                          len(out), stats.base_forwards)
-    return dict(rows=_static_rows(rows, rows[f"midlayer static, {graphs[-1]}"]["tokens"]),
+    if not steps:
+        raise RuntimeError(f"{dname}: no mode of the static step ran: {errors}")
+    ref = graphs[-1] if graphs[-1] in steps else next(iter(steps))  # the speculative rows' mode, where it ran
+    return dict(rows=_static_rows(rows, rows[f"midlayer static, {ref}"]["tokens"]),
                 invariant={g: st.invariant for g, st in steps.items()},
                 buckets={g: st.buckets for g, st in steps.items()})
 
@@ -234,14 +239,23 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
 def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: DecodeStep, methods: dict[str, tuple],
              encoded: list[list[int]], errors: dict[str, str], dname: str) -> None:
     """Compile / capture every bucket the run will use (each prompt's prefill chunks too, so that no capture
-    lands inside a timed call); a drafter that fails here loses its row only."""
+    lands inside a timed call); a mode or a drafter that fails here loses its rows only (the speculative rows
+    run in the last mode, so they go with it)."""
     warm = encoded[0]
-    for g, st in steps.items():
-        list(static_stream(model, warm, GenerationConfig(max_new_tokens=4), step=st))
-        for ids in encoded:
-            _prefill_s(st, ids)
-            if len(ids) > 1:
-                _prefill_s(st, ids[:-1])
+    for g, st in list(steps.items()):
+        try:
+            list(static_stream(model, warm, GenerationConfig(max_new_tokens=4), step=st))
+            for ids in encoded:
+                _prefill_s(st, ids)
+                if len(ids) > 1:
+                    _prefill_s(st, ids[:-1])
+        except Exception as e:  # a mode that fails to capture or compile costs its row (and, last, the drafters')
+            errors[f"{dname} midlayer static, {g}"] = f"{type(e).__name__}: {e}"
+            del steps[g]
+            if st is spec_step:
+                for label in methods:
+                    errors[f"{dname} {label}"] = f"not run: the step's {g} mode failed"
+                methods.clear()
     for label, (drafter, tree) in list(methods.items()):
         try:
             for on_device in round_kinds(spec_step, drafter, tree):

@@ -23,6 +23,10 @@ class RMSNorm(nn.Module):
     sets it, so those commands never build or load the C library (issue 43)."""
 
     fast = False
+    # Devices where inference calls aten's rms_norm, the same formula in fp32 as one fused kernel (CUDA's
+    # _fused_rms_norm) instead of six launches: a CUDA-graph replay of the static decode step pays per kernel
+    # (issue 42). Training keeps the six ops.
+    FUSED_DEVICES: tuple[str, ...] = ("cuda",)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -34,6 +38,8 @@ class RMSNorm(nn.Module):
             y = kernels.rmsnorm(x, self.weight, self.eps)  # inference on CPU: one C call instead of six ops
             if y is not None:
                 return y
+        if x.device.type in self.FUSED_DEVICES and not torch.is_grad_enabled():
+            return F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps).to(x.dtype)
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * self.weight.float()).to(x.dtype)
