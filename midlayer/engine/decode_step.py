@@ -332,10 +332,9 @@ class DecodeStep:
         # below s0 = position - (W - 1) the shared GEMM, from s0 on a W-key window per row in position order
         s0 = (positions - (self.window - 1)).clamp_min(0)  # [B, N]
         wpos = s0[..., None] + self.win_ids  # [B, N, W]: positions s0 .. s0 + W - 1
-        inside = (wpos < S)[:, None, None]
         wpos = wpos.clamp_max(S - 1)
         below = (p < s0[..., None])[:, None, None]  # [B, 1, 1, N, S]
-        self.cur_split = (below, wpos, inside, keys.gather(2, wpos))  # the window's keys: [B, N, W] slots
+        self.cur_split = (below, wpos, keys.gather(2, wpos))  # the window's keys: [B, N, W] slots
         self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
         self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
         self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
@@ -363,10 +362,14 @@ class DecodeStep:
         (a node's ancestors need not be adjacent): SIMD reductions assign terms to lanes by index, so the same
         nonzero terms at other indices round otherwise (seen: 6e-8 apart in fp32 and bf16, and a bf16 greedy
         output that left plain decoding's). The scores q.k are layout-free (one dot product each); they are
-        gathered into position order for the max, the exponentials and their sum. The weighted sum of values
+        gathered into position order for the softmax (one kernel: the max, the exponentials, their sum and the
+        division, in position order). The weighted sum of values
         splits at s0 = position - (W - 1) (W: the largest bucket), below which every key of every row is
         committed text at its own slot: one GEMM against the shared values there, and above it a W-key window
-        of values gathered per row in position order."""
+        of values gathered per row in position order. The window's product runs in the [B, N, Hk, rep, W]
+        layout (row, kv head, head in the group), so its result, the shared GEMM's added to it, is already the
+        [B, N, H, d] layout the output projection reads: no transposed copy before the window's product or
+        before the projection (a CUDA-graph replay pays per kernel: issue 42). Returns [B, H, N, d] (a view)."""
         B, H, N, d = q.shape
         Hk, S = kl.shape[1], kl.shape[2]
         rep, W = H // Hk, self.window
@@ -374,14 +377,16 @@ class DecodeStep:
         kf, vf = kl.float(), vl.float()
         scores = (torch.matmul(qf, kf.transpose(-1, -2)) * d ** -0.5).view(B, Hk, rep, N, S)
         s_pos = scores.gather(-1, self.cur_keys[:, None, None].expand(B, Hk, rep, N, S)) + self.cur_kmask[:, None, None]
-        e = torch.exp(s_pos - s_pos.amax(-1, keepdim=True))  # masked keys: exp(-inf) = 0
-        z = e.sum(-1, keepdim=True)
-        below, wpos, inside, wslots = self.cur_split  # (the same at every layer: `blocks` builds them)
-        out = torch.matmul((e * below).reshape(B, Hk, rep * N, S), vf).view(B, Hk, rep, N, d)
-        v_win = vf.gather(2, wslots.reshape(B, 1, N * W, 1).expand(B, Hk, N * W, d)).view(B, Hk, N, W, d)
-        e_win = e.gather(-1, wpos[:, None, None].expand(B, Hk, rep, N, W)) * inside
-        out = out + torch.matmul(e_win.transpose(2, 3), v_win).transpose(2, 3)  # per row: [rep, W] @ [W, d]
-        return (out / z).reshape(B, H, N, d).to(q.dtype)
+        prob = torch.softmax(s_pos, -1)  # one kernel; masked keys: exp(-inf) = 0
+        below, wpos, wslots = self.cur_split  # (the same at every layer: `blocks` builds them)
+        out = torch.matmul((prob * below).reshape(B, Hk, rep * N, S), vf).view(B, Hk, rep, N, d)
+        rows = (0, 3, 1, 2, 4)  # [B, Hk, rep, N, .] -> [B, N, Hk, rep, .]
+        v_win = vf[:, None].expand(B, N, Hk, S, d).gather(3, wslots[:, :, None, :, None].expand(B, N, Hk, W, d))
+        # (window positions past the cache were clamped to S - 1, the scratch slot's position, which no row
+        # sees: their probability is 0, and the scratch slot's values are finite)
+        p_win = prob.permute(rows).gather(-1, wpos[:, :, None, None].expand(B, N, Hk, rep, W))
+        out = torch.matmul(p_win, v_win) + out.permute(rows)  # per row: [rep, W] @ [W, d]
+        return out.to(q.dtype).view(B, N, H, d).transpose(1, 2)
 
     def _block(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
                key_bias: torch.Tensor | None) -> torch.Tensor:
