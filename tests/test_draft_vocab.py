@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from midlayer.speculative.static import static_speculative_generate
 from midlayer.engine.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
                                   teacher_logits, to_token_ids)
 from midlayer.speculative.registry import DraftMismatchError, load_draft, save_draft
@@ -130,6 +131,9 @@ def test_drafters_with_a_draft_vocabulary_are_lossless_and_propose_only_its_toke
         out, stats = speculative_generate(model, PROMPT, drafter, tree, 24)
         assert out == ref
         assert seen and set(seen) <= set(vocab.tolist())
+        if drafter.static_step:  # the static step's device rounds restrict the same way: the same rounds
+            static_out, static_stats = static_speculative_generate(model, PROMPT, drafter, tree, 24)
+            assert static_out == ref and static_stats.base_forwards == stats.base_forwards
 
 
 def test_early_exit_at_full_depth_with_a_draft_vocabulary_accepts_exactly_the_in_vocabulary_tokens():
