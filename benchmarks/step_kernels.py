@@ -5,13 +5,16 @@ context), through PyTorch's own ops (the C kernels of the CPU are switched off, 
 the model as loaded, and as the static benchmarks and `generate` run it (q|k|v and w1|w3 fused:
 quantization.fuse_projections). On CUDA each RMSNorm at inference is aten's rms_norm, one fused kernel where
 that build has one (layers.RMSNorm.FUSED_DEVICES); on a CPU it decomposes, so its column is a projection:
-five fewer kernels per norm.
+five fewer kernels per norm. Then each draft's device round (speculative/static.py: the draft, the
+verification, the acceptance, the compaction, one graph on a GPU) against the fused plain step, with the tree
+`bench static` gives it: where a replay is bound by its kernels, a drafter gains about tau / that ratio.
 
-    python benchmarks/step_kernels.py
+    python benchmarks/step_kernels.py [--drafts eagle=drafts/smollm2-135m-scale/eagle,...]
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import copy
 import os
@@ -24,7 +27,11 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from midlayer.engine.decode_step import DecodeStep  # noqa: E402
 from midlayer.engine.pretrained import load_pretrained  # noqa: E402
 from midlayer.engine.quantization import fuse_projections  # noqa: E402
+from midlayer.experiments.static_bench import static_methods  # noqa: E402
 from midlayer.model.layers import RMSNorm  # noqa: E402
+from midlayer.speculative.static import DeviceRounds, static_speculative_generate  # noqa: E402
+
+DRAFTS = ",".join(f"{k}=drafts/smollm2-135m-scale/{k}" for k in ("eagle", "medusa", "hidden-transfer", "early-exit"))
 
 VIEWS = {"view", "unsqueeze", "_unsafe_view", "expand", "transpose", "t", "select", "slice", "lift_fresh", "alias",
          "detach", "as_strided", "squeeze", "permute", "split", "unbind"}
@@ -58,18 +65,64 @@ def step_kernels(model) -> tuple[collections.Counter, int]:
     return k.ops, len(norms)
 
 
+def round_kernels(model, drafter, tree) -> tuple[int, int]:
+    """(kernel ops of one device round of `drafter` on `tree`, RMSNorm calls in it), a round in the middle of
+    a generation from a 100-token prompt."""
+    st = DecodeStep(model, max_len=400, buckets=(8, 16, 32, 64, 128, 256))
+    ids = [int(t) for t in torch.arange(300, 400) % model.cfg.vocab_size]
+    with torch.no_grad():
+        static_speculative_generate(model, ids, drafter, tree, 8, step=st)  # builds the rounds (and any memo)
+        rounds = DeviceRounds.for_step(st, drafter, tree)
+        if rounds is None:
+            raise ValueError(f"{type(drafter).__name__} does not draft on the device")
+        run, counts = rounds.runner, []
+
+        def counted(*args):
+            norms = []
+            hooks = [m.register_forward_hook(lambda *a: norms.append(1)) for m in model.modules()
+                     if isinstance(m, RMSNorm)]
+            with Kernels() as k:
+                out = run(*args)
+            for h in hooks:
+                h.remove()
+            counts.append((sum(k.ops.values()), len(norms)))
+            return out
+
+        rounds.runner = counted
+        try:
+            static_speculative_generate(model, ids, drafter, tree, 24, step=st)
+        finally:
+            rounds.runner = run
+    return counts[len(counts) // 2]
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafts", default=DRAFTS, help="comma-separated LABEL=DIR of drafts ('' = none)")
+    args = ap.parse_args()
     base, _ = load_pretrained("smollm2-135m")
     base.eval()
     L = base.cfg.n_layers
     print(f"SmolLM2-135M ({L} blocks), one plain decode step of the static step, fp32, kernels launched\n")
     print("| model | kernels | per block | if each RMSNorm is one kernel (CUDA) | top ops |")
     print("|---|---|---|---|---|")
-    for label, model in (("as loaded", base), ("fused (fuse_projections)", fuse_projections(copy.deepcopy(base)))):
+    fused = fuse_projections(copy.deepcopy(base))
+    for label, model in (("as loaded", base), ("fused (fuse_projections)", fused)):
         ops, norms = step_kernels(model)
         n = sum(ops.values())
         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
         print(f"| {label} | {n} | {n / L:.1f} | {n - 5 * norms} ({norms} norms) | {top} |")
+    drafts = dict(x.split("=", 1) for x in args.drafts.split(",") if x.strip())
+    if not drafts:
+        return
+    plain = n, n - 5 * norms
+    print("\nOne device round of each draft (fused model), against the fused plain step\n")
+    print("| draft | tree | kernels | x plain | if each RMSNorm is one kernel | x plain |")
+    print("|---|---|---|---|---|---|")
+    for label, (drafter, tree) in static_methods(fused, drafts, 24).items():
+        k, norms = round_kernels(fused, drafter, tree)
+        shape = f"{len(tree)} nodes" + (f", EAGLE-2 k={drafter.dynamic_k}" if drafter.dynamic_k else "")
+        print(f"| {label} | {shape} | {k} | {k / plain[0]:.2f} | {k - 5 * norms} | {(k - 5 * norms) / plain[1]:.2f} |")
 
 
 if __name__ == "__main__":

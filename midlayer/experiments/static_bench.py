@@ -165,7 +165,7 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     return result
 
 
-def _static_methods(model: Transformer, drafts: dict[str, str], nodes: int) -> dict[str, tuple]:
+def static_methods(model: Transformer, drafts: dict[str, str], nodes: int) -> dict[str, tuple]:
     """label -> (drafter, tree): a drafter with an expansion width (EAGLE) runs EAGLE-2's dynamic tree of `nodes`
     nodes, the others the `nodes` nodes their held-out accuracies rank first (else a 3-chain)."""
     dev, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
@@ -192,7 +192,7 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
     """One dtype's table: the steps and the recipe built and warmed up, every prompt through every row."""
     dev, dtype = model.tok_embeddings.weight.device, DTYPES[dname]
     cfg = GenerationConfig(max_new_tokens=new_tokens)
-    methods = _static_methods(model, drafts, nodes)
+    methods = static_methods(model, drafts, nodes)
     # the committed text, then the largest round of any drafter under any bucket set the probe may choose
     rounds = [any_round_slots(len(t), fused_steps(d)) for d, t in methods.values()]
     max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
