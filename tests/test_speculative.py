@@ -492,3 +492,15 @@ def test_stats_defaults():
     assert out == [] and stats.base_forwards == 0
     d = Draft(node_tokens=[1, 2])
     assert d.q is None
+
+
+def test_tree_levels_by_hand():
+    """How an autoregressive drafter fills a tree, level by level (`DraftTree.levels`): per depth its node
+    range, each node's parent among the depth above and its rank. Worked by hand for
+    (0,) (1,) | (0,0) (0,1) (1,0) | (0,0,0): nodes 0-1, 2-4, 5."""
+    t = DraftTree([(0, 0, 0), (1, 0), (0,), (0, 1), (1,), (0, 0)])  # (any order: the tree sorts by depth)
+    assert [tuple(p) for p in t.paths] == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    assert t.levels() == [(0, 2, [0, 0], [0, 1]),  # depth 1: both children of the root, ranks 0 and 1
+                          (2, 5, [0, 0, 1], [0, 1, 0]),  # depth 2: (0,0), (0,1) under node 0; (1,0) under node 1
+                          (5, 6, [0], [0])]  # depth 3: (0,0,0) under (0,0), the first node of depth 2
+    assert DraftTree.chain(3).levels() == [(0, 1, [0], [0]), (1, 2, [0], [0]), (2, 3, [0], [0])]

@@ -144,36 +144,25 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
     root_pos = len(ctx.tokens) - 1
     first = s0 - 1 if root_logits is not None else s0  # the root's slot
     mask = tree.verify_mask(first, dev)  # [1, 1, n+1, first+n+1]; row 0 = root, row i+1 = node i
-    depth = tree.depth.tolist()
-    parent = tree.parent.tolist()
-    ranks = [p[-1] for p in tree.paths]
     node_tok = [0] * n
-    # rows (root-included numbering) of each level; BFS order makes each level a contiguous range
-    levels: list[list[int]] = [[0]] + [[i + 1 for i in range(n) if depth[i] == d] for d in range(1, tree.max_depth)]
+    levels = tree.levels()  # per depth: its nodes (a contiguous range), their parents among the depth above, ranks
     dense_layers = list(cache.dense_layers)  # slots < s0 are never written here, so truncating restores them
     cache.reserve(first + n + 1 - s0)
     try:
-        for d, rows in enumerate(levels):
-            if not rows:
-                break
-            a, b = rows[0], rows[-1] + 1
+        for d, (ka, kb, parent, rank) in enumerate(levels):  # level d runs (d = 0: the root); it fills depth d + 1
+            a, b = (0, 1) if d == 0 else (levels[d - 1][0] + 1, levels[d - 1][1] + 1)  # its rows (root: row 0)
             if d == 0 and root_logits is not None:
                 logits = root_logits
             else:
-                toks = [int(ctx.tokens[-1])] if d == 0 else [node_tok[r - 1] for r in rows]
+                toks = [int(ctx.tokens[-1])] if d == 0 else node_tok[a - 1:b - 1]
                 tok_t = torch.tensor([toks], device=dev)
-                pos_t = torch.full((1, len(rows)), root_pos + d, device=dev, dtype=torch.long)
+                pos_t = torch.full((1, b - a), root_pos + d, device=dev, dtype=torch.long)
                 logits = step(tok_t, pos_t, first + a, mask[:, :, a:b])  # [M, V]
-            kids = [i for i in range(n) if depth[i] == d + 1]
-            if not kids:
-                continue
-            kmax = max(ranks[i] for i in kids) + 1
-            k = min(kmax, logits.shape[-1])
+            k = min(max(rank) + 1, logits.shape[-1])
             fast = kernels.topk(logits, k)  # one C pass where it applies (torch.topk: 40-78 us a level here)
             top = to_token_ids(fast[1] if fast is not None else logits.topk(k, -1).indices, vocab).tolist()
-            for i in kids:
-                row = parent[i] + 1  # root-included numbering of the parent
-                node_tok[i] = top[row - a][ranks[i]]
+            for i, p, r in zip(range(ka, kb), parent, rank):
+                node_tok[i] = top[p][r]
     finally:
         cache.truncate(s0)
         cache.dense_layers = dense_layers  # a gated draft's key biases and skipped slots are gone with its slots

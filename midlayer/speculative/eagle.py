@@ -565,14 +565,11 @@ class EagleRounds:
             self.fields = tree_fields(layout)
             self.tree_rows, self.N, self.head_rows = layout.tree_rows, layout.vis.shape[0], layout.head_rows
             S = self.ctx + self.n + 1
-            depth, parent = tree.depth.tolist(), tree.parent.tolist()
-            first = [depth.index(d) for d in range(1, D + 1)]  # BFS order: each depth a contiguous range
-            self.levels = [(first[d - 1], first[d] if d < D else self.n) for d in range(1, D + 1)]
-            # per depth d + 1: each node's parent as an index into depth d's rows (the root: 0), and its rank
-            self.parent_at = [torch.tensor([max(parent[i], 0) - (first[d - 1] if d else 0) for i in range(a, b)],
-                                           device=dev) for d, (a, b) in enumerate(self.levels)]
-            self.rank_at = [torch.tensor([tree.paths[i][-1] for i in range(a, b)], device=dev) for a, b in self.levels]
-            self.kmax = [max(tree.paths[i][-1] for i in range(a, b)) + 1 for a, b in self.levels]
+            levels = tree.levels()  # per depth: its nodes, their parents among the depth above, their ranks
+            self.levels = [(a, b) for a, b, _, _ in levels]
+            self.parent_at = [torch.tensor(parent, device=dev) for _, _, parent, _ in levels]
+            self.rank_at = [torch.tensor(rank, device=dev) for _, _, _, rank in levels]
+            self.kmax = [max(rank) + 1 for _, _, _, rank in levels]
             anc = torch.zeros(self.n, S, dtype=torch.bool)
             anc[:, self.ctx:self.ctx + self.n] = tree.ancestor_mask
             self.anc = anc.to(dev)

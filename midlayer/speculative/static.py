@@ -209,24 +209,20 @@ class LevelTreeDraft:
         self.fields = tree_fields(self.layout)
         self.tree_rows, self.head_rows, self.reach = self.layout.tree_rows, self.layout.head_rows, self.layout.reach
         self.step, self.stop, self.run, self.head, self.vocab = step, stop, run, head, vocab
-        n, D, dev = len(tree), tree.max_depth, step.device
-        depth, parent = tree.depth.tolist(), tree.parent.tolist()
-        ranks = [p[-1] for p in tree.paths]
+        D, dev = tree.max_depth, step.device
         path = self.layout.path.cpu()
+        levels = tree.levels()
         self.levels = []
-        for d in range(D):
-            rows = [0] if d == 0 else [i + 1 for i in range(n) if depth[i] == d]  # root-included numbering
-            kids = [i for i in range(n) if depth[i] == d + 1]
+        for d, (a, b, parent, rank) in enumerate(levels):  # level d runs; its draft fills depth d + 1
+            rows = [0] if d == 0 else list(range(levels[d - 1][0] + 1, levels[d - 1][1] + 1))  # (root: row 0)
             N, m = step.bucket_for(len(rows)), len(rows)
             row_ix = torch.tensor(rows + [0] * (N - m))
             keys = torch.full((N, D + 1), -1, dtype=torch.long)  # a row's keys: its ancestors-or-self by depth
             keys[:m] = path[rows, :D + 1]
             real = torch.arange(N) < m
-            local = {r: i for i, r in enumerate(rows)}
             self.levels.append(tuple(x.to(dev) for x in (
-                row_ix, keys, real, torch.where(real, d, 0),
-                torch.tensor(kids) + 1, torch.tensor([local[parent[i] + 1] for i in kids]),
-                torch.tensor([ranks[i] for i in kids]))) + (d, m, max(ranks[i] for i in kids) + 1))
+                row_ix, keys, real, torch.where(real, d, 0), torch.arange(a, b) + 1, torch.tensor(parent),
+                torch.tensor(rank))) + (d, m, max(rank) + 1))
 
     def first(self, tokens: list[int], hidden: torch.Tensor, draft_logits: torch.Tensor | None):
         return ()

@@ -163,6 +163,22 @@ class DraftTree:
         depth below the deepest (each proposes its children; the last level's nodes are never run)."""
         return [1] + [int((self.depth == d).sum()) for d in range(1, self.max_depth)] if self.max_depth else []
 
+    def levels(self) -> list[tuple[int, int, list[int], list[int]]]:
+        """Per depth d = 1..max_depth, how an autoregressive drafter fills it (level by level):
+        (a, b, parent, rank), the nodes of depth d being a..b-1 (breadth-first: each depth is a contiguous
+        range), parent[j] node a + j's parent as an index among depth d - 1's nodes (0: the root, for
+        depth 1) and rank[j] its rank among its parent's candidates (node (r_1..r_d) takes the r_d-th most
+        likely token of its parent's draft distribution)."""
+        depth, parent = self.depth.tolist(), self.parent.tolist()
+        first = [depth.index(d) for d in range(1, self.max_depth + 1)]
+        out = []
+        for d in range(1, self.max_depth + 1):
+            a, b = first[d - 1], first[d] if d < self.max_depth else len(self)
+            above = first[d - 2] if d > 1 else 0
+            out.append((a, b, [max(parent[i], 0) - above for i in range(a, b)],
+                        [self.paths[i][-1] for i in range(a, b)]))
+        return out
+
     def child_rows(self, row: int) -> list[int]:
         """The children of verification row `row` (0: the root, i + 1: node i), as rows."""
         return self._children[row]
