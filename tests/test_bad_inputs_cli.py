@@ -317,14 +317,18 @@ def test_static_engine_refusals_name_the_reason(tiny, draft_dir, work, capsys):
     assert main([*base, "--temperature", "0.5"]) == 0
 
 
-def test_static_and_dynamic_engines_print_the_same_text(tiny, capsys):
-    base = ["generate", "--model", str(tiny[0]), "--prompt", "hello there", "--max-new-tokens", "12"]
+def _same_text_on_both_engines(capsys, args: list[str]) -> None:
     outs = []
     for engine in ("dynamic", "static"):
         capsys.readouterr()
-        assert main([*base, "--engine", engine]) == 0
+        assert main([*args, "--engine", engine]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and outs[0].strip()
+
+
+def test_static_and_dynamic_engines_print_the_same_text(tiny, capsys):
+    _same_text_on_both_engines(capsys, ["generate", "--model", str(tiny[0]), "--prompt", "hello there",
+                                        "--max-new-tokens", "12"])
 
 
 def test_an_early_exit_draft_runs_on_the_static_engine(tiny, tmp_path, capsys):
@@ -336,14 +340,8 @@ def test_an_early_exit_draft_runs_on_the_static_engine(tiny, tmp_path, capsys):
 
     model, _ = load_gguf(tiny[0])
     draft = save_draft(tmp_path / "exit", EarlyExitHead(model.cfg.dim, 1), {"note": "test"}, base=model)
-    base = ["generate", "--model", str(tiny[0]), "--prompt", "hello there", "--max-new-tokens", "12", "--draft",
-            str(draft), "--tree", "chain"]
-    outs = []
-    for engine in ("dynamic", "static"):
-        capsys.readouterr()
-        assert main([*base, "--engine", engine]) == 0
-        outs.append(capsys.readouterr().out)
-    assert outs[0] == outs[1] and outs[0].strip()
+    _same_text_on_both_engines(capsys, ["generate", "--model", str(tiny[0]), "--prompt", "hello there",
+                                        "--max-new-tokens", "12", "--draft", str(draft), "--tree", "chain"])
 
 
 def test_generation_config_and_speculative_refuse_nonfinite_temperature():
