@@ -549,3 +549,20 @@ def test_finish_reason_names_why_generation_ended(models):
     cfg = GenerationConfig(max_new_tokens=50)
     out = static_generate(model, [near], cfg)[0]
     assert len(out) == 4 and finish_reason(model, near, out, cfg) == "context"
+
+
+def test_device_rounds_refuse_a_tree_deeper_than_the_attention_window(models):
+    """A round's rows must lie within W - 1 positions of its root (`DecodeStep.attend`'s window): the device
+    rounds refuse a deeper tree by name, as a host round does (`verify`), and a round just inside it is
+    lossless (layer skip: it drafts in device rounds only)."""
+    model = models["fp32"]
+    drafter = LayerSkipDrafter(model, [1])
+    prompt = _prompts()[1]
+    step = DecodeStep(model, max_len=300, buckets=(8, 16, 32, 64, 128))
+    with pytest.raises(ValueError, match="attention window holds 63"):
+        static_speculative_generate(model, prompt, drafter, DraftTree.chain(64), 40, step=step)
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=70))[0]
+    out, _ = static_speculative_generate(model, prompt, drafter, DraftTree.chain(63), 70, step=step)
+    assert out == ref
+    with pytest.raises(ValueError, match="outside the step.s 300 slots"):
+        step.decode(torch.tensor([1]), 300)

@@ -548,6 +548,8 @@ class DecodeStep:
     def decode(self, tokens: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Commit one token per row, tokens [B] at position and slot `pos`; returns (logits [B, V], hidden
         [B, d]). Runs in the smallest bucket, the step of verification."""
+        if not 0 <= pos < self.max_len:
+            raise ValueError(f"position {pos} outside the step's {self.max_len} slots")
         N = self.buckets[0]
         B = tokens.shape[0]
         idx = torch.full((B, 1), pos, dtype=torch.long, device=self.device)

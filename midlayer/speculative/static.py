@@ -98,7 +98,8 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     draft_logits = None
     rounds = DeviceRounds.for_step(st, drafter, tree) if device_rounds else None
     if rounds is None and drafter.reads_cache:
-        raise ValueError(f"{name} cannot draft this tree on the static step: use speculative.speculative_generate")
+        raise ValueError(f"{name} drafts with another model than the static step runs (its device_draft gave none): "
+                         "use speculative.speculative_generate")
     while len(new) < budget:
         carry = None if rounds is None else rounds.draft.first(tokens, hidden, draft_logits)
         if carry is not None:  # every later round on the device (the context's last tokens plainly)
@@ -150,9 +151,9 @@ def round_kinds(step: DecodeStep, drafter: Drafter, tree: DraftTree) -> tuple[bo
     """The rounds a benchmark or check runs a drafter in, as `device_rounds` values: on the device and, beside
     them, drafted on the host (the reference) where it drafts on the device and `propose` can draft for the
     step; else on the host alone."""
-    if DeviceRounds.for_step(step, drafter, tree) is None:
-        return (False,)
-    return (True,) if drafter.reads_cache else (True, False)
+    if drafter.reads_cache:  # (device rounds only: where it cannot, the loop says why)
+        return (True,)
+    return (False,) if DeviceRounds.for_step(step, drafter, tree) is None else (True, False)
 
 
 def tree_fields(t: TreeTensors) -> tuple[torch.Tensor, ...]:
@@ -258,6 +259,9 @@ class DeviceRounds:
     prompts."""
 
     def __init__(self, step: DecodeStep, draft: DeviceDraft) -> None:
+        if draft.reach >= step.window:  # (as `DecodeStep.verify` refuses a host round: `attend`'s window)
+            raise ValueError(f"a round's rows reach {draft.reach} positions past its root; the step's attention "
+                             f"window holds {step.window - 1}: give a shallower tree")
         self.step, self.draft = step, draft
         self.runner = step.capture(self.round)
 
