@@ -375,8 +375,10 @@ class DecodeStep:
         rep, W = H // Hk, self.window
         qf = q.float().reshape(B, Hk, rep * N, d)  # head h = g * rep + r reads kv head g (GQA, as SDPA's)
         kf, vf = kl.float(), vl.float()
-        scores = (torch.matmul(qf, kf.transpose(-1, -2)) * d ** -0.5).view(B, Hk, rep, N, S)
-        s_pos = scores.gather(-1, self.cur_keys[:, None, None].expand(B, Hk, rep, N, S)) + self.cur_kmask[:, None, None]
+        scores = torch.matmul(qf, kf.transpose(-1, -2)).view(B, Hk, rep, N, S)
+        # mask + scale * score in one kernel: the scaled score rounds once, as a multiply then + 0 would
+        s_pos = torch.add(self.cur_kmask[:, None, None], scores.gather(-1, self.cur_keys[:, None, None].expand(
+            B, Hk, rep, N, S)), alpha=d ** -0.5)
         prob = torch.softmax(s_pos, -1)  # one kernel; masked keys: exp(-inf) = 0
         below, wpos, wslots = self.cur_split  # (the same at every layer: `blocks` builds them)
         out = torch.matmul((prob * below).reshape(B, Hk, rep * N, S), vf).view(B, Hk, rep, N, d)
