@@ -4,8 +4,7 @@ CUDA), whether each candidate bucket set is row-invariant there, whether plain s
 dynamic engine's tokens, and whether speculative output equals plain output token for token (right, partly
 right and wrong drafts, and layer skip's self-speculation; chain and branching trees) on a tiny random model
 and on SmolLM2 with its EAGLE and hidden-transfer drafts when given, those in device rounds and drafted on the
-host. Prints one line per
-check; exit status 0 whatever the outcome (the lines are the result).
+host. Prints one line per check; exit status 0 whatever the outcome (the lines are the result).
 
     python benchmarks/static_step_check.py --device cuda [--eagle drafts/smollm2-135m-scale/eagle]
 Written up in docs/results/static-step.md.

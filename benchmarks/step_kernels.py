@@ -49,20 +49,27 @@ class Kernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def counted(model, fn, *args):
+    """(fn(*args), its kernel ops, the RMSNorm calls in it)."""
+    norms = []
+    hooks = [m.register_forward_hook(lambda *a: norms.append(1)) for m in model.modules() if isinstance(m, RMSNorm)]
+    try:
+        with Kernels() as k:
+            out = fn(*args)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, k.ops, len(norms)
+
+
 def step_kernels(model) -> tuple[collections.Counter, int]:
     """(kernel ops of one plain decode step, RMSNorm calls in it)."""
     st = DecodeStep(model, max_len=200, buckets=(8, 16, 32, 64))
     st.prefill(torch.arange(100)[None] % model.cfg.vocab_size)
-    norms = []
-    hooks = [m.register_forward_hook(lambda *a: norms.append(1)) for m in model.modules() if isinstance(m, RMSNorm)]
     with torch.no_grad():
         st.decode(torch.tensor([5]), 100)  # (first call: any lazy set-up)
-        norms.clear()
-        with Kernels() as k:
-            st.decode(torch.tensor([5]), 101)
-    for h in hooks:
-        h.remove()
-    return k.ops, len(norms)
+        _, ops, norms = counted(model, st.decode, torch.tensor([5]), 101)
+    return ops, norms
 
 
 def round_kernels(model, drafter, tree) -> tuple[int, int]:
@@ -77,18 +84,12 @@ def round_kernels(model, drafter, tree) -> tuple[int, int]:
             raise ValueError(f"{type(drafter).__name__} does not draft on the device")
         run, counts = rounds.runner, []
 
-        def counted(*args):
-            norms = []
-            hooks = [m.register_forward_hook(lambda *a: norms.append(1)) for m in model.modules()
-                     if isinstance(m, RMSNorm)]
-            with Kernels() as k:
-                out = run(*args)
-            for h in hooks:
-                h.remove()
-            counts.append((sum(k.ops.values()), len(norms)))
+        def counting(*args):
+            out, ops, norms = counted(model, run, *args)
+            counts.append((sum(ops.values()), norms))
             return out
 
-        rounds.runner = counted
+        rounds.runner = counting
         try:
             static_speculative_generate(model, ids, drafter, tree, 24, step=st)
         finally:

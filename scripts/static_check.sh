@@ -29,7 +29,7 @@ SITE=/tmp/site
 PYBIN=${PYBIN:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/static-check}
-PART=62000000  # bytes of the GGUF in call 1 (the tree, ~3.5 MB, travels with each call: 64 MiB in all)
+PART=62000000  # bytes of the GGUF in call 1 (the tree, ~4.2 MB, travels with each call: 64 MiB in all)
 BENCH_S=${BENCH_S:-330}
 CALL_S=${CALL_S:-550}  # the run's own end (the device call's timeout is 570 s)
 NEW=${NEW_TOKENS:-128}
@@ -82,7 +82,8 @@ run)
     --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
   echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   # then, in what is left of the call (it must end within CALL_S), plain decoding through torch.compile
-  # (Inductor's fused kernels, CUDA graphs; prefill eager) beside the recipe, bf16: appended to bench.md
+  # (Inductor's fused kernels, CUDA graphs; prefill eager) beside the recipe, bf16 then fp32: appended to
+  # bench.md
   left=$((CALL_S - SECONDS))
   if [ "$left" -gt 60 ]; then
     s=$SECONDS

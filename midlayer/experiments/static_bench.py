@@ -245,7 +245,7 @@ def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: Decode
     for g, st in list(steps.items()):
         try:
             list(static_stream(model, warm, GenerationConfig(max_new_tokens=4), step=st))
-            for ids in encoded:
+            for ids in encoded if g != "compile" else ():  # (under compile the prefill runs eagerly: nothing to build)
                 _prefill_s(st, ids)
                 if len(ids) > 1:
                     _prefill_s(st, ids[:-1])

@@ -161,7 +161,7 @@ class DraftTree:
     def level_sizes(self) -> list[int]:
         """Rows an autoregressive drafter runs per level to fill the tree: the root, then all nodes of every
         depth below the deepest (each proposes its children; the last level's nodes are never run)."""
-        return [1] + [int((self.depth == d).sum()) for d in range(1, self.max_depth)] if self.max_depth else []
+        return [1] + [b - a for a, b, _, _ in self.levels()[:-1]] if self.max_depth else []
 
     def levels(self) -> list[tuple[int, int, list[int], list[int]]]:
         """Per depth d = 1..max_depth, how an autoregressive drafter fills it (level by level):
