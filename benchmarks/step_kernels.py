@@ -101,6 +101,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafts", default=DRAFTS, help="comma-separated LABEL=DIR of drafts ('' = none)")
     args = ap.parse_args()
+    entries = [x.strip() for x in args.drafts.split(",") if x.strip()]
+    bad = [x for x in entries if "=" not in x or not x.split("=", 1)[0] or not os.path.isdir(x.split("=", 1)[1])]
+    if bad:
+        ap.error(f"--drafts: LABEL=DIR of a train-draft output each, got {', '.join(bad)}")
     base, _ = load_pretrained("smollm2-135m")
     base.eval()
     L = base.cfg.n_layers
@@ -113,7 +117,7 @@ def main() -> None:
         n = sum(ops.values())
         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
         print(f"| {label} | {n} | {n / L:.1f} | {n - 5 * norms} ({norms} norms) | {top} |")
-    drafts = dict(x.split("=", 1) for x in args.drafts.split(",") if x.strip())
+    drafts = dict(x.split("=", 1) for x in entries)
     if not drafts:
         return
     plain = n, n - 5 * norms
