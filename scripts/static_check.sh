@@ -18,9 +18,9 @@
 # Files under $OUT (at most 8 come back): env.txt, rows.txt (benchmarks/row_invariance.py: which kernels are
 # row-invariant on that GPU), check.txt (benchmarks/static_step_check.py), bench.md and bench.json (`bench
 # static`, each dtype's table printed as it is done), check.log and bench.log. Budget: call 2 at most
-# 40 + 110 + BENCH_S (330) s plus the set-up, then the compile row in what is left of CALL_S (550) s; bf16
-# runs first. GRAPHS: the step's modes of the main bench (default eager,cudagraph; a CPU dry run:
-# GRAPHS=eager, as cudagraph needs CUDA).
+# 40 + CHECK_S (150) + BENCH_S (330) s plus the set-up, then the compile row in what is left of CALL_S (550) s;
+# bf16 runs first. GRAPHS: the step's modes of the main bench (default eager,cudagraph; a CPU dry run:
+# GRAPHS=eager, as cudagraph needs CUDA). A short rerun: ROWS=0, BENCH_FIRST=1, DTYPES, CHECK_S (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -34,6 +34,10 @@ BENCH_S=${BENCH_S:-330}
 CALL_S=${CALL_S:-550}  # the run's own end (the device call's timeout is 570 s)
 NEW=${NEW_TOKENS:-128}
 PROMPTS=${MAX_PROMPTS:-6}
+DTYPES=${DTYPES:-bf16,fp32}  # the main bench's
+CHECK_S=${CHECK_S:-150}
+ROWS=${ROWS:-1}  # 0: skip benchmarks/row_invariance.py (a rerun that has its output)
+BENCH_FIRST=${BENCH_FIRST:-0}  # 1: the bench before the check (a short rerun that needs the bench's table most)
 
 case ${1:-} in
 prepare)
@@ -68,19 +72,23 @@ run)
     lscpu | grep -E "Model name|^CPU\(s\)"
     $PYBIN -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__)"
   } > "$OUT/env.txt" 2>&1
-  timeout 40 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
-  s=$SECONDS
-  timeout 110 $PYBIN benchmarks/static_step_check.py --device "$DEVICE" --eagle "$DR/eagle" \
-    --hidden-transfer "$DR/hidden-transfer" > "$OUT/check.txt" 2> "$OUT/check.log"
-  echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
+  check() {
+    s=$SECONDS
+    timeout "$CHECK_S" $PYBIN benchmarks/static_step_check.py --device "$DEVICE" --eagle "$DR/eagle" \
+      --hidden-transfer "$DR/hidden-transfer" > "$OUT/check.txt" 2> "$OUT/check.log"
+    echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
+  }
+  [ "$ROWS" = 1 ] && timeout 40 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
+  [ "$BENCH_FIRST" = 1 ] || check
   s=$SECONDS
   # the step eager and in CUDA graphs of its eager kernels (the speculative rows run there), bf16 then fp32;
   # the dynamic engine's row is left out (issue 42's table has it)
   timeout "$BENCH_S" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
-    --graphs "${GRAPHS:-eager,cudagraph}" --no-dynamic \
+    --graphs "${GRAPHS:-eager,cudagraph}" --no-dynamic --dtypes "$DTYPES" \
     --drafts "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer" \
     --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
   echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
+  [ "$BENCH_FIRST" = 1 ] && check
   # then, in what is left of the call (it must end within CALL_S), plain decoding through torch.compile
   # (Inductor's fused kernels, CUDA graphs; prefill eager) beside the recipe, bf16 then fp32: appended to
   # bench.md

@@ -10,7 +10,8 @@ import pytest
 import torch
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny
 
-from midlayer.engine.decode_step import BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets, static_generate
+from midlayer.engine.decode_step import (ATTN_ROWS, BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets,
+                                        static_generate)
 from midlayer.speculative.static import static_speculative_generate
 from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 from midlayer.speculative.eagle import EagleDrafter, EagleHead
@@ -41,8 +42,12 @@ def _prompts(seed: int = 1) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------- capturability
-@pytest.mark.parametrize("parents", [[-1, -1, 0, 1, 2], [-1, -1, -1, 0, 0, 1, 2, 3, 5, 6]], ids=["N8", "N16"])
-def test_step_and_round_trace_without_graph_breaks(models, parents):
+SIXTEEN = [-1, -1, -1, 0, 0, 1, 2, 3, 5, 6]
+
+
+@pytest.mark.parametrize("parents,attn_rows", [([-1, -1, 0, 1, 2], None), (SIXTEEN, None), (SIXTEEN, 8)],
+                         ids=["N8", "N16", "N16-grouped"])
+def test_step_and_round_trace_without_graph_breaks(models, parents, attn_rows):
     """The proxy for CUDA-graph capture: torch.compile(fullgraph=True) fails on any graph break (a host read,
     a data-dependent branch, a ctypes call). Dynamo's own tracing decides that; the eager backend keeps the
     test fast. The traced round returns what the eager round returns: the same decisions, and logits and K/V
@@ -51,7 +56,7 @@ def test_step_and_round_trace_without_graph_breaks(models, parents):
     model = models["fp32"]
     res = []
     for compiled in (False, True):
-        st = DecodeStep(model, max_len=64, buckets=(8, 16))
+        st = DecodeStep(model, max_len=64, buckets=(8, 16), attn_rows=attn_rows)
         st.prefill(torch.arange(10)[None] % V)
         depth = []
         for p in parents:
@@ -221,8 +226,8 @@ def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):
     """In fp32 and q4 the default CPU buckets are row-invariant here: a row's logits do not depend on how many
     rows share its forward or where it sits (the probe runs each bucket with the row at its start, middle and
     end, beside random rows)."""
-    buckets, ok = invariant_buckets(models[fmt])
-    assert ok and buckets == BUCKET_CANDIDATES[0]
+    buckets, rows, ok = invariant_buckets(models[fmt])
+    assert ok and buckets == BUCKET_CANDIDATES[0] and rows is None
     st = DecodeStep(models[fmt], max_len=32, buckets=buckets)
     assert st.invariant is None and st.row_invariant()
 
@@ -234,12 +239,91 @@ def test_the_probe_catches_a_bucket_that_is_not_row_invariant(models):
     assert not DecodeStep(models["fp32"], max_len=32, buckets=(1, 2, 8)).row_invariant()
 
 
+class _SplitK:
+    """A stand-in for a GPU BLAS that picks its kernel by the row count M (cuBLAS's split-K for small M): an
+    fp32 product reducing over 48 or more terms is summed in two halves when it has at most 32 rows, in one
+    pass when it has more: the same terms, rounded otherwise. The step's linears (F.linear) and its score GEMM
+    (over the head dimension, 16) keep the real kernel; its weighted sum over the cache's slots and its window
+    product (over W = 64 keys) get this one."""
+
+    def __init__(self) -> None:
+        self.matmul, self.bmm = torch.matmul, torch.bmm
+
+    def product(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        K = a.shape[-1]
+        if a.dtype != torch.float32 or K < 48 or a.shape[-2] > 32:
+            r = self.matmul(a, b)
+        else:
+            r = self.matmul(a[..., :K // 2], b[..., :K // 2, :]) + self.matmul(a[..., K // 2:], b[..., K // 2:, :])
+        return r if out is None else out.copy_(r)
+
+
+def test_the_probe_sees_a_split_reduction_and_grouped_attention_mends_it(models, monkeypatch):
+    """Issue 42's H200 run: in bf16 the linears were row-invariant, the old probe (8 committed keys, zeros in
+    the other slots) passed the several-bucket step, and speculative output still left plain output, because
+    the weighted sum over the slots ran in a kernel chosen by M. With such a kernel (_SplitK) the probe, now
+    over a cache committed in every slot, fails the one-GEMM attention; the same buckets with the weighted sum
+    in fixed groups of ATTN_ROWS rows pass, and `invariant_buckets` chooses them; and their output is still
+    plain greedy output, token for token, under that kernel."""
+    fake = _SplitK()
+    monkeypatch.setattr(torch, "matmul", fake.product)
+    monkeypatch.setattr(torch, "bmm", fake.product)
+    model = make_tiny(DIMS, False)  # (unfused, so attention runs `attend`, not the CPU's C kernel)
+    assert not DecodeStep(model, max_len=150, buckets=BUCKET_CANDIDATES[0]).row_invariant()
+    assert DecodeStep(model, max_len=150, buckets=BUCKET_CANDIDATES[1], attn_rows=ATTN_ROWS).row_invariant()
+    assert invariant_buckets(model, 150) == (BUCKET_CANDIDATES[1], ATTN_ROWS, True)
+    prompt = _prompts()[2]
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=24))[0]
+    for drafter in (OracleDrafter(prompt + ref, V), NoisyOracle(prompt + ref, V)):
+        out, stats = static_speculative_generate(model, prompt, drafter, TREES[1], 24)
+        assert out == ref and stats.row_invariant
+
+
+def test_the_probe_runs_in_the_steps_mode_where_it_can(models, monkeypatch):
+    """A step compiled by torch.compile is probed eagerly (its kernels would cost a compile per bucket), and
+    the verdict is kept per mode: an eager and a compile step share it; a captured step (CUDA only) is probed
+    through captured graphs."""
+    seen = []
+    probe = DecodeStep.row_invariant
+    monkeypatch.setattr(DecodeStep, "row_invariant", lambda self: (seen.append(self.graphs), probe(self))[1])
+    model = copy.deepcopy(models["fp32"])
+    assert DecodeStep(model, max_len=40, graphs="compile").invariant and seen == ["eager"]
+    assert DecodeStep(model, max_len=40).invariant and seen == ["eager"]  # (memoised: no second probe)
+    with pytest.raises(ValueError, match="needs the model on CUDA"):  # a captured step's probe is captured
+        invariant_buckets(model, 40, "cudagraph")
+
+
+@pytest.mark.parametrize("attn_rows", [8, ATTN_ROWS])
+def test_grouped_attention_matches_the_naive_forward_and_is_lossless(models, attn_rows):
+    """The weighted sum in groups of attn_rows rows (a 32-row prefill chunk as 4 GEMMs of 8 rows, or one of 32)
+    equals the cache-free forward to float rounding, and speculative decoding on such a step, hidden
+    transfer's pseudo rows included (a 12-node tree with 3 steps: 64 rows), gives its plain greedy output."""
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+
+    model = models["fp32"]
+    seq = _prompts()[2][:40]
+    buckets = tuple(b for b in BUCKET_CANDIDATES[0] if b % attn_rows == 0)
+    st = DecodeStep(model, max_len=64, buckets=buckets, attn_rows=attn_rows)
+    a, _ = st.prefill(torch.tensor([seq[:30]]))
+    steps = [st.decode(torch.tensor([t]), 30 + i)[0] for i, t in enumerate(seq[30:])]
+    ref = model(torch.tensor([seq])).logits[0]
+    torch.testing.assert_close(a[0], ref[:30], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps), ref[30:], atol=2e-5, rtol=1e-5)
+    step = DecodeStep(model, max_len=220, buckets=buckets, attn_rows=attn_rows)
+    for prompt in _prompts()[1:]:
+        plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=30), step=step)[0]
+        for drafter in (NoisyOracle(prompt + plain, V), HiddenTransferDrafter(model, _transfer([1, 1, 2], False))):
+            assert static_speculative_generate(model, prompt, drafter, TREES[1], 30, step=step)[0] == plain
+
+
 def test_bucket_rule_and_bad_settings(models):
     assert bucket_for(1, (8, 16)) == 8 and bucket_for(9, (16, 8)) == 16
     with pytest.raises(ValueError, match="exceed the largest bucket"):
         bucket_for(17, (8, 16))
     with pytest.raises(ValueError, match="buckets must be positive"):
         DecodeStep(models["fp32"], buckets=(0, 8))
+    with pytest.raises(ValueError, match="attn_rows must be a positive row count that divides"):
+        DecodeStep(models["fp32"], buckets=(16, 32), attn_rows=32)
     with pytest.raises(ValueError, match="graphs must be one of"):
         DecodeStep(models["fp32"], graphs="fast")
     with pytest.raises(ValueError, match="needs the model on CUDA"):

@@ -25,11 +25,13 @@ on its place in the bucket, if every kernel reduces a row in the same order at e
 on an AMD EPYC with AVX-512 (torch 2.13 CPU, 2 threads): an fp32 GEMM gives a row the same bits at every M
 that is a multiple of 8, but not between M = 1 (a GEMV), 2-3 and 4-7. So plain decoding runs in the
 smallest bucket (8 rows) and gets the bits of verification, and so does the attention's split (`attend`),
-as long as both use the same buckets (its window is the largest). In the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks
-its kernel by M (split-K for small M), so a row may differ between buckets. What holds is measured, not
-assumed: `buckets="auto"` takes the first of BUCKET_CANDIDATES ((8, 16, ..., 256), then the single bucket
-(256,), where no kernel choice can depend on M) that the probe `DecodeStep.row_invariant` passes at the
-step's own cache size, once per model, size and process, and `DecodeStep.invariant` says whether one did.
+as long as both use the same buckets (its window is the largest). In the q4 format every kernel is
+row-invariant at any M (kernels.py). On CUDA, cuBLAS picks its kernel by M (split-K for small M), so a row
+may differ between buckets. What holds is measured, not assumed: `buckets="auto"` takes the first of
+STEP_CANDIDATES (the buckets 8 .. 256; 32 .. 256 with the attention's weighted sum in fixed groups,
+ATTN_ROWS; then the single bucket 256, where no kernel choice can depend on M) that the probe
+`DecodeStep.row_invariant` passes at the step's own cache size and in its mode (`invariant_buckets`), once
+per model, size, mode and process, and `DecodeStep.invariant` says whether one did.
 
 Acceptance on the device (`verify`): the greedy targets, the longest accepted path, the bonus token and the
 compaction of the accepted rows' K/V to the front are index-tensor operations, and the host reads one small
@@ -54,9 +56,19 @@ from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView, kv_dtype
 from midlayer.model.transformer import Transformer
 
-# Candidate bucket sets, tried in order by `invariant_buckets`: several sizes (plain decoding pays for the
-# smallest), else one size for every forward (no kernel choice can then depend on M).
-BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = ((8, 16, 32, 64, 128, 256), (256,))
+# The rows of each GEMM of `attend`'s weighted sum over the cache when it runs in fixed groups (`attn_rows`).
+# That GEMM reduces over every slot, and a GPU's BLAS picks its kernel (split-K among them) by the row count
+# M: on an H200 in bf16 the linears gave a row the same bits in every bucket and this GEMM did not, so
+# speculative output left plain output on 2-6 of 6 prompts (issue 42). In groups of ATTN_ROWS rows every
+# bucket runs the same GEMM shape: a bucket of 32 one GEMM, of 128 four.
+ATTN_ROWS = 32
+# (buckets, attn_rows) tried in order by `invariant_buckets`, the cheapest first: several sizes with one GEMM
+# each (plain decoding pays for the smallest, 8 rows); several sizes from ATTN_ROWS up with the weighted sum in
+# groups (on a GPU, 32 rows cost a linear what 8 do: it reads the weights either way); one size for every
+# forward (no kernel choice can then depend on M).
+STEP_CANDIDATES: tuple[tuple[tuple[int, ...], int | None], ...] = (
+    ((8, 16, 32, 64, 128, 256), None), ((32, 64, 128, 256), ATTN_ROWS), ((256,), None))
+BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(b for b, _ in STEP_CANDIDATES))
 # W of `DecodeStep.attend`: every row of a forward lies within W - 1 positions of the forward's first slot (a
 # prompt chunk has at most W rows; a tree's depth plus hidden transfer's steps stay below W).
 MAX_TAIL = 64
@@ -64,23 +76,28 @@ GRAPH_MODES: tuple[str, ...] = ("eager", "cudagraph", "compile")
 _probed: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 
 
-def invariant_buckets(model: Transformer, max_len: int = 16) -> tuple[tuple[int, ...], bool]:
-    """(buckets, row_invariant): the first of BUCKET_CANDIDATES whose step gives a row the same bits in every
-    bucket and at every place in it, measured on this machine with this model's shapes, dtype and weight
-    format, at a cache of `max_len` slots (a kernel may choose by the key count too: split-K on a GPU); once
-    per model, size and process (`DecodeStep.row_invariant` is the probe). When none passes: the last
-    candidate, and False (speculative output may then differ from plain output at near-ties). The probe runs
-    eagerly: a captured CUDA graph replays the eager kernels; torch.compile's own kernels are not probed."""
+def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eager"
+                      ) -> tuple[tuple[int, ...], int | None, bool]:
+    """(buckets, attn_rows, row_invariant): the first of STEP_CANDIDATES whose step gives a row the same bits
+    in every bucket and at every place in it, measured on this machine with this model's shapes, dtype and
+    weight format, at a cache of `max_len` slots (a kernel may choose by the key count too: split-K on a GPU);
+    once per model, size, mode and process (`DecodeStep.row_invariant` is the probe). When none passes: the
+    last candidate, and False (speculative output may then differ from plain output at near-ties).
+    graphs: the mode the probe runs in. "cudagraph" probes captured graphs: on an H200 in bf16 the eager
+    probe passed several buckets and the captured rounds on them still left plain output (issue 42), so a
+    captured step is not assumed to replay the eager step's kernel choices. torch.compile's own kernels are not
+    probed (a compile per bucket): "compile" probes eagerly."""
+    mode = "cudagraph" if graphs == "cudagraph" else "eager"
     memo = _probed.setdefault(model, {})
     key = (model.tok_embeddings.weight.dtype, str(model.tok_embeddings.weight.device),
-           getattr(model, "weight_format", None), int(max_len), kv_dtype(model))
+           getattr(model, "weight_format", None), int(max_len), kv_dtype(model), mode)
     if key not in memo:
         found = None
-        for cand in BUCKET_CANDIDATES:
-            if DecodeStep(model, max_len=max_len, buckets=cand).row_invariant():
-                found = (cand, True)
+        for cand, rows in STEP_CANDIDATES:
+            if DecodeStep(model, max_len=max_len, buckets=cand, attn_rows=rows, graphs=mode).row_invariant():
+                found = (cand, rows, True)
                 break
-        memo[key] = found or (BUCKET_CANDIDATES[-1], False)
+        memo[key] = found or (*STEP_CANDIDATES[-1], False)
     return memo[key]
 
 
@@ -230,7 +247,7 @@ class DecodeStep:
     `verify` are what generation calls."""
 
     def __init__(self, model: Transformer, *, batch: int = 1, max_len: int | None = None,
-                 buckets: Sequence[int] | str = "auto", graphs: str = "eager") -> None:
+                 buckets: Sequence[int] | str = "auto", graphs: str = "eager", attn_rows: int | None = None) -> None:
         why = unsupported(model)
         if why:
             raise ValueError(f"the static decode step does not run {why}; use the dynamic path (generate.py)")
@@ -240,13 +257,18 @@ class DecodeStep:
         if graphs == "cudagraph" and dev.type != "cuda":
             raise ValueError(f"graphs='cudagraph' needs the model on CUDA, not {dev.type}")
         self.invariant: bool | None = None  # measured row invariance (None: buckets given, not measured)
-        if buckets == "auto":
-            buckets, self.invariant = invariant_buckets(model, model.cfg.max_seq_len if max_len is None else max_len)
+        if buckets == "auto":  # (attn_rows too: the probe chooses both)
+            buckets, attn_rows, self.invariant = invariant_buckets(
+                model, model.cfg.max_seq_len if max_len is None else max_len, graphs)
         elif isinstance(buckets, str):
             raise ValueError(f"buckets: 'auto' or a sequence of row counts, got {buckets!r}")
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"buckets must be positive row counts, got {buckets}")
+        if attn_rows is not None and (attn_rows < 1 or any(b % attn_rows for b in buckets)):
+            raise ValueError(f"attn_rows must be a positive row count that divides every bucket, got {attn_rows} "
+                             f"with buckets {buckets}")
+        self.attn_rows = attn_rows  # None: `attend`'s weighted sum is one GEMM over the bucket's rows
         cfg = model.cfg
         max_len = cfg.max_seq_len if max_len is None else int(max_len)
         if max_len < 1 or batch < 1:
@@ -372,22 +394,41 @@ class DecodeStep:
         before the projection (a CUDA-graph replay pays per kernel: issue 42). Returns [B, H, N, d] (a view)."""
         B, H, N, d = q.shape
         Hk, S = kl.shape[1], kl.shape[2]
-        rep, W = H // Hk, self.window
-        qf = q.float().reshape(B, Hk, rep * N, d)  # head h = g * rep + r reads kv head g (GQA, as SDPA's)
+        rep, W, g = H // Hk, self.window, self.attn_rows
         kf, vf = kl.float(), vl.float()
-        scores = torch.matmul(qf, kf.transpose(-1, -2)).view(B, Hk, rep, N, S)
-        # mask + scale * score in one kernel: the scaled score rounds once, as a multiply then + 0 would
-        s_pos = torch.add(self.cur_kmask[:, None, None], scores.gather(-1, self.cur_keys[:, None, None].expand(
-            B, Hk, rep, N, S)), alpha=d ** -0.5)
-        prob = torch.softmax(s_pos, -1)  # one kernel; masked keys: exp(-inf) = 0
         below, wpos, wslots = self.cur_split  # (the same at every layer: `blocks` builds them)
-        out = torch.matmul((prob * below).reshape(B, Hk, rep * N, S), vf).view(B, Hk, rep, N, d)
-        rows = (0, 3, 1, 2, 4)  # [B, Hk, rep, N, .] -> [B, N, Hk, rep, .]
+        if g is None:  # the weighted sum below s0 in one GEMM over the bucket's rep * N rows
+            qf = q.float().reshape(B, Hk, rep * N, d)  # head h = g * rep + r reads kv head g (GQA, as SDPA's)
+            scores = torch.matmul(qf, kf.transpose(-1, -2)).view(B, Hk, rep, N, S)
+            # mask + scale * score in one kernel: the scaled score rounds once, as a multiply then + 0 would
+            s_pos = torch.add(self.cur_kmask[:, None, None], scores.gather(-1, self.cur_keys[:, None, None].expand(
+                B, Hk, rep, N, S)), alpha=d ** -0.5)
+            prob = torch.softmax(s_pos, -1)  # one kernel; masked keys: exp(-inf) = 0
+            out = torch.matmul((prob * below).reshape(B, Hk, rep * N, S), vf).view(B, Hk, rep, N, d)
+            out = out.permute(0, 3, 1, 2, 4)  # [B, Hk, rep, N, .] -> [B, N, Hk, rep, .]
+            p_rows = prob.permute(0, 3, 1, 2, 4)
+        else:  # rows ordered (row, head in the group), so that g rows are one slice: N / g GEMMs of one shape
+            qf = q.view(B, Hk, rep, N, d).transpose(2, 3)  # one copy either way (fp32's `to` would alias)
+            qf = qf.contiguous() if qf.dtype == torch.float32 else qf.to(torch.float32,
+                                                                          memory_format=torch.contiguous_format)
+            scores = torch.matmul(qf.view(B, Hk, N * rep, d), kf.transpose(-1, -2)).view(B, Hk, N, rep, S)
+            keys = self.cur_keys[:, None, :, None].expand(B, Hk, N, rep, S)
+            s_pos = torch.add(self.cur_kmask[:, None, :, None], scores.gather(-1, keys), alpha=d ** -0.5)
+            prob = torch.softmax(s_pos, -1)
+            pb = prob * below.view(B, 1, N, 1, S)
+            vb = vf.reshape(B * Hk, S, d)
+            G = N // g
+            res = torch.empty(G, B * Hk, g * rep, d, device=vf.device)
+            for i in range(G):  # (a view: [B, Hk, g, rep, S] with B's stride Hk times Hk's)
+                torch.bmm(pb[:, :, i * g:(i + 1) * g].reshape(B * Hk, g * rep, S), vb, out=res[i])
+            out = res.view(G, B, Hk, g, rep, d).permute(1, 0, 3, 2, 4, 5)  # [B, G, g, Hk, rep, d]: no copy
+            p_rows = prob.transpose(1, 2)
         v_win = vf[:, None].expand(B, N, Hk, S, d).gather(3, wslots[:, :, None, :, None].expand(B, N, Hk, W, d))
         # (window positions past the cache were clamped to S - 1, the scratch slot's position, which no row
         # sees: their probability is 0, and the scratch slot's values are finite)
-        p_win = prob.permute(rows).gather(-1, wpos[:, :, None, None].expand(B, N, Hk, rep, W))
-        out = torch.matmul(p_win, v_win) + out.permute(rows)  # per row: [rep, W] @ [W, d]
+        p_win = p_rows.gather(-1, wpos[:, :, None, None].expand(B, N, Hk, rep, W))
+        win = torch.matmul(p_win, v_win)  # per row: [rep, W] @ [W, d]
+        out = win + out if g is None else win.view(out.shape) + out
         return out.to(q.dtype).view(B, N, H, d).transpose(1, 2)
 
     def _block(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
@@ -642,12 +683,19 @@ class DecodeStep:
     @torch.no_grad()
     def row_invariant(self, n_probe: int = 3, seed: int = 0) -> bool:
         """Whether a row's logits here are the same bits in every bucket and at every place in it: a probe
-        over random tokens and committed keys (restores nothing: call before use, or `reset` after)."""
+        over random tokens, with random keys and values committed in every slot before the row's (restores
+        nothing: call before use, or `reset` after). Every slot, because a kernel that splits the reduction over
+        the keys (split-K) rounds differently only where more than one of its parts holds nonzero terms: with
+        8 committed keys and zeros after them, as this probe had, the H200's bf16 step passed it and was not
+        row-invariant (issue 42). Places: the row at the start, middle and end of each bucket beside random
+        padding rows, then N copies of it filling the bucket (every place at once)."""
         g = torch.Generator().manual_seed(seed)
         V = self.model.cfg.vocab_size
-        ctx = min(8, self.max_len - 1)
+        ctx = min(self.max_len, self.model.cfg.max_seq_len) - 1  # the probe row's position and slot
         self.reset()
-        self.prefill(torch.randint(0, V, (self.batch, ctx), generator=g))
+        for t in (self.k, self.v):
+            t[:, :, :, :ctx] = torch.randn(t[:, :, :, :ctx].shape, generator=g).to(t.device, t.dtype)
+        self.held[:, :ctx] = True
         probe = torch.randint(0, V, (self.batch, 1), generator=g).to(self.device)
         ref = None
         for N in self.buckets:
@@ -668,6 +716,17 @@ class DecodeStep:
                 elif not torch.equal(row, ref):
                     self.reset()
                     return False
+            # and every place at once: N copies of the probe row (each sees the committed keys and itself; they
+            # write the same K/V to its slot), every one of which must give the same bits
+            ar = torch.arange(N, device=self.device)
+            path = torch.zeros(N, N, dtype=torch.long, device=self.device)
+            path[:, 0] = ar
+            at = torch.full((self.batch, N), ctx, device=self.device)  # (the position and the slot)
+            logits, _ = self._runner("forward", N)(probe.expand(self.batch, N).contiguous(), at, at, self._scalar(ctx),
+                                                  path, torch.zeros_like(ar), torch.ones_like(ar, dtype=torch.bool))
+            if not bool((logits == ref[:, None]).all()):
+                self.reset()
+                return False
         self.reset()
         return True
 

@@ -233,7 +233,8 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
     ref = graphs[-1] if graphs[-1] in steps else next(iter(steps))  # the speculative rows' mode, where it ran
     return dict(rows=_static_rows(rows, rows[f"midlayer static, {ref}"]["tokens"]),
                 invariant={g: st.invariant for g, st in steps.items()},
-                buckets={g: st.buckets for g, st in steps.items()})
+                buckets={g: st.buckets for g, st in steps.items()},
+                attn_rows={g: st.attn_rows for g, st in steps.items()})
 
 
 def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: DecodeStep, methods: dict[str, tuple],
@@ -303,8 +304,9 @@ def static_table(r: dict, dtypes: Sequence[str] | None = None, header: bool = Tr
         if dtypes is not None and dname not in dtypes:
             continue
         errors = {k: v for k, v in r.get("errors", {}).items() if k.startswith(dname + " ")}
-        inv = ", ".join(f"{g}: {t['buckets'][g]} {'row-invariant' if ok else 'NOT row-invariant'}"
-                        for g, ok in t["invariant"].items())
+        grouped = t.get("attn_rows", {})
+        inv = ", ".join(f"{g}: {t['buckets'][g]}{f' attention in groups of {grouped[g]}' if grouped.get(g) else ''} "
+                        f"{'row-invariant' if ok else 'NOT row-invariant'}" for g, ok in t["invariant"].items())
         out += [f"{dname} (buckets {inv})", "",
                 "| engine | ms/token | vs recipe | tau | = our plain greedy |", "|---|---|---|---|---|"]
         for row in t["rows"]:
