@@ -259,12 +259,11 @@ class _SplitK:
 
 
 def test_the_probe_sees_a_split_reduction_and_grouped_attention_mends_it(models, monkeypatch):
-    """Issue 42's H200 run: in bf16 the linears were row-invariant, the old probe (8 committed keys, zeros in
-    the other slots) passed the several-bucket step, and speculative output still left plain output, because
-    the weighted sum over the slots ran in a kernel chosen by M. With such a kernel (_SplitK) the probe, now
-    over a cache committed in every slot, fails the one-GEMM attention; the same buckets with the weighted sum
-    in fixed groups of ATTN_ROWS rows pass, and `invariant_buckets` chooses them; and their output is still
-    plain greedy output, token for token, under that kernel."""
+    """A weighted sum over the slots run in a kernel chosen by M (_SplitK, as cuBLAS may) is invisible to a
+    probe that commits 8 keys and leaves zeros in the other slots (a split rounds zeros exactly). The probe,
+    now over a cache committed in every slot, fails the one-GEMM attention under it; the buckets with the
+    weighted sum in fixed groups of ATTN_ROWS rows pass, and `invariant_buckets` chooses them; and their
+    output is still plain greedy output, token for token, under that kernel."""
     fake = _SplitK()
     monkeypatch.setattr(torch, "matmul", fake.product)
     monkeypatch.setattr(torch, "bmm", fake.product)

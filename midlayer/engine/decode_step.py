@@ -57,15 +57,14 @@ from midlayer.model.kv_cache import CacheView, kv_dtype
 from midlayer.model.transformer import Transformer
 
 # The rows of each GEMM of `attend`'s weighted sum over the cache when it runs in fixed groups (`attn_rows`).
-# That GEMM reduces over every slot, and a GPU's BLAS picks its kernel (split-K among them) by the row count
-# M: on an H200 in bf16 the linears gave a row the same bits in every bucket and this GEMM did not, so
-# speculative output left plain output on 2-6 of 6 prompts (issue 42). In groups of ATTN_ROWS rows every
-# bucket runs the same GEMM shape: a bucket of 32 one GEMM, of 128 four.
+# That GEMM reduces over every slot, and a GPU's BLAS may pick its kernel (split-K among them) by the row
+# count M. In groups of ATTN_ROWS rows every bucket runs the same GEMM shape: a bucket of 32 one GEMM, of 128
+# four. (A fallback the probe may choose: on an H200, issue 42, the one-GEMM attention passed it.)
 ATTN_ROWS = 32
 # (buckets, attn_rows) tried in order by `invariant_buckets`, the cheapest first: several sizes with one GEMM
 # each (plain decoding pays for the smallest, 8 rows); several sizes from ATTN_ROWS up with the weighted sum in
-# groups (on a GPU, 32 rows cost a linear what 8 do: it reads the weights either way); one size for every
-# forward (no kernel choice can then depend on M).
+# groups (at batch 1 a linear's cost is reading its weights, the same for 32 rows as for 8: reasoned, not
+# measured); one size for every forward (no kernel choice can then depend on M).
 STEP_CANDIDATES: tuple[tuple[tuple[int, ...], int | None], ...] = (
     ((8, 16, 32, 64, 128, 256), None), ((32, 64, 128, 256), ATTN_ROWS), ((256,), None))
 BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(b for b, _ in STEP_CANDIDATES))
@@ -686,8 +685,7 @@ class DecodeStep:
         over random tokens, with random keys and values committed in every slot before the row's (restores
         nothing: call before use, or `reset` after). Every slot, because a kernel that splits the reduction over
         the keys (split-K) rounds differently only where more than one of its parts holds nonzero terms: with
-        8 committed keys and zeros after them, as this probe had, the H200's bf16 step passed it and was not
-        row-invariant (issue 42). Places: the row at the start, middle and end of each bucket beside random
+        8 committed keys and zeros after them, as this probe had, such a split is invisible. Places: the row at the start, middle and end of each bucket beside random
         padding rows, then N copies of it filling the bucket (every place at once)."""
         g = torch.Generator().manual_seed(seed)
         V = self.model.cfg.vocab_size
