@@ -278,6 +278,26 @@ def test_the_probe_sees_a_split_reduction_and_grouped_attention_mends_it(models,
         assert out == ref and stats.row_invariant
 
 
+def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch):
+    """A step whose verification rounds give other bits than plain decoding from 32 rows up (a round's logits
+    moved by 1e-6 there, as a kernel chosen by the round's row count would) passes the probe's first half,
+    which runs forwards alone, and fails its second, which verifies a chain of plain decoding's own tokens
+    in every bucket; the buckets below 32 still pass, and with no candidate left `invariant_buckets` says
+    so."""
+    verify_round = DecodeStep.verify_round
+
+    def off(self, tokens, *args, **kw):
+        packed, rows, logits, hidden, draft = verify_round(self, tokens, *args, **kw)
+        return packed, rows, logits + 1e-6 * (tokens.shape[1] >= 32), hidden, draft
+
+    monkeypatch.setattr(DecodeStep, "verify_round", off)
+    model = copy.deepcopy(models["fp32"])
+    assert DecodeStep(model, max_len=300, buckets=(8, 16)).row_invariant()
+    assert not DecodeStep(model, max_len=300, buckets=(8, 16, 32)).row_invariant()
+    assert invariant_buckets(model, 300) == (BUCKET_CANDIDATES[-1], None, False)
+    assert DecodeStep(model, max_len=300).invariant is False
+
+
 def test_the_probe_runs_in_the_steps_mode_where_it_can(models, monkeypatch):
     """A step compiled by torch.compile is probed eagerly (its kernels would cost a compile per bucket), and
     the verdict is kept per mode: an eager and a compile step share it; a captured step (CUDA only) is probed
