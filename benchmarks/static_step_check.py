@@ -85,21 +85,23 @@ def first_difference(model, step: DecodeStep, prompt: list[int], drafter, tree, 
     run on `step`; each round's verified rows' logits are compared bit for bit with plain decoding's at the
     same positions while the committed text is the same, and then both caches' committed K/V up to that
     position. Returns one line: the first position whose logits differ (the round, the row's place in its
-    forward of N rows, the largest difference, plain decoding's gap between its two best logits there), the
-    first slot and layer whose K or V differ before it, and where the tokens part."""
+    forward of N rows, the largest difference, plain decoding's gap between its two best logits there),
+    whether the row's final residual differs too (if not: the last norm or the LM head), the first slot and
+    layer whose K or V differ before it, and where the tokens part."""
     twin = DecodeStep(model, max_len=step.max_len, buckets=step.buckets, graphs=step.graphs,
                       attn_rows=step.attn_rows)
     ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=new_tokens), step=twin)[0]
     twin.reset()
     P = len(prompt)
-    plain = [twin.prefill(torch.tensor([prompt]))[0][0, -1]]  # logits at positions P - 1, P, ...
-    plain += [twin.decode(torch.tensor([t]), P + i)[0][0] for i, t in enumerate(ref[:-1])]
+    first = twin.prefill(torch.tensor([prompt]))
+    plain = [(first[0][0, -1], first[1][0, -1])]  # (logits, final residual) at positions P - 1, P, ...
+    plain += [tuple(x[0] for x in twin.decode(torch.tensor([t]), P + i)) for i, t in enumerate(ref[:-1])]
     seen: list[tuple] = []  # (round, the root's position, logits, rows, N)
     verify = step.verify
 
     def spy(root, nodes, tt, last_pos, start):
         out = verify(root, nodes, tt, last_pos, start)
-        seen.append((len(seen), last_pos, out[3].float().cpu(), out[2].cpu(), tt.vis.shape[0]))
+        seen.append((len(seen), last_pos, out[3].float().cpu(), out[2].cpu(), tt.vis.shape[0], out[4].float().cpu()))
         return out
 
     step.verify = spy
@@ -108,12 +110,12 @@ def first_difference(model, step: DecodeStep, prompt: list[int], drafter, tree, 
     finally:
         del step.verify
     part = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
-    for rnd, last, logits, rows, N in seen:
+    for rnd, last, logits, rows, N, hidden in seen:
         for j in range(logits.shape[0]):
             i = last - (P - 1) + j  # index into plain
             if part is not None and i > part or i >= len(plain):
                 break
-            want = plain[i].float().cpu()
+            want, want_h = (x.float().cpu() for x in plain[i])
             if not torch.equal(logits[j], want):
                 top = want.topk(2).values
                 q = last + j
@@ -124,9 +126,11 @@ def first_difference(model, step: DecodeStep, prompt: list[int], drafter, tree, 
                         slot = int(bad.any(0).nonzero()[0])
                         kv = f"{name} first differs at slot {slot} (layer {int(bad[:, slot].nonzero()[0])})"
                         break
+                res = "equal" if torch.equal(hidden[j], want_h) else \
+                    f"differs too (max {float((hidden[j] - want_h).abs().max()):.3g})"
                 return (f"logits first differ at position {q} (round {rnd}, row {int(rows[j])} of {N}): "
                         f"max |diff| {float((logits[j] - want).abs().max()):.3g}, plain's top-2 gap "
-                        f"{float(top[0] - top[1]):.3g}; {kv}; tokens part at {part}")
+                        f"{float(top[0] - top[1]):.3g}; the final residual {res}; {kv}; tokens part at {part}")
     return f"verified logits equal plain's at every compared position; tokens part at {part}"
 
 

@@ -669,3 +669,48 @@ def test_device_rounds_refuse_a_tree_deeper_than_the_attention_window(models):
     assert out == ref
     with pytest.raises(ValueError, match="outside the step.s 300 slots"):
         step.decode(torch.tensor([1]), 300)
+
+
+def test_the_checks_diagnosis_names_the_first_difference(models):
+    """benchmarks/static_step_check.py's `first_difference`, what a GPU session reads to localise a loss of
+    losslessness: on a sound step it finds none; when a round's logits are moved it names that round's row
+    with an equal final residual (the head's side); when a committed key is moved mid-run it names the slot
+    and layer."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "static_step_check.py"
+    spec = importlib.util.spec_from_file_location("static_step_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    model = models["fp32"]
+    prompt = _prompts()[2]
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=30))[0]
+    tree = TREES[1]
+    sound = DecodeStep(model, max_len=200)
+    assert check.first_difference(model, sound, prompt, NoisyOracle(prompt + ref, V), tree, 30).startswith(
+        "verified logits equal plain's at every compared position; tokens part at None")
+    moved = DecodeStep(model, max_len=200)
+    verify = moved.verify
+
+    def shifted(*args):
+        out = list(verify(*args))
+        out[3] = out[3] + 1e-3 * (torch.arange(out[3].shape[0]) > 0)[:, None]  # the accepted nodes' logits
+        return tuple(out)
+
+    moved.verify = shifted
+    line = check.first_difference(model, moved, prompt, NoisyOracle(prompt + ref, V), tree, 30)
+    assert line.startswith(f"logits first differ at position {len(prompt)} (round 0, row ") and \
+        "the final residual equal; K/V equal in every slot before it" in line
+    bent = DecodeStep(model, max_len=200)
+    verify_bent, calls = bent.verify, []
+
+    def bend(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            bent.k[1, 0, 0, 10, 0] += 1e-3
+        return verify_bent(*args)
+
+    bent.verify = bend
+    line = check.first_difference(model, bent, prompt, NoisyOracle(prompt + ref, V), tree, 30)
+    assert "K first differs at slot 10 (layer 1)" in line and "the final residual differs too" in line
