@@ -278,22 +278,26 @@ def test_the_probe_sees_a_split_reduction_and_grouped_attention_mends_it(models,
         assert out == ref and stats.row_invariant
 
 
-def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch):
-    """A step whose verification rounds give other bits than plain decoding from 32 rows up (a round's logits
-    moved by 1e-6 there, as a kernel chosen by the round's row count would) passes the probe's first half,
-    which runs forwards alone, and fails its second, which verifies a chain of plain decoding's own tokens
-    in every bucket; the buckets below 32 still pass, and with no candidate left `invariant_buckets` says
-    so."""
+@pytest.mark.parametrize("where", ["32 rows up", "pseudo rows"])
+def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch, where):
+    """A step whose verification rounds give other bits than plain decoding (a round's logits moved by 1e-6,
+    as a kernel chosen by the round's shape would) passes the probe's first half, which runs forwards alone,
+    and fails its second, which verifies a chain of plain decoding's own tokens in every bucket, also with
+    hidden transfer's pseudo rows in the round (more rows than the tree's). Either way the buckets (8, 16)
+    pass (no round of 32 rows, none with pseudo rows, fits them) and (8, 16, 32) fail (a 32-row round; a tree
+    of 8 rows with 3 steps of pseudo rows); with no candidate left, `invariant_buckets` says so."""
     verify_round = DecodeStep.verify_round
 
     def off(self, tokens, *args, **kw):
         packed, rows, logits, hidden, draft = verify_round(self, tokens, *args, **kw)
-        return packed, rows, logits + 1e-6 * (tokens.shape[1] >= 32), hidden, draft
+        N, T = tokens.shape[1], kw.get("tree_rows") or tokens.shape[1]
+        moved = N >= 32 if where == "32 rows up" else T < N
+        return packed, rows, logits + 1e-6 * moved, hidden, draft
 
     monkeypatch.setattr(DecodeStep, "verify_round", off)
     model = copy.deepcopy(models["fp32"])
-    assert DecodeStep(model, max_len=300, buckets=(8, 16)).row_invariant()
-    assert not DecodeStep(model, max_len=300, buckets=(8, 16, 32)).row_invariant()
+    assert DecodeStep(model, max_len=300, buckets=(8, 16)).row_invariant()  # (no pseudo-row round fits)
+    assert not DecodeStep(model, max_len=300, buckets=(8, 16, 32)).row_invariant()  # (8 tree rows + 24 pseudo)
     assert invariant_buckets(model, 300) == (BUCKET_CANDIDATES[-1], None, False)
     assert DecodeStep(model, max_len=300).invariant is False
 

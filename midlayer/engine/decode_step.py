@@ -729,16 +729,18 @@ class DecodeStep:
         self.reset()
         return ok
 
-    def _rounds_match_plain(self, g: torch.Generator, depth: int = 3) -> bool:
+    def _rounds_match_plain(self, g: torch.Generator, depth: int = 3, pseudo: int = 3) -> bool:
         """The probe's second half, on the path generation takes: plain decoding's logits against a
         verification round's, bit for bit, in every bucket a round of this step can use, through the step's own
         runners (so captured where the step is). Plain decoding commits `depth` greedy tokens after a random
-        prompt; a round then verifies them from the prompt's last token as a chain, its bucket filled with
-        wrong leaves under the root, and must accept the chain with plain decoding's logits at every row.
-        (A row of the chain at depth j sees its ancestors through this forward's own K/V, as a draft's rows
-        do; the first half's probe row sees committed keys only.)"""
+        prompt; a round then verifies them from the prompt's last token as a chain, its tree filled with wrong
+        leaves under the root, and must accept the chain with plain decoding's logits at every row. (A row of
+        the chain at depth j sees its ancestors through this forward's own K/V, as a draft's rows do; the first
+        half's probe row sees committed keys only.) Then the same with `pseudo` steps of hidden transfer's
+        pseudo rows per tree row (round_layout: more rows than the tree's, the head over the tree's alone),
+        here placeholders that no transfer fills: the tree rows never see them."""
         V = self.model.cfg.vocab_size
-        P = min(16, self.model.cfg.max_seq_len - depth - 1, self.max_len - depth - 1)
+        P = min(16, self.model.cfg.max_seq_len - depth - pseudo - 1, self.max_len - depth - 1)
         if P < 2:
             return True
         prompt = torch.randint(0, V, (1, P), generator=g)
@@ -748,19 +750,28 @@ class DecodeStep:
         for j in range(depth):
             chain.append(int(want[-1].argmax(-1)))
             want.append(self.decode(torch.tensor([chain[-1]]), P + j)[0][0])
-        for N in self.buckets:
-            if P - 1 + N > self.max_len:  # a round this step cannot hold (verify refuses it)
-                continue
-            n = N - 1  # nodes: the chain, then wrong leaves under the root filling the bucket
-            parents = [j - 1 for j in range(depth)] + [-1] * (n - depth)
-            depths = list(range(1, depth + 1)) + [1] * (n - depth)
-            nodes = chain + [(chain[0] + 1 + i % (V - 1)) % V for i in range(n - depth)]
-            self.reset()
-            self.prefill(prompt[:, :-1])
-            accepted, _, _, logits, _, _ = self.verify(int(prompt[0, -1]), nodes, self.tree_tensors(parents, depths),
-                                                       P - 1, P - 1)
-            if accepted != chain or not all(torch.equal(a, b) for a, b in zip(logits, want)):
-                return False
+        top = max(self.buckets)
+        layouts = [(N - 1, 0) for N in self.buckets]  # (nodes, pseudo steps): every bucket filled by a tree
+        fits = [b - 1 for b in self.buckets if b * (pseudo + 1) <= top] or [15]
+        layouts += [(n, pseudo) for n in fits if n >= depth and pseudo]
+        transfer, self.transfer = self.transfer, None  # (placeholders: no transfer joins the pseudo rows)
+        try:
+            for n, k in layouts:
+                try:
+                    tt = self.tree_tensors([j - 1 for j in range(depth)] + [-1] * (n - depth),
+                                           list(range(1, depth + 1)) + [1] * (n - depth), k)
+                except ValueError:  # more rows than the largest bucket: a round this step cannot run
+                    continue
+                if P - 1 + tt.rows_used > self.max_len:  # a round this step cannot hold (verify refuses it)
+                    continue
+                nodes = chain + [(chain[0] + 1 + i % (V - 1)) % V for i in range(n - depth)]
+                self.reset()
+                self.prefill(prompt[:, :-1])
+                accepted, _, _, logits, _, _ = self.verify(int(prompt[0, -1]), nodes, tt, P - 1, P - 1)
+                if accepted != chain or not all(torch.equal(a, b) for a, b in zip(logits, want)):
+                    return False
+        finally:
+            self.transfer = transfer
         return True
 
 
