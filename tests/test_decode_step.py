@@ -718,3 +718,25 @@ def test_the_checks_diagnosis_names_the_first_difference(models):
     bent.verify = bend
     line = check.first_difference(model, bent, prompt, NoisyOracle(prompt + ref, V), tree, 30)
     assert "K first differs at slot 10 (layer 1)" in line and "the final residual differs too" in line
+
+
+def test_probing_a_step_with_hidden_transfer_attached_keeps_its_rounds_whole(models):
+    """The probe's rounds run without a transfer (placeholder pseudo rows). Probing a step that has one
+    attached restores it and drops the rounds captured meanwhile, so that no later round (a CUDA graph or a
+    compiled one bakes in what it ran) verifies without the transfer's joins; the fused pass then drafts what
+    it drafts on a step never probed, and stays lossless."""
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+
+    model = models["fp32"]
+    prompt = _prompts()[1]
+    drafter = HiddenTransferDrafter(model, _transfer([1, 1, 2], False))
+    runs = []
+    for probed in (False, True):
+        step = DecodeStep(model, max_len=200)
+        step.attach(drafter)
+        if probed:
+            assert step.row_invariant()
+            assert step.transfer is drafter.transfer and not [k for k in step._runners if k[0] == "verify"]
+        runs.append(static_speculative_generate(model, prompt, drafter, TREES[1], 30, step=step))
+    assert runs[0][0] == runs[1][0] == static_generate(model, [prompt], GenerationConfig(max_new_tokens=30))[0]
+    assert runs[0][1].accept_hist == runs[1][1].accept_hist

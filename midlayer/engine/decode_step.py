@@ -771,7 +771,9 @@ class DecodeStep:
                 if accepted != chain or not all(torch.equal(a, b) for a, b in zip(logits, want)):
                     return False
         finally:
-            self.transfer = transfer
+            if transfer is not None:  # rounds captured without the attached transfer's joins must not be kept
+                self.transfer = transfer
+                self._runners = {key: fn for key, fn in self._runners.items() if key[0] != "verify"}
         return True
 
 
