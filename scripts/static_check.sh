@@ -101,7 +101,8 @@ run)
     echo "bench compile: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   fi
   tail -c 20000 "$OUT/bench.log" > "$OUT/bench.log.tail" && mv "$OUT/bench.log.tail" "$OUT/bench.log"
-  cat "$OUT/env.txt" "$OUT/rows.txt" "$OUT/check.txt" "$OUT/bench.md"
+  cat "$OUT/env.txt" "$OUT/check.txt" "$OUT/bench.md"
+  if [ -f "$OUT/rows.txt" ]; then cat "$OUT/rows.txt"; fi
   ;;
 *)
   echo "usage: $0 prepare|stash|run" >&2

@@ -302,6 +302,24 @@ def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch, whe
     assert DecodeStep(model, max_len=300).invariant is False
 
 
+def test_the_probes_rounds_reach_the_attentions_gemm_over_the_cache(monkeypatch):
+    """The rounds run after random keys committed as deep as each round leaves room for, so their rows have
+    keys below `attend`'s window (the GEMM over the cache, which a small-row probe near position 0 never
+    feeds), in plain decoding and in the rounds with and without pseudo rows."""
+    seen = []
+    attend = DecodeStep.attend
+
+    def spy(self, q, kl, vl):
+        seen.append((q.shape[2], bool(self.cur_split[0].any())))
+        return attend(self, q, kl, vl)
+
+    monkeypatch.setattr(DecodeStep, "attend", spy)
+    step = DecodeStep(make_tiny(DIMS, False), max_len=150, buckets=(8, 16, 32, 64))  # (unfused: `attend` runs)
+    assert step._rounds_match_plain(torch.Generator().manual_seed(0))
+    deep = {N for N, below in seen if below}
+    assert {8, 16, 32, 64} <= deep  # plain decoding (8), rounds of 16 to 64 rows, pseudo rows among them
+
+
 def test_the_probe_runs_in_the_steps_mode_where_it_can(models, monkeypatch):
     """A step compiled by torch.compile is probed eagerly (its kernels would cost a compile per bucket), and
     the verdict is kept per mode: an eager and a compile step share it; a captured step (CUDA only) is probed

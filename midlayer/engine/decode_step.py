@@ -24,14 +24,15 @@ Row invariance. A row's logits then depend on its token, its position and the ke
 on its place in the bucket, if every kernel reduces a row in the same order at every bucket size. Measured
 on an AMD EPYC with AVX-512 (torch 2.13 CPU, 2 threads): an fp32 GEMM gives a row the same bits at every M
 that is a multiple of 8, but not between M = 1 (a GEMV), 2-3 and 4-7. So plain decoding runs in the
-smallest bucket (8 rows) and gets the bits of verification, and so does the attention's split (`attend`),
-as long as both use the same buckets (its window is the largest). In the q4 format every kernel is
-row-invariant at any M (kernels.py). On CUDA, cuBLAS picks its kernel by M (split-K for small M), so a row
-may differ between buckets. What holds is measured, not assumed: `buckets="auto"` takes the first of
-STEP_CANDIDATES (the buckets 8 .. 256; 32 .. 256 with the attention's weighted sum in fixed groups,
-ATTN_ROWS; then the single bucket 256, where no kernel choice can depend on M) that the probe
-`DecodeStep.row_invariant` passes at the step's own cache size and in its mode (`invariant_buckets`), once
-per model, size, mode and process, and `DecodeStep.invariant` says whether one did.
+smallest bucket (8 rows; 32 under the grouped candidate below) and gets the bits of verification, and so
+does the attention's split (`attend`), as long as both use the same buckets (its window is the largest). In
+the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks its kernel by M
+(split-K for small M), so a row may differ between buckets. What holds is measured, not assumed:
+`buckets="auto"` takes the first of STEP_CANDIDATES (the buckets 8 .. 256; 32 .. 256 with the attention's
+weighted sum in fixed groups, ATTN_ROWS; then the single bucket 256, where no kernel choice can depend on M)
+that the probe `DecodeStep.row_invariant` passes at the step's own cache size and in its mode
+(`invariant_buckets`), once per model, size, mode and process, and `DecodeStep.invariant` says whether one
+did. The probe runs forwards and verification rounds against plain decoding.
 
 Acceptance on the device (`verify`): the greedy targets, the longest accepted path, the bonus token and the
 compaction of the accepted rows' K/V to the front are index-tensor operations, and the host reads one small
@@ -256,6 +257,8 @@ class DecodeStep:
         if graphs == "cudagraph" and dev.type != "cuda":
             raise ValueError(f"graphs='cudagraph' needs the model on CUDA, not {dev.type}")
         self.invariant: bool | None = None  # measured row invariance (None: buckets given, not measured)
+        if buckets == "auto" and attn_rows is not None:
+            raise ValueError("attn_rows goes with buckets given; buckets='auto' lets the probe choose both")
         if buckets == "auto":  # (attn_rows too: the probe chooses both)
             buckets, attn_rows, self.invariant = invariant_buckets(
                 model, model.cfg.max_seq_len if max_len is None else max_len, graphs)
@@ -417,7 +420,7 @@ class DecodeStep:
             pb = prob * below.view(B, 1, N, 1, S)
             vb = vf.reshape(B * Hk, S, d)
             G = N // g
-            res = torch.empty(G, B * Hk, g * rep, d, device=vf.device)
+            res = torch.empty(G, B * Hk, g * rep, d, device=vf.device, dtype=vf.dtype)
             for i in range(G):  # (a view: [B, Hk, g, rep, S] with B's stride Hk times Hk's)
                 torch.bmm(pb[:, :, i * g:(i + 1) * g].reshape(B * Hk, g * rep, S), vb, out=res[i])
             out = res.view(G, B, Hk, g, rep, d).permute(1, 0, 3, 2, 4, 5)  # [B, G, g, Hk, rep, d]: no copy
@@ -685,8 +688,11 @@ class DecodeStep:
         over random tokens, with random keys and values committed in every slot before the row's (restores
         nothing: call before use, or `reset` after). Every slot, because a kernel that splits the reduction over
         the keys (split-K) rounds differently only where more than one of its parts holds nonzero terms: with
-        8 committed keys and zeros after them, as this probe had, such a split is invisible. Places: the row at the start, middle and end of each bucket beside random
-        padding rows, then N copies of it filling the bucket (every place at once)."""
+        8 committed keys and zeros after them, as this probe had, such a split is invisible. Places: the row at
+        the start, middle and end of each bucket beside random padding rows, then N copies of it filling the
+        bucket (every place at once). Then, at batch 1, verification rounds against plain decoding in every
+        bucket (`_rounds_match_plain`); a step of several sequences (batch > 1) runs no rounds, so its verdict
+        covers forwards alone."""
         g = torch.Generator().manual_seed(seed)
         V = self.model.cfg.vocab_size
         ctx = min(self.max_len, self.model.cfg.max_seq_len) - 1  # the probe row's position and slot
@@ -732,45 +738,66 @@ class DecodeStep:
     def _rounds_match_plain(self, g: torch.Generator, depth: int = 3, pseudo: int = 3) -> bool:
         """The probe's second half, on the path generation takes: plain decoding's logits against a
         verification round's, bit for bit, in every bucket a round of this step can use, through the step's own
-        runners (so captured where the step is). Plain decoding commits `depth` greedy tokens after a random
-        prompt; a round then verifies them from the prompt's last token as a chain, its tree filled with wrong
-        leaves under the root, and must accept the chain with plain decoding's logits at every row. (A row of
-        the chain at depth j sees its ancestors through this forward's own K/V, as a draft's rows do; the first
-        half's probe row sees committed keys only.) Then the same with `pseudo` steps of hidden transfer's
-        pseudo rows per tree row (round_layout: more rows than the tree's, the head over the tree's alone),
-        here placeholders that no transfer fills: the tree rows never see them."""
-        V = self.model.cfg.vocab_size
-        P = min(16, self.model.cfg.max_seq_len - depth - pseudo - 1, self.max_len - depth - 1)
-        if P < 2:
-            return True
-        prompt = torch.randint(0, V, (1, P), generator=g)
-        self.reset()
-        want = [self.prefill(prompt)[0][0, -1]]
-        chain = []
-        for j in range(depth):
-            chain.append(int(want[-1].argmax(-1)))
-            want.append(self.decode(torch.tensor([chain[-1]]), P + j)[0][0])
+        runners (so captured where the step is). Random keys and values are committed in the slots before a
+        short random prompt, as deep as each round leaves room for (so that the round's rows have keys below
+        `attend`'s window, in its GEMM over the cache, once the step holds more than W slots). Plain decoding
+        commits `depth` greedy tokens after the prompt; a round then verifies them from the prompt's last token
+        as a chain, its tree filled with wrong leaves under the root, and must accept the chain with plain
+        decoding's logits at every row. (A row of the chain at depth j sees its ancestors through this
+        forward's own K/V, as a draft's rows do; the first half's probe row sees committed keys only.) Then
+        the same with `pseudo` steps of hidden transfer's pseudo rows per tree row (round_layout: more rows than
+        the tree's, the head over the tree's alone), here placeholders that no transfer fills: the tree rows
+        never see them. A round this step cannot hold at all is not run."""
+        V, P = self.model.cfg.vocab_size, 4
         top = max(self.buckets)
         layouts = [(N - 1, 0) for N in self.buckets]  # (nodes, pseudo steps): every bucket filled by a tree
         fits = [b - 1 for b in self.buckets if b * (pseudo + 1) <= top] or [15]
         layouts += [(n, pseudo) for n in fits if n >= depth and pseudo]
+        plans = []  # (the committed slots before the prompt, nodes, tree)
+        for n, k in layouts:
+            if n < depth:
+                continue
+            try:
+                tt = self.tree_tensors([j - 1 for j in range(depth)] + [-1] * (n - depth),
+                                       list(range(1, depth + 1)) + [1] * (n - depth), k)
+            except ValueError:  # more rows than the largest bucket: a round this step cannot run
+                continue
+            C = min(self.max_len - tt.rows_used - (P - 1), self.model.cfg.max_seq_len - P - depth - k - 1)
+            if C >= 0:
+                plans.append((C, n, tt))
+        if not plans:
+            return True
+        prompt = torch.randint(0, V, (1, P), generator=g)
+        deepest = max(C for C, _, _ in plans)
+        noise = [torch.randn(t[:, :, :, :deepest].shape, generator=g).to(t.device, t.dtype) for t in (self.k, self.v)]
+
+        def commit(C: int) -> None:
+            self.reset()
+            for t, x in zip((self.k, self.v), noise):
+                t[:, :, :, :C] = x[:, :, :, :C]
+            self.held[:, :C] = True
+
+        refs: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
         transfer, self.transfer = self.transfer, None  # (placeholders: no transfer joins the pseudo rows)
         try:
-            for n, k in layouts:
-                try:
-                    tt = self.tree_tensors([j - 1 for j in range(depth)] + [-1] * (n - depth),
-                                           list(range(1, depth + 1)) + [1] * (n - depth), k)
-                except ValueError:  # more rows than the largest bucket: a round this step cannot run
-                    continue
-                if P - 1 + tt.rows_used > self.max_len:  # a round this step cannot hold (verify refuses it)
-                    continue
+            for C, n, tt in plans:
+                if C not in refs:  # plain decoding after the same committed slots and prompt
+                    commit(C)
+                    want, chain = [self.prefill(prompt, C)[0][0, -1]], []
+                    for j in range(depth):
+                        chain.append(int(want[-1].argmax(-1)))
+                        want.append(self.decode(torch.tensor([chain[-1]]), C + P + j)[0][0])
+                    refs[C] = (want, chain)
+                want, chain = refs[C]
                 nodes = chain + [(chain[0] + 1 + i % (V - 1)) % V for i in range(n - depth)]
-                self.reset()
-                self.prefill(prompt[:, :-1])
-                accepted, _, _, logits, _, _ = self.verify(int(prompt[0, -1]), nodes, tt, P - 1, P - 1)
+                commit(C)
+                self.prefill(prompt[:, :-1], C)
+                last = C + P - 1
+                accepted, _, _, logits, _, _ = self.verify(int(prompt[0, -1]), nodes, tt, last, last)
                 if accepted != chain or not all(torch.equal(a, b) for a, b in zip(logits, want)):
                     return False
         finally:
+            self.reset()
             if transfer is not None:  # rounds captured without the attached transfer's joins must not be kept
                 self.transfer = transfer
                 self._runners = {key: fn for key, fn in self._runners.items() if key[0] != "verify"}
