@@ -417,12 +417,16 @@ class DecodeStep:
             keys = self.cur_keys[:, None, :, None].expand(B, Hk, N, rep, S)
             s_pos = torch.add(self.cur_kmask[:, None, :, None], scores.gather(-1, keys), alpha=d ** -0.5)
             prob = torch.softmax(s_pos, -1)
-            pb = prob * below.view(B, 1, N, 1, S)
-            vb = vf.reshape(B * Hk, S, d)
             G = N // g
+            # the masked probabilities written group-major, [G, B, Hk, g, rep, S]: each group's GEMM then reads
+            # a contiguous block, with the same strides in every bucket (a BLAS may choose by strides too)
+            pb = torch.empty(G, B, Hk, g, rep, S, device=vf.device, dtype=prob.dtype)
+            torch.mul(prob.view(B, Hk, G, g, rep, S).permute(2, 0, 1, 3, 4, 5),
+                      below.view(B, 1, G, g, 1, S).permute(2, 0, 1, 3, 4, 5), out=pb)
+            vb = vf.reshape(B * Hk, S, d)
             res = torch.empty(G, B * Hk, g * rep, d, device=vf.device, dtype=vf.dtype)
-            for i in range(G):  # (a view: [B, Hk, g, rep, S] with B's stride Hk times Hk's)
-                torch.bmm(pb[:, :, i * g:(i + 1) * g].reshape(B * Hk, g * rep, S), vb, out=res[i])
+            for i in range(G):
+                torch.bmm(pb[i].view(B * Hk, g * rep, S), vb, out=res[i])
             out = res.view(G, B, Hk, g, rep, d).permute(1, 0, 3, 2, 4, 5)  # [B, G, g, Hk, rep, d]: no copy
             p_rows = prob.transpose(1, 2)
         v_win = vf[:, None].expand(B, N, Hk, S, d).gather(3, wslots[:, :, None, :, None].expand(B, N, Hk, W, d))
