@@ -456,16 +456,18 @@ class DecodeStep:
 
     def detach(self) -> None:
         """Verification rounds without hidden transfer's pseudo rows again."""
-        if self.transfer is not None:
-            self.transfer, self.join_at = None, {}
-            self._runners = {k: v for k, v in self._runners.items() if k[0] != "verify"}
+        self._use_transfer(None)
 
     def attach(self, drafter) -> None:
         """Run hidden transfer's fused pass in this step's verification rounds (`verify(fused=True)`): the
         drafter's maps and the blocks where each step's rows join. Captured rounds are rebuilt for another."""
-        transfer = drafter.transfer
+        self._use_transfer(drafter.transfer)
+
+    def _use_transfer(self, transfer) -> None:
+        """The transfer whose joins the verification rounds run (None: none). A captured or compiled round
+        bakes in the joins it ran, so the rounds are rebuilt when it changes."""
         if transfer is not self.transfer:
-            self.transfer, self.join_at = transfer, transfer.steps_at(transfer.k)
+            self.transfer, self.join_at = transfer, {} if transfer is None else transfer.steps_at(transfer.k)
             self._runners = {k: v for k, v in self._runners.items() if k[0] != "verify"}
 
     def verify_round(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
@@ -700,10 +702,7 @@ class DecodeStep:
         g = torch.Generator().manual_seed(seed)
         V = self.model.cfg.vocab_size
         ctx = min(self.max_len, self.model.cfg.max_seq_len) - 1  # the probe row's position and slot
-        self.reset()
-        for t in (self.k, self.v):
-            t[:, :, :, :ctx] = torch.randn(t[:, :, :, :ctx].shape, generator=g).to(t.device, t.dtype)
-        self.held[:, :ctx] = True
+        self._commit_random(self._random_kv(g, ctx), ctx)
         probe = torch.randint(0, V, (self.batch, 1), generator=g).to(self.device)
         ref = None
         for N in self.buckets:
@@ -756,7 +755,7 @@ class DecodeStep:
         top = max(self.buckets)
         layouts = [(N - 1, 0) for N in self.buckets]  # (nodes, pseudo steps): every bucket filled by a tree
         fits = [b - 1 for b in self.buckets if b * (pseudo + 1) <= top] or [15]
-        layouts += [(n, pseudo) for n in fits if n >= depth and pseudo]
+        layouts += [(n, pseudo) for n in fits if pseudo]
         plans = []  # (the committed slots before the prompt, nodes, tree)
         for n, k in layouts:
             if n < depth:
@@ -772,21 +771,14 @@ class DecodeStep:
         if not plans:
             return True
         prompt = torch.randint(0, V, (1, P), generator=g)
-        deepest = max(C for C, _, _ in plans)
-        noise = [torch.randn(t[:, :, :, :deepest].shape, generator=g).to(t.device, t.dtype) for t in (self.k, self.v)]
-
-        def commit(C: int) -> None:
-            self.reset()
-            for t, x in zip((self.k, self.v), noise):
-                t[:, :, :, :C] = x[:, :, :, :C]
-            self.held[:, :C] = True
-
+        noise = self._random_kv(g, max(C for C, _, _ in plans))
         refs: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
-        transfer, self.transfer = self.transfer, None  # (placeholders: no transfer joins the pseudo rows)
+        transfer = self.transfer
+        self._use_transfer(None)  # (placeholders: no transfer joins the pseudo rows)
         try:
             for C, n, tt in plans:
                 if C not in refs:  # plain decoding after the same committed slots and prompt
-                    commit(C)
+                    self._commit_random(noise, C)
                     want, chain = [self.prefill(prompt, C)[0][0, -1]], []
                     for j in range(depth):
                         chain.append(int(want[-1].argmax(-1)))
@@ -794,7 +786,7 @@ class DecodeStep:
                     refs[C] = (want, chain)
                 want, chain = refs[C]
                 nodes = chain + [(chain[0] + 1 + i % (V - 1)) % V for i in range(n - depth)]
-                commit(C)
+                self._commit_random(noise, C)
                 self.prefill(prompt[:, :-1], C)
                 last = C + P - 1
                 accepted, _, _, logits, _, _ = self.verify(int(prompt[0, -1]), nodes, tt, last, last)
@@ -802,10 +794,19 @@ class DecodeStep:
                     return False
         finally:
             self.reset()
-            if transfer is not None:  # rounds captured without the attached transfer's joins must not be kept
-                self.transfer = transfer
-                self._runners = {key: fn for key, fn in self._runners.items() if key[0] != "verify"}
+            self._use_transfer(transfer)  # (rounds captured without its joins are not kept)
         return True
+
+    def _random_kv(self, g: torch.Generator, n: int) -> list[torch.Tensor]:
+        """Random keys and values for the first n slots of every layer (the probe's committed text)."""
+        return [torch.randn(t[:, :, :, :n].shape, generator=g).to(t.device, t.dtype) for t in (self.k, self.v)]
+
+    def _commit_random(self, kv: list[torch.Tensor], n: int) -> None:
+        """A new sequence whose first n slots are committed with the first n of `kv` (`_random_kv`)."""
+        self.reset()
+        for t, x in zip((self.k, self.v), kv):
+            t[:, :, :, :n] = x[:, :, :, :n]
+        self.held[:, :n] = True
 
 
 # ======================================================================================= generation
