@@ -96,7 +96,7 @@ def first_difference(model, step: DecodeStep, prompt: list[int], drafter, tree, 
     first = twin.prefill(torch.tensor([prompt]))
     plain = [(first[0][0, -1], first[1][0, -1])]  # (logits, final residual) at positions P - 1, P, ...
     plain += [tuple(x[0] for x in twin.decode(torch.tensor([t]), P + i)) for i, t in enumerate(ref[:-1])]
-    seen: list[tuple] = []  # (round, the root's position, logits, rows, N)
+    seen: list[tuple] = []  # (round, the root's position, logits, rows, N, final residuals)
     verify = step.verify
 
     def spy(root, nodes, tt, last_pos, start):
