@@ -1,7 +1,7 @@
 """Which PyTorch kernels give a row the same bits whatever shares its forward (issue 42; docs/results/
-static-step.md): an fp32/bf16 GEMM at row counts M = 1..64 and at each place in the batch, SDPA over a
-fixed key length, and the same attention with one key moved to another slot (a tree node's ancestor that
-is not adjacent). Prints one line per case: the M (and places) whose row differs from the reference.
+static-step.md): the fp32 GEMMs of the static step's attention by bucket, an fp32/bf16 GEMM at row counts
+M = 1..256 and at each place in the batch, SDPA over a fixed key length, and the same attention with one key
+moved to another slot (a tree node's ancestor that is not adjacent). Prints one line per case: the M (and places) whose row differs from the reference.
 
     python benchmarks/row_invariance.py [--device cuda]
 """
@@ -18,11 +18,11 @@ def gemm(dev: torch.device, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     for K, N in [(576, 576), (576, 1536), (1536, 576), (576, 49152)]:
         W = torch.randn(N, K, generator=g).to(dev, dtype)
-        x = torch.randn(64, K, generator=g).to(dev, dtype)
+        x = torch.randn(256, K, generator=g).to(dev, dtype)
         ref = {m0: F.linear(x[:m0], W)[:1] for m0 in (1, 2, 8)}
         for m0, r in ref.items():
             bad = []
-            for M in (1, 2, 3, 4, 5, 8, 16, 17, 32, 64):
+            for M in (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 128, 256):
                 for p in sorted({0, M // 2, M - 1}):
                     xs = x[:M].clone()
                     xs[p] = x[0]
@@ -58,11 +58,35 @@ def attention(dev: torch.device, dtype: torch.dtype) -> None:
           f"{(a - b).abs().max().item():.2e}")
 
 
+def attention_gemms(dev: torch.device) -> None:
+    """The fp32 batched GEMMs of the static step's `attend` at SmolLM2's shapes (3 kv heads of 3 heads, d 64)
+    over 400 slots, in a bucket of N rows: the scores [rep N, d] @ [d, S] and the weighted sum [rep N, S] @
+    [S, d] per kv head, and the window's [rep, W] @ [W, d] per row and kv head (N * 3 of them). A bf16 model
+    runs these in fp32 too, so a difference here reaches its output wherever the cast to bf16 does not hide it."""
+    g = torch.Generator().manual_seed(0)
+    S, d, Hk, rep, W = 400, 64, 3, 3, 64
+    q = torch.randn(Hk, rep * 256, d, generator=g).to(dev)
+    k, v = (torch.randn(Hk, S, d, generator=g).to(dev) for _ in range(2))
+    p = torch.softmax(torch.randn(Hk, rep * 256, S, generator=g), -1).to(dev)
+    for name, a, b in (("scores", q, k.transpose(1, 2)), ("weighted sum", p, v)):
+        ref = torch.bmm(a[:, :rep * 8].contiguous(), b)[:, :rep]
+        bad = [N for N in (16, 32, 64, 128, 256)
+               if not torch.equal(torch.bmm(a[:, :rep * N].contiguous(), b)[:, :rep], ref)]
+        print(f"fp32 attention {name} over {S} slots: row 0 as in a bucket of 8 rows; buckets that differ: {bad}")
+    pw = torch.softmax(torch.randn(256 * Hk, rep, W, generator=g), -1).to(dev)
+    vw = torch.randn(256 * Hk, W, d, generator=g).to(dev)
+    ref = torch.bmm(pw[:8 * Hk], vw[:8 * Hk])[:Hk]
+    bad = [N for N in (16, 32, 64, 128, 256) if not torch.equal(torch.bmm(pw[:N * Hk], vw[:N * Hk])[:Hk], ref)]
+    print(f"fp32 attention window ({W} keys), one product per row and kv head: row 0 as in a bucket of 8 rows; "
+          f"buckets that differ: {bad}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     dev = torch.device(ap.parse_args().device)
     print(f"torch {torch.__version__}, {dev}, {torch.get_num_threads()} threads")
+    attention_gemms(dev)
     for dtype in (torch.float32, torch.bfloat16):
         gemm(dev, dtype)
         attention(dev, dtype)

@@ -278,6 +278,44 @@ def test_the_probe_sees_a_split_reduction_and_grouped_attention_mends_it(models,
         assert out == ref and stats.row_invariant
 
 
+class _Nudge:
+    """A stand-in for a BLAS whose fp32 batched GEMM rounds its results an ulp otherwise when it has more than
+    16 rows (another kernel for larger M, as cuBLAS's SGEMM on an H200: issue 42)."""
+
+    def __init__(self) -> None:
+        self.bmm = torch.bmm
+
+    def product(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        r = self.bmm(a, b)
+        if a.dtype == torch.float32 and a.shape[-2] > 16:
+            r = torch.nextafter(r, torch.full_like(r, float("inf")))
+        return r if out is None else out.copy_(r)
+
+
+def test_the_probes_tap_sees_what_bf16s_cast_hides(monkeypatch):
+    """In a bf16 model `attend` runs in fp32 and casts its result to bf16, which hides a difference of an fp32
+    ulp unless it crosses a bf16 rounding boundary. Under _Nudge a probe row's bf16 logits in buckets 8 and 16
+    are the same bits while its fp32 attention is not (a probe of the logits alone passed such a step on an
+    H200, and 128-token generations then left plain decoding). The probe taps the fp32 result, so it fails the
+    one-GEMM buckets and passes attention in fixed groups of 32 rows (every GEMM of 64 rows: nudged alike)."""
+    monkeypatch.setattr(torch, "bmm", _Nudge().product)
+    model = make_tiny(DIMS, False).to(torch.bfloat16)  # (unfused: attention runs `attend`)
+    step, ctx = DecodeStep(model, max_len=40, buckets=(8, 16)), 30
+    step._tap(True)
+    step._commit_random(step._random_kv(torch.Generator().manual_seed(0), ctx), ctx)
+    seen = []
+    for N in step.buckets:  # the probe row at place 0, beside padding, with keys below the window (W = 16)
+        slots = torch.full((1, N), step.scratch)
+        slots[0, 0] = ctx
+        logits, _ = step.forward(torch.full((1, N), 5), torch.full((1, N), ctx), slots, step._scalar(ctx),
+                                 torch.zeros(N, N, dtype=torch.long), torch.zeros(N, dtype=torch.long),
+                                 torch.arange(N) == 0)
+        seen.append((logits[0, 0].clone(), step.tap[:, 0, 0].clone()))
+    assert torch.equal(seen[0][0], seen[1][0]) and not torch.equal(seen[0][1], seen[1][1])
+    assert not step.row_invariant()
+    assert DecodeStep(model, max_len=40, buckets=(32, 64), attn_rows=32).row_invariant()
+
+
 @pytest.mark.parametrize("where", ["32 rows up", "pseudo rows"])
 def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch, where):
     """A step whose verification rounds give other bits than plain decoding (a round's logits moved by 1e-6,
@@ -309,12 +347,13 @@ def test_the_probes_rounds_reach_the_attentions_gemm_over_the_cache(monkeypatch)
     seen = []
     attend = DecodeStep.attend
 
-    def spy(self, q, kl, vl):
+    def spy(self, q, kl, vl, layer=None):
         seen.append((q.shape[2], bool(self.cur_split[0].any())))
-        return attend(self, q, kl, vl)
+        return attend(self, q, kl, vl, layer)
 
     monkeypatch.setattr(DecodeStep, "attend", spy)
     step = DecodeStep(make_tiny(DIMS, False), max_len=150, buckets=(8, 16, 32, 64))  # (unfused: `attend` runs)
+    step._tap(True)  # (as `row_invariant` does)
     assert step._rounds_match_plain(torch.Generator().manual_seed(0))
     deep = {N for N, below in seen if below}
     assert {8, 16, 32, 64} <= deep  # plain decoding (8), rounds of 16 to 64 rows, pseudo rows among them

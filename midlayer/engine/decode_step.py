@@ -29,10 +29,11 @@ does the attention's split (`attend`), as long as both use the same buckets (its
 the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks its kernel by M
 (split-K for small M), so a row may differ between buckets. What holds is measured, not assumed:
 `buckets="auto"` takes the first of STEP_CANDIDATES (the buckets 8 .. 256; 32 .. 256 with the attention's
-weighted sum in fixed groups, ATTN_ROWS; then the single bucket 256, where no kernel choice can depend on M)
+GEMMs in fixed groups, ATTN_ROWS; then the single bucket 256, where no kernel choice can depend on M)
 that the probe `DecodeStep.row_invariant` passes at the step's own cache size and in its mode
 (`invariant_buckets`), once per model, size, mode and process, and `DecodeStep.invariant` says whether one
-did. The probe runs forwards and verification rounds against plain decoding.
+did. The probe runs forwards and verification rounds against plain decoding, and compares the logits and the
+attention's fp32 result at every layer (in bf16 the cast after the attention hides most differences).
 
 Acceptance on the device (`verify`): the greedy targets, the longest accepted path, the bonus token and the
 compaction of the accepted rows' K/V to the front are index-tensor operations, and the host reads one small
@@ -57,13 +58,13 @@ from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView, kv_dtype
 from midlayer.model.transformer import Transformer
 
-# The rows of each GEMM of `attend`'s weighted sum over the cache when it runs in fixed groups (`attn_rows`).
-# That GEMM reduces over every slot, and a GPU's BLAS may pick its kernel (split-K among them) by the row
-# count M. In groups of ATTN_ROWS rows every bucket runs the same GEMM shape: a bucket of 32 one GEMM, of 128
-# four. (A fallback the probe may choose: on an H200, issue 42, the one-GEMM attention passed it.)
+# The rows of each of `attend`'s GEMMs (the scores, the weighted sum over the cache, the window's product) when
+# they run in fixed groups (`attn_rows`). A GPU's BLAS may pick its kernel by the row count M: on an H200
+# cuBLAS's fp32 GEMMs gave a row other bits at other M (issue 42), and a bf16 model's attention runs in fp32.
+# In groups of ATTN_ROWS rows every bucket runs the same GEMM shapes: a bucket of 32 one of each, of 128 four.
 ATTN_ROWS = 32
 # (buckets, attn_rows) tried in order by `invariant_buckets`, the cheapest first: several sizes with one GEMM
-# each (plain decoding pays for the smallest, 8 rows); several sizes from ATTN_ROWS up with the weighted sum in
+# each (plain decoding pays for the smallest, 8 rows); several sizes from ATTN_ROWS up with attention in
 # groups (at batch 1 a linear's cost is reading its weights, the same for 32 rows as for 8: reasoned, not
 # measured); one size for every forward (no kernel choice can then depend on M).
 STEP_CANDIDATES: tuple[tuple[tuple[int, ...], int | None], ...] = (
@@ -212,7 +213,7 @@ class StaticView(CacheView):
 
     def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kl, vl = self._store(k, v)
-        return self.step.attend(q, kl, vl)
+        return self.step.attend(q, kl, vl, self.layer)
 
 
 @dataclass
@@ -270,7 +271,7 @@ class DecodeStep:
         if attn_rows is not None and (attn_rows < 1 or any(b % attn_rows for b in buckets)):
             raise ValueError(f"attn_rows must be a positive row count that divides every bucket, got {attn_rows} "
                              f"with buckets {buckets}")
-        self.attn_rows = attn_rows  # None: `attend`'s weighted sum is one GEMM over the bucket's rows
+        self.attn_rows = attn_rows  # None: each of `attend`'s GEMMs is one over the bucket's rows
         cfg = model.cfg
         max_len = cfg.max_seq_len if max_len is None else int(max_len)
         if max_len < 1 or batch < 1:
@@ -306,6 +307,8 @@ class DecodeStep:
         self.transfer = None
         self.join_at: dict[int, list[int]] = {}
         self.cur_join: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the probe's tap (`_tap`): [L, B, largest bucket, H * d] fp32, each layer's `attend` result, or None
+        self.tap: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------- the step
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
@@ -357,7 +360,7 @@ class DecodeStep:
         s0 = (positions - (self.window - 1)).clamp_min(0)  # [B, N]
         wpos = s0[..., None] + self.win_ids  # [B, N, W]: positions s0 .. s0 + W - 1
         wpos = wpos.clamp_max(S - 1)
-        below = (p < s0[..., None])[:, None, None]  # [B, 1, 1, N, S]
+        below = p < s0[..., None]  # [B, N, S]
         self.cur_split = (below, wpos, keys.gather(2, wpos))  # the window's keys: [B, N, W] slots
         self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
         self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
@@ -379,7 +382,7 @@ class DecodeStep:
             self.cur_mask = torch.where(by_slot > 0, 0.0, float("-inf"))[:, None]
         return self.cur_mask
 
-    def attend(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + mask) v for q [B, H, N, d] over the cache layer kl, vl [B, Hk, S, d], in
         fp32, with every reduction over a row's keys in POSITION order, so that a row's result is the same bits
         whether its keys were written by plain decoding (slots in position order) or sit in a tree's slots
@@ -387,54 +390,63 @@ class DecodeStep:
         nonzero terms at other indices round otherwise (seen: 6e-8 apart in fp32 and bf16, and a bf16 greedy
         output that left plain decoding's). The scores q.k are layout-free (one dot product each); they are
         gathered into position order for the softmax (one kernel: the max, the exponentials, their sum and the
-        division, in position order). The weighted sum of values
-        splits at s0 = position - (W - 1) (W: the largest bucket), below which every key of every row is
-        committed text at its own slot: one GEMM against the shared values there, and above it a W-key window
-        of values gathered per row in position order. The window's product runs in the [B, N, Hk, rep, W]
-        layout (row, kv head, head in the group), so its result, the shared GEMM's added to it, is already the
-        [B, N, H, d] layout the output projection reads: no transposed copy before the window's product or
-        before the projection (a CUDA-graph replay pays per kernel: issue 42). Returns [B, H, N, d] (a view)."""
+        division, in position order). The weighted sum of values splits at s0 = position - (W - 1) (W: the
+        largest bucket, at most MAX_TAIL), below which every key of every row is committed text at its own slot:
+        one GEMM against the shared values there, and above it a W-key window of values gathered per row in
+        position order.
+
+        The rows run in groups of g = `attn_rows` rows (None: one group of all N), group-major, each group's
+        rows ordered (row, head in the group), and each of the three GEMMs (the scores, the weighted sum below
+        s0, the window's) is one call per group: with attn_rows set, every bucket runs them in one shape, so a
+        BLAS that picks its kernel by the row count M (cuBLAS's fp32 GEMMs on an H200, issue 42) cannot give a
+        row other bits in another bucket. The softmax, the gathers and the masks run once over all groups
+        (row-wise or elementwise kernels: exact at any row count). `layer`: where the probe's tap (`tap`)
+        records the fp32 result. Returns [B, H, N, d] (a view of [B, N, H, d], the layout the output
+        projection reads)."""
         B, H, N, d = q.shape
         Hk, S = kl.shape[1], kl.shape[2]
-        rep, W, g = H // Hk, self.window, self.attn_rows
+        rep, W = H // Hk, self.window
+        g = self.attn_rows or N
+        G, R, f32 = N // g, g * rep, torch.float32
         kf, vf = kl.float(), vl.float()
-        below, wpos, wslots = self.cur_split  # (the same at every layer: `blocks` builds them)
-        if g is None:  # the weighted sum below s0 in one GEMM over the bucket's rep * N rows
-            qf = q.float().reshape(B, Hk, rep * N, d)  # head h = g * rep + r reads kv head g (GQA, as SDPA's)
-            scores = torch.matmul(qf, kf.transpose(-1, -2)).view(B, Hk, rep, N, S)
-            # mask + scale * score in one kernel: the scaled score rounds once, as a multiply then + 0 would
-            s_pos = torch.add(self.cur_kmask[:, None, None], scores.gather(-1, self.cur_keys[:, None, None].expand(
-                B, Hk, rep, N, S)), alpha=d ** -0.5)
-            prob = torch.softmax(s_pos, -1)  # one kernel; masked keys: exp(-inf) = 0
-            out = torch.matmul((prob * below).reshape(B, Hk, rep * N, S), vf).view(B, Hk, rep, N, d)
-            out = out.permute(0, 3, 1, 2, 4)  # [B, Hk, rep, N, .] -> [B, N, Hk, rep, .]
-            p_rows = prob.permute(0, 3, 1, 2, 4)
-        else:  # rows ordered (row, head in the group), so that g rows are one slice: N / g GEMMs of one shape
-            qf = q.view(B, Hk, rep, N, d).transpose(2, 3)  # one copy either way (fp32's `to` would alias)
-            qf = qf.contiguous() if qf.dtype == torch.float32 else qf.to(torch.float32,
-                                                                          memory_format=torch.contiguous_format)
-            scores = torch.matmul(qf.view(B, Hk, N * rep, d), kf.transpose(-1, -2)).view(B, Hk, N, rep, S)
-            keys = self.cur_keys[:, None, :, None].expand(B, Hk, N, rep, S)
-            s_pos = torch.add(self.cur_kmask[:, None, :, None], scores.gather(-1, keys), alpha=d ** -0.5)
-            prob = torch.softmax(s_pos, -1)
-            G = N // g
-            # the masked probabilities written group-major, [G, B, Hk, g, rep, S]: each group's GEMM then reads
-            # a contiguous block, with the same strides in every bucket (a BLAS may choose by strides too)
-            pb = torch.empty(G, B, Hk, g, rep, S, device=vf.device, dtype=prob.dtype)
-            torch.mul(prob.view(B, Hk, G, g, rep, S).permute(2, 0, 1, 3, 4, 5),
-                      below.view(B, 1, G, g, 1, S).permute(2, 0, 1, 3, 4, 5), out=pb)
-            vb = vf.reshape(B * Hk, S, d)
-            res = torch.empty(G, B * Hk, g * rep, d, device=vf.device, dtype=vf.dtype)
-            for i in range(G):
-                torch.bmm(pb[i].view(B * Hk, g * rep, S), vb, out=res[i])
-            out = res.view(G, B, Hk, g, rep, d).permute(1, 0, 3, 2, 4, 5)  # [B, G, g, Hk, rep, d]: no copy
-            p_rows = prob.transpose(1, 2)
-        v_win = vf[:, None].expand(B, N, Hk, S, d).gather(3, wslots[:, :, None, :, None].expand(B, N, Hk, W, d))
+        below, wpos, wslots = self.cur_split  # [B, N, S] bool, [B, N, W] positions and slots (`blocks`)
+
+        def by_group(t: torch.Tensor) -> torch.Tensor:  # [B, N, X] -> [G, B, 1, g, 1, X]
+            return t.view(B, G, g, t.shape[-1]).transpose(0, 1)[:, :, None, :, None]
+
+        # the queries group-major, [G, B * Hk, g * rep, d] (head h = kv head h // rep, as SDPA's GQA): one copy
+        qg = torch.empty(G, B, Hk, g, rep, d, device=q.device, dtype=f32)
+        qg.copy_(q.view(B, Hk, rep, G, g, d).permute(3, 0, 1, 4, 2, 5))
+        qg = qg.view(G, B * Hk, R, d)
+        scores = torch.empty(G, B * Hk, R, S, device=q.device, dtype=f32)
+        kT = kf.reshape(B * Hk, S, d).transpose(1, 2)
+        for i in range(G):
+            torch.bmm(qg[i], kT, out=scores[i])
+        shape = (G, B, Hk, g, rep, S)
+        # mask + scale * score in one kernel: the scaled score rounds once, as a multiply then + 0 would
+        s_pos = torch.add(by_group(self.cur_kmask), scores.view(shape).gather(-1, by_group(self.cur_keys).expand(
+            shape)), alpha=d ** -0.5)
+        prob = torch.softmax(s_pos, -1)  # one kernel; masked keys: exp(-inf) = 0
+        pb = (prob * by_group(below)).view(G, B * Hk, R, S)
+        vb = vf.reshape(B * Hk, S, d)
+        res = torch.empty(G, B * Hk, R, d, device=q.device, dtype=f32)
+        for i in range(G):
+            torch.bmm(pb[i], vb, out=res[i])
+        # the window: per row, its W probabilities [rep, W] and values [W, d], gathered in position order
+        wshape = (G, B, g, Hk, W, d)
+        v_win = vf[None, :, None].expand(G, B, g, Hk, S, d).gather(
+            4, wslots.view(B, G, g, W).transpose(0, 1)[:, :, :, None, :, None].expand(wshape))
         # (window positions past the cache were clamped to S - 1, the scratch slot's position, which no row
         # sees: their probability is 0, and the scratch slot's values are finite)
-        p_win = p_rows.gather(-1, wpos[:, :, None, None].expand(B, N, Hk, rep, W))
-        win = torch.matmul(p_win, v_win)  # per row: [rep, W] @ [W, d]
-        out = win + out if g is None else win.view(out.shape) + out
+        p_win = prob.transpose(2, 3).gather(-1, wpos.view(B, G, g, W).transpose(0, 1)[:, :, :, None, None].expand(
+            G, B, g, Hk, rep, W))
+        win = torch.empty(G, B * g * Hk, rep, d, device=q.device, dtype=f32)
+        for i in range(G):
+            torch.bmm(p_win[i].view(B * g * Hk, rep, W), v_win[i].view(B * g * Hk, W, d), out=win[i])
+        out = win.view(G, B, g, Hk, rep, d) + res.view(G, B, Hk, g, rep, d).transpose(2, 3)
+        out = out.transpose(0, 1).reshape(B, N, H * d)  # (a copy only when G > 1 and B > 1)
+        if self.tap is not None and layer is not None:
+            self.tap[layer, :, :N].copy_(out)
         return out.to(q.dtype).view(B, N, H, d).transpose(1, 2)
 
     def _block(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
@@ -690,8 +702,8 @@ class DecodeStep:
 
     @torch.no_grad()
     def row_invariant(self, n_probe: int = 3, seed: int = 0) -> bool:
-        """Whether a row's logits here are the same bits in every bucket and at every place in it: a probe
-        over random tokens, with random keys and values committed in every slot before the row's (restores
+        """Whether a row's logits, and its fp32 attention at every layer (`_tap`), are the same bits in every
+        bucket and at every place in it: a probe over random tokens, with random keys and values committed in every slot before the row's (restores
         nothing: call before use, or `reset` after). Every slot, because a kernel that splits the reduction over
         the keys (split-K) rounds differently only where more than one of its parts holds nonzero terms: with
         8 committed keys and zeros after them, as this probe had, such a split is invisible. Places: the row at
@@ -700,11 +712,34 @@ class DecodeStep:
         bucket (`_rounds_match_plain`); a step of several sequences (batch > 1) runs no rounds, so its verdict
         covers forwards alone."""
         g = torch.Generator().manual_seed(seed)
+        self._tap(True)
+        try:
+            ok = self._forwards_match(g, n_probe) and (self.batch != 1 or self._rounds_match_plain(g))
+        finally:
+            self.reset()
+            self._tap(False)
+        return ok
+
+    def _tap(self, on: bool) -> None:
+        """Turn the probe's tap on or off: with it on, `attend` also writes each layer's fp32 result to `tap`,
+        and the probe compares those bits too. In bf16 the cast after `attend` hides most differences of an
+        fp32 ulp or two (a row's bf16 output moves only where one crosses a rounding boundary), so a probe of
+        the logits alone passed an H200's bf16 step whose fp32 attention GEMMs were not row-invariant, while
+        128-token generations left plain decoding (issue 42). Runners are rebuilt either way (a captured graph
+        bakes in whether it taps)."""
+        cfg = self.model.cfg
+        self.tap = torch.zeros(cfg.n_layers, self.batch, max(self.buckets), cfg.n_heads * cfg.head_dim,
+                               device=self.device) if on else None
+        self._runners.clear()
+
+    def _forwards_match(self, g: torch.Generator, n_probe: int) -> bool:
+        """The probe's first half (`row_invariant`): one random row's logits and tapped attention in every
+        bucket, at a few places beside random padding rows, then as N copies filling the bucket."""
         V = self.model.cfg.vocab_size
         ctx = min(self.max_len, self.model.cfg.max_seq_len) - 1  # the probe row's position and slot
         self._commit_random(self._random_kv(g, ctx), ctx)
         probe = torch.randint(0, V, (self.batch, 1), generator=g).to(self.device)
-        ref = None
+        ref = ref_tap = None
         for N in self.buckets:
             for place in sorted({0, N // 2, N - 1})[:n_probe]:
                 toks = torch.randint(0, V, (self.batch, N), generator=g).to(self.device)
@@ -717,11 +752,10 @@ class DecodeStep:
                 real = torch.arange(N, device=self.device) == place
                 logits, _ = self._runner("forward", N)(toks, pos, slots, self._scalar(ctx), path,
                                                       torch.zeros(N, dtype=torch.long, device=self.device), real)
-                row = logits[:, place].clone()
+                row, tapped = logits[:, place].clone(), self.tap[:, :, place].clone()
                 if ref is None:
-                    ref = row
-                elif not torch.equal(row, ref):
-                    self.reset()
+                    ref, ref_tap = row, tapped
+                elif not (torch.equal(row, ref) and torch.equal(tapped, ref_tap)):
                     return False
             # and every place at once: N copies of the probe row (each sees the committed keys and itself; they
             # write the same K/V to its slot), every one of which must give the same bits
@@ -731,12 +765,9 @@ class DecodeStep:
             at = torch.full((self.batch, N), ctx, device=self.device)  # (the position and the slot)
             logits, _ = self._runner("forward", N)(probe.expand(self.batch, N).contiguous(), at, at, self._scalar(ctx),
                                                   path, torch.zeros_like(ar), torch.ones_like(ar, dtype=torch.bool))
-            if not bool((logits == ref[:, None]).all()):
-                self.reset()
+            if not (bool((logits == ref[:, None]).all()) and bool((self.tap[:, :, :N] == ref_tap[:, :, None]).all())):
                 return False
-        ok = self.batch != 1 or self._rounds_match_plain(g)
-        self.reset()
-        return ok
+        return True
 
     def _rounds_match_plain(self, g: torch.Generator, depth: int = 3, pseudo: int = 3) -> bool:
         """The probe's second half, on the path generation takes: plain decoding's logits against a
@@ -780,17 +811,21 @@ class DecodeStep:
                 if C not in refs:  # plain decoding after the same committed slots and prompt
                     self._commit_random(noise, C)
                     want, chain = [self.prefill(prompt, C)[0][0, -1]], []
+                    taps = [self.tap[:, 0, P - 1].clone()]  # (the prompt is one chunk: P rows)
                     for j in range(depth):
                         chain.append(int(want[-1].argmax(-1)))
                         want.append(self.decode(torch.tensor([chain[-1]]), C + P + j)[0][0])
-                    refs[C] = (want, chain)
-                want, chain = refs[C]
+                        taps.append(self.tap[:, 0, 0].clone())
+                    refs[C] = (want, chain, torch.stack(taps, 1))
+                want, chain, taps = refs[C]
                 nodes = chain + [(chain[0] + 1 + i % (V - 1)) % V for i in range(n - depth)]
                 self._commit_random(noise, C)
                 self.prefill(prompt[:, :-1], C)
                 last = C + P - 1
                 accepted, _, _, logits, _, _ = self.verify(int(prompt[0, -1]), nodes, tt, last, last)
                 if accepted != chain or not all(torch.equal(a, b) for a, b in zip(logits, want)):
+                    return False
+                if not torch.equal(self.tap[:, 0, :depth + 1], taps):  # root, then the chain's rows 1..depth
                     return False
         finally:
             self.reset()
