@@ -316,6 +316,38 @@ def test_the_probes_tap_sees_what_bf16s_cast_hides(monkeypatch):
     assert DecodeStep(model, max_len=40, buckets=(32, 64), attn_rows=32).row_invariant()
 
 
+class _ByCount(_Nudge):
+    """A BLAS whose fp32 batched GEMM rounds otherwise (an ulp up) when it holds more than 64 products: an
+    H200's cuBLAS gave the window's products of a row other bits from 192 products up (64 rows of SmolLM2's 3
+    kv heads), and not up to 96 (benchmarks/row_invariance.py, issue 42)."""
+
+    def product(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        r = self.bmm(a, b)
+        if a.dtype == torch.float32 and a.dim() == 3 and a.shape[0] > 64:
+            r = torch.nextafter(r, torch.full_like(r, float("inf")))
+        return r if out is None else out.copy_(r)
+
+
+def test_the_window_products_run_in_chunks_of_window_rows(monkeypatch):
+    """The window's products (one per row and kv head: 128 in a 64-row bucket of the tiny model) in chunks of
+    WINDOW_ROWS = 32 rows (64 products) each: under _ByCount the probe passes the buckets 8 .. 64, and hidden
+    transfer's 64-row rounds (a 12-node tree with 3 steps of pseudo rows) give plain greedy output. With the
+    chunks as large as the bucket (one batched GEMM, as before), the probe fails the same buckets."""
+    from midlayer.engine import decode_step
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+
+    monkeypatch.setattr(torch, "bmm", _ByCount().product)
+    model, buckets = make_tiny(DIMS, False), (8, 16, 32, 64)  # (unfused: attention runs `attend`)
+    step = DecodeStep(model, max_len=220, buckets=buckets)
+    assert step.row_invariant()
+    for prompt in _prompts()[1:]:
+        plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=30), step=step)[0]
+        drafter = HiddenTransferDrafter(model, _transfer([1, 1, 2], False))
+        assert static_speculative_generate(model, prompt, drafter, TREES[1], 30, step=step)[0] == plain
+    monkeypatch.setattr(decode_step, "WINDOW_ROWS", 64)
+    assert not DecodeStep(model, max_len=220, buckets=buckets).row_invariant()
+
+
 @pytest.mark.parametrize("where", ["32 rows up", "pseudo rows"])
 def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch, where):
     """A step whose verification rounds give other bits than plain decoding (a round's logits moved by 1e-6,

@@ -63,6 +63,10 @@ from midlayer.model.transformer import Transformer
 # cuBLAS's fp32 GEMMs gave a row other bits at other M (issue 42), and a bf16 model's attention runs in fp32.
 # In groups of ATTN_ROWS rows every bucket runs the same GEMM shapes: a bucket of 32 one of each, of 128 four.
 ATTN_ROWS = 32
+# The most rows whose window products (`attend`: one [rep, W] @ [W, d] per row and kv head) share one batched
+# GEMM: larger forwards run it in chunks. On an H200 cuBLAS's batched fp32 GEMM of these products gave a row
+# other bits from 64 rows up (192 products and more; benchmarks/row_invariance.py, issue 42), not up to 32.
+WINDOW_ROWS = 32
 # (buckets, attn_rows) tried in order by `invariant_buckets`, the cheapest first: several sizes with one GEMM
 # each (plain decoding pays for the smallest, 8 rows); several sizes from ATTN_ROWS up with attention in
 # groups (at batch 1 a linear's cost is reading its weights, the same for 32 rows as for 8: reasoned, not
@@ -396,10 +400,10 @@ class DecodeStep:
         position order.
 
         The rows run in groups of g = `attn_rows` rows (None: one group of all N), group-major, each group's
-        rows ordered (row, head in the group), and each of the three GEMMs (the scores, the weighted sum below
-        s0, the window's) is one call per group: with attn_rows set, every bucket runs them in one shape, so a
-        BLAS that picks its kernel by the row count M (cuBLAS's fp32 GEMMs on an H200, issue 42) cannot give a
-        row other bits in another bucket. The softmax, the gathers and the masks run once over all groups
+        rows ordered (row, head in the group), and the scores and the weighted sum below s0 are one GEMM per
+        group: with attn_rows set, every bucket runs them in one shape, so a BLAS that picks its kernel by the
+        row count M cannot give a row other bits in another bucket. The window's products run in chunks of at
+        most WINDOW_ROWS rows (an H200's batched GEMM changed kernel by the count of products, issue 42). The softmax, the gathers and the masks run once over all groups
         (row-wise or elementwise kernels: exact at any row count). `layer`: where the probe's tap (`tap`)
         records the fp32 result. Returns [B, H, N, d] (a view of [B, N, H, d], the layout the output
         projection reads)."""
@@ -432,18 +436,26 @@ class DecodeStep:
         res = torch.empty(G, B * Hk, R, d, device=q.device, dtype=f32)
         for i in range(G):
             torch.bmm(pb[i], vb, out=res[i])
-        # the window: per row, its W probabilities [rep, W] and values [W, d], gathered in position order
-        wshape = (G, B, g, Hk, W, d)
-        v_win = vf[None, :, None].expand(G, B, g, Hk, S, d).gather(
-            4, wslots.view(B, G, g, W).transpose(0, 1)[:, :, :, None, :, None].expand(wshape))
+        # the window: per row, its W probabilities [rep, W] and values [W, d], gathered in position order, in
+        # chunks of c rows (at most WINDOW_ROWS; each a batched GEMM of B * c * Hk products), laid out
+        # [G, chunk, B, c, ...] so that each chunk's operands are contiguous
+        c = min(g, WINDOW_ROWS)
+        while g % c:  # (a bucket that is no multiple of WINDOW_ROWS: the largest chunk that divides it)
+            c -= 1
+        nc = g // c
+        chunked = (G, nc, B, c)
+        v_win = vf[None, None, :, None].expand(*chunked, Hk, S, d).gather(5, wslots.view(B, G, nc, c, W).permute(
+            1, 2, 0, 3, 4)[..., None, :, None].expand(*chunked, Hk, W, d))
         # (window positions past the cache were clamped to S - 1, the scratch slot's position, which no row
         # sees: their probability is 0, and the scratch slot's values are finite)
-        p_win = prob.transpose(2, 3).gather(-1, wpos.view(B, G, g, W).transpose(0, 1)[:, :, :, None, None].expand(
-            G, B, g, Hk, rep, W))
-        win = torch.empty(G, B * g * Hk, rep, d, device=q.device, dtype=f32)
+        p_win = prob.view(G, B, Hk, nc, c, rep, S).permute(0, 3, 1, 4, 2, 5, 6).gather(-1, wpos.view(
+            B, G, nc, c, W).permute(1, 2, 0, 3, 4)[..., None, None, :].expand(*chunked, Hk, rep, W))
+        win = torch.empty(G, nc, B * c * Hk, rep, d, device=q.device, dtype=f32)
         for i in range(G):
-            torch.bmm(p_win[i].view(B * g * Hk, rep, W), v_win[i].view(B * g * Hk, W, d), out=win[i])
-        out = win.view(G, B, g, Hk, rep, d) + res.view(G, B, Hk, g, rep, d).transpose(2, 3)
+            for j in range(nc):
+                torch.bmm(p_win[i, j].view(B * c * Hk, rep, W), v_win[i, j].view(B * c * Hk, W, d), out=win[i, j])
+        out = (win.view(*chunked, Hk, rep, d).transpose(1, 2)
+               + res.view(G, B, Hk, nc, c, rep, d).permute(0, 1, 3, 4, 2, 5, 6))  # [G, B, nc, c, Hk, rep, d]
         out = out.transpose(0, 1).reshape(B, N, H * d)  # (a copy only when G > 1 and B > 1)
         if self.tap is not None and layer is not None:
             self.tap[layer, :, :N].copy_(out)
