@@ -16,11 +16,14 @@
 #   call 2, carry [".dev2"], timeout_s 570:  bash scripts/static_check.sh run      # within 30 s of call 1
 #   here:   git reset -q -- drafts gates sweeps data/distill, and remove those exclude lines
 # Files under $OUT (at most 8 come back): env.txt, rows.txt (benchmarks/row_invariance.py: which kernels are
-# row-invariant on that GPU), check.txt (benchmarks/static_step_check.py), bench.md and bench.json (`bench
-# static`, each dtype's table printed as it is done), check.log and bench.log. Budget: call 2 at most
-# 40 + CHECK_S (150) + BENCH_S (330) s plus the set-up, then the compile row in what is left of CALL_S (550) s;
-# bf16 runs first. GRAPHS: the step's modes of the main bench (default eager,cudagraph; a CPU dry run:
-# GRAPHS=eager, as cudagraph needs CUDA). A short rerun: ROWS=0, BENCH_FIRST=1, DTYPES, CHECK_S (below).
+# row-invariant on that GPU; ROWS=1), check.txt (benchmarks/static_step_check.py), profile.md
+# (benchmarks/step_profile.py: where a plain step's GPU time goes, ours captured and compiled and the recipe's;
+# PROFILE=1), bench.md and bench.json (`bench static`, each dtype's table printed as it is done), check.log and
+# bench.log. Budget: call 2 at most CHECK_S (150) + PROFILE_S (120) + BENCH_S (230) s plus the set-up, then the
+# compile rows in what is left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench
+# (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA). COMPILE_DRAFTS=1: the compile rows
+# run the drafters too (their device rounds compiled; more compile time). A short rerun: BENCH_FIRST=1, DTYPES,
+# CHECK_S, PROFILE=0 (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -30,13 +33,16 @@ PYBIN=${PYBIN:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/static-check}
 PART=62000000  # bytes of the GGUF in call 1 (the tree, ~4.2 MB, travels with each call: 64 MiB in all)
-BENCH_S=${BENCH_S:-330}
+BENCH_S=${BENCH_S:-230}
 CALL_S=${CALL_S:-550}  # the run's own end (the device call's timeout is 570 s)
 NEW=${NEW_TOKENS:-128}
 PROMPTS=${MAX_PROMPTS:-6}
 DTYPES=${DTYPES:-bf16,fp32}  # the main bench's
 CHECK_S=${CHECK_S:-150}
-ROWS=${ROWS:-1}  # 0: skip benchmarks/row_invariance.py (a rerun that has its output)
+ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's output is in docs/results)
+PROFILE=${PROFILE:-1}  # 0: skip benchmarks/step_profile.py
+PROFILE_S=${PROFILE_S:-120}
+COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
 BENCH_FIRST=${BENCH_FIRST:-0}  # 1: the bench before the check (a short rerun that needs the bench's table most)
 
 case ${1:-} in
@@ -80,28 +86,38 @@ run)
   }
   [ "$ROWS" = 1 ] && timeout 40 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
   [ "$BENCH_FIRST" = 1 ] || check
+  if [ "$PROFILE" = 1 ]; then
+    s=$SECONDS
+    timeout "$PROFILE_S" $PYBIN benchmarks/step_profile.py --device "$DEVICE" --dtype bf16 --steps 20 \
+      > "$OUT/profile.md" 2>> "$OUT/check.log"
+    echo "profile: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
+  fi
   s=$SECONDS
-  # the step eager and in CUDA graphs of its eager kernels (the speculative rows run there), bf16 then fp32;
-  # the dynamic engine's row is left out (issue 42's table has it)
+  # the step in CUDA graphs of its eager kernels (the speculative rows run there; GRAPHS=eager,cudagraph adds
+  # the eager step, measured in docs/results), bf16 then fp32; the dynamic engine's row is left out (issue 42's
+  # table has it)
   timeout "$BENCH_S" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
-    --graphs "${GRAPHS:-eager,cudagraph}" --no-dynamic --dtypes "$DTYPES" \
+    --graphs "${GRAPHS:-cudagraph}" --no-dynamic --dtypes "$DTYPES" \
     --drafts "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer" \
     --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
   echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   [ "$BENCH_FIRST" = 1 ] && check
   # then, in what is left of the call (it must end within CALL_S), plain decoding through torch.compile
-  # (Inductor's fused kernels, CUDA graphs; prefill eager) beside the recipe, bf16 then fp32: appended to
-  # bench.md
+  # (Inductor's fused kernels, CUDA graphs; prefill eager) beside the recipe, bf16 then fp32, and with
+  # COMPILE_DRAFTS=1 the drafters' compiled rounds: appended to bench.md
   left=$((CALL_S - SECONDS))
   if [ "$left" -gt 60 ]; then
     s=$SECONDS
     echo -e "\n### torch.compile (the rest of the call: ${left} s)\n" >> "$OUT/bench.md"
     timeout "$left" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
-      --dtypes "${COMPILE_DTYPES:-bf16,fp32}" --graphs compile --no-dynamic --drafts '' >> "$OUT/bench.md" 2>> "$OUT/bench.log"
+      --dtypes "${COMPILE_DTYPES:-bf16,fp32}" --graphs compile --no-dynamic \
+      --drafts "$([ "$COMPILE_DRAFTS" = 1 ] && echo "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer")" \
+      >> "$OUT/bench.md" 2>> "$OUT/bench.log"
     echo "bench compile: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   fi
   tail -c 20000 "$OUT/bench.log" > "$OUT/bench.log.tail" && mv "$OUT/bench.log.tail" "$OUT/bench.log"
   cat "$OUT/env.txt" "$OUT/check.txt" "$OUT/bench.md"
+  if [ -f "$OUT/profile.md" ]; then cat "$OUT/profile.md"; fi
   if [ -f "$OUT/rows.txt" ]; then cat "$OUT/rows.txt"; fi
   ;;
 *)

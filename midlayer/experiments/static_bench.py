@@ -75,18 +75,27 @@ class HFRecipe:
         return {self.cache_kw: self.cache, **({"cache_position": pos} if self.with_pos else {})}
 
     @torch.no_grad()
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """A new sequence: `ids` through the eager model into the reset cache; the greedy next token [1, 1]."""
+        self.cache.reset()
+        x = torch.tensor([ids], device=self.dev)
+        logits = self.hf(input_ids=x, use_cache=True, **self._kw(self.positions[:len(ids)])).logits[:, -1]
+        return logits.argmax(-1, keepdim=True)
+
+    @torch.no_grad()
+    def next(self, tok: torch.Tensor, pos: int) -> torch.Tensor:
+        """One compiled step: token `tok` [1, 1] at position `pos`; the greedy next token [1, 1] (on the device)."""
+        return self.step(tok, self.positions[pos:pos + 1]).argmax(-1, keepdim=True)
+
     def run(self, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
         """(new tokens, decode seconds per token after the first)."""
-        self.cache.reset()
         P = len(ids)
-        x = torch.tensor([ids], device=self.dev)
-        logits = self.hf(input_ids=x, use_cache=True, **self._kw(self.positions[:P])).logits[:, -1]
-        tok = logits.argmax(-1, keepdim=True)
+        tok = self.prefill(ids)
         out = [tok]
         _sync(self.dev)
         t = time.perf_counter()
         for i in range(new_tokens - 1):
-            tok = self.step(tok, self.positions[P + i:P + i + 1]).argmax(-1, keepdim=True)
+            tok = self.next(tok, P + i)
             out.append(tok)
         _sync(self.dev)
         dt = time.perf_counter() - t
