@@ -17,8 +17,8 @@
 #   here:   git reset -q -- drafts gates sweeps data/distill, and remove those exclude lines
 # Files under $OUT (at most 8 come back): env.txt, rows.txt (benchmarks/row_invariance.py: which kernels are
 # row-invariant on that GPU; ROWS=1), check.txt (benchmarks/static_step_check.py), profile.md
-# (benchmarks/step_profile.py: where a plain step's GPU time goes, ours captured and compiled and the recipe's;
-# PROFILE=1), bench.md and bench.json (`bench static`, each dtype's table printed as it is done), check.log and
+# (benchmarks/step_profile.py: where a plain step's GPU time goes, ours eager, captured and compiled and the
+# recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench static`, each dtype's table printed as it is done), check.log and
 # bench.log. Budget: call 2 at most CHECK_S (150) + PROFILE_S (120) + BENCH_S (230) s plus the set-up, then the
 # compile rows in what is left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench
 # (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA). COMPILE_DRAFTS=1: the compile rows
@@ -89,7 +89,7 @@ run)
   if [ "$PROFILE" = 1 ]; then
     s=$SECONDS
     timeout "$PROFILE_S" $PYBIN benchmarks/step_profile.py --device "$DEVICE" --dtype bf16 --steps 20 \
-      > "$OUT/profile.md" 2>> "$OUT/check.log"
+      --drafts "eagle=$DR/eagle,hidden-transfer=$DR/hidden-transfer" > "$OUT/profile.md" 2>> "$OUT/check.log"
     echo "profile: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   fi
   s=$SECONDS
