@@ -121,11 +121,11 @@ def profile_rounds(model, drafter, tree, ids: list[int], graphs: str, short: int
     dev = model.tok_embeddings.weight.device
     st = DecodeStep(model, max_len=len(ids) + long + any_round_slots(len(tree), fused_steps(drafter)), graphs=graphs)
     runs = {}
-    for n in (long, short, long):  # (the first: every round shape captured / compiled)
+    for n in (long, short, long, short, long):  # (the first: every round shape captured; then the best of two)
         box = {}
         s = wall_s(lambda: box.update(r=static_speculative_generate(model, ids, drafter, tree, n, step=st)), dev)
         out, stats = box["r"]
-        runs[n] = (s, stats.base_forwards, len(out))
+        runs[n] = (min(s, runs[n][0]) if n in runs else s, stats.base_forwards, len(out))
     (s1, r1, _), (s2, r2, n2) = runs[short], runs[long]
     rounds = max(r2 - r1, 1)
     ks = kernels(lambda: static_speculative_generate(model, ids, drafter, tree, short, step=st), dev)
@@ -179,22 +179,25 @@ def main() -> None:
           f"prompt; {args.steps} steps timed, then {args.steps} profiled\n")
     unit = "kernels" if dev.type == "cuda" else "aten ops (self CPU time)"
     lines = []
-    for n in names:  # each engine's table as it is done (a run cut short keeps what it finished)
+    mode = "cudagraph" if dev.type == "cuda" else "eager"
+    methods = static_methods(model, dict(x.split("=", 1) for x in entries), 24)
+    # each table as it is done (a run cut short keeps what it finished); the compile, the slowest to build, last
+    for n in [n for n in names if n != "compile"] + ["drafts"] + [n for n in names if n == "compile"]:
+        if n == "drafts":
+            for label, (drafter, tree) in methods.items():
+                with torch.no_grad():
+                    wall, tau, ks = profile_rounds(model, drafter, tree, ids, mode, 16, 16 + args.steps * 2)
+                print(f"{label} ({len(tree)} nodes), device rounds in {mode}: tau {tau:.2f}, "
+                      f"{wall / tau:.2f} ms/token\n")
+                print(table(f"{label} round", wall, ks, args.top, unit, "round"), flush=True)
+            continue
         with torch.no_grad():
             wall, ks = profile_engine(stepper(n, model, hf_cpu, ids, max_len), dev, args.steps)
         text = table(n, wall, ks, args.top, unit, "step")
         lines.append(text.splitlines()[2])
         print(text, flush=True)
     print(f"All engines\n\n| engine | wall ms/step | {unit} per step | their time, ms/step | wall / their time |\n"
-          "|---|---|---|---|---|\n" + "\n".join(lines) + "\n", flush=True)
-    drafts = dict(x.split("=", 1) for x in entries)
-    mode = "cudagraph" if dev.type == "cuda" else "eager"
-    for label, (drafter, tree) in static_methods(model, drafts, 24).items():
-        with torch.no_grad():
-            wall, tau, ks = profile_rounds(model, drafter, tree, ids, mode, 16, 16 + args.steps * 2)
-        print(f"{label} ({len(tree)} nodes), device rounds in {mode}: tau {tau:.2f}, {wall / tau:.2f} ms/token\n")
-        print(table(f"{label} round", wall, ks, args.top, unit, "round"), flush=True)
-
+          "|---|---|---|---|---|\n" + "\n".join(lines))
 
 if __name__ == "__main__":
     main()

@@ -829,3 +829,27 @@ def test_probing_a_step_with_hidden_transfer_attached_keeps_its_rounds_whole(mod
         runs.append(static_speculative_generate(model, prompt, drafter, TREES[1], 30, step=step))
     assert runs[0][0] == runs[1][0] == static_generate(model, [prompt], GenerationConfig(max_new_tokens=30))[0]
     assert runs[0][1].accept_hist == runs[1][1].accept_hist
+
+
+def test_verification_rounds_are_kept_per_transfer(models, monkeypatch):
+    """Rounds of hidden transfer's fused pass and rounds without one, alternating on one step (a benchmark's
+    rows, prompt after prompt), are each captured once: a capture bakes in the joins it ran, so `_runner` keys
+    verification rounds by the transfer. (They used to be dropped at every switch, so on a GPU each timed
+    generation of hidden transfer began by capturing its rounds again.) Every output stays plain greedy output."""
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+
+    model = models["fp32"]
+    prompt = _prompts()[1]
+    plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=30))[0]
+    drafters = (HiddenTransferDrafter(model, _transfer([1, 1, 2], False)), NoisyOracle(prompt + plain, V))
+    step = DecodeStep(model, max_len=200)
+    captured = []
+    capture = DecodeStep.capture
+    monkeypatch.setattr(DecodeStep, "capture", lambda self, fn: (captured.append(fn), capture(self, fn))[1])
+    before = None
+    for _ in range(2):
+        for drafter in drafters:  # (drafted on the host: every round through the step's own verify runner)
+            out, _ = static_speculative_generate(model, prompt, drafter, TREES[1], 30, step=step, device_rounds=False)
+            assert out == plain
+        before = len(captured) if before is None else before
+    assert len(captured) == before > 0

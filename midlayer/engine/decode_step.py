@@ -371,7 +371,8 @@ class DecodeStep:
         self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
         self.cur_slots = slots
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
-        self.cur_join = None if self.transfer is None or join_src is None else (join_src, join_step)
+        # (join_src first: a plain forward never reads the transfer, so a compiled one does not guard on it)
+        self.cur_join = None if join_src is None or self.transfer is None else (join_src, join_step)
         h = m.run_blocks(m.embed(tokens, positions), self._block, stop=stop, run=run)
         return h if stop is not None else self._join(m.cfg.n_layers, h)  # rows that join after the last block
 
@@ -484,15 +485,16 @@ class DecodeStep:
 
     def attach(self, drafter) -> None:
         """Run hidden transfer's fused pass in this step's verification rounds (`verify(fused=True)`): the
-        drafter's maps and the blocks where each step's rows join. Captured rounds are rebuilt for another."""
+        drafter's maps and the blocks where each step's rows join. Captured rounds are kept per transfer."""
         self._use_transfer(drafter.transfer)
 
     def _use_transfer(self, transfer) -> None:
         """The transfer whose joins the verification rounds run (None: none). A captured or compiled round
-        bakes in the joins it ran, so the rounds are rebuilt when it changes."""
+        bakes in the joins it ran, so `_runner` keys verification rounds by the transfer: switching between
+        drafters (a benchmark's rows, prompt after prompt) replays what each captured instead of capturing it
+        again inside a timed generation. Plain forwards never read it (`blocks`)."""
         if transfer is not self.transfer:
             self.transfer, self.join_at = transfer, {} if transfer is None else transfer.steps_at(transfer.k)
-            self._runners = {k: v for k, v in self._runners.items() if k[0] != "verify"}
 
     def verify_round(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                      vis: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, real: torch.Tensor,
@@ -544,7 +546,8 @@ class DecodeStep:
     def _runner(self, kind: str, N: int, tree_rows: int = 0, head_rows: int = 0):
         """The callable that runs `kind` ("forward" / "verify") at bucket N (and, for "verify", with the first
         `tree_rows` rows the tree's and the LM head over the first `head_rows`), per `graphs`."""
-        key = (kind, N, tree_rows, head_rows)
+        # (the transfer object itself, not its id: a key that holds it cannot outlive it and match another)
+        key = (kind, N, tree_rows, head_rows, self.transfer if kind == "verify" else None)
         fn = self._runners.get(key)
         if fn is None:
             base = self.forward if kind == "forward" else functools.partial(
@@ -841,7 +844,7 @@ class DecodeStep:
                     return False
         finally:
             self.reset()
-            self._use_transfer(transfer)  # (rounds captured without its joins are not kept)
+            self._use_transfer(transfer)
         return True
 
     def _random_kv(self, g: torch.Generator, n: int) -> list[torch.Tensor]:
