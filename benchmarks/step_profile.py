@@ -117,7 +117,8 @@ def profile_rounds(model, drafter, tree, ids: list[int], graphs: str, short: int
     """(wall ms a round, tau, {kernel: (calls, us) a round}) of `drafter`'s device rounds on `tree` through the
     step in mode `graphs`: the difference between a generation of `long` and one of `short` new tokens, over
     the rounds between them, so that the prefill, the drafter's pass over the prompt and the first round cancel
-    (greedy: the short run's rounds are the long run's first ones)."""
+    (greedy: the short run's rounds are the long run's first ones). The wall times are the best of two; the
+    kernels come from one profiled run of each (noisier)."""
     dev = model.tok_embeddings.weight.device
     st = DecodeStep(model, max_len=len(ids) + long + any_round_slots(len(tree), fused_steps(drafter)), graphs=graphs)
     runs = {}
@@ -126,13 +127,13 @@ def profile_rounds(model, drafter, tree, ids: list[int], graphs: str, short: int
         s = wall_s(lambda: box.update(r=static_speculative_generate(model, ids, drafter, tree, n, step=st)), dev)
         out, stats = box["r"]
         runs[n] = (min(s, runs[n][0]) if n in runs else s, stats.base_forwards, len(out))
-    (s1, r1, _), (s2, r2, n2) = runs[short], runs[long]
+    (s1, r1, n1), (s2, r2, n2) = runs[short], runs[long]
     rounds = max(r2 - r1, 1)
     ks = kernels(lambda: static_speculative_generate(model, ids, drafter, tree, short, step=st), dev)
     kl = kernels(lambda: static_speculative_generate(model, ids, drafter, tree, long, step=st), dev)
     diff = {k: ((c - ks.get(k, (0, 0.0))[0]) / rounds, (us - ks.get(k, (0, 0.0))[1]) / rounds)
             for k, (c, us) in kl.items()}
-    return 1e3 * (s2 - s1) / rounds, n2 / max(r2, 1), {k: v for k, v in diff.items() if v[1] > 0}
+    return 1e3 * (s2 - s1) / rounds, (n2 - n1) / rounds, {k: v for k, v in diff.items() if v[1] > 0}
 
 
 def table(label: str, wall: float, ks: dict[str, tuple[float, float]], top: int, unit: str, per: str) -> str:

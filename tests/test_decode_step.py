@@ -5,6 +5,7 @@ lossless: speculative output equals plain output token for token, in fp32 and in
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -832,20 +833,33 @@ def test_probing_a_step_with_hidden_transfer_attached_keeps_its_rounds_whole(mod
 
 
 def test_verification_rounds_are_kept_per_transfer(models, monkeypatch):
-    """Rounds of hidden transfer's fused pass and rounds without one, alternating on one step (a benchmark's
-    rows, prompt after prompt), are each captured once: a capture bakes in the joins it ran, so `_runner` keys
-    verification rounds by the transfer. (They used to be dropped at every switch, so on a GPU each timed
-    generation of hidden transfer began by capturing its rounds again.) Every output stays plain greedy output."""
+    """Two fused passes of the same layout (two transfers), alternating on one step as a benchmark's rows do,
+    prompt after prompt: each one's rounds are captured once, and a round only ever runs under the transfer it
+    was captured with (a capture bakes in the joins it ran, so `_runner` keys verification rounds by the
+    transfer). They used to be dropped at every switch, so on a GPU each timed generation of hidden transfer
+    began by capturing its rounds again. Every output stays plain greedy output."""
     from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
 
     model = models["fp32"]
     prompt = _prompts()[1]
     plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=30))[0]
-    drafters = (HiddenTransferDrafter(model, _transfer([1, 1, 2], False)), NoisyOracle(prompt + plain, V))
+    drafters = tuple(HiddenTransferDrafter(model, _transfer([1, 1, 2], False, seed)) for seed in (0, 1))
     step = DecodeStep(model, max_len=200)
     captured = []
     capture = DecodeStep.capture
-    monkeypatch.setattr(DecodeStep, "capture", lambda self, fn: (captured.append(fn), capture(self, fn))[1])
+
+    def spy(self, fn):  # a round's runner must only ever run under the transfer it was captured with
+        at, inner = self.transfer, capture(self, fn)
+        captured.append(fn)
+        if not isinstance(fn, functools.partial):  # (a plain forward: no joins, any transfer)
+            return inner
+
+        def run(*args, **kw):
+            assert self.transfer is at
+            return inner(*args, **kw)
+        return run
+
+    monkeypatch.setattr(DecodeStep, "capture", spy)
     before = None
     for _ in range(2):
         for drafter in drafters:  # (drafted on the host: every round through the step's own verify runner)
@@ -853,3 +867,11 @@ def test_verification_rounds_are_kept_per_transfer(models, monkeypatch):
             assert out == plain
         before = len(captured) if before is None else before
     assert len(captured) == before > 0
+    # a transfer moved (new weights' addresses) is a new key: its rounds are captured anew, not replayed
+    drafters[0].transfer.to(torch.float64).to(torch.float32)
+    static_speculative_generate(model, prompt, drafters[0], TREES[1], 30, step=step, device_rounds=False)
+    assert len(captured) > before
+    # a third transfer: the rounds kept are those of the last two only (each captured round holds memory)
+    third = HiddenTransferDrafter(model, _transfer([1, 1, 2], False, 2))
+    static_speculative_generate(model, prompt, third, TREES[1], 30, step=step, device_rounds=False)
+    assert {k[-1][0] for k in step._runners if k[0] == "verify"} == {drafters[0].transfer, third.transfer}

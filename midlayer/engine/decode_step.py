@@ -106,6 +106,16 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     return memo[key]
 
 
+def _transfer_key(transfer) -> tuple | None:
+    """What a captured verification round baked in of hidden transfer's fused pass: the transfer itself (held,
+    so that its id cannot be reused by another), its steps and layers, and its weights' addresses (a transfer
+    moved by `.to()` has new ones, which a captured graph would not read). None: no transfer."""
+    if transfer is None:
+        return None
+    return (transfer, transfer.k, tuple(transfer.layers), transfer.masked,
+            tuple(p.data_ptr() for p in transfer.parameters()))
+
+
 def round_layout(n_nodes: int, k: int, buckets: Sequence[int]) -> tuple[int, int, int]:
     """(T, N, head_rows) of a verification round over n_nodes nodes with k steps of hidden transfer's pseudo
     rows: T tree rows (the root, the nodes, padding) in a bucket of N rows, of which the LM head reads the
@@ -315,6 +325,7 @@ class DecodeStep:
         self.tap: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------- the step
+    @torch.no_grad()  # (inference only; `attend` writes its GEMMs with out=, which autograd refuses)
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                 path: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, join_src: torch.Tensor | None = None,
                 join_step: torch.Tensor | None = None, head_rows: int | None = None
@@ -338,6 +349,7 @@ class DecodeStep:
         m = self.model
         return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
 
+    @torch.no_grad()
     def blocks(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                path_slots: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, join_src: torch.Tensor | None = None,
                join_step: torch.Tensor | None = None, *, stop: int | None = None, run=None) -> torch.Tensor:
@@ -457,7 +469,7 @@ class DecodeStep:
                 torch.bmm(p_win[i, j].view(B * c * Hk, rep, W), v_win[i, j].view(B * c * Hk, W, d), out=win[i, j])
         out = (win.view(*chunked, Hk, rep, d).transpose(1, 2)
                + res.view(G, B, Hk, nc, c, rep, d).permute(0, 1, 3, 4, 2, 5, 6))  # [G, B, nc, c, Hk, rep, d]
-        out = out.transpose(0, 1).reshape(B, N, H * d)  # (a copy only when G > 1 and B > 1)
+        out = out.transpose(0, 1).reshape(B, N, H * d)  # (a copy only when B > 1 and G or the chunks are > 1)
         if self.tap is not None and layer is not None:
             self.tap[layer, :, :N].copy_(out)
         return out.to(q.dtype).view(B, N, H, d).transpose(1, 2)
@@ -494,6 +506,10 @@ class DecodeStep:
         drafters (a benchmark's rows, prompt after prompt) replays what each captured instead of capturing it
         again inside a timed generation. Plain forwards never read it (`blocks`)."""
         if transfer is not self.transfer:
+            # keep the rounds of this transfer and of the one it replaces (a benchmark alternates two), no more:
+            # each captured round holds a memory pool, and a drafter made per prompt would pile them up
+            keep = {_transfer_key(transfer), _transfer_key(self.transfer)}
+            self._runners = {k: v for k, v in self._runners.items() if k[0] != "verify" or k[-1] in keep}
             self.transfer, self.join_at = transfer, {} if transfer is None else transfer.steps_at(transfer.k)
 
     def verify_round(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
@@ -546,8 +562,7 @@ class DecodeStep:
     def _runner(self, kind: str, N: int, tree_rows: int = 0, head_rows: int = 0):
         """The callable that runs `kind` ("forward" / "verify") at bucket N (and, for "verify", with the first
         `tree_rows` rows the tree's and the LM head over the first `head_rows`), per `graphs`."""
-        # (the transfer object itself, not its id: a key that holds it cannot outlive it and match another)
-        key = (kind, N, tree_rows, head_rows, self.transfer if kind == "verify" else None)
+        key = (kind, N, tree_rows, head_rows, _transfer_key(self.transfer) if kind == "verify" else None)
         fn = self._runners.get(key)
         if fn is None:
             base = self.forward if kind == "forward" else functools.partial(

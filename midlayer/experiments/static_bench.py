@@ -87,6 +87,7 @@ class HFRecipe:
         """One compiled step: token `tok` [1, 1] at position `pos`; the greedy next token [1, 1] (on the device)."""
         return self.step(tok, self.positions[pos:pos + 1]).argmax(-1, keepdim=True)
 
+    @torch.no_grad()
     def run(self, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
         """(new tokens, decode seconds per token after the first)."""
         P = len(ids)
