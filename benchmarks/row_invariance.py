@@ -1,7 +1,8 @@
 """Which PyTorch kernels give a row the same bits whatever shares its forward (issue 42; docs/results/
 static-step.md): the fp32 GEMMs of the static step's attention by bucket, an fp32/bf16 GEMM at row counts
 M = 1..256 and at each place in the batch, SDPA over a fixed key length, and the same attention with one key
-moved to another slot (a tree node's ancestor that is not adjacent). Prints one line per case: the M (and places) whose row differs from the reference.
+moved to another slot (a tree node's ancestor that is not adjacent). Prints one line per case: the M (and
+places) whose row differs from the reference.
 
     python benchmarks/row_invariance.py [--device cuda]
 """

@@ -1,8 +1,8 @@
 """Where one plain decode step's time goes (issue 42), engine by engine, from torch.profiler: our static step
 eager and captured in CUDA graphs, our static step through torch.compile (Inductor, CUDA graphs), and
-transformers' StaticCache + compiled-step recipe, all on SmolLM2-135M (fused projections, as `bench static` runs it) after
-the same held-out prompt. Per engine it prints the step's wall time (timed without the profiler), the kernels
-a step runs, their summed GPU time, and the kernels that take the most of it.
+transformers' StaticCache + compiled-step recipe, all on SmolLM2-135M (fused projections, as `bench static`
+runs it) after the same held-out prompt. Per engine it prints the step's wall time (timed without the
+profiler), the kernels a step runs, their summed GPU time, and the kernels that take the most of it.
 
 Why: on an H200 our captured step took 4.32 ms for ~890 kernels in bf16, the recipe 1.54 ms, and our
 compiled step 2.92 (docs/results/static-step.md). Whether the gap is the count of kernels (the gaps between

@@ -18,9 +18,10 @@
 # Files under $OUT (at most 8 come back): env.txt, rows.txt (benchmarks/row_invariance.py: which kernels are
 # row-invariant on that GPU; ROWS=1), check.txt (benchmarks/static_step_check.py), profile.md
 # (benchmarks/step_profile.py: where a plain step's GPU time goes, ours eager, captured and compiled and the
-# recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench static`, each dtype's table printed as it is done), check.log and
-# bench.log. Budget: call 2 at most CHECK_S (150) + PROFILE_S (120) + BENCH_S (230) s plus the set-up, then the
-# compile rows in what is left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench
+# recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench
+# static`, each dtype's table printed as it is done), check.log and bench.log (8 with ROWS=1). Budget: call 2
+# at most CHECK_S (150) + PROFILE_S (120) + BENCH_S (230) s plus the set-up, then the compile rows in what is
+# left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench
 # (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA). COMPILE_DRAFTS=1: the compile rows
 # run the drafters too (their device rounds compiled; more compile time). A short rerun: BENCH_FIRST=1, DTYPES,
 # CHECK_S, PROFILE=0 (below).
@@ -109,9 +110,10 @@ run)
   if [ "$left" -gt 60 ]; then
     s=$SECONDS
     echo -e "\n### torch.compile (the rest of the call: ${left} s)\n" >> "$OUT/bench.md"
+    cdrafts=""
+    [ "$COMPILE_DRAFTS" = 1 ] && cdrafts="eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer"
     timeout "$left" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
-      --dtypes "${COMPILE_DTYPES:-bf16,fp32}" --graphs compile --no-dynamic \
-      --drafts "$([ "$COMPILE_DRAFTS" = 1 ] && echo "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer")" \
+      --dtypes "${COMPILE_DTYPES:-bf16,fp32}" --graphs compile --no-dynamic --drafts "$cdrafts" \
       >> "$OUT/bench.md" 2>> "$OUT/bench.log"
     echo "bench compile: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   fi

@@ -24,12 +24,12 @@ Row invariance. A row's logits then depend on its token, its position and the ke
 on its place in the bucket, if every kernel reduces a row in the same order at every bucket size. Measured
 on an AMD EPYC with AVX-512 (torch 2.13 CPU, 2 threads): an fp32 GEMM gives a row the same bits at every M
 that is a multiple of 8, but not between M = 1 (a GEMV), 2-3 and 4-7. So plain decoding runs in the
-smallest bucket (8 rows; 32 under the grouped candidate below) and gets the bits of verification, and so
+smallest bucket (8 rows; 1 in q4; 32 under the grouped candidate below) and gets the bits of verification, and so
 does the attention's split (`attend`), as long as both use the same buckets (its window is the largest). In
 the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks its kernel by M
 (split-K for small M), so a row may differ between buckets. What holds is measured, not assumed:
-`buckets="auto"` takes the first of STEP_CANDIDATES (the buckets 8 .. 256; 32 .. 256 with the attention's
-GEMMs in fixed groups, ATTN_ROWS; then the single bucket 256, where no kernel choice can depend on M)
+`buckets="auto"` takes the first of STEP_CANDIDATES (the buckets 1, 8 .. 256; 8 .. 256; 32 .. 256 with the
+attention's GEMMs in fixed groups, ATTN_ROWS; then the single bucket 256, where no kernel choice can depend on M)
 that the probe `DecodeStep.row_invariant` passes at the step's own cache size and in its mode
 (`invariant_buckets`), once per model, size, mode and process, and `DecodeStep.invariant` says whether one
 did. The probe runs forwards and verification rounds against plain decoding, and compares the logits and the
@@ -68,11 +68,14 @@ ATTN_ROWS = 32
 # other bits from 64 rows up (192 products and more; benchmarks/row_invariance.py, issue 42), not up to 32.
 WINDOW_ROWS = 32
 # (buckets, attn_rows) tried in order by `invariant_buckets`, the cheapest first: several sizes with one GEMM
-# each (plain decoding pays for the smallest, 8 rows); several sizes from ATTN_ROWS up with attention in
+# each, plain decoding in one row (where every kernel gives a row at M = 1 its bits at M = 8: the q4 format's;
+# on an AMD EPYC it made the q4 static step's plain decoding 1.1-1.4x faster than in 8 rows), then from 8 rows
+# (a CPU's fp32 GEMV at one row rounds otherwise); several sizes from ATTN_ROWS up with attention in
 # groups (at batch 1 a linear's cost is reading its weights, the same for 32 rows as for 8: reasoned, not
 # measured); one size for every forward (no kernel choice can then depend on M).
 STEP_CANDIDATES: tuple[tuple[tuple[int, ...], int | None], ...] = (
-    ((8, 16, 32, 64, 128, 256), None), ((32, 64, 128, 256), ATTN_ROWS), ((256,), None))
+    ((1, 8, 16, 32, 64, 128, 256), None), ((8, 16, 32, 64, 128, 256), None), ((32, 64, 128, 256), ATTN_ROWS),
+    ((256,), None))
 BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(b for b, _ in STEP_CANDIDATES))
 # W of `DecodeStep.attend`: every row of a forward lies within W - 1 positions of the forward's first slot (a
 # prompt chunk has at most W rows; a tree's depth plus hidden transfer's steps stay below W).
@@ -416,8 +419,9 @@ class DecodeStep:
         rows ordered (row, head in the group), and the scores and the weighted sum below s0 are one GEMM per
         group: with attn_rows set, every bucket runs them in one shape, so a BLAS that picks its kernel by the
         row count M cannot give a row other bits in another bucket. The window's products run in chunks of at
-        most WINDOW_ROWS rows (an H200's batched GEMM changed kernel by the count of products, issue 42). The softmax, the gathers and the masks run once over all groups
-        (row-wise or elementwise kernels: exact at any row count). `layer`: where the probe's tap (`tap`)
+        most WINDOW_ROWS rows (an H200's batched GEMM changed kernel by the count of products, issue 42). The
+        softmax, the gathers and the masks run once over all groups (row-wise or elementwise kernels: exact at
+        any row count). `layer`: where the probe's tap (`tap`)
         records the fp32 result. Returns [B, H, N, d] (a view of [B, N, H, d], the layout the output
         projection reads)."""
         B, H, N, d = q.shape
@@ -733,10 +737,11 @@ class DecodeStep:
     @torch.no_grad()
     def row_invariant(self, n_probe: int = 3, seed: int = 0) -> bool:
         """Whether a row's logits, and its fp32 attention at every layer (`_tap`), are the same bits in every
-        bucket and at every place in it: a probe over random tokens, with random keys and values committed in every slot before the row's (restores
-        nothing: call before use, or `reset` after). Every slot, because a kernel that splits the reduction over
-        the keys (split-K) rounds differently only where more than one of its parts holds nonzero terms: with
-        8 committed keys and zeros after them, as this probe had, such a split is invisible. Places: the row at
+        bucket and at every place in it: a probe over random tokens, with random keys and values committed in
+        every slot before the row's (restores nothing: call before use, or `reset` after). Every slot, because a
+        kernel that splits the reduction over the keys (split-K) rounds differently only where more than one of
+        its parts holds nonzero terms: with 8 committed keys and zeros after them, as this probe had, such a
+        split is invisible. Places: the row at
         the start, middle and end of each bucket beside random padding rows, then N copies of it filling the
         bucket (every place at once). Then, at batch 1, verification rounds against plain decoding in every
         bucket (`_rounds_match_plain`); a step of several sequences (batch > 1) runs no rounds, so its verdict
