@@ -871,7 +871,9 @@ def test_verification_rounds_are_kept_per_transfer(models, monkeypatch):
         before = len(captured) if before is None else before
     assert len(captured) == before > 0
     # a transfer moved (new weights' addresses) is a new key: its rounds are captured anew, not replayed
+    held = [p.data for p in drafters[0].transfer.parameters()]  # (alive: the moved weights cannot reuse them)
     drafters[0].transfer.to(torch.float64).to(torch.float32)
+    assert all(p.data_ptr() != h.data_ptr() for p, h in zip(drafters[0].transfer.parameters(), held))
     static_speculative_generate(model, prompt, drafters[0], TREES[1], 30, step=step, device_rounds=False)
     assert len(captured) > before
     # a third transfer: the rounds kept are those of the last two only (each captured round holds memory)

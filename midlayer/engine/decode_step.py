@@ -111,12 +111,12 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
 
 def _transfer_key(transfer) -> tuple | None:
     """What a captured verification round baked in of hidden transfer's fused pass: the transfer itself (held,
-    so that its id cannot be reused by another), its steps and layers, and its weights' addresses (a transfer
-    moved by `.to()` has new ones, which a captured graph would not read). None: no transfer."""
+    so that its id cannot be reused by another), its steps and layers, and its weights' addresses and dtypes
+    (a transfer moved by `.to()` has new ones, which a captured graph would not read). None: no transfer."""
     if transfer is None:
         return None
     return (transfer, transfer.k, tuple(transfer.layers), transfer.masked,
-            tuple(p.data_ptr() for p in transfer.parameters()))
+            tuple((p.data_ptr(), p.dtype) for p in transfer.parameters()))
 
 
 def round_layout(n_nodes: int, k: int, buckets: Sequence[int]) -> tuple[int, int, int]:
