@@ -20,7 +20,7 @@
 # (benchmarks/step_profile.py: where a plain step's GPU time goes, ours eager, captured and compiled and the
 # recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench
 # static`, each dtype's table printed as it is done), check.log and bench.log (8 with ROWS=1). Budget: call 2
-# at most CHECK_S (150) + PROFILE_S (120) + BENCH_S (230) s plus the set-up, then the compile rows in what is
+# at most CHECK_S (150) + PROFILE_S (150) + BENCH_S (200) s plus the set-up, then the compile rows in what is
 # left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench
 # (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA). COMPILE_DRAFTS=1: the compile rows
 # run the drafters too (their device rounds compiled; more compile time). A short rerun: BENCH_FIRST=1, DTYPES,
@@ -34,7 +34,7 @@ PYBIN=${PYBIN:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/static-check}
 PART=62000000  # bytes of the GGUF in call 1 (the tree, ~4.2 MB, travels with each call: 64 MiB in all)
-BENCH_S=${BENCH_S:-230}
+BENCH_S=${BENCH_S:-200}
 CALL_S=${CALL_S:-550}  # the run's own end (the device call's timeout is 570 s)
 NEW=${NEW_TOKENS:-128}
 PROMPTS=${MAX_PROMPTS:-6}
@@ -42,7 +42,7 @@ DTYPES=${DTYPES:-bf16,fp32}  # the main bench's
 CHECK_S=${CHECK_S:-150}
 ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's output is in docs/results)
 PROFILE=${PROFILE:-1}  # 0: skip benchmarks/step_profile.py
-PROFILE_S=${PROFILE_S:-120}
+PROFILE_S=${PROFILE_S:-150}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
 BENCH_FIRST=${BENCH_FIRST:-0}  # 1: the bench before the check (a short rerun that needs the bench's table most)
 
