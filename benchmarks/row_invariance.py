@@ -71,13 +71,13 @@ def attention_gemms(dev: torch.device) -> None:
     p = torch.softmax(torch.randn(Hk, rep * 256, S, generator=g), -1).to(dev)
     for name, a, b in (("scores", q, k.transpose(1, 2)), ("weighted sum", p, v)):
         ref = torch.bmm(a[:, :rep * 8].contiguous(), b)[:, :rep]
-        bad = [N for N in (16, 32, 64, 128, 256)
+        bad = [N for N in (1, 16, 32, 64, 128, 256)
                if not torch.equal(torch.bmm(a[:, :rep * N].contiguous(), b)[:, :rep], ref)]
         print(f"fp32 attention {name} over {S} slots: row 0 as in a bucket of 8 rows; buckets that differ: {bad}")
     pw = torch.softmax(torch.randn(256 * Hk, rep, W, generator=g), -1).to(dev)
     vw = torch.randn(256 * Hk, W, d, generator=g).to(dev)
     ref = torch.bmm(pw[:8 * Hk], vw[:8 * Hk])[:Hk]
-    bad = [N for N in (16, 32, 64, 128, 256) if not torch.equal(torch.bmm(pw[:N * Hk], vw[:N * Hk])[:Hk], ref)]
+    bad = [N for N in (1, 16, 32, 64, 128, 256) if not torch.equal(torch.bmm(pw[:N * Hk], vw[:N * Hk])[:Hk], ref)]
     print(f"fp32 attention window ({W} keys), one product per row and kv head: row 0 as in a bucket of 8 rows; "
           f"buckets that differ: {bad}")
 
