@@ -36,17 +36,12 @@ from midlayer.engine.decode_step import DecodeStep, any_round_slots  # noqa: E40
 from midlayer.engine.pretrained import load_pretrained, resolve_pretrained  # noqa: E402
 from midlayer.engine.quantization import fuse_projections  # noqa: E402
 from midlayer.experiments.bench import heldout_chats, load_hf_same_weights  # noqa: E402
-from midlayer.experiments.static_bench import DTYPES, HFRecipe, machine_lines, static_methods  # noqa: E402
+from midlayer.experiments.static_bench import DTYPES, HFRecipe, _sync, machine_lines, static_methods  # noqa: E402
 from midlayer.speculative.static import fused_steps, static_speculative_generate  # noqa: E402
 
 # eager first: its kernels are the captured step's, each launched from the host, so their summed time is the
 # captured step's kernel time even where a profiler shows a graph's replay as one launch
 ENGINES = ("eager", "cudagraph", "compile", "recipe")
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def stepper(name: str, model, hf_cpu, ids: list[int], max_len: int):

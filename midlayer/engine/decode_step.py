@@ -421,9 +421,8 @@ class DecodeStep:
         row count M cannot give a row other bits in another bucket. The window's products run in chunks of at
         most WINDOW_ROWS rows (an H200's batched GEMM changed kernel by the count of products, issue 42). The
         softmax, the gathers and the masks run once over all groups (row-wise or elementwise kernels: exact at
-        any row count). `layer`: where the probe's tap (`tap`)
-        records the fp32 result. Returns [B, H, N, d] (a view of [B, N, H, d], the layout the output
-        projection reads)."""
+        any row count). `layer`: where the probe's tap (`tap`) records the fp32 result. Returns [B, H, N, d] (a
+        view of [B, N, H, d], the layout the output projection reads)."""
         B, H, N, d = q.shape
         Hk, S = kl.shape[1], kl.shape[2]
         rep, W = H // Hk, self.window
@@ -741,11 +740,10 @@ class DecodeStep:
         every slot before the row's (restores nothing: call before use, or `reset` after). Every slot, because a
         kernel that splits the reduction over the keys (split-K) rounds differently only where more than one of
         its parts holds nonzero terms: with 8 committed keys and zeros after them, as this probe had, such a
-        split is invisible. Places: the row at
-        the start, middle and end of each bucket beside random padding rows, then N copies of it filling the
-        bucket (every place at once). Then, at batch 1, verification rounds against plain decoding in every
-        bucket (`_rounds_match_plain`); a step of several sequences (batch > 1) runs no rounds, so its verdict
-        covers forwards alone."""
+        split is invisible. Places: the row at the start, middle and end of each bucket beside random padding
+        rows, then N copies of it filling the bucket (every place at once). Then, at batch 1, verification
+        rounds against plain decoding in every bucket (`_rounds_match_plain`); a step of several sequences
+        (batch > 1) runs no rounds, so its verdict covers forwards alone."""
         g = torch.Generator().manual_seed(seed)
         self._tap(True)
         try:

@@ -82,9 +82,9 @@ class HFRecipe:
         logits = self.hf(input_ids=x, use_cache=True, **self._kw(self.positions[:len(ids)])).logits[:, -1]
         return logits.argmax(-1, keepdim=True)
 
-    @torch.no_grad()
     def next(self, tok: torch.Tensor, pos: int) -> torch.Tensor:
-        """One compiled step: token `tok` [1, 1] at position `pos`; the greedy next token [1, 1] (on the device)."""
+        """One compiled step: token `tok` [1, 1] at position `pos`; the greedy next token [1, 1] (on the device).
+        Call it under torch.no_grad(), as `run` does: a grad-mode switch per token would sit in the timed loop."""
         return self.step(tok, self.positions[pos:pos + 1]).argmax(-1, keepdim=True)
 
     @torch.no_grad()
