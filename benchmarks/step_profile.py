@@ -62,8 +62,7 @@ def stepper(name: str, model, hf_cpu, ids: list[int], max_len: int):
         state = {"tok": torch.tensor([ids[-1]], device=dev), "pos": P}
 
         def one() -> None:
-            logits, _ = st.decode(state["tok"], state["pos"])
-            state["tok"] = logits.argmax(-1)
+            state["tok"] = st.greedy(state["tok"], state["pos"])
             state["pos"] += 1
     for _ in range(3):  # capture / compile, then settle
         one()

@@ -112,11 +112,15 @@ run)
     echo -e "\n### torch.compile (the rest of the call: ${left} s)\n" >> "$OUT/bench.md"
     cdrafts=""
     [ "$COMPILE_DRAFTS" = 1 ] && cdrafts="eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer"
-    timeout "$left" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
+    # (TORCH_LOGS: why Inductor ran a graph without CUDA graphs, if it did; and any recompile)
+    TORCH_LOGS="cudagraphs,recompiles" timeout "$left" $PYBIN -m midlayer bench static --device "$DEVICE" \
+      --new-tokens "$NEW" --max-prompts "$PROMPTS" \
       --dtypes "${COMPILE_DTYPES:-bf16,fp32}" --graphs compile --no-dynamic --drafts "$cdrafts" \
       >> "$OUT/bench.md" 2>> "$OUT/bench.log"
     echo "bench compile: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   fi
+  { echo "cudagraph skips and recompiles (bench.log):"; grep -i "skipping cudagraph\|recompil" "$OUT/bench.log" \
+      | cut -c1-300 | sort | uniq -c | head -20; } >> "$OUT/env.txt"
   tail -c 20000 "$OUT/bench.log" > "$OUT/bench.log.tail" && mv "$OUT/bench.log.tail" "$OUT/bench.log"
   cat "$OUT/env.txt" "$OUT/check.txt" "$OUT/bench.md"
   if [ -f "$OUT/profile.md" ]; then cat "$OUT/profile.md"; fi

@@ -221,6 +221,49 @@ def test_device_rounds_draft_what_the_host_drafts(models, fmt, kind):
         assert n > 5 and host[:n] == trees[True][0][:n]
 
 
+@pytest.mark.parametrize("kind", ["plain", "eagle-2", "medusa", "hidden-transfer"])
+def test_run_ahead_gives_the_same_tokens_and_cache(models, kind):
+    """Run-ahead (`DecodeStep.run_ahead`, the default on CUDA) queues the next decode step or device round
+    before it reads the last one's tokens. The tokens and the rounds' stats are those without it; where a stop
+    token ends the generation behind a queued step, that step's commits are undone: the same held slots and
+    the same K/V in them."""
+    from midlayer.speculative.static import DeviceRounds
+
+    model = models["fp32"]
+    drafter = None if kind == "plain" else _drafters(model)[kind]
+    prompt, n = _prompts()[2][:30], 30
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=n))[0]
+    for stop in [(), (ref[9],), (ref[0],)]:
+        res, calls = [], []
+        for ahead in (False, True):
+            st = DecodeStep(model, max_len=len(prompt) + n + 64)
+            st.run_ahead = ahead
+            count = [0]
+            if drafter is None:
+                greedy = st.greedy
+                st.greedy = lambda *a: (count.__setitem__(0, count[0] + 1), greedy(*a))[1]
+                out = static_generate(model, [prompt], GenerationConfig(max_new_tokens=n, stop_tokens=stop),
+                                      step=st)[0]
+                stats = ()
+            else:
+                if kind == "hidden-transfer":
+                    st.attach(drafter)
+                rounds = DeviceRounds.for_step(st, drafter, TREES[1])
+                runner = rounds.runner
+                rounds.runner = lambda *a: (count.__setitem__(0, count[0] + 1), runner(*a))[1]
+                out, s = static_speculative_generate(model, prompt, drafter, TREES[1], n, stop, step=st)
+                stats = (s.base_forwards, s.accept_hist)
+            held = st.held.clone()
+            res.append((out, stats, held, st.k[:, :, :, held[0]].clone()))
+            calls.append(count[0])
+        (out0, stats0, held0, k0), (out1, stats1, held1, k1) = res
+        assert out1 == out0 and stats1 == stats0 and torch.equal(held1, held0) and torch.equal(k1, k0)
+        assert out0 == ref[:len(out0)] and len(out0) == (ref.index(stop[0]) + 1 if stop else n)
+        assert calls[0] > 0 or stop == (ref[0],)  # (hidden transfer's first round, on the host, may end it)
+        if stop and calls[0]:
+            assert calls[1] == calls[0] + 1  # one step or round was queued behind the stop, and undone
+
+
 # ------------------------------------------------------------------------------------ row invariance
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
 def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):

@@ -326,6 +326,9 @@ class DecodeStep:
         self.cur_join: tuple[torch.Tensor, torch.Tensor] | None = None
         # the probe's tap (`_tap`): [L, B, largest bucket, H * d] fp32, each layer's `attend` result, or None
         self.tap: torch.Tensor | None = None
+        # queue a decode step (or round) before reading the last one's tokens (`_greedy_tokens`,
+        # `DeviceRounds.run`): on a GPU the host's work then overlaps the device's; on a CPU nothing would
+        self.run_ahead = dev.type == "cuda"
 
     # ------------------------------------------------------------------------------------- the step
     @torch.no_grad()  # (inference only; `attend` writes its GEMMs with out=, which autograd refuses)
@@ -563,12 +566,12 @@ class DecodeStep:
         return bucket_for(n, self.buckets)
 
     def _runner(self, kind: str, N: int, tree_rows: int = 0, head_rows: int = 0):
-        """The callable that runs `kind` ("forward" / "verify") at bucket N (and, for "verify", with the first
+        """The callable that runs `kind` ("forward" / "decode" / "verify") at bucket N (and, for "verify", with the first
         `tree_rows` rows the tree's and the LM head over the first `head_rows`), per `graphs`."""
         key = (kind, N, tree_rows, head_rows, _transfer_key(self.transfer) if kind == "verify" else None)
         fn = self._runners.get(key)
         if fn is None:
-            base = self.forward if kind == "forward" else functools.partial(
+            base = {"forward": self.forward, "decode": self.decode_fn}.get(kind) or functools.partial(
                 self.verify_round, tree_rows=tree_rows, head_rows=head_rows)
             fn = self._runners[key] = self.capture(base)
         return fn
@@ -640,19 +643,42 @@ class DecodeStep:
             hids.append(hidden[:, :n].clone())
         return torch.cat(outs, 1), torch.cat(hids, 1)
 
+    def decode_fn(self, tokens: torch.Tensor, pos: torch.Tensor, path: torch.Tensor, depth: torch.Tensor,
+                  real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The capturable decode step (`_runner("decode")`): tokens [B] committed at position and slot `pos` (a
+        long scalar) in row 0 of the smallest bucket (path, depth, real: its `_chain(1, N)`), the padding made
+        here, as `_pad` makes it. Returns (logits [B, V], final residual [B, d], the greedy next tokens [B]).
+        The padding, `held` and the argmax run inside, so a captured decode is one replay and no host read."""
+        B, N = tokens.shape[0], real.shape[0]
+        toks = torch.where(real, tokens[:, None], 0)
+        positions = torch.where(real, pos, 0).expand(B, N)
+        slots = torch.where(real, pos, self.scratch).expand(B, N)
+        logits, hidden = self.forward(toks, positions, slots, pos, path, depth, real)
+        self.held.index_fill_(1, pos.view(1), True)
+        logits = logits[:, 0]
+        return logits, hidden[:, 0], logits.argmax(-1)  # (torch's first maximum, as generate's greedy choice)
+
+    def _decode(self, tokens: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not 0 <= pos < self.max_len:
+            raise ValueError(f"position {pos} outside the step's {self.max_len} slots")
+        N = self.buckets[0]
+        # (`slot_ids[pos]`, a view, is the position on the device: a host-made tensor would be a copy to the
+        # device per token, which waits for the GPU's queue to drain)
+        return self._runner("decode", N)(tokens.reshape(self.batch).to(self.device), self.slot_ids[pos],
+                                         *self._chain(1, N))
+
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Commit one token per row, tokens [B] at position and slot `pos`; returns (logits [B, V], hidden
         [B, d]). Runs in the smallest bucket, the step of verification."""
-        if not 0 <= pos < self.max_len:
-            raise ValueError(f"position {pos} outside the step's {self.max_len} slots")
-        N = self.buckets[0]
-        B = tokens.shape[0]
-        idx = torch.full((B, 1), pos, dtype=torch.long, device=self.device)
-        t, p, s = self._pad(tokens.reshape(B, 1).to(self.device), idx, idx, N)
-        logits, hidden = self._runner("forward", N)(t, p, s, self._scalar(pos), *self._chain(1, N))
-        self.held[:, pos] = True
-        return logits[:, 0].clone(), hidden[:, 0].clone()  # (a captured graph's outputs are overwritten)
+        logits, hidden, _ = self._decode(tokens, pos)
+        return logits.clone(), hidden.clone()  # (a captured graph's outputs are overwritten)
+
+    @torch.no_grad()
+    def greedy(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """`decode`, returning only the greedy next tokens [B], on the device: nothing is read to the host, so
+        the caller can queue the next step before it reads this one's token (`static_stream`)."""
+        return self._decode(tokens, pos)[2].clone()
 
     def tree_tensors(self, parent: Sequence[int], depth: Sequence[int], k: int = 0, masked: bool = False
                      ) -> TreeTensors:
@@ -907,20 +933,40 @@ def static_stream(model: Transformer, prompt: Sequence[int], cfg=None, *, step: 
     if budget <= 0:
         return
     st = step_for(model, P + budget, step, **step_kw)
-    gen = None
-    if cfg.temperature > 0:
-        gen = torch.Generator(device=st.device)
-        gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
     logits = st.prefill(torch.tensor([prompt], device=st.device))[0][:, -1]
+    if cfg.temperature == 0:
+        yield from _greedy_tokens(st, logits.argmax(-1), P, budget, cfg.stop_tokens)
+        return
+    gen = torch.Generator(device=st.device)
+    gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
     for i in range(budget):
-        tok = (logits.argmax(-1) if cfg.temperature == 0 else
-               sample_next(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p, gen))
-        t = int(tok[0])  # the step's one host read
+        tok = sample_next(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p, gen)
+        t = int(tok[0])
         yield t
         if t in cfg.stop_tokens or i == budget - 1:
             return
         logits = st.decode(tok, P + i)[0]
 
+
+def _greedy_tokens(st: DecodeStep, tok: torch.Tensor, P: int, budget: int, stop: Sequence[int]) -> Iterator[int]:
+    """Greedy decoding from `tok` [1] (the token at position P, on the device): one host read per token. With
+    `st.run_ahead` the step that decodes token i is queued before token i is read, so on a GPU the host's
+    work for the next step overlaps the running one, as when no token is read at all (the CUDA-graph recipe's
+    loop). The step queued behind a stop token is undone: its slot is released, leaving the cache as without
+    run-ahead. The same steps, so the same tokens."""
+    nxt = None
+    for i in range(budget):
+        last = i == budget - 1
+        if st.run_ahead and not last:
+            nxt = st.greedy(tok, P + i)  # queued before the read below
+        t = int(tok[0])  # the one host read of the step
+        if t in stop or last:
+            if nxt is not None:
+                st.held[:, P + i] = False  # (the queued step committed the stop token; plain decoding does not)
+            yield t
+            return
+        yield t
+        tok = nxt if nxt is not None else st.greedy(tok, P + i)
 
 def static_generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg=None, *,
                     step: DecodeStep | None = None, **step_kw) -> list[list[int]]:

@@ -35,6 +35,7 @@ from midlayer.speculative.tree import DraftTree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RECIPE = "transformers StaticCache + compiled step (CUDA graphs on CUDA)"
+RECIPE_READ = "the recipe, reading each token to the host"
 DEFAULT_DRAFTS = {"eagle": "drafts/smollm2-135m-scale/eagle", "medusa": "drafts/smollm2-135m-scale/medusa",
                   "hidden-transfer": "drafts/smollm2-135m-scale/hidden-transfer"}
 
@@ -88,8 +89,10 @@ class HFRecipe:
         return self.step(tok, self.positions[pos:pos + 1]).argmax(-1, keepdim=True)
 
     @torch.no_grad()
-    def run(self, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
-        """(new tokens, decode seconds per token after the first)."""
+    def run(self, ids: list[int], new_tokens: int, read_each: bool = False) -> tuple[list[int], float]:
+        """(new tokens, decode seconds per token after the first). The recipe's loop reads no token until the
+        end (gpt-fast's); `read_each`: it reads each token to the host as it comes, as a streaming or
+        stop-token check must, and as our plain loop does (one step queued ahead: `DecodeStep.run_ahead`)."""
         P = len(ids)
         tok = self.prefill(ids)
         out = [tok]
@@ -98,6 +101,8 @@ class HFRecipe:
         for i in range(new_tokens - 1):
             tok = self.next(tok, P + i)
             out.append(tok)
+            if read_each:
+                int(out[-2][0, 0])  # the token before: the step just queued keeps the GPU busy meanwhile
         _sync(self.dev)
         dt = time.perf_counter() - t
         return torch.cat(out, 1)[0].tolist(), dt / max(new_tokens - 1, 1)
@@ -175,6 +180,15 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     return result
 
 
+def _cudagraph_skips() -> int:
+    """How many compiled graphs Inductor has run without CUDA graphs so far (under mode="reduce-overhead" a
+    graph it cannot capture, e.g. one mutating an input without a static address, runs kernel by kernel from
+    the host: slow, and silent unless TORCH_LOGS=cudagraphs, which names the reason)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def static_methods(model: Transformer, drafts: dict[str, str], nodes: int) -> dict[str, tuple]:
     """label -> (drafter, tree): a drafter with an expansion width (EAGLE) runs EAGLE-2's dynamic tree of `nodes`
     nodes, the others the `nodes` nodes their held-out accuracies rank first (else a 3-chain)."""
@@ -209,6 +223,7 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
     steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
     spec_step = steps[graphs[-1]]
     hf = None
+    skips = {"recipe": _cudagraph_skips()}
     if hf_cpu is not None:
         try:
             hf = HFRecipe(copy.deepcopy(hf_cpu).to(dev, dtype), max_len)
@@ -216,11 +231,14 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
         except Exception as e:  # the anchor must not cost the rest of the run
             errors[f"{dname} {RECIPE}"] = f"{type(e).__name__}: {e}"
             hf = None
+    skips["midlayer"] = _cudagraph_skips()
+    skips["recipe"] = skips["midlayer"] - skips["recipe"]
     _warm_up(model, steps, spec_step, methods, encoded, errors, dname)
     rows: dict[str, dict] = {}
     for ids in (tqdm(encoded, desc=f"bench static {dname}", unit="prompt") if progress else encoded):
         if hf is not None:
             _add_row(rows, RECIPE, *hf.run(ids, new_tokens))
+            _add_row(rows, RECIPE_READ, *hf.run(ids, new_tokens, read_each=True))
         if dynamic:
             _add_row(rows, "midlayer dynamic (generate)", *_decode_timed(generate_stream_tokens(model, ids, cfg)))
         for g, st in steps.items():
@@ -240,8 +258,9 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
                          len(out), stats.base_forwards)
     if not steps:  # every mode failed (`errors` says why): a table of what did run, without our rows' check
         return dict(rows=_static_rows(rows, []), invariant={}, buckets={})
+    skips["midlayer"] = _cudagraph_skips() - skips["midlayer"]
     ref = graphs[-1] if graphs[-1] in steps else next(iter(steps))  # the speculative rows' mode, where it ran
-    return dict(rows=_static_rows(rows, rows[f"midlayer static, {ref}"]["tokens"]),
+    return dict(rows=_static_rows(rows, rows[f"midlayer static, {ref}"]["tokens"]), cudagraph_skips=skips,
                 invariant={g: st.invariant for g, st in steps.items()},
                 buckets={g: st.buckets for g, st in steps.items()},
                 attn_rows={g: st.attn_rows for g, st in steps.items()})
@@ -323,6 +342,10 @@ def static_table(r: dict, dtypes: Sequence[str] | None = None, header: bool = Tr
             vs = f"{row['vs_recipe']:.2f}x" if row["vs_recipe"] is not None else "-"
             out.append(f"| {row['engine']} | {row['ms_per_token']:.2f} | {vs} | {row['tau']:.2f} | "
                        f"{row['equal_plain']}/{row['n']} |")
+        skipped = {k: n for k, n in t.get("cudagraph_skips", {}).items() if n}
+        if skipped:
+            out.append("torch.compile ran graphs without CUDA graphs (TORCH_LOGS=cudagraphs names why): " +
+                       ", ".join(f"{k} {n}" for k, n in skipped.items()))
         out += [f"failed: {k}: {v[:300]}" for k, v in errors.items()]
         out.append("")
     return "\n".join(out)

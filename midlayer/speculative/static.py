@@ -302,16 +302,30 @@ class DeviceRounds:
         are decoded plainly through the same step (plain decoding's bits: the step is row-invariant where the
         probe passed). Appends to `tokens` and `new` and counts in `stats`."""
         st = self.step
-        ctx = st.model.cfg.max_seq_len
-        state = (st._scalar(tokens[-1]), st._scalar(len(tokens) - 1), *carry)
-        while len(new) < budget and len(tokens) - 1 + self.draft.reach < ctx:
+        ctx, reach = st.model.cfg.max_seq_len, self.draft.reach
+
+        def fits(n_tokens: int, n_new: int) -> bool:  # a round from a text of n_tokens stays inside the context
+            return n_new < budget and n_tokens - 1 + reach < ctx
+
+        def launch(state: tuple) -> tuple:  # (packed, the next state), cloned: a captured round's are overwritten
             out = self.runner(*state)
-            host = out[0].tolist()  # the one read of the round
+            return out[0].clone(), tuple(t.clone() for t in out[1:])
+
+        state = (st._scalar(tokens[-1]), st._scalar(len(tokens) - 1), *carry)
+        queued = None
+        while fits(len(tokens), len(new)):
+            packed, state = queued or launch(state)
+            # run-ahead (`DecodeStep.run_ahead`): queue the next round before this one's read, where it fits
+            # even if this round commits the most a round can (reach + 1 tokens); it is undone if this round ends
+            most = reach + 1
+            queued = launch(state) if st.run_ahead and fits(len(tokens) + most, len(new) + most) else None
+            host = packed.tolist()  # the one read of the round
             got = host[1:1 + host[0]] + [host[-1]]
             tokens += got
             if stats.commit(got, new, stop, budget):
+                if queued is not None:  # its root's slot on: what it committed
+                    st.held[0, len(tokens) - 1:] = False
                 return
-            state = tuple(t.clone() for t in out[1:])  # (a captured round's outputs are overwritten)
         while len(new) < budget:
             logits = st.decode(torch.tensor([tokens[-1]], device=st.device), len(tokens) - 1)[0]
             t = int(logits.argmax(-1)[0])
