@@ -20,7 +20,7 @@
 # (benchmarks/step_profile.py: where a plain step's GPU time goes, ours eager, captured and compiled and the
 # recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench
 # static`, each dtype's table printed as it is done), check.log and bench.log (8 with ROWS=1). Budget: call 2
-# at most CHECK_S (150) + PROFILE_S (150) + BENCH_S (200) s plus the set-up, then the compile rows in what is
+# at most CHECK_S (110) + PROFILE_S (150) + BENCH_S (230) s plus the set-up, then the compile rows in what is
 # left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench
 # (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA). COMPILE_DRAFTS=1: the compile rows
 # run the drafters too (their device rounds compiled; more compile time). A short rerun: BENCH_FIRST=1, DTYPES,
@@ -34,12 +34,13 @@ PYBIN=${PYBIN:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/static-check}
 PART=62000000  # bytes of the GGUF in call 1 (the tree, ~4.2 MB, travels with each call: 64 MiB in all)
-BENCH_S=${BENCH_S:-200}
+BENCH_S=${BENCH_S:-230}
+ALSO_NODES=${ALSO_NODES:-12}  # every drafter also at these tree sizes (device rounds): its best tree
 CALL_S=${CALL_S:-550}  # the run's own end (the device call's timeout is 570 s)
 NEW=${NEW_TOKENS:-128}
 PROMPTS=${MAX_PROMPTS:-6}
 DTYPES=${DTYPES:-bf16,fp32}  # the main bench's
-CHECK_S=${CHECK_S:-150}
+CHECK_S=${CHECK_S:-110}  # (the 41st session's check took 107 s)
 ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's output is in docs/results)
 PROFILE=${PROFILE:-1}  # 0: skip benchmarks/step_profile.py
 PROFILE_S=${PROFILE_S:-150}
@@ -98,7 +99,7 @@ run)
   # the eager step, measured in docs/results), bf16 then fp32; the dynamic engine's row is left out (issue 42's
   # table has it)
   timeout "$BENCH_S" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
-    --graphs "${GRAPHS:-cudagraph}" --no-dynamic --dtypes "$DTYPES" \
+    --graphs "${GRAPHS:-cudagraph}" --no-dynamic --dtypes "$DTYPES" --also-nodes "$ALSO_NODES" \
     --drafts "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer" \
     --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
   echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"

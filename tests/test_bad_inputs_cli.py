@@ -371,6 +371,13 @@ def test_bench_decode_counts(flag, value, work, capsys):
     refused(capsys, ["bench", "decode", "--model", "no-such-model", f"{flag}={value}"], flag, roots=(work,))
 
 
+@pytest.mark.parametrize("value,why", [("12,x", "comma-separated tree sizes"), ("0", "from 1 to 63"),
+                                       ("12,64", "from 1 to 63")])
+def test_bench_static_also_nodes(value, why, work, capsys):
+    refused(capsys, ["bench", "static", "--model", "no-such-model", f"--also-nodes={value}"], "--also-nodes", why,
+            roots=(work,))
+
+
 def test_bench_decode_drafts_and_output(tiny, work, capsys):
     base = ["bench", "decode", "--model", str(tiny[0]), "--layer-skip", ""]
     refused(capsys, [*base, "--drafts", "a=missing/dir"], "--drafts a=missing/dir", roots=(work,))

@@ -92,6 +92,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                                        "hidden-transfer=drafts/smollm2-135m-scale/hidden-transfer",
                    help="comma-separated LABEL=DIR of drafts that draft for the static step ('' = none)")
     b.add_argument("--nodes", type=int, default=24, help="tree nodes (EAGLE: EAGLE-2's dynamic tree)")
+    b.add_argument("--also-nodes", default="", help="comma-separated tree sizes each drafter also runs at, in device "
+                                                  "rounds (a drafter's best tree need not be --nodes')")
     b.add_argument("--new-tokens", type=int, default=128)
     b.add_argument("--max-prompts", type=int, default=7, help="held-out prompts, spread over the categories")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers recipe")
@@ -190,8 +192,14 @@ def check_bench_static_args(args: argparse.Namespace) -> dict:
             raise ValueError(f"--graphs: comma-separated, from {', '.join(GRAPH_MODES)}; got {args.graphs!r}")
         if "cudagraph" in graphs and (dev is None and not _cuda() or dev is not None and dev.type != "cuda"):
             raise ValueError("--graphs cudagraph needs a CUDA device")
+    try:
+        also = tuple(int(x) for x in args.also_nodes.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--also-nodes: comma-separated tree sizes, got {args.also_nodes!r}") from None
+    if any(not 1 <= n <= 63 for n in also):
+        raise ValueError(f"--also-nodes {args.also_nodes}: each from 1 to 63 (as --nodes)")
     kw.update(dtypes=dtypes, graphs=graphs, drafts=label_dirs("--drafts", args.drafts, "a train-draft output"),
-              dynamic=not args.no_dynamic)
+              dynamic=not args.no_dynamic, also_nodes=also)
     return kw
 
 

@@ -145,12 +145,15 @@ def machine_lines(dev: torch.device) -> list[str]:
 def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dtypes: Sequence[str] = ("bf16", "fp32"),
                  drafts: dict[str, str] | None = None, nodes: int = 24, graphs: Sequence[str] | None = None,
                  new_tokens: int = 128, max_prompts: int = 7, compare_transformers: bool = True,
-                 dynamic: bool = True, progress: bool = True, on_table=None) -> dict:
+                 dynamic: bool = True, progress: bool = True, on_table=None, also_nodes: Sequence[int] = ()) -> dict:
     """The rows of the module docstring, per dtype. `graphs`: the step's modes to time (default: eager and
     cudagraph on CUDA, eager on a CPU); speculative rows run in the last of them. `drafts` (label -> a
     train-draft directory; default EAGLE, Medusa and hidden transfer of drafts/smollm2-135m-scale): EAGLE
     runs EAGLE-2's dynamic tree of `nodes` nodes, the others the `nodes` nodes their held-out accuracies rank
-    first (hidden transfer fused: its pseudo rows ride every verification round). `dynamic`:
+    first (hidden transfer fused: its pseudo rows ride every verification round); `also_nodes`: every
+    drafter also at these tree sizes, in device rounds only (the issue asks for each drafter's best tree, and
+    a smaller one may win where a round's cost grows with its rows: hidden transfer's 24-node tree with its
+    3 pseudo blocks is a 128-row round). `dynamic`:
     also time the dynamic engine (`generate`), the path this step replaces on a GPU. `on_table(result,
     dtype)`: called as each dtype's table is done (a run cut short keeps what it finished)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -158,8 +161,9 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     if bad or not dtypes:
         raise ValueError(f"dtypes: choose from {', '.join(DTYPES)}, got {list(dtypes)}")
     graphs = tuple(graphs or (("eager", "cudagraph") if dev.type == "cuda" else ("eager",)))
-    if new_tokens < 2 or max_prompts < 1 or nodes < 1:
-        raise ValueError(f"new_tokens >= 2, max_prompts and nodes >= 1; got {new_tokens}, {max_prompts}, {nodes}")
+    if new_tokens < 2 or max_prompts < 1 or min(nodes, *also_nodes) < 1:
+        raise ValueError(f"new_tokens >= 2, max_prompts and nodes >= 1; got {new_tokens}, {max_prompts}, "
+                         f"{nodes} {tuple(also_nodes)}")
     drafts = DEFAULT_DRAFTS if drafts is None else drafts
     base, tok = load_pretrained(model_name)
     encoded = heldout_chats(tok, max_prompts)
@@ -170,8 +174,8 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     for dname in dtypes:
         # (the fp32 original stays on the CPU); fused as `generate` runs a model (quantization.fuse_projections)
         model: Transformer = fuse_projections(copy.deepcopy(base).to(dev, DTYPES[dname]).eval())
-        result["tables"][dname] = _bench_dtype(model, dname, drafts, nodes, graphs, encoded, new_tokens, hf_cpu,
-                                               dynamic, progress, errors)
+        result["tables"][dname] = _bench_dtype(model, dname, drafts, (nodes, *also_nodes), graphs, encoded,
+                                               new_tokens, hf_cpu, dynamic, progress, errors)
         if on_table is not None:
             on_table(result, dname)
         del model
@@ -210,15 +214,19 @@ def static_methods(model: Transformer, drafts: dict[str, str], nodes: int) -> di
     return methods
 
 
-def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: int, graphs: tuple[str, ...],
+def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: tuple[int, ...],
+                 graphs: tuple[str, ...],
                  encoded: list[list[int]], new_tokens: int, hf_cpu, dynamic: bool, progress: bool,
                  errors: dict[str, str]) -> dict:
     """One dtype's table: the steps and the recipe built and warmed up, every prompt through every row."""
     dev, dtype = model.tok_embeddings.weight.device, DTYPES[dname]
     cfg = GenerationConfig(max_new_tokens=new_tokens)
-    methods = static_methods(model, drafts, nodes)
+    methods = {}  # "label (n-node tree)" -> (drafter, tree, whether its host-drafted reference row runs too)
+    for n in dict.fromkeys(sizes):
+        methods.update({f"{label} ({len(tree)}-node tree)": (drafter, tree, n == sizes[0])
+                        for label, (drafter, tree) in static_methods(model, drafts, n).items()})
     # the committed text, then the largest round of any drafter under any bucket set the probe may choose
-    rounds = [any_round_slots(len(t), fused_steps(d)) for d, t in methods.values()]
+    rounds = [any_round_slots(len(t), fused_steps(d)) for d, t, _ in methods.values()]
     max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
     steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
     spec_step = steps[graphs[-1]]
@@ -243,8 +251,8 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
             _add_row(rows, "midlayer dynamic (generate)", *_decode_timed(generate_stream_tokens(model, ids, cfg)))
         for g, st in steps.items():
             _add_row(rows, f"midlayer static, {g}", *_decode_timed(static_stream(model, ids, cfg, step=st)))
-        for label, (drafter, tree) in methods.items():
-            for on_device in round_kinds(spec_step, drafter, tree):
+        for name, (drafter, tree, reference) in methods.items():
+            for on_device in _kinds(spec_step, drafter, tree, reference):
                 pre = _prefill_s(spec_step, ids[:-1]) if len(ids) > 1 else 0.0
                 _sync(dev)
                 t = time.perf_counter()
@@ -254,7 +262,7 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], nodes: 
                 dt = time.perf_counter() - t - pre
                 # its rounds make every new token (plain decoding's first comes with its prefill)
                 kind = "device rounds" if on_device else "drafted on the host"
-                _add_row(rows, f"{label} ({len(tree)}-node tree), {kind}, static {graphs[-1]}", out, dt / len(out),
+                _add_row(rows, f"{name}, {kind}, static {graphs[-1]}", out, dt / len(out),
                          len(out), stats.base_forwards)
     if not steps:  # every mode failed (`errors` says why): a table of what did run, without our rows' check
         return dict(rows=_static_rows(rows, []), invariant={}, buckets={})
@@ -286,13 +294,20 @@ def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: Decode
                 for label in methods:
                     errors[f"{dname} {label}"] = f"not run: the step's {g} mode failed"
                 methods.clear()
-    for label, (drafter, tree) in list(methods.items()):
+    for label, (drafter, tree, reference) in list(methods.items()):
         try:
-            for on_device in round_kinds(spec_step, drafter, tree):
+            for on_device in _kinds(spec_step, drafter, tree, reference):
                 static_speculative_generate(model, warm, drafter, tree, 8, step=spec_step, device_rounds=on_device)
         except Exception as e:  # one drafter's failure costs its row only
             errors[f"{dname} {label}"] = f"{type(e).__name__}: {e}"
             del methods[label]
+
+
+def _kinds(step: DecodeStep, drafter, tree: DraftTree, reference: bool) -> tuple[bool, ...]:
+    """The `device_rounds` values a drafter's rows run: `round_kinds`, less the host-drafted reference where
+    `reference` is off (the extra tree sizes)."""
+    kinds = round_kinds(step, drafter, tree)
+    return kinds if reference or kinds == (False,) else (True,)
 
 
 def _add_row(rows: dict[str, dict], name: str, toks: list[int], s_per_tok: float, counted: int | None = None,
