@@ -36,7 +36,8 @@ from midlayer.engine.decode_step import DecodeStep, any_round_slots  # noqa: E40
 from midlayer.engine.pretrained import load_pretrained, resolve_pretrained  # noqa: E402
 from midlayer.engine.quantization import fuse_projections  # noqa: E402
 from midlayer.experiments.bench import heldout_chats, load_hf_same_weights  # noqa: E402
-from midlayer.experiments.static_bench import DTYPES, HFRecipe, _sync, machine_lines, static_methods  # noqa: E402
+from midlayer.common import device_sync  # noqa: E402
+from midlayer.experiments.static_bench import DTYPES, HFRecipe, machine_lines, static_methods  # noqa: E402
 from midlayer.speculative.static import fused_steps, static_speculative_generate  # noqa: E402
 
 # eager first: its kernels are the captured step's, each launched from the host, so their summed time is the
@@ -66,7 +67,7 @@ def stepper(name: str, model, hf_cpu, ids: list[int], max_len: int):
             state["pos"] += 1
     for _ in range(3):  # capture / compile, then settle
         one()
-    _sync(dev)
+    device_sync(dev)
     return one
 
 
@@ -75,7 +76,7 @@ def kernels(fn, dev: torch.device) -> dict[str, tuple[int, float]]:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
         fn()
-        _sync(dev)
+        device_sync(dev)
     out = {}
     for e in prof.key_averages():
         on_gpu = dev.type == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA
@@ -88,10 +89,10 @@ def kernels(fn, dev: torch.device) -> dict[str, tuple[int, float]]:
 
 
 def wall_s(fn, dev: torch.device) -> float:
-    _sync(dev)
+    device_sync(dev)
     t = time.perf_counter()
     fn()
-    _sync(dev)
+    device_sync(dev)
     return time.perf_counter() - t
 
 

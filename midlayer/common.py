@@ -74,6 +74,13 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA runs them asynchronously: a timer must time them, not their
+    launch); nothing elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """A config's dtype name ("auto", "float32", "bfloat16") on `device`: auto is bf16 on CUDA, fp32 elsewhere."""
     if name == "auto":

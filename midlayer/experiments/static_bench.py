@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from midlayer.common import device_sync
 from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, static_stream
 from midlayer.engine.generate import generate_stream, GenerationConfig
 from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
@@ -38,11 +39,6 @@ RECIPE = "transformers StaticCache + compiled step (CUDA graphs on CUDA)"
 RECIPE_READ = "the recipe, reading each token to the host"
 DEFAULT_DRAFTS = {"eagle": "drafts/smollm2-135m-scale/eagle", "medusa": "drafts/smollm2-135m-scale/medusa",
                   "hidden-transfer": "drafts/smollm2-135m-scale/hidden-transfer"}
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 class HFRecipe:
@@ -96,14 +92,14 @@ class HFRecipe:
         P = len(ids)
         tok = self.prefill(ids)
         out = [tok]
-        _sync(self.dev)
+        device_sync(self.dev)
         t = time.perf_counter()
         for i in range(new_tokens - 1):
             tok = self.next(tok, P + i)
             out.append(tok)
             if read_each:
                 int(out[-2][0, 0])  # the token before: the step just queued keeps the GPU busy meanwhile
-        _sync(self.dev)
+        device_sync(self.dev)
         dt = time.perf_counter() - t
         return torch.cat(out, 1)[0].tolist(), dt / max(new_tokens - 1, 1)
 
@@ -120,10 +116,10 @@ def _decode_timed(stream) -> tuple[list[int], float]:
 def _prefill_s(step: DecodeStep, ids: list[int]) -> float:
     """Seconds the step's prefill of `ids` takes (the part a speculative call spends before its rounds)."""
     step.reset()
-    _sync(step.device)
+    device_sync(step.device)
     t = time.perf_counter()
     step.prefill(torch.tensor([ids], device=step.device))
-    _sync(step.device)
+    device_sync(step.device)
     dt = time.perf_counter() - t
     step.reset()
     return dt
@@ -254,11 +250,11 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
         for name, (drafter, tree, reference) in methods.items():
             for on_device in _kinds(spec_step, drafter, tree, reference):
                 pre = _prefill_s(spec_step, ids[:-1]) if len(ids) > 1 else 0.0
-                _sync(dev)
+                device_sync(dev)
                 t = time.perf_counter()
                 out, stats = static_speculative_generate(model, ids, drafter, tree, new_tokens, step=spec_step,
                                                          device_rounds=on_device)
-                _sync(dev)
+                device_sync(dev)
                 dt = time.perf_counter() - t - pre
                 # its rounds make every new token (plain decoding's first comes with its prefill)
                 kind = "device rounds" if on_device else "drafted on the host"

@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from midlayer.common import atomic_write, cache_dir
+from midlayer.common import atomic_write, cache_dir, device_sync
 from midlayer.engine.draft_vocab import draft_vocab
 from midlayer.engine.generate import forward_cached, generate_stream, GenerationConfig
 from midlayer.model.kv_cache import KVCache, kv_dtype
@@ -306,24 +306,24 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
         for rep in range(repeats + 1):  # the first pass warms up
             for T in rows:
                 cache.truncate(context)
-                _sync(dev)
+                device_sync(dev)
                 t0 = timer()
                 forward_cached(model, ids[:, context:context + T], cache,
                                torch.arange(context, context + T, device=dev)[None])
-                _sync(dev)
+                device_sync(dev)
                 t1 = timer()
                 model.output(model.norm(h[:, :T]))
-                _sync(dev)
+                device_sync(dev)
                 t2 = timer()
                 if rep:
                     total[T].append(1e3 * (t1 - t0))
                     head[T].append(1e3 * (t2 - t1))
             cache.truncate(context)
             cache.reserve(1)
-            _sync(dev)
+            device_sync(dev)
             t0 = timer()
             run_blocks_cached(model, ids[:, context:context + 1], pos1, cache, context, None, lambda b: True, 1)
-            _sync(dev)
+            device_sync(dev)
             if rep:
                 one_block.append(1e3 * (timer() - t0))
     tot = tuple(statistics.median(total[T]) for T in rows)
@@ -332,11 +332,6 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
     blocks1 = RowCosts._interp(rows, blocks, 1)
     call = min(max(statistics.median(one_block) - blocks1 / cfg.n_layers, 0.0), blocks[0])
     return RowCosts(tuple(rows), tot, hd, cfg.n_layers, call)
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":  # kernels run asynchronously: time them, not their launch
-        torch.cuda.synchronize(dev)
 
 
 def _cache_file() -> Path:
