@@ -221,18 +221,19 @@ def test_device_rounds_draft_what_the_host_drafts(models, fmt, kind):
         assert n > 5 and host[:n] == trees[True][0][:n]
 
 
-@pytest.mark.parametrize("kind", ["plain", "eagle-2", "medusa", "hidden-transfer"])
+@pytest.mark.parametrize("kind", ["plain", "sampling", "eagle-2", "medusa", "hidden-transfer"])
 def test_run_ahead_gives_the_same_tokens_and_cache(models, kind):
-    """Run-ahead (`DecodeStep.run_ahead`, the default on CUDA) queues the next decode step or device round
-    before it reads the last one's tokens. The tokens and the rounds' stats are those without it; where a stop
+    """Run-ahead (`DecodeStep.run_ahead`, the default on CUDA) queues the next decode step (greedy or sampled)
+    or device round before it reads the last one's tokens. The tokens and the rounds' stats are those without it; where a stop
     token ends the generation behind a queued step, that step's commits are undone: the same held slots and
     the same K/V in them."""
     from midlayer.speculative.static import DeviceRounds
 
     model = models["fp32"]
-    drafter = None if kind == "plain" else _drafters(model)[kind]
+    drafter = _drafters(model)[kind] if kind in DEVICE_KINDS else None
     prompt, n = _prompts()[2][:30], 30
-    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=n))[0]
+    sampling = dict(temperature=0.8, seed=5) if kind == "sampling" else {}
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=n, **sampling))[0]
     for stop in [(), (ref[9],), (ref[0],)]:
         res, calls = [], []
         for ahead in (False, True):
@@ -240,10 +241,11 @@ def test_run_ahead_gives_the_same_tokens_and_cache(models, kind):
             st.run_ahead = ahead
             count = [0]
             if drafter is None:
-                greedy = st.greedy
-                st.greedy = lambda *a: (count.__setitem__(0, count[0] + 1), greedy(*a))[1]
-                out = static_generate(model, [prompt], GenerationConfig(max_new_tokens=n, stop_tokens=stop),
-                                      step=st)[0]
+                name = "decode" if sampling else "greedy"
+                fn = getattr(st, name)
+                setattr(st, name, lambda *a: (count.__setitem__(0, count[0] + 1), fn(*a))[1])
+                out = static_generate(model, [prompt], GenerationConfig(max_new_tokens=n, stop_tokens=stop,
+                                                                        **sampling), step=st)[0]
                 stats = ()
             else:
                 if kind == "hidden-transfer":

@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -935,30 +935,31 @@ def static_stream(model: Transformer, prompt: Sequence[int], cfg=None, *, step: 
     st = step_for(model, P + budget, step, **step_kw)
     logits = st.prefill(torch.tensor([prompt], device=st.device))[0][:, -1]
     if cfg.temperature == 0:
-        yield from _greedy_tokens(st, logits.argmax(-1), P, budget, cfg.stop_tokens)
+        yield from _tokens(st, logits.argmax(-1), P, budget, cfg.stop_tokens, st.greedy)
         return
     gen = torch.Generator(device=st.device)
     gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
-    for i in range(budget):
-        tok = sample_next(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p, gen)
-        t = int(tok[0])
-        yield t
-        if t in cfg.stop_tokens or i == budget - 1:
-            return
-        logits = st.decode(tok, P + i)[0]
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:  # (on the device: no host read)
+        return sample_next(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p, gen)
+
+    yield from _tokens(st, sample(logits), P, budget, cfg.stop_tokens, lambda t, pos: sample(st.decode(t, pos)[0]))
 
 
-def _greedy_tokens(st: DecodeStep, tok: torch.Tensor, P: int, budget: int, stop: Sequence[int]) -> Iterator[int]:
-    """Greedy decoding from `tok` [1] (the token at position P, on the device): one host read per token. With
-    `st.run_ahead` the step that decodes token i is queued before token i is read, so on a GPU the host's
-    work for the next step overlaps the running one, as when no token is read at all (the CUDA-graph recipe's
-    loop). The step queued behind a stop token is undone: its slot is released, leaving the cache as without
-    run-ahead. The same steps, so the same tokens."""
+def _tokens(st: DecodeStep, tok: torch.Tensor, P: int, budget: int, stop: Sequence[int],
+            step: Callable[[torch.Tensor, int], torch.Tensor]) -> Iterator[int]:
+    """Decoding from `tok` [1] (the token at position P, on the device), `step(tok, pos)` giving the next token
+    on the device (greedy: `DecodeStep.greedy`; sampling: a draw from `decode`'s logits): one host read per
+    token. With `st.run_ahead` the step that decodes token i is queued before token i is read, so on a GPU the
+    host's work for the next step overlaps the running one, as when no token is read at all (the CUDA-graph
+    recipe's loop). The step queued behind a stop token is undone: its slot is released, leaving the cache as
+    without run-ahead (a sampler's generator, local to the call, has then drawn once more). The same steps, so
+    the same tokens."""
     nxt = None
     for i in range(budget):
         last = i == budget - 1
         if st.run_ahead and not last:
-            nxt = st.greedy(tok, P + i)  # queued before the read below
+            nxt = step(tok, P + i)  # queued before the read below
         t = int(tok[0])  # the one host read of the step
         if t in stop or last:
             if nxt is not None:
@@ -966,7 +967,8 @@ def _greedy_tokens(st: DecodeStep, tok: torch.Tensor, P: int, budget: int, stop:
             yield t
             return
         yield t
-        tok = nxt if nxt is not None else st.greedy(tok, P + i)
+        tok = nxt if nxt is not None else step(tok, P + i)
+
 
 def static_generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg=None, *,
                     step: DecodeStep | None = None, **step_kw) -> list[list[int]]:
