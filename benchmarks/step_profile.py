@@ -32,7 +32,7 @@ os.environ.setdefault("MIDLAYER_NO_KERNELS", "1")  # (before midlayer loads its 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from midlayer.engine.decode_step import DecodeStep, any_round_slots  # noqa: E402
+from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, invariant_buckets  # noqa: E402
 from midlayer.engine.pretrained import load_pretrained, resolve_pretrained  # noqa: E402
 from midlayer.engine.quantization import fuse_projections  # noqa: E402
 from midlayer.experiments.bench import heldout_chats, load_hf_same_weights  # noqa: E402
@@ -42,7 +42,9 @@ from midlayer.speculative.static import fused_steps, static_speculative_generate
 
 # eager first: its kernels are the captured step's, each launched from the host, so their summed time is the
 # captured step's kernel time even where a profiler shows a graph's replay as one launch
-ENGINES = ("eager", "cudagraph", "compile", "recipe")
+# "cudagraph-torch": the captured step with `attend` in PyTorch ops in buckets 8.. (unprobed), beside the probe's
+# choice, which on CUDA may be the row-attention kernel: the two attentions' cost in one run
+ENGINES = ("eager", "cudagraph", "cudagraph-torch", "compile", "recipe")
 
 
 def stepper(name: str, model, hf_cpu, ids: list[int], max_len: int):
@@ -58,7 +60,8 @@ def stepper(name: str, model, hf_cpu, ids: list[int], max_len: int):
             state["tok"] = hf.next(state["tok"], state["pos"])
             state["pos"] += 1
     else:
-        st = DecodeStep(model, max_len=max_len, graphs=name)
+        kw = dict(buckets=BUCKET_CANDIDATES[1], attention="torch") if name.endswith("-torch") else {}
+        st = DecodeStep(model, max_len=max_len, graphs=name.split("-")[0], **kw)
         st.prefill(torch.tensor([ids], device=dev))
         state = {"tok": torch.tensor([ids[-1]], device=dev), "pos": P}
 
@@ -164,7 +167,7 @@ def main() -> None:
     if wrong:
         ap.error(f"--drafts: LABEL=DIR of a train-draft output each, got {', '.join(wrong)}")
     if dev.type != "cuda":
-        names = [n for n in names if n != "cudagraph"]
+        names = [n for n in names if not n.startswith("cudagraph")]
     base, tok = load_pretrained("smollm2-135m")
     model = fuse_projections(copy.deepcopy(base).to(dev, DTYPES[args.dtype]).eval())
     ids = heldout_chats(tok, 1)[0]
@@ -176,6 +179,9 @@ def main() -> None:
     unit = "kernels" if dev.type == "cuda" else "aten ops (self CPU time)"
     lines = []
     mode = "cudagraph" if dev.type == "cuda" else "eager"
+    buckets, rows, attention, ok = invariant_buckets(model, max_len, mode)  # (the probe's choice; memoised)
+    print(f"the step (probed in {mode} mode): buckets {buckets}, attention {attention}"
+          f"{f' in groups of {rows}' if rows else ''}, row-invariant {ok}\n", flush=True)
     methods = static_methods(model, dict(x.split("=", 1) for x in entries), 24)
     # each table as it is done (a run cut short keeps what it finished); the compile, the slowest to build, last
     for n in [n for n in names if n != "compile"] + ["drafts"] + [n for n in names if n == "compile"]:

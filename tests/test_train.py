@@ -468,8 +468,8 @@ def test_cli_surface_is_frozen():
         ["-h", "--help", *CONFIG, "--model", "--drafts", "--layer-skip", "--tree", "--nodes", "--new-tokens", "--max-prompts",
          "--prompts", "--weights", "--no-transformers", "--output", "--device"])
     assert sorted(o for a in bench["static"]._actions for o in a.option_strings) == sorted(
-        ["-h", "--help", *CONFIG, "--model", "--device", "--dtypes", "--graphs", "--drafts", "--nodes", "--new-tokens",
-         "--max-prompts", "--no-transformers", "--no-dynamic", "--output"])
+        ["-h", "--help", *CONFIG, "--model", "--device", "--dtypes", "--graphs", "--drafts", "--nodes", "--also-nodes",
+         "--new-tokens", "--max-prompts", "--no-transformers", "--no-dynamic", "--output"])
     assert sorted(o for a in bench["gates"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", *CONFIG, "--model", "--gates", "--data", "--static", "--prompts", "--records", "--new-tokens",
          "--weights", "--output"])

@@ -33,7 +33,9 @@ attention's GEMMs in fixed groups, ATTN_ROWS; then the single bucket 256, where 
 that the probe `DecodeStep.row_invariant` passes at the step's own cache size and in its mode
 (`invariant_buckets`), once per model, size, mode and process, and `DecodeStep.invariant` says whether one
 did. The probe runs forwards and verification rounds against plain decoding, and compares the logits and the
-attention's fp32 result at every layer (in bf16 the cast after the attention hides most differences).
+attention's fp32 result at every layer (in bf16 the cast after the attention hides most differences). On
+CUDA with Triton the first candidates attend through one kernel a layer instead of `attend`'s PyTorch ops
+(ops/row_attention.py: each row reduced alone, in position order, so row-invariant by construction).
 
 Acceptance on the device (`verify`): the greedy targets, the longest accepted path, the bonus token and the
 compaction of the accepted rows' K/V to the front are index-tensor operations, and the host reads one small
@@ -47,12 +49,14 @@ ALiBi / T5 biases and mixtures of experts keep the dynamic path (generate.py) an
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 
+from midlayer.ops import row_attention
 from .draft_vocab import head_logits
 from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView, kv_dtype
@@ -67,16 +71,20 @@ ATTN_ROWS = 32
 # GEMM: larger forwards run it in chunks. On an H200 cuBLAS's batched fp32 GEMM of these products gave a row
 # other bits from 64 rows up (192 products and more; benchmarks/row_invariance.py, issue 42), not up to 32.
 WINDOW_ROWS = 32
-# (buckets, attn_rows) tried in order by `invariant_buckets`, the cheapest first: several sizes with one GEMM
-# each, plain decoding in one row (where every kernel gives a row at M = 1 its bits at M = 8: the q4 format's;
-# on an AMD EPYC it made the q4 static step's plain decoding 1.1-1.4x faster than in 8 rows), then from 8 rows
-# (a CPU's fp32 GEMV at one row rounds otherwise); several sizes from ATTN_ROWS up with attention in
-# groups (at batch 1 a linear's cost is reading its weights, the same for 32 rows as for 8: reasoned, not
-# measured); one size for every forward (no kernel choice can then depend on M).
-STEP_CANDIDATES: tuple[tuple[tuple[int, ...], int | None], ...] = (
-    ((1, 8, 16, 32, 64, 128, 256), None), ((8, 16, 32, 64, 128, 256), None), ((32, 64, 128, 256), ATTN_ROWS),
-    ((256,), None))
-BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(b for b, _ in STEP_CANDIDATES))
+# (buckets, attn_rows, attention) tried in order by `invariant_buckets`, the cheapest first. On CUDA with Triton,
+# first the row-attention kernel (ops/row_attention.py: one kernel a layer where `attend`'s PyTorch ops are about
+# 14, and row-invariant by construction) with plain decoding in one row, then from 8 rows. Then `attend` in
+# PyTorch ops: several sizes with one GEMM each, plain decoding in one row (where every kernel gives a row at
+# M = 1 its bits at M = 8: the q4 format's; on an AMD EPYC it made the q4 static step's plain decoding 1.1-1.4x
+# faster than in 8 rows), then from 8 rows (a CPU's fp32 GEMV at one row rounds otherwise); several sizes from
+# ATTN_ROWS up with attention in groups (at batch 1 a linear's cost is reading its weights, the same for 32
+# rows as for 8: reasoned, not measured); one size for every forward (no kernel choice can then depend on M).
+_ALL = (1, 8, 16, 32, 64, 128, 256)
+STEP_CANDIDATES: tuple[tuple[tuple[int, ...], int | None, str], ...] = (
+    (_ALL, None, "triton"), (_ALL[1:], None, "triton"),
+    (_ALL, None, "torch"), (_ALL[1:], None, "torch"), (_ALL[3:], ATTN_ROWS, "torch"), ((256,), None, "torch"))
+BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(c[0] for c in STEP_CANDIDATES))
+ATTENTIONS = ("torch", "triton")  # `DecodeStep.attention`: `attend` in PyTorch ops, or the row-attention kernel
 # W of `DecodeStep.attend`: every row of a forward lies within W - 1 positions of the forward's first slot (a
 # prompt chunk has at most W rows; a tree's depth plus hidden transfer's steps stay below W).
 MAX_TAIL = 64
@@ -85,28 +93,61 @@ _probed: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDiction
 
 
 def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eager"
-                      ) -> tuple[tuple[int, ...], int | None, bool]:
-    """(buckets, attn_rows, row_invariant): the first of STEP_CANDIDATES whose step gives a row the same bits
-    in every bucket and at every place in it, measured on this machine with this model's shapes, dtype and
-    weight format, at a cache of `max_len` slots (a kernel may choose by the key count too: split-K on a GPU);
-    once per model, size, mode and process (`DecodeStep.row_invariant` is the probe). When none passes: the
-    last candidate, and False (speculative output may then differ from plain output at near-ties).
+                      ) -> tuple[tuple[int, ...], int | None, str, bool]:
+    """(buckets, attn_rows, attention, row_invariant): the first of STEP_CANDIDATES whose step gives a row the
+    same bits in every bucket and at every place in it, measured on this machine with this model's shapes,
+    dtype and weight format, at a cache of `max_len` slots (a kernel may choose by the key count too: split-K
+    on a GPU); once per model, size, mode and process (`DecodeStep.row_invariant` is the probe). When none
+    passes: the last candidate, and False (speculative output may then differ from plain output at near-ties).
+    The row-attention kernel's candidates are tried on CUDA with Triton only (and the q4 format's C kernels
+    attend themselves); one that fails to build is passed over with a warning.
     graphs: the mode the probe runs in. "cudagraph" probes captured graphs: on an H200 in bf16 the eager
     probe passed several buckets and the captured rounds on them still left plain output (issue 42), so a
     captured step is not assumed to replay the eager step's kernel choices. torch.compile's own kernels are not
     probed (a compile per bucket): "compile" probes eagerly."""
     mode = "cudagraph" if graphs == "cudagraph" else "eager"
     memo = _probed.setdefault(model, {})
-    key = (model.tok_embeddings.weight.dtype, str(model.tok_embeddings.weight.device),
-           getattr(model, "weight_format", None), int(max_len), kv_dtype(model), mode)
+    dev = model.tok_embeddings.weight.device
+    key = (model.tok_embeddings.weight.dtype, str(dev), getattr(model, "weight_format", None), int(max_len),
+           kv_dtype(model), mode)
     if key not in memo:
+        kernel = kernel_attention(model)
+        if kernel:  # (the probe compares a row's bits across buckets, not its value: the kernel's value first)
+            try:
+                err = row_attention.self_check(dev, model.tok_embeddings.weight.dtype)
+                why = None if err <= 1e-4 else f"{err:.2e} from the formula"
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+            if why:
+                warnings.warn(f"the row-attention kernel failed here ({why}); the static step attends in PyTorch "
+                              "ops", RuntimeWarning, stacklevel=2)
+                kernel = False
         found = None
-        for cand, rows in STEP_CANDIDATES:
-            if DecodeStep(model, max_len=max_len, buckets=cand, attn_rows=rows, graphs=mode).row_invariant():
-                found = (cand, rows, True)
+        for cand, rows, attention in STEP_CANDIDATES:
+            if attention == "triton" and not kernel:
+                continue
+            try:
+                ok = DecodeStep(model, max_len=max_len, buckets=cand, attn_rows=rows, graphs=mode,
+                                attention=attention).row_invariant()
+            except Exception as e:  # (a kernel Triton cannot build here: the PyTorch attention instead)
+                if attention != "triton":
+                    raise
+                warnings.warn(f"the row-attention kernel failed here ({type(e).__name__}: {e}); the static step "
+                              "attends in PyTorch ops", RuntimeWarning, stacklevel=2)
+                kernel = False
+                continue
+            if ok:
+                found = (cand, rows, attention, True)
                 break
         memo[key] = found or (*STEP_CANDIDATES[-1], False)
     return memo[key]
+
+
+def kernel_attention(model: Transformer) -> bool:
+    """Whether `invariant_buckets` tries the row-attention kernel for `model`: on CUDA, with Triton, and not in
+    the q4 format (whose C kernels attend themselves). On a CPU the kernel would run in Triton's interpreter."""
+    dev = model.tok_embeddings.weight.device
+    return dev.type == "cuda" and row_attention.available() and getattr(model, "weight_format", None) != "q4"
 
 
 def _transfer_key(transfer) -> tuple | None:
@@ -265,7 +306,8 @@ class DecodeStep:
     `verify` are what generation calls."""
 
     def __init__(self, model: Transformer, *, batch: int = 1, max_len: int | None = None,
-                 buckets: Sequence[int] | str = "auto", graphs: str = "eager", attn_rows: int | None = None) -> None:
+                 buckets: Sequence[int] | str = "auto", graphs: str = "eager", attn_rows: int | None = None,
+                 attention: str | None = None) -> None:
         why = unsupported(model)
         if why:
             raise ValueError(f"the static decode step does not run {why}; use the dynamic path (generate.py)")
@@ -275,13 +317,19 @@ class DecodeStep:
         if graphs == "cudagraph" and dev.type != "cuda":
             raise ValueError(f"graphs='cudagraph' needs the model on CUDA, not {dev.type}")
         self.invariant: bool | None = None  # measured row invariance (None: buckets given, not measured)
-        if buckets == "auto" and attn_rows is not None:
-            raise ValueError("attn_rows goes with buckets given; buckets='auto' lets the probe choose both")
-        if buckets == "auto":  # (attn_rows too: the probe chooses both)
-            buckets, attn_rows, self.invariant = invariant_buckets(
+        if buckets == "auto" and (attn_rows is not None or attention is not None):
+            raise ValueError("attn_rows and attention go with buckets given; buckets='auto' lets the probe choose")
+        if buckets == "auto":  # (attn_rows and the attention too: the probe chooses them all)
+            buckets, attn_rows, attention, self.invariant = invariant_buckets(
                 model, model.cfg.max_seq_len if max_len is None else max_len, graphs)
         elif isinstance(buckets, str):
             raise ValueError(f"buckets: 'auto' or a sequence of row counts, got {buckets!r}")
+        attention = attention or "torch"
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+        if attention == "triton" and not row_attention.available(dev):
+            raise ValueError(f"attention='triton': {row_attention.NEEDS}")
+        self.attention = attention
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"buckets must be positive row counts, got {buckets}")
@@ -307,7 +355,7 @@ class DecodeStep:
         self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
-        self.cur_keys = self.cur_kmask = self.cur_split = None
+        self.cur_keys = self.cur_kmask = self.cur_split = self.cur_pos = None
         self._trees: dict[tuple, TreeTensors] = {}
         self._runners: dict[tuple, object] = {}
         self.device_rounds: dict[tuple, tuple] = {}  # speculative.static.DeviceRounds built on this step (memo)
@@ -385,6 +433,7 @@ class DecodeStep:
         below = p < s0[..., None]  # [B, N, S]
         self.cur_split = (below, wpos, keys.gather(2, wpos))  # the window's keys: [B, N, W] slots
         self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
+        self.cur_pos = positions  # (the row-attention kernel reads each row's keys up to its own position)
         self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
         self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
         self.cur_slots = slots
@@ -427,6 +476,11 @@ class DecodeStep:
         any row count). `layer`: where the probe's tap (`tap`) records the fp32 result. Returns [B, H, N, d] (a
         view of [B, N, H, d], the layout the output projection reads)."""
         B, H, N, d = q.shape
+        if self.attention == "triton":  # the same formula as one kernel, each row reduced alone (ops/row_attention.py)
+            out = row_attention.row_attention(q, kl, vl, self.cur_keys, self.cur_kmask, self.cur_pos)
+            if self.tap is not None and layer is not None:
+                self.tap[layer, :, :N].copy_(out.view(B, N, H * d))
+            return out.to(q.dtype).transpose(1, 2)
         Hk, S = kl.shape[1], kl.shape[2]
         rep, W = H // Hk, self.window
         g = self.attn_rows or N

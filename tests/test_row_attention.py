@@ -1,0 +1,131 @@
+"""The row-attention kernel (midlayer/ops/row_attention.py) against the naive formula, its row invariance by
+construction, and the static step attending through it: lossless speculative decoding, and the probe's
+choice. On a CPU the kernel runs in Triton's interpreter (tests/conftest.py); without Triton these skip."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny
+
+pytest.importorskip("triton")
+
+from midlayer.engine import decode_step  # noqa: E402
+from midlayer.engine.decode_step import DecodeStep, invariant_buckets, static_generate  # noqa: E402
+from midlayer.engine.generate import GenerationConfig  # noqa: E402
+from midlayer.engine.quantization import compress_weights  # noqa: E402
+from midlayer.ops.row_attention import reference, row_attention  # noqa: E402
+from midlayer.speculative.static import static_speculative_generate  # noqa: E402
+from midlayer.speculative.tree import DraftTree  # noqa: E402
+
+# the kernel's own tests run where it runs: on CUDA compiled, else interpreted; the step's run on the CPU and
+# need the interpreter (tests/conftest.py sets it where there is no CUDA)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+on_cpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+V = 96
+DIMS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=80, multiple_of=32)
+
+
+def _case(H: int, Hk: int, d: int, dtype: torch.dtype, N: int = 6, S: int = 70, seed: int = 0):
+    """A forward's operands as the step builds them: rows at positions 20..23 (a root and a 3-deep branch
+    whose own keys sit at slots 50.. , not next to the committed text) and padding at position 0; keys
+    in position order through `keys`, the masked ones at -inf."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, N, H, d, generator=g).to(dtype).transpose(1, 2)  # (a view, as `attend` gets it)
+    kl, vl = (torch.randn(1, Hk, S, d, generator=g).to(dtype) for _ in range(2))
+    pos = torch.tensor([[20, 21, 22, 23] + [0] * (N - 4)])
+    keys = torch.arange(S).expand(1, N, S).clone()
+    kmask = torch.full((1, N, S), float("-inf"))
+    for i in range(N):
+        p = int(pos[0, i])
+        kmask[0, i, :p + 1] = 0
+        if i < 4:
+            keys[0, i, 20:p + 1] = torch.arange(50, 50 + p - 19)  # the branch's keys, at the tree's slots
+    return q, kl, vl, keys, kmask, pos
+
+
+@pytest.mark.parametrize("H,Hk,d", [(4, 2, 16), (9, 3, 24), (4, 4, 32)], ids=["gqa", "rep3-d24", "mha"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_kernel_is_the_naive_formula(H, Hk, d, dtype):
+    """softmax(q k^T / sqrt(d) + mask) v over each row's keys in position order, in fp32 from the operands'
+    values (bf16 operands are exact in fp32), against the formula in fp64; GQA with a power-of-two and a
+    non-power-of-two group, a head size that is not a power of two, and plain multi-head attention."""
+    q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(H, Hk, d, dtype))
+    out = row_attention(q, kl, vl, keys, kmask, pos)
+    assert out.dtype == torch.float32 and out.shape == (1, 6, H, d)
+    torch.testing.assert_close(out.double(), reference(q, kl, vl, keys, kmask), atol=2e-6, rtol=2e-6)
+
+
+def test_a_rows_bits_depend_on_no_other_row():
+    """A row's result, bit for bit, is the same alone, in a larger forward at another place beside other rows,
+    and with its keys at other slots (plain decoding's adjacent slots against a tree's)."""
+    q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
+    row = 3  # the branch's deepest row: position 23, its last 4 keys at slots 50..53
+    alone = row_attention(q[:, :, row:row + 1], kl, vl, keys[:, row:row + 1], kmask[:, row:row + 1],
+                          pos[:, row:row + 1])[0, 0]
+    order = [5, 1, 3, 0, 2, 4]  # (the row at place 2 of 6, other rows around it)
+    mixed = row_attention(q[:, :, order], kl, vl, keys[:, order], kmask[:, order], pos[:, order])[0, 2]
+    assert torch.equal(alone, mixed)
+    # plain decoding's layout: the same keys and values at slots 20..23 (slot = position)
+    kl2, vl2 = kl.clone(), vl.clone()
+    kl2[:, :, 20:24], vl2[:, :, 20:24] = kl[:, :, 50:54], vl[:, :, 50:54]
+    plain = torch.arange(70, device=DEV).view(1, 1, 70)
+    moved = row_attention(q[:, :, row:row + 1], kl2, vl2, plain, kmask[:, row:row + 1], pos[:, row:row + 1])[0, 0]
+    assert torch.equal(alone, moved)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return compress_weights(make_tiny(DIMS, False), "fp32")
+
+
+@on_cpu
+def test_the_step_attending_through_the_kernel_is_lossless(model):
+    """The static step with attention="triton": the probe passes its buckets, plain decoding through it
+    gives the PyTorch attention's tokens here, and speculative decoding gives plain decoding's tokens
+    exactly, whatever the drafts."""
+    prompt = [(7 * i + 3) % V for i in range(9)]
+    cfg = GenerationConfig(max_new_tokens=12)
+    step = DecodeStep(model, max_len=48, buckets=(8, 16), attention="triton")
+    assert step.row_invariant()
+    ref = static_generate(model, [prompt], cfg, step=step)[0]
+    assert ref == static_generate(model, [prompt], cfg, buckets=(8, 16))[0]  # (the same model: a check of sense)
+    tree = DraftTree.greedy_from_accuracies([[0.6, 0.2], [0.5]], 6)
+    for drafter in (OracleDrafter(prompt + ref, V), NoisyOracle(prompt + ref, V), RandomDrafter(V, 0)):
+        out, stats = static_speculative_generate(model, prompt, drafter, tree, 12, step=step)
+        assert out == ref
+    assert stats.base_forwards > 6  # (the random drafter's rounds: mostly one token each)
+
+
+@on_cpu
+def test_the_probe_tries_the_kernel_first_and_passes_over_a_failure(model, monkeypatch):
+    """Where the kernel is tried (CUDA with Triton), its candidates come first; a kernel that fails to build,
+    or that computes something else than the formula (which the probe, comparing bits across buckets, would
+    not see), is passed over with a warning, and the step attends in PyTorch ops. (On this CPU the kernel is
+    tried by pretending; the failures are stand-ins.)"""
+    m = copy.deepcopy(model)
+    monkeypatch.setattr(decode_step, "kernel_attention", lambda mdl: True)
+    # (STEP_CANDIDATES' order on smaller buckets: the interpreter is slow)
+    monkeypatch.setattr(decode_step, "STEP_CANDIDATES", (((1, 8, 16), None, "triton"), ((8, 16), None, "triton"),
+                                                         ((8, 16), None, "torch")))
+    buckets, rows, attention, ok = invariant_buckets(m, 40)
+    assert ok and attention == "triton" and buckets == (8, 16)  # (this CPU's fp32 GEMV at one row differs)
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel here")
+
+    def wrong(*a, **k):  # row-invariant, so the probe alone would pass it, but not the formula
+        return real(*a, **k) * 1.01
+
+    real = decode_step.row_attention.row_attention
+    for stand_in, why in ((broken, "no kernel here"), (wrong, "from the formula")):
+        m2 = copy.deepcopy(model)
+        monkeypatch.setattr(decode_step.row_attention, "row_attention", stand_in)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert invariant_buckets(m2, 40)[2:] == ("torch", True)
+        assert any("row-attention kernel failed" in str(w.message) and why in str(w.message) for w in caught)
