@@ -20,7 +20,7 @@
 # (benchmarks/step_profile.py: where a plain step's GPU time goes, ours eager, captured and compiled and the
 # recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench
 # static`, each dtype's table printed as it is done), check.log and bench.log (8 with ROWS=1). Budget: call 2
-# at most CHECK_S (110) + PROFILE_S (150) + BENCH_S (230) s plus the set-up, then the compile rows in what is
+# at most CHECK_S (130) + PROFILE_S (150) + BENCH_S (230) s plus the set-up, then the compile rows in what is
 # left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench
 # (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA). COMPILE_DRAFTS=1: the compile rows
 # run the drafters too (their device rounds compiled; more compile time). A short rerun: BENCH_FIRST=1, DTYPES,
@@ -40,7 +40,7 @@ CALL_S=${CALL_S:-550}  # the run's own end (the device call's timeout is 570 s)
 NEW=${NEW_TOKENS:-128}
 PROMPTS=${MAX_PROMPTS:-6}
 DTYPES=${DTYPES:-bf16,fp32}  # the main bench's
-CHECK_S=${CHECK_S:-110}  # (the 41st session's check took 107 s)
+CHECK_S=${CHECK_S:-130}  # (the 41st session's check took 107 s; the kernel's two candidates add to it)
 ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's output is in docs/results)
 PROFILE=${PROFILE:-1}  # 0: skip benchmarks/step_profile.py
 PROFILE_S=${PROFILE_S:-150}
@@ -79,6 +79,7 @@ run)
     nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
     lscpu | grep -E "Model name|^CPU\(s\)"
     $PYBIN -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__)"
+    $PYBIN -c "import triton; print('triton', triton.__version__)" || echo "no triton: the row-attention kernel is not tried"
   } > "$OUT/env.txt" 2>&1
   check() {
     s=$SECONDS

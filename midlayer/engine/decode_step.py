@@ -111,17 +111,20 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     key = (model.tok_embeddings.weight.dtype, str(dev), getattr(model, "weight_format", None), int(max_len),
            kv_dtype(model), mode)
     if key not in memo:
+
+        def unusable(why: str) -> bool:  # the kernel's candidates are passed over, and the user told why
+            warnings.warn(f"the row-attention kernel failed here ({why}); the static step attends in PyTorch ops",
+                          RuntimeWarning, stacklevel=3)
+            return False
+
         kernel = kernel_attention(model)
         if kernel:  # (the probe compares a row's bits across buckets, not its value: the kernel's value first)
             try:
                 err = row_attention.self_check(dev, model.tok_embeddings.weight.dtype)
-                why = None if err <= 1e-4 else f"{err:.2e} from the formula"
+                if err > 1e-4:
+                    kernel = unusable(f"{err:.2e} from the formula")
             except Exception as e:
-                why = f"{type(e).__name__}: {e}"
-            if why:
-                warnings.warn(f"the row-attention kernel failed here ({why}); the static step attends in PyTorch "
-                              "ops", RuntimeWarning, stacklevel=2)
-                kernel = False
+                kernel = unusable(f"{type(e).__name__}: {e}")
         found = None
         for cand, rows, attention in STEP_CANDIDATES:
             if attention == "triton" and not kernel:
@@ -129,12 +132,10 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
             try:
                 ok = DecodeStep(model, max_len=max_len, buckets=cand, attn_rows=rows, graphs=mode,
                                 attention=attention).row_invariant()
-            except Exception as e:  # (a kernel Triton cannot build here: the PyTorch attention instead)
+            except Exception as e:  # (a kernel Triton cannot build or capture here: the PyTorch attention instead)
                 if attention != "triton":
                     raise
-                warnings.warn(f"the row-attention kernel failed here ({type(e).__name__}: {e}); the static step "
-                              "attends in PyTorch ops", RuntimeWarning, stacklevel=2)
-                kernel = False
+                kernel = unusable(f"{type(e).__name__}: {e}")
                 continue
             if ok:
                 found = (cand, rows, attention, True)
