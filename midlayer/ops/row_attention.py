@@ -134,6 +134,27 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
     return float((out.double() - reference(q, kl, vl, keys, kmask)).abs().max())
 
 
+def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64):
+    """The kernel compiled ahead of time for an NVIDIA GPU of compute capability `capability` (80: A100, 90:
+    H100 / H200) with `dtype` operands, by Triton's compiler and the ptxas it ships: no GPU needed, so a CPU
+    machine checks that the kernel builds for the GPUs it is meant for (tests/test_row_attention.py). Returns
+    Triton's compiled kernel (its `asm` holds the PTX and the cubin)."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    t = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    names = list(inspect.signature(_attend_rows).parameters)
+    kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out="*fp32",
+                 scale="fp32", REP="constexpr", D="constexpr", BS="constexpr")
+    const = dict(REP=max(triton_pow2(rep), 2), D=triton_pow2(d), BS=BLOCK_POSITIONS)
+    src = ASTSource(fn=JITFunction(_attend_rows), signature={n: kinds.get(n, "i32") for n in names},
+                    constexprs={(names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32))
+
+
 def triton_pow2(n: int) -> int:
     """The smallest power of two >= n (a Triton block's extent must be one)."""
     return 1 << max(int(n) - 1, 0).bit_length()
