@@ -4,7 +4,7 @@ M = 1..256 and at each place in the batch, SDPA over a fixed key length, and the
 moved to another slot (a tree node's ancestor that is not adjacent). Prints one line per case: the M (and
 places) whose row differs from the reference.
 
-    python benchmarks/row_invariance.py [--device cuda]
+    python benchmarks/row_invariance.py [--device cuda] [--linear-only] [--dtypes fp32] [--blas cublaslt]
 """
 
 from __future__ import annotations
@@ -85,12 +85,26 @@ def attention_gemms(dev: torch.device) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
-    dev = torch.device(ap.parse_args().device)
-    print(f"torch {torch.__version__}, {dev}, {torch.get_num_threads()} threads")
-    attention_gemms(dev)
-    for dtype in (torch.float32, torch.bfloat16):
+    ap.add_argument("--linear-only", action="store_true", help="only the linears' GEMMs (the fp32 question below)")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
+                    help="CUDA: torch.backends.cuda.preferred_blas_library before any GEMM")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[x] for x in args.dtypes.split(",")]
+    # (on an H200 cuBLAS's fp32 GEMM gave a row other bits at every M: does a BLAS without split-K workspace,
+    # CUBLAS_WORKSPACE_CONFIG=:0:0 in the environment, or cuBLASLt keep them? static_check.sh asks both)
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    import os
+    print(f"torch {torch.__version__}, {dev}, {torch.get_num_threads()} threads, BLAS {args.blas or 'default'}, "
+          f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG', '')}")
+    if not args.linear_only:
+        attention_gemms(dev)
+    for dtype in dtypes:
         gemm(dev, dtype)
-        attention(dev, dtype)
+        if not args.linear_only:
+            attention(dev, dtype)
 
 
 if __name__ == "__main__":

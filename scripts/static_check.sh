@@ -19,8 +19,9 @@
 # row-invariant on that GPU; ROWS=1), check.txt (benchmarks/static_step_check.py), profile.md
 # (benchmarks/step_profile.py: where a plain step's GPU time goes, ours eager, captured and compiled and the
 # recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench
-# static`, each dtype's table printed as it is done), check.log and bench.log (8 with ROWS=1). Budget: call 2
-# at most CHECK_S (130) + PROFILE_S (150) + BENCH_S (230) s plus the set-up, then the compile rows in what is
+# static`, each dtype's table printed as it is done), check.log and bench.log, rows-fp32.txt (FP32_ROWS=1: fp32's
+# linears without split-K workspace and through cuBLASLt; 9 files with ROWS=1, one more than come back). Budget: call 2
+# at most CHECK_S (130) + PROFILE_S (130) + BENCH_S (230) s plus the set-up, then the compile rows in what is
 # left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench
 # (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA). COMPILE_DRAFTS=1: the compile rows
 # run the drafters too (their device rounds compiled; more compile time). A short rerun: BENCH_FIRST=1, DTYPES,
@@ -42,8 +43,9 @@ PROMPTS=${MAX_PROMPTS:-6}
 DTYPES=${DTYPES:-bf16,fp32}  # the main bench's
 CHECK_S=${CHECK_S:-130}  # (the 41st session's check took 107 s; the kernel's two candidates add to it)
 ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's output is in docs/results)
+FP32_ROWS=${FP32_ROWS:-1}  # 1: whether fp32's linears keep a row's bits across M in two other BLAS set-ups (~30 s)
 PROFILE=${PROFILE:-1}  # 0: skip benchmarks/step_profile.py
-PROFILE_S=${PROFILE_S:-150}
+PROFILE_S=${PROFILE_S:-130}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
 BENCH_FIRST=${BENCH_FIRST:-0}  # 1: the bench before the check (a short rerun that needs the bench's table most)
 
@@ -88,6 +90,12 @@ run)
     echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   }
   [ "$ROWS" = 1 ] && timeout 40 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
+  if [ "$FP32_ROWS" = 1 ]; then  # fp32's linears without cuBLAS's split-K workspace, and through cuBLASLt
+    CUBLAS_WORKSPACE_CONFIG=:0:0 timeout 30 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" --linear-only \
+      --dtypes fp32 > "$OUT/rows-fp32.txt" 2>&1
+    timeout 30 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" --linear-only --dtypes fp32 --blas cublaslt \
+      >> "$OUT/rows-fp32.txt" 2>&1
+  fi
   [ "$BENCH_FIRST" = 1 ] || check
   if [ "$PROFILE" = 1 ]; then
     s=$SECONDS
