@@ -31,17 +31,31 @@ NEEDS = ("the row-attention kernel needs Triton, and on a CPU Triton's interpret
 BLOCK_POSITIONS = 32  # BS: positions per step of a program's loop (a [rep, BS, d] product lives in registers)
 
 
-try:  # optional: PyTorch's CUDA builds bring it
-    import triton
-    import triton.language as tl
-except Exception:  # (ImportError, or a broken install)
-    triton = tl = None
+# Triton, imported on first need (`_load`: 0.1 s that a CPU run never pays), and the kernel made then, so that
+# torch.compile traces a launch of a JITFunction and nothing else. Under TRITON_INTERPRET=1 `triton.jit` gives
+# the interpreter's function instead.
+triton = tl = _KERNEL = None
+_loaded = False
+
+
+def _load() -> bool:
+    global triton, tl, _KERNEL, _loaded
+    if not _loaded:
+        _loaded = True
+        try:  # optional: PyTorch's CUDA builds bring it
+            import triton as t
+            import triton.language as lang
+        except Exception:  # (ImportError, or a broken install)
+            return False
+        triton, tl = t, lang
+        _KERNEL = triton.jit(_attend_rows)
+    return tl is not None
 
 
 def available(device: torch.device | None = None) -> bool:
     """Whether the kernel runs here: Triton imports, and for `device` (when given) it runs there (CUDA
     compiled; a CPU only under Triton's interpreter, TRITON_INTERPRET=1 before triton's import)."""
-    if tl is None:
+    if not _load():
         return False
     return device is None or device.type == "cuda" or not isinstance(_KERNEL, triton.runtime.jit.JITFunction)
 
@@ -85,11 +99,6 @@ def _attend_rows(q, k, v, keys, kmask, last, out,
         m = m_new
     tl.store(out + b * sob + n * son + heads[:, None] * soh + dd[None, :], acc / total[:, None],
              mask=rm[:, None] & dm[None, :])
-
-
-# Made at import (Triton compiles on the first launch, per dtype), so that torch.compile traces a launch of a
-# JITFunction and nothing else. Under TRITON_INTERPRET=1 `triton.jit` gives the interpreter's function instead.
-_KERNEL = None if tl is None else triton.jit(_attend_rows)
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,
@@ -141,6 +150,7 @@ def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64):
     Triton's compiled kernel (its `asm` holds the PTX and the cubin)."""
     import inspect
 
+    _load()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
