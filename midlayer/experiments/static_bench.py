@@ -218,16 +218,16 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
     dev, dtype = model.tok_embeddings.weight.device, DTYPES[dname]
     cfg = GenerationConfig(max_new_tokens=new_tokens)
     methods = {}  # "label (n-node tree)" -> (drafter, tree, whether its host-drafted reference row runs too)
-    for n in dict.fromkeys(sizes):
-        methods.update({f"{label} ({len(tree)}-node tree)": (drafter, tree, n == sizes[0])
-                        for label, (drafter, tree) in static_methods(model, drafts, n).items()})
+    for n in dict.fromkeys(sizes):  # (a size that gives a tree already listed, e.g. a fallback chain, adds none)
+        for label, (drafter, tree) in static_methods(model, drafts, n).items():
+            methods.setdefault(f"{label} ({len(tree)}-node tree)", (drafter, tree, n == sizes[0]))
     # the committed text, then the largest round of any drafter under any bucket set the probe may choose
     rounds = [any_round_slots(len(t), fused_steps(d)) for d, t, _ in methods.values()]
     max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
     steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
     spec_step = steps[graphs[-1]]
     hf = None
-    skips = {"recipe": _cudagraph_skips()}
+    skipped = _cudagraph_skips()
     if hf_cpu is not None:
         try:
             hf = HFRecipe(copy.deepcopy(hf_cpu).to(dev, dtype), max_len)
@@ -235,8 +235,7 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
         except Exception as e:  # the anchor must not cost the rest of the run
             errors[f"{dname} {RECIPE}"] = f"{type(e).__name__}: {e}"
             hf = None
-    skips["midlayer"] = _cudagraph_skips()
-    skips["recipe"] = skips["midlayer"] - skips["recipe"]
+    skipped_recipe = _cudagraph_skips()  # (the recipe's graphs are all built by now: what follows is ours)
     _warm_up(model, steps, spec_step, methods, encoded, errors, dname)
     rows: dict[str, dict] = {}
     for ids in (tqdm(encoded, desc=f"bench static {dname}", unit="prompt") if progress else encoded):
@@ -262,7 +261,7 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
                          len(out), stats.base_forwards)
     if not steps:  # every mode failed (`errors` says why): a table of what did run, without our rows' check
         return dict(rows=_static_rows(rows, []), invariant={}, buckets={})
-    skips["midlayer"] = _cudagraph_skips() - skips["midlayer"]
+    skips = {"recipe": skipped_recipe - skipped, "midlayer": _cudagraph_skips() - skipped_recipe}
     ref = graphs[-1] if graphs[-1] in steps else next(iter(steps))  # the speculative rows' mode, where it ran
     return dict(rows=_static_rows(rows, rows[f"midlayer static, {ref}"]["tokens"]), cudagraph_skips=skips,
                 invariant={g: st.invariant for g, st in steps.items()},
