@@ -375,7 +375,7 @@ class DecodeStep:
         self.cur_join: tuple[torch.Tensor, torch.Tensor] | None = None
         # the probe's tap (`_tap`): [L, B, largest bucket, H * d] fp32, each layer's `attend` result, or None
         self.tap: torch.Tensor | None = None
-        # queue a decode step (or round) before reading the last one's tokens (`_greedy_tokens`,
+        # queue a decode step (or round) before reading the last one's tokens (`_tokens`,
         # `DeviceRounds.run`): on a GPU the host's work then overlaps the device's; on a CPU nothing would
         self.run_ahead = dev.type == "cuda"
 
@@ -432,7 +432,8 @@ class DecodeStep:
         wpos = s0[..., None] + self.win_ids  # [B, N, W]: positions s0 .. s0 + W - 1
         wpos = wpos.clamp_max(S - 1)
         below = p < s0[..., None]  # [B, N, S]
-        self.cur_split = (below, wpos, keys.gather(2, wpos))  # the window's keys: [B, N, W] slots
+        # (the window's keys: [B, N, W] slots; the row-attention kernel reads `keys` itself, and no split)
+        self.cur_split = None if self.attention == "triton" else (below, wpos, keys.gather(2, wpos))
         self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
         self.cur_pos = positions  # (the row-attention kernel reads each row's keys up to its own position)
         self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
@@ -479,9 +480,16 @@ class DecodeStep:
         B, H, N, d = q.shape
         if self.attention == "triton":  # the same formula as one kernel, each row reduced alone (ops/row_attention.py)
             out = row_attention.row_attention(q, kl, vl, self.cur_keys, self.cur_kmask, self.cur_pos)
-            if self.tap is not None and layer is not None:
-                self.tap[layer, :, :N].copy_(out.view(B, N, H * d))
-            return out.to(q.dtype).transpose(1, 2)
+        else:
+            out = self._attend_ops(q, kl, vl)
+        out = out.view(B, N, H * d)
+        if self.tap is not None and layer is not None:
+            self.tap[layer, :, :N].copy_(out)
+        return out.to(q.dtype).view(B, N, H, d).transpose(1, 2)
+
+    def _attend_ops(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
+        """`attend` in PyTorch ops (its docstring): the fp32 result [B, N, H * d]."""
+        B, H, N, d = q.shape
         Hk, S = kl.shape[1], kl.shape[2]
         rep, W = H // Hk, self.window
         g = self.attn_rows or N
@@ -530,10 +538,7 @@ class DecodeStep:
                 torch.bmm(p_win[i, j].view(B * c * Hk, rep, W), v_win[i, j].view(B * c * Hk, W, d), out=win[i, j])
         out = (win.view(*chunked, Hk, rep, d).transpose(1, 2)
                + res.view(G, B, Hk, nc, c, rep, d).permute(0, 1, 3, 4, 2, 5, 6))  # [G, B, nc, c, Hk, rep, d]
-        out = out.transpose(0, 1).reshape(B, N, H * d)  # (a copy only when B > 1 and G or the chunks are > 1)
-        if self.tap is not None and layer is not None:
-            self.tap[layer, :, :N].copy_(out)
-        return out.to(q.dtype).view(B, N, H, d).transpose(1, 2)
+        return out.transpose(0, 1).reshape(B, N, H * d)  # (a copy only when B > 1 and G or the chunks are > 1)
 
     def _block(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
                key_bias: torch.Tensor | None) -> torch.Tensor:
@@ -621,8 +626,8 @@ class DecodeStep:
         return bucket_for(n, self.buckets)
 
     def _runner(self, kind: str, N: int, tree_rows: int = 0, head_rows: int = 0):
-        """The callable that runs `kind` ("forward" / "decode" / "verify") at bucket N (and, for "verify", with the first
-        `tree_rows` rows the tree's and the LM head over the first `head_rows`), per `graphs`."""
+        """The callable that runs `kind` ("forward" / "decode" / "verify") at bucket N (and, for "verify",
+        with the first `tree_rows` rows the tree's and the LM head over the first `head_rows`), per `graphs`."""
         key = (kind, N, tree_rows, head_rows, _transfer_key(self.transfer) if kind == "verify" else None)
         fn = self._runners.get(key)
         if fn is None:
@@ -701,13 +706,12 @@ class DecodeStep:
     def decode_fn(self, tokens: torch.Tensor, pos: torch.Tensor, path: torch.Tensor, depth: torch.Tensor,
                   real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The capturable decode step (`_runner("decode")`): tokens [B] committed at position and slot `pos` (a
-        long scalar) in row 0 of the smallest bucket (path, depth, real: its `_chain(1, N)`), the padding made
-        here, as `_pad` makes it. Returns (logits [B, V], final residual [B, d], the greedy next tokens [B]).
-        The padding, `held` and the argmax run inside, so a captured decode is one replay and no host read."""
-        B, N = tokens.shape[0], real.shape[0]
-        toks = torch.where(real, tokens[:, None], 0)
-        positions = torch.where(real, pos, 0).expand(B, N)
-        slots = torch.where(real, pos, self.scratch).expand(B, N)
+        long scalar) in row 0 of the smallest bucket (path, depth, real: its `_chain(1, N)`), padded by `_pad`.
+        Returns (logits [B, V], final residual [B, d], the greedy next tokens [B]). The padding, `held` and the
+        argmax run inside, so a captured decode is one replay and no host read."""
+        B = tokens.shape[0]
+        at = pos.view(1, 1).expand(B, 1)  # (the position is the slot)
+        toks, positions, slots = self._pad(tokens.view(B, 1), at, at, real.shape[0])
         logits, hidden = self.forward(toks, positions, slots, pos, path, depth, real)
         self.held.index_fill_(1, pos.view(1), True)
         logits = logits[:, 0]
