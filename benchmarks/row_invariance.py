@@ -4,7 +4,7 @@ M = 1..256 and at each place in the batch, SDPA over a fixed key length, and the
 moved to another slot (a tree node's ancestor that is not adjacent). Prints one line per case: the M (and
 places) whose row differs from the reference.
 
-    python benchmarks/row_invariance.py [--device cuda] [--linear-only] [--dtypes fp32] [--blas cublaslt]
+    python benchmarks/row_invariance.py [--device cuda] [--linear-only] [--dtypes fp32] [--blas cublaslt|triton]
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ import torch
 import torch.nn.functional as F
 
 
-def gemm(dev: torch.device, dtype: torch.dtype) -> None:
+def gemm(dev: torch.device, dtype: torch.dtype, linear=F.linear) -> None:
     g = torch.Generator().manual_seed(0)
     for K, N in [(576, 576), (576, 1536), (1536, 576), (576, 49152)]:
         W = torch.randn(N, K, generator=g).to(dev, dtype)
         x = torch.randn(256, K, generator=g).to(dev, dtype)
-        ref = {m0: F.linear(x[:m0], W)[:1] for m0 in (1, 2, 8)}
+        ref = {m0: linear(x[:m0], W)[:1] for m0 in (1, 2, 8)}
         for m0, r in ref.items():
             bad = []
             for M in (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 128, 256):
                 for p in sorted({0, M // 2, M - 1}):
                     xs = x[:M].clone()
                     xs[p] = x[0]
-                    if not torch.equal(F.linear(xs, W)[p:p + 1], r):
+                    if not torch.equal(linear(xs, W)[p:p + 1], r):
                         bad.append((M, p))
             print(f"{dtype} linear {K}->{N}: row 0 as at M={m0}; (M, place) that differ: {bad}")
 
@@ -87,14 +87,18 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--linear-only", action="store_true", help="only the linears' GEMMs (the fp32 question below)")
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
-                    help="CUDA: torch.backends.cuda.preferred_blas_library before any GEMM")
+    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt", "triton"],
+                    help="CUDA: torch.backends.cuda.preferred_blas_library before any GEMM; triton: the linears "
+                         "through the static step's row-linear kernel (midlayer/ops/row_linear.py)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[x] for x in args.dtypes.split(",")]
     # (on an H200 cuBLAS's fp32 GEMM gave a row other bits at every M: does a BLAS without split-K workspace,
     # CUBLAS_WORKSPACE_CONFIG=:0:0 in the environment, or cuBLASLt keep them? static_check.sh asks both)
-    if args.blas:
+    linear = F.linear
+    if args.blas == "triton":
+        from midlayer.ops.row_linear import row_linear as linear
+    elif args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     import os
     print(f"torch {torch.__version__}, {dev}, {torch.get_num_threads()} threads, BLAS {args.blas or 'default'}, "
@@ -102,7 +106,7 @@ def main() -> None:
     if not args.linear_only:
         attention_gemms(dev)
     for dtype in dtypes:
-        gemm(dev, dtype)
+        gemm(dev, dtype, linear)
         if not args.linear_only:
             attention(dev, dtype)
 

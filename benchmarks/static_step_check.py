@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny  # noqa: E402
 
-from midlayer.engine.decode_step import (STEP_CANDIDATES, DecodeStep, any_round_slots, kernel_attention,
-                                        static_generate)
+from midlayer.engine.decode_step import (STEP_CANDIDATES, DecodeStep, any_round_slots, static_generate,
+                                        triton_kernels)
 from midlayer.speculative.static import fused_steps, round_kinds, static_speculative_generate
 from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
 from midlayer.speculative.layer_skip import LayerSkipDrafter  # noqa: E402
@@ -44,15 +44,16 @@ def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: i
           drafters=None) -> None:
     V = model.cfg.vocab_size
     # (at 200 slots: keys below the attention's window exercise its GEMM)
-    for cand, rows, attention in STEP_CANDIDATES:
-        if attention == "triton" and not kernel_attention(model):
+    for cand in STEP_CANDIDATES:
+        if "triton" in (cand.attention, cand.linear) and not triton_kernels(model):
             continue
         try:
-            ok = DecodeStep(model, max_len=min(200, model.cfg.max_seq_len), buckets=cand, attn_rows=rows,
-                            attention=attention).row_invariant()
-        except Exception as e:  # (the kernel failing to build: said, and the check goes on)
+            ok = DecodeStep(model, max_len=min(200, model.cfg.max_seq_len), buckets=cand.buckets,
+                            attn_rows=cand.attn_rows, attention=cand.attention, linear=cand.linear).row_invariant()
+        except Exception as e:  # (a kernel failing to build: said, and the check goes on)
             ok = f"failed: {type(e).__name__}: {str(e)[:300]}"
-        print(f"{label}: buckets {cand}, attention {attention}, rows {rows or 'one GEMM'}: row-invariant {ok}")
+        print(f"{label}: buckets {cand.buckets}, attention {cand.attention}, linear {cand.linear}, rows "
+              f"{cand.attn_rows or 'one GEMM'}: row-invariant {ok}")
     cfg = GenerationConfig(max_new_tokens=new_tokens)
     trees = trees_of_check()
     dyn = [generate(model, [p], cfg)[0] for p in prompts]
@@ -63,7 +64,7 @@ def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: i
         t = time.perf_counter()
         plain = static_generate(model, prompts, cfg, step=step)
         dt = time.perf_counter() - t
-        print(f"{label} {mode} (buckets {step.buckets}, attention {step.attention}, rows "
+        print(f"{label} {mode} (buckets {step.buckets}, attention {step.attention}, linear {step.linear}, rows "
               f"{step.attn_rows or 'one GEMM'}, invariant {step.invariant}): static == dynamic on "
               f"{sum(a == b for a, b in zip(plain, dyn))}/{len(prompts)} prompts ({dt:.1f} s)")
         for tree in trees:

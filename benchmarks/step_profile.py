@@ -179,9 +179,9 @@ def main() -> None:
     unit = "kernels" if dev.type == "cuda" else "aten ops (self CPU time)"
     lines = []
     mode = "cudagraph" if dev.type == "cuda" else "eager"
-    buckets, rows, attention, ok = invariant_buckets(model, max_len, mode)  # (the probe's choice; memoised)
+    (buckets, rows, attention, linear), ok = invariant_buckets(model, max_len, mode)  # (the probe's; memoised)
     print(f"the step (probed in {mode} mode): buckets {buckets}, attention {attention}"
-          f"{f' in groups of {rows}' if rows else ''}, row-invariant {ok}\n", flush=True)
+          f"{f' in groups of {rows}' if rows else ''}, linears {linear}, row-invariant {ok}\n", flush=True)
     methods = static_methods(model, dict(x.split("=", 1) for x in entries), 24)
     # each table as it is done (a run cut short keeps what it finished); the compile, the slowest to build, last
     for n in [n for n in names if n != "compile"] + ["drafts"] + [n for n in names if n == "compile"]:

@@ -19,13 +19,13 @@
 # row-invariant on that GPU; ROWS=1), check.txt (benchmarks/static_step_check.py), profile.md
 # (benchmarks/step_profile.py: where a plain step's GPU time goes, ours eager, captured and compiled and the
 # recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench
-# static`, each dtype's table printed as it is done), check.log and bench.log, rows-fp32.txt (FP32_ROWS=1: fp32's
-# linears without split-K workspace and through cuBLASLt; 9 files with ROWS=1, one more than come back). Budget: call 2
-# at most CHECK_S (130) + PROFILE_S (130) + BENCH_S (230) s plus the set-up, then the compile rows in what is
-# left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench
-# (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA). COMPILE_DRAFTS=1: the compile rows
-# run the drafters too (their device rounds compiled; more compile time). A short rerun: BENCH_FIRST=1, DTYPES,
-# CHECK_S, PROFILE=0 (below).
+# static`, each dtype's table printed as it is done), check.log and bench.log, rows-fp32.txt (FP32_ROWS=1:
+# fp32's linears without split-K workspace, through cuBLASLt, and the row-linear kernel in fp32 and bf16; 9 files
+# with ROWS=1, one more than come back). Budget: call 2 at most CHECK_S (130) + PROFILE_S (130) + BENCH_S (230) s
+# plus the set-up, then the compile rows in what is left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's
+# modes of the main bench (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
+# COMPILE_DRAFTS=1: the compile rows run the drafters too (their device rounds compiled; more compile time).
+# A short rerun: BENCH_FIRST=1, DTYPES, CHECK_S, PROFILE=0 (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -43,7 +43,7 @@ PROMPTS=${MAX_PROMPTS:-6}
 DTYPES=${DTYPES:-bf16,fp32}  # the main bench's
 CHECK_S=${CHECK_S:-130}  # (the 41st session's check took 107 s; the kernel's two candidates add to it)
 ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's output is in docs/results)
-FP32_ROWS=${FP32_ROWS:-1}  # 1: whether fp32's linears keep a row's bits across M in two other BLAS set-ups (~30 s)
+FP32_ROWS=${FP32_ROWS:-1}  # 1: whether fp32's linears keep a row's bits across M in other set-ups (~40 s)
 PROFILE=${PROFILE:-1}  # 0: skip benchmarks/step_profile.py
 PROFILE_S=${PROFILE_S:-130}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
@@ -95,6 +95,9 @@ run)
       --dtypes fp32 > "$OUT/rows-fp32.txt" 2>&1
     [ "$DEVICE" = cpu ] || timeout 30 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" --linear-only \
       --dtypes fp32 --blas cublaslt >> "$OUT/rows-fp32.txt" 2>&1
+    # and the static step's row-linear kernel (the probe's fallback where cuBLAS keeps no bits; both dtypes)
+    [ "$DEVICE" = cpu ] || timeout 30 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" --linear-only \
+      --blas triton >> "$OUT/rows-fp32.txt" 2>&1
   fi
   [ "$BENCH_FIRST" = 1 ] || check
   if [ "$PROFILE" = 1 ]; then

@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny
 
-from midlayer.engine.decode_step import (ATTN_ROWS, BUCKET_CANDIDATES, DecodeStep, bucket_for, invariant_buckets,
-                                        static_generate)
+from midlayer.engine.decode_step import (ATTN_ROWS, BUCKET_CANDIDATES, DecodeStep, StepKernels, bucket_for,
+                                        invariant_buckets, static_generate)
 from midlayer.speculative.static import static_speculative_generate
 from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 from midlayer.speculative.eagle import EagleDrafter, EagleHead
@@ -273,8 +273,9 @@ def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):
     rows share its forward or where it sits (the probe runs each bucket with the row at its start, middle and
     end, beside random rows). q4's kernels are row-invariant at any row count, so plain decoding runs one
     row; the CPU's fp32 GEMV at one row rounds otherwise than 8 rows, so fp32 runs 8."""
-    buckets, rows, attention, ok = invariant_buckets(models[fmt])
-    assert ok and buckets == BUCKET_CANDIDATES[0 if fmt == "q4" else 1] and rows is None and attention == "torch"
+    (buckets, rows, attention, linear), ok = invariant_buckets(models[fmt])
+    assert ok and buckets == BUCKET_CANDIDATES[0 if fmt == "q4" else 1] and rows is None
+    assert attention == linear == "torch"
     assert buckets[0] == (1 if fmt == "q4" else 8)
     st = DecodeStep(models[fmt], max_len=32, buckets=buckets)
     assert st.invariant is None and st.row_invariant()
@@ -318,7 +319,7 @@ def test_the_probe_sees_a_split_reduction_and_grouped_attention_mends_it(models,
     model = make_tiny(DIMS, False)  # (unfused, so attention runs `attend`, not the CPU's C kernel)
     assert not DecodeStep(model, max_len=150, buckets=BUCKET_CANDIDATES[1]).row_invariant()
     assert DecodeStep(model, max_len=150, buckets=BUCKET_CANDIDATES[2], attn_rows=ATTN_ROWS).row_invariant()
-    assert invariant_buckets(model, 150) == (BUCKET_CANDIDATES[2], ATTN_ROWS, "torch", True)
+    assert invariant_buckets(model, 150) == (StepKernels(BUCKET_CANDIDATES[2], ATTN_ROWS), True)
     prompt = _prompts()[2]
     ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=24))[0]
     for drafter in (OracleDrafter(prompt + ref, V), NoisyOracle(prompt + ref, V)):
@@ -416,7 +417,7 @@ def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch, whe
     model = copy.deepcopy(models["fp32"])
     assert DecodeStep(model, max_len=300, buckets=(8, 16)).row_invariant()  # (no pseudo-row round fits)
     assert not DecodeStep(model, max_len=300, buckets=(8, 16, 32)).row_invariant()  # (8 tree rows + 24 pseudo)
-    assert invariant_buckets(model, 300) == (BUCKET_CANDIDATES[-1], None, "torch", False)
+    assert invariant_buckets(model, 300) == (StepKernels(BUCKET_CANDIDATES[-1]), False)
     assert DecodeStep(model, max_len=300).invariant is False
 
 

@@ -28,14 +28,16 @@ smallest bucket (8 rows; 1 in q4; 32 under the grouped candidate below) and gets
 does the attention's split (`attend`), as long as both use the same buckets (its window is the largest). In
 the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks its kernel by M
 (split-K for small M), so a row may differ between buckets. What holds is measured, not assumed:
-`buckets="auto"` takes the first of STEP_CANDIDATES (the buckets 1, 8 .. 256; 8 .. 256; 32 .. 256 with the
-attention's GEMMs in fixed groups, ATTN_ROWS; then the single bucket 256, where no kernel choice can depend on M)
-that the probe `DecodeStep.row_invariant` passes at the step's own cache size and in its mode
+`buckets="auto"` takes the first of STEP_CANDIDATES (StepKernels: the buckets 1, 8 .. 256; 8 .. 256; 32 .. 256
+with the attention's GEMMs in fixed groups, ATTN_ROWS; then the single bucket 256, where no kernel choice can
+depend on M) that the probe `DecodeStep.row_invariant` passes at the step's own cache size and in its mode
 (`invariant_buckets`), once per model, size, mode and process, and `DecodeStep.invariant` says whether one
 did. The probe runs forwards and verification rounds against plain decoding, and compares the logits and the
 attention's fp32 result at every layer (in bf16 the cast after the attention hides most differences). On
 CUDA with Triton the first candidates attend through one kernel a layer instead of `attend`'s PyTorch ops
-(ops/row_attention.py: each row reduced alone, in position order, so row-invariant by construction).
+(ops/row_attention.py: each row reduced alone, in position order, so row-invariant by construction), and the
+third runs the linears through a Triton kernel too (ops/row_linear.py: every row count the same program), for
+a BLAS that rounds a row by M (an H200's fp32 cuBLAS).
 
 Acceptance on the device (`verify`): the greedy targets, the longest accepted path, the bonus token and the
 compaction of the accepted rows' K/V to the front are index-tensor operations, and the host reads one small
@@ -48,15 +50,16 @@ ALiBi / T5 biases and mixtures of experts keep the dynamic path (generate.py) an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from midlayer.ops import row_attention
+from midlayer.ops import row_attention, row_linear
 from .draft_vocab import head_logits
 from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView, kv_dtype
@@ -71,20 +74,40 @@ ATTN_ROWS = 32
 # GEMM: larger forwards run it in chunks. On an H200 cuBLAS's batched fp32 GEMM of these products gave a row
 # other bits from 64 rows up (192 products and more; benchmarks/row_invariance.py, issue 42), not up to 32.
 WINDOW_ROWS = 32
-# (buckets, attn_rows, attention) tried in order by `invariant_buckets`, the cheapest first. On CUDA with Triton,
-# first the row-attention kernel (ops/row_attention.py: one kernel a layer where `attend`'s PyTorch ops are about
-# 14, and row-invariant by construction) with plain decoding in one row, then from 8 rows. Then `attend` in
-# PyTorch ops: several sizes with one GEMM each, plain decoding in one row (where every kernel gives a row at
-# M = 1 its bits at M = 8: the q4 format's; on an AMD EPYC it made the q4 static step's plain decoding 1.1-1.4x
-# faster than in 8 rows), then from 8 rows (a CPU's fp32 GEMV at one row rounds otherwise); several sizes from
-# ATTN_ROWS up with attention in groups (at batch 1 a linear's cost is reading its weights, the same for 32
-# rows as for 8: reasoned, not measured); one size for every forward (no kernel choice can then depend on M).
+
+
+class StepKernels(NamedTuple):
+    """What a static step runs its forwards with: the row counts of its forwards, `attend`'s row groups (None:
+    one group), its attention ("torch": `attend` in PyTorch ops; "triton": ops/row_attention.py) and its
+    linears ("torch": F.linear, i.e. the BLAS; "triton": ops/row_linear.py)."""
+
+    buckets: tuple[int, ...]
+    attn_rows: int | None = None
+    attention: str = "torch"
+    linear: str = "torch"
+
+
+# Tried in order by `invariant_buckets`, the cheapest first. On CUDA with Triton, first the row-attention kernel
+# (ops/row_attention.py: one kernel a layer where `attend`'s PyTorch ops are about 14, and row-invariant by
+# construction) with plain decoding in one row, then from 8 rows; then with the row-linear kernel too
+# (ops/row_linear.py: row-invariant by construction, for a BLAS that rounds a row by M: an H200's fp32 cuBLAS,
+# where no candidate below but the single bucket passed). Then `attend` in PyTorch ops: several sizes with one
+# GEMM each, plain decoding in one row (where every kernel gives a row at M = 1 its bits at M = 8: the q4
+# format's; on an AMD EPYC it made the q4 static step's plain decoding 1.1-1.4x faster than in 8 rows), then
+# from 8 rows (a CPU's fp32 GEMV at one row rounds otherwise); several sizes from ATTN_ROWS up with attention in
+# groups (at batch 1 a linear's cost is reading its weights, the same for 32 rows as for 8: reasoned, not
+# measured); one size for every forward (no kernel choice can then depend on M).
 _ALL = (1, 8, 16, 32, 64, 128, 256)
-STEP_CANDIDATES: tuple[tuple[tuple[int, ...], int | None, str], ...] = (
-    (_ALL, None, "triton"), (_ALL[1:], None, "triton"),
-    (_ALL, None, "torch"), (_ALL[1:], None, "torch"), (_ALL[3:], ATTN_ROWS, "torch"), ((256,), None, "torch"))
-BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(c[0] for c in STEP_CANDIDATES))
+STEP_CANDIDATES: tuple[StepKernels, ...] = (
+    StepKernels(_ALL, attention="triton"), StepKernels(_ALL[1:], attention="triton"),
+    StepKernels(_ALL, attention="triton", linear="triton"),
+    StepKernels(_ALL), StepKernels(_ALL[1:]), StepKernels(_ALL[3:], ATTN_ROWS), StepKernels((256,)))
+BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(c.buckets for c in STEP_CANDIDATES))
 ATTENTIONS = ("torch", "triton")  # `DecodeStep.attention`: `attend` in PyTorch ops, or the row-attention kernel
+LINEARS = ("torch", "triton")  # `DecodeStep.linear`: F.linear as PyTorch runs it, or the row-linear kernel
+# the most a Triton kernel's `self_check` may be off the formula (relative to its output's scale): fp32 rounding,
+# and for the linear in bf16 its output's rounding (2^-8)
+SELF_CHECK_TOL = {"attention": 1e-4, "linear": {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}}
 # W of `DecodeStep.attend`: every row of a forward lies within W - 1 positions of the forward's first slot (a
 # prompt chunk has at most W rows; a tree's depth plus hidden transfer's steps stay below W).
 MAX_TAIL = 64
@@ -92,15 +115,16 @@ GRAPH_MODES: tuple[str, ...] = ("eager", "cudagraph", "compile")
 _probed: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 
 
-def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eager"
-                      ) -> tuple[tuple[int, ...], int | None, str, bool]:
-    """(buckets, attn_rows, attention, row_invariant): the first of STEP_CANDIDATES whose step gives a row the
-    same bits in every bucket and at every place in it, measured on this machine with this model's shapes,
-    dtype and weight format, at a cache of `max_len` slots (a kernel may choose by the key count too: split-K
-    on a GPU); once per model, size, mode and process (`DecodeStep.row_invariant` is the probe). When none
-    passes: the last candidate, and False (speculative output may then differ from plain output at near-ties).
-    The row-attention kernel's candidates are tried on CUDA with Triton only (and the q4 format's C kernels
-    attend themselves); one that fails to build is passed over with a warning.
+def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eager") -> tuple[StepKernels, bool]:
+    """(kernels, row_invariant): the first of STEP_CANDIDATES whose step gives a row the same bits in every
+    bucket and at every place in it, measured on this machine with this model's shapes, dtype and weight format,
+    at a cache of `max_len` slots (a kernel may choose by the key count too: split-K on a GPU); once per model,
+    size, mode and process (`DecodeStep.row_invariant` is the probe). When none passes: the last candidate, and
+    False (speculative output may then differ from plain output at near-ties).
+    The Triton kernels' candidates are tried on CUDA with Triton only (`triton_kernels`); a kernel that fails
+    to build or its self-check (its value against the formula, which the probe does not see) is passed over
+    with a warning. The row-linear kernel is not tried under graphs="compile" (whether torch.compile traces
+    the TorchFunctionMode that routes the linears to it is not known).
     graphs: the mode the probe runs in. "cudagraph" probes captured graphs: on an H200 in bf16 the eager
     probe passed several buckets and the captured rounds on them still left plain output (issue 42), so a
     captured step is not assumed to replay the eager step's kernel choices. torch.compile's own kernels are not
@@ -108,45 +132,55 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     mode = "cudagraph" if graphs == "cudagraph" else "eager"
     memo = _probed.setdefault(model, {})
     dev = model.tok_embeddings.weight.device
-    key = (model.tok_embeddings.weight.dtype, str(dev), getattr(model, "weight_format", None), int(max_len),
-           kv_dtype(model), mode)
+    dtype = model.tok_embeddings.weight.dtype
+    kernels = triton_kernels(model)
+    # (compile probes eagerly, as eager does, but without the row-linear kernel where the kernels are tried)
+    key = (dtype, str(dev), getattr(model, "weight_format", None), int(max_len), kv_dtype(model), mode,
+           kernels and graphs == "compile")
     if key not in memo:
-
-        def unusable(why: str) -> bool:  # the kernel's candidates are passed over, and the user told why
-            warnings.warn(f"the row-attention kernel failed here ({why}); the static step attends in PyTorch ops",
-                          RuntimeWarning, stacklevel=3)
-            return False
-
-        kernel = kernel_attention(model)
-        if kernel:  # (the probe compares a row's bits across buckets, not its value: the kernel's value first)
-            try:
-                err = row_attention.self_check(dev, model.tok_embeddings.weight.dtype)
-                if err > 1e-4:
-                    kernel = unusable(f"{err:.2e} from the formula")
-            except Exception as e:
-                kernel = unusable(f"{type(e).__name__}: {e}")
+        usable = {"attention": False, "linear": False}
+        if kernels:
+            checks = {"attention": (row_attention.self_check, SELF_CHECK_TOL["attention"])}
+            if graphs != "compile":
+                checks["linear"] = (row_linear.self_check, SELF_CHECK_TOL["linear"].get(dtype, 1e-5))
+            for name, (check, tol) in checks.items():  # (the kernel's value first: the probe compares bits only)
+                try:
+                    err = check(dev, dtype)
+                    usable[name] = err <= tol or _unusable(name, f"{err:.2e} from the formula")
+                except Exception as e:
+                    usable[name] = _unusable(name, f"{type(e).__name__}: {e}")
         found = None
-        for cand, rows, attention in STEP_CANDIDATES:
-            if attention == "triton" and not kernel:
+        for cand in STEP_CANDIDATES:
+            tried = [n for n in ("attention", "linear") if getattr(cand, n) == "triton"]
+            if not all(usable[n] for n in tried):
                 continue
             try:
-                ok = DecodeStep(model, max_len=max_len, buckets=cand, attn_rows=rows, graphs=mode,
-                                attention=attention).row_invariant()
-            except Exception as e:  # (a kernel Triton cannot build or capture here: the PyTorch attention instead)
-                if attention != "triton":
+                ok = DecodeStep(model, max_len=max_len, buckets=cand.buckets, attn_rows=cand.attn_rows, graphs=mode,
+                                attention=cand.attention, linear=cand.linear).row_invariant()
+            except Exception as e:  # (a kernel Triton cannot build or capture here: PyTorch's ops instead)
+                if not tried:
                     raise
-                kernel = unusable(f"{type(e).__name__}: {e}")
+                for n in tried:
+                    usable[n] = _unusable(n, f"{type(e).__name__}: {e}")
                 continue
             if ok:
-                found = (cand, rows, attention, True)
+                found = (cand, True)
                 break
-        memo[key] = found or (*STEP_CANDIDATES[-1], False)
+        memo[key] = found or (STEP_CANDIDATES[-1], False)
     return memo[key]
 
 
-def kernel_attention(model: Transformer) -> bool:
-    """Whether `invariant_buckets` tries the row-attention kernel for `model`: on CUDA, with Triton, and not in
-    the q4 format (whose C kernels attend themselves). On a CPU the kernel would run in Triton's interpreter."""
+def _unusable(kernel: str, why: str) -> bool:
+    """False, having told the user that a Triton kernel's candidates are passed over, and why."""
+    warnings.warn(f"the row-{kernel} kernel failed here ({why}); the static step runs PyTorch's ops instead",
+                  RuntimeWarning, stacklevel=3)
+    return False
+
+
+def triton_kernels(model: Transformer) -> bool:
+    """Whether `invariant_buckets` tries the Triton kernels (row attention, row linear) for `model`: on CUDA, with
+    Triton, and not in the q4 format (whose C kernels attend and multiply themselves). On a CPU the kernels
+    would run in Triton's interpreter."""
     dev = model.tok_embeddings.weight.device
     return dev.type == "cuda" and row_attention.available() and getattr(model, "weight_format", None) != "q4"
 
@@ -308,7 +342,7 @@ class DecodeStep:
 
     def __init__(self, model: Transformer, *, batch: int = 1, max_len: int | None = None,
                  buckets: Sequence[int] | str = "auto", graphs: str = "eager", attn_rows: int | None = None,
-                 attention: str | None = None) -> None:
+                 attention: str | None = None, linear: str | None = None) -> None:
         why = unsupported(model)
         if why:
             raise ValueError(f"the static decode step does not run {why}; use the dynamic path (generate.py)")
@@ -318,19 +352,22 @@ class DecodeStep:
         if graphs == "cudagraph" and dev.type != "cuda":
             raise ValueError(f"graphs='cudagraph' needs the model on CUDA, not {dev.type}")
         self.invariant: bool | None = None  # measured row invariance (None: buckets given, not measured)
-        if buckets == "auto" and (attn_rows is not None or attention is not None):
-            raise ValueError("attn_rows and attention go with buckets given; buckets='auto' lets the probe choose")
-        if buckets == "auto":  # (attn_rows and the attention too: the probe chooses them all)
-            buckets, attn_rows, attention, self.invariant = invariant_buckets(
+        if buckets == "auto" and (attn_rows is not None or attention is not None or linear is not None):
+            raise ValueError("attn_rows, attention and linear go with buckets given; buckets='auto' lets the probe "
+                             "choose")
+        if buckets == "auto":  # (attn_rows, the attention and the linears too: the probe chooses them all)
+            (buckets, attn_rows, attention, linear), self.invariant = invariant_buckets(
                 model, model.cfg.max_seq_len if max_len is None else max_len, graphs)
         elif isinstance(buckets, str):
             raise ValueError(f"buckets: 'auto' or a sequence of row counts, got {buckets!r}")
-        attention = attention or "torch"
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
-        if attention == "triton" and not row_attention.available(dev):
-            raise ValueError(f"attention='triton': {row_attention.NEEDS}")
-        self.attention = attention
+        attention, linear = attention or "torch", linear or "torch"
+        for name, value, values, ok in (("attention", attention, ATTENTIONS, row_attention.available),
+                                        ("linear", linear, LINEARS, row_linear.available)):
+            if value not in values:
+                raise ValueError(f"{name} must be one of {', '.join(values)}, got {value!r}")
+            if value == "triton" and not ok(dev):
+                raise ValueError(f"{name}='triton': {row_attention.NEEDS}")
+        self.attention, self.linear = attention, linear
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"buckets must be positive row counts, got {buckets}")
@@ -402,7 +439,8 @@ class DecodeStep:
         h = self.blocks(tokens, positions, slots, start, torch.where(path >= 0, path_slots, -1), depth, real,
                         join_src, join_step)
         m = self.model
-        return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
+        with self._linears():
+            return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
 
     @torch.no_grad()
     def blocks(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
@@ -442,8 +480,14 @@ class DecodeStep:
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
         # (join_src first: a plain forward never reads the transfer, so a compiled one does not guard on it)
         self.cur_join = None if join_src is None or self.transfer is None else (join_src, join_step)
-        h = m.run_blocks(m.embed(tokens, positions), self._block, stop=stop, run=run)
-        return h if stop is not None else self._join(m.cfg.n_layers, h)  # rows that join after the last block
+        with self._linears():
+            h = m.run_blocks(m.embed(tokens, positions), self._block, stop=stop, run=run)
+            return h if stop is not None else self._join(m.cfg.n_layers, h)  # rows that join after the last block
+
+    def _linears(self):
+        """The context a forward's linears run in: with linear="triton", every F.linear goes to the row-linear
+        kernel (ops/row_linear.py: a TorchFunctionMode, so the model's own code runs unchanged)."""
+        return row_linear.RowLinears() if self.linear == "triton" else contextlib.nullcontext()
 
     def slot_mask(self) -> torch.Tensor:
         """This forward's visibility by slot, additive [B, 1, N, S]: what the C kernels of a direct view read
@@ -1070,4 +1114,4 @@ class _CudaGraph:
 
 
 __all__ = ["DecodeStep", "bucket_for", "round_layout", "round_slots", "any_round_slots", "StaticView", "static_stream", "static_generate",
-           "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "invariant_buckets", "unsupported"]
+           "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "StepKernels", "invariant_buckets", "unsupported"]

@@ -267,7 +267,8 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
                 invariant={g: st.invariant for g, st in steps.items()},
                 buckets={g: st.buckets for g, st in steps.items()},
                 attn_rows={g: st.attn_rows for g, st in steps.items()},
-                attention={g: st.attention for g, st in steps.items()})
+                attention={g: st.attention for g, st in steps.items()},
+                linear={g: st.linear for g, st in steps.items()})
 
 
 def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: DecodeStep, methods: dict[str, tuple],
@@ -344,9 +345,10 @@ def static_table(r: dict, dtypes: Sequence[str] | None = None, header: bool = Tr
         if dtypes is not None and dname not in dtypes:
             continue
         errors = {k: v for k, v in r.get("errors", {}).items() if k.startswith(dname + " ")}
-        grouped, kernel = t.get("attn_rows", {}), t.get("attention", {})
+        grouped, kernel, lin = t.get("attn_rows", {}), t.get("attention", {}), t.get("linear", {})
         inv = ", ".join(f"{g}: {t['buckets'][g]}{f' attention in groups of {grouped[g]}' if grouped.get(g) else ''}"
-                        f"{' row-attention kernel' if kernel.get(g) == 'triton' else ''} "
+                        f"{' row-attention kernel' if kernel.get(g) == 'triton' else ''}"
+                        f"{' row-linear kernel' if lin.get(g) == 'triton' else ''} "
                         f"{'row-invariant' if ok else 'NOT row-invariant'}" for g, ok in t["invariant"].items())
         out += [f"{dname} (buckets {inv})", "",
                 "| engine | ms/token | vs recipe | tau | = our plain greedy |", "|---|---|---|---|---|"]

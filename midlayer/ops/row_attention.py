@@ -15,9 +15,9 @@ costs a few microseconds even inside a CUDA graph, where the recipe's SDPA is on
 a row's position are not visited. A visited block whose keys are all masked adds exact zeros and rescales
 by exp(0) = 1, so visiting more or fewer of them would not change a bit either.
 
-Triton is optional (it comes with PyTorch's CUDA builds). On a CPU the same kernel source runs in Triton's
-interpreter (numpy, slow): what the tests use to check it against the naive formula and the step's
-losslessness; `DecodeStep` tries this attention on CUDA only.
+Triton is optional (triton_build.py). On a CPU the same kernel source runs in Triton's interpreter (numpy, slow):
+what the tests use to check it against the naive formula and the step's losslessness; `DecodeStep` tries this
+attention on CUDA only.
 """
 
 from __future__ import annotations
@@ -26,46 +26,25 @@ import math
 
 import torch
 
-NEEDS = ("the row-attention kernel needs Triton, and on a CPU Triton's interpreter (TRITON_INTERPRET=1 before "
-         "triton is imported; the tests' conftest sets it)")
+from . import triton_build
+from .triton_build import NEEDS, pow2
+
 BLOCK_POSITIONS = 32  # BS: positions per step of a program's loop (a [rep, BS, d] product lives in registers)
-
-
-# Triton, imported on first need (`_load`: 0.1 s that a CPU run never pays), and the kernel made then, so that
-# torch.compile traces a launch of a JITFunction and nothing else. Under TRITON_INTERPRET=1 `triton.jit` gives
-# the interpreter's function instead.
-triton = tl = _KERNEL = None
-_loaded = False
-
-
-def _load() -> bool:
-    global triton, tl, _KERNEL, _loaded
-    if not _loaded:
-        _loaded = True
-        try:  # optional: PyTorch's CUDA builds bring it
-            import triton as t
-            import triton.language as lang
-        except Exception:  # (ImportError, or a broken install)
-            return False
-        triton, tl = t, lang
-        _KERNEL = triton.jit(_attend_rows)
-    return tl is not None
+tl = None  # triton.language, set when the kernel is first made (triton_build.kernel)
 
 
 def available(device: torch.device | None = None) -> bool:
     """Whether the kernel runs here: Triton imports, and for `device` (when given) it runs there (CUDA
     compiled; a CPU only under Triton's interpreter, TRITON_INTERPRET=1 before triton's import)."""
-    if not _load():
-        return False
-    return device is None or device.type == "cuda" or not isinstance(_KERNEL, triton.runtime.jit.JITFunction)
+    return triton_build.runs_on(_attend_rows, device)
 
 
 def _attend_rows(q, k, v, keys, kmask, last, out,
                  sqb, sqn, sqh, skb, skh, sks, svb, svh, svs, sxb, sxn, smb, smn, sob, son, soh,
                  N, rep, d, scale,
                  REP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
-    """The kernel (module docstring); grid (B * N, Hk). (At module level: Triton's interpreter swaps in its own
-    `tl` through the function's globals.)"""
+    """The kernel (module docstring); grid (B * N, Hk). (At module level: Triton resolves `tl` through the
+    function's globals, and the interpreter swaps in its own there.)"""
     row = tl.program_id(0)  # b * N + n
     hk = tl.program_id(1)
     b = row // N
@@ -115,14 +94,14 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
         out = torch.empty(B, N, H, d, device=q.device, dtype=torch.float32)
     if not available(q.device):
         raise RuntimeError(NEEDS)
-    kernel = _KERNEL
+    kernel = triton_build.kernel(_attend_rows)
     sq, sk, sv, sx, sm, so = q.stride(), kl.stride(), vl.stride(), keys.stride(), kmask.stride(), out.stride()
     if min(sq[3], sk[3], sv[3], sx[2], sm[2], so[3]) != 1 or max(sq[3], sk[3], sv[3], sx[2], sm[2], so[3]) != 1:
         raise ValueError("row_attention needs the last dimension of every operand contiguous")
     kernel[(B * N, Hk)](q, kl, vl, keys, kmask, positions.reshape(B * N), out,
                         sq[0], sq[2], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sx[0], sx[1], sm[0], sm[1],
                         so[0], so[1], so[2], N, rep, d, 1.0 / math.sqrt(d),
-                        REP=max(triton_pow2(rep), 2), D=triton_pow2(d), BS=BLOCK_POSITIONS)
+                        REP=max(pow2(rep), 2), D=pow2(d), BS=BLOCK_POSITIONS)
     return out
 
 
@@ -144,30 +123,13 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
 
 
 def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64):
-    """The kernel compiled ahead of time for an NVIDIA GPU of compute capability `capability` (80: A100, 90:
-    H100 / H200) with `dtype` operands, by Triton's compiler and the ptxas it ships: no GPU needed, so a CPU
-    machine checks that the kernel builds for the GPUs it is meant for (tests/test_row_attention.py). Returns
-    Triton's compiled kernel (its `asm` holds the PTX and the cubin)."""
-    import inspect
-
-    _load()
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    t = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    names = list(inspect.signature(_attend_rows).parameters)
+    """The kernel compiled ahead of time for an NVIDIA GPU of compute capability `capability` with `dtype`
+    operands (triton_build.compile_for: no GPU needed; tests/test_row_attention.py)."""
+    t = triton_build.TYPES[dtype]
     kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out="*fp32",
                  scale="fp32", REP="constexpr", D="constexpr", BS="constexpr")
-    const = dict(REP=max(triton_pow2(rep), 2), D=triton_pow2(d), BS=BLOCK_POSITIONS)
-    src = ASTSource(fn=JITFunction(_attend_rows), signature={n: kinds.get(n, "i32") for n in names},
-                    constexprs={(names.index(n),): v for n, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32))
-
-
-def triton_pow2(n: int) -> int:
-    """The smallest power of two >= n (a Triton block's extent must be one)."""
-    return 1 << max(int(n) - 1, 0).bit_length()
+    return triton_build.compile_for(_attend_rows, capability, kinds,
+                                    dict(REP=max(pow2(rep), 2), D=pow2(d), BS=BLOCK_POSITIONS))
 
 
 def reference(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor

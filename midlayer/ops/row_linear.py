@@ -1,0 +1,138 @@
+"""Row linear: y = x W^T (+ b) as one Triton kernel whose result for a row does not depend on how many rows share
+the call, for the static decode step (issue 42).
+
+Why. Speculative decoding is lossless only if a row's logits are the same bits in a verification round of
+many rows as in plain decoding's one. cuBLAS chooses its GEMM by the row count M (tile shapes, split-K), and on
+an H200 its fp32 GEMMs gave a row other bits at other M: the static step's probe then found no bucket set but
+the single bucket of 256 rows, so fp32 plain decoding ran 256 rows a token (7.15 ms against the recipe's 3.51;
+docs/results/static-step.md).
+
+How. Every M runs the same program: tiles of BM x BN outputs, BM fixed, each reducing over K in blocks of BK in
+increasing order, a row's outputs read from its own row of x alone. Which tile a row lands in, and how many
+tiles there are, changes which program computes it, not how; M is not specialised on (`do_not_specialize`),
+so M = 1 and M = 16 run one compiled program.
+  * On a GPU, `tl.dot` with input_precision="ieee": in Triton's lowering for fp32 one FMA chain per output,
+    over k in order (the PTX has fma.rn.f32 and no mma). The step's probe measures the compiled kernel's
+    invariance on the device, as it measures cuBLAS's.
+  * Under Triton's interpreter `tl.dot` is numpy's matmul, whose BLAS rounded a row by its place in the tile
+    on this CPU, so there the kernel multiplies and sums explicitly (DOT false): the same formula,
+    row-invariant in numpy, and what the CPU's tests check.
+
+Arithmetic. IEEE fp32 products (no TF32, as PyTorch's default for fp32 matmuls), accumulated in fp32. bf16
+operands are widened to fp32 first (exact) and the result rounded to bf16 once, to nearest even, as cuBLAS
+does; not bf16 tensor-core MMAs: on the H200 cuBLAS's bf16 GEMMs already gave a row the same bits at every M,
+so the kernel is for fp32, and one arithmetic for both dtypes is the one the interpreter (which cannot
+multiply bf16) checks. `RowLinears` routes a forward's `F.linear` calls (every nn.Linear's) here;
+`DecodeStep(linear="triton")` runs its forwards under it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import triton_build
+from .triton_build import NEEDS
+
+BM, BN, BK = 16, 32, 64  # the tile: BM rows (16: tl.dot's least) x BN outputs, over K in blocks of BK
+tl = None  # triton.language, set when the kernel is first made (triton_build.kernel)
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Whether the kernel runs here (triton_build.runs_on)."""
+    return triton_build.runs_on(_linear_rows, device)
+
+
+def _linear_rows(x, w, b, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, DOT: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The kernel (module docstring); grid (cdiv(M, BM), cdiv(N, BN)). (At module level: Triton resolves `tl`
+    through the function's globals.)"""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        wt = tl.load(w + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
+                     other=0.0).to(tl.float32)
+        if DOT:  # (a K tail's zeros add exact zeros)
+            acc = tl.dot(a, wt, acc, input_precision="ieee")
+        else:
+            acc += tl.sum(a[:, :, None] * wt[None, :, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = acc
+    if BF16:  # fp32 -> bf16, to nearest, ties to even, in integer ops (Triton's interpreter's cast truncates)
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(y + rm[:, None] * sym + rn[None, :], out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with each row's bits independent of the others (module docstring): x [..., K],
+    weight [N, K], bias [N] or None, one dtype; returns [..., N] in x's dtype."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    if weight.shape[1] != K or weight.dtype != x.dtype or (bias is not None and bias.shape != (N,)):
+        raise ValueError(f"row_linear: x [..., {K}] {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}: want weight [N, {K}] of x's dtype, bias [N]")
+    if not available(x.device):
+        raise RuntimeError(NEEDS)
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    kernel = triton_build.kernel(_linear_rows, do_not_specialize=["M"])
+    kernel[(triton_build.cdiv(M, BM), triton_build.cdiv(N, BN))](
+        x2, w, w if bias is None else bias, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,
+        DOT=not triton_build.interpreted(kernel), BM=BM, BN=BN, BK=BK)
+    return y.view(*x.shape[:-1], N)
+
+
+class RowLinears(TorchFunctionMode):
+    """Inside it, every F.linear (an nn.Linear's forward included) of a floating x on a device where the kernel
+    runs goes through `row_linear`. What `DecodeStep(linear="triton")` runs its forwards under: the model's
+    code is unchanged, and a captured graph records the kernel's launches."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if x.dtype == w.dtype and x.dtype in triton_build.TYPES and available(x.device):
+                return row_linear(x, w, b)
+        return func(*args, **kwargs)
+
+
+def self_check(device: torch.device, dtype: torch.dtype, seed: int = 0) -> float:
+    """The kernel's largest difference from the fp64 product on `device`, relative to the product's largest
+    magnitude, over shapes with a row tail, an output tail and a K tail: what the step's probe, which compares a
+    row's bits across buckets and not its value, cannot see. A correct kernel is within its dtype's rounding
+    (about 1e-7 in fp32, 4e-3 in bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for M, N, K in ((1, 40, 70), (19, 72, 130)):
+        x = torch.randn(M, K, generator=g).to(device, dtype)
+        w = torch.randn(N, K, generator=g).to(device, dtype)
+        b = torch.randn(N, generator=g).to(device, dtype)
+        ref = x.double() @ w.double().T + b.double()
+        err = (row_linear(x, w, b).double() - ref).abs().max() / ref.abs().max()
+        worst = max(worst, float(err))
+    return worst
+
+
+def compile_for(capability: int, dtype: torch.dtype):
+    """The kernel compiled ahead of time for an NVIDIA GPU of compute capability `capability` with `dtype`
+    operands (triton_build.compile_for: no GPU needed; tests/test_row_linear.py)."""
+    t = triton_build.TYPES[dtype]
+    kinds = dict(x=f"*{t}", w=f"*{t}", b=f"*{t}", y=f"*{t}", HAS_BIAS="constexpr", BF16="constexpr", DOT="constexpr",
+                 BM="constexpr",
+                 BN="constexpr", BK="constexpr")
+    return triton_build.compile_for(_linear_rows, capability, kinds,
+                                    dict(HAS_BIAS=True, BF16=dtype == torch.bfloat16, DOT=True, BM=BM, BN=BN, BK=BK))

@@ -1,0 +1,96 @@
+"""What the static step's Triton kernels (row_attention.py, row_linear.py) share: Triton imported on first need,
+a kernel made from a plain function, whether it runs on a device, and a build ahead of time for a GPU that
+this machine does not have.
+
+Triton is optional (PyTorch's CUDA builds bring it). A CPU run never imports it (0.1 s), except under Triton's
+interpreter (TRITON_INTERPRET=1 before triton's import; tests/conftest.py sets it without CUDA), where the same
+kernel source runs in numpy: what the tests use to check each kernel against its formula.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+NEEDS = ("the static step's Triton kernels need Triton, and on a CPU Triton's interpreter (TRITON_INTERPRET=1 "
+         "before triton is imported; the tests' conftest sets it)")
+
+_modules: tuple | None = None
+_loaded = False
+_kernels: dict[Callable, object] = {}
+
+
+def load() -> tuple | None:
+    """(triton, triton.language), imported once, or None where Triton does not import."""
+    global _modules, _loaded
+    if not _loaded:
+        _loaded = True
+        try:  # optional: PyTorch's CUDA builds bring it
+            import triton
+            import triton.language as tl
+        except Exception:  # (ImportError, or a broken install)
+            return None
+        _modules = (triton, tl)
+    return _modules
+
+
+def kernel(fn: Callable, **jit_kw):
+    """`fn` made a Triton kernel, once (None without Triton). The kernel's source names `tl` as a global of its
+    own module, which is set here: Triton resolves the names of a kernel's body through the function's globals
+    (under the interpreter, to the interpreter's own `tl`). Made at first use, so that torch.compile traces a
+    launch of a JITFunction and nothing else."""
+    if fn not in _kernels:
+        mods = load()
+        if mods is None:
+            return None
+        triton, tl = mods
+        fn.__globals__["tl"] = tl
+        _kernels[fn] = triton.jit(fn, **jit_kw)
+    return _kernels[fn]
+
+
+def runs_on(fn: Callable, device: torch.device | None = None) -> bool:
+    """Whether the kernel made from `fn` runs here: Triton imports, and for `device` (when given) it runs there
+    (CUDA compiled; a CPU only under Triton's interpreter)."""
+    k = kernel(fn)
+    return k is not None and (device is None or device.type == "cuda" or interpreted(k))
+
+
+def interpreted(k) -> bool:
+    """Whether the kernel `k` (from `kernel`) runs in Triton's interpreter."""
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(k, JITFunction)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (a Triton block's extent must be one)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compile_for(fn: Callable, capability: int, kinds: dict[str, str], constexprs: dict[str, object]):
+    """The kernel of `fn` compiled ahead of time for an NVIDIA GPU of compute capability `capability` (80: A100,
+    90: H100 / H200) by Triton's compiler and the ptxas it ships: no GPU needed, so a CPU machine checks that a
+    kernel builds for the GPUs it is meant for. kinds: Triton's type of each argument not a 32-bit integer
+    ("*fp32", "fp32", "*i64", ...; "constexpr" for those in `constexprs`). Returns Triton's compiled kernel (its
+    `asm` holds the PTX and the cubin)."""
+    kernel(fn)  # (its module's `tl` set)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    names = list(inspect.signature(fn).parameters)
+    src = ASTSource(fn=JITFunction(fn), signature={n: kinds.get(n, "i32") for n in names},
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32))
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b): a grid's extent."""
+    return -(-a // b)

@@ -1,0 +1,164 @@
+"""The row-linear kernel (midlayer/ops/row_linear.py) against the formula, its row invariance by construction,
+the TorchFunctionMode that routes a forward's linears to it, and the static step running its linears through
+it: plain decoding in one row with a BLAS whose one-row GEMV rounds otherwise, lossless speculative decoding,
+and the probe's choice. Also both Triton kernels built ahead of time for the GPUs they are for. On a CPU the
+kernels run in Triton's interpreter (tests/conftest.py); without Triton these skip."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny
+
+pytest.importorskip("triton")
+
+from midlayer.engine import decode_step  # noqa: E402
+from midlayer.engine.decode_step import DecodeStep, StepKernels, invariant_buckets, static_generate  # noqa: E402
+from midlayer.engine.generate import GenerationConfig  # noqa: E402
+from midlayer.engine.quantization import compress_weights  # noqa: E402
+from midlayer.ops import row_linear as rl  # noqa: E402
+from midlayer.speculative.static import static_speculative_generate  # noqa: E402
+from midlayer.speculative.tree import DraftTree  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+on_cpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+V = 96
+DIMS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=80, multiple_of=32)
+
+
+def _operands(M: int, N: int, K: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g).to(DEV, dtype) for shape in ((M, K), (N, K), (N,)))
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 40, 70), (19, 72, 130), (33, 32, 64)], ids=["one-row", "tails", "even"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_the_kernel_is_the_formula(M, N, K, bias):
+    """x W^T + b: in fp32 within fp32 rounding of the fp64 product; in bf16 the fp32 result rounded to bf16 to
+    nearest, ties to even, once (the rounding done in integer ops: the interpreter's own cast truncates).
+    Row, output and K tails of the 16 x 32 x 64 tiles, one row, and shapes that fill them."""
+    x, w, b = _operands(M, N, K, torch.float32)
+    b = b if bias else None
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    y = rl.row_linear(x, w, b)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    torch.testing.assert_close(y.double(), ref, atol=2e-5, rtol=1e-6)
+    xb, wb, bb = (t.bfloat16() for t in (x, w, b if bias else x[0, :N]))
+    yb = rl.row_linear(xb, wb, bb if bias else None)
+    exact = xb.double() @ wb.double().T + (bb.double() if bias else 0)  # (bf16 operands: fp32 products exact)
+    assert yb.dtype == torch.bfloat16
+    # one rounding to bf16 from a value within fp32 rounding of the exact one: the nearest bf16 or a neighbour at
+    # a near-tie; nothing further than half a bf16 ulp plus that
+    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    assert ((yb.double() - exact).abs() <= ulp / 2 + exact.abs() * 1e-6).all()
+    assert (yb == exact.float().bfloat16()).float().mean() > 0.99  # (the nearest, but for fp32's near-ties)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rows_bits_depend_on_no_other_row(dtype):
+    """A row's outputs, bit for bit, are the same alone (M = 1), at another place among 5 rows, and in the
+    second tile of 37 rows: every M runs the same program, and a row's outputs read its own row of x only."""
+    x, w, b = _operands(37, 72, 130, dtype)
+    row = x[20]
+    alone = rl.row_linear(row[None], w, b)[0]
+    few = rl.row_linear(torch.stack([x[0], x[1], x[2], row, x[3]]), w, b)[3]
+    many = rl.row_linear(x, w, b)[20]
+    assert torch.equal(alone, few) and torch.equal(alone, many)
+
+
+def test_the_mode_routes_every_linear_and_nothing_else(monkeypatch):
+    """Inside RowLinears an nn.Linear (with and without bias) and a direct F.linear go through the kernel, with
+    the kernel's bits; other ops and integer inputs are PyTorch's; outside it nothing is routed."""
+    calls = []
+    real = rl.row_linear
+    monkeypatch.setattr(rl, "row_linear", lambda *a: (calls.append(a[0].shape), real(*a))[1])
+    lin, nob = torch.nn.Linear(70, 40).to(DEV), torch.nn.Linear(70, 24, bias=False).to(DEV)
+    x = torch.randn(3, 5, 70, device=DEV)
+    with torch.no_grad(), rl.RowLinears():
+        y, z, u = lin(x), nob(x), F.linear(x, nob.weight)
+        s = torch.softmax(x, -1)
+    assert calls == [(3, 5, 70)] * 3
+    assert torch.equal(y, real(x, lin.weight, lin.bias)) and torch.equal(z, u)
+    assert torch.equal(s, torch.softmax(x, -1))
+    with torch.no_grad():
+        lin(x)
+    assert len(calls) == 3
+
+
+def test_bad_operands_are_refused():
+    x, w, _ = _operands(2, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="want weight"):
+        rl.row_linear(x, w[:, :8])
+    with pytest.raises(ValueError, match="want weight"):
+        rl.row_linear(x, w.bfloat16())
+
+
+@pytest.mark.parametrize("module", ["row_attention", "row_linear"])
+def test_the_kernels_compile_for_the_gpus_they_are_for(module):
+    """Triton's compiler (and the ptxas it ships) builds each kernel for an A100 (sm_80) and an H100 / H200
+    (sm_90), fp32 and bf16, without a GPU: a kernel that only the interpreter ran would otherwise first fail on
+    a lent GPU. No local memory (no spilled registers) in the PTX. (In a process of its own: under the
+    interpreter, which this session runs, Triton cannot compile.)"""
+    pytest.importorskip("triton.backends.nvidia")
+    code = (f"import torch\nfrom midlayer.ops.{module} import compile_for\n"
+            "for cap in (80, 90):\n for dt in (torch.float32, torch.bfloat16):\n"
+            "  k = compile_for(cap, dt)\n  ptx = k.asm['ptx']\n"
+            "  print(cap, dt, len(k.asm['cubin']) > 0, f'.target sm_{cap}' in ptx, '.local' in ptx)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.split("\n")[:4]
+    assert [ln.split()[-3:] for ln in lines] == [["True", "True", "False"]] * 4, run.stdout
+
+
+@pytest.fixture(scope="module")
+def model():
+    return compress_weights(make_tiny(DIMS, False), "fp32")
+
+
+@on_cpu
+def test_the_step_through_both_kernels_decodes_one_row_losslessly(model):
+    """This CPU's fp32 GEMV at one row rounds otherwise than 8 rows, so the static step with PyTorch's linears
+    fails the probe with a one-row bucket; through the row-linear kernel (and the row-attention kernel) the
+    same buckets pass. Plain decoding in one row then gives the tokens of verification's rounds: speculative
+    decoding equals it exactly, whatever the drafts."""
+    buckets = (1, 8, 16)
+    assert not DecodeStep(model, max_len=48, buckets=buckets, attention="triton").row_invariant()
+    step = DecodeStep(model, max_len=48, buckets=buckets, attention="triton", linear="triton")
+    assert step.row_invariant()
+    prompt = [(7 * i + 3) % V for i in range(9)]
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=12), step=step)[0]
+    tree = DraftTree.greedy_from_accuracies([[0.6, 0.2], [0.5]], 6)
+    for drafter in (OracleDrafter(prompt + ref, V), NoisyOracle(prompt + ref, V), RandomDrafter(V, 0)):
+        out, stats = static_speculative_generate(model, prompt, drafter, tree, 12, step=step)
+        assert out == ref
+    assert stats.base_forwards > 6  # (the random drafter's rounds: mostly one token each)
+
+
+@on_cpu
+def test_the_probe_takes_the_linear_kernel_where_the_blas_fails_and_passes_over_a_failure(model, monkeypatch):
+    """Where the Triton kernels are tried (CUDA with Triton; on this CPU by pretending), a one-row bucket whose
+    BLAS rounds by M fails with PyTorch's linears and passes with the row-linear kernel, which the probe then
+    chooses before any bucket set without one row; not under graphs="compile". A linear kernel that is off the
+    formula (row-invariant, so the probe alone would pass it) is passed over with a warning."""
+    monkeypatch.setattr(decode_step, "triton_kernels", lambda mdl: True)
+    monkeypatch.setattr(decode_step, "STEP_CANDIDATES", (
+        StepKernels((1, 8, 16), attention="triton"), StepKernels((1, 8, 16), attention="triton", linear="triton"),
+        StepKernels((8, 16))))
+    assert invariant_buckets(copy.deepcopy(model), 40) == (decode_step.STEP_CANDIDATES[1], True)
+    assert invariant_buckets(copy.deepcopy(model), 40, "compile") == (StepKernels((8, 16)), True)
+
+    real = rl.row_linear
+    monkeypatch.setattr(rl, "row_linear", lambda *a: real(*a) * 1.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert invariant_buckets(copy.deepcopy(model), 40) == (StepKernels((8, 16)), True)
+    assert any("row-linear kernel failed" in str(w.message) and "from the formula" in str(w.message)
+               for w in caught)
