@@ -5,7 +5,9 @@ context), through PyTorch's own ops (the C kernels of the CPU are switched off, 
 the model as loaded, and as the static benchmarks and `generate` run it (q|k|v and w1|w3 fused:
 quantization.fuse_projections). On CUDA each RMSNorm at inference is aten's rms_norm, one fused kernel where
 that build has one (layers.RMSNorm.FUSED_DEVICES); on a CPU it decomposes, so its column is a projection:
-five fewer kernels per norm. Then each draft's device round (speculative/static.py: the draft, the
+five fewer kernels per norm. Where Triton imports, also the step through its Triton kernels (the row
+attention and the row-wise kernels, ops/fused_rows.py), each call counted as one launch (on a CPU they run in
+Triton's interpreter, whose own ops are not counted). Then each draft's device round (speculative/static.py: the draft, the
 verification, the acceptance, the compaction, one graph on a GPU) against the fused plain step, with the tree
 `bench static` gives it: where a replay is bound by its kernels, a drafter gains about tau / that ratio.
 
@@ -16,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import os
 
 os.environ.setdefault("MIDLAYER_NO_KERNELS", "1")  # (before midlayer loads its C library)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # (the Triton kernels' row on a CPU: run, and counted as launches)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -29,6 +33,7 @@ from midlayer.engine.pretrained import load_pretrained  # noqa: E402
 from midlayer.engine.quantization import fuse_projections  # noqa: E402
 from midlayer.experiments.static_bench import static_methods  # noqa: E402
 from midlayer.model.layers import RMSNorm  # noqa: E402
+from midlayer.ops import row_attention  # noqa: E402
 from midlayer.speculative.static import DeviceRounds, static_speculative_generate  # noqa: E402
 
 DRAFTS = ",".join(f"{k}=drafts/smollm2-135m-scale/{k}" for k in ("eagle", "medusa", "hidden-transfer", "early-exit"))
@@ -49,12 +54,40 @@ class Kernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def triton_launches(k: Kernels):
+    """Each call of the static step's Triton kernels counted as one launch under its own name, the ops that
+    Triton's interpreter runs inside it (on a CPU) not counted."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from midlayer.ops import fused_rows, row_attention, row_linear
+
+    sites = [(fused_rows, "rms_norm"), (fused_rows, "silu_mul"), (fused_rows, "rope_store"),
+             (row_attention, "row_attention"), (row_linear, "row_linear")]
+    saved = [getattr(mod, name) for mod, name in sites]
+
+    def counting(real, name):
+        def launch(*a, **kw):
+            k.ops[f"triton {name}"] += 1
+            with _disable_current_modes():
+                return real(*a, **kw)
+        return launch
+
+    for (mod, name), real in zip(sites, saved):
+        setattr(mod, name, counting(real, name))
+    try:
+        yield
+    finally:
+        for (mod, name), real in zip(sites, saved):
+            setattr(mod, name, real)
+
+
 def counted(model, fn, *args):
     """(fn(*args), its kernel ops, the RMSNorm calls in it)."""
     norms = []
     hooks = [m.register_forward_hook(lambda *a: norms.append(1)) for m in model.modules() if isinstance(m, RMSNorm)]
     try:
-        with Kernels() as k:
+        with Kernels() as k, triton_launches(k):
             out = fn(*args)
     finally:
         for h in hooks:
@@ -62,9 +95,9 @@ def counted(model, fn, *args):
     return out, k.ops, len(norms)
 
 
-def step_kernels(model) -> tuple[collections.Counter, int]:
+def step_kernels(model, attention: str = "torch") -> tuple[collections.Counter, int]:
     """(kernel ops of one plain decode step, RMSNorm calls in it)."""
-    st = DecodeStep(model, max_len=200, buckets=(8, 16, 32, 64))
+    st = DecodeStep(model, max_len=200, buckets=(8, 16, 32, 64), attention=attention)
     st.prefill(torch.arange(100)[None] % model.cfg.vocab_size)
     with torch.no_grad():
         st.decode(torch.tensor([5]), 100)  # (first call: any lazy set-up)
@@ -112,15 +145,22 @@ def main() -> None:
     print("| model | kernels | per block | if each RMSNorm is one kernel (CUDA) | top ops |")
     print("|---|---|---|---|---|")
     fused = fuse_projections(copy.deepcopy(base))
-    for label, model in (("as loaded", base), ("fused (fuse_projections)", fused)):
-        ops, norms = step_kernels(model)
+    rows = [("as loaded", base, "torch"), ("fused (fuse_projections)", fused, "torch")]
+    if row_attention.available(torch.device("cpu")):  # (Triton's interpreter: about 2 minutes)
+        rows.append(("fused, the Triton kernels (attention='triton')", fused, "triton"))
+    for label, model, attention in rows:
+        ops, norms = step_kernels(model, attention)
         n = sum(ops.values())
         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
-        print(f"| {label} | {n} | {n / L:.1f} | {n - 5 * norms} ({norms} norms) | {top} |")
+        # (each RMSNorm one kernel already where the row-wise kernels run: ops/fused_rows.py)
+        fused_norms = 0 if attention == "triton" else 5 * norms
+        print(f"| {label} | {n} | {n / L:.1f} | {n - fused_norms} ({norms} norms) | {top} |", flush=True)
+        if attention == "torch":
+            n_plain, norms_plain = n, norms
     drafts = dict(x.split("=", 1) for x in entries)
     if not drafts:
         return
-    plain = n, n - 5 * norms
+    plain = n_plain, n_plain - 5 * norms_plain
     print("\nOne device round of each draft (fused model), against the fused plain step\n")
     print("| draft | tree | kernels | x plain | if each RMSNorm is one kernel | x plain |")
     print("|---|---|---|---|---|---|")

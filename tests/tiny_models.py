@@ -90,3 +90,18 @@ class RandomDrafter(Drafter):
                     else torch.zeros(0, dtype=torch.long))
             return Draft(node_tokens=toks, q=self.q.expand(n, -1))
         return [torch.randint(0, self.vocab_size, (k,), generator=self.gen).tolist() for k in ctx.tree.ranks_per_depth]
+
+
+def assert_drafts_lossless(model: Transformer, step, prompt: list[int], ref: list[int]):
+    """Speculative decoding on the static `step` (speculative/static.py) with an oracle, a noisy oracle and
+    random drafts on a small branching tree gives `ref`, plain decoding's tokens, exactly. Returns the random
+    drafter's stats (its rounds mostly commit one token each)."""
+    from midlayer.speculative.static import static_speculative_generate
+    from midlayer.speculative.tree import DraftTree
+
+    V = model.cfg.vocab_size
+    tree = DraftTree.greedy_from_accuracies([[0.6, 0.2], [0.5]], 6)
+    for drafter in (OracleDrafter(prompt + ref, V), NoisyOracle(prompt + ref, V), RandomDrafter(V, 0)):
+        out, stats = static_speculative_generate(model, prompt, drafter, tree, len(ref), step=step)
+        assert out == ref, type(drafter).__name__
+    return stats

@@ -59,7 +59,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from midlayer.ops import row_attention, row_linear
+from midlayer.ops import fused_rows, row_attention, row_linear
 from .draft_vocab import head_logits
 from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView, kv_dtype
@@ -78,7 +78,8 @@ WINDOW_ROWS = 32
 
 class StepKernels(NamedTuple):
     """What a static step runs its forwards with: the row counts of its forwards, `attend`'s row groups (None:
-    one group), its attention ("torch": `attend` in PyTorch ops; "triton": ops/row_attention.py) and its
+    one group), its attention ("torch": `attend` in PyTorch ops; "triton": ops/row_attention.py, and with it
+    the row-wise kernels of ops/fused_rows.py: RMSNorm, SwiGLU's product, RoPE with the K/V store) and its
     linears ("torch": F.linear, i.e. the BLAS; "triton": ops/row_linear.py)."""
 
     buckets: tuple[int, ...]
@@ -89,14 +90,15 @@ class StepKernels(NamedTuple):
 
 # Tried in order by `invariant_buckets`, the cheapest first. On CUDA with Triton, first the row-attention kernel
 # (ops/row_attention.py: one kernel a layer where `attend`'s PyTorch ops are about 14, and row-invariant by
-# construction) with plain decoding in one row, then from 8 rows; then with the row-linear kernel too
-# (ops/row_linear.py: row-invariant by construction, for a BLAS that rounds a row by M: an H200's fp32 cuBLAS,
-# where no candidate below but the single bucket passed). Then `attend` in PyTorch ops: several sizes with one
-# GEMM each, plain decoding in one row (where every kernel gives a row at M = 1 its bits at M = 8: the q4
-# format's; on an AMD EPYC it made the q4 static step's plain decoding 1.1-1.4x faster than in 8 rows), then
-# from 8 rows (a CPU's fp32 GEMV at one row rounds otherwise); several sizes from ATTN_ROWS up with attention in
-# groups (at batch 1 a linear's cost is reading its weights, the same for 32 rows as for 8: reasoned, not
-# measured); one size for every forward (no kernel choice can then depend on M).
+# construction; with it the row-wise kernels, ops/fused_rows.py) with plain decoding in one row, then from 8
+# rows; then with the row-linear kernel too (ops/row_linear.py: row-invariant by construction, for a BLAS that
+# rounds a row by M: an H200's fp32 cuBLAS, where no candidate below but the single bucket passed). Then
+# `attend` in PyTorch ops: several sizes with one GEMM each, plain decoding in one row (where every kernel gives
+# a row at M = 1 its bits at M = 8: the q4 format's; on an AMD EPYC it made the q4 static step's plain decoding
+# 1.1-1.4x faster than in 8 rows), then from 8 rows (a CPU's fp32 GEMV at one row rounds otherwise); several
+# sizes from ATTN_ROWS up with attention in groups (at batch 1 a linear's cost is reading its weights, the same
+# for 32 rows as for 8: reasoned, not measured); one size for every forward (no kernel choice can then depend
+# on M).
 _ALL = (1, 8, 16, 32, 64, 128, 256)
 STEP_CANDIDATES: tuple[StepKernels, ...] = (
     StepKernels(_ALL, attention="triton"), StepKernels(_ALL[1:], attention="triton"),
@@ -105,9 +107,13 @@ STEP_CANDIDATES: tuple[StepKernels, ...] = (
 BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(c.buckets for c in STEP_CANDIDATES))
 ATTENTIONS = ("torch", "triton")  # `DecodeStep.attention`: `attend` in PyTorch ops, or the row-attention kernel
 LINEARS = ("torch", "triton")  # `DecodeStep.linear`: F.linear as PyTorch runs it, or the row-linear kernel
-# the most a Triton kernel's `self_check` may be off the formula (relative to its output's scale): fp32 rounding,
-# and for the linear in bf16 its output's rounding (2^-8)
-SELF_CHECK_TOL = {"attention": 1e-4, "linear": {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}}
+# The Triton kernels' self-checks (their value against the formula, which the probe, comparing bits, does not
+# see), run before the probe tries them: (the candidates' field they serve, the kernels' name, the check, the
+# most it may be off, relative to the output's scale: fp32 rounding, or a bf16 output's own, 2^-8).
+_ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+SELF_CHECKS = (("attention", "row-attention", row_attention.self_check, {torch.float32: 1e-4, torch.bfloat16: 1e-4}),
+               ("attention", "row-wise (RMSNorm, SwiGLU, RoPE)", fused_rows.self_check, _ROUNDING),
+               ("linear", "row-linear", row_linear.self_check, _ROUNDING))
 # W of `DecodeStep.attend`: every row of a forward lies within W - 1 positions of the forward's first slot (a
 # prompt chunk has at most W rows; a tree's depth plus hidden transfer's steps stay below W).
 MAX_TAIL = 64
@@ -138,17 +144,14 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     key = (dtype, str(dev), getattr(model, "weight_format", None), int(max_len), kv_dtype(model), mode,
            kernels and graphs == "compile")
     if key not in memo:
-        usable = {"attention": False, "linear": False}
-        if kernels:
-            checks = {"attention": (row_attention.self_check, SELF_CHECK_TOL["attention"])}
-            if graphs != "compile":
-                checks["linear"] = (row_linear.self_check, SELF_CHECK_TOL["linear"].get(dtype, 1e-5))
-            for name, (check, tol) in checks.items():  # (the kernel's value first: the probe compares bits only)
+        usable = {"attention": kernels, "linear": kernels and graphs != "compile"}
+        for field, name, check, tol in SELF_CHECKS:  # (the kernels' value first: the probe compares bits only)
+            if usable[field]:
                 try:
                     err = check(dev, dtype)
-                    usable[name] = err <= tol or _unusable(name, f"{err:.2e} from the formula")
+                    usable[field] = err <= tol.get(dtype, 1e-5) or _unusable(name, f"{err:.2e} from the formula")
                 except Exception as e:
-                    usable[name] = _unusable(name, f"{type(e).__name__}: {e}")
+                    usable[field] = _unusable(name, f"{type(e).__name__}: {e}")
         found = None
         for cand in STEP_CANDIDATES:
             tried = [n for n in ("attention", "linear") if getattr(cand, n) == "triton"]
@@ -161,7 +164,7 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
                 if not tried:
                     raise
                 for n in tried:
-                    usable[n] = _unusable(n, f"{type(e).__name__}: {e}")
+                    usable[n] = _unusable(f"row-{n}", f"{type(e).__name__}: {e}")
                 continue
             if ok:
                 found = (cand, True)
@@ -172,7 +175,7 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
 
 def _unusable(kernel: str, why: str) -> bool:
     """False, having told the user that a Triton kernel's candidates are passed over, and why."""
-    warnings.warn(f"the row-{kernel} kernel failed here ({why}); the static step runs PyTorch's ops instead",
+    warnings.warn(f"the {kernel} kernel failed here ({why}); the static step runs PyTorch's ops instead",
                   RuntimeWarning, stacklevel=3)
     return False
 
@@ -308,6 +311,17 @@ class StaticView(CacheView):
         kl, vl = self._store(k, v)
         return self.step.attend(q, kl, vl, self.layer)
 
+    def fuses_rope(self, x: torch.Tensor) -> bool:
+        # with the row-attention kernel, RoPE and the store are one kernel too (ops/fused_rows.py)
+        return (self.step.attention == "triton" and fused_rows.applies(x) and self.k_buffer.dtype == x.dtype
+                and self.step.model.cfg.head_dim % 2 == 0)
+
+    def rope_attention(self, module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        st = self.step
+        kl, vl = st.k[self.layer], st.v[self.layer]
+        q = fused_rows.rope_store(qkv, cos, sin, module.n_heads, kl, vl, st.cur_slots)  # [B, N, H, d]
+        return st.attend(q.transpose(1, 2), kl, vl, self.layer)
+
 
 @dataclass
 class TreeTensors:
@@ -439,7 +453,7 @@ class DecodeStep:
         h = self.blocks(tokens, positions, slots, start, torch.where(path >= 0, path_slots, -1), depth, real,
                         join_src, join_step)
         m = self.model
-        with self._linears():
+        with self._kernels():
             return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
 
     @torch.no_grad()
@@ -466,12 +480,12 @@ class DecodeStep:
         self.cur_keys = keys
         # `attend`'s split of the values, the same at every layer (built once per forward, not once per layer):
         # below s0 = position - (W - 1) the shared GEMM, from s0 on a W-key window per row in position order
-        s0 = (positions - (self.window - 1)).clamp_min(0)  # [B, N]
-        wpos = s0[..., None] + self.win_ids  # [B, N, W]: positions s0 .. s0 + W - 1
-        wpos = wpos.clamp_max(S - 1)
-        below = p < s0[..., None]  # [B, N, S]
-        # (the window's keys: [B, N, W] slots; the row-attention kernel reads `keys` itself, and no split)
-        self.cur_split = None if self.attention == "triton" else (below, wpos, keys.gather(2, wpos))
+        # (the row-attention kernel reads `keys` itself, and no split: none of its kernels are launched there)
+        self.cur_split = None
+        if self.attention != "triton":
+            s0 = (positions - (self.window - 1)).clamp_min(0)  # [B, N]
+            wpos = (s0[..., None] + self.win_ids).clamp_max(S - 1)  # [B, N, W]: positions s0 .. s0 + W - 1
+            self.cur_split = (p < s0[..., None], wpos, keys.gather(2, wpos))  # (below [B, N, S], the window's keys)
         self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
         self.cur_pos = positions  # (the row-attention kernel reads each row's keys up to its own position)
         self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
@@ -480,14 +494,20 @@ class DecodeStep:
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
         # (join_src first: a plain forward never reads the transfer, so a compiled one does not guard on it)
         self.cur_join = None if join_src is None or self.transfer is None else (join_src, join_step)
-        with self._linears():
+        with self._kernels():
             h = m.run_blocks(m.embed(tokens, positions), self._block, stop=stop, run=run)
             return h if stop is not None else self._join(m.cfg.n_layers, h)  # rows that join after the last block
 
-    def _linears(self):
-        """The context a forward's linears run in: with linear="triton", every F.linear goes to the row-linear
-        kernel (ops/row_linear.py: a TorchFunctionMode, so the model's own code runs unchanged)."""
-        return row_linear.RowLinears() if self.linear == "triton" else contextlib.nullcontext()
+    def _kernels(self) -> contextlib.AbstractContextManager:
+        """The context a forward runs in: with attention="triton", the row-wise kernels (ops/fused_rows.py:
+        RMSNorm, SwiGLU's product, RoPE with the store); with linear="triton", every F.linear goes to the
+        row-linear kernel (ops/row_linear.py: a TorchFunctionMode). The model's own code runs unchanged."""
+        stack = contextlib.ExitStack()  # (empty: the PyTorch ops, nothing entered)
+        if self.attention == "triton":
+            stack.enter_context(fused_rows.active())
+        if self.linear == "triton":
+            stack.enter_context(row_linear.RowLinears())
+        return stack
 
     def slot_mask(self) -> torch.Tensor:
         """This forward's visibility by slot, additive [B, 1, N, S]: what the C kernels of a direct view read
@@ -522,12 +542,15 @@ class DecodeStep:
         any row count). `layer`: where the probe's tap (`tap`) records the fp32 result. Returns [B, H, N, d] (a
         view of [B, N, H, d], the layout the output projection reads)."""
         B, H, N, d = q.shape
+        tapped = self.tap is not None and layer is not None
         if self.attention == "triton":  # the same formula as one kernel, each row reduced alone (ops/row_attention.py)
-            out = row_attention.row_attention(q, kl, vl, self.cur_keys, self.cur_kmask, self.cur_pos)
+            # (stored in q's dtype unless tapped: one rounding, the bits of the cast below, one kernel fewer)
+            out = row_attention.row_attention(q, kl, vl, self.cur_keys, self.cur_kmask, self.cur_pos,
+                                              dtype=torch.float32 if tapped else q.dtype)
         else:
             out = self._attend_ops(q, kl, vl)
         out = out.view(B, N, H * d)
-        if self.tap is not None and layer is not None:
+        if tapped:
             self.tap[layer, :, :N].copy_(out)
         return out.to(q.dtype).view(B, N, H, d).transpose(1, 2)
 

@@ -295,6 +295,10 @@ class Attention(nn.Module):
                 and x.device.type == "cpu" and cache.k_buffer.dtype in kernels.KV_DTYPES and kernels.available()
                 and self.q_norm is None):
             return self._forward_kernels(x, cos, sin, cache)
+        if cache is not None and self.wqkv is not None and self.q_norm is None and cache.fuses_rope(x):
+            # RoPE, the K/V store and the attention in the view's own kernels (decode_step.StaticView)
+            out = cache.rope_attention(self, self.wqkv(x).view(B, T, H + 2 * Hk, hd), cos, sin)
+            return self.wo(out.transpose(1, 2).reshape(B, T, -1))
         # RoPE in the projection's own [B, T, heads, hd] layout: no copy before the attention kernel.
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         if self.wqkv is not None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from midlayer.config import ModelConfig
-from midlayer.ops import kernels
+from midlayer.ops import fused_rows, kernels
 
 
 class RMSNorm(nn.Module):
@@ -34,6 +34,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_rows.applies(x):  # the static step's row kernels (Triton): one launch instead of four on CUDA
+            return fused_rows.rms_norm(x, self.weight, self.eps)
         if self.fast and not torch.is_grad_enabled() and x.dtype == torch.float32:
             y = kernels.rmsnorm(x, self.weight, self.eps)  # inference on CPU: one C call instead of six ops
             if y is not None:
@@ -111,6 +113,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
             ab = self.w13(x)
+            if self.kind == "swiglu" and fused_rows.applies(ab):  # the static step's row kernels (Triton)
+                return self.w2(fused_rows.silu_mul(ab))
             if self.kind == "swiglu" and not torch.is_grad_enabled():
                 y = kernels.silu_mul(ab)  # inference on CPU: one C call, the fused q4 block's own (Block.forward)
                 if y is not None:

@@ -30,7 +30,7 @@ from . import triton_build
 from .triton_build import NEEDS, pow2
 
 BLOCK_POSITIONS = 32  # BS: positions per step of a program's loop (a [rep, BS, d] product lives in registers)
-tl = None  # triton.language, set when the kernel is first made (triton_build.kernel)
+tl = to_bf16 = None  # triton.language and triton_build's helper, set when the kernel is first made
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -42,7 +42,7 @@ def available(device: torch.device | None = None) -> bool:
 def _attend_rows(q, k, v, keys, kmask, last, out,
                  sqb, sqn, sqh, skb, skh, sks, svb, svh, svs, sxb, sxn, smb, smn, sob, son, soh,
                  N, rep, d, scale,
-                 REP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+                 REP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BF16: tl.constexpr):
     """The kernel (module docstring); grid (B * N, Hk). (At module level: Triton resolves `tl` through the
     function's globals, and the interpreter swaps in its own there.)"""
     row = tl.program_id(0)  # b * N + n
@@ -76,22 +76,28 @@ def _attend_rows(q, k, v, keys, kmask, last, out,
                      other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vd[None, :, :], axis=1)
         m = m_new
-    tl.store(out + b * sob + n * son + heads[:, None] * soh + dd[None, :], acc / total[:, None],
-             mask=rm[:, None] & dm[None, :])
+    res = acc / total[:, None]
+    if BF16:  # (the output in bf16, rounded once: the bits of the fp32 result cast by PyTorch)
+        res = to_bf16(res)
+    tl.store(out + b * sob + n * son + heads[:, None] * soh + dd[None, :], res, mask=rm[:, None] & dm[None, :])
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,
-                  positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                  positions: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v per row, over its keys in position order (module docstring).
 
     q [B, H, N, d] (any strides with d contiguous), kl, vl [B, Hk, S, d] the cache layer, keys [B, N, S]
     (long: the slot holding row i's key at position p), kmask [B, N, S] (fp32, 0 or -inf by position),
-    positions [B, N] (long: each row's own). Returns fp32 [B, N, H, d] (`out` if given)."""
+    positions [B, N] (long: each row's own). Returns [B, N, H, d] (`out` if given), computed in fp32 and
+    stored in `dtype` (fp32 or bf16: the fp32 result rounded once, to nearest even)."""
     B, H, N, d = q.shape
     Hk = kl.shape[1]
     rep = H // Hk
     if out is None:
-        out = torch.empty(B, N, H, d, device=q.device, dtype=torch.float32)
+        out = torch.empty(B, N, H, d, device=q.device, dtype=dtype)
+    if out.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"row_attention stores fp32 or bf16, not {out.dtype}")
     if not available(q.device):
         raise RuntimeError(NEEDS)
     kernel = triton_build.kernel(_attend_rows)
@@ -101,7 +107,7 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
     kernel[(B * N, Hk)](q, kl, vl, keys, kmask, positions.reshape(B * N), out,
                         sq[0], sq[2], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sx[0], sx[1], sm[0], sm[1],
                         so[0], so[1], so[2], N, rep, d, 1.0 / math.sqrt(d),
-                        REP=max(pow2(rep), 2), D=pow2(d), BS=BLOCK_POSITIONS)
+                        REP=max(pow2(rep), 2), D=pow2(d), BS=BLOCK_POSITIONS, BF16=out.dtype == torch.bfloat16)
     return out
 
 
@@ -124,12 +130,12 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
 
 def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64):
     """The kernel compiled ahead of time for an NVIDIA GPU of compute capability `capability` with `dtype`
-    operands (triton_build.compile_for: no GPU needed; tests/test_row_attention.py)."""
+    operands and output (triton_build.compile_for: no GPU needed; tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
     kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out="*fp32",
-                 scale="fp32", REP="constexpr", D="constexpr", BS="constexpr")
+                 scale="fp32", REP="constexpr", D="constexpr", BS="constexpr", BF16="constexpr")
     return triton_build.compile_for(_attend_rows, capability, kinds,
-                                    dict(REP=max(pow2(rep), 2), D=pow2(d), BS=BLOCK_POSITIONS))
+                                    dict(REP=max(pow2(rep), 2), D=pow2(d), BS=BLOCK_POSITIONS, BF16=dtype == torch.bfloat16))
 
 
 def reference(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor

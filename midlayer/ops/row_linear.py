@@ -35,7 +35,7 @@ from . import triton_build
 from .triton_build import NEEDS
 
 BM, BN, BK = 16, 32, 64  # the tile: BM rows (16: tl.dot's least) x BN outputs, over K in blocks of BK
-tl = None  # triton.language, set when the kernel is first made (triton_build.kernel)
+tl = to_bf16 = None  # triton.language and triton_build's helper, set when the kernel is first made
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -64,10 +64,8 @@ def _linear_rows(x, w, b, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, BF1
     if HAS_BIAS:
         acc += tl.load(b + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = acc
-    if BF16:  # fp32 -> bf16, to nearest, ties to even, in integer ops (Triton's interpreter's cast truncates)
-        bits = acc.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if BF16:
+        out = to_bf16(acc)
     tl.store(y + rm[:, None] * sym + rn[None, :], out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 

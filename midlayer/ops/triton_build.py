@@ -37,18 +37,34 @@ def load() -> tuple | None:
 
 
 def kernel(fn: Callable, **jit_kw):
-    """`fn` made a Triton kernel, once (None without Triton). The kernel's source names `tl` as a global of its
-    own module, which is set here: Triton resolves the names of a kernel's body through the function's globals
-    (under the interpreter, to the interpreter's own `tl`). Made at first use, so that torch.compile traces a
-    launch of a JITFunction and nothing else."""
+    """`fn` made a Triton kernel, once (None without Triton). The kernel's source names `tl` (and the helper
+    `to_bf16`) as globals of its own module, which are set here: Triton resolves the names of a kernel's body
+    through the function's globals (under the interpreter, `tl` to the interpreter's own). Made at first use,
+    so that torch.compile traces a launch of a JITFunction and nothing else."""
     if fn not in _kernels:
         mods = load()
         if mods is None:
             return None
-        triton, tl = mods
-        fn.__globals__["tl"] = tl
+        triton, lang = mods
+        for space in (fn.__globals__, globals()):  # (the kernel's module, and this one's for the helpers)
+            space["tl"] = lang
+        if _to_bf16 not in _kernels:
+            _kernels[_to_bf16] = triton.jit(_to_bf16)
+        fn.__globals__["to_bf16"] = _kernels[_to_bf16]
         _kernels[fn] = triton.jit(fn, **jit_kw)
     return _kernels[fn]
+
+
+tl = None  # triton.language once loaded (for the helpers below)
+
+
+def _to_bf16(x):
+    """A kernels' helper (bound as `to_bf16` in each kernel's module): fp32 -> bf16 to nearest, ties to even,
+    in integer ops, the same bits compiled and in Triton's interpreter (whose own cast truncates). (Not for
+    NaN: none of the kernels makes one from finite inputs.)"""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 def runs_on(fn: Callable, device: torch.device | None = None) -> bool:
