@@ -559,3 +559,16 @@ def test_q4_without_its_kernels_says_it_is_another_computation(tiny, work, capsy
 def test_serve_flags_are_refused_before_any_model_is_loaded(flag, value, capsys):
     pytest.importorskip("fastapi")
     refused(capsys, ["serve", "--model", "no-such-model", flag, value], flag)
+
+
+def test_bench_static_checks_its_counts_with_or_without_extra_tree_sizes():
+    """`bench_static`'s own check of its counts, before any model is loaded: a tree of 0 nodes is refused by
+    name, given alone or among extra sizes, and valid counts without extra sizes get as far as the model's
+    name (a regression: `min(nodes, *())` raised a TypeError whenever --also-nodes was not given)."""
+    from midlayer.experiments.static_bench import bench_static
+
+    for kw in (dict(nodes=0), dict(also_nodes=(12, 0))):
+        with pytest.raises(ValueError, match="nodes >= 1"):
+            bench_static(model_name="no-such-model", **kw)
+    with pytest.raises(ValueError, match="neither a known model name"):
+        bench_static(model_name="no-such-model")

@@ -157,7 +157,7 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     if bad or not dtypes:
         raise ValueError(f"dtypes: choose from {', '.join(DTYPES)}, got {list(dtypes)}")
     graphs = tuple(graphs or (("eager", "cudagraph") if dev.type == "cuda" else ("eager",)))
-    if new_tokens < 2 or max_prompts < 1 or min(nodes, *also_nodes) < 1:
+    if new_tokens < 2 or max_prompts < 1 or min((nodes, *also_nodes)) < 1:
         raise ValueError(f"new_tokens >= 2, max_prompts and nodes >= 1; got {new_tokens}, {max_prompts}, "
                          f"{nodes} {tuple(also_nodes)}")
     drafts = DEFAULT_DRAFTS if drafts is None else drafts
