@@ -266,6 +266,55 @@ def test_run_ahead_gives_the_same_tokens_and_cache(models, kind):
             assert calls[1] == calls[0] + 1  # one step or round was queued behind the stop, and undone
 
 
+@pytest.mark.parametrize("kind", ["eagle-2", "hidden-transfer"])
+def test_device_rounds_through_the_triton_kernels_are_lossless(models, kind):
+    """With attention="triton" a device round runs inside the step's kernels (`DecodeStep.kernels`): the
+    verification's forward through the row-wise kernels and the row attention, and the draft's own norms
+    (EAGLE's layer) through them too. The tokens are plain decoding's on the same step. (Triton's interpreter
+    on a CPU: tests/conftest.py, where hidden transfer runs a chain, a 32-row round with its pseudo rows.)"""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter")
+    from midlayer.model.layers import RMSNorm
+    from midlayer.ops import fused_rows
+    from midlayer.speculative.static import DeviceRounds
+
+    model = models["fp32"]
+    drafter = _drafters(model)[kind]
+    prompt, n = _prompts()[2][:20], 12
+    st = DecodeStep(model, max_len=len(prompt) + n + 64, buckets=(8, 16, 32, 64), attention="triton")
+    plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=n), step=st)[0]
+    if kind == "hidden-transfer":
+        st.attach(drafter)
+    tree = TREES[0] if kind == "hidden-transfer" else TREES[1]
+    rounds = DeviceRounds.for_step(st, drafter, tree)
+    runner, in_round, seen = rounds.runner, [False], []
+
+    def round_(*a):  # (EAGLE's layer also runs outside the rounds: over the prompt, on the host)
+        in_round[0] = True
+        try:
+            return runner(*a)
+        finally:
+            in_round[0] = False
+
+    rounds.runner = round_
+    norms = [m for m in drafter.head.modules() if isinstance(m, RMSNorm)] if kind == "eagle-2" else []
+    def hook(*a) -> None:
+        if in_round[0]:
+            seen.append(fused_rows._ACTIVE)
+
+    hooks = [m.register_forward_hook(hook) for m in norms]
+    try:
+        out, stats = static_speculative_generate(model, prompt, drafter, tree, n, step=st)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert out == plain and stats.base_forwards < n
+    assert all(seen) and (len(seen) > 0) == (kind == "eagle-2")  # (EAGLE's layer in a round: in the kernels)
+
+
 # ------------------------------------------------------------------------------------ row invariance
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
 def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):

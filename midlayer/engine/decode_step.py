@@ -453,7 +453,7 @@ class DecodeStep:
         h = self.blocks(tokens, positions, slots, start, torch.where(path >= 0, path_slots, -1), depth, real,
                         join_src, join_step)
         m = self.model
-        with self._kernels():
+        with self.kernels():
             return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
 
     @torch.no_grad()
@@ -494,14 +494,15 @@ class DecodeStep:
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
         # (join_src first: a plain forward never reads the transfer, so a compiled one does not guard on it)
         self.cur_join = None if join_src is None or self.transfer is None else (join_src, join_step)
-        with self._kernels():
+        with self.kernels():
             h = m.run_blocks(m.embed(tokens, positions), self._block, stop=stop, run=run)
             return h if stop is not None else self._join(m.cfg.n_layers, h)  # rows that join after the last block
 
-    def _kernels(self) -> contextlib.AbstractContextManager:
-        """The context a forward runs in: with attention="triton", the row-wise kernels (ops/fused_rows.py:
-        RMSNorm, SwiGLU's product, RoPE with the store); with linear="triton", every F.linear goes to the
-        row-linear kernel (ops/row_linear.py: a TorchFunctionMode). The model's own code runs unchanged."""
+    def kernels(self) -> contextlib.ExitStack:
+        """The context a forward runs in (and a device round, speculative/static.py, whose draft modules then
+        take them too): with attention="triton", the row-wise kernels (ops/fused_rows.py: RMSNorm, SwiGLU's
+        product, RoPE with the store); with linear="triton", every F.linear goes to the row-linear kernel
+        (ops/row_linear.py: a TorchFunctionMode). The model's own code runs unchanged."""
         stack = contextlib.ExitStack()  # (empty: the PyTorch ops, nothing entered)
         if self.attention == "triton":
             stack.enter_context(fused_rows.active())

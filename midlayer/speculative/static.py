@@ -284,6 +284,10 @@ class DeviceRounds:
         """One round, no host read: the draft, then `verify_round` over [root, nodes, padding] at slots
         last_pos.. (slot p holds position p). Returns (packed [accepted count a, path tokens, bonus], the next
         root (the bonus), its position, the next carry...)."""
+        with self.step.kernels():  # (the draft's own norms and FFNs through the step's kernels too)
+            return self._round(root, last_pos, *carry)
+
+    def _round(self, root: torch.Tensor, last_pos: torch.Tensor, *carry: torch.Tensor) -> tuple[torch.Tensor, ...]:
         st, dd = self.step, self.draft
         nodes, fields = dd.draft(root, last_pos, *carry)
         vis, _, depth, real = fields[:4]
