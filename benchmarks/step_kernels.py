@@ -7,9 +7,10 @@ quantization.fuse_projections). On CUDA each RMSNorm at inference is aten's rms_
 that build has one (layers.RMSNorm.FUSED_DEVICES); on a CPU it decomposes, so its column is a projection:
 five fewer kernels per norm. Where Triton imports, also the step through its Triton kernels (the row
 attention and the row-wise kernels, ops/fused_rows.py), each call counted as one launch (on a CPU they run in
-Triton's interpreter, whose own ops are not counted). Then each draft's device round (speculative/static.py: the draft, the
-verification, the acceptance, the compaction, one graph on a GPU) against the fused plain step, with the tree
-`bench static` gives it: where a replay is bound by its kernels, a drafter gains about tau / that ratio.
+Triton's interpreter, whose own ops are not counted). Then each draft's device round (speculative/static.py:
+the draft, the verification, the acceptance, the compaction, one graph on a GPU) against the fused plain step,
+with the tree `bench static` gives it: where a replay is bound by its kernels, a drafter gains about tau / that
+ratio.
 
     python benchmarks/step_kernels.py [--drafts eagle=drafts/smollm2-135m-scale/eagle,...]
 """
@@ -62,7 +63,8 @@ def triton_launches(k: Kernels):
 
     from midlayer.ops import fused_rows, row_attention, row_linear
 
-    sites = [(fused_rows, "rms_norm"), (fused_rows, "silu_mul"), (fused_rows, "rope_store"),
+    sites = [(fused_rows, "rms_norm"), (fused_rows, "add_rms_norm"), (fused_rows, "silu_mul"),
+             (fused_rows, "rope_store"),
              (row_attention, "row_attention"), (row_linear, "row_linear")]
     saved = [getattr(mod, name) for mod, name in sites]
 

@@ -55,6 +55,15 @@ def test_rms_norm_is_the_modules_formula(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    """A block's residual add and the norm after it in one kernel: h the very bits of PyTorch's x + a, and the
+    norm the very bits of `rms_norm(h)`."""
+    x, a, w = _rand(4, 70, dtype=dtype), _rand(4, 70, dtype=dtype, seed=1), _rand(70, dtype=dtype, seed=2)
+    h, y = fr.add_rms_norm(x, a, w, 1e-5)
+    assert torch.equal(h, x + a) and torch.equal(y, fr.rms_norm(x + a, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_silu_mul_is_swiglus_product(dtype):
     """silu(a) * b for ab = [a | b], 45 wide (a block tail): fp32 close to PyTorch's ops, bf16 one rounding."""
     ab = _rand(2, 3, 90, dtype=dtype) * 3
@@ -101,7 +110,7 @@ def test_a_rows_bits_depend_on_no_other_row():
 
 
 def _counting(monkeypatch) -> dict[str, int]:
-    calls = {"rms_norm": 0, "silu_mul": 0, "rope_store": 0}
+    calls = {"rms_norm": 0, "add_rms_norm": 0, "silu_mul": 0, "rope_store": 0}
     for name in calls:
         real = getattr(fr, name)
 
@@ -115,7 +124,7 @@ def _counting(monkeypatch) -> dict[str, int]:
 @on_cpu
 def test_the_step_takes_them_with_the_row_attention_kernel_and_nothing_else_does(monkeypatch):
     """A plain decode step of the fused model (q|k|v and w1|w3 joined) with attention="triton" runs every norm
-    (the tiny model is sandwich-normed), every SwiGLU product and every block's RoPE + store through the kernels;
+    (the tiny model is sandwich-normed; the FFN's with the residual add), every SwiGLU product and every block's RoPE + store through the kernels;
     the same step with the PyTorch attention, and `generate`, run none. Its tokens equal the PyTorch step's
     and `generate`'s here (a check of sense: other kernels may round otherwise at a near-tie)."""
     model = fuse_projections(make_tiny(DIMS, False))
@@ -125,13 +134,14 @@ def test_the_step_takes_them_with_the_row_attention_kernel_and_nothing_else_does
     cfg = GenerationConfig(max_new_tokens=6)
     ref = generate(model, [prompt], cfg)[0]
     torch_step = static_generate(model, [prompt], cfg, buckets=(8, 16))[0]
-    assert calls == {"rms_norm": 0, "silu_mul": 0, "rope_store": 0}
+    assert set(calls.values()) == {0}
     step = DecodeStep(model, max_len=32, buckets=(8, 16), attention="triton")
     step.prefill(torch.tensor([prompt]))
-    calls.update(rms_norm=0, silu_mul=0, rope_store=0)
+    calls.update(rms_norm=0, add_rms_norm=0, silu_mul=0, rope_store=0)
     step.decode(torch.tensor([3]), len(prompt))
     norms = sum(isinstance(m, RMSNorm) for m in model.modules())  # (sandwich: 4 a block, the embedding's, the last)
-    assert calls == {"rms_norm": norms, "silu_mul": L, "rope_store": L} and norms == 4 * L + 2
+    # (each block's FFN norm with the residual add before it)
+    assert calls == {"rms_norm": norms - L, "add_rms_norm": L, "silu_mul": L, "rope_store": L} and norms == 4 * L + 2
     assert static_generate(model, [prompt], cfg, step=step)[0] == torch_step == ref
 
 

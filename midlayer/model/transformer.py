@@ -32,9 +32,9 @@ from midlayer.config import ModelConfig
 from .attention import Attention, key_gate_bias, PositionBias, rope_tables
 from .gating import GateStats, MirroredGates, Routers
 from .kv_cache import CacheView
-from .layers import FeedForward, make_norm, MoEFeedForward
+from .layers import FeedForward, make_norm, MoEFeedForward, RMSNorm
 from .ssm import SelectiveSSM
-from midlayer.ops import kernels
+from midlayer.ops import fused_rows, kernels
 
 
 class Block(nn.Module):
@@ -84,10 +84,14 @@ class Block(nn.Module):
             a = self.drop(a)
         if gate is not None:
             a = a * gate[..., None].to(a.dtype)
-        h = x + a
         if post:
-            h = self.attention_norm(h)
-        f = self.feed_forward(h if post else self.ffn_norm(h))
+            h = hn = self.attention_norm(x + a)
+        elif fused_rows.applies(x) and isinstance(self.ffn_norm, RMSNorm):  # (the static step's kernels: one)
+            h, hn = fused_rows.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)
+        else:
+            h = x + a
+            hn = self.ffn_norm(h)
+        f = self.feed_forward(hn)
         if self.sandwich:
             f = self.ffn_out_norm(f)
         if self.drop is not None:

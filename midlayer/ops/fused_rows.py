@@ -1,5 +1,5 @@
-"""The static decode step's row-wise kernels (Triton): RMSNorm, SwiGLU's gate product, and RoPE with the K/V
-store, each one kernel where PyTorch's ops launch several (issue 42).
+"""The static decode step's row-wise kernels (Triton): RMSNorm (alone, or with the residual add before it),
+SwiGLU's gate product, and RoPE with the K/V store, each one kernel where PyTorch's ops launch several (issue 42).
 
 Why. A captured step pays per kernel it launches: the H200 replayed our bf16 step's 890 kernels in 4.32 ms,
 about 4.9 us each, where transformers' compiled recipe takes 1.54 ms (docs/results/static-step.md). Counted
@@ -63,6 +63,27 @@ def _rms_norm_rows(x, w, y, D, sx, sy, eps, BD: tl.constexpr, BF16: tl.constexpr
     tl.store(y + row * sy + d, out, mask=m)
 
 
+def _add_rms_norm_rows(x, a, w, h, y, D, sx, sa, sh, sy, eps, BD: tl.constexpr, BF16: tl.constexpr):
+    """h = x + a (the residual, rounded to its dtype as PyTorch's add rounds it), y = RMSNorm(h) as
+    `_rms_norm_rows`; grid (rows,)."""
+    row = tl.program_id(0)
+    d = tl.arange(0, BD)
+    m = d < D
+    hv = tl.load(x + row * sx + d, mask=m, other=0.0).to(tl.float32) + tl.load(a + row * sa + d, mask=m,
+                                                                               other=0.0).to(tl.float32)
+    if BF16:
+        hv = to_bf16(hv)
+        tl.store(h + row * sh + d, hv, mask=m)
+        hv = hv.to(tl.float32)
+    else:
+        tl.store(h + row * sh + d, hv, mask=m)
+    r = 1.0 / tl.sqrt(tl.sum(hv * hv, axis=0) / D + eps)
+    out = hv * r * tl.load(w + d, mask=m, other=0.0).to(tl.float32)
+    if BF16:
+        out = to_bf16(out)
+    tl.store(y + row * sy + d, out, mask=m)
+
+
 def _silu_mul_rows(ab, y, Hd, sab, sy, BH: tl.constexpr, BF16: tl.constexpr):
     """y = silu(a) * b for ab = [a | b] per row (FeedForward's SwiGLU, in fp32); grid (rows, cdiv(Hd, BH))."""
     row = tl.program_id(0)
@@ -121,6 +142,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     triton_build.kernel(_rms_norm_rows)[(x2.shape[0],)](x2, weight, y, D, x2.stride(0), y.stride(0), float(eps),
                                                       BD=pow2(D), BF16=x.dtype == torch.bfloat16)
     return y.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = x + a, RMSNorm(h)) as one kernel: a block's residual add and the norm after it (model.Block). h
+    has the bits of PyTorch's x + a; the norm those of `rms_norm(h)`."""
+    x2, a2 = _rows(x), _rows(a)
+    h, y = torch.empty_like(x2), torch.empty_like(x2)
+    D = x2.shape[1]
+    triton_build.kernel(_add_rms_norm_rows)[(x2.shape[0],)](
+        x2, a2, weight, h, y, D, x2.stride(0), a2.stride(0), h.stride(0), y.stride(0), float(eps), BD=pow2(D),
+        BF16=x.dtype == torch.bfloat16)
+    return h.view(x.shape), y.view(x.shape)
 
 
 def silu_mul(ab: torch.Tensor) -> torch.Tensor:
@@ -188,6 +222,10 @@ def self_check(device: torch.device, dtype: torch.dtype, seed: int = 0) -> float
     x, w = rand(5, 70), rand(70)
     xd = x.double()
     worst = off(rms_norm(x, w, 1e-5), xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double())
+    a = rand(5, 70)
+    h, y = add_rms_norm(x, a, w, 1e-5)
+    hd = (xd + a.double()).to(dtype).double()  # (the residual rounds as PyTorch's add)
+    worst = max(worst, off(h, hd), off(y, hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()))
     ab = rand(5, 2 * 45)
     a, b = ab.double().chunk(2, -1)
     worst = max(worst, off(silu_mul(ab), torch.nn.functional.silu(a) * b))
@@ -202,12 +240,13 @@ def self_check(device: torch.device, dtype: torch.dtype, seed: int = 0) -> float
 
 
 def compile_for(capability: int, dtype: torch.dtype) -> list:
-    """The three kernels compiled ahead of time for an NVIDIA GPU of compute capability `capability` with
+    """The kernels compiled ahead of time for an NVIDIA GPU of compute capability `capability` with
     `dtype` rows at SmolLM2's shapes (triton_build.compile_for: no GPU needed; tests/test_fused_rows.py)."""
     t = triton_build.TYPES[dtype]
     bf = dtype == torch.bfloat16
-    ptr = {n: f"*{t}" for n in ("x", "w", "y", "ab", "qkv", "q", "kc", "vc")}
+    ptr = {n: f"*{t}" for n in ("x", "a", "h", "w", "y", "ab", "qkv", "q", "kc", "vc")}
     kinds = {**ptr, "eps": "fp32", "cos": "*fp32", "sin": "*fp32", "slots": "*i64"}
     return [triton_build.compile_for(fn, capability, {**kinds, **{n: "constexpr" for n in const}}, const)
-            for fn, const in ((_rms_norm_rows, dict(BD=1024, BF16=bf)), (_silu_mul_rows, dict(BH=1024, BF16=bf)),
+            for fn, const in ((_rms_norm_rows, dict(BD=1024, BF16=bf)), (_add_rms_norm_rows, dict(BD=1024, BF16=bf)),
+                              (_silu_mul_rows, dict(BH=1024, BF16=bf)),
                               (_rope_store_rows, dict(HH=16, D=64, BF16=bf)))]
