@@ -19,11 +19,13 @@
 # row-invariant on that GPU; ROWS=1), check.txt (benchmarks/static_step_check.py), profile.md
 # (benchmarks/step_profile.py: where a plain step's GPU time goes, ours eager, captured and compiled and the
 # recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench
-# static`, each dtype's table printed as it is done), check.log and bench.log, rows-fp32.txt (FP32_ROWS=1:
-# fp32's linears without split-K workspace, through cuBLASLt, and the row-linear kernel in fp32 and bf16; 9 files
-# with ROWS=1, one more than come back). Budget: call 2 at most CHECK_S (130) + PROFILE_S (130) + BENCH_S (230) s
-# plus the set-up, then the compile rows in what is left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's
-# modes of the main bench (default cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
+# static`, each dtype's table printed as it is done), check.log and bench.log, kernels.txt (KERNELS=1:
+# benchmarks/triton_kernels.py, the Triton kernels' self-checks and device time against PyTorch's ops, at most
+# 50 s; FP32_ROWS=1, off by default: fp32's linears without split-K workspace, through cuBLASLt, and the
+# row-linear kernel in fp32 and bf16, about 40 s; 9 files with ROWS=1, one more than come back). Budget: call 2
+# at most 50 (KERNELS) + CHECK_S (120) + PROFILE_S (120) + BENCH_S (230) s plus the set-up, then the compile rows
+# in what is left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench (default
+# cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
 # COMPILE_DRAFTS=1: the compile rows run the drafters too (their device rounds compiled; more compile time).
 # A short rerun: BENCH_FIRST=1, DTYPES, CHECK_S, PROFILE=0 (below).
 set -uo pipefail
@@ -41,11 +43,14 @@ CALL_S=${CALL_S:-550}  # the run's own end (the device call's timeout is 570 s)
 NEW=${NEW_TOKENS:-128}
 PROMPTS=${MAX_PROMPTS:-6}
 DTYPES=${DTYPES:-bf16,fp32}  # the main bench's
-CHECK_S=${CHECK_S:-130}  # (the 41st session's check took 107 s; the kernel's two candidates add to it)
+CHECK_S=${CHECK_S:-120}  # (the 41st session's check took 107 s; the kernels' candidates add to it)
 ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's output is in docs/results)
-FP32_ROWS=${FP32_ROWS:-1}  # 1: whether fp32's linears keep a row's bits across M in other set-ups (~40 s)
+# 1: whether fp32's linears keep a row's bits across M in other set-ups (~40 s; the probe decides either way,
+# so off by default since the 43rd session, whose kernels.txt times the kernels instead)
+FP32_ROWS=${FP32_ROWS:-0}
+KERNELS=${KERNELS:-1}  # 1: the Triton kernels one by one (benchmarks/triton_kernels.py, at most 50 s)
 PROFILE=${PROFILE:-1}  # 0: skip benchmarks/step_profile.py
-PROFILE_S=${PROFILE_S:-130}
+PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
 BENCH_FIRST=${BENCH_FIRST:-0}  # 1: the bench before the check (a short rerun that needs the bench's table most)
 
@@ -90,14 +95,19 @@ run)
     echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   }
   [ "$ROWS" = 1 ] && timeout 40 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
+  : > "$OUT/kernels.txt"
+  if [ "$KERNELS" = 1 ]; then  # the Triton kernels one by one: self-checks, device time against PyTorch's ops
+    timeout 50 $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 >> "$OUT/kernels.txt" 2>&1
+    echo "triton_kernels: exit $?" >> "$OUT/kernels.txt"
+  fi
   if [ "$FP32_ROWS" = 1 ]; then  # fp32's linears without cuBLAS's split-K workspace, and through cuBLASLt
     CUBLAS_WORKSPACE_CONFIG=:0:0 timeout 30 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" --linear-only \
-      --dtypes fp32 > "$OUT/rows-fp32.txt" 2>&1
+      --dtypes fp32 >> "$OUT/kernels.txt" 2>&1
     [ "$DEVICE" = cpu ] || timeout 30 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" --linear-only \
-      --dtypes fp32 --blas cublaslt >> "$OUT/rows-fp32.txt" 2>&1
+      --dtypes fp32 --blas cublaslt >> "$OUT/kernels.txt" 2>&1
     # and the static step's row-linear kernel (the probe's fallback where cuBLAS keeps no bits; both dtypes)
     [ "$DEVICE" = cpu ] || timeout 30 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" --linear-only \
-      --blas triton >> "$OUT/rows-fp32.txt" 2>&1
+      --blas triton >> "$OUT/kernels.txt" 2>&1
   fi
   [ "$BENCH_FIRST" = 1 ] || check
   if [ "$PROFILE" = 1 ]; then

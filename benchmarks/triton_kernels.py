@@ -1,0 +1,133 @@
+"""The static step's Triton kernels on a device, one by one, against the PyTorch ops they replace (issue 42;
+docs/results/static-step.md): each kernel family's self-check (its value against the formula, the check the
+step's probe runs first), then the device time of one call at SmolLM2-135M's shapes for a few row counts,
+each side captured in a CUDA graph of REPS calls (so no host time is counted), both in one run. The
+attention kernel is set beside SDPA over the same keys, the recipe's attention (not the step's own PyTorch
+attention, which also gathers keys into position order). On a CPU (Triton's interpreter) it runs the
+self-checks alone: a dry run.
+
+    python benchmarks/triton_kernels.py [--device cuda] [--dtypes fp32,bf16] [--rows 1,8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton is imported: the self-checks on a CPU)
+
+import torch.nn.functional as F  # noqa: E402
+
+from midlayer.model.layers import RMSNorm  # noqa: E402
+from midlayer.ops import fused_rows, row_attention, row_linear  # noqa: E402
+
+REPS = 50
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# SmolLM2-135M: dim 576, 9 heads of 64 over 3 kv heads, FFN 1536, vocabulary 49152
+DIM, H, HK, HD, FFN, VOCAB = 576, 9, 3, 64, 1536, 49152
+
+
+def device_us(fn, reps: int = REPS) -> float:
+    """Device microseconds of one fn() call: reps calls captured in one CUDA graph, the best of 5 replays."""
+    fn()  # (Triton's compile, cuBLAS's choice)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1000 / reps)
+    return best
+
+
+def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, object, object]]:
+    """(name, the kernel's call, the PyTorch ops' call) at SmolLM2's shapes for n rows."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dev, dt)
+
+    out = []
+    for k, m in ((DIM, (H + 2 * HK) * HD), (DIM, DIM), (DIM, 2 * FFN), (FFN, DIM), (DIM, VOCAB)):
+        x, w = rand(n, k), rand(m, k) / math.sqrt(k)
+        out.append((f"linear {k}->{m}", lambda x=x, w=w: row_linear.row_linear(x, w), lambda x=x, w=w: F.linear(x, w)))
+    norm = RMSNorm(DIM, 1e-5).to(dev, dtype)
+    x, a = rand(1, n, DIM), rand(1, n, DIM)
+    out.append(("rms_norm", lambda: fused_rows.rms_norm(x, norm.weight, norm.eps), lambda: norm(x)))
+    out.append(("add_rms_norm", lambda: fused_rows.add_rms_norm(x, a, norm.weight, norm.eps),
+                lambda: norm(x + a)))
+    ab = rand(1, n, 2 * FFN)
+    out.append(("silu_mul", lambda: fused_rows.silu_mul(ab), lambda: F.silu(ab[..., :FFN]) * ab[..., FFN:]))
+    S = 400
+    qkv = rand(1, n, H + 2 * HK, HD)
+    cos, sin = rand(1, n, HD, dt=torch.float32), rand(1, n, HD, dt=torch.float32)
+    kc, vc = rand(1, HK, S, HD), rand(1, HK, S, HD)
+    slots = torch.arange(300, 300 + n, device=dev)[None]
+    out.append(("rope_store", lambda: fused_rows.rope_store(qkv, cos, sin, H, kc, vc, slots),
+                lambda: fused_rows.reference_rope_store(qkv, cos, sin, H, kc, vc, slots)))
+    q = rand(1, n, H, HD).transpose(1, 2)
+    pos = torch.arange(300, 300 + n, device=dev)[None]
+    keys = torch.arange(S, device=dev).expand(1, n, S).contiguous()
+    kmask = torch.where(torch.arange(S, device=dev)[None, None] <= pos[..., None], 0.0, float("-inf"))
+    mask = kmask[:, None].to(dtype)
+    out.append((f"row_attention ({S} slots) | SDPA",
+                lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype),
+                lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--rows", default="1,8,64", help="comma-separated row counts to time")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    bad = [d for d in args.dtypes.split(",") if d not in DTYPES]
+    if bad:
+        ap.error(f"--dtypes: choose from {', '.join(DTYPES)}, got {bad}")
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows: comma-separated row counts, got {args.rows!r}")
+    print(f"torch {torch.__version__}, {dev}"
+          f"{f' ({torch.cuda.get_device_name(dev)})' if dev.type == 'cuda' else ''}, Triton "
+          f"{'available' if row_attention.available(dev) else 'not available here'}")
+    if not row_attention.available(dev):
+        return
+    for d in args.dtypes.split(","):
+        dtype = DTYPES[d]
+        checks = {name: check(dev, dtype) for name, check in (("row_attention", row_attention.self_check),
+                                                             ("fused_rows", fused_rows.self_check),
+                                                             ("row_linear", row_linear.self_check))}
+        print(f"\n{d}: self-checks (largest difference from the formula, relative): "
+              + ", ".join(f"{k} {v:.2e}" for k, v in checks.items()), flush=True)
+        if dev.type != "cuda":
+            print("(no timing off CUDA)")
+            continue
+        print("\n| kernel | rows | Triton us | PyTorch us | Triton / PyTorch |\n|---|---|---|---|---|")
+        for n in rows:
+            for name, kernel, ops in cases(dev, dtype, n):
+                with torch.no_grad():
+                    t, p = device_us(kernel), device_us(ops)
+                print(f"| {name} | {n} | {t:.1f} | {p:.1f} | {t / p:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
