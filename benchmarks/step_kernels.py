@@ -57,8 +57,8 @@ class Kernels(TorchDispatchMode):
 
 @contextlib.contextmanager
 def triton_launches(k: Kernels):
-    """Each call of the static step's Triton kernels counted as one launch under its own name, the ops that
-    Triton's interpreter runs inside it (on a CPU) not counted."""
+    """Each call of the static step's Triton kernels counted as its launches (one; the row attention's two
+    passes two) under its own name, the ops that Triton's interpreter runs inside it (on a CPU) not counted."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from midlayer.ops import fused_rows, row_attention, row_linear
@@ -70,7 +70,7 @@ def triton_launches(k: Kernels):
 
     def counting(real, name):
         def launch(*a, **kw):
-            k.ops[f"triton {name}"] += 1
+            k.ops[f"triton {name}"] += 2 if name == "row_attention" else 1  # (its two passes)
             with _disable_current_modes():
                 return real(*a, **kw)
         return launch

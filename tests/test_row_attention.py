@@ -28,21 +28,22 @@ V = 96
 DIMS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=80, multiple_of=32)
 
 
-def _case(H: int, Hk: int, d: int, dtype: torch.dtype, N: int = 6, S: int = 70, seed: int = 0):
-    """A forward's operands as the step builds them: rows at positions 20..23 (a root and a 3-deep branch
-    whose own keys sit at slots 50.. , not next to the committed text) and padding at position 0; keys
-    in position order through `keys`, the masked ones at -inf."""
+def _case(H: int, Hk: int, d: int, dtype: torch.dtype, N: int = 6, S: int = 180, seed: int = 0, at: int = 126):
+    """A forward's operands as the step builds them: rows at positions at..at+3 (a root and a 3-deep branch
+    whose own keys sit at slots 150.. , not next to the committed text) and padding at position 0; keys
+    in position order through `keys`, the masked ones at -inf. At 126..129 the rows' keys span the kernel's
+    chunks 0 and 1 (CHUNK = 64), and the branch's 2..3 of them."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, N, H, d, generator=g).to(dtype).transpose(1, 2)  # (a view, as `attend` gets it)
     kl, vl = (torch.randn(1, Hk, S, d, generator=g).to(dtype) for _ in range(2))
-    pos = torch.tensor([[20, 21, 22, 23] + [0] * (N - 4)])
+    pos = torch.tensor([[at, at + 1, at + 2, at + 3] + [0] * (N - 4)])
     keys = torch.arange(S).expand(1, N, S).clone()
     kmask = torch.full((1, N, S), float("-inf"))
     for i in range(N):
         p = int(pos[0, i])
         kmask[0, i, :p + 1] = 0
         if i < 4:
-            keys[0, i, 20:p + 1] = torch.arange(50, 50 + p - 19)  # the branch's keys, at the tree's slots
+            keys[0, i, at:p + 1] = torch.arange(150, 150 + p - at + 1)  # the branch's keys, at the tree's slots
     return q, kl, vl, keys, kmask, pos
 
 
@@ -71,16 +72,16 @@ def test_a_rows_bits_depend_on_no_other_row():
     """A row's result, bit for bit, is the same alone, in a larger forward at another place beside other rows,
     and with its keys at other slots (plain decoding's adjacent slots against a tree's)."""
     q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
-    row = 3  # the branch's deepest row: position 23, its last 4 keys at slots 50..53
+    row = 3  # the branch's deepest row: position 129, its last 4 keys at slots 150..153
     alone = row_attention(q[:, :, row:row + 1], kl, vl, keys[:, row:row + 1], kmask[:, row:row + 1],
                           pos[:, row:row + 1])[0, 0]
     order = [5, 1, 3, 0, 2, 4]  # (the row at place 2 of 6, other rows around it)
     mixed = row_attention(q[:, :, order], kl, vl, keys[:, order], kmask[:, order], pos[:, order])[0, 2]
     assert torch.equal(alone, mixed)
-    # plain decoding's layout: the same keys and values at slots 20..23 (slot = position)
+    # plain decoding's layout: the same keys and values at slots 126..129 (slot = position)
     kl2, vl2 = kl.clone(), vl.clone()
-    kl2[:, :, 20:24], vl2[:, :, 20:24] = kl[:, :, 50:54], vl[:, :, 50:54]
-    plain = torch.arange(70, device=DEV).view(1, 1, 70)
+    kl2[:, :, 126:130], vl2[:, :, 126:130] = kl[:, :, 150:154], vl[:, :, 150:154]
+    plain = torch.arange(180, device=DEV).view(1, 1, 180)
     moved = row_attention(q[:, :, row:row + 1], kl2, vl2, plain, kmask[:, row:row + 1], pos[:, row:row + 1])[0, 0]
     assert torch.equal(alone, moved)
 

@@ -34,7 +34,7 @@ depend on M) that the probe `DecodeStep.row_invariant` passes at the step's own 
 (`invariant_buckets`), once per model, size, mode and process, and `DecodeStep.invariant` says whether one
 did. The probe runs forwards and verification rounds against plain decoding, and compares the logits and the
 attention's fp32 result at every layer (in bf16 the cast after the attention hides most differences). On
-CUDA with Triton the first candidates attend through one kernel a layer instead of `attend`'s PyTorch ops
+CUDA with Triton the first candidates attend through two kernels a layer instead of `attend`'s PyTorch ops
 (ops/row_attention.py: each row reduced alone, in position order, so row-invariant by construction), and the
 third runs the linears through a Triton kernel too (ops/row_linear.py: every row count the same program), for
 a BLAS that rounds a row by M (an H200's fp32 cuBLAS).
@@ -89,7 +89,7 @@ class StepKernels(NamedTuple):
 
 
 # Tried in order by `invariant_buckets`, the cheapest first. On CUDA with Triton, first the row-attention kernel
-# (ops/row_attention.py: one kernel a layer where `attend`'s PyTorch ops are about 14, and row-invariant by
+# (ops/row_attention.py: two kernels a layer where `attend`'s PyTorch ops are about 14, and row-invariant by
 # construction; with it the row-wise kernels, ops/fused_rows.py) with plain decoding in one row, then from 8
 # rows; then with the row-linear kernel too (ops/row_linear.py: row-invariant by construction, for a BLAS that
 # rounds a row by M: an H200's fp32 cuBLAS, where no candidate below but the single bucket passed). Then

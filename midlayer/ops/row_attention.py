@@ -1,19 +1,26 @@
-"""Row attention: the static decode step's attention (`DecodeStep.attend`) as one Triton kernel a layer.
+"""Row attention: the static decode step's attention (`DecodeStep.attend`) as two Triton kernels a layer.
 
-Each program is one (row, kv head) of a forward. It reads the row's keys in POSITION order through the
-position -> slot map `keys` [B, N, S] of the step, up to the row's own position, in blocks of BS positions,
-and keeps an online softmax (running max, sum and weighted sum, all fp32; Milakov and Gimelshein 2018,
-arXiv 1805.02867) for the `rep` query heads that share the kv head (GQA). A row's result then depends on
-its query, its position and the keys it sees, and on no other row: not on how many rows share the forward
-nor on where it sits among them, and not on where its keys sit in the cache (a tree node's ancestors
-need not be adjacent). The same compiled kernel runs at every bucket size, so this holds by construction
-on any GPU; the step's probe still measures it (`DecodeStep.row_invariant`).
+A row reads its keys in POSITION order through the position -> slot map `keys` [B, N, S] of the step, up to
+its own position, in chunks of CHUNK positions (flash-decoding's split of the keys: Dao et al. 2023, "Flash-
+Decoding for long-context inference"). Pass 1: one program per (row, kv head, chunk) keeps an online softmax
+over its chunk in blocks of BS positions (running max, sum and weighted sum, all fp32; Milakov and Gimelshein
+2018, arXiv 1805.02867) for the `rep` query heads that share the kv head (GQA). Pass 2: one program per (row,
+kv head) combines the row's chunks 0, 1, .. in that order. A row's result then depends on its query, its
+position and the keys it sees, and on no other row: not on how many rows share the forward nor on where it
+sits among them, and not on where its keys sit in the cache (a tree node's ancestors need not be adjacent).
+The chunks' bounds are multiples of CHUNK, fixed by position, and the same compiled kernels run at every
+bucket size, so this holds by construction on any GPU; the step's probe still measures it
+(`DecodeStep.row_invariant`).
 
 Why. The PyTorch version of `attend` is about 14 kernels a layer (the scores' GEMM, their gather into
 position order, the softmax, two more GEMMs, the window's gathers, the casts); on a GPU each small kernel
-costs a few microseconds even inside a CUDA graph, where the recipe's SDPA is one. Exactness: blocks past
-a row's position are not visited. A visited block whose keys are all masked adds exact zeros and rescales
-by exp(0) = 1, so visiting more or fewer of them would not change a bit either.
+costs a few microseconds even inside a CUDA graph, where the recipe's SDPA is one. Why the split: plain
+decoding is one row, so one program per (row, kv head) would be 3 programs for SmolLM2, each walking up to
+the whole context in series, a few dependent loads per block of 32 positions: by reasoning tens of
+microseconds a layer at 900 positions (not measured). Split, a row at position p runs p // CHUNK + 1
+programs per kv head, each at most CHUNK / BS blocks, and pass 2 reads p // CHUNK + 1 partials.
+Exactness: blocks and chunks past a row's position are not visited. A visited block whose keys are all
+masked adds exact zeros and rescales by exp(0) = 1.
 
 Triton is optional (triton_build.py). On a CPU the same kernel source runs in Triton's interpreter (numpy, slow):
 what the tests use to check it against the naive formula and the step's losslessness; `DecodeStep` tries this
@@ -30,23 +37,28 @@ from . import triton_build
 from .triton_build import NEEDS, pow2
 
 BLOCK_POSITIONS = 32  # BS: positions per step of a program's loop (a [rep, BS, d] product lives in registers)
+CHUNK = 64  # positions per program of pass 1: a row at position p is split over p // CHUNK + 1 programs
 tl = to_bf16 = None  # triton.language and triton_build's helper, set when the kernel is first made
 
 
 def available(device: torch.device | None = None) -> bool:
     """Whether the kernel runs here: Triton imports, and for `device` (when given) it runs there (CUDA
     compiled; a CPU only under Triton's interpreter, TRITON_INTERPRET=1 before triton's import)."""
-    return triton_build.runs_on(_attend_rows, device)
+    return triton_build.runs_on(_attend_chunks, device)
 
 
-def _attend_rows(q, k, v, keys, kmask, last, out,
-                 sqb, sqn, sqh, skb, skh, sks, svb, svh, svs, sxb, sxn, smb, smn, sob, son, soh,
-                 N, rep, d, scale,
-                 REP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BF16: tl.constexpr):
-    """The kernel (module docstring); grid (B * N, Hk). (At module level: Triton resolves `tl` through the
-    function's globals, and the interpreter swaps in its own there.)"""
+def _attend_chunks(q, k, v, keys, kmask, last, pm, pl, pacc,
+                   sqb, sqn, sqh, skb, skh, sks, svb, svh, svs, sxb, sxn, smb, smn,
+                   N, Hk, NC, rep, d, scale,
+                   REP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr):
+    """Pass 1 (module docstring); grid (B * N, Hk, NC): chunk c's partial softmax over positions c * CHUNK ..
+    of one (row, kv head), in blocks of BS positions, into pm, pl [B * N, Hk, NC, REP] (running max and sum)
+    and pacc [B * N, Hk, NC, REP, D]. A chunk past the row's position writes nothing (pass 2 does not read it).
+    (At module level: Triton resolves `tl` through the function's globals, and the interpreter swaps in its
+    own there.)"""
     row = tl.program_id(0)  # b * N + n
     hk = tl.program_id(1)
+    c = tl.program_id(2)
     b = row // N
     n = row % N
     r = tl.arange(0, REP)
@@ -60,7 +72,8 @@ def _attend_rows(q, k, v, keys, kmask, last, out,
     total = tl.zeros([REP], tl.float32)
     acc = tl.zeros([REP, D], tl.float32)
     hi = tl.load(last + row).to(tl.int32)  # the row's position: every later position is masked for it
-    for j0 in range(0, hi + 1, BS):
+    lo = c * CHUNK
+    for j0 in range(lo, tl.minimum(lo + CHUNK, hi + 1), BS):
         j = j0 + tl.arange(0, BS)
         jm = j <= hi
         slot = tl.load(keys + b * sxb + n * sxn + j, mask=jm, other=0)
@@ -76,10 +89,41 @@ def _attend_rows(q, k, v, keys, kmask, last, out,
                      other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vd[None, :, :], axis=1)
         m = m_new
+    at = (row * Hk + hk) * NC + c
+    live = lo + r * 0 <= hi  # [REP]: the chunk holds positions the row sees
+    tl.store(pm + at * REP + r, m, mask=live)
+    tl.store(pl + at * REP + r, total, mask=live)
+    tl.store(pacc + (at * REP + r[:, None]) * D + dd[None, :], acc, mask=live[:, None] & (dd[None, :] < D))
+
+
+def _combine_chunks(pm, pl, pacc, last, out, sob, son, soh, N, Hk, NC, rep, d,
+                    REP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BF16: tl.constexpr):
+    """Pass 2; grid (B * N, Hk): the row's chunks 0 .. position // CHUNK combined in that order, the largest
+    running max first, then each chunk's sum and weighted sum rescaled to it."""
+    row = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = row // N
+    n = row % N
+    r = tl.arange(0, REP)
+    dd = tl.arange(0, D)
+    hi = tl.load(last + row).to(tl.int32)
+    top = hi // CHUNK + 1
+    base = (row * Hk + hk) * NC
+    big = tl.full([REP], -1.0e30, tl.float32)
+    for c in range(0, top):
+        big = tl.maximum(big, tl.load(pm + (base + c) * REP + r))
+    total = tl.zeros([REP], tl.float32)
+    acc = tl.zeros([REP, D], tl.float32)
+    for c in range(0, top):
+        w = tl.exp(tl.load(pm + (base + c) * REP + r) - big)
+        total += tl.load(pl + (base + c) * REP + r) * w
+        acc += tl.load(pacc + ((base + c) * REP + r[:, None]) * D + dd[None, :]) * w[:, None]
     res = acc / total[:, None]
     if BF16:  # (the output in bf16, rounded once: the bits of the fp32 result cast by PyTorch)
         res = to_bf16(res)
-    tl.store(out + b * sob + n * son + heads[:, None] * soh + dd[None, :], res, mask=rm[:, None] & dm[None, :])
+    heads = hk * rep + r
+    tl.store(out + b * sob + n * son + heads[:, None] * soh + dd[None, :], res,
+             mask=(r[:, None] < rep) & (dd[None, :] < d))
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,
@@ -100,14 +144,21 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
         raise ValueError(f"row_attention stores fp32 or bf16, not {out.dtype}")
     if not available(q.device):
         raise RuntimeError(NEEDS)
-    kernel = triton_build.kernel(_attend_rows)
     sq, sk, sv, sx, sm, so = q.stride(), kl.stride(), vl.stride(), keys.stride(), kmask.stride(), out.stride()
     if min(sq[3], sk[3], sv[3], sx[2], sm[2], so[3]) != 1 or max(sq[3], sk[3], sv[3], sx[2], sm[2], so[3]) != 1:
         raise ValueError("row_attention needs the last dimension of every operand contiguous")
-    kernel[(B * N, Hk)](q, kl, vl, keys, kmask, positions.reshape(B * N), out,
-                        sq[0], sq[2], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sx[0], sx[1], sm[0], sm[1],
-                        so[0], so[1], so[2], N, rep, d, 1.0 / math.sqrt(d),
-                        REP=max(pow2(rep), 2), D=pow2(d), BS=BLOCK_POSITIONS, BF16=out.dtype == torch.bfloat16)
+    REP, D, NC = max(pow2(rep), 2), pow2(d), triton_build.cdiv(keys.shape[2], CHUNK)
+    pm = torch.empty(B * N, Hk, NC, REP, device=q.device, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(B * N, Hk, NC, REP, D, device=q.device, dtype=torch.float32)
+    last = positions.reshape(B * N)
+    triton_build.kernel(_attend_chunks)[(B * N, Hk, NC)](
+        q, kl, vl, keys, kmask, last, pm, pl, pacc, sq[0], sq[2], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        sx[0], sx[1], sm[0], sm[1], N, Hk, NC, rep, d, 1.0 / math.sqrt(d), REP=REP, D=D, BS=BLOCK_POSITIONS,
+        CHUNK=CHUNK)
+    triton_build.kernel(_combine_chunks)[(B * N, Hk)](
+        pm, pl, pacc, last, out, so[0], so[1], so[2], N, Hk, NC, rep, d, REP=REP, D=D, CHUNK=CHUNK,
+        BF16=out.dtype == torch.bfloat16)
     return out
 
 
@@ -117,25 +168,27 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
     than their positions, padding, GQA): what the step's probe, which compares a row's bits across buckets
     and not its value, cannot see. A correct kernel is within fp32 rounding (about 1e-6 here)."""
     g = torch.Generator().manual_seed(seed)
-    N, S = 8, 100
+    N, S = 8, 200  # (positions 126..130: the rows' keys span chunks 0..2 of CHUNK = 64)
     q = torch.randn(1, N, H, d, generator=g).to(device, dtype).transpose(1, 2)
     kl, vl = (torch.randn(1, Hk, S, d, generator=g).to(device, dtype) for _ in range(2))
-    pos = torch.tensor([[60, 61, 61, 62, 63, 0, 0, 0]], device=device)
+    pos = torch.tensor([[126, 127, 127, 129, 130, 0, 0, 0]], device=device)
     keys = torch.arange(S, device=device).expand(1, N, S).clone()
-    keys[0, :5, 60:64] = torch.arange(80, 84, device=device)  # (the tree's rows at slots 80..)
+    keys[0, :5, 126:131] = torch.arange(180, 185, device=device)  # (the tree's rows at slots 180..)
     kmask = torch.where(torch.arange(S, device=device)[None, None] <= pos[..., None], 0.0, float("-inf"))
     out = row_attention(q, kl, vl, keys, kmask, pos)
     return float((out.double() - reference(q, kl, vl, keys, kmask)).abs().max())
 
 
-def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64):
-    """The kernel compiled ahead of time for an NVIDIA GPU of compute capability `capability` with `dtype`
+def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64) -> list:
+    """The two passes compiled ahead of time for an NVIDIA GPU of compute capability `capability` with `dtype`
     operands and output (triton_build.compile_for: no GPU needed; tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
-    kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out="*fp32",
-                 scale="fp32", REP="constexpr", D="constexpr", BS="constexpr", BF16="constexpr")
-    return triton_build.compile_for(_attend_rows, capability, kinds,
-                                    dict(REP=max(pow2(rep), 2), D=pow2(d), BS=BLOCK_POSITIONS, BF16=dtype == torch.bfloat16))
+    kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out=f"*{t}",
+                 pm="*fp32", pl="*fp32", pacc="*fp32", scale="fp32", REP="constexpr", D="constexpr",
+                 BS="constexpr", CHUNK="constexpr", BF16="constexpr")
+    shape = dict(REP=max(pow2(rep), 2), D=pow2(d), CHUNK=CHUNK)
+    return [triton_build.compile_for(_attend_chunks, capability, kinds, dict(shape, BS=BLOCK_POSITIONS)),
+            triton_build.compile_for(_combine_chunks, capability, kinds, dict(shape, BF16=dtype == torch.bfloat16))]
 
 
 def reference(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor
