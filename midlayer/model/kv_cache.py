@@ -533,15 +533,6 @@ class LayerView(CacheView):
     def length(self) -> int:
         return self.cache.length
 
-    def fuses_rope(self, x: torch.Tensor) -> bool:
-        """Whether `rope_attention` takes the rows x's fused q|k|v projection before RoPE (default: no)."""
-        return False
-
-    def rope_attention(self, module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The attention output [B, H, M, d] from the fused projection qkv [B, M, H + 2 Hk, d] and the rows'
-        cos, sin [B, M, d]: RoPE, the store and the attention in one go (where `fuses_rope`)."""
-        raise NotImplementedError
-
     def ssm_inputs(self, layer: int, mixer, x: torch.Tensor) -> tuple:
         """Generation: the mixer's state lives in the KV cache, per layer; `valid` marks real rows."""
         return self.cache.ssm_state(layer, mixer, x.shape[0], x.dtype), self.valid
