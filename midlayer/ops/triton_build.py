@@ -1,6 +1,6 @@
-"""What the static step's Triton kernels (row_attention.py, row_linear.py) share: Triton imported on first need,
-a kernel made from a plain function, whether it runs on a device, and a build ahead of time for a GPU that
-this machine does not have.
+"""What the static step's Triton kernels (row_attention.py, row_linear.py, fused_rows.py) share: Triton imported
+on first need, a kernel made from a plain function, the bf16 rounding helper, whether a kernel runs on a
+device, and a build ahead of time for a GPU that this machine does not have.
 
 Triton is optional (PyTorch's CUDA builds bring it). A CPU run never imports it (0.1 s), except under Triton's
 interpreter (TRITON_INTERPRET=1 before triton's import; tests/conftest.py sets it without CUDA), where the same
