@@ -168,10 +168,10 @@ def test_a_row_kernel_off_the_formula_takes_the_attention_kernel_down_with_it(mo
 def test_a_bf16_step_through_every_kernel_is_row_invariant_and_lossless():
     """bf16, where every kernel rounds its output to bf16 itself (the norms, SwiGLU, RoPE, the attention when
     the probe's tap is off): the probe passes, and speculative decoding gives plain decoding's tokens exactly
-    with oracle, noisy and random drafts."""
+    with noisy and random drafts."""
     model = fuse_projections(make_tiny(DIMS, False)).to(torch.bfloat16)
     step = DecodeStep(model, max_len=48, buckets=(8, 16), attention="triton")
     assert step.row_invariant()
     prompt = [(7 * i + 3) % V for i in range(9)]
-    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=12), step=step)[0]
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=10), step=step)[0]
     assert_drafts_lossless(model, step, prompt, ref)

@@ -1,6 +1,8 @@
 """The row-attention kernel (midlayer/ops/row_attention.py) against the naive formula, its row invariance by
-construction, and the static step attending through it: lossless speculative decoding, and the probe's
-choice (its build for GPUs: tests/test_row_linear.py). On a CPU the kernel runs in Triton's interpreter (tests/conftest.py); without Triton these skip."""
+construction, and the probe's choice. Its build for GPUs, and the fp32 step through it with one-row plain
+decoding: tests/test_row_linear.py; the step's tokens against the PyTorch attention's, and the bf16 step:
+tests/test_fused_rows.py. On a CPU the kernel runs in Triton's interpreter (tests/conftest.py); without
+Triton these skip."""
 
 from __future__ import annotations
 
@@ -10,13 +12,12 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import assert_drafts_lossless, make_tiny
+from tiny_models import make_tiny
 
 pytest.importorskip("triton")
 
 from midlayer.engine import decode_step  # noqa: E402
-from midlayer.engine.decode_step import DecodeStep, invariant_buckets, static_generate  # noqa: E402
-from midlayer.engine.generate import GenerationConfig  # noqa: E402
+from midlayer.engine.decode_step import invariant_buckets  # noqa: E402
 from midlayer.engine.quantization import compress_weights  # noqa: E402
 from midlayer.ops.row_attention import reference, row_attention  # noqa: E402
 
@@ -89,20 +90,6 @@ def test_a_rows_bits_depend_on_no_other_row():
 @pytest.fixture(scope="module")
 def model():
     return compress_weights(make_tiny(DIMS, False), "fp32")
-
-
-@on_cpu
-def test_the_step_attending_through_the_kernel_is_lossless(model):
-    """The static step with attention="triton": the probe passes its buckets, plain decoding through it
-    gives the PyTorch attention's tokens here, and speculative decoding gives plain decoding's tokens
-    exactly, whatever the drafts."""
-    prompt = [(7 * i + 3) % V for i in range(9)]
-    cfg = GenerationConfig(max_new_tokens=12)
-    step = DecodeStep(model, max_len=48, buckets=(8, 16), attention="triton")
-    assert step.row_invariant()
-    ref = static_generate(model, [prompt], cfg, step=step)[0]
-    assert ref == static_generate(model, [prompt], cfg, buckets=(8, 16))[0]  # (the same model: a check of sense)
-    assert assert_drafts_lossless(model, step, prompt, ref).base_forwards > 6  # (random drafts: rounds of ~1)
 
 
 @on_cpu

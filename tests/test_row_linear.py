@@ -133,8 +133,8 @@ def test_the_step_through_both_kernels_decodes_one_row_losslessly(model):
     step = DecodeStep(model, max_len=48, buckets=buckets, attention="triton", linear="triton")
     assert step.row_invariant()
     prompt = [(7 * i + 3) % V for i in range(9)]
-    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=12), step=step)[0]
-    assert assert_drafts_lossless(model, step, prompt, ref).base_forwards > 6  # (random drafts: rounds of ~1)
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=10), step=step)[0]
+    assert assert_drafts_lossless(model, step, prompt, ref).base_forwards > 5  # (random drafts: rounds of ~1)
 
 
 @on_cpu
