@@ -121,3 +121,13 @@ def test_the_probe_tries_the_kernel_first_and_passes_over_a_failure(model, monke
             warnings.simplefilter("always")
             assert invariant_buckets(m2, 40) == (K((8, 16)), True)
         assert any("row-attention kernel failed" in str(w.message) and why in str(w.message) for w in caught)
+
+
+@on_cpu
+def test_the_kernels_are_refused_for_a_model_in_another_dtype(model):
+    """The Triton kernels store fp32 or bf16: an fp16 model asking for them is refused by name at the step's
+    construction (the probe, whose tap reads fp32, would have passed it and generation then failed)."""
+    half = copy.deepcopy(model).half()
+    for kw in (dict(attention="triton"), dict(linear="triton")):
+        with pytest.raises(ValueError, match="runs fp32 or bf16 models, not torch.float16"):
+            decode_step.DecodeStep(half, max_len=16, buckets=(8,), **kw)

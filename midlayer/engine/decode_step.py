@@ -59,7 +59,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from midlayer.ops import fused_rows, row_attention, row_linear
+from midlayer.ops import fused_rows, row_attention, row_linear, triton_build
 from .draft_vocab import head_logits
 from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView, kv_dtype
@@ -182,10 +182,12 @@ def _unusable(kernel: str, why: str) -> bool:
 
 def triton_kernels(model: Transformer) -> bool:
     """Whether `invariant_buckets` tries the Triton kernels (row attention, row linear) for `model`: on CUDA, with
-    Triton, and not in the q4 format (whose C kernels attend and multiply themselves). On a CPU the kernels
-    would run in Triton's interpreter."""
-    dev = model.tok_embeddings.weight.device
-    return dev.type == "cuda" and row_attention.available() and getattr(model, "weight_format", None) != "q4"
+    Triton, in fp32 or bf16 (the dtypes they store; an fp16 model's attention would have passed the probe, whose
+    tap reads fp32, and failed in generation), and not in the q4 format (whose C kernels attend and multiply
+    themselves). On a CPU the kernels would run in Triton's interpreter."""
+    w = model.tok_embeddings.weight
+    return (w.device.type == "cuda" and w.dtype in triton_build.TYPES and row_attention.available()
+            and getattr(model, "weight_format", None) != "q4")
 
 
 def _transfer_key(transfer) -> tuple | None:
@@ -380,7 +382,10 @@ class DecodeStep:
             if value not in values:
                 raise ValueError(f"{name} must be one of {', '.join(values)}, got {value!r}")
             if value == "triton" and not ok(dev):
-                raise ValueError(f"{name}='triton': {row_attention.NEEDS}")
+                raise ValueError(f"{name}='triton': {triton_build.NEEDS}")
+            if value == "triton" and model.tok_embeddings.weight.dtype not in triton_build.TYPES:
+                raise ValueError(f"{name}='triton' runs fp32 or bf16 models, not "
+                                 f"{model.tok_embeddings.weight.dtype}")
         self.attention, self.linear = attention, linear
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:

@@ -28,7 +28,6 @@ from .triton_build import pow2
 
 tl = to_bf16 = None  # triton.language and triton_build's helper, set when a kernel is first made
 _ACTIVE = False
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 @contextlib.contextmanager
@@ -45,7 +44,7 @@ def active() -> Iterator[None]:
 def applies(x: torch.Tensor) -> bool:
     """Whether a module's forward takes these kernels for x: inside `active()`, without autograd, for fp32 or
     bf16, where Triton runs on x's device."""
-    return (_ACTIVE and not torch.is_grad_enabled() and x.dtype in DTYPES
+    return (_ACTIVE and not torch.is_grad_enabled() and x.dtype in triton_build.TYPES
             and triton_build.runs_on(_rms_norm_rows, x.device))
 
 

@@ -140,7 +140,7 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
     rep = H // Hk
     if out is None:
         out = torch.empty(B, N, H, d, device=q.device, dtype=dtype)
-    if out.dtype not in (torch.float32, torch.bfloat16):
+    if out.dtype not in triton_build.TYPES:
         raise ValueError(f"row_attention stores fp32 or bf16, not {out.dtype}")
     if not available(q.device):
         raise RuntimeError(NEEDS)

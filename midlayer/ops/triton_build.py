@@ -86,7 +86,8 @@ def pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# the dtypes every kernel reads and stores (an fp32 or bf16 model; bf16 through `to_bf16`), by Triton's names
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def compile_for(fn: Callable, capability: int, kinds: dict[str, str], constexprs: dict[str, object]):
