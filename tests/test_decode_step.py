@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny
+from tiny_models import device_drafters, make_tiny, noisy_transfer, NoisyOracle, OracleDrafter, RandomDrafter
 
 from midlayer.engine.decode_step import (ATTN_ROWS, BUCKET_CANDIDATES, DecodeStep, StepKernels, bucket_for,
                                         invariant_buckets, static_generate)
@@ -95,28 +95,6 @@ def test_medusa_draft_step_traces_without_graph_breaks(models):
 DEVICE_KINDS = ["eagle-2", "eagle", "medusa", "hidden-transfer", "early-exit", "layer-skip"]
 
 
-def _drafters(model) -> dict:
-    """One drafter of each kind that drafts on the device: EAGLE-2 and EAGLE on a static tree (a perturbed head:
-    drafts that are neither all right nor all wrong), Medusa (one head trained-like), hidden transfer's fused
-    pass, early exit at block 2 (a perturbed exit map) and layer skip without block 1."""
-    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
-
-    torch.manual_seed(0)
-    eagle = EagleHead.for_model(model)
-    with torch.no_grad():
-        for p in eagle.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    heads = MedusaHeads(DIMS["dim"], 3)
-    torch.nn.init.normal_(heads.heads[0].weight, std=0.1)
-    exit_head = EarlyExitHead(DIMS["dim"], 2)
-    with torch.no_grad():
-        exit_head.proj.weight.add_(0.05 * torch.randn(DIMS["dim"], DIMS["dim"]))
-    return {"eagle-2": EagleDrafter(model, eagle, dynamic_k=3), "eagle": EagleDrafter(model, eagle),
-            "medusa": MedusaDrafter(model, heads),
-            "hidden-transfer": HiddenTransferDrafter(model, _transfer([1, 2, 3], False)),
-            "early-exit": EarlyExitDrafter(model, exit_head), "layer-skip": LayerSkipDrafter(model, [1])}
-
-
 @pytest.mark.parametrize("kind", DEVICE_KINDS)
 def test_a_device_round_traces_without_graph_breaks(models, kind):
     """A whole device round (speculative/static.py: the draft, the verification, the acceptance, the
@@ -125,7 +103,7 @@ def test_a_device_round_traces_without_graph_breaks(models, kind):
     from midlayer.speculative.static import DeviceRounds
 
     model = models["fp32"]
-    drafter = _drafters(model)[kind]
+    drafter = device_drafters(model)[kind]
     tree = TREES[1]
     prompt = _prompts()[2][:20]
     res = []
@@ -175,7 +153,7 @@ def test_device_rounds_draft_what_the_host_drafts(models, fmt, kind):
     from midlayer.speculative.verify import draft_node_tokens, round_tree
 
     model = models[fmt]
-    drafter = _drafters(model)[kind]
+    drafter = device_drafters(model)[kind]
     tree = TREES[1]
     cfg = GenerationConfig(max_new_tokens=40)
     for prompt in _prompts():
@@ -230,7 +208,7 @@ def test_run_ahead_gives_the_same_tokens_and_cache(models, kind):
     from midlayer.speculative.static import DeviceRounds
 
     model = models["fp32"]
-    drafter = _drafters(model)[kind] if kind in DEVICE_KINDS else None
+    drafter = device_drafters(model)[kind] if kind in DEVICE_KINDS else None
     prompt, n = _prompts()[2][:30], 30
     sampling = dict(temperature=0.8, seed=5) if kind == "sampling" else {}
     ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=n, **sampling))[0]
@@ -282,7 +260,7 @@ def test_device_rounds_through_the_triton_kernels_are_lossless(models, kind):
     from midlayer.speculative.static import DeviceRounds
 
     model = models["fp32"]
-    drafter = _drafters(model)[kind]
+    drafter = device_drafters(model)[kind]
     prompt, n = _prompts()[2][:20], 10
     st = DecodeStep(model, max_len=len(prompt) + n + 40, buckets=(8, 16, 32), attention="triton")
     plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=n), step=st)[0]
@@ -720,14 +698,7 @@ def test_a_tree_row_has_plain_decodings_bits(models, dtype):
 
 # ------------------------------------------------------------------------- hidden transfer's fused pass
 def _transfer(layers: list[int], masked: bool, seed: int = 0):
-    from midlayer.speculative.hidden_transfer import HiddenTransfer
-
-    ht = HiddenTransfer(DIMS["dim"], layers, masked=masked)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in ht.maps:  # identity + noise: pseudo states that are not copies, so every part of the mask matters
-            m.weight.add_(0.3 * torch.randn(DIMS["dim"], DIMS["dim"], generator=g))
-    return ht
+    return noisy_transfer(DIMS["dim"], layers, masked, seed)
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["not-masked", "masked"])

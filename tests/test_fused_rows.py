@@ -20,6 +20,8 @@ from midlayer.engine.quantization import fuse_projections  # noqa: E402
 from midlayer.model.attention import apply_rope  # noqa: E402
 from midlayer.model.layers import RMSNorm  # noqa: E402
 from midlayer.ops import fused_rows as fr  # noqa: E402
+from midlayer.speculative.static import tree_fields  # noqa: E402
+from midlayer.speculative.tree import DraftTree  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 on_cpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
@@ -175,3 +177,122 @@ def test_a_bf16_step_through_every_kernel_is_row_invariant_and_lossless():
     prompt = [(7 * i + 3) % V for i in range(9)]
     ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=10), step=step)[0]
     assert_drafts_lossless(model, step, prompt, ref)
+
+
+class _Logged:
+    """A kernel that logs each launch by its function's name (`kernel[grid](...)`), then runs it."""
+
+    def __init__(self, kernel, log: list[str]) -> None:
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.kernel.fn.__name__)
+        return self.kernel[grid]
+
+    def __getattr__(self, name: str):  # (what a traced graph's launch reads of its kernel: arg_names, ...)
+        return getattr(self.kernel, name)
+
+
+class _TracedAsOnAGpu:
+    """torch.compile(fullgraph=True) of a call through the kernels as it goes on a GPU, run on this CPU. Where
+    Triton has a GPU, dynamo traces a launch of a compiled kernel (a JITFunction) into the graph as one node
+    (`triton_kernel_wrapper_mutation`), and it cannot trace an interpreter's kernel at all. So for the trace the
+    kernels are made JITFunctions, as on a GPU, with dynamo told that Triton runs; then the traced graph's
+    launches run the interpreter's kernels (logged, `_Logged`). `graphs`: what each trace gave."""
+
+    def __init__(self, monkeypatch, fns: tuple, log: list[str]) -> None:
+        from triton.runtime.jit import JITFunction
+
+        from midlayer.ops import triton_build
+
+        self.mp, self.fns, self.tb = monkeypatch, fns, triton_build
+        self.logged = {f: _Logged(triton_build.kernel(f), log) for f in fns}
+        self.jit = {f: JITFunction(f, **getattr(f, "triton_jit", {})) for f in fns}
+        self.helper = (triton_build._kernels[triton_build._to_bf16], JITFunction(triton_build._to_bf16))
+        self.graphs: list = []
+        self._kernels(traced=False)
+
+    def _kernels(self, traced: bool) -> None:
+        for f in self.fns:
+            self.mp.setitem(self.tb._kernels, f, (self.jit if traced else self.logged)[f])
+            self.mp.setitem(f.__globals__, "to_bf16", self.helper[traced])
+        self.mp.setattr("torch.utils._triton.has_triton", (lambda: True) if traced else (lambda: False))
+
+    def _backend(self, gm, example_inputs):
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+        self.graphs.append(gm)
+        self._kernels(traced=False)  # (the trace is done: the graph runs here, on the interpreter's kernels)
+        for n in gm.graph.nodes:
+            if "triton_kernel_wrapper" in str(n.target):
+                idx = n.kwargs["kernel_idx"]
+                kernel_side_table.id_to_kernel[idx] = self.logged[_kernel_fn(kernel_side_table.get_kernel(idx))]
+        return gm.forward
+
+    def __call__(self, fn, *args):
+        self._kernels(traced=True)
+        self.mp.setattr(self.tb, "interpreted", lambda k: True)  # (the JITFunctions "run" on this CPU)
+        try:
+            return torch.compile(fn, backend=self._backend, fullgraph=True)(*args)
+        finally:
+            self._kernels(traced=False)
+            self.mp.undo()  # (all of it, `interpreted` too: then this CPU runs the interpreter's kernels again)
+            self._kernels(traced=False)
+
+    @staticmethod
+    def launches(gm) -> list[str]:
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+        return [_kernel_fn(kernel_side_table.get_kernel(n.kwargs["kernel_idx"])).__name__ for n in gm.graph.nodes
+                if "triton_kernel_wrapper" in str(n.target)]
+
+
+def _kernel_fn(k):
+    """The Python function a kernel (a JITFunction, or `_Logged` around one) was made from."""
+    return k.kernel.fn if isinstance(k, _Logged) else k.fn
+
+
+@on_cpu
+@pytest.mark.parametrize("kind", ["eagle-2", "hidden-transfer"])
+def test_the_step_through_every_kernel_traces_without_graph_breaks(monkeypatch, kind):
+    """Issue 42's proxy for capture, with the Triton kernels (attention, row-wise and linear): EAGLE-2's and
+    hidden transfer's device rounds (the draft, the verification forward, the acceptance, the compaction)
+    trace under torch.compile(fullgraph=True) as they would on a GPU (`_TracedAsOnAGpu`), each kernel launch
+    one node of the graph and no F.linear left. The traced graph launches the very kernels the eager round
+    launches, in order, and gives its very bits: the outputs, the K/V cache and the held slots."""
+    from midlayer.ops import row_attention, row_linear
+    from midlayer.speculative.static import DeviceRounds
+    from tiny_models import device_drafters
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    torch._dynamo.reset()
+    kernel_side_table.reset_table()  # (its launches run the logged kernels: this test's own, none before or after)
+    model = fuse_projections(make_tiny({**DIMS, "n_layers": 3, "max_seq_len": 160}, False))
+    drafter = device_drafters(model)[kind]
+    tree = DraftTree.greedy_from_accuracies([[0.6, 0.2], [0.5]], 4)
+    prompt = [(5 * i + 2) % V for i in range(20)]
+    fns = fr.KERNELS + row_attention.KERNELS + row_linear.KERNELS
+    runs, log = [], []
+    traced = _TracedAsOnAGpu(monkeypatch, fns, log)
+    for compiled in (False, True):
+        step = DecodeStep(model, max_len=96, buckets=(8, 16, 32, 64), attention="triton", linear="triton")
+        _, hidden = step.prefill(torch.tensor([prompt[:-1]]))
+        root, last = step._scalar(prompt[-1]), step._scalar(len(prompt) - 1)
+        draft = None
+        if kind == "hidden-transfer":  # (its first round: the root alone, whose pseudo rows are the first draft)
+            step.attach(drafter)
+            *_, draft = step.verify(prompt[-1], [], step.tree_tensors([], [], 3), len(prompt) - 1, len(prompt) - 1)
+        rounds = DeviceRounds.for_step(step, drafter, tree)
+        args = (root, last, *rounds.draft.first(list(prompt), hidden[0], draft))
+        log.clear()  # (the call's launches alone)
+        with torch.no_grad():
+            out = traced(rounds.round, *args) if compiled else rounds.round(*args)
+        runs.append((out, step.k.clone(), step.v.clone(), step.held.clone(), list(log), list(traced.graphs)))
+    (eager, *state_e, log_e, _), (comp, *state_c, log_c, graphs) = runs
+    assert len(graphs) == 1 and log_e and _TracedAsOnAGpu.launches(graphs[0]) == log_e == log_c
+    assert not [n for n in graphs[0].graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    assert set(log_e) == {f.__name__ for f in fns}
+    for a, b in zip((*eager, *state_e), (*comp, *state_c)):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
+    kernel_side_table.reset_table()

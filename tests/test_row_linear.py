@@ -71,6 +71,19 @@ def test_a_rows_bits_depend_on_no_other_row(dtype):
     assert torch.equal(alone, few) and torch.equal(alone, many)
 
 
+def test_the_kernel_is_made_unspecialised_on_m_whichever_call_makes_it(monkeypatch):
+    """Triton specialises an integer argument on its value (1, multiples of 16), so M = 1 and M = 16 would run
+    other compiled programs. The kernel declares do_not_specialize=["M"] itself (triton_build.options) and is
+    made with it by whichever call makes it first: here `available`, as the step's construction does. (The
+    option once rode the launch, which came second, and was lost.)"""
+    from midlayer.ops import triton_build
+
+    monkeypatch.delitem(triton_build._kernels, rl._linear_rows)
+    assert rl.available()
+    k = triton_build.kernel(rl._linear_rows)
+    assert (k.kwargs["do_not_specialize"] if triton_build.interpreted(k) else k.do_not_specialize) == ["M"]
+
+
 def test_the_mode_routes_every_linear_and_nothing_else(monkeypatch):
     """Inside RowLinears an nn.Linear (with and without bias) and a direct F.linear go through the kernel, with
     the kernel's bits; other ops and integer inputs are PyTorch's; outside it nothing is routed."""
@@ -141,14 +154,15 @@ def test_the_step_through_both_kernels_decodes_one_row_losslessly(model):
 def test_the_probe_takes_the_linear_kernel_where_the_blas_fails_and_passes_over_a_failure(model, monkeypatch):
     """Where the Triton kernels are tried (CUDA with Triton; on this CPU by pretending), a one-row bucket whose
     BLAS rounds by M fails with PyTorch's linears and passes with the row-linear kernel, which the probe then
-    chooses before any bucket set without one row; not under graphs="compile". A linear kernel that is off the
+    chooses before any bucket set without one row, under graphs="compile" too (which probes eagerly: the same
+    verdict). A linear kernel that is off the
     formula (row-invariant, so the probe alone would pass it) is passed over with a warning."""
     monkeypatch.setattr(decode_step, "triton_kernels", lambda mdl: True)
     monkeypatch.setattr(decode_step, "STEP_CANDIDATES", (
         StepKernels((1, 8, 16), attention="triton"), StepKernels((1, 8, 16), attention="triton", linear="triton"),
         StepKernels((8, 16))))
     assert invariant_buckets(copy.deepcopy(model), 40) == (decode_step.STEP_CANDIDATES[1], True)
-    assert invariant_buckets(copy.deepcopy(model), 40, "compile") == (StepKernels((8, 16)), True)
+    assert invariant_buckets(copy.deepcopy(model), 40, "compile") == (decode_step.STEP_CANDIDATES[1], True)
 
     real = rl.row_linear
     monkeypatch.setattr(rl, "row_linear", lambda *a: real(*a) * 1.01)

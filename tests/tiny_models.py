@@ -106,3 +106,44 @@ def assert_drafts_lossless(model: Transformer, step, prompt: list[int], ref: lis
         out, stats = static_speculative_generate(model, prompt, drafter, tree, len(ref), step=step)
         assert out == ref, type(drafter).__name__
     return stats
+
+
+def noisy_transfer(dim: int, layers: list[int], masked: bool, seed: int = 0):
+    """Hidden transfer's maps (arXiv 2404.12022) joining at `layers`: identity plus noise, so that pseudo states
+    are not copies and every part of the fused pass's mask matters."""
+    from midlayer.speculative.hidden_transfer import HiddenTransfer
+
+    ht = HiddenTransfer(dim, layers, masked=masked)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in ht.maps:
+            m.weight.add_(0.3 * torch.randn(dim, dim, generator=g))
+    return ht
+
+
+def device_drafters(model: Transformer) -> dict:
+    """One drafter of each kind that drafts on the device (speculative/static.py), for a 3-block `model`:
+    EAGLE-2 and EAGLE on a static tree (a perturbed head: drafts that are neither all right nor all wrong),
+    Medusa (one head trained-like), hidden transfer's fused pass (joining at blocks 1, 2 and 3), early exit at
+    block 2 (a perturbed exit map) and layer skip without block 1."""
+    from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
+    from midlayer.speculative.eagle import EagleDrafter, EagleHead
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+    from midlayer.speculative.layer_skip import LayerSkipDrafter
+    from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
+
+    dim = model.cfg.dim
+    torch.manual_seed(0)
+    eagle = EagleHead.for_model(model)
+    with torch.no_grad():
+        for p in eagle.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    heads = MedusaHeads(dim, 3)
+    torch.nn.init.normal_(heads.heads[0].weight, std=0.1)
+    exit_head = EarlyExitHead(dim, 2)
+    with torch.no_grad():
+        exit_head.proj.weight.add_(0.05 * torch.randn(dim, dim))
+    return {"eagle-2": EagleDrafter(model, eagle, dynamic_k=3), "eagle": EagleDrafter(model, eagle),
+            "medusa": MedusaDrafter(model, heads),
+            "hidden-transfer": HiddenTransferDrafter(model, noisy_transfer(dim, [1, 2, 3], False)),
+            "early-exit": EarlyExitDrafter(model, exit_head), "layer-skip": LayerSkipDrafter(model, [1])}

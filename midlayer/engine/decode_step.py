@@ -129,8 +129,8 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     False (speculative output may then differ from plain output at near-ties).
     The Triton kernels' candidates are tried on CUDA with Triton only (`triton_kernels`); a kernel that fails
     to build or its self-check (its value against the formula, which the probe does not see) is passed over
-    with a warning. The row-linear kernel is not tried under graphs="compile" (whether torch.compile traces
-    the TorchFunctionMode that routes the linears to it is not known).
+    with a warning. Under graphs="compile" they are tried too: dynamo traces each launch into the graph, and the
+    TorchFunctionMode that routes the linears to the row-linear kernel (tests/test_fused_rows.py, as on a GPU).
     graphs: the mode the probe runs in. "cudagraph" probes captured graphs: on an H200 in bf16 the eager
     probe passed several buckets and the captured rounds on them still left plain output (issue 42), so a
     captured step is not assumed to replay the eager step's kernel choices. torch.compile's own kernels are not
@@ -140,11 +140,9 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     dev = model.tok_embeddings.weight.device
     dtype = model.tok_embeddings.weight.dtype
     kernels = triton_kernels(model)
-    # (compile probes eagerly, as eager does, but without the row-linear kernel where the kernels are tried)
-    key = (dtype, str(dev), getattr(model, "weight_format", None), int(max_len), kv_dtype(model), mode,
-           kernels and graphs == "compile")
+    key = (dtype, str(dev), getattr(model, "weight_format", None), int(max_len), kv_dtype(model), mode)
     if key not in memo:
-        usable = {"attention": kernels, "linear": kernels and graphs != "compile"}
+        usable = {"attention": kernels, "linear": kernels}
         for field, name, check, tol in SELF_CHECKS:  # (the kernels' value first: the probe compares bits only)
             if usable[field]:
                 try:
@@ -186,8 +184,13 @@ def triton_kernels(model: Transformer) -> bool:
     tap reads fp32, and failed in generation), and not in the q4 format (whose C kernels attend and multiply
     themselves). On a CPU the kernels would run in Triton's interpreter."""
     w = model.tok_embeddings.weight
-    return (w.device.type == "cuda" and w.dtype in triton_build.TYPES and row_attention.available()
+    return (w.device.type == "cuda" and w.dtype in triton_build.TYPES and _attention_kernels()
             and getattr(model, "weight_format", None) != "q4")
+
+
+def _attention_kernels(device: torch.device | None = None) -> bool:
+    """Whether attention="triton"'s kernels run here: the row attention and the row-wise kernels it comes with."""
+    return row_attention.available(device) and fused_rows.available(device)
 
 
 def _transfer_key(transfer) -> tuple | None:
@@ -377,7 +380,8 @@ class DecodeStep:
         elif isinstance(buckets, str):
             raise ValueError(f"buckets: 'auto' or a sequence of row counts, got {buckets!r}")
         attention, linear = attention or "torch", linear or "torch"
-        for name, value, values, ok in (("attention", attention, ATTENTIONS, row_attention.available),
+        # (the kernels' availability makes them: torch.compile traces their launches, not their making)
+        for name, value, values, ok in (("attention", attention, ATTENTIONS, _attention_kernels),
                                         ("linear", linear, LINEARS, row_linear.available)):
             if value not in values:
                 raise ValueError(f"{name} must be one of {', '.join(values)}, got {value!r}")

@@ -41,11 +41,15 @@ def active() -> Iterator[None]:
         _ACTIVE = before
 
 
+def available(device: torch.device | None = None) -> bool:
+    """Whether the kernels run here (triton_build.runs_on; all four made here, before any forward is traced)."""
+    return triton_build.runs_on(KERNELS, device)
+
+
 def applies(x: torch.Tensor) -> bool:
     """Whether a module's forward takes these kernels for x: inside `active()`, without autograd, for fp32 or
     bf16, where Triton runs on x's device."""
-    return (_ACTIVE and not torch.is_grad_enabled() and x.dtype in triton_build.TYPES
-            and triton_build.runs_on(_rms_norm_rows, x.device))
+    return _ACTIVE and not torch.is_grad_enabled() and x.dtype in triton_build.TYPES and available(x.device)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -124,6 +128,9 @@ def _rope_store_rows(qkv, cos, sin, q, kc, vc, slots, N, H, Hk, d,
     tl.store(kc + b * skb + hk * skh + slot * sks + dd, out, mask=ok & (h >= H) & (h < H + Hk))
     hv = h - H - Hk
     tl.store(vc + b * svb + hv * svh + slot * svs + dd, out, mask=ok & (h >= H + Hk))
+
+
+KERNELS = (_rms_norm_rows, _add_rms_norm_rows, _silu_mul_rows, _rope_store_rows)
 
 
 # ------------------------------------------------------------------------------------------------ launches

@@ -44,7 +44,7 @@ tl = to_bf16 = None  # triton.language and triton_build's helper, set when the k
 def available(device: torch.device | None = None) -> bool:
     """Whether the kernel runs here: Triton imports, and for `device` (when given) it runs there (CUDA
     compiled; a CPU only under Triton's interpreter, TRITON_INTERPRET=1 before triton's import)."""
-    return triton_build.runs_on(_attend_chunks, device)
+    return triton_build.runs_on(KERNELS, device)
 
 
 def _attend_chunks(q, k, v, keys, kmask, last, pm, pl, pacc,
@@ -124,6 +124,9 @@ def _combine_chunks(pm, pl, pacc, last, out, sob, son, soh, N, Hk, NC, rep, d,
     heads = hk * rep + r
     tl.store(out + b * sob + n * son + heads[:, None] * soh + dd[None, :], res,
              mask=(r[:, None] < rep) & (dd[None, :] < d))
+
+
+KERNELS = (_attend_chunks, _combine_chunks)  # (made together by `available`, before any forward is traced)
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,

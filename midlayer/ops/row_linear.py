@@ -39,10 +39,11 @@ tl = to_bf16 = None  # triton.language and triton_build's helper, set when the k
 
 
 def available(device: torch.device | None = None) -> bool:
-    """Whether the kernel runs here (triton_build.runs_on)."""
-    return triton_build.runs_on(_linear_rows, device)
+    """Whether the kernel runs here (triton_build.runs_on; made here, before any forward is traced)."""
+    return triton_build.runs_on(KERNELS, device)
 
 
+@triton_build.options(do_not_specialize=["M"])  # (one compiled program at every row count: module docstring)
 def _linear_rows(x, w, b, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, DOT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """The kernel (module docstring); grid (cdiv(M, BM), cdiv(N, BN)). (At module level: Triton resolves `tl`
@@ -69,6 +70,9 @@ def _linear_rows(x, w, b, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, BF1
     tl.store(y + rm[:, None] * sym + rn[None, :], out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+KERNELS = (_linear_rows,)
+
+
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with each row's bits independent of the others (module docstring): x [..., K],
     weight [N, K], bias [N] or None, one dtype; returns [..., N] in x's dtype."""
@@ -85,7 +89,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    kernel = triton_build.kernel(_linear_rows, do_not_specialize=["M"])
+    kernel = triton_build.kernel(_linear_rows)
     kernel[(triton_build.cdiv(M, BM), triton_build.cdiv(N, BN))](
         x2, w, w if bias is None else bias, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,

@@ -36,11 +36,23 @@ def load() -> tuple | None:
     return _modules
 
 
-def kernel(fn: Callable, **jit_kw):
-    """`fn` made a Triton kernel, once (None without Triton). The kernel's source names `tl` (and the helper
-    `to_bf16`) as globals of its own module, which are set here: Triton resolves the names of a kernel's body
-    through the function's globals (under the interpreter, `tl` to the interpreter's own). Made at first use,
-    so that torch.compile traces a launch of a JITFunction and nothing else."""
+def options(**jit_kw) -> Callable[[Callable], Callable]:
+    """Declares a kernel function's own options to triton.jit (`do_not_specialize`, ...) where it is defined. A
+    kernel is made once, by whichever call needs it first (`runs_on`, a launch), so its options cannot ride a
+    call: row_linear's `do_not_specialize=["M"]` once came with its launch, after `available` had made it
+    without."""
+    def mark(fn: Callable) -> Callable:
+        fn.triton_jit = jit_kw
+        return fn
+    return mark
+
+
+def kernel(fn: Callable):
+    """`fn` made a Triton kernel, once, with the options it declares (`options`); None without Triton. The
+    kernel's source names `tl` (and the helper `to_bf16`) as globals of its own module, which are set here:
+    Triton resolves the names of a kernel's body through the function's globals (under the interpreter, `tl`
+    to the interpreter's own). torch.compile traces a launch of a made kernel (a JITFunction) but not its
+    making (a graph break): `runs_on` makes a file's kernels before any forward is traced."""
     if fn not in _kernels:
         mods = load()
         if mods is None:
@@ -51,7 +63,7 @@ def kernel(fn: Callable, **jit_kw):
         if _to_bf16 not in _kernels:
             _kernels[_to_bf16] = triton.jit(_to_bf16)
         fn.__globals__["to_bf16"] = _kernels[_to_bf16]
-        _kernels[fn] = triton.jit(fn, **jit_kw)
+        _kernels[fn] = triton.jit(fn, **getattr(fn, "triton_jit", {}))
     return _kernels[fn]
 
 
@@ -67,11 +79,11 @@ def _to_bf16(x):
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-def runs_on(fn: Callable, device: torch.device | None = None) -> bool:
-    """Whether the kernel made from `fn` runs here: Triton imports, and for `device` (when given) it runs there
-    (CUDA compiled; a CPU only under Triton's interpreter)."""
-    k = kernel(fn)
-    return k is not None and (device is None or device.type == "cuda" or interpreted(k))
+def runs_on(fns: Callable | tuple[Callable, ...], device: torch.device | None = None) -> bool:
+    """Whether the kernels made from `fns` (a kernel file's, made here all at once) run here: Triton imports, and
+    for `device` (when given) they run there (CUDA compiled; a CPU only under Triton's interpreter)."""
+    ks = [kernel(fn) for fn in (fns if isinstance(fns, tuple) else (fns,))]
+    return all(k is not None for k in ks) and (device is None or device.type == "cuda" or interpreted(ks[0]))
 
 
 def interpreted(k) -> bool:
@@ -103,7 +115,8 @@ def compile_for(fn: Callable, capability: int, kinds: dict[str, str], constexprs
     from triton.runtime.jit import JITFunction
 
     names = list(inspect.signature(fn).parameters)
-    src = ASTSource(fn=JITFunction(fn), signature={n: kinds.get(n, "i32") for n in names},
+    jitted = JITFunction(fn, **getattr(fn, "triton_jit", {}))
+    src = ASTSource(fn=jitted, signature={n: kinds.get(n, "i32") for n in names},
                     constexprs={(names.index(n),): v for n, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", capability, 32))
 
