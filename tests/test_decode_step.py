@@ -245,10 +245,11 @@ def test_run_ahead_gives_the_same_tokens_and_cache(models, kind):
 
 
 @pytest.mark.parametrize("kind", ["eagle-2", "hidden-transfer"])
-def test_device_rounds_through_the_triton_kernels_are_lossless(models, kind):
+def test_device_rounds_through_the_triton_kernels_are_lossless(models, kind, monkeypatch):
     """With attention="triton" a device round runs inside the step's kernels (`DecodeStep.kernels`): the
-    verification's forward through the row-wise kernels and the row attention, and the draft's own norms
-    (EAGLE's layer) through them too. The tokens are plain decoding's on the same step. (Triton's interpreter
+    verification's forward through the row-wise kernels and the row attention, and the draft's own layer
+    (EAGLE's) through them too: its norms, and RoPE with the store into the draft cache (kv_cache.SlotView). The
+    tokens are plain decoding's on the same step. (Triton's interpreter
     on a CPU: tests/conftest.py, where hidden transfer runs a chain, a 32-row round with its pseudo rows.)"""
     import os
 
@@ -268,20 +269,31 @@ def test_device_rounds_through_the_triton_kernels_are_lossless(models, kind):
         st.attach(drafter)
     tree = TREES[0] if kind == "hidden-transfer" else TREES[1]
     rounds = DeviceRounds.for_step(st, drafter, tree)
-    runner, in_round, seen = rounds.runner, [False], []
+    runner, in_round, seen, calls = rounds.runner, [False], [], [0]
 
     def round_(*a):  # (EAGLE's layer also runs outside the rounds: over the prompt, on the host)
         in_round[0] = True
+        calls[0] += 1
         try:
             return runner(*a)
         finally:
             in_round[0] = False
 
     rounds.runner = round_
-    norms = [m for m in drafter.head.modules() if isinstance(m, RMSNorm)] if kind == "eagle-2" else []
+    norms = [m for m in drafter.layer.modules() if isinstance(m, RMSNorm)] if kind == "eagle-2" else []
+
     def hook(*a) -> None:
         if in_round[0]:
             seen.append(fused_rows._ACTIVE)
+
+    rope, stores = fused_rows.rope_store, []
+
+    def rope_store(qkv, cos, sin, n_heads, kc, vc, slots):  # (which cache each round's RoPE + store writes)
+        if in_round[0]:
+            stores.append(kc.shape[2])
+        return rope(qkv, cos, sin, n_heads, kc, vc, slots)
+
+    monkeypatch.setattr(fused_rows, "rope_store", rope_store)
 
     hooks = [m.register_forward_hook(hook) for m in norms]
     try:
@@ -291,6 +303,10 @@ def test_device_rounds_through_the_triton_kernels_are_lossless(models, kind):
             h.remove()
     assert out == plain and stats.base_forwards < n
     assert all(seen) and (len(seen) > 0) == (kind == "eagle-2")  # (EAGLE's layer in a round: in the kernels)
+    # the base's blocks write the step's cache; EAGLE's layer its own draft cache, as many times as its levels
+    levels = tree.max_depth if kind == "eagle-2" else 0
+    assert (stores.count(st.k.shape[3]), len(stores)) == (model.cfg.n_layers * calls[0],
+                                                          (model.cfg.n_layers + levels) * calls[0])
 
 
 # ------------------------------------------------------------------------------------ row invariance

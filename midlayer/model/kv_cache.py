@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from midlayer.ops import fused_rows
 from .attention import window_mask
 
 
@@ -492,6 +493,16 @@ class SlotView(CacheView):
         self.k.index_copy_(2, self.slots, k.to(self.k.dtype))
         self.v.index_copy_(2, self.slots, v.to(self.v.dtype))
         return self.k, self.v, self.mask
+
+    def fuses_rope(self, x: torch.Tensor) -> bool:
+        # inside the static step's kernels (a device round): RoPE and the store as one kernel, as the step's own
+        # cache takes them (ops/fused_rows.py, decode_step.StaticView)
+        return fused_rows.applies(x) and self.k.dtype == x.dtype and self.k.shape[-1] % 2 == 0
+
+    def rope_attention(self, module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = fused_rows.rope_store(qkv, cos, sin, module.n_heads, self.k, self.v,
+                                  self.slots.view(1, -1).expand(qkv.shape[0], -1))  # [B, M, H, d]
+        return module.attend_masked(q.transpose(1, 2), self.k, self.v, self.mask)
 
 
 @dataclass

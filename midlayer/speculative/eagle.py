@@ -317,12 +317,13 @@ class EagleDrafter(Drafter):
         # its cached attention the C kernel: 0.75 ms a call for its 4 calls a round against 0.9 ms through
         # SDPA). At batch 1 each draft level reads the whole layer, so in fp32 beside a q4 base it read 17 MB
         # a level for SmolLM2 (4.2M weights) against ~2.4 MB in q4: 1.10x -> 1.20x plain on an AVX-512 Xeon
-        # (docs/results/hidden-transfer-cpu.md, 26th session). A copy: the head itself stays trainable.
+        # (docs/results/hidden-transfer-cpu.md, 26th session). In fp32 too its q|k|v and w1|w3 are joined: four
+        # GEMMs a level where there were seven, and in the static step's device rounds RoPE and the K/V store
+        # one kernel (kv_cache.SlotView; issue 42: a captured round pays per kernel). A copy: the head itself
+        # stays trainable.
         fmt = getattr(model, "weight_format", None)
-        self.layer: Block = head.layer
+        self.layer: Block = compress_block(copy.deepcopy(head.layer), fmt or "fp32").eval()
         self.fc: nn.Module = head.fc
-        if fmt not in (None, "fp32"):
-            self.layer = compress_block(copy.deepcopy(head.layer), fmt).eval()
         if fmt == "q4" and kernels.available():
             # The fc (2d -> d) in Q8_0, the q4 format's 8-bit format (its LM head's): every draft-layer
             # call read its 2.7 MB in fp32 (SmolLM2), 0.16 ms a call on the 28th session's Xeon, where the
