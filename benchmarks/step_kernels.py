@@ -9,10 +9,11 @@ five fewer kernels per norm. Where Triton imports, also the step through its Tri
 attention and the row-wise kernels, ops/fused_rows.py), each call counted as one launch (on a CPU they run in
 Triton's interpreter, whose own ops are not counted). Then each draft's device round (speculative/static.py:
 the draft, the verification, the acceptance, the compaction, one graph on a GPU) against the fused plain step,
-with the tree `bench static` gives it: where a replay is bound by its kernels, a drafter gains about tau / that
-ratio.
+with the tree `bench static` gives it, and by phase (the draft; the verification forward; the acceptance, the
+compaction and the round's own ops): where a replay is bound by its kernels, a drafter gains about tau / that
+ratio. `--rounds triton`: the rounds through the Triton kernels, against the plain step through them.
 
-    python benchmarks/step_kernels.py [--drafts eagle=drafts/smollm2-135m-scale/eagle,...]
+    python benchmarks/step_kernels.py [--drafts eagle=drafts/smollm2-135m-scale/eagle,...] [--rounds triton]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from midlayer.engine.quantization import fuse_projections  # noqa: E402
 from midlayer.experiments.static_bench import static_methods  # noqa: E402
 from midlayer.model.layers import RMSNorm  # noqa: E402
 from midlayer.ops import row_attention  # noqa: E402
+from midlayer.ops.triton_build import NEEDS  # noqa: E402
 from midlayer.speculative.static import DeviceRounds, static_speculative_generate  # noqa: E402
 
 DRAFTS = ",".join(f"{k}=drafts/smollm2-135m-scale/{k}" for k in ("eagle", "medusa", "hidden-transfer", "early-exit"))
@@ -44,15 +46,31 @@ VIEWS = {"view", "unsqueeze", "_unsafe_view", "expand", "transpose", "t", "selec
 
 
 class Kernels(TorchDispatchMode):
+    """Counts the kernel ops run inside it, in `ops`, and by phase in `phases` (the innermost `phase` entered)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.phases: collections.Counter = collections.Counter()
+        self.now = ["rest"]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name not in VIEWS:
-            self.ops[name] += 1
+            self.count(name)
         return func(*args, **(kwargs or {}))
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.ops[name] += n
+        self.phases[self.now[-1]] += n
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.now.append(name)
+        try:
+            yield
+        finally:
+            self.now.pop()
 
 
 @contextlib.contextmanager
@@ -70,7 +88,7 @@ def triton_launches(k: Kernels):
 
     def counting(real, name):
         def launch(*a, **kw):
-            k.ops[f"triton {name}"] += 2 if name == "row_attention" else 1  # (its two passes)
+            k.count(f"triton {name}", 2 if name == "row_attention" else 1)  # (the attention's two passes)
             with _disable_current_modes():
                 return real(*a, **kw)
         return launch
@@ -84,17 +102,47 @@ def triton_launches(k: Kernels):
             setattr(mod, name, real)
 
 
-def counted(model, fn, *args):
-    """(fn(*args), its kernel ops, the RMSNorm calls in it)."""
+def counted(model, fn, *args, k: Kernels | None = None):
+    """(fn(*args), its kernel ops, the RMSNorm calls in it); counted into `k` (default: a new counter)."""
     norms = []
     hooks = [m.register_forward_hook(lambda *a: norms.append(1)) for m in model.modules() if isinstance(m, RMSNorm)]
+    k = k or Kernels()
     try:
-        with Kernels() as k, triton_launches(k):
+        with k, triton_launches(k):
             out = fn(*args)
     finally:
         for h in hooks:
             h.remove()
     return out, k.ops, len(norms)
+
+
+@contextlib.contextmanager
+def phases(k: Kernels, step: DecodeStep, rounds: DeviceRounds):
+    """A device round's kernels counted by phase: "draft" (the drafter's draft, and what it carries to the next
+    round), "forward" (the verification's blocks, its final norm and LM head), and "rest": the round's own
+    ops, the acceptance and the compaction (`DecodeStep.verify_round`)."""
+    dd, m, saved = rounds.draft, step.model, []
+
+    def labelled(obj, name: str, label: str) -> None:
+        real = getattr(obj, name)
+        saved.append((obj, name, real))
+
+        def run(*a, **kw):
+            with k.phase(label):
+                return real(*a, **kw)
+        setattr(obj, name, run)
+
+    for obj, name, label in ((dd, "draft", "draft"), (dd, "after", "draft"), (step, "blocks", "forward")):
+        labelled(obj, name, label)
+    hooks = [mod.register_forward_pre_hook(lambda *a: k.now.append("forward")) for mod in (m.norm, m.output)]
+    hooks += [mod.register_forward_hook(lambda *a: k.now.pop() and None) for mod in (m.norm, m.output)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for obj, name, real in saved:
+            setattr(obj, name, real)
 
 
 def step_kernels(model, attention: str = "torch") -> tuple[collections.Counter, int]:
@@ -107,26 +155,29 @@ def step_kernels(model, attention: str = "torch") -> tuple[collections.Counter, 
     return ops, norms
 
 
-def round_kernels(model, drafter, tree) -> tuple[int, int]:
-    """(kernel ops of one device round of `drafter` on `tree`, RMSNorm calls in it), a round in the middle of
-    a generation from a 100-token prompt."""
-    st = DecodeStep(model, max_len=400, buckets=(8, 16, 32, 64, 128, 256))
-    ids = [int(t) for t in torch.arange(300, 400) % model.cfg.vocab_size]
+def round_kernels(model, drafter, tree, attention: str = "torch") -> tuple[int, int, collections.Counter]:
+    """(kernel ops of one device round of `drafter` on `tree`, RMSNorm calls in it, the ops by phase: `phases`),
+    a round in the middle of a generation from a 30-token prompt (a static step's count does not depend on the
+    context's length)."""
+    st = DecodeStep(model, max_len=200, buckets=(8, 16, 32, 64, 128, 256), attention=attention)
+    ids = [int(t) for t in torch.arange(300, 330) % model.cfg.vocab_size]
     with torch.no_grad():
-        static_speculative_generate(model, ids, drafter, tree, 8, step=st)  # builds the rounds (and any memo)
+        static_speculative_generate(model, ids, drafter, tree, 4, step=st)  # builds the rounds (and any memo)
         rounds = DeviceRounds.for_step(st, drafter, tree)
         if rounds is None:
             raise ValueError(f"{type(drafter).__name__} does not draft on the device")
         run, counts = rounds.runner, []
 
         def counting(*args):
-            out, ops, norms = counted(model, run, *args)
-            counts.append((sum(ops.values()), norms))
+            k = Kernels()
+            with phases(k, st, rounds):
+                out, ops, norms = counted(model, run, *args, k=k)
+            counts.append((sum(ops.values()), norms, k.phases))
             return out
 
         rounds.runner = counting
         try:
-            static_speculative_generate(model, ids, drafter, tree, 24, step=st)
+            static_speculative_generate(model, ids, drafter, tree, 8, step=st)
         finally:
             rounds.runner = run
     return counts[len(counts) // 2]
@@ -135,11 +186,16 @@ def round_kernels(model, drafter, tree) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafts", default=DRAFTS, help="comma-separated LABEL=DIR of drafts ('' = none)")
+    ap.add_argument("--rounds", choices=("torch", "triton"), default="torch",
+                    help="the device rounds through PyTorch's ops, or through the Triton kernels (attention='triton'; "
+                         "on a CPU in Triton's interpreter, several minutes a draft)")
     args = ap.parse_args()
     entries = [x.strip() for x in args.drafts.split(",") if x.strip()]
     bad = [x for x in entries if "=" not in x or not x.split("=", 1)[0] or not os.path.isdir(x.split("=", 1)[1])]
     if bad:
         ap.error(f"--drafts: LABEL=DIR of a train-draft output each, got {', '.join(bad)}")
+    if args.rounds == "triton" and not row_attention.available(torch.device("cpu")):
+        ap.error(f"--rounds triton: {NEEDS}")
     base, _ = load_pretrained("smollm2-135m")
     base.eval()
     L = base.cfg.n_layers
@@ -150,6 +206,7 @@ def main() -> None:
     rows = [("as loaded", base, "torch"), ("fused (fuse_projections)", fused, "torch")]
     if row_attention.available(torch.device("cpu")):  # (Triton's interpreter: about 2 minutes)
         rows.append(("fused, the Triton kernels (attention='triton')", fused, "triton"))
+    plain = {}  # attention -> the fused plain step's (kernels, kernels if each RMSNorm is one)
     for label, model, attention in rows:
         ops, norms = step_kernels(model, attention)
         n = sum(ops.values())
@@ -157,19 +214,23 @@ def main() -> None:
         # (each RMSNorm one kernel already where the row-wise kernels run: ops/fused_rows.py)
         fused_norms = 0 if attention == "triton" else 5 * norms
         print(f"| {label} | {n} | {n / L:.1f} | {n - fused_norms} ({norms} norms) | {top} |", flush=True)
-        if attention == "torch":
-            n_plain, norms_plain = n, norms
+        if model is fused:
+            plain[attention] = (n, n - fused_norms)
     drafts = dict(x.split("=", 1) for x in entries)
     if not drafts:
         return
-    plain = n_plain, n_plain - 5 * norms_plain
-    print("\nOne device round of each draft (fused model), against the fused plain step\n")
-    print("| draft | tree | kernels | x plain | if each RMSNorm is one kernel | x plain |")
-    print("|---|---|---|---|---|---|")
+    print(f"\nOne device round of each draft (fused model, attention='{args.rounds}'), against the plain step of the "
+          "same\n")
+    print("| draft | tree | kernels | x plain | draft | forward | acceptance, compaction, the round's own | "
+          "if each RMSNorm is one kernel | x plain |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    ref = plain[args.rounds]
     for label, (drafter, tree) in static_methods(fused, drafts, 24).items():
-        k, norms = round_kernels(fused, drafter, tree)
+        k, norms, by = round_kernels(fused, drafter, tree, args.rounds)
+        one = k - (0 if args.rounds == "triton" else 5 * norms)
         shape = f"{len(tree)} nodes" + (f", EAGLE-2 k={drafter.dynamic_k}" if drafter.dynamic_k else "")
-        print(f"| {label} | {shape} | {k} | {k / plain[0]:.2f} | {k - 5 * norms} | {(k - 5 * norms) / plain[1]:.2f} |")
+        print(f"| {label} | {shape} | {k} | {k / ref[0]:.2f} | {by['draft']} | {by['forward']} | {by['rest']} | "
+              f"{one} | {one / ref[1]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
