@@ -20,7 +20,7 @@ from midlayer.speculative.hidden_transfer import (HiddenTransfer, HiddenTransfer
                                       training_mask, training_rows, transfer_forward, tree_visible, visible)
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
-from tiny_models import make_tiny
+from tiny_models import make_tiny, noisy_transfer
 from midlayer.speculative.protocol import DraftContext
 from midlayer.speculative.tree import DraftTree
 from midlayer.speculative.verify import speculative_generate
@@ -47,12 +47,7 @@ def greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
 
 def perturbed_transfer(layers: list[int], masked: bool = False, seed: int = 0) -> HiddenTransfer:
     """Identity + noise: the pseudo states differ from copies, so every part of the mask matters."""
-    ht = HiddenTransfer(D, layers, masked=masked)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in ht.maps:
-            m.weight.add_(0.3 * torch.randn(D, D, generator=g))
-    return ht
+    return noisy_transfer(D, layers, masked, seed)
 
 
 # ======================================================================================== the mask

@@ -155,8 +155,8 @@ def test_the_probe_takes_the_linear_kernel_where_the_blas_fails_and_passes_over_
     """Where the Triton kernels are tried (CUDA with Triton; on this CPU by pretending), a one-row bucket whose
     BLAS rounds by M fails with PyTorch's linears and passes with the row-linear kernel, which the probe then
     chooses before any bucket set without one row, under graphs="compile" too (which probes eagerly: the same
-    verdict). A linear kernel that is off the
-    formula (row-invariant, so the probe alone would pass it) is passed over with a warning."""
+    verdict). A linear kernel that is off the formula (row-invariant, so the probe alone would pass it) is passed
+    over with a warning."""
     monkeypatch.setattr(decode_step, "triton_kernels", lambda mdl: True)
     monkeypatch.setattr(decode_step, "STEP_CANDIDATES", (
         StepKernels((1, 8, 16), attention="triton"), StepKernels((1, 8, 16), attention="triton", linear="triton"),

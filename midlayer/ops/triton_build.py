@@ -79,10 +79,10 @@ def _to_bf16(x):
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-def runs_on(fns: Callable | tuple[Callable, ...], device: torch.device | None = None) -> bool:
-    """Whether the kernels made from `fns` (a kernel file's, made here all at once) run here: Triton imports, and
-    for `device` (when given) they run there (CUDA compiled; a CPU only under Triton's interpreter)."""
-    ks = [kernel(fn) for fn in (fns if isinstance(fns, tuple) else (fns,))]
+def runs_on(fns: tuple[Callable, ...], device: torch.device | None = None) -> bool:
+    """Whether the kernels made from `fns` (a kernel file's KERNELS, made here all at once) run here: Triton
+    imports, and for `device` (when given) they run there (CUDA compiled; a CPU only under the interpreter)."""
+    ks = [kernel(fn) for fn in fns]
     return all(k is not None for k in ks) and (device is None or device.type == "cuda" or interpreted(ks[0]))
 
 
