@@ -235,7 +235,6 @@ class _TracedAsOnAGpu:
         try:
             return torch.compile(fn, backend=self._backend, fullgraph=True)(*args)
         finally:
-            self._kernels(traced=False)
             self.mp.undo()  # (all of it, `interpreted` too: then this CPU runs the interpreter's kernels again)
             self._kernels(traced=False)
 

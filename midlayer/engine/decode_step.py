@@ -318,8 +318,7 @@ class StaticView(CacheView):
 
     def fuses_rope(self, x: torch.Tensor) -> bool:
         # with the row-attention kernel, RoPE and the store are one kernel too (ops/fused_rows.py)
-        return (self.step.attention == "triton" and fused_rows.applies(x) and self.k_buffer.dtype == x.dtype
-                and self.step.model.cfg.head_dim % 2 == 0)
+        return self.step.attention == "triton" and fused_rows.stores_into(x, self.k_buffer)
 
     def rope_attention(self, module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         st = self.step

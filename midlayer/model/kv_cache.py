@@ -497,7 +497,7 @@ class SlotView(CacheView):
     def fuses_rope(self, x: torch.Tensor) -> bool:
         # inside the static step's kernels (a device round): RoPE and the store as one kernel, as the step's own
         # cache takes them (ops/fused_rows.py, decode_step.StaticView)
-        return fused_rows.applies(x) and self.k.dtype == x.dtype and self.k.shape[-1] % 2 == 0
+        return fused_rows.stores_into(x, self.k)
 
     def rope_attention(self, module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = fused_rows.rope_store(qkv, cos, sin, module.n_heads, self.k, self.v,

@@ -52,6 +52,12 @@ def applies(x: torch.Tensor) -> bool:
     return _ACTIVE and not torch.is_grad_enabled() and x.dtype in triton_build.TYPES and available(x.device)
 
 
+def stores_into(x: torch.Tensor, kc: torch.Tensor) -> bool:
+    """Whether `rope_store` takes the rows x into the cache layer kc (a cache view's `fuses_rope`): the kernels
+    apply to x, the cache holds x's dtype, and the head size is even (rotate-half)."""
+    return applies(x) and kc.dtype == x.dtype and kc.shape[-1] % 2 == 0
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 def _rms_norm_rows(x, w, y, D, sx, sy, eps, BD: tl.constexpr, BF16: tl.constexpr):
     """y = (x * rsqrt(mean(x^2) + eps)) * w per row (layers.RMSNorm's formula, in fp32); grid (rows,)."""
