@@ -83,7 +83,7 @@ def triton_launches(k: Kernels):
 
     sites = [(fused_rows, "rms_norm"), (fused_rows, "add_rms_norm"), (fused_rows, "silu_mul"),
              (fused_rows, "rope_store"),
-             (row_attention, "row_attention"), (row_linear, "row_linear")]
+             (row_attention, "row_attention"), (row_attention, "row_keys"), (row_linear, "row_linear")]
     saved = [getattr(mod, name) for mod, name in sites]
 
     def counting(real, name):

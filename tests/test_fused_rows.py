@@ -111,6 +111,27 @@ def test_a_rows_bits_depend_on_no_other_row():
     assert torch.equal(fr.silu_mul(ab[4:5])[0], fr.silu_mul(ab)[4])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_block_that_leaves_its_last_add_to_the_next_gives_the_same_bits(dtype, monkeypatch):
+    """Block.forward's defer / carry (what the static step chains its blocks by): block 1 fed (h, f) from block
+    0 gives the very bits of block 1 fed h + f, inside the kernels' context (where the add and block 1's first
+    norm are one kernel) and outside it (the same add, one block later). Sandwich and pre-norm blocks."""
+    calls = _counting(monkeypatch)
+    for sandwich in (True, False):
+        model = make_tiny(DIMS, False, **({} if sandwich else dict(norm_placement="pre"))).to(DEV, dtype)
+        b0, b1 = model.layers[0], model.layers[1]
+        x = _rand(1, 5, DIMS["dim"], dtype=dtype, seed=3)
+        cos, sin = model.rope_cos[:5], model.rope_sin[:5]
+        for kernels in (True, False):
+            with torch.no_grad(), (fr.active() if kernels else torch.no_grad()):
+                h, f = b0(x, cos, sin, defer=True)
+                assert f is not None and torch.equal(h + f, b0(x, cos, sin))
+                assert torch.equal(b1(h, cos, sin, carry=f), b1(h + f, cos, sin))
+            # (inside: each block's FFN norm with its add, 4, and block 1's first norm with the carry, 1)
+            assert calls["add_rms_norm"] == (5 if kernels else 0)
+            calls["add_rms_norm"] = 0
+
+
 def _counting(monkeypatch) -> dict[str, int]:
     calls = {"rms_norm": 0, "add_rms_norm": 0, "silu_mul": 0, "rope_store": 0}
     for name in calls:
@@ -126,7 +147,8 @@ def _counting(monkeypatch) -> dict[str, int]:
 @on_cpu
 def test_the_step_takes_them_with_the_row_attention_kernel_and_nothing_else_does(monkeypatch):
     """A plain decode step of the fused model (q|k|v and w1|w3 joined) with attention="triton" runs every norm
-    (the tiny model is sandwich-normed; the FFN's with the residual add), every SwiGLU product and every block's RoPE + store through the kernels;
+    (the tiny model is sandwich-normed; the FFN's with the residual add, and each block's first with the add
+    the block before left to it), every SwiGLU product and every block's RoPE + store through the kernels;
     the same step with the PyTorch attention, and `generate`, run none. Its tokens equal the PyTorch step's
     and `generate`'s here (a check of sense: other kernels may round otherwise at a near-tie)."""
     model = fuse_projections(make_tiny(DIMS, False))
@@ -142,8 +164,10 @@ def test_the_step_takes_them_with_the_row_attention_kernel_and_nothing_else_does
     calls.update(rms_norm=0, add_rms_norm=0, silu_mul=0, rope_store=0)
     step.decode(torch.tensor([3]), len(prompt))
     norms = sum(isinstance(m, RMSNorm) for m in model.modules())  # (sandwich: 4 a block, the embedding's, the last)
-    # (each block's FFN norm with the residual add before it)
-    assert calls == {"rms_norm": norms - L, "add_rms_norm": L, "silu_mul": L, "rope_store": L} and norms == 4 * L + 2
+    # (each block's FFN norm with the residual add before it, and each block's first norm but block 0's with
+    # the last add of the block before: Block.forward's carry)
+    assert calls == {"rms_norm": norms - 2 * L + 1, "add_rms_norm": 2 * L - 1, "silu_mul": L, "rope_store": L}
+    assert norms == 4 * L + 2
     assert static_generate(model, [prompt], cfg, step=step)[0] == torch_step == ref
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from midlayer.engine import decode_step  # noqa: E402
 from midlayer.engine.decode_step import invariant_buckets  # noqa: E402
 from midlayer.engine.quantization import compress_weights  # noqa: E402
-from midlayer.ops.row_attention import reference, row_attention  # noqa: E402
+from midlayer.ops.row_attention import reference, reference_keys, row_attention, row_keys  # noqa: E402
 
 # the kernel's own tests run where it runs: on CUDA compiled, else interpreted; the step's run on the CPU and
 # need the interpreter (tests/conftest.py sets it where there is no CUDA)
@@ -85,6 +85,38 @@ def test_a_rows_bits_depend_on_no_other_row():
     plain = torch.arange(180, device=DEV).view(1, 1, 180)
     moved = row_attention(q[:, :, row:row + 1], kl2, vl2, plain, kmask[:, row:row + 1], pos[:, row:row + 1])[0, 0]
     assert torch.equal(alone, moved)
+
+
+def test_the_keys_by_hand():
+    """Each row's keys in position order and its mask (`reference_keys`, and its kernel), worked by hand: 4
+    committed slots of which slot 2 is not held (a rejected draft's), a root row at position 4 in slot 6, its
+    child at position 5 in slot 7, and a padding row, which sees the scratch slot (8) alone."""
+    held = torch.tensor([[True, True, False, True, False, True, False, False, False]])
+    path_slots = torch.tensor([[[6, -1], [6, 7], [-1, -1]]])
+    depth, real = torch.tensor([0, 1, 0]), torch.tensor([True, True, False])
+    inf = float("-inf")
+    want_keys = torch.tensor([[[0, 1, 2, 3, 6, 5, 6, 7, 8], [0, 1, 2, 3, 6, 7, 6, 7, 8], [8, 1, 2, 3, 4, 5, 6, 7, 8]]])
+    want_mask = torch.tensor([[[0, 0, inf, 0, 0, inf, inf, inf, inf], [0, 0, inf, 0, 0, 0, inf, inf, inf],
+                               [0] + [inf] * 8]])
+    for keys_of in (reference_keys, row_keys):
+        keys, kmask = keys_of(*(t.to(DEV) for t in (path_slots, depth, real, held, torch.tensor(4))), 8)
+        assert torch.equal(keys.cpu(), want_keys) and torch.equal(kmask.cpu(), want_mask), keys_of.__name__
+
+
+@pytest.mark.parametrize("B,N,Wp,S", [(1, 8, 8, 40), (2, 5, 6, 1100)], ids=["one-block", "two-blocks"])
+def test_the_keys_kernel_is_the_formula(B, N, Wp, S):
+    """The keys' kernel gives `reference_keys`' very values on random operands: slots -1 on paths, padding
+    rows, unheld slots, `start` at 0, inside and at the end; S past one program's 1024 positions."""
+    g = torch.Generator().manual_seed(S)
+    path_slots = torch.randint(-1, S, (B, N, Wp), generator=g)
+    depth, real = torch.randint(0, Wp, (N,), generator=g), torch.rand(N, generator=g) > 0.3
+    held = torch.rand(B, S, generator=g) > 0.2
+    for start in (0, 3, S - Wp):
+        args = [t.to(DEV) for t in (path_slots, depth, real, held, torch.tensor(start))]
+        keys, kmask = row_keys(*args, S - 1)
+        want_keys, want_mask = reference_keys(*args, S - 1)
+        assert torch.equal(keys, want_keys) and torch.equal(kmask, want_mask)
+        assert 0 < int((kmask == 0).sum()) < kmask.numel()  # (both kinds of position present)
 
 
 @pytest.fixture(scope="module")

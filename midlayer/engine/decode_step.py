@@ -416,6 +416,8 @@ class DecodeStep:
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
         self.cur_keys = self.cur_kmask = self.cur_split = self.cur_pos = None
+        # the last block's residual term not yet added (`_block`: Block.forward's defer / carry), or None
+        self.cur_carry: torch.Tensor | None = None
         self._trees: dict[tuple, TreeTensors] = {}
         self._runners: dict[tuple, object] = {}
         self.device_rounds: dict[tuple, tuple] = {}  # speculative.static.DeviceRounds built on this step (memo)
@@ -477,14 +479,13 @@ class DecodeStep:
         B, N = tokens.shape
         S = self.slot_ids.shape[0]
         p = self.slot_ids
-        # Each row's keys in position order: keys[b, i, p] is the slot that holds row i's key at position p.
-        committed = (p < start) & self.held  # [B, S]: slot p = position p
-        j = p - start  # a tail position's index on the row's path
-        tail_slots = path_slots.gather(2, j.clamp(0, path_slots.shape[-1] - 1).view(1, 1, S).expand(B, N, S))
-        tail = (j >= 0) & (j <= depth[:, None]) & real[:, None] & (tail_slots >= 0)  # [B, N, S]
-        pad0 = (~real)[:, None] & (p == 0)  # [N, S]: padding sees the scratch slot alone (a finite softmax)
-        keys = torch.where(tail, tail_slots, torch.where(pad0, self.scratch, p.expand(B, N, S)))
-        visible = tail | pad0 | committed[:, None, :] & real[:, None]  # [B, N, S]
+        # Each row's keys in position order: keys[b, i, p] is the slot that holds row i's key at position p,
+        # kmask[b, i, p] 0 where the row sees it (row_attention.reference_keys; with the row-attention kernel,
+        # its own kernel). Padding sees the scratch slot alone (a finite softmax).
+        if self.attention == "triton":
+            keys, kmask = row_attention.row_keys(path_slots, depth, real, self.held, start, self.scratch)
+        else:
+            keys, kmask = row_attention.reference_keys(path_slots, depth, real, self.held, start, self.scratch, p)
         self.cur_keys = keys
         # `attend`'s split of the values, the same at every layer (built once per forward, not once per layer):
         # below s0 = position - (W - 1) the shared GEMM, from s0 on a W-key window per row in position order
@@ -494,7 +495,7 @@ class DecodeStep:
             s0 = (positions - (self.window - 1)).clamp_min(0)  # [B, N]
             wpos = (s0[..., None] + self.win_ids).clamp_max(S - 1)  # [B, N, W]: positions s0 .. s0 + W - 1
             self.cur_split = (p < s0[..., None], wpos, keys.gather(2, wpos))  # (below [B, N, S], the window's keys)
-        self.cur_kmask = torch.where(visible, 0.0, float("-inf"))
+        self.cur_kmask = kmask
         self.cur_pos = positions  # (the row-attention kernel reads each row's keys up to its own position)
         self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
         self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
@@ -502,8 +503,9 @@ class DecodeStep:
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
         # (join_src first: a plain forward never reads the transfer, so a compiled one does not guard on it)
         self.cur_join = None if join_src is None or self.transfer is None else (join_src, join_step)
+        self.cur_carry = None
         with self.kernels():
-            h = m.run_blocks(m.embed(tokens, positions), self._block, stop=stop, run=run)
+            h = self._settle(m.run_blocks(m.embed(tokens, positions), self._block, stop=stop, run=run))
             return h if stop is not None else self._join(m.cfg.n_layers, h)  # rows that join after the last block
 
     def kernels(self) -> contextlib.ExitStack:
@@ -618,7 +620,16 @@ class DecodeStep:
 
     def _block(self, layer: int, block, h: torch.Tensor, gate: torch.Tensor | None,
                key_bias: torch.Tensor | None) -> torch.Tensor:
-        return block(self._join(layer, h), self.cur_cos, self.cur_sin, None, None, self.views[layer])
+        # Each block leaves its last residual add to the next (defer / carry): with the row-wise kernels that
+        # add and the next block's first norm are one kernel, 29 fewer a SmolLM2 step (benchmarks/step_kernels.py)
+        h, self.cur_carry = block(self._join(layer, h), self.cur_cos, self.cur_sin, None, None, self.views[layer],
+                                  carry=self.cur_carry, defer=True)
+        return h
+
+    def _settle(self, h: torch.Tensor) -> torch.Tensor:
+        """h with the residual term that `_block` left pending added: the residual itself."""
+        carry, self.cur_carry = self.cur_carry, None
+        return h if carry is None else h + carry
 
     def _join(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Hidden transfer (arXiv 2404.12022 sec. 3.4): entering block t_i, the pseudo rows of step i become
@@ -627,6 +638,7 @@ class DecodeStep:
         t_1 <= t_2 <= ...), so the static shape costs compute there, not correctness."""
         if self.cur_join is None or layer not in self.join_at:
             return h
+        h = self._settle(h)  # (the anchors' residual)
         src, step = self.cur_join
         anchors = h.index_select(1, src)
         for i in self.join_at[layer]:

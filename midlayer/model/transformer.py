@@ -62,16 +62,30 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 gate: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
-                cache: CacheView | None = None) -> torch.Tensor:
+                cache: CacheView | None = None, *, carry: torch.Tensor | None = None,
+                defer: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """a = x + g * Attn(x), h = a + g * FFN(a), with the norm scheme inside (paper section 2):
         pre-LN x + M(N(x)); sandwich/peri-LN x + N(M(N(x))); post-LN N(x + M(x)) (Vaswani et al. 2017;
-        refused for gated models, config.py). Dropout (training) on M's output before the residual add."""
+        refused for gated models, config.py). Dropout (training) on M's output before the residual add.
+
+        defer: return (h, g * FFN(a)) with the last residual add left undone (None: nothing left, post-LN and
+        q4's one C call), for the next block to take as `carry`: its input is then x + carry. The static
+        step's kernels do that add and this block's first norm as one kernel (ops/fused_rows.add_rms_norm);
+        elsewhere it is the same add, one block later (the same bits)."""
+        post = self.placement == "post"
+        xin = None
+        if carry is not None:
+            if not post and fused_rows.applies(x) and isinstance(self.attention_norm, RMSNorm):
+                x, xin = fused_rows.add_rms_norm(x, carry, self.attention_norm.weight, self.attention_norm.eps)
+            else:
+                x = x + carry
         if (self.fused_q4 is not None and gate is None and key_bias is None and cache is not None and cache.direct
                 and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
                 and cache.k_buffer.dtype in kernels.KV_DTYPES):
-            return self._forward_fused(x, cos, sin, cache)
-        post = self.placement == "post"
-        xin = x if post else self.attention_norm(x)
+            out = self._forward_fused(x, cos, sin, cache)
+            return (out, None) if defer else out
+        if xin is None:
+            xin = x if post else self.attention_norm(x)
         if self.mixer is None:
             a = self.attention(xin, cos, sin, key_bias, cache)
         elif cache is None:
@@ -98,7 +112,10 @@ class Block(nn.Module):
             f = self.drop(f)
         if gate is not None:
             f = f * gate[..., None].to(f.dtype)
-        return self.ffn_norm(h + f) if post else h + f
+        if post:
+            out = self.ffn_norm(h + f)
+            return (out, None) if defer else out
+        return (h, f) if defer else h + f
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view) -> torch.Tensor:
         """The pre-norm or sandwich path above for a q4 block over the KV cache, as one C call: bit-identical

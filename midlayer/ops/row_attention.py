@@ -22,6 +22,10 @@ programs per kv head, each at most CHUNK / BS blocks, and pass 2 reads p // CHUN
 Exactness: blocks and chunks past a row's position are not visited. A visited block whose keys are all
 masked adds exact zeros and rescales by exp(0) = 1.
 
+The keys themselves (`keys`, and the mask `kmask`: which positions a row sees) are one more kernel a forward,
+`row_keys`: the formula of `reference_keys` (which the PyTorch attention uses), in integer ops, where PyTorch
+launches about 20 small kernels for it.
+
 Triton is optional (triton_build.py). On a CPU the same kernel source runs in Triton's interpreter (numpy, slow):
 what the tests use to check it against the naive formula and the step's losslessness; `DecodeStep` tries this
 attention on CUDA only.
@@ -126,7 +130,30 @@ def _combine_chunks(pm, pl, pacc, last, out, sob, son, soh, N, Hk, NC, rep, d,
              mask=(r[:, None] < rep) & (dd[None, :] < d))
 
 
-KERNELS = (_attend_chunks, _combine_chunks)  # (made together by `available`, before any forward is traced)
+def _row_keys(path_slots, depth, real, held, start, keys, kmask, N, S, Wp, scratch,
+              spb, spn, sd, sr, shb, skb, skn, smb, smn, BS: tl.constexpr):
+    """`reference_keys`' formula for BS positions of one row; grid (B * N, cdiv(S, BS)). Integers and a
+    0 / -inf choice: exact, whatever the order."""
+    row = tl.program_id(0)  # b * N + n
+    b = row // N
+    n = row % N
+    p = tl.program_id(1) * BS + tl.arange(0, BS)
+    inside = p < S
+    st = tl.load(start)
+    r = tl.load(real + n * sr).to(tl.int32)
+    real_n = r != 0
+    committed = (p < st) & (tl.load(held + b * shb + p, mask=inside, other=0).to(tl.int32) != 0)
+    j = p - st
+    at = tl.load(path_slots + b * spb + n * spn + tl.minimum(tl.maximum(j, 0), Wp - 1), mask=inside, other=-1)
+    tail = (j >= 0) & (j <= tl.load(depth + n * sd)) & real_n & (at >= 0)
+    pad0 = (p == 0) & (r == 0)
+    key = tl.where(tail, at, tl.where(pad0, scratch, p).to(tl.int64))
+    visible = tail | pad0 | (committed & real_n)
+    tl.store(keys + b * skb + n * skn + p, key, mask=inside)
+    tl.store(kmask + b * smb + n * smn + p, tl.where(visible, 0.0, float("-inf")), mask=inside)
+
+
+KERNELS = (_attend_chunks, _combine_chunks, _row_keys)  # (made together by `available`, before any trace)
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,
@@ -165,6 +192,49 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
     return out
 
 
+def row_keys(path_slots: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, held: torch.Tensor,
+             start: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference_keys` as one kernel (where the step attends through `row_attention`: about 20 small kernels
+    fewer a forward, benchmarks/step_kernels.py). The same operands; the very same results."""
+    B, N, Wp = path_slots.shape
+    S = held.shape[1]
+    if not available(path_slots.device):
+        raise RuntimeError(NEEDS)
+    if path_slots.stride(2) != 1 or held.stride(1) != 1:
+        raise ValueError("row_keys needs path_slots' last dimension and held's contiguous")
+    keys = torch.empty(B, N, S, device=held.device, dtype=torch.long)
+    kmask = torch.empty(B, N, S, device=held.device, dtype=torch.float32)
+    BS = min(pow2(S), 1024)
+    triton_build.kernel(_row_keys)[(B * N, triton_build.cdiv(S, BS))](
+        path_slots, depth, real, held, start, keys, kmask, N, S, Wp, scratch, path_slots.stride(0),
+        path_slots.stride(1), depth.stride(0), real.stride(0), held.stride(0), keys.stride(0), keys.stride(1),
+        kmask.stride(0), kmask.stride(1), BS=BS)
+    return keys, kmask
+
+
+def reference_keys(path_slots: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, held: torch.Tensor,
+                   start: torch.Tensor, scratch: int, slot_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's keys in position order, and which it sees (`DecodeStep.blocks`): (keys [B, N, S], the slot
+    holding row i's key at position p; kmask [B, N, S] fp32, 0 where row i sees position p, else -inf).
+
+    path_slots [B, N, Wp] (long): the slot of row i's key at position start + j for j <= depth[i] (-1: none
+    there); depth [N] (long); real [N] (bool; False: padding); held [B, S] (bool: the slots holding committed
+    text, slot p at position p for p < start); start (a long scalar tensor); scratch: the slot that padding
+    rows see alone (at position 0, for a finite softmax). slot_ids: arange(S), where the caller keeps one."""
+    B, N, _ = path_slots.shape
+    S = held.shape[1]
+    p = torch.arange(S, device=held.device) if slot_ids is None else slot_ids
+    committed = (p < start) & held  # [B, S]: slot p = position p
+    j = p - start  # a tail position's index on the row's path
+    at = path_slots.gather(2, j.clamp(0, path_slots.shape[-1] - 1).view(1, 1, S).expand(B, N, S))
+    tail = (j >= 0) & (j <= depth[:, None]) & real[:, None] & (at >= 0)  # [B, N, S]
+    pad0 = (~real)[:, None] & (p == 0)  # [N, S]
+    keys = torch.where(tail, at, torch.where(pad0, scratch, p.expand(B, N, S)))
+    visible = tail | pad0 | committed[:, None, :] & real[:, None]
+    return keys, torch.where(visible, 0.0, float("-inf"))
+
+
 def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3, d: int = 64, seed: int = 0
                ) -> float:
     """The kernel's largest difference from `reference` on `device` on a random forward (rows at other slots
@@ -183,15 +253,18 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
 
 
 def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64) -> list:
-    """The two passes compiled ahead of time for an NVIDIA GPU of compute capability `capability` with `dtype`
-    operands and output (triton_build.compile_for: no GPU needed; tests/test_row_linear.py)."""
+    """The two passes (and the keys' kernel) compiled ahead of time for an NVIDIA GPU of compute capability
+    `capability` with `dtype` operands and output (triton_build.compile_for: no GPU needed;
+    tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
     kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out=f"*{t}",
                  pm="*fp32", pl="*fp32", pacc="*fp32", scale="fp32", REP="constexpr", D="constexpr",
-                 BS="constexpr", CHUNK="constexpr", BF16="constexpr")
+                 BS="constexpr", CHUNK="constexpr", BF16="constexpr", path_slots="*i64", depth="*i64",
+                 real="*i1", held="*i1", start="*i64")
     shape = dict(REP=max(pow2(rep), 2), D=pow2(d), CHUNK=CHUNK)
     return [triton_build.compile_for(_attend_chunks, capability, kinds, dict(shape, BS=BLOCK_POSITIONS)),
-            triton_build.compile_for(_combine_chunks, capability, kinds, dict(shape, BF16=dtype == torch.bfloat16))]
+            triton_build.compile_for(_combine_chunks, capability, kinds, dict(shape, BF16=dtype == torch.bfloat16)),
+            triton_build.compile_for(_row_keys, capability, kinds, dict(BS=1024))]
 
 
 def reference(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor
