@@ -415,9 +415,7 @@ class DecodeStep:
         self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
-        self.cur_keys = self.cur_kmask = self.cur_split = self.cur_pos = None
-        # the last block's residual term not yet added (`_block`: Block.forward's defer / carry), or None
-        self.cur_carry: torch.Tensor | None = None
+        self.cur_keys = self.cur_kmask = self.cur_split = self.cur_pos = self.cur_carry = None  # (carry: `_settle`)
         self._trees: dict[tuple, TreeTensors] = {}
         self._runners: dict[tuple, object] = {}
         self.device_rounds: dict[tuple, tuple] = {}  # speculative.static.DeviceRounds built on this step (memo)
@@ -627,7 +625,8 @@ class DecodeStep:
         return h
 
     def _settle(self, h: torch.Tensor) -> torch.Tensor:
-        """h with the residual term that `_block` left pending added: the residual itself."""
+        """h with the residual term that `_block` left pending (`cur_carry`: Block.forward's defer / carry)
+        added: the residual itself."""
         carry, self.cur_carry = self.cur_carry, None
         return h if carry is None else h + carry
 
