@@ -59,7 +59,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from midlayer.ops import fused_rows, row_attention, row_linear, triton_build
+from midlayer.ops import acceptance, fused_rows, row_attention, row_linear, triton_build
 from .draft_vocab import head_logits
 from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView, kv_dtype
@@ -189,8 +189,9 @@ def triton_kernels(model: Transformer) -> bool:
 
 
 def _attention_kernels(device: torch.device | None = None) -> bool:
-    """Whether attention="triton"'s kernels run here: the row attention and the row-wise kernels it comes with."""
-    return row_attention.available(device) and fused_rows.available(device)
+    """Whether attention="triton"'s kernels run here: the row attention and the kernels it comes with (the
+    row-wise kernels, a round's acceptance)."""
+    return row_attention.available(device) and fused_rows.available(device) and acceptance.available(device)
 
 
 def _transfer_key(transfer) -> tuple | None:
@@ -672,35 +673,27 @@ class DecodeStep:
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One speculative round at batch 1, all on the device: the forward over [root, nodes, padding] (and,
         with hidden transfer attached, the pseudo rows of every tree row), the greedy acceptance of the
-        deepest path whose every node is the base's argmax at its parent (ties: the first in row order), the
-        compaction of the root and that path to slots start.., and their `held`. tree_rows (static): the
-        first T rows are the tree's (the rest, pseudo rows and padding, are never accepted); vis, parent and
-        is_node describe them; head_rows (static, >= T): the rows the LM head reads (`round_layout`). Returns (packed [T + 1] = [accepted count a, path tokens (T - 1, the first a
-        real), bonus], path rows [T] (-1 beyond a), logits [1, T, V], hidden [1, N, d], and the next draft's
-        logits [k, V'] from the pseudo rows of the last accepted row, or an empty tensor)."""
+        deepest path whose every node is the base's argmax at its parent (ties: the first in row order;
+        ops/acceptance.py), the compaction of the root and that path to slots start.., and their `held`.
+        tree_rows (static): the first T rows are the tree's (the rest, pseudo rows and padding, are never
+        accepted); vis, parent and is_node describe them; head_rows (static, >= T): the rows the LM head reads
+        (`round_layout`). Returns (packed [T + 1] = [accepted count a, path tokens (T - 1, the first a real),
+        bonus], path rows [T] (-1 beyond a), logits [1, T, V], hidden [1, N, d], and the next draft's logits
+        [k, V'] from the pseudo rows of the last accepted row, or an empty tensor)."""
         T = tree_rows or tokens.shape[1]
         logits, hidden = self.forward(tokens, positions, slots, start, path, depth, real, join_src, join_step,
                                       head_rows=head_rows or T)
         logits = logits[:, :T]
-        tok, idx = tokens[0, :T], torch.arange(T, device=tokens.device)
         target = logits[0].argmax(-1)  # [T]: torch's first-maximum rule, as generate's greedy choice
-        node = is_node[:T]
-        ok = node & (tok == target[parent[:T]])
-        ok_or_root = ok | (idx == 0)  # the root row is always on the path
-        bad = torch.matmul(vis[:T, :T].to(torch.float32), (~ok_or_root).to(torch.float32))  # bad rows on each path
-        score = torch.where((node | (idx == 0)) & (bad == 0), depth[:T] * (T + 1) + (T - idx), -1)
-        best = score.argmax(0, keepdim=True)  # [1]: indexed by gather / index_select (a 0-d index is a host read)
-        a = depth.gather(0, best)  # [1]
-        rows = path[:T, :T].index_select(0, best)[0]  # [T]: root, then the accepted nodes by depth, then -1s
-        kept = rows.clamp_min(0)
-        src = slots[0].index_select(0, kept)
-        dst = start + idx
+        # the acceptance (ops/acceptance.py: one kernel where the step runs its kernels, else its PyTorch formula)
+        accept = acceptance.accept if self.attention == "triton" else acceptance.reference
+        packed, rows, src, dst, keep, best = accept(tokens[0, :T], target, parent, is_node, vis, depth, path,
+                                                    slots[0], start)
         # Compaction: the kept rows' K/V move to start..start+T-1 (index_select copies first, so overlapping
         # source and destination slots are safe); only the first a + 1 of them become held.
         self.k.index_copy_(3, dst, self.k.index_select(3, src))
         self.v.index_copy_(3, dst, self.v.index_select(3, src))
-        self.held[0].index_copy_(0, dst, idx <= a)
-        packed = torch.cat([a, tok.index_select(0, kept[1:]), target.gather(0, best)])
+        self.held[0].index_copy_(0, dst, keep)
         draft = hidden.new_zeros(0)
         if self.transfer is not None:  # the next draft: the pseudo rows of the anchor, the last accepted row
 

@@ -1,0 +1,84 @@
+"""A round's greedy acceptance (midlayer/ops/acceptance.py): its PyTorch formula worked by hand, and its Triton
+kernel against the formula on random trees. (The rounds through it: tests/test_fused_rows.py's device rounds and
+trace; its build for GPUs: tests/test_row_linear.py.) On a CPU the kernel runs in Triton's interpreter
+(tests/conftest.py); without Triton the kernel's tests skip."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from midlayer.ops import acceptance
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tree(parents: list[int], N: int) -> tuple[torch.Tensor, ...]:
+    """(parent, is_node, vis, depth, path) of the tree whose rows 1.. have these parent rows (row 0 the root),
+    laid out over N rows as DecodeStep.tree_tensors lays a tree (padding: itself on its path, not a node)."""
+    T = len(parents) + 1
+    parent = torch.zeros(N, dtype=torch.long)
+    parent[1:T] = torch.tensor(parents, dtype=torch.long)
+    vis, path = torch.eye(N, dtype=torch.bool), torch.full((N, N), -1, dtype=torch.long)
+    path[:, 0] = torch.arange(N)
+    depth = torch.zeros(N, dtype=torch.long)
+    for r in range(1, T):
+        vis[r] |= vis[parent[r]]
+        depth[r] = depth[parent[r]] + 1
+        chain = vis[r, :T].nonzero().flatten()
+        path[r, :len(chain)] = chain
+    is_node = torch.zeros(N, dtype=torch.bool)
+    is_node[1:T] = True
+    return parent, is_node, vis, depth, path
+
+
+def test_the_formula_by_hand():
+    """Root 0 (token 7), nodes 1 and 2 under it (tokens 10, 11), 3 under 1 (12), 4 under 2 (13). The base's
+    argmax is 11 at the root, 12 at row 1, 13 at row 2, 9 at row 4: node 1 is bad, so node 3 (good at its
+    parent) is not on a good path; 0 -> 2 -> 4 is accepted, a = 2, with the bonus 9 (the argmax at row 4).
+    Rows padded to 8, slots from 20."""
+    parent, is_node, vis, depth, path = _tree([0, 0, 1, 2], 8)
+    tok, target = torch.tensor([7, 10, 11, 12, 13]), torch.tensor([11, 12, 13, 5, 9])
+    slots, start = torch.arange(20, 28), torch.tensor(20)
+    packed, rows, src, dst, keep, best = acceptance.reference(tok, target, parent, is_node, vis, depth, path,
+                                                              slots, start)
+    assert packed.tolist() == [2, 11, 13, 7, 7, 9]  # (a; the path's tokens, then the root's where none; the bonus)
+    assert rows.tolist() == [0, 2, 4, -1, -1] and best.tolist() == [4]
+    assert src.tolist() == [20, 22, 24, 20, 20] and dst.tolist() == [20, 21, 22, 23, 24]
+    assert keep.tolist() == [True, True, True, False, False]
+    target[0] = 10  # both depth-1 nodes bad but node 1 good now, and its child 3 good: 0 -> 1 -> 3
+    assert acceptance.reference(tok, target, parent, is_node, vis, depth, path, slots, start)[0].tolist() == \
+        [2, 10, 12, 7, 7, 5]
+    target[:] = 0  # nothing accepted: the root alone and the bonus at the root
+    packed, rows, *_, keep, best = acceptance.reference(tok, target, parent, is_node, vis, depth, path, slots, start)
+    assert packed.tolist() == [0, 7, 7, 7, 7, 0] and rows.tolist() == [0, -1, -1, -1, -1] and best.tolist() == [0]
+
+
+@pytest.mark.parametrize("T,N", [(5, 8), (25, 32), (65, 128)], ids=["5-rows", "25-rows", "65-rows"])
+def test_the_kernel_is_the_formula(T, N):
+    """The kernel gives the formula's very results on random trees (T rows, more than one block of columns
+    and a padded power of two at 25 and 65), targets drawn so that paths of several depths are accepted, at
+    ties between equally deep paths too (tokens of 6 values: siblings share them)."""
+    pytest.importorskip("triton")
+    if not acceptance.available(DEV):
+        pytest.skip("the kernel does not run here")
+    rng = random.Random(T)
+    depths = set()
+    for trial in range(12):
+        parents = [rng.randrange(r) for r in range(1, T)]  # (row r's parent comes before it)
+        parent, is_node, vis, depth, path = _tree(parents, N)
+        tok = torch.tensor([rng.randrange(6) for _ in range(T)])
+        target = torch.tensor([rng.randrange(6) for _ in range(T)])
+        for r in range(T):  # (the base agrees with one of row r's children, often: deep paths are accepted)
+            children = [c for c in range(1, T) if parents[c - 1] == r]
+            if children and rng.random() < 0.7:
+                target[r] = tok[rng.choice(children)]
+        args = [t.to(DEV) for t in (tok, target, parent, is_node, vis, depth, path, torch.arange(40, 40 + N),
+                                    torch.tensor(40))]
+        got, want = acceptance.accept(*args), acceptance.reference(*args)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        depths.add(int(want[0][0]))
+    assert len(depths) >= 3  # (paths of several depths accepted)
