@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from midlayer.model.layers import RMSNorm  # noqa: E402
-from midlayer.ops import fused_rows, row_attention, row_linear  # noqa: E402
+from midlayer.ops import acceptance, fused_rows, row_attention, row_linear  # noqa: E402
 
 REPS = 50
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -89,6 +89,19 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
     out.append((f"row_attention ({S} slots) | SDPA",
                 lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype),
                 lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)))
+    # the forward's keys and a round's acceptance (integers: the same at every dtype): n rows of a chain at
+    # slots 300.. after 300 committed ones, every draft accepted
+    i = torch.arange(n, device=dev)
+    chain = i[None, :] <= i[:, None]  # row r sees rows 0..r
+    path_slots = torch.where(chain, 300 + i[None, :], -1)[None]
+    held, start, real = (torch.arange(S, device=dev) < 300)[None], torch.tensor(300, device=dev), i >= 0
+    out.append((f"row_keys ({S} slots)", lambda: row_attention.row_keys(path_slots, i, real, held, start, S - 1),
+                lambda: row_attention.reference_keys(path_slots, i, real, held, start, S - 1)))
+    tok = torch.randint(0, VOCAB, (n,), generator=g).to(dev)
+    tree = (tok, torch.cat([tok[1:], tok[:1]]), (i - 1).clamp_min(0), i > 0, chain, i, torch.where(chain, i[None], -1),
+            300 + i, start)
+    out.append(("accept (a chain, all accepted)", lambda: acceptance.accept(*tree),
+                lambda: acceptance.reference(*tree)))
     return out
 
 
