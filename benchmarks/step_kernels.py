@@ -79,12 +79,12 @@ def triton_launches(k: Kernels):
     passes two) under its own name, the ops that Triton's interpreter runs inside it (on a CPU) not counted."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from midlayer.ops import acceptance, fused_rows, row_attention, row_linear
+    from midlayer.ops import acceptance, fused_rows, row_attention, row_linear, tree_layout
 
     sites = [(fused_rows, "rms_norm"), (fused_rows, "add_rms_norm"), (fused_rows, "silu_mul"),
              (fused_rows, "rope_store"),
              (row_attention, "row_attention"), (row_attention, "row_keys"), (row_linear, "row_linear"),
-             (acceptance, "accept")]
+             (acceptance, "accept"), (tree_layout, "layout")]
     saved = [getattr(mod, name) for mod, name in sites]
 
     def counting(real, name):

@@ -1,7 +1,8 @@
-"""A round's greedy acceptance (midlayer/ops/acceptance.py): its PyTorch formula worked by hand, and its Triton
-kernel against the formula on random trees. (The rounds through it: tests/test_fused_rows.py's device rounds and
-trace; its build for GPUs: tests/test_row_linear.py.) On a CPU the kernel runs in Triton's interpreter
-(tests/conftest.py); without Triton the kernel's tests skip."""
+"""A round's tree on the device: its greedy acceptance (midlayer/ops/acceptance.py) and a dynamic tree's layout
+(midlayer/ops/tree_layout.py). Their PyTorch formulas worked by hand and against the host's layout, and their
+Triton kernels against the formulas on random trees. (The rounds through them: tests/test_fused_rows.py's device
+rounds and trace; their build for GPUs: tests/test_row_linear.py.) On a CPU the kernels run in Triton's
+interpreter (tests/conftest.py); without Triton the kernels' tests skip."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 import pytest
 import torch
 
-from midlayer.ops import acceptance
+from midlayer.ops import acceptance, tree_layout
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -82,3 +83,38 @@ def test_the_kernel_is_the_formula(T, N):
             assert g.dtype == w.dtype and torch.equal(g, w)
         depths.add(int(want[0][0]))
     assert len(depths) >= 3  # (paths of several depths accepted)
+
+
+def test_the_layout_formula_is_the_hosts_layout():
+    """`tree_layout.reference` from the parents alone gives the vis and path that the host builds for the same
+    tree (`_tree`, laid out as DecodeStep.tree_tensors lays it), padding rows included; worked by hand for
+    the tree of `test_the_formula_by_hand`: row 3 sees 0, 1, 3 (path 0, 1, 3), row 4 sees 0, 2, 4."""
+    parent, _, vis, depth, path = _tree([0, 0, 1, 2], 8)
+    real = torch.arange(8) < 5
+    got_vis, got_path = tree_layout.reference(parent, depth, real, 3)
+    assert torch.equal(got_vis, vis) and torch.equal(got_path, path)
+    assert got_vis[3].nonzero().flatten().tolist() == [0, 1, 3] and got_path[4, :4].tolist() == [0, 2, 4, -1]
+    parent, _, vis, depth, path = _tree([0, 0, 1, 2, 3, 3, 5, 6, 0], 16)  # (depth 5)
+    assert [torch.equal(a, b) for a, b in zip(tree_layout.reference(parent, depth, torch.arange(16) < 10, 5),
+                                              (vis, path))] == [True, True]
+
+
+@pytest.mark.parametrize("n,N", [(6, 8), (30, 32), (60, 64)], ids=["8-rows", "32-rows", "64-rows"])
+def test_the_layout_kernel_is_the_formula(n, N):
+    """The layout kernel gives the formula's very vis and path on random trees of n rows (depth up to 4, as
+    EAGLE-2's D levels), padded to N."""
+    pytest.importorskip("triton")
+    if not tree_layout.available(DEV):
+        pytest.skip("the kernel does not run here")
+    rng = random.Random(n)
+    for _ in range(8):
+        parents, depth = [], [0]
+        for r in range(1, n):
+            p = rng.choice([q for q in range(r) if depth[q] < 4])
+            parents.append(p)
+            depth.append(depth[p] + 1)
+        parent, _, _, depth_t, _ = _tree(parents, N)
+        args = [t.to(DEV) for t in (parent, depth_t, torch.arange(N) < n)]
+        got, want = tree_layout.layout(*args, 4), tree_layout.reference(*args, 4)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert int((want[1] >= 0).sum(1).max()) == max(depth) + 1  # (the deepest row's path: root to itself)

@@ -283,7 +283,7 @@ def test_the_step_through_every_kernel_traces_without_graph_breaks(monkeypatch, 
     trace under torch.compile(fullgraph=True) as they would on a GPU (`_TracedAsOnAGpu`), each kernel launch
     one node of the graph and no F.linear left. The traced graph launches the very kernels the eager round
     launches, in order, and gives its very bits: the outputs, the K/V cache and the held slots."""
-    from midlayer.ops import acceptance, row_attention, row_linear
+    from midlayer.ops import acceptance, row_attention, row_linear, tree_layout
     from midlayer.speculative.static import DeviceRounds
     from tiny_models import device_drafters
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
@@ -295,6 +295,7 @@ def test_the_step_through_every_kernel_traces_without_graph_breaks(monkeypatch, 
     tree = DraftTree.greedy_from_accuracies([[0.6, 0.2], [0.5]], 4)
     prompt = [(5 * i + 2) % V for i in range(20)]
     fns = fr.KERNELS + row_attention.KERNELS + row_linear.KERNELS + acceptance.KERNELS
+    fns += tree_layout.KERNELS if kind == "eagle-2" else ()  # (a dynamic tree's layout)
     runs, log = [], []
     traced = _TracedAsOnAGpu(monkeypatch, fns, log)
     for compiled in (False, True):

@@ -111,7 +111,7 @@ def test_bad_operands_are_refused():
         rl.row_linear(x, w.bfloat16())
 
 
-@pytest.mark.parametrize("module", ["row_attention", "row_linear", "fused_rows", "acceptance"])
+@pytest.mark.parametrize("module", ["row_attention", "row_linear", "fused_rows", "acceptance", "tree_layout"])
 def test_the_kernels_compile_for_the_gpus_they_are_for(module):
     """Triton's compiler (and the ptxas it ships) builds each kernel (of a file: all) for an A100 (sm_80)
     and an H100 / H200 (sm_90), fp32 and bf16, without a GPU: a kernel that only the interpreter ran would

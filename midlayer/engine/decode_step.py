@@ -59,7 +59,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from midlayer.ops import acceptance, fused_rows, row_attention, row_linear, triton_build
+from midlayer.ops import acceptance, fused_rows, row_attention, row_linear, tree_layout, triton_build
 from .draft_vocab import head_logits
 from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView, kv_dtype
@@ -190,8 +190,8 @@ def triton_kernels(model: Transformer) -> bool:
 
 def _attention_kernels(device: torch.device | None = None) -> bool:
     """Whether attention="triton"'s kernels run here: the row attention and the kernels it comes with (the
-    row-wise kernels, a round's acceptance)."""
-    return row_attention.available(device) and fused_rows.available(device) and acceptance.available(device)
+    row-wise kernels; a round's acceptance, and a dynamic tree's layout)."""
+    return all(m.available(device) for m in (row_attention, fused_rows, acceptance, tree_layout))
 
 
 def _transfer_key(transfer) -> tuple | None:

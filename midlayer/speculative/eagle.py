@@ -77,7 +77,7 @@ from midlayer.engine.quantization import compress_block, Q8Linear
 from midlayer.model.attention import rope_half
 from midlayer.model.kv_cache import KVCache, MaskedView, SlotView
 from midlayer.model.transformer import Block, causal_step, Transformer
-from midlayer.ops import kernels
+from midlayer.ops import kernels, tree_layout
 from .drafting import (base_states, batch_stream, draft_tree_autoregressive, FrozenBase, gather_counted, kl_to_base,
                        model_device, optimise, placeholder_candidates, split_batch)
 from .hidden_transfer import additive_mask, visible
@@ -664,16 +664,10 @@ class EagleRounds:
         parent = torch.cat([self.zeros[:1], torch.where(pc >= 0, row_of.index_select(0, pc.clamp_min(0)), 0), pad])
         depth = torch.cat([self.zeros[:1], self.cand_depth.index_select(0, chosen), pad])
         # (4) the layout: ancestors-or-self by D steps up the parents; path[r, depth] = the ancestor there
-        rows = torch.arange(N, device=dev)
-        eye = rows[:, None] == rows[None, :]
-        vis, cur = eye, rows
-        for _ in range(D):
-            cur = parent.index_select(0, cur)
-            vis = vis | (cur[:, None] == rows[None, :])
-        vis = torch.where(self.real[:, None], vis, eye)  # padding: itself only
-        at = torch.where(vis, depth[None, :].expand(N, N), N)
-        path = torch.full((N, N + 1), -1, dtype=torch.long, device=dev).scatter(1, at, rows[None, :].expand(N, N))
-        fields = (vis, parent, depth, self.real, self.is_node, path[:, :N], self.zeros, self.zeros, self.prow)
+        # (ops/tree_layout.py: one kernel where the step runs its kernels, else its PyTorch formula)
+        layout = tree_layout.layout if self.step.attention == "triton" else tree_layout.reference
+        vis, path = layout(parent, depth, self.real, D)
+        fields = (vis, parent, depth, self.real, self.is_node, path, self.zeros, self.zeros, self.prow)
         return tok.index_select(0, chosen), fields
 
     def _static_tree(self, root_out: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
