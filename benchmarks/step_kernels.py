@@ -6,14 +6,16 @@ the model as loaded, and as the static benchmarks and `generate` run it (q|k|v a
 quantization.fuse_projections). On CUDA each RMSNorm at inference is aten's rms_norm, one fused kernel where
 that build has one (layers.RMSNorm.FUSED_DEVICES); on a CPU it decomposes, so its column is a projection:
 five fewer kernels per norm. Where Triton imports, also the step through its Triton kernels (the row
-attention and the row-wise kernels, ops/fused_rows.py), each call counted as one launch (on a CPU they run in
-Triton's interpreter, whose own ops are not counted). Then each draft's device round (speculative/static.py:
-the draft, the verification, the acceptance, the compaction, one graph on a GPU) against the fused plain step,
-with the tree `bench static` gives it, and by phase (the draft; the verification forward; the acceptance, the
-compaction and the round's own ops): where a replay is bound by its kernels, a drafter gains about tau / that
-ratio. `--rounds triton`: the rounds through the Triton kernels, against the plain step through them.
+attention and the row-wise kernels, ops/fused_rows.py; a round's acceptance and tree layout), each call counted
+as one launch, what runs inside it not counted: its PyTorch formula (`stand_ins`), or with --interpret the kernel
+in Triton's interpreter (the same counts: the step's shapes are static). Then each draft's device round
+(speculative/static.py: the draft, the verification, the acceptance, the compaction, one graph on a GPU)
+against the fused plain step, with the tree `bench static` gives it, and by phase (the draft; the verification
+forward; the acceptance, the compaction and the round's own ops): where a replay is bound by its kernels, a
+drafter gains about tau / that ratio. `--rounds triton`: the rounds through the Triton kernels, against the plain step through them.
 
     python benchmarks/step_kernels.py [--drafts eagle=drafts/smollm2-135m-scale/eagle,...] [--rounds triton]
+                                      [--interpret]
 """
 
 from __future__ import annotations
@@ -73,19 +75,72 @@ class Kernels(TorchDispatchMode):
             self.now.pop()
 
 
+def _sites() -> list:
+    """(module, name) of each Triton kernel's launch function the static step calls."""
+    from midlayer.ops import acceptance, fused_rows, row_attention, row_linear, tree_layout
+
+    return [(fused_rows, "rms_norm"), (fused_rows, "add_rms_norm"), (fused_rows, "silu_mul"),
+            (fused_rows, "rope_store"), (row_attention, "row_attention"), (row_attention, "row_keys"),
+            (row_linear, "row_linear"), (acceptance, "accept"), (tree_layout, "layout")]
+
+
+@contextlib.contextmanager
+def replaced(sites: list, fns: list):
+    """Each site's function replaced by the one in `fns`, then restored."""
+    saved = [getattr(mod, name) for mod, name in sites]
+    for (mod, name), fn in zip(sites, fns):
+        setattr(mod, name, fn)
+    try:
+        yield
+    finally:
+        for (mod, name), fn in zip(sites, saved):
+            setattr(mod, name, fn)
+
+
+@contextlib.contextmanager
+def standing_in():
+    """Within it, each Triton kernel's call runs its PyTorch formula (`stand_ins`) instead of the kernel (on a
+    CPU, Triton's interpreter): a launch's count does not depend on the values (the step's shapes are static),
+    and the interpreter takes minutes a round (hidden transfer's 128 rows: far longer). The values round
+    otherwise, so the generation around a counted round may differ from the kernels'."""
+    fns = stand_ins()
+    sites = _sites()
+    with replaced(sites, [fns[name] for _, name in sites]):
+        yield
+
+
+def stand_ins() -> dict:
+    """The PyTorch formulas of the Triton kernels, by kernel name."""
+    import torch.nn.functional as F
+
+    from midlayer.ops import acceptance, fused_rows, row_attention, tree_layout
+
+    def rms_norm(x, w, eps):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+    def attention(q, kl, vl, keys, kmask, positions, out=None, dtype=torch.float32):
+        o = row_attention.reference(q, kl, vl, keys, kmask).to(dtype).contiguous()
+        return o if out is None else out.copy_(o)
+
+    def silu_mul(ab):
+        a, b = ab.float().chunk(2, -1)
+        return (F.silu(a) * b).to(ab.dtype)
+
+    return {"rms_norm": rms_norm, "add_rms_norm": lambda x, a, w, eps: (x + a, rms_norm(x + a, w, eps)),
+            "silu_mul": silu_mul, "rope_store": fused_rows.reference_rope_store, "row_attention": attention,
+            "row_keys": row_attention.reference_keys, "row_linear": F.linear, "accept": acceptance.reference,
+            "layout": tree_layout.reference}
+
+
 @contextlib.contextmanager
 def triton_launches(k: Kernels):
     """Each call of the static step's Triton kernels counted as its launches (one; the row attention's two
-    passes two) under its own name, the ops that Triton's interpreter runs inside it (on a CPU) not counted."""
+    passes two) under its own name; what runs inside it is not counted (the kernel in Triton's interpreter on a
+    CPU, or within `standing_in` its PyTorch formula)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from midlayer.ops import acceptance, fused_rows, row_attention, row_linear, tree_layout
-
-    sites = [(fused_rows, "rms_norm"), (fused_rows, "add_rms_norm"), (fused_rows, "silu_mul"),
-             (fused_rows, "rope_store"),
-             (row_attention, "row_attention"), (row_attention, "row_keys"), (row_linear, "row_linear"),
-             (acceptance, "accept"), (tree_layout, "layout")]
-    saved = [getattr(mod, name) for mod, name in sites]
+    sites = _sites()
 
     def counting(real, name):
         def launch(*a, **kw):
@@ -94,13 +149,8 @@ def triton_launches(k: Kernels):
                 return real(*a, **kw)
         return launch
 
-    for (mod, name), real in zip(sites, saved):
-        setattr(mod, name, counting(real, name))
-    try:
+    with replaced(sites, [counting(getattr(mod, name), name) for mod, name in sites]):
         yield
-    finally:
-        for (mod, name), real in zip(sites, saved):
-            setattr(mod, name, real)
 
 
 def counted(model, fn, *args, k: Kernels | None = None):
@@ -189,7 +239,10 @@ def main() -> None:
     ap.add_argument("--drafts", default=DRAFTS, help="comma-separated LABEL=DIR of drafts ('' = none)")
     ap.add_argument("--rounds", choices=("torch", "triton"), default="torch",
                     help="the device rounds through PyTorch's ops, or through the Triton kernels (attention='triton'; "
-                         "on a CPU in Triton's interpreter, several minutes a draft)")
+                         "counted as launches)")
+    ap.add_argument("--interpret", action="store_true",
+                    help="run the Triton kernels in Triton's interpreter while they are counted, not their PyTorch "
+                         "formulas (the same counts; a cross-check, minutes a draft)")
     args = ap.parse_args()
     entries = [x.strip() for x in args.drafts.split(",") if x.strip()]
     bad = [x for x in entries if "=" not in x or not x.split("=", 1)[0] or not os.path.isdir(x.split("=", 1)[1])]
@@ -197,6 +250,12 @@ def main() -> None:
         ap.error(f"--drafts: LABEL=DIR of a train-draft output each, got {', '.join(bad)}")
     if args.rounds == "triton" and not row_attention.available(torch.device("cpu")):
         ap.error(f"--rounds triton: {NEEDS}")
+    with contextlib.nullcontext() if args.interpret else standing_in():
+        count(args, entries)
+
+
+def count(args: argparse.Namespace, entries: list[str]) -> None:
+    """`main`'s tables."""
     base, _ = load_pretrained("smollm2-135m")
     base.eval()
     L = base.cfg.n_layers
@@ -205,7 +264,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     fused = fuse_projections(copy.deepcopy(base))
     rows = [("as loaded", base, "torch"), ("fused (fuse_projections)", fused, "torch")]
-    if row_attention.available(torch.device("cpu")):  # (Triton's interpreter: about 2 minutes)
+    if row_attention.available(torch.device("cpu")):  # (with --interpret, Triton's interpreter: minutes)
         rows.append(("fused, the Triton kernels (attention='triton')", fused, "triton"))
     plain = {}  # attention -> the fused plain step's (kernels, kernels if each RMSNorm is one)
     for label, model, attention in rows:
