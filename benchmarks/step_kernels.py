@@ -12,7 +12,8 @@ in Triton's interpreter (the same counts: the step's shapes are static). Then ea
 (speculative/static.py: the draft, the verification, the acceptance, the compaction, one graph on a GPU)
 against the fused plain step, with the tree `bench static` gives it, and by phase (the draft; the verification
 forward; the acceptance, the compaction and the round's own ops): where a replay is bound by its kernels, a
-drafter gains about tau / that ratio. `--rounds triton`: the rounds through the Triton kernels, against the plain step through them.
+drafter gains about tau / that ratio. `--rounds triton`: the rounds through the Triton kernels, against the
+plain step through them.
 
     python benchmarks/step_kernels.py [--drafts eagle=drafts/smollm2-135m-scale/eagle,...] [--rounds triton]
                                       [--interpret]
