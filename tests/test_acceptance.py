@@ -11,28 +11,28 @@ import random
 import pytest
 import torch
 
+from midlayer.engine.decode_step import DecodeStep
 from midlayer.ops import acceptance, tree_layout
+from tiny_models import make_tiny
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DIMS = dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=16, max_seq_len=16, multiple_of=16)
+
+
+_STEP = {}
 
 
 def _tree(parents: list[int], N: int) -> tuple[torch.Tensor, ...]:
     """(parent, is_node, vis, depth, path) of the tree whose rows 1.. have these parent rows (row 0 the root),
-    laid out over N rows as DecodeStep.tree_tensors lays a tree (padding: itself on its path, not a node)."""
-    T = len(parents) + 1
-    parent = torch.zeros(N, dtype=torch.long)
-    parent[1:T] = torch.tensor(parents, dtype=torch.long)
-    vis, path = torch.eye(N, dtype=torch.bool), torch.full((N, N), -1, dtype=torch.long)
-    path[:, 0] = torch.arange(N)
-    depth = torch.zeros(N, dtype=torch.long)
-    for r in range(1, T):
-        vis[r] |= vis[parent[r]]
-        depth[r] = depth[parent[r]] + 1
-        chain = vis[r, :T].nonzero().flatten()
-        path[r, :len(chain)] = chain
-    is_node = torch.zeros(N, dtype=torch.bool)
-    is_node[1:T] = True
-    return parent, is_node, vis, depth, path
+    as the host lays it out for a round (DecodeStep.tree_tensors) in a bucket of N rows."""
+    if not _STEP:
+        _STEP["step"] = DecodeStep(make_tiny(DIMS, False), max_len=8, buckets=(8, 16, 32, 64, 128))
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    t = _STEP["step"].tree_tensors([p - 1 for p in parents], depth[1:])  # (nodes: row - 1; the root's -1)
+    assert t.vis.shape[0] == N
+    return t.parent, t.is_node, t.vis, t.depth, t.path
 
 
 def test_the_formula_by_hand():
@@ -87,7 +87,7 @@ def test_the_kernel_is_the_formula(T, N):
 
 def test_the_layout_formula_is_the_hosts_layout():
     """`tree_layout.reference` from the parents alone gives the vis and path that the host builds for the same
-    tree (`_tree`, laid out as DecodeStep.tree_tensors lays it), padding rows included; worked by hand for
+    tree (`_tree`: DecodeStep.tree_tensors' own layout), padding rows included; worked by hand for
     the tree of `test_the_formula_by_hand`: row 3 sees 0, 1, 3 (path 0, 1, 3), row 4 sees 0, 2, 4."""
     parent, _, vis, depth, path = _tree([0, 0, 1, 2], 8)
     real = torch.arange(8) < 5
