@@ -574,6 +574,7 @@ class EagleRounds:
             anc = torch.zeros(self.n, S, dtype=torch.bool)
             anc[:, self.ctx:self.ctx + self.n] = tree.ancestor_mask
             self.anc = anc.to(dev)
+            self.slots_at = [self.ctx + torch.arange(a, b, device=dev) for a, b in self.levels]  # node i's: ctx + i
         c, w = drafter.head.block_cfg, drafter.head.fc.weight
         self.kc = torch.zeros(1, c.n_kv_heads, S, c.head_dim, device=dev, dtype=w.dtype)
         self.vc = torch.zeros_like(self.kc)
@@ -582,6 +583,20 @@ class EagleRounds:
                 torch._dynamo.mark_static_address(t)
         self.pad = S - 1
         self.slot_ids = torch.arange(S, device=dev)
+        # constants of a round, made once: a captured round would replay each made inside it as a kernel (a
+        # Python scalar in torch.where is one too: scalar_tensor)
+        self.rows = torch.arange(D + 1, device=dev)
+        self.pad_t, self.zero_l = torch.tensor(self.pad, device=dev), torch.tensor(0, device=dev)
+        self.open, self.shut = torch.tensor(0.0, device=dev), torch.tensor(float("-inf"), device=dev)
+        if self.dynamic:
+            ar = torch.arange(k, device=dev)
+            self.ar, self.no_parent = ar, torch.full((k,), -1, dtype=torch.long, device=dev)
+            self.first_parents = ar[:, None].expand(k, k).reshape(-1)  # depth 2's candidates': k each, in order
+            # depth d's run rows' own slots (ctx + (d - 1) k ..), as a one-hot [k, S] per depth 1..D-1
+            self.own = [self.ctx + (d - 1) * k + ar for d in range(1, D)]
+            self.own_hot = [self.slot_ids[None, :] == own[:, None] for own in self.own]
+            self.rank = torch.arange(1, self.n + 1, device=dev)
+            self.row_of0 = torch.zeros(self.C, dtype=torch.long, device=dev)
 
     def _run(self, feats: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
@@ -590,7 +605,7 @@ class EagleRounds:
         model = self.d.model
         cos, sin = rope_rows(model, pos)
         cos, sin = cos[None, None], sin[None, None]
-        view = SlotView(self.kc, self.vc, slots, torch.where(visible, 0.0, float("-inf"))[None, None])
+        view = SlotView(self.kc, self.vc, slots, torch.where(visible, self.open, self.shut)[None, None])
         return self.d.head(feats[None], embed(model, toks[None], pos[None]),
                            lambda i, block, h, gate, kb: block(h, cos, sin, None, None, view), self.d.layer,
                            self.d.fc)[0]
@@ -618,50 +633,52 @@ class EagleRounds:
         feats[:c] = hidden[p - c:]
         toks = torch.zeros(M, dtype=torch.long, device=dev)
         toks[:c] = torch.tensor(tokens[p - c + 1:p + 1], device=dev)
-        return feats, toks, st._scalar(p - c), st._scalar(c)
+        return feats, toks, st._scalar(p - c), st._scalar(c - 1)
 
     def draft(self, root: torch.Tensor, last_pos: torch.Tensor, feats: torch.Tensor, toks: torch.Tensor,
-              first: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """(node tokens [n], the tree's TreeTensors fields) from the `count` rows committed last: residuals
-        `feats` [D + 1, d] of positions first.., with their next tokens `toks` (class docstring)."""
-        k, D, dev = self.k, self.D, feats.device
-        # (1) the committed rows; row count - 1 (the entry of position last_pos - 1) predicts the root's feature
-        i = torch.arange(D + 1, device=dev)
-        real = i < count
-        out = self._run(feature(self.d.model, feats), toks, torch.where(real, first + i + 1, 0),
-                        torch.where(real, first + i, self.pad), self.slot_ids[None, :] <= (first + i)[:, None])
-        root_out = out.index_select(0, (count - 1).view(1))
+              first: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(node tokens [n], the tree's TreeTensors fields) from the rows committed last, rows 0..`last`:
+        residuals `feats` [D + 1, d] of positions first.., with their next tokens `toks` (class docstring)."""
+        k, D = self.k, self.D
+        # (1) the committed rows; row `last` (the entry of position last_pos - 1) predicts the root's feature
+        at = first + self.rows  # their slots, and RoPE positions one on
+        real = self.rows <= last
+        out = self._run(feature(self.d.model, feats), toks, torch.where(real, at + 1, self.zero_l),
+                        torch.where(real, at, self.pad_t), self.slot_ids[None, :] <= at[:, None])
+        root_out = out.index_select(0, last.view(1))
         if not self.dynamic:
             return self._static_tree(root_out, last_pos), self.fields
         prev = root_out.expand(k, -1)
         lp, ids = self._top(root_out)
-        toks_all, scores, parents = [ids[0]], [lp[0]], [torch.full((k,), -1, dtype=torch.long, device=dev)]
+        toks_all, scores, parents = [ids[0]], [lp[0]], [self.no_parent]
         # (2) expansion: the k best of each depth run, each proposes its k best
         committed = (self.slot_ids < last_pos)[None, :]
-        anc = torch.zeros(k, self.slot_ids.shape[0], dtype=torch.bool, device=dev)
-        ar, base = torch.arange(k, device=dev), 0
+        anc, base = None, 0
         for d in range(1, D):
             last = scores[-1]
-            sel = ar if d == 1 else torch.sort(last, descending=True, stable=True).indices[:k]
-            src = sel // k if d > 1 else torch.zeros_like(ar)  # the previous level's run row of each
-            own = self.ctx + (d - 1) * k + ar
-            anc = anc.index_select(0, src) | (self.slot_ids[None, :] == own[:, None])
-            prev = self._run(prev.index_select(0, src), toks_all[-1].index_select(0, sel), (last_pos + d).expand(k),
-                             own, committed | anc)
+            if d == 1:  # depth 1's k candidates all run, each from the root: nothing to select
+                anc, x, t, picked, par = self.own_hot[0], prev, toks_all[-1], last, self.first_parents
+            else:
+                sel = torch.sort(last, descending=True, stable=True).indices[:k]
+                src = sel // k  # the previous level's run row of each
+                anc = anc.index_select(0, src) | self.own_hot[d - 1]
+                x, t, picked = prev.index_select(0, src), toks_all[-1].index_select(0, sel), last.index_select(0, sel)
+                par = (base + sel)[:, None].expand(k, k).reshape(-1)  # (no repeat_interleave: no host read)
+            prev = self._run(x, t, (last_pos + d).expand(k), self.own[d - 1], committed | anc)
             lp, ids = self._top(prev)
             toks_all.append(ids.reshape(-1))
-            scores.append((last.index_select(0, sel)[:, None] + lp).reshape(-1))
-            parents.append((base + sel)[:, None].expand(k, k).reshape(-1))  # (no repeat_interleave: no host read)
+            scores.append((picked[:, None] + lp).reshape(-1))
+            parents.append(par)
             base += last.shape[0]
         # (3) reranking: the n best, in candidate order (by depth: parents first)
         score, tok, par = torch.cat(scores), torch.cat(toks_all), torch.cat(parents)
         chosen = torch.sort(torch.sort(score, descending=True, stable=True).indices[:self.n]).values
         n, N = self.n, self.N
-        row_of = torch.zeros(self.C, dtype=torch.long, device=dev).index_copy(
-            0, chosen, torch.arange(1, n + 1, device=dev))
+        row_of = self.row_of0.index_copy(0, chosen, self.rank)  # each chosen candidate's tree row
         pc = par.index_select(0, chosen)
         pad = self.zeros[:N - 1 - n]
-        parent = torch.cat([self.zeros[:1], torch.where(pc >= 0, row_of.index_select(0, pc.clamp_min(0)), 0), pad])
+        parent = torch.cat([self.zeros[:1], torch.where(pc >= 0, row_of.index_select(0, pc.clamp_min(0)), self.zero_l),
+                            pad])
         depth = torch.cat([self.zeros[:1], self.cand_depth.index_select(0, chosen), pad])
         # (4) the layout: ancestors-or-self by D steps up the parents; path[r, depth] = the ancestor there
         # (ops/tree_layout.py: one kernel where the step runs its kernels, else its PyTorch formula)
@@ -682,7 +699,7 @@ class EagleRounds:
         for d in range(1, self.D):
             a, b = self.levels[d - 1]  # depth d's nodes: run; their top tokens are depth d + 1's
             prev = self._run(prev.index_select(0, self.parent_at[d - 1]), toks[-1], (last_pos + d).expand(b - a),
-                             self.ctx + torch.arange(a, b, device=root_out.device), committed | self.anc[a:b])
+                             self.slots_at[d - 1], committed | self.anc[a:b])
             _, ids = self._top(prev, self.kmax[d])
             toks.append(ids[self.parent_at[d], self.rank_at[d]])
         return torch.cat(toks)
@@ -691,12 +708,11 @@ class EagleRounds:
               last_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The next round's rows: the residuals of the root and the accepted nodes (positions last_pos..), with
         their next tokens (the accepted ones, then the bonus)."""
-        M = self.D + 1
+        M, i = self.D + 1, self.rows
         a = packed[0]
-        i = torch.arange(M, device=packed.device)
         feats = hidden[0].index_select(0, rows[:M].clamp_min(0))
-        toks = torch.where(i < a, packed[1:1 + M], torch.where(i == a, packed[-1], 0))
-        return feats, toks, last_pos, a + 1
+        toks = torch.where(i < a, packed[1:1 + M], torch.where(i == a, packed[-1], self.zero_l))
+        return feats, toks, last_pos, a  # (a: the next round's last real row)
 
 
 class EagleRows:
