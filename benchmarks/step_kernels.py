@@ -6,9 +6,9 @@ the model as loaded, and as the static benchmarks and `generate` run it (q|k|v a
 quantization.fuse_projections). On CUDA each RMSNorm at inference is aten's rms_norm, one fused kernel where
 that build has one (layers.RMSNorm.FUSED_DEVICES); on a CPU it decomposes, so its column is a projection:
 five fewer kernels per norm. Where Triton imports, also the step through its Triton kernels (the row
-attention and the row-wise kernels, ops/fused_rows.py; a round's acceptance and tree layout), each call counted
-as one launch, what runs inside it not counted: its PyTorch formula (`stand_ins`), or with --interpret the kernel
-in Triton's interpreter (the same counts: the step's shapes are static). Then each draft's device round
+attention and the row-wise kernels, ops/fused_rows.py; a round's acceptance, a dynamic tree's rows and
+layout), each call counted as one launch, what runs inside it not counted: its PyTorch formula (`stand_ins`),
+or with --interpret the kernel in Triton's interpreter (the same counts: the step's shapes are static). Then each draft's device round
 (speculative/static.py: the draft, the verification, the acceptance, the compaction, one graph on a GPU)
 against the fused plain step, with the tree `bench static` gives it, and by phase (the draft; the verification
 forward; the acceptance, the compaction and the round's own ops): where a replay is bound by its kernels, a
@@ -82,7 +82,8 @@ def _sites() -> list:
 
     return [(fused_rows, "rms_norm"), (fused_rows, "add_rms_norm"), (fused_rows, "silu_mul"),
             (fused_rows, "rope_store"), (row_attention, "row_attention"), (row_attention, "row_keys"),
-            (row_linear, "row_linear"), (acceptance, "accept"), (tree_layout, "layout")]
+            (row_linear, "row_linear"), (acceptance, "accept"), (tree_layout, "layout"),
+            (tree_layout, "rows")]
 
 
 @contextlib.contextmanager
@@ -130,7 +131,7 @@ def stand_ins() -> dict:
     return {"rms_norm": rms_norm, "add_rms_norm": lambda x, a, w, eps: (x + a, rms_norm(x + a, w, eps)),
             "silu_mul": silu_mul, "rope_store": fused_rows.reference_rope_store, "row_attention": attention,
             "row_keys": row_attention.reference_keys, "row_linear": F.linear, "accept": acceptance.reference,
-            "layout": tree_layout.reference}
+            "layout": tree_layout.reference, "rows": tree_layout.reference_rows}
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from midlayer.model.layers import RMSNorm  # noqa: E402
-from midlayer.ops import acceptance, fused_rows, row_attention, row_linear  # noqa: E402
+from midlayer.ops import acceptance, fused_rows, row_attention, row_linear, tree_layout  # noqa: E402
 
 REPS = 50
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -102,6 +102,18 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
             300 + i, start)
     out.append(("accept (a chain, all accepted)", lambda: acceptance.accept(*tree),
                 lambda: acceptance.reference(*tree)))
+    # EAGLE-2's reranking and layout: min(n, 63) rows from 136 candidates (k = 8 and 3 depths have as many),
+    # random scores, 8 at depth 1 and 128 under them (integers but the scores: the same at every dtype)
+    m = min(n, 63)
+    cand = (torch.randn(136, generator=g).to(dev), torch.randint(0, VOCAB, (136,), generator=g).to(dev),
+            torch.cat([torch.full((8,), -1), torch.randint(0, 8, (128,), generator=g)]).to(dev),
+            torch.cat([torch.ones(8, dtype=torch.long), torch.full((128,), 2)]).to(dev))
+    out.append(("tree rows (EAGLE-2: n of 136)", lambda: tree_layout.rows(*cand, m, m + 1),
+                lambda: tree_layout.reference_rows(*cand, m, m + 1)))
+    _, parent, depth = tree_layout.reference_rows(*cand, m, m + 1)
+    real = torch.arange(m + 1, device=dev) <= m
+    out.append(("tree layout", lambda: tree_layout.layout(parent, depth, real, 2),
+                lambda: tree_layout.reference(parent, depth, real, 2)))
     return out
 
 

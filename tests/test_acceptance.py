@@ -1,4 +1,4 @@
-"""A round's tree on the device: its greedy acceptance (midlayer/ops/acceptance.py) and a dynamic tree's layout
+"""A round's tree on the device: its greedy acceptance (midlayer/ops/acceptance.py), a dynamic tree's rows and layout
 (midlayer/ops/tree_layout.py). Their PyTorch formulas worked by hand and against the host's layout, and their
 Triton kernels against the formulas on random trees. (The rounds through them: tests/test_fused_rows.py's device
 rounds and trace; their build for GPUs: tests/test_row_linear.py.) On a CPU the kernels run in Triton's
@@ -118,3 +118,68 @@ def test_the_layout_kernel_is_the_formula(n, N):
         got, want = tree_layout.layout(*args, 4), tree_layout.reference(*args, 4)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         assert int((want[1] >= 0).sum(1).max()) == max(depth) + 1  # (the deepest row's path: root to itself)
+
+
+def test_the_rows_formula_by_hand():
+    """EAGLE-2's reranking (`tree_layout.reference_rows`), k = 2, two depths. Candidates 0, 1 at depth 1
+    (scores -0.5, -1); 2, 3 under 0 (-0.7, -1); 4, 5 under 1 (-1.1, -inf). The 3 best in a stable sort: 0, 2,
+    then 1 (ties with 3, and comes first). In candidate order they are rows 1, 2, 3: 0 and 1 under the root,
+    2 under row 1. Padded to 8 rows."""
+    score = torch.tensor([-0.5, -1.0, -0.7, -1.0, -1.1, float("-inf")])
+    tok, par = torch.tensor([10, 11, 12, 13, 14, 15]), torch.tensor([-1, -1, 0, 0, 1, 1])
+    cdepth = torch.tensor([1, 1, 2, 2, 2, 2])
+    nodes, parent, depth = tree_layout.reference_rows(score, tok, par, cdepth, 3, 8)
+    assert nodes.tolist() == [10, 11, 12]
+    assert parent.tolist() == [0, 0, 0, 1, 0, 0, 0, 0] and depth.tolist() == [0, 1, 1, 2, 0, 0, 0, 0]
+    nodes, parent, depth = tree_layout.reference_rows(score, tok, par, cdepth, 6, 8)  # all: -inf is the last
+    assert nodes.tolist() == [10, 11, 12, 13, 14, 15] and parent.tolist() == [0, 0, 0, 1, 1, 2, 2, 0]
+    score[3] = 0.0  # a child above its parents (not a sum of log-probabilities): 3 and 0 chosen, 3 in row 2
+    nodes, parent, _ = tree_layout.reference_rows(score, tok, par, cdepth, 2, 4)
+    assert nodes.tolist() == [10, 13] and parent.tolist() == [0, 0, 1, 0]
+    score[0] = -2.0  # 3's parent not chosen: 3 hangs from the root
+    nodes, parent, _ = tree_layout.reference_rows(score, tok, par, cdepth, 2, 4)
+    assert nodes.tolist() == [12, 13] and parent.tolist() == [0, 0, 0, 0]
+
+
+def _candidates(k: int, D: int, rng: random.Random, ties: bool) -> tuple[torch.Tensor, ...]:
+    """EAGLE-2's candidates as `EagleRounds.draft` lays them out: depth 1's k, then per depth k x k, the children
+    of the depth above's k best (a stable sort); each scored by its parent's score plus a log-probability <= 0
+    (with `ties`: from a few values, so that scores tie), some -inf."""
+    def lp(m: int) -> torch.Tensor:
+        x = [-rng.choice([0.0, 0.25, 0.5]) if ties else -rng.expovariate(1.0) for _ in range(m)]
+        return torch.tensor([v if rng.random() > 0.05 else float("-inf") for v in x])
+
+    scores, parents, depth, base = [lp(k)], [torch.full((k,), -1)], [torch.ones(k, dtype=torch.long)], 0
+    for d in range(2, D + 1):
+        last = scores[-1]
+        sel = torch.sort(last, descending=True, stable=True).indices[:k]
+        scores.append((last[sel][:, None] + lp(k * k).view(k, k)).reshape(-1))
+        parents.append((base + sel)[:, None].expand(k, k).reshape(-1))
+        depth.append(torch.full((k * k,), d))
+        base += last.shape[0]
+    score = torch.cat(scores)
+    return score, torch.randperm(score.shape[0]), torch.cat(parents), torch.cat(depth)
+
+
+@pytest.mark.parametrize("k,D,n,N", [(2, 2, 3, 8), (4, 3, 24, 32), (8, 3, 60, 64), (10, 2, 110, 128)],
+                         ids=["6-candidates", "36", "136", "110-all"])
+def test_the_rows_kernel_is_the_formula(k, D, n, N):
+    """The reranking kernel gives the formula's very rows on EAGLE-2's candidate sets, with and without ties
+    and -inf scores, and on random scores where a chosen child's parent may be left out."""
+    pytest.importorskip("triton")
+    if not tree_layout.available(DEV):
+        pytest.skip("the kernel does not run here")
+    rng = random.Random(k * 100 + n)
+    for trial in range(6):
+        score, tok, par, cdepth = _candidates(k, D, rng, ties=trial % 2 == 0)
+        if trial == 5:
+            score = torch.randn(score.shape[0])
+        args = [t.to(DEV) for t in (score, tok, par, cdepth)]
+        got, want = tree_layout.rows(*args, n, N), tree_layout.reference_rows(*args, n, N)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), trial
+        if trial < 5:  # (sums of log-probabilities: every chosen row's parent is chosen, above it)
+            rows = want[1][1:n + 1]
+            assert bool((rows < torch.arange(1, n + 1, device=DEV)).all())
+            assert torch.equal(want[2][1:n + 1], want[2][rows] + 1)
+    with pytest.raises(ValueError, match="candidates in"):
+        tree_layout.rows(*args, n, n)

@@ -595,8 +595,6 @@ class EagleRounds:
             # depth d's run rows' own slots (ctx + (d - 1) k ..), as a one-hot [k, S] per depth 1..D-1
             self.own = [self.ctx + (d - 1) * k + ar for d in range(1, D)]
             self.own_hot = [self.slot_ids[None, :] == own[:, None] for own in self.own]
-            self.rank = torch.arange(1, self.n + 1, device=dev)
-            self.row_of0 = torch.zeros(self.C, dtype=torch.long, device=dev)
 
     def _run(self, feats: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
@@ -670,22 +668,15 @@ class EagleRounds:
             scores.append((picked[:, None] + lp).reshape(-1))
             parents.append(par)
             base += last.shape[0]
-        # (3) reranking: the n best, in candidate order (by depth: parents first)
-        score, tok, par = torch.cat(scores), torch.cat(toks_all), torch.cat(parents)
-        chosen = torch.sort(torch.sort(score, descending=True, stable=True).indices[:self.n]).values
-        n, N = self.n, self.N
-        row_of = self.row_of0.index_copy(0, chosen, self.rank)  # each chosen candidate's tree row
-        pc = par.index_select(0, chosen)
-        pad = self.zeros[:N - 1 - n]
-        parent = torch.cat([self.zeros[:1], torch.where(pc >= 0, row_of.index_select(0, pc.clamp_min(0)), self.zero_l),
-                            pad])
-        depth = torch.cat([self.zeros[:1], self.cand_depth.index_select(0, chosen), pad])
-        # (4) the layout: ancestors-or-self by D steps up the parents; path[r, depth] = the ancestor there
-        # (ops/tree_layout.py: one kernel where the step runs its kernels, else its PyTorch formula)
-        layout = tree_layout.layout if self.step.attention == "triton" else tree_layout.reference
-        vis, path = layout(parent, depth, self.real, D)
-        fields = (vis, parent, depth, self.real, self.is_node, path, self.zeros, self.zeros, self.prow)
-        return tok.index_select(0, chosen), fields
+        # (3) reranking: the n best, in candidate order (by depth: parents first); (4) the layout: ancestors-or-self
+        # by D steps up the parents, path[r, depth] = the ancestor there (ops/tree_layout.py: each one kernel
+        # where the step runs its kernels, else its PyTorch formula)
+        kernels = self.step.attention == "triton"
+        rerank = tree_layout.rows if kernels else tree_layout.reference_rows
+        nodes, parent, depth = rerank(torch.cat(scores), torch.cat(toks_all), torch.cat(parents), self.cand_depth,
+                                      self.n, self.N)
+        vis, path = (tree_layout.layout if kernels else tree_layout.reference)(parent, depth, self.real, D)
+        return nodes, (vis, parent, depth, self.real, self.is_node, path, self.zeros, self.zeros, self.prow)
 
     def _static_tree(self, root_out: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
         """A static tree's node tokens [n], level by level as `drafting.draft_tree_autoregressive` fills it: node
