@@ -413,6 +413,11 @@ class DecodeStep:
         self.slot_ids = torch.arange(S, device=dev)
         self.window = min(MAX_TAIL, buckets[-1])  # W of `attend`
         self.win_ids = torch.arange(self.window, device=dev)
+        # made once, not per forward: a captured step replays each tensor made inside it as a kernel
+        self.batch_ids = torch.arange(batch, device=dev)[:, None]
+        self.none = torch.tensor(-1, device=dev)  # (a Python scalar in torch.where is a kernel too)
+        self.pad_zeros = torch.zeros(batch, max(buckets), dtype=torch.long, device=dev)  # (`_pad`'s padding)
+        self.pad_scratch = torch.full((batch, max(buckets)), self.scratch, dtype=torch.long, device=dev)
         self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
@@ -459,7 +464,7 @@ class DecodeStep:
         B, N = tokens.shape
         # row i's key at position start + j sits at the slot of row path[i, j] of this forward
         path_slots = slots.gather(1, path.clamp_min(0).reshape(1, N * N).expand(B, N * N)).view(B, N, N)
-        h = self.blocks(tokens, positions, slots, start, torch.where(path >= 0, path_slots, -1), depth, real,
+        h = self.blocks(tokens, positions, slots, start, torch.where(path >= 0, path_slots, self.none), depth, real,
                         join_src, join_step)
         m = self.model
         with self.kernels():
@@ -497,7 +502,7 @@ class DecodeStep:
         self.cur_kmask = kmask
         self.cur_pos = positions  # (the row-attention kernel reads each row's keys up to its own position)
         self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
-        self.rows_b = torch.arange(B, device=tokens.device)[:, None].expand_as(slots)
+        self.rows_b = self.batch_ids[:B].expand_as(slots)
         self.cur_slots = slots
         self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
         # (join_src first: a plain forward never reads the transfer, so a compiled one does not guard on it)
@@ -741,11 +746,9 @@ class DecodeStep:
         B, n = tokens.shape
         if n == N:
             return tokens, positions, slots
-        pad = (B, N - n)
-        dev = self.device
-        return (torch.cat([tokens, torch.zeros(pad, dtype=torch.long, device=dev)], 1),
-                torch.cat([positions, torch.zeros(pad, dtype=torch.long, device=dev)], 1),
-                torch.cat([slots, torch.full(pad, self.scratch, dtype=torch.long, device=dev)], 1))
+        zeros = self.pad_zeros[:B, :N - n]  # padding rows: token 0 at position 0, written to the scratch slot
+        return (torch.cat([tokens, zeros], 1), torch.cat([positions, zeros], 1),
+                torch.cat([slots, self.pad_scratch[:B, :N - n]], 1))
 
     def _chain(self, n: int, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(path, depth, real) of n rows causal among themselves (a prompt chunk, a decoded token) in bucket N."""
