@@ -8,3 +8,42 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _patch_device_functions_once() -> None:
+    """Triton's interpreter re-patches triton.language (inspect.getmembers over its modules) at every call of a
+    device function -- every tl.sum, tl.max, tl.argmax and our to_bf16, once per program of every launch -- and
+    drops that patch without restoring it (triton 3.x, runtime/interpreter.py: `InterpretedFunction.__call__`).
+    So after a function's first call the patch is in place for good, and the repeats only cost time: about a
+    third of a kernel test's. This makes each device function patch once. A launch's own patch, which the
+    interpreter restores after the launch, is left as it is. Where Triton's interpreter is not laid out so,
+    nothing is changed."""
+    import inspect
+    import re
+    import sys
+
+    try:
+        from triton.runtime import interpreter
+    except Exception:
+        return
+    real, device_fn = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "InterpretedFunction", None)
+    try:  # (the device call must drop its patch's scope: `_patch_lang(self.fn)` as a statement of its own)
+        dropped = re.search(r"^\s*_patch_lang\(self\.fn\)\s*$", inspect.getsource(device_fn.__call__), re.M)
+    except Exception:
+        dropped = None
+    if real is None or dropped is None:
+        return
+    done: set = set()
+
+    def patch_lang(fn):
+        if isinstance(sys._getframe(1).f_locals.get("self"), device_fn):  # a device function's call
+            if fn in done:
+                return None  # (its caller drops the scope: nothing would restore it)
+            done.add(fn)
+        return real(fn)
+
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_device_functions_once()

@@ -413,11 +413,7 @@ class DecodeStep:
         self.slot_ids = torch.arange(S, device=dev)
         self.window = min(MAX_TAIL, buckets[-1])  # W of `attend`
         self.win_ids = torch.arange(self.window, device=dev)
-        # made once, not per forward: a captured step replays each tensor made inside it as a kernel
-        self.batch_ids = torch.arange(batch, device=dev)[:, None]
-        self.none = torch.tensor(-1, device=dev)  # (a Python scalar in torch.where is a kernel too)
-        self.pad_zeros = torch.zeros(batch, max(buckets), dtype=torch.long, device=dev)  # (`_pad`'s padding)
-        self.pad_scratch = torch.full((batch, max(buckets)), self.scratch, dtype=torch.long, device=dev)
+        self._constants(dev)
         self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
@@ -739,6 +735,15 @@ class DecodeStep:
     def reset(self) -> None:
         """Forget every committed slot (a new sequence). Buffers and captured graphs stay."""
         self.held.zero_()
+
+    def _constants(self, dev: torch.device) -> None:
+        """What every forward reads, made once, not per forward: a captured step replays each tensor made inside
+        it as a kernel (a Python number in torch.where is one too: scalar_tensor)."""
+        B, top = self.batch, max(self.buckets)
+        self.batch_ids = torch.arange(B, device=dev)[:, None]
+        self.none = torch.tensor(-1, device=dev)  # (a row's key where it sees none)
+        self.pad_zeros = torch.zeros(B, top, dtype=torch.long, device=dev)  # (`_pad`'s padding)
+        self.pad_scratch = torch.full((B, top), self.scratch, dtype=torch.long, device=dev)
 
     # ------------------------------------------------------------------------------- what generation calls
     def _pad(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, N: int
