@@ -962,3 +962,24 @@ def test_verification_rounds_are_kept_per_transfer(models, monkeypatch):
     third = HiddenTransferDrafter(model, _transfer([1, 1, 2], False, 2))
     static_speculative_generate(model, prompt, third, TREES[1], 30, step=step, device_rounds=False)
     assert {k[-1][0] for k in step._runners if k[0] == "verify"} == {drafters[0].transfer, third.transfer}
+
+
+def test_bench_statics_table_by_hand():
+    """`bench static`'s rows: ms/token against the recipe (a ratio of ms) and as a speed-up over our plain row
+    (its ms / the row's: issue 42's "at least 1.6x" read off the table), tau and the equal outputs, by hand."""
+    from midlayer.experiments.static_bench import RECIPE, _add_row, _static_rows, static_table
+
+    rows: dict = {}
+    plain = "midlayer static, cudagraph"
+    for toks, other in (([1, 2, 3], [1, 2, 3]), ([4, 5, 6], [4, 5, 7])):
+        _add_row(rows, RECIPE, toks, 0.002)  # 2 ms a token over the 2 tokens after the first
+        _add_row(rows, plain, toks, 0.004)
+        _add_row(rows, "eagle-2, device rounds", other, 0.0025, 3, 2)  # 3 tokens from 2 forwards
+    got = {r["engine"]: r for r in _static_rows(rows, plain)}
+    assert got[RECIPE]["ms_per_token"] == pytest.approx(2.0) and got[plain]["vs_recipe"] == pytest.approx(2.0)
+    spec = got["eagle-2, device rounds"]
+    assert (spec["vs_recipe"], spec["over_plain"], spec["tau"]) == (pytest.approx(1.25), pytest.approx(1.6), 1.5)
+    assert (spec["equal_plain"], spec["n"], got[RECIPE]["equal_plain"]) == (1, 2, 2)
+    table = static_table(dict(tables={"bf16": dict(rows=list(got.values()), invariant={})}), header=False)
+    assert "| eagle-2, device rounds | 2.50 | 1.25x | 1.60x | 1.50 | 1/2 |" in table
+    assert _static_rows(rows, None)[0]["over_plain"] is None  # (no plain row ran: no speed-up, no comparison)
