@@ -590,7 +590,7 @@ class EagleRounds:
         self.open, self.shut = torch.tensor(0.0, device=dev), torch.tensor(float("-inf"), device=dev)
         if self.dynamic:
             ar = torch.arange(k, device=dev)
-            self.ar, self.no_parent = ar, torch.full((k,), -1, dtype=torch.long, device=dev)
+            self.no_parent = torch.full((k,), -1, dtype=torch.long, device=dev)
             self.first_parents = ar[:, None].expand(k, k).reshape(-1)  # depth 2's candidates': k each, in order
             # depth d's run rows' own slots (ctx + (d - 1) k ..), as a one-hot [k, S] per depth 1..D-1
             self.own = [self.ctx + (d - 1) * k + ar for d in range(1, D)]
@@ -634,16 +634,16 @@ class EagleRounds:
         return feats, toks, st._scalar(p - c), st._scalar(c - 1)
 
     def draft(self, root: torch.Tensor, last_pos: torch.Tensor, feats: torch.Tensor, toks: torch.Tensor,
-              first: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """(node tokens [n], the tree's TreeTensors fields) from the rows committed last, rows 0..`last`:
+              first: torch.Tensor, last_row: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(node tokens [n], the tree's TreeTensors fields) from the rows committed last, rows 0..`last_row`:
         residuals `feats` [D + 1, d] of positions first.., with their next tokens `toks` (class docstring)."""
         k, D = self.k, self.D
-        # (1) the committed rows; row `last` (the entry of position last_pos - 1) predicts the root's feature
+        # (1) the committed rows; row `last_row` (the entry of position last_pos - 1) predicts the root's feature
         at = first + self.rows  # their slots, and RoPE positions one on
-        real = self.rows <= last
+        real = self.rows <= last_row
         out = self._run(feature(self.d.model, feats), toks, torch.where(real, at + 1, self.zero_l),
                         torch.where(real, at, self.pad_t), self.slot_ids[None, :] <= at[:, None])
-        root_out = out.index_select(0, last.view(1))
+        root_out = out.index_select(0, last_row.view(1))
         if not self.dynamic:
             return self._static_tree(root_out, last_pos), self.fields
         prev = root_out.expand(k, -1)
