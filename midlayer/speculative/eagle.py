@@ -657,10 +657,10 @@ class EagleRounds:
             if d == 1:  # depth 1's k candidates all run, each from the root: nothing to select
                 anc, x, t, picked, par = self.own_hot[0], prev, toks_all[-1], last, self.first_parents
             else:
-                sel = torch.sort(last, descending=True, stable=True).indices[:k]
+                picked, sel = (v[:k] for v in torch.sort(last, descending=True, stable=True))  # (scores, candidates)
                 src = sel // k  # the previous level's run row of each
                 anc = anc.index_select(0, src) | self.own_hot[d - 1]
-                x, t, picked = prev.index_select(0, src), toks_all[-1].index_select(0, sel), last.index_select(0, sel)
+                x, t = prev.index_select(0, src), toks_all[-1].index_select(0, sel)
                 par = (base + sel)[:, None].expand(k, k).reshape(-1)  # (no repeat_interleave: no host read)
             prev = self._run(x, t, (last_pos + d).expand(k), self.own[d - 1], committed | anc)
             lp, ids = self._top(prev)
