@@ -99,12 +99,15 @@ def first_difference(model, step: DecodeStep, prompt: list[int], drafter, tree, 
     layer whose K or V differ before it, and where the tokens part."""
     twin = DecodeStep(model, max_len=step.max_len, buckets=step.buckets, graphs=step.graphs,
                       attn_rows=step.attn_rows)
-    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=new_tokens), step=twin)[0]
-    twin.reset()
     P = len(prompt)
+    # plain greedy decoding, once, keeping what each step gave: `static_generate`'s tokens (the argmax of the
+    # same step's logits), with no stop token, as many as it makes
     first = twin.prefill(torch.tensor([prompt]))
     plain = [(first[0][0, -1], first[1][0, -1])]  # (logits, final residual) at positions P - 1, P, ...
-    plain += [tuple(x[0] for x in twin.decode(torch.tensor([t]), P + i)) for i, t in enumerate(ref[:-1])]
+    ref = [int(plain[0][0].argmax())]
+    for i in range(min(new_tokens, model.cfg.max_seq_len - P + 1) - 1):
+        plain.append(tuple(x[0] for x in twin.decode(torch.tensor([ref[-1]]), P + i)))
+        ref.append(int(plain[-1][0].argmax()))
     seen: list[tuple] = []  # (round, the root's position, logits, rows, N, final residuals)
     verify = step.verify
 
