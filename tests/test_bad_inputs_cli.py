@@ -378,6 +378,12 @@ def test_bench_static_also_nodes(value, why, work, capsys):
             roots=(work,))
 
 
+@pytest.mark.parametrize("flags", [["--eagle-k", "0"], ["--eagle-k", "17"], ["--eagle-depth", "-1"],
+                                   ["--eagle-depth", "9"]], ids=["k0", "k17", "depth-1", "depth9"])
+def test_bench_static_eagle_tree(flags, work, capsys):
+    refused(capsys, ["bench", "static", "--model", "no-such-model", *flags], "--eagle-k", "from 1 to 16", roots=(work,))
+
+
 def test_bench_decode_drafts_and_output(tiny, work, capsys):
     base = ["bench", "decode", "--model", str(tiny[0]), "--layer-skip", ""]
     refused(capsys, [*base, "--drafts", "a=missing/dir"], "--drafts a=missing/dir", roots=(work,))

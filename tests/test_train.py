@@ -469,6 +469,7 @@ def test_cli_surface_is_frozen():
          "--prompts", "--weights", "--no-transformers", "--output", "--device"])
     assert sorted(o for a in bench["static"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", *CONFIG, "--model", "--device", "--dtypes", "--graphs", "--drafts", "--nodes", "--also-nodes",
+         "--eagle-k", "--eagle-depth",  # EAGLE-2's tree shape (46th session)
          "--new-tokens", "--max-prompts", "--no-transformers", "--no-dynamic", "--output"])
     assert sorted(o for a in bench["gates"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", *CONFIG, "--model", "--gates", "--data", "--static", "--prompts", "--records", "--new-tokens",

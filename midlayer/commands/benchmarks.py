@@ -94,6 +94,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--nodes", type=int, default=24, help="tree nodes (EAGLE: EAGLE-2's dynamic tree)")
     b.add_argument("--also-nodes", default="", help="comma-separated tree sizes each drafter also runs at, in device "
                                                   "rounds (a drafter's best tree need not be --nodes')")
+    b.add_argument("--eagle-k", type=int, default=4, help="EAGLE-2's tree: the candidates expanded at each depth")
+    b.add_argument("--eagle-depth", type=int, default=0,
+                   help="EAGLE-2's tree: its depth (0: as many depths as the draft's held-out accuracies)")
     b.add_argument("--new-tokens", type=int, default=128)
     b.add_argument("--max-prompts", type=int, default=7, help="held-out prompts, spread over the categories")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers recipe")
@@ -198,8 +201,11 @@ def check_bench_static_args(args: argparse.Namespace) -> dict:
         raise ValueError(f"--also-nodes: comma-separated tree sizes, got {args.also_nodes!r}") from None
     if any(not 1 <= n <= 63 for n in also):
         raise ValueError(f"--also-nodes {args.also_nodes}: each from 1 to 63 (as --nodes)")
+    if not 1 <= args.eagle_k <= 16 or not 0 <= args.eagle_depth <= 8:
+        raise ValueError(f"--eagle-k {args.eagle_k} --eagle-depth {args.eagle_depth}: k from 1 to 16, the depth from "
+                         "1 to 8 (0: the draft's own)")
     kw.update(dtypes=dtypes, graphs=graphs, drafts=label_dirs("--drafts", args.drafts, "a train-draft output"),
-              dynamic=not args.no_dynamic, also_nodes=also)
+              dynamic=not args.no_dynamic, also_nodes=also, eagle_k=args.eagle_k, eagle_depth=args.eagle_depth)
     return kw
 
 

@@ -141,7 +141,8 @@ def machine_lines(dev: torch.device) -> list[str]:
 def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dtypes: Sequence[str] = ("bf16", "fp32"),
                  drafts: dict[str, str] | None = None, nodes: int = 24, graphs: Sequence[str] | None = None,
                  new_tokens: int = 128, max_prompts: int = 7, compare_transformers: bool = True,
-                 dynamic: bool = True, progress: bool = True, on_table=None, also_nodes: Sequence[int] = ()) -> dict:
+                 dynamic: bool = True, progress: bool = True, on_table=None, also_nodes: Sequence[int] = (),
+                 eagle_k: int = 4, eagle_depth: int = 0) -> dict:
     """The rows of the module docstring, per dtype. `graphs`: the step's modes to time (default: eager and
     cudagraph on CUDA, eager on a CPU); speculative rows run in the last of them. `drafts` (label -> a
     train-draft directory; default EAGLE, Medusa and hidden transfer of drafts/smollm2-135m-scale): EAGLE
@@ -149,7 +150,7 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     first (hidden transfer fused: its pseudo rows ride every verification round); `also_nodes`: every
     drafter also at these tree sizes, in device rounds only (the issue asks for each drafter's best tree, and
     a smaller one may win where a round's cost grows with its rows: hidden transfer's 24-node tree with its
-    3 pseudo blocks is a 128-row round). `dynamic`:
+    3 pseudo blocks is a 128-row round); `eagle_k`, `eagle_depth`: EAGLE-2's tree (`static_methods`). `dynamic`:
     also time the dynamic engine (`generate`), the path this step replaces on a GPU. `on_table(result,
     dtype)`: called as each dtype's table is done (a run cut short keeps what it finished)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -157,9 +158,9 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     if bad or not dtypes:
         raise ValueError(f"dtypes: choose from {', '.join(DTYPES)}, got {list(dtypes)}")
     graphs = tuple(graphs or (("eager", "cudagraph") if dev.type == "cuda" else ("eager",)))
-    if new_tokens < 2 or max_prompts < 1 or min((nodes, *also_nodes)) < 1:
-        raise ValueError(f"new_tokens >= 2, max_prompts and nodes >= 1; got {new_tokens}, {max_prompts}, "
-                         f"{nodes} {tuple(also_nodes)}")
+    if new_tokens < 2 or max_prompts < 1 or min((nodes, *also_nodes)) < 1 or eagle_k < 1 or eagle_depth < 0:
+        raise ValueError(f"new_tokens >= 2, max_prompts >= 1, nodes >= 1, eagle_k >= 1, eagle_depth >= 0; got "
+                         f"{new_tokens}, {max_prompts}, {nodes} {tuple(also_nodes)}, {eagle_k}, {eagle_depth}")
     drafts = DEFAULT_DRAFTS if drafts is None else drafts
     base, tok = load_pretrained(model_name)
     encoded = heldout_chats(tok, max_prompts)
@@ -171,7 +172,7 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
         # (the fp32 original stays on the CPU); fused as `generate` runs a model (quantization.fuse_projections)
         model: Transformer = fuse_projections(copy.deepcopy(base).to(dev, DTYPES[dname]).eval())
         result["tables"][dname] = _bench_dtype(model, dname, drafts, (nodes, *also_nodes), graphs, encoded,
-                                               new_tokens, hf_cpu, dynamic, progress, errors)
+                                               new_tokens, hf_cpu, dynamic, progress, errors, (eagle_k, eagle_depth))
         if on_table is not None:
             on_table(result, dname)
         del model
@@ -189,9 +190,11 @@ def _cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
-def static_methods(model: Transformer, drafts: dict[str, str], nodes: int) -> dict[str, tuple]:
+def static_methods(model: Transformer, drafts: dict[str, str], nodes: int, eagle_k: int = 4, eagle_depth: int = 0
+                   ) -> dict[str, tuple]:
     """label -> (drafter, tree): a drafter with an expansion width (EAGLE) runs EAGLE-2's dynamic tree of `nodes`
-    nodes, the others the `nodes` nodes their held-out accuracies rank first (else a 3-chain)."""
+    nodes, expanding the `eagle_k` best at each of `eagle_depth` depths (0: as many as its held-out accuracies
+    have, else 5); the others the `nodes` nodes their held-out accuracies rank first (else a 3-chain)."""
     dev, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     methods = {}
     for label, path in drafts.items():
@@ -199,8 +202,8 @@ def static_methods(model: Transformer, drafts: dict[str, str], nodes: int) -> di
         module.to(dev, dtype)
         acc = heldout_accuracies(meta, str(path))
         if drafter.dynamic_k is not None:
-            drafter.dynamic_k = min(4, nodes)
-            depth = len(acc) if acc and len(acc) > 1 else 5
+            drafter.dynamic_k = min(eagle_k, nodes)
+            depth = eagle_depth or (len(acc) if acc and len(acc) > 1 else 5)
             tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * depth, nodes)
         elif acc and len(acc) > 1:
             tree = DraftTree.greedy_from_accuracies(acc, nodes)
@@ -213,13 +216,13 @@ def static_methods(model: Transformer, drafts: dict[str, str], nodes: int) -> di
 def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: tuple[int, ...],
                  graphs: tuple[str, ...],
                  encoded: list[list[int]], new_tokens: int, hf_cpu, dynamic: bool, progress: bool,
-                 errors: dict[str, str]) -> dict:
+                 errors: dict[str, str], eagle: tuple[int, int] = (4, 0)) -> dict:
     """One dtype's table: the steps and the recipe built and warmed up, every prompt through every row."""
     dev, dtype = model.tok_embeddings.weight.device, DTYPES[dname]
     cfg = GenerationConfig(max_new_tokens=new_tokens)
     methods = {}  # "label (n-node tree)" -> (drafter, tree, whether its host-drafted reference row runs too)
     for n in dict.fromkeys(sizes):  # (a size that gives a tree already listed, e.g. a fallback chain, adds none)
-        for label, (drafter, tree) in static_methods(model, drafts, n).items():
+        for label, (drafter, tree) in static_methods(model, drafts, n, *eagle).items():
             methods.setdefault(f"{label} ({len(tree)}-node tree)", (drafter, tree, n == sizes[0]))
     # the committed text, then the largest round of any drafter under any bucket set the probe may choose
     rounds = [any_round_slots(len(t), fused_steps(d)) for d, t, _ in methods.values()]
