@@ -95,8 +95,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--also-nodes", default="", help="comma-separated tree sizes each drafter also runs at, in device "
                                                   "rounds (a drafter's best tree need not be --nodes')")
     b.add_argument("--eagle-k", type=int, default=4, help="EAGLE-2's tree: the candidates expanded at each depth")
-    b.add_argument("--eagle-depth", type=int, default=0,
-                   help="EAGLE-2's tree: its depth (0: as many depths as the draft's held-out accuracies)")
+    b.add_argument("--eagle-depth", type=int, default=0, help="EAGLE-2's tree: its depth (0: the draft's own)")
     b.add_argument("--new-tokens", type=int, default=128)
     b.add_argument("--max-prompts", type=int, default=7, help="held-out prompts, spread over the categories")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers recipe")
