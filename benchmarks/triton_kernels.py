@@ -102,8 +102,9 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
             300 + i, start)
     out.append(("accept (a chain, all accepted)", lambda: acceptance.accept(*tree),
                 lambda: acceptance.reference(*tree)))
-    # EAGLE-2's reranking and layout: min(n, 63) rows from 136 candidates (k = 8 and 3 depths have as many),
-    # random scores, 8 at depth 1 and 128 under them (integers but the scores: the same at every dtype)
+    # EAGLE-2's reranking and layout: min(n, 63) rows from 136 candidates (as many as k = 8 and 3 depths make),
+    # here random scores, 8 at depth 1 and 128 under them: two depths (integers but the scores: the same at
+    # every dtype)
     m = min(n, 63)
     cand = (torch.randn(136, generator=g).to(dev), torch.randint(0, VOCAB, (136,), generator=g).to(dev),
             torch.cat([torch.full((8,), -1), torch.randint(0, 8, (128,), generator=g)]).to(dev),

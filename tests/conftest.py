@@ -12,12 +12,13 @@ if "TRITON_INTERPRET" not in os.environ:
 
 def _patch_device_functions_once() -> None:
     """Triton's interpreter re-patches triton.language (inspect.getmembers over its modules) at every call of a
-    device function -- every tl.sum, tl.max, tl.argmax and our to_bf16, once per program of every launch -- and
-    drops that patch without restoring it (triton 3.x, runtime/interpreter.py: `InterpretedFunction.__call__`).
-    So after a function's first call the patch is in place for good, and the repeats only cost time: about a
-    third of a kernel test's. This makes each device function patch once. A launch's own patch, which the
-    interpreter restores after the launch, is left as it is. Where Triton's interpreter is not laid out so,
-    nothing is changed."""
+    device function -- every tl.sum, tl.max, tl.argmax and our to_bf16, once per program of every launch --
+    and drops that patch's scope (triton 3.x, runtime/interpreter.py: `InterpretedFunction.__call__`). Every
+    launch patches the same language first (and restores it after), so inside a launch the repeats change
+    nothing and only cost time: about a fifth of a kernel test's. The patch of the modules a device function
+    alone names (triton.language.core, for the standard library's reductions) stays from its first call, as
+    nothing restores it. This makes each device function patch once. A wrong skip could not change a result
+    silently: an unpatched builtin raises. Where Triton's interpreter is not laid out so, nothing is changed."""
     import inspect
     import re
     import sys

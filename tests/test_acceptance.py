@@ -139,6 +139,9 @@ def test_the_rows_formula_by_hand():
     score[0] = -2.0  # 3's parent not chosen: 3 hangs from the root
     nodes, parent, _ = tree_layout.reference_rows(score, tok, par, cdepth, 2, 4)
     assert nodes.tolist() == [12, 13] and parent.tolist() == [0, 0, 0, 0]
+    score[1] = score[4] = float("nan")  # NaN ranks above all (torch.sort's order), the earlier first
+    nodes, parent, _ = tree_layout.reference_rows(score, tok, par, cdepth, 3, 4)
+    assert nodes.tolist() == [11, 13, 14] and parent.tolist() == [0, 0, 0, 1]
 
 
 def _candidates(k: int, D: int, rng: random.Random, ties: bool) -> tuple[torch.Tensor, ...]:
@@ -161,11 +164,12 @@ def _candidates(k: int, D: int, rng: random.Random, ties: bool) -> tuple[torch.T
     return score, torch.randperm(score.shape[0]), torch.cat(parents), torch.cat(depth)
 
 
-@pytest.mark.parametrize("k,D,n,N", [(2, 2, 3, 8), (4, 3, 24, 32), (8, 3, 60, 64), (10, 2, 110, 128)],
-                         ids=["6-candidates", "36", "136", "110-all"])
+@pytest.mark.parametrize("k,D,n,N", [(2, 2, 3, 8), (4, 3, 24, 32), (8, 3, 60, 64), (10, 2, 110, 128),
+                                     (8, 5, 48, 64)], ids=["6-candidates", "36", "136", "110-all", "264"])
 def test_the_rows_kernel_is_the_formula(k, D, n, N):
     """The reranking kernel gives the formula's very rows on EAGLE-2's candidate sets, with and without ties
-    and -inf scores, and on random scores where a chosen child's parent may be left out."""
+    and -inf scores, and on random scores where a chosen child's parent may be left out, or some are NaN (264
+    candidates: 512 in the kernel's block, 8 columns a step)."""
     pytest.importorskip("triton")
     if not tree_layout.available(DEV):
         pytest.skip("the kernel does not run here")
@@ -174,6 +178,7 @@ def test_the_rows_kernel_is_the_formula(k, D, n, N):
         score, tok, par, cdepth = _candidates(k, D, rng, ties=trial % 2 == 0)
         if trial == 5:
             score = torch.randn(score.shape[0])
+            score[torch.randperm(score.shape[0])[:3]] = float("nan")  # (NaN: above all, in candidate order)
         args = [t.to(DEV) for t in (score, tok, par, cdepth)]
         got, want = tree_layout.rows(*args, n, N), tree_layout.reference_rows(*args, n, N)
         assert all(torch.equal(g, w) for g, w in zip(got, want)), trial
@@ -183,3 +188,5 @@ def test_the_rows_kernel_is_the_formula(k, D, n, N):
             assert torch.equal(want[2][1:n + 1], want[2][rows] + 1)
     with pytest.raises(ValueError, match="candidates in"):
         tree_layout.rows(*args, n, n)
+    with pytest.raises(ValueError, match="at most 2048 candidates"):
+        tree_layout.rows(*(torch.zeros(2049, dtype=t.dtype, device=DEV) for t in args), n, N)

@@ -202,9 +202,10 @@ def static_methods(model: Transformer, drafts: dict[str, str], nodes: int, eagle
         module.to(dev, dtype)
         acc = heldout_accuracies(meta, str(path))
         if drafter.dynamic_k is not None:
-            drafter.dynamic_k = min(eagle_k, nodes)
+            drafter.dynamic_k = k = min(eagle_k, nodes)
             depth = eagle_depth or (len(acc) if acc and len(acc) > 1 else 5)
-            tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * depth, nodes)
+            n = min(nodes, k + (depth - 1) * k * k)  # (no more nodes than candidates: the row's label says how many)
+            tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(n)]] * depth, n)
         elif acc and len(acc) > 1:
             tree = DraftTree.greedy_from_accuracies(acc, nodes)
         else:
@@ -330,12 +331,12 @@ def _static_rows(rows: dict[str, dict], plain_row: str | None) -> list[dict]:
         return 1e3 * r["s"] / max(r["n"], 1) if r else None
 
     ref_ms, plain_ms = ms_of(rows.get(RECIPE)), ms_of(rows.get(plain_row))
-    plain = rows[plain_row]["tokens"] if plain_ms else []
+    plain = rows[plain_row]["tokens"] if plain_ms is not None else []
     table = []
     for name, r in rows.items():
         ms = ms_of(r)
         table.append(dict(engine=name, ms_per_token=ms, vs_recipe=(ms / ref_ms) if ref_ms else None,
-                          over_plain=(plain_ms / ms) if plain_ms and ms else None,
+                          over_plain=(plain_ms / ms) if plain_ms is not None and ms else None,
                           tau=sum(len(t) for t in r["tokens"]) / max(r["forwards"], 1),
                           equal_plain=sum(a == b for a, b in zip(r["tokens"], plain)), n=len(plain)))
     return table

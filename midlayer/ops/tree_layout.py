@@ -48,11 +48,12 @@ def _layout(parent, depth, real, vis, path, N, D, NN: tl.constexpr):
 def _rows(score, tok, par, cdepth, nodes, parent, depth, C, n, N, CC: tl.constexpr, BJ: tl.constexpr,
           NN: tl.constexpr):
     """`reference_rows`; grid (1,). A candidate's rank is the number of candidates ahead of it in a stable
-    descending sort (a higher score, or an equal one earlier); the n of rank below n are chosen. A chosen
-    candidate's row is the number chosen up to it, and its parent's row the number chosen up to the parent
-    (when the parent is chosen; else the root, 0, as the formula's). Two passes over column blocks of BJ
-    candidates: the ranks, then the counts (each block's own ranks again: nothing is written and read back,
-    so no barrier is needed)."""
+    descending sort (a higher score, or an equal one earlier; NaN above all, as torch.sort puts it). The n of
+    rank below n are chosen, exactly n, as the ranks are 0..C-1 (the stores are bounded to rows 1..n all the
+    same). A chosen candidate's row is the number chosen up to it, and its parent's row the number chosen up
+    to the parent (when the parent is chosen; else the root, 0, as the formula's). Two passes over column
+    blocks of BJ candidates: the ranks, then the counts (each block's own ranks again: nothing is written and
+    read back, so no barrier is needed)."""
     c = tl.arange(0, CC)
     mc = c < C
     s = tl.load(score + c, mask=mc, other=0.0)
@@ -61,7 +62,9 @@ def _rows(score, tok, par, cdepth, nodes, parent, depth, C, n, N, CC: tl.constex
     for j0 in range(0, C, BJ):
         j = j0 + tl.arange(0, BJ)
         sj = tl.load(score + j, mask=j < C, other=0.0)
-        ahead = (sj[None, :] > s[:, None]) | ((sj[None, :] == s[:, None]) & (j[None, :] < c[:, None]))
+        x, y, first = sj[None, :], s[:, None], j[None, :] < c[:, None]  # is j (x) ahead of c (y)?
+        nx, ny = x != x, y != y  # (NaN)
+        ahead = tl.where(nx | ny, nx & ((ny == 0) | first), (x > y) | ((x == y) & first))
         rank += tl.sum((ahead & (j < C)[None, :]).to(tl.int32), axis=1)
     chosen = (rank < n) & mc
     row = tl.zeros([CC], dtype=tl.int32)  # chosen candidates j <= c
@@ -71,11 +74,14 @@ def _rows(score, tok, par, cdepth, nodes, parent, depth, C, n, N, CC: tl.constex
         j = j0 + tl.arange(0, BJ)
         mj = j < C
         sj = tl.load(score + j, mask=mj, other=0.0)
-        behind = (s[None, :] > sj[:, None]) | ((s[None, :] == sj[:, None]) & (c[None, :] < j[:, None]))
+        x, y, first = s[None, :], sj[:, None], c[None, :] < j[:, None]  # is c (x) ahead of j (y)?
+        nx, ny = x != x, y != y
+        behind = tl.where(nx | ny, nx & ((ny == 0) | first), (x > y) | ((x == y) & first))
         cj = ((tl.sum((behind & mc[None, :]).to(tl.int32), axis=1) < n) & mj).to(tl.int32)  # [BJ]: j chosen
         row += tl.sum(tl.where(j[None, :] <= c[:, None], cj[None, :], 0), axis=1)
         prow += tl.sum(tl.where(j[None, :] <= p[:, None], cj[None, :], 0), axis=1)
         pin += tl.sum(tl.where(j[None, :] == p[:, None], cj[None, :], 0), axis=1)
+    chosen = chosen & (row >= 1) & (row <= n)
     tl.store(nodes + row - 1, tl.load(tok + c, mask=chosen, other=0), mask=chosen)
     tl.store(parent + row, tl.where((p >= 0) & (pin > 0), prow, 0).to(tl.int64), mask=chosen)
     tl.store(depth + row, tl.load(cdepth + c, mask=chosen, other=0), mask=chosen)
@@ -86,7 +92,12 @@ def _rows(score, tok, par, cdepth, nodes, parent, depth, C, n, N, CC: tl.constex
 
 
 KERNELS = (_layout, _rows)
-COLUMNS = 16  # BJ: the candidates a step of `_rows`' loops compares with all ([CC, BJ] in registers)
+MAX_CANDIDATES = 2048  # `rows`' C: EAGLE-2's k + (D - 1) k^2 up to k = 16 at depth 8 (bench static's limits)
+
+
+def columns(CC: int) -> int:
+    """BJ: the candidates a step of `_rows`' loops compares with all, so that [CC, BJ] stays 4,096 in registers."""
+    return max(2, min(16, 4096 // CC))
 
 
 def layout(parent: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, D: int
@@ -128,25 +139,25 @@ def rows(score: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, cand_depth: 
     C = score.shape[0]
     if not available(score.device):
         raise RuntimeError(NEEDS)
-    if not 0 < n <= C or N <= n:
-        raise ValueError(f"rows: {n} of {C} candidates in {N} rows")
+    if not 0 < n <= C <= MAX_CANDIDATES or N <= n:
+        raise ValueError(f"rows: {n} of {C} candidates in {N} rows (at most {MAX_CANDIDATES} candidates)")
     if min(t.stride(0) for t in (score, tok, par, cand_depth)) != 1:
         raise ValueError("rows needs score, tok, par and cand_depth contiguous")
     dev = score.device
     nodes = torch.empty(n, dtype=torch.long, device=dev)
     parent, depth = torch.empty(N, dtype=torch.long, device=dev), torch.empty(N, dtype=torch.long, device=dev)
     triton_build.kernel(_rows)[(1,)](score, tok, par, cand_depth, nodes, parent, depth, C, n, N, CC=pow2(C),
-                                     BJ=COLUMNS, NN=pow2(N))
+                                     BJ=columns(pow2(C)), NN=pow2(N))
     return nodes, parent, depth
 
 
 def reference_rows(score: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, cand_depth: torch.Tensor, n: int,
                    N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A tree of the n best of C candidates (module docstring), in N rows. score [C] (float, no NaN): each
-    candidate's; tok [C], cand_depth [C] (long): its token and depth; par [C] (long): its parent candidate, -1
-    for the root. The n best (a stable sort: ties in candidate order) become rows 1..n in candidate order.
-    Returns (nodes [n]: their tokens; parent [N]: each row's parent row, 0 for the root, for padding and where
-    the parent was not chosen; depth [N]: 0 for the root and padding)."""
+    """A tree of the n best of C candidates (module docstring), in N rows. score [C] (float; a NaN ranks above
+    all, as torch.sort's): each candidate's; tok [C], cand_depth [C] (long): its token and depth; par [C]
+    (long): its parent candidate, -1 for the root. The n best (a stable sort: ties in candidate order) become
+    rows 1..n in candidate order. Returns (nodes [n]: their tokens; parent [N]: each row's parent row, 0 for
+    the root, for padding and where the parent was not chosen; depth [N]: 0 for the root and padding)."""
     C, dev = score.shape[0], score.device
     chosen = torch.sort(torch.sort(score, descending=True, stable=True).indices[:n]).values
     row_of = torch.zeros(C, dtype=torch.long, device=dev).index_copy(0, chosen, torch.arange(1, n + 1, device=dev))
@@ -164,4 +175,4 @@ def compile_for(capability: int, dtype: torch.dtype | None = None) -> list:
     ranks = {"score": "*fp32", "tok": "*i64", "par": "*i64", "cdepth": "*i64", "nodes": "*i64", "parent": "*i64",
              "depth": "*i64", "CC": "constexpr", "BJ": "constexpr", "NN": "constexpr"}
     return [triton_build.compile_for(_layout, capability, kinds, dict(NN=64)),
-            triton_build.compile_for(_rows, capability, ranks, dict(CC=256, BJ=COLUMNS, NN=64))]
+            triton_build.compile_for(_rows, capability, ranks, dict(CC=256, BJ=columns(256), NN=64))]
