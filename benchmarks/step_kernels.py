@@ -45,7 +45,8 @@ from midlayer.speculative.static import DeviceRounds, static_speculative_generat
 DRAFTS = ",".join(f"{k}=drafts/smollm2-135m-scale/{k}" for k in ("eagle", "medusa", "hidden-transfer", "early-exit"))
 
 VIEWS = {"view", "unsqueeze", "_unsafe_view", "expand", "transpose", "t", "select", "slice", "lift_fresh", "alias",
-         "detach", "as_strided", "squeeze", "permute", "split", "unbind", "empty", "empty_strided"}  # (no kernel)
+         "detach", "as_strided", "squeeze", "permute", "split", "unbind", "empty", "empty_strided",
+         "new_empty"}  # (no kernel)
 
 
 class Kernels(TorchDispatchMode):

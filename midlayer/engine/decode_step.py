@@ -695,7 +695,7 @@ class DecodeStep:
         self.k.index_copy_(3, dst, self.k.index_select(3, src))
         self.v.index_copy_(3, dst, self.v.index_select(3, src))
         self.held[0].index_copy_(0, dst, keep)
-        draft = hidden.new_zeros(0)
+        draft = hidden.new_empty(0)  # (no kernel)
         if self.transfer is not None:  # the next draft: the pseudo rows of the anchor, the last accepted row
 
             anchor_rows = hidden[0].index_select(0, prow.index_select(0, best)[0])  # [k, d]
@@ -741,7 +741,9 @@ class DecodeStep:
         it as a kernel (a Python number in torch.where is one too: scalar_tensor)."""
         B, top = self.batch, max(self.buckets)
         self.batch_ids = torch.arange(B, device=dev)[:, None]
+        self.row_ids = torch.arange(top, device=dev)  # (a bucket's rows)
         self.none = torch.tensor(-1, device=dev)  # (a row's key where it sees none)
+        self.zero, self.scratch_at = torch.tensor(0, device=dev), torch.tensor(self.scratch, device=dev)
         self.pad_zeros = torch.zeros(B, top, dtype=torch.long, device=dev)  # (`_pad`'s padding)
         self.pad_scratch = torch.full((B, top), self.scratch, dtype=torch.long, device=dev)
 

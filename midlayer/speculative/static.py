@@ -211,6 +211,7 @@ class LevelTreeDraft:
         self.tree_rows, self.head_rows, self.reach = self.layout.tree_rows, self.layout.head_rows, self.layout.reach
         self.step, self.stop, self.run, self.head, self.vocab = step, stop, run, head, vocab
         D, dev = tree.max_depth, step.device
+        self.no_nodes = torch.zeros(self.layout.n_nodes, dtype=torch.long, device=dev)  # (made once: `draft`)
         path = self.layout.path.cpu()
         levels = tree.levels()
         self.levels = []
@@ -230,12 +231,13 @@ class LevelTreeDraft:
 
     def draft(self, root: torch.Tensor, last_pos: torch.Tensor, *carry: torch.Tensor):
         st = self.step
-        toks = torch.cat([root.view(1), root.new_zeros(self.layout.n_nodes)])  # the root, then the nodes so far
+        toks = torch.cat([root.view(1), self.no_nodes])  # the root, then the nodes so far
         for row_ix, keys, real, depth, kid_rows, kid_src, kid_rank, d, m, k in self.levels:
-            slots = torch.where(real, last_pos + row_ix, st.scratch)[None]
-            positions = torch.where(real, last_pos + d, 0)[None]
+            slots = torch.where(real, last_pos + row_ix, st.scratch_at)[None]
+            positions = torch.where(real, last_pos + d, st.zero)[None]
             h = st.blocks(toks.index_select(0, row_ix)[None], positions, slots, last_pos,
-                          torch.where(keys >= 0, last_pos + keys, -1)[None], depth, real, stop=self.stop, run=self.run)
+                          torch.where(keys >= 0, last_pos + keys, st.none)[None], depth, real, stop=self.stop,
+                          run=self.run)
             logits = self.head(h[0, :m])
             if self.vocab is not None and logits.shape[-1] != self.vocab.numel():
                 logits = restrict_logits(logits, self.vocab)
@@ -291,10 +293,11 @@ class DeviceRounds:
         st, dd = self.step, self.draft
         nodes, fields = dd.draft(root, last_pos, *carry)
         vis, _, depth, real = fields[:4]
-        N, dev = vis.shape[0], nodes.device
-        tokens = torch.cat([root.view(1), nodes, nodes.new_zeros(N - 1 - nodes.shape[0])])[None]
-        positions = torch.where(real, last_pos + depth, 0)[None]
-        slots = torch.where(real, last_pos + torch.arange(N, device=dev), st.scratch)[None]
+        N = vis.shape[0]
+        # (the step's constants, not tensors made here: a captured round would replay each as a kernel)
+        tokens = torch.cat([root.view(1), nodes, st.pad_zeros[0, :N - 1 - nodes.shape[0]]])[None]
+        positions = torch.where(real, last_pos + depth, st.zero)[None]
+        slots = torch.where(real, last_pos + st.row_ids[:N], st.scratch_at)[None]
         packed, rows, _, hidden, draft = st.verify_round(tokens, positions, slots, last_pos, *fields,
                                                          tree_rows=dd.tree_rows, head_rows=dd.head_rows)
         nxt = last_pos + packed[0]
