@@ -27,9 +27,8 @@ from midlayer.engine.decode_step import DecodeStep  # noqa: E402
 from midlayer.engine.pretrained import load_pretrained  # noqa: E402
 from midlayer.engine.quantization import fuse_projections  # noqa: E402
 from midlayer.experiments.bench import heldout_chats  # noqa: E402
-from midlayer.speculative.registry import load_drafter  # noqa: E402
+from midlayer.experiments.static_bench import static_methods  # noqa: E402
 from midlayer.speculative.static import static_speculative_generate  # noqa: E402
-from midlayer.speculative.tree import DraftTree  # noqa: E402
 
 
 def shapes(text: str) -> list[tuple[int, int, int]]:
@@ -57,7 +56,6 @@ def main() -> None:
         ap.error(f"--draft {args.draft}: not a train-draft output")
     base, tok = load_pretrained("smollm2-135m")
     model = fuse_projections(copy.deepcopy(base).eval())
-    drafter, _, _ = load_drafter(args.draft, model)
     chats = heldout_chats(tok, args.prompts)
     with step_kernels.standing_in():
         plain = sum(step_kernels.step_kernels(model, "triton")[0].values())
@@ -65,8 +63,7 @@ def main() -> None:
           "kernels\n")
     print("| k | depth | nodes | tau | round kernels | x plain | tau / x plain |\n|---|---|---|---|---|---|---|")
     for k, depth, nodes in args.shapes:
-        drafter.dynamic_k = k
-        tree = DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * depth, nodes)
+        drafter, tree = static_methods(model, {"eagle": args.draft}, nodes, k, depth)["eagle"]  # (as bench static)
         step = DecodeStep(model, max_len=max(len(c) for c in chats) + args.new_tokens + 256)
         made = forwards = 0
         t = time.time()

@@ -586,7 +586,7 @@ class EagleRounds:
         # constants of a round, made once: a captured round would replay each made inside it as a kernel (a
         # Python scalar in torch.where is one too: scalar_tensor)
         self.rows = torch.arange(D + 1, device=dev)
-        self.pad_t, self.zero_l = torch.tensor(self.pad, device=dev), torch.tensor(0, device=dev)
+        self.pad_t = torch.tensor(self.pad, device=dev)  # (0: the step's own, `step.zero`)
         self.open, self.shut = torch.tensor(0.0, device=dev), torch.tensor(float("-inf"), device=dev)
         if self.dynamic:
             ar = torch.arange(k, device=dev)
@@ -641,7 +641,7 @@ class EagleRounds:
         # (1) the committed rows; row `last_row` (the entry of position last_pos - 1) predicts the root's feature
         at = first + self.rows  # their slots, and RoPE positions one on
         real = self.rows <= last_row
-        out = self._run(feature(self.d.model, feats), toks, torch.where(real, at + 1, self.zero_l),
+        out = self._run(feature(self.d.model, feats), toks, torch.where(real, at + 1, self.step.zero),
                         torch.where(real, at, self.pad_t), self.slot_ids[None, :] <= at[:, None])
         root_out = out.index_select(0, last_row.view(1))
         if not self.dynamic:
@@ -702,7 +702,7 @@ class EagleRounds:
         M, i = self.D + 1, self.rows
         a = packed[0]
         feats = hidden[0].index_select(0, rows[:M].clamp_min(0))
-        toks = torch.where(i < a, packed[1:1 + M], torch.where(i == a, packed[-1], self.zero_l))
+        toks = torch.where(i < a, packed[1:1 + M], torch.where(i == a, packed[-1], self.step.zero))
         return feats, toks, last_pos, a  # (a: the next round's last real row)
 
 

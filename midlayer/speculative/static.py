@@ -211,7 +211,6 @@ class LevelTreeDraft:
         self.tree_rows, self.head_rows, self.reach = self.layout.tree_rows, self.layout.head_rows, self.layout.reach
         self.step, self.stop, self.run, self.head, self.vocab = step, stop, run, head, vocab
         D, dev = tree.max_depth, step.device
-        self.no_nodes = torch.zeros(self.layout.n_nodes, dtype=torch.long, device=dev)  # (made once: `draft`)
         path = self.layout.path.cpu()
         levels = tree.levels()
         self.levels = []
@@ -231,7 +230,7 @@ class LevelTreeDraft:
 
     def draft(self, root: torch.Tensor, last_pos: torch.Tensor, *carry: torch.Tensor):
         st = self.step
-        toks = torch.cat([root.view(1), self.no_nodes])  # the root, then the nodes so far
+        toks = torch.cat([root.view(1), st.pad_zeros[0, :self.layout.n_nodes]])  # the root, then the nodes so far
         for row_ix, keys, real, depth, kid_rows, kid_src, kid_rank, d, m, k in self.levels:
             slots = torch.where(real, last_pos + row_ix, st.scratch_at)[None]
             positions = torch.where(real, last_pos + d, st.zero)[None]
