@@ -20,7 +20,6 @@ from midlayer.engine.quantization import fuse_projections  # noqa: E402
 from midlayer.model.attention import apply_rope  # noqa: E402
 from midlayer.model.layers import RMSNorm  # noqa: E402
 from midlayer.ops import fused_rows as fr  # noqa: E402
-from midlayer.speculative.static import tree_fields  # noqa: E402
 from midlayer.speculative.tree import DraftTree  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -232,14 +231,16 @@ class _TracedAsOnAGpu:
         self.mp, self.fns, self.tb = monkeypatch, fns, triton_build
         self.logged = {f: _Logged(triton_build.kernel(f), log) for f in fns}
         self.jit = {f: JITFunction(f, **getattr(f, "triton_jit", {})) for f in fns}
-        self.helper = (triton_build._kernels[triton_build._to_bf16], JITFunction(triton_build._to_bf16))
+        self.helpers = {f: {name: (triton_build._kernels[h], JITFunction(h))
+                            for name, h in triton_build.helpers(f).items()} for f in fns}
         self.graphs: list = []
         self._kernels(traced=False)
 
     def _kernels(self, traced: bool) -> None:
         for f in self.fns:
             self.mp.setitem(self.tb._kernels, f, (self.jit if traced else self.logged)[f])
-            self.mp.setitem(f.__globals__, "to_bf16", self.helper[traced])
+            for name, made in self.helpers[f].items():
+                self.mp.setitem(f.__globals__, name, made[traced])
         self.mp.setattr("torch.utils._triton.has_triton", (lambda: True) if traced else (lambda: False))
 
     def _backend(self, gm, example_inputs):

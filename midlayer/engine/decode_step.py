@@ -412,7 +412,6 @@ class DecodeStep:
         self.held = torch.zeros(batch, S, dtype=torch.bool, device=dev)
         self.slot_ids = torch.arange(S, device=dev)
         self.window = min(MAX_TAIL, buckets[-1])  # W of `attend`
-        self.win_ids = torch.arange(self.window, device=dev)
         self._constants(dev)
         self.views = [StaticView(self, layer) for layer in range(cfg.n_layers)]
         # set by each forward, read by the views (tensors, not host values)
@@ -493,7 +492,8 @@ class DecodeStep:
         self.cur_split = None
         if self.attention != "triton":
             s0 = (positions - (self.window - 1)).clamp_min(0)  # [B, N]
-            wpos = (s0[..., None] + self.win_ids).clamp_max(S - 1)  # [B, N, W]: positions s0 .. s0 + W - 1
+            W = self.window  # (<= the largest bucket: row_ids holds 0..W-1)
+            wpos = (s0[..., None] + self.row_ids[:W]).clamp_max(S - 1)  # [B, N, W]: positions s0 .. s0 + W - 1
             self.cur_split = (p < s0[..., None], wpos, keys.gather(2, wpos))  # (below [B, N, S], the window's keys)
         self.cur_kmask = kmask
         self.cur_pos = positions  # (the row-attention kernel reads each row's keys up to its own position)

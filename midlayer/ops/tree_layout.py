@@ -19,7 +19,7 @@ import torch
 from . import triton_build
 from .triton_build import NEEDS, pow2
 
-tl = to_bf16 = None  # triton.language (and triton_build's helper), set when the kernel is first made
+tl = to_bf16 = ahead = None  # triton.language and the kernels' helpers, set when a kernel is first made
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -62,10 +62,8 @@ def _rows(score, tok, par, cdepth, nodes, parent, depth, C, n, N, CC: tl.constex
     for j0 in range(0, C, BJ):
         j = j0 + tl.arange(0, BJ)
         sj = tl.load(score + j, mask=j < C, other=0.0)
-        x, y, first = sj[None, :], s[:, None], j[None, :] < c[:, None]  # is j (x) ahead of c (y)?
-        nx, ny = x != x, y != y  # (NaN)
-        ahead = tl.where(nx | ny, nx & ((ny == 0) | first), (x > y) | ((x == y) & first))
-        rank += tl.sum((ahead & (j < C)[None, :]).to(tl.int32), axis=1)
+        before = ahead(sj[None, :], s[:, None], j[None, :] < c[:, None])  # [CC, BJ]: j ahead of c
+        rank += tl.sum((before & (j < C)[None, :]).to(tl.int32), axis=1)
     chosen = (rank < n) & mc
     row = tl.zeros([CC], dtype=tl.int32)  # chosen candidates j <= c
     prow = tl.zeros([CC], dtype=tl.int32)  # chosen j <= the parent of c
@@ -74,9 +72,7 @@ def _rows(score, tok, par, cdepth, nodes, parent, depth, C, n, N, CC: tl.constex
         j = j0 + tl.arange(0, BJ)
         mj = j < C
         sj = tl.load(score + j, mask=mj, other=0.0)
-        x, y, first = s[None, :], sj[:, None], c[None, :] < j[:, None]  # is c (x) ahead of j (y)?
-        nx, ny = x != x, y != y
-        behind = tl.where(nx | ny, nx & ((ny == 0) | first), (x > y) | ((x == y) & first))
+        behind = ahead(s[None, :], sj[:, None], c[None, :] < j[:, None])  # [BJ, CC]: c ahead of j
         cj = ((tl.sum((behind & mc[None, :]).to(tl.int32), axis=1) < n) & mj).to(tl.int32)  # [BJ]: j chosen
         row += tl.sum(tl.where(j[None, :] <= c[:, None], cj[None, :], 0), axis=1)
         prow += tl.sum(tl.where(j[None, :] <= p[:, None], cj[None, :], 0), axis=1)
@@ -91,7 +87,16 @@ def _rows(score, tok, par, cdepth, nodes, parent, depth, C, n, N, CC: tl.constex
     tl.store(depth + i, tl.zeros([NN], dtype=tl.int64), mask=rest)
 
 
+def _ahead(x, y, first):
+    """A device helper (`ahead`): whether score x comes before score y in a stable descending sort, as
+    torch.sort orders them: NaN above all, then the higher; ties (NaN with NaN too) by `first`, x's candidate
+    being the earlier."""
+    nx, ny = x != x, y != y
+    return tl.where(nx | ny, nx & ((ny == 0) | first), (x > y) | ((x == y) & first))
+
+
 KERNELS = (_layout, _rows)
+HELPERS = {"ahead": _ahead}  # (bound by triton_build.kernel)
 MAX_CANDIDATES = 2048  # `rows`' C: EAGLE-2's k + (D - 1) k^2 up to k = 16 at depth 8 (bench static's limits)
 
 

@@ -49,7 +49,8 @@ def options(**jit_kw) -> Callable[[Callable], Callable]:
 
 def kernel(fn: Callable):
     """`fn` made a Triton kernel, once, with the options it declares (`options`); None without Triton. The
-    kernel's source names `tl` (and the helper `to_bf16`) as globals of its own module, which are set here:
+    kernel's source names `tl` and its helpers (`to_bf16`, and those of its module's `HELPERS`) as globals of
+    its own module, which are set here:
     Triton resolves the names of a kernel's body through the function's globals (under the interpreter, `tl`
     to the interpreter's own). torch.compile traces a launch of a made kernel (a JITFunction) but not its
     making (a graph break): `runs_on` makes a file's kernels before any forward is traced."""
@@ -60,11 +61,18 @@ def kernel(fn: Callable):
         triton, lang = mods
         for space in (fn.__globals__, globals()):  # (the kernel's module, and this one's for the helpers)
             space["tl"] = lang
-        if _to_bf16 not in _kernels:
-            _kernels[_to_bf16] = triton.jit(_to_bf16)
-        fn.__globals__["to_bf16"] = _kernels[_to_bf16]
+        for name, helper in helpers(fn).items():
+            if helper not in _kernels:
+                _kernels[helper] = triton.jit(helper)
+            fn.__globals__[name] = _kernels[helper]
         _kernels[fn] = triton.jit(fn, **getattr(fn, "triton_jit", {}))
     return _kernels[fn]
+
+
+def helpers(fn: Callable) -> dict[str, Callable]:
+    """The device helpers a kernel's body calls, by the names it calls them: `to_bf16`, and those its module
+    declares (`HELPERS`: name -> function)."""
+    return {"to_bf16": _to_bf16, **fn.__globals__.get("HELPERS", {})}
 
 
 tl = None  # triton.language once loaded (for the helpers below)
