@@ -83,8 +83,8 @@ def _sites() -> list:
 
     return [(fused_rows, "rms_norm"), (fused_rows, "add_rms_norm"), (fused_rows, "silu_mul"),
             (fused_rows, "rope_store"), (row_attention, "row_attention"), (row_attention, "row_keys"),
-            (row_linear, "row_linear"), (acceptance, "accept"), (tree_layout, "layout"),
-            (tree_layout, "rows")]
+            (row_linear, "row_linear"), (row_linear, "swiglu_linear"), (acceptance, "accept"),
+            (tree_layout, "layout"), (tree_layout, "rows")]
 
 
 @contextlib.contextmanager
@@ -129,9 +129,13 @@ def stand_ins() -> dict:
         a, b = ab.float().chunk(2, -1)
         return (F.silu(a) * b).to(ab.dtype)
 
+    def linear(x, w, b=None):  # (not F.linear: the step's RowLinears mode, nested in a round, would route it again)
+        return x @ w.T if b is None else x @ w.T + b
+
     return {"rms_norm": rms_norm, "add_rms_norm": lambda x, a, w, eps: (x + a, rms_norm(x + a, w, eps)),
             "silu_mul": silu_mul, "rope_store": fused_rows.reference_rope_store, "row_attention": attention,
-            "row_keys": row_attention.reference_keys, "row_linear": F.linear, "accept": acceptance.reference,
+            "row_keys": row_attention.reference_keys, "row_linear": linear,
+            "swiglu_linear": lambda ab, w: linear(silu_mul(ab), w), "accept": acceptance.reference,
             "layout": tree_layout.reference, "rows": tree_layout.reference_rows}
 
 
@@ -198,9 +202,14 @@ def phases(k: Kernels, step: DecodeStep, rounds: DeviceRounds):
             setattr(obj, name, real)
 
 
-def step_kernels(model, attention: str = "torch") -> tuple[collections.Counter, int]:
-    """(kernel ops of one plain decode step, RMSNorm calls in it)."""
-    st = DecodeStep(model, max_len=200, buckets=(8, 16, 32, 64), attention=attention)
+# --rounds: the step's kernels, (attention, linear) of DecodeStep
+MODES = {"torch": (None, None), "triton": ("triton", None), "both": ("triton", "triton")}
+
+
+def step_kernels(model, mode: str = "torch") -> tuple[collections.Counter, int]:
+    """(kernel ops of one plain decode step, RMSNorm calls in it); mode: `MODES`."""
+    attention, linear = MODES[mode]
+    st = DecodeStep(model, max_len=200, buckets=(8, 16, 32, 64), attention=attention, linear=linear)
     st.prefill(torch.arange(100)[None] % model.cfg.vocab_size)
     with torch.no_grad():
         st.decode(torch.tensor([5]), 100)  # (first call: any lazy set-up)
@@ -208,11 +217,12 @@ def step_kernels(model, attention: str = "torch") -> tuple[collections.Counter, 
     return ops, norms
 
 
-def round_kernels(model, drafter, tree, attention: str = "torch") -> tuple[int, int, collections.Counter]:
+def round_kernels(model, drafter, tree, mode: str = "torch") -> tuple[int, int, collections.Counter]:
     """(kernel ops of one device round of `drafter` on `tree`, RMSNorm calls in it, the ops by phase: `phases`),
     a round in the middle of a generation from a 30-token prompt (a static step's count does not depend on the
     context's length)."""
-    st = DecodeStep(model, max_len=200, buckets=(8, 16, 32, 64, 128, 256), attention=attention)
+    attention, linear = MODES[mode]
+    st = DecodeStep(model, max_len=200, buckets=(8, 16, 32, 64, 128, 256), attention=attention, linear=linear)
     ids = [int(t) for t in torch.arange(300, 330) % model.cfg.vocab_size]
     with torch.no_grad():
         static_speculative_generate(model, ids, drafter, tree, 4, step=st)  # builds the rounds (and any memo)
@@ -239,9 +249,9 @@ def round_kernels(model, drafter, tree, attention: str = "torch") -> tuple[int, 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafts", default=DRAFTS, help="comma-separated LABEL=DIR of drafts ('' = none)")
-    ap.add_argument("--rounds", choices=("torch", "triton"), default="torch",
-                    help="the device rounds through PyTorch's ops, or through the Triton kernels (attention='triton'; "
-                         "counted as launches)")
+    ap.add_argument("--rounds", choices=tuple(MODES), default="torch",
+                    help="the device rounds through PyTorch's ops, through the Triton kernels (attention='triton'; "
+                         "counted as launches), or through those and the row-linear kernel too (both)")
     ap.add_argument("--interpret", action="store_true",
                     help="run the Triton kernels in Triton's interpreter while they are counted, not their PyTorch "
                          "formulas (the same counts; a cross-check, minutes a draft)")
@@ -250,7 +260,7 @@ def main() -> None:
     bad = [x for x in entries if "=" not in x or not x.split("=", 1)[0] or not os.path.isdir(x.split("=", 1)[1])]
     if bad:
         ap.error(f"--drafts: LABEL=DIR of a train-draft output each, got {', '.join(bad)}")
-    if args.rounds == "triton" and not row_attention.available(torch.device("cpu")):
+    if args.rounds != "torch" and not row_attention.available(torch.device("cpu")):
         ap.error(f"--rounds triton: {NEEDS}")
     with contextlib.nullcontext() if args.interpret else standing_in():
         count(args, entries)
@@ -268,20 +278,21 @@ def count(args: argparse.Namespace, entries: list[str]) -> None:
     rows = [("as loaded", base, "torch"), ("fused (fuse_projections)", fused, "torch")]
     if row_attention.available(torch.device("cpu")):  # (with --interpret, Triton's interpreter: minutes)
         rows.append(("fused, the Triton kernels (attention='triton')", fused, "triton"))
-    plain = {}  # attention -> the fused plain step's (kernels, kernels if each RMSNorm is one)
-    for label, model, attention in rows:
-        ops, norms = step_kernels(model, attention)
+        rows.append(("fused, and the row-linear kernel too (linear='triton')", fused, "both"))
+    plain = {}  # mode -> the fused plain step's (kernels, kernels if each RMSNorm is one)
+    for label, model, mode in rows:
+        ops, norms = step_kernels(model, mode)
         n = sum(ops.values())
         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
         # (each RMSNorm one kernel already where the row-wise kernels run: ops/fused_rows.py)
-        fused_norms = 0 if attention == "triton" else 5 * norms
+        fused_norms = 0 if mode != "torch" else 5 * norms
         print(f"| {label} | {n} | {n / L:.1f} | {n - fused_norms} ({norms} norms) | {top} |", flush=True)
         if model is fused:
-            plain[attention] = (n, n - fused_norms)
+            plain[mode] = (n, n - fused_norms)
     drafts = dict(x.split("=", 1) for x in entries)
     if not drafts:
         return
-    print(f"\nOne device round of each draft (fused model, attention='{args.rounds}'), against the plain step of the "
+    print(f"\nOne device round of each draft (fused model, kernels '{args.rounds}'), against the plain step of the "
           "same\n")
     print("| draft | tree | kernels | x plain | draft | forward | acceptance, compaction, the round's own | "
           "if each RMSNorm is one kernel | x plain |")
@@ -289,7 +300,7 @@ def count(args: argparse.Namespace, entries: list[str]) -> None:
     ref = plain[args.rounds]
     for label, (drafter, tree) in static_methods(fused, drafts, 24).items():
         k, norms, by = round_kernels(fused, drafter, tree, args.rounds)
-        one = k - (0 if args.rounds == "triton" else 5 * norms)
+        one = k - (0 if args.rounds != "torch" else 5 * norms)
         shape = f"{len(tree)} nodes" + (f", EAGLE-2 k={drafter.dynamic_k}" if drafter.dynamic_k else "")
         print(f"| {label} | {shape} | {k} | {k / ref[0]:.2f} | {by['draft']} | {by['forward']} | {by['rest']} | "
               f"{one} | {one / ref[1]:.2f} |", flush=True)

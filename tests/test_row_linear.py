@@ -71,6 +71,25 @@ def test_a_rows_bits_depend_on_no_other_row(dtype):
     assert torch.equal(alone, few) and torch.equal(alone, many)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_swiglus_prologue_gives_the_bits_of_the_product_then_the_kernel(dtype):
+    """swiglu_linear(ab, W) is row_linear(silu_mul(ab), W) bit for bit: its prologue computes SwiGLU's product
+    by the SwiGLU kernel's own formula (triton_build's `swiglu` helper) and rounds it to the dtype as that
+    kernel stores it. A row tail and a K tail (K = 70, in blocks of 64), rows that are a column slice of a wider
+    tensor, and one row alone as among 19. A [a | b] of the wrong width is refused."""
+    from midlayer.ops import fused_rows
+
+    g = torch.Generator().manual_seed(1)
+    ab = torch.randn(19, 2 * 70 + 6, generator=g).to(DEV, dtype)[:, 3:143]  # (rows 146 apart)
+    w = (torch.randn(40, 70, generator=g) / 8).to(DEV, dtype)
+    y = rl.swiglu_linear(ab, w)
+    assert y.shape == (19, 40) and y.dtype == dtype
+    assert torch.equal(y, rl.row_linear(fused_rows.silu_mul(ab), w))
+    assert torch.equal(rl.swiglu_linear(ab[7:8], w)[0], y[7])
+    with pytest.raises(ValueError, match="2K wide"):
+        rl.swiglu_linear(ab[:, :139], w)
+
+
 def test_the_kernel_is_made_unspecialised_on_m_whichever_call_makes_it(monkeypatch):
     """Triton specialises an integer argument on its value (1, multiples of 16), so M = 1 and M = 16 would run
     other compiled programs. The kernel declares do_not_specialize=["M"] itself (triton_build.options) and is
@@ -148,6 +167,38 @@ def test_the_step_through_both_kernels_decodes_one_row_losslessly(model):
     prompt = [(7 * i + 3) % V for i in range(9)]
     ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=10), step=step)[0]
     assert assert_drafts_lossless(model, step, prompt, ref).base_forwards > 5  # (random drafts: rounds of ~1)
+
+
+@on_cpu
+def test_with_both_kernels_swiglus_product_is_the_down_projections_prologue(model, monkeypatch):
+    """With both kernels, a plain decode step runs each block's SwiGLU product as its down projection's
+    prologue: `swiglu_linear` once a block and the SwiGLU kernel never, one launch a block fewer. With the
+    attention kernel alone, the SwiGLU kernel runs once a block. The fused step's logits and hidden state are
+    the bits of the same step with the product as a kernel of its own (`fuses_swiglu` off)."""
+    from midlayer.ops import fused_rows
+
+    calls = {"silu_mul": 0, "swiglu_linear": 0}
+    for mod, name in ((fused_rows, "silu_mul"), (rl, "swiglu_linear")):
+        def counted(*a, _real=getattr(mod, name), _name=name):
+            calls[_name] += 1
+            return _real(*a)
+        monkeypatch.setattr(mod, name, counted)
+    prompt, L = torch.tensor([[(7 * i + 3) % V for i in range(9)]]), model.cfg.n_layers
+
+    def decode(linear: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        step = DecodeStep(model, max_len=48, buckets=(1, 8), attention="triton", linear=linear)
+        step.prefill(prompt)
+        calls.update(silu_mul=0, swiglu_linear=0)
+        return step.decode(torch.tensor([5]), prompt.shape[1])
+
+    fused = decode("triton")
+    assert calls == {"silu_mul": 0, "swiglu_linear": L}
+    decode(None)
+    assert calls == {"silu_mul": L, "swiglu_linear": 0}
+    monkeypatch.setattr(fused_rows, "fuses_swiglu", lambda ab, down: False)
+    apart = decode("triton")
+    assert calls == {"silu_mul": L, "swiglu_linear": 0}
+    assert all(torch.equal(a, b) for a, b in zip(fused, apart))
 
 
 @on_cpu

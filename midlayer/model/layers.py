@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from midlayer.config import ModelConfig
-from midlayer.ops import fused_rows, kernels
+from midlayer.ops import fused_rows, kernels, row_linear
 
 
 class RMSNorm(nn.Module):
@@ -114,6 +114,8 @@ class FeedForward(nn.Module):
         if self.w13 is not None:
             ab = self.w13(x)
             if self.kind == "swiglu" and fused_rows.applies(ab):  # the static step's row kernels (Triton)
+                if fused_rows.fuses_swiglu(ab, self.w2):  # (the product as the down projection's prologue)
+                    return row_linear.swiglu_linear(ab, self.w2.weight)
                 return self.w2(fused_rows.silu_mul(ab))
             if self.kind == "swiglu" and not torch.is_grad_enabled():
                 y = kernels.silu_mul(ab)  # inference on CPU: one C call, the fused q4 block's own (Block.forward)

@@ -26,19 +26,31 @@ import torch
 from . import triton_build
 from .triton_build import pow2
 
-tl = to_bf16 = None  # triton.language and triton_build's helper, set when a kernel is first made
-_ACTIVE = False
+tl = to_bf16 = swiglu = None  # triton.language and triton_build's helpers, set when a kernel is first made
+_ACTIVE = _LINEAR = False
 
 
 @contextlib.contextmanager
-def active() -> Iterator[None]:
-    """Within it, `applies` says yes to tensors on a device where the kernels run (inference only)."""
-    global _ACTIVE
-    before, _ACTIVE = _ACTIVE, True
+def active(linear: bool = False) -> Iterator[None]:
+    """Within it, `applies` says yes to tensors on a device where the kernels run (inference only). linear: the
+    forward's linears run the row-linear kernel too (`DecodeStep(linear="triton")`), so SwiGLU's product is
+    that kernel's prologue (`fuses_swiglu`) rather than a kernel of its own."""
+    global _ACTIVE, _LINEAR
+    before = _ACTIVE, _LINEAR
+    _ACTIVE, _LINEAR = True, linear
     try:
         yield
     finally:
-        _ACTIVE = before
+        _ACTIVE, _LINEAR = before
+
+
+def fuses_swiglu(ab: torch.Tensor, down: torch.nn.Module) -> bool:
+    """Whether a SwiGLU's product of ab = [a | b] and its down projection `down` (an nn.Linear) run as one
+    kernel, `row_linear.swiglu_linear`: inside `active(linear=True)`, where `applies(ab)`, for a down
+    projection without bias in ab's dtype. The same bits as `silu_mul` and then the row-linear kernel."""
+    w = getattr(down, "weight", None)
+    return (_LINEAR and applies(ab) and isinstance(down, torch.nn.Linear) and down.bias is None
+            and w.dtype == ab.dtype)
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -100,7 +112,7 @@ def _silu_mul_rows(ab, y, Hd, sab, sy, BH: tl.constexpr, BF16: tl.constexpr):
     m = j < Hd
     a = tl.load(ab + row * sab + j, mask=m, other=0.0).to(tl.float32)
     b = tl.load(ab + row * sab + Hd + j, mask=m, other=0.0).to(tl.float32)
-    out = a / (1.0 + tl.exp(-a)) * b
+    out = swiglu(a, b)
     if BF16:
         out = to_bf16(out)
     tl.store(y + row * sy + j, out, mask=m)

@@ -35,7 +35,7 @@ from . import triton_build
 from .triton_build import NEEDS
 
 BM, BN, BK = 16, 32, 64  # the tile: BM rows (16: tl.dot's least) x BN outputs, over K in blocks of BK
-tl = to_bf16 = None  # triton.language and triton_build's helper, set when the kernel is first made
+tl = to_bf16 = swiglu = None  # triton.language and triton_build's helpers, set when the kernel is first made
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -45,17 +45,23 @@ def available(device: torch.device | None = None) -> bool:
 
 @triton_build.options(do_not_specialize=["M"])  # (one compiled program at every row count: module docstring)
 def _linear_rows(x, w, b, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, DOT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """The kernel (module docstring); grid (cdiv(M, BM), cdiv(N, BN)). (At module level: Triton resolves `tl`
-    through the function's globals.)"""
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr):
+    """The kernel (module docstring); grid (cdiv(M, BM), cdiv(N, BN)). SWIGLU: x's rows are [a | b], 2K wide,
+    and the operand is SwiGLU's silu(a) * b, rounded to the dtype as fused_rows.silu_mul stores it (the
+    prologue of the FFN's down projection: `swiglu_linear`). (At module level: Triton resolves `tl` through
+    the function's globals.)"""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
-        a = tl.load(x + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0).to(tl.float32)
+        mx = (rm[:, None] < M) & (kk[None, :] < K)
+        a = tl.load(x + rm[:, None] * sxm + kk[None, :], mask=mx, other=0.0).to(tl.float32)
+        if SWIGLU:  # (a K tail: silu(0) * 0 = 0, an exact zero as the plain kernel's)
+            a = swiglu(a, tl.load(x + rm[:, None] * sxm + K + kk[None, :], mask=mx, other=0.0).to(tl.float32))
+            if BF16:
+                a = to_bf16(a).to(tl.float32)
         wt = tl.load(w + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
                      other=0.0).to(tl.float32)
         if DOT:  # (a K tail's zeros add exact zeros)
@@ -76,14 +82,27 @@ KERNELS = (_linear_rows,)
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with each row's bits independent of the others (module docstring): x [..., K],
     weight [N, K], bias [N] or None, one dtype; returns [..., N] in x's dtype."""
-    K = x.shape[-1]
+    return _launch(x, weight, bias, gated=False)
+
+
+def swiglu_linear(ab: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """row_linear(fused_rows.silu_mul(ab), weight) as one kernel, the very same bits: SwiGLU's product of
+    ab = [a | b] [..., 2K] as the prologue of the FFN's down projection, weight [N, K] (no bias). One launch a
+    block fewer in the static step where its linears run this kernel (`fused_rows.fuses_swiglu`)."""
+    return _launch(ab, weight, None, gated=True)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    K = x.shape[-1] // 2 if gated else x.shape[-1]
     N = weight.shape[0]
-    if weight.shape[1] != K or weight.dtype != x.dtype or (bias is not None and bias.shape != (N,)):
-        raise ValueError(f"row_linear: x [..., {K}] {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, bias "
-                         f"{None if bias is None else tuple(bias.shape)}: want weight [N, {K}] of x's dtype, bias [N]")
+    if (weight.shape[1] != K or x.shape[-1] != (2 * K if gated else K) or weight.dtype != x.dtype
+            or (bias is not None and bias.shape != (N,))):
+        raise ValueError(f"row_linear: x [..., {x.shape[-1]}] {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+                         f"bias {None if bias is None else tuple(bias.shape)}: want weight [N, {K}] of x's dtype, "
+                         f"bias [N]{' (x: [a | b], 2K wide)' if gated else ''}")
     if not available(x.device):
         raise RuntimeError(NEEDS)
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
@@ -93,7 +112,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     kernel[(triton_build.cdiv(M, BM), triton_build.cdiv(N, BN))](
         x2, w, w if bias is None else bias, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,
-        DOT=not triton_build.interpreted(kernel), BM=BM, BN=BN, BK=BK)
+        DOT=not triton_build.interpreted(kernel), BM=BM, BN=BN, BK=BK, SWIGLU=gated)
     return y.view(*x.shape[:-1], N)
 
 
@@ -129,12 +148,12 @@ def self_check(device: torch.device, dtype: torch.dtype, seed: int = 0) -> float
     return worst
 
 
-def compile_for(capability: int, dtype: torch.dtype):
+def compile_for(capability: int, dtype: torch.dtype) -> list:
     """The kernel compiled ahead of time for an NVIDIA GPU of compute capability `capability` with `dtype`
-    operands (triton_build.compile_for: no GPU needed; tests/test_row_linear.py)."""
+    operands, plain (with a bias) and with its SwiGLU prologue (triton_build.compile_for: no GPU needed;
+    tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
-    kinds = dict(x=f"*{t}", w=f"*{t}", b=f"*{t}", y=f"*{t}", HAS_BIAS="constexpr", BF16="constexpr", DOT="constexpr",
-                 BM="constexpr",
-                 BN="constexpr", BK="constexpr")
-    return triton_build.compile_for(_linear_rows, capability, kinds,
-                                    dict(HAS_BIAS=True, BF16=dtype == torch.bfloat16, DOT=True, BM=BM, BN=BN, BK=BK))
+    const = dict(BF16=dtype == torch.bfloat16, DOT=True, BM=BM, BN=BN, BK=BK)
+    kinds = dict(x=f"*{t}", w=f"*{t}", b=f"*{t}", y=f"*{t}", **{n: "constexpr" for n in (*const, "HAS_BIAS", "SWIGLU")})
+    return [triton_build.compile_for(_linear_rows, capability, kinds, dict(const, HAS_BIAS=bias, SWIGLU=gated))
+            for bias, gated in ((True, False), (False, True))]

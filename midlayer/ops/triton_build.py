@@ -49,8 +49,7 @@ def options(**jit_kw) -> Callable[[Callable], Callable]:
 
 def kernel(fn: Callable):
     """`fn` made a Triton kernel, once, with the options it declares (`options`); None without Triton. The
-    kernel's source names `tl` and its helpers (`to_bf16`, and those of its module's `HELPERS`) as globals of
-    its own module, which are set here:
+    kernel's source names `tl` and its helpers (`helpers`) as globals of its own module, which are set here:
     Triton resolves the names of a kernel's body through the function's globals (under the interpreter, `tl`
     to the interpreter's own). torch.compile traces a launch of a made kernel (a JITFunction) but not its
     making (a graph break): `runs_on` makes a file's kernels before any forward is traced."""
@@ -64,15 +63,17 @@ def kernel(fn: Callable):
         for name, helper in helpers(fn).items():
             if helper not in _kernels:
                 _kernels[helper] = triton.jit(helper)
+            if fn.__globals__.get(name) not in (None, _kernels[helper]):  # (it would replace the module's own)
+                raise RuntimeError(f"{fn.__module__}.{name} is not free for the kernels' helper of that name")
             fn.__globals__[name] = _kernels[helper]
         _kernels[fn] = triton.jit(fn, **getattr(fn, "triton_jit", {}))
     return _kernels[fn]
 
 
 def helpers(fn: Callable) -> dict[str, Callable]:
-    """The device helpers a kernel's body calls, by the names it calls them: `to_bf16`, and those its module
-    declares (`HELPERS`: name -> function)."""
-    return {"to_bf16": _to_bf16, **fn.__globals__.get("HELPERS", {})}
+    """The device helpers a kernel's body calls, by the names it calls them: the shared ones below (`to_bf16`,
+    `swiglu`), and those its module declares (`HELPERS`: name -> function)."""
+    return {"to_bf16": _to_bf16, "swiglu": _swiglu, **fn.__globals__.get("HELPERS", {})}
 
 
 tl = None  # triton.language once loaded (for the helpers below)
@@ -85,6 +86,13 @@ def _to_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+def _swiglu(a, b):
+    """A kernels' helper (bound as `swiglu`): SwiGLU's silu(a) * b in fp32 (FeedForward's formula), one
+    formula for the SwiGLU kernel (fused_rows) and the row-linear kernel's SwiGLU prologue (row_linear), so the
+    fused down projection reads the very values the separate kernel would have stored."""
+    return a / (1.0 + tl.exp(-a)) * b
 
 
 def runs_on(fns: tuple[Callable, ...], device: torch.device | None = None) -> bool:
