@@ -74,6 +74,10 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
                 lambda: norm(x + a)))
     ab = rand(1, n, 2 * FFN)
     out.append(("silu_mul", lambda: fused_rows.silu_mul(ab), lambda: F.silu(ab[..., :FFN]) * ab[..., FFN:]))
+    w2 = rand(DIM, FFN) / math.sqrt(FFN)  # (the FFN's down projection with SwiGLU's product as its prologue,
+    # against the SwiGLU kernel and cuBLAS: what the step runs where its linears are cuBLAS's)
+    out.append((f"swiglu_linear {FFN}->{DIM} | silu_mul + linear", lambda: row_linear.swiglu_linear(ab, w2),
+                lambda: F.linear(fused_rows.silu_mul(ab), w2)))
     S = 400
     qkv = rand(1, n, H + 2 * HK, HD)
     cos, sin = rand(1, n, HD, dt=torch.float32), rand(1, n, HD, dt=torch.float32)
