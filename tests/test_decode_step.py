@@ -983,3 +983,28 @@ def test_bench_statics_table_by_hand():
     table = static_table(dict(tables={"bf16": dict(rows=list(got.values()), invariant={})}), header=False)
     assert "| eagle-2, device rounds | 2.50 | 1.25x | 1.60x | 1.50 | 1/2 |" in table
     assert _static_rows(rows, None)[0]["over_plain"] is None  # (no plain row ran: no speed-up, no comparison)
+    inv = dict(invariant={"cudagraph": True, "cudagraph, both kernels": None}, buckets={
+        "cudagraph": (1, 8), "cudagraph, both kernels": (1, 8)}, linear={"cudagraph, both kernels": "triton"})
+    table = static_table(dict(tables={"bf16": dict(rows=[], **inv)}), header=False)
+    assert "bf16 (buckets cudagraph: (1, 8) row-invariant, cudagraph, both kernels: (1, 8) row-linear kernel " \
+           "not probed)" in table
+
+
+def test_the_bench_times_the_linear_kernel_beside_a_chosen_cublas_step(monkeypatch):
+    """Where the probe chose the row-attention kernel with PyTorch's (cuBLAS's) linears, `bench static` adds a
+    plain row through both kernels: the chosen step's buckets and mode, linear="triton" (not probed). None
+    where the chosen step runs the linear kernel already, attends in PyTorch ops, or the kernels do not run
+    (on a CPU they are tried by pretending, as the probe's tests do)."""
+    pytest.importorskip("triton")
+    from midlayer.experiments import static_bench as sb
+
+    model = compress_weights(make_tiny(DIMS, False), "fp32")
+    monkeypatch.setattr(sb, "triton_kernels", lambda m: True)
+    chosen = DecodeStep(model, max_len=40, buckets=(1, 8), attention="triton")
+    alt = sb.linear_kernel_step(model, chosen, 40)
+    assert (alt.buckets, alt.attention, alt.linear, alt.graphs, alt.max_len, alt.invariant) == (
+        (1, 8), "triton", "triton", "eager", 40, None)
+    assert sb.linear_kernel_step(model, alt, 40) is None
+    assert sb.linear_kernel_step(model, DecodeStep(model, max_len=40, buckets=(1, 8)), 40) is None
+    monkeypatch.setattr(sb, "triton_kernels", lambda m: False)
+    assert sb.linear_kernel_step(model, chosen, 40) is None

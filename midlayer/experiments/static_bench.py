@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from midlayer.common import device_sync
-from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, static_stream
+from midlayer.engine.decode_step import any_round_slots, BUCKET_CANDIDATES, DecodeStep, static_stream, triton_kernels
 from midlayer.engine.generate import generate_stream, GenerationConfig
 from midlayer.engine.pretrained import load_pretrained, resolve_pretrained
 from midlayer.engine.quantization import fuse_projections
@@ -230,6 +230,9 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
     max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
     steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
     spec_step = steps[graphs[-1]]
+    alt = linear_kernel_step(model, spec_step, max_len)
+    if alt is not None:
+        steps[f"{graphs[-1]}, both kernels"] = alt
     hf = None
     skipped = _cudagraph_skips()
     if hf_cpu is not None:
@@ -273,6 +276,17 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
                 attn_rows={g: st.attn_rows for g, st in steps.items()},
                 attention={g: st.attention for g, st in steps.items()},
                 linear={g: st.linear for g, st in steps.items()})
+
+
+def linear_kernel_step(model: Transformer, chosen: DecodeStep, max_len: int) -> DecodeStep | None:
+    """Where the probe chose the row-attention kernel with PyTorch's (cuBLAS's) linears, the same step with the
+    row-linear kernel too (SwiGLU's product its prologue: 288 kernels a SmolLM2 step against 318), for a plain
+    row beside the chosen one: the probe orders its candidates by an assumption (cuBLAS first where it keeps a
+    row's bits), and this row measures it. None where the chosen step runs it already or the kernels do not."""
+    if chosen.attention != "triton" or chosen.linear == "triton" or not triton_kernels(model):
+        return None
+    return DecodeStep(model, max_len=max_len, buckets=chosen.buckets, graphs=chosen.graphs, attn_rows=chosen.attn_rows,
+                      attention="triton", linear="triton")
 
 
 def _warm_up(model: Transformer, steps: dict[str, DecodeStep], spec_step: DecodeStep, methods: dict[str, tuple],
@@ -360,7 +374,8 @@ def static_table(r: dict, dtypes: Sequence[str] | None = None, header: bool = Tr
         inv = ", ".join(f"{g}: {t['buckets'][g]}{f' attention in groups of {grouped[g]}' if grouped.get(g) else ''}"
                         f"{' row-attention kernel' if kernel.get(g) == 'triton' else ''}"
                         f"{' row-linear kernel' if lin.get(g) == 'triton' else ''} "
-                        f"{'row-invariant' if ok else 'NOT row-invariant'}" for g, ok in t["invariant"].items())
+                        f"{'row-invariant' if ok else 'not probed' if ok is None else 'NOT row-invariant'}"
+                        for g, ok in t["invariant"].items())
         out += [f"{dname} (buckets {inv})", "",
                 "| engine | ms/token | vs recipe | speed-up over our plain | tau | = our plain greedy |",
                 "|---|---|---|---|---|---|"]
