@@ -83,7 +83,8 @@ def _sites() -> list:
 
     return [(fused_rows, "rms_norm"), (fused_rows, "add_rms_norm"), (fused_rows, "silu_mul"),
             (fused_rows, "rope_store"), (row_attention, "row_attention"), (row_attention, "row_keys"),
-            (row_linear, "row_linear"), (row_linear, "swiglu_linear"), (acceptance, "accept"),
+            (row_linear, "row_linear"), (row_linear, "swiglu_linear"), (row_linear, "norm_linear"),
+            (acceptance, "accept"),
             (tree_layout, "layout"), (tree_layout, "rows")]
 
 
@@ -132,10 +133,15 @@ def stand_ins() -> dict:
     def linear(x, w, b=None):  # (not F.linear: the step's RowLinears mode, nested in a round, would route it again)
         return x @ w.T if b is None else x @ w.T + b
 
+    def norm_linear(x, a, g, eps, w):
+        h = x if a is None else x + a
+        return h, linear(rms_norm(h, g, eps), w)
+
     return {"rms_norm": rms_norm, "add_rms_norm": lambda x, a, w, eps: (x + a, rms_norm(x + a, w, eps)),
             "silu_mul": silu_mul, "rope_store": fused_rows.reference_rope_store, "row_attention": attention,
             "row_keys": row_attention.reference_keys, "row_linear": linear,
-            "swiglu_linear": lambda ab, w: linear(silu_mul(ab), w), "accept": acceptance.reference,
+            "swiglu_linear": lambda ab, w: linear(silu_mul(ab), w), "norm_linear": norm_linear,
+            "accept": acceptance.reference,
             "layout": tree_layout.reference, "rows": tree_layout.reference_rows}
 
 

@@ -90,6 +90,43 @@ def test_swiglus_prologue_gives_the_bits_of_the_product_then_the_kernel(dtype):
         rl.swiglu_linear(ab[:, :139], w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_norms_prologue_is_the_residual_add_then_rmsnorm_then_the_kernel(dtype):
+    """norm_linear(x, a, g, eps, W) = (h, RMSNorm(h) W^T) with h = x + a: h the very bits of PyTorch's add; y
+    within the dtype's rounding of the fp64 formula (h * rsqrt(mean(h^2) + eps) * g, rounded to the dtype
+    as RMSNorm's output, then the product), with row, output and K tails (K = 70: two blocks of 64 in the mean
+    square's first pass). A row's h and y are the same bits alone as among 19 rows. Without a, h is x. Operands
+    of other shapes are refused."""
+    g = torch.Generator().manual_seed(2)
+    x, a = (torch.randn(19, 70, generator=g).to(DEV, dtype) for _ in range(2))
+    norm_w = (1 + 0.1 * torch.randn(70, generator=g)).to(DEV, dtype)
+    w = (torch.randn(40, 70, generator=g) / 8).to(DEV, dtype)
+    h, y = rl.norm_linear(x, a, norm_w, 1e-5, w)
+    assert torch.equal(h, x + a) and y.shape == (19, 40) and y.dtype == dtype
+    h64 = h.double()
+    hn = (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()).to(dtype).double()
+    want = hn @ w.double().T
+    assert ((y.double() - want).abs().max() / want.abs().max()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    h7, y7 = rl.norm_linear(x[7:8], a[7:8], norm_w, 1e-5, w)
+    assert torch.equal(h7[0], h[7]) and torch.equal(y7[0], y[7])
+    x_only, y_only = rl.norm_linear(h, None, norm_w, 1e-5, w)
+    assert x_only is h and torch.equal(y_only, y)  # (the norm of h itself: the same operand, the same bits)
+    with pytest.raises(ValueError, match="x's shape"):
+        rl.norm_linear(x, a[:, :69], norm_w, 1e-5, w)
+    with pytest.raises(ValueError, match="norm weight"):
+        rl.norm_linear(x, a, norm_w[:69], 1e-5, w)
+
+
+def test_attention_refuses_a_ready_qkv_where_it_would_not_read_it(model):
+    """Attention.forward takes q|k|v made by its caller (Block.forward's norm_linear) only on the path that
+    reads it (`takes_qkv`: the static step's kernels with its linears); elsewhere it would attend over x's
+    own projection and drop the caller's, so it refuses."""
+    att, hd = model.layers[0].attention, DIMS["dim"] // DIMS["n_heads"]
+    x, cos = torch.randn(1, 3, DIMS["dim"]), torch.ones(3, hd)
+    with pytest.raises(ValueError, match="takes_qkv"):
+        att(x, cos, cos, qkv=att.wqkv(x))
+
+
 def test_the_kernel_is_made_unspecialised_on_m_whichever_call_makes_it(monkeypatch):
     """Triton specialises an integer argument on its value (1, multiples of 16), so M = 1 and M = 16 would run
     other compiled programs. The kernel declares do_not_specialize=["M"] itself (triton_build.options) and is
@@ -170,15 +207,18 @@ def test_the_step_through_both_kernels_decodes_one_row_losslessly(model):
 
 
 @on_cpu
-def test_with_both_kernels_swiglus_product_is_the_down_projections_prologue(model, monkeypatch):
-    """With both kernels, a plain decode step runs each block's SwiGLU product as its down projection's
-    prologue: `swiglu_linear` once a block and the SwiGLU kernel never, one launch a block fewer. With the
-    attention kernel alone, the SwiGLU kernel runs once a block. The fused step's logits and hidden state are
-    the bits of the same step with the product as a kernel of its own (`fuses_swiglu` off)."""
+def test_with_both_kernels_each_norm_and_swiglu_are_the_linears_prologues(model, monkeypatch):
+    """With both kernels, a plain decode step runs a block's projections with what comes before them: the
+    residual add carried from the block before, the attention's norm and q|k|v (`norm_linear`); the FFN's
+    residual add, its norm and w13 (`norm_linear`); SwiGLU's product and w2 (`swiglu_linear`). The SwiGLU and
+    add-and-norm kernels never run. With the attention kernel alone, they run once and twice a block (less the
+    first block's carry). The logits and hidden state are the bits of the same step with SwiGLU's product as a
+    kernel of its own (`fuses_linear` off for w2: that prologue changes no bits)."""
     from midlayer.ops import fused_rows
 
-    calls = {"silu_mul": 0, "swiglu_linear": 0}
-    for mod, name in ((fused_rows, "silu_mul"), (rl, "swiglu_linear")):
+    calls = {"silu_mul": 0, "swiglu_linear": 0, "add_rms_norm": 0, "norm_linear": 0}
+    for mod, name in ((fused_rows, "silu_mul"), (rl, "swiglu_linear"), (fused_rows, "add_rms_norm"),
+                      (rl, "norm_linear")):
         def counted(*a, _real=getattr(mod, name), _name=name):
             calls[_name] += 1
             return _real(*a)
@@ -188,16 +228,18 @@ def test_with_both_kernels_swiglus_product_is_the_down_projections_prologue(mode
     def decode(linear: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         step = DecodeStep(model, max_len=48, buckets=(1, 8), attention="triton", linear=linear)
         step.prefill(prompt)
-        calls.update(silu_mul=0, swiglu_linear=0)
+        calls.update({k: 0 for k in calls})
         return step.decode(torch.tensor([5]), prompt.shape[1])
 
-    fused = decode("triton")
-    assert calls == {"silu_mul": 0, "swiglu_linear": L}
-    decode(None)
-    assert calls == {"silu_mul": L, "swiglu_linear": 0}
-    monkeypatch.setattr(fused_rows, "fuses_swiglu", lambda ab, down: False)
+    fused = decode("triton")  # (each norm with the residual add before it and the projection after it: one)
+    assert calls == {"silu_mul": 0, "swiglu_linear": L, "add_rms_norm": 0, "norm_linear": 2 * L}
+    decode(None)  # (add_rms_norm: each FFN's, and each block's first but block 0's, with the carry)
+    assert calls == {"silu_mul": L, "swiglu_linear": 0, "add_rms_norm": 2 * L - 1, "norm_linear": 0}
+    real_fuses, downs = fused_rows.fuses_linear, [b.feed_forward.w2 for b in model.layers]
+    monkeypatch.setattr(fused_rows, "fuses_linear",
+                        lambda x, lin: real_fuses(x, lin) and all(lin is not d for d in downs))
     apart = decode("triton")
-    assert calls == {"silu_mul": L, "swiglu_linear": 0}
+    assert calls == {"silu_mul": L, "swiglu_linear": 0, "add_rms_norm": 0, "norm_linear": 2 * L}
     assert all(torch.equal(a, b) for a, b in zip(fused, apart))
 
 

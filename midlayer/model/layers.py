@@ -112,20 +112,25 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
-            ab = self.w13(x)
-            if self.kind == "swiglu" and fused_rows.applies(ab):  # the static step's row kernels (Triton)
-                if fused_rows.fuses_swiglu(ab, self.w2):  # (the product as the down projection's prologue)
-                    return row_linear.swiglu_linear(ab, self.w2.weight)
-                return self.w2(fused_rows.silu_mul(ab))
-            if self.kind == "swiglu" and not torch.is_grad_enabled():
-                y = kernels.silu_mul(ab)  # inference on CPU: one C call, the fused q4 block's own (Block.forward)
-                if y is not None:
-                    return self.w2(y)
-            a, b = ab.chunk(2, -1)
-            return self.w2(self.act(a) * b)
+            return self.down(self.w13(x))
         if self.glu:
             return self.w2(self.act(self.w1(x)) * self.w3(x))
         return self.w2(self.act(self.w1(x)))
+
+
+    def down(self, ab: torch.Tensor) -> torch.Tensor:
+        """The rest of a fused GLU after w13: w2(act(a) * b) for ab = [a | b] (Block.forward calls it where the
+        static step's kernel makes ab with the norm before it)."""
+        if self.kind == "swiglu" and fused_rows.applies(ab):  # the static step's row kernels (Triton)
+            if fused_rows.fuses_linear(ab, self.w2):  # (the product as the down projection's prologue)
+                return row_linear.swiglu_linear(ab, self.w2.weight)
+            return self.w2(fused_rows.silu_mul(ab))
+        if self.kind == "swiglu" and not torch.is_grad_enabled():
+            y = kernels.silu_mul(ab)  # inference on CPU: one C call, the fused q4 block's own (Block.forward)
+            if y is not None:
+                return self.w2(y)
+        a, b = ab.chunk(2, -1)
+        return self.w2(self.act(a) * b)
 
 
 class MoEFeedForward(nn.Module):

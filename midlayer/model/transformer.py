@@ -34,7 +34,7 @@ from .gating import GateStats, MirroredGates, Routers
 from .kv_cache import CacheView
 from .layers import FeedForward, make_norm, MoEFeedForward, RMSNorm
 from .ssm import SelectiveSSM
-from midlayer.ops import fused_rows, kernels
+from midlayer.ops import fused_rows, kernels, row_linear
 
 
 class Block(nn.Module):
@@ -70,24 +70,32 @@ class Block(nn.Module):
 
         defer: return (h, g * FFN(a)) with the last residual add left undone (None: nothing left, post-LN and
         q4's one C call), for the next block to take as `carry`: its input is then x + carry. The static
-        step's kernels do that add and this block's first norm as one kernel (ops/fused_rows.add_rms_norm);
-        elsewhere it is the same add, one block later (the same bits)."""
+        step's kernels do that add and this block's first norm as one kernel (ops/fused_rows.add_rms_norm), or,
+        where its linears run the row-linear kernel, that add, the norm and q|k|v (ops/row_linear.norm_linear,
+        as the FFN's add, norm and first projection); elsewhere it is the same add, one block later (the same
+        bits)."""
         post = self.placement == "post"
-        xin = None
+        xin = qkv = None
+        if (not post and self.mixer is None and isinstance(self.attention_norm, RMSNorm)
+                and self.attention.takes_qkv(x, cache)):
+            # the static step's kernels with its linears: the carried add, this norm and q|k|v, one kernel
+            x, qkv = row_linear.norm_linear(x, carry, self.attention_norm.weight, self.attention_norm.eps,
+                                            self.attention.wqkv.weight)
+            xin, carry = x, None  # (xin: the shape and dtype Attention reads beside its ready q|k|v)
         if carry is not None:
             if not post and fused_rows.applies(x) and isinstance(self.attention_norm, RMSNorm):
                 x, xin = fused_rows.add_rms_norm(x, carry, self.attention_norm.weight, self.attention_norm.eps)
             else:
                 x = x + carry
-        if (self.fused_q4 is not None and gate is None and key_bias is None and cache is not None and cache.direct
-                and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and cache.k_buffer.dtype in kernels.KV_DTYPES):
+        if (self.fused_q4 is not None and qkv is None and gate is None and key_bias is None and cache is not None
+                and cache.direct and x.device.type == "cpu" and x.dtype == torch.float32
+                and not torch.is_grad_enabled() and cache.k_buffer.dtype in kernels.KV_DTYPES):
             out = self._forward_fused(x, cos, sin, cache)
             return (out, None) if defer else out
         if xin is None:
             xin = x if post else self.attention_norm(x)
         if self.mixer is None:
-            a = self.attention(xin, cos, sin, key_bias, cache)
+            a = self.attention(xin, cos, sin, key_bias, cache, qkv=qkv)
         elif cache is None:
             a = self.mixer(xin)
         else:  # the view hands out the mixer's state (generation) or refuses (explicit-mask passes)
@@ -98,14 +106,19 @@ class Block(nn.Module):
             a = self.drop(a)
         if gate is not None:
             a = a * gate[..., None].to(a.dtype)
+        up = getattr(self.feed_forward, "w13", None)  # (a fused GLU's first projection)
         if post:
             h = hn = self.attention_norm(x + a)
+        elif isinstance(self.ffn_norm, RMSNorm) and fused_rows.fuses_linear(x, up):
+            # the static step's kernels with its linears: the residual add, the FFN's norm and w13, one kernel
+            h, ab = row_linear.norm_linear(x, a, self.ffn_norm.weight, self.ffn_norm.eps, up.weight)
+            hn = None
         elif fused_rows.applies(x) and isinstance(self.ffn_norm, RMSNorm):  # (the static step's kernels: one)
             h, hn = fused_rows.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)
         else:
             h = x + a
             hn = self.ffn_norm(h)
-        f = self.feed_forward(hn)
+        f = self.feed_forward(hn) if hn is not None else self.feed_forward.down(ab)
         if self.sandwich:
             f = self.ffn_out_norm(f)
         if self.drop is not None:

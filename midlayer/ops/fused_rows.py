@@ -33,8 +33,8 @@ _ACTIVE = _LINEAR = False
 @contextlib.contextmanager
 def active(linear: bool = False) -> Iterator[None]:
     """Within it, `applies` says yes to tensors on a device where the kernels run (inference only). linear: the
-    forward's linears run the row-linear kernel too (`DecodeStep(linear="triton")`), so SwiGLU's product is
-    that kernel's prologue (`fuses_swiglu`) rather than a kernel of its own."""
+    forward's linears run the row-linear kernel too (`DecodeStep(linear="triton")`), so SwiGLU's product and
+    the norms before a projection are that kernel's prologue (`fuses_linear`), not kernels of their own."""
     global _ACTIVE, _LINEAR
     before = _ACTIVE, _LINEAR
     _ACTIVE, _LINEAR = True, linear
@@ -44,13 +44,12 @@ def active(linear: bool = False) -> Iterator[None]:
         _ACTIVE, _LINEAR = before
 
 
-def fuses_swiglu(ab: torch.Tensor, down: torch.nn.Module) -> bool:
-    """Whether a SwiGLU's product of ab = [a | b] and its down projection `down` (an nn.Linear) run as one
-    kernel, `row_linear.swiglu_linear`: inside `active(linear=True)`, where `applies(ab)`, for a down
-    projection without bias in ab's dtype. The same bits as `silu_mul` and then the row-linear kernel."""
-    w = getattr(down, "weight", None)
-    return (_LINEAR and applies(ab) and isinstance(down, torch.nn.Linear) and down.bias is None
-            and w.dtype == ab.dtype)
+def fuses_linear(x: torch.Tensor, linear: torch.nn.Module | None) -> bool:
+    """Whether the op before `linear` (an nn.Linear without bias, in x's dtype) is the row-linear kernel's
+    prologue, one kernel with it (row_linear.swiglu_linear, row_linear.norm_linear): inside
+    `active(linear=True)`, where `applies(x)`."""
+    return (_LINEAR and isinstance(linear, torch.nn.Linear) and linear.bias is None and applies(x)
+            and linear.weight.dtype == x.dtype)
 
 
 def available(device: torch.device | None = None) -> bool:
