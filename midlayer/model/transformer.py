@@ -76,7 +76,7 @@ class Block(nn.Module):
         bits)."""
         post = self.placement == "post"
         xin = qkv = None
-        if (not post and self.mixer is None and isinstance(self.attention_norm, RMSNorm)
+        if (fused_rows.PROLOGUES and not post and self.mixer is None and isinstance(self.attention_norm, RMSNorm)
                 and self.attention.takes_qkv(x, cache)):
             # the static step's kernels with its linears: the carried add, this norm and q|k|v, one kernel
             x, qkv = row_linear.norm_linear(x, carry, self.attention_norm.weight, self.attention_norm.eps,
@@ -106,12 +106,13 @@ class Block(nn.Module):
             a = self.drop(a)
         if gate is not None:
             a = a * gate[..., None].to(a.dtype)
-        up = getattr(self.feed_forward, "w13", None)  # (a fused GLU's first projection)
         if post:
             h = hn = self.attention_norm(x + a)
-        elif isinstance(self.ffn_norm, RMSNorm) and fused_rows.fuses_linear(x, up):
+        elif (fused_rows.PROLOGUES and isinstance(self.ffn_norm, RMSNorm)
+              and fused_rows.fuses_linear(x, getattr(self.feed_forward, "w13", None))):  # (a fused GLU's first)
             # the static step's kernels with its linears: the residual add, the FFN's norm and w13, one kernel
-            h, ab = row_linear.norm_linear(x, a, self.ffn_norm.weight, self.ffn_norm.eps, up.weight)
+            h, ab = row_linear.norm_linear(x, a, self.ffn_norm.weight, self.ffn_norm.eps,
+                                           self.feed_forward.w13.weight)
             hn = None
         elif fused_rows.applies(x) and isinstance(self.ffn_norm, RMSNorm):  # (the static step's kernels: one)
             h, hn = fused_rows.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)

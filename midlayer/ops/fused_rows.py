@@ -27,7 +27,8 @@ from . import triton_build
 from .triton_build import pow2
 
 tl = to_bf16 = swiglu = None  # triton.language and triton_build's helpers, set when a kernel is first made
-_ACTIVE = _LINEAR = False
+_ACTIVE = False
+PROLOGUES = False  # inside `active(linear=True)`: read first by the model's hot paths (no call)
 
 
 @contextlib.contextmanager
@@ -35,20 +36,20 @@ def active(linear: bool = False) -> Iterator[None]:
     """Within it, `applies` says yes to tensors on a device where the kernels run (inference only). linear: the
     forward's linears run the row-linear kernel too (`DecodeStep(linear="triton")`), so SwiGLU's product and
     the norms before a projection are that kernel's prologue (`fuses_linear`), not kernels of their own."""
-    global _ACTIVE, _LINEAR
-    before = _ACTIVE, _LINEAR
-    _ACTIVE, _LINEAR = True, linear
+    global _ACTIVE, PROLOGUES
+    before = _ACTIVE, PROLOGUES
+    _ACTIVE, PROLOGUES = True, linear
     try:
         yield
     finally:
-        _ACTIVE, _LINEAR = before
+        _ACTIVE, PROLOGUES = before
 
 
 def fuses_linear(x: torch.Tensor, linear: torch.nn.Module | None) -> bool:
     """Whether the op before `linear` (an nn.Linear without bias, in x's dtype) is the row-linear kernel's
     prologue, one kernel with it (row_linear.swiglu_linear, row_linear.norm_linear): inside
     `active(linear=True)`, where `applies(x)`."""
-    return (_LINEAR and isinstance(linear, torch.nn.Linear) and linear.bias is None and applies(x)
+    return (PROLOGUES and isinstance(linear, torch.nn.Linear) and linear.bias is None and applies(x)
             and linear.weight.dtype == x.dtype)
 
 
