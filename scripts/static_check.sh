@@ -28,6 +28,8 @@
 # cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
 # COMPILE_DRAFTS=1: the compile rows run the drafters too (their device rounds compiled; more compile time).
 # A short rerun: BENCH_FIRST=1, DTYPES, CHECK_S, PROFILE=0 (below).
+# Since the 47th session bench.md also has a plain row "cudagraph, both kernels" wherever the probe took cuBLAS's
+# linears: the step with the row-linear kernel too (the norms and SwiGLU its prologues), against the chosen one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
