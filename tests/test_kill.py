@@ -31,9 +31,11 @@ def _env(tmp_path: Path) -> dict:
 
 def _started(cmd: list[str], ready: Path, env: dict) -> subprocess.Popen:
     """cmd (whose process touches the path given as its last argument, and drops it, when its imports are done)
-    started, once that is done (or it has ended)."""
+    started, once that is done (or it has ended). Its stderr goes to a file beside `ready` (a pipe nobody reads
+    would stall a process that writes more than the pipe holds)."""
     ready.unlink(missing_ok=True)
-    p = subprocess.Popen([*cmd, str(ready)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with open(ready.with_suffix(".stderr"), "wb") as err:
+        p = subprocess.Popen([*cmd, str(ready)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     while not ready.exists() and p.poll() is None:
         time.sleep(0.005)
     return p
@@ -43,8 +45,8 @@ def _work_s(cmd: list[str], ready: Path, env: dict) -> float:
     """Seconds of an uninterrupted run of cmd after its imports."""
     p = _started(cmd, ready, env)
     t = time.perf_counter()
-    _, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err.decode()[-2000:]
+    p.wait(timeout=600)
+    assert p.returncode == 0, ready.with_suffix(".stderr").read_text()[-2000:]
     return time.perf_counter() - t
 
 
@@ -63,7 +65,7 @@ def _kill_and_resume(cmd_for, ready: Path, env: dict, seed: int, until_done, wor
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
             killed += 1
-        p.wait()
+        p.wait(timeout=600)
     last = subprocess.run([*cmd_for(KILLS), str(ready)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert last.returncode == 0, last.stderr[-2000:]

@@ -244,6 +244,39 @@ def test_with_both_kernels_each_norm_and_swiglu_are_the_linears_prologues(model,
 
 
 @on_cpu
+@pytest.mark.parametrize("placement", ["pre", "sandwich"])
+def test_the_prologue_step_computes_the_unfused_steps_values(placement, monkeypatch):
+    """Block.forward's wiring of the prologues, by value: the step through both kernels (each norm with its
+    residual add, and SwiGLU, as the linears' prologues) against the same model's step with the attention
+    kernel alone (its norms kernels of their own, its linears PyTorch's), decode by decode on the same tokens:
+    logits within fp32 rounding. Every norm has its own random weights, so a norm applied in another's place,
+    a residual added twice or lost, would show. Pre-norm and sandwich (peri-LN) blocks; the fused path taken
+    (norm_linear called)."""
+    from midlayer.model.layers import RMSNorm
+
+    model = compress_weights(make_tiny({**DIMS, "norm_placement": placement}, False), "fp32")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, RMSNorm):
+                mod.weight.copy_(1 + 0.3 * torch.randn(mod.weight.shape, generator=g))
+    calls = []
+    real = rl.norm_linear
+    monkeypatch.setattr(rl, "norm_linear", lambda *a: calls.append(1) or real(*a))
+    prompt = torch.tensor([[(5 * i + 1) % V for i in range(11)]])
+    steps = [DecodeStep(model, max_len=48, buckets=(1, 8), attention="triton", linear=lin) for lin in (None, "triton")]
+    for st in steps:
+        st.prefill(prompt)
+    calls.clear()  # (the decodes' own)
+    tok, pos = 7, prompt.shape[1]
+    for _ in range(4):
+        (apart, _), (fused, _) = (st.decode(torch.tensor([tok]), pos) for st in steps)
+        torch.testing.assert_close(fused, apart, rtol=1e-4, atol=1e-4)
+        tok, pos = int(apart[0].argmax()), pos + 1
+    assert len(calls) == 4 * 2 * model.cfg.n_layers
+
+
+@on_cpu
 def test_the_probe_takes_the_linear_kernel_where_the_blas_fails_and_passes_over_a_failure(model, monkeypatch):
     """Where the Triton kernels are tried (CUDA with Triton; on this CPU by pretending), a one-row bucket whose
     BLAS rounds by M fails with PyTorch's linears and passes with the row-linear kernel, which the probe then

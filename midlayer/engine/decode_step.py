@@ -512,8 +512,9 @@ class DecodeStep:
         """The context a forward runs in (and a device round, speculative/static.py, whose draft modules then
         take them too): with attention="triton", the row-wise kernels (ops/fused_rows.py: RMSNorm, SwiGLU's
         product, RoPE with the store); with linear="triton", every F.linear goes to the row-linear kernel
-        (ops/row_linear.py: a TorchFunctionMode), and with both, SwiGLU's product is the down projection's
-        prologue. The model's own code runs unchanged."""
+        (ops/row_linear.py: a TorchFunctionMode), and with both, each norm (with the residual add before it)
+        and SwiGLU's product are the next projection's prologue (fused_rows.fuses_linear: Block.forward,
+        FeedForward.down). The model's own code runs unchanged but for asking where those apply."""
         stack = contextlib.ExitStack()  # (empty: the PyTorch ops, nothing entered)
         if self.attention == "triton":
             stack.enter_context(fused_rows.active(linear=self.linear == "triton"))

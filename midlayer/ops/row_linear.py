@@ -169,6 +169,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     a, g, eps = norm if norm is not None else (None, None, 0.0)
     a2 = None if a is None else _rows(a)
+    g = None if g is None else g.contiguous()
     h = None if a is None else torch.empty(M, K, device=x.device, dtype=x.dtype)
     kernel = triton_build.kernel(_linear_rows)
     kernel[(triton_build.cdiv(M, BM), triton_build.cdiv(N, BN))](
@@ -203,18 +204,29 @@ class RowLinears(TorchFunctionMode):
 
 def self_check(device: torch.device, dtype: torch.dtype, seed: int = 0) -> float:
     """The kernel's largest difference from the fp64 product on `device`, relative to the product's largest
-    magnitude, over shapes with a row tail, an output tail and a K tail: what the step's probe, which compares a
-    row's bits across buckets and not its value, cannot see. A correct kernel is within its dtype's rounding
-    (about 1e-7 in fp32, 4e-3 in bf16)."""
+    magnitude, over shapes with a row tail, an output tail and a K tail, plain and with each prologue (its
+    operand made in PyTorch: SwiGLU's product, the norm of the residual sum, each rounded to the dtype; and the
+    sum itself): what the step's probe, which compares a row's bits across buckets and not its value, cannot
+    see. A correct kernel is within its dtype's rounding (about 1e-7 in fp32, 4e-3 in bf16)."""
     g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    def off(got: torch.Tensor, operand: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> float:
+        ref = operand.double() @ w.double().T + (0 if b is None else b.double())
+        return float((got.double() - ref).abs().max() / ref.abs().max())
+
     worst = 0.0
     for M, N, K in ((1, 40, 70), (19, 72, 130)):
-        x = torch.randn(M, K, generator=g).to(device, dtype)
-        w = torch.randn(N, K, generator=g).to(device, dtype)
-        b = torch.randn(N, generator=g).to(device, dtype)
-        ref = x.double() @ w.double().T + b.double()
-        err = (row_linear(x, w, b).double() - ref).abs().max() / ref.abs().max()
-        worst = max(worst, float(err))
+        x, a, w, b, nw = rand(M, K), rand(M, K), rand(N, K), rand(N), 1 + 0.1 * rand(K)
+        ab = torch.cat([rand(M, K), x], -1)
+        glu = (torch.nn.functional.silu(ab[:, :K].float()) * ab[:, K:].float()).to(dtype)
+        h, y = norm_linear(x, a, nw, 1e-5, w)
+        hf = (x + a).float()
+        normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()).to(dtype)
+        worst = max(worst, off(row_linear(x, w, b), x, w, b), off(swiglu_linear(ab, w), glu, w), off(y, normed, w),
+                    float((h.double() - (x + a).double()).abs().max()))
     return worst
 
 
