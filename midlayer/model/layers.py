@@ -117,7 +117,6 @@ class FeedForward(nn.Module):
             return self.w2(self.act(self.w1(x)) * self.w3(x))
         return self.w2(self.act(self.w1(x)))
 
-
     def down(self, ab: torch.Tensor) -> torch.Tensor:
         """The rest of a fused GLU after w13: w2(act(a) * b) for ab = [a | b] (Block.forward calls it where the
         static step's kernel makes ab with the norm before it)."""
