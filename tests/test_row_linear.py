@@ -117,6 +117,22 @@ def test_the_norms_prologue_is_the_residual_add_then_rmsnorm_then_the_kernel(dty
         rl.norm_linear(x, a, norm_w[:69], 1e-5, w)
 
 
+@pytest.mark.parametrize("wrong", ["swiglu_linear", "norm_linear-y", "norm_linear-h"])
+def test_the_self_check_sees_a_prologue_off_its_formula(wrong, monkeypatch):
+    """The self-check the probe runs before trying the kernel on a GPU (it compares bits across buckets, not
+    values) checks each prologue's value too: a SwiGLU prologue, a norm prologue's projection or its residual
+    sum 1% off takes the check past the probe's fp32 tolerance (1e-5), where the kernels as they are pass."""
+    assert rl.self_check(DEV, torch.float32) < 1e-5
+    name = wrong.split("-")[0]
+    real = getattr(rl, name)
+    if name == "swiglu_linear":
+        monkeypatch.setattr(rl, name, lambda *a: real(*a) * 1.01)
+    else:
+        at = 1 if wrong.endswith("y") else 0
+        monkeypatch.setattr(rl, name, lambda *a: tuple(t * 1.01 if i == at else t for i, t in enumerate(real(*a))))
+    assert rl.self_check(DEV, torch.float32) > 1e-3
+
+
 def test_attention_refuses_a_ready_qkv_where_it_would_not_read_it(model):
     """Attention.forward takes q|k|v made by its caller (Block.forward's norm_linear) only on the path that
     reads it (`takes_qkv`: the static step's kernels with its linears); elsewhere it would attend over x's
