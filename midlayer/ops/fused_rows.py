@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from . import triton_build
-from .triton_build import pow2
+from .triton_build import as_rows, pow2
 
 tl = to_bf16 = swiglu = None  # triton.language and triton_build's helpers, set when a kernel is first made
 _ACTIVE = False
@@ -152,15 +152,9 @@ KERNELS = (_rms_norm_rows, _add_rms_norm_rows, _silu_mul_rows, _rope_store_rows)
 
 
 # ------------------------------------------------------------------------------------------------ launches
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, features] with the features contiguous (a view where it can be)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """layers.RMSNorm's formula over x's last dimension as one kernel; x's dtype out."""
-    x2 = _rows(x)
+    x2 = as_rows(x)
     y = torch.empty_like(x2)
     D = x2.shape[1]
     triton_build.kernel(_rms_norm_rows)[(x2.shape[0],)](x2, weight, y, D, x2.stride(0), y.stride(0), float(eps),
@@ -172,7 +166,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = x + a, RMSNorm(h)) as one kernel: a block's residual add and the norm after it (model.Block). h
     has the bits of PyTorch's x + a; the norm those of `rms_norm(h)`."""
-    x2, a2 = _rows(x), _rows(a)
+    x2, a2 = as_rows(x), as_rows(a)
     h, y = torch.empty_like(x2), torch.empty_like(x2)
     D = x2.shape[1]
     triton_build.kernel(_add_rms_norm_rows)[(x2.shape[0],)](
@@ -183,7 +177,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
 
 def silu_mul(ab: torch.Tensor) -> torch.Tensor:
     """silu(a) * b for ab = [a | b] over the last dimension, as one kernel; ab's dtype out, [..., Hd]."""
-    x2 = _rows(ab)
+    x2 = as_rows(ab)
     Hd = x2.shape[1] // 2
     y = torch.empty(x2.shape[0], Hd, device=ab.device, dtype=ab.dtype)
     BH = min(pow2(Hd), 1024)

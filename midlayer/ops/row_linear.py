@@ -38,7 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import triton_build
-from .triton_build import NEEDS
+from .triton_build import NEEDS, as_rows
 
 BM, BN, BK = 16, 32, 64  # the tile: BM rows (16: tl.dot's least) x BN outputs, over K in blocks of BK
 tl = to_bf16 = swiglu = row_block = None  # triton.language and the kernels' helpers, set when first made
@@ -164,11 +164,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
                          f"bias [N]{' (x: [a | b], 2K wide)' if gated else ''}")
     if not available(x.device):
         raise RuntimeError(NEEDS)
-    x2, w = _rows(x), weight if weight.stride(1) == 1 else weight.contiguous()
+    x2, w = as_rows(x), weight if weight.stride(1) == 1 else weight.contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     a, g, eps = norm if norm is not None else (None, None, 0.0)
-    a2 = None if a is None else _rows(a)
+    a2 = None if a is None else as_rows(a)
     g = None if g is None else g.contiguous()
     h = None if a is None else torch.empty(M, K, device=x.device, dtype=x.dtype)
     kernel = triton_build.kernel(_linear_rows)
@@ -179,12 +179,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
         BF16=x.dtype == torch.bfloat16, DOT=not triton_build.interpreted(kernel), BM=BM, BN=BN, BK=BK, SWIGLU=gated,
         NORM=norm is not None, ADD=a is not None)
     return y.view(*x.shape[:-1], N), h
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, width] with unit column stride (a view where it can be)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
 class RowLinears(TorchFunctionMode):

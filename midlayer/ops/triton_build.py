@@ -109,6 +109,13 @@ def interpreted(k) -> bool:
     return not isinstance(k, JITFunction)
 
 
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, features] with the features contiguous (a view where it can be): what the row-wise kernels
+    (fused_rows, row_linear) index by a row stride."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def pow2(n: int) -> int:
     """The smallest power of two >= n (a Triton block's extent must be one)."""
     return 1 << max(int(n) - 1, 0).bit_length()
