@@ -54,6 +54,8 @@ def main() -> None:
     args = ap.parse_args()
     if not os.path.isdir(args.draft):
         ap.error(f"--draft {args.draft}: not a train-draft output")
+    if args.prompts < 1 or args.new_tokens < 2:
+        ap.error(f"--prompts at least 1 and --new-tokens at least 2, got {args.prompts} and {args.new_tokens}")
     base, tok = load_pretrained("smollm2-135m")
     model = fuse_projections(copy.deepcopy(base).eval())
     chats = heldout_chats(tok, args.prompts)
