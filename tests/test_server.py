@@ -34,14 +34,15 @@ def _free_port() -> int:
 
 class Running:
     def __init__(self, app) -> None:
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        # port 0: the server binds a port the OS picks, so parallel test workers cannot race for one
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         t = time.time()
         while not self.server.started:
             assert time.time() - t < 30, "the server did not start"
             time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:

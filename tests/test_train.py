@@ -290,6 +290,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spawn_two(worker, *args) -> None:
+    """Two gloo processes running worker(rank, 2, port, *args) on a free port. The port is free when picked and
+    bound by rank 0 a moment later: where another process (a parallel test worker) took it in between, the
+    store fails with EADDRINUSE before any training, and the run starts again on another port."""
+    for attempt in range(3):
+        try:
+            mp.spawn(worker, args=(2, _free_port(), *args), nprocs=2, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            if "address already in use" not in str(e).lower() or attempt == 2:
+                raise
+
+
 def _ddp_worker(rank: int, world: int, port: int, tmp: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -302,7 +315,7 @@ def _ddp_worker(rank: int, world: int, port: int, tmp: str) -> None:
 def test_ddp_two_gloo_processes_equal_single_process(tmp_path):
     ddp_dir = tmp_path / "ddp"
     ddp_dir.mkdir()
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(ddp_dir)), nprocs=2, join=True)
+    _spawn_two(_ddp_worker, str(ddp_dir))
     single_dir = tmp_path / "single"
     single_dir.mkdir()
     m, s, t = debug_configs(single_dir, steps=4, batch_size=8, micro_batch_size=2)
@@ -352,11 +365,11 @@ def test_fsdp_two_gloo_processes_killed_and_resumed_equal_one_process(tmp_path):
     import shutil
     fsdp_dir = tmp_path / "fsdp"
     fsdp_dir.mkdir()
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(fsdp_dir), "first"), nprocs=2, join=True)
+    _spawn_two(_fsdp_worker, str(fsdp_dir), "first")
     assert [int(p.stem.split("_")[1]) for p in list_checkpoints(fsdp_dir / "run")] == [1, 2]
     one_dir = tmp_path / "one-resumed"  # the sharded run's checkpoint, continued by a single process
     shutil.copytree(fsdp_dir, one_dir)
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(fsdp_dir), "resume"), nprocs=2, join=True)
+    _spawn_two(_fsdp_worker, str(fsdp_dir), "resume")
     m, s, t = debug_configs(one_dir, **_FSDP_TRAIN)
     train(m, s, dataclasses.replace(t, data=str(fsdp_dir / "shards" / "*.bin")), progress=False, device="cpu",
           resume=True)
