@@ -122,7 +122,7 @@ def stand_ins() -> dict:
     def rms_norm(x, w, eps):  # (layers.RMSNorm's formula, as it runs on CUDA)
         return F.rms_norm(x.float(), x.shape[-1:], w.float(), eps).to(x.dtype)
 
-    def attention(q, kl, vl, keys, kmask, positions, out=None, dtype=torch.float32):
+    def attention(q, kl, vl, keys, kmask, positions, out=None, dtype=torch.float32, counts=None):
         o = row_attention.reference(q, kl, vl, keys, kmask).to(dtype).contiguous()
         return o if out is None else out.copy_(o)
 
@@ -133,9 +133,13 @@ def stand_ins() -> dict:
     def linear(x, w, b=None):  # (not F.linear: the step's RowLinears mode, nested in a round, would route it again)
         return x @ w.T if b is None else x @ w.T + b
 
-    def norm_linear(x, a, g, eps, w):
+    def norm_linear(x, a, g, eps, w, rope=None):
         h = x if a is None else x + a
-        return h, linear(rms_norm(h, g, eps), w)
+        y = linear(rms_norm(h, g, eps), w)
+        if rope is None:
+            return h, y
+        cos, sin, H, kc, vc, slots = rope
+        return h, fused_rows.reference_rope_store(y.view(*y.shape[:2], -1, kc.shape[-1]), cos, sin, H, kc, vc, slots)
 
     return {"rms_norm": rms_norm, "add_rms_norm": lambda x, a, w, eps: (x + a, rms_norm(x + a, w, eps)),
             "silu_mul": silu_mul, "rope_store": fused_rows.reference_rope_store, "row_attention": attention,
@@ -148,15 +152,18 @@ def stand_ins() -> dict:
 @contextlib.contextmanager
 def triton_launches(k: Kernels):
     """Each call of the static step's Triton kernels counted as its launches (one; the row attention's two
-    passes two) under its own name; what runs inside it is not counted (the kernel in Triton's interpreter on a
-    CPU, or within `standing_in` its PyTorch formula)."""
+    passes two where they are not one launch) under its own name; what runs inside it is not counted (the
+    kernel in Triton's interpreter on a CPU, or within `standing_in` its PyTorch formula)."""
     from torch.utils._python_dispatch import _disable_current_modes
+
+    from midlayer.ops import row_attention
 
     sites = _sites()
 
     def counting(real, name):
         def launch(*a, **kw):
-            k.count(f"triton {name}", 2 if name == "row_attention" else 1)  # (the attention's two passes)
+            two = name == "row_attention" and not row_attention.ONE_PASS  # (its two passes: two launches)
+            k.count(f"triton {name}", 2 if two else 1)
             with _disable_current_modes():
                 return real(*a, **kw)
         return launch

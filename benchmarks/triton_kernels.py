@@ -85,14 +85,25 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
     slots = torch.arange(300, 300 + n, device=dev)[None]
     out.append(("rope_store", lambda: fused_rows.rope_store(qkv, cos, sin, H, kc, vc, slots),
                 lambda: fused_rows.reference_rope_store(qkv, cos, sin, H, kc, vc, slots)))
+    # the attention's norm, q|k|v, RoPE and the K/V store as one kernel, against the norm's kernel and RoPE's
+    wqkv = rand((H + 2 * HK) * HD, DIM) / math.sqrt(DIM)
+    rope = fused_rows.RopeStore(cos, sin, H, kc, vc, slots)
+    out.append(("norm_linear + RoPE epilogue | norm_linear + rope_store",
+                lambda: row_linear.norm_linear(x, a, norm.weight, norm.eps, wqkv, rope=rope),
+                lambda: fused_rows.rope_store(row_linear.norm_linear(x, a, norm.weight, norm.eps, wqkv)[1].view(
+                    1, n, H + 2 * HK, HD), cos, sin, H, kc, vc, slots)))
     q = rand(1, n, H, HD).transpose(1, 2)
     pos = torch.arange(300, 300 + n, device=dev)[None]
     keys = torch.arange(S, device=dev).expand(1, n, S).contiguous()
     kmask = torch.where(torch.arange(S, device=dev)[None, None] <= pos[..., None], 0.0, float("-inf"))
     mask = kmask[:, None].to(dtype)
+    counts = torch.zeros(n * HK, dtype=torch.int32, device=dev)  # (the step's one buffer of counters)
     out.append((f"row_attention ({S} slots) | SDPA",
-                lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype),
+                lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts),
                 lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)))
+    out.append((f"row_attention ({S} slots): one launch | two",
+                lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts),
+                lambda: _two_launches(q, kc, vc, keys, kmask, pos, dtype)))
     # the forward's keys and a round's acceptance (integers: the same at every dtype): n rows of a chain at
     # slots 300.. after 300 committed ones, every draft accepted
     i = torch.arange(n, device=dev)
@@ -122,6 +133,16 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
     return out
 
 
+def _two_launches(*args) -> torch.Tensor:
+    """row_attention with pass 2 as a launch of its own (ONE_PASS off for the call: a host-side choice, so a
+    captured graph keeps the two launches)."""
+    saved, row_attention.ONE_PASS = row_attention.ONE_PASS, False
+    try:
+        return row_attention.row_attention(*args[:6], dtype=args[6])
+    finally:
+        row_attention.ONE_PASS = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -147,7 +168,8 @@ def main() -> None:
                                                              ("fused_rows", fused_rows.self_check),
                                                              ("row_linear", row_linear.self_check))}
         print(f"\n{d}: self-checks (largest difference from the formula, relative): "
-              + ", ".join(f"{k} {v:.2e}" for k, v in checks.items()), flush=True)
+              + ", ".join(f"{k} {v:.2e}" for k, v in checks.items())
+              + f"; the attention in {'one launch' if row_attention.ONE_PASS else 'two launches'}", flush=True)
         if dev.type != "cuda":
             print("(no timing off CUDA)")
             continue

@@ -87,6 +87,45 @@ def test_a_rows_bits_depend_on_no_other_row():
     assert torch.equal(alone, moved)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_launch_gives_the_bits_of_two_and_leaves_its_counters_zero(dtype, monkeypatch):
+    """Pass 2 inside pass 1's launch (the row's last chunk to count combines) gives the bits of the two
+    launches, for rows whose keys span one chunk, two and three, and padding rows; the counters it is handed
+    are zero again after it, so a step's one buffer serves every launch (a second launch: the same bits).
+    Counters too few or not int32 are refused."""
+    from midlayer.ops import row_attention as ra
+
+    q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(9, 3, 24, dtype, N=8, S=200, at=62))
+    pos[0, 4:7] = torch.tensor([3, 140, 0])  # (one chunk, three; the rest padding at 0)
+    kmask[0, 4:7] = torch.where(torch.arange(200, device=DEV) <= pos[0, 4:7, None], 0.0, float("-inf"))
+    counts = torch.zeros(8 * 3, dtype=torch.int32, device=DEV)
+    one = row_attention(q, kl, vl, keys, kmask, pos, dtype=dtype, counts=counts)
+    assert not counts.any()
+    assert torch.equal(row_attention(q, kl, vl, keys, kmask, pos, dtype=dtype, counts=counts), one)
+    monkeypatch.setattr(ra, "ONE_PASS", False)
+    assert torch.equal(row_attention(q, kl, vl, keys, kmask, pos, dtype=dtype), one)
+    monkeypatch.setattr(ra, "ONE_PASS", True)
+    for bad in (torch.zeros(8 * 3 - 1, dtype=torch.int32), torch.zeros(8 * 3, dtype=torch.long)):
+        with pytest.raises(ValueError, match="counts"):
+            row_attention(q, kl, vl, keys, kmask, pos, counts=bad.to(DEV))
+
+
+def test_the_self_check_falls_back_to_two_launches_where_one_is_off(monkeypatch):
+    """The self-check runs both ways. Where the one launch is off the formula and the two are not (the
+    counters' memory ordering on a GPU, which this CPU cannot show; here one launch's result made 1% off), it
+    warns and the kernel runs in two launches from then on; the check then reports the two launches' error. Where
+    both are right, nothing changes."""
+    from midlayer.ops import row_attention as ra
+
+    assert ra.ONE_PASS and ra.self_check(DEV, torch.float32) < 1e-5 and ra.ONE_PASS
+    real = ra.row_attention
+    monkeypatch.setattr(ra, "row_attention", lambda *a, **kw: real(*a, **kw) * (1.01 if ra.ONE_PASS else 1.0))
+    monkeypatch.setattr(ra, "ONE_PASS", True)  # (restored after the test)
+    with pytest.warns(UserWarning, match="two launches"):
+        assert ra.self_check(DEV, torch.float32) < 1e-5
+    assert not ra.ONE_PASS
+
+
 def test_the_keys_by_hand():
     """Each row's keys in position order and its mask (`reference_keys`, and its kernel), worked by hand: 4
     committed slots of which slot 2 is not held (a rejected draft's), a root row at position 4 in slot 6, its

@@ -117,30 +117,71 @@ def test_the_norms_prologue_is_the_residual_add_then_rmsnorm_then_the_kernel(dty
         rl.norm_linear(x, a, norm_w[:69], 1e-5, w)
 
 
-@pytest.mark.parametrize("wrong", ["swiglu_linear", "norm_linear-y", "norm_linear-h"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_norms_rope_epilogue_gives_the_bits_of_the_projection_then_rope_store(dtype):
+    """norm_linear(rope=) is norm_linear's q|k|v then fused_rows.rope_store, bit for bit: the residual sum h,
+    the rotated q, and the keys and values stored at each row's slot of the cache layer (two sequences of 5 rows
+    with their own cos and sin, GQA, a head of 24: not a power of two; two padding rows at one slot, which is not
+    compared; the slots no row writes keep their values). With and without the residual add. Operands of other
+    shapes are refused."""
+    from midlayer.ops import fused_rows
+
+    g = torch.Generator().manual_seed(4)
+    B, R, K, H, Hk, d, S = 2, 5, 70, 4, 2, 24, 12
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEV, dtype)
+
+    x, a, nw, w = rand(B, R, K), rand(B, R, K), 1 + 0.1 * rand(K), rand((H + 2 * Hk) * d, K) / 8
+    cos, sin = (torch.randn(B, R, d, generator=g).to(DEV) for _ in range(2))
+    slots = torch.tensor([[3, 7, 1, 11, 11], [0, 2, 4, 6, 8]], device=DEV)
+    kc, vc = rand(B, Hk, S, d), rand(B, Hk, S, d)
+    for add in (a, None):
+        kr, vr, kf, vf = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        h, q = rl.norm_linear(x, add, nw, 1e-5, w, rope=fused_rows.RopeStore(cos, sin, H, kf, vf, slots))
+        h2, qkv = rl.norm_linear(x, add, nw, 1e-5, w)
+        q2 = fused_rows.rope_store(qkv.view(B, R, H + 2 * Hk, d), cos, sin, H, kr, vr, slots)
+        assert torch.equal(h, h2) and (add is not None or h is x) and torch.equal(q, q2) and q.shape == (B, R, H, d)
+        seen = torch.ones(B, S, dtype=torch.bool)
+        seen[0, 11] = False  # (the padding rows' slot)
+        assert torch.equal(kf[:, :, seen[0]][0], kr[:, :, seen[0]][0]) and torch.equal(kf[1], kr[1])
+        assert torch.equal(vf[:, :, seen[0]][0], vr[:, :, seen[0]][0]) and torch.equal(vf[1], vr[1])
+        assert torch.equal(kf[0, :, 5], kc[0, :, 5]) and not torch.equal(kf[0, :, 3], kc[0, :, 3])
+    rope = fused_rows.RopeStore(cos, sin, H + 1, kc, vc, slots)
+    with pytest.raises(ValueError, match="rope"):
+        rl.norm_linear(x, a, nw, 1e-5, w, rope=rope)
+    with pytest.raises(ValueError, match="rope"):
+        rl.norm_linear(x, a, nw, 1e-5, w, rope=fused_rows.RopeStore(cos[:, :4], sin[:, :4], H, kc, vc, slots))
+
+
+@pytest.mark.parametrize("wrong", ["swiglu_linear", "norm_linear-y", "norm_linear-h", "norm_linear-rope"])
 def test_the_self_check_sees_a_prologue_off_its_formula(wrong, monkeypatch):
     """The self-check the probe runs before trying the kernel on a GPU (it compares bits across buckets, not
     values) checks each prologue's value too: a SwiGLU prologue, a norm prologue's projection or its residual
-    sum 1% off takes the check past the probe's fp32 tolerance (1e-5), where the kernels as they are pass."""
+    sum, or the rotated q of the RoPE epilogue alone, 1% off takes the check past the probe's fp32 tolerance
+    (1e-5), where the kernels as they are pass."""
     assert rl.self_check(DEV, torch.float32) < 1e-5
     name = wrong.split("-")[0]
     real = getattr(rl, name)
     if name == "swiglu_linear":
         monkeypatch.setattr(rl, name, lambda *a: real(*a) * 1.01)
     else:
-        at = 1 if wrong.endswith("y") else 0
-        monkeypatch.setattr(rl, name, lambda *a: tuple(t * 1.01 if i == at else t for i, t in enumerate(real(*a))))
+        at = 0 if wrong.endswith("h") else 1
+        only_rope = wrong.endswith("rope")
+        monkeypatch.setattr(rl, name, lambda *a, **kw: tuple(
+            t * 1.01 if i == at and (kw.get("rope") is not None or not only_rope) else t
+            for i, t in enumerate(real(*a, **kw))))
     assert rl.self_check(DEV, torch.float32) > 1e-3
 
 
-def test_attention_refuses_a_ready_qkv_where_it_would_not_read_it(model):
-    """Attention.forward takes q|k|v made by its caller (Block.forward's norm_linear) only on the path that
-    reads it (`takes_qkv`: the static step's kernels with its linears); elsewhere it would attend over x's
-    own projection and drop the caller's, so it refuses."""
+def test_attention_refuses_ready_queries_where_it_would_not_read_them(model):
+    """Attention.forward takes rotated queries made by `project` (Block.forward: the norm, q|k|v, RoPE and the
+    K/V store as one kernel) only where `projects` (the static step's kernels with its linears); elsewhere their
+    keys and values were stored nowhere it reads, so it refuses."""
     att, hd = model.layers[0].attention, DIMS["dim"] // DIMS["n_heads"]
     x, cos = torch.randn(1, 3, DIMS["dim"]), torch.ones(3, hd)
-    with pytest.raises(ValueError, match="takes_qkv"):
-        att(x, cos, cos, qkv=att.wqkv(x))
+    with pytest.raises(ValueError, match="projects"):
+        att(x, cos, cos, q=torch.zeros(1, 3, DIMS["n_heads"], hd))
 
 
 def test_the_kernel_is_made_unspecialised_on_m_whichever_call_makes_it(monkeypatch):
@@ -225,19 +266,20 @@ def test_the_step_through_both_kernels_decodes_one_row_losslessly(model):
 @on_cpu
 def test_with_both_kernels_each_norm_and_swiglu_are_the_linears_prologues(model, monkeypatch):
     """With both kernels, a plain decode step runs a block's projections with what comes before them: the
-    residual add carried from the block before, the attention's norm and q|k|v (`norm_linear`); the FFN's
-    residual add, its norm and w13 (`norm_linear`); SwiGLU's product and w2 (`swiglu_linear`). The SwiGLU and
-    add-and-norm kernels never run. With the attention kernel alone, they run once and twice a block (less the
-    first block's carry). The logits and hidden state are the bits of the same step with SwiGLU's product as a
+    residual add carried from the block before, the attention's norm and q|k|v with RoPE and the K/V store as
+    its epilogue (`norm_linear(rope=)`); the FFN's residual add, its norm and w13 (`norm_linear`); SwiGLU's
+    product and w2 (`swiglu_linear`). The SwiGLU, add-and-norm and RoPE kernels never run. With the attention
+    kernel alone, they run once, twice (less the first block's carry) and once a block. The logits and hidden state are the bits of the same step with SwiGLU's product as a
     kernel of its own (`fuses_linear` off for w2: that prologue changes no bits)."""
     from midlayer.ops import fused_rows
 
-    calls = {"silu_mul": 0, "swiglu_linear": 0, "add_rms_norm": 0, "norm_linear": 0}
+    calls = {"silu_mul": 0, "swiglu_linear": 0, "add_rms_norm": 0, "norm_linear": 0, "rope_store": 0, "rope": 0}
     for mod, name in ((fused_rows, "silu_mul"), (rl, "swiglu_linear"), (fused_rows, "add_rms_norm"),
-                      (rl, "norm_linear")):
-        def counted(*a, _real=getattr(mod, name), _name=name):
+                      (rl, "norm_linear"), (fused_rows, "rope_store")):
+        def counted(*a, _real=getattr(mod, name), _name=name, **kw):
             calls[_name] += 1
-            return _real(*a)
+            calls["rope"] += kw.get("rope") is not None  # (norm_linear with RoPE and the store as its epilogue)
+            return _real(*a, **kw)
         monkeypatch.setattr(mod, name, counted)
     prompt, L = torch.tensor([[(7 * i + 3) % V for i in range(9)]]), model.cfg.n_layers
 
@@ -248,14 +290,17 @@ def test_with_both_kernels_each_norm_and_swiglu_are_the_linears_prologues(model,
         return step.decode(torch.tensor([5]), prompt.shape[1])
 
     fused = decode("triton")  # (each norm with the residual add before it and the projection after it: one)
-    assert calls == {"silu_mul": 0, "swiglu_linear": L, "add_rms_norm": 0, "norm_linear": 2 * L}
+    assert calls == {"silu_mul": 0, "swiglu_linear": L, "add_rms_norm": 0, "norm_linear": 2 * L, "rope_store": 0,
+                     "rope": L}
     decode(None)  # (add_rms_norm: each FFN's, and each block's first but block 0's, with the carry)
-    assert calls == {"silu_mul": L, "swiglu_linear": 0, "add_rms_norm": 2 * L - 1, "norm_linear": 0}
+    assert calls == {"silu_mul": L, "swiglu_linear": 0, "add_rms_norm": 2 * L - 1, "norm_linear": 0,
+                     "rope_store": L, "rope": 0}
     real_fuses, downs = fused_rows.fuses_linear, [b.feed_forward.w2 for b in model.layers]
     monkeypatch.setattr(fused_rows, "fuses_linear",
                         lambda x, lin: real_fuses(x, lin) and all(lin is not d for d in downs))
     apart = decode("triton")
-    assert calls == {"silu_mul": L, "swiglu_linear": 0, "add_rms_norm": 0, "norm_linear": 2 * L}
+    assert calls == {"silu_mul": L, "swiglu_linear": 0, "add_rms_norm": 0, "norm_linear": 2 * L, "rope_store": 0,
+                     "rope": L}
     assert all(torch.equal(a, b) for a, b in zip(fused, apart))
 
 
@@ -278,7 +323,7 @@ def test_the_prologue_step_computes_the_unfused_steps_values(placement, monkeypa
                 mod.weight.copy_(1 + 0.3 * torch.randn(mod.weight.shape, generator=g))
     calls = []
     real = rl.norm_linear
-    monkeypatch.setattr(rl, "norm_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(rl, "norm_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompt = torch.tensor([[(5 * i + 1) % V for i in range(11)]])
     steps = [DecodeStep(model, max_len=48, buckets=(1, 8), attention="triton", linear=lin) for lin in (None, "triton")]
     for st in steps:

@@ -111,7 +111,8 @@ LINEARS = ("torch", "triton")  # `DecodeStep.linear`: F.linear as PyTorch runs i
 # see), run before the probe tries them: (the candidates' field they serve, the kernels' name, the check, the
 # most it may be off, relative to the output's scale: fp32 rounding, or a bf16 output's own, 2^-8).
 _ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
-SELF_CHECKS = (("attention", "row-attention", row_attention.self_check, {torch.float32: 1e-4, torch.bfloat16: 1e-4}),
+SELF_CHECKS = (("attention", "row-attention", row_attention.self_check,
+                dict.fromkeys(_ROUNDING, row_attention.TOLERANCE)),
                ("attention", "row-wise (RMSNorm, SwiGLU, RoPE)", fused_rows.self_check, _ROUNDING),
                ("linear", "row-linear", row_linear.self_check, _ROUNDING))
 # W of `DecodeStep.attend`: every row of a forward lies within W - 1 positions of the forward's first slot (a
@@ -321,11 +322,13 @@ class StaticView(CacheView):
         # with the row-attention kernel, RoPE and the store are one kernel too (ops/fused_rows.py)
         return self.step.attention == "triton" and fused_rows.stores_into(x, self.k_buffer)
 
-    def rope_attention(self, module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rope_targets(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         st = self.step
-        kl, vl = st.k[self.layer], st.v[self.layer]
-        q = fused_rows.rope_store(qkv, cos, sin, module.n_heads, kl, vl, st.cur_slots)  # [B, N, H, d]
-        return st.attend(q.transpose(1, 2), kl, vl, self.layer)
+        return st.k[self.layer], st.v[self.layer], st.cur_slots
+
+    def attend_rotated(self, module, q: torch.Tensor) -> torch.Tensor:
+        st = self.step
+        return st.attend(q.transpose(1, 2), st.k[self.layer], st.v[self.layer], self.layer)
 
 
 @dataclass
@@ -427,7 +430,7 @@ class DecodeStep:
                 if hasattr(torch._dynamo.config, name):
                     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
             # the cache is written in place: static addresses keep CUDA graphs on under reduce-overhead
-            for t in (self.k, self.v, self.held):
+            for t in (self.k, self.v, self.held, self.attn_counts):
                 torch._dynamo.mark_static_address(t)
         # hidden transfer's fused pass (`attach`): its maps, the blocks where its rows join, this forward's joins
         self.transfer = None
@@ -559,7 +562,7 @@ class DecodeStep:
         if self.attention == "triton":  # the same formula as one kernel, each row reduced alone (ops/row_attention.py)
             # (stored in q's dtype unless tapped: one rounding, the bits of the cast below, one kernel fewer)
             out = row_attention.row_attention(q, kl, vl, self.cur_keys, self.cur_kmask, self.cur_pos,
-                                              dtype=torch.float32 if tapped else q.dtype)
+                                              dtype=torch.float32 if tapped else q.dtype, counts=self.attn_counts)
         else:
             out = self._attend_ops(q, kl, vl)
         out = out.view(B, N, H * d)
@@ -748,6 +751,8 @@ class DecodeStep:
         self.zero, self.scratch_at = torch.tensor(0, device=dev), torch.tensor(self.scratch, device=dev)
         self.pad_zeros = torch.zeros(B, top, dtype=torch.long, device=dev)  # (`_pad`'s padding)
         self.pad_scratch = torch.full((B, top), self.scratch, dtype=torch.long, device=dev)
+        # the row-attention kernel's counters (ops/row_attention.py: zero between its launches), for every launch
+        self.attn_counts = torch.zeros(B * top * self.model.cfg.n_kv_heads, dtype=torch.int32, device=dev)
 
     # ------------------------------------------------------------------------------- what generation calls
     def _pad(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, N: int

@@ -30,7 +30,7 @@ from torch import nn
 
 from midlayer.config import ModelConfig
 from .layers import fuse_linears, make_norm
-from midlayer.ops import fused_rows, kernels
+from midlayer.ops import fused_rows, kernels, row_linear
 
 _TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
@@ -276,40 +276,62 @@ class Attention(nn.Module):
                 and (self.training or key_bias is not None or self.window > 0)
                 and not (self.attn_dropout and self.training))
 
-    def takes_qkv(self, x: torch.Tensor, cache) -> bool:
-        """Whether `forward` may be handed q|k|v made by the caller (`qkv`): where it gives RoPE, the K/V store
-        and the attention to the cache view's kernels (decode_step.StaticView) and its fused projection runs in
-        the row-linear kernel, whose prologue can be the norm before it (row_linear.norm_linear:
-        Block.forward)."""
+    def projects(self, x: torch.Tensor, cache) -> bool:
+        """Whether the caller may make this attention's queries with `project` (its norm, q|k|v, RoPE and the
+        K/V store as one kernel, ops/row_linear.norm_linear) and hand them to `forward` (`q`): where the cache
+        view takes RoPE and the store (decode_step.StaticView) and the fused projection runs in the row-linear
+        kernel (the static step's kernels with its linears: Block.forward)."""
         return (fused_rows.fuses_linear(x, self.wqkv) and cache is not None and self.q_norm is None
                 and cache.fuses_rope(x))  # (first: the check that is False outside the static step's kernels)
 
+    def project(self, x: torch.Tensor, carry: torch.Tensor | None, norm, cos: torch.Tensor, sin: torch.Tensor,
+                cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, q) for h = x + carry (x where carry is None): `norm` (an RMSNorm) of h, this attention's q|k|v, RoPE
+        on q and k, k and v stored in the cache, all one kernel (where `projects`); q [B, T, H, hd] rotated,
+        for `forward(q=)`. cos, sin as `forward` takes them."""
+        cos, sin = self.rope_tables(cos, sin, x.shape[0])  # (per row, as the kernel reads them)
+        kc, vc, slots = cache.rope_targets(x.shape[0])
+        return row_linear.norm_linear(x, carry, norm.weight, norm.eps, self.wqkv.weight,
+                                      rope=fused_rows.RopeStore(cos, sin, self.n_heads, kc, vc, slots))
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, batch: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin as this block's RoPE reads them, from what `forward` takes ([T, hd], [B, 1, T, hd] or
+        [B, T, hd]): [T, hd] or [B, T, hd], this block's base among two where it has one (`rope_half`); with
+        `batch`, [B, T, hd] always (a [T, hd] table expanded, not copied)."""
+        if cos.dim() == 4:
+            cos, sin = cos[:, 0], sin[:, 0]
+        if self.rope_half is not None:  # this block's RoPE base among the two (position_tables)
+            cos, sin = rope_half(cos, sin, self.rope_half, self.head_dim)
+        if batch is not None and cos.dim() == 2:
+            cos, sin = cos.expand(batch, *cos.shape), sin.expand(batch, *sin.shape)
+        return cos, sin
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_bias: torch.Tensor | None = None, cache=None, qkv: torch.Tensor | None = None) -> torch.Tensor:
+                key_bias: torch.Tensor | None = None, cache=None, q: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d]. Without `cache`: causal (gated) attention over these T tokens.
 
         With `cache` (a `kv_cache.CacheView`), the new keys/values are written into the KV cache and the
         queries attend over every position the cache holds for this layer, through the mask it returns
         (causality, padding, skipped tokens and the gate bias are all in that mask).
         cos/sin: [T, hd] (one sequence of positions) or [B, 1, T, hd] / [B, T, hd] (per row).
-        qkv: the fused projection of x, already made (only where `takes_qkv`).
+        q: the rotated queries [B, T, H, hd] of `project`, their keys and values stored (only where
+        `projects`).
         """
         B, T, _ = x.shape
         H, Hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        if qkv is not None and not self.takes_qkv(x, cache):
-            raise ValueError("Attention.forward takes a ready q|k|v only where `takes_qkv` says so")
-        if cos.dim() == 4:
-            cos, sin = cos[:, 0], sin[:, 0]
-        if self.rope_half is not None:  # this block's RoPE base among the two (position_tables)
-            cos, sin = rope_half(cos, sin, self.rope_half, hd)
-        if (qkv is None and cache is not None and cache.direct and self.row_invariant and self.wqkv is not None
+        if q is not None:
+            if not self.projects(x, cache):
+                raise ValueError("Attention.forward takes queries made by `project` only where `projects` says so")
+            return self.wo(cache.attend_rotated(self, q).transpose(1, 2).reshape(B, T, -1))
+        cos, sin = self.rope_tables(cos, sin)
+        if (cache is not None and cache.direct and self.row_invariant and self.wqkv is not None
                 and x.device.type == "cpu" and cache.k_buffer.dtype in kernels.KV_DTYPES and kernels.available()
                 and self.q_norm is None):
             return self._forward_kernels(x, cos, sin, cache)
         if cache is not None and self.wqkv is not None and self.q_norm is None and cache.fuses_rope(x):
             # RoPE, the K/V store and the attention in the view's own kernels (decode_step.StaticView)
-            qkv = self.wqkv(x) if qkv is None else qkv
-            out = cache.rope_attention(self, qkv.view(B, T, H + 2 * Hk, hd), cos, sin)
+            out = cache.rope_attention(self, self.wqkv(x).view(B, T, H + 2 * Hk, hd), cos, sin)
             return self.wo(out.transpose(1, 2).reshape(B, T, -1))
         # RoPE in the projection's own [B, T, heads, hd] layout: no copy before the attention kernel.
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)

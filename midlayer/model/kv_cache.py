@@ -452,7 +452,20 @@ class CacheView:
 
     def rope_attention(self, module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention output [B, H, M, d] from the fused projection qkv [B, M, H + 2 Hk, d] and the rows'
-        cos, sin [B, M, d]: RoPE, the store and the attention in one go (where `fuses_rope`)."""
+        cos, sin [B, M, d] (where `fuses_rope`): RoPE and the store as one kernel (ops/fused_rows.rope_store),
+        then `attend_rotated`."""
+        kc, vc, slots = self.rope_targets(qkv.shape[0])
+        return self.attend_rotated(module, fused_rows.rope_store(qkv, cos, sin, module.n_heads, kc, vc, slots))
+
+    def rope_targets(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k, v, slots): the cache layer [B, Hk, S, d] that the rows' rotated keys and values are stored in,
+        at slots [B, M] (where `fuses_rope`: by rope_store, or by the q|k|v projection's own kernel,
+        ops/row_linear.norm_linear)."""
+        raise NotImplementedError
+
+    def attend_rotated(self, module, q: torch.Tensor) -> torch.Tensor:
+        """The attention output [B, H, M, d] of the rotated queries q [B, M, H, d] whose keys and values are
+        stored at `rope_targets`."""
         raise NotImplementedError
 
     def ssm_inputs(self, layer: int, mixer, x: torch.Tensor) -> tuple:
@@ -499,9 +512,10 @@ class SlotView(CacheView):
         # cache takes them (ops/fused_rows.py, decode_step.StaticView)
         return fused_rows.stores_into(x, self.k)
 
-    def rope_attention(self, module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = fused_rows.rope_store(qkv, cos, sin, module.n_heads, self.k, self.v,
-                                  self.slots.view(1, -1).expand(qkv.shape[0], -1))  # [B, M, H, d]
+    def rope_targets(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.k, self.v, self.slots.view(1, -1).expand(batch, -1)
+
+    def attend_rotated(self, module, q: torch.Tensor) -> torch.Tensor:
         return module.attend_masked(q.transpose(1, 2), self.k, self.v, self.mask)
 
 

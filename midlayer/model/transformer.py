@@ -71,23 +71,23 @@ class Block(nn.Module):
         defer: return (h, g * FFN(a)) with the last residual add left undone (None: nothing left, post-LN and
         q4's one C call), for the next block to take as `carry`: its input is then x + carry. The static
         step's kernels do that add and this block's first norm as one kernel (ops/fused_rows.add_rms_norm), or,
-        where its linears run the row-linear kernel, that add, the norm and q|k|v (ops/row_linear.norm_linear,
-        as the FFN's add, norm and first projection); elsewhere it is the same add, one block later (the same
-        bits)."""
+        where its linears run the row-linear kernel, that add, the norm, q|k|v, RoPE and the K/V store
+        (Attention.project: ops/row_linear.norm_linear, as the FFN's add, norm and first projection);
+        elsewhere it is the same add, one block later (the same bits)."""
         post = self.placement == "post"
-        xin = qkv = None
+        xin = q = None
         if (fused_rows.PROLOGUES and not post and self.mixer is None and isinstance(self.attention_norm, RMSNorm)
-                and self.attention.takes_qkv(x, cache)):
-            # the static step's kernels with its linears: the carried add, this norm and q|k|v, one kernel
-            x, qkv = row_linear.norm_linear(x, carry, self.attention_norm.weight, self.attention_norm.eps,
-                                            self.attention.wqkv.weight)
-            xin, carry = x, None  # (xin: the shape and dtype Attention reads beside its ready q|k|v)
+                and self.attention.projects(x, cache)):
+            # the static step's kernels with its linears: the carried add, this norm, q|k|v, RoPE and the K/V
+            # store, one kernel
+            x, q = self.attention.project(x, carry, self.attention_norm, cos, sin, cache)
+            xin, carry = x, None  # (xin: the shape and dtype Attention reads beside its ready queries)
         if carry is not None:
             if not post and fused_rows.applies(x) and isinstance(self.attention_norm, RMSNorm):
                 x, xin = fused_rows.add_rms_norm(x, carry, self.attention_norm.weight, self.attention_norm.eps)
             else:
                 x = x + carry
-        if (self.fused_q4 is not None and qkv is None and gate is None and key_bias is None and cache is not None
+        if (self.fused_q4 is not None and q is None and gate is None and key_bias is None and cache is not None
                 and cache.direct and x.device.type == "cpu" and x.dtype == torch.float32
                 and not torch.is_grad_enabled() and cache.k_buffer.dtype in kernels.KV_DTYPES):
             out = self._forward_fused(x, cos, sin, cache)
@@ -95,7 +95,7 @@ class Block(nn.Module):
         if xin is None:
             xin = x if post else self.attention_norm(x)
         if self.mixer is None:
-            a = self.attention(xin, cos, sin, key_bias, cache, qkv=qkv)
+            a = self.attention(xin, cos, sin, key_bias, cache, q=q)
         elif cache is None:
             a = self.mixer(xin)
         else:  # the view hands out the mixer's state (generation) or refuses (explicit-mask passes)

@@ -19,14 +19,14 @@ row-attention kernel, and `RMSNorm`, `FeedForward` and `Attention` (through the 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
 from . import triton_build
 from .triton_build import as_rows, pow2
 
-tl = to_bf16 = swiglu = None  # triton.language and triton_build's helpers, set when a kernel is first made
+tl = to_bf16 = swiglu = rope = None  # triton.language and triton_build's helpers, set when a kernel is first made
 _ACTIVE = False
 PROLOGUES = False  # inside `active(linear=True)`: read first by the model's hot paths (no call)
 
@@ -136,7 +136,7 @@ def _rope_store_rows(qkv, cos, sin, q, kc, vc, slots, N, H, Hk, d,
     partner = tl.load(base + tl.where(dd < half, dd + half, dd - half), mask=ok, other=0.0).to(tl.float32)
     c = tl.load(cos + b * scb + n * scn + dd, mask=dd < d, other=0.0)
     s = tl.load(sin + b * scb + n * scn + dd, mask=dd < d, other=0.0)
-    rot = x * c + tl.where(dd < half, -partner, partner) * s
+    rot = rope(x, tl.where(dd < half, -partner, partner), c, s)
     out = tl.where(h < H + Hk, rot, x)  # (v is not rotated)
     if BF16:
         out = to_bf16(out)
@@ -208,6 +208,19 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads:
 
 
 # ------------------------------------------------------------------------------------------ references
+class RopeStore(NamedTuple):
+    """What `rope_store` takes beside q|k|v, for a kernel that makes q|k|v and rotates and stores it in one go
+    (row_linear.norm_linear's epilogue): cos, sin [B, N, d] fp32, the query heads' count, the cache layer kc,
+    vc [B, Hk, S, d] and the rows' slots [B, N] (a cache view's `rope_targets`)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    n_heads: int
+    kc: torch.Tensor
+    vc: torch.Tensor
+    slots: torch.Tensor
+
+
 def reference_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, kc: torch.Tensor,
                          vc: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`rope_store` in PyTorch ops, naively: attention.apply_rope's formula (the products and the sum in fp32,

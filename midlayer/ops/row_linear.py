@@ -37,11 +37,12 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import triton_build
-from .triton_build import NEEDS, as_rows
+from . import fused_rows, triton_build
+from .triton_build import NEEDS, as_rows, pow2
 
 BM, BN, BK = 16, 32, 64  # the tile: BM rows (16: tl.dot's least) x BN outputs, over K in blocks of BK
-tl = to_bf16 = swiglu = row_block = None  # triton.language and the kernels' helpers, set when first made
+tl = to_bf16 = swiglu = rope = None  # triton.language and the kernels' helpers, set when first made
+row_block = norm_scale = operand = accumulate = None
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -64,47 +65,112 @@ def _linear_rows(x, w, b, y, a2, g, h, M, N, K, sxm, swn, sym, sam, shm, eps, HA
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    r = 1.0
     if NORM:
-        ss = tl.zeros([BM], tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + rk
-            v = row_block(x, a2, rm, kk, sxm, sam, M, K, ADD, BF16)
-            if ADD:
-                hv = v
-                if BF16:
-                    hv = to_bf16(v)
-                first = (tl.zeros([BM, BK], tl.int32) + tl.program_id(1)) == 0  # (the first column of programs)
-                tl.store(h + rm[:, None] * shm + kk[None, :], hv, mask=(rm[:, None] < M) & (kk[None, :] < K) & first)
-            ss += tl.sum(v * v, axis=1)
-        r = 1.0 / tl.sqrt(ss / K + eps)
+        r = norm_scale(x, a2, h, rm, rk, tl.program_id(1), sxm, sam, shm, M, K, eps, ADD, BF16, BM, BK)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
-        kk = k0 + rk
-        if NORM:
-            a = row_block(x, a2, rm, kk, sxm, sam, M, K, ADD, BF16) * r[:, None] * tl.load(
-                g + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-            if BF16:
-                a = to_bf16(a).to(tl.float32)
-        elif SWIGLU:  # (a K tail: silu(0) * 0 = 0, an exact zero as the plain kernel's)
-            mx = (rm[:, None] < M) & (kk[None, :] < K)
-            a = swiglu(tl.load(x + rm[:, None] * sxm + kk[None, :], mask=mx, other=0.0).to(tl.float32),
-                       tl.load(x + rm[:, None] * sxm + K + kk[None, :], mask=mx, other=0.0).to(tl.float32))
-            if BF16:
-                a = to_bf16(a).to(tl.float32)
-        else:
-            a = row_block(x, a2, rm, kk, sxm, sam, M, K, False, BF16)
-        wt = tl.load(w + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
-                     other=0.0).to(tl.float32)
-        if DOT:  # (a K tail's zeros add exact zeros)
-            acc = tl.dot(a, wt, acc, input_precision="ieee")
-        else:
-            acc += tl.sum(a[:, :, None] * wt[None, :, :], axis=1)
+        a = operand(x, a2, g, r, rm, k0 + rk, sxm, sam, M, K, NORM, ADD, SWIGLU, BF16)
+        acc = accumulate(acc, a, w, rn, rn < N, k0 + rk, swn, K, DOT)
     if HAS_BIAS:
         acc += tl.load(b + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = acc
     if BF16:
         out = to_bf16(acc)
     tl.store(y + rm[:, None] * sym + rn[None, :], out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton_build.options(do_not_specialize=["M"])
+def _qkv_rope_rows(x, w, a2, g, h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d, sxm, swn, sam, shm, eps,
+                   scb, scn, sqm, sqh, skb, skh, sks, svb, svh, svs, ssb, BF16: tl.constexpr, DOT: tl.constexpr,
+                   BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, ADD: tl.constexpr):
+    """The NORM kernel above with RoPE and the K/V store as its epilogue (`norm_linear(rope=)`); grid
+    (cdiv(M, BM), H + 2 Hk): one program per BM rows and head of the fused q|k|v projection W [(H + 2 Hk) d, K].
+    A program keeps two accumulators, the head's first half of columns and the second, each output's sum the
+    one of `_linear_rows` (the same helpers, the same order over K), so a column's partner in rotate_half is in
+    the same program. Its epilogue is fused_rows.rope_store's: the projection rounded to the dtype, q and k
+    rotated (the `rope` helper), q to `q` [M, H, d], k and v to the cache layer kc, vc [B, Hk, S, d] at the
+    row's slot (row m = b R + n; slots [B, R])."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    hh = tl.program_id(1)  # the head: q heads first, then k's, then v's
+    j = tl.arange(0, BH)
+    half = d // 2
+    rk = tl.arange(0, BK)
+    r = norm_scale(x, a2, h, rm, rk, hh, sxm, sam, shm, M, K, eps, ADD, BF16, BM, BK)
+    lo = hh * d + j  # the first half's columns; the second's are half further
+    acc1 = tl.zeros([BM, BH], tl.float32)
+    acc2 = tl.zeros([BM, BH], tl.float32)
+    for k0 in range(0, K, BK):
+        a = operand(x, a2, g, r, rm, k0 + rk, sxm, sam, M, K, True, ADD, False, BF16)
+        acc1 = accumulate(acc1, a, w, lo, j < half, k0 + rk, swn, K, DOT)
+        acc2 = accumulate(acc2, a, w, lo + half, j < half, k0 + rk, swn, K, DOT)
+    if BF16:  # (the projection's own rounding: what rope_store reads from the stored q|k|v)
+        acc1 = to_bf16(acc1).to(tl.float32)
+        acc2 = to_bf16(acc2).to(tl.float32)
+    b = rm // R
+    n = rm % R
+    ok = (rm[:, None] < M) & (j[None, :] < half)
+    at = b[:, None] * scb + n[:, None] * scn + j[None, :]
+    c1 = tl.load(cos + at, mask=ok, other=0.0)
+    c2 = tl.load(cos + at + half, mask=ok, other=0.0)
+    s1 = tl.load(sin + at, mask=ok, other=0.0)
+    s2 = tl.load(sin + at + half, mask=ok, other=0.0)
+    head = tl.zeros([BM, BH], tl.int32) + hh  # (the head as a block: the interpreter's masks are blocks)
+    turn = head < H + Hk  # (v is not rotated)
+    out1 = tl.where(turn, rope(acc1, -acc2, c1, s1), acc1)
+    out2 = tl.where(turn, rope(acc2, acc1, c2, s2), acc2)
+    if BF16:
+        out1 = to_bf16(out1)
+        out2 = to_bf16(out2)
+    slot = tl.load(slots + b * ssb + n, mask=rm < M, other=0)[:, None]
+    qo = q + rm[:, None] * sqm + hh * sqh + j[None, :]
+    ko = kc + b[:, None] * skb + (hh - H) * skh + slot * sks + j[None, :]
+    vo = vc + b[:, None] * svb + (hh - H - Hk) * svh + slot * svs + j[None, :]
+    tl.store(qo, out1, mask=ok & (head < H))
+    tl.store(qo + half, out2, mask=ok & (head < H))
+    tl.store(ko, out1, mask=ok & (head >= H) & turn)
+    tl.store(ko + half, out2, mask=ok & (head >= H) & turn)
+    tl.store(vo, out1, mask=ok & (head >= H + Hk))
+    tl.store(vo + half, out2, mask=ok & (head >= H + Hk))
+
+
+def _norm_scale(x, a2, h, rm, rk, col, sxm, sam, shm, M, K, eps, ADD: tl.constexpr, BF16: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr):
+    """A device helper (`norm_scale`): RMSNorm's 1 / sqrt(mean(v^2) + eps) for rows rm, v each row (x + a2 with
+    ADD, rounded as `row_block`), summed over K in blocks of BK in order. With ADD the programs of column
+    `col` 0 store v to h, the residual sum, once."""
+    ss = tl.zeros([BM], tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        v = row_block(x, a2, rm, kk, sxm, sam, M, K, ADD, BF16)
+        if ADD:
+            hv = v
+            if BF16:
+                hv = to_bf16(v)
+            first = (tl.zeros([BM, BK], tl.int32) + col) == 0
+            tl.store(h + rm[:, None] * shm + kk[None, :], hv, mask=(rm[:, None] < M) & (kk[None, :] < K) & first)
+        ss += tl.sum(v * v, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+def _operand(x, a2, g, r, rm, kk, sxm, sam, M, K, NORM: tl.constexpr, ADD: tl.constexpr, SWIGLU: tl.constexpr,
+             BF16: tl.constexpr):
+    """A device helper (`operand`): the kernel's operand at rows rm, columns kk, in fp32 (`_linear_rows`'s
+    prologues): the norm of the rows (r: `norm_scale`) times g, SwiGLU's product, or the rows themselves."""
+    if NORM:
+        a = row_block(x, a2, rm, kk, sxm, sam, M, K, ADD, BF16) * r[:, None] * tl.load(
+            g + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+        if BF16:
+            a = to_bf16(a).to(tl.float32)
+    elif SWIGLU:  # (a K tail: silu(0) * 0 = 0, an exact zero as the plain kernel's)
+        mx = (rm[:, None] < M) & (kk[None, :] < K)
+        a = swiglu(tl.load(x + rm[:, None] * sxm + kk[None, :], mask=mx, other=0.0).to(tl.float32),
+                   tl.load(x + rm[:, None] * sxm + K + kk[None, :], mask=mx, other=0.0).to(tl.float32))
+        if BF16:
+            a = to_bf16(a).to(tl.float32)
+    else:
+        a = row_block(x, a2, rm, kk, sxm, sam, M, K, False, BF16)
+    return a
 
 
 def _row_block(x, a2, rm, kk, sxm, sam, M, K, ADD: tl.constexpr, BF16: tl.constexpr):
@@ -119,8 +185,18 @@ def _row_block(x, a2, rm, kk, sxm, sam, M, K, ADD: tl.constexpr, BF16: tl.conste
     return v
 
 
-KERNELS = (_linear_rows,)
-HELPERS = {"row_block": _row_block}  # (bound by triton_build.kernel)
+def _accumulate(acc, a, w, rn, cm, kk, swn, K, DOT: tl.constexpr):
+    """A device helper (`accumulate`): acc + a W[rn, kk]^T for the operand block a [BM, BK], the columns rn
+    where cm holds: one FMA chain per output over k in order (module docstring), a K tail's zeros exact."""
+    wt = tl.load(w + rn[None, :] * swn + kk[:, None], mask=cm[None, :] & (kk[:, None] < K), other=0.0).to(tl.float32)
+    if DOT:
+        return tl.dot(a, wt, acc, input_precision="ieee")
+    return acc + tl.sum(a[:, :, None] * wt[None, :, :], axis=1)
+
+
+KERNELS = (_linear_rows, _qkv_rope_rows)
+HELPERS = {"row_block": _row_block, "norm_scale": _norm_scale, "operand": _operand,
+           "accumulate": _accumulate}  # (bound by triton_build.kernel)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,19 +213,57 @@ def swiglu_linear(ab: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def norm_linear(x: torch.Tensor, a: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                weight: torch.Tensor, rope: fused_rows.RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, RMSNorm(h) W^T) for h = x + a (x itself where a is None) as one kernel: a block's residual add, its
     norm and the projection after it (Block.forward, where `fused_rows.fuses_linear`). x, a [..., K],
     norm_weight [K], weight [N, K] (no bias), one dtype. h has the bits of PyTorch's x + a; the norm is
     RMSNorm's formula, its mean square summed in blocks of BK in order (so not always the bits of
-    fused_rows.rms_norm, whose sum is one reduction): within the dtype's rounding of the formula."""
+    fused_rows.rms_norm, whose sum is one reduction): within the dtype's rounding of the formula.
+
+    rope: the projection is the attention's q|k|v [B, N, (H + 2 Hk) d] for x [B, N, K], and the kernel goes on
+    as fused_rows.rope_store with these operands (its epilogue, the same bits): q and k rotated, k and v stored
+    in the cache layer. Returns (h, the rotated q [B, N, H, d]); one kernel where there were two."""
     if a is not None and (a.shape != x.shape or a.dtype != x.dtype):
         raise ValueError(f"norm_linear: a {tuple(a.shape)} {a.dtype} must be x's shape and dtype, "
                          f"{tuple(x.shape)} {x.dtype}")
     if norm_weight.shape != x.shape[-1:]:
         raise ValueError(f"norm_linear: norm weight {tuple(norm_weight.shape)}, want [{x.shape[-1]}]")
+    if rope is not None:
+        return _qkv_rope(x, a, norm_weight, eps, weight, rope)
     y, h = _launch(x, weight, None, norm=(a, norm_weight, eps))
     return (x if h is None else h.view(x.shape)), y
+
+
+def _qkv_rope(x: torch.Tensor, a: torch.Tensor | None, g: torch.Tensor, eps: float, weight: torch.Tensor,
+              rope: fused_rows.RopeStore) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear` with its RoPE epilogue: the kernel `_qkv_rope_rows` over x [B, R, K]; (h, q)."""
+    cos, sin, H, kc, vc, slots = rope
+    Hk, d = kc.shape[1], kc.shape[-1]
+    B, R, K = x.shape if x.dim() == 3 else (0, 0, 0)
+    if (x.dim() != 3 or weight.shape != ((H + 2 * Hk) * d, K) or d % 2 or weight.dtype != x.dtype
+            or kc.dtype != x.dtype or vc.shape != kc.shape or vc.dtype != x.dtype or kc.shape[0] != B
+            or cos.shape != (B, R, d) or sin.shape != cos.shape or slots.shape != (B, R)):
+        raise ValueError(f"norm_linear(rope=): x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}, "
+                         f"{H} query heads, cache {tuple(kc.shape)} {kc.dtype}, cos {tuple(cos.shape)}, slots "
+                         f"{tuple(slots.shape)}: want x [B, R, K], weight [(H + 2 Hk) d, K] for an even d, the "
+                         "cache [B, Hk, S, d] in x's dtype, cos and sin [B, R, d], slots [B, R]")
+    if (cos.stride(2) != 1 or sin.stride() != cos.stride() or kc.stride(3) != 1 or vc.stride(3) != 1
+            or slots.stride(1) != 1):
+        raise ValueError("norm_linear(rope=) needs the head dimension of cos, sin and the cache contiguous, cos "
+                         "and sin alike, and each row of slots contiguous")
+    if not available(x.device):
+        raise RuntimeError(NEEDS)
+    x2, w, M = as_rows(x), weight if weight.stride(1) == 1 else weight.contiguous(), B * R
+    a2 = x2 if a is None else as_rows(a)
+    h = x2 if a is None else torch.empty(M, K, device=x.device, dtype=x.dtype)
+    q = torch.empty(M, H, d, device=x.device, dtype=x.dtype)
+    kernel = triton_build.kernel(_qkv_rope_rows)
+    kernel[(triton_build.cdiv(M, BM), H + 2 * Hk)](
+        x2, w, a2, g.contiguous(), h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d, x2.stride(0), w.stride(0),
+        a2.stride(0), h.stride(0), float(eps), cos.stride(0), cos.stride(1), q.stride(0), q.stride(1),
+        *kc.stride()[:3], *vc.stride()[:3], slots.stride(0), BF16=x.dtype == torch.bfloat16,
+        DOT=not triton_build.interpreted(kernel), BM=BM, BH=pow2(d // 2), BK=BK, ADD=a is not None)
+    return (x if a is None else h.view(x.shape)), q.view(B, R, H, d)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
@@ -200,8 +314,9 @@ def self_check(device: torch.device, dtype: torch.dtype, seed: int = 0) -> float
     """The kernel's largest difference from the fp64 product on `device`, relative to the product's largest
     magnitude, over shapes with a row tail, an output tail and a K tail, plain and with each prologue (its
     operand made in PyTorch: SwiGLU's product, the norm of the residual sum, each rounded to the dtype; and the
-    sum itself): what the step's probe, which compares a row's bits across buckets and not its value, cannot
-    see. A correct kernel is within its dtype's rounding (about 1e-7 in fp32, 4e-3 in bf16)."""
+    sum itself), and the norm's with the RoPE epilogue (`_rope_off`): what the step's probe, which compares a
+    row's bits across buckets and not its value, cannot see. A correct kernel is within its dtype's rounding
+    (about 1e-7 in fp32, 4e-3 in bf16)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -221,18 +336,41 @@ def self_check(device: torch.device, dtype: torch.dtype, seed: int = 0) -> float
         normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()).to(dtype)
         worst = max(worst, off(row_linear(x, w, b), x, w, b), off(swiglu_linear(ab, w), glu, w), off(y, normed, w),
                     float((h.double() - (x + a).double()).abs().max()))
-    return worst
+    return max(worst, _rope_off(rand, g, device, dtype))
+
+
+def _rope_off(rand, g: torch.Generator, device: torch.device, dtype: torch.dtype) -> float:
+    """`self_check`'s RoPE epilogue: q and the stored k, v of `norm_linear(rope=)` against the norm's product
+    (in PyTorch, as `self_check`'s) rotated and stored by fused_rows.reference_rope_store in fp64, relative to
+    its largest magnitude; 19 rows of two sequences, 3 + 2 x 1 heads of 24."""
+    B, R, K, H, d, S = 2, 10, 130, 3, 24, 12
+    x, a, nw, w = rand(B, R, K), rand(B, R, K), 1 + 0.1 * rand(K), rand((H + 2) * d, K)
+    cos, sin = (torch.randn(B, R, d, generator=g).to(device) for _ in range(2))
+    slots = torch.randperm(S - 2, generator=g)[:R].to(device).expand(B, R)  # (two slots left as they were)
+    kc, vc = rand(B, 1, S, d), rand(B, 1, S, d)
+    kr, vr = kc.double(), vc.double()
+    _, q = norm_linear(x, a, nw, 1e-5, w, rope=fused_rows.RopeStore(cos, sin, H, kc, vc, slots))
+    hf = (x + a).float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()).to(dtype).double()
+    qr = fused_rows.reference_rope_store((normed @ w.double().T).view(B, R, H + 2, d), cos.double(), sin.double(),
+                                         H, kr, vr, slots)
+    return max(float((got.double() - want).abs().max() / want.abs().max())
+               for got, want in ((q, qr), (kc, kr), (vc, vr)))
 
 
 def compile_for(capability: int, dtype: torch.dtype) -> list:
-    """The kernel compiled ahead of time for an NVIDIA GPU of compute capability `capability` with `dtype`
-    operands, plain (with a bias) and with each prologue: SwiGLU's, the norm's with the residual add and
-    without (triton_build.compile_for: no GPU needed; tests/test_row_linear.py)."""
+    """The kernels compiled ahead of time for an NVIDIA GPU of compute capability `capability` with `dtype`
+    operands: the plain kernel (with a bias) and each prologue, SwiGLU's, the norm's with the residual add and
+    without; the norm kernel with its RoPE epilogue, with the add and without (triton_build.compile_for: no GPU
+    needed; tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
-    const = dict(BF16=dtype == torch.bfloat16, DOT=True, BM=BM, BN=BN, BK=BK)
-    kinds = dict(x=f"*{t}", w=f"*{t}", b=f"*{t}", y=f"*{t}", a2=f"*{t}", g=f"*{t}", h=f"*{t}", eps="fp32",
-                 **{n: "constexpr" for n in (*const, "HAS_BIAS", "SWIGLU", "NORM", "ADD")})
-    return [triton_build.compile_for(_linear_rows, capability, kinds, dict(const, HAS_BIAS=bias, SWIGLU=gated,
-                                                                          NORM=normed, ADD=added))
-            for bias, gated, normed, added in ((True, False, False, False), (False, True, False, False),
-                                               (False, False, True, True), (False, False, True, False))]
+    const = dict(BF16=dtype == torch.bfloat16, DOT=True, BM=BM, BK=BK)
+    ptrs = {n: f"*{t}" for n in ("x", "w", "b", "y", "a2", "g", "h", "q", "kc", "vc")}
+    kinds = dict(ptrs, eps="fp32", cos="*fp32", sin="*fp32", slots="*i64",
+                 **{n: "constexpr" for n in (*const, "BN", "BH", "HAS_BIAS", "SWIGLU", "NORM", "ADD")})
+    return [*(triton_build.compile_for(_linear_rows, capability, kinds, dict(const, BN=BN, HAS_BIAS=bias,
+                                                                             SWIGLU=gated, NORM=normed, ADD=added))
+              for bias, gated, normed, added in ((True, False, False, False), (False, True, False, False),
+                                                 (False, False, True, True), (False, False, True, False))),
+            *(triton_build.compile_for(_qkv_rope_rows, capability, kinds, dict(const, BH=32, ADD=added))
+              for added in (True, False))]

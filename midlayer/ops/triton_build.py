@@ -72,8 +72,8 @@ def kernel(fn: Callable):
 
 def helpers(fn: Callable) -> dict[str, Callable]:
     """The device helpers a kernel's body calls, by the names it calls them: the shared ones below (`to_bf16`,
-    `swiglu`), and those its module declares (`HELPERS`: name -> function)."""
-    return {"to_bf16": _to_bf16, "swiglu": _swiglu, **fn.__globals__.get("HELPERS", {})}
+    `swiglu`, `rope`), and those its module declares (`HELPERS`: name -> function)."""
+    return {"to_bf16": _to_bf16, "swiglu": _swiglu, "rope": _rope, **fn.__globals__.get("HELPERS", {})}
 
 
 tl = None  # triton.language once loaded (for the helpers below)
@@ -93,6 +93,14 @@ def _swiglu(a, b):
     formula for the SwiGLU kernel (fused_rows) and the row-linear kernel's SwiGLU prologue (row_linear), so the
     fused down projection reads the very values the separate kernel would have stored."""
     return a / (1.0 + tl.exp(-a)) * b
+
+
+def _rope(x, p, c, s):
+    """A kernels' helper (bound as `rope`): one rotated element x cos + p sin in fp32, p its partner in
+    rotate_half(x) = [-x2, x1] (attention.apply_rope; Su et al. 2021, arXiv 2104.09864), one formula
+    for the RoPE kernel (fused_rows.rope_store) and the row-linear kernel's RoPE epilogue (row_linear), so the
+    two round alike."""
+    return x * c + p * s
 
 
 def runs_on(fns: tuple[Callable, ...], device: torch.device | None = None) -> bool:
