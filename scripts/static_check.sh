@@ -21,9 +21,9 @@
 # recipe's, then an EAGLE-2 and a hidden-transfer device round; PROFILE=1), bench.md and bench.json (`bench
 # static`, each dtype's table printed as it is done), check.log and bench.log, kernels.txt (KERNELS=1:
 # benchmarks/triton_kernels.py, the Triton kernels' self-checks and device time against PyTorch's ops, at most
-# 50 s; FP32_ROWS=1, off by default: fp32's linears without split-K workspace, through cuBLASLt, and the
+# 70 s; FP32_ROWS=1, off by default: fp32's linears without split-K workspace, through cuBLASLt, and the
 # row-linear kernel in fp32 and bf16, about 40 s; 9 files with ROWS=1, one more than come back). Budget: call 2
-# at most 50 (KERNELS) + CHECK_S (120) + PROFILE_S (120) + BENCH_S (230) s plus the set-up, then the compile rows
+# at most 70 (KERNELS) + CHECK_S (120) + PROFILE_S (120) + BENCH_S (230) s plus the set-up, then the compile rows
 # in what is left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench (default
 # cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
 # COMPILE_DRAFTS=1: the compile rows run the drafters too (their device rounds compiled; more compile time).
@@ -55,7 +55,7 @@ ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's outpu
 # 1: whether fp32's linears keep a row's bits across M in other set-ups (~40 s; the probe decides either way,
 # so off by default since the 43rd session, whose kernels.txt times the kernels instead)
 FP32_ROWS=${FP32_ROWS:-0}
-KERNELS=${KERNELS:-1}  # 1: the Triton kernels one by one (benchmarks/triton_kernels.py, at most 50 s)
+KERNELS=${KERNELS:-1}  # 1: the Triton kernels one by one (benchmarks/triton_kernels.py, at most 70 s)
 PROFILE=${PROFILE:-1}  # 0: skip benchmarks/step_profile.py
 PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
@@ -104,7 +104,7 @@ run)
   [ "$ROWS" = 1 ] && timeout 40 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
   : > "$OUT/kernels.txt"
   if [ "$KERNELS" = 1 ]; then  # the Triton kernels one by one: self-checks, device time against PyTorch's ops
-    timeout 50 $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 >> "$OUT/kernels.txt" 2>&1
+    timeout 70 $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 >> "$OUT/kernels.txt" 2>&1
     echo "triton_kernels: exit $?" >> "$OUT/kernels.txt"
   fi
   if [ "$FP32_ROWS" = 1 ]; then  # fp32's linears without cuBLAS's split-K workspace, and through cuBLASLt

@@ -269,8 +269,9 @@ def test_with_both_kernels_each_norm_and_swiglu_are_the_linears_prologues(model,
     residual add carried from the block before, the attention's norm and q|k|v with RoPE and the K/V store as
     its epilogue (`norm_linear(rope=)`); the FFN's residual add, its norm and w13 (`norm_linear`); SwiGLU's
     product and w2 (`swiglu_linear`). The SwiGLU, add-and-norm and RoPE kernels never run. With the attention
-    kernel alone, they run once, twice (less the first block's carry) and once a block. The logits and hidden state are the bits of the same step with SwiGLU's product as a
-    kernel of its own (`fuses_linear` off for w2: that prologue changes no bits)."""
+    kernel alone, they run once, twice (less the first block's carry) and once a block. The logits and hidden
+    state are the bits of the same step with SwiGLU's product as a kernel of its own (`fuses_linear` off for
+    w2: that prologue changes no bits)."""
     from midlayer.ops import fused_rows
 
     calls = {"silu_mul": 0, "swiglu_linear": 0, "add_rms_norm": 0, "norm_linear": 0, "rope_store": 0, "rope": 0}

@@ -280,10 +280,10 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
 
 def linear_kernel_step(model: Transformer, chosen: DecodeStep, max_len: int) -> DecodeStep | None:
     """Where the probe chose the row-attention kernel with PyTorch's (cuBLAS's) linears, the same step with the
-    row-linear kernel too (the norms and SwiGLU's product its prologues: 228 kernels a SmolLM2 step against
-    318), for a plain row beside the chosen one: the probe orders its candidates by an assumption (cuBLAS first
-    where it keeps a row's bits), and this row measures it. None where the chosen step runs it already or the
-    kernels do not."""
+    row-linear kernel too (the norms and SwiGLU's product its prologues, RoPE and the store q|k|v's epilogue:
+    168 kernels a SmolLM2 step against 288), for a plain row beside the chosen one: the probe orders its
+    candidates by an assumption (cuBLAS first where it keeps a row's bits), and this row measures it. None
+    where the chosen step runs it already or the kernels do not."""
     if chosen.attention != "triton" or chosen.linear == "triton" or not triton_kernels(model):
         return None
     return DecodeStep(model, max_len=max_len, buckets=chosen.buckets, graphs=chosen.graphs, attn_rows=chosen.attn_rows,

@@ -1,13 +1,15 @@
-"""Row attention: the static decode step's attention (`DecodeStep.attend`) as two Triton kernels a layer.
+"""Row attention: the static decode step's attention (`DecodeStep.attend`) as one Triton kernel a layer.
 
 A row reads its keys in POSITION order through the position -> slot map `keys` [B, N, S] of the step, up to
 its own position, in chunks of CHUNK positions (flash-decoding's split of the keys: Dao et al. 2023, "Flash-
 Decoding for long-context inference"). Pass 1: one program per (row, kv head, chunk) keeps an online softmax
 over its chunk in blocks of BS positions (running max, sum and weighted sum, all fp32; Milakov and Gimelshein
-2018, arXiv 1805.02867) for the `rep` query heads that share the kv head (GQA). Pass 2: one program per (row,
-kv head) combines the row's chunks 0, 1, .. in that order. A row's result then depends on its query, its
-position and the keys it sees, and on no other row: not on how many rows share the forward nor on where it
-sits among them, and not on where its keys sit in the cache (a tree node's ancestors need not be adjacent).
+2018, arXiv 1805.02867) for the `rep` query heads that share the kv head (GQA). Pass 2 combines a (row, kv
+head)'s chunks 0, 1, .. in that order: in the same launch, by the row's last chunk to finish (ONE_PASS; a
+counter per (row, kv head), the pattern of CUDA's threadFenceReduction sample), or as a second kernel. A row's
+result then depends on its query, its position and the keys it sees, and on no other row: not on how many rows
+share the forward nor on where it sits among them, and not on where its keys sit in the cache (a tree node's
+ancestors need not be adjacent).
 The chunks' bounds are multiples of CHUNK, fixed by position, and the same compiled kernels run at every
 bucket size, so this holds by construction on any GPU; the step's probe still measures it
 (`DecodeStep.row_invariant`).

@@ -25,11 +25,14 @@ so the kernel is for fp32, and one arithmetic for both dtypes is the one the int
 multiply bf16) checks. `RowLinears` routes a forward's `F.linear` calls (every nn.Linear's) here;
 `DecodeStep(linear="triton")` runs its forwards under it.
 
-Prologues. A captured step pays per kernel, so what comes before a projection is the kernel's prologue where
-the model asks (`fused_rows.fuses_linear`): SwiGLU's product before the down projection (`swiglu_linear`, the
-very bits of the SwiGLU kernel then this one), and a norm with the residual add before it (`norm_linear`: the
-attention's q|k|v and the FFN's first projection). A SmolLM2 step is then 7 kernels a block, 228 in all where
-it was 318 (benchmarks/step_kernels.py --rounds both).
+Prologues and an epilogue. A captured step pays per kernel, so what comes before a projection is the kernel's
+prologue where the model asks (`fused_rows.fuses_linear`): SwiGLU's product before the down projection
+(`swiglu_linear`, the very bits of the SwiGLU kernel then this one), and a norm with the residual add before
+it (`norm_linear`: the attention's q|k|v and the FFN's first projection). After q|k|v, RoPE and the K/V store
+are its epilogue (`norm_linear(rope=)`, the very bits of fused_rows.rope_store after it): one program per
+head keeps both halves of the head, so each column's partner in rotate_half is at hand. With the attention in
+one launch (row_attention.py), a SmolLM2 step is 5 kernels a block, 168 in all, where it was 228 in the 47th
+session and 318 with cuBLAS's linears (benchmarks/step_kernels.py --rounds both).
 """
 
 from __future__ import annotations
