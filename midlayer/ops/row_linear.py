@@ -335,17 +335,16 @@ def self_check(device: torch.device, dtype: torch.dtype, seed: int = 0) -> float
         ab = torch.cat([rand(M, K), x], -1)
         glu = (torch.nn.functional.silu(ab[:, :K].float()) * ab[:, K:].float()).to(dtype)
         h, y = norm_linear(x, a, nw, 1e-5, w)
-        hf = (x + a).float()
-        normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()).to(dtype)
+        normed = _normed(x, a, nw)
         worst = max(worst, off(row_linear(x, w, b), x, w, b), off(swiglu_linear(ab, w), glu, w), off(y, normed, w),
                     float((h.double() - (x + a).double()).abs().max()))
-    return max(worst, _rope_off(rand, g, device, dtype))
+    return max(worst, _rope_off(rand, g, device))
 
 
-def _rope_off(rand, g: torch.Generator, device: torch.device, dtype: torch.dtype) -> float:
+def _rope_off(rand, g: torch.Generator, device: torch.device) -> float:
     """`self_check`'s RoPE epilogue: q and the stored k, v of `norm_linear(rope=)` against the norm's product
     (in PyTorch, as `self_check`'s) rotated and stored by fused_rows.reference_rope_store in fp64, relative to
-    its largest magnitude; 19 rows of two sequences, 3 + 2 x 1 heads of 24."""
+    its largest magnitude; 20 rows of two sequences, 3 + 2 x 1 heads of 24."""
     B, R, K, H, d, S = 2, 10, 130, 3, 24, 12
     x, a, nw, w = rand(B, R, K), rand(B, R, K), 1 + 0.1 * rand(K), rand((H + 2) * d, K)
     cos, sin = (torch.randn(B, R, d, generator=g).to(device) for _ in range(2))
@@ -353,12 +352,17 @@ def _rope_off(rand, g: torch.Generator, device: torch.device, dtype: torch.dtype
     kc, vc = rand(B, 1, S, d), rand(B, 1, S, d)
     kr, vr = kc.double(), vc.double()
     _, q = norm_linear(x, a, nw, 1e-5, w, rope=fused_rows.RopeStore(cos, sin, H, kc, vc, slots))
-    hf = (x + a).float()
-    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()).to(dtype).double()
-    qr = fused_rows.reference_rope_store((normed @ w.double().T).view(B, R, H + 2, d), cos.double(), sin.double(),
-                                         H, kr, vr, slots)
+    qkv = (_normed(x, a, nw).double() @ w.double().T).view(B, R, H + 2, d)
+    qr = fused_rows.reference_rope_store(qkv, cos.double(), sin.double(), H, kr, vr, slots)
     return max(float((got.double() - want).abs().max() / want.abs().max())
                for got, want in ((q, qr), (kc, kr), (vc, vr)))
+
+
+def _normed(x: torch.Tensor, a: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
+    """The self-checks' operand of a norm prologue, in PyTorch: RMSNorm(x + a) with weight nw and eps 1e-5, in
+    fp32, rounded to x's dtype (as the kernel's prologue rounds it)."""
+    hf = (x + a).float()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()).to(x.dtype)
 
 
 def compile_for(capability: int, dtype: torch.dtype) -> list:
