@@ -6,7 +6,13 @@ attention kernel is set beside SDPA over the same keys, the recipe's attention (
 attention, which also gathers keys into position order). On a CPU (Triton's interpreter) it runs the
 self-checks alone: a dry run.
 
-    python benchmarks/triton_kernels.py [--device cuda] [--dtypes fp32,bf16] [--rows 1,8,64]
+With --tiles FILE it times instead the row-linear kernel's tiles (`row_linear.TILES`) at each of the step's
+weight shapes, each through the call the step makes (the norm and SwiGLU prologues, the RoPE epilogue), and
+keeps for each shape the tile with the least time relative to the default tile's, summed over the dtypes and
+row counts; FILE gets their MIDLAYER_ROW_TILES value (written after each shape: a run cut short keeps what it
+measured). scripts/static_check.sh runs the step's bench at it.
+
+    python benchmarks/triton_kernels.py [--device cuda] [--dtypes fp32,bf16] [--rows 1,8,64] [--tiles FILE]
 """
 
 from __future__ import annotations
@@ -133,6 +139,57 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
     return out
 
 
+# the tiles (BN, BK) tried, the default first
+TILE_CANDIDATES = ((row_linear.BN, row_linear.BK), (16, 64), (16, 128), (32, 128), (64, 64))
+
+
+def tile_calls(dev: torch.device, dtype: torch.dtype, n: int) -> dict[tuple[int, int], tuple[str, object]]:
+    """For each row-linear weight shape (N, K) of the step: (name, the step's call at that shape for n rows)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dev, dt)
+
+    x, a, ab = rand(1, n, DIM), rand(1, n, DIM), rand(1, n, 2 * FFN)
+    nw = 1 + 0.1 * rand(DIM)
+    wqkv, wo, w13, w2, head = (rand(m, k) / math.sqrt(k) for k, m in ((DIM, (H + 2 * HK) * HD), (DIM, DIM),
+                                                                      (DIM, 2 * FFN), (FFN, DIM), (DIM, VOCAB)))
+    S = 400
+    rope = fused_rows.RopeStore(rand(1, n, HD, dt=torch.float32), rand(1, n, HD, dt=torch.float32), H,
+                                rand(1, HK, S, HD), rand(1, HK, S, HD), torch.arange(300, 300 + n, device=dev)[None])
+    return {tuple(wqkv.shape): ("q|k|v: norm + RoPE epilogue", lambda: row_linear.norm_linear(
+                x, a, nw, 1e-5, wqkv, rope=rope)),
+            tuple(wo.shape): ("o", lambda: row_linear.row_linear(x, wo)),
+            tuple(w13.shape): ("w1|w3: norm prologue", lambda: row_linear.norm_linear(x, a, nw, 1e-5, w13)),
+            tuple(w2.shape): ("w2: SwiGLU prologue", lambda: row_linear.swiglu_linear(ab, w2)),
+            tuple(head.shape): ("head", lambda: row_linear.row_linear(x, head))}
+
+
+def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str) -> None:
+    """--tiles (module docstring): a table of each shape's tiles, and path's MIDLAYER_ROW_TILES value."""
+    print("\n| weight (N x K) | tile (BN x BK) | " + " | ".join(f"{d} {n} us" for d in dtypes for n in rows)
+          + " | / default |\n|---|---|" + "---|" * (len(dtypes) * len(rows) + 1))
+    calls = {(d, n): tile_calls(dev, DTYPES[d], n) for d in dtypes for n in rows}
+    chosen, spec = {}, ""
+    for shape in calls[dtypes[0], rows[0]]:
+        us = {}
+        for t in TILE_CANDIDATES:
+            row_linear.TILES[shape] = t
+            with torch.no_grad():
+                us[t] = [device_us(calls[d, n][shape][1]) for d in dtypes for n in rows]
+            rel = sum(u / u0 for u, u0 in zip(us[t], us[TILE_CANDIDATES[0]]))
+            print(f"| {shape[0]} x {shape[1]} ({calls[dtypes[0], rows[0]][shape][0]}) | {t[0]} x {t[1]} | "
+                  + " | ".join(f"{u:.1f}" for u in us[t]) + f" | {rel / len(us[t]):.2f} |", flush=True)
+        del row_linear.TILES[shape]
+        best = min(us, key=lambda t: sum(u / u0 for u, u0 in zip(us[t], us[TILE_CANDIDATES[0]])))
+        if best != TILE_CANDIDATES[0]:
+            chosen[shape] = best
+        spec = ",".join(f"{n}x{k}={bn}x{bk}" for (n, k), (bn, bk) in chosen.items())
+        with open(path, "w") as f:
+            f.write(spec)
+    print(f"\nMIDLAYER_ROW_TILES={spec}")
+
+
 def _two_launches(*args) -> torch.Tensor:
     """row_attention with pass 2 as a launch of its own (ONE_PASS off for the call: a host-side choice, so a
     captured graph keeps the two launches)."""
@@ -148,6 +205,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--rows", default="1,8,64", help="comma-separated row counts to time")
+    ap.add_argument("--tiles", metavar="FILE", help="time the row-linear kernel's tiles instead, and write the "
+                    "best as MIDLAYER_ROW_TILES's value to FILE (CUDA only)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     bad = [d for d in args.dtypes.split(",") if d not in DTYPES]
@@ -161,6 +220,11 @@ def main() -> None:
           f"{f' ({torch.cuda.get_device_name(dev)})' if dev.type == 'cuda' else ''}, Triton "
           f"{'available' if row_attention.available(dev) else 'not available here'}")
     if not row_attention.available(dev):
+        return
+    if args.tiles:
+        if dev.type != "cuda":
+            ap.error("--tiles times on CUDA only")
+        sweep_tiles(dev, args.dtypes.split(","), rows, args.tiles)
         return
     for d in args.dtypes.split(","):
         dtype = DTYPES[d]

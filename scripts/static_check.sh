@@ -22,12 +22,15 @@
 # static`, each dtype's table printed as it is done), check.log and bench.log, kernels.txt (KERNELS=1:
 # benchmarks/triton_kernels.py, the Triton kernels' self-checks and device time against PyTorch's ops, at most
 # 70 s; FP32_ROWS=1, off by default: fp32's linears without split-K workspace, through cuBLASLt, and the
-# row-linear kernel in fp32 and bf16, about 40 s; 9 files with ROWS=1, one more than come back). Budget: call 2
-# at most 70 (KERNELS) + CHECK_S (120) + PROFILE_S (120) + BENCH_S (230) s plus the set-up, then the compile rows
-# in what is left of CALL_S (550) s; bf16 runs first. GRAPHS: the step's modes of the main bench (default
+# row-linear kernel in fp32 and bf16, about 40 s; 9 files with ROWS=1, one more than come back; and with TILES=1
+# benchmarks/triton_kernels.py --tiles, the row-linear kernel's tiles at each weight shape: the check and the
+# bench then run at the tiles it chose, MIDLAYER_ROW_TILES, which env.txt names).
+# Budget: call 2 at most 70 (KERNELS) + TILES_S (60) + CHECK_S (120) + BENCH_S (230) s plus the set-up, then the
+# compile rows in what is left of CALL_S (550) s; bf16 runs first. PROFILE=1 adds PROFILE_S (120) before the bench
+# and leaves no time for the compile rows. GRAPHS: the step's modes of the main bench (default
 # cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
 # COMPILE_DRAFTS=1: the compile rows run the drafters too (their device rounds compiled; more compile time).
-# A short rerun: BENCH_FIRST=1, DTYPES, CHECK_S, PROFILE=0 (below).
+# A short rerun: BENCH_FIRST=1, DTYPES, CHECK_S; TILES=0 with MIDLAYER_ROW_TILES set to the first run's (env.txt).
 # Since the 47th session bench.md also has a plain row "cudagraph, both kernels" wherever the probe took cuBLAS's
 # linears: the step with the row-linear kernel too (the norms and SwiGLU its prologues), against the chosen one.
 set -uo pipefail
@@ -56,7 +59,9 @@ ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's outpu
 # so off by default since the 43rd session, whose kernels.txt times the kernels instead)
 FP32_ROWS=${FP32_ROWS:-0}
 KERNELS=${KERNELS:-1}  # 1: the Triton kernels one by one (benchmarks/triton_kernels.py, at most 70 s)
-PROFILE=${PROFILE:-1}  # 0: skip benchmarks/step_profile.py
+TILES=${TILES:-1}  # 1: choose the row-linear kernel's tiles on the device first (at most TILES_S; CUDA only)
+TILES_S=${TILES_S:-60}
+PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 60 s took its time)
 PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
 BENCH_FIRST=${BENCH_FIRST:-0}  # 1: the bench before the check (a short rerun that needs the bench's table most)
@@ -107,6 +112,14 @@ run)
     timeout 70 $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 >> "$OUT/kernels.txt" 2>&1
     echo "triton_kernels: exit $?" >> "$OUT/kernels.txt"
   fi
+  if [ "$TILES" = 1 ] && [ "$DEVICE" != cpu ]; then  # (written after each weight shape: a cut run keeps some)
+    rm -f /tmp/row-tiles.txt
+    timeout "$TILES_S" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 --tiles /tmp/row-tiles.txt \
+      >> "$OUT/kernels.txt" 2>&1
+    echo "tiles: exit $?" >> "$OUT/kernels.txt"
+    [ -s /tmp/row-tiles.txt ] && export MIDLAYER_ROW_TILES=$(cat /tmp/row-tiles.txt)
+  fi
+  echo "row-linear tiles: ${MIDLAYER_ROW_TILES:-the default}" >> "$OUT/env.txt"
   if [ "$FP32_ROWS" = 1 ]; then  # fp32's linears without cuBLAS's split-K workspace, and through cuBLASLt
     CUBLAS_WORKSPACE_CONFIG=:0:0 timeout 30 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" --linear-only \
       --dtypes fp32 >> "$OUT/kernels.txt" 2>&1

@@ -154,6 +154,64 @@ def test_the_norms_rope_epilogue_gives_the_bits_of_the_projection_then_rope_stor
         rl.norm_linear(x, a, nw, 1e-5, w, rope=fused_rows.RopeStore(cos[:, :4], sin[:, :4], H, kc, vc, slots))
 
 
+@pytest.mark.parametrize("tile", [(16, 16), (16, 128), (64, 32)], ids=["16x16", "16x128", "64x32"])
+def test_a_tile_of_the_table_is_taken_and_keeps_the_formula_and_each_rows_bits(tile, monkeypatch):
+    """A tile set for a weight's shape (`TILES`, what MIDLAYER_ROW_TILES sets) is the one launched, for that
+    shape only; at it the kernel is still the formula and a row's bits are the same alone and among 37 rows."""
+    x, w, b = _operands(37, 72, 130, torch.float32)
+    launched = []
+    real = rl.triton_build.cdiv
+    monkeypatch.setattr(rl.triton_build, "cdiv", lambda a, c: launched.append(c) or real(a, c))
+    monkeypatch.setitem(rl.TILES, (72, 130), tile)
+    y = rl.row_linear(x, w, b)
+    assert launched == [rl.BM, tile[0]]
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T + b.double(), atol=2e-5, rtol=1e-6)
+    assert torch.equal(rl.row_linear(x[20:21], w, b)[0], y[20])
+    launched.clear()
+    rl.row_linear(x[:, :70], w[:, :70])  # (another shape: the default tile)
+    assert launched == [rl.BM, rl.BN]
+
+
+def test_the_rope_epilogue_splits_a_head_over_programs_at_a_narrow_tile(monkeypatch):
+    """With a tile narrower than half a head (16 of 32 columns), each head is two programs, each with its
+    columns of both halves: q and the stored k, v have the bits of the whole-head programs (and of
+    norm_linear then rope_store)."""
+    from midlayer.ops import fused_rows
+
+    g = torch.Generator().manual_seed(5)
+    B, R, K, H, Hk, d, S = 1, 3, 40, 2, 1, 64, 6
+    x, a, nw = (torch.randn(*s, generator=g) for s in ((B, R, K), (B, R, K), (K,)))
+    w = torch.randn((H + 2 * Hk) * d, K, generator=g) / 8
+    cos, sin = (torch.randn(B, R, d, generator=g) for _ in range(2))
+    slots = torch.tensor([[4, 0, 2]])
+    out = []
+    for t in ((32, 64), (16, 64)):
+        monkeypatch.setitem(rl.TILES, tuple(w.shape), t)
+        kc, vc = torch.zeros(B, Hk, S, d), torch.zeros(B, Hk, S, d)
+        out.append((*rl.norm_linear(x, a, nw, 1e-5, w, rope=fused_rows.RopeStore(cos, sin, H, kc, vc, slots)), kc,
+                    vc))
+    kr, vr = torch.zeros(B, Hk, S, d), torch.zeros(B, Hk, S, d)
+    qr = fused_rows.rope_store(rl.norm_linear(x, a, nw, 1e-5, w)[1].view(B, R, H + 2 * Hk, d), cos, sin, H, kr, vr,
+                               slots)
+    assert all(torch.equal(p, q) for p, q in zip(out[0], out[1]))
+    assert torch.equal(out[1][1], qr) and torch.equal(out[1][2], kr) and torch.equal(out[1][3], vr)
+    assert out[1][2][0, 0, 4].abs().sum() > 0  # (a slot written)
+
+
+def test_row_tiles_are_read_from_the_environment_and_bad_ones_refused():
+    """MIDLAYER_ROW_TILES="NxK=BNxBK,..." fills `TILES` when the module is imported; a malformed entry or a
+    tile that is not a power of two of at least 16 is refused with the form it wants."""
+    assert rl.parse_tiles(" 576x1536=16x128, 960x576=16x64,") == {(576, 1536): (16, 128), (960, 576): (16, 64)}
+    assert rl.parse_tiles("") == {}
+    for bad in ("576x1536", "576x1536=16", "576=16x64", "576x1536=24x64", "576x1536=8x64", "ax1=16x16"):
+        with pytest.raises(ValueError, match="row tiles"):
+            rl.parse_tiles(bad)
+    env = {**os.environ, "MIDLAYER_ROW_TILES": "576x1536=16x128"}
+    got = subprocess.run([sys.executable, "-c", "from midlayer.ops import row_linear; print(row_linear.TILES)"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert got.strip() == "{(576, 1536): (16, 128)}"
+
+
 @pytest.mark.parametrize("wrong", ["swiglu_linear", "norm_linear-y", "norm_linear-h", "norm_linear-rope"])
 def test_the_self_check_sees_a_prologue_off_its_formula(wrong, monkeypatch):
     """The self-check the probe runs before trying the kernel on a GPU (it compares bits across buckets, not
@@ -359,3 +417,34 @@ def test_the_probe_takes_the_linear_kernel_where_the_blas_fails_and_passes_over_
         assert invariant_buckets(copy.deepcopy(model), 40) == (StepKernels((8, 16)), True)
     assert any("row-linear kernel failed" in str(w.message) and "from the formula" in str(w.message)
                for w in caught)
+
+
+def test_the_tile_sweep_keeps_each_shapes_fastest_tile_relative_to_the_default(tmp_path, monkeypatch, capsys):
+    """benchmarks/triton_kernels.py --tiles (what scripts/static_check.sh runs the bench at), its choice with a
+    faked device clock: each shape keeps the tile with the least time relative to the default's, summed over
+    dtypes and row counts (576 x 1536's 16 x 128 wins on the ratios, where 64 x 64 would win on the summed
+    microseconds); a shape where the default wins is left out; the file holds MIDLAYER_ROW_TILES's value, which
+    parse_tiles reads back; the table is left as it was."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "triton_kernels", Path(__file__).resolve().parents[1] / "benchmarks" / "triton_kernels.py")
+    tk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tk)
+    # fake calls: each shape's call returns which (shape, tile, rows) it ran at; the clock reads it
+    shapes = {(960, 576): {1: {(16, 64): 0.5}, 64: {(16, 64): 1.1}},  # (16 x 64: half at 1 row, 1.1 at 64)
+              (576, 1536): {1: {(16, 128): 0.5}, 64: {(16, 128): 1.2, (64, 64): 0.9}},
+              (49152, 576): {1: {}, 64: {}}}  # (every tile as the default: the default kept)
+    monkeypatch.setattr(tk, "tile_calls", lambda dev, dtype, n: {
+        s: (f"shape {s}", lambda s=s, n=n: (s, rl.tile(*s), n)) for s in shapes})
+    base = {1: 10.0, 64: 100.0}
+    monkeypatch.setattr(tk, "device_us", lambda fn: (lambda s, t, n: base[n] * shapes[s][n].get(t, 1.0))(*fn()))
+    before = dict(rl.TILES)
+    out = tmp_path / "tiles.txt"
+    tk.sweep_tiles(torch.device("cpu"), ["fp32"], [1, 64], str(out))
+    # (960, 576): 16 x 64's ratios sum to 0.5 + 1.1 < 2; (576, 1536): 16 x 128's 0.5 + 1.2 = 1.7 against 64 x 64's
+    # 1 + 0.9 = 1.9, though 16 x 128 takes 5 + 120 us and 64 x 64 10 + 90
+    assert rl.parse_tiles(out.read_text()) == {(960, 576): (16, 64), (576, 1536): (16, 128)}
+    assert rl.TILES == before
+    assert f"MIDLAYER_ROW_TILES={out.read_text()}" in capsys.readouterr().out

@@ -6,7 +6,7 @@ full queue answers 503, and a client that disconnects frees its slot."""
 from __future__ import annotations
 
 import copy
-import socket
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,12 +24,6 @@ from midlayer.server import create_app
 from test_api import llm  # noqa: F401  (the tiny model with a tiny ChatML tokenizer, a fixture)
 
 NAME = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Running:
@@ -376,22 +370,28 @@ def test_sigterm_stops_the_server_cleanly_with_requests_in_flight(tmp_path):
     root = Path(__file__).resolve().parents[1]
     script = tmp_path / "serve_tiny.py"
     script.write_text(SERVE_SCRIPT)
-    port = _free_port()
     env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'tests'}"}
-    proc = subprocess.Popen([sys.executable, str(script), str(port)], cwd=root, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    # port 0: the child binds a port the OS picks and uvicorn logs it; a port picked here beforehand could be
+    # taken by a parallel test worker's server before the child binds it
+    proc = subprocess.Popen([sys.executable, str(script), "0"], cwd=root, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+
+    def read_log() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
     try:
-        t = time.time()
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() - t < 60, "the server did not start"
+        t, url = time.time(), None
+        while url is None:
+            assert reader.is_alive(), "the server exited: " + "".join(lines)[-2000:]
+            assert time.time() - t < 60, "the server did not start: " + "".join(lines)[-2000:]
             time.sleep(0.1)
+            found = [m.group(1) for m in map(re.compile(r"running on (http://\S+)").search, list(lines)) if m]
+            url = found[0] if found else None
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         ends: list[str] = []
 
         def stream() -> None:
@@ -415,7 +415,8 @@ def test_sigterm_stops_the_server_cleanly_with_requests_in_flight(tmp_path):
         assert not any(c.is_alive() for c in clients), "a client hung"
         # uvicorn stops gracefully, then re-raises the signal so that the parent sees how its child ended
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-        log = proc.stderr.read().decode()
+        reader.join(timeout=60)
+        log = "".join(lines)
         assert "Application shutdown complete" in log and "Finished server process" in log, log[-2000:]
         assert len(ends) == 4 and all(e == "done" or e.startswith(("error", "cut")) for e in ends), ends
     finally:

@@ -37,15 +37,48 @@ session and 318 with cuBLAS's linears (benchmarks/step_kernels.py --rounds both)
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.overrides import TorchFunctionMode
 
 from . import fused_rows, triton_build
 from .triton_build import NEEDS, as_rows, pow2
 
-BM, BN, BK = 16, 32, 64  # the tile: BM rows (16: tl.dot's least) x BN outputs, over K in blocks of BK
+BM = 16  # the tile's rows (tl.dot's least)
+BN, BK = 32, 64  # the default tile's outputs a program (BN) and its blocks over K (BK): `tile`
+# per weight shape (N, K), a tile (BN, BK) other than the default: a choice measured on the device
+# (benchmarks/triton_kernels.py --tiles), given as MIDLAYER_ROW_TILES="NxK=BNxBK,..." or set here
+TILES: dict[tuple[int, int], tuple[int, int]] = {}
 tl = to_bf16 = swiglu = rope = None  # triton.language and the kernels' helpers, set when first made
 row_block = norm_scale = operand = accumulate = None
+
+
+def parse_tiles(spec: str) -> dict[tuple[int, int], tuple[int, int]]:
+    """MIDLAYER_ROW_TILES's form, "NxK=BNxBK,...", as {(N, K): (BN, BK)}; BN and BK powers of two of at least 16
+    (tl.dot's least). A clear error for anything else."""
+    tiles = {}
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        try:
+            shape, t = item.split("=")
+            (n, k), (bn, bk) = (tuple(int(v) for v in side.split("x")) for side in (shape, t))
+        except ValueError:
+            raise ValueError(f"row tiles: {item!r} is not NxK=BNxBK (e.g. 576x1536=16x128)") from None
+        if min(n, k) < 1 or any(v < 16 or v & (v - 1) for v in (bn, bk)):
+            raise ValueError(f"row tiles: {item!r}: N and K positive, BN and BK powers of two of at least 16")
+        tiles[(n, k)] = (bn, bk)
+    return tiles
+
+
+TILES.update(parse_tiles(os.environ.get("MIDLAYER_ROW_TILES", "")))
+
+
+def tile(N: int, K: int) -> tuple[int, int]:
+    """The tile (BN, BK) of a weight [N, K]: `TILES`'s, else the default. Which tile changes which program
+    computes an output and how the kernel walks K, never M's part: a row's bits stay its own at any tile
+    (and on a GPU, whose tl.dot is one FMA chain per output over k in order, the product's bits are the same at
+    every tile; the norm prologue's mean square is summed in blocks of BK)."""
+    return TILES.get((N, K), (BN, BK))
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -84,22 +117,22 @@ def _linear_rows(x, w, b, y, a2, g, h, M, N, K, sxm, swn, sym, sam, shm, eps, HA
 
 
 @triton_build.options(do_not_specialize=["M"])
-def _qkv_rope_rows(x, w, a2, g, h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d, sxm, swn, sam, shm, eps,
+def _qkv_rope_rows(x, w, a2, g, h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d, P, sxm, swn, sam, shm, eps,
                    scb, scn, sqm, sqh, skb, skh, sks, svb, svh, svs, ssb, BF16: tl.constexpr, DOT: tl.constexpr,
                    BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, ADD: tl.constexpr):
     """The NORM kernel above with RoPE and the K/V store as its epilogue (`norm_linear(rope=)`); grid
-    (cdiv(M, BM), H + 2 Hk): one program per BM rows and head of the fused q|k|v projection W [(H + 2 Hk) d, K].
-    A program keeps two accumulators, the head's first half of columns and the second, each output's sum the
-    one of `_linear_rows` (the same helpers, the same order over K), so a column's partner in rotate_half is in
-    the same program. Its epilogue is fused_rows.rope_store's: the projection rounded to the dtype, q and k
-    rotated (the `rope` helper), q to `q` [M, H, d], k and v to the cache layer kc, vc [B, Hk, S, d] at the
-    row's slot (row m = b R + n; slots [B, R])."""
+    (cdiv(M, BM), (H + 2 Hk) P): P programs per BM rows and head of the fused q|k|v projection W [(H + 2 Hk) d,
+    K], each BH columns of the head's first half and the same columns of its second, in two accumulators, each
+    output's sum the one of `_linear_rows` (the same helpers, the same order over K), so a column's partner in
+    rotate_half is in the same program. Its epilogue is fused_rows.rope_store's: the projection rounded to the
+    dtype, q and k rotated (the `rope` helper), q to `q` [M, H, d], k and v to the cache layer kc, vc
+    [B, Hk, S, d] at the row's slot (row m = b R + n; slots [B, R])."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    hh = tl.program_id(1)  # the head: q heads first, then k's, then v's
-    j = tl.arange(0, BH)
+    hh = tl.program_id(1) // P  # the head: q heads first, then k's, then v's
+    j = tl.program_id(1) % P * BH + tl.arange(0, BH)  # this program's columns of each half
     half = d // 2
     rk = tl.arange(0, BK)
-    r = norm_scale(x, a2, h, rm, rk, hh, sxm, sam, shm, M, K, eps, ADD, BF16, BM, BK)
+    r = norm_scale(x, a2, h, rm, rk, tl.program_id(1), sxm, sam, shm, M, K, eps, ADD, BF16, BM, BK)
     lo = hh * d + j  # the first half's columns; the second's are half further
     acc1 = tl.zeros([BM, BH], tl.float32)
     acc2 = tl.zeros([BM, BH], tl.float32)
@@ -260,12 +293,15 @@ def _qkv_rope(x: torch.Tensor, a: torch.Tensor | None, g: torch.Tensor, eps: flo
     a2 = x2 if a is None else as_rows(a)
     h = x2 if a is None else torch.empty(M, K, device=x.device, dtype=x.dtype)
     q = torch.empty(M, H, d, device=x.device, dtype=x.dtype)
+    bn, bk = tile(*weight.shape)
+    BH = min(bn, pow2(d // 2))  # (the tile's BN: a program's columns of each half)
+    P = triton_build.cdiv(d // 2, BH)
     kernel = triton_build.kernel(_qkv_rope_rows)
-    kernel[(triton_build.cdiv(M, BM), H + 2 * Hk)](
-        x2, w, a2, g.contiguous(), h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d, x2.stride(0), w.stride(0),
+    kernel[(triton_build.cdiv(M, BM), (H + 2 * Hk) * P)](
+        x2, w, a2, g.contiguous(), h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d, P, x2.stride(0), w.stride(0),
         a2.stride(0), h.stride(0), float(eps), cos.stride(0), cos.stride(1), q.stride(0), q.stride(1),
         *kc.stride()[:3], *vc.stride()[:3], slots.stride(0), BF16=x.dtype == torch.bfloat16,
-        DOT=not triton_build.interpreted(kernel), BM=BM, BH=pow2(d // 2), BK=BK, ADD=a is not None)
+        DOT=not triton_build.interpreted(kernel), BM=BM, BH=BH, BK=bk, ADD=a is not None)
     return (x if a is None else h.view(x.shape)), q.view(B, R, H, d)
 
 
@@ -288,12 +324,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     a2 = None if a is None else as_rows(a)
     g = None if g is None else g.contiguous()
     h = None if a is None else torch.empty(M, K, device=x.device, dtype=x.dtype)
+    bn, bk = tile(N, K)
     kernel = triton_build.kernel(_linear_rows)
-    kernel[(triton_build.cdiv(M, BM), triton_build.cdiv(N, BN))](
+    kernel[(triton_build.cdiv(M, BM), triton_build.cdiv(N, bn))](
         x2, w, w if bias is None else bias, y, x2 if a2 is None else a2, w if g is None else g, y if h is None else h,
         M, N, K, x2.stride(0), w.stride(0), y.stride(0), x2.stride(0) if a2 is None else a2.stride(0),
         y.stride(0) if h is None else h.stride(0), float(eps), HAS_BIAS=bias is not None,
-        BF16=x.dtype == torch.bfloat16, DOT=not triton_build.interpreted(kernel), BM=BM, BN=BN, BK=BK, SWIGLU=gated,
+        BF16=x.dtype == torch.bfloat16, DOT=not triton_build.interpreted(kernel), BM=BM, BN=bn, BK=bk, SWIGLU=gated,
         NORM=norm is not None, ADD=a is not None)
     return y.view(*x.shape[:-1], N), h
 
