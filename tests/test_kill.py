@@ -92,7 +92,7 @@ def test_train_killed_ten_times_ends_as_an_uninterrupted_run(tmp_path):
     def cmd(out: Path, resume: bool) -> list[str]:  # (`midlayer train`, as python -m midlayer runs it)
         return [sys.executable, "-c", f"import midlayer.commands.training; from midlayer.cli import main; {READY}; "
                 "sys.exit(main())", "train", "debug",
-                "--data", str(d / "*.bin"), "--steps", "120", "--ckpt-every", "3", "--no-progress",
+                "--data", str(d / "*.bin"), "--steps", "60", "--ckpt-every", "3", "--no-progress",
                 "--out-dir", str(out)] + (["--resume"] if resume else [])
 
     whole, ready = tmp_path / "whole", tmp_path / "ready"
@@ -102,7 +102,7 @@ def test_train_killed_ten_times_ends_as_an_uninterrupted_run(tmp_path):
     killed = _kill_and_resume(lambda i: cmd(cut, bool(list_checkpoints(cut))), ready, env, 1, done, work_s)
     assert killed >= KILLS - 2  # the run was really cut, at (nearly) every point
     a, b = load_checkpoint(list_checkpoints(whole)[-1]), load_checkpoint(list_checkpoints(cut)[-1])
-    assert a["step"] == b["step"] == 120
+    assert a["step"] == b["step"] == 60
     assert _digest(a["model"]) == _digest(b["model"])
     assert not [p for p in cut.iterdir() if ".tmp" in p.name]
 
@@ -114,7 +114,7 @@ from midlayer.speculative.draft_training import train_drafts
 from pathlib import Path
 Path(sys.argv.pop()).touch()
 out = Path(sys.argv[1])
-c = [cfg(out, m, epochs=300) for m in ("medusa", "early-exit")]
+c = [cfg(out, m, epochs=150) for m in ("medusa", "early-exit")]
 train_drafts(c, tiny_base(), tiny_data(), progress=False, log=lambda s: None)
 """
 
@@ -143,7 +143,7 @@ from midlayer.speculative.distill import distill
 from midlayer.data.prompts import Prompt
 from pathlib import Path
 Path(sys.argv.pop()).touch()
-prompts = [Prompt(f"p{i}", "qa", "tell me about " + "abc"[i % 3] * (i % 7 + 1), "train") for i in range(240)]
+prompts = [Prompt(f"p{i}", "qa", "tell me about " + "abc"[i % 3] * (i % 7 + 1), "train") for i in range(120)]
 distill(make_model(), CharTok({0}), prompts, sys.argv[1], max_new_tokens=80, batch_size=2, progress=False)
 """
 
