@@ -74,13 +74,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 def _threads_per_worker() -> None:
     """Under pytest-xdist (`-n N`), each of the N worker processes takes its share of the cores for PyTorch's
     intra-op threads, not all of them: N workers each running as many threads as there are cores oversubscribe
-    them (on 2 cores, `-n 2` with 2 threads each ran the suite a third slower than one process)."""
+    them (on 2 cores, `-n 2` with 2 threads each ran the suite a third slower than one process). The processes
+    a test starts (the kill tests', the CLI's, the gloo ranks') inherit the share through OMP_NUM_THREADS,
+    unless it is set already: with all the cores each, they contended with the other workers (on 2 cores with
+    `-n 2`, tests/test_kill.py's three tests took 60, 56 and 46 s so, against 133, 81 and 65 s before)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // workers))
+        share = max(1, cores // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 _threads_per_worker()
