@@ -166,28 +166,48 @@ def tile_calls(dev: torch.device, dtype: torch.dtype, n: int) -> dict[tuple[int,
 
 
 def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str) -> None:
-    """--tiles (module docstring): a table of each shape's tiles, and path's MIDLAYER_ROW_TILES value."""
+    """--tiles (module docstring): a table of each shape's tiles, and path's MIDLAYER_ROW_TILES value. A tile
+    whose outputs are off the default tile's by more than its dtype's rounding (`_ROUNDING`: the self-check
+    runs at its own small shapes, not at these) is not taken."""
     print("\n| weight (N x K) | tile (BN x BK) | " + " | ".join(f"{d} {n} us" for d in dtypes for n in rows)
           + " | / default |\n|---|---|" + "---|" * (len(dtypes) * len(rows) + 1))
     calls = {(d, n): tile_calls(dev, DTYPES[d], n) for d in dtypes for n in rows}
     chosen, spec = {}, ""
     for shape in calls[dtypes[0], rows[0]]:
-        us = {}
+        name = calls[dtypes[0], rows[0]][shape][0]
+        rel, us, want = {}, {}, {}
         for t in TILE_CANDIDATES:
             row_linear.TILES[shape] = t
             with torch.no_grad():
+                outs = {(d, n): calls[d, n][shape][1]() for d in dtypes for n in rows}
+                want = want or outs  # (the first tile is the default)
+                off = max(_off(outs[d, n], want[d, n]) / _ROUNDING[d] for d, n in outs)
                 us[t] = [device_us(calls[d, n][shape][1]) for d in dtypes for n in rows]
-            rel = sum(u / u0 for u, u0 in zip(us[t], us[TILE_CANDIDATES[0]]))
-            print(f"| {shape[0]} x {shape[1]} ({calls[dtypes[0], rows[0]][shape][0]}) | {t[0]} x {t[1]} | "
-                  + " | ".join(f"{u:.1f}" for u in us[t]) + f" | {rel / len(us[t]):.2f} |", flush=True)
+            rel[t] = sum(u / u0 for u, u0 in zip(us[t], us[TILE_CANDIDATES[0]])) / len(us[t])
+            print(f"| {shape[0]} x {shape[1]} ({name}) | {t[0]} x {t[1]} | " + " | ".join(f"{u:.1f}" for u in us[t])
+                  + f" | {rel[t]:.2f}{'' if off <= 1 else f' (off the default by {off:.1f} roundings: not taken)'} |",
+                  flush=True)
+            if off > 1:
+                del rel[t]
         del row_linear.TILES[shape]
-        best = min(us, key=lambda t: sum(u / u0 for u, u0 in zip(us[t], us[TILE_CANDIDATES[0]])))
+        best = min(rel, key=rel.get)
         if best != TILE_CANDIDATES[0]:
             chosen[shape] = best
         spec = ",".join(f"{n}x{k}={bn}x{bk}" for (n, k), (bn, bk) in chosen.items())
         with open(path, "w") as f:
             f.write(spec)
     print(f"\nMIDLAYER_ROW_TILES={spec}")
+
+
+_ROUNDING = {"fp32": 1e-5, "bf16": 8e-3}  # (decode_step._ROUNDING's: relative to the output's largest magnitude)
+
+
+def _off(got, want) -> float:
+    """The largest difference of a call's outputs (a tensor, or a tuple of them) from another's, relative to the
+    other's largest magnitude."""
+    got, want = (o if isinstance(o, tuple) else (o,) for o in (got, want))
+    return max(float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+               for a, b in zip(got, want))
 
 
 def _two_launches(*args) -> torch.Tensor:

@@ -423,8 +423,9 @@ def test_the_tile_sweep_keeps_each_shapes_fastest_tile_relative_to_the_default(t
     """benchmarks/triton_kernels.py --tiles (what scripts/static_check.sh runs the bench at), its choice with a
     faked device clock: each shape keeps the tile with the least time relative to the default's, summed over
     dtypes and row counts (576 x 1536's 16 x 128 wins on the ratios, where 64 x 64 would win on the summed
-    microseconds); a shape where the default wins is left out; the file holds MIDLAYER_ROW_TILES's value, which
-    parse_tiles reads back; the table is left as it was."""
+    microseconds); a tile whose output is off the default's is not taken however fast; a shape where the
+    default wins is left out; the file holds MIDLAYER_ROW_TILES's value, which parse_tiles reads back; the table
+    is left as it was."""
     import importlib.util
     from pathlib import Path
 
@@ -432,19 +433,35 @@ def test_the_tile_sweep_keeps_each_shapes_fastest_tile_relative_to_the_default(t
         "triton_kernels", Path(__file__).resolve().parents[1] / "benchmarks" / "triton_kernels.py")
     tk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tk)
-    # fake calls: each shape's call returns which (shape, tile, rows) it ran at; the clock reads it
-    shapes = {(960, 576): {1: {(16, 64): 0.5}, 64: {(16, 64): 1.1}},  # (16 x 64: half at 1 row, 1.1 at 64)
+    # each shape's time at each row count and tile, as a fraction of the default tile's (1 where not given)
+    shapes = {(960, 576): {1: {(16, 64): 0.5}, 64: {(16, 64): 1.1}},
               (576, 1536): {1: {(16, 128): 0.5}, 64: {(16, 128): 1.2, (64, 64): 0.9}},
-              (49152, 576): {1: {}, 64: {}}}  # (every tile as the default: the default kept)
+              (49152, 576): {1: {(16, 64): 0.3}, 64: {(16, 64): 0.3}}}
+    wrong = {((49152, 576), (16, 64))}  # (the fastest there, but its output is 1% off)
+    last = []
+
+    def call(s, n):
+        last[:] = [s, n]
+        return torch.full((2,), 1.01 if (s, rl.tile(*s)) in wrong else 1.0)
+
     monkeypatch.setattr(tk, "tile_calls", lambda dev, dtype, n: {
-        s: (f"shape {s}", lambda s=s, n=n: (s, rl.tile(*s), n)) for s in shapes})
+        s: (f"shape {s}", lambda s=s, n=n: call(s, n)) for s in shapes})
     base = {1: 10.0, 64: 100.0}
-    monkeypatch.setattr(tk, "device_us", lambda fn: (lambda s, t, n: base[n] * shapes[s][n].get(t, 1.0))(*fn()))
+
+    def device_us(fn):
+        fn()
+        s, n = last
+        return base[n] * shapes[s][n].get(rl.tile(*s), 1.0)
+
+    monkeypatch.setattr(tk, "device_us", device_us)
     before = dict(rl.TILES)
     out = tmp_path / "tiles.txt"
     tk.sweep_tiles(torch.device("cpu"), ["fp32"], [1, 64], str(out))
     # (960, 576): 16 x 64's ratios sum to 0.5 + 1.1 < 2; (576, 1536): 16 x 128's 0.5 + 1.2 = 1.7 against 64 x 64's
-    # 1 + 0.9 = 1.9, though 16 x 128 takes 5 + 120 us and 64 x 64 10 + 90
+    # 1 + 0.9 = 1.9, though 16 x 128 takes 5 + 120 us and 64 x 64 10 + 90; (49152, 576): 16 x 64 is off
     assert rl.parse_tiles(out.read_text()) == {(960, 576): (16, 64), (576, 1536): (16, 128)}
     assert rl.TILES == before
-    assert f"MIDLAYER_ROW_TILES={out.read_text()}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if "49152 x 576" in line and "| 16 x 64 |" in line)
+    assert "not taken" in row and printed.count("not taken") == 1
+    assert f"MIDLAYER_ROW_TILES={out.read_text()}" in printed
