@@ -140,7 +140,7 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
 
 
 # the tiles (BN, BK) tried, the default first
-TILE_CANDIDATES = ((row_linear.BN, row_linear.BK), (16, 64), (16, 128), (32, 128), (64, 64))
+TILE_CANDIDATES = ((row_linear.BN, row_linear.BK), (16, 64), (16, 128), (16, 256), (32, 128), (64, 64))
 
 
 def tile_calls(dev: torch.device, dtype: torch.dtype, n: int) -> dict[tuple[int, int], tuple[str, object]]:

@@ -25,7 +25,7 @@
 # row-linear kernel in fp32 and bf16, about 40 s; 9 files with ROWS=1, one more than come back; and with TILES=1
 # benchmarks/triton_kernels.py --tiles, the row-linear kernel's tiles at each weight shape: the check and the
 # bench then run at the tiles it chose, MIDLAYER_ROW_TILES, which env.txt names).
-# Budget: call 2 at most 70 (KERNELS) + TILES_S (60) + CHECK_S (120) + BENCH_S (230) s plus the set-up, then the
+# Budget: call 2 at most 70 (KERNELS) + TILES_S (75) + CHECK_S (120) + BENCH_S (230) s plus the set-up, then the
 # compile rows in what is left of CALL_S (550) s; bf16 runs first. PROFILE=1 adds PROFILE_S (120) before the bench
 # and leaves no time for the compile rows. GRAPHS: the step's modes of the main bench (default
 # cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
@@ -60,8 +60,8 @@ ROWS=${ROWS:-0}  # 1: benchmarks/row_invariance.py first (40 s; the H200's outpu
 FP32_ROWS=${FP32_ROWS:-0}
 KERNELS=${KERNELS:-1}  # 1: the Triton kernels one by one (benchmarks/triton_kernels.py, at most 70 s)
 TILES=${TILES:-1}  # 1: choose the row-linear kernel's tiles on the device first (at most TILES_S; CUDA only)
-TILES_S=${TILES_S:-60}
-PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 60 s took its time)
+TILES_S=${TILES_S:-75}
+PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 75 s took its time)
 PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
 BENCH_FIRST=${BENCH_FIRST:-0}  # 1: the bench before the check (a short rerun that needs the bench's table most)
