@@ -200,16 +200,24 @@ def test_the_rope_epilogue_splits_a_head_over_programs_at_a_narrow_tile(monkeypa
 
 def test_row_tiles_are_read_from_the_environment_and_bad_ones_refused():
     """MIDLAYER_ROW_TILES="NxK=BNxBK,..." fills `TILES` when the module is imported; a malformed entry or a
-    tile that is not a power of two of at least 16 is refused with the form it wants."""
+    tile that is not a power of two of at least 16 is refused with the form it wants; from the variable, by the
+    first launch, naming it."""
     assert rl.parse_tiles(" 576x1536=16x128, 960x576=16x64,") == {(576, 1536): (16, 128), (960, 576): (16, 64)}
     assert rl.parse_tiles("") == {}
     for bad in ("576x1536", "576x1536=16", "576=16x64", "576x1536=24x64", "576x1536=8x64", "ax1=16x16"):
         with pytest.raises(ValueError, match="row tiles"):
             rl.parse_tiles(bad)
-    env = {**os.environ, "MIDLAYER_ROW_TILES": "576x1536=16x128"}
-    got = subprocess.run([sys.executable, "-c", "from midlayer.ops import row_linear; print(row_linear.TILES)"],
-                         env=env, capture_output=True, text=True, check=True).stdout
+    show = [sys.executable, "-c", "from midlayer.ops import row_linear; print(row_linear.TILES)"]
+    got = subprocess.run(show, env={**os.environ, "MIDLAYER_ROW_TILES": "576x1536=16x128"}, capture_output=True,
+                         text=True, check=True).stdout
     assert got.strip() == "{(576, 1536): (16, 128)}"
+    # a malformed variable does not stop an import (every command imports the module): the first launch refuses
+    launch = ("from midlayer.ops import row_linear as r; import torch; print(r.TILES); "
+              "r.row_linear(torch.ones(1, 16), torch.ones(16, 16))")
+    bad = subprocess.run([sys.executable, "-c", launch], env={**os.environ, "MIDLAYER_ROW_TILES": "576x1536=12x128",
+                                                             "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert bad.stdout.strip() == "{}" and bad.returncode != 0
+    assert "ValueError: MIDLAYER_ROW_TILES: row tiles: '576x1536=12x128'" in bad.stderr
 
 
 @pytest.mark.parametrize("wrong", ["swiglu_linear", "norm_linear-y", "norm_linear-h", "norm_linear-rope"])

@@ -70,14 +70,22 @@ def parse_tiles(spec: str) -> dict[tuple[int, int], tuple[int, int]]:
     return tiles
 
 
-TILES.update(parse_tiles(os.environ.get("MIDLAYER_ROW_TILES", "")))
+# a malformed MIDLAYER_ROW_TILES is refused by the first launch (`tile`), not at import, which every command does
+_TILES_ERROR = ""
+try:
+    TILES.update(parse_tiles(os.environ.get("MIDLAYER_ROW_TILES", "")))
+except ValueError as e:
+    _TILES_ERROR = f"MIDLAYER_ROW_TILES: {e}"
 
 
 def tile(N: int, K: int) -> tuple[int, int]:
     """The tile (BN, BK) of a weight [N, K]: `TILES`'s, else the default. Which tile changes which program
     computes an output and how the kernel walks K, never M's part: a row's bits stay its own at any tile
     (and on a GPU, whose tl.dot is one FMA chain per output over k in order, the product's bits are the same at
-    every tile; the norm prologue's mean square is summed in blocks of BK)."""
+    every tile; the norm prologue's mean square is summed in blocks of BK). A malformed MIDLAYER_ROW_TILES is
+    refused here, naming the variable."""
+    if _TILES_ERROR:
+        raise ValueError(_TILES_ERROR)
     return TILES.get((N, K), (BN, BK))
 
 
