@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+from midlayer.engine.decode_step import ROUNDING  # noqa: E402
 from midlayer.model.layers import RMSNorm  # noqa: E402
 from midlayer.ops import acceptance, fused_rows, row_attention, row_linear, tree_layout  # noqa: E402
 
@@ -35,6 +36,8 @@ REPS = 50
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # SmolLM2-135M: dim 576, 9 heads of 64 over 3 kv heads, FFN 1536, vocabulary 49152
 DIM, H, HK, HD, FFN, VOCAB = 576, 9, 3, 64, 1536, 49152
+# its linears (K, N): q|k|v, o, w1|w3, w2, the head
+LINEARS = ((DIM, (H + 2 * HK) * HD), (DIM, DIM), (DIM, 2 * FFN), (FFN, DIM), (DIM, VOCAB))
 
 
 def device_us(fn, reps: int = REPS) -> float:
@@ -70,7 +73,7 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
         return torch.randn(*shape, generator=g).to(dev, dt)
 
     out = []
-    for k, m in ((DIM, (H + 2 * HK) * HD), (DIM, DIM), (DIM, 2 * FFN), (FFN, DIM), (DIM, VOCAB)):
+    for k, m in LINEARS:
         x, w = rand(n, k), rand(m, k) / math.sqrt(k)
         out.append((f"linear {k}->{m}", lambda x=x, w=w: row_linear.row_linear(x, w), lambda x=x, w=w: F.linear(x, w)))
     norm = RMSNorm(DIM, 1e-5).to(dev, dtype)
@@ -152,8 +155,7 @@ def tile_calls(dev: torch.device, dtype: torch.dtype, n: int) -> dict[tuple[int,
 
     x, a, ab = rand(1, n, DIM), rand(1, n, DIM), rand(1, n, 2 * FFN)
     nw = 1 + 0.1 * rand(DIM)
-    wqkv, wo, w13, w2, head = (rand(m, k) / math.sqrt(k) for k, m in ((DIM, (H + 2 * HK) * HD), (DIM, DIM),
-                                                                      (DIM, 2 * FFN), (FFN, DIM), (DIM, VOCAB)))
+    wqkv, wo, w13, w2, head = (rand(m, k) / math.sqrt(k) for k, m in LINEARS)
     S = 400
     rope = fused_rows.RopeStore(rand(1, n, HD, dt=torch.float32), rand(1, n, HD, dt=torch.float32), H,
                                 rand(1, HK, S, HD), rand(1, HK, S, HD), torch.arange(300, 300 + n, device=dev)[None])
@@ -167,8 +169,8 @@ def tile_calls(dev: torch.device, dtype: torch.dtype, n: int) -> dict[tuple[int,
 
 def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str) -> None:
     """--tiles (module docstring): a table of each shape's tiles, and path's MIDLAYER_ROW_TILES value. A tile
-    whose outputs are off the default tile's by more than its dtype's rounding (`_ROUNDING`: the self-check
-    runs at its own small shapes, not at these) is not taken."""
+    whose outputs are off the default tile's by more than its dtype's rounding (decode_step.ROUNDING, the
+    probe's bound for the self-checks, which run at their own small shapes, not at these) is not taken."""
     print("\n| weight (N x K) | tile (BN x BK) | " + " | ".join(f"{d} {n} us" for d in dtypes for n in rows)
           + " | / default |\n|---|---|" + "---|" * (len(dtypes) * len(rows) + 1))
     calls = {(d, n): tile_calls(dev, DTYPES[d], n) for d in dtypes for n in rows}
@@ -181,7 +183,7 @@ def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str
             with torch.no_grad():
                 outs = {(d, n): calls[d, n][shape][1]() for d in dtypes for n in rows}
                 want = want or outs  # (the first tile is the default)
-                off = max(_off(outs[d, n], want[d, n]) / _ROUNDING[d] for d, n in outs)
+                off = max(_off(outs[d, n], want[d, n]) / ROUNDING[DTYPES[d]] for d, n in outs)
                 us[t] = [device_us(calls[d, n][shape][1]) for d in dtypes for n in rows]
             rel[t] = sum(u / u0 for u, u0 in zip(us[t], us[TILE_CANDIDATES[0]])) / len(us[t])
             print(f"| {shape[0]} x {shape[1]} ({name}) | {t[0]} x {t[1]} | " + " | ".join(f"{u:.1f}" for u in us[t])
@@ -193,13 +195,10 @@ def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str
         best = min(rel, key=rel.get)
         if best != TILE_CANDIDATES[0]:
             chosen[shape] = best
-        spec = ",".join(f"{n}x{k}={bn}x{bk}" for (n, k), (bn, bk) in chosen.items())
+        spec = row_linear.format_tiles(chosen)
         with open(path, "w") as f:
             f.write(spec)
     print(f"\nMIDLAYER_ROW_TILES={spec}")
-
-
-_ROUNDING = {"fp32": 1e-5, "bf16": 8e-3}  # (decode_step._ROUNDING's: relative to the output's largest magnitude)
 
 
 def _off(got, want) -> float:

@@ -204,6 +204,7 @@ def test_row_tiles_are_read_from_the_environment_and_bad_ones_refused():
     first launch, naming it."""
     assert rl.parse_tiles(" 576x1536=16x128, 960x576=16x64,") == {(576, 1536): (16, 128), (960, 576): (16, 64)}
     assert rl.parse_tiles("") == {}
+    assert rl.format_tiles(rl.parse_tiles("576x1536=16x128,960x576=16x64")) == "576x1536=16x128,960x576=16x64"
     for bad in ("576x1536", "576x1536=16", "576=16x64", "576x1536=24x64", "576x1536=8x64", "ax1=16x16"):
         with pytest.raises(ValueError, match="row tiles"):
             rl.parse_tiles(bad)

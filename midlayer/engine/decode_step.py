@@ -110,11 +110,11 @@ LINEARS = ("torch", "triton")  # `DecodeStep.linear`: F.linear as PyTorch runs i
 # The Triton kernels' self-checks (their value against the formula, which the probe, comparing bits, does not
 # see), run before the probe tries them: (the candidates' field they serve, the kernels' name, the check, the
 # most it may be off, relative to the output's scale: fp32 rounding, or a bf16 output's own, 2^-8).
-_ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
 SELF_CHECKS = (("attention", "row-attention", row_attention.self_check,
-                dict.fromkeys(_ROUNDING, row_attention.TOLERANCE)),
-               ("attention", "row-wise (RMSNorm, SwiGLU, RoPE)", fused_rows.self_check, _ROUNDING),
-               ("linear", "row-linear", row_linear.self_check, _ROUNDING))
+                dict.fromkeys(ROUNDING, row_attention.TOLERANCE)),
+               ("attention", "row-wise (RMSNorm, SwiGLU, RoPE)", fused_rows.self_check, ROUNDING),
+               ("linear", "row-linear", row_linear.self_check, ROUNDING))
 # W of `DecodeStep.attend`: every row of a forward lies within W - 1 positions of the forward's first slot (a
 # prompt chunk has at most W rows; a tree's depth plus hidden transfer's steps stay below W).
 MAX_TAIL = 64

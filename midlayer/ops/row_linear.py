@@ -70,6 +70,11 @@ def parse_tiles(spec: str) -> dict[tuple[int, int], tuple[int, int]]:
     return tiles
 
 
+def format_tiles(tiles: dict[tuple[int, int], tuple[int, int]]) -> str:
+    """{(N, K): (BN, BK)} in MIDLAYER_ROW_TILES's form, what `parse_tiles` reads back."""
+    return ",".join(f"{n}x{k}={bn}x{bk}" for (n, k), (bn, bk) in tiles.items())
+
+
 # a malformed MIDLAYER_ROW_TILES is refused by the first launch (`tile`), not at import, which every command does
 _TILES_ERROR = ""
 try:
