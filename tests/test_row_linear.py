@@ -319,12 +319,10 @@ def model():
 def test_the_step_through_both_kernels_decodes_one_row_losslessly(model):
     """This CPU's fp32 GEMV at one row rounds otherwise than 8 rows, so the static step with PyTorch's linears
     fails the probe with a one-row bucket; through the row-linear kernel (and the row-attention kernel) the
-    same buckets pass. Plain decoding in one row then gives the tokens of verification's rounds: speculative
+    same buckets pass (the probe's verdicts: `test_the_probe_takes_the_linear_kernel_where_the_blas_fails...`,
+    at these buckets). Plain decoding in one row then gives the tokens of verification's rounds: speculative
     decoding equals it exactly, whatever the drafts."""
-    buckets = (1, 8, 16)
-    assert not DecodeStep(model, max_len=48, buckets=buckets, attention="triton").row_invariant()
-    step = DecodeStep(model, max_len=48, buckets=buckets, attention="triton", linear="triton")
-    assert step.row_invariant()
+    step = DecodeStep(model, max_len=48, buckets=(1, 8, 16), attention="triton", linear="triton")
     prompt = [(7 * i + 3) % V for i in range(9)]
     ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=10), step=step)[0]
     assert assert_drafts_lossless(model, step, prompt, ref).base_forwards > 5  # (random drafts: rounds of ~1)
@@ -410,14 +408,17 @@ def test_the_probe_takes_the_linear_kernel_where_the_blas_fails_and_passes_over_
     """Where the Triton kernels are tried (CUDA with Triton; on this CPU by pretending), a one-row bucket whose
     BLAS rounds by M fails with PyTorch's linears and passes with the row-linear kernel, which the probe then
     chooses before any bucket set without one row, under graphs="compile" too (which probes eagerly: the same
-    verdict). A linear kernel that is off the formula (row-invariant, so the probe alone would pass it) is passed
-    over with a warning."""
+    verdict, taken from the eager probe's memo: no step is built again). A linear kernel that is off the formula
+    (row-invariant, so the probe alone would pass it) is passed over with a warning."""
     monkeypatch.setattr(decode_step, "triton_kernels", lambda mdl: True)
     monkeypatch.setattr(decode_step, "STEP_CANDIDATES", (
         StepKernels((1, 8, 16), attention="triton"), StepKernels((1, 8, 16), attention="triton", linear="triton"),
         StepKernels((8, 16))))
-    assert invariant_buckets(copy.deepcopy(model), 40) == (decode_step.STEP_CANDIDATES[1], True)
-    assert invariant_buckets(copy.deepcopy(model), 40, "compile") == (decode_step.STEP_CANDIDATES[1], True)
+    probed = copy.deepcopy(model)
+    assert invariant_buckets(probed, 40) == (decode_step.STEP_CANDIDATES[1], True)
+    with monkeypatch.context() as m:
+        m.setattr(decode_step, "DecodeStep", None)  # (a probe now would fail: the verdict is the memo's)
+        assert invariant_buckets(probed, 40, "compile") == (decode_step.STEP_CANDIDATES[1], True)
 
     real = rl.row_linear
     monkeypatch.setattr(rl, "row_linear", lambda *a: real(*a) * 1.01)
