@@ -217,11 +217,13 @@ class LLM:
 
     # ------------------------------------------------------------------------------------ generation
     def generate(self, prompt: Prompt | Sequence[Prompt], *, max_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] = ()
                  ) -> Completion | list[Completion]:
         """One `Completion` for one prompt, a list for a list of prompts (decoded together: plain decoding in one
         batch; with stop strings or a drafter, in one continuous batch whose rows draft chains, unless
-        `batch_refusal` says why not: then one by one). `stop`: strings that end a completion (cut before the string)."""
+        `batch_refusal` says why not: then one by one). `stop`: a string, or strings, that end a completion (cut
+        before the string)."""
+        stop = stop_strings(stop)
         if not isinstance(prompt, str) and isinstance(prompt, Sequence) and not prompt:
             raise ValueError("no prompt: give a str, a chat (a list of messages) or a list of prompts")
         many = not isinstance(prompt, str) and isinstance(prompt, Sequence) and \
@@ -251,9 +253,10 @@ class LLM:
         return [c for c in done if c is not None]
 
     def stream(self, prompt: Prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()) -> Iterator[str]:
+               top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] = ()) -> Iterator[str]:
         """The completion's text in pieces as it is decoded (plain decoding: token by token; with a drafter:
         round by round). A piece never ends inside a multi-byte character or a stop string."""
+        stop = stop_strings(stop)
         cfg = self.settings(max_tokens, temperature, top_k, top_p, seed)
         ids = self.encode(prompt)
         self.last_stats = None
@@ -496,6 +499,15 @@ class TextStream:
         return self.llm._completion(self.ids, self.new, stats, self.stop)
 
 
+def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """`stop` as a list of strings: one string is one stop string (not its characters, which iterating it would
+    give); ValueError for an empty string or a non-string."""
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop: give a non-empty string or a list of them, got {stop!r}")
+    return stops
+
+
 def is_token_ids(prompt: Any) -> bool:
     """True for a non-empty list of token ids (ints, not bools): a prompt given as ids (API and server)."""
     return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
@@ -521,4 +533,4 @@ def _cut_tokens(tokens: list[int], cfg: GenerationConfig) -> list[int]:
     return tokens
 
 
-__all__ = ["LLM", "Completion", "Prompt", "Message", "TextStream", "is_token_ids"]
+__all__ = ["LLM", "Completion", "Prompt", "Message", "TextStream", "is_token_ids", "stop_strings"]

@@ -13,22 +13,26 @@ streamed or not: the batch scores each token from the logits that chose it, each
 tokens' scores (the engine that decodes one request at a time scores the answer once it is done). Requests are
 checked before they are queued, and a bad one gets an OpenAI-style error ({"error": {"message", "type",
 "param", "code"}}) with a 4xx status: malformed JSON, a body over the limit, an unknown model, an unknown field,
-a prompt over the context, max_tokens out of range, a non-finite or negative temperature.
+a prompt over the context, max_tokens out of range or beyond the room the prompt leaves in the context, a
+non-finite or negative temperature. A field sent as null is one not sent; max_tokens not sent is 16 for a
+completion (OpenAI's legacy default) and the whole room for a chat (vLLM's).
 
 One engine thread owns the model. Every request joins one continuous batch (engine/batch.py) at its next step and
 leaves it when done; with a drafter attached (prompt lookup or any trained draft), each greedy row drafts in the
 batch. In q4 every output equals the request's single-request greedy output token for token. A request that would
-make more than `max_queue` waiting or running is refused with 503 at once. A client that disconnects, or a stop
-string, frees the row at the next step. On SIGTERM the server stops accepting connections, lets running requests
-finish, and answers queued ones with an error: never a hang. `--max-batch 1` and the static engine decode requests
-one after another instead. Chat contents are encoded as text (api.LLM.encode): markup in a message cannot forge a
-turn.
+make more than `max_queue` waiting or running is refused with 503 at once. A client that disconnects (streaming or
+not), or a stop string, frees the row at the next step. On SIGTERM the server stops accepting connections, lets
+running requests finish, and answers queued ones with an error: never a hang. `--max-batch 1` and the static engine
+decode requests one after another instead. Chat contents are encoded as text (api.LLM.encode): markup in a message
+cannot forge a turn.
 """
 
 # (no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, whose types are imported
 # inside create_app so that fastapi stays an optional extra)
 
 import asyncio
+import codecs
+import collections
 import contextlib
 import json
 import math
@@ -48,6 +52,7 @@ COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "s
                      "logprobs", "echo", "presence_penalty", "frequency_penalty", "stream_options"}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "logprobs"}) | {"messages", "max_completion_tokens",
                                                                      "logprobs", "top_logprobs"}
+DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) request looks whether its client is still there
 
 
 class RequestError(ValueError):
@@ -153,6 +158,8 @@ class Engine:
                 break
             if self.stopping:
                 job.put(("error", "the server is shutting down"))
+            elif job.cancelled.is_set():  # its client went away while it waited: nothing to run
+                pass
             elif job.call is not None:
                 self._call(job)
             else:
@@ -266,14 +273,21 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
 
 def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens", scoring: bool = False) -> dict[str, Any]:
     """The generation settings of a request, each checked (400 naming the field). `scoring`: a completion that
-    may ask for log-probabilities (`logprobs` 0-5) and an `echo` of the prompt, and then for 0 new tokens."""
+    may ask for log-probabilities (`logprobs` 0-5) and an `echo` of the prompt, and then for 0 new tokens. A
+    field sent as null is one not sent (OpenAI's API). max_tokens not given is None here: `budget` sets it
+    from the prompts' length."""
     ctx = llm.model.cfg.max_seq_len
-    max_tokens = body.get(max_name, body.get("max_completion_tokens", 16))
+    max_tokens = body.get(max_name)
+    if max_tokens is None:
+        max_tokens = body.get("max_completion_tokens")
     echo = body.get("echo") or False
     lo = 0 if scoring and echo else 1
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not lo <= max_tokens <= ctx:
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or not lo <= max_tokens <= ctx):
         raise RequestError(400, f"{max_name} must be an integer in [{lo}, {ctx}] (the model's context), got "
                                 f"{max_tokens!r}", param=max_name)
+    if body.get("stream") not in (None, True, False):
+        raise RequestError(400, f"stream must be true or false, got {body.get('stream')!r}", param="stream")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
         raise RequestError(400, f"seed must be an integer, got {seed!r}", param="seed")
@@ -282,7 +296,7 @@ def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens", scoring: bool 
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise RequestError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise RequestError(400, "n must be 1 (one completion per request)", param="n")
     logprobs = body.get("logprobs")
     if not scoring and (logprobs not in (None, False) or body.get("top_logprobs") is not None):
@@ -303,6 +317,24 @@ def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens", scoring: bool 
     if scoring:
         out.update(logprobs=logprobs, echo=echo)
     return out
+
+
+def _budget(kwargs: dict[str, Any], prompt_tokens: int, ctx: int, default: int | None, name: str) -> None:
+    """kwargs["max_tokens"] against the room the longest prompt (`prompt_tokens`) leaves in the context `ctx`:
+    when given, at most that room (400 naming the field: a completion cut short by the context, or a prompt
+    that cannot be scored with it, would not be what was asked); when not, `default` (None: the whole room, as
+    vLLM's chat does), within the room."""
+    room, least = ctx - prompt_tokens, 0 if kwargs.get("echo") else 1
+    asked = kwargs["max_tokens"]
+    if asked is None:
+        asked = room if default is None else min(default, room)
+        if asked < least:
+            raise RequestError(400, f"the prompt's {prompt_tokens} tokens fill the model's context of {ctx}: no "
+                                    "room for a completion", param=name)
+    elif asked > room:
+        raise RequestError(400, f"the prompt's {prompt_tokens} tokens and {name} {asked} exceed the model's context of "
+                                f"{ctx} tokens: ask for at most {room}", param=name)
+    kwargs["max_tokens"] = asked
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -328,24 +360,57 @@ def _chat_scored(llm: LLM, messages: list[dict], kw: dict[str, Any], top: int) -
                         seed=kw["seed"], stop=kw["stop"])
     new = done.token_ids
     scored = llm.logprobs(ids + new, top)[len(ids):]
-    content = _logprob_content(llm, [(t, lp, alts) for t, (lp, alts) in zip(new, scored)])
+    content = ContentScores(llm).take([(t, lp, alts) for t, (lp, alts) in zip(new, scored)], done.text)
     choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
               "logprobs": {"content": content}, "finish_reason": done.finish_reason}
     return [choice], len(ids), len(new)
 
 
-def _logprob_content(llm: LLM, scores: list[tuple[int, float, dict[int, float]]]) -> list[dict[str, Any]]:
-    """OpenAI's logprobs.content for scored tokens (token id, log-probability, alternatives): per token of the
-    answer's content (the end-of-turn token is not content) its text, log-probability, UTF-8 bytes, and its
-    alternatives, most likely first."""
-    tok = llm.tokenizer
+class ContentScores:
+    """OpenAI's chat logprobs.content, chunk by chunk, for the tokens whose text the answer shows: a token is
+    given once the text shown so far reaches its first byte, so the tokens of a stop string (cut from the
+    answer) and the end-of-turn token are never given, and the tokens given spell the answer. Each entry: the
+    token's text, its log-probability, its bytes (`TextTokenizer.token_bytes`: a character split over tokens
+    has its bytes in each, where the token's text is U+FFFD) and its alternatives, most likely first.
 
-    def entry(t: int, lp: float) -> dict[str, Any]:
-        text = tok.decode([t])
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    Long: the answer's text is the tokens' bytes decoded as UTF-8 with U+FFFD for what is not (a model may make
+    invalid bytes), so the i-th character shown ends at the byte where an incremental decoder gives it out
+    (`ends`); a decoder that drops the first token's leading space (sentencepiece) shows `lead` characters
+    fewer."""
 
-    return [dict(entry(t, lp), top_logprobs=[entry(a, v) for a, v in sorted(alts.items(), key=lambda x: -x[1])])
-            for t, lp, alts in scores if t not in tok.eos_ids]
+    def __init__(self, llm: LLM) -> None:
+        self.llm, self.pending, self.raw, self.shown = llm, collections.deque(), 0, 0
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.ends: list[int] = []  # the byte just after each character of the tokens' text
+        self.lead: int | None = None
+
+    def take(self, scores: list[tuple[int, float, dict[int, float]]], text: str) -> list[dict[str, Any]]:
+        """The entries for `scores` (token id, log-probability, alternatives), the tokens scored since the last
+        call, now that `text` is shown after what was shown before."""
+        tok = self.llm.tokenizer
+        for t, lp, alts in scores:
+            if t in tok.eos_ids:
+                continue
+            b = tok.token_bytes(t)
+            if self.lead is None:
+                self.lead = max(0, len(b.decode("utf-8", "replace")) - len(tok.decode([t])))
+            self.pending.append((self.raw, t, lp, alts))
+            for i in range(len(b)):
+                self.ends += [self.raw + i + 1] * len(self.utf8.decode(b[i:i + 1]))
+            self.raw += len(b)
+        self.shown += len(text)
+        k = self.shown + (self.lead or 0)  # characters of the tokens' text shown
+        upto = self.raw if k > len(self.ends) else self.ends[k - 1] if k else 0
+        out = []
+        while self.pending and self.pending[0][0] < upto:
+            _, t, lp, alts = self.pending.popleft()
+            out.append(dict(self._entry(t, lp), top_logprobs=[self._entry(a, v) for a, v in
+                                                              sorted(alts.items(), key=lambda x: -x[1])]))
+        return out
+
+    def _entry(self, t: int, lp: float) -> dict[str, Any]:
+        tok = self.llm.tokenizer
+        return {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.token_bytes(t))}
 
 
 async def _as_chunks(response: Any) -> AsyncIterator[str]:
@@ -453,18 +518,37 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
             raise RequestError(404, f"model {body.get('model')!r} is not served here; this server serves "
                                     f"{model_name!r}", param="model", code="model_not_found")
 
-    def check(prompt: Any, kwargs: dict[str, Any]) -> None:
+    def check(prompt: Any, kwargs: dict[str, Any]) -> int:
         """The API's own refusals (an empty prompt, one over the context, a bad message, settings a drafter
-        cannot reproduce) before the request is queued."""
+        cannot reproduce) before the request is queued. Returns the prompt's length in tokens."""
         try:
-            llm.encode(prompt)
+            n = len(llm.encode(prompt))
         except ValueError as e:
             raise RequestError(400, str(e), param="messages" if isinstance(prompt, list) and prompt and
                                isinstance(prompt[0], dict) else "prompt") from None
         try:
-            llm.settings(max(kwargs["max_tokens"], 1), kwargs["temperature"], 0, kwargs["top_p"], kwargs["seed"])
+            llm.settings(max(kwargs["max_tokens"] or 1, 1), kwargs["temperature"], 0, kwargs["top_p"], kwargs["seed"])
         except ValueError as e:
             raise RequestError(400, str(e)) from None
+        return n
+
+    @contextlib.asynccontextmanager
+    async def watched(request: Request, job: Job) -> AsyncIterator[None]:
+        """While a whole (not streamed) answer is awaited: a client that goes away cancels its job, which frees
+        its place in the queue (and its batch row at the next step), and wakes the waiting coroutine with
+        ("gone", None). (A stream learns it from its response: `run`'s sse.)"""
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            job.cancelled.set()
+            job.events.put_nowait(("gone", None))
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            job.cancelled.set()
 
     def queue_job(prompt: Any, kwargs: dict, call: Callable[[], Any] | None = None) -> Job:
         """A job for the engine whose events come back on this event loop; refused (503) when the queue is full."""
@@ -476,22 +560,20 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
                                        "code": "server_error"}}, status_code=500)
 
-    async def run_whole(call: Callable[[], tuple[list[dict], int, int]], rid: str, name: str,
+    async def run_whole(request: Request, call: Callable[[], tuple[list[dict], int, int]], rid: str, name: str,
                         kind: str = "text_completion") -> Any:
         """A request the engine thread answers at once (no stream): its choices and usage."""
         job = queue_job(None, {}, call)
-        try:
-            kind, value = await job.events.get()
-        finally:
-            job.cancelled.set()
-        if kind != "result":
-            return failed(value)
+        async with watched(request, job):
+            event, value = await job.events.get()
+        if event != "result":
+            return failed(value or "the client went away")
         choices, n_prompt, n_new = value
         return {"id": rid, "object": kind, "created": int(time.time()), "model": name,
                 "choices": choices, "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
                                               "total_tokens": n_prompt + n_new}}
 
-    async def run(prompt: Any, kwargs: dict, stream: bool,
+    async def run(request: Request, prompt: Any, kwargs: dict, stream: bool,
                   shape: Callable[[str, str | None, Completion | None, list], dict]) -> Any:
         """A request decoded by the engine, streamed or whole. `shape(text, finish reason, completion, scores)`
         makes a response (or a chunk) of a piece of text and the scores of the tokens it came with."""
@@ -521,7 +603,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         if stream:
             return StreamingResponse(sse(), media_type="text/event-stream")
         text = []
-        try:
+        async with watched(request, job):
             while True:
                 kind, value = await events.get()
                 if kind == "scores":
@@ -531,9 +613,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 elif kind == "done":
                     return shape("".join(text), value.finish_reason, value, scores)
                 else:
-                    return failed(value)
-        finally:
-            job.cancelled.set()
+                    return failed(value or "the client went away")
 
     def usage(done: Completion | None) -> dict[str, int] | None:
         if done is None:
@@ -588,8 +668,8 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         check_model(body)
         prompts = _prompts(body.get("prompt"))
         kwargs = _sampling(body, llm, scoring=True)
-        for p in prompts:
-            check(p, kwargs)
+        # (OpenAI's legacy default: 16 new tokens)
+        _budget(kwargs, max(check(p, kwargs) for p in prompts), llm.model.cfg.max_seq_len, 16, "max_tokens")
         rid, stream = f"cmpl-{uuid.uuid4().hex}", bool(body.get("stream"))
         echo, logprobs = kwargs.pop("echo"), kwargs.pop("logprobs")
         if len(prompts) > 1 or echo or logprobs is not None:  # answered whole, by the engine thread
@@ -597,7 +677,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 raise RequestError(400, "stream is not supported with several prompts, echo or logprobs",
                                    param="stream")
             scored = dict(kwargs, echo=echo, logprobs=logprobs)
-            return await run_whole(lambda: _scored_choices(llm, prompts, scored), rid, model_name)
+            return await run_whole(request, lambda: _scored_choices(llm, prompts, scored), rid, model_name)
         prompt = prompts[0]
 
         def shape(text: str, finish: str | None, done: Completion | None, scores: list) -> dict:
@@ -607,7 +687,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 out["usage"] = usage(done)
             return out
 
-        return await run(prompt, kwargs, stream, shape)
+        return await run(request, prompt, kwargs, stream, shape)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -621,19 +701,20 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                                param="messages")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         top = _chat_logprobs(body)
-        kwargs = _sampling({k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}, llm,
-                           "max_tokens" if "max_tokens" in body or "max_completion_tokens" not in body
-                           else "max_completion_tokens")
-        check(messages, kwargs)
+        name = "max_tokens" if body.get("max_tokens") is not None or body.get("max_completion_tokens") is None \
+            else "max_completion_tokens"
+        kwargs = _sampling({k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}, llm, name)
+        _budget(kwargs, check(messages, kwargs), llm.model.cfg.max_seq_len, None, name)
         rid, stream = f"chatcmpl-{uuid.uuid4().hex}", bool(body.get("stream"))
         if top is not None and not engine.batched:  # scored by a second forward, answered whole (`_chat_scored`)
-            whole = run_whole(lambda: _chat_scored(llm, messages, kwargs, top), rid, model_name, "chat.completion")
+            whole = run_whole(request, lambda: _chat_scored(llm, messages, kwargs, top), rid, model_name,
+                              "chat.completion")
             if not stream:
                 return await whole
             return StreamingResponse(_as_chunks(await whole), media_type="text/event-stream")
         if top is not None:  # the batch scores each token from the logits that chose it
             kwargs["logprobs"] = top
-        first = [True]
+        first, content = [True], ContentScores(llm)
 
         def shape(text: str, finish: str | None, done: Completion | None, scores: list) -> dict:
             choice: dict[str, Any] = {"index": 0}
@@ -650,13 +731,13 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                        "choices": [choice]}
                 choice["message"] = {"role": "assistant", "content": text}
             if top is not None:
-                choice["logprobs"] = {"content": _logprob_content(llm, scores)}
+                choice["logprobs"] = {"content": content.take(scores, text)}
             choice["finish_reason"] = finish
             if done is not None:
                 out["usage"] = usage(done)
             return out
 
-        return await run(messages, kwargs, stream, shape)
+        return await run(request, messages, kwargs, stream, shape)
 
     return app
 

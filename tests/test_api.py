@@ -63,6 +63,11 @@ def test_stop_strings_cut_the_text_and_streams_spell_it(llm):
     assert cut.text == full.text[:full.text.index(stop)] and cut.finish_reason == "stop"
     assert "".join(llm.stream("To be, or not to be", max_tokens=30)) == full.text
     assert "".join(llm.stream("To be, or not to be", max_tokens=30, stop=[stop])) == cut.text
+    # one string is one stop string, not its characters (each of which the text has)
+    one = stop[0] + "\x00"
+    assert llm.generate("To be, or not to be", max_tokens=30, stop=one).text == full.text
+    assert "".join(llm.stream("To be, or not to be", max_tokens=30, stop=one)) == full.text
+    assert llm.generate("To be, or not to be", max_tokens=30, stop=stop).text == cut.text
 
 
 def test_a_drafter_changes_no_greedy_token(llm):
@@ -109,7 +114,8 @@ def test_lookup_with_tree_auto_drafts_step_by_step_in_a_one_row_batch(llm, monke
                                     (dict(prompt=42), "a prompt is a str"),
                                     (dict(prompt="x" * 400), "context"), (dict(max_tokens=0), "max_tokens"),
                                     (dict(max_tokens=True), "max_tokens"), (dict(temperature=math.nan), "temperature"),
-                                    (dict(temperature=-1.0), "temperature")])
+                                    (dict(temperature=-1.0), "temperature"), (dict(stop=[""]), "stop"),
+                                    (dict(stop=["a", 3]), "stop")])
 def test_bad_input_is_refused_by_name(llm, kw, msg):
     args = {"prompt": "hello", "max_tokens": 4, **kw}
     with pytest.raises(ValueError, match=msg):

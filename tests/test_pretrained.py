@@ -90,6 +90,25 @@ def train_tiny_bpe(vocab_size: int = 320) -> Tokenizer:
     return tok
 
 
+def test_token_bytes_join_into_the_text_where_a_token_alone_decodes_to_ufffd():
+    """`TextTokenizer.token_bytes` (the server's logprobs `bytes`): byte-level BPE, whose tokens split "中" and
+    "é" into bytes that decode alone to U+FFFD, and a sentencepiece vocabulary with byte fallback (<0xC3>, "\u2581"
+    as a space); special tokens give their text."""
+    tok = train_tiny_bpe(320)
+    text = TextTokenizer(tok, bos_id=None, eos_ids=[tok.token_to_id("<|im_end|>")], chat_template=CHATML)
+    for s in ["café 中文 ok", "<|im_end|>x", "a\n\tb  é"]:
+        ids = text.encode(s)
+        assert b"".join(text.token_bytes(t) for t in ids) == s.encode()
+    assert any(text.decode([t]) == "\ufffd" for t in text.encode("中"))  # (the premise: a split character)
+    vocab = {"<unk>": 0, "\u2581a": 1, "b": 2, "<0xC3>": 3, "<0xA9>": 4, "\u2581": 5}
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    spt = TextTokenizer(sp, bos_id=None, eos_ids=[])
+    assert [spt.token_bytes(t) for t in range(1, 6)] == [b" a", b"b", b"\xc3", b"\xa9", b" "]
+    assert spt.decode([2, 3, 4]) == "b\u00e9"
+
+
 def bpe_vocab_and_merges(tok: Tokenizer) -> tuple[list[str], list[str]]:
     spec = json.loads(tok.to_str())
     inv = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}

@@ -173,7 +173,9 @@ def test_concurrent_requests_are_batched_and_exact_in_q4(llm, draft):  # noqa: F
 def _check_chat_logprobs(url: str, llm: LLM, exact: bool) -> None:  # noqa: F811
     """Chat logprobs, whole and streamed: per token of the answer's content its text, log-probability, bytes and
     most likely alternatives (OpenAI's logprobs.content), the values one forward over prompt and answer gives
-    (LLM.logprobs): bit for bit where `exact`. The stream's chunks carry the scores of their own tokens."""
+    (LLM.logprobs): bit for bit where `exact`. The stream's chunks carry the scores of their own tokens. With a
+    stop string, the tokens given are those whose text the answer shows: they spell it (the last may run into
+    the cut stop string), and the stop string's own tokens are not given."""
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "To be, or not"}]
     ids = llm.encode(messages)
@@ -193,10 +195,26 @@ def _check_chat_logprobs(url: str, llm: LLM, exact: bool) -> None:  # noqa: F811
         assert len(got) == len(content)
         for entry, t, (lp, alts) in zip(got, content, ref):
             assert entry.token == llm.tokenizer.decode([t]) and same(entry.logprob, lp)
-            assert entry.bytes == list(entry.token.encode("utf-8"))
+            assert entry.bytes == list(llm.tokenizer.token_bytes(t))
             assert same([a.logprob for a in entry.top_logprobs], sorted(alts.values(), reverse=True))
-    assert out.choices[0].message.content == plain.text
+    assert out.choices[0].message.content == plain.text and out.object == "chat.completion"
     assert out.usage.completion_tokens == len(plain.token_ids)
+    long = llm.generate(messages, max_tokens=12)
+    assert len(long.text) >= 6, long.text  # (the test's premise: an answer with a middle to stop in)
+    at = max(3, long.text.find("\ufffd") + 1)  # (after a character the tiny model made of invalid bytes, if any)
+    stop = long.text[at:at + 2]
+    cut = long.text[:long.text.find(stop)]
+    ref = llm.logprobs(ids + long.token_ids, 2)[len(ids):]
+    out = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                    top_logprobs=2, stop=stop)
+    chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=2, stop=stop, stream=True))
+    streamed = [e for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert out.choices[0].message.content == cut and out.choices[0].finish_reason == "stop"
+    for got in (out.choices[0].logprobs.content, streamed):
+        spelt = [b"".join(bytes(e.bytes) for e in got[:n]).decode("utf-8", "replace") for n in (len(got), -1)]
+        assert spelt[0].startswith(cut) and len(spelt[1]) < len(cut), (spelt, cut)
+        assert all(same(e.logprob, lp) for e, (lp, _) in zip(got, ref))
 
 
 def test_chat_logprobs(server, client, llm):  # noqa: F811
@@ -271,6 +289,39 @@ def test_bad_requests_get_clear_errors(client, kw, status, words):
     assert e.value.status_code == status and words in str(e.value)
 
 
+def test_the_context_bounds_max_tokens_and_null_is_not_given(server, llm):  # noqa: F811
+    """max_tokens is checked against the room the prompt leaves in the context (a prompt of 120 tokens in 128
+    takes at most 8 new ones; asked for 20, the answer is a 400 naming max_tokens, with logprobs too, which
+    once failed in the scoring forward), and a field sent as null is one not sent: a completion then takes
+    OpenAI's 16 new tokens (within the room) and a chat the whole room. The whole answers' object is theirs."""
+    ctx = llm.model.cfg.max_seq_len
+    url = f"{server.url}/v1"
+    long = [5] * 120
+    for extra in ({}, {"logprobs": 1}):
+        r = httpx.post(f"{url}/completions", json={"prompt": long, "max_tokens": 20, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert "at most 8" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/completions", json={"prompt": [5] * ctx})
+    assert r.status_code == 400 and "no room" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/completions", json={"prompt": long, "max_tokens": None, "n": None, "temperature": 0,
+                                               "logprobs": 0})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    assert r.json()["usage"]["completion_tokens"] == len(llm.generate(long, max_tokens=8).token_ids)
+    r = httpx.post(f"{url}/completions", json={"prompt": "To be", "temperature": 0})
+    assert r.json()["choices"][0]["text"] == llm.generate("To be", max_tokens=16).text
+    msgs = [{"role": "user", "content": "To be, or not"}]
+    room = ctx - len(llm.encode(msgs))
+    ref = llm.generate(msgs, max_tokens=room)
+    for extra in ({}, {"max_tokens": None}, {"max_completion_tokens": None}):
+        r = httpx.post(f"{url}/chat/completions", json={"messages": msgs, "temperature": 0, **extra})
+        assert r.json()["choices"][0]["message"]["content"] == ref.text, extra
+        assert r.json()["usage"]["completion_tokens"] == len(ref.token_ids)
+    r = httpx.post(f"{url}/chat/completions", json={"messages": msgs, "max_tokens": room + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(f"{url}/chat/completions", json={"messages": msgs, "stream": "false"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
 def test_hostile_bodies_and_the_server_keeps_serving(server, client):
     url = f"{server.url}/v1/completions"
     r = httpx.post(url, content=b'{"prompt": "hi", "max_tokens": ', headers={"content-type": "application/json"})
@@ -291,12 +342,14 @@ class Held:
 
     def __init__(self, llm) -> None:  # noqa: F811
         self.llm, self.release, self.held = llm, threading.Event(), False
+        self.after = 0  # pieces (serial engine) or steps (batched) made after the release
 
     def __getattr__(self, name: str):
         return getattr(self.llm, name)
 
     def stream(self, prompt, **kw):  # the serial engine (max_batch 1)
         for i, piece in enumerate(self.llm.stream(prompt, **kw)):
+            self.after += self.release.is_set()
             yield piece
             if i == 0 and not self.held:
                 self.held = True
@@ -307,6 +360,7 @@ class Held:
         step = batch.step
 
         def held_step():
+            self.after += self.release.is_set()
             if self.held == "next":  # the engine has handed out the last step's text: hold here
                 self.held = True
                 self.release.wait(30)
@@ -340,6 +394,33 @@ def test_a_full_queue_answers_503_and_a_disconnect_frees_the_slot(llm, max_batch
                 time.sleep(0.05)
         ok = httpx.post(url, json={**body, "stream": False, "max_tokens": 2})
         assert ok.status_code == 200
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("max_batch", [1, 16])
+def test_a_whole_request_whose_client_goes_away_frees_its_slot(llm, max_batch):  # noqa: F811
+    """A client of a whole (not streamed) answer that gives up is noticed too: its job is cancelled, so the
+    engine stops decoding it at its next step or piece (not after all of max_tokens) and its place in the
+    queue is free for the next request."""
+    from midlayer.server import DISCONNECT_POLL_S
+
+    body = {"prompt": "To be", "max_tokens": 100, "temperature": 0}
+    assert llm.generate("To be", max_tokens=100).completion_tokens > 50  # (the premise: a long answer to cut)
+    held = Held(llm)
+    running = Running(create_app(held, NAME, max_queue=1, max_batch=max_batch))
+    url = f"{running.url}/v1/completions"
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the request is held running; the client gives up after 1 s
+            httpx.post(url, json=body, timeout=httpx.Timeout(30, read=1.0))
+        time.sleep(8 * DISCONNECT_POLL_S)
+        held.release.set()
+        t = time.time()
+        while httpx.get(f"{running.url}/health").json()["queued_or_running"]:
+            assert time.time() - t < 30
+            time.sleep(0.05)
+        assert held.after <= 2, held.after
+        assert httpx.post(url, json={**body, "max_tokens": 2}).status_code == 200
     finally:
         running.stop()
 

@@ -83,6 +83,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_ALPHABET = frozenset(_bytes_to_unicode().values())
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -161,6 +162,7 @@ class TextTokenizer:
         # The model's vocabulary size can exceed the tokenizer's (padded embeddings); keep the larger.
         self.vocab_size = max(vocab_size or 0, tokenizer.get_vocab_size(with_added_tokens=True))
         self.special_tokens = dict(special_tokens or {})  # bos_token/eos_token/... strings for templates
+        self._bytes: tuple[str | None, set[int]] | None = None  # (`_byte_plan`, made when first asked)
         if add_bos and bos_id is None:
             raise ValueError("add_bos=True but the tokenizer has no BOS token")
 
@@ -198,6 +200,36 @@ class TextTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes that token `token_id` adds to a decoded text. A token holding part of a multi-byte character
+        decodes alone to U+FFFD, so its bytes are read from the vocabulary instead: a byte-level BPE entry through
+        GPT-2's byte alphabet, a sentencepiece byte token <0xHH> as its byte, "\u2581" as a space. Special tokens,
+        and vocabularies of other decoders, give the UTF-8 of their decoding. (OpenAI's logprobs `bytes`: the
+        tokens' bytes joined are the text's.)"""
+        kind, special = self._byte_plan()
+        piece = self.tokenizer.id_to_token(int(token_id))
+        if piece is None or kind is None or int(token_id) in special:
+            return self.decode([token_id]).encode("utf-8")
+        if kind == "byte-level":
+            table = _UNICODE_TO_BYTE
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode("utf-8")  # (an added token that is not special: its text as written)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def _byte_plan(self) -> tuple[str | None, set[int]]:
+        """(how the decoder spells bytes: "byte-level" (GPT-2's alphabet), "byte-fallback" (sentencepiece with
+        <0xHH> tokens) or None (another decoder: `token_bytes` decodes), the special ids), read once."""
+        if self._bytes is None:
+            dec = self.tokenizer.decoder
+            spec = json.loads(dec.__getstate__()) if dec is not None else {}
+            types = {d.get("type") for d in [spec, *(spec.get("decoders") or [])]}
+            kind = "byte-level" if "ByteLevel" in types else "byte-fallback" if "ByteFallback" in types else None
+            self._bytes = (kind, self._special_ids())
+        return self._bytes
 
     # -- chat
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
