@@ -498,7 +498,8 @@ def test_eval_output_is_written_whole_or_not_at_all(tmp_path, finished_run, caps
 
 # ------------------------------------------------------------------------- issue 43: checkpoint integrity
 def _rewrite(path: Path, edit) -> None:
-    """Load a checkpoint as torch does, change it with `edit(ckpt)`, write it back (its checksum kept)."""
+    """Load a checkpoint as torch does, change it with `edit(ckpt)`, write it back (its stored checksum kept, so
+    that the edit reads as damage, unless the edit drops it)."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     edit(ckpt)
     torch.save(ckpt, path)
@@ -506,6 +507,7 @@ def _rewrite(path: Path, edit) -> None:
 
 @pytest.mark.parametrize("damage, named", [
     ("flipped bit", "do not match their checksum"),
+    ("flipped bit in an optimizer moment", "do not match their checksum"),
     ("config disagrees", "do not fit its model config"),
     ("missing weight", "do not fit its model config"),
     ("extra weight", "do not fit its model config"),
@@ -521,13 +523,16 @@ def test_a_damaged_or_inconsistent_checkpoint_is_refused_in_one_line(tmp_path, s
     def flip(c):
         w = next(iter(c["model"].values()))
         w.view(-1).view(torch.int32)[0] ^= 1  # the lowest mantissa bit of one weight
+    def flip_moment(c):
+        c["optimizer"]["state"][0]["exp_avg"].view(-1).view(torch.int32)[0] ^= 1
     edits = {
         "flipped bit": flip,
-        "config disagrees": lambda c: c["configs"]["model"].update(dim=c["configs"]["model"]["dim"] * 2,
-                                                                   n_heads=c["configs"]["model"]["n_heads"] * 2),
+        "flipped bit in an optimizer moment": flip_moment,
         # (without the checksum, which would catch them first: checkpoints written before it existed)
-        "missing weight": lambda c: (c.pop("model_sha256"), c["model"].pop(next(iter(c["model"])))),
-        "extra weight": lambda c: (c.pop("model_sha256"), c["model"].update(stray=torch.zeros(3))),
+        "config disagrees": lambda c: (c.pop("sha256"), c["configs"]["model"].update(
+            dim=c["configs"]["model"]["dim"] * 2, n_heads=c["configs"]["model"]["n_heads"] * 2)),
+        "missing weight": lambda c: (c.pop("sha256"), c["model"].pop(next(iter(c["model"])))),
+        "extra weight": lambda c: (c.pop("sha256"), c["model"].update(stray=torch.zeros(3))),
         "no configs": lambda c: c.pop("configs"),
         "configs of another kind": lambda c: c.update(configs={"model": 1}),
     }
@@ -547,6 +552,41 @@ def test_a_damaged_or_inconsistent_checkpoint_is_refused_in_one_line(tmp_path, s
     line = one_line_error(err)
     # (a changed config is caught first as other settings than this command's)
     assert rc == 2 and (named in line or "made with other settings" in line), line
+    assert snapshot(tmp_path) == before
+
+
+def test_resuming_over_other_shards_is_refused_in_one_line(tmp_path, shards, finished_run, capsys):
+    """--data is a glob: a shard added to (or taken from) its folder would change the data of every step after
+    the resumed one without a word. The checkpoint keeps the shards by name and size; --resume over others is
+    refused naming them, and nothing is changed."""
+    rng = np.random.default_rng(1)
+    write_shard(Path(shards).parent / "syn_train_001.bin", rng.integers(0, 512, 3_000))
+    before = snapshot(tmp_path)
+    rc, out, err = run(capsys, [*train_argv(shards, finished_run, "--steps", "2"), "--resume"])
+    line = one_line_error(err)
+    assert rc == 2 and "other train shards" in line and "now also syn_train_001.bin" in line, line
+    assert snapshot(tmp_path) == before
+    (Path(shards).parent / "syn_train_001.bin").unlink()
+    assert run(capsys, [*train_argv(shards, finished_run, "--steps", "2"), "--resume"])[0] == 0
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: c.pop("optimizer"), "holds no optimizer state"),
+    (lambda c: c["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)), "does not fit this run"),
+    (lambda c: c.pop("rng_cpu"), "holds no rng_cpu state"),
+    (lambda c: c.update(rng_cpu=torch.zeros(3)), "does not fit this run"),
+])
+def test_resuming_a_checkpoint_without_its_training_state_is_refused_in_one_line(tmp_path, shards, finished_run,
+                                                                                 capsys, edit, named):
+    """A checkpoint (written before the whole-file checksum, which would refuse these edits as damage) that
+    lacks a part of the training state, or whose optimizer moment has another shape than its parameter (which
+    loaded, then failed inside the first step), is refused on --resume in one line naming the file."""
+    path = list_checkpoints(finished_run)[-1]
+    _rewrite(path, lambda c: (c.pop("sha256"), edit(c)))
+    before = snapshot(tmp_path)
+    rc, out, err = run(capsys, [*train_argv(shards, finished_run, "--steps", "2"), "--resume"])
+    line = one_line_error(err)
+    assert rc == 2 and named in line and path.name in line, line
     assert snapshot(tmp_path) == before
 
 

@@ -36,9 +36,9 @@ def synthetic_shards(tmp: Path, vocab: int = 512, n: int = 40_000) -> str:
     return str(d / "*.bin")
 
 
-def debug_configs(tmp: Path, **train_kw):
+def debug_configs(tmp: Path, model: dict | None = None, **train_kw):
     data = synthetic_shards(tmp)
-    return get_preset("debug", train=dict(data=data, out_dir=str(tmp / "run"), **train_kw))
+    return get_preset("debug", model=model or {}, train=dict(data=data, out_dir=str(tmp / "run"), **train_kw))
 
 
 # ----------------------------------------------------------------------------------------- schedule
@@ -303,22 +303,28 @@ def _spawn_two(worker, *args) -> None:
                 raise
 
 
+_DROPOUT = dict(dropout=0.1, attn_dropout=0.1)
+
+
 def _ddp_worker(rank: int, world: int, port: int, tmp: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    m, s, t = debug_configs(Path(tmp), steps=4, batch_size=8, micro_batch_size=2)
+    m, s, t = debug_configs(Path(tmp), _DROPOUT, steps=4, batch_size=8, micro_batch_size=2)
     train(m, s, t, progress=False, device="cpu")
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_ddp_two_gloo_processes_equal_single_process(tmp_path):
+    """Two gloo ranks end where one process ends, with dropout too: each micro-batch's random draws are seeded by
+    its place in the global batch (`micro_batch_seed`), so each rank draws its own masks (the same masks on every
+    rank would differ from the one process's), and the one process draws the very masks of the two ranks."""
     ddp_dir = tmp_path / "ddp"
     ddp_dir.mkdir()
     _spawn_two(_ddp_worker, str(ddp_dir))
     single_dir = tmp_path / "single"
     single_dir.mkdir()
-    m, s, t = debug_configs(single_dir, steps=4, batch_size=8, micro_batch_size=2)
+    m, s, t = debug_configs(single_dir, _DROPOUT, steps=4, batch_size=8, micro_batch_size=2)
     train(m, s, t, progress=False, device="cpu")
     a = load_checkpoint(list_checkpoints(ddp_dir / "run")[-1])
     b = load_checkpoint(list_checkpoints(single_dir / "run")[-1])
@@ -514,6 +520,31 @@ def test_cli_flops_prints_breakdown(capsys):
     assert "lm_head" in out and "total" in out
 
 
+def test_logged_throughput_leaves_out_checkpoints_and_evaluations(tmp_path, monkeypatch):
+    """tokens_per_s (logged every log_every steps) and the final train_tokens_per_s count training time only:
+    on a clock where a step takes 1 s and each checkpoint or evaluation 100 s, both are batch_size x seq_len
+    tokens a second (a step after an evaluation counted its time as the step's)."""
+    from midlayer.train import loop
+
+    clock = [0.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+
+    def taking(seconds, fn):
+        def timed(self, *a):
+            out = fn(self, *a)
+            clock[0] += seconds
+            return out
+        return timed
+
+    for name, seconds in (("forward_backward", 1.0), ("checkpoint", 100.0), ("evaluate", 100.0)):
+        monkeypatch.setattr(loop.Trainer, name, taking(seconds, getattr(loop.Trainer, name)))
+    m, s, t = debug_configs(tmp_path, steps=6, ckpt_every=2, eval_every=3, log_every=1)
+    result = train(m, s, t, progress=False)
+    rates = [r["tokens_per_s"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if "tokens_per_s" in r]
+    assert rates == [t.batch_size * t.seq_len] * 6 and result["train_tokens_per_s"] == t.batch_size * t.seq_len
+
+
 def test_a_run_saved_before_new_config_fields_existed_still_resumes(tmp_path):
     """A checkpoint whose configs lack fields added later (their defaults are the older behaviour) and a
     config.json whose tuples are JSON lists are the same run, not "other settings"."""
@@ -526,6 +557,8 @@ def test_a_run_saved_before_new_config_fields_existed_still_resumes(tmp_path):
     ckpt = torch.load(path, weights_only=False)
     for field in ("norm_type", "ffn_type", "ssm_layers", "moe_experts", "pos_encoding"):
         del ckpt["configs"]["model"][field]
+    for later in ("sha256", "data"):  # (what checkpoints hold since the 50th session: an older file has neither)
+        del ckpt[later]
     torch.save(ckpt, path)
     assert train(m, s, t, progress=False, resume=True)["step"] == 4
     saved = {**dataclasses.asdict(m), "ssm_layers": []}

@@ -7,8 +7,10 @@ are also written as `config.json` beside it for people and tools.
 
 Writes go to a temporary file in the same directory, then `os.replace` -- a killed process never leaves a
 half-written checkpoint under the real name. Loading refuses, with a clear message and without touching
-anything on disk, a file that is not a midlayer checkpoint, is truncated/corrupt, or whose model config
-differs from the run being resumed.
+anything on disk, a file that is not a midlayer checkpoint, is truncated/corrupt (a sha256 over everything it
+holds -- weights, optimizer moments, schedule, controller, RNG states, configs -- is stored in it and checked:
+torch.load does not check the zip's CRCs, so a damaged optimizer moment would otherwise load), or whose model
+config differs from the run being resumed.
 """
 
 from __future__ import annotations
@@ -82,8 +84,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], configs: di
     run_dir.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(run_dir, step)
     payload = {"format": FORMAT, "step": step, "configs": configs, **state}
-    if "model" in state:  # a content checksum of the weights, verified on load (load_checkpoint)
-        payload["model_sha256"] = weights_digest(state["model"])
+    payload["sha256"] = state_digest(payload)  # of everything in the file, verified on load (load_checkpoint)
     atomic_write(path, writer=lambda p: torch.save(payload, p))
     atomic_write(run_dir / "config.json", json.dumps(configs, indent=2, sort_keys=True).encode("utf-8"))
     for old in list_checkpoints(run_dir)[:-keep_last]:
@@ -111,7 +112,9 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
         raise CheckpointError(f"checkpoint {path}: its configs are not midlayer's model/sparsity/train configs")
     if not isinstance(ckpt["model"], dict) or not all(isinstance(v, torch.Tensor) for v in ckpt["model"].values()):
         raise CheckpointError(f"checkpoint {path}: its 'model' is not a dict of weight tensors")
-    if "model_sha256" in ckpt and ckpt["model_sha256"] != weights_digest(ckpt["model"]):
+    if "sha256" in ckpt and ckpt["sha256"] != state_digest({k: v for k, v in ckpt.items() if k != "sha256"}):
+        raise CheckpointError(f"checkpoint {path}: its contents do not match their checksum (the file is damaged)")
+    if "model_sha256" in ckpt and ckpt["model_sha256"] != weights_digest(ckpt["model"]):  # (files before "sha256")
         raise CheckpointError(f"checkpoint {path}: its weights do not match their checksum (the file is damaged)")
 
     bad = nonfinite_tensors(ckpt["model"])
@@ -128,6 +131,33 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
         t = state[name].detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def state_digest(obj: Any) -> str:
+    """sha256 over a checkpoint's contents: nested dicts (in key order), lists and tuples (alike: a file's
+    tuples may load as lists), tensors (dtype, shape and bytes) and scalars (repr). A flipped bit anywhere
+    changes it."""
+    h = hashlib.sha256()
+
+    def feed(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}|".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}|".encode())
+            for k in sorted(x, key=repr):
+                h.update(f"{k!r}=".encode())
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}|".encode())
+            for v in x:
+                feed(v)
+        else:
+            h.update(f"S{x!r}|".encode())
+
+    feed(obj)
     return h.hexdigest()
 
 

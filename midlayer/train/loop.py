@@ -14,6 +14,11 @@ Per optimizer step (paper section 3.1 defaults, every value a TrainConfig field)
      steps, then cosine decay to 0);
   5. the controller's coefficients are updated from the gate statistics of the whole global batch,
      all-reduced over ranks (eq. 6), so every rank holds the same coefficients.
+
+The random draws of a micro-batch (dropout, sampled hard gates) come from the global RNG seeded by (seed, step,
+the micro-batch's place in the global batch), `micro_batch_seed`: like the data, a pure function of where the
+micro-batch is, so N ranks draw exactly what one process draws for the same sequences (each rank its own), and
+a resumed run what an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -146,6 +151,17 @@ def perturb_weights(model: torch.nn.Module, rel: float, seed: int) -> None:
         p.copy_((p.double() * (1 + rel * z)).to(p.dtype))
 
 
+def micro_batch_seed(seed: int, step: int, offset: int) -> int:
+    """The global RNG's seed for the micro-batch at `offset` (its first sequence's place in the global batch) of
+    `step`: a 64-bit hash of the three (splitmix64's mixer), so that neighbouring micro-batches and steps get
+    unrelated streams."""
+    x = (0x243F6A8885A308D3 + seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9
+         + offset * 0x94D049BB133111EB) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (x ^ (x >> 31)) % 2**63
+
+
 def micro_batch_losses(fwd: Callable, x: torch.Tensor, y: torch.Tensor, model_cfg: ModelConfig,
                        sparsity_cfg: SparsityConfig, controller: Any | None
                        ) -> tuple[Any, torch.Tensor, torch.Tensor]:
@@ -228,6 +244,26 @@ def _check_resume(ckpt: dict[str, Any], path: Path, configs: dict[str, dict]) ->
             + f". Pass the run's own values (see {path.parent / 'config.json'}) or choose another --out-dir")
     return {k: (saved["train"].get(k), configs["train"][k]) for k in RECOVERY_ON_RESUME
             if saved["train"].get(k) != configs["train"][k]}
+
+
+def data_record(train: list[Path], val: list[Path]) -> dict[str, list[list]]:
+    """The shards a run reads, by name and size in bytes, in order (what a checkpoint keeps: `--data` is a glob,
+    and a glob that matches other files on resume would silently change the data of every later step)."""
+    return {split: [[p.name, p.stat().st_size] for p in paths] for split, paths in (("train", train), ("val", val))}
+
+
+def _check_data(saved: dict[str, list[list]], now: dict[str, list[list]], path: Path) -> None:
+    """Refuse to resume `path` over other shards than those its run read (CheckpointError naming them)."""
+    for split in ("train", "val"):
+        was = [tuple(x) for x in saved.get(split, [])]
+        got = [tuple(x) for x in now[split]]
+        if was != got:
+            gone = [f"{n} ({b} bytes)" for n, b in was if (n, b) not in got]
+            new = [f"{n} ({b} bytes)" for n, b in got if (n, b) not in was]
+            what = "; ".join(x for x in (gone and "no longer " + ", ".join(gone[:3]),
+                                         new and "now also " + ", ".join(new[:3])) if x) or "their order changed"
+            raise CheckpointError(f"cannot resume {path}: its run read other {split} shards ({what}). Give it the "
+                                  "shards it was trained on, or choose another --out-dir")
 
 
 def _train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, cfg: TrainConfig, info: dist_utils.DistInfo,
@@ -327,6 +363,9 @@ class Trainer:
         if files.vocab_size is not None and files.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(f"--vocab-size {self.model_cfg.vocab_size} is smaller than the tokenizer's "
                              f"{files.vocab_size}")
+        self.data_record = data_record(files.train, files.val)
+        if self.ckpt is not None and "data" in self.ckpt:
+            _check_data(self.ckpt["data"], self.data_record, self.existing[-1])
         self.train_windows = TokenWindows(files.train, cfg.seq_len)
         self.control_windows = None
         if cfg.control_holdout > 0:  # the end of every shard is never trained on: the controller reads it
@@ -372,15 +411,33 @@ class Trainer:
         self.fwd = self.ddp if self.ddp is not None else run_model
 
     def _restore(self, factors: list[Callable[[int], float]]) -> None:
-        ckpt, opt, sched = self.ckpt, self.opt, self.sched
-        if self.fsdp:
-            dist_utils.load_optimizer_state(self.model, opt, ckpt["optimizer"])
-        else:
-            opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        if self.controller is not None:
-            self.controller.load_state_dict(ckpt["controller"])
-        torch.set_rng_state(ckpt["rng_cpu"].cpu())
+        """The training state of the checkpoint resumed: refused in one line (CheckpointError naming the file)
+        where it lacks a part or a part does not fit this run (an optimizer moment of another shape would load,
+        then fail inside the first step)."""
+        ckpt, opt, sched, path = self.ckpt, self.opt, self.sched, self.existing[-1]
+        need = ["optimizer", "scheduler", "rng_cpu"] + (["controller"] if self.controller is not None else [])
+        missing = [k for k in need if k not in ckpt]
+        if missing:
+            raise CheckpointError(f"cannot resume {path}: it holds no {', '.join(missing)} state (weights alone can "
+                                  "be evaluated or fine-tuned from, not resumed)")
+        try:
+            if self.fsdp:
+                dist_utils.load_optimizer_state(self.model, opt, ckpt["optimizer"])
+            else:
+                opt.load_state_dict(ckpt["optimizer"])
+                for p, st in opt.state.items():
+                    bad = [k for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
+                    if bad:
+                        raise ValueError(f"optimizer state {bad[0]} of shape {tuple(st[bad[0]].shape)} for a "
+                                         f"parameter of shape {tuple(p.shape)}")
+            sched.load_state_dict(ckpt["scheduler"])
+            if self.controller is not None:
+                self.controller.load_state_dict(ckpt["controller"])
+            torch.set_rng_state(ckpt["rng_cpu"].cpu())
+        except (KeyError, ValueError, RuntimeError, TypeError) as e:
+            first = " ".join(str(e).split())[:300]
+            raise CheckpointError(f"cannot resume {path}: its training state does not fit this run "
+                                  f"({type(e).__name__}: {first})") from None
         if self.dev.type == "cuda" and "rng_cuda" in ckpt:
             torch.cuda.set_rng_state(ckpt["rng_cuda"].cpu())
         self.start = int(ckpt["step"])
@@ -420,6 +477,7 @@ class Trainer:
         """Optimizer steps from the checkpoint's step to `steps` (or `stop_after` of them), then `finish`."""
         cfg = self.cfg
         self.t_last, self.steps_since = time.perf_counter(), 0
+        self.aside = self.aside_total = 0.0  # seconds of checkpoints and evaluations: not training throughput
         t_start = self.t_last
         end = cfg.steps if stop_after is None else min(cfg.steps, self.start + stop_after)
         self.model.train()
@@ -429,12 +487,20 @@ class Trainer:
             self.update_controller(step, record)
             self.log_step(step, record, end)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < end:
-                self.checkpoint(step + 1)
+                self._aside(self.checkpoint, step + 1)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                self.evaluate(step + 1)
+                self._aside(self.evaluate, step + 1)
         if self.bar is not None:
             self.bar.close()
-        return self.finish(end, time.perf_counter() - t_start)
+        return self.finish(end, time.perf_counter() - t_start - self.aside_total)
+
+    def _aside(self, fn: Callable[[int], Any], step: int) -> None:
+        """fn(step) (a checkpoint, an evaluation), its time kept out of the logged training throughput."""
+        t = time.perf_counter()
+        fn(step)
+        took = time.perf_counter() - t
+        self.aside += took
+        self.aside_total += took
 
     def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-2: every micro-batch of this rank's share of the global batch, gradients accumulated (synced
@@ -444,8 +510,9 @@ class Trainer:
         if self.acc is not None:
             self.acc.reset()
         for m in range(accum):
-            x, y = self.train_windows.batch(step, cfg.seed, cfg.batch_size,
-                                            self.rank * self.per_rank + m * cfg.micro_batch_size, cfg.micro_batch_size)
+            offset = self.rank * self.per_rank + m * cfg.micro_batch_size
+            x, y = self.train_windows.batch(step, cfg.seed, cfg.batch_size, offset, cfg.micro_batch_size)
+            torch.manual_seed(micro_batch_seed(cfg.seed, step, offset))  # (dropout, sampled gates: module docstring)
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             sync = nullcontext() if (self.ddp is None or m == accum - 1) else self.ddp.no_sync()
             if self.fsdp:  # reduce-scatter the gradients once per step, after the last micro-batch
@@ -535,8 +602,8 @@ class Trainer:
         self.steps_since += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == end:
             now = time.perf_counter()
-            record["tokens_per_s"] = self.steps_since * self.tokens_per_step / (now - self.t_last)
-            self.t_last, self.steps_since = now, 0
+            record["tokens_per_s"] = self.steps_since * self.tokens_per_step / (now - self.t_last - self.aside)
+            self.t_last, self.steps_since, self.aside = now, 0, 0.0
             self.logger.log(record)
         if bar is not None:
             post = {"ce": f"{record['ce']:.3f}"}
@@ -566,7 +633,7 @@ class Trainer:
             model_state, opt_state = model.state_dict(), opt.state_dict()
         if info.is_main:
             state = {"model": model_state, "optimizer": opt_state, "scheduler": self.sched.state_dict(),
-                     "rng_cpu": torch.get_rng_state()}
+                     "rng_cpu": torch.get_rng_state(), "data": self.data_record}
             if self.controller is not None:
                 state["controller"] = self.controller.state_dict()
             if self.dev.type == "cuda":
