@@ -555,17 +555,42 @@ def test_a_damaged_or_inconsistent_checkpoint_is_refused_in_one_line(tmp_path, s
     assert snapshot(tmp_path) == before
 
 
+def test_shards_with_ids_beyond_the_vocabulary_are_refused_before_training(tmp_path, shards, capsys, monkeypatch):
+    """A .bin shard holding an id the model has no embedding for is refused at the start, naming the shard and
+    --vocab-size (it was found at the step whose batch sampled it, hundreds of steps in, naming neither; on
+    CUDA, never). Each shard's largest id is read once and remembered in the cache, keyed by its size and time."""
+    from midlayer.data import shards as shard_io
+
+    rng = np.random.default_rng(2)
+    bad = Path(shards).parent / "syn_train_001.bin"
+    write_shard(bad, np.concatenate([rng.integers(0, 512, 3_000), [600]]))
+    before = snapshot(tmp_path / "shards")
+    rc, out, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2"))
+    line = one_line_error(err)
+    assert rc == 2 and "syn_train_001.bin holds token id 600" in line and "--vocab-size is 512" in line, line
+    assert not list_checkpoints(tmp_path / "run") and snapshot(tmp_path / "shards") == before
+    cache = tmp_path / "cache"
+    assert shard_io.largest_token(bad, cache) == 600
+    with monkeypatch.context() as m:  # (remembered: the shard is not read again)
+        m.setattr(shard_io, "read_shard", None)
+        assert shard_io.largest_token(bad, cache) == 600
+    write_shard(bad, rng.integers(0, 512, 3_000))
+    os.utime(bad, ns=(time.time_ns() + 10**9,) * 2)  # (a rewrite within the clock's tick is still a new file)
+    assert shard_io.largest_token(bad, cache) < 512
+    assert run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2"))[0] == 0
+
+
 def test_resuming_over_other_shards_is_refused_in_one_line(tmp_path, shards, finished_run, capsys):
     """--data is a glob: a shard added to (or taken from) its folder would change the data of every step after
     the resumed one without a word. The checkpoint keeps the shards by name and size; --resume over others is
     refused naming them, and nothing is changed."""
     rng = np.random.default_rng(1)
     write_shard(Path(shards).parent / "syn_train_001.bin", rng.integers(0, 512, 3_000))
-    before = snapshot(tmp_path)
+    before = snapshot(finished_run)
     rc, out, err = run(capsys, [*train_argv(shards, finished_run, "--steps", "2"), "--resume"])
     line = one_line_error(err)
     assert rc == 2 and "other train shards" in line and "now also syn_train_001.bin" in line, line
-    assert snapshot(tmp_path) == before
+    assert snapshot(finished_run) == before
     (Path(shards).parent / "syn_train_001.bin").unlink()
     assert run(capsys, [*train_argv(shards, finished_run, "--steps", "2"), "--resume"])[0] == 0
 

@@ -112,6 +112,41 @@ def read_shard(path: PathLike) -> np.memmap:
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
+def largest_token(path: PathLike, cache_dir: Path | None = None) -> int:
+    """The largest token id in a `.bin` shard (-1 when empty): one pass over it, remembered in `cache_dir`
+    (keyed by the file's absolute path, size and modification time) so that a corpus of many large shards is
+    read once, not at every start."""
+    path = Path(path)
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = Path(cache_dir) / "shard-max" / f"{key}.json" if cache_dir is not None else None
+    if memo is not None and memo.is_file():
+        try:
+            return int(json.loads(memo.read_text())["max"])
+        except (ValueError, KeyError, TypeError):
+            pass  # (a damaged memo: read the shard again)
+    tokens = read_shard(path)
+    top = int(tokens.max()) if len(tokens) else -1
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".tmp.{os.getpid()}")
+        tmp.write_text(json.dumps({"max": top, "shard": str(path)}))
+        os.replace(tmp, memo)
+    return top
+
+
+def check_vocabulary(paths: Sequence[PathLike], vocab_size: int, cache_dir: Path | None = None) -> None:
+    """Refuse (ValueError naming the shard and --vocab-size) shards holding a token id the model has no embedding
+    for: found before training, not at the step whose batch happens to sample it (on CUDA, where the model's own
+    range check is off, never)."""
+    for p in paths:
+        top = largest_token(p, cache_dir)
+        if top >= vocab_size:
+            raise ValueError(f"{p} holds token id {top}, but --vocab-size is {vocab_size}: give the vocabulary of "
+                             "the tokenizer that made the shards (GPT-2's FineWeb shards: 50257)")
+
+
+# ---------------------------------------------------------------------------------------------- reader
 # ---------------------------------------------------------------------------------------------- reader
 
 

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from midlayer.common import autocast_context, cache_dir as default_cache_dir, json_safe, resolve_dtype
 from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
-from midlayer.data.shards import resolve_data, TokenWindows
+from midlayer.data.shards import check_vocabulary, resolve_data, TokenWindows
 from midlayer.model.attention import FLEX_MIN_HEAD_DIM
 from midlayer.model.flops import forward_flops
 from midlayer.model.sparsity import ADAPTIVE_KINDS, GateStatsAccumulator, make_controller
@@ -363,6 +363,8 @@ class Trainer:
         if files.vocab_size is not None and files.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(f"--vocab-size {self.model_cfg.vocab_size} is smaller than the tokenizer's "
                              f"{files.vocab_size}")
+        if files.vocab_size is None:  # (.bin shards of a tokenizer midlayer does not know: read their ids)
+            check_vocabulary(files.train + files.val, self.model_cfg.vocab_size, cache_dir)
         self.data_record = data_record(files.train, files.val)
         if self.ckpt is not None and "data" in self.ckpt:
             _check_data(self.ckpt["data"], self.data_record, self.existing[-1])
