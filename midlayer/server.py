@@ -413,10 +413,34 @@ class ContentScores:
         return {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.token_bytes(t))}
 
 
-async def _as_chunks(response: Any) -> AsyncIterator[str]:
+def _include_usage(body: dict, stream: bool) -> bool:
+    """OpenAI's stream_options.include_usage (400 naming the field when it is not {"include_usage": bool} or comes
+    without a stream)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise RequestError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"} or \
+            opts.get("include_usage") not in (None, True, False):
+        raise RequestError(400, f"stream_options must be {{\"include_usage\": true or false}}, got {opts!r}",
+                           param="stream_options")
+    return bool(opts.get("include_usage"))
+
+
+def _last_chunks(last: dict, include_usage: bool) -> list[dict]:
+    """A stream's last chunk (the finish reason; the usage where it was not asked apart), and with include_usage
+    OpenAI's own last one: no choices, the usage."""
+    if not include_usage:
+        return [last]
+    usage = last.pop("usage", None)
+    return [last, {**{k: last[k] for k in ("id", "object", "created", "model")}, "choices": [], "usage": usage}]
+
+
+async def _as_chunks(response: Any, include_usage: bool = False) -> AsyncIterator[str]:
     """A whole chat completion (or its error response) as server-sent events: one chunk with the answer and its
-    logprobs, then one with the finish reason and usage. How a server that decodes one request at a time streams
-    a request with logprobs: the tokens are scored after the answer is done (`_chat_scored`)."""
+    logprobs, then one with the finish reason and usage (`_last_chunks`). How a server that decodes one request at
+    a time streams a request with logprobs: the tokens are scored after the answer is done (`_chat_scored`)."""
     if not isinstance(response, dict):  # an error: its body as the one event
         yield f"data: {response.body.decode()}\n\n"
         return
@@ -426,7 +450,8 @@ async def _as_chunks(response: Any) -> AsyncIterator[str]:
     first = {"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]},
              "logprobs": choice["logprobs"], "finish_reason": None}
     last = {"index": 0, "delta": {}, "logprobs": {"content": []}, "finish_reason": choice["finish_reason"]}
-    for chunk in (dict(base, choices=[first]), dict(base, choices=[last], usage=response["usage"])):
+    for chunk in [dict(base, choices=[first]), *_last_chunks(dict(base, choices=[last], usage=response["usage"]),
+                                                             include_usage)]:
         yield f"data: {json.dumps(chunk)}\n\n"
     yield "data: [DONE]\n\n"
 
@@ -574,7 +599,8 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                                               "total_tokens": n_prompt + n_new}}
 
     async def run(request: Request, prompt: Any, kwargs: dict, stream: bool,
-                  shape: Callable[[str, str | None, Completion | None, list], dict]) -> Any:
+                  shape: Callable[[str, str | None, Completion | None, list], dict], include_usage: bool = False
+                  ) -> Any:
         """A request decoded by the engine, streamed or whole. `shape(text, finish reason, completion, scores)`
         makes a response (or a chunk) of a piece of text and the scores of the tokens it came with."""
         job = queue_job(prompt, kwargs)
@@ -591,7 +617,8 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                         yield f"data: {json.dumps(shape(value, None, None, scores))}\n\n"
                         scores.clear()
                     elif kind == "done":
-                        yield f"data: {json.dumps(shape('', value.finish_reason, value, scores))}\n\n"
+                        for chunk in _last_chunks(shape('', value.finish_reason, value, scores), include_usage):
+                            yield f"data: {json.dumps(chunk)}\n\n"
                         yield "data: [DONE]\n\n"
                         return
                     else:
@@ -671,6 +698,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         # (OpenAI's legacy default: 16 new tokens)
         _budget(kwargs, max(check(p, kwargs) for p in prompts), llm.model.cfg.max_seq_len, 16, "max_tokens")
         rid, stream = f"cmpl-{uuid.uuid4().hex}", bool(body.get("stream"))
+        include_usage = _include_usage(body, stream)
         echo, logprobs = kwargs.pop("echo"), kwargs.pop("logprobs")
         if len(prompts) > 1 or echo or logprobs is not None:  # answered whole, by the engine thread
             if stream:
@@ -687,7 +715,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 out["usage"] = usage(done)
             return out
 
-        return await run(request, prompt, kwargs, stream, shape)
+        return await run(request, prompt, kwargs, stream, shape, include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -706,12 +734,13 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         kwargs = _sampling({k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}, llm, name)
         _budget(kwargs, check(messages, kwargs), llm.model.cfg.max_seq_len, None, name)
         rid, stream = f"chatcmpl-{uuid.uuid4().hex}", bool(body.get("stream"))
+        include_usage = _include_usage(body, stream)
         if top is not None and not engine.batched:  # scored by a second forward, answered whole (`_chat_scored`)
             whole = run_whole(request, lambda: _chat_scored(llm, messages, kwargs, top), rid, model_name,
                               "chat.completion")
             if not stream:
                 return await whole
-            return StreamingResponse(_as_chunks(await whole), media_type="text/event-stream")
+            return StreamingResponse(_as_chunks(await whole, include_usage), media_type="text/event-stream")
         if top is not None:  # the batch scores each token from the logits that chose it
             kwargs["logprobs"] = top
         first, content = [True], ContentScores(llm)
@@ -737,7 +766,7 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 out["usage"] = usage(done)
             return out
 
-        return await run(request, messages, kwargs, stream, shape)
+        return await run(request, messages, kwargs, stream, shape, include_usage)
 
     return app
 

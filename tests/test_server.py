@@ -82,6 +82,15 @@ def test_chat_with_and_without_streaming(client, llm):  # noqa: F811
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    # OpenAI's stream_options.include_usage: a last chunk with no choices and the usage (then only there)
+    for api in (client.chat.completions, client.completions):
+        what = dict(messages=msgs) if api is client.chat.completions else dict(prompt="To be")
+        chunks = list(api.create(model=NAME, max_tokens=10, temperature=0, stream=True,
+                                 stream_options={"include_usage": True}, **what))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+        assert chunks[-2].choices[0].finish_reason is not None and chunks[-2].usage is None
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2, stream_options={"include_usage": True})
 
 
 def test_concurrent_clients_each_get_their_single_request_output(client, llm):  # noqa: F811
@@ -191,6 +200,9 @@ def _check_chat_logprobs(url: str, llm: LLM, exact: bool) -> None:  # noqa: F811
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == plain.text
     assert chunks[-1].choices[0].finish_reason == plain.finish_reason
     assert chunks[-1].usage.completion_tokens == len(plain.token_ids)
+    apart = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert apart[-1].choices == [] and apart[-1].usage.completion_tokens == len(plain.token_ids)
     for got in (out.choices[0].logprobs.content, streamed):
         assert len(got) == len(content)
         for entry, t, (lp, alts) in zip(got, content, ref):
