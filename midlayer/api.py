@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
@@ -89,6 +90,7 @@ class LLM:
         self.last_stats: SpecStats | None = None  # the last speculative generation's statistics
         self.last_tree: DraftTree | None = None
         self.last_report: str | None = None  # how --tree auto chose the last tree
+        self.last_choice_s = 0.0  # seconds the last generation spent choosing its tree (auto: measuring costs)
         self.last_completion: Completion | None = None  # what the last `stream` produced
         self.refresh_costs = False  # tree "auto": measure the row costs and overheads again, not from the cache
         self.progress = False  # tree "auto": show the row-cost measurement's progress
@@ -259,7 +261,7 @@ class LLM:
         stop = stop_strings(stop)
         cfg = self.settings(max_tokens, temperature, top_k, top_p, seed)
         ids = self.encode(prompt)
-        self.last_stats = None
+        self.last_stats, self.last_choice_s = None, 0.0
         text = TextStream(self, ids, stop)
         for tokens in self._token_groups(ids, cfg):
             piece, ended = text.feed(tokens)
@@ -414,9 +416,10 @@ class LLM:
         return self._acc
 
     def _speculate(self, ids: list[int], cfg: GenerationConfig, on_round: Any = None) -> tuple[list[int], SpecStats]:
+        t = time.perf_counter()
         acc = self.accuracies(ids)
         tree, self.last_report = self._tree(acc, ids)
-        self.last_tree = tree
+        self.last_tree, self.last_choice_s = tree, time.perf_counter() - t
         if self.engine == "static":  # greedy, for drafters that declare static_step (the caller checked)
             out, stats = static_speculative_generate(self.model, ids, self.drafter, tree, cfg.max_new_tokens,
                                                      stop_tokens=cfg.stop_tokens, graphs=self.graphs)

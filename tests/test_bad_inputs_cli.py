@@ -271,11 +271,25 @@ def test_intact_draft_generates(draft_dir, tiny, work, capsys):
                  "--draft", str(draft_dir), "--tree", "chain"]) == 0
 
 
+def test_bench_lengths_beyond_the_models_context_are_refused(tiny, work, capsys):
+    """bench generate's lengths against the model's context (the tiny GGUF's is 64): prefill lengths and the rows
+    benchmark's context before the model loads, the decode prompts and --new-tokens once they are encoded. They
+    were an IndexError traceback after the load, and before it a decode cut short by the context, timed as if
+    whole."""
+    gguf = str(tiny[0])
+    refused(capsys, ["bench", "generate", "--model", gguf, "--what", "prefill", "--prompt-lengths", "65",
+                     "--repeats", "1", "--weights", "fp32"], "--prompt-lengths", "context of 64", roots=(work,))
+    refused(capsys, ["bench", "generate", "--model", gguf, "--what", "rows", "--repeats", "1", "--weights", "fp32"],
+            "--what rows", "context of 64", roots=(work,))
+    refused(capsys, ["bench", "generate", "--model", gguf, "--what", "decode", "--new-tokens", "60", "--repeats", "1",
+                     "--weights", "fp32"], "--new-tokens 60", "context of 64", roots=(work,))
+
+
 # ---------------------------------------------------------------------- 4. sampling flags of generate
 @pytest.mark.parametrize("flag,value", [
     ("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-inf"), ("--temperature", "-0.5"),
     ("--top-p", "0"), ("--top-p", "1.5"), ("--top-p", "nan"), ("--top-p", "-1"), ("--top-p", "inf"),
-    ("--top-k", "-1"), ("--max-new-tokens", "-1"), ("--seed", str(2**64)),
+    ("--top-k", "-1"), ("--max-new-tokens", "-1"), ("--max-new-tokens", "0"), ("--seed", str(2**64)),
 ])
 def test_generate_sampling_flags_refused_before_loading(flag, value, work, capsys):
     # a model that does not exist: the flag must be refused before anything is looked up
@@ -287,6 +301,9 @@ def test_generate_other_flags_refused_before_loading(work, capsys):
     refused(capsys, [*base, "--system", "be brief"], "--system", "--chat", roots=(work,))
     refused(capsys, [*base, "--draft", "no/such/dir"], "--draft no/such/dir", roots=(work,))
     refused(capsys, [*base, "--draft", str(work), "--temperature", "0.7", "--top-k", "5"], "--top-k", roots=(work,))
+    # sampling filters at temperature 0 (greedy) would change nothing: refused, not silently ignored
+    refused(capsys, [*base, "--top-k", "5"], "--top-k", "--temperature > 0", roots=(work,))
+    refused(capsys, [*base, "--top-p", "0.9"], "--top-p", "--temperature > 0", roots=(work,))
     refused(capsys, [*base, "--draft", str(work), "--tree", "bushy"], "--tree", "'bushy'", roots=(work,))
     # flags of speculative decoding without a drafter are refused, not silently ignored
     refused(capsys, [*base, "--tree", "chain"], "--tree needs --draft", roots=(work,))

@@ -154,6 +154,11 @@ def test_cache_overflow_is_a_clear_error():
     cache = KVCache.for_model(model.cfg, 1, max_len=4)
     with pytest.raises(ValueError, match="KV cache full"):
         forward_cached(model, torch.zeros(1, 5, dtype=torch.long), cache, torch.arange(5)[None])
+    # a position past RoPE's table: the model's context, named (it was an IndexError)
+    ctx = model.cfg.max_seq_len
+    cache = KVCache.for_model(model.cfg, 1, max_len=2)
+    with pytest.raises(ValueError, match=f"position {ctx} is beyond the model's context of {ctx}"):
+        forward_cached(model, torch.zeros(1, 1, dtype=torch.long), cache, torch.tensor([[ctx]]))
 
 
 def test_cli_generate_from_our_checkpoint(tmp_path, monkeypatch, capsys):

@@ -90,6 +90,33 @@ def train_tiny_bpe(vocab_size: int = 320) -> Tokenizer:
     return tok
 
 
+def test_counts_in_metadata_and_a_malformed_safetensors_index_are_refused_naming_them(tmp_path):
+    """A head count of 0 (a division by zero), llama.cpp's per-layer list of head counts, a width spelt as text:
+    a ValueError naming where it was read, as every other bad value is (they were ZeroDivisionError, TypeError
+    and an int() message naming nothing). A safetensors index whose weight_map is not names -> file names, or
+    names a file outside the folder, is refused too (an AttributeError, a TypeError, a file read from outside)."""
+    from midlayer.engine.pretrained import _safetensors_files, _size, config_from_hf
+
+    base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 128, "intermediate_size": 96}
+    assert config_from_hf(base).n_heads == 4
+    for bad in (0, [4, 4], "four", 2.5, True):
+        with pytest.raises(ValueError, match=r"config.json num_attention_heads must be a positive integer"):
+            config_from_hf({**base, "num_attention_heads": bad})
+    assert _size(np.uint32(7), "x") == 7 and _size(8.0, "x") == 8  # (GGUF readers give numpy integers)
+    with pytest.raises(ValueError, match="a.gguf: attention.head_count must be a positive integer, got 0"):
+        _size(0, "a.gguf: attention.head_count")
+    (tmp_path / "m.safetensors").write_bytes(b"")
+    index = tmp_path / "model.safetensors.index.json"
+    for weight_map, why in (([["a", "m.safetensors"]], "weight_map must map"), ({"a": 3}, "weight_map must map"),
+                            ({"a": "../m.safetensors"}, "outside")):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(ValueError, match=why):
+            _safetensors_files(tmp_path)
+    index.write_text(json.dumps({"weight_map": {"a": "m.safetensors"}}))
+    assert _safetensors_files(tmp_path) == [tmp_path / "m.safetensors"]
+
+
 def test_token_bytes_join_into_the_text_where_a_token_alone_decodes_to_ufffd():
     """`TextTokenizer.token_bytes` (the server's logprobs `bytes`): byte-level BPE, whose tokens split "中" and
     "é" into bytes that decode alone to U+FFFD, and a sentencepiece vocabulary with byte fallback (<0xC3>, "\u2581"

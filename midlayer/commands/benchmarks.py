@@ -289,6 +289,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         lengths = ()
     if not lengths or min(lengths) < 40:
         raise ValueError(f"--prompt-lengths: expected comma-separated integers >= 40, got {args.prompt_lengths!r}")
+    if args.what in ("prefill", "rows", "all"):  # (their lengths against the model's context, before it loads)
+        ctx = pretrained_config(args.model).max_seq_len
+        if args.what != "rows" and max(lengths) > ctx:
+            raise ValueError(f"--prompt-lengths: {max(lengths)} tokens exceed {args.model}'s context of {ctx}")
+        if args.what != "prefill" and bench.ROWS_CONTEXT + max(bench.ROWS) > ctx:
+            raise ValueError(f"--what rows: its {bench.ROWS_CONTEXT}-token context and {max(bench.ROWS)} rows exceed "
+                             f"{args.model}'s context of {ctx} tokens")
     if args.what in ("decode", "all"):
         r = bench.bench_decode(args.model, new_tokens=args.new_tokens, repeats=args.repeats, formats=formats)
         print(bench.decode_table(r))

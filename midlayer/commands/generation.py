@@ -38,8 +38,10 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-skip", action="store_true", help="gated models: compute skipped blocks (multiplied by 0)")
     p.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32",
-                   help="linear-weight format: fp32 (exact), bf16, or int4 (group-32, Q4_1 layout; fastest on CPU); "
-                        "activations, residual and LM head stay fp32")
+                   help="linear-weight format: fp32 (exact), bf16, int4 (group-32, Q4_1 layout, through PyTorch), or "
+                        "q4 (CPU only: our C kernels, llama.cpp's arithmetic, row-invariant, the fastest on a CPU; "
+                        "its LM head is Q8_0); activations and the residual stay fp32, and so does the LM head except "
+                        "with q4")
     p.add_argument("--kv-cache", choices=list(KV_FORMATS), default=None,
                    help="what the KV cache holds (default: fp16 with --weights q4, as llama.cpp keeps it; else the "
                         "weights' dtype)")
@@ -102,7 +104,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed):
         sys.stdout.write(piece)
         sys.stdout.flush()
-    dt = time.perf_counter() - t
+    # (less the choice of the tree: --tree auto's first run measures this machine's costs, a minute or more)
+    dt = time.perf_counter() - t - llm.last_choice_s
     sys.stdout.write("\n")
     done = llm.last_completion
     _say_if_cut(llm.model, ids, done.completion_tokens, done.finish_reason == "stop", args.max_new_tokens)
@@ -117,8 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             n = done.completion_tokens
             drafts = (f"tree of {len(llm.last_tree)} nodes" if llm.last_tree is not None else
                       "chains as deep as pays, step by step (a one-row continuous batch)")
+            chose = f" (choosing it took {llm.last_choice_s:.2f} s more)" if llm.last_choice_s >= 0.01 else ""
             print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), tau {stats.tau:.2f} over "
-                  f"{stats.base_forwards} base forwards, {drafts}", file=sys.stderr)
+                  f"{stats.base_forwards} base forwards, {drafts}{chose}", file=sys.stderr)
     return 0
 
 
@@ -197,8 +201,8 @@ def check_generate_args(args: argparse.Namespace) -> None:
     import math
 
 
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
@@ -207,6 +211,11 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
     if args.seed is not None and not -2**63 <= args.seed < 2**64:
         raise ValueError(f"--seed must be an integer in [-2**63, 2**64), got {args.seed}")
+    if args.temperature == 0 and (args.top_k or args.top_p < 1):
+        # sampling filters: greedy decoding takes the argmax whatever they keep, so taking them silently would
+        # suggest they did something (--seed is let through: it is harmless, and scripts pass it always)
+        raise ValueError(f"{'--top-k' if args.top_k else '--top-p'} filters sampling: it needs --temperature > 0 "
+                         "(0, the default, decodes greedily)")
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (the system message is part of the chat template)")
     dev = resolve_device(args.device) if args.device is not None else None

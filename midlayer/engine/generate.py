@@ -91,6 +91,9 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, pos
     J = joins.count if joins is not None else 0
     if positions.shape[-1] != T + J:
         raise ValueError(f"positions cover {positions.shape[-1]} rows, expected {T + J}")
+    if positions.numel() and int(positions.max()) >= model.cfg.max_seq_len:  # (RoPE's table ends there)
+        raise ValueError(f"position {int(positions.max())} is beyond the model's context of {model.cfg.max_seq_len} "
+                         "tokens")
     if slots is None:
         start = cache.length
         slots = cache.reserve(T + J)[None, :].expand(B, T + J)

@@ -53,6 +53,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import numbers
 import os
 import re
 from collections.abc import Iterator
@@ -134,8 +135,9 @@ def config_from_hf(hf_config: dict[str, Any], *, max_seq_len: int | None = None)
             raise ValueError(f"config.json ({mt}) is missing {key!r}")
         return hf_config[key]
 
-    dim, n_layers, n_heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
-    n_kv = int(hf_config.get("num_key_value_heads") or n_heads)
+    dim, n_layers, n_heads = (_size(need(k), f"config.json {k}")
+                              for k in ("hidden_size", "num_hidden_layers", "num_attention_heads"))
+    n_kv = _size(hf_config.get("num_key_value_heads") or n_heads, "config.json num_key_value_heads")
     head_dim = hf_config.get("head_dim")
     # heads of another width than hidden_size / num_attention_heads (Qwen3): our head_size
     head_size = int(head_dim) if head_dim is not None and (dim % n_heads or int(head_dim) != dim // n_heads) else 0
@@ -162,8 +164,10 @@ def config_from_hf(hf_config: dict[str, Any], *, max_seq_len: int | None = None)
         max_pos = min(max_pos, int(max_seq_len))
 
     return ModelConfig(
-        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, vocab_size=int(need("vocab_size")),
-        ffn_hidden=int(need("intermediate_size")), norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+        vocab_size=_size(need("vocab_size"), "config.json vocab_size"),
+        ffn_hidden=_size(need("intermediate_size"), "config.json intermediate_size"),
+        norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         rope_theta=theta, max_seq_len=max_pos, norm_placement="pre", gating=False,
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)), embed_norm=False, qkv_bias=qkv_bias,
         sliding_window=sliding if sliding < max_pos else 0, head_size=head_size,
@@ -181,7 +185,8 @@ def config_gemma3(hf: dict[str, Any], *, max_seq_len: int | None = None) -> Mode
             raise ValueError(f"config.json (gemma3_text) is missing {key!r}")
         return hf[key]
 
-    dim, n_layers, n_heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
+    dim, n_layers, n_heads = (_size(need(k), f"config.json {k}")
+                              for k in ("hidden_size", "num_hidden_layers", "num_attention_heads"))
     head_dim = int(hf.get("head_dim") or dim // n_heads)
     act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -213,7 +218,8 @@ def config_gemma3(hf: dict[str, Any], *, max_seq_len: int | None = None) -> Mode
     sliding = int(hf.get("sliding_window") or 0) if "sliding_attention" in kinds else 0
     return _gemma3_config(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=head_dim, vocab_size=int(need("vocab_size")), ffn_hidden=int(need("intermediate_size")),
+        head_dim=head_dim, vocab_size=_size(need("vocab_size"), "config.json vocab_size"),
+        ffn_hidden=_size(need("intermediate_size"), "config.json intermediate_size"),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_theta_local=local, max_seq_len=max_pos,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)), sliding_window=sliding,
         full_attention_layers=tuple(i for i, k in enumerate(kinds) if k == "full_attention"))
@@ -370,15 +376,28 @@ def _read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+def _size(value: Any, where: str) -> int:
+    """A count or size from a model's metadata (heads, layers, widths, context): a positive integer, else a
+    ValueError naming where it was read (0 heads divided by zero; llama.cpp's per-layer lists of head counts
+    are not supported)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != int(value) or value < 1:
+        raise ValueError(f"{where} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: not a valid safetensors index ({e})") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: its weight_map must map tensor names to shard file names")
         files = [path / name for name in dict.fromkeys(weight_map.values())]
         for f in files:
+            if f.resolve().parent != path.resolve():  # (a name like ../x.safetensors: a file outside the folder)
+                raise ValueError(f"{index} names shard {f.name!r} outside {path}")
             if not f.is_file():
                 raise ValueError(f"{index} names shard {f.name}, which is missing")
         return files
@@ -651,8 +670,8 @@ def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: i
     if arch == "gemma3":
         return _gemma3_gguf_config(key, reader, path, max_seq_len)
 
-    dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
-    n_kv = int(key("attention.head_count_kv", n_heads))
+    dim, n_heads = (_size(key(k), f"{path}: {k}") for k in ("embedding_length", "attention.head_count"))
+    n_kv = _size(key("attention.head_count_kv", n_heads), f"{path}: attention.head_count_kv")
     if dim % n_heads:
         raise ValueError(f"{path}: embedding_length {dim} is not a multiple of head_count {n_heads}")
     head_dim = dim // n_heads
@@ -673,12 +692,13 @@ def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: i
             raise ValueError(f"{path}: neither {a}.vocab_size nor tokenizer.ggml.tokens is present")
         vocab = len(tokens)
     names = {t.name for t in reader.tensors}
-    max_pos = int(key("context_length"))
+    max_pos = _size(key("context_length"), f"{path}: context_length")
     if max_seq_len is not None:
         max_pos = min(max_pos, int(max_seq_len))
     return ModelConfig(
-        dim=dim, n_layers=int(key("block_count")), n_heads=n_heads, n_kv_heads=n_kv, vocab_size=int(vocab),
-        ffn_hidden=int(key("feed_forward_length")), norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        dim=dim, n_layers=_size(key("block_count"), f"{path}: block_count"), n_heads=n_heads, n_kv_heads=n_kv,
+        vocab_size=int(vocab), ffn_hidden=_size(key("feed_forward_length"), f"{path}: feed_forward_length"),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)), max_seq_len=max_pos, norm_placement="pre",
         gating=False, tie_embeddings="output.weight" not in names, embed_norm=False, qkv_bias=False,
     )
@@ -688,9 +708,9 @@ def _gemma3_gguf_config(key: Any, reader: Any, path: Path, max_seq_len: int | No
     """Gemma 3 from llama.cpp's `gemma3.*` keys, as `config_gemma3` reads a Hugging Face config: llama.cpp
     fixes what the keys leave out -- a global block every sixth (blocks 5, 11, ...), RoPE base 10^4 in the
     windowed blocks -- and so do we."""
-    dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
-    n_layers = int(key("block_count"))
-    head_dim = int(key("attention.key_length", dim // n_heads))
+    dim, n_heads = (_size(key(k), f"{path}: {k}") for k in ("embedding_length", "attention.head_count"))
+    n_layers = _size(key("block_count"), f"{path}: block_count")
+    head_dim = _size(key("attention.key_length", dim // n_heads), f"{path}: attention.key_length")
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise ValueError(f"{path}: gemma3.attention.value_length != key_length: not supported")
     for k in ("final_logit_softcapping", "attn_logit_softcapping"):
@@ -701,12 +721,14 @@ def _gemma3_gguf_config(key: Any, reader: Any, path: Path, max_seq_len: int | No
     vocab = int(key("vocab_size", None) or len(tokens or []))
     if not vocab:
         raise ValueError(f"{path}: neither gemma3.vocab_size nor tokenizer.ggml.tokens is present")
-    max_pos = int(key("context_length"))
+    max_pos = _size(key("context_length"), f"{path}: context_length")
     if max_seq_len is not None:
         max_pos = min(max_pos, int(max_seq_len))
     return _gemma3_config(
-        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-        head_dim=head_dim, vocab_size=vocab, ffn_hidden=int(key("feed_forward_length")),
+        dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=_size(key("attention.head_count_kv", n_heads), f"{path}: attention.head_count_kv"),
+        head_dim=head_dim, vocab_size=vocab,
+        ffn_hidden=_size(key("feed_forward_length"), f"{path}: feed_forward_length"),
         norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=float(key("rope.freq_base", 1_000_000.0)),
         rope_theta_local=10_000.0, max_seq_len=max_pos,
         tie_embeddings="output.weight" not in {t.name for t in reader.tensors},

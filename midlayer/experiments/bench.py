@@ -340,6 +340,10 @@ def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats
     ref_model.eval()
     models = {fmt: compress_weights(copy.deepcopy(ref_model), fmt).eval() for fmt in formats}
     encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    ctx = ref_model.cfg.max_seq_len
+    if max(map(len, encoded)) + new_tokens > ctx:  # (the decode would stop at the context: fewer tokens timed)
+        raise ValueError(f"--new-tokens {new_tokens}: a prompt of {max(map(len, encoded))} tokens and the new ones "
+                         f"exceed {model_name}'s context of {ctx} tokens")
     hf = load_hf_same_weights(resolve_pretrained(model_name).path)
     cfg = GenerationConfig(max_new_tokens=new_tokens)
 
@@ -692,8 +696,11 @@ def speculative_table(r: dict) -> str:
     return "\n".join(out)
 
 
+ROWS, ROWS_CONTEXT = (1, 2, 4, 8, 16, 32), 128  # `bench_rows`' row counts and the context they follow
+
+
 def bench_rows(model_name: str = "smollm2-135m", formats: tuple[str, ...] = ("q4", "fp32", "bf16", "int4"),
-               rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32), context: int = 128, repeats: int = 5) -> dict:
+               rows: tuple[int, ...] = ROWS, context: int = ROWS_CONTEXT, repeats: int = 5) -> dict:
     """Time of one cached forward over T new rows (after a `context`-token prefill) per weight format: what
     a verification round costs relative to a one-token decode step. Speculative decoding's speedup is at
     most tau / (cost of its forward / cost of one step)."""
