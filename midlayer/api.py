@@ -213,6 +213,10 @@ class LLM:
         if self.drafter is not None and temperature > 0 and (top_k or top_p < 1.0):
             raise ValueError("speculative sampling reproduces the plain softmax: top_k / top_p would change it; "
                              "drop them, or detach the drafter")
+        if self.drafter is not None and temperature > 0 and self.engine == "static":
+            # (its rounds accept the greedy path on the device: a temperature would be ignored, not honoured)
+            raise ValueError("the static engine drafts greedily only (temperature 0); set engine = 'dynamic' for "
+                             "speculative sampling, or detach the drafter")
         return GenerationConfig(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                                 top_p=top_p, seed=seed, stop_tokens=tuple(sorted(self.tokenizer.eos_ids)),
                                 skip=self.skip)
@@ -320,11 +324,15 @@ class LLM:
         return done
 
     def _batch_stats(self, seq: BatchSequence) -> SpecStats | None:
-        """The speculative statistics of a sequence decoded in a continuous batch (None without a drafter)."""
+        """The speculative statistics of a sequence decoded in a continuous batch (None without a drafter). The
+        prompt's forward chose the first new token: counted as a round that accepted nothing, as the decode loop
+        counts the round that verifies the prompt's last token (tau is then 1.0 for plain decoding here too)."""
         if self.drafter is None:
             return None
-        return SpecStats(new_tokens=len(seq.new), base_forwards=seq.forwards, prefill_forwards=1,
-                         accept_hist=list(seq.accept_hist))
+        hist = list(seq.accept_hist)
+        hist[0] += bool(seq.new)
+        return SpecStats(new_tokens=len(seq.new), base_forwards=seq.forwards + bool(seq.new), prefill_forwards=1,
+                         accept_hist=hist)
 
     def _adaptive(self) -> bool:
         """Whether one prompt decodes in a one-row continuous batch: prompt lookup with `tree` auto. There each
@@ -423,10 +431,12 @@ class LLM:
         if self.engine == "static":  # greedy, for drafters that declare static_step (the caller checked)
             out, stats = static_speculative_generate(self.model, ids, self.drafter, tree, cfg.max_new_tokens,
                                                      stop_tokens=cfg.stop_tokens, graphs=self.graphs)
-        else:
+        else:  # (counted into last_stats as it goes: a reader that stops the loop keeps the rounds' counts)
+            self.last_stats = SpecStats()
             out, stats = speculative_generate(self.model, ids, self.drafter, tree, cfg.max_new_tokens,
                                               stop_tokens=cfg.stop_tokens, temperature=cfg.temperature,
-                                              seed=cfg.seed, skip=cfg.skip, on_round=on_round)
+                                              seed=cfg.seed, skip=cfg.skip, on_round=on_round,
+                                              stats=self.last_stats)
         self.last_stats = stats
         return out, stats
 

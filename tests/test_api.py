@@ -78,6 +78,13 @@ def test_a_drafter_changes_no_greedy_token(llm):
             out = llm.attach("lookup", tree=tree).generate(prompt, max_tokens=24)
             assert out.token_ids == plain.token_ids and out.text == plain.text
             assert out.stats is not None and out.stats.new_tokens == len(out.token_ids)
+            # a stop string ends the loop from the reader's side: the rounds done are still counted (stats
+            # were None), covering every token the completion kept
+            stop = plain.text[len(plain.text) // 2:][:3]
+            cut = llm.generate(prompt, max_tokens=24, stop=[stop])
+            assert cut.text == plain.text[:plain.text.index(stop)] and cut.stats is not None
+            assert sum(cut.stats.accept_hist) == cut.stats.base_forwards > 0
+            assert len(cut.token_ids) <= cut.stats.new_tokens <= len(plain.token_ids)
     finally:
         llm.attach(None)
     assert llm.drafter is None and llm.generate(prompt, max_tokens=24).stats is None
@@ -102,10 +109,16 @@ def test_lookup_with_tree_auto_drafts_step_by_step_in_a_one_row_batch(llm, monke
         assert out.stats.tau > 1.0
         assert "".join(llm.stream(prompt, max_tokens=40)) == plain.text
         # (the depth each step drafts to follows the step times it measures, so the two runs' forwards may
-        # differ; each run's statistics must add up)
+        # differ; each run's statistics must add up: the prompt's forward chose the first token, a round of 0)
         for s in (out.stats, llm.last_stats):
             assert sum(s.accept_hist) == s.base_forwards and s.new_tokens == len(plain.token_ids)
-            assert 1 + sum((a + 1) * n for a, n in enumerate(s.accept_hist)) >= s.new_tokens
+            assert sum((a + 1) * n for a, n in enumerate(s.accept_hist)) >= s.new_tokens
+        for n in (1, 2):  # the prompt's forward, then one step cut at the budget (tau read 0.0, then 2.0)
+            few = llm.generate(prompt, max_tokens=n).stats
+            assert (few.new_tokens, few.base_forwards, few.tau) == (n, n, 1.0)
+        sampled = llm.generate([prompt, "To be"], max_tokens=5, temperature=1.0, seed=3)
+        for c in sampled:  # (sampled rows draft nothing: every forward a round that accepted 0)
+            assert c.stats.accept_hist[0] == c.stats.base_forwards == c.completion_tokens
     finally:
         llm.attach(None)
 
@@ -127,7 +140,13 @@ def test_sampling_settings_a_drafter_cannot_reproduce_are_refused(llm):
         llm.attach("lookup", tree="chain")
         with pytest.raises(ValueError, match="top_k / top_p"):
             llm.generate("hello", max_tokens=4, temperature=0.8, top_k=5)
+        llm.engine = "static"  # (whose rounds accept greedily: a temperature was silently ignored)
+        with pytest.raises(ValueError, match="static engine drafts greedily only"):
+            llm.generate("hello", max_tokens=4, temperature=0.8, seed=1)
+        with pytest.raises(ValueError, match="static engine drafts greedily only"):
+            next(llm.stream("hello", max_tokens=4, temperature=0.8, seed=1))
     finally:
+        llm.engine = "dynamic"
         llm.attach(None)
 
 

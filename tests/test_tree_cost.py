@@ -241,6 +241,24 @@ def test_drafter_key_is_the_draft_architecture_not_its_values(tmp_path):
     assert draft("vocab", 24, 0, 0.3) != a and draft("k2", 16, 0, 0.3, k=2) != a
 
 
+def test_a_static_tree_after_a_dynamic_one_is_static():
+    """dynamic:N sets an EAGLE drafter's expansion width; a later chain or sparse tree is static again (the width
+    was kept, and the chain asked for was verified as a width-4 dynamic tree)."""
+    class Eagleish:
+        dynamic_k = 0
+
+        def draft_steps(self) -> None:
+            return None
+
+    d, acc = Eagleish(), [[0.6, 0.2], [0.5, 0.2], [0.4, 0.1]]
+    kw = dict(model_name="m", weights="fp32", prompt_ids=[1, 2])
+    assert len(tc.select_tree(None, d, acc, "dynamic:6", **kw)[0]) == 6 and d.dynamic_k == 4
+    chain = tc.select_tree(None, d, acc, "chain", **kw)[0]
+    assert chain.paths == tc.DraftTree.chain(3).paths and d.dynamic_k == 0
+    tc.select_tree(None, d, acc, "dynamic:2", **kw)
+    assert d.dynamic_k == 2 and len(tc.select_tree(None, d, acc, "sparse:3", **kw)[0]) == 3 and d.dynamic_k == 0
+
+
 def test_tree_specs_on_the_command_line():
     from midlayer.commands.generation import tree_nodes as _tree_nodes
 

@@ -819,8 +819,9 @@ class ContinuousBatch:
         for i, seq in enumerate(rows):
             d, off = drafts[i], M - len(fed[i])  # row i's entries sit in columns off..M-1
             seq.forwards += 1
-            if seq.cfg.temperature > 0:
+            if seq.cfg.temperature > 0:  # (a sampled row drafts nothing: a round that accepted 0)
                 take = [int(self._sample(seq, logits[i, off:off + 1])[0])]
+                seq.accept_hist[0] += 1
             else:
                 a = 0
                 while a < len(d) and d[a] == greedy[i][off + a]:

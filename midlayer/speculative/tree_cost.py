@@ -480,6 +480,8 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
     # draft depth: k steps / heads; else the depths it was scored at; else (one depth measured) 3
     k = drafter.draft_steps() or (len(acc) if acc and len(acc) > 1 else 3)
     kind, nodes = parse_tree_spec(spec)
+    if kind != "dynamic" and drafter.dynamic_k:  # a static tree asked for: the width an earlier dynamic:N call
+        drafter.dynamic_k = 0                      # set would expand it (it did: a width-3 tree, not the chain)
     if kind == "auto" and acc:
         costs = row_costs(model, model_name, weights, progress=progress, refresh=refresh)
         # what the forwards leave out (~1 s to measure): once per drafter and machine, then cached

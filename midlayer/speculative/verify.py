@@ -359,10 +359,12 @@ class SpecStats:
 def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.Tensor, drafter: Drafter,
                          tree: DraftTree, max_new_tokens: int, stop_tokens: Sequence[int] = (),
                          temperature: float = 0.0, seed: int | None = None, *, skip: bool = True,
-                         on_round: Callable[[KVCache, list[int]], None] | None = None
-                         ) -> tuple[list[int], SpecStats]:
+                         on_round: Callable[[KVCache, list[int]], None] | None = None,
+                         stats: SpecStats | None = None) -> tuple[list[int], SpecStats]:
     """Draft / verify loop at batch 1. Returns (new tokens, stats), the same contract as `generate`: at most
     max_new_tokens tokens (and no more than the context allows), a stop token included and ending the row.
+    `stats`: a SpecStats to count into (the caller then holds the counts of the rounds done when `on_round`
+    stops the loop by raising).
 
     The prompt minus its last token is prefilled (`prefill_round`); the last prompt token is the first
     pending root, so every base forward afterwards is a verification round: `draft`, then `verify_tree`
@@ -375,7 +377,8 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     model.eval()
     cfg = model.cfg
     P = len(prompt)
-    stats = SpecStats(accept_hist=[0] * (tree.max_depth + 1))
+    stats = stats if stats is not None else SpecStats()
+    stats.accept_hist = [0] * (tree.max_depth + 1)
     budget = min(max_new_tokens, cfg.max_seq_len - P + 1)  # as `generate_stream`: the last token needs no slot
     if budget <= 0:
         return [], stats
@@ -386,8 +389,9 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
         # empty, docs/results/cuda-h100.md). Greedy: the same tokens; sampling: the same distribution.
         out = generate(model, [prompt], GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                                                          seed=seed, stop_tokens=tuple(stop_tokens), skip=skip))[0]
-        return out, SpecStats(new_tokens=len(out), base_forwards=len(out), prefill_forwards=int(P > 1),
-                              accept_hist=[len(out)])
+        stats.new_tokens = stats.base_forwards = len(out)
+        stats.prefill_forwards, stats.accept_hist = int(P > 1), [len(out)]
+        return out, stats
     dev = model.tok_embeddings.weight.device
     fused = drafter if drafter.fused else None
     extra_slots = fused.extra_slots(tree) if fused is not None else 0
