@@ -58,7 +58,12 @@ class Routers(nn.ModuleList):
         `lin` is the running sum of the raw scores w.h + b (no ReLU, no clamp), kept only while autograd
         records: it carries the straight-through gradient of `straight_through`. Inference passes None.
         """
-        score = (router(h).squeeze(-1) if torch.is_grad_enabled() else inference_score(router, h)).float()
+        if torch.is_grad_enabled():  # in fp32 under autocast too: in bf16 the trained gates were off by up to 0.07
+            with torch.autocast(h.device.type, enabled=False):  # from the ones evaluation and inference compute
+                score = nn.functional.linear(h.float(), router.weight.float(),
+                                             None if router.bias is None else router.bias.float()).squeeze(-1)
+        else:
+            score = inference_score(router, h).float()
         s = torch.relu(score)
         cum = s if cum is None else cum + s
         if torch.is_grad_enabled():
