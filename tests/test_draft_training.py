@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from midlayer.config import ModelConfig
-from midlayer.speculative.distill import DistillRecord, DistillSet
+from midlayer.speculative.distill import DistillFormatError, DistillRecord, DistillSet
 from midlayer.speculative.early_exit import early_exit_loss
 from midlayer.speculative.registry import load_draft
 from midlayer.speculative.medusa import medusa_loss
@@ -215,7 +215,7 @@ def test_learning_curve_early_stopping_keeps_the_best_weights_and_resumes(tmp_pa
     c = cfg(tmp_path / "a", "medusa", eval_every=2, patience=2, epochs=20)
     run = train_draft(c, base, data, progress=False, log=lambda s: None)
     m = run.metrics
-    assert m["steps"] == 8 and m["best_step"] == 4 and m["planned_steps"] > 8
+    assert m["steps"] == 8 and m["best_step"] == 4 and m["planned_steps"] > 8 and m["lowest_loss_step"] == 4
     assert [p["step"] for p in m["curve"]] == [2, 4, 6, 8]
     assert [p["heldout_loss"] for p in m["curve"]] == script[:4]
     # the saved weights are those of step 4: a plain 4-step run (same batches) ends with them
@@ -237,6 +237,13 @@ def test_learning_curve_early_stopping_keeps_the_best_weights_and_resumes(tmp_pa
     assert again.metrics["steps"] == 8 and again.metrics["curve"] == m["curve"] and len(calls) == 4
     with pytest.raises(ValueError, match="patience needs eval_every"):
         DraftTrainConfig(patience=2)
+    # a curve without patience: the last weights are saved, and best_step names them (it named step 4's, never
+    # saved); the lowest held-out loss's step is kept apart
+    calls.clear()
+    c3 = cfg(tmp_path / "d", "medusa", eval_every=2, epochs=20)
+    train_draft(c3, base, data, progress=False, stop_after=6, log=lambda s: None)
+    last = train_drafts([c3], base, data, progress=False, log=lambda s: None, export_now=True)[0]
+    assert (last.metrics["steps"], last.metrics["best_step"], last.metrics["lowest_loss_step"]) == (6, 6, 4)
 
 
 def test_frozen_state_budget_changes_only_the_cost(tmp_path):
@@ -599,3 +606,29 @@ def test_train_draft_cli_refuses_export_now_with_stop_after(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--export-now trains nothing" in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_data_the_base_cannot_take_is_refused_before_training(tmp_path):
+    """Refused in one line before the first step, nothing written: records longer than the base's context at
+    this --seq-len (it failed in the final evaluation, after all the training, or mid-run, as a traceback for
+    hidden transfer), train responses of fewer than 4 distinct tokens under --draft-vocab (the held-out
+    metrics score 4 ranks: a traceback after the last step), a header's stop token outside the vocabulary (the
+    batches' padding id), and stop_tokens that are not a list of ids (a TypeError)."""
+    base, data = tiny_base(), tiny_data()
+    long = DistillSet(data.records + [DistillRecord("long", "writing", "heldout", [1] * 4, [2] * 80)], data.header)
+    with pytest.raises(ValueError, match=r"--seq-len 100: .* up to 84 tokens, and the base's context is 64"):
+        train_draft(dataclasses.replace(cfg(tmp_path, "medusa"), seq_len=100), base, long, progress=False,
+                    log=lambda s: None)
+    train_draft(cfg(tmp_path / "cut", "medusa", epochs=1), base, long, progress=False, log=lambda s: None)  # (32)
+    few = DistillSet([DistillRecord(r.id, r.category, r.split, r.prompt_ids, [1, 2, 3] * 3) for r in data.records],
+                     data.header)
+    with pytest.raises(ValueError, match="hold 3 distinct tokens, fewer than the 4 ranks"):
+        train_draft(cfg(tmp_path, "medusa", draft_vocab=8), base, few, progress=False, log=lambda s: None)
+    with pytest.raises(DistillFormatError, match=f"stop token {V + 5} is outside"):
+        train_draft(cfg(tmp_path, "medusa"), base, DistillSet(data.records, {"stop_tokens": [V + 5]}, tmp_path / "d"),
+                    progress=False, log=lambda s: None)
+    assert not [p for p in (tmp_path / "medusa").iterdir() if p.name != ".midlayer.lock"]  # (no state, no draft)
+    header = {"format": "midlayer-distill-v1", "stop_tokens": "5"}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(header) + "\n")
+    with pytest.raises(DistillFormatError, match="stop_tokens must be a list of token ids"):
+        DistillSet.load(tmp_path / "bad.jsonl")

@@ -3,6 +3,7 @@ heads, early exit, layer-skip self-speculation, save/load. Tiny models only; run
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from midlayer.config import ModelConfig
+from midlayer.engine.quantization import compress_weights
 from midlayer.speculative.registry import DraftMismatchError, load_draft, save_draft
 from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead, early_exit_loss, train_early_exit
 from midlayer.speculative.layer_skip import LayerSkipDrafter
@@ -407,14 +409,22 @@ def test_save_load_roundtrip_and_refusals(tmp_path):
             load_draft(path, make(False, n_layers=6))
         with pytest.raises(DraftMismatchError, match="base 'tiny'"):
             load_draft(path, model, base_name="other")
+        # the same LM head and shapes over other blocks (a fine-tune of them): once accepted, the head being all
+        # the signature looked at; one FFN matrix scaled by 1.05 is enough now, in the same weight format
+        tuned = copy.deepcopy(model)
+        with torch.no_grad():
+            tuned.layers[1].feed_forward.w2.weight.mul_(1.05)
+        with pytest.raises(DraftMismatchError, match="blocks compute otherwise"):
+            load_draft(path, tuned)
     # the loaded drafter drafts exactly as the original
     ht2, _ = load_draft(tmp_path / "ht", model)
     a = speculative_generate(model, PROMPT, HiddenTransferDrafter(model, modules["ht"]), SMALL_TREE, 12)[1]
     b = speculative_generate(model, PROMPT, HiddenTransferDrafter(model, ht2), SMALL_TREE, 12)[1]
     assert a.accept_hist == b.accept_hist
-    # a bf16 copy of the same base is the same base
+    # a bf16 copy of the same base is the same base, and so is its q4 form (another format: the looser bound)
     bf = make(False).to(torch.bfloat16)
     load_draft(tmp_path / "ee", bf)
+    load_draft(tmp_path / "ee", compress_weights(copy.deepcopy(model), "q4"))
     with pytest.raises(DraftMismatchError, match="not a draft"):
         load_draft(tmp_path / "missing", model)
     with pytest.raises(ValueError, match="not a draft module"):

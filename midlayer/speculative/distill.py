@@ -108,6 +108,9 @@ def _read(path: Path) -> tuple[dict[str, Any], list[DistillRecord], int, bool]:
     if not isinstance(header, dict) or header.get("format") != DISTILL_FORMAT:
         got = header.get("format") if isinstance(header, dict) else type(header).__name__
         raise DistillFormatError(f"{path}: format {got!r}, expected {DISTILL_FORMAT!r}")
+    stops = header.get("stop_tokens", [])
+    if not isinstance(stops, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stops):
+        raise DistillFormatError(f"{path}: the header's stop_tokens must be a list of token ids, got {stops!r}")
     records: list[DistillRecord] = []
     good = len(lines[0]) + 1
     damaged = False
@@ -158,6 +161,10 @@ class DistillSet:
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse (DistillFormatError, naming the file and line) a token id outside [0, vocab_size): a file of
         another tokenizer, or damage. Checked once, at load, instead of failing as an IndexError mid-run."""
+        bad = next((t for t in self.stop_tokens if t >= vocab_size), None)
+        if bad is not None:  # (the batches' padding id: an IndexError in the first step)
+            raise DistillFormatError(f"{self.path}:1: the header's stop token {bad} is outside the base's vocabulary "
+                                     f"[0, {vocab_size})")
         for j, r in enumerate(self.records):
             bad = next((t for t in (*r.prompt_ids, *r.response_ids) if not 0 <= t < vocab_size), None)
             if bad is not None:

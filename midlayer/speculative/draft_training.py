@@ -393,7 +393,8 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
     with _autocast(cfg, model):
         metrics = heldout_metrics(cfg, model, module, held)
     old = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else {}
-    for key in ("steps", "planned_steps", "curve", "best_step", "train_seconds_this_call", "train_batches",
+    for key in ("steps", "planned_steps", "curve", "best_step", "lowest_loss_step", "train_seconds_this_call",
+                "train_batches",
                 "final_loss", "settings", "data_header", "draft_vocab_size"):
         if key in old:
             metrics[key] = old[key]
@@ -748,7 +749,10 @@ class _Run:
         with autocast:
             metrics = heldout_metrics(cfg, self.model, module, held_b)
         metrics.update(steps=self.step, planned_steps=self.total, curve=self.curve,
-                       best_step=self.best["step"] if self.curve else self.step,
+                       # the saved weights' step (the best evaluated with patience, else the last); and the step of
+                       # the lowest held-out loss (without patience best_step named it: weights never saved)
+                       best_step=self.best["step"] if cfg.patience and self.best["module"] is not None else self.step,
+                       lowest_loss_step=self.best["step"] if self.curve else None,
                        train_seconds_this_call=round(train_s, 1), train_batches=n_train,
                        heldout_batches=len(held_b), final_loss=self.history[-1]["loss"] if self.history else None,
                        settings=self.settings, draft_vocab_size=None if draft_vocab(module) is None
@@ -815,6 +819,10 @@ def _train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None, data:
 
         check_base(ds.header["base"], model, None, f"--data {c0.data}: made by another base model;")
     ds.check_vocab(model.cfg.vocab_size)
+    longest, ctx = max((len(x) for x in ds.sequences()), default=0), model.cfg.max_seq_len
+    if min(longest, c0.seq_len) > ctx:  # (found before training: it failed in the last evaluation, or mid-run)
+        raise ValueError(f"--seq-len {c0.seq_len}: {c0.data} holds records of up to {longest} tokens, and the base's "
+                         f"context is {ctx}: pass --seq-len {ctx} or less")
     train_b = make_batches(ds.sequences("train"), c0.batch_tokens, c0.seq_len, c0.seed, pad_id=ds.pad_id,
                            prompt_lens=ds.prompt_lens("train") if c0.loss_positions == "response" else None)
     held_b = response_batches(ds, c0.seq_len, c0.max_eval_batches)
@@ -824,6 +832,10 @@ def _train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None, data:
     vocab = None
     if c0.draft_vocab:
         vocab = frequent_tokens((r.response_ids for r in ds.split("train")), c0.draft_vocab, model.cfg.vocab_size)
+        if vocab.numel() < 4:  # (the held-out metrics score 4 ranks: it failed after the last step)
+            raise ValueError(f"--draft-vocab {c0.draft_vocab}: {c0.data}'s train responses hold {vocab.numel()} "
+                             "distinct tokens, fewer than the 4 ranks a draft is scored at; pass --draft-vocab 0 "
+                             "(the whole vocabulary), or check the data (answers of end-of-turn tokens only?)")
     data_fp = ds.fingerprint()
     runs = [_Run(c, model, total, data_fp, vocab, log) for c in cfgs]
     autocast = _autocast(c0, model)

@@ -44,11 +44,38 @@ class DraftMismatchError(ValueError):
 
 
 _PROBE = 64
+# `forward_probe`'s relative L2 bound: in the weight format the draft was made with (a base whose one FFN matrix
+# of SmolLM2 is scaled by 1.05: 5e-3 from the base), and in another (q4 against fp32: 2.7e-2 on SmolLM2, 0.17 on
+# the tests' tiny random model; its blocks drawn again under the same head: 1.35). bf16 is bounded as another
+# format: its rounding depends on the kernels. (One-off scripts, 50th session.)
+FORWARD_BOUND = {"same": 1e-3, "other": 0.5}
+
+
+def forward_probe(model: Transformer) -> list[float]:
+    """The base's blocks at work: the final-normed residual of a fixed 16-token sequence (ids spread over the
+    vocabulary), 16 dims at each of positions 1-15 (position 0 is an attention sink, whose size would dominate).
+    The LM head alone (`base_signature`'s probe) does not tell a base from a fine-tune of its blocks."""
+    dev = model.tok_embeddings.weight.device
+    n = min(16, model.cfg.max_seq_len)
+    ids = torch.linspace(0, model.cfg.vocab_size - 1, n, dtype=torch.float64).round().long()[None].to(dev)
+    with torch.no_grad():
+        h = model(ids, return_logits=False, output_hidden_states=True).hidden_states[-1]
+        h = model.norm(h)[0, 1:].float()
+    dims = torch.linspace(0, h.shape[-1] - 1, 16, dtype=torch.float64).round().long().to(dev)
+    return [float(x) for x in h[:, dims].reshape(-1).cpu()]
+
+
+def weights_kind(model: Transformer) -> str:
+    """The weight format of a base (compressed: fp32, bf16, int4, q4; else its parameters' dtype)."""
+    fmt = getattr(model, "weight_format", None)
+    return fmt or {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model.tok_embeddings.weight.dtype,
+                                                                       str(model.tok_embeddings.weight.dtype))
 
 
 def base_signature(model: Transformer, name: str | None = None) -> dict[str, Any]:
-    """What identifies the base a draft module was trained for: dimensions, an optional name, and 64
-    evenly spaced entries of the LM head (cheap; robust to a dtype change, different for other weights)."""
+    """What identifies the base a draft module was trained for: dimensions, an optional name, 64 evenly spaced
+    entries of the LM head (cheap; robust to a dtype change), and its blocks' output on a fixed input
+    (`forward_probe`, with the weight format it was taken in)."""
     cfg = model.cfg
     head = model.output  # an nn.Linear, or a compressed head (q8) that carries its weight as codes
     w = (head.weight if isinstance(head, nn.Linear) else head.dequantized()).detach().reshape(-1)
@@ -56,7 +83,8 @@ def base_signature(model: Transformer, name: str | None = None) -> dict[str, Any
     idx = torch.linspace(0, w.numel() - 1, _PROBE, dtype=torch.float64).round().long().to(w.device)
     return {"name": name, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "gating": bool(cfg.gating),
-            "norm_placement": cfg.norm_placement, "probe": [float(x) for x in w[idx].float().cpu()]}
+            "norm_placement": cfg.norm_placement, "probe": [float(x) for x in w[idx].float().cpu()],
+            "weights": weights_kind(model), "forward": forward_probe(model)}
 
 
 def check_base(saved: dict[str, Any], model: Transformer, name: str | None = None, where: str = "") -> None:
@@ -76,6 +104,20 @@ def check_base(saved: dict[str, Any], model: Transformer, name: str | None = Non
     if a.shape != b.shape or not bool(((a - b).abs() <= 0.02 * a.abs().max().clamp_min(1e-12)).all()):
         raise DraftMismatchError(f"{where}: the LM-head weights differ from the base this draft was trained "
                                  "for (same shape, different model)")
+    if "forward" in saved:  # (signatures written before the 50th session have none)
+        try:
+            a, b = torch.tensor(saved["forward"], dtype=torch.float32), torch.tensor(now["forward"])
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise DraftMismatchError(f"{where}: the draft's base signature has no valid 'forward' ({e!r})") from None
+        same = saved.get("weights") == now["weights"] and now["weights"] != "bf16"
+        bound = FORWARD_BOUND["same" if same else "other"]
+        rel = float((a - b).norm() / a.norm().clamp_min(1e-12)) if a.shape == b.shape else float("inf")
+        if not rel <= bound:
+            raise DraftMismatchError(
+                f"{where}: this base's blocks compute otherwise than those of the base this draft was made with "
+                f"({rel:.1e} relative on a fixed input, more than {bound:g}"
+                + (f" within the {now['weights']} format" if same else f"; {saved.get('weights')} against "
+                   f"{now['weights']}") + "): another model with the same shape and LM head")
 
 
 # a draft file's kind -> (its module, the drafter that drafts with it)
