@@ -274,7 +274,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
 def _sampling(body: dict, llm: LLM, max_name: str = "max_tokens", scoring: bool = False) -> dict[str, Any]:
     """The generation settings of a request, each checked (400 naming the field). `scoring`: a completion that
     may ask for log-probabilities (`logprobs` 0-5) and an `echo` of the prompt, and then for 0 new tokens. A
-    field sent as null is one not sent (OpenAI's API). max_tokens not given is None here: `budget` sets it
+    field sent as null is one not sent (OpenAI's API). max_tokens not given is None here: `_budget` sets it
     from the prompts' length."""
     ctx = llm.model.cfg.max_seq_len
     max_tokens = body.get(max_name)
