@@ -219,6 +219,21 @@ def test_a_finished_folder_of_another_run_is_not_taken_as_this_one(tmp_path):
     state = json.loads((tmp_path / "smoke" / "sweep.json").read_text())
     assert "mu_final" in {r["name"]: r for r in state["runs"]}["gated-mu0.50"]["error"]
 
+def test_a_finished_folder_trained_on_other_data_is_not_taken_as_this_one(tmp_path):
+    """A sweep continued with other --data (or another seed) does not skip the runs finished on the old one (it
+    did: the table then mixed two datasets, and sweep.json named the new one for all); a setting a resume may
+    change (logging, checkpoints, a recovery's lr) is not another run."""
+    m, s, t = _cfgs("smoke", "dense-2", tmp_path)
+    _write_run(tmp_path / "smoke" / "dense-2", m, s, dataclasses.replace(t, data="old/*.bin", seed=t.seed + 1))
+    fake = FakeTrain()
+    assert run_sweep("smoke", tmp_path, only=["dense-2"], train_fn=fake, progress=False) == 1 and fake.calls == []
+    state = json.loads((tmp_path / "smoke" / "sweep.json").read_text())
+    error = {r["name"]: r for r in state["runs"]}["dense-2"]["error"]
+    assert "train.data" in error and "train.seed" in error
+    _write_run(tmp_path / "smoke" / "dense-2", m, s, dataclasses.replace(t, log_every=7, lr=t.lr / 2))
+    assert run_sweep("smoke", tmp_path, only=["dense-2"], train_fn=fake, progress=False) == 0 and fake.calls == []
+
+
 def test_a_run_that_returns_unfinished_counts_as_failed(tmp_path):
     def stops_early(m, s, t, *, resume=False, progress=True):
         _write_run(Path(t.out_dir), m, s, t, step=1, ckpt_step=1)
@@ -291,6 +306,26 @@ def _fake_sweep(root: Path) -> Path:
     assert run_sweep("cpu", root, only=["dense-1", "dense-2", "dense-6", "gated-none", "gated-mu0.50",
                                         "gated-mu0.00"], train_fn=fake, progress=False) == 0
     return root / "cpu"
+
+
+def test_collect_leaves_out_folders_the_sweep_does_not_name_and_diverged_runs(tmp_path, capsys):
+    """A copy moved aside in the sweep folder (what "move it away" suggests) is not a run of the sweep: counted,
+    it was a point of its own and replaced its namesake in the paired depth steps. A run whose final val_ce
+    is null (diverged: written as null) is left out with a note; it crashed the whole table. A sweep.json
+    whose runs are not a list names none: every folder with an eval.json is read."""
+    import shutil
+
+    sweep_dir = _fake_sweep(tmp_path)
+    shutil.copytree(sweep_dir / "dense-2", sweep_dir / "dense-2.old")
+    res = json.loads((sweep_dir / "dense-6" / "eval.json").read_text())
+    (sweep_dir / "dense-6" / "eval.json").write_text(json.dumps({**res, "val_ce": None, "val_ppl": None}))
+    rows = collect(sweep_dir)
+    err = capsys.readouterr().err
+    assert {r["run"] for r in rows} == {"dense-1", "dense-2", "gated-none", "gated-mu0.50", "gated-mu0.00"}
+    assert "dense-2.old: not a run of" in err and "dense-6: its final val_ce is None, left out" in err
+    state = json.loads((sweep_dir / "sweep.json").read_text())
+    (sweep_dir / "sweep.json").write_text(json.dumps({**state, "runs": None}))
+    assert "dense-2.old" in {r["run"] for r in collect(sweep_dir)}
 
 
 def test_collect_and_tables_hold_every_run_with_its_numbers(tmp_path):

@@ -86,12 +86,18 @@ def train_gate_means(run_dir: Path | str, window: int = TRAIN_GATE_WINDOW) -> li
 
 
 def _run_dirs(sweep_dir: Path, sweep: dict | None) -> list[Path]:
-    """Run folders in the sweep's order (sweep.json), then any other folder holding an eval.json."""
-    ordered: list[Path] = []
-    if sweep:
-        ordered = [sweep_dir / r["name"] for r in sweep.get("runs", []) if isinstance(r, dict) and "name" in r]
+    """The runs sweep.json names, in its order; without one, every folder holding an eval.json. A folder the
+    sweep does not name (a copy moved aside, `dense-2-s1.old`) is left out with a note: counted, it was a point
+    of its own and replaced its namesake in the paired depth comparison."""
+    runs = (sweep or {}).get("runs")
+    ordered = [sweep_dir / r["name"] for r in (runs if isinstance(runs, list) else [])
+               if isinstance(r, dict) and isinstance(r.get("name"), str)]
     rest = sorted(p.parent for p in sweep_dir.glob("*/eval.json") if p.parent not in ordered)
-    return ordered + rest
+    if not ordered:
+        return rest
+    for p in rest:
+        print(f"plot: {p.name}: not a run of {sweep_dir / 'sweep.json'}, left out", file=sys.stderr)
+    return ordered
 
 
 def estimated_costs(model: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
@@ -129,13 +135,20 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"{sweep_dir} is not a folder")
     sweep = _read_json(sweep_dir / "sweep.json")
     sweep = sweep if isinstance(sweep, dict) else None
-    meta_by_name = {r["name"]: r for r in (sweep or {}).get("runs", []) if isinstance(r, dict) and "name" in r}
+    runs = (sweep or {}).get("runs")
+    meta_by_name = {r["name"]: r for r in (runs if isinstance(runs, list) else [])
+                    if isinstance(r, dict) and "name" in r}
     rows: list[dict[str, Any]] = []
     for run_dir in _run_dirs(sweep_dir, sweep):
         res = _read_json(run_dir / "eval.json")
         if not isinstance(res, dict) or "val_ce" not in res:
             if run_dir.is_dir():
                 print(f"plot: {run_dir.name}: no final evaluation yet, left out", file=sys.stderr)
+            continue
+        ce = res["val_ce"]
+        if isinstance(ce, bool) or not isinstance(ce, (int, float)) or not math.isfinite(ce):
+            # (a diverged run's CE is written as null: it crashed the whole table)
+            print(f"plot: {run_dir.name}: its final val_ce is {ce!r}, left out", file=sys.stderr)
             continue
         cfg = _read_json(run_dir / "config.json") or {}
         meta = meta_by_name.get(run_dir.name, {})
@@ -161,7 +174,7 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             "mu_final": sparsity.get("mu_final", meta.get("mu_final")) if has_targets else None,
             "delta": sparsity.get("delta", DEFAULT_DELTA) if has_targets else None,
             "val_ce": res["val_ce"],
-            "val_ppl": res.get("val_ppl", math.exp(min(res["val_ce"], 50.0))),
+            "val_ppl": res["val_ppl"] if "val_ppl" in res else math.exp(min(ce, 50.0)),
             "mean_sparsity": res.get("mean_sparsity", 0.0),
             "flops_per_seq": flops,
             "flops_per_seq_dense_equiv": dense_equiv,

@@ -44,7 +44,7 @@ from midlayer.ops.kernels import cpu_info
 from midlayer.output_lock import OutputLock
 from midlayer.train.checkpoint import config_mismatch, list_checkpoints
 from midlayer.train.evaluate import evaluate_contexts, rescalable_rope
-from midlayer.train.loop import train
+from midlayer.train.loop import FREE_ON_RESUME, RECOVERY_ON_RESUME, train
 
 SECTION_CLASSES: dict[str, type] = {"model": ModelConfig, "sparsity": SparsityConfig, "train": TrainConfig}
 LAUNCHERS = ("inline", "torchrun")
@@ -490,16 +490,22 @@ def is_finished(run_dir: Path, steps: int) -> bool:
     return bool(res and res.get("finished") is True and res.get("step") == steps)
 
 
-def _other_run_here(run_dir: Path, model: ModelConfig, sparsity: SparsityConfig) -> list[str]:
+def _other_run_here(run_dir: Path, model: ModelConfig, sparsity: SparsityConfig, train_cfg: TrainConfig
+                    ) -> list[str]:
     """Differences between the run recorded in `run_dir/config.json` and this one (empty if none/same):
-    a finished folder from an edited grid must not be taken for this run's result."""
+    a finished folder from an edited grid, or from a sweep over other data or another seed, must not be taken
+    for this run's result. Train settings that a resume may change (loop.FREE_ON_RESUME, RECOVERY_ON_RESUME:
+    logging, checkpoints, a recovery's lr) are not compared."""
     saved = _read_json(run_dir / "config.json")
     if not saved:
         return []
     diffs = []
-    for section, cfg in (("model", model), ("sparsity", sparsity)):
+    free = set(FREE_ON_RESUME) | set(RECOVERY_ON_RESUME)
+    for section, cfg in (("model", model), ("sparsity", sparsity), ("train", train_cfg)):
         if isinstance(saved.get(section), dict):
-            diffs += [f"{section}.{d}" for d in config_mismatch(saved[section], dataclasses.asdict(cfg), type(cfg))]
+            now = {k: v for k, v in dataclasses.asdict(cfg).items() if section != "train" or k not in free}
+            was = {k: v for k, v in saved[section].items() if section != "train" or k not in free}
+            diffs += [f"{section}.{d}" for d in config_mismatch(was, now, type(cfg))]
     return diffs
 
 
@@ -572,7 +578,8 @@ def _run_sweep(grid, runs, sweep_dir: Path, launcher: str, nproc: int, extra_tra
     Long: the per-run bookkeeping (previous records, status, wall time, the launcher's two paths) shares the
     loop's state; the run itself is `train_fn` or `runner`."""
     sweep_json = sweep_dir / "sweep.json"
-    previous = {r.get("name"): r for r in (_read_json(sweep_json) or {}).get("runs", []) if isinstance(r, dict)}
+    old_runs = (_read_json(sweep_json) or {}).get("runs")  # (a hand-edited null or non-list: no records kept)
+    previous = {r.get("name"): r for r in (old_runs if isinstance(old_runs, list) else []) if isinstance(r, dict)}
     # One record per run of the whole grid: a sweep of a few runs (`only`) keeps the others' records as they
     # were (status, wall time), so that sweep.json always describes the grid, not the last invocation.
     selected = {spec.name for spec in runs}
@@ -604,7 +611,7 @@ def _run_sweep(grid, runs, sweep_dir: Path, launcher: str, nproc: int, extra_tra
         m, s, t = resolve_run(grid, spec, run_dir, extra_train)
         head = f"[sweep {grid.name} {i}/{n}] {spec.name}"
         try:
-            other = _other_run_here(run_dir, m, s)
+            other = _other_run_here(run_dir, m, s, t)
             if other:
                 raise ValueError(f"{run_dir} holds a different run ({'; '.join(other)}); move it away")
             old = previous.get(spec.name, {})  # a skipped run keeps the wall time and machine that trained it
