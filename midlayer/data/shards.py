@@ -128,10 +128,7 @@ def largest_token(path: PathLike, cache_dir: Path | None = None) -> int:
     tokens = read_shard(path)
     top = int(tokens.max()) if len(tokens) else -1
     if memo is not None:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".tmp.{os.getpid()}")
-        tmp.write_text(json.dumps({"max": top, "shard": str(path)}))
-        os.replace(tmp, memo)
+        atomic_write(memo, json.dumps({"max": top, "shard": str(path)}).encode())
     return top
 
 
@@ -146,7 +143,6 @@ def check_vocabulary(paths: Sequence[PathLike], vocab_size: int, cache_dir: Path
                              "the tokenizer that made the shards (GPT-2's FineWeb shards: 50257)")
 
 
-# ---------------------------------------------------------------------------------------------- reader
 # ---------------------------------------------------------------------------------------------- reader
 
 

@@ -217,7 +217,8 @@ def config_gemma3(hf: dict[str, Any], *, max_seq_len: int | None = None) -> Mode
         max_pos = min(max_pos, int(max_seq_len))
     sliding = int(hf.get("sliding_window") or 0) if "sliding_attention" in kinds else 0
     return _gemma3_config(
-        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=_size(hf.get("num_key_value_heads") or n_heads, "config.json num_key_value_heads"),
         head_dim=head_dim, vocab_size=_size(need("vocab_size"), "config.json vocab_size"),
         ffn_hidden=_size(need("intermediate_size"), "config.json intermediate_size"),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_theta_local=local, max_seq_len=max_pos,

@@ -85,13 +85,17 @@ def train_gate_means(run_dir: Path | str, window: int = TRAIN_GATE_WINDOW) -> li
     return [sum(r[f"gate_mean/{l}"] for r in recs) / len(recs) for l in range(half)]
 
 
+def _sweep_runs(sweep: dict | None) -> list[dict]:
+    """sweep.json's run records (none where its runs are not a list: a hand-edited file)."""
+    runs = (sweep or {}).get("runs")
+    return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+
+
 def _run_dirs(sweep_dir: Path, sweep: dict | None) -> list[Path]:
     """The runs sweep.json names, in its order; without one, every folder holding an eval.json. A folder the
     sweep does not name (a copy moved aside, `dense-2-s1.old`) is left out with a note: counted, it was a point
     of its own and replaced its namesake in the paired depth comparison."""
-    runs = (sweep or {}).get("runs")
-    ordered = [sweep_dir / r["name"] for r in (runs if isinstance(runs, list) else [])
-               if isinstance(r, dict) and isinstance(r.get("name"), str)]
+    ordered = [sweep_dir / r["name"] for r in _sweep_runs(sweep) if isinstance(r.get("name"), str)]
     rest = sorted(p.parent for p in sweep_dir.glob("*/eval.json") if p.parent not in ordered)
     if not ordered:
         return rest
@@ -135,9 +139,7 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"{sweep_dir} is not a folder")
     sweep = _read_json(sweep_dir / "sweep.json")
     sweep = sweep if isinstance(sweep, dict) else None
-    runs = (sweep or {}).get("runs")
-    meta_by_name = {r["name"]: r for r in (runs if isinstance(runs, list) else [])
-                    if isinstance(r, dict) and "name" in r}
+    meta_by_name = {r["name"]: r for r in _sweep_runs(sweep) if "name" in r}
     rows: list[dict[str, Any]] = []
     for run_dir in _run_dirs(sweep_dir, sweep):
         res = _read_json(run_dir / "eval.json")

@@ -394,8 +394,7 @@ def evaluate_draft(path: str | Path, model: Transformer | None = None, data: Any
         metrics = heldout_metrics(cfg, model, module, held)
     old = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else {}
     for key in ("steps", "planned_steps", "curve", "best_step", "lowest_loss_step", "train_seconds_this_call",
-                "train_batches",
-                "final_loss", "settings", "data_header", "draft_vocab_size"):
+                "train_batches", "final_loss", "settings", "data_header", "draft_vocab_size"):
         if key in old:
             metrics[key] = old[key]
     metrics["heldout_batches"] = len(held)

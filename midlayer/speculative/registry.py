@@ -72,24 +72,27 @@ def weights_kind(model: Transformer) -> str:
                                                                        str(model.tok_embeddings.weight.dtype))
 
 
-def base_signature(model: Transformer, name: str | None = None) -> dict[str, Any]:
+def base_signature(model: Transformer, name: str | None = None, forward: bool = True) -> dict[str, Any]:
     """What identifies the base a draft module was trained for: dimensions, an optional name, 64 evenly spaced
-    entries of the LM head (cheap; robust to a dtype change), and its blocks' output on a fixed input
+    entries of the LM head (cheap; robust to a dtype change), and (`forward`) its blocks' output on a fixed input
     (`forward_probe`, with the weight format it was taken in)."""
     cfg = model.cfg
     head = model.output  # an nn.Linear, or a compressed head (q8) that carries its weight as codes
     w = (head.weight if isinstance(head, nn.Linear) else head.dequantized()).detach().reshape(-1)
     # float64: float32 rounds the last index of a 28M-entry head (SmolLM2) past the end
     idx = torch.linspace(0, w.numel() - 1, _PROBE, dtype=torch.float64).round().long().to(w.device)
-    return {"name": name, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
-            "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "gating": bool(cfg.gating),
-            "norm_placement": cfg.norm_placement, "probe": [float(x) for x in w[idx].float().cpu()],
-            "weights": weights_kind(model), "forward": forward_probe(model)}
+    sig = {"name": name, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+           "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "gating": bool(cfg.gating),
+           "norm_placement": cfg.norm_placement, "probe": [float(x) for x in w[idx].float().cpu()]}
+    if forward:
+        sig.update(weights=weights_kind(model), forward=forward_probe(model))
+    return sig
 
 
 def check_base(saved: dict[str, Any], model: Transformer, name: str | None = None, where: str = "") -> None:
-    """Raise DraftMismatchError unless `saved` (a base_signature) describes `model`."""
-    now = base_signature(model, name)
+    """Raise DraftMismatchError unless `saved` (a base_signature) describes `model`. (The base's forward only
+    where `saved` holds one to compare with: signatures written before the 50th session have none.)"""
+    now = base_signature(model, name, forward="forward" in saved)
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "gating", "norm_placement"):
         if saved.get(key) != now[key]:
             raise DraftMismatchError(f"{where}: draft trained for a base with {key}={saved.get(key)!r}, "
@@ -104,7 +107,7 @@ def check_base(saved: dict[str, Any], model: Transformer, name: str | None = Non
     if a.shape != b.shape or not bool(((a - b).abs() <= 0.02 * a.abs().max().clamp_min(1e-12)).all()):
         raise DraftMismatchError(f"{where}: the LM-head weights differ from the base this draft was trained "
                                  "for (same shape, different model)")
-    if "forward" in saved:  # (signatures written before the 50th session have none)
+    if "forward" in saved:
         try:
             a, b = torch.tensor(saved["forward"], dtype=torch.float32), torch.tensor(now["forward"])
         except (TypeError, ValueError, RuntimeError) as e:

@@ -479,7 +479,7 @@ class Trainer:
         """Optimizer steps from the checkpoint's step to `steps` (or `stop_after` of them), then `finish`."""
         cfg = self.cfg
         self.t_last, self.steps_since = time.perf_counter(), 0
-        self.aside = self.aside_total = 0.0  # seconds of checkpoints and evaluations: not training throughput
+        self.aside_total = 0.0  # seconds of checkpoints and evaluations: not training throughput
         t_start = self.t_last
         end = cfg.steps if stop_after is None else min(cfg.steps, self.start + stop_after)
         self.model.train()
@@ -501,7 +501,7 @@ class Trainer:
         t = time.perf_counter()
         fn(step)
         took = time.perf_counter() - t
-        self.aside += took
+        self.t_last += took  # (the logged interval starts that much later)
         self.aside_total += took
 
     def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -604,8 +604,8 @@ class Trainer:
         self.steps_since += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == end:
             now = time.perf_counter()
-            record["tokens_per_s"] = self.steps_since * self.tokens_per_step / (now - self.t_last - self.aside)
-            self.t_last, self.steps_since, self.aside = now, 0, 0.0
+            record["tokens_per_s"] = self.steps_since * self.tokens_per_step / (now - self.t_last)
+            self.t_last, self.steps_since = now, 0
             self.logger.log(record)
         if bar is not None:
             post = {"ce": f"{record['ce']:.3f}"}
