@@ -220,6 +220,43 @@ def test_measured_overhead_is_cached_per_drafter_and_remeasured_against_a_new_cu
     assert [p.name for p in tmp_path.iterdir() if "row_costs" in p.name] == ["row_costs.json"]  # no temp file
 
 
+def test_a_curve_that_disagrees_with_a_plain_token_measured_now_is_measured_again(tmp_path, monkeypatch, capsys):
+    """select_tree's auto: a cached curve that gives a one-row forward more than twice what a plain token took
+    when the drafter's overhead was measured (a curve timed on a busy machine) is measured again, with the
+    overhead, once, and the report says so; a curve that agrees is kept, and so is one just refreshed."""
+    monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path))
+    model = make_tiny(TINY, False)
+    drafter = MedusaDrafter(model, MedusaHeads(D, 3))
+    fast = tc.RowCosts(LINEAR.rows, LINEAR.total_ms, LINEAR.head_ms, 4)
+    slow = tc.RowCosts(fast.rows, tuple(10 * t for t in fast.total_ms), fast.head_ms, 4)
+    one = tc.forward_ms(fast, ([1] * 4, 1))  # 12 ms by hand: the whole curve's value at one row
+    assert one == pytest.approx(12.0) and tc.forward_ms(slow, ([1] * 4, 1)) == pytest.approx(120.0)
+    curves, overheads = [slow], []
+
+    def measure_curve(model, **kw):
+        return curves.pop(0)
+
+    def measure_over(model, drafter, costs, prompt, **kw):  # a plain token takes 13 ms now, whatever the curve
+        overheads.append(costs)
+        return tc.Overhead(13.0 - tc.forward_ms(costs, ([1] * 4, 1)), 1.0, 0.5)
+
+    monkeypatch.setattr(tc, "measure_row_costs", measure_curve)
+    monkeypatch.setattr(tc, "measure_overhead", measure_over)
+    kw = dict(model_name="tiny", weights="fp32", prompt_ids=[1, 2, 3], progress=True)
+    curves.append(fast)
+    tree, text = tc.select_tree(model, drafter, ACC, "auto", **kw)
+    assert overheads == [slow, fast] and not curves  # the slow curve, then both measured again
+    assert tc.curve_drift(slow, tc.Overhead(13.0 - 120.0)) == pytest.approx(13 / 120)
+    assert text.startswith("the cached row-cost curve gave a one-row forward 9.2x what a plain token took now")
+    assert "note: the cached row-cost curve" in capsys.readouterr().err
+    assert "+1.00 ms a plain token" in text  # priced with the fresh pair
+    assert tc.select_tree(model, drafter, ACC, "auto", **kw)[1] == text.split("\n", 1)[1]  # agrees: cached
+    assert len(overheads) == 2
+    curves.append(slow)  # --refresh-costs: measured as asked, not checked again (it is as fresh as it gets)
+    assert "measured both again" not in tc.select_tree(model, drafter, ACC, "auto", refresh=True, **kw)[1]
+    assert overheads == [slow, fast, slow] and not curves
+
+
 def test_drafter_key_is_the_draft_architecture_not_its_values(tmp_path):
     """A retrained draft of the same shape (other weights, other metrics) shares the overhead entry; another
     draft vocabulary size or config does not."""

@@ -442,6 +442,38 @@ def cached_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequenc
     return over
 
 
+def curve_drift(costs: RowCosts, overhead: Overhead) -> float:
+    """A plain token's interval when `overhead` was measured, over the one-row forward `costs` models: at least
+    ~1 for a curve and an overhead measured alike (the decode loop adds to the forward, never takes from it)."""
+    one = forward_ms(costs, ([1] * costs.n_layers, 1))
+    return (one + overhead.plain_ms) / one if one > 0 else 1.0
+
+
+# A plain token measured at under half the curve's one-row forward: the curve was measured on a busier machine
+# (a seen case: -1197.99 ms "a plain token", a curve timed while other jobs ran), so every price is off by
+# that factor. The upper side is not checked: a small model's decode loop can outcost its forward.
+MIN_DRIFT = 0.5
+
+
+def _prices(model, drafter: Drafter, prompt_ids: Sequence[int], model_name: str, weights: str, draft_key: str,
+            refresh: bool, progress: bool) -> tuple[RowCosts, Overhead, str]:
+    """The row-cost curve and `drafter`'s overhead `select_tree` prices with, both cached; measured again
+    together, once, when they disagree (`MIN_DRIFT`). Also a note of what was measured again, or ""."""
+    key = f"{cost_key(model_name, weights, model)}|{drafter_key(drafter, draft_key)}"
+    costs = row_costs(model, model_name, weights, progress=progress, refresh=refresh)
+    # what the forwards leave out (~1 s to measure): once per drafter and machine, then cached
+    overhead = cached_overhead(model, drafter, costs, prompt_ids, key, refresh=refresh)
+    drift = curve_drift(costs, overhead)
+    if refresh or drift >= MIN_DRIFT:
+        return costs, overhead, ""
+    note = (f"the cached row-cost curve gave a one-row forward {1 / max(drift, 1e-9):.1f}x what a plain token "
+            "took now (it was measured on a busier machine); measured both again")
+    if progress:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    costs = row_costs(model, model_name, weights, progress=progress, refresh=True)
+    return costs, cached_overhead(model, drafter, costs, prompt_ids, key, refresh=True), note + "\n"
+
+
 def table_text(table: list[dict], chosen: DraftTree) -> str:
     """The candidates of `choose_tree` as a Markdown table, the chosen one marked."""
     out = ["| nodes | depth | E[tokens/round] | ms/round | E[tok/s] |", "|---|---|---|---|---|"]
@@ -483,12 +515,9 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
     if kind != "dynamic" and drafter.dynamic_k:  # a static tree asked for: the width an earlier dynamic:N call
         drafter.dynamic_k = 0                      # set would expand it (it did: a width-3 tree, not the chain)
     if kind == "auto" and acc:
-        costs = row_costs(model, model_name, weights, progress=progress, refresh=refresh)
-        # what the forwards leave out (~1 s to measure): once per drafter and machine, then cached
-        overhead = cached_overhead(model, drafter, costs, prompt_ids, f"{cost_key(model_name, weights, model)}|"
-                                   f"{drafter_key(drafter, draft_key)}", refresh=refresh)
+        costs, overhead, again = _prices(model, drafter, prompt_ids, model_name, weights, draft_key, refresh, progress)
         tree, table = auto_tree(model, drafter, acc, costs, max_depth=k, overhead=overhead)
-        return tree, (f"measured beyond the modelled forwards: {overhead.plain_ms:+.2f} ms a plain token, "
+        return tree, (f"{again}measured beyond the modelled forwards: {overhead.plain_ms:+.2f} ms a plain token, "
                       f"{overhead.round_ms:+.2f} ms a round, {overhead.call_ms:+.2f} ms a draft call\n"
                       + table_text(table, tree))
     if kind in ("auto", "chain"):
@@ -504,6 +533,7 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
     return DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * k, nodes), None
 
 
-__all__ = ["parse_tree_spec", "select_tree", "RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms", "draft_calls", "total_round_ms",
-           "measure_overhead", "cached_overhead", "drafter_key", "split_excess", "expected_tokens", "choose_tree", "auto_tree", "measure_row_costs", "row_costs",
-           "cost_key", "table_text"]
+__all__ = ["parse_tree_spec", "select_tree", "RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms",
+           "draft_calls", "total_round_ms", "measure_overhead", "cached_overhead", "curve_drift", "MIN_DRIFT",
+           "drafter_key", "split_excess", "expected_tokens", "choose_tree", "auto_tree", "measure_row_costs",
+           "row_costs", "cost_key", "table_text"]
