@@ -309,6 +309,12 @@ def test_prepare_corpus_small(tmp_path: Path) -> None:
         assert (ids == cf.eot_id).sum() == len(split_docs)  # one EOT after each document
         pieces = np.split(ids, np.flatnonzero(ids == cf.eot_id) + 1)[:-1]
         assert [tok.decode(p[:-1].tolist()) for p in pieces] == [t for _, t in split_docs]
+    # "<|endoftext|>" written in a document is its text: one EOT a document still, and the text comes back
+    quoted = docs[:-1] + [("gpt2-notes", "GPT-2 ends each document with <|endoftext|> between them.\n")]
+    qf = prepare_corpus(tmp_path / "quoted", 300, documents=quoted)
+    ids = np.concatenate([np.asarray(read_shard(p)) for p in qf.train + qf.val])
+    assert (ids == qf.eot_id).sum() == len(quoted)
+    assert "with <|endoftext|> between" in Tokenizer.from_file(str(qf.tokenizer_path)).decode(ids.tolist())
     mtime = os.path.getmtime(cf.train[0])
     again = prepare_corpus(tmp_path, 300, documents=docs)  # cache hit: nothing rewritten
     assert again.train == cf.train and os.path.getmtime(cf.train[0]) == mtime
@@ -402,6 +408,13 @@ def test_fineweb_writer_fake_encoder(tmp_path: Path) -> None:
     # max_tokens cuts the stream.
     capped = write_shards(iter(arrays), tmp_path / "capped", shard_tokens=500, max_tokens=1234)
     np.testing.assert_array_equal(np.concatenate([np.asarray(read_shard(p)) for p in capped]), stream[:1234])
+    # a folder that holds shards already is refused: a smaller run left the bigger one's later shards behind
+    with pytest.raises(ValueError, match=r"holds \d+ fineweb shards already \(fineweb_train_000001.bin"):
+        write_shards(iter(arrays), tmp_path, shard_tokens=500, max_tokens=10)
+    assert [np.asarray(read_shard(p)).tolist() for p in paths] == [b.tolist() for b in back]  # untouched
+    for bad in (70000, -1):  # an id a uint16 cannot hold is refused, not stored modulo 65536
+        with pytest.raises(ValueError, match=f"token id {bad} does not fit"):
+            write_shards([np.array([5, bad])], tmp_path / f"bad{bad}", shard_tokens=4)
     with pytest.raises(ValueError, match="outside"):
         list(tokenize_documents(["a"], lambda t: [70000], eot=0))
     with pytest.raises(ValueError, match="eot"):
@@ -477,3 +490,33 @@ def test_fineweb_main_with_fake_dataset(tmp_path: Path, monkeypatch: pytest.Monk
         assert [p.name for p in paths] == ["fineweb_val_000000.bin", "fineweb_train_000001.bin",
                                            "fineweb_train_000002.bin"]
         np.testing.assert_array_equal(np.concatenate([np.asarray(read_shard(p)) for p in paths]), expected)
+
+
+def test_prompt_files_that_are_not_jsonl_objects_are_refused_by_file_and_line(tmp_path: Path, capsys) -> None:
+    """A prompt JSONL that is missing, not UTF-8, has a line that is not JSON, or one that is JSON but not an
+    object, is a ValueError naming the file and the line (not a raw UnicodeDecodeError, AttributeError or
+    FileNotFoundError); `data corpus` takes no flags and says so."""
+    from midlayer import cli
+    from midlayer.data.prompts import instruction_prompts, math_questions
+
+    good = b'{"category": "qa", "text": "x"}\n'
+    for name, data, what in (("latin1", '{"category": "qa", "text": "caf\xe9"}\n'.encode("latin-1"), ":1: not UTF-8"),
+                             ("late", good * 2 + b"\xff\n", ":3: not UTF-8"),
+                             ("badline", good + b"{oops\n", ":2: not valid JSON"),
+                             ("list", good + b"[1, 2]\n", ":2: expected a JSON object, got list")):
+        (tmp_path / f"{name}.jsonl").write_bytes(data)
+        with pytest.raises(ValueError, match=f"{name}.jsonl{what}"):
+            instruction_prompts(tmp_path / f"{name}.jsonl")
+    with pytest.raises(ValueError, match="nope.jsonl: cannot read it"):
+        instruction_prompts(tmp_path / "nope.jsonl")
+    (tmp_path / "m.jsonl").write_bytes(b'{"id": "a", "module": "m", "text": "t", "answer": "1"}\n7\n')
+    with pytest.raises(ValueError, match="m.jsonl:2: expected a JSON object, got int"):
+        math_questions(tmp_path / "m.jsonl")
+    assert instruction_prompts(_write(tmp_path / "ok.jsonl", good))[0][1] == "qa"
+    assert cli.main(["data", "corpus", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path

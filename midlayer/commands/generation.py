@@ -92,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         llm.use_gates(args.gates)
     prompt = _prompt_text(args.prompt)
     if args.chat:
-        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        prompt = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
                  [{"role": "user", "content": prompt}]
     ids = llm.encode(prompt)
     llm.engine, llm.graphs = _engine(args, llm.model)

@@ -161,8 +161,11 @@ def corpus_fingerprint(docs: Sequence[Document]) -> str:
     return h.hexdigest()
 
 
-def _main() -> None:
-    """Print the split with document names and character counts."""
+def _main(argv: list[str] | None = None) -> None:
+    """Print the split with document names and character counts (no flags: --help says so, others are refused)."""
+    import argparse
+
+    argparse.ArgumentParser(prog="midlayer data corpus", description=_main.__doc__.split(" (")[0]).parse_args(argv)
     train, val = split_documents()
     for split, docs in (("train", train), ("val", val)):
         chars = sum(len(t) for _, t in docs)

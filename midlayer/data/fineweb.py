@@ -86,13 +86,19 @@ def write_shards(token_arrays: Iterable[np.ndarray], out_dir: str | os.PathLike,
 
     Shard 0 is validation (see `shard_name`). Arrays are split across shard boundaries so every shard but
     the last is full. `max_tokens` > 0 stops after that many tokens in total (the last document is cut).
-    Returns the paths written, in order. Memory: one shard buffer (2 bytes per token).
+    Returns the paths written, in order. Memory: one shard buffer (2 bytes per token). A folder that holds
+    `<prefix>_*.bin` shards already is refused: a smaller run over a bigger one left its later shards, and
+    training read them as this run's. An id outside uint16 is a ValueError (it was stored modulo 65536).
     """
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ValueError(f"write_shards: shard_tokens must be a positive int, got {shard_tokens!r}")
     if not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"write_shards: max_tokens must be an int >= 0 (0 = no limit), got {max_tokens!r}")
     out_dir = Path(out_dir)
+    old = sorted(out_dir.glob(f"{prefix}_*.bin"))
+    if old:
+        raise ValueError(f"{out_dir} holds {len(old)} {prefix} shards already ({old[0].name}, ...): choose another "
+                         "folder, or remove them first")
     out_dir.mkdir(parents=True, exist_ok=True)
     buf = np.empty(shard_tokens, dtype=np.uint16)
     fill, total, paths = 0, 0, []
@@ -109,6 +115,9 @@ def write_shards(token_arrays: Iterable[np.ndarray], out_dir: str | os.PathLike,
         arr = np.asarray(arr)
         if max_tokens:
             arr = arr[: max_tokens - total]
+        if len(arr) and not (arr.min() >= 0 and arr.max() <= np.iinfo(np.uint16).max):
+            bad = arr[(arr < 0) | (arr > np.iinfo(np.uint16).max)][0]
+            raise ValueError(f"token id {bad} does not fit a .bin shard (uint16: ids 0-65535)")
         pos = 0
         while pos < len(arr):
             take = min(shard_tokens - fill, len(arr) - pos)

@@ -142,7 +142,19 @@ def render_chat_template(template: str, messages: Sequence[dict[str, Any]], add_
 
 
 # --------------------------------------------------------------------------------------- the wrapper
-_TEXT_LOCK = threading.Lock()  # encode_text's switch of a tokenizer's encode_special_tokens
+_TEXT_LOCK = threading.Lock()  # making encode_text's own copy of a tokenizer, once
+
+
+def _checked_text(text: Any, what: str) -> str:
+    """`text` if it is a str the tokenizer can take: a lone surrogate ("\\ud800", valid JSON) has no UTF-8 and
+    made the tokenizer raise a TypeError, a 500 from the server; here it is a ValueError naming its place."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what}: expected str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: not valid Unicode (a lone surrogate at character {e.start})") from None
+    return text
 
 
 class TextTokenizer:
@@ -163,6 +175,7 @@ class TextTokenizer:
         self.vocab_size = max(vocab_size or 0, tokenizer.get_vocab_size(with_added_tokens=True))
         self.special_tokens = dict(special_tokens or {})  # bos_token/eos_token/... strings for templates
         self._bytes: tuple[str | None, set[int]] | None = None  # (`_byte_plan`, made when first asked)
+        self._plain: Tokenizer | None = None  # (`encode_text`'s copy, made when first asked)
         if add_bos and bos_id is None:
             raise ValueError("add_bos=True but the tokenizer has no BOS token")
 
@@ -170,8 +183,7 @@ class TextTokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Ids for `text`. Special-token markup in the text (e.g. "<|im_start|>") becomes its single id.
         `add_bos=None` follows the checkpoint's own default (`self.add_bos`)."""
-        if not isinstance(text, str):
-            raise ValueError(f"encode: expected str, got {type(text).__name__}")
+        _checked_text(text, "encode")
         # Never let a tokenizer.json post-processor add tokens: BOS is decided here, exactly once.
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if self.add_bos if add_bos is None else add_bos:
@@ -183,20 +195,32 @@ class TextTokenizer:
     def encode_text(self, text: str) -> list[int]:
         """Ids for `text` read as plain text: special-token markup in it ("<|im_end|>") is encoded as the
         characters it is made of, never as a control token. What user-supplied text gets (`encode_chat`)."""
-        if not isinstance(text, str):
-            raise ValueError(f"encode_text: expected str, got {type(text).__name__}")
-        with _TEXT_LOCK:  # encode_special_tokens is the tokenizer's state: set it for this call only
-            self.tokenizer.encode_special_tokens = True
-            try:
-                return self.tokenizer.encode(text, add_special_tokens=False).ids
-            finally:
-                self.tokenizer.encode_special_tokens = False
+        _checked_text(text, "encode_text")
+        return self._plain_text_tokenizer().encode(text, add_special_tokens=False).ids
+
+    def _plain_text_tokenizer(self) -> Tokenizer:
+        """A copy of the tokenizer with encode_special_tokens set. It is a tokenizer's state: switching it on the
+        shared one for a call made another thread's `encode` read "<|im_start|>" as text (the server encodes on
+        two threads)."""
+        with _TEXT_LOCK:
+            if self._plain is None:
+                plain = Tokenizer.from_str(self.tokenizer.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
 
     def _special_ids(self) -> set[int]:
         return {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """The text of `ids`. An id outside the model's vocabulary is a ValueError (the tokenizer dropped it
+        silently, or raised an OverflowError for a negative one); one of a padded embedding's rows beyond the
+        tokenizer's own (a model can emit it) decodes to nothing."""
+        ids = [int(i) for i in ids]
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"decode: token id {bad} is outside the vocabulary of {self.vocab_size}")
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
@@ -208,6 +232,8 @@ class TextTokenizer:
         and vocabularies of other decoders, give the UTF-8 of their decoding. (OpenAI's logprobs `bytes`: the
         tokens' bytes joined are the text's.)"""
         kind, special = self._byte_plan()
+        if not 0 <= int(token_id) < self.vocab_size:
+            raise ValueError(f"token_bytes: token id {token_id} is outside the vocabulary of {self.vocab_size}")
         piece = self.tokenizer.id_to_token(int(token_id))
         if piece is None or kind is None or int(token_id) in special:
             return self.decode([token_id]).encode("utf-8")
@@ -489,6 +515,10 @@ def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"messages[{i}]: expected a dict with a 'role' key, got {m!r}")
+        for key in ("role", "content"):  # (the templates concatenate them: None or a list was a TypeError)
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"messages[{i}].{key}: expected a string, got {type(m.get(key)).__name__}")
+            _checked_text(m[key], f"messages[{i}].{key}")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -518,7 +548,10 @@ def _hf_chat_template(path: Path, tcfg: dict[str, Any]) -> str | None:
     # either as a string or as a list of named templates (the one named "default" is the chat template).
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     t = tcfg.get("chat_template")
     if t is None:
         t = _read_json(path / "chat_template.json").get("chat_template")

@@ -89,14 +89,24 @@ def _sha(s: str) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+    """The JSON objects of a JSONL file; a ValueError naming the file and line for anything else (a missing
+    file, bytes that are not UTF-8, a line that is not JSON or not an object)."""
+    out, n = [], 0
+    try:
+        with open(path, "rb") as f:  # (bytes, decoded a line at a time: text mode decodes ahead, so no line number)
+            for n, raw in enumerate(f, 1):
+                line = raw.decode("utf-8")
+                if line.strip():
+                    rec = json.loads(line)
+                    if not isinstance(rec, dict):
+                        raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+                    out.append(rec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
     return out
 
 

@@ -48,7 +48,9 @@ VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 MAX_TOKEN = 65535  # uint16
-_PREP_VERSION = 1  # bump to invalidate prepared-corpus caches when the preparation changes
+# bump to invalidate prepared-corpus caches when the preparation changes (2: "<|endoftext|>" written in a
+# document is text, not a separator)
+_PREP_VERSION = 2
 
 PathLike = str | os.PathLike
 
@@ -348,6 +350,7 @@ def prepare_corpus(cache_dir: Path, vocab_size: int = 4096,
         warnings.warn(f"rebuilding the cached shards in {out}: {why}", RuntimeWarning, stacklevel=2)
     t0 = time.perf_counter()
     counts = {}
+    tok.encode_special_tokens = True  # "<|endoftext|>" written in a document is its text: the EOT is ours alone
     for split, split_docs, path in (("train", train_docs, train_path), ("val", val_docs, val_path)):
         parts = []
         bar = _progress(len(split_docs), f"tokenizing {name} {split}")
