@@ -31,7 +31,7 @@ from midlayer.common import cache_dir
 from midlayer.data.shards import resolve_data
 from midlayer.engine.batch import BatchSequence, ContinuousBatch, shared_prefix, unsupported as batch_unsupported
 from midlayer.engine.decode_step import static_stream
-from midlayer.engine.generate import (GenerationConfig, forward_cached, generate, generate_stream, token_logprobs,
+from midlayer.engine.generate import (GenerationConfig, forward_cached, generate_stream, token_logprobs,
                                       validate_prompts)
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import WEIGHT_FORMATS, compress_weights
@@ -225,10 +225,10 @@ class LLM:
     def generate(self, prompt: Prompt | Sequence[Prompt], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] = ()
                  ) -> Completion | list[Completion]:
-        """One `Completion` for one prompt, a list for a list of prompts (decoded together: plain decoding in one
-        batch; with stop strings or a drafter, in one continuous batch whose rows draft chains, unless
-        `batch_refusal` says why not: then one by one). `stop`: a string, or strings, that end a completion (cut
-        before the string)."""
+        """One `Completion` for one prompt, a list for a list of prompts (decoded together in one continuous batch,
+        whose rows draft chains with a drafter, unless `batch_refusal` says why not: then one by one). Each prompt
+        of a list gets what it would get alone: its own room in the context, its own seeded draws, this LLM's
+        engine. `stop`: a string, or strings, that end a completion (cut before the string)."""
         stop = stop_strings(stop)
         if not isinstance(prompt, str) and isinstance(prompt, Sequence) and not prompt:
             raise ValueError("no prompt: give a str, a chat (a list of messages) or a list of prompts")
@@ -237,10 +237,9 @@ class LLM:
         prompts = list(prompt) if many else [prompt]
         cfg = self.settings(max_tokens, temperature, top_k, top_p, seed)
         ids = [self.encode(p) for p in prompts]
-        if self.drafter is None and not stop:
-            outs = generate(self.model, ids, cfg)
-            done = [self._completion(i, o, None, stop) for i, o in zip(ids, outs)]
-        elif len(ids) > 1 and self.batch_refusal() is None:
+        # (not one padded `generate` call: it gave every row the room the longest prompt leaves, drew all rows
+        # from one generator, and ran the dynamic engine whatever `engine` said)
+        if len(ids) > 1 and self.batch_refusal() is None:
             done = self._batched(ids, cfg, stop)
         else:
             done = [self._one(i, cfg, stop) for i in ids]

@@ -55,6 +55,30 @@ def test_completions_equal_the_engine_and_keep_the_order(llm):
         assert isinstance(one, Completion) and one.token_ids == ref
 
 
+def test_each_prompt_of_a_list_gets_what_it_would_get_alone(llm, monkeypatch):
+    """A list of prompts: a short prompt beside one that nearly fills the context still gets its own room (one
+    padded batch cut it to the room the longest prompt left: 9 tokens of 30), a seeded sample is the one the
+    prompt gets alone (one generator for all rows interleaved the draws), and the static engine is the engine
+    that runs (the padded batch ran the dynamic one)."""
+    short, long_ = "To be, or not to be", [5] * 120
+    alone = llm.generate(short, max_tokens=30)
+    assert len(alone.token_ids) == 30 and alone.finish_reason == "length"
+    both = llm.generate([short, long_], max_tokens=30)
+    assert both[0].token_ids == alone.token_ids and len(both[1].token_ids) == 128 - 120 + 1
+    kw = dict(max_tokens=16, temperature=1.0, seed=7)
+    sampled = llm.generate(short, **kw)
+    assert llm.generate([short, "whether"], **kw)[0].token_ids == sampled.token_ids
+    assert llm.generate([short, "whether"], stop="QQQQ", **kw)[0].token_ids == sampled.token_ids
+    from midlayer.engine import decode_step
+
+    built, step = [], decode_step.DecodeStep.__init__
+    monkeypatch.setattr(decode_step.DecodeStep, "__init__",
+                        lambda self, *a, **kw: built.append(1) or step(self, *a, **kw))
+    monkeypatch.setattr(llm, "engine", "static")
+    static = llm.generate([short, "whether"], max_tokens=6)
+    assert built and static[0].token_ids == alone.token_ids[:6]
+
+
 def test_stop_strings_cut_the_text_and_streams_spell_it(llm):
     full = llm.generate("To be, or not to be", max_tokens=30)
     assert full.finish_reason == "length" and len(full.text) > 6

@@ -1042,3 +1042,37 @@ def test_bench_decodes_steps_rows_run_every_batch_drafter_exactly():
         _bench_prompt(model, ids, rows, methods, {}, GenerationConfig(max_new_tokens=20, stop_tokens=(5,)), None,
                       None, 3, stepwise)
     assert all(rows[label]["equal"] == 4 and rows[label]["tokens"] == rows["plain"]["tokens"] for label in methods)
+
+
+def test_a_failed_prefill_leaves_its_sequences_cancellable_and_a_skip_rule_of_its_own_is_refused(monkeypatch):
+    """A forward that fails while prompts join (out of memory, say) leaves them waiting, so the server can cancel
+    them (cancel raised ValueError, which killed the server's engine thread: every later request hung); the batch
+    then runs the next sequence as before. A gated model's batch skips (or computes) gated blocks for every row:
+    a sequence asking for the other rule is refused (it was silently run with the batch's)."""
+    model = _q4()
+    batch = ContinuousBatch(model, max_rows=2)
+    cfg = GenerationConfig(max_new_tokens=4)
+    real, calls = ContinuousBatch._forward_one, []
+
+    def flaky(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(ContinuousBatch, "_forward_one", flaky)
+    h = batch.add([1, 2, 3], cfg)
+    with pytest.raises(RuntimeError, match="simulated"):
+        batch.step()
+    assert [s.handle for s in batch.waiting] == [h] and not batch.running
+    batch.cancel(h)
+    assert len(batch) == 0
+    batch.add([4, 5, 6], cfg)
+    out = []
+    while len(batch):
+        out += [t for _, toks, _ in batch.step() for t in toks]
+    assert out == generate(model, [[4, 5, 6]], cfg)[0]
+    gated = ContinuousBatch(_q4(True), max_rows=2)
+    with pytest.raises(ValueError, match="skips gated blocks for every row; a sequence with skip=False"):
+        gated.add([1, 2], GenerationConfig(max_new_tokens=2, skip=False))
+    ContinuousBatch(model, max_rows=2).add([1, 2], GenerationConfig(max_new_tokens=2, skip=False))  # dense: no rule

@@ -817,6 +817,29 @@ def test_round_layout_and_slots():
         round_layout(40, 3, (64,))
 
 
+def test_a_step_is_sized_by_the_round_its_drafter_runs(models):
+    """EAGLE-2 asked for a dynamic tree larger than any bucket runs the round it really verifies (its best
+    min(N, k + (D - 1) k^2) candidates), losslessly: the step was sized for no round at all and the round wrote
+    past the cache (IndexError; a device assert on CUDA). A round no bucket set holds is round_layout's error
+    naming the rows (it was "the step holds 17 slots; a round at slot 4 needs 29")."""
+    from midlayer.engine.decode_step import any_round_slots
+    from midlayer.speculative.static import dynamic_candidates, round_nodes
+
+    model = models["fp32"]
+    eagle = device_drafters(model)["eagle-2"]
+    big = DraftTree.greedy_from_accuracies([[0.9 / (r + 1) for r in range(20)]] * 3, 256)
+    assert len(big) == 256 and eagle.dynamic_k == 3 and dynamic_candidates(3, 3) == 3 + 2 * 9
+    assert round_nodes(eagle, big) == 21 and round_nodes(eagle, TREES[1]) == 12
+    prompt = _prompts()[1]
+    ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=12))[0]
+    assert static_speculative_generate(model, prompt, eagle, big, 12)[0] == ref
+    with pytest.raises(ValueError, match="needs 416 rows, more than the largest bucket"):
+        any_round_slots(100, 3)
+    deep = DraftTree.greedy_from_accuracies([[0.9, 0.5]] * 6, 100)
+    with pytest.raises(ValueError, match="more than the largest bucket"):
+        static_speculative_generate(model, prompt, device_drafters(model)["hidden-transfer"], deep, 12)
+
+
 def test_finish_reason_names_why_generation_ended(models):
     from midlayer.engine.generate import finish_reason
 

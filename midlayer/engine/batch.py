@@ -365,6 +365,9 @@ class ContinuousBatch:
         new token, its log-probability and that many most likely alternatives (`seq.scores`), from the logits
         of the forward that chose it: in q4 the numbers one forward over prompt and answer gives."""
         ids = validate_prompts(self.model, [prompt])[0]
+        if cfg.skip != self.skip and self.model.routers is not None:  # (one forward runs every row: one rule)
+            raise ValueError(f"this batch {'skips' if self.skip else 'computes'} gated blocks for every row; a "
+                             f"sequence with skip={cfg.skip} needs a batch made with skip={cfg.skip}")
         budget = min(cfg.max_new_tokens, self.ctx - len(ids) + 1)  # the last new token needs no slot
         gen = None
         if cfg.temperature > 0:  # seeded as generate_stream seeds it: the same draws as a single request
@@ -409,10 +412,10 @@ class ContinuousBatch:
         seq = self.by_handle.pop(handle, None)
         if seq is None:
             return
-        if seq.row < 0:
-            self.waiting.remove(seq)
-        else:
+        if seq.row >= 0:
             self._leave(seq)
+        else:  # (by identity: a dataclass's == compares every field)
+            self.waiting[:] = [w for w in self.waiting if w is not seq]
 
     def _leave(self, seq: BatchSequence) -> None:
         """Free seq's row: the last running sequence moves into it (K/V, key biases, positions) and seq's K/V go to
@@ -473,8 +476,12 @@ class ContinuousBatch:
                 i += 1
                 continue
             joining.append(self.waiting.pop(i))
-        for group in _prefill_groups(joining):
-            self._join(group, events)
+        try:
+            for group in _prefill_groups(joining):
+                self._join(group, events)
+        except BaseException:  # (a forward failed, e.g. out of memory): the ones without a row wait again, so
+            self.waiting[:0] = [x for x in joining if x.row < 0]  # the caller can cancel them (it could not)
+            raise
         if self.running:
             self.steps += 1
             self._decode(events)

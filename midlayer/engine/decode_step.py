@@ -226,13 +226,16 @@ def round_layout(n_nodes: int, k: int, buckets: Sequence[int]) -> tuple[int, int
 
 def any_round_slots(n_nodes: int, k: int, bucket_sets: Sequence[Sequence[int]] = BUCKET_CANDIDATES) -> int:
     """The most slots a round needs (`round_slots`) under any of these bucket sets (those that can hold it):
-    what a step must add to the committed text before `buckets="auto"` has chosen."""
-    out = 0
+    what a step must add to the committed text before `buckets="auto"` has chosen. A round that no set holds
+    is round_layout's ValueError (it sized a step for no round, and the round then wrote past the cache)."""
+    out, first = 0, None
     for b in bucket_sets:
         try:
             out = max(out, round_slots(n_nodes, k, b))
-        except ValueError:  # this set cannot hold the round (the step refuses it if the probe chooses it)
-            pass
+        except ValueError as e:  # this set cannot hold the round (the step refuses it if the probe chooses it)
+            first = first or e
+    if not out and first is not None:
+        raise first
     return out
 
 

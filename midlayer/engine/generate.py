@@ -328,7 +328,9 @@ def generate_stream(model: Transformer, prompts: Sequence[Sequence[int]], cfg: G
                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (tokens [B], done [B]) once per generated position. A row is done after a stop token (which
     is yielded) or when the context is full; rows that are done keep computing but their tokens are
-    meaningless (batched decoding), so consumers drop tokens where `done` was already set."""
+    meaningless (batched decoding), so consumers drop tokens where `done` was already set. The rows are one
+    left-padded batch: they share the room the longest prompt leaves, and sampled rows draw from one generator
+    (the continuous batch, engine/batch.py, decodes each row as it would decode alone)."""
     cfg = cfg or GenerationConfig()
     model.eval()
     prompts = validate_prompts(model, prompts)

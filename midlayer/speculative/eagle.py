@@ -82,7 +82,7 @@ from .drafting import (base_states, batch_stream, draft_tree_autoregressive, Fro
                        model_device, optimise, placeholder_candidates, split_batch)
 from .hidden_transfer import additive_mask, visible
 from .protocol import Draft, DraftContext, Drafter
-from .static import tree_fields
+from .static import dynamic_candidates, tree_fields
 from .tree import DraftTree
 from .tree_cost import head_share
 
@@ -549,7 +549,7 @@ class EagleRounds:
         self.ctx = step.max_len
         dev = step.device
         if self.dynamic:
-            self.C = k + (D - 1) * k * k  # candidates proposed
+            self.C = dynamic_candidates(k, D)  # candidates proposed
             self.n = min(len(tree), self.C)
             self.tree_rows, self.N, self.head_rows = round_layout(self.n, 0, step.buckets)
             S = self.ctx + (D - 1) * k + 1

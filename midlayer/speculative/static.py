@@ -35,6 +35,20 @@ from .tree import DraftTree
 from .verify import draft_node_tokens, round_tree, SpecStats
 
 
+def dynamic_candidates(k: int, depth: int) -> int:
+    """The candidates a dynamic tree of width k proposes to `depth` (EAGLE-2 sec. 4): k at depth 1, then k
+    children for each of the k best nodes of every depth above."""
+    return k + (depth - 1) * k * k
+
+
+def round_nodes(drafter: Drafter, tree: DraftTree) -> int:
+    """The nodes a round verifies: the tree's, or for a drafter that expands a dynamic tree (EAGLE-2, width k =
+    `dynamic_k`) the best min(|tree|, its candidates) of them. What sizes the step (a dynamic:256 step was sized
+    as if no round could run and the round then wrote past the cache)."""
+    k = drafter.dynamic_k or 0
+    return min(len(tree), dynamic_candidates(k, tree.max_depth)) if k else len(tree)
+
+
 def fused_steps(drafter: Drafter) -> int:
     """How many blocks of pseudo rows a drafter's rounds carry: hidden transfer's k when it drafts in the fused
     pass (its `fused` and `transfer`), else 0. What sizes a round (`round_slots`) for the loop and benchmarks."""
@@ -75,9 +89,9 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     fused = k > 0
     if step is None:  # sized to the call: the committed text, then the largest round of any bucket set
         sets = [step_kw["buckets"]] if step_kw.get("buckets", "auto") != "auto" else BUCKET_CANDIDATES
-        st = DecodeStep(model, max_len=P + budget + any_round_slots(len(tree), k, sets), **step_kw)
+        st = DecodeStep(model, max_len=P + budget + any_round_slots(round_nodes(drafter, tree), k, sets), **step_kw)
     else:
-        st = step_for(model, P + budget + round_slots(len(tree), k, step.buckets), step)
+        st = step_for(model, P + budget + round_slots(round_nodes(drafter, tree), k, step.buckets), step)
     stats.row_invariant = st.invariant
     if fused:
         st.attach(drafter)
