@@ -186,6 +186,11 @@ class ModelConfig:
         _check(self.moe_aux_coef >= 0, "moe_aux_coef", f"must be >= 0, got {self.moe_aux_coef}")
         _check(type(self.sliding_window) is int and self.sliding_window >= 0, "sliding_window",
                f"must be an int >= 0 (0 = full attention), got {self.sliding_window!r}")
+        # a window of the whole context is full attention (what a loaded checkpoint's becomes); the engines that
+        # refuse windows refused it by name. (Gemma 3's local blocks keep theirs: their RoPE base differs.)
+        _check(self.sliding_window < self.max_seq_len or self.rope_theta_local or self.full_attention_layers,
+               "sliding_window", f"{self.sliding_window} holds the whole context of {self.max_seq_len}: that is "
+               "full attention, 0")
         self.full_attention_layers = tuple(int(i) for i in self.full_attention_layers)
         _check(not self.full_attention_layers or self.sliding_window > 0, "full_attention_layers",
                "names blocks exempt from the sliding window: set sliding_window > 0 too")

@@ -5,7 +5,6 @@ nothing written; a lock left by a killed process does not block. Holders are rea
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess

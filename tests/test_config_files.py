@@ -61,6 +61,46 @@ def test_bad_files_are_refused_by_name(tmp_path, capsys, text, words):
     assert str(f) in err[0] or words.startswith("--norm-placement")  # a value the config itself refuses
 
 
+def test_an_abbreviated_flag_still_beats_the_file(tmp_path, capsys):
+    """argparse takes `--ste 3` for `--steps 3`: the command line still wins over the file (the file's 5 won)."""
+    f = tmp_path / "s.toml"
+    f.write_text("[train]\nsteps = 5\n")
+    for flag in (["--steps", "3"], ["--step", "3"], ["--ste=3"]):
+        assert _printed(capsys, ["train", "tiny", "--config", str(f), *flag, "--print-config"])["train"]["steps"] == 3
+    assert _printed(capsys, ["train", "tiny", "--config", str(f), "--print-config"])["train"]["steps"] == 5
+
+
+@pytest.mark.parametrize("command,text,words", [
+    (["sweep", "smoke"], 'only = "dense-1"\n', None),  # a list flag given one value: a list of one, not its letters
+    (["sweep", "smoke"], "only = 5\n", "only (--only) must be str, got 5"),  # (a TypeError traceback)
+    (["generate", "--model", "m"], "prompt = 5\n", "prompt (--prompt) must be str, got 5"),  # (taken as 5)
+    (["train", "tiny"], "steps = 5\n", "'steps' is not a setting of this command at the top; it is one of [train]"),
+])
+def test_a_files_values_are_read_as_the_command_line_reads_them(tmp_path, capsys, command, text, words):
+    """A flag without a type takes text, as on the command line; a list flag takes one value or a list; a number
+    for a text flag, and a section's setting at the top, are refused by name."""
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    if words is None:
+        assert _printed(capsys, [*command, "--config", str(f), "--print-config"])["only"] == ["dense-1"]
+        return
+    assert cli.main([*command, "--config", str(f), "--print-config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
+def test_yaml_nulls_and_keys_that_are_not_names_are_refused(tmp_path, capsys):
+    pytest.importorskip("yaml")
+    for text, words in (("max_new_tokens: null\n", "max_new_tokens (--max-new-tokens) needs a value, got null"),
+                        ("1: 2\n", "a setting's name must be text, got 1"),
+                        ("yes: 3\n", "a setting's name must be text, got True")):
+        f = tmp_path / "g.yaml"
+        f.write_text(text)
+        assert cli.main(["generate", "--model", "m", "--prompt", "hi", "--config", str(f), "--print-config"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+
+
 def test_a_missing_file_is_refused(tmp_path, capsys):
     assert cli.main(["flops", "tiny", "--config", str(tmp_path / "none.toml")]) == 2
     assert "no such file" in capsys.readouterr().err

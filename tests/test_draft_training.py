@@ -147,6 +147,23 @@ def test_bad_settings_are_refused():
         DraftTrainConfig(method="lookahead")
     with pytest.raises(ValueError, match="schedule"):
         DraftTrainConfig(schedule="random")
+    # (ckpt_every 0 divided by zero after the base, the data and a step; every negative exit_layer read as -1)
+    for kw, words in ((dict(ckpt_every=0), "ckpt_every must be >= 1"), (dict(max_eval_batches=-2), "max_eval_batches"),
+                      (dict(exit_layer=-7), "exit_layer must be a block index, or -1")):
+        with pytest.raises(ValueError, match=words):
+            DraftTrainConfig(**kw)
+    assert DraftTrainConfig(exit_layer=-1).exit_layer == -1
+
+
+def test_the_demo_table_keeps_a_row_without_throughput():
+    """A resumed demo whose run took no step has no tok/s: its row keeps its numbers and shows "-" (the whole
+    row was "| - |": the conditional took the f-strings before it)."""
+    from midlayer.experiments.demo import table
+
+    row = dict(params=1000, val_ce=2.5, val_ppl=12.18, mean_sparsity=0.3, flops_per_seq=1e9)
+    lines = table({"gated": row, "dense": {**row, "mean_sparsity": 0.0, "train_tokens_per_s": 6000.0}}).splitlines()
+    assert lines[2] == "| gated | 1,000 | 2.5000 | 12.2 | 0.300 | 1.000 | 1.000 | - |"
+    assert lines[3] == "| dense | 1,000 | 2.5000 | 12.2 | 0.000 | 1.000 | 1.000 | 6,000 |"
 
 
 def test_heldout_metrics_count_only_response_drafts(tmp_path):

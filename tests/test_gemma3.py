@@ -151,6 +151,11 @@ def test_what_gemma3_has_and_we_do_not_run_is_refused(tmp_path):
         ModelConfig(n_layers=2, full_attention_layers=(1,))
     with pytest.raises(ValueError, match="rope_theta_local"):
         ModelConfig(rope_theta_local=10_000.0)
+    # a plain window of the whole context is full attention (0); the engines that refuse windows refused it
+    with pytest.raises(ValueError, match="sliding_window: 64 holds the whole context of 64: that is full attention"):
+        ModelConfig(max_seq_len=64, sliding_window=64)
+    assert ModelConfig(max_seq_len=64, sliding_window=63).sliding_window == 63
+    assert ModelConfig(max_seq_len=64, sliding_window=512, rope_theta_local=1e4).sliding_window == 512  # Gemma 3
 
 
 def test_gemma3_chat_template_folds_the_system_turn_and_trims():

@@ -7,7 +7,7 @@ are generated from the config dataclasses (train, flops, train-draft, train-gate
 sections:
 
     # train.toml                          midlayer train tiny --config train.toml --steps 50
-    preset = "tiny"                       # positionals too (the command line's, when given, wins)
+    preset = "tiny"                       # positionals must be on the command line, whose value wins
     [model]
     n_layers = 8
     [train]
@@ -55,16 +55,24 @@ def read(path: str) -> dict[str, Any]:
             raise ValueError(f"--config {path}: not valid TOML ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a table of settings, got {type(data).__name__}")
+    for key, value in data.items():  # (YAML reads `1:` and `yes:` as an int and a bool key)
+        for k in [key, *(value if isinstance(value, dict) else ())]:
+            if not isinstance(k, str):
+                raise ValueError(f"--config {path}: a setting's name must be text, got {k!r}")
     return data
 
 
-def _given(action: argparse.Action, argv: Sequence[str]) -> bool:
-    """Whether the command line set this action (by any of its option strings, `--x v` or `--x=v`)."""
+def _given(parser: argparse.ArgumentParser, action: argparse.Action, argv: Sequence[str]) -> bool:
+    """Whether the command line set this action: by any of its option strings, `--x v` or `--x=v`, or by a
+    prefix of one that argparse took for it (`--ste 3` for `--steps`: the file's value won over it)."""
+    every = {o for a in parser._actions for o in a.option_strings}
     for a in argv:
         if a == "--":
             break
+        name = a.split("=", 1)[0]
         for opt in action.option_strings:
-            if a == opt or a.startswith(opt + "="):
+            if name == opt or (parser.allow_abbrev and name.startswith("--") and len(name) > 2
+                               and name not in every and opt.startswith(name)):
                 return True
     return False
 
@@ -91,7 +99,9 @@ def apply(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Seque
                 _set(parser, args, by_dest[dest], v, argv, path, f"[{key}] {field}")
             continue
         if name not in by_dest:
-            raise ValueError(f"--config {path}: {key!r} is not a setting of this command")
+            home = [s for s in sections if f"{s}.{name}" in by_dest]
+            raise ValueError(f"--config {path}: {key!r} is not a setting of this command"
+                             + (f" at the top; it is one of [{home[0]}]: write it under [{home[0]}]" if home else ""))
         if name in positional_given:
             continue
         _set(parser, args, by_dest[name], value, argv, path, key)
@@ -100,32 +110,38 @@ def apply(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Seque
 
 def _set(parser: argparse.ArgumentParser, args: argparse.Namespace, action: argparse.Action, value: Any,
          argv: Sequence[str], path: str, key: str) -> None:
-    """The file's `value` for `action`, unless the command line set it; converted as the flag converts."""
-    if _given(action, argv):
+    """The file's `value` for `action`, unless the command line set it; converted as the flag converts (a flag
+    without a type takes text, as on the command line: a list or a number was passed through raw)."""
+    if _given(parser, action, argv):
         return  # the command line wins
     flag = action.option_strings[-1] if action.option_strings else action.dest
+    where = f"--config {path}: {key} ({flag})"
+    if value is None:  # (YAML's null: no flag of ours takes "nothing" as its value)
+        raise ValueError(f"{where} needs a value, got null")
     if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):  # switches
         if not isinstance(value, bool):
-            raise ValueError(f"--config {path}: {key} ({flag}) must be true or false, got {value!r}")
-    elif isinstance(value, list):  # comma-separated flags (--layers 14,19,19), or nargs="+"
-        text = ",".join(str(v) for v in value)
-        try:
-            value = action.type(text) if action.type is not None and action.nargs is None else \
-                [action.type(str(v)) if action.type else v for v in value]
-        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
-            raise ValueError(f"--config {path}: {key} ({flag}): {e}") from None
-    elif value is not None and action.type is not None:
-        if isinstance(value, bool) or (action.type is int and isinstance(value, float)):
-            raise ValueError(f"--config {path}: {key} ({flag}) must be {getattr(action.type, '__name__', 'a value')}, "
-                             f"got {value!r}")
-        try:
-            value = action.type(value) if action.type in (int, float, str) else action.type(str(value))
-        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
-            raise ValueError(f"--config {path}: {key} ({flag}): {e}") from None
+            raise ValueError(f"{where} must be true or false, got {value!r}")
+    elif action.nargs in ("+", "*"):  # a list flag: a list, or one value
+        value = [_converted(action, v, where) for v in (value if isinstance(value, list) else [value])]
+    else:  # a list for a comma-separated flag (--layers 14,19,19) is its text
+        value = _converted(action, ",".join(str(v) for v in value) if isinstance(value, list) else value, where)
     if action.choices is not None and value not in action.choices:
         raise ValueError(f"--config {path}: {key} ({flag}) must be one of {', '.join(map(str, action.choices))}, "
                          f"got {value!r}")
     setattr(args, action.dest, value)
+
+
+def _converted(action: argparse.Action, value: Any, where: str) -> Any:
+    """One value of a file converted by the flag's type (text where it has none); a bool, a float for an int,
+    and anything but text for a text flag are refused rather than coerced."""
+    kind = action.type or str
+    if (isinstance(value, bool) or (kind is int and isinstance(value, float))
+            or (kind is str and not isinstance(value, str))):
+        raise ValueError(f"{where} must be {getattr(kind, '__name__', 'a value')}, got {value!r}")
+    try:
+        return kind(value) if kind in (int, float, str) else kind(str(value))
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def resolved(args: argparse.Namespace) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def table(rows: dict[str, dict]) -> str:
         tps = r.get("train_tokens_per_s")
         lines.append(f"| {name} | {r['params']:,} | {r['val_ce']:.4f} | {r['val_ppl']:.1f} | "
                      f"{r['mean_sparsity']:.3f} | {r['flops_per_seq'] / 1e9:.3f} | {rel:.3f} | "
-                     f"{tps:,.0f} |" if tps else "| - |")
+                     + (f"{tps:,.0f} |" if tps else "- |"))  # (a resumed run that took no step has no tok/s)
     return "\n".join(lines)
 
 

@@ -153,6 +153,11 @@ class DraftTrainConfig:
             raise ValueError("epochs and lr must be > 0, batch_tokens and seq_len >= 2")
         if self.eval_every < 0 or self.patience < 0 or self.curve_batches < 0 or self.cache_gb < 0 or self.draft_vocab < 0:
             raise ValueError("eval_every, patience, curve_batches, cache_gb and draft_vocab must be >= 0")
+        if self.ckpt_every < 1 or self.max_eval_batches < 0:  # (ckpt_every 0 divided by zero after a step)
+            raise ValueError(f"ckpt_every must be >= 1 and max_eval_batches >= 0 (0: all), got {self.ckpt_every} and "
+                             f"{self.max_eval_batches}")
+        if self.exit_layer < -1:  # (every negative one read as -1's block)
+            raise ValueError(f"exit_layer must be a block index, or -1 for the paper's t_1, got {self.exit_layer}")
         if self.patience and not self.eval_every:
             raise ValueError("patience needs eval_every > 0 (early stopping compares held-out evaluations)")
         if self.method == "gates" and self.patience:
