@@ -474,7 +474,16 @@ class LLM:
 
     def _completion(self, ids: list[int], out: list[int], stats: SpecStats | None, stop: Sequence[str]
                     ) -> Completion:
+        """The Completion of `out`. Its tokens end where plain decoding, a token at a time, would have stopped: at
+        the first end-of-turn token or the token that completes a stop string (a drafted round commits past it;
+        the usage counted those tokens too)."""
         text, ended = self._cut(out, stop)
+        if ended:  # the shortest prefix that ends as `out` ends (by bisection: ending is kept by more tokens)
+            lo, hi = 1, len(out)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if self._cut(out[:mid], stop)[1] else (mid + 1, hi)
+            out = out[:hi]
         return Completion(text=text, token_ids=list(out), prompt_tokens=len(ids),
                           finish_reason="stop" if ended else "length", stats=stats)
 

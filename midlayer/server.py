@@ -50,6 +50,7 @@ from midlayer.ops import kernels
 # what an OpenAI client may send that we accept; anything else is refused by name (400)
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "user",
                      "logprobs", "echo", "presence_penalty", "frequency_penalty", "stream_options"}
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # what OpenAI's chat API takes
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "logprobs"}) | {"messages", "max_completion_tokens",
                                                                      "logprobs", "top_logprobs"}
 DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) request looks whether its client is still there
@@ -199,6 +200,7 @@ class Engine:
                     break
                 if job is None:
                     draining = True
+                    self._refuse_unseated(batch, live)
                     break
                 self._admit(batch, job, live)
             for handle, (job, _) in list(live.items()):
@@ -234,6 +236,17 @@ class Engine:
                     self._release()
             _deliver(outbox)
         self._refuse_queued()
+
+    def _refuse_unseated(self, batch: ContinuousBatch, live: dict[int, tuple[Job, TextStream]]) -> None:
+        """After stop: the admitted requests that hold no row yet are queued ones, answered with an error (they ran
+        on through the grace period, and were cut by it)."""
+        for handle, (job, _) in list(live.items()):
+            seq = batch.by_handle.get(handle)
+            if seq is not None and seq.row < 0:
+                batch.cancel(handle)
+                del live[handle]
+                job.put(("error", "the server is shutting down"))
+                self._release()
 
     def _admit(self, batch: ContinuousBatch, job: Job, live: dict[int, tuple[Job, TextStream]]) -> None:
         if job.cancelled.is_set() or job.call is not None:  # a whole request runs now, between two steps
@@ -727,6 +740,10 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 for m in messages):
             raise RequestError(400, "messages must be a non-empty list of {'role': str, 'content': str}",
                                param="messages")
+        for i, m in enumerate(messages):  # OpenAI's roles; another was rendered into the template as given
+            if m["role"] not in CHAT_ROLES:
+                raise RequestError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                                   f"{m['role'][:40]!r}", param=f"messages[{i}].role")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         top = _chat_logprobs(body)
         name = "max_tokens" if body.get("max_tokens") is not None or body.get("max_completion_tokens") is None \
@@ -773,10 +790,17 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
 
 def serve(llm: LLM, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
           max_batch: int = 16, memory_rows: int = 0) -> None:
-    """Run the server until SIGINT / SIGTERM (uvicorn: running requests finish, then it stops)."""
+    """Run the server until SIGINT / SIGTERM: queued requests are answered with an error at once, running ones
+    finish (within uvicorn's 30 s grace), then it stops."""
     import uvicorn  # the optional extra: imported here, so that midlayer runs without it
 
-    uvicorn.run(create_app(llm, model_name, max_queue=max_queue, max_batch=max_batch, memory_rows=memory_rows),
-                host=host, port=port,
-                log_level="info",
-                timeout_graceful_shutdown=30)
+    app = create_app(llm, model_name, max_queue=max_queue, max_batch=max_batch, memory_rows=memory_rows)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # the engine stops with the signal: its queue was refused only after the grace period (the app's
+            # lifespan ends there), and so ran on through it and was cut, with a plain-text 500 or a broken stream
+            app.state.engine.stop()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)).run()

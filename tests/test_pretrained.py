@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -561,6 +562,63 @@ def test_gguf_bad_files(tmp_path):
     write_tiny_gguf(missing, ref, tok, drop=("blk.1.ffn_up.weight",))
     with pytest.raises(ValueError, match=r"missing.*layers\.1\.feed_forward\.w3\.weight"):
         load_gguf(missing)
+    # two tensors on one stretch of bytes (a damaged offset): refused, not loaded as each other in silence
+    alias = bytearray(blob)
+
+    def offset_at(name: str) -> int:  # the tensor info: name, n_dims (u32), dims (u64 each), type (u32), offset
+        i = blob.index(name.encode()) + len(name)
+        return i + 4 + 8 * struct.unpack_from("<I", blob, i)[0] + 4
+
+    q = struct.unpack_from("<Q", blob, offset_at("blk.0.attn_q.weight"))[0]
+    struct.pack_into("<Q", alias, offset_at("blk.0.attn_output.weight"), q)
+    (tmp_path / "alias.gguf").write_bytes(bytes(alias))
+    with pytest.raises(ValueError, match=r"alias\.gguf: corrupt GGUF file: tensor blk\.0\.attn_(q|output)\.weight's "
+                                         r"data overlaps blk\.0\.attn_(q|output)\.weight's"):
+        load_gguf(tmp_path / "alias.gguf")
+
+
+class _Meta:
+    """A GGUF reader's metadata alone: what config_from_gguf and the tokenizer read."""
+
+    def __init__(self, **fields):
+        self.fields = {k.replace("__", "."): type("F", (), {"contents": lambda self, v=v: v})()
+                       for k, v in fields.items()}
+        self.tensors = []
+
+
+def test_gguf_metadata_of_the_wrong_type_is_refused_naming_the_file_and_key():
+    """An epsilon stored as an array or as text, a vocabulary of integers, a chat template that is a number: a
+    ValueError naming the file and the key (they were TypeError / AttributeError tracebacks, or "could not
+    convert string to float" naming neither); a special id outside the vocabulary is ignored with a warning."""
+    from midlayer.engine.pretrained import config_from_gguf
+
+    good = dict(general__architecture="llama", llama__embedding_length=64, llama__attention__head_count=4,
+                llama__block_count=2, llama__feed_forward_length=96, llama__context_length=128,
+                llama__attention__layer_norm_rms_epsilon=1e-5, llama__vocab_size=128)
+    assert config_from_gguf(_Meta(**good), "m.gguf").norm_eps == pytest.approx(1e-5)
+    for key, bad, kind in (("llama__attention__layer_norm_rms_epsilon", [1e-5, 1e-5], "a number"),
+                           ("llama__attention__layer_norm_rms_epsilon", "abc", "a number"),
+                           ("llama__rope__freq_base", "x", "a number"), ("llama__expert_count", "2", "an integer"),
+                           ("llama__rope__dimension_count", "sixteen", "an integer"),
+                           ("general__architecture", 5, "text"),
+                           ("tokenizer__ggml__tokens", [1, 2], "an array of text")):
+        with pytest.raises(ValueError, match=f"m.gguf: GGUF metadata key '{key.replace('__', '.')}' must be {kind}"):
+            config_from_gguf(_Meta(**{**good, key: bad}), "m.gguf")
+    with pytest.raises(ValueError, match="m.gguf: llama.vocab_size must be a positive integer, got 'lots'"):
+        config_from_gguf(_Meta(**{**good, "llama__vocab_size": "lots"}), "m.gguf")
+    tok = train_tiny_bpe()
+    tokens, merges = bpe_vocab_and_merges(tok)
+    spec = dict(tokenizer__ggml__model="gpt2", tokenizer__ggml__pre="gpt2", tokenizer__ggml__tokens=tokens,
+                tokenizer__ggml__merges=merges, tokenizer__ggml__eos_token_id=tokens.index("<|im_end|>"))
+    assert TextTokenizer.from_gguf_metadata(_Meta(**spec), "t.gguf").eos_id == tokens.index("<|im_end|>")
+    for key, bad, kind in (("tokenizer__ggml__merges", [1, 2], "an array of text"),
+                           ("tokenizer__chat_template", 5, "text"),
+                           ("tokenizer__ggml__bos_token_id", "<s>", "an integer"),
+                           ("tokenizer__ggml__add_bos_token", 1, "true or false")):
+        with pytest.raises(ValueError, match=f"t.gguf: GGUF metadata key '{key.replace('__', '.')}' must be {kind}"):
+            TextTokenizer.from_gguf_metadata(_Meta(**{**spec, key: bad}), "t.gguf")
+    with pytest.warns(UserWarning, match="t.gguf: tokenizer.ggml.eos_token_id=1000000 is outside the vocabulary"):
+        TextTokenizer.from_gguf_metadata(_Meta(**{**spec, "tokenizer__ggml__eos_token_id": 10 ** 6}), "t.gguf")
 
 
 def test_gguf_index_is_cached_on_disk_and_reads_back_the_same_model(tmp_path, monkeypatch):

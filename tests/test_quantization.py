@@ -61,13 +61,20 @@ def test_int4_kernel_equals_its_reference():
     lin = nn.Linear(160, 96, bias=True)
     lin.weight.data.copy_(w)
     layer = Int4Linear(lin)
-    assert layer.packed is not None
+    no_bias = nn.Linear(160, 96, bias=False)
+    no_bias.weight.data.copy_(w)
+    bare = Int4Linear(no_bias)
+    assert layer.packed is not None and bare.packed is not None
     for shape in [(1, 160), (3, 7, 160)]:
         x = torch.randn(*shape)
         fast, ref = layer(x), layer.reference(x)
         assert fast.dtype == torch.float32 and fast.shape == (*shape[:-1], 96)
-        # Both multiply bf16 activations by the same bf16-exact weights; only accumulation order differs.
         assert torch.allclose(fast, ref, atol=2e-2, rtol=1e-2), (fast - ref).abs().max()
+        # Both multiply bf16 activations by the same bf16-exact weights and round to bf16 (the bias is added
+        # after, in fp32); only the fp32 accumulation's order differs: at most the last bf16 bit (2^-8)
+        mm_fast, mm_ref = bare(x), bare.reference(x)
+        assert torch.equal(mm_ref, mm_ref.bfloat16().float())
+        assert torch.allclose(mm_fast, mm_ref, atol=0, rtol=2 ** -8), ((mm_fast - mm_ref) / mm_ref).abs().max()
         exact = x.bfloat16().float() @ layer.dequantized().float().t() + lin.bias
         assert torch.allclose(fast, exact, atol=2e-2, rtol=1e-2)
 

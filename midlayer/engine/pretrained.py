@@ -65,7 +65,7 @@ import torch
 
 from midlayer.common import atomic_write, cache_dir
 from midlayer.config import ModelConfig
-from midlayer.data.pretrained_tokenizer import TextTokenizer
+from midlayer.data.pretrained_tokenizer import gguf_field, TextTokenizer
 from midlayer.model.transformer import nonfinite_tensors, position_tables, sinusoidal_table, Transformer
 
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -495,6 +495,10 @@ def _open_gguf(path: Path) -> "GGUFIndex":
         raise ValueError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
     if index.swapped:
         raise ValueError(f"{path}: a big-endian GGUF file; only little-endian files are supported")
+    ordered = sorted(index.tensors, key=lambda t: t.data_offset)
+    for a, b in zip(ordered, ordered[1:]):  # (two tensors on one stretch of bytes loaded as each other in silence)
+        if b.data_offset < a.data_offset + a.n_bytes:
+            raise ValueError(f"{path}: corrupt GGUF file: tensor {b.name}'s data overlaps {a.name}'s")
     return index
 
 
@@ -644,29 +648,21 @@ def _gguf_index(path: str, mtime_ns: int, size: int) -> GGUFIndex:
     return index
 
 
-def _gguf_field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        if default is ...:
-            raise ValueError(f"{path}: GGUF metadata key {key!r} is missing")
-        return default
-    try:
-        return f.contents()
-    except Exception as e:
-        raise ValueError(f"{path}: GGUF metadata key {key!r} is unreadable ({e})") from e
+def _gguf_field(reader: Any, key: str, path: Path, default: Any = ..., kind: str | None = None) -> Any:
+    return gguf_field(reader, key, kind, default, str(path))
 
 
 def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: int | None = None) -> ModelConfig:
     """ModelConfig from a GGUF's `llama.*` metadata (see the module docstring for what is refused)."""
     path = Path(path)
-    arch = _gguf_field(reader, "general.architecture", path)
+    arch = _gguf_field(reader, "general.architecture", path, kind="text")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
     a = arch
 
-    def key(name: str, default: Any = ...) -> Any:
-        return _gguf_field(reader, f"{a}.{name}", path, default)
+    def key(name: str, default: Any = ..., kind: str | None = None) -> Any:
+        return _gguf_field(reader, f"{a}.{name}", path, default, kind)
 
     if arch == "gemma3":
         return _gemma3_gguf_config(key, reader, path, max_seq_len)
@@ -677,30 +673,31 @@ def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: i
         raise ValueError(f"{path}: embedding_length {dim} is not a multiple of head_count {n_heads}")
     head_dim = dim // n_heads
     for k in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        v = key(k, None)
-        if v is not None and int(v) != head_dim:
+        v = key(k, None, "int")
+        if v is not None and v != head_dim:
             raise ValueError(f"{path}: {a}.{k}={v} != embedding_length/head_count={head_dim}: partial RoPE and "
                              "head_dim != dim/heads are not supported")
-    scaling = key("rope.scaling.type", None)
-    if scaling not in (None, "none") or key("rope.scaling.factor", 1.0) not in (0.0, 1.0):
+    scaling = key("rope.scaling.type", None, "text")
+    if scaling not in (None, "none") or key("rope.scaling.factor", 1.0, "number") not in (0.0, 1.0):
         raise ValueError(f"{path}: {a}.rope.scaling.type={scaling!r}: RoPE scaling is not supported (plain RoPE only)")
-    if int(key("expert_count", 0) or 0) > 0:
+    if key("expert_count", 0, "int") > 0:
         raise ValueError(f"{path}: mixture-of-experts GGUF ({a}.expert_count > 0) is not supported")
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens", path, None)
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens", path, None, "texts")
     vocab = key("vocab_size", None)
     if vocab is None:
         if tokens is None:
             raise ValueError(f"{path}: neither {a}.vocab_size nor tokenizer.ggml.tokens is present")
         vocab = len(tokens)
+    vocab = _size(vocab, f"{path}: {a}.vocab_size")
     names = {t.name for t in reader.tensors}
     max_pos = _size(key("context_length"), f"{path}: context_length")
     if max_seq_len is not None:
         max_pos = min(max_pos, int(max_seq_len))
     return ModelConfig(
         dim=dim, n_layers=_size(key("block_count"), f"{path}: block_count"), n_heads=n_heads, n_kv_heads=n_kv,
-        vocab_size=int(vocab), ffn_hidden=_size(key("feed_forward_length"), f"{path}: feed_forward_length"),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)), max_seq_len=max_pos, norm_placement="pre",
+        vocab_size=vocab, ffn_hidden=_size(key("feed_forward_length"), f"{path}: feed_forward_length"),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", kind="number")),
+        rope_theta=float(key("rope.freq_base", 10000.0, "number")), max_seq_len=max_pos, norm_placement="pre",
         gating=False, tie_embeddings="output.weight" not in names, embed_norm=False, qkv_bias=False,
     )
 
@@ -712,16 +709,17 @@ def _gemma3_gguf_config(key: Any, reader: Any, path: Path, max_seq_len: int | No
     dim, n_heads = (_size(key(k), f"{path}: {k}") for k in ("embedding_length", "attention.head_count"))
     n_layers = _size(key("block_count"), f"{path}: block_count")
     head_dim = _size(key("attention.key_length", dim // n_heads), f"{path}: attention.key_length")
-    if int(key("attention.value_length", head_dim)) != head_dim:
+    if key("attention.value_length", head_dim, "int") != head_dim:
         raise ValueError(f"{path}: gemma3.attention.value_length != key_length: not supported")
     for k in ("final_logit_softcapping", "attn_logit_softcapping"):
         if key(k, None) is not None:
             raise ValueError(f"{path}: gemma3.{k} is set: logit soft-capping is not supported")
-    pattern = int(key("attention.sliding_window_pattern", 6) or 6)
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens", path, None)
-    vocab = int(key("vocab_size", None) or len(tokens or []))
+    pattern = _size(key("attention.sliding_window_pattern", 6), f"{path}: attention.sliding_window_pattern")
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens", path, None, "texts")
+    vocab = key("vocab_size", None) or len(tokens or [])
     if not vocab:
         raise ValueError(f"{path}: neither gemma3.vocab_size nor tokenizer.ggml.tokens is present")
+    vocab = _size(vocab, f"{path}: gemma3.vocab_size")
     max_pos = _size(key("context_length"), f"{path}: context_length")
     if max_seq_len is not None:
         max_pos = min(max_pos, int(max_seq_len))
@@ -730,10 +728,11 @@ def _gemma3_gguf_config(key: Any, reader: Any, path: Path, max_seq_len: int | No
         n_kv_heads=_size(key("attention.head_count_kv", n_heads), f"{path}: attention.head_count_kv"),
         head_dim=head_dim, vocab_size=vocab,
         ffn_hidden=_size(key("feed_forward_length"), f"{path}: feed_forward_length"),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=float(key("rope.freq_base", 1_000_000.0)),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", kind="number")),
+        rope_theta=float(key("rope.freq_base", 1_000_000.0, "number")),
         rope_theta_local=10_000.0, max_seq_len=max_pos,
         tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
-        sliding_window=int(key("attention.sliding_window", 0) or 0),
+        sliding_window=key("attention.sliding_window", 0, "int"),
         full_attention_layers=tuple(i for i in range(n_layers) if (i + 1) % pattern == 0))
 
 
@@ -793,10 +792,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq_l
     reader = _open_gguf(path)
     cfg = config_from_gguf(reader, path, max_seq_len=max_seq_len)
     arch = _gguf_field(reader, "general.architecture", path)
-    if _gguf_field(reader, "tokenizer.ggml.model", path, None) == "llama":  # sentencepiece (Gemma)
+    if _gguf_field(reader, "tokenizer.ggml.model", path, None, "text") == "llama":  # sentencepiece (Gemma)
         tokenizer = TextTokenizer.from_gguf_sentencepiece(path, reader)
     else:
-        tokenizer = TextTokenizer.from_gguf_metadata(reader)
+        tokenizer = TextTokenizer.from_gguf_metadata(reader, str(path))
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ValueError(f"{path}: has rope_freqs.weight (Llama-3.1-style RoPE scaling), which is not supported")
     shapes = _expected_shapes(cfg)

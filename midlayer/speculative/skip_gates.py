@@ -242,8 +242,16 @@ def _shallow(module: nn.Module) -> nn.Module:
     return out
 
 
+# The twin's floor on g before ln(g) (eq. 3; config.gate_eps, 1e-6 for models trained gated). A pretrained
+# model's first token is an attention sink, its logit ~14+ above the others: closed, the 1e-6 floor still gave
+# it a weight of 1e-6 e^14 or more, where real skipping gives it none (SmolLM2's logits 3.5-5.6 apart, the
+# greedy tokens split at the 10th). At 1e-30 (e^-69) training, --no-skip and real skipping compute one thing.
+TWIN_GATE_EPS = 1e-30
+
+
 def gated_twin(model: Transformer, gates: SkipGates, gate_grad: str = "exact") -> Transformer:
-    """The gated model: `model`'s weights (shared, not copied) with `gates`' routers (and adapters)."""
+    """The gated model: `model`'s weights (shared, not copied) with `gates`' routers (and adapters); its gates'
+    floor `TWIN_GATE_EPS`."""
     cfg = model.cfg
     if cfg.gating:
         raise ValueError("gated_twin takes the dense model; this one is gated already")
@@ -251,7 +259,8 @@ def gated_twin(model: Transformer, gates: SkipGates, gate_grad: str = "exact") -
         raise ValueError(f"skip gates for dim {gates.dim} and {gates.n_layers} blocks, the model has dim "
                          f"{cfg.dim} and {cfg.n_layers} blocks")
     twin = _shallow(model)
-    twin.cfg = dataclasses.replace(cfg, gating=True, gate_grad=gate_grad, gate_values=gates.gate_values)
+    twin.cfg = dataclasses.replace(cfg, gating=True, gate_grad=gate_grad, gate_values=gates.gate_values,
+                                   gate_eps=TWIN_GATE_EPS)
     twin.routers = gates.routers
     if gates.lora_rank:
         scale = gates.lora_alpha / gates.lora_rank
