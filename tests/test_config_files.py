@@ -119,3 +119,19 @@ def test_a_run_trains_with_the_files_settings(tmp_path, capsys):
         os.environ.pop("MIDLAYER_CACHE") if env is None else os.environ.__setitem__("MIDLAYER_CACHE", env)
     ckpt = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
     assert ckpt["step"] == 3 and ckpt["configs"]["train"]["data"] == data
+
+
+def test_draft_commands_print_and_help_the_configs_they_train(capsys):
+    """train-gates' --print-config and --help show its method and folder (they showed train-draft's:
+    hidden-transfer, runs/draft/hidden-transfer), train-draft's the folder of the method given, and --methods
+    one config per method; a printed config is then a file that trains the same thing."""
+    gates = _printed(capsys, ["train-gates", "--print-config"])["draft"]
+    assert (gates["method"], gates["out_dir"]) == ("gates", "runs/gates")
+    medusa = _printed(capsys, ["train-draft", "--method", "medusa", "--print-config"])["draft"]
+    assert (medusa["method"], medusa["out_dir"]) == ("medusa", "runs/draft/medusa")
+    both = _printed(capsys, ["train-draft", "--methods", "eagle,medusa", "--out-dir", "d", "--print-config"])["draft"]
+    assert [(c["method"], c["out_dir"]) for c in both] == [("eagle", "d/eagle"), ("medusa", "d/medusa")]
+    with pytest.raises(SystemExit):
+        cli.main(["train-gates", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--method STR default 'gates'" in text and "--out-dir STR default 'runs/gates'" in text

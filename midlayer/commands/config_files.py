@@ -153,8 +153,10 @@ def resolved(args: argparse.Namespace) -> dict[str, Any]:
     if sections & {"model", "sparsity", "train"} and getattr(args, "preset", None):
         model, sparsity, train = get_preset(args.preset, **over)
         full = {"model": to_dict(model), "sparsity": to_dict(sparsity), "train": to_dict(train)}
-    if "draft" in sections:
-        full["draft"] = to_dict(DraftTrainConfig(**over.get("draft", {})))
+    if "draft" in sections:  # the command's own configs (train-gates' defaults; one per --methods entry)
+        made = [to_dict(c) for c in args.draft_configs(args)] if hasattr(args, "draft_configs") else \
+            [to_dict(DraftTrainConfig(**over.get("draft", {})))]
+        full["draft"] = made[0] if len(made) == 1 else made
     out: dict[str, Any] = {}
     for key, value in sorted(vars(args).items()):
         if key in ("config", "print_config", "command") or callable(value):

@@ -29,6 +29,7 @@ def add_train_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=None, metavar="M1,M2,...",
                    help="train these drafters together on the same batches, one base forward per batch shared "
                         "(each to OUT_DIR/<method>); replaces --method")
+    p.set_defaults(draft_configs=draft_configs)  # (what --print-config shows: the configs the command trains)
     p.add_argument("--export-now", action="store_true",
                    help="train nothing: write the draft and its held-out metrics from the saved training state "
                         "(the best evaluated weights under --patience), to decode with a run that is not finished; "
@@ -52,7 +53,8 @@ def add_train_gates(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace finished gates in --out-dir (without it, a folder holding gates and no training state "
                         "to continue is refused)")
-    add_config_flags(p, ["draft"])
+    add_config_flags(p, ["draft"], defaults=GATES_DEFAULTS)
+    p.set_defaults(draft_configs=lambda args: [gates_config(args)])
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
@@ -70,15 +72,20 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 def cmd_train_gates(args: argparse.Namespace) -> int:
     check_stop_after(args)
+    train_drafts([gates_config(args)], progress=not args.no_progress, stop_after=args.stop_after,
+                 device=resolve_device(args.device), overwrite=args.overwrite)
+    return 0
+
+
+GATES_DEFAULTS = {"method": "gates", "out_dir": "runs/gates"}  # train-gates' settings where train-draft's differ
+
+
+def gates_config(args: argparse.Namespace) -> DraftTrainConfig:
+    """The config `train-gates` trains, checked."""
     over = overrides_from_args(args).get("draft", {})
     if over.get("method", "gates") != "gates":
         raise ValueError(f"train-gates trains skip gates; --method {over['method']} belongs to train-draft")
-    over.update(method="gates")
-    over.setdefault("out_dir", "runs/gates")
-    cfg = DraftTrainConfig(**over)
-    train_drafts([cfg], progress=not args.no_progress, stop_after=args.stop_after, device=resolve_device(args.device),
-                 overwrite=args.overwrite)
-    return 0
+    return DraftTrainConfig(**{**GATES_DEFAULTS, **over})
 
 
 def draft_configs(args: argparse.Namespace) -> list[DraftTrainConfig]:

@@ -25,15 +25,17 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str]) -> None:
-    """One flag per dataclass field. Defaults are None so that only flags given override the preset."""
+def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str],
+                     defaults: dict[str, Any] | None = None) -> None:
+    """One flag per dataclass field. Defaults are None so that only flags given override the preset. `defaults`:
+    what this command uses where the field's own default is not it (the help said so: train-gates' method)."""
     for section in sections:
         cls = SECTIONS[section]
         hints = typing.get_type_hints(cls)
         group = parser.add_argument_group(f"{section} config ({cls.__name__})")
         for f in dataclasses.fields(cls):
             typ = hints[f.name]
-            default = f.default
+            default = (defaults or {}).get(f.name, f.default)
             help_text = f"default {default!r}" + (" (before the preset's overrides)" if section != "draft" else "")
             if typ is bool:
                 group.add_argument(flag_name(f.name), dest=f"{section}.{f.name}", default=None,

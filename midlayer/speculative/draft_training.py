@@ -72,7 +72,7 @@ from midlayer.common import atomic_write, json_safe
 from midlayer.config import check_finite, GATE_VALUES
 from midlayer.engine.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
                                          to_token_ids)
-from midlayer.engine.pretrained import load_pretrained
+from midlayer.engine.pretrained import load_pretrained, pretrained_config
 from midlayer.model.gating import mirror_index
 from midlayer.model.transformer import Transformer
 from midlayer.ops.kernels import cpu_info
@@ -174,6 +174,17 @@ class DraftTrainConfig:
         if self.cache_dir and Path(self.cache_dir).exists() and not Path(self.cache_dir).is_dir():
             raise ValueError(f"cache_dir {self.cache_dir}: exists and is not a directory")
         self.layers = tuple(int(t) for t in self.layers)
+
+
+def check_blocks(cfgs: list[DraftTrainConfig], n_layers: int) -> None:
+    """Refuse block indices a base of `n_layers` blocks does not have, naming the flag (they failed in the first
+    step, after the base and the data had loaded, as "blocks 0..100 outside 0..30")."""
+    for c in cfgs:
+        if c.method == "hidden-transfer" and any(t > n_layers for t in c.layers):
+            raise ValueError(f"--layers {','.join(map(str, c.layers))}: the base has {n_layers} blocks "
+                             f"(0..{n_layers - 1})")
+        if c.method == "early-exit" and c.exit_layer > n_layers:
+            raise ValueError(f"--exit-layer {c.exit_layer}: the base has {n_layers} blocks (1..{n_layers})")
 
 
 def build_module(cfg: DraftTrainConfig, model: Transformer) -> nn.Module:
@@ -799,6 +810,8 @@ def train_drafts(cfgs: list[DraftTrainConfig], model: Transformer | None = None,
     outs = [str(Path(c.out_dir).resolve()) for c in cfgs]
     if len(set(outs)) != len(outs):
         raise ValueError("drafters trained together need distinct out_dir")
+    if model is None:  # the base's blocks from its metadata: a bad block index is refused before the base loads
+        check_blocks(cfgs, pretrained_config(c0.model).n_layers)
     for c in cfgs:
         out = Path(c.out_dir)
         if (out / "draft.json").is_file() and not _state_path(out).is_file() and not overwrite and not export_now:

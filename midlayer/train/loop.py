@@ -304,6 +304,9 @@ class Trainer:
         self.accum = self.per_rank // cfg.micro_batch_size
         if cfg.seq_len > model_cfg.max_seq_len:
             raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's --max-seq-len {model_cfg.max_seq_len}")
+        if cfg.data == "shakespeare" and cfg.tokenizer_vocab > model_cfg.vocab_size:  # (known before the BPE trains)
+            raise ValueError(f"--vocab-size {model_cfg.vocab_size} is smaller than the tokenizer's "
+                             f"--tokenizer-vocab {cfg.tokenizer_vocab}")
         if model_cfg.gating and model_cfg.gate_values != "soft" and model_cfg.gate_grad == "exact":
             raise ValueError(f"--gate-values {model_cfg.gate_values}: rounded gates have no exact gradient (0 almost "
                              "everywhere), the routers would never move; use --gate-grad straight_through")
