@@ -75,6 +75,8 @@ def _weights(N: int, K: int, seed: int = 0):
     x = torch.randn(17, K, generator=g) * 2
     x[3, 5] = 400.0  # an outlier: its group's scale is large, the other groups' are not
     x[4] = 0.0  # an all-zero row: scale 0
+    x[6, :32] *= 1e-38  # a group whose scale is subnormal (1 / d overflowed: -128 codes on AVX2, NaN in torch)
+    x[7, 32:64] *= 1e-36  # one whose scale is just normal: its codes as any group's
     return w, x
 
 
@@ -88,6 +90,8 @@ def test_gemms_equal_their_reference_bit_for_bit(simd, M):
     q, dq, sq = kernels.quantize_q8(x[:M])
     rq, rdq, rsq = kernels.quantize_q8_reference(x[:M])
     assert torch.equal(q, rq) and torch.equal(dq, rdq) and torch.equal(sq, rsq)
+    if M >= 8:
+        assert int(q[6, :32].abs().sum()) == 0 and int(q[7, 32:64].abs().max()) == 127
 
 
 def test_quantisation_hand_example():

@@ -303,11 +303,13 @@ def _q8_bytes(M: int, K: int) -> int:
 # ================================================================================ activations (Q8)
 def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (q int8 [M, K], d [M, K/32], s [M, K/32]): d = amax/127 per group,
-    q = round-half-even(x / d) (0 where d = 0), s = d * sum(q). The C kernel's exact arithmetic."""
+    q = round-half-even(x / d) (0 where d is below the smallest normal float, whose inverse can overflow),
+    s = d * sum(q). The C kernel's exact arithmetic (q8_inverse)."""
     M, K = x.shape
     g = x.float().reshape(M, K // QK, QK)
     d = g.abs().amax(-1) / 127.0
-    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    normal = d >= torch.finfo(torch.float32).tiny
+    inv = torch.where(normal, 1.0 / torch.where(normal, d, torch.ones_like(d)), torch.zeros_like(d))
     q = torch.round(g * inv[..., None])
     s = d * q.sum(-1)
     return q.to(torch.int8).reshape(M, K), d, s

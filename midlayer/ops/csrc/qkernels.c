@@ -43,6 +43,7 @@
  * Compile with -ffp-contract=off so that the compiler does not fuse the multiply-adds of the scalar path (the
  * attention's dot products and weighted sums are fused on purpose, fmaf and vfmadd alike).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -103,6 +104,12 @@ static float hsum8_scalar(const float *a) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
+/* 1 / d for a group's codes, 0 where d is 0 or so small (amax < ~3.7e-37) that 1 / d overflows: the codes are
+ * then 0 (an infinite inverse gave -128 codes on AVX2, undefined behaviour in the scalar cast, NaN in torch) */
+static inline float q8_inverse(float dd) {
+    return dd >= FLT_MIN ? 1.0f / dd : 0.0f;
+}
+
 /* ================================================================================ scalar reference */
 static void quantize_q8_scalar(const float *x, long ldx, int M, int K, int8_t *q, float *d, float *s) {
     int G = K / QK;
@@ -115,7 +122,7 @@ static void quantize_q8_scalar(const float *x, long ldx, int M, int K, int8_t *q
                 amax = a > amax ? a : amax;
             }
             float dd = amax / 127.0f;
-            float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            float id = q8_inverse(dd);
             int sum = 0;
             for (int j = 0; j < QK; j++) {
                 int v = (int)nearbyintf(xg[j] * id);
@@ -271,7 +278,7 @@ AVX2 static void quantize_q8_avx2(const float *x, long ldx, int M, int K, int8_t
             m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
             float amax = _mm_cvtss_f32(m4);
             float dd = amax / 127.0f;
-            float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            float id = q8_inverse(dd);
             __m256 vid = _mm256_set1_ps(id);
             const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
             __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, vid), rnd));
