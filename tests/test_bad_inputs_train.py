@@ -688,3 +688,19 @@ def test_train_draft_refuses_blocks_the_base_lacks_before_loading_it(tmp_path, c
     monkeypatch.setattr(dt, "load_pretrained", must_not_run)
     rc, _, err = run(capsys, ["train-draft", "--out-dir", str(tmp_path / "d"), *flags])
     assert rc == 2 and named in one_line_error(err, "train-draft")
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["train-draft", "--method", "medusa", "--layers", "1,2,3"], "--layers is a setting of hidden-transfer; this run "
+                                                                 "trains medusa"),
+    (["train-draft", "--method", "eagle", "--lora-rank", "8"], "--lora-rank is a setting of gates"),
+    (["train-draft", "--methods", "medusa,eagle", "--masked"], "--masked is a setting of hidden-transfer"),
+    (["train-draft", "--method", "hidden-transfer", "--exit-layer", "3"], "--exit-layer is a setting of early-exit"),
+    (["train-gates", "--draft-vocab", "64"], "--draft-vocab is a setting of hidden-transfer and medusa"),
+    (["train-gates", "--schedule", "sequential"], "--schedule is a setting of hidden-transfer"),
+])
+def test_a_draft_setting_no_method_of_the_run_reads_is_refused(tmp_path, capsys, argv, named):
+    """Given to a run of other methods, these were dropped in silence (the run trained without them)."""
+    rc, _, err = run(capsys, [*argv, "--out-dir", str(tmp_path / "d")])
+    assert rc == 2 and named in one_line_error(err, argv[0])
+    assert not (tmp_path / "d").exists()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .options import add_config_flags, check_stop_after, overrides_from_args
 from midlayer.speculative import distill as distill_module
-from midlayer.speculative.draft_training import DraftTrainConfig, METHODS, train_drafts
+from midlayer.speculative.draft_training import check_used, DraftTrainConfig, METHODS, train_drafts
 from midlayer.train.distributed import resolve_device
 
 
@@ -85,6 +85,7 @@ def gates_config(args: argparse.Namespace) -> DraftTrainConfig:
     over = overrides_from_args(args).get("draft", {})
     if over.get("method", "gates") != "gates":
         raise ValueError(f"train-gates trains skip gates; --method {over['method']} belongs to train-draft")
+    check_used(over, ["gates"])
     return DraftTrainConfig(**{**GATES_DEFAULTS, **over})
 
 
@@ -96,6 +97,7 @@ def draft_configs(args: argparse.Namespace) -> list[DraftTrainConfig]:
     if args.methods is None:
         if "out_dir" not in over:
             over["out_dir"] = f"runs/draft/{over.get('method', DraftTrainConfig.method)}"
+        check_used(over, [over.get("method", DraftTrainConfig.method)])
         return [DraftTrainConfig(**over)]
     if "method" in over:
         raise ValueError("give --methods or --method, not both")
@@ -104,5 +106,6 @@ def draft_configs(args: argparse.Namespace) -> list[DraftTrainConfig]:
     if not methods or unknown or len(set(methods)) != len(methods):
         raise ValueError(f"--methods: a comma-separated list of distinct methods among {', '.join(METHODS)}, "
                          f"got {args.methods!r}")
+    check_used(over, methods)
     root = Path(over.pop("out_dir", "runs/draft"))
     return [DraftTrainConfig(**over, method=m, out_dir=str(root / m)) for m in methods]

@@ -63,7 +63,7 @@ import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -174,6 +174,23 @@ class DraftTrainConfig:
         if self.cache_dir and Path(self.cache_dir).exists() and not Path(self.cache_dir).is_dir():
             raise ValueError(f"cache_dir {self.cache_dir}: exists and is not a directory")
         self.layers = tuple(int(t) for t in self.layers)
+
+
+# settings that only some methods read; given to a run of none of them, they were dropped in silence
+_GATES = ("gate_target", "gate_gamma", "gate_kp", "gate_beta_max", "lora_rank", "gate_values", "router_norm")
+ONLY_FOR: dict[str, tuple[str, ...]] = {
+    "layers": ("hidden-transfer",), "masked": ("hidden-transfer",), "schedule": ("hidden-transfer",),
+    "exit_layer": ("early-exit",), "k": ("hidden-transfer", "medusa", "eagle"),
+    "draft_vocab": ("hidden-transfer", "medusa", "early-exit", "eagle"), **{g: ("gates",) for g in _GATES}}
+
+
+def check_used(given: dict[str, Any], methods: Sequence[str]) -> None:
+    """Refuse a setting given (a flag, or a config file's) that no method of the run reads, naming it."""
+    for name in given:
+        users = ONLY_FOR.get(name)
+        if users is not None and not set(users) & set(methods):
+            raise ValueError(f"--{name.replace('_', '-')} is a setting of {' and '.join(users)}; this run trains "
+                             f"{', '.join(methods)}, which would ignore it")
 
 
 def check_blocks(cfgs: list[DraftTrainConfig], n_layers: int) -> None:
