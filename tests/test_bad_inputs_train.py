@@ -704,3 +704,15 @@ def test_a_draft_setting_no_method_of_the_run_reads_is_refused(tmp_path, capsys,
     rc, _, err = run(capsys, [*argv, "--out-dir", str(tmp_path / "d")])
     assert rc == 2 and named in one_line_error(err, argv[0])
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--no-gating", "--mu-final", "0.1"], "--mu-final is a setting of the gates, and this model has none"),
+    (["--no-gating", "--controller", "sparsity"], "--controller is a setting of the gates"),
+    (["--no-gating", "--gate-values", "hard"], "--gate-values is a setting of the gates"),
+])
+def test_gate_settings_for_a_dense_model_are_refused(tmp_path, shards, capsys, flags, named):
+    """A dense run trained without them and recorded them in config.json, misleading sweeps and plots."""
+    rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", *flags))
+    assert rc == 2 and named in one_line_error(err)
+    assert not (tmp_path / "run").exists()

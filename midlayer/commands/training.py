@@ -60,8 +60,18 @@ def add_presets(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("presets", help="list the named presets")
 
 
+# the model's gate settings (the sparsity section's are all gates' too): read by a gated model alone
+GATE_FIELDS = ("gate_attention", "gate_grad", "gate_values", "gate_eps")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    model_cfg, sparsity_cfg, train_cfg = get_preset(args.preset, **overrides_from_args(args))
+    over = overrides_from_args(args)
+    model_cfg, sparsity_cfg, train_cfg = get_preset(args.preset, **over)
+    if not model_cfg.gating:  # (a dense run took them, trained without them, and recorded them in config.json)
+        given = [*over.get("sparsity", {}), *(f for f in over.get("model", {}) if f in GATE_FIELDS)]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} is a setting of the gates, and this model has none "
+                             "(--no-gating, or a dense preset)")
     result = train(model_cfg, sparsity_cfg, train_cfg, resume=args.resume, device=args.device,
                    progress=not args.no_progress, stop_after=args.stop_after)
     print0(json.dumps(json_safe({k: v for k, v in result.items() if not isinstance(v, list)}), indent=2))
