@@ -683,7 +683,10 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         check_model(body)
         if not isinstance(body.get("prompt"), str):
             raise RequestError(400, "prompt must be a string", param="prompt")
-        ids = llm.tokenizer.encode(body["prompt"], add_bos=None if body.get("add_special_tokens", True) else False)
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):  # ("no" was true)
+            raise RequestError(400, "add_special_tokens must be true or false", param="add_special_tokens")
+        ids = llm.tokenizer.encode(body["prompt"], add_bos=None if special else False)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.model.cfg.max_seq_len}
 
     @app.post("/detokenize")

@@ -289,6 +289,8 @@ def test_echo_logprobs_several_prompts_and_the_tokenizer_endpoints(server, clien
     back = httpx.post(f"{server.url}/detokenize", json={"tokens": toks.json()["tokens"]})
     assert back.json()["prompt"] == "To be<|im_end|>"
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]}).status_code == 400
+    bad = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "add_special_tokens": "no"})  # ("no" was true)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens"
     info = httpx.get(f"{server.url}/tokenizer_info").json()
     assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == llm.model.cfg.max_seq_len
 
