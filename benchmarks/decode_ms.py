@@ -11,11 +11,14 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, sys.argv[1])
+import os  # noqa: E402
+
+ROOT = os.path.realpath(sys.argv[1])  # (a relative ROOT such as "." failed the check below)
+sys.path.insert(0, ROOT)
 
 import midlayer  # noqa: E402
 
-assert midlayer.__file__.startswith(sys.argv[1]), midlayer.__file__
+assert os.path.realpath(midlayer.__file__).startswith(ROOT + os.sep), midlayer.__file__
 from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
 from midlayer.engine.pretrained import load_pretrained  # noqa: E402
 from midlayer.engine.quantization import compress_weights  # noqa: E402

@@ -595,3 +595,15 @@ def test_bench_static_checks_its_counts_with_or_without_extra_tree_sizes():
             bench_static(model_name="no-such-model", **kw)
     with pytest.raises(ValueError, match="neither a known model name"):
         bench_static(model_name="no-such-model")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--batch", "-1"], "--batch must be >= 1"), (["--batch", "0"], "--batch must be >= 1"),  # (0: the default)
+    (["--seq-len", "-4"], "--seq-len must be >= 1"), (["--only", "xyz"], "--only: letters among a, b, c, d"),
+    (["--only", "ax"], "got 'ax'"),  # (x was dropped in silence)
+])
+def test_bench_train_refuses_bad_sizes_and_models_before_building_any(capsys, monkeypatch, flags, named):
+    import midlayer.experiments.train_bench as tb
+
+    monkeypatch.setattr(tb, "ours", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("a model was built")))
+    refused(capsys, ["bench", "train", "--steps", "1", "--repeats", "1", *flags], named)

@@ -300,6 +300,7 @@ def finished_run(tmp_path, shards, capsys):
     # issue 43: the training log, the run's config and its evaluation are not results files
     (["--output", "{tmp}/run/metrics.jsonl"], "metrics.jsonl is a file of the run"),
     (["--output", "{tmp}/run/config.json"], "config.json is a file of the run"),
+    (["--output", "{tmp}/run/extrapolation.json"], "extrapolation.json is a file of the run"),  # (plot reads it)
 ])
 def test_eval_refuses_bad_flags_before_evaluating(tmp_path, finished_run, capsys, monkeypatch, flags, named):
     import midlayer.train.evaluate

@@ -1035,6 +1035,7 @@ def test_bench_decodes_steps_rows_run_every_batch_drafter_exactly():
     assert batch_drafting(object(), 1) is None
     stepwise = {f"{label}-steps": batch_drafting(d, 1, 0.5) for label, d in drafters.items()}
     methods = {label: (drafters[label.removesuffix("-steps")], 3) for label in stepwise}
+    stepwise["none-steps"], methods["none-steps"] = {}, (None, 3)  # a batch that drafts nothing: plain decoding
     rows = {name: dict(time=0.0, tokens=0, forwards=0, equal=0, hits=[0] * 3, counts=[0] * 3, tree=None)
             for name in ["plain", *methods]}
     prompts, _ = _workload(seed=4, n=4)
@@ -1042,6 +1043,8 @@ def test_bench_decodes_steps_rows_run_every_batch_drafter_exactly():
         _bench_prompt(model, ids, rows, methods, {}, GenerationConfig(max_new_tokens=20, stop_tokens=(5,)), None,
                       None, 3, stepwise)
     assert all(rows[label]["equal"] == 4 and rows[label]["tokens"] == rows["plain"]["tokens"] for label in methods)
+    # its tau is 1: the prompt's forward, which chose the first token, counts (it was left out: tau 1.09 at 12 tokens)
+    assert rows["none-steps"]["forwards"] == rows["plain"]["forwards"] == rows["plain"]["tokens"]
 
 
 def test_a_failed_prefill_leaves_its_sequences_cancellable_and_a_skip_rule_of_its_own_is_refused(monkeypatch):

@@ -3,6 +3,7 @@ against a known optimum, the forwards each drafter runs, and the cached measurem
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -303,3 +304,21 @@ def test_tree_specs_on_the_command_line():
     for bad in ("sparse:0", "dynamic:x", "sparse:-3", "dynamic:"):
         with pytest.raises(ValueError, match="positive integer"):
             _tree_nodes(bad)
+
+
+def test_a_damaged_cached_curve_is_measured_again(tmp_path, monkeypatch):
+    """A stored curve with a NaN, a negative or infinite time, a fractional or wrong block count was used as it
+    was (silently arbitrary trees, or a TypeError after minutes of bench decode): each is measured again."""
+    monkeypatch.setenv("MIDLAYER_CACHE", str(tmp_path))
+    model = make_tiny(TINY, False)
+    good = tc.RowCosts(LINEAR.rows, LINEAR.total_ms, LINEAR.head_ms, 4)
+    measured = []
+    monkeypatch.setattr(tc, "measure_row_costs", lambda model, **kw: measured.append(1) or good)
+    key = tc.cost_key("tiny", "fp32", model)
+    assert tc.row_costs(model, "tiny", "fp32") == good and len(measured) == 1
+    assert tc.row_costs(model, "tiny", "fp32") == good and len(measured) == 1  # cached
+    for field, value in (("total_ms", [12.0, float("nan"), 18.0, 26.0]), ("total_ms", [12.0, -1.0, 18.0, 26.0]),
+                         ("head_ms", [float("inf")] * 4), ("n_layers", 4.5), ("n_layers", 2), ("rows", [1, 2.5, 4, 8])):
+        tc._save_store(tc._cache_file(), key, {**dataclasses.asdict(good), field: value})
+        n = len(measured)
+        assert tc.row_costs(model, "tiny", "fp32") == good and len(measured) == n + 1, (field, value)

@@ -95,7 +95,8 @@ def check_stop_after(args: argparse.Namespace) -> None:
 
 # The files a run, a draft or a sweep keeps (train, train-draft / train-gates, sweep): never a results file.
 RUN_FILES = ("metrics.jsonl", "config.json", "eval.json", "draft.json", "draft.safetensors", "history.jsonl",
-             "metrics.json", "train_state.pt", "sweep.json", ".midlayer.lock")
+             "metrics.json", "train_state.pt", "sweep.json", ".midlayer.lock",
+             "extrapolation.json", "throughput.json")  # (a run's, a sweep's: plot reads them back)
 
 
 def check_output(flag: str, path: str | None) -> None:

@@ -206,9 +206,14 @@ def run(args: argparse.Namespace, error: Callable[[str], None] | None = None) ->
             fail("--threads must be >= 1")
         torch.set_num_threads(args.threads)
 
+    for name in ("batch", "seq_len"):  # (0 meant the default, a negative one a traceback)
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.only or set(args.only) - set("abcd"):  # (checked after four models were built; others dropped)
+        fail(f"--only: letters among a, b, c, d, got {args.only!r}")
     model_cfg, _, train_cfg = get_preset("tiny")
-    batch = args.batch or train_cfg.micro_batch_size
-    seq_len = args.seq_len or train_cfg.seq_len
+    batch = train_cfg.micro_batch_size if args.batch is None else args.batch
+    seq_len = train_cfg.seq_len if args.seq_len is None else args.seq_len
     if seq_len > model_cfg.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the tiny preset's max_seq_len={model_cfg.max_seq_len}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]

@@ -40,6 +40,7 @@ its own predicted features but the true tokens above (draft_training.heldout_met
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -81,10 +82,14 @@ class RowCosts:
     def __post_init__(self) -> None:
         if not (len(self.rows) == len(self.total_ms) == len(self.head_ms) >= 1):
             raise ValueError("rows, total_ms and head_ms need the same (non-zero) length")
-        if list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
+        if (not all(type(r) is int for r in self.rows) or list(self.rows) != sorted(set(self.rows))
+                or self.rows[0] < 1):
             raise ValueError(f"rows must be increasing positive ints, got {self.rows}")
-        if self.n_layers < 1:
-            raise ValueError(f"n_layers must be >= 1, got {self.n_layers}")
+        if type(self.n_layers) is not int or self.n_layers < 1:
+            raise ValueError(f"n_layers must be an int >= 1, got {self.n_layers!r}")
+        if not all(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0  # (a damaged store's NaN or -1)
+                   for t in (*self.total_ms, *self.head_ms, self.call_ms)):
+            raise ValueError("total_ms, head_ms and call_ms must be finite and >= 0")
         if not 0.0 <= self.call_ms <= self.total_ms[0] - self.head_ms[0]:
             raise ValueError(f"call_ms {self.call_ms} must lie in [0, the blocks' ms at {self.rows[0]} rows]")
 
@@ -383,9 +388,11 @@ def row_costs(model, model_name: str, weights: str, *, refresh: bool = False, pr
     path, key = _cache_file(), cost_key(model_name, weights, model)
     store = _load_store(path)
     if not refresh and key in store:
-        try:  # (a curve stored without call_ms, before it was measured, is measured again)
+        try:  # (a curve stored without call_ms, before it was measured, or damaged, is measured again)
             r = store[key]
-            return RowCosts(tuple(r["rows"]), tuple(r["total_ms"]), tuple(r["head_ms"]), r["n_layers"], r["call_ms"])
+            costs = RowCosts(tuple(r["rows"]), tuple(r["total_ms"]), tuple(r["head_ms"]), r["n_layers"], r["call_ms"])
+            if costs.n_layers == model.cfg.n_layers:
+                return costs
         except (KeyError, TypeError, ValueError):
             pass
     if progress:  # stderr: generated text alone goes to stdout
