@@ -75,6 +75,7 @@ class LLM:
     def __init__(self, model: Transformer, tokenizer: TextTokenizer, name: str = "model", weights: str = "fp32"
                  ) -> None:
         self.model, self.tokenizer, self.name, self.weights = model.eval(), tokenizer, name, weights
+        tokenizer.vocab_size = max(tokenizer.vocab_size, model.cfg.vocab_size)  # a padded embedding's ids decode
         self.drafter: Drafter | None = None
         self.draft_name = ""
         self.tree_spec: str = "auto"
@@ -254,7 +255,12 @@ class LLM:
         while len(batch):
             for seq, tokens, finished in batch.step():
                 n, text = texts[seq.handle]
-                done[n] = self.batch_feed(batch, seq, tokens, finished, text)[1] or done[n]
+                if stop:  # a stop string may end a row before the batch does: its text is read every step
+                    done[n] = self.batch_feed(batch, seq, tokens, finished, text)[1] or done[n]
+                    continue
+                text.new += tokens  # else its text is decoded once, at the end (each step decoded all of it)
+                if finished:
+                    done[n] = self.batch_completion(seq, text)
         return [c for c in done if c is not None]
 
     def stream(self, prompt: Prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,

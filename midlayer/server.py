@@ -50,7 +50,7 @@ from midlayer.ops import kernels
 # what an OpenAI client may send that we accept; anything else is refused by name (400)
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "user",
                      "logprobs", "echo", "presence_penalty", "frequency_penalty", "stream_options"}
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # what OpenAI's chat API takes
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool", "function")  # OpenAI's ("function": deprecated)
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "logprobs"}) | {"messages", "max_completion_tokens",
                                                                      "logprobs", "top_logprobs"}
 DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) request looks whether its client is still there

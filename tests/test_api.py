@@ -79,6 +79,24 @@ def test_each_prompt_of_a_list_gets_what_it_would_get_alone(llm, monkeypatch):
     assert built and static[0].token_ids == alone.token_ids[:6]
 
 
+def test_a_padded_vocabulary_decodes_and_a_list_is_decoded_once(llm, monkeypatch):
+    """A model whose embedding has rows beyond the tokenizer's (midlayer train --vocab-size above the BPE's) can
+    emit those ids: they decode to nothing (decode refused them, and every generate failed once one came). A
+    list without stop strings decodes each completion once at the end (each step decoded all of it again)."""
+    tok = train_tiny_bpe(VOCAB)
+    text = TextTokenizer(tok, bos_id=None, eos_ids=[tok.token_to_id("<|im_end|>")], chat_template=CHATML)
+    wide = LLM(make_tiny(dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128,
+                              multiple_of=32), False), text, "wide")
+    assert wide.tokenizer.vocab_size == 512 and wide.tokenizer.decode([5, 500]) == wide.tokenizer.decode([5])
+    with pytest.raises(ValueError, match="token id 512 is outside the vocabulary of 512"):
+        wide.tokenizer.decode([512])
+    calls = []
+    decode = llm.tokenizer.decode
+    monkeypatch.setattr(llm.tokenizer, "decode", lambda ids, *a, **kw: calls.append(1) or decode(ids, *a, **kw))
+    outs = llm.generate(["To be, or not to be", "whether 'tis"], max_tokens=40)
+    assert len(calls) <= 2 * 7 and sum(len(o.token_ids) for o in outs) > 40  # (once each; a cut bisects: log2 40)
+
+
 def test_stop_strings_cut_the_text_and_streams_spell_it(llm):
     full = llm.generate("To be, or not to be", max_tokens=30)
     assert full.finish_reason == "length" and len(full.text) > 6

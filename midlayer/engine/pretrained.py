@@ -905,9 +905,11 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32
                     max_seq_len: int | None = None) -> tuple[Transformer, TextTokenizer | None]:
     """(model, tokenizer) for a short name, a Hugging Face folder or a GGUF file."""
     src = resolve_pretrained(name_or_path)
-    if src.kind == "gguf":
-        return load_gguf(src.path, dtype, max_seq_len=max_seq_len)
-    return load_hf_dir(src.path, dtype, max_seq_len=max_seq_len)
+    load = load_gguf if src.kind == "gguf" else load_hf_dir
+    model, tok = load(src.path, dtype, max_seq_len=max_seq_len)
+    if tok is not None:  # ids of a padded embedding's rows beyond the tokenizer's own decode (to nothing)
+        tok.vocab_size = max(tok.vocab_size, model.cfg.vocab_size)
+    return model, tok
 
 
 def pretrained_config(name_or_path: str | Path, *, max_seq_len: int | None = None) -> ModelConfig:
