@@ -336,7 +336,7 @@ class LLM:
             return None
         hist = list(seq.accept_hist)
         hist[0] += bool(seq.new)
-        return SpecStats(new_tokens=len(seq.new), base_forwards=seq.forwards + bool(seq.new), prefill_forwards=1,
+        return SpecStats(new_tokens=len(seq.new), base_forwards=seq.base_forwards, prefill_forwards=1,
                          accept_hist=hist)
 
     def _adaptive(self) -> bool:

@@ -190,7 +190,7 @@ def _checked_text(text: Any, what: str) -> str:
     """`text` if it is a str the tokenizer can take: a lone surrogate ("\\ud800", valid JSON) has no UTF-8 and
     made the tokenizer raise a TypeError, a 500 from the server; here it is a ValueError naming its place."""
     if not isinstance(text, str):
-        raise ValueError(f"{what}: expected str, got {type(text).__name__}")
+        raise ValueError(f"{what}: expected a string, got {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -558,9 +558,7 @@ def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"messages[{i}]: expected a dict with a 'role' key, got {m!r}")
         for key in ("role", "content"):  # (the templates concatenate them: None or a list was a TypeError)
-            if not isinstance(m.get(key), str):
-                raise ValueError(f"messages[{i}].{key}: expected a string, got {type(m.get(key)).__name__}")
-            _checked_text(m[key], f"messages[{i}].{key}")
+            _checked_text(m.get(key), f"messages[{i}].{key}")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -191,6 +191,12 @@ class BatchSequence:
     def new(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
+    @property
+    def base_forwards(self) -> int:
+        """The base's forwards that chose its new tokens: its decode steps, and the prompt's forward, which chose
+        the first (counted as the decode loop counts the round that verifies the prompt's last token)."""
+        return self.forwards + bool(self.new)
+
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many tokens a and b start with alike."""

@@ -648,21 +648,17 @@ def _gguf_index(path: str, mtime_ns: int, size: int) -> GGUFIndex:
     return index
 
 
-def _gguf_field(reader: Any, key: str, path: Path, default: Any = ..., kind: str | None = None) -> Any:
-    return gguf_field(reader, key, kind, default, str(path))
-
-
 def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: int | None = None) -> ModelConfig:
     """ModelConfig from a GGUF's `llama.*` metadata (see the module docstring for what is refused)."""
     path = Path(path)
-    arch = _gguf_field(reader, "general.architecture", path, kind="text")
+    arch = gguf_field(reader, "general.architecture", "text", where=str(path))
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
     a = arch
 
     def key(name: str, default: Any = ..., kind: str | None = None) -> Any:
-        return _gguf_field(reader, f"{a}.{name}", path, default, kind)
+        return gguf_field(reader, f"{a}.{name}", kind, default, str(path))
 
     if arch == "gemma3":
         return _gemma3_gguf_config(key, reader, path, max_seq_len)
@@ -682,7 +678,7 @@ def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: i
         raise ValueError(f"{path}: {a}.rope.scaling.type={scaling!r}: RoPE scaling is not supported (plain RoPE only)")
     if key("expert_count", 0, "int") > 0:
         raise ValueError(f"{path}: mixture-of-experts GGUF ({a}.expert_count > 0) is not supported")
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens", path, None, "texts")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens", "texts", None, str(path))
     vocab = key("vocab_size", None)
     if vocab is None:
         if tokens is None:
@@ -715,7 +711,7 @@ def _gemma3_gguf_config(key: Any, reader: Any, path: Path, max_seq_len: int | No
         if key(k, None) is not None:
             raise ValueError(f"{path}: gemma3.{k} is set: logit soft-capping is not supported")
     pattern = _size(key("attention.sliding_window_pattern", 6), f"{path}: attention.sliding_window_pattern")
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens", path, None, "texts")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens", "texts", None, str(path))
     vocab = key("vocab_size", None) or len(tokens or [])
     if not vocab:
         raise ValueError(f"{path}: neither gemma3.vocab_size nor tokenizer.ggml.tokens is present")
@@ -791,8 +787,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq_l
     path = Path(path)
     reader = _open_gguf(path)
     cfg = config_from_gguf(reader, path, max_seq_len=max_seq_len)
-    arch = _gguf_field(reader, "general.architecture", path)
-    if _gguf_field(reader, "tokenizer.ggml.model", path, None, "text") == "llama":  # sentencepiece (Gemma)
+    arch = gguf_field(reader, "general.architecture", where=str(path))
+    if gguf_field(reader, "tokenizer.ggml.model", "text", None, str(path)) == "llama":  # sentencepiece (Gemma)
         tokenizer = TextTokenizer.from_gguf_sentencepiece(path, reader)
     else:
         tokenizer = TextTokenizer.from_gguf_metadata(reader, str(path))

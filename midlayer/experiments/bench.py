@@ -646,7 +646,7 @@ def _bench_prompt(model, ids: list[int], rows: dict[str, dict], methods: dict[st
             r = rows[label]
             r["time"] += time.perf_counter() - t
             r["tokens"] += len(out)
-            r["forwards"] += seq.forwards + bool(out)  # (the prompt's forward chose the first token: api._batch_stats)
+            r["forwards"] += seq.base_forwards
             r["equal"] += int(out == plain)
             continue
         rec = DraftRecorder(drafter)
