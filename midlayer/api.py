@@ -227,9 +227,9 @@ class LLM:
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] = ()
                  ) -> Completion | list[Completion]:
         """One `Completion` for one prompt, a list for a list of prompts (decoded together in one continuous batch,
-        whose rows draft chains with a drafter, unless `batch_refusal` says why not: then one by one). Each prompt
-        of a list gets what it would get alone: its own room in the context, its own seeded draws, this LLM's
-        engine. `stop`: a string, or strings, that end a completion (cut before the string)."""
+        whose rows draft chains with a drafter, unless `batch_refusal` says why not, or a drafter samples: then one
+        by one). Each prompt of a list gets what it would get alone: its own room in the context, its own seeded
+        draws, this LLM's engine. `stop`: a string, or strings, that end a completion (cut before the string)."""
         stop = stop_strings(stop)
         if not isinstance(prompt, str) and isinstance(prompt, Sequence) and not prompt:
             raise ValueError("no prompt: give a str, a chat (a list of messages) or a list of prompts")
@@ -240,7 +240,10 @@ class LLM:
         ids = [self.encode(p) for p in prompts]
         # (not one padded `generate` call: it gave every row the room the longest prompt leaves, drew all rows
         # from one generator, and ran the dynamic engine whatever `engine` said)
-        if len(ids) > 1 and self.batch_refusal() is None:
+        # (a sampled list with a drafter goes one by one: alone, a prompt's draws come from speculative sampling,
+        # whose rounds draw otherwise than the batch's sampled rows, which decode plainly: the same seed gave two
+        # samples)
+        if len(ids) > 1 and self.batch_refusal() is None and (cfg.temperature == 0 or self.drafter is None):
             done = self._batched(ids, cfg, stop)
         else:
             done = [self._one(i, cfg, stop) for i in ids]
@@ -498,22 +501,51 @@ class TextStream:
     """A completion's text as its tokens arrive, in pieces that never end inside a multi-byte character or a
     stop string that may still be completing: `LLM.stream` and the server's batch engine both read it."""
 
+    SETTLE = 16  # tokens decoded again each feed at most, before they join the settled text
+    CONTEXT = 4  # settled tokens decoded before them, so a decoder's rule at a text's start (a leading space) fits
+
     def __init__(self, llm: LLM, ids: list[int], stop: Sequence[str]) -> None:
         self.llm, self.ids, self.stop = llm, ids, list(stop)
         self.new: list[int] = []
         self.shown = ""
         self.held = max((len(s) - 1 for s in self.stop), default=0)  # a stop string may still be completing
+        self.kept: list[int] = []  # the new tokens without end-of-turn tokens: what the text decodes
+        self.settled, self.settled_n = "", 0  # the text of kept[:settled_n], which later tokens do not change
+        self.ended = False
 
     def feed(self, tokens: Sequence[int]) -> tuple[str, bool]:
         """(the new piece of text, whether a stop string or an end-of-turn token ended the completion)."""
         self.new += tokens
-        text, ended = self.llm._cut(self.new, self.stop)
+        text, ended = self._text(tokens)
         if not ended:
             text = text[:len(text) - self.held] if self.held else text
             if text.endswith("\ufffd") or len(text) <= len(self.shown):
                 return "", False
         piece, self.shown = text[len(self.shown):], text
         return piece, ended
+
+    def _text(self, tokens: Sequence[int]) -> tuple[str, bool]:
+        """`LLM._cut(self.new, self.stop)` without decoding all of `new` again at each feed (that made a stream
+        quadratic in its length): only the tokens since the settled text are decoded, after a few settled ones
+        for context, and text is settled once it ends on a whole character. Where the decoder's text of those
+        context tokens is not a prefix of the longer decode, everything is decoded again."""
+        if self.ended:
+            return self.llm._cut(self.new, self.stop)
+        eos = self.llm.tokenizer.eos_ids
+        self.kept += [t for t in tokens if t not in eos]
+        start = max(0, self.settled_n - self.CONTEXT)
+        context = self.llm.tokenizer.decode(self.kept[start:self.settled_n])
+        tail = self.llm.tokenizer.decode(self.kept[start:])
+        if tail.startswith(context):
+            text = self.settled + tail[len(context):]
+        else:
+            text = self.llm.tokenizer.decode(self.kept)
+        if len(self.kept) - self.settled_n >= self.SETTLE and not text.endswith("\ufffd"):
+            self.settled, self.settled_n = text, len(self.kept)
+        start = max(0, len(self.shown) - self.held - max((len(s) for s in self.stop), default=0))
+        cuts = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        self.ended = bool(cuts) or any(t in eos for t in tokens)
+        return (text[:min(cuts)] if cuts else text), self.ended
 
     def rest(self) -> str:
         """What is left to show once no more tokens come."""

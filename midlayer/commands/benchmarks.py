@@ -289,8 +289,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         lengths = ()
     if not lengths or min(lengths) < 40:
         raise ValueError(f"--prompt-lengths: expected comma-separated integers >= 40, got {args.prompt_lengths!r}")
-    if args.what in ("prefill", "rows", "all"):  # (their lengths against the model's context, before it loads)
-        ctx = pretrained_config(args.model).max_seq_len
+    ctx = pretrained_config(args.model).max_seq_len  # (lengths against the model's context, before it loads)
+    if args.what in ("decode", "all") and args.new_tokens >= ctx:  # (its prompts' lengths: checked once loaded)
+        raise ValueError(f"--new-tokens {args.new_tokens}: no room beside a prompt in {args.model}'s context of "
+                         f"{ctx} tokens")
+    if args.what in ("prefill", "rows", "all"):
         if args.what != "rows" and max(lengths) > ctx:
             raise ValueError(f"--prompt-lengths: {max(lengths)} tokens exceed {args.model}'s context of {ctx}")
         if args.what != "prefill" and bench.ROWS_CONTEXT + max(bench.ROWS) > ctx:
