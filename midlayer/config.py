@@ -87,7 +87,7 @@ class ModelConfig:
     init_scheme: str = "normal"  # normal: N(0, init_std) everywhere; scaled_residual: the projections that
     #                              write into the residual (wo, w2) get init_std / sqrt(2 n_layers) (GPT-2)
     moe_experts: int = 0  # > 0: every FFN is a mixture of this many experts (each an ffn_type FFN); 0: dense
-    moe_top_k: int = 2  # experts per token (Mixtral: 2 of 8; Switch: 1), gates renormalised over them
+    moe_top_k: int = 2  # experts per token (Mixtral: 2 of 8; Switch: 1), gates renormalised over them (k=1: raw p_e)
     moe_aux_coef: float = 0.01  # the load-balancing loss's weight in training (Switch Transformer: 0.01)
     ssm_layers: tuple[int, ...] = ()  # blocks whose attention is a selective state-space mixer (ssm.py; hybrids)
     ssm_state: int = 16  # N, state dimensions per inner channel (Mamba: 16)
@@ -143,6 +143,8 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, "n_heads", f"head_dim={self.head_dim} must be even for RoPE")
         _check(self.ffn_hidden >= 0, "ffn_hidden", f"must be >= 0 (0 = derived), got {self.ffn_hidden}")
         _check(self.ffn_dim_multiplier > 0, "ffn_dim_multiplier", f"must be > 0, got {self.ffn_dim_multiplier}")
+        _check(self.ffn_hidden_dim > 0, "ffn_dim_multiplier",  # (int(multiplier * dim) rounds 0 up to 0)
+               f"{self.ffn_dim_multiplier} x dim {self.dim} gives an FFN of no hidden units; raise it")
         _check(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _check(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         _check(self.init_std > 0, "init_std", f"must be > 0, got {self.init_std}")

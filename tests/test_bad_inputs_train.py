@@ -180,6 +180,7 @@ def test_non_finite_float_flags_are_refused_naming_the_flag(tmp_path, shards, ca
     (["--gate-values", "hard"], "--gate-values hard: rounded gates have no exact gradient"),
     (["--gate-values", "sampled"], "--gate-values sampled: rounded gates have no exact gradient"),
     (["--gate-values", "rounded"], "--gate-values: must be one of"),
+    (["--ffn-dim-multiplier", "0.001"], "--ffn-dim-multiplier: 0.001 x dim 32 gives an FFN of no hidden units"),
 ])
 def test_out_of_range_train_flags_are_refused_naming_the_flag(tmp_path, shards, capsys, flags, named):
     rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", *flags))

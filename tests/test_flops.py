@@ -144,6 +144,30 @@ def test_prefill_decode_split() -> None:
     assert prefill_decode_split(TINY, 5, 0).decode == 0
 
 
+def test_sliding_window_blocks_score_only_their_window_by_hand() -> None:
+    """A window-2 block at T = 4 scores 1 + 2 + 2 + 2 = 7 pairs, not 10 (the model costed every window block as a
+    full one: 32x too much attention at T = 1024, W = 16). Block 1 is global (Gemma 3's mix)."""
+    from midlayer.model.flops import causal_pairs
+
+    assert [causal_pairs(4, w) for w in (0, 1, 2, 4, 9)] == [10, 4, 7, 10, 10]
+    assert causal_pairs(3, 2, context=4) == 2 + 2 + 2 and causal_pairs(2, 0, context=3) == 4 + 5
+    assert causal_pairs(1024, 16) == 16 * 17 // 2 + (1024 - 16) * 16 == 16264
+    cfg = dataclasses.replace(TINY, sliding_window=2, full_attention_layers=(1,))
+    fb = forward_flops(cfg, T)
+    assert (fb.n_pairs, fb.window_pairs) == (10, 7)
+    per_pair = 2 * 4 * 2 + 5 * 2 + 2 * 4 * 2 + 2  # scores, softmax, values, key bias: 44 FLOPs a pair
+    assert fb.per_block == (6160.0 - per_pair * 3, 6160.0)
+    assert fb.attn_scores == 2 * 4 * 2 * (7 + 10) and fb.total == 13300 - per_pair * 3
+    # a decode step at context 5: the window block scores 2 keys, the global one 5
+    assert decode_flops(cfg, 5).softmax == 5 * 2 * (2 + 5)
+    everywhere = dataclasses.replace(TINY, sliding_window=2)
+    assert forward_flops(everywhere, T).total == 13300 - 2 * per_pair * 3
+    for c, z in ((cfg, [0.25]), (everywhere, None)):  # the sum of its decode steps, in closed form
+        split = prefill_decode_split(c, 3, 6, z)
+        assert split.decode == pytest.approx(sum(decode_flops(c, t, z).total for t in range(4, 10)), rel=1e-12)
+        assert split.prefill + split.decode == pytest.approx(forward_flops(c, 9, z).total, rel=1e-12)
+
+
 def test_param_count_by_hand() -> None:
     # embedding 10 * 8; per block wq 64 + wk 32 + wv 32 + wo 64 + FFN 3 * 8 * 16 + 4 norms * 8 = 608;
     # embedding norm + final norm 16; output 80; one router 8 + 1.

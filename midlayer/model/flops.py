@@ -9,7 +9,7 @@ Notation: T tokens, d = dim, H = n_heads, K = n_kv_heads, hd = head_dim (H hd = 
 h = ffn_hidden_dim,
 V = vocab_size, L = n_layers, R = L/2 routers (gated models only), P = query-key pairs actually scored.
 Causal attention over T tokens scores P = T (T + 1) / 2 pairs (token t attends to keys 1..t, itself
-included), not the T^2 square.
+included), not the T^2 square; a sliding-window block (window W) scores P = sum_t min(t, W) (`causal_pairs`).
 
 Counting conventions (FLOPs, one multiply or add each; exp and log count as 1):
 
@@ -111,13 +111,15 @@ _OTHER_TERMS = ("embed_norm", "final_norm", "lm_head", "router", "router_gates")
 class FlopsBreakdown:
     """FLOPs by term. Block terms are totals over all L blocks, already scaled by (1 - z_l).
 
-    `n_tokens` tokens were processed with `n_pairs` causal query-key pairs in total (a forward over T
-    tokens: n_tokens = T, n_pairs = T (T + 1) / 2; a decode step: 1 and the context length).
+    `n_tokens` tokens were processed with `n_pairs` causal query-key pairs in total in a block that sees every
+    key (a forward over T tokens: n_tokens = T, n_pairs = T (T + 1) / 2; a decode step: 1 and the context
+    length), and `window_pairs` in a sliding-window block (`causal_pairs`; n_pairs without a window).
     `per_block[l]` is the total of all block terms of block l.
     """
 
     n_tokens: int
     n_pairs: int
+    window_pairs: int
     qkv_proj: float
     out_proj: float
     rope: float
@@ -183,17 +185,28 @@ def _block_keep(cfg: ModelConfig, sparsity: Sequence[float] | None) -> list[floa
     return keep + keep[::-1]
 
 
-def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence[float] | None) -> FlopsBreakdown:
-    """The cost model for `n_tokens` new tokens scoring `n_pairs` causal query-key pairs in all."""
-    keep = _block_keep(cfg, sparsity)
-    T, P = n_tokens, n_pairs
-    d, H, K, hd, h, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden_dim, cfg.vocab_size
+def causal_pairs(n_tokens: int, window: int = 0, context: int = 0) -> int:
+    """Query-key pairs that `n_tokens` new tokens, after `context` cached ones, score under a causal mask:
+    token t (1-based over all) sees min(t, window) keys, itself included (every key when window is 0)."""
+    last = context + n_tokens
+    full = last * (last + 1) // 2 - context * (context + 1) // 2
+    if not window:
+        return full
+
+    def upto(t: int) -> int:  # sum over t' = 1..t of min(t', window)
+        return t * (t + 1) // 2 if t <= window else window * (window + 1) // 2 + (t - window) * window
+    return upto(last) - upto(context)
+
+
+def _block_terms(cfg: ModelConfig, T: int, P: int) -> dict[str, int]:
+    """One dense-compute block's FLOPs, term by term (formulas in the module docstring), for `T` new tokens
+    scoring `P` query-key pairs."""
+    d, H, K, hd, h = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden_dim
     n_norm, nf = norms_per_block(cfg), norm_flops_per_elem(cfg)
     n_ffn = 3 if cfg.ffn_glu else 2
     E, k = cfg.moe_experts, (cfg.moe_top_k if cfg.moe_experts else 1)  # a token runs k experts' FFNs
     g = 1 if cfg.gating else 0
-    # One dense-compute block, term by term (formulas in the module docstring).
-    one = {
+    return {
         "qkv_proj": 2 * T * d * (H * hd) + 2 * 2 * T * d * (K * hd),
         "out_proj": 2 * T * (H * hd) * d,
         "rope": ROPE_FLOPS_PER_ELEM * T * (H + K) * hd if cfg.pos_encoding == "rope" else 0,
@@ -211,18 +224,33 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
         "gate_mul": g * 2 * T * d,
         "ssm_mixer": 0,
     }
+
+
+def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence[float] | None,
+               window_pairs: int | None = None) -> FlopsBreakdown:
+    """The cost model for `n_tokens` new tokens scoring `n_pairs` causal query-key pairs in a block that sees
+    every key, and `window_pairs` in a sliding-window block (`ModelConfig.window_of`; default n_pairs)."""
+    keep = _block_keep(cfg, sparsity)
+    T = n_tokens
+    d, H, K, hd, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
+    nf = norm_flops_per_elem(cfg)
+    one = _block_terms(cfg, T, n_pairs)
+    local = _block_terms(cfg, T, n_pairs if window_pairs is None else window_pairs)
     # Hybrids (ssm_layers): their blocks run the state-space mixer instead of the attention terms (and of
-    # QK-norm); every other term is the same in every block. Each term is scaled by the blocks that run it.
+    # QK-norm); every other term is the same in every block. Each term is scaled by the blocks that run it;
+    # the pair terms of a sliding-window block by its own pairs.
     ssm = set(cfg.ssm_layers)
     kept = sum(keep)
-    kept_attn = sum(k for l, k in enumerate(keep) if l not in ssm)
+    kept_attn = sum(k for l, k in enumerate(keep) if l not in ssm and not cfg.window_of(l))
+    kept_local = sum(k for l, k in enumerate(keep) if l not in ssm and cfg.window_of(l))
     kept_ssm = sum(k for l, k in enumerate(keep) if l in ssm)
     qk = nf * T * (H + K) * hd if cfg.qk_norm and ssm else 0
     mixer = ssm_flops_per_token(cfg) * T if ssm else 0
-    totals = {name: float(v) * (kept_attn if name in _ATTENTION_TERMS else kept) for name, v in one.items()}
+    totals = {name: (float(v) * kept_attn + float(local[name]) * kept_local if name in _ATTENTION_TERMS
+                     else float(v) * kept) for name, v in one.items()}
     totals["norms"] -= qk * kept_ssm
     totals["ssm_mixer"] = float(mixer) * kept_ssm
-    attn_block = sum(one.values())
+    attn_block, local_block = sum(one.values()), sum(local.values())
     ssm_block = attn_block - sum(one[t] for t in _ATTENTION_TERMS) - qk + mixer
     # A skipped token whose key stays visible ("query"/"none" gating) still pays, per attention block, what its
     # key and value need: the input norm over its unchanged residual, k and v, RoPE and QK-norm on k.
@@ -236,14 +264,16 @@ def _breakdown(cfg: ModelConfig, n_tokens: int, n_pairs: int, sparsity: Sequence
     R = cfg.n_routers
     return FlopsBreakdown(
         n_tokens=T,
-        n_pairs=P,
+        n_pairs=n_pairs,
+        window_pairs=n_pairs if window_pairs is None else window_pairs,
         **totals,
         embed_norm=float(nf * T * d) if cfg.embed_norm else 0.0,
         final_norm=float(nf * T * d),
         lm_head=float(2 * T * d * V),
         router=float(R * T * (2 * d + 2)),
         router_gates=float(T * (max(R - 1, 0) + GATE_FN_FLOPS_PER_TOKEN * R)),
-        per_block=tuple(float(ssm_block if l in ssm else attn_block) * k + skipped_kv[l] for l, k in enumerate(keep)),
+        per_block=tuple(float(ssm_block if l in ssm else local_block if cfg.window_of(l) else attn_block) * k
+                        + skipped_kv[l] for l, k in enumerate(keep)),
     )
 
 
@@ -254,7 +284,7 @@ def forward_flops(cfg: ModelConfig, seq_len: int, sparsity: Sequence[float] | No
     `seq_len` may exceed `cfg.max_seq_len`: this is an estimate, not a run.
     """
     _check_pos_int("seq_len", seq_len)
-    return _breakdown(cfg, seq_len, seq_len * (seq_len + 1) // 2, sparsity)
+    return _breakdown(cfg, seq_len, causal_pairs(seq_len), sparsity, causal_pairs(seq_len, cfg.sliding_window))
 
 
 def decode_flops(cfg: ModelConfig, context_len: int, sparsity: Sequence[float] | None = None) -> FlopsBreakdown:
@@ -264,7 +294,7 @@ def decode_flops(cfg: ModelConfig, context_len: int, sparsity: Sequence[float] |
     KV cache. So forward_flops(T) equals the sum of decode_flops(t) for t = 1..T.
     """
     _check_pos_int("context_len", context_len)
-    return _breakdown(cfg, 1, context_len, sparsity)
+    return _breakdown(cfg, 1, context_len, sparsity, causal_pairs(1, cfg.sliding_window, context_len - 1))
 
 
 def prefill_decode_split(cfg: ModelConfig, prompt_len: int, new_tokens: int,
@@ -280,12 +310,14 @@ def prefill_decode_split(cfg: ModelConfig, prompt_len: int, new_tokens: int,
     _check_pos_int("prompt_len", prompt_len)
     _check_pos_int("new_tokens", new_tokens, minimum=0)
     prefill = forward_flops(cfg, prompt_len, sparsity).total
-    # A decode step costs a + b * context_len (only the pair terms depend on the context), so the sum over
-    # context_len = prompt_len+1 .. prompt_len+new_tokens is closed-form.
-    a = _breakdown(cfg, 1, 0, sparsity).total
-    b = _breakdown(cfg, 1, 1, sparsity).total - a
-    sum_ctx = new_tokens * (2 * prompt_len + new_tokens + 1) // 2
-    return PrefillDecode(prefill=prefill, decode=new_tokens * a + b * sum_ctx)
+    # A decode step costs a + b * context_len + c * min(context_len, window) (only the pair terms depend on the
+    # context; c: the sliding-window blocks'), so the sum over the steps' contexts is closed-form: the pairs
+    # the new tokens score after the prompt.
+    a = _breakdown(cfg, 1, 0, sparsity, 0).total
+    b = _breakdown(cfg, 1, 1, sparsity, 0).total - a
+    c = _breakdown(cfg, 1, 0, sparsity, 1).total - a
+    pairs = causal_pairs(new_tokens, 0, prompt_len), causal_pairs(new_tokens, cfg.sliding_window, prompt_len)
+    return PrefillDecode(prefill=prefill, decode=new_tokens * a + b * pairs[0] + c * pairs[1])
 
 
 def norm_params_per_feature(cfg: ModelConfig) -> int:
