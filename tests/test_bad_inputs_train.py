@@ -122,6 +122,22 @@ def test_resume_accepts_bookkeeping_changes(tmp_path, shards, capsys):
     assert ckpt_steps(run_dir) == [2, 3, 4]
 
 
+def test_a_run_with_dropout_keeps_its_micro_batches_on_resume(tmp_path, shards, capsys):
+    """Dropout draws per micro-batch (seeded by its place): another --micro-batch-size draws other masks, so a
+    resume with one was another run (5e-3 in the next step's CE), not the bookkeeping change it passed for."""
+    from midlayer.train.loop import draws_randomly
+
+    assert draws_randomly({"dropout": 0.1}) and draws_randomly({"gating": True, "gate_values": "sampled"})
+    assert not draws_randomly({"gating": False, "gate_values": "sampled"}) and not draws_randomly({"dropout": 0.0})
+    run_dir = tmp_path / "run"
+    assert run(capsys, train_argv(shards, run_dir, "--steps", "4", "--stop-after", "2", "--dropout", "0.1"))[0] == 0
+    before = snapshot(tmp_path)
+    rc, _, err = run(capsys, train_argv(shards, run_dir, "--steps", "4", "--resume", "--dropout", "0.1",
+                                        "--micro-batch-size", "4"))
+    assert rc == 2 and "--micro-batch-size" in one_line_error(err)
+    assert snapshot(tmp_path) == before
+
+
 # ------------------------------------------------------------------------------------- 2. --stop-after
 @pytest.mark.parametrize("value", ["-1", "0"])
 def test_stop_after_must_be_positive(tmp_path, shards, capsys, value):
@@ -255,7 +271,7 @@ def test_diverging_run_stops_with_one_line_naming_the_last_good_checkpoint(tmp_p
     from midlayer.config import get_preset
     from midlayer.train.loop import lr_factor
     t = get_preset("debug", train=dict(steps=8, lr=5e-4))[2]
-    assert records[-1]["lr"] == pytest.approx(5e-4 * lr_factor(3, t))
+    assert records[-1]["lr"] == pytest.approx(5e-4 * lr_factor(2, t))  # record "step" 3: the update of step 2
     assert all(snapshot(tmp_path)[k] == v for k, v in before.items() if "ckpt_0000002" in k)  # kept
 
 
@@ -585,8 +601,8 @@ def test_shards_with_ids_beyond_the_vocabulary_are_refused_before_training(tmp_p
 
 def test_resuming_over_other_shards_is_refused_in_one_line(tmp_path, shards, finished_run, capsys):
     """--data is a glob: a shard added to (or taken from) its folder would change the data of every step after
-    the resumed one without a word. The checkpoint keeps the shards by name and size; --resume over others is
-    refused naming them, and nothing is changed."""
+    the resumed one without a word. The checkpoint keeps the shards by name, size and digest; --resume over
+    others is refused naming them, and nothing is changed."""
     rng = np.random.default_rng(1)
     write_shard(Path(shards).parent / "syn_train_001.bin", rng.integers(0, 512, 3_000))
     before = snapshot(finished_run)
@@ -595,7 +611,36 @@ def test_resuming_over_other_shards_is_refused_in_one_line(tmp_path, shards, fin
     assert rc == 2 and "other train shards" in line and "now also syn_train_001.bin" in line, line
     assert snapshot(finished_run) == before
     (Path(shards).parent / "syn_train_001.bin").unlink()
+    # a shard written again with other tokens keeps its name and size: its sampled digest tells (it resumed)
+    shard = Path(shards).parent / "syn_train_000.bin"
+    kept = shard.read_bytes()
+    write_shard(shard, rng.integers(0, 512, 9_000))
+    assert shard.stat().st_size == len(kept)
+    rc, out, err = run(capsys, [*train_argv(shards, finished_run, "--steps", "2"), "--resume"])
+    line = one_line_error(err)
+    assert rc == 2 and "no longer syn_train_000.bin" in line and "other content" in line, line
+    assert snapshot(finished_run) == before
+    shard.write_bytes(kept)
     assert run(capsys, [*train_argv(shards, finished_run, "--steps", "2"), "--resume"])[0] == 0
+
+
+def test_a_checkpoint_without_shard_digests_compares_names_and_sizes(tmp_path):
+    """Checkpoints of before the digest kept [name, size] per shard: they still resume over the same shards."""
+    from midlayer.train.checkpoint import CheckpointError
+    from midlayer.train.loop import _check_data, data_record, shard_digest
+
+    a, b = tmp_path / "a_train.bin", tmp_path / "b_val.bin"
+    a.write_bytes(bytes(range(256)) * 5000)  # 1.28 MB: sampled, not read whole
+    b.write_bytes(b"xy")
+    now = data_record([a], [b])
+    assert now["train"][0] == ["a_train.bin", 1_280_000, shard_digest(a)] and len(shard_digest(a)) == 16
+    _check_data({"train": [["a_train.bin", 1_280_000]], "val": [["b_val.bin", 2]]}, now, tmp_path)
+    _check_data(now, now, tmp_path)
+    with pytest.raises(CheckpointError, match="other val shards"):
+        _check_data({"train": now["train"], "val": [["b_val.bin", 2, "0" * 16]]}, now, tmp_path)
+    a.write_bytes(bytes(range(256)) * 4999 + bytes(reversed(range(256))))  # the last block changed
+    with pytest.raises(CheckpointError, match="other content"):
+        _check_data(now, data_record([a], [b]), tmp_path)
 
 
 @pytest.mark.parametrize("edit, named", [
@@ -718,3 +763,41 @@ def test_gate_settings_for_a_dense_model_are_refused(tmp_path, shards, capsys, f
     rc, _, err = run(capsys, train_argv(shards, tmp_path / "run", "--steps", "2", *flags))
     assert rc == 2 and named in one_line_error(err)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_killed_while_it_evaluates_resumes_to_the_same_log(tmp_path, shards, capsys, monkeypatch):
+    """A kill inside the step-4 evaluation: the run checkpointed step 4 before evaluating it, so the resume began
+    after it and the learning curve lost that point; now it evaluates first and the resume (from step 2) does it
+    again. --grad-norm-spike's running mean resumes with the run (a fresh one flagged other steps), and each
+    record's lr is the lr its update used (it was the next step's: the first warm-up lr never appeared)."""
+    from midlayer.train import loop
+
+    flags = ("--steps", "6", "--eval-every", "2", "--ckpt-every", "2", "--log-every", "1",
+             "--grad-norm-spike", "0.9", "--warmup-frac", "0.5")
+    assert run(capsys, train_argv(shards, tmp_path / "full", *flags))[0] == 0
+    evaluate = loop.Trainer.evaluate
+
+    def killed(self, step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return evaluate(self, step)
+    monkeypatch.setattr(loop.Trainer, "evaluate", killed)
+    assert run(capsys, train_argv(shards, tmp_path / "part", *flags))[0] == 130
+    monkeypatch.undo()
+    assert run(capsys, [*train_argv(shards, tmp_path / "part", *flags), "--resume"])[0] == 0
+
+    def log(run_dir):  # the last record of each step and event (a resume writes the redone steps again)
+        last = {(r.get("event"), r.get("step")): r for r in strict_json_lines(run_dir / "metrics.jsonl")}
+        return {k: v for k, v in last.items() if k[0] in (None, "eval")}
+    full, part = log(tmp_path / "full"), log(tmp_path / "part")
+    assert sorted(s for e, s in full if e == "eval") == sorted(s for e, s in part if e == "eval") == [2, 4, 6]
+    spikes = [s for (e, s), r in full.items() if "grad_norm_spike" in r]
+    assert spikes and spikes == [s for (e, s), r in part.items() if "grad_norm_spike" in r]
+    for k, r in full.items():  # (bar the throughput, a timing)
+        assert {n: v for n, v in r.items() if not n.endswith("_s")} == \
+            {n: v for n, v in part[k].items() if not n.endswith("_s")}, k
+    from midlayer.config import get_preset
+    t = get_preset("debug", train=dict(steps=6, warmup_frac=0.5))[2]
+    assert full[(None, 1)]["lr"] == pytest.approx(t.lr * t.warmup_start_factor)
+    used = [t.lr * loop.lr_factor(s, t) for s in range(6)]
+    assert [full[(None, s)]["lr"] for s in range(1, 7)] == pytest.approx(used)

@@ -17,8 +17,10 @@ Per optimizer step (paper section 3.1 defaults, every value a TrainConfig field)
 
 The random draws of a micro-batch (dropout, sampled hard gates) come from the global RNG seeded by (seed, step,
 the micro-batch's place in the global batch), `micro_batch_seed`: like the data, a pure function of where the
-micro-batch is, so N ranks draw exactly what one process draws for the same sequences (each rank its own), and
-a resumed run what an uninterrupted one does.
+micro-batch is, so a resumed run draws what an uninterrupted one does, and N ranks what one process draws when
+its micro-batches are theirs (micro_batch_size at most batch_size / N, the same in both). Micro-batches split
+otherwise draw other masks (the dropout kernels draw for a whole micro-batch): a run that draws
+(`draws_randomly`) refuses another micro_batch_size on resume; without draws it is free.
 """
 
 from __future__ import annotations
@@ -151,6 +153,12 @@ def perturb_weights(model: torch.nn.Module, rel: float, seed: int) -> None:
         p.copy_((p.double() * (1 + rel * z)).to(p.dtype))
 
 
+def draws_randomly(model: dict[str, Any]) -> bool:
+    """Whether a model (its config as a dict) draws random numbers in training: dropouts, sampled gates."""
+    return bool(model.get("dropout") or model.get("attn_dropout") or model.get("emb_dropout")
+                or (model.get("gating") and model.get("gate_values") == "sampled"))
+
+
 def micro_batch_seed(seed: int, step: int, offset: int) -> int:
     """The global RNG's seed for the micro-batch at `offset` (its first sequence's place in the global batch) of
     `step`: a 64-bit hash of the three (splitmix64's mixer), so that neighbouring micro-batches and steps get
@@ -235,6 +243,8 @@ def _check_resume(ckpt: dict[str, Any], path: Path, configs: dict[str, dict]) ->
     diff = (config_mismatch(saved["model"], configs["model"], ModelConfig)
             + config_mismatch(saved["sparsity"], configs["sparsity"], SparsityConfig))
     skip = FREE_ON_RESUME + RECOVERY_ON_RESUME
+    if draws_randomly(configs["model"]):  # (its micro-batches' places seed the draws: module docstring)
+        skip = tuple(k for k in skip if k != "micro_batch_size")
     diff += config_mismatch({k: v for k, v in saved["train"].items() if k not in skip},
                             {k: v for k, v in configs["train"].items() if k not in skip}, TrainConfig)
     if diff:
@@ -246,20 +256,41 @@ def _check_resume(ckpt: dict[str, Any], path: Path, configs: dict[str, dict]) ->
             if saved["train"].get(k) != configs["train"][k]}
 
 
+def shard_digest(path: Path, blocks: int = 16, block: int = 1 << 16) -> str:
+    """A sha256 of `blocks` blocks of `block` bytes spread evenly over a shard (all of it when it is smaller):
+    a shard written again with other tokens keeps its size (every FineWeb shard has the same), so the name and
+    size alone let a resume train on other data. A sample, not the whole file: 1 MiB read per shard."""
+    import hashlib
+
+    size, h = path.stat().st_size, hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= blocks * block:
+            h.update(f.read())
+        else:
+            for i in range(blocks):
+                f.seek((size - block) * i // (blocks - 1))
+                h.update(f.read(block))
+    return h.hexdigest()[:16]
+
+
 def data_record(train: list[Path], val: list[Path]) -> dict[str, list[list]]:
-    """The shards a run reads, by name and size in bytes, in order (what a checkpoint keeps: `--data` is a glob,
-    and a glob that matches other files on resume would silently change the data of every later step)."""
-    return {split: [[p.name, p.stat().st_size] for p in paths] for split, paths in (("train", train), ("val", val))}
+    """The shards a run reads, by name, size in bytes and `shard_digest`, in order (what a checkpoint keeps:
+    `--data` is a glob, and a glob that matches other files on resume, or a shard written again, would silently
+    change the data of every later step)."""
+    return {split: [[p.name, p.stat().st_size, shard_digest(p)] for p in paths]
+            for split, paths in (("train", train), ("val", val))}
 
 
 def _check_data(saved: dict[str, list[list]], now: dict[str, list[list]], path: Path) -> None:
-    """Refuse to resume `path` over other shards than those its run read (CheckpointError naming them)."""
+    """Refuse to resume `path` over other shards than those its run read (CheckpointError naming them). A
+    checkpoint of an older version kept no digest: its shards are compared by name and size."""
     for split in ("train", "val"):
         was = [tuple(x) for x in saved.get(split, [])]
-        got = [tuple(x) for x in now[split]]
+        got = [tuple(x)[:len(w)] for x, w in zip(now[split], was)] + [tuple(x) for x in now[split][len(was):]]
         if was != got:
-            gone = [f"{n} ({b} bytes)" for n, b in was if (n, b) not in got]
-            new = [f"{n} ({b} bytes)" for n, b in got if (n, b) not in was]
+            gone = [f"{x[0]} ({x[1]} bytes{', other content' if x[:2] in [y[:2] for y in got] else ''})"
+                    for x in was if x not in got]
+            new = [f"{x[0]} ({x[1]} bytes)" for x in got if x not in was and x[:2] not in [y[:2] for y in was]]
             what = "; ".join(x for x in (gone and "no longer " + ", ".join(gone[:3]),
                                          new and "now also " + ", ".join(new[:3])) if x) or "their order changed"
             raise CheckpointError(f"cannot resume {path}: its run read other {split} shards ({what}). Give it the "
@@ -475,7 +506,9 @@ class Trainer:
         self.per_control = cfg.control_batch_size // self.world
         self.control_acc = GateStatsAccumulator(n, device=self.dev) if self.control_windows is not None else None
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
-        self.grad_norm_ema: float | None = None
+        # the running mean of gradient norms that --grad-norm-spike compares with: resumed with the run (a
+        # fresh mean flagged other steps after a resume than the run straight through)
+        self.grad_norm_ema: float | None = None if self.ckpt is None else self.ckpt.get("grad_norm_ema")
 
     # ---------------------------------------------------------------------------------- the loop
     def run(self, stop_after: int | None) -> dict[str, Any]:
@@ -491,10 +524,12 @@ class Trainer:
             record = self.optimizer_step(step, *losses)
             self.update_controller(step, record)
             self.log_step(step, record, end)
-            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < end:
-                self._aside(self.checkpoint, step + 1)
+            # (evaluation first: a run killed while it evaluates resumes from the step's previous checkpoint
+            # and evaluates again; checkpointed first, the step's evaluation was lost for good)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 self._aside(self.evaluate, step + 1)
+            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < end:
+                self._aside(self.checkpoint, step + 1)
         if self.bar is not None:
             self.bar.close()
         return self.finish(end, time.perf_counter() - t_start - self.aside_total)
@@ -554,11 +589,12 @@ class Trainer:
                 "stopped before the optimizer step, nothing saved. "
                 + (f"Resume from {last[-1]} with --resume and a lower --lr or a --grad-clip."
                    if last else "Restart with a lower --lr or a --grad-clip."))
+        lr = self.opt.param_groups[0]["lr"]  # the lr of this update (after sched.step() the next one's)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         record: dict[str, Any] = {"step": step + 1, "ce": ce.item(), "reg_loss": reg_v.item(),
-                                  "grad_norm": grad_norm.item(), "lr": self.sched.get_last_lr()[0]}
+                                  "grad_norm": grad_norm.item(), "lr": lr}
         if self.model_cfg.moe_experts:  # 1 = balanced experts, E = one expert takes every token
             record["moe_aux"] = dist_utils.all_reduce_mean(moe_sum / accum).item()
         return record
@@ -638,7 +674,7 @@ class Trainer:
             model_state, opt_state = model.state_dict(), opt.state_dict()
         if info.is_main:
             state = {"model": model_state, "optimizer": opt_state, "scheduler": self.sched.state_dict(),
-                     "rng_cpu": torch.get_rng_state(), "data": self.data_record}
+                     "rng_cpu": torch.get_rng_state(), "data": self.data_record, "grad_norm_ema": self.grad_norm_ema}
             if self.controller is not None:
                 state["controller"] = self.controller.state_dict()
             if self.dev.type == "cuda":
