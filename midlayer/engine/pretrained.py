@@ -673,9 +673,7 @@ def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: i
         if v is not None and v != head_dim:
             raise ValueError(f"{path}: {a}.{k}={v} != embedding_length/head_count={head_dim}: partial RoPE and "
                              "head_dim != dim/heads are not supported")
-    scaling = key("rope.scaling.type", None, "text")
-    if scaling not in (None, "none") or key("rope.scaling.factor", 1.0, "number") not in (0.0, 1.0):
-        raise ValueError(f"{path}: {a}.rope.scaling.type={scaling!r}: RoPE scaling is not supported (plain RoPE only)")
+    _refuse_rope_scaling(key, path, a)
     if key("expert_count", 0, "int") > 0:
         raise ValueError(f"{path}: mixture-of-experts GGUF ({a}.expert_count > 0) is not supported")
     tokens = gguf_field(reader, "tokenizer.ggml.tokens", "texts", None, str(path))
@@ -698,6 +696,15 @@ def config_from_gguf(reader: Any, path: str | Path = "<gguf>", *, max_seq_len: i
     )
 
 
+def _refuse_rope_scaling(key: Any, path: Path, arch: str) -> None:
+    """RoPE scaling of any kind is refused by name (plain RoPE only; llama.cpp writes these keys for Llama 3.1
+    and for Gemma 3 4B-27B)."""
+    scaling = key("rope.scaling.type", None, "text")
+    if scaling not in (None, "none") or key("rope.scaling.factor", 1.0, "number") not in (0.0, 1.0):
+        raise ValueError(f"{path}: {arch}.rope.scaling.type={scaling!r}: RoPE scaling is not supported (plain RoPE "
+                         "only)")
+
+
 def _gemma3_gguf_config(key: Any, reader: Any, path: Path, max_seq_len: int | None) -> ModelConfig:
     """Gemma 3 from llama.cpp's `gemma3.*` keys, as `config_gemma3` reads a Hugging Face config: llama.cpp
     fixes what the keys leave out -- a global block every sixth (blocks 5, 11, ...), RoPE base 10^4 in the
@@ -705,6 +712,10 @@ def _gemma3_gguf_config(key: Any, reader: Any, path: Path, max_seq_len: int | No
     dim, n_heads = (_size(key(k), f"{path}: {k}") for k in ("embedding_length", "attention.head_count"))
     n_layers = _size(key("block_count"), f"{path}: block_count")
     head_dim = _size(key("attention.key_length", dim // n_heads), f"{path}: attention.key_length")
+    _refuse_rope_scaling(key, path, "gemma3")
+    if n_layers == 62:  # (the file does not say its query scale: llama.cpp knows 27B by its 62 blocks)
+        raise ValueError(f"{path}: Gemma 3 27B (62 blocks) scales queries by 1/sqrt(dim/heads), not "
+                         "1/sqrt(head_dim): not supported")
     if key("attention.value_length", head_dim, "int") != head_dim:
         raise ValueError(f"{path}: gemma3.attention.value_length != key_length: not supported")
     for k in ("final_logit_softcapping", "attn_logit_softcapping"):
