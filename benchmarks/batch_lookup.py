@@ -9,7 +9,6 @@ pays"); aggregate tokens/s of two interleaved passes, and the drafter's tokens p
 
 from __future__ import annotations
 
-import sys
 
 import midlayer
 from batch_rows import engine_rates  # (this folder is on the path when a benchmark runs as a script)
@@ -17,8 +16,13 @@ from midlayer.experiments.bench import machine_line
 
 
 def main() -> None:
-    name = sys.argv[1] if len(sys.argv) > 1 else "gemma3-270m"
-    draft = sys.argv[2] if len(sys.argv) > 2 else "lookup"
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # (--help was taken for a model name)
+    p.add_argument("model", nargs="?", default="gemma3-270m", help="smollm2-135m or gemma3-270m")
+    p.add_argument("draft", nargs="?", default="lookup", help="lookup, or a train-draft directory")
+    args = p.parse_args()
+    name, draft = args.model, args.draft
     llm = midlayer.LLM.load(name, weights="q4")
     rates: dict[tuple[str, int], list[float]] = {}
     taus: dict[int, list[float]] = {}

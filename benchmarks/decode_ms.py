@@ -7,13 +7,18 @@ prefill included. Run the two roots in turn, several rounds, in one loop.
     python benchmarks/decode_ms.py ROOT [FORMAT]
 """
 
+import argparse
 import statistics
 import sys
 import time
 
 import os  # noqa: E402
 
-ROOT = os.path.realpath(sys.argv[1])  # (a relative ROOT such as "." failed the check below)
+_p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # (--help was an AssertionError)
+_p.add_argument("root", help="a checkout (worktree) of the commit to time")
+_p.add_argument("format", nargs="?", default="q4", help="weight format (fp32, bf16, int4, q4)")
+_args = _p.parse_args()
+ROOT = os.path.realpath(_args.root)  # (a relative ROOT such as "." failed the check below)
 sys.path.insert(0, ROOT)
 
 import midlayer  # noqa: E402
@@ -23,7 +28,7 @@ from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
 from midlayer.engine.pretrained import load_pretrained  # noqa: E402
 from midlayer.engine.quantization import compress_weights  # noqa: E402
 
-fmt = sys.argv[2] if len(sys.argv) > 2 else "q4"
+fmt = _args.format
 m, tok = load_pretrained("smollm2-135m")
 m = compress_weights(m, fmt).eval()
 prompts = ["Write a haiku about rain on a tin roof.", "Explain what a hash map is.", "List three uses of copper.",
@@ -38,4 +43,4 @@ for _ in range(3):
         t = time.perf_counter()
         out = generate(m, [ids], cfg)[0]
         ts.append((time.perf_counter() - t) / len(out))
-print(f"{sys.argv[1]} {fmt} median ms/token {1e3 * statistics.median(ts):.3f}")
+print(f"{_args.root} {fmt} median ms/token {1e3 * statistics.median(ts):.3f}")

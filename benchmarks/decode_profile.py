@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import sys
 
 import torch
 
@@ -46,4 +45,8 @@ def main(fmt: str = "q4") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # (--help was taken for a weight format)
+    p.add_argument("format", nargs="?", default="q4", help="weight format (fp32, bf16, int4, q4)")
+    main(p.parse_args().format)

@@ -501,6 +501,17 @@ def test_train_gates_and_gates_flags(tiny, work, capsys):
     refused(capsys, [*bench, "--gates", f"a={work}", "--static", "x"], "--static", roots=(work,))
     refused(capsys, [*bench, "--gates", f"a={work}", "--prompts", "0"], "--prompts", roots=(work,))
     refused(capsys, [*bench, "--gates", f"a={work}", "--data", "none.jsonl"], "--data none.jsonl", roots=(work,))
+    # labels of the rows it adds itself (they replaced the user's gates), --output on its own --data (it
+    # overwrote the distillation data), a static skip from a block no router leads (it was refused after the load)
+    refused(capsys, [*bench, "--gates", f"open gates (overhead)={work}"], "taken by a row", roots=(work,))
+    refused(capsys, [*bench, "--gates", f"static-skip 1-2={work}"], "taken by the rows of --static", roots=(work,))
+    data = work / "distill.jsonl"
+    data.write_text("kept\n")
+    refused(capsys, [*bench, "--gates", f"a={work}", "--data", str(data), "--output", str(data)],
+            "the --data file this command reads", roots=(work,))
+    assert data.read_text() == "kept\n"
+    refused(capsys, [*bench, "--gates", f"a={work}", "--data", str(data), "--static", "0,99"],
+            "--static 0,99", "got 99", roots=(work,))
 
 
 def test_a_crashing_llama_cpp_costs_the_bench_its_column_not_the_run(tmp_path, monkeypatch, capsys):
@@ -615,3 +626,40 @@ def test_bench_train_refuses_bad_sizes_and_models_before_building_any(capsys, mo
 
     monkeypatch.setattr(tb, "ours", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("a model was built")))
     refused(capsys, ["bench", "train", "--steps", "1", "--repeats", "1", *flags], named)
+
+
+def test_bench_decode_on_cuda_takes_its_drafts_and_refuses_what_the_static_bench_has_not(monkeypatch, tmp_path):
+    """`bench decode --device cuda` runs `bench static`: its --drafts reach it (checked: a missing folder was
+    accepted and the default drafts ran instead), and --layer-skip, --tree, --weights, --prompts, which it has
+    no use for, are refused (they were ignored without a word). Checked with the device taken for CUDA."""
+    import torch
+    from midlayer.cli import build_parser
+    from midlayer.commands import benchmarks
+
+    monkeypatch.setattr(benchmarks, "resolve_device", lambda d: torch.device("cuda"))
+    base = ["bench", "decode", "--device", "cuda"]
+    kw = benchmarks.check_bench_static_args(build_parser().parse_args(base))
+    assert "drafts" not in kw  # (bench static's own default drafts)
+    kw = benchmarks.check_bench_static_args(build_parser().parse_args([*base, "--drafts", f"mine={tmp_path}"]))
+    assert kw["drafts"] == {"mine": str(tmp_path)}
+    with pytest.raises(ValueError, match="--drafts mine=/nonexistent/dir: no such directory"):
+        benchmarks.check_bench_static_args(build_parser().parse_args([*base, "--drafts", "mine=/nonexistent/dir"]))
+    for flag, value in (("--layer-skip", "9:12"), ("--tree", "chain"), ("--weights", "fp32"), ("--prompts", "base")):
+        with pytest.raises(ValueError, match=f"^{flag}: `bench decode --device cuda` runs `bench static`"):
+            benchmarks.check_bench_static_args(build_parser().parse_args([*base, flag, value]))
+
+
+BENCHMARK_SCRIPTS = sorted(p.name for p in (Path(__file__).parent.parent / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", BENCHMARK_SCRIPTS)
+def test_every_benchmark_script_answers_help_without_running(script):
+    """`python benchmarks/X.py --help` prints its usage and exits 0 (three took --help for a model name, a
+    ROOT or a weight format: tracebacks, one after loading SmolLM2)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--help"], cwd=root, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), (r.returncode, r.stdout[-300:], r.stderr[-600:])

@@ -6,6 +6,7 @@ full queue answers 503, and a client that disconnects frees its slot."""
 from __future__ import annotations
 
 import copy
+import math
 import re
 import threading
 import time
@@ -560,3 +561,18 @@ def test_bench_serves_client_rows_count_tokens_and_reused_prompt_tokens(llm):  #
     assert row["equal"] == 4 and row["tokens"] == 4 * len(ref.token_ids) and 0 < row["reused"] < 1
     table = serve_table(dict(model="tiny", weights="q4", max_tokens=6, rows=[dict(row, vs_one_client=None)]))
     assert f"{100 * row['reused']:.0f}%" in table.splitlines()[-1]
+
+
+def test_bench_serve_quantiles_are_interpolated_and_a_short_prompt_set_is_refused():
+    """p50 of two requests is their mean, not the slower one; p90 of ten values lies between the ninth and the
+    tenth (it was the maximum). More requests than the prompt set holds is refused before the model loads (55
+    base prompts served 55 of the 64 requests --help promised)."""
+    from midlayer.experiments import serve_bench
+    from midlayer.experiments.bench import heldout_texts
+
+    assert serve_bench._pct([3.0, 1.0], 0.5) == 2.0 and serve_bench._pct([5.0], 0.9) == 5.0
+    assert serve_bench._pct([float(i) for i in range(1, 11)], 0.9) == pytest.approx(9.1)
+    assert serve_bench._pct([1.0, 2.0, 4.0], 0.5) == 2.0 and math.isnan(serve_bench._pct([], 0.5))
+    n = len(heldout_texts(10_000, "base"))
+    with pytest.raises(ValueError, match=f"need {n + 1} prompts; the base prompt set holds {n} held-out ones"):
+        serve_bench.bench_serve(model="no-such-model", clients=(1, n + 1), requests_per_client=1, prompts="base")

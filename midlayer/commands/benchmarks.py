@@ -18,7 +18,11 @@ from midlayer.experiments import bench, train_bench
 from midlayer.experiments.static_bench import bench_static, DTYPES, static_table
 from midlayer.train.distributed import resolve_device
 
-
+# `bench decode`'s flags that only its CPU benchmark reads, at their defaults: with --device cuda it runs
+# `bench static`, which times the static step's drafters (its own default drafts unless --drafts is given)
+DECODE_CPU_ONLY = {"drafts": "hidden-transfer=drafts/smollm2-135m/hidden-transfer,medusa=drafts/smollm2-135m/medusa,"
+                             "early-exit=drafts/smollm2-135m/early-exit",
+                   "layer_skip": "10:20", "tree": "auto", "weights": "q4", "prompts": "scaled"}
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -61,8 +65,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--output", default=None, help="also write the results as JSON here")
     b = bsub.add_parser("decode", help="speculative decoding per drafter: tau, draft accuracy, speedup, losslessness")
     b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--drafts", default="hidden-transfer=drafts/smollm2-135m/hidden-transfer,"
-                                       "medusa=drafts/smollm2-135m/medusa,early-exit=drafts/smollm2-135m/early-exit",
+    b.add_argument("--drafts", default=DECODE_CPU_ONLY["drafts"],
                    help="comma-separated LABEL=DIR of train-draft outputs, or LABEL=lookup for prompt lookup (no "
                         "training); default: the committed SmolLM2 drafts")
     b.add_argument("--layer-skip", default="10:20", help="A:B = a layer-skip drafter skipping blocks A..B-1 ('' = none)")
@@ -79,7 +82,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--output", default=None, help="also write the results as JSON here")
     b.add_argument("--device", default=None,
                    help="a CUDA device runs `bench static` there instead (EAGLE and Medusa through the static step, "
-                        "beside transformers' CUDA-graph recipe); default: this CPU benchmark")
+                        "beside transformers' CUDA-graph recipe; a --drafts given replaces its drafts); default: this "
+                        "CPU benchmark")
     b = bsub.add_parser("static", help="the static decode step (eager / CUDA graphs / compile), plain and speculative, "
                                        "vs the dynamic engine and transformers' static cache + CUDA-graph recipe")
     b.add_argument("--model", default="smollm2-135m")
@@ -157,6 +161,32 @@ def check_bench_generate_args(args: argparse.Namespace) -> tuple[float, ...]:
     return fractions
 
 
+def check_bench_gates_args(args: argparse.Namespace) -> dict[str, str]:
+    """The gates to compare ({label: train-gates output}) of `bench gates`, every flag checked before the model
+    loads: a label is none of the rows the benchmark adds itself (it replaced the user's gates), --output is not
+    --data (it overwrote the distillation data), --static's blocks are routed ones."""
+    for flag, value in (("--prompts", args.prompts), ("--records", args.records), ("--new-tokens", args.new_tokens)):
+        positive(flag, value)
+    check_output("--output", args.output, {"--data": args.data})
+    gates = label_dirs("--gates", args.gates, "a train-gates output", reserved=("dense", "open gates (overhead)"))
+    if not gates:
+        raise ValueError("--gates: give at least one LABEL=DIR (a train-gates output)")
+    taken = next((label for label in gates if label.startswith("static-skip ")), None)
+    if taken is not None:
+        raise ValueError(f"--gates: label {taken!r} is taken by the rows of --static; choose another")
+    if args.static not in ("auto", "none"):
+        if not all(x.strip().isdigit() for x in args.static.split(",")):
+            raise ValueError(f"--static: auto, none or comma-separated block indices, got {args.static!r}")
+        routed = pretrained_config(args.model).n_layers // 2
+        bad = [x.strip() for x in args.static.split(",") if int(x) >= routed]
+        if bad:
+            raise ValueError(f"--static {args.static}: a static skip starts at a routed block, 0 <= first < {routed} "
+                             f"for {args.model}, got {bad[0]}")
+    if not Path(args.data).is_file():
+        raise ValueError(f"--data {args.data}: no such file (a midlayer.speculative.distill output)")
+    return gates
+
+
 def check_bench_static_args(args: argparse.Namespace) -> dict:
     """bench_static's keyword arguments from `bench static` (or `bench decode/generate --device cuda`), every
     flag checked before anything is loaded."""
@@ -182,6 +212,13 @@ def check_bench_static_args(args: argparse.Namespace) -> dict:
             raise ValueError(f"--nodes {args.nodes}: at most 63 (a round with hidden transfer's 3 pseudo blocks fits "
                              "256 rows)")
         kw.update(nodes=args.nodes, max_prompts=args.max_prompts, compare_transformers=not args.no_transformers)
+    if args.bench == "decode":  # (they were ignored without a word, --drafts unchecked)
+        given = [k for k, v in DECODE_CPU_ONLY.items() if k != "drafts" and getattr(args, k) != v]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')}: `bench decode --device cuda` runs `bench static`, which "
+                             "has no such setting (bf16 and fp32, the static step's trees); leave it out")
+        if args.drafts != DECODE_CPU_ONLY["drafts"]:
+            kw.update(drafts=label_dirs("--drafts", args.drafts, "a train-draft output"))
     if args.bench != "static":
         return kw
     dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
@@ -255,16 +292,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if resolve_device(args.device).type == "cuda":
             return _bench_static(args)  # the GPU's benchmark: the static step beside transformers' CUDA-graph recipe
     if args.bench == "gates":
-        for flag, value in (("--prompts", args.prompts), ("--records", args.records), ("--new-tokens", args.new_tokens)):
-            positive(flag, value)
-        check_output("--output", args.output)
-        gates = label_dirs("--gates", args.gates, "a train-gates output", reserved=("dense",))
-        if not gates:
-            raise ValueError("--gates: give at least one LABEL=DIR (a train-gates output)")
-        if args.static not in ("auto", "none") and not all(x.strip().isdigit() for x in args.static.split(",")):
-            raise ValueError(f"--static: auto, none or comma-separated block indices, got {args.static!r}")
-        if not Path(args.data).is_file():
-            raise ValueError(f"--data {args.data}: no such file (a midlayer.speculative.distill output)")
+        gates = check_bench_gates_args(args)
         r = bench.bench_gates(args.model, gates, args.data, args.static, args.prompts, args.new_tokens, args.weights,
                               records=args.records)
         print(bench.gates_table(r))

@@ -99,16 +99,21 @@ RUN_FILES = ("metrics.jsonl", "config.json", "eval.json", "draft.json", "draft.s
              "extrapolation.json", "throughput.json")  # (a run's, a sweep's: plot reads them back)
 
 
-def check_output(flag: str, path: str | None) -> None:
+def check_output(flag: str, path: str | None, inputs: dict[str, str | None] | None = None) -> None:
     """A results file that can be written without overwriting work: checked before the work whose result it
-    would hold. Refused: a folder, a missing folder, a checkpoint's name, and a file that a run, a draft or a
+    would hold. Refused: a folder, a missing folder, a checkpoint's name, a file that a run, a draft or a
     sweep keeps in a folder that holds one (`RUN_FILES`; issue 43: `eval RUN --output RUN/metrics.jsonl`
-    replaced the training log)."""
+    replaced the training log), and the command's own input files (`inputs`, flag -> path: `bench gates
+    --output` on its --data replaced the distillation data with its table)."""
     import re
 
     if path is None:
         return
     p = Path(path)
+    for name, given in (inputs or {}).items():
+        if given and p.resolve() == Path(given).resolve():
+            raise ValueError(f"{flag} {path}: that is the {name} file this command reads; the results would "
+                             "overwrite it")
     if p.is_dir():
         raise ValueError(f"{flag} {path}: is a directory; give a file name")
     if not p.parent.is_dir():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from .options import add_config_flags, check_output, overrides_from_args, write_output
 from midlayer.common import cache_dir, json_safe, resolve_dtype
@@ -85,9 +84,7 @@ def check_eval_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if args.eval_tokens is not None and args.eval_tokens < 0:
         raise ValueError(f"--eval-tokens must be >= 0 (0 = the whole split), got {args.eval_tokens}")
-    check_output("--output", args.output)
-    if args.output and Path(args.output).resolve() == Path(args.checkpoint).resolve():
-        raise ValueError(f"--output {args.output}: that is the checkpoint itself; the JSON would overwrite it")
+    check_output("--output", args.output, {"checkpoint": args.checkpoint})
     if args.device is not None:
         resolve_device(args.device)
 

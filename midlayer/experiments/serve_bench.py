@@ -37,8 +37,14 @@ def _free_port() -> int:
 
 
 def _pct(values: list[float], q: float) -> float:
+    """The q-quantile, linearly interpolated between the sorted values (numpy's default): p50 is the median (the
+    upper of two values was taken for it, and p90 of ten values was their maximum)."""
     s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+    if not s:
+        return float("nan")
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
 
 
 def _one_request(url: str, name: str, text: str, max_tokens: int
@@ -150,8 +156,12 @@ def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | N
 
     if not clients or min(clients) < 1 or requests_per_client < 1 or max_tokens < 1:
         raise ValueError("clients, requests per client and max_tokens must be >= 1")
-    llm = LLM.load(model, weights=weights)
     texts = heldout_texts(max(clients) * requests_per_client, prompts)
+    if len(texts) < max(clients) * requests_per_client:  # (it served fewer requests than it said)
+        raise ValueError(f"--requests-per-client {requests_per_client}: {max(clients)} clients x {requests_per_client} "
+                         f"requests need {max(clients) * requests_per_client} prompts; the {prompts} prompt set holds "
+                         f"{len(texts)} held-out ones")
+    llm = LLM.load(model, weights=weights)
     rows = []
     for mode in ["plain"] + ([f"draft {draft}"] if draft else []):
         llm.attach(draft if mode != "plain" else None, tree="auto")
