@@ -791,3 +791,82 @@ def test_collect_prices_runs_with_the_current_cost_model(tmp_path):
     assert by["gated-query"]["active_params"] - by["gated-key"]["active_params"] == pytest.approx(2 * 0.75 * 2080)
     for name in ("old", "bare", "other"):
         assert (by[name]["flops_per_seq"], by[name]["flops_ratio"], by[name]["active_params"]) == (3.0, 0.75, 5.0)
+
+
+def test_t_quantile_beyond_the_table_and_a_twelve_seed_interval():
+    """Beyond 10 degrees of freedom the interval used the normal quantile 1.96: with 12 seeds a 92% interval
+    called "higher" what a 95% one does not. t975 continues the table (exact values: standard tables)."""
+    from midlayer.experiments.plot import paired_difference, t975
+
+    for df, exact in ((10, 2.228), (11, 2.201), (12, 2.179), (20, 2.086), (30, 2.042), (120, 1.980)):
+        assert t975(df) == pytest.approx(exact, abs=6e-4), df
+    xs = [0.01 * x for x in (-1.5, -1.2, -0.9, -0.6, -0.3, 0.0, 0.0, 0.3, 0.6, 0.9, 1.2, 1.5)]
+    std = math.sqrt(sum(x * x for x in xs) / 11)
+    diffs = [x + 2.08 * std / math.sqrt(12) for x in xs]  # t = 2.08: between 1.96 and t975(11) = 2.201
+    d = paired_difference(diffs)
+    assert d["ci95"] == pytest.approx(t975(11) * std / math.sqrt(12))
+    assert d["mean"] - d["ci95"] < 0 < d["mean"] - 1.96 * std / math.sqrt(12)  # 1.96 excluded 0 here
+    assert d["verdict"] == "within noise"
+
+
+def test_plot_without_configs_pairs_by_the_names_seeds_and_refuses_foreign_folders(tmp_path, capsys):
+    """Runs whose config.json is gone: the seed comes from the run's name (every seed was None, and the paired
+    comparisons pooled all seeds' dense runs into one curve) and the gating index is unknown (it was taken for
+    "key"). sweep.json that is no sweep's record, a parts run with a string val_ce, and runs of no Figure-2 grid
+    without a sweep.json are one-line errors or notes, not tracebacks or a report of the wrong kind. The default
+    output is in the sweep's folder (docs/results' hand-written pages were replaced)."""
+    import shutil
+
+    from midlayer.experiments.plot import collect_parts, run_seed, write_report
+
+    assert run_seed("gated-key-mu0.25-s2", {}) == 2 and run_seed("x-s1", {"train": {"seed": 7}}) == 7
+    assert run_seed("dense-3", {}) is None
+    sweep_dir = _fake_sweep(tmp_path)
+    for run in sweep_dir.iterdir():
+        if run.is_dir():
+            shutil.copytree(run, sweep_dir / f"{run.name}-s1")
+            for p in (run, sweep_dir / f"{run.name}-s1"):
+                (p / "config.json").unlink()
+            run.rename(sweep_dir / f"{run.name}-s0")
+    (sweep_dir / "sweep.json").unlink()
+    rows = collect(sweep_dir)
+    assert sorted({r["seed"] for r in rows}) == [0, 1]
+    assert all(r["gate_attention"] is None for r in rows if r["kind"] != "dense")
+    try:
+        write_report(sweep_dir)
+    except ImportError as e:  # (no matplotlib: the tables are written all the same)
+        assert "were written" in str(e)
+    assert (sweep_dir / "figure2.md").is_file() and (sweep_dir / "figure2.csv").is_file()
+    (sweep_dir / "sweep.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="sweep.json: not a sweep's record"):
+        write_report(sweep_dir, tmp_path / "r")
+    (sweep_dir / "sweep.json").write_text(json.dumps({"grid": 5}))
+    with pytest.raises(ValueError, match="sweep.json: not a sweep's record"):
+        write_report(sweep_dir, tmp_path / "r")
+    parts = tmp_path / "parts"
+    for name, ce in (("baseline-s0", 4.5), ("swa-64-s0", "4.4")):
+        (parts / name).mkdir(parents=True)
+        (parts / name / "eval.json").write_text(json.dumps({"val_ce": ce, "seq_len": 16}))
+    with pytest.raises(ValueError, match="no sweep.json says what sweep this is"):
+        write_report(parts, tmp_path / "r")
+    rows, _ = collect_parts(parts)
+    assert [r["part"] for r in rows] == ["baseline"]
+    assert "swa-64-s0: its final val_ce is '4.4'" in capsys.readouterr().err
+
+
+def test_the_parts_table_prices_runs_with_the_current_cost_model():
+    """The committed swa-64 runs stored the FLOPs of a cost model that costed a window block as a full one; the
+    parts table read them (it showed the baseline's FLOPs). It prices each run from its config, as `collect`."""
+    from midlayer.config import ModelConfig, from_dict
+    from midlayer.experiments.plot import collect_parts
+    from midlayer.model.flops import forward_flops
+
+    root = Path(__file__).parent.parent / "sweeps" / "parts"
+    run = root / "swa-64-s0"
+    stored = json.loads((run / "eval.json").read_text())
+    cfg = from_dict(ModelConfig, json.loads((run / "config.json").read_text())["model"])
+    now = forward_flops(cfg, stored["seq_len"]).total
+    assert cfg.sliding_window == 64 and now < stored["flops_per_seq"]
+    rows = {r["part"]: r for r in collect_parts(root)[0]}
+    assert rows["swa-64"]["flops_per_token"] == pytest.approx(now / stored["seq_len"])
+    assert rows["swa-64"]["flops_per_token"] < rows["baseline"]["flops_per_token"]

@@ -33,8 +33,8 @@ def add_plot(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="Figure 2 (PNG) and tables (CSV, Markdown) of a sweep's results")
     p.add_argument("sweep_dir", help="a sweep folder, e.g. runs/sweep/cpu")
     p.add_argument("--out", default=None, metavar="PREFIX",
-                   help="writes PREFIX.png/.csv/.md (default docs/results/figure2-<grid>; cpu-seeds: figure2-cpu, "
-                        "cpu: figure2-cpu-800)")
+                   help="writes PREFIX.png/.csv/.md (default SWEEP_DIR/figure2, a parts sweep's SWEEP_DIR/parts-table; "
+                        "the committed reports: --out docs/results/figure2-cpu, docs/results/parts-cpu-table)")
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ the seeds, so that a difference is called only where it exceeds the seed spread.
 (`gating_differences`) are compared through those gaps, seed by seed.
 
     midlayer plot sweeps/cpu-seeds --out docs/results/figure2-cpu   # docs/results/figure2-cpu.{png,csv,md}
-    midlayer plot runs/sweep/cpu                   # docs/results/figure2-cpu-800.{png,csv,md}
+    midlayer plot runs/sweep/cpu                   # runs/sweep/cpu/figure2.{png,csv,md}
     midlayer plot runs/sweep/cpu --out /tmp/fig2   # /tmp/fig2.{png,csv,md}
 """
 
@@ -46,9 +46,6 @@ DEFAULT_DELTA = 0.01  # SparsityConfig.delta's default, for runs whose config is
 # The controller acts on training batches, so the report also judges each block on them: the mean of the logged
 # training steps (`gate_mean/l` in metrics.jsonl, every log_every-th step) over this many final steps.
 TRAIN_GATE_WINDOW = 100
-# Where a grid's committed report lives when `--out` is not given: the three-seed sweep is the Figure-2 report,
-# the first 800-step one-seed sweep is kept beside it.
-REPORT_NAMES = {"cpu-seeds": "figure2-cpu", "cpu": "figure2-cpu-800"}
 _TOL = 1e-9  # so that a difference of exactly delta counts as met despite binary rounding
 
 
@@ -132,7 +129,9 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
     """One row per run of `sweep_dir` whose eval.json holds a final evaluation (val_ce).
 
     Metadata (kind, depth, controller, mu0, mu_final, delta) comes from the run's config.json, else from
-    sweep.json, else from eval.json alone. Unfinished runs (no val_ce yet) are left out with a note.
+    sweep.json, else from eval.json alone; the seed from the config, else the run's name (`run_seed`); the gating
+    index only from the config (None: left out of the pooled and key-vs-query comparisons). Unfinished runs (no
+    val_ce yet) are left out with a note.
     """
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
@@ -194,8 +193,9 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             "gate_sparsity": list(res.get("gate_sparsity") or []),
             "grid": (sweep or {}).get("grid", sweep_dir.name),
             "point": point_name(run_dir.name),
-            "seed": (cfg.get("train") or {}).get("seed"),
-            "gate_attention": model.get("gate_attention", "key") if gating else None,
+            "seed": run_seed(run_dir.name, cfg),
+            # (unknown without the run's config: taken for "key", query runs were pooled with key ones)
+            "gate_attention": (model.get("gate_attention", "key") if model else None) if gating else None,
             "train_gate_mean": train_gate_means(run_dir) if gating else None,
         }
         rows.append(row)
@@ -215,6 +215,15 @@ def _wall_summary(rows: list[dict[str, Any]], grid: str) -> str:
     if machines:
         text += " Machine: " + "; ".join(machines) + "."
     return text
+
+
+def run_seed(run: str, cfg: dict[str, Any]) -> int | None:
+    """A run's seed: its config's, else its name's `-sN` suffix (a sweep's names), else None. (Without the config
+    every seed was None: the paired comparisons pooled all seeds' dense runs into one curve.)"""
+    seed = (cfg.get("train") or {}).get("seed")
+    if seed is None and (m := re.search(r"-s(\d+)$", run)):
+        seed = int(m.group(1))
+    return seed
 
 
 def point_name(run: str) -> str:
@@ -267,8 +276,19 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (standard tables), for the confidence interval of a
-# mean over a few seeds; beyond the table the normal quantile is close enough for a report.
+# mean over a few seeds; beyond the table `t975`'s expansion (the normal quantile alone, 1.96, made the interval of
+# 12 seeds a 92% one).
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def t975(df: int) -> float:
+    """Student's t 0.975 quantile: the table to 10 degrees of freedom, then the Cornish-Fisher expansion in 1/df
+    around the normal quantile (Abramowitz & Stegun 26.7.5; within 1e-4 of the exact value from df 8 on)."""
+    if df in _T975:
+        return _T975[df]
+    z, v = 1.959963984540054, float(df)
+    return (z + (z ** 3 + z) / (4 * v) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * v ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * v ** 3))
 
 
 def paired_difference(diffs: list[float], names: tuple[str, str] = ("lower", "higher")) -> dict[str, Any]:
@@ -276,7 +296,7 @@ def paired_difference(diffs: list[float], names: tuple[str, str] = ("lower", "hi
     lies below 0, names[1] where above, "within noise" where it holds 0, "one seed" with no spread to judge."""
     mean, std, _, _ = _stats(diffs)
     n = len(diffs)
-    half = _T975.get(n - 1, 1.96) * std / math.sqrt(n) if n > 1 else None
+    half = t975(n - 1) * std / math.sqrt(n) if n > 1 else None
     if half is None:
         verdict = "one seed"
     elif mean + half < 0:
@@ -711,16 +731,19 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
     every part timed interleaved on a quiet machine; `speed_vs_baseline` is its same-round ratio), else the
     runs' own tokens/s (measured hours apart, often beside other jobs: `speed_source` says which)."""
     sweep_dir = Path(sweep_dir)
-    sweep = _read_json(sweep_dir / "sweep.json") or {}
-    status = {r.get("name"): r.get("status") for r in sweep.get("runs", []) if isinstance(r, dict)}
-    names = [r["name"] for r in sweep.get("runs", []) if isinstance(r, dict) and "name" in r] or \
+    sweep = _read_json(sweep_dir / "sweep.json")
+    runs = _sweep_runs(sweep if isinstance(sweep, dict) else None)
+    status = {r.get("name"): r.get("status") for r in runs}
+    names = [r["name"] for r in runs if isinstance(r.get("name"), str)] or \
         sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
     parts: dict[str, list[dict[str, Any]]] = {}
     stability: list[dict[str, Any]] = []
     for name in names:
         run = sweep_dir / name
-        res = _read_json(run / "eval.json") or {}
-        ext = (_read_json(run / "extrapolation.json") or {}).get("val_ce") or {}
+        res = _read_json(run / "eval.json")
+        res = res if isinstance(res, dict) else {}
+        ext = _read_json(run / "extrapolation.json")
+        ext = (ext.get("val_ce") if isinstance(ext, dict) else None) or {}
         gone = status.get(name) == "diverged" or diverged(run)
         if "-lr" in name:
             if res.get("val_ce") is None and not gone:
@@ -732,11 +755,17 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
         part = point_name(name)
         if res.get("val_ce") is None and not gone:
             continue  # not finished yet
+        ce = res.get("val_ce")
+        if not gone and (isinstance(ce, bool) or not isinstance(ce, (int, float)) or not math.isfinite(ce)):
+            print(f"plot: {name}: its final val_ce is {ce!r}, left out", file=sys.stderr)  # (was a TypeError)
+            continue
         seq = res.get("seq_len")
+        # the current cost model from the run's config, as `collect` does (eval.json's FLOPs are of its day)
+        cost = estimated_costs((_read_json(run / "config.json") or {}).get("model") or {}, res)
         parts.setdefault(part, []).append({
-            "val_ce": None if gone else res.get("val_ce"), "diverged": gone, "params": res.get("params"),
-            "active_params": res.get("active_params"), "tokens_per_s": res.get("train_tokens_per_s"),
-            "flops_per_token": res["flops_per_seq"] / seq if res.get("flops_per_seq") and seq else None,
+            "val_ce": None if gone else ce, "diverged": gone, "params": res.get("params"),
+            "active_params": cost["active_params"], "tokens_per_s": res.get("train_tokens_per_s"),
+            "flops_per_token": cost["flops_per_seq"] / seq if cost["flops_per_seq"] and seq else None,
             "ext": ext, "seq_len": seq})
     # lr x 1 of the stability curves: the placement's own seed-0 run in the grid (PARTS_PLACEMENT_PART)
     for placement, part in PARTS_PLACEMENT_PART.items():
@@ -746,20 +775,7 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
         if any(r["placement"] == placement for r in stability) and (gone or res.get("val_ce") is not None):
             stability.append({"placement": placement, "lr_multiple": 1,
                               "val_ce": None if gone else res.get("val_ce"), "diverged": gone})
-    rows = []
-    for part, runs in parts.items():
-        ces = [r["val_ce"] for r in runs if r["val_ce"] is not None]
-        seq = next((r["seq_len"] for r in runs if r["seq_len"]), None)
-        row: dict[str, Any] = {"part": part, "seeds": len(runs), "diverged": sum(r["diverged"] for r in runs),
-                               "val_ce": sum(ces) / len(ces) if ces else None,
-                               "spread": max(ces) - min(ces) if len(ces) > 1 else None}
-        for key in ("params", "active_params", "flops_per_token", "tokens_per_s"):
-            vals = [r[key] for r in runs if r[key] is not None]
-            row[key] = sum(vals) / len(vals) if vals else None
-        for m in (2, 4):
-            vals = [r["ext"].get(str(seq * m)) for r in runs if seq and r["ext"].get(str(seq * m)) is not None]
-            row[f"val_ce_x{m}"] = sum(vals) / len(vals) if vals else None
-        rows.append(row)
+    rows = [_part_row(part, runs) for part, runs in parts.items()]
     base = next((r["val_ce"] for r in rows if r["part"] == "baseline"), None)
     for r in rows:
         r["delta"] = None if base is None or r["val_ce"] is None else r["val_ce"] - base
@@ -774,6 +790,23 @@ def collect_parts(sweep_dir: Path | str) -> tuple[list[dict[str, Any]], list[dic
             r.update(speed_vs_baseline=None if not base_speed or r["tokens_per_s"] is None
                      else r["tokens_per_s"] / base_speed, speed_source="runs")
     return rows, stability
+
+
+def _part_row(part: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A part's row of the table from its seeds' runs: mean val CE and its spread (max - min), mean params,
+    FLOPs and throughput, and the mean CE at 2x and 4x the training context."""
+    ces = [r["val_ce"] for r in runs if r["val_ce"] is not None]
+    seq = next((r["seq_len"] for r in runs if r["seq_len"]), None)
+    row: dict[str, Any] = {"part": part, "seeds": len(runs), "diverged": sum(r["diverged"] for r in runs),
+                           "val_ce": sum(ces) / len(ces) if ces else None,
+                           "spread": max(ces) - min(ces) if len(ces) > 1 else None}
+    for key in ("params", "active_params", "flops_per_token", "tokens_per_s"):
+        vals = [r[key] for r in runs if r[key] is not None]
+        row[key] = sum(vals) / len(vals) if vals else None
+    for m in (2, 4):
+        vals = [r["ext"].get(str(seq * m)) for r in runs if seq and r["ext"].get(str(seq * m)) is not None]
+        row[f"val_ce_x{m}"] = sum(vals) / len(vals) if vals else None
+    return row
 
 
 def write_parts_report(sweep_dir: Path | str, prefix: Path | str) -> dict[str, Path]:
@@ -886,19 +919,27 @@ def write_parts_report(sweep_dir: Path | str, prefix: Path | str) -> dict[str, P
 
 
 def write_report(sweep_dir: Path | str, prefix: Path | str | None = None) -> dict[str, Path]:
-    """collect + write_table + plot_figure2 into PREFIX.csv/.md/.png (default docs/results/figure2-<grid>, or the
-    grid's REPORT_NAMES entry).
-    The tables are written before the figure, so they exist even without matplotlib. A `parts` sweep gets
-    its own table and plot (`write_parts_report`, default docs/results/<grid>-cpu, e.g. parts-cpu)."""
-    grid = (_read_json(Path(sweep_dir) / "sweep.json") or {}).get("grid", "")
+    """collect + write_table + plot_figure2 into PREFIX.csv/.md/.png (default SWEEP_DIR/figure2: a default in
+    docs/results replaced its committed, hand-written pages). The tables are written before the figure, so they
+    exist even without matplotlib. A `parts` sweep gets its own table and plot (`write_parts_report`, default
+    SWEEP_DIR/parts-table). A sweep.json that is not a sweep's, or that is missing or unreadable beside runs that
+    are not a Figure-2 grid's, is a ValueError (a parts sweep was reported as a Figure-2 one)."""
+    sweep_dir = Path(sweep_dir)
+    sweep = _read_json(sweep_dir / "sweep.json")
+    if (sweep_dir / "sweep.json").exists() and not (isinstance(sweep, dict)
+                                                    and isinstance(sweep.get("grid", ""), str)):
+        raise ValueError(f"{sweep_dir / 'sweep.json'}: not a sweep's record (a JSON object with a grid name); "
+                         "restore it, or remove it to plot the runs' own files")
+    grid = (sweep or {}).get("grid", "")
     if grid.startswith("parts"):
-        return write_parts_report(sweep_dir, prefix or Path("docs/results") / f"{grid}-cpu")
+        return write_parts_report(sweep_dir, prefix or sweep_dir / "parts-table")
     rows = collect(sweep_dir)
     if not rows:
         raise ValueError(f"{sweep_dir}: no run has a final evaluation (eval.json with val_ce) yet")
-    if prefix is None:
-        prefix = Path("docs/results") / REPORT_NAMES.get(rows[0]["grid"], f"figure2-{rows[0]['grid']}")
-    prefix = Path(prefix)
+    if not grid and not any(r["kind"] == KIND_DENSE and r["run"].startswith("dense-") for r in rows):
+        raise ValueError(f"{sweep_dir}: no sweep.json says what sweep this is, and its runs are no Figure-2 grid's "
+                         "(no dense-N run); a parts sweep needs its sweep.json")
+    prefix = Path(prefix) if prefix is not None else sweep_dir / "figure2"
     paths = {"csv": prefix.with_name(prefix.name + ".csv"), "md": prefix.with_name(prefix.name + ".md"),
              "png": prefix.with_name(prefix.name + ".png")}
     write_table(rows, paths["csv"], paths["md"], png_name=paths["png"].name)
