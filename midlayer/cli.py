@@ -87,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if getattr(args, "print_config", False):
         try:
+            if callable(getattr(args, "check_names", None)):  # (names a command refuses, --print-config too)
+                args.check_names(args)
             config_files.print_config(config_files.resolved(args))
         except ValueError as e:  # a value the config itself refuses: one line, as for the command
             print(f"midlayer {args.command}: error: {_with_flag_name(parser, args.command, str(e))}", file=sys.stderr)

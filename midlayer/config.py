@@ -410,8 +410,10 @@ _TINY_TRAIN = dict(lr=3e-3, batch_size=16, micro_batch_size=16, seq_len=256, ste
                    log_every=20, out_dir="runs/tiny")
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "paper-12l": {"model": {}, "train": {}},
-    **{f"paper-dense-{n}": {"model": {"n_layers": n, "gating": False}, "train": {}} for n in range(2, 13)},
+    # (each preset's runs go to runs/<preset> unless --out-dir says otherwise: README, "Where results go")
+    "paper-12l": {"model": {}, "train": {"out_dir": "runs/paper-12l"}},
+    **{f"paper-dense-{n}": {"model": {"n_layers": n, "gating": False}, "train": {"out_dir": f"runs/paper-dense-{n}"}}
+       for n in range(2, 13)},
     # Trains on a 2-core CPU at several thousand tokens/s (see `midlayer bench train`).
     "tiny": {"model": dict(_TINY_MODEL), "train": dict(_TINY_TRAIN)},
     "tiny-dense": {"model": dict(_TINY_MODEL, gating=False), "train": dict(_TINY_TRAIN, out_dir="runs/tiny-dense")},

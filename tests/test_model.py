@@ -284,8 +284,12 @@ def test_presets():
     assert (t.lr, t.beta1, t.beta2, t.adam_eps, t.weight_decay, t.batch_size) == (1e-3, 0.8, 0.95, 1e-10, 0.0, 512)
     assert s.controller == "proportional" and (s.gamma, s.delta) == (1e-3, 1e-2)
     for n in range(2, 13):
-        m, _, _ = get_preset(f"paper-dense-{n}")
-        assert m.n_layers == n and not m.gating
+        m, _, t = get_preset(f"paper-dense-{n}")
+        assert m.n_layers == n and not m.gating and t.out_dir == f"runs/paper-dense-{n}"
+    from midlayer.config import PRESETS
+    # every preset writes to its own runs/<preset> (paper-12l and paper-dense-N shared runs/default, so a second
+    # one was refused as the first's resume)
+    assert all(get_preset(name)[2].out_dir == f"runs/{name}" for name in PRESETS)
     with pytest.raises(ValueError, match="unknown preset"):
         get_preset("paper-13l")
 

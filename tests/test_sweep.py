@@ -870,3 +870,16 @@ def test_the_parts_table_prices_runs_with_the_current_cost_model():
     rows = {r["part"]: r for r in collect_parts(root)[0]}
     assert rows["swa-64"]["flops_per_token"] == pytest.approx(now / stored["seq_len"])
     assert rows["swa-64"]["flops_per_token"] < rows["baseline"]["flops_per_token"]
+
+
+def test_sweep_help_names_every_grid_and_print_config_checks_the_names(capsys):
+    """`sweep --help` listed five of the seven grids (not cpu-seeds, which the docs run); --print-config printed
+    the settings of a grid, or of runs, that do not exist (exit 0), where the command refuses them."""
+    from midlayer.commands.experiments import GRID_HELP
+
+    assert sorted(GRID_HELP) == sorted(GRIDS)
+    assert cli.main(["sweep", "nosuch", "--print-config"]) == 2
+    assert "unknown grid 'nosuch'" in capsys.readouterr().err
+    assert cli.main(["sweep", "cpu", "--only", "nosuch", "--print-config"]) == 2
+    assert "grid 'cpu' has no run 'nosuch'" in capsys.readouterr().err
+    assert cli.main(["sweep", "cpu", "--only", "dense-1", "--print-config"]) == 0

@@ -9,17 +9,23 @@ from typing import Any
 
 from midlayer.experiments import demo
 from midlayer.experiments.plot import write_report
-from midlayer.experiments.sweep import check_sweep, run_sweep
+from midlayer.experiments.sweep import check_sweep, get_grid, run_sweep
 
 
+
+
+GRID_HELP = {  # (a test holds it to sweep.GRIDS)
+    "cpu": "Figure 2 at tiny width on 2 CPU cores, one seed", "cpu-seeds": "cpu with 3 seeds, key- and "
+    "query-indexed gating (docs/skip-middle.md)", "cpu-noise": "two cpu-seeds runs with a 1e-7 weight perturbation",
+    "smoke": "seconds, debug width", "paper": "Table 2 on FineWeb (GPUs)", "parts": "issue 13's one-part-at-a-time "
+    "ablation (docs/results/parts-cpu.md)", "parts-smoke": "the parts grid in seconds"}
 
 
 def add_sweep(sub: argparse._SubParsersAction) -> None:
     # ---- Figure-2 sweep and plot (midlayer/experiments/sweep.py, midlayer/experiments/plot.py)
     p = sub.add_parser("sweep", help="train a named grid of runs (Figure 2), skipping finished runs and "
                                      "resuming unfinished ones")
-    p.add_argument("grid", help="grid name: cpu (Figure 2, ~90 min on 2 CPU cores), smoke (seconds), paper (GPUs, "
-                                "FineWeb), parts (issue 13's one-part-at-a-time ablation, ~6 h, resumable), parts-smoke")
+    p.add_argument("grid", help="; ".join(f"{name}: {what}" for name, what in GRID_HELP.items()))
     p.add_argument("--out-dir", default="runs/sweep", help="runs go to OUT_DIR/GRID/RUN (default runs/sweep)")
     p.add_argument("--launcher", choices=["inline", "torchrun"], default="inline",
                    help="inline: train in this process; torchrun: one `torchrun -m midlayer train` per run")
@@ -27,6 +33,7 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these runs of the grid")
     p.add_argument("--data", default=None, metavar="GLOB",
                    help="training data of every run (the paper grid defaults to data/fineweb10B/fineweb_*.bin)")
+    p.set_defaults(check_names=check_sweep_names)  # (what --print-config checks too)
 
 
 def add_plot(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +47,14 @@ def add_plot(sub: argparse._SubParsersAction) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     return run_sweep(args.grid, Path(args.out_dir), launcher=args.launcher, nproc=args.nproc, only=args.only,
                      extra_train=check_sweep_args(args))
+
+
+def check_sweep_names(args: argparse.Namespace) -> None:
+    """The grid and --only's run names (ValueError listing the known ones): checked by --print-config too, which
+    printed the settings of a grid that does not exist."""
+    grid = get_grid(args.grid)
+    for name in args.only or ():
+        grid.run(name)
 
 
 def check_sweep_args(args: argparse.Namespace) -> dict[str, Any] | None:
