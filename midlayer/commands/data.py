@@ -21,8 +21,8 @@ DATA_TOOLS: dict[str, tuple[str, str]] = {
     "corpus": ("midlayer.data.corpus", "the embedded corpus's train / val split, with document names and sizes"),
     "prompts": ("midlayer.data.prompts", "the base prompt set's counts, or regenerate its math questions"),
     "recipe": ("midlayer.data.prompt_recipe", "build, write (--write) or check (--check) the scaled prompt set"),
-    "fineweb": ("midlayer.data.fineweb", "stream FineWeb (sample-10BT), tokenize with GPT-2 BPE, write shards (needs the "
-                                         "fineweb extra and a network)"),
+    "fineweb": ("midlayer.data.fineweb", "stream FineWeb (sample-10BT), tokenize with GPT-2 BPE, write shards "
+                                         "(needs the fineweb extra and a network)"),
 }
 
 
