@@ -15,7 +15,7 @@ from midlayer.speculative.distill import DistillFormatError, DistillRecord, Dist
 from midlayer.speculative.early_exit import early_exit_loss
 from midlayer.speculative.registry import load_draft
 from midlayer.speculative.medusa import medusa_loss
-from midlayer.speculative.draft_training import DraftTrainConfig, paper_layers, train_draft, train_drafts
+from midlayer.speculative.draft_training import DraftTrainConfig, build_module, paper_layers, train_draft, train_drafts
 from midlayer.speculative.hidden_transfer import HiddenTransfer, hidden_transfer_loss
 from midlayer.model.transformer import Transformer
 
@@ -428,6 +428,24 @@ def test_a_finished_run_extended_with_more_epochs_continues_exactly(tmp_path):
     train_draft(seq, base, data, **quiet)
     with pytest.raises(ValueError, match="other settings"):  # its phase lengths depend on the total
         train_draft(cfg(tmp_path / "c", "hidden-transfer", schedule="sequential", epochs=2), base, data, **quiet)
+
+
+def test_the_sequential_schedule_trains_every_map_or_is_refused(tmp_path):
+    """One transfer map after another: fewer steps than maps left the last at its initial identity, saved as
+    trained, and an early stop (patience) in phase 1 ended the run with W_2..W_k untrained. Both are refused;
+    a schedule that fits trains every map away from its start."""
+    base, data = tiny_base(), tiny_data()
+    quiet = dict(progress=False, log=lambda s: None)
+    with pytest.raises(ValueError, match="patience: an early stop ends the run"):
+        cfg(tmp_path / "p", "hidden-transfer", schedule="sequential", patience=1, eval_every=1)
+    short = cfg(tmp_path / "s", "hidden-transfer", schedule="sequential", epochs=0.01)
+    with pytest.raises(ValueError, match=r"schedule sequential: \d training steps for k=3 transfer maps"):
+        train_draft(short, base, data, **quiet)
+    assert not [p for p in (tmp_path / "s").rglob("*") if p.is_file() and p.name != ".midlayer.lock"]
+    torch.manual_seed(0)
+    start = [m.weight.detach().clone() for m in build_module(cfg(tmp_path / "x", "hidden-transfer"), base).maps]
+    done = train_draft(cfg(tmp_path / "t", "hidden-transfer", schedule="sequential", epochs=1), base, data, **quiet)
+    assert all(not torch.equal(m.weight, w) for m, w in zip(done.module.maps, start))
 
 
 def test_response_positions_mask_and_the_trimmed_losses_equal_the_weighted_ones():

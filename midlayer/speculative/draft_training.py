@@ -90,8 +90,10 @@ METHODS = ("hidden-transfer", "medusa", "early-exit", "eagle", "gates")
 
 
 def paper_layers(n_layers: int, k: int = 3) -> list[int]:
-    """Transfer layers at the paper's relative depths: steps 1 and 2 at blocks 15 and 20 of 32 (sec. 4.4,
-    Figs. 5-6), later steps at step 2's block (the paper names only two); SmolLM2 (30 blocks): 14, 19, 19."""
+    """Transfer layers at the relative depths of the paper's layer study: steps 1 and 2 at blocks 15 and 20 of
+    32 (sec. 4.4, Figs. 5-6, the 7B models), later steps at step 2's block -- our choice: the study names two,
+    and the main experiments (sec. 4.1, 40-block 13B models) transfer at blocks 25, 30 and 35, spaced 5
+    apart. SmolLM2 (30 blocks): 14, 19, 19."""
     t1, t2 = round(n_layers * 15 / 32), round(n_layers * 20 / 32)
     return [t1] + [t2] * (k - 1) if k > 1 else [t1]
 
@@ -160,6 +162,9 @@ class DraftTrainConfig:
             raise ValueError(f"exit_layer must be a block index, or -1 for the paper's t_1, got {self.exit_layer}")
         if self.patience and not self.eval_every:
             raise ValueError("patience needs eval_every > 0 (early stopping compares held-out evaluations)")
+        if self.patience and self.method == "hidden-transfer" and self.schedule == "sequential":
+            raise ValueError("patience: an early stop ends the run, so with schedule sequential it left the later "
+                             "transfer maps untrained; train the sequential schedule for its planned steps")
         if self.method == "gates" and self.patience:
             raise ValueError("patience: early stopping on the held-out KL would keep the densest gates seen (the KL "
                              "is lowest at the dense start); gates train for their planned steps")
@@ -380,8 +385,12 @@ def _loss(cfg: DraftTrainConfig, model: Transformer, module: nn.Module, tokens: 
 
 
 def _phases(cfg: DraftTrainConfig, total: int) -> list[tuple[int, int]]:
-    """(phase, steps): phase 0 = all parameters; sequential hidden transfer: phase i trains W_i only."""
+    """(phase, steps): phase 0 = all parameters; sequential hidden transfer: phase i trains W_i only (fewer
+    steps than k left the last maps at their initial identity, saved as trained: refused)."""
     if cfg.method == "hidden-transfer" and cfg.schedule == "sequential":
+        if total < cfg.k:
+            raise ValueError(f"schedule sequential: {total} training steps for k={cfg.k} transfer maps, one after "
+                             "another; give each at least one (more --epochs or data, a smaller --batch-tokens)")
         return [(i, total // cfg.k + (1 if i - 1 < total % cfg.k else 0)) for i in range(1, cfg.k + 1)]
     return [(0, total)]
 
@@ -636,6 +645,7 @@ class _Run:
     def __init__(self, cfg: DraftTrainConfig, model: Transformer, total: int, data_fp: str, vocab: torch.Tensor | None,
                  log: Callable[[str], None]) -> None:
         self.cfg, self.model, self.total, self.log = cfg, model, total, log
+        self.phases = _phases(cfg, total)  # (refused before anything is written)
         torch.manual_seed(cfg.seed)  # the same initial weights as when trained alone
         self.module = build_module(cfg, model).to(model_device(model))
         if vocab is not None and cfg.method != "gates":  # gates are the base's own head: the full vocabulary
@@ -644,7 +654,6 @@ class _Run:
         self.out.mkdir(parents=True, exist_ok=True)
         self.sp = _state_path(self.out)
         self.settings, self.data_fp = dataclasses.asdict(cfg), data_fp
-        self.phases = _phases(cfg, total)
         self.step, self.history, self.opt_state = 0, [], None
         self.curve: list[dict[str, Any]] = []
         self.best: dict[str, Any] = {"loss": math.inf, "step": 0, "module": None}
