@@ -18,8 +18,8 @@ from midlayer.experiments import bench, train_bench
 from midlayer.experiments.static_bench import bench_static, DTYPES, static_table
 from midlayer.train.distributed import resolve_device
 
-# `bench decode`'s flags that only its CPU benchmark reads, at their defaults: with --device cuda it runs
-# `bench static`, which times the static step's drafters (its own default drafts unless --drafts is given)
+# `bench decode`'s flags that only its CPU benchmark reads, and their defaults (its parser's): with --device cuda
+# it runs `bench static`, which times the static step's drafters (its own default drafts unless --drafts is given)
 DECODE_CPU_ONLY = {"drafts": "hidden-transfer=drafts/smollm2-135m/hidden-transfer,medusa=drafts/smollm2-135m/medusa,"
                              "early-exit=drafts/smollm2-135m/early-exit",
                    "layer_skip": "10:20", "tree": "auto", "weights": "q4", "prompts": "scaled"}
@@ -68,16 +68,16 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--drafts", default=DECODE_CPU_ONLY["drafts"],
                    help="comma-separated LABEL=DIR of train-draft outputs, or LABEL=lookup for prompt lookup (no "
                         "training); default: the committed SmolLM2 drafts")
-    b.add_argument("--layer-skip", default="10:20", help="A:B = a layer-skip drafter skipping blocks A..B-1 ('' = none)")
-    b.add_argument("--tree", choices=["auto", "chain", "sparse"], default="auto",
+    b.add_argument("--layer-skip", default=DECODE_CPU_ONLY["layer_skip"], help="A:B = skip blocks A..B-1 ('' = none)")
+    b.add_argument("--tree", choices=["auto", "chain", "sparse"], default=DECODE_CPU_ONLY["tree"],
                    help="auto: per drafter, the tree of highest expected tokens/s (held-out accuracies x measured "
                         "row costs); chain: top-1 chain; sparse: the --nodes nodes most likely accepted")
     b.add_argument("--nodes", type=int, default=10, help="nodes of the sparse tree")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--max-prompts", type=int, default=12, help="held-out prompts, spread over the categories")
-    b.add_argument("--prompts", choices=["scaled", "base"], default="scaled",
+    b.add_argument("--prompts", choices=["scaled", "base"], default=DECODE_CPU_ONLY["prompts"],
                    help="held-out prompts of the scaled set (12 categories, midlayer.data.prompt_recipe) or of the base set")
-    b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="q4", help="weight format (q4: the row-invariant, lossless one)")
+    b.add_argument("--weights", choices=list(WEIGHT_FORMATS), default=DECODE_CPU_ONLY["weights"], help="q4: lossless")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate comparison")
     b.add_argument("--output", default=None, help="also write the results as JSON here")
     b.add_argument("--device", default=None,

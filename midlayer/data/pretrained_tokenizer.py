@@ -40,13 +40,10 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-# Markers that end an assistant turn in common chat templates; added to `eos_ids` when the template uses
-# them, so that generation stops at the end of a reply even if the checkpoint's eos is another token.
-# Gemma 3's chat format (its GGUF files carry no template): turns <start_of_turn>{user|model}\n...<end_of_turn>\n,
-# a system message folded into the first user turn, contents trimmed, after BOS (Gemma 3 technical report's format)
-# Gemma 3's chat format (its instruction-tuned models' tokenizer_config.json): a system message may only come
-# first, and its text, as given, then a blank line, opens the first turn; then user and model turns alternate,
-# starting with the user's, each text trimmed. Other orders are refused, as Google's template refuses them.
+# Gemma 3's chat format, for its GGUF files, which carry no template (its instruction-tuned models'
+# tokenizer_config.json): turns <start_of_turn>{user|model}\n...<end_of_turn>\n after BOS. A system message may
+# only come first, and its text, as given, then a blank line, opens the first turn; then user and model turns
+# alternate, starting with the user's, each text trimmed. Other orders are refused, as Google's template refuses.
 GEMMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}{% set ns = namespace(prefix='', first=0) %}"
     "{% if messages and messages[0]['role'] == 'system' %}"
@@ -57,6 +54,8 @@ GEMMA3_CHAT_TEMPLATE = (
     "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
     "{{ ns.prefix if loop.first else '' }}{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# Markers that end an assistant turn in common chat templates; added to `eos_ids` when the template uses
+# them, so that generation stops at the end of a reply even if the checkpoint's eos is another token.
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 # GGUF token types (llama.cpp `llama_token_type` / gguf-py `TokenType`).

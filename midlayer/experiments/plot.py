@@ -195,7 +195,7 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             "point": point_name(run_dir.name),
             "seed": run_seed(run_dir.name, cfg),
             # (unknown without the run's config: taken for "key", query runs were pooled with key ones)
-            "gate_attention": (model.get("gate_attention", "key") if model else None) if gating else None,
+            "gate_attention": model.get("gate_attention", "key") if gating and model else None,
             "train_gate_mean": train_gate_means(run_dir) if gating else None,
         }
         rows.append(row)

@@ -288,9 +288,10 @@ def _check_data(saved: dict[str, list[list]], now: dict[str, list[list]], path: 
         was = [tuple(x) for x in saved.get(split, [])]
         got = [tuple(x)[:len(w)] for x, w in zip(now[split], was)] + [tuple(x) for x in now[split][len(was):]]
         if was != got:
-            gone = [f"{x[0]} ({x[1]} bytes{', other content' if x[:2] in [y[:2] for y in got] else ''})"
+            named_was, named_got = {x[:2] for x in was}, {x[:2] for x in got}  # (name, size)
+            gone = [f"{x[0]} ({x[1]} bytes{', other content' if x[:2] in named_got else ''})"
                     for x in was if x not in got]
-            new = [f"{x[0]} ({x[1]} bytes)" for x in got if x not in was and x[:2] not in [y[:2] for y in was]]
+            new = [f"{x[0]} ({x[1]} bytes)" for x in got if x[:2] not in named_was]
             what = "; ".join(x for x in (gone and "no longer " + ", ".join(gone[:3]),
                                          new and "now also " + ", ".join(new[:3])) if x) or "their order changed"
             raise CheckpointError(f"cannot resume {path}: its run read other {split} shards ({what}). Give it the "
