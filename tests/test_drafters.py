@@ -12,6 +12,7 @@ import torch
 
 from midlayer.config import ModelConfig
 from midlayer.engine.quantization import compress_weights
+from midlayer.ops import kernels
 from midlayer.speculative.registry import DraftMismatchError, load_draft, save_draft
 from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead, early_exit_loss, train_early_exit
 from midlayer.speculative.layer_skip import LayerSkipDrafter
@@ -425,6 +426,17 @@ def test_save_load_roundtrip_and_refusals(tmp_path):
     bf = make(False).to(torch.bfloat16)
     load_draft(tmp_path / "ee", bf)
     load_draft(tmp_path / "ee", compress_weights(copy.deepcopy(model), "q4"))
+    # ... while the tuned base's q4 form is refused: the signature holds the blocks' q4 probe too, so q4 is held
+    # to the same-format bound (the cross-format bound of 0.5 let it load)
+    if kernels.available():
+        assert set(json.loads((tmp_path / "ee" / "draft.json").read_text())["base"]["forward_in"]) == {"q4"}
+        with pytest.raises(DraftMismatchError, match="within the q4 format"):
+            load_draft(tmp_path / "ee", compress_weights(copy.deepcopy(tuned), "q4"))
+    doc = json.loads((tmp_path / "ee" / "draft.json").read_text())
+    doc["base"]["forward_in"] = [1.0]
+    (tmp_path / "ee" / "draft.json").write_text(json.dumps(doc))
+    with pytest.raises(DraftMismatchError, match="invalid 'forward_in'"):
+        load_draft(tmp_path / "ee", model)
     with pytest.raises(DraftMismatchError, match="not a draft"):
         load_draft(tmp_path / "missing", model)
     with pytest.raises(ValueError, match="not a draft module"):

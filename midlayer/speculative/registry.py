@@ -2,12 +2,14 @@
 
 Save / load: `save_draft(path, module, meta, base=model)` writes `path/draft.safetensors` (the module's
 weights) and `path/draft.json` (kind, constructor config, the base model's dimensions, an optional name and
-a 64-value probe of its LM head, and free-form meta). `load_draft(path, base)` rebuilds the module and
-refuses a file written for another base model (different dimensions, name or LM-head probe).
+a 64-value probe of its LM head, its blocks' output on a fixed input in its own weight format and in q4, and
+free-form meta). `load_draft(path, base)` rebuilds the module and refuses a file written for another base model
+(different dimensions, name, LM-head probe or blocks' output).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from torch import nn
 
 from midlayer.common import atomic_write, file_sha256
 from midlayer.engine.draft_vocab import set_draft_vocab
+from midlayer.engine.quantization import compress_weights
+from midlayer.ops import kernels
 from midlayer.model.transformer import nonfinite_tensors, Transformer
 from .drafting import model_device
 from .eagle import EagleDrafter, EagleHead, EagleRows
@@ -49,6 +53,10 @@ _PROBE = 64
 # the tests' tiny random model; its blocks drawn again under the same head: 1.35). bf16 is bounded as another
 # format: its rounding depends on the kernels. (One-off scripts, 50th session.)
 FORWARD_BOUND = {"same": 1e-3, "other": 0.5}
+# Formats a draft's signature also probes the base in, beside the base's own (`forward_in`), so that a draft made
+# on an fp32 base is held to the same-format bound where the CPU engine loads it: in q4, the 0.5 bound let a base
+# with block 20's w2 scaled by 1.05 through (3.3e-2 from the q4 probe of the right base; 52nd session's review).
+PROBE_FORMATS = ("q4",)
 
 
 def forward_probe(model: Transformer) -> list[float]:
@@ -72,10 +80,21 @@ def weights_kind(model: Transformer) -> str:
                                                                        str(model.tok_embeddings.weight.dtype))
 
 
-def base_signature(model: Transformer, name: str | None = None, forward: bool = True) -> dict[str, Any]:
+def _probe_formats(model: Transformer, formats: tuple[str, ...]) -> dict[str, list[float]]:
+    """`forward_probe` of copies of an uncompressed fp32 CPU base compressed to each of `formats` (q4 only with
+    the compiled kernels, whose bits every SIMD level gives alike; the torch fallback rounds otherwise)."""
+    if weights_kind(model) != "fp32" or model_device(model).type != "cpu":
+        return {}
+    return {fmt: forward_probe(compress_weights(copy.deepcopy(model), fmt)) for fmt in formats
+            if fmt != "q4" or kernels.available()}
+
+
+def base_signature(model: Transformer, name: str | None = None, forward: bool = True,
+                   formats: tuple[str, ...] = ()) -> dict[str, Any]:
     """What identifies the base a draft module was trained for: dimensions, an optional name, 64 evenly spaced
     entries of the LM head (cheap; robust to a dtype change), and (`forward`) its blocks' output on a fixed input
-    (`forward_probe`, with the weight format it was taken in)."""
+    (`forward_probe`, with the weight format it was taken in; with `formats`, also `forward_in` {format: probe}
+    taken in those formats, see PROBE_FORMATS)."""
     cfg = model.cfg
     head = model.output  # an nn.Linear, or a compressed head (q8) that carries its weight as codes
     w = (head.weight if isinstance(head, nn.Linear) else head.dequantized()).detach().reshape(-1)
@@ -86,6 +105,9 @@ def base_signature(model: Transformer, name: str | None = None, forward: bool = 
            "norm_placement": cfg.norm_placement, "probe": [float(x) for x in w[idx].float().cpu()]}
     if forward:
         sig.update(weights=weights_kind(model), forward=forward_probe(model))
+        extra = _probe_formats(model, formats)
+        if extra:
+            sig["forward_in"] = extra
     return sig
 
 
@@ -108,19 +130,32 @@ def check_base(saved: dict[str, Any], model: Transformer, name: str | None = Non
         raise DraftMismatchError(f"{where}: the LM-head weights differ from the base this draft was trained "
                                  "for (same shape, different model)")
     if "forward" in saved:
-        try:
-            a, b = torch.tensor(saved["forward"], dtype=torch.float32), torch.tensor(now["forward"])
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise DraftMismatchError(f"{where}: the draft's base signature has no valid 'forward' ({e!r})") from None
-        same = saved.get("weights") == now["weights"] and now["weights"] != "bf16"
-        bound = FORWARD_BOUND["same" if same else "other"]
-        rel = float((a - b).norm() / a.norm().clamp_min(1e-12)) if a.shape == b.shape else float("inf")
-        if not rel <= bound:
-            raise DraftMismatchError(
-                f"{where}: this base's blocks compute otherwise than those of the base this draft was made with "
-                f"({rel:.1e} relative on a fixed input, more than {bound:g}"
-                + (f" within the {now['weights']} format" if same else f"; {saved.get('weights')} against "
-                   f"{now['weights']}") + "): another model with the same shape and LM head")
+        _check_forward(saved, now, where)
+
+
+def _check_forward(saved: dict[str, Any], now: dict[str, Any], where: str) -> None:
+    """The blocks' probe against the saved one taken in this base's weight format (the same-format bound), else
+    against the saved base's own (the cross-format bound). bf16 is never the same format: its rounding depends
+    on the kernels; q4 is the same format only with the compiled kernels (the torch fallback rounds otherwise)."""
+    probes = saved.get("forward_in", {})
+    if not isinstance(probes, dict):
+        raise DraftMismatchError(f"{where}: the draft's base signature has an invalid 'forward_in' ({probes!r:.80})")
+    probes = {**probes, saved.get("weights"): saved["forward"]}
+    fmt = now["weights"]
+    same = fmt in probes and fmt != "bf16" and (fmt != "q4" or kernels.available())
+    try:
+        a = torch.tensor(probes[fmt] if same else saved["forward"], dtype=torch.float32)
+        b = torch.tensor(now["forward"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise DraftMismatchError(f"{where}: the draft's base signature has no valid 'forward' ({e!r})") from None
+    bound = FORWARD_BOUND["same" if same else "other"]
+    rel = float((a - b).norm() / a.norm().clamp_min(1e-12)) if a.shape == b.shape else float("inf")
+    if not rel <= bound:
+        raise DraftMismatchError(
+            f"{where}: this base's blocks compute otherwise than those of the base this draft was made with "
+            f"({rel:.1e} relative on a fixed input, more than {bound:g}"
+            + (f" within the {now['weights']} format" if same else f"; {saved.get('weights')} against "
+               f"{now['weights']}") + "): another model with the same shape and LM head")
 
 
 # a draft file's kind -> (its module, the drafter that drafts with it)
@@ -146,7 +181,7 @@ def save_draft(path: str | Path, module: nn.Module, meta: dict[str, Any] | None 
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     doc = {"format": DRAFT_FORMAT, "kind": kind, "config": module.config(),
-           "base": base_signature(base, base_name), "meta": meta or {}}
+           "base": base_signature(base, base_name, formats=PROBE_FORMATS), "meta": meta or {}}
     json.dumps(doc)  # fail before writing anything if meta is not JSON-serialisable
     atomic_write(out / WEIGHTS_NAME, writer=lambda tmp: save_file(state, str(tmp)))
     # the weights file's checksum, verified on load (a damaged or replaced file is refused, named)
