@@ -106,14 +106,14 @@ def test_sparsity_scales_block_terms_only() -> None:
     assert dense_z.total == 4 * block + other
     full = forward_flops(cfg, T, [1.0, 1.0])
     assert full.total == other and full.blocks == 0 and full.per_block == (0.0,) * 4
-    half = forward_flops(cfg, T, [0.5, 0.0])
-    assert half.per_block == (block / 2, block, block, block / 2)  # block 3 mirrors block 0
+    half = forward_flops(cfg, T, [0.0, 0.5])
+    assert half.per_block == (block, block / 2, block / 2, block)  # block 2 mirrors block 1
     assert half.total == 3 * block + other
     assert half.lm_head == 640 and half.router == 144
 
 
 def test_forward_equals_sum_of_decode_steps() -> None:
-    for cfg, seq, z in ((TINY, 4, None), (TINY, 9, [0.3]), (get_preset("paper-12l")[0], 33, [0.1, 0, .2, .5, 1, 0]),
+    for cfg, seq, z in ((TINY, 4, None), (TINY, 9, [0.3]), (get_preset("paper-12l")[0], 33, [0, 0.1, .2, .5, .5, 1]),
                         (get_preset("paper-dense-4")[0], 17, None)):
         fwd = forward_flops(cfg, seq, z)
         steps = [decode_flops(cfg, t, z) for t in range(1, seq + 1)]
@@ -132,7 +132,7 @@ def test_decode_step_by_hand() -> None:
 
 def test_prefill_decode_split() -> None:
     cfg = get_preset("paper-12l")[0]
-    z = [0.2, 0.1, 0, 0, 0.4, 0.9]
+    z = [0, 0, 0.1, 0.2, 0.4, 0.9]
     split = prefill_decode_split(cfg, 100, 20, z)
     assert split.prefill == forward_flops(cfg, 100, z).total
     loop = sum(decode_flops(cfg, t, z).total for t in range(101, 121))
@@ -186,12 +186,12 @@ def test_active_params_and_kv_bytes() -> None:
     total = 80 + 4 * 608 + 16 + 80 + 2 * 9
     assert param_count(cfg) == total
     assert active_param_count(cfg) == total
-    # 2 N_B sum z = 2 * 608 * (0.5 + 0.25)
-    assert active_param_count(cfg, [0.5, 0.25]) == total - 912
+    # 2 N_B sum z = 2 * 608 * (0.25 + 0.5)
+    assert active_param_count(cfg, [0.25, 0.5]) == total - 912
     # K and V, 1 kv head of 4, 4 blocks, 2 bytes: 64; skipped blocks hold none.
     assert kv_bytes_per_token(cfg) == 2 * 4 * 1 * 4 * 2 == 64
     assert kv_bytes_per_token(cfg, 4) == 128
-    assert kv_bytes_per_token(cfg, 2, [0.5, 0.25]) == 16 * (0.5 + 0.75 + 0.75 + 0.5)
+    assert kv_bytes_per_token(cfg, 2, [0.25, 0.5]) == 16 * (0.75 + 0.5 + 0.5 + 0.75)
     assert kv_bytes_per_token(get_preset("paper-12l")[0]) == 2 * 12 * 12 * 64 * 2 == 36864
 
 
@@ -201,6 +201,9 @@ def test_active_params_and_kv_bytes() -> None:
     (lambda: forward_flops(TINY, 4, [0.1, 0.2]), "one value per first-half block"),
     (lambda: forward_flops(TINY, 4, [1.5]), r"\[0, 1\]"),
     (lambda: forward_flops(TINY, 4, [float("nan")]), r"\[0, 1\]"),
+    # eq. 2's S is cumulative: a token closed at block 0 is closed at block 1 too
+    (lambda: forward_flops(dataclasses.replace(TINY, n_layers=4), 4, [0.9, 0.0]),
+     r"must not decrease .* sparsity\[1\] = 0.0 < sparsity\[0\] = 0.9"),
     (lambda: forward_flops(dataclasses.replace(TINY, gating=False), 4, [0.0]), "gated"),
     (lambda: decode_flops(TINY, 0), "context_len"),
     (lambda: prefill_decode_split(TINY, 4, -1), "new_tokens"),

@@ -455,7 +455,7 @@ def test_hard_gates_train_through_the_straight_through_gradient_and_decode_lossl
 def test_router_norm_reads_h_over_its_l1_norm_on_every_path():
     """router_norm: eq. 1 on h / ||h||_1 per token -- by hand, the same on the training (F.linear) and the
     inference (per-row product and sum) paths, blind to each token's scale, and still dense when fresh."""
-    from midlayer.model.gating import inference_score
+    from midlayer.model.gating import inference_score, Routers
 
     model = dense()
     tokens = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(24))
@@ -471,6 +471,15 @@ def test_router_norm_reads_h_over_its_l1_norm_on_every_path():
         assert torch.allclose(inference_score(r, h), want, atol=1e-6, rtol=0)
         assert torch.allclose(r(h).squeeze(-1), want, atol=1e-6, rtol=0)
         assert torch.allclose(inference_score(r, h * scale), want, atol=1e-6, rtol=0)  # per-token scale: no effect
+    # the training path (Routers.step with autograd recording) reads h / ||h||_1 too: it once read the raw h, so
+    # `--router-norm` trained gates other than those that run (up to 0.82 apart on a tiny model)
+    score = Routers.step(r, h * scale, None)[1]
+    assert score.requires_grad and torch.allclose(score, torch.relu(want), atol=1e-6, rtol=0)
+    tokens = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(27))
+    twin = gated_twin(model, gates)
+    trained = twin(tokens).gates.detach()
+    with torch.no_grad():
+        assert torch.allclose(trained, twin(tokens).gates, atol=1e-6, rtol=0)
     off = randomised(SkipGates.for_model(model), seed=25, scale=3.0).routers[1]
     with torch.no_grad():
         assert not torch.allclose(inference_score(off, h * scale), inference_score(off, h), atol=1e-3)

@@ -181,6 +181,12 @@ def _block_keep(cfg: ModelConfig, sparsity: Sequence[float] | None) -> list[floa
     for l, v in enumerate(z):
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
             raise ValueError(f"sparsity[{l}] must be in [0, 1], got {v}")
+    # S of eq. 2 only grows with depth: a token closed at block l stays closed at every later first-half block,
+    # so z_0 <= z_1 <= ... (1e-6: room for a mean's rounding)
+    for l in range(1, len(z)):
+        if z[l] < z[l - 1] - 1e-6:
+            raise ValueError(f"sparsity must not decrease over the first half (eq. 2's S is cumulative): "
+                             f"sparsity[{l}] = {z[l]} < sparsity[{l - 1}] = {z[l - 1]}")
     keep = [1.0 - v for v in z]
     return keep + keep[::-1]
 

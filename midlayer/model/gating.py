@@ -32,15 +32,23 @@ def mirror_index(layer: int, n_layers: int) -> int:
     return layer if layer < n_layers // 2 else n_layers - 1 - layer
 
 
+def router_input(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """What router l of eq. 1 reads: h, or h / ||h||_1 per row for a router with `normalise_input`
+    (skip_gates.ScaledRouter). One rule for the training, inference and module paths, which must not differ:
+    the training branch once read the raw h, so `--router-norm` trained other gates than those that run."""
+    if getattr(router, "normalise_input", False):
+        return h / h.abs().sum(-1, keepdim=True).clamp_min(1e-30)
+    return h
+
+
 def inference_score(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """w.h + b of eq. 1 at inference, [B, M], as a per-row product and sum over d. PyTorch reduces each row
     in the same order however many rows share the call, so a token's gate -- and which blocks it skips -- is
     the same bits in a decode step, a verification forward or a prefill (batch invariance; the MKL
     matrix-vector product behind nn.Linear is not: tests/test_kernels.py). One expression for the tensor
     and the one-row paths of `MirroredGates`, so that they cannot drift apart. A router with
-    `normalise_input` (skip_gates.ScaledRouter) reads h / ||h||_1, per row as well."""
-    if getattr(router, "normalise_input", False):
-        h = h / h.abs().sum(-1, keepdim=True).clamp_min(1e-30)
+    `normalise_input` (skip_gates.ScaledRouter) reads h / ||h||_1, per row as well (`router_input`)."""
+    h = router_input(router, h)
     return (h * router.weight[0].to(h.dtype)).sum(-1) + router.bias[0].to(h.dtype)
 
 
@@ -60,7 +68,7 @@ class Routers(nn.ModuleList):
         """
         if torch.is_grad_enabled():  # in fp32 under autocast too: in bf16 the trained gates were off by up to 0.07
             with torch.autocast(h.device.type, enabled=False):  # from the ones evaluation and inference compute
-                score = nn.functional.linear(h.float(), router.weight.float(),
+                score = nn.functional.linear(router_input(router, h.float()), router.weight.float(),
                                              None if router.bias is None else router.bias.float()).squeeze(-1)
         else:
             score = inference_score(router, h).float()

@@ -9,7 +9,9 @@ draft_training.py) plus the sparsity controller's term (eqs. 4-6, sparsity.py) o
 
 Starting dense, and why it still learns. Routers initialised to w = 0, b = 0 give s = ReLU(0) = 0 at every
 block, S = 0, g = 1 - clamp(0, 0, 1) = 1 exactly (eq. 2): the gated model computes the dense model's logits
-bit for bit (Block: a * 1.0 == a; eq. 3's key bias ln(max(1, eps)) = 0). But ReLU'(0) = 0, so eq. 2 passes
+bit for bit without autograd (Block: a * 1.0 == a; eq. 3's key bias ln(max(1, eps)) = 0); while autograd
+records, to float rounding (the key bias, kept for its gradient, takes SDPA's masked kernel, not the causal
+one: 1.2e-7 on a tiny model). But ReLU'(0) = 0, so eq. 2 passes
 no gradient to a router whose score is exactly 0 -- the routers would never move. Training therefore uses
 the straight-through gate gradient (gating.straight_through, `ModelConfig.gate_grad = "straight_through"`):
 the same forward values, with the gradient of 1 - sum(w.h + b) -- non-zero from the first step. The
@@ -57,7 +59,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from midlayer.config import GATE_VALUES, SparsityConfig
-from midlayer.model.gating import GateStats, Routers
+from midlayer.model.gating import GateStats, router_input, Routers
 from midlayer.model.sparsity import ADAPTIVE_KINDS, SparsityController
 from midlayer.model.transformer import Transformer
 from .drafting import gather_counted, kl_to_base
@@ -229,8 +231,7 @@ class ScaledRouter(nn.Module):
         return self.owner.router_norm
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.normalise_input:
-            h = h / h.abs().sum(-1, keepdim=True).clamp_min(1e-30)
+        h = router_input(self, h)
         return F.linear(h, self.weight.to(h.dtype), self.bias.to(h.dtype))
 
 
