@@ -381,7 +381,7 @@ def bench_decode(model_name: str = "smollm2-135m", new_tokens: int = 64, repeats
         divergences = [first_divergence(ref_model, p, a, b)
                        for p, a, b in zip(encoded, tokens[fmt], tokens["transformers"])]
         rows.append(dict(weights=fmt, tok_s=new_tokens / statistics.median(times[fmt]),
-                         step_ms=1e3 * step_s, weight_mb=wb / 2**20, bound_step_ms=1e3 * wb / bw,
+                         step_ms=1e3 * step_s, weight_mb=wb / 1e6, bound_step_ms=1e3 * wb / bw,
                          equal_hf=[a == b for a, b in zip(tokens[fmt], tokens["transformers"])],
                          equal_fp32=[a == b for a, b in zip(tokens[fmt], tokens[formats[0]])],
                          divergences=divergences))
