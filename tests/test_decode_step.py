@@ -1031,3 +1031,18 @@ def test_the_bench_times_the_linear_kernel_beside_a_chosen_cublas_step(monkeypat
     assert sb.linear_kernel_step(model, DecodeStep(model, max_len=40, buckets=(1, 8)), 40) is None
     monkeypatch.setattr(sb, "triton_kernels", lambda m: False)
     assert sb.linear_kernel_step(model, chosen, 40) is None
+
+
+@pytest.mark.parametrize("n", [-3, 2.5, True, "4"])
+def test_a_bad_token_budget_is_refused_by_every_loop(models, n):
+    """max_new_tokens: an integer >= 0 for plain decoding and both speculative loops alike (the speculative loops
+    returned [] for -3; 2.5 failed inside torch)."""
+    model, prompt = models["fp32"], _prompts()[0]
+    msg = "max_new_tokens must be (an integer )?>= 0"
+    with pytest.raises(ValueError, match=msg):
+        GenerationConfig(max_new_tokens=n)
+    drafter = OracleDrafter(prompt + [1] * 8, V)
+    with pytest.raises(ValueError, match=msg):
+        speculative_generate(model, prompt, drafter, TREES[0], n)
+    with pytest.raises(ValueError, match=msg):
+        static_speculative_generate(model, prompt, drafter, TREES[0], n)

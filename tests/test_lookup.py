@@ -45,6 +45,17 @@ def test_self_accuracies_on_a_periodic_text():
     assert max(max(row) for row in d.self_accuracies(noise)) < 0.2
 
 
+def test_prompt_prior_is_the_hit_rate_of_the_prompts_last_32_positions():
+    """The batch's starting acceptance for a lookup row: depth-1 hits over the prompt's last 32 positions, by
+    hand. A prompt whose start repeats and whose end is fresh text has a prior of 0 (an even spread over the
+    whole prompt said 0.84), and the reverse 1."""
+    d = PromptLookupDrafter(2000, k=3)
+    fresh = list(range(1000, 1033))  # 33 distinct tokens: no n-gram of the end occurs before it
+    assert d.prompt_prior([1, 2, 3, 4] * 42 + fresh) == 0.0
+    assert d.prompt_prior(fresh + [1, 2, 3, 4] * 42) == 1.0
+    assert d.prompt_prior(fresh[:23]) is None
+
+
 def test_lookup_rounds_run_no_draft_forward():
     d = PromptLookupDrafter(V, k=3)
     assert tc.round_forwards(d, DraftTree.chain(3), 4) == [([4] * 4, 4)]  # the verification forward alone

@@ -15,6 +15,7 @@ the eps floor of gated attention (a gated key has weight 1e-6 there, 0 here).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -23,6 +24,20 @@ import torch
 from midlayer.model.kv_cache import KVCache, LayerView, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
+
+
+def check_max_new_tokens(n: object) -> int:
+    """`n` as a token budget: an integer >= 0, else a ValueError that names it. One rule for plain and
+    speculative decoding (the speculative loops once returned nothing for -3; 2.5 failed inside torch)."""
+    try:
+        v = operator.index(n) if not isinstance(n, bool) else None
+    except TypeError:
+        v = None
+    if v is None:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {n!r}")
+    if v < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {v}")
+    return v
 
 
 @dataclass
@@ -36,8 +51,7 @@ class GenerationConfig:
     skip: bool = True  # real skipping of gated blocks (False: compute them, multiplied by the gate)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        check_max_new_tokens(self.max_new_tokens)
         if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails every comparison
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:

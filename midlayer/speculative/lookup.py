@@ -98,7 +98,11 @@ class PromptLookupDrafter(Drafter):
     def prompt_prior(self, tokens: Sequence[int]) -> float | None:
         """The acceptance a continuous batch starts a row at (engine/batch.py, `accept_prior`): lookup's
         depth-1 hit rate on the prompt itself, over its last 32 positions; None for a prompt under 24 tokens."""
-        return self.self_accuracies(tokens, depth=1, ranks=1, positions=32)[0][0] if len(tokens) >= 24 else None
+        if len(tokens) < 24:
+            return None
+        # the last 32 positions, each one (the end of a prompt tells how its continuation starts; an even spread
+        # over a prompt whose start repeats and whose end does not said 0.84 where the end hits 0)
+        return self.self_accuracies(tokens, depth=1, ranks=1, start=max(8, len(tokens) - 33), positions=32)[0][0]
 
     def self_accuracies(self, tokens: Sequence[int], depth: int | None = None, ranks: int = 3,
                         start: int = 8, positions: int = 256) -> list[list[float]]:

@@ -28,7 +28,7 @@ import torch
 from midlayer.engine.decode_step import (any_round_slots, BUCKET_CANDIDATES, DecodeStep, round_slots, step_for,
                                         TreeTensors)
 from midlayer.engine.draft_vocab import restrict_logits, to_token_ids
-from midlayer.engine.generate import validate_prompts
+from midlayer.engine.generate import check_max_new_tokens, validate_prompts
 from midlayer.model.transformer import Transformer
 from .protocol import DraftContext, Drafter
 from .tree import DraftTree
@@ -82,7 +82,7 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     model.eval()
     P = len(prompt)
     stats = SpecStats(accept_hist=[0] * (tree.max_depth + 1))
-    budget = min(max_new_tokens, model.cfg.max_seq_len - P + 1)
+    budget = min(check_max_new_tokens(max_new_tokens), model.cfg.max_seq_len - P + 1)
     if budget <= 0:
         return [], stats
     k = fused_steps(drafter)

@@ -49,7 +49,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from midlayer.engine.generate import forward_cached, generate, GenerationConfig, validate_prompts
+from midlayer.engine.generate import (check_max_new_tokens, forward_cached, generate, GenerationConfig,
+                                      validate_prompts)
 from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
@@ -379,7 +380,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     P = len(prompt)
     stats = stats if stats is not None else SpecStats()
     stats.accept_hist = [0] * (tree.max_depth + 1)
-    budget = min(max_new_tokens, cfg.max_seq_len - P + 1)  # as `generate_stream`: the last token needs no slot
+    budget = min(check_max_new_tokens(max_new_tokens), cfg.max_seq_len - P + 1)  # as `generate_stream`: the last token needs no slot
     if budget <= 0:
         return [], stats
     if len(tree) == 0 and on_round is None:
