@@ -380,7 +380,8 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     P = len(prompt)
     stats = stats if stats is not None else SpecStats()
     stats.accept_hist = [0] * (tree.max_depth + 1)
-    budget = min(check_max_new_tokens(max_new_tokens), cfg.max_seq_len - P + 1)  # as `generate_stream`: the last token needs no slot
+    # as `generate_stream`: the last token needs no slot
+    budget = min(check_max_new_tokens(max_new_tokens), cfg.max_seq_len - P + 1)
     if budget <= 0:
         return [], stats
     if len(tree) == 0 and on_round is None:
