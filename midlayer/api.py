@@ -16,6 +16,7 @@ called lossless on every drafter and tree; see docs/inference.md).
 from __future__ import annotations
 
 import math
+import numbers
 import queue
 import threading
 import time
@@ -44,7 +45,7 @@ from midlayer.speculative.registry import batch_drafting, heldout_accuracies, lo
 from midlayer.speculative.skip_gates import SkipGates, gated_twin
 from midlayer.speculative.static import static_speculative_generate
 from midlayer.speculative.tree import DraftTree
-from midlayer.speculative.tree_cost import select_tree
+from midlayer.speculative.tree_cost import check_tree_spec, select_tree
 from midlayer.speculative.verify import SpecStats, speculative_generate
 from midlayer.train.checkpoint import load_model
 from midlayer.train.distributed import resolve_device
@@ -86,13 +87,15 @@ class LLM:
         # a continuous batch's prefix reuse: the shortest shared prompt start whose K/V a joining row takes from
         # another row (0: off; engine/batch.py)
         self.prefix_reuse = 16
-        # `logprobs`'s last call (ids, its KV cache, top, scores): a call whose ids start alike reuses them
-        self._scored: tuple[list[int], KVCache, int, list] | None = None
+        # `logprobs`'s last call (ids, its KV cache, top, scores, (model, skip) it ran): a call whose ids start alike,
+        # on the same model and skipping, reuses them (`use_gates` replaces the model; `skip` may change)
+        self._scored: tuple[list[int], KVCache, int, list, tuple] | None = None
         self.last_stats: SpecStats | None = None  # the last speculative generation's statistics
         self.last_tree: DraftTree | None = None
         self.last_report: str | None = None  # how --tree auto chose the last tree
         self.last_choice_s = 0.0  # seconds the last generation spent choosing its tree (auto: measuring costs)
-        self.last_completion: Completion | None = None  # what the last `stream` produced
+        # what the last `stream` produced (None while one runs, and after one its caller stopped early)
+        self.last_completion: Completion | None = None
         self.refresh_costs = False  # tree "auto": measure the row costs and overheads again, not from the cache
         self.progress = False  # tree "auto": show the row-cost measurement's progress
     @classmethod
@@ -143,12 +146,15 @@ class LLM:
             self.drafter, self.draft_name, self._acc = None, "", None
             return self
         if isinstance(draft, Drafter):
-            self.drafter, self.draft_name, self._acc = draft, type(draft).__name__, None
+            new = (draft, type(draft).__name__, None)
         elif str(draft) == "lookup":
-            self.drafter, self.draft_name, self._acc = PromptLookupDrafter(self.model.cfg.vocab_size), "lookup", None
+            new = (PromptLookupDrafter(self.model.cfg.vocab_size), "lookup", None)
         else:
             drafter, _, meta = load_drafter(draft, self.model)
-            self.drafter, self.draft_name, self._acc = drafter, str(draft), heldout_accuracies(meta, str(draft))
+            new = (drafter, str(draft), heldout_accuracies(meta, str(draft)))
+        # a tree this drafter cannot draft is refused here, the drafter before it kept (not at every generate)
+        check_tree_spec(new[0], tree, new[2], acc_later=hasattr(new[0], "self_accuracies"))
+        self.drafter, self.draft_name, self._acc = new
         self.tree_spec = tree
         return self
 
@@ -161,6 +167,8 @@ class LLM:
         elif is_token_ids(prompt):
             ids = [int(t) for t in prompt]
         elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
+            if not prompt:  # (all() of nothing: an empty list reads as a chat of no messages)
+                raise ValueError("the chat is empty: give at least one message")
             ids = self.tokenizer.encode_chat(list(prompt))
         else:
             raise ValueError("a prompt is a str, a list of {'role': ..., 'content': ...} messages or a list of token "
@@ -179,11 +187,14 @@ class LLM:
         as the last call's did for at least `prefix_reuse` tokens -- a multiple-choice task scores one context
         with each of its answers -- the forward runs only from the last shared token on, over that call's KV
         cache; the shared tokens' scores are that call's."""
+        if not (_is_int(top) and 0 <= top <= self.model.cfg.vocab_size):
+            raise ValueError(f"top must be an integer in [0, {self.model.cfg.vocab_size}], got {top!r}")
         ids = validate_prompts(self.model, [list(ids)])[0]
         dev = self.model.tok_embeddings.weight.device
         tokens = torch.tensor([ids], device=dev)
         start, memo = 0, self._scored
-        if self.prefix_reuse and memo is not None and memo[2] == top and getattr(self.model, "batch_invariant", False):
+        if (self.prefix_reuse and memo is not None and memo[2] == top and memo[4] == (self.model, self.skip)
+                and getattr(self.model, "batch_invariant", False)):
             shared = shared_prefix(ids, memo[0])
             if shared >= self.prefix_reuse:
                 start = shared - 1  # (row start - 1's logits score token start)
@@ -201,7 +212,7 @@ class LLM:
         # row t: the distribution of token t + 1
         out = out + token_logprobs(logits[0, :-1], tokens[0, start + 1:], top)  # type: ignore[operator]
         if not self.model.cfg.ssm_layers:  # (a state-space mixer's state cannot be rolled back to a prefix)
-            self._scored = (ids, cache, top, out)
+            self._scored = (ids, cache, top, out, (self.model, self.skip))
         return out
 
     def settings(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
@@ -209,8 +220,14 @@ class LLM:
         """The generation settings, checked (ValueError naming the setting)."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not (_is_int(top_k) and top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r}")
+        if not (_is_number(top_p) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1] (1: off), got {top_p!r}")
+        if seed is not None and not (_is_int(seed) and -2**63 <= seed < 2**64):  # torch.manual_seed's range
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {seed!r}")
         if self.drafter is not None and temperature > 0 and (top_k or top_p < 1.0):
             raise ValueError("speculative sampling reproduces the plain softmax: top_k / top_p would change it; "
                              "drop them, or detach the drafter")
@@ -273,7 +290,7 @@ class LLM:
         stop = stop_strings(stop)
         cfg = self.settings(max_tokens, temperature, top_k, top_p, seed)
         ids = self.encode(prompt)
-        self.last_stats, self.last_choice_s = None, 0.0
+        self.last_stats, self.last_choice_s, self.last_completion = None, 0.0, None
         text = TextStream(self, ids, stop)
         for tokens in self._token_groups(ids, cfg):
             piece, ended = text.feed(tokens)
@@ -561,10 +578,22 @@ class TextStream:
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     """`stop` as a list of strings: one string is one stop string (not its characters, which iterating it would
     give); ValueError for an empty string or a non-string."""
+    if stop is not None and not isinstance(stop, (str, list, tuple)):
+        raise ValueError(f"stop: give a non-empty string or a list of them, got {stop!r}")
     stops = [stop] if isinstance(stop, str) else list(stop or ())
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"stop: give a non-empty string or a list of them, got {stop!r}")
     return stops
+
+
+def _is_int(x: Any) -> bool:
+    """An integer setting (numpy's too), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    """A real-valued setting (numpy's too), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def is_token_ids(prompt: Any) -> bool:

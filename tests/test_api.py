@@ -183,11 +183,48 @@ def test_lookup_with_tree_auto_drafts_step_by_step_in_a_one_row_batch(llm, monke
                                     (dict(prompt="x" * 400), "context"), (dict(max_tokens=0), "max_tokens"),
                                     (dict(max_tokens=True), "max_tokens"), (dict(temperature=math.nan), "temperature"),
                                     (dict(temperature=-1.0), "temperature"), (dict(stop=[""]), "stop"),
-                                    (dict(stop=["a", 3]), "stop")])
+                                    (dict(stop=["a", 3]), "stop"), (dict(stop=5), "stop"),
+                                    (dict(temperature=True), "temperature"), (dict(top_k=1.5), "top_k"),
+                                    (dict(top_k="3"), "top_k"), (dict(top_k=None), "top_k"),
+                                    (dict(top_p="0.9"), "top_p"), (dict(top_p=None), "top_p"),
+                                    (dict(seed="x"), "seed"), (dict(seed=1.5), "seed"), (dict(seed=2**70), "seed"),
+                                    (dict(prompt=["hi", []]), "the chat is empty")])
 def test_bad_input_is_refused_by_name(llm, kw, msg):
     args = {"prompt": "hello", "max_tokens": 4, **kw}
     with pytest.raises(ValueError, match=msg):
         llm.generate(args.pop("prompt"), **args)
+
+
+def test_bad_input_outside_generate_is_refused_by_name(llm):
+    """An empty chat is refused by every entry (it rendered as the assistant's header alone and was decoded);
+    logprobs' `top` is checked; attach refuses a tree its drafter cannot draft and keeps the drafter it had."""
+    for call in (lambda: llm.encode([]), lambda: next(llm.stream([]))):
+        with pytest.raises(ValueError, match="the chat is empty"):
+            call()
+    for top in (-1, 1.5, VOCAB + 1):
+        with pytest.raises(ValueError, match="top must be an integer"):
+            llm.logprobs(llm.encode("To be"), top)
+    try:
+        llm.attach("lookup")
+        before = llm.drafter
+        for tree, msg in (("bogus", "expected auto, chain"), ("dynamic:8", "needs an EAGLE draft")):
+            with pytest.raises(ValueError, match=msg):
+                llm.attach("lookup", tree=tree)
+            assert llm.drafter is before and llm.tree_spec == "auto"
+        llm.attach("lookup", tree="sparse:6")  # (lookup measures its accuracies on each prompt)
+        assert llm.generate("To be, or not to be", max_tokens=4).token_ids == _greedy(llm, llm.encode(
+            "To be, or not to be"), 4)
+    finally:
+        llm.attach(None)
+
+
+def test_a_stream_stopped_early_leaves_no_older_completion(llm):
+    done = "".join(llm.stream("To be", max_tokens=3))
+    assert llm.last_completion is not None and llm.last_completion.text == done
+    it = llm.stream("To be, or not to be: that is", max_tokens=8)
+    next(it)
+    it.close()
+    assert llm.last_completion is None
 
 
 def test_a_role_cannot_be_chat_markup(llm):
@@ -284,6 +321,16 @@ def test_logprobs_reuse_the_last_calls_prefix_bit_for_bit(llm, monkeypatch):
     q4.logprobs(ctx + answers[0])
     q4.logprobs(ctx + answers[1])
     assert fed == [len(ctx + answers[0]), len(ctx + answers[1])] * 2
+    # another model or skipping: no reuse of the last call's scores and cache (use_gates replaces the model,
+    # and a gated model's scores were the dense one's, up to 1.34 nats off on SmolLM2)
+    q4.prefix_reuse = 2
+    q4.logprobs(ctx + answers[0])
+    fed.clear()
+    q4.skip = False
+    q4.logprobs(ctx + answers[1])
+    q4.model = compress_weights(copy.deepcopy(llm.model), "q4")
+    q4.logprobs(ctx + answers[2])
+    assert fed == [len(ctx + answers[1]), len(ctx + answers[2])]
 
 
 def _stream_spells_the_full_decode(tok: TextTokenizer, seed: int) -> None:

@@ -507,6 +507,19 @@ def parse_tree_spec(spec: str, what: str = "tree") -> tuple[str, int]:
     return kind, nodes
 
 
+def check_tree_spec(drafter: Drafter, spec: str, acc: Sequence[Sequence[float]] | None = None, *,
+                    acc_later: bool = False) -> tuple[str, int]:
+    """`parse_tree_spec(spec)`, and the refusals of a tree this drafter cannot draft: sparse:N without per-depth
+    accuracies (`acc_later`: the drafter measures them on each prompt, as prompt lookup does), dynamic:N without an
+    expansion width (EAGLE's). No side effects: the API refuses in `attach`, before it changes anything."""
+    kind, nodes = parse_tree_spec(spec)
+    if kind == "sparse" and not acc_later and (not acc or len(acc) < 2):
+        raise ValueError(f"tree {spec!r}: the draft has no per-depth accuracies to build a sparse tree; use chain")
+    if kind == "dynamic" and drafter.dynamic_k is None:  # a drafter without an expansion width (EAGLE has one)
+        raise ValueError(f"tree {spec!r} needs an EAGLE draft; this drafter is a {type(drafter).__name__}")
+    return kind, nodes
+
+
 def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, spec: str, *, model_name: str,
                 weights: str, prompt_ids: Sequence[int], draft_key: str = "", refresh: bool = False,
                 progress: bool = False) -> tuple[DraftTree, str | None]:
@@ -518,7 +531,7 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
     Python API."""
     # draft depth: k steps / heads; else the depths it was scored at; else (one depth measured) 3
     k = drafter.draft_steps() or (len(acc) if acc and len(acc) > 1 else 3)
-    kind, nodes = parse_tree_spec(spec)
+    kind, nodes = check_tree_spec(drafter, spec, acc)
     if kind != "dynamic" and drafter.dynamic_k:  # a static tree asked for: the width an earlier dynamic:N call
         drafter.dynamic_k = 0                      # set would expand it (it did: a width-3 tree, not the chain)
     if kind == "auto" and acc:
@@ -530,17 +543,13 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
     if kind in ("auto", "chain"):
         return DraftTree.chain(k), None
     if kind == "sparse":
-        if not acc or len(acc) < 2:
-            raise ValueError(f"tree {spec!r}: the draft has no per-depth accuracies to build a sparse tree; use chain")
         return DraftTree.greedy_from_accuracies(acc, nodes), None
-    if drafter.dynamic_k is None:  # a drafter without an expansion width (EAGLE has one)
-        raise ValueError(f"tree {spec!r} needs an EAGLE draft; this drafter is a {type(drafter).__name__}")
-    # the budget: N nodes at most, as deep as the chain of k; each depth expands the best min(4, N) nodes
+    # dynamic: the budget: N nodes at most, as deep as the chain of k; each depth expands the best min(4, N) nodes
     drafter.dynamic_k = min(4, nodes)
     return DraftTree.greedy_from_accuracies([[1.0 - 1e-3 * i for i in range(nodes)]] * k, nodes), None
 
 
-__all__ = ["parse_tree_spec", "select_tree", "RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms",
+__all__ = ["parse_tree_spec", "check_tree_spec", "select_tree", "RowCosts", "Overhead", "forward_ms", "round_forwards", "round_ms",
            "draft_calls", "total_round_ms", "measure_overhead", "cached_overhead", "curve_drift", "MIN_DRIFT",
            "drafter_key", "split_excess", "expected_tokens", "choose_tree", "auto_tree", "measure_row_costs",
            "row_costs", "cost_key", "table_text"]
