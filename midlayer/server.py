@@ -34,6 +34,7 @@ import asyncio
 import codecs
 import collections
 import contextlib
+import importlib.util
 import json
 import math
 import queue
@@ -789,6 +790,14 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
         return await run(request, messages, kwargs, stream, shape, include_usage)
 
     return app
+
+
+def require_serve_extra() -> None:
+    """Refuse, before any model is loaded, where the serve extra (fastapi, uvicorn) is missing: the command
+    loaded the model for seconds and then stopped on a bare "No module named 'uvicorn'"."""
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"serving needs the serve extra ({', '.join(missing)} missing): pip install 'midlayer[serve]'")
 
 
 def serve(llm: LLM, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -663,3 +664,27 @@ def test_every_benchmark_script_answers_help_without_running(script):
     r = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--help"], cwd=root, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage:"), (r.returncode, r.stdout[-300:], r.stderr[-600:])
+
+
+@pytest.mark.parametrize("argv", [["serve", "--model", "smollm2-135m"],
+                                  ["bench", "serve", "--model", "smollm2-135m", "--no-llama-cpp"]])
+def test_serving_without_the_serve_extra_is_refused_before_any_load(capsys, monkeypatch, argv):
+    """Without fastapi / uvicorn, `serve` loaded the model for seconds and then stopped on "No module named
+    'uvicorn'"; now the extra is named first, and nothing is loaded."""
+    import importlib.util
+
+    from midlayer import api
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    monkeypatch.setattr(api.LLM, "load", classmethod(lambda *a, **k: pytest.fail("loaded a model")))
+    refused(capsys, argv, "needs the serve extra (uvicorn missing): pip install 'midlayer[serve]'")
+
+
+def test_the_kernels_module_exits_1_when_it_cannot_build(tmp_path):
+    """`python -m midlayer.ops.kernels` exits as `midlayer kernels` does: 1 when the library is not built."""
+    import subprocess
+
+    env = {**os.environ, "CC": "", "PATH": str(tmp_path), "MIDLAYER_CACHE": str(tmp_path / "cache")}  # no compiler
+    run = subprocess.run([sys.executable, "-m", "midlayer.ops.kernels"], env=env, capture_output=True, text=True)
+    assert run.returncode == 1, (run.stdout, run.stderr)

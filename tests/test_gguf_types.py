@@ -131,3 +131,13 @@ def test_gemma3_file_joins_and_holds_k_quants():
     path = resolve_pretrained("gemma3-270m").path  # (tests/test_gemma3.py runs it)
     reader = gguf.GGUFReader(str(path))
     assert {t.tensor_type.name for t in reader.tensors} == {"F32", "Q5_0", "Q4_K", "Q8_0", "Q6_K"}
+
+
+def test_a_gguf_package_too_old_is_refused_by_version(tmp_path, monkeypatch):
+    """gguf below 0.16 has no ReaderField.contents: every file's metadata read as 'unreadable', as if the file
+    were damaged. The version is named instead."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.14.0")
+    with pytest.raises(ImportError, match=r"needs gguf >= 0\.16, this is 0\.14: pip install -U gguf"):
+        load_gguf(tmp_path / "model.gguf")

@@ -346,7 +346,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_serve(args: argparse.Namespace) -> int:
     from midlayer.experiments.serve_bench import bench_serve, serve_table  # needs the serve extra: loaded by this benchmark only, not at start-up
+    from midlayer.server import require_serve_extra  # (as the line above: not at start-up)
 
+    require_serve_extra()
     try:
         clients = [int(x) for x in args.clients.split(",") if x.strip()]
     except ValueError:

@@ -289,8 +289,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from midlayer.server import serve  # needs fastapi and uvicorn (the serve extra): loaded by this command only, not at start-up
+    # needs fastapi and uvicorn (the serve extra): loaded by this command only, not at start-up
+    from midlayer.server import require_serve_extra, serve
 
+    require_serve_extra()
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     positive("--max-queue", args.max_queue)

@@ -483,9 +483,13 @@ def permute_qk_like_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _open_gguf(path: Path) -> "GGUFIndex":
     try:
-        import gguf  # noqa: F401
+        import gguf
     except ImportError as e:  # pragma: no cover - optional dependency
-        raise ImportError("reading GGUF files needs the gguf package: pip install gguf") from e
+        # (the import's own message too: an installed gguf can fail on a module it imports itself)
+        raise ImportError(f"reading GGUF files needs the gguf package (>= 0.16): pip install -U gguf ({e})") from e
+    found = re.match(r"(\d+)\.(\d+)", _gguf_version(gguf))
+    if found and (int(found[1]), int(found[2])) < (0, 16):  # (no ReaderField.contents: "unreadable" metadata)
+        raise ImportError(f"reading GGUF files needs gguf >= 0.16, this is {found[0]}: pip install -U gguf")
     if not path.is_file():
         raise ValueError(f"{path}: no such GGUF file")
     st = path.stat()

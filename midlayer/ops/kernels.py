@@ -19,8 +19,8 @@ docs/results/decode-cpu.md). The kernels in `csrc/qkernels.c` give both properti
     output projection, the SwiGLU FFN and both residual adds in ONE call -- the same functions in the same
     order as the module-by-module path, so the same bits, without ~15 Python calls per block.
 
-The kernels are plain C compiled by the machine's C compiler on first use (or by `python -m
-midlayer.ops.kernels`, which `scripts/setup.sh` runs) into a cache directory, and loaded with ctypes; AVX2
+The kernels are plain C compiled by the machine's C compiler on first use (or by `midlayer kernels`,
+which `scripts/setup.sh` runs, or `python -m midlayer.ops.kernels`) into a cache directory, and loaded with ctypes; AVX2
 versions (and AVX512-VNNI GEMM tiles, `set_simd`) are selected at run time, with a portable scalar
 version that gives the same bits. Where no
 compiler is available, `*_reference` (pure PyTorch) computes the same GEMM results bit for bit -- slowly
@@ -811,5 +811,5 @@ def build_report() -> int:
     return status
 
 
-if __name__ == "__main__":  # `python -m midlayer.ops.kernels`
-    build_report()
+if __name__ == "__main__":  # `python -m midlayer.ops.kernels`: exits 1 when not built, as `midlayer kernels`
+    sys.exit(build_report())
