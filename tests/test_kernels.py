@@ -104,6 +104,35 @@ def test_quantisation_hand_example():
     assert float(s) == pytest.approx(0.02 * 77)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_activation_makes_its_outputs_nan_at_every_simd_level(bad):
+    """A group holding a NaN or an infinity has codes 0 and d = s = NaN, at every SIMD level and in the
+    reference: every output it feeds is NaN, as a float GEMM's is. (The kernels turned a NaN into a code, -128
+    on AVX2 and INT_MIN in the scalar sum, and returned finite outputs near 1e8.) The other rows are untouched."""
+    if not kernels.available():
+        pytest.skip("no C compiler: the kernels are not built")
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 64, generator=g), torch.randn(3, 64, generator=g)
+    x[1, 9] = bad
+    p4, s4 = kernels.quantize_q4_1(w)
+    ref = kernels.quantize_q8_reference(x)
+    assert ref[0][1, :32].abs().sum() == 0 and ref[1][1, 0].isnan() and ref[2][1, 0].isnan()
+    assert not ref[1][1, 1].isnan() and not ref[1][[0, 2]].isnan().any()
+    want = kernels.gemm_q4_1_reference(x, p4, s4, 8)
+    assert want[1].isnan().all() and not want[[0, 2]].isnan().any()
+    try:
+        for level in kernels.simd_levels():
+            kernels.set_simd(level)
+            got = kernels.quantize_q8(x)
+            for a, b in zip(got, ref):
+                assert torch.equal(a, b) if a.dtype == torch.int8 else torch.equal(a.isnan(), b.isnan()) and \
+                    torch.equal(a.nan_to_num(), b.nan_to_num())
+            y = kernels.gemm_q4_1(x, p4, s4, 8)
+            assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.nan_to_num(), want.nan_to_num())
+    finally:
+        kernels.set_simd(True)
+
+
 def test_gemm_rows_are_invariant(simd):
     """Row 0 computed alone, or among 2..17 rows: the same bits (exact int32 block sums, per-row order)."""
     w, x = _weights(200, 128, seed=1)

@@ -304,15 +304,19 @@ def _q8_bytes(M: int, K: int) -> int:
 def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (q int8 [M, K], d [M, K/32], s [M, K/32]): d = amax/127 per group,
     q = round-half-even(x / d) (0 where d is below the smallest normal float, whose inverse can overflow),
-    s = d * sum(q). The C kernel's exact arithmetic (q8_inverse)."""
+    s = d * sum(q); a group holding a NaN or an infinity: q = 0, d = s = NaN (every output it feeds is NaN). The C
+    kernel's exact arithmetic (q8_inverse, q8_group_nan)."""
     M, K = x.shape
     g = x.float().reshape(M, K // QK, QK)
+    bad = ~torch.isfinite(g).all(-1)
+    g = torch.where(bad[..., None], torch.zeros_like(g), g)
     d = g.abs().amax(-1) / 127.0
     normal = d >= torch.finfo(torch.float32).tiny
     inv = torch.where(normal, 1.0 / torch.where(normal, d, torch.ones_like(d)), torch.zeros_like(d))
     q = torch.round(g * inv[..., None])
-    s = d * q.sum(-1)
-    return q.to(torch.int8).reshape(M, K), d, s
+    nan = torch.full_like(d, float("nan"))
+    s = torch.where(bad, nan, d * q.sum(-1))
+    return q.to(torch.int8).reshape(M, K), torch.where(bad, nan, d), s
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -110,12 +110,31 @@ static inline float q8_inverse(float dd) {
     return dd >= FLT_MIN ? 1.0f / dd : 0.0f;
 }
 
+/* A group holding a NaN or an infinity has no scale: its codes are 0 and d = s = NaN, so that every output it
+ * feeds is NaN, as a float GEMM's would be (the max skipped a NaN, and its code was whatever the conversion of
+ * NaN gave: INT_MIN in the scalar sum, -128 on AVX2, finite outputs ~1e8). One rule for every SIMD level. */
+static inline int q8_group_finite(const float *xg) {
+    int finite = 1;
+    for (int j = 0; j < QK; j++) finite &= isfinite(xg[j]) != 0;
+    return finite;
+}
+
+static inline void q8_group_nan(int8_t *qg, float *d, float *s) {
+    memset(qg, 0, QK);
+    *d = NAN;
+    *s = NAN;
+}
+
 /* ================================================================================ scalar reference */
 static void quantize_q8_scalar(const float *x, long ldx, int M, int K, int8_t *q, float *d, float *s) {
     int G = K / QK;
     for (int m = 0; m < M; m++) {
         for (int g = 0; g < G; g++) {
             const float *xg = x + m * ldx + g * QK;
+            if (!q8_group_finite(xg)) {
+                q8_group_nan(q + (long)m * K + g * QK, d + (long)m * G + g, s + (long)m * G + g);
+                continue;
+            }
             float amax = 0.0f;
             for (int j = 0; j < QK; j++) {
                 float a = fabsf(xg[j]);
@@ -269,6 +288,10 @@ AVX2 static void quantize_q8_avx2(const float *x, long ldx, int M, int K, int8_t
     for (int m = 0; m < M; m++) {
         for (int g = 0; g < G; g++) {
             const float *xg = x + m * ldx + g * QK;
+            if (!q8_group_finite(xg)) {
+                q8_group_nan(q + (long)m * K + g * QK, d + (long)m * G + g, s + (long)m * G + g);
+                continue;
+            }
             __m256 v0 = _mm256_loadu_ps(xg), v1 = _mm256_loadu_ps(xg + 8), v2 = _mm256_loadu_ps(xg + 16),
                    v3 = _mm256_loadu_ps(xg + 24);
             __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
