@@ -4,6 +4,8 @@ rows share its forward, and speculative output equals plain greedy output token 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -630,3 +632,39 @@ def test_topk_and_argmax_match_torch_with_ties_nan_and_every_simd_level():
     assert torch.allclose(lse[finite], torch.logsumexp(x[finite], -1), atol=1e-5) and torch.isnan(lse[2])
     assert kernels.topk(x, 1001) is None and kernels.topk(x.double(), 2) is None and kernels.topk(x, 0) is None
     assert torch.equal(kernels.argmax(x.double()), x.double().argmax(-1))  # the torch fallback
+
+
+def test_two_threads_get_their_own_results_and_build_the_library_once(tmp_path):
+    """Threads calling the kernels at once: each call's scratch buffer is its thread's (a shared one gave wrong
+    results in ~1 call of 4 here), and a first use from two threads builds and loads one library (both wrote
+    the same temporary file, and one fell back to PyTorch)."""
+    import subprocess
+    import sys
+    import threading
+
+    if not kernels.available():
+        pytest.skip("no C compiler: the kernels are not built")
+    g = torch.Generator().manual_seed(1)
+    p4, s4 = kernels.quantize_q4_1(torch.randn(64, 256, generator=g))
+    xs = [torch.randn(5 + i, 256, generator=g) for i in range(2)]
+    want = [kernels.gemm_q4_1(x, p4, s4, 64) for x in xs]
+    bad = []
+
+    def run(i: int) -> None:
+        for _ in range(300):
+            if not torch.equal(kernels.gemm_q4_1(xs[i], p4, s4, 64), want[i]):
+                bad.append(i)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+    code = ("import threading, warnings; warnings.simplefilter('error'); import midlayer.ops.kernels as k; "
+            "got = []; ts = [threading.Thread(target=lambda: got.append(k.library())) for _ in range(4)]; "
+            "[t.start() for t in ts]; [t.join() for t in ts]; "
+            "assert len(got) == 4 and got[0] is not None and all(g is got[0] for g in got), got")
+    env = {**os.environ, "MIDLAYER_CACHE": str(tmp_path / "cache")}
+    run_ = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run_.returncode == 0, run_.stderr
+    assert [p.name for p in (tmp_path / "cache").rglob("*.tmp*")] == []  # no temporary file left behind

@@ -37,6 +37,8 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -154,7 +156,11 @@ def build(verbose: bool = False) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc): the q4 kernels fall back to PyTorch")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}.so")
+    # a name of its own per build (processes and threads building at once each write their own file; the pid alone
+    # was shared by two threads, and one loaded the other's half-written or just-moved file)
+    fd, name = tempfile.mkstemp(prefix=out.stem + ".tmp", suffix=".so", dir=out.parent)
+    os.close(fd)
+    tmp = Path(name)
     # -ffp-contract=off: no fused multiply-adds the source does not write, so the scalar and AVX2 paths (and
     # the PyTorch reference) round identically (the attention's are explicit in both: fmaf, vfmadd). OpenMP:
     # the library joins the libgomp pool torch itself uses (same soname).
@@ -163,6 +169,7 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(f"the q4 kernels are written for x86-64, not {platform.machine()}")
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
         raise RuntimeError(f"compiling {_SRC.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
@@ -178,10 +185,21 @@ _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
 
 
+_lib_lock = threading.Lock()
+
+
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, building them on first use; None (with one warning) if that is impossible."""
-    global _lib, _lib_error
+    """The compiled kernels, building them on first use (once, however many threads ask at once); None (with
+    one warning) if that is impossible."""
     if _lib is not None or _lib_error is not None:
+        return _lib
+    with _lib_lock:
+        return _load_library()
+
+
+def _load_library() -> ctypes.CDLL | None:
+    global _lib, _lib_error
+    if _lib is not None or _lib_error is not None:  # (another thread loaded it while this one waited)
         return _lib
     if os.environ.get("MIDLAYER_NO_KERNELS"):
         _lib_error = "disabled by MIDLAYER_NO_KERNELS"
@@ -285,15 +303,16 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-_work = torch.empty(0, dtype=torch.uint8)
+_work = threading.local()  # one scratch buffer per thread: two threads' calls shared one and read each other's
 
 
 def _workspace(n_bytes: int) -> torch.Tensor:
-    """A scratch buffer reused across calls (grown on demand): quantised activations, attention scores."""
-    global _work
-    if _work.numel() < n_bytes:
-        _work = torch.empty(max(n_bytes, 2 * _work.numel()), dtype=torch.uint8)
-    return _work
+    """This thread's scratch buffer, reused across calls (grown on demand): quantised activations, attention
+    scores."""
+    buf = getattr(_work, "buf", None)
+    if buf is None or buf.numel() < n_bytes:
+        buf = _work.buf = torch.empty(max(n_bytes, 2 * (0 if buf is None else buf.numel())), dtype=torch.uint8)
+    return buf
 
 
 def _q8_bytes(M: int, K: int) -> int:
