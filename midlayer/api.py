@@ -218,7 +218,7 @@ class LLM:
     def settings(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
                  ) -> GenerationConfig:
         """The generation settings, checked (ValueError naming the setting)."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        if not (_is_int(max_tokens) and max_tokens >= 1):
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -228,6 +228,9 @@ class LLM:
             raise ValueError(f"top_p must be a number in (0, 1] (1: off), got {top_p!r}")
         if seed is not None and not (_is_int(seed) and -2**63 <= seed < 2**64):  # torch.manual_seed's range
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {seed!r}")
+        # as Python numbers from here on (numpy's integers passed the checks and then failed inside torch)
+        max_tokens, temperature, top_k, top_p = int(max_tokens), float(temperature), int(top_k), float(top_p)
+        seed = None if seed is None else int(seed)
         if self.drafter is not None and temperature > 0 and (top_k or top_p < 1.0):
             raise ValueError("speculative sampling reproduces the plain softmax: top_k / top_p would change it; "
                              "drop them, or detach the drafter")
@@ -235,7 +238,7 @@ class LLM:
             # (its rounds accept the greedy path on the device: a temperature would be ignored, not honoured)
             raise ValueError("the static engine drafts greedily only (temperature 0); set engine = 'dynamic' for "
                              "speculative sampling, or detach the drafter")
-        return GenerationConfig(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
+        return GenerationConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop_tokens=tuple(sorted(self.tokenizer.eos_ids)),
                                 skip=self.skip)
 

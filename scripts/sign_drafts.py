@@ -5,8 +5,8 @@
 A draft made before the 50th session names its base by dimensions, name and LM head only, so a base whose blocks
 were fine-tuned under the same head loads it. This loads each draft's named base (a short name: `load_pretrained`),
 checks it against the signature the file holds (`check_base`), and adds what `save_draft` writes today: the
-blocks' output on a fixed input in fp32 and in q4 (`registry.PROBE_FORMATS`). A file that already has them, or
-whose base does not match, is left as it is. The weights and their checksum do not change.
+blocks' output on a fixed input in fp32 and in the formats of `registry.PROBE_FORMATS` (q4, int4). A file that
+already has them all, or whose base does not match, is left as it is. The weights and their checksum do not change.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def sign(folder: Path, cache: dict) -> str:
     path = folder / CONFIG_NAME
     doc = json.loads(path.read_text())
     saved = doc["base"]
-    if "forward" in saved:
-        return "already has the blocks' probe"
+    if "forward" in saved and set(PROBE_FORMATS) <= set(saved.get("forward_in", {})):
+        return "already has the blocks' probes"
     name = saved.get("name")
     if not name:
         return "names no base (made from a folder): load it and save the draft again"
@@ -39,7 +39,8 @@ def sign(folder: Path, cache: dict) -> str:
     except DraftMismatchError as e:
         return f"not signed: {e}"
     now = base_signature(model, name, formats=PROBE_FORMATS)
-    doc["base"] = {**saved, **{k: now[k] for k in ("weights", "forward", "forward_in") if k in now}}
+    doc["base"] = {**saved, "weights": now["weights"], "forward": now["forward"],
+                   "forward_in": {**saved.get("forward_in", {}), **now.get("forward_in", {})}}
     atomic_write(path, writer=lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=2)))
     return f"signed in {now['weights']} and {', '.join(now.get('forward_in', {})) or 'no other format'}"
 

@@ -218,6 +218,17 @@ def test_bad_input_outside_generate_is_refused_by_name(llm):
         llm.attach(None)
 
 
+def test_numpy_settings_are_taken_as_python_numbers(llm):
+    """numpy integers and floats are settings like Python's (a numpy seed passed the check and then failed in
+    torch's manual_seed; a numpy max_tokens was refused)."""
+    import numpy as np
+
+    want = llm.generate("To be", max_tokens=6, temperature=1.0, top_k=5, top_p=0.9, seed=3)
+    got = llm.generate("To be", max_tokens=np.int64(6), temperature=np.float32(1.0), top_k=np.int64(5),
+                       top_p=np.float64(0.9), seed=np.int64(3))
+    assert got.token_ids == want.token_ids
+
+
 def test_a_stream_stopped_early_leaves_no_older_completion(llm):
     done = "".join(llm.stream("To be", max_tokens=3))
     assert llm.last_completion is not None and llm.last_completion.text == done

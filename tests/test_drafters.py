@@ -429,7 +429,7 @@ def test_save_load_roundtrip_and_refusals(tmp_path):
     # ... while the tuned base's q4 form is refused: the signature holds the blocks' q4 probe too, so q4 is held
     # to the same-format bound (the cross-format bound of 0.5 let it load)
     if kernels.available():
-        assert set(json.loads((tmp_path / "ee" / "draft.json").read_text())["base"]["forward_in"]) == {"q4"}
+        assert set(json.loads((tmp_path / "ee" / "draft.json").read_text())["base"]["forward_in"]) == {"q4", "int4"}
         with pytest.raises(DraftMismatchError, match="within the q4 format"):
             load_draft(tmp_path / "ee", compress_weights(copy.deepcopy(tuned), "q4"))
     doc = json.loads((tmp_path / "ee" / "draft.json").read_text())
@@ -671,12 +671,33 @@ def test_sign_drafts_adds_the_probes_save_draft_writes(tmp_path):
                           str(kept)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert lines[0].endswith("signed in fp32 and q4" if kernels.available() else "signed in fp32 and no other format")
-    assert "not signed" in lines[1] and "LM-head" in lines[1] and lines[2].endswith("already has the blocks' probe")
+    assert lines[0].endswith("signed in fp32 and q4, int4" if kernels.available() else "signed in fp32 and int4")
+    assert "not signed" in lines[1] and "LM-head" in lines[1] and lines[2].endswith("already has the blocks' probes")
     got = json.loads((stripped / "draft.json").read_text())["base"]
     a, b = torch.tensor(got["forward"]), torch.tensor(want["forward"])
     assert got["weights"] == "fp32" and float((a - b).norm() / b.norm()) < 1e-5
     if kernels.available():
         assert got["forward_in"]["q4"] == want["forward_in"]["q4"]
+    a, b = torch.tensor(got["forward_in"]["int4"]), torch.tensor(want["forward_in"]["int4"])
+    assert float((a - b).norm() / b.norm()) < 1e-5
     assert "forward" not in json.loads((foreign / "draft.json").read_text())["base"]
     assert (kept / "draft.json").read_bytes() == (src / "draft.json").read_bytes()
+
+
+def test_a_format_probe_is_the_reference_off_the_cpu_with_the_loose_bound():
+    """Off the CPU a `forward_in` probe (taken on the CPU) is compared with the cross-format bound, but against
+    its own format's probe, not the fp32 one: Gemma 3's int4 is 0.82 from its fp32 probe, which the 0.5 bound
+    refused, while int4 on CUDA is near the CPU's int4. On the CPU it is held to the same-format bound."""
+    from midlayer.speculative.registry import _check_forward
+
+    g = torch.Generator().manual_seed(0)
+    fp32 = torch.randn(240, generator=g)
+    int4 = fp32 + 0.8 * fp32.norm() / 240 ** 0.5 * torch.randn(240, generator=g)  # ~0.8 relative away
+    saved = {"weights": "fp32", "forward": fp32.tolist(), "forward_in": {"int4": int4.tolist()}}
+    near = {"weights": "int4", "forward": (int4 * 1.01).tolist()}  # 1e-2: bf16 activations, not another base
+    _check_forward(saved, near, "x", cpu=False)
+    with pytest.raises(DraftMismatchError, match="within the int4 format"):
+        _check_forward(saved, near, "x", cpu=True)
+    _check_forward(saved, {"weights": "int4", "forward": int4.tolist()}, "x", cpu=True)
+    with pytest.raises(DraftMismatchError, match="fp32 against int4"):  # no int4 probe: the fp32 one, 0.5
+        _check_forward({k: saved[k] for k in ("weights", "forward")}, near, "x", cpu=False)

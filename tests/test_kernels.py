@@ -668,3 +668,7 @@ def test_two_threads_get_their_own_results_and_build_the_library_once(tmp_path):
     run_ = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run_.returncode == 0, run_.stderr
     assert [p.name for p in (tmp_path / "cache").rglob("*.tmp*")] == []  # no temporary file left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    built = [p for p in (tmp_path / "cache").rglob("*.so")]
+    assert len(built) == 1 and built[0].stat().st_mode & 0o777 == 0o777 & ~umask  # as the compiler makes it

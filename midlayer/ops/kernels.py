@@ -156,28 +156,30 @@ def build(verbose: bool = False) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc): the q4 kernels fall back to PyTorch")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # a name of its own per build (processes and threads building at once each write their own file; the pid alone
-    # was shared by two threads, and one loaded the other's half-written or just-moved file)
-    fd, name = tempfile.mkstemp(prefix=out.stem + ".tmp", suffix=".so", dir=out.parent)
-    os.close(fd)
-    tmp = Path(name)
-    # -ffp-contract=off: no fused multiply-adds the source does not write, so the scalar and AVX2 paths (and
-    # the PyTorch reference) round identically (the attention's are explicit in both: fmaf, vfmadd). OpenMP:
-    # the library joins the libgomp pool torch itself uses (same soname).
-    cmd = [cc, "-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-o", str(tmp), str(_SRC), "-lm"]
     if platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"the q4 kernels are written for x86-64, not {platform.machine()}")
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"compiling {_SRC.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
-    if verbose:
-        print(" ".join(cmd), file=sys.stderr)
-    record = json.dumps({"sha256": file_sha256(tmp), "source_sha256": file_sha256(_SRC), "command": cmd[:-3]})
-    rec_tmp = _record_path(tmp)
-    rec_tmp.write_text(record)
-    os.replace(tmp, out)  # the library first, then the record that vouches for it: a crash between leaves
-    os.replace(rec_tmp, _record_path(out))  # a library without a record, which is rebuilt
+    # a folder of its own per build: processes and threads building at once each write their own files (the pid
+    # alone was shared by two threads, and one loaded the other's half-written or just-moved file), and the
+    # compiler creates the library with the umask's mode (a mkstemp file kept 0600: 0711, unreadable to others)
+    work = Path(tempfile.mkdtemp(prefix=out.stem + ".tmp", dir=out.parent))
+    try:
+        tmp = work / out.name
+        # -ffp-contract=off: no fused multiply-adds the source does not write, so the scalar and AVX2 paths (and
+        # the PyTorch reference) round identically (the attention's are explicit in both: fmaf, vfmadd). OpenMP:
+        # the library joins the libgomp pool torch itself uses (same soname).
+        cmd = [cc, "-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-o", str(tmp), str(_SRC), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"compiling {_SRC.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
+        if verbose:
+            print(" ".join(cmd), file=sys.stderr)
+        record = json.dumps({"sha256": file_sha256(tmp), "source_sha256": file_sha256(_SRC), "command": cmd[:-3]})
+        rec_tmp = _record_path(tmp)
+        rec_tmp.write_text(record)
+        os.replace(tmp, out)  # the library first, then the record that vouches for it: a crash between leaves
+        os.replace(rec_tmp, _record_path(out))  # a library without a record, which is rebuilt
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out
 
 

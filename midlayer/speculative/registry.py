@@ -54,9 +54,10 @@ _PROBE = 64
 # format: its rounding depends on the kernels. (One-off scripts, 50th session.)
 FORWARD_BOUND = {"same": 1e-3, "other": 0.5}
 # Formats a draft's signature also probes the base in, beside the base's own (`forward_in`), so that a draft made
-# on an fp32 base is held to the same-format bound where the CPU engine loads it: in q4, the 0.5 bound let a base
-# with block 20's w2 scaled by 1.05 through (3.3e-2 from the q4 probe of the right base; 52nd session's review).
-PROBE_FORMATS = ("q4",)
+# on an fp32 base is held to the same-format bound where the engine loads it. In q4 the 0.5 bound let a base with
+# block 20's w2 scaled by 1.05 through (3.3e-2 from the q4 probe of the right base; 52nd session's review); in int4
+# it refused Gemma 3 270M's own base (8.2e-1 from its fp32 probe; 53rd session's review).
+PROBE_FORMATS = ("q4", "int4")
 
 
 def forward_probe(model: Transformer) -> list[float]:
@@ -82,11 +83,20 @@ def weights_kind(model: Transformer) -> str:
 
 def _probe_formats(model: Transformer, formats: tuple[str, ...]) -> dict[str, list[float]]:
     """`forward_probe` of copies of an uncompressed fp32 CPU base compressed to each of `formats` (q4 only with
-    the compiled kernels, whose bits every SIMD level gives alike; the torch fallback rounds otherwise)."""
+    the compiled kernels, whose bits every SIMD level gives alike; the torch fallback rounds otherwise). A format
+    the base cannot take (block widths not a multiple of its group size) is left out: it can never load there."""
     if weights_kind(model) != "fp32" or model_device(model).type != "cpu":
         return {}
-    return {fmt: forward_probe(compress_weights(copy.deepcopy(model), fmt)) for fmt in formats
-            if fmt != "q4" or kernels.available()}
+    out = {}
+    for fmt in formats:
+        if fmt == "q4" and not kernels.available():
+            continue
+        try:
+            compressed = compress_weights(copy.deepcopy(model), fmt)
+        except ValueError:  # (e.g. "q4: in_features 48 is not a multiple of 32")
+            continue
+        out[fmt] = forward_probe(compressed)
+    return out
 
 
 def base_signature(model: Transformer, name: str | None = None, forward: bool = True,
@@ -130,21 +140,24 @@ def check_base(saved: dict[str, Any], model: Transformer, name: str | None = Non
         raise DraftMismatchError(f"{where}: the LM-head weights differ from the base this draft was trained "
                                  "for (same shape, different model)")
     if "forward" in saved:
-        _check_forward(saved, now, where)
+        _check_forward(saved, now, where, model_device(model).type == "cpu")
 
 
-def _check_forward(saved: dict[str, Any], now: dict[str, Any], where: str) -> None:
-    """The blocks' probe against the saved one taken in this base's weight format (the same-format bound), else
-    against the saved base's own (the cross-format bound). bf16 is never the same format: its rounding depends
-    on the kernels; q4 is the same format only with the compiled kernels (the torch fallback rounds otherwise)."""
+def _check_forward(saved: dict[str, Any], now: dict[str, Any], where: str, cpu: bool) -> None:
+    """The blocks' probe against the saved one taken in this base's weight format, with the same-format bound;
+    else against the saved base's own, with the cross-format bound. Held to the cross-format bound against its own
+    format's probe: bf16 (its rounding depends on the kernels), q4 without the compiled kernels (the torch
+    fallback rounds otherwise), and a `forward_in` probe (taken on the CPU) off the CPU (int4 on CUDA multiplies
+    in bf16; Gemma 3's int4 is 0.82 from its fp32 probe, beyond the cross-format bound)."""
     probes = saved.get("forward_in", {})
     if not isinstance(probes, dict):
         raise DraftMismatchError(f"{where}: the draft's base signature has an invalid 'forward_in' ({probes!r:.80})")
-    probes = {**probes, saved.get("weights"): saved["forward"]}
     fmt = now["weights"]
-    same = fmt in probes and fmt != "bf16" and (fmt != "q4" or kernels.available())
+    own = fmt == saved.get("weights")
+    ref = saved["forward"] if own or fmt not in probes else probes[fmt]
+    same = (own or (fmt in probes and cpu)) and fmt != "bf16" and (fmt != "q4" or kernels.available())
     try:
-        a = torch.tensor(probes[fmt] if same else saved["forward"], dtype=torch.float32)
+        a = torch.tensor(ref, dtype=torch.float32)
         b = torch.tensor(now["forward"])
     except (TypeError, ValueError, RuntimeError) as e:
         raise DraftMismatchError(f"{where}: the draft's base signature has no valid 'forward' ({e!r})") from None
