@@ -701,3 +701,13 @@ def test_a_format_probe_is_the_reference_off_the_cpu_with_the_loose_bound():
     _check_forward(saved, {"weights": "int4", "forward": int4.tolist()}, "x", cpu=True)
     with pytest.raises(DraftMismatchError, match="fp32 against int4"):  # no int4 probe: the fp32 one, 0.5
         _check_forward({k: saved[k] for k in ("weights", "forward")}, near, "x", cpu=False)
+
+
+def test_a_base_no_compressed_format_takes_saves_its_draft_without_those_probes(tmp_path):
+    """Block widths that are not a multiple of q4's and int4's groups: the draft is saved (it failed, after all of
+    a train-draft run) with the fp32 probe alone, and loads."""
+    model = make(False, dim=48, n_heads=4, n_kv_heads=2)
+    path = save_draft(tmp_path / "ee", EarlyExitHead(48, 1), base=model)
+    base = json.loads((path / "draft.json").read_text())["base"]
+    assert base["weights"] == "fp32" and "forward" in base and "forward_in" not in base
+    load_draft(path, model)
