@@ -699,7 +699,7 @@ def test_a_format_probe_is_the_reference_off_the_cpu_with_the_loose_bound():
     with pytest.raises(DraftMismatchError, match="within the int4 format"):
         _check_forward(saved, near, "x", cpu=True)
     _check_forward(saved, {"weights": "int4", "forward": int4.tolist()}, "x", cpu=True)
-    with pytest.raises(DraftMismatchError, match="fp32 against int4"):  # no int4 probe: the fp32 one, 0.5
+    with pytest.raises(DraftMismatchError, match=r"fp32 \(saved\) against int4"):  # no int4 probe: fp32, 0.5
         _check_forward({k: saved[k] for k in ("weights", "forward")}, near, "x", cpu=False)
 
 

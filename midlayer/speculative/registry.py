@@ -2,8 +2,8 @@
 
 Save / load: `save_draft(path, module, meta, base=model)` writes `path/draft.safetensors` (the module's
 weights) and `path/draft.json` (kind, constructor config, the base model's dimensions, an optional name and
-a 64-value probe of its LM head, its blocks' output on a fixed input in its own weight format and in q4, and
-free-form meta). `load_draft(path, base)` rebuilds the module and refuses a file written for another base model
+a 64-value probe of its LM head, its blocks' output on a fixed input in its own weight format and in q4 and int4,
+and free-form meta). `load_draft(path, base)` rebuilds the module and refuses a file written for another base model
 (different dimensions, name, LM-head probe or blocks' output).
 """
 
@@ -154,7 +154,8 @@ def _check_forward(saved: dict[str, Any], now: dict[str, Any], where: str, cpu: 
         raise DraftMismatchError(f"{where}: the draft's base signature has an invalid 'forward_in' ({probes!r:.80})")
     fmt = now["weights"]
     own = fmt == saved.get("weights")
-    ref = saved["forward"] if own or fmt not in probes else probes[fmt]
+    ref_fmt = saved.get("weights") if own or fmt not in probes else fmt  # the format of the probe compared with
+    ref = saved["forward"] if ref_fmt == saved.get("weights") else probes[fmt]
     same = (own or (fmt in probes and cpu)) and fmt != "bf16" and (fmt != "q4" or kernels.available())
     try:
         a = torch.tensor(ref, dtype=torch.float32)
@@ -167,8 +168,8 @@ def _check_forward(saved: dict[str, Any], now: dict[str, Any], where: str, cpu: 
         raise DraftMismatchError(
             f"{where}: this base's blocks compute otherwise than those of the base this draft was made with "
             f"({rel:.1e} relative on a fixed input, more than {bound:g}"
-            + (f" within the {now['weights']} format" if same else f"; {saved.get('weights')} against "
-               f"{now['weights']}") + "): another model with the same shape and LM head")
+            + (f" within the {fmt} format" if same else f"; {ref_fmt} (saved) against {fmt}")
+            + "): another model with the same shape and LM head")
 
 
 # a draft file's kind -> (its module, the drafter that drafts with it)
