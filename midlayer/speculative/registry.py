@@ -154,8 +154,8 @@ def _check_forward(saved: dict[str, Any], now: dict[str, Any], where: str, cpu: 
         raise DraftMismatchError(f"{where}: the draft's base signature has an invalid 'forward_in' ({probes!r:.80})")
     fmt = now["weights"]
     own = fmt == saved.get("weights")
-    ref_fmt = saved.get("weights") if own or fmt not in probes else fmt  # the format of the probe compared with
-    ref = saved["forward"] if ref_fmt == saved.get("weights") else probes[fmt]
+    # the probe compared with, and its format: the saved base's own, unless the file has one in this format
+    ref_fmt, ref = (saved.get("weights"), saved["forward"]) if own or fmt not in probes else (fmt, probes[fmt])
     same = (own or (fmt in probes and cpu)) and fmt != "bf16" and (fmt != "q4" or kernels.available())
     try:
         a = torch.tensor(ref, dtype=torch.float32)

@@ -550,6 +550,7 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
 
 
 __all__ = ["parse_tree_spec", "check_tree_spec", "select_tree", "RowCosts", "Overhead", "forward_ms",
-           "round_forwards", "round_ms", "draft_calls", "total_round_ms", "measure_overhead", "cached_overhead", "curve_drift", "MIN_DRIFT",
+           "round_forwards", "round_ms", "draft_calls", "total_round_ms", "measure_overhead", "cached_overhead",
+           "curve_drift", "MIN_DRIFT",
            "drafter_key", "split_excess", "expected_tokens", "choose_tree", "auto_tree", "measure_row_costs",
            "row_costs", "cost_key", "table_text"]
