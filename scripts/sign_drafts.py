@@ -24,8 +24,11 @@ from midlayer.speculative.registry import (CONFIG_NAME, PROBE_FORMATS, DraftMism
 def sign(folder: Path, cache: dict) -> str:
     """Sign one draft folder; returns what was done, in words."""
     path = folder / CONFIG_NAME
-    doc = json.loads(path.read_text())
-    saved = doc["base"]
+    try:
+        doc = json.loads(path.read_text())
+        saved = doc["base"]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # (no folder, no draft.json, not JSON, no base)
+        return f"not signed: not a draft folder ({type(e).__name__}: {e})"
     if "forward" in saved and set(PROBE_FORMATS) <= set(saved.get("forward_in", {})):
         return "already has the blocks' probes"
     name = saved.get("name")

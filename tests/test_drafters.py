@@ -668,11 +668,12 @@ def test_sign_drafts_adds_the_probes_save_draft_writes(tmp_path):
             doc["base"]["probe"] = [p + change for p in doc["base"]["probe"]]
         (d / "draft.json").write_text(json.dumps(doc, indent=2))
     run = subprocess.run([sys.executable, str(root / "scripts" / "sign_drafts.py"), str(stripped), str(foreign),
-                          str(kept)], capture_output=True, text=True)
+                          str(kept), str(tmp_path / "missing")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].endswith("signed in fp32 and q4, int4" if kernels.available() else "signed in fp32 and int4")
     assert "not signed" in lines[1] and "LM-head" in lines[1] and lines[2].endswith("already has the blocks' probes")
+    assert "not signed: not a draft folder (FileNotFoundError" in lines[3]
     got = json.loads((stripped / "draft.json").read_text())["base"]
     a, b = torch.tensor(got["forward"]), torch.tensor(want["forward"])
     assert got["weights"] == "fp32" and float((a - b).norm() / b.norm()) < 1e-5
