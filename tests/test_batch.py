@@ -95,7 +95,8 @@ def test_joining_and_leaving_rows_give_single_request_tokens(gating, lookup, win
 
 @needs_kernels
 def test_lookup_drafts_are_accepted_and_save_forwards():
-    """A repetitive prompt: the rows accept drafts, so they need fewer batched forwards than tokens."""
+    """A repetitive prompt: the rows accept drafts, so they need fewer batched forwards than tokens. Each row's
+    rounds are those a chain of lookup drafts gives against its reference tokens, computed here by hand."""
     model = _q4()
     unit = [11, 23, 35, 47, 59, 71]
     prompts = [unit * 4, unit[2:] * 5, unit * 3]
@@ -103,6 +104,9 @@ def test_lookup_drafts_are_accepted_and_save_forwards():
     ref = [generate(model, [p], c)[0] for p, c in zip(prompts, cfgs)]
     drafter = PromptLookupDrafter(V)
     batch = ContinuousBatch(model, max_rows=3, propose=drafter.chain, k=4)
+    # draft every step, as deep as each row allows: by timed costs a loaded machine may not draft at all (a CI
+    # run on 2 busy cores drafted nothing)
+    batch._pays = lambda lengths: max(lengths)
     handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
     got = {h: [] for h in handles}
     seqs = {}
@@ -115,9 +119,26 @@ def test_lookup_drafts_are_accepted_and_save_forwards():
         s = seqs[h]
         assert sum(s.accept_hist) == s.forwards
         assert sum((a + 1) * n for a, n in enumerate(s.accept_hist)) >= len(ref[handles.index(h)]) - 1
+    assert [seqs[h].accept_hist for h in handles] == [_lookup_rounds(drafter, p, r, 24, 4)
+                                                       for p, r in zip(prompts, ref)]
     accepted = sum(a * n for s in seqs.values() for a, n in enumerate(s.accept_hist))
     forwards = sum(s.forwards for s in seqs.values())
     assert accepted > 0 and forwards < sum(len(r) for r in ref) - 3
+
+
+def _lookup_rounds(drafter: PromptLookupDrafter, prompt: list[int], ref: list[int], budget: int, k: int) -> list[int]:
+    """By hand: the rounds of one greedy row fed chain lookup drafts, by accepted count. The prefill gives the first
+    token; each round drafts up to min(k, what the budget leaves past the round's own token) tokens and keeps the
+    longest prefix that matches the reference, plus one token."""
+    hist, new = [0] * (k + 1), [ref[0]]
+    while len(new) < len(ref):
+        draft = drafter.chain(prompt + new, min(k, budget - len(new) - 1))
+        a = 0
+        while a < len(draft) and len(new) + a < len(ref) and draft[a] == ref[len(new) + a]:
+            a += 1
+        hist[a] += 1
+        new += ref[len(new):len(new) + a + 1]
+    return hist
 
 
 @needs_kernels
