@@ -28,7 +28,7 @@ import torch
 from tokenizers import Tokenizer
 
 from midlayer.data.pretrained_tokenizer import TextTokenizer
-from midlayer.common import cache_dir
+from midlayer.common import as_integer, cache_dir
 from midlayer.data.shards import resolve_data
 from midlayer.engine.batch import BatchSequence, ContinuousBatch, shared_prefix, unsupported as batch_unsupported
 from midlayer.engine.decode_step import static_stream
@@ -590,8 +590,8 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
 
 
 def _is_int(x: Any) -> bool:
-    """An integer setting (numpy's too), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    """An integer setting (numpy's too), not a bool: common.as_integer's rule."""
+    return as_integer(x) is not None
 
 
 def _is_number(x: Any) -> bool:

@@ -1,12 +1,13 @@
 """The few helpers every layer needs, at the bottom of the package so that anything may import them: the one
-atomic file write, the one file hash, midlayer's cache folder, JSON without NaN, and the dtype / autocast
-choice of a device.
+atomic file write, the one file hash, midlayer's cache folder, JSON without NaN, the one rule for an integer
+setting, and the dtype / autocast choice of a device.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import math
+import operator
 import os
 import uuid
 from pathlib import Path
@@ -72,6 +73,18 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def as_integer(x: object) -> int | None:
+    """`x` as a Python int where it is an integer -- Python's, numpy's, a 0-d integer tensor: whatever has
+    `__index__` -- but not a bool (True is no token budget) and not a float, even a whole one; else None. The
+    one rule for integer settings (the API's and generation's)."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def device_sync(device: torch.device) -> None:

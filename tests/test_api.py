@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import midlayer
 from midlayer.api import LLM, Completion, TextStream
@@ -231,6 +232,26 @@ def test_numpy_settings_are_taken_as_python_numbers(llm):
     got = llm.generate("To be", max_tokens=np.int64(6), temperature=np.float32(1.0), top_k=np.int64(5),
                        top_p=np.float64(0.9), seed=np.int64(3))
     assert got.token_ids == want.token_ids
+
+
+def test_the_api_and_generation_take_the_same_integers(llm):
+    """One integer rule for a budget: what GenerationConfig takes as max_new_tokens, the API takes as max_tokens
+    (and a 0-d torch integer is one; bools and whole floats are not)."""
+    import numpy as np
+
+    for n in (3, np.int64(3), np.uint8(3), torch.tensor(3), True, 3.0, "3", None):
+        try:
+            GenerationConfig(max_new_tokens=n)
+            generation = True
+        except ValueError:
+            generation = False
+        try:
+            got = llm.settings(n, 0.0, 0, 1.0, None).max_new_tokens
+            api = True
+            assert type(got) is int and got == 3
+        except ValueError:
+            api = False
+        assert api == generation == (not isinstance(n, (bool, float, str, type(None)))), n
 
 
 def test_a_stream_stopped_early_leaves_no_older_completion(llm):

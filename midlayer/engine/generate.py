@@ -15,12 +15,12 @@ the eps floor of gated attention (a gated key has weight 1e-6 there, 0 here).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 
+from midlayer.common import as_integer
 from midlayer.model.kv_cache import KVCache, LayerView, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
@@ -29,10 +29,7 @@ from midlayer.ops import kernels
 def check_max_new_tokens(n: object) -> int:
     """`n` as a token budget: an integer >= 0, else a ValueError that names it. One rule for plain and
     speculative decoding (the speculative loops once returned nothing for -3; 2.5 failed inside torch)."""
-    try:
-        v = operator.index(n) if not isinstance(n, bool) else None
-    except TypeError:
-        v = None
+    v = as_integer(n)
     if v is None:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {n!r}")
     if v < 0:
