@@ -76,7 +76,7 @@ class LLM:
     def __init__(self, model: Transformer, tokenizer: TextTokenizer, name: str = "model", weights: str = "fp32"
                  ) -> None:
         self.model, self.tokenizer, self.name, self.weights = model.eval(), tokenizer, name, weights
-        tokenizer.vocab_size = max(tokenizer.vocab_size, model.cfg.vocab_size)  # a padded embedding's ids decode
+        tokenizer.cover(model.cfg.vocab_size)
         self.drafter: Drafter | None = None
         self.draft_name = ""
         self.tree_spec: str = "auto"

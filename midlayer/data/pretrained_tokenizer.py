@@ -226,6 +226,11 @@ class TextTokenizer:
         if add_bos and bos_id is None:
             raise ValueError("add_bos=True but the tokenizer has no BOS token")
 
+    def cover(self, vocab_size: int) -> None:
+        """Ids up to `vocab_size` - 1 decode: a model's padded embedding has rows past the tokenizer's own
+        vocabulary, and their ids decode to nothing (the one rule for load_pretrained and the API's LLM)."""
+        self.vocab_size = max(self.vocab_size, vocab_size)
+
     # -- text <-> ids
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Ids for `text`. Special-token markup in the text (e.g. "<|im_start|>") becomes its single id.

@@ -918,8 +918,8 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32
     src = resolve_pretrained(name_or_path)
     load = load_gguf if src.kind == "gguf" else load_hf_dir
     model, tok = load(src.path, dtype, max_seq_len=max_seq_len)
-    if tok is not None:  # ids of a padded embedding's rows beyond the tokenizer's own decode (to nothing)
-        tok.vocab_size = max(tok.vocab_size, model.cfg.vocab_size)
+    if tok is not None:
+        tok.cover(model.cfg.vocab_size)
     return model, tok
 
 
