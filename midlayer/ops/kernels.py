@@ -142,6 +142,25 @@ def cached_library_problem(out: Path) -> str | None:
     return None
 
 
+def compile_library(src: Path, out: Path) -> list[str]:
+    """Compile the kernel source `src` into the shared library `out` (the one compile command: `build` uses it,
+    and benchmarks/kernel_variant.py for a changed copy of the source); returns the command. RuntimeError with
+    the compiler's message, or where no compiler or no x86-64."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc): the q4 kernels fall back to PyTorch")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"the q4 kernels are written for x86-64, not {platform.machine()}")
+    # -ffp-contract=off: no fused multiply-adds the source does not write, so the scalar and AVX2 paths (and
+    # the PyTorch reference) round identically (the attention's are explicit in both: fmaf, vfmadd). OpenMP:
+    # the library joins the libgomp pool torch itself uses (same soname).
+    cmd = [cc, "-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-o", str(out), str(src), "-lm"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
+    return cmd
+
+
 def build(verbose: bool = False) -> Path:
     """Compile csrc/qkernels.c (once per source version), or return the cached library when its build record
     vouches for it (`cached_library_problem`; a damaged one is rebuilt, with a note); raises RuntimeError
@@ -152,25 +171,14 @@ def build(verbose: bool = False) -> Path:
         if why is None:
             return out
         warnings.warn(f"rebuilding the kernel library {out}: {why}", RuntimeWarning, stacklevel=2)
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc): the q4 kernels fall back to PyTorch")
     out.parent.mkdir(parents=True, exist_ok=True)
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"the q4 kernels are written for x86-64, not {platform.machine()}")
     # a folder of its own per build: processes and threads building at once each write their own files (the pid
     # alone was shared by two threads, and one loaded the other's half-written or just-moved file), and the
     # compiler creates the library with the umask's mode (a mkstemp file kept 0600: 0711, unreadable to others)
     work = Path(tempfile.mkdtemp(prefix=out.stem + ".tmp", dir=out.parent))
     try:
         tmp = work / out.name
-        # -ffp-contract=off: no fused multiply-adds the source does not write, so the scalar and AVX2 paths (and
-        # the PyTorch reference) round identically (the attention's are explicit in both: fmaf, vfmadd). OpenMP:
-        # the library joins the libgomp pool torch itself uses (same soname).
-        cmd = [cc, "-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-o", str(tmp), str(_SRC), "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"compiling {_SRC.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
+        cmd = compile_library(_SRC, tmp)
         if verbose:
             print(" ".join(cmd), file=sys.stderr)
         record = json.dumps({"sha256": file_sha256(tmp), "source_sha256": file_sha256(_SRC), "command": cmd[:-3]})
@@ -207,12 +215,20 @@ def _load_library() -> ctypes.CDLL | None:
         _lib_error = "disabled by MIDLAYER_NO_KERNELS"
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = open_library(build())
     except (RuntimeError, OSError) as e:
         _lib_error = str(e)
         warnings.warn(f"midlayer kernels unavailable, using the PyTorch reference (slow, attention not "
                       f"row-invariant): {e}", RuntimeWarning, stacklevel=2)
         return None
+    _lib = lib
+    return lib
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The compiled library at `path`, its functions' argument and result types declared (OSError if it cannot
+    be loaded)."""
+    lib = ctypes.CDLL(str(path))
     P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     lib.qk_quantize_q8.argtypes = [P, L, I, I, P, P, P]
     lib.qk_gemm_q4_1.argtypes = [P, P, P, I, I, P, P, I, P, L]
@@ -236,7 +252,6 @@ def _load_library() -> ctypes.CDLL | None:
               "qk_linear_q8_0", "qk_rmsnorm", "qk_rope_store", "qk_silu_mul", "qk_block_q4", "qk_topk",
               "qk_blocks_q4"):
         getattr(lib, f).restype = None
-    _lib = lib
     return lib
 
 
