@@ -337,14 +337,15 @@ def _budget(kwargs: dict[str, Any], prompt_tokens: int, ctx: int, default: int |
     """kwargs["max_tokens"] against the room the longest prompt (`prompt_tokens`) leaves in the context `ctx`:
     when given, at most that room (400 naming the field: a completion cut short by the context, or a prompt
     that cannot be scored with it, would not be what was asked); when not, `default` (None: the whole room, as
-    vLLM's chat does), within the room."""
+    vLLM's chat does), within the room. The room is vLLM's, prompt + max_tokens <= ctx (the engine itself could
+    give one token more: its last token is never fed)."""
     room, least = ctx - prompt_tokens, 0 if kwargs.get("echo") else 1
     asked = kwargs["max_tokens"]
+    if room < least:  # (not "ask for at most 0", which the field's own check refuses)
+        raise RequestError(400, f"the prompt's {prompt_tokens} tokens fill the model's context of {ctx}: no "
+                                "room for a completion", param=name)
     if asked is None:
         asked = room if default is None else min(default, room)
-        if asked < least:
-            raise RequestError(400, f"the prompt's {prompt_tokens} tokens fill the model's context of {ctx}: no "
-                                    "room for a completion", param=name)
     elif asked > room:
         raise RequestError(400, f"the prompt's {prompt_tokens} tokens and {name} {asked} exceed the model's context of "
                                 f"{ctx} tokens: ask for at most {room}", param=name)

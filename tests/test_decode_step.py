@@ -1046,3 +1046,43 @@ def test_a_bad_token_budget_is_refused_by_every_loop(models, n):
         speculative_generate(model, prompt, drafter, TREES[0], n)
     with pytest.raises(ValueError, match=msg):
         static_speculative_generate(model, prompt, drafter, TREES[0], n)
+
+
+def test_the_steps_calls_refuse_positions_past_the_context_before_writing():
+    """A step may hold more slots than the model's context (static_speculative_generate sizes them so), but no
+    position may pass the context: prefill, decode and verify refuse it as forward_cached does, with nothing
+    written (they raised IndexError from RoPE's table, and a failed prefill had marked its first chunks held)."""
+    model = make_tiny({**DIMS, "max_seq_len": 32}, False)
+    st = DecodeStep(model, max_len=64, buckets=(4, 8, 16))
+    msg = "position {} is beyond the model's context of 32 tokens"
+    with pytest.raises(ValueError, match=msg.format(39)):
+        st.prefill(torch.arange(40)[None] % V)
+    assert not st.held.any()
+    st.prefill(torch.arange(30)[None] % V)
+    held = st.held.clone()
+    with pytest.raises(ValueError, match=msg.format(33)):  # root at position 30, a chain 3 deep
+        st.verify(5, [1, 2, 3], st.tree_tensors([-1, 0, 1], [1, 2, 3]), 30, 30)
+    for pos in (32, 40):
+        with pytest.raises(ValueError, match=msg.format(pos)):
+            st.decode(torch.tensor([5]), pos)
+    assert torch.equal(st.held, held)
+    st.decode(torch.tensor([5]), 30)
+    st.decode(torch.tensor([6]), 31)  # the context's last position
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_step_of_the_whole_context_serves_generations_that_reach_its_end(run_ahead):
+    """A step of the default size (the model's context) reused by static_generate: a generation that ends at the
+    context's last position writes no more slots than the context (its last token is never fed), so it runs,
+    greedy and sampled, and gives generate's tokens (it was refused: "this call needs 33"). Run-ahead (CUDA's
+    loop, forced here) queues no step past that either."""
+    model = make_tiny({**DIMS, "max_seq_len": 32}, False)
+    st = DecodeStep(model, buckets=(4, 8, 16))
+    st.run_ahead = run_ahead
+    assert st.max_len == 32
+    for P, n in ((20, 5), (28, 5), (30, 3), (32, 1)):
+        prompt = [(7 * i + 3) % V for i in range(P)]
+        for cfg in (GenerationConfig(max_new_tokens=n), GenerationConfig(max_new_tokens=n, temperature=1.0, seed=3)):
+            want = generate(model, [prompt], cfg)[0]
+            assert len(want) == min(n, 33 - P)
+            assert static_generate(model, [prompt], cfg, step=st)[0] == want

@@ -321,8 +321,9 @@ def test_the_context_bounds_max_tokens_and_null_is_not_given(server, llm):  # no
         r = httpx.post(f"{url}/completions", json={"prompt": long, "max_tokens": 20, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         assert "at most 8" in r.json()["error"]["message"]
-    r = httpx.post(f"{url}/completions", json={"prompt": [5] * ctx})
-    assert r.status_code == 400 and "no room" in r.json()["error"]["message"]
+    for extra in ({}, {"max_tokens": 1}):  # (given 1, it said "ask for at most 0", which the field refuses)
+        r = httpx.post(f"{url}/completions", json={"prompt": [5] * ctx, **extra})
+        assert r.status_code == 400 and "no room" in r.json()["error"]["message"], extra
     r = httpx.post(f"{url}/completions", json={"prompt": long, "max_tokens": None, "n": None, "temperature": 0,
                                                "logprobs": 0})
     assert r.status_code == 200 and r.json()["object"] == "text_completion"

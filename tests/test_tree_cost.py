@@ -127,6 +127,23 @@ def test_measured_costs_are_cached_per_machine_and_damage_is_remeasured(tmp_path
     assert remeasured.total_ms == (2000.0, 2000.0)
 
 
+def test_a_short_context_measures_the_rows_that_fit_and_sizes_trees_to_it():
+    """A model whose context is at most the largest default row count (64) still gets a curve, of the row counts
+    that leave a token of context, and auto trees no larger than a round after one token (it refused --tree auto
+    outright: "max_seq_len 48 leaves no room for 64 rows")."""
+    model = make_tiny(TINY, False)  # a context of 48
+    ticks = iter(range(10 ** 6))
+    costs = tc.measure_row_costs(model, repeats=1, timer=lambda: float(next(ticks)))
+    assert costs.rows == tuple(r for r in tc.DEFAULT_ROWS if r < 48) and max(costs.rows) == 32
+    with pytest.raises(ValueError, match="max_seq_len 1 leaves no room"):
+        tc.measure_row_costs(make_tiny({**TINY, "max_seq_len": 1}, False), repeats=1)
+    free = tc.RowCosts((1, 64), (10.0, 10.0), (0.0, 0.0), 4)  # rows cost nothing: the largest tree allowed wins
+    acc = [[0.99] * 8] * 8
+    assert len(tc.auto_tree(model, FREE, acc, free)[0]) == 46
+    short = make_tiny({**TINY, "max_seq_len": 6}, False)
+    assert len(tc.auto_tree(short, FREE, acc, free)[0]) == 4
+
+
 def test_auto_tree_speculation_stays_lossless():
     model = make_tiny(TINY, True)
     prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -787,6 +787,7 @@ class DecodeStep:
             raise ValueError(f"{B} prompts for a step of batch {self.batch}")
         if start + P > self.max_len:
             raise ValueError(f"{start + P} slots needed, the step holds {self.max_len}")
+        self._within_context(start + P - 1)
         N = self.window  # every row within W - 1 positions of its chunk's start (`attend`)
         outs, hids = [], []
         for a in range(0, P, N):
@@ -817,9 +818,18 @@ class DecodeStep:
         logits = logits[:, 0]
         return logits, hidden[:, 0], logits.argmax(-1)  # (torch's first maximum, as generate's greedy choice)
 
+    def _within_context(self, last: int) -> None:
+        """Refuse a call whose last position is past the model's context, before anything is written: a step may
+        hold more slots than the context (a round's rows past the accepted ones), but RoPE's tables end at it (an
+        IndexError on the CPU, a device assert on CUDA). forward_cached's rule and message."""
+        ctx = self.model.cfg.max_seq_len
+        if last >= ctx:
+            raise ValueError(f"position {last} is beyond the model's context of {ctx} tokens")
+
     def _decode(self, tokens: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not 0 <= pos < self.max_len:
             raise ValueError(f"position {pos} outside the step's {self.max_len} slots")
+        self._within_context(pos)
         N = self.buckets[0]
         # (`slot_ids[pos]`, a view, is the position on the device: a host-made tensor would be a copy to the
         # device per token, which waits for the GPU's queue to drain)
@@ -903,6 +913,7 @@ class DecodeStep:
         if tree.reach >= self.window:
             raise ValueError(f"a round's rows reach {tree.reach} positions past its root; the step's attention "
                              f"window holds {self.window - 1}")
+        self._within_context(last_pos + tree.reach)
         dev = self.device
         tokens = torch.zeros(1, N, dtype=torch.long)
         tokens[0, 0] = int(root)
@@ -1091,7 +1102,9 @@ def static_stream(model: Transformer, prompt: Sequence[int], cfg=None, *, step: 
     budget = min(cfg.max_new_tokens, model.cfg.max_seq_len - P + 1)
     if budget <= 0:
         return
-    st = step_for(model, P + budget, step, **step_kw)
+    # the prompt's slots and one per new token but the last, which is never fed (`_tokens`, run-ahead too): a
+    # step of the whole context serves every generation within it
+    st = step_for(model, P + budget - 1, step, **step_kw)
     logits = st.prefill(torch.tensor([prompt], device=st.device))[0][:, -1]
     if cfg.temperature == 0:
         yield from _tokens(st, logits.argmax(-1), P, budget, cfg.stop_tokens, st.greedy)

@@ -282,6 +282,8 @@ def auto_tree(model, drafter: object, acc: Sequence[Sequence[float]], costs: Row
     Medusa: k steps)."""
     k = drafter.draft_steps()
     depth = min(x for x in (max_depth, k) if x is not None) if (max_depth or k) else None
+    # a round's root and nodes after at least one token of text: no larger tree ever fits the context
+    max_nodes = max(1, min(max_nodes, model.cfg.max_seq_len - 2))
     return choose_tree(acc, lambda t: total_round_ms(costs, drafter, t, overhead), max_nodes, depth)
 
 
@@ -292,11 +294,13 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
     over T rows, for each T (T values interleaved per repeat, so drift hits all alike); and call_ms, from
     the median of a one-row call through the first block alone."""
 
-    rows = sorted(set(int(r) for r in rows))
     cfg = model.cfg
+    # the row counts that fit the context after at least one token (a model of a short context prices its larger
+    # rounds by the curve's last segment, `RowCosts._interp`; it refused `--tree auto` outright)
+    rows = sorted(set(int(r) for r in rows if int(r) < cfg.max_seq_len))
+    if not rows:
+        raise ValueError(f"max_seq_len {cfg.max_seq_len} leaves no room for a row after a context")
     context = min(context, cfg.max_seq_len - max(rows))
-    if context < 1:
-        raise ValueError(f"max_seq_len {cfg.max_seq_len} leaves no room for {max(rows)} rows after a context")
     dev = model.tok_embeddings.weight.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, context + max(rows)), generator=g).to(dev)
