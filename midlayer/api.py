@@ -15,8 +15,6 @@ called lossless on every drafter and tree; see docs/inference.md).
 
 from __future__ import annotations
 
-import math
-import numbers
 import queue
 import threading
 import time
@@ -217,30 +215,20 @@ class LLM:
 
     def settings(self, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None
                  ) -> GenerationConfig:
-        """The generation settings, checked (ValueError naming the setting)."""
+        """The generation settings, checked (ValueError naming the setting): max_tokens here (at least 1), the
+        rest by GenerationConfig's one rule, which keeps them as Python numbers."""
         if not (_is_int(max_tokens) and max_tokens >= 1):
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if not (_is_int(top_k) and top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r}")
-        if not (_is_number(top_p) and 0 < top_p <= 1):
-            raise ValueError(f"top_p must be a number in (0, 1] (1: off), got {top_p!r}")
-        if seed is not None and not (_is_int(seed) and -2**63 <= seed < 2**64):  # torch.manual_seed's range
-            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {seed!r}")
-        # as Python numbers from here on (numpy's integers passed the checks and then failed inside torch)
-        max_tokens, temperature, top_k, top_p = int(max_tokens), float(temperature), int(top_k), float(top_p)
-        seed = None if seed is None else int(seed)
-        if self.drafter is not None and temperature > 0 and (top_k or top_p < 1.0):
+        cfg = GenerationConfig(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p,
+                               seed=seed, stop_tokens=tuple(sorted(self.tokenizer.eos_ids)), skip=self.skip)
+        if self.drafter is not None and cfg.temperature > 0 and (cfg.top_k or cfg.top_p < 1.0):
             raise ValueError("speculative sampling reproduces the plain softmax: top_k / top_p would change it; "
                              "drop them, or detach the drafter")
-        if self.drafter is not None and temperature > 0 and self.engine == "static":
+        if self.drafter is not None and cfg.temperature > 0 and self.engine == "static":
             # (its rounds accept the greedy path on the device: a temperature would be ignored, not honoured)
             raise ValueError("the static engine drafts greedily only (temperature 0); set engine = 'dynamic' for "
                              "speculative sampling, or detach the drafter")
-        return GenerationConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, stop_tokens=tuple(sorted(self.tokenizer.eos_ids)),
-                                skip=self.skip)
+        return cfg
 
     # ------------------------------------------------------------------------------------ generation
     def generate(self, prompt: Prompt | Sequence[Prompt], *, max_tokens: int = 128, temperature: float = 0.0,
@@ -592,11 +580,6 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
 def _is_int(x: Any) -> bool:
     """An integer setting (numpy's too), not a bool: common.as_integer's rule."""
     return as_integer(x) is not None
-
-
-def _is_number(x: Any) -> bool:
-    """A real-valued setting (numpy's too), not a bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def is_token_ids(prompt: Any) -> bool:

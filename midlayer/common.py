@@ -1,12 +1,13 @@
 """The few helpers every layer needs, at the bottom of the package so that anything may import them: the one
-atomic file write, the one file hash, midlayer's cache folder, JSON without NaN, the one rule for an integer
-setting, and the dtype / autocast choice of a device.
+atomic file write, the one file hash, midlayer's cache folder, JSON without NaN, the rules for integer and
+real settings, and the dtype / autocast choice of a device.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import math
+import numbers
 import operator
 import os
 import uuid
@@ -85,6 +86,14 @@ def as_integer(x: object) -> int | None:
         return operator.index(x)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def as_real(x: object) -> float | None:
+    """`x` as a Python float where it is a real number (Python's or numpy's int or float), not a bool; else
+    None. The rule for real-valued settings, beside `as_integer`."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    return float(x)
 
 
 def device_sync(device: torch.device) -> None:

@@ -117,6 +117,62 @@ def test_top_k_top_p_filter_by_hand():
     assert set(draws.flatten().tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.85: the third token is still needed
 
 
+def test_sampled_frequencies_match_the_filtered_tempered_softmax_by_hand():
+    """Frequencies, not just supports: 200k rows drawn at once against hand-computed probabilities (5 sigma is
+    under 0.005). p = (0.5, 0.3, 0.15, 0.05); at T = 0.5 each p is squared, then renormalised:
+    top_k = 3 keeps (0.25, 0.09, 0.0225) / 0.3625; top_p = 0.8 on the tempered (0.6831, 0.2459, 0.0615, 0.0068)
+    keeps the first two (0.6831 < 0.8 <= 0.929): (0.25, 0.09) / 0.34; T = 2 takes square roots."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(200_000, 4)
+    sq = [0.25, 0.09, 0.0225, 0.0025]
+    roots = [x ** 0.5 for x in (0.5, 0.3, 0.15, 0.05)]
+    for T, k, p, want in ((0.5, 3, 1.0, [x / 0.3625 for x in sq[:3]] + [0.0]),
+                          (0.5, 0, 0.8, [0.25 / 0.34, 0.09 / 0.34, 0.0, 0.0]),
+                          (2.0, 0, 1.0, [r / sum(roots) for r in roots])):
+        draws = sample_next(logits, T, top_k=k, top_p=p, generator=torch.Generator().manual_seed(0))
+        freq = torch.bincount(draws, minlength=4).double() / draws.numel()
+        assert torch.allclose(freq, torch.tensor(want, dtype=torch.float64), atol=5e-3), (T, k, p, freq)
+
+
+def test_a_tiny_temperature_is_greedy_and_an_unseeded_draw_leaves_torchs_generator_alone():
+    """A temperature of 1e-39 (finite, >= 0: valid) divided fp32 logits into inf and softmax failed inside torch;
+    the row's maximum is subtracted first, so it is argmax. A sampled call without a seed draws from a generator
+    of its own: it reseeded torch's global one (torch.seed()), changing a user's next torch.rand."""
+    model = make(False)
+    prompt = [5, 6, 7]
+    greedy = generate(model, [prompt], GenerationConfig(max_new_tokens=6))
+    for T in (1e-30, 1e-39, 1e-45):
+        assert generate(model, [prompt], GenerationConfig(max_new_tokens=6, temperature=T, seed=1)) == greedy
+    from midlayer.engine.decode_step import static_generate
+    from midlayer.speculative.lookup import PromptLookupDrafter
+    from midlayer.speculative.tree import DraftTree
+    from midlayer.speculative.verify import speculative_generate
+
+    cfg = GenerationConfig(max_new_tokens=6, temperature=1.0)
+    for sampled in (lambda: generate(model, [prompt], cfg), lambda: static_generate(model, [prompt], cfg),
+                    lambda: speculative_generate(model, prompt, PromptLookupDrafter(64), DraftTree.chain(2), 6,
+                                                 temperature=1.0)):
+        torch.manual_seed(0)
+        want = torch.rand(3)
+        torch.manual_seed(0)
+        sampled()
+        assert torch.equal(torch.rand(3), want)
+
+
+@pytest.mark.parametrize("bad", [dict(top_k=2.5), dict(top_k=True), dict(top_p=True), dict(temperature=True),
+                                 dict(seed=2 ** 64), dict(seed="7"), dict(seed=1.5), dict(temperature="1")])
+def test_generation_settings_of_the_wrong_type_are_refused_by_name(bad):
+    """GenerationConfig refuses what failed later inside torch (a float top_k, a seed past manual_seed's range or
+    not an integer) or was silently taken as 1 (a bool), naming the setting; numpy numbers are Python's."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        GenerationConfig(**bad)
+    cfg = GenerationConfig(max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int64(2),
+                           top_p=np.float64(0.9), seed=np.uint64(2 ** 64 - 1))
+    assert [type(x) for x in (cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)] == \
+        [int, float, int, float, int] and cfg.seed == 2 ** 64 - 1
+
+
 def test_bad_prompts_are_refused_clearly():
     model = make(False)
     with pytest.raises(ValueError, match="empty"):

@@ -375,10 +375,7 @@ class ContinuousBatch:
             raise ValueError(f"this batch {'skips' if self.skip else 'computes'} gated blocks for every row; a "
                              f"sequence with skip={cfg.skip} needs a batch made with skip={cfg.skip}")
         budget = min(cfg.max_new_tokens, self.ctx - len(ids) + 1)  # the last new token needs no slot
-        gen = None
-        if cfg.temperature > 0:  # seeded as generate_stream seeds it: the same draws as a single request
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+        gen = cfg.generator(self.device)  # seeded as generate_stream seeds it: the same draws as a single request
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
         seq = BatchSequence(self._next, ids, len(ids), cfg, budget, gen, accept_hist=[0] * (self.k + 1),

@@ -1109,8 +1109,7 @@ def static_stream(model: Transformer, prompt: Sequence[int], cfg=None, *, step: 
     if cfg.temperature == 0:
         yield from _tokens(st, logits.argmax(-1), P, budget, cfg.stop_tokens, st.greedy)
         return
-    gen = torch.Generator(device=st.device)
-    gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+    gen = cfg.generator(st.device)
 
     def sample(logits: torch.Tensor) -> torch.Tensor:  # (on the device: no host read)
         return sample_next(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p, gen)

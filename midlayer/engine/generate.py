@@ -15,12 +15,13 @@ the eps floor of gated attention (a gated key has weight 1e-6 there, 0 here).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from midlayer.common import as_integer
+from midlayer.common import as_integer, as_real
 from midlayer.model.kv_cache import KVCache, LayerView, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
@@ -48,13 +49,38 @@ class GenerationConfig:
     skip: bool = True  # real skipping of gated blocks (False: compute them, multiplied by the gate)
 
     def __post_init__(self) -> None:
-        check_max_new_tokens(self.max_new_tokens)
-        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails every comparison
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        """The settings checked (a ValueError naming the setting; the API's `LLM.settings` relies on these) and
+        kept as Python numbers: a numpy integer, a bool, a float top_k or a seed past torch's range passed here
+        once and failed inside torch."""
+        self.max_new_tokens = check_max_new_tokens(self.max_new_tokens)
+        t, k, p = as_real(self.temperature), as_integer(self.top_k), as_real(self.top_p)
+        if t is None or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if k is None or k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if p is None or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1] (1: off), got {self.top_p!r}")
+        seed = None if self.seed is None else as_integer(self.seed)
+        if self.seed is not None and (seed is None or not -2**63 <= seed < 2**64):  # torch.manual_seed's range
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
+        self.temperature, self.top_k, self.top_p, self.seed = t, k, p, seed
+
+    def generator(self, device: torch.device | str) -> torch.Generator | None:
+        """The call's own generator for sampling (None at temperature 0): seeded with `seed`, else from the OS's
+        entropy. Never through torch.seed(), which reseeds torch's global generator: a user's torch.rand after
+        a sampled call with no seed drew other numbers. The one rule of every decoding path."""
+        return sampling_generator(device, self.seed) if self.temperature > 0 else None
+
+
+def sampling_generator(device: torch.device | str, seed: int | None) -> torch.Generator:
+    """A private generator on `device`: manual_seed(seed), or Generator.seed() (nondeterministic, this generator
+    only) when seed is None (`GenerationConfig.generator`)."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
 
 
 # ------------------------------------------------------------------------------------ cached forward
@@ -258,7 +284,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
     rule in one C pass), else top-k / top-p sampling."""
     if temperature == 0:
         return kernels.argmax(logits)
-    logits = logits.float() / temperature
+    # the row's maximum first: every value is then <= 0, and a tiny temperature gives -inf, never inf - inf = NaN
+    # (1e-39 overflowed fp32 and softmax failed inside torch)
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -357,10 +386,7 @@ def generate_stream(model: Transformer, prompts: Sequence[Sequence[int]], cfg: G
     size = min(ctx, P + budget) if not W or model.cfg.mixed_windows else min(ctx, P + budget, 2 * W - 1)
     cache = KVCache.for_model(model.cfg, len(prompts), max_len=size, device=dev,
                               dtype=kv_dtype(model), local_len=2 * W - 1 if model.cfg.mixed_windows else None)
-    gen = None
-    if cfg.temperature > 0:
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+    gen = cfg.generator(dev)
     stop = torch.tensor(list(cfg.stop_tokens), device=dev, dtype=torch.long)
     logits, pos = prefill(model, prompts, cache, cfg.skip)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
@@ -408,10 +434,7 @@ def generate_naive(model: Transformer, prompts: Sequence[Sequence[int]], cfg: Ge
     model.eval()
     prompts = validate_prompts(model, prompts)
     dev = model.tok_embeddings.weight.device
-    gen = None
-    if cfg.temperature > 0:
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+    gen = cfg.generator(dev)
     outs = []
     for p in prompts:
         seq = list(p)

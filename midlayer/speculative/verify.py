@@ -43,7 +43,6 @@ Drafters: `protocol.py` (`Drafter`, what a drafter sees each round, `DraftContex
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
@@ -372,8 +371,9 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     (forward, accept, commit). `on_round(cache, tokens)` (optional, for tests and tracing) is called after
     every round with all committed tokens; the cache then holds tokens[:-1].
     """
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    # the settings checked by generation's one rule (temperature, seed; the budget below)
+    settings = GenerationConfig(temperature=temperature, seed=seed)
+    temperature, seed = settings.temperature, settings.seed
     prompt = validate_prompts(model, [_one_prompt(prompt_ids)])[0]
     model.eval()
     cfg = model.cfg
@@ -406,10 +406,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     W = cfg.sliding_window if cfg.mixed_windows else 0
     cache = KVCache.for_model(cfg, 1, max_len=P + budget + len(tree) + extra_slots, device=dev,
                               dtype=kv_dtype(model), local_len=W - 1 + max(W, room) if W else None)
-    gen = None
-    if temperature > 0:
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(seed if seed is not None else torch.seed())
+    gen = settings.generator(dev)
     hidden, logits, layer_hidden = prefill_round(model, prompt, cache, drafter, skip)
     stats.prefill_forwards = int(P > 1)
     stop = set(int(t) for t in stop_tokens)
