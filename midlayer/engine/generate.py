@@ -282,8 +282,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token per row from logits [B, V]: argmax at temperature 0 (kernels.argmax: torch's first-maximum
     rule in one C pass), else top-k / top-p sampling. Top-k keeps every token tied with the k-th largest logit
-    (so more than k where ties straddle it); top-p keeps the smallest prefix of the
-    sorted distribution that reaches p, the token that crosses it included."""
+    (so more than k where ties straddle it); top-p keeps the smallest prefix of the sorted distribution that
+    reaches p, the token that crosses it included."""
     if temperature == 0:
         return kernels.argmax(logits)
     # the row's maximum first: every value is then <= 0, and a tiny temperature gives -inf, never inf - inf = NaN
