@@ -185,8 +185,10 @@ class LLM:
         as the last call's did for at least `prefix_reuse` tokens -- a multiple-choice task scores one context
         with each of its answers -- the forward runs only from the last shared token on, over that call's KV
         cache; the shared tokens' scores are that call's."""
-        if not (_is_int(top) and 0 <= top <= self.model.cfg.vocab_size):
+        k = as_integer(top)
+        if k is None or not 0 <= k <= self.model.cfg.vocab_size:
             raise ValueError(f"top must be an integer in [0, {self.model.cfg.vocab_size}], got {top!r}")
+        top = k  # (a Python int from here: a 0-d tensor reached torch's topk)
         ids = validate_prompts(self.model, [list(ids)])[0]
         dev = self.model.tok_embeddings.weight.device
         tokens = torch.tensor([ids], device=dev)

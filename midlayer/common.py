@@ -77,11 +77,14 @@ def json_safe(obj: Any) -> Any:
 
 
 def as_integer(x: object) -> int | None:
-    """`x` as a Python int where it is an integer -- Python's, numpy's, a 0-d integer tensor: whatever has
-    `__index__` -- but not a bool (True is no token budget) and not a float, even a whole one; else None. The
-    one rule for integer settings (the API's and generation's)."""
-    if isinstance(x, bool):
+    """`x` as a Python int where it is an integer -- Python's, numpy's, a 0-d integer tensor or array -- but not a
+    bool of any kind (True is no token budget), not a float even a whole one, not a tensor of several elements;
+    else None. The one rule for integer settings (the API's and generation's)."""
+    if isinstance(x, (bool, np.bool_)):
         return None
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        kind = x.dtype.kind if isinstance(x, np.ndarray) else ("i" if _INT_DTYPES.get(x.dtype) else "")
+        return int(x.item()) if x.ndim == 0 and kind in ("i", "u") else None
     try:
         return operator.index(x)  # type: ignore[arg-type]
     except TypeError:
@@ -89,11 +92,21 @@ def as_integer(x: object) -> int | None:
 
 
 def as_real(x: object) -> float | None:
-    """`x` as a Python float where it is a real number (Python's or numpy's int or float), not a bool; else
-    None. The rule for real-valued settings, beside `as_integer`."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+    """`x` as a Python float where it is a real number -- Python's or numpy's int or float, a 0-d integer or
+    floating tensor or array -- not a bool of any kind; else None. The rule for real-valued settings, beside
+    `as_integer`."""
+    if isinstance(x, (bool, np.bool_)):
         return None
-    return float(x)
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        if isinstance(x, np.ndarray):
+            real = x.dtype.kind in ("i", "u", "f")
+        else:
+            real = x.dtype in _INT_DTYPES or x.dtype.is_floating_point
+        return float(x.item()) if x.ndim == 0 and real else None
+    return float(x) if isinstance(x, numbers.Real) else None
+
+
+_INT_DTYPES = {t: True for t in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)}
 
 
 def device_sync(device: torch.device) -> None:

@@ -239,7 +239,8 @@ def test_the_api_and_generation_take_the_same_integers(llm):
     (and a 0-d torch integer is one; bools and whole floats are not)."""
     import numpy as np
 
-    for n in (3, np.int64(3), np.uint8(3), torch.tensor(3), True, 3.0, "3", None):
+    for n in (3, np.int64(3), np.uint8(3), torch.tensor(3), np.array(3), True, np.bool_(True), torch.tensor(True),
+              torch.tensor([3]), 3.0, "3", None):
         try:
             GenerationConfig(max_new_tokens=n)
             generation = True
@@ -251,7 +252,12 @@ def test_the_api_and_generation_take_the_same_integers(llm):
             assert type(got) is int and got == 3
         except ValueError:
             api = False
-        assert api == generation == (not isinstance(n, (bool, float, str, type(None)))), n
+        whole = isinstance(n, (int, np.integer)) or (isinstance(n, (torch.Tensor, np.ndarray)) and n.ndim == 0
+                                                     and n.dtype not in (torch.bool, np.bool_))
+        assert api == generation == (whole and not isinstance(n, bool)), n
+    with pytest.raises(ValueError, match="top must be an integer"):  # (a bool tensor failed inside torch's topk)
+        llm.logprobs(llm.encode("To be"), top=torch.tensor(True))
+    assert len(llm.logprobs(llm.encode("To be"), top=torch.tensor(2))[-1][1]) == 2
 
 
 def test_a_stream_stopped_early_leaves_no_older_completion(llm):

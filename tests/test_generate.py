@@ -140,8 +140,11 @@ def test_a_tiny_temperature_is_greedy_and_an_unseeded_draw_leaves_torchs_generat
     model = make(False)
     prompt = [5, 6, 7]
     greedy = generate(model, [prompt], GenerationConfig(max_new_tokens=6))
-    for T in (1e-30, 1e-39, 1e-45):
+    from midlayer.speculative.verify import _base_probs
+
+    for T in (1e-30, 1e-39, 1e-45, 1e-50, 1e-320):  # (under 1.4e-45 a temperature is 0 in fp32: 0 / 0)
         assert generate(model, [prompt], GenerationConfig(max_new_tokens=6, temperature=T, seed=1)) == greedy
+        assert torch.equal(_base_probs(torch.tensor([[1.0, 3.0, 2.0]]), T), torch.tensor([[0.0, 1.0, 0.0]]).double())
     from midlayer.engine.decode_step import static_generate
     from midlayer.speculative.lookup import PromptLookupDrafter
     from midlayer.speculative.tree import DraftTree
@@ -159,7 +162,8 @@ def test_a_tiny_temperature_is_greedy_and_an_unseeded_draw_leaves_torchs_generat
 
 
 @pytest.mark.parametrize("bad", [dict(top_k=2.5), dict(top_k=True), dict(top_p=True), dict(temperature=True),
-                                 dict(seed=2 ** 64), dict(seed="7"), dict(seed=1.5), dict(temperature="1")])
+                                 dict(seed=2 ** 64), dict(seed="7"), dict(seed=1.5), dict(temperature="1"),
+                                 dict(max_new_tokens=torch.tensor([3])), dict(seed=torch.tensor(False))])
 def test_generation_settings_of_the_wrong_type_are_refused_by_name(bad):
     """GenerationConfig refuses what failed later inside torch (a float top_k, a seed past manual_seed's range or
     not an integer) or was silently taken as 1 (a bool), naming the setting; numpy numbers are Python's."""
@@ -167,6 +171,10 @@ def test_generation_settings_of_the_wrong_type_are_refused_by_name(bad):
 
     with pytest.raises(ValueError, match=next(iter(bad))):
         GenerationConfig(**bad)
+    # 0-d tensors are numbers, integer or real, as numpy's are; a bool tensor is no integer
+    assert GenerationConfig(temperature=torch.tensor(0.5), top_k=torch.tensor(3), seed=torch.tensor(2)).top_k == 3
+    with pytest.raises(ValueError, match="top_k"):
+        GenerationConfig(top_k=torch.tensor(True))
     cfg = GenerationConfig(max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int64(2),
                            top_p=np.float64(0.9), seed=np.uint64(2 ** 64 - 1))
     assert [type(x) for x in (cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)] == \

@@ -10,7 +10,9 @@ projections, no attention, no FFN, no K/V entry -- and, having no K/V entry ther
 weight from every other token. Only the tokens still active at a block are gathered into it and scattered
 back. Since g = 0 at block l implies g = 0 at every block up to the mirror L-1-l (eqs. 1-2), such a token
 skips the whole span [l, L-1-l]. The result equals the multiply-by-gate forward up to float rounding and
-the eps floor of gated attention (a gated key has weight 1e-6 there, 0 here).
+the eps floor of gated attention: a gated key's exp(score) is multiplied by 1e-6 there, not 0 as here, and
+where scores are large that share is not negligible (a fuzzed tiny model with init_std 0.3 took another greedy
+token at a top-two gap of 0.012; with skip=False, or gate_eps 1e-30, the two agree).
 """
 
 from __future__ import annotations
@@ -284,7 +286,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
     rule in one C pass), else top-k / top-p sampling. Top-k keeps every token tied with the k-th largest logit
     (so more than k where ties straddle it); top-p keeps the smallest prefix of the sorted distribution that
     reaches p, the token that crosses it included."""
-    if temperature == 0:
+    # below fp32's smallest normal number every gap between logits divides into -inf: the limit, argmax (a
+    # temperature under 1.4e-45 was 0 in fp32, and 0 / 0 gave NaN inside torch)
+    if temperature < torch.finfo(torch.float32).tiny:
         return kernels.argmax(logits)
     # the row's maximum first: every value is then <= 0, and a tiny temperature gives -inf, never inf - inf = NaN
     # (1e-39 overflowed fp32 and softmax failed inside torch)
@@ -404,7 +408,9 @@ def generate_stream(model: Transformer, prompts: Sequence[Sequence[int]], cfg: G
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], cfg: GenerationConfig | None = None
              ) -> list[list[int]]:
-    """New tokens for each prompt (a stop token, when hit, is included and ends the row)."""
+    """New tokens for each prompt (a stop token, when hit, is included and ends the row). Several prompts are
+    one left-padded batch (`generate_stream`): each gets at most the room the longest prompt leaves in the
+    context."""
     out: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
     for tok, done in generate_stream(model, prompts, cfg):

@@ -169,8 +169,10 @@ def _collect_layers(model: Transformer, layers: Sequence[int], store: dict[int, 
 
 
 def _base_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in float64: the distribution `sample_next` samples at this temperature."""
-    return torch.softmax(logits.double() / temperature, -1)
+    """softmax(logits / T) in float64: the distribution `sample_next` samples at this temperature. The row's
+    maximum is subtracted first, so a temperature tiny enough to overflow gives a one-hot row, not inf - inf."""
+    x = logits.double()
+    return torch.softmax((x - x.amax(-1, keepdim=True)) / temperature, -1)
 
 
 @torch.no_grad()
