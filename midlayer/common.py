@@ -83,8 +83,8 @@ def as_integer(x: object) -> int | None:
     if isinstance(x, (bool, np.bool_)):
         return None
     if isinstance(x, (torch.Tensor, np.ndarray)):
-        kind = x.dtype.kind if isinstance(x, np.ndarray) else ("i" if _INT_DTYPES.get(x.dtype) else "")
-        return int(x.item()) if x.ndim == 0 and kind in ("i", "u") else None
+        whole = x.dtype.kind in ("i", "u") if isinstance(x, np.ndarray) else x.dtype in _INT_DTYPES
+        return int(x.item()) if x.ndim == 0 and whole else None
     try:
         return operator.index(x)  # type: ignore[arg-type]
     except TypeError:
@@ -106,7 +106,7 @@ def as_real(x: object) -> float | None:
     return float(x) if isinstance(x, numbers.Real) else None
 
 
-_INT_DTYPES = {t: True for t in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)}
+_INT_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 
 
 def device_sync(device: torch.device) -> None:

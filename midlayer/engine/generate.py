@@ -71,18 +71,14 @@ class GenerationConfig:
         """The call's own generator for sampling (None at temperature 0): seeded with `seed`, else from the OS's
         entropy. Never through torch.seed(), which reseeds torch's global generator: a user's torch.rand after
         a sampled call with no seed drew other numbers. The one rule of every decoding path."""
-        return sampling_generator(device, self.seed) if self.temperature > 0 else None
-
-
-def sampling_generator(device: torch.device | str, seed: int | None) -> torch.Generator:
-    """A private generator on `device`: manual_seed(seed), or Generator.seed() (nondeterministic, this generator
-    only) when seed is None (`GenerationConfig.generator`)."""
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
+        if self.temperature == 0:
+            return None
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.seed()  # (nondeterministic, this generator only)
+        else:
+            gen.manual_seed(self.seed)
+        return gen
 
 
 # ------------------------------------------------------------------------------------ cached forward
