@@ -219,9 +219,10 @@ class LLM:
                  ) -> GenerationConfig:
         """The generation settings, checked (ValueError naming the setting): max_tokens here (at least 1), the
         rest by GenerationConfig's one rule, which keeps them as Python numbers."""
-        if not (_is_int(max_tokens) and max_tokens >= 1):
+        n = as_integer(max_tokens)
+        if n is None or n < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        cfg = GenerationConfig(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p,
+        cfg = GenerationConfig(max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p,
                                seed=seed, stop_tokens=tuple(sorted(self.tokenizer.eos_ids)), skip=self.skip)
         if self.drafter is not None and cfg.temperature > 0 and (cfg.top_k or cfg.top_p < 1.0):
             raise ValueError("speculative sampling reproduces the plain softmax: top_k / top_p would change it; "
@@ -577,11 +578,6 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"stop: give a non-empty string or a list of them, got {stop!r}")
     return stops
-
-
-def _is_int(x: Any) -> bool:
-    """An integer setting (numpy's too), not a bool: common.as_integer's rule."""
-    return as_integer(x) is not None
 
 
 def is_token_ids(prompt: Any) -> bool:

@@ -48,8 +48,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from midlayer.engine.generate import (check_max_new_tokens, forward_cached, generate, GenerationConfig,
-                                      validate_prompts)
+from midlayer.engine.generate import forward_cached, generate, GenerationConfig, validate_prompts
 from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.model.transformer import Transformer
 from midlayer.ops import kernels
@@ -373,9 +372,10 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     (forward, accept, commit). `on_round(cache, tokens)` (optional, for tests and tracing) is called after
     every round with all committed tokens; the cache then holds tokens[:-1].
     """
-    # the settings checked by generation's one rule (temperature, seed; the budget below)
-    settings = GenerationConfig(temperature=temperature, seed=seed)
-    temperature, seed = settings.temperature, settings.seed
+    # the settings checked by generation's one rule (budget, temperature, seed), kept as Python numbers
+    settings = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                stop_tokens=tuple(stop_tokens), skip=skip)
+    temperature = settings.temperature
     prompt = validate_prompts(model, [_one_prompt(prompt_ids)])[0]
     model.eval()
     cfg = model.cfg
@@ -383,7 +383,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     stats = stats if stats is not None else SpecStats()
     stats.accept_hist = [0] * (tree.max_depth + 1)
     # as `generate_stream`: the last token needs no slot
-    budget = min(check_max_new_tokens(max_new_tokens), cfg.max_seq_len - P + 1)
+    budget = min(settings.max_new_tokens, cfg.max_seq_len - P + 1)
     if budget <= 0:
         return [], stats
     if len(tree) == 0 and on_round is None:
@@ -391,8 +391,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
         # so (tree_cost.round_forwards: one row per round); run through the rounds instead, a fused drafter
         # still paid for its joined rows (hidden transfer: 0.76x plain with the tree `--tree auto` chose
         # empty, docs/results/cuda-h100.md). Greedy: the same tokens; sampling: the same distribution.
-        out = generate(model, [prompt], GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
-                                                         seed=seed, stop_tokens=tuple(stop_tokens), skip=skip))[0]
+        out = generate(model, [prompt], settings)[0]
         stats.new_tokens = stats.base_forwards = len(out)
         stats.prefill_forwards, stats.accept_hist = int(P > 1), [len(out)]
         return out, stats
@@ -411,7 +410,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     gen = settings.generator(dev)
     hidden, logits, layer_hidden = prefill_round(model, prompt, cache, drafter, skip)
     stats.prefill_forwards = int(P > 1)
-    stop = set(int(t) for t in stop_tokens)
+    stop = set(int(t) for t in settings.stop_tokens)
     tokens, new = list(prompt), []
     draft_logits = None
     while len(new) < budget:
