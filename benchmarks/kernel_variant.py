@@ -29,7 +29,7 @@ def variant_library(old: str, new: str, folder: Path):
     src = kernels._SRC.read_text()
     n = src.count(old)
     if n == 0:
-        raise SystemExit(f"--replace: {old!r} does not occur in {kernels._SRC.name}")
+        raise ValueError(f"--replace: {old!r} does not occur in {kernels._SRC.name}")
     path = folder / "variant.c"
     path.write_text(src.replace(old, new))
     kernels.compile_library(path, folder / "libvariant.so")
@@ -45,15 +45,22 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt", default="The history of the Roman empire begins with")
     args = ap.parse_args()
+    if args.pairs < 1 or args.new_tokens < 1:
+        ap.error(f"--pairs and --new-tokens must be >= 1, got {args.pairs} and {args.new_tokens}")
+    if not args.prompt.strip():
+        ap.error("--prompt is empty")
     shipped = kernels.library()
     if shipped is None:
         raise SystemExit("the kernels are not built (no C compiler?): nothing to compare")
-    model, tok = load_pretrained(args.model)
-    model = compress_weights(model, "q4")
-    prompt = tok.encode(args.prompt)
-    cfg = GenerationConfig(max_new_tokens=args.new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"shipped": shipped, "variant": variant_library(*args.replace, Path(tmp))}
+        try:  # (before the model loads: a replacement that does not apply fails at once)
+            libs = {"shipped": shipped, "variant": variant_library(*args.replace, Path(tmp))}
+        except ValueError as e:
+            ap.error(str(e))
+        model, tok = load_pretrained(args.model)
+        model = compress_weights(model, "q4")
+        prompt = tok.encode(args.prompt)
+        cfg = GenerationConfig(max_new_tokens=args.new_tokens)
         ms: dict[str, list[float]] = {k: [] for k in libs}
         tokens: dict[str, list[int]] = {}
         generate(model, [prompt], cfg)  # warm-up (buffers, the OpenMP pool)
