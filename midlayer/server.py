@@ -24,7 +24,9 @@ make more than `max_queue` waiting or running is refused with 503 at once. A cli
 not), or a stop string, frees the row at the next step. On SIGTERM the server stops accepting connections, lets
 running requests finish, and answers queued ones with an error: never a hang. `--max-batch 1` and the static engine
 decode requests one after another instead. Chat contents are encoded as text (api.LLM.encode): markup in a message
-cannot forge a turn.
+cannot forge a turn. A failure in one request (its prompt, its text) is answered to that request alone; a failure
+of a batch's forward to the requests in it. An error the engine thread does not expect stops it: running and
+queued requests get it, new ones a 503, and /health answers 503 with the error, so that no client waits forever.
 """
 
 # (no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, whose types are imported
@@ -45,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from midlayer.api import LLM, Completion, TextStream, is_token_ids
-from midlayer.engine.batch import ContinuousBatch
+from midlayer.engine.batch import BatchSequence, ContinuousBatch
 from midlayer.ops import kernels
 
 # what an OpenAI client may send that we accept; anything else is refused by name (400)
@@ -118,15 +120,19 @@ class Engine:
         self.active = 0  # queued + running
         self.lock = threading.Lock()
         self.stopping = False
+        self.failure: str | None = None  # why the engine thread stopped, if an error it did not expect stopped it
+        self.live: dict[int, tuple[Job, TextStream]] = {}  # the batched engine's running jobs, by handle
         # the engine thread runs the kernels from now on: this thread's OpenMP pool would slow every parallel
         # region there (kernels.release_threads says how much)
         kernels.release_threads()
-        self.thread = threading.Thread(target=self._run_batched if self.batched else self._run, name="midlayer-engine",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._main, name="midlayer-engine", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
         with self.lock:
+            if self.failure is not None:
+                raise RequestError(503, f"the engine stopped after an internal error ({self.failure}); restart the "
+                                        "server", code="engine_failed")
             if self.stopping:
                 raise RequestError(503, "the server is shutting down", code="server_shutting_down")
             if self.active >= self.max_queue:
@@ -145,13 +151,29 @@ class Engine:
         with self.lock:
             self.active -= n
 
-    def _refuse_queued(self) -> None:
+    def _refuse_queued(self, message: str = "the server is shutting down") -> None:
         """After stop: whatever is still queued gets an answer."""
         while not self.jobs.empty():
             job = self.jobs.get_nowait()
             if job is not None:
-                job.put(("error", "the server is shutting down"))
+                job.put(("error", message))
                 self._release()
+
+    def _main(self) -> None:
+        """The engine thread. An error that escapes the engine's own handling (a request's failure is answered
+        where it happens) must not leave clients waiting for a thread that is gone: every running and queued
+        request gets the error, new ones are refused with 503, and /health reports it."""
+        try:
+            self._run_batched() if self.batched else self._run()
+        except Exception as e:
+            with self.lock:
+                self.failure, self.stopping = f"{type(e).__name__}: {e}", True
+            message = f"the engine stopped after an internal error ({self.failure})"
+            for job, _ in self.live.values():
+                job.put(("error", message))
+            self._release(len(self.live))
+            self.live.clear()
+            self._refuse_queued(message)
 
     def _run(self) -> None:
         while True:
@@ -191,7 +213,7 @@ class Engine:
         ones, step once, hand each sequence's tokens to its job as text, and retire finished ones. After stop,
         running and already admitted requests finish; queued ones get an error."""
         batch = self.llm.batch(self.max_batch, memory_rows=self.memory_rows)
-        live: dict[int, tuple[Job, TextStream]] = {}
+        live = self.live
         draining = False
         while True:
             while not draining:
@@ -224,19 +246,32 @@ class Engine:
                 continue
             outbox: list[tuple[Job, tuple[str, Any]]] = []
             for seq, tokens, finished in events:
-                job, text = live[seq.handle]
-                if seq.logprobs is not None and tokens:  # this step's tokens are the last of seq.scores
-                    outbox.append((job, ("scores", [(t, lp, alts) for t, (lp, alts)
-                                                    in zip(tokens, seq.scores[len(seq.scores) - len(tokens):])])))
-                piece, done = self.llm.batch_feed(batch, seq, tokens, finished, text)
-                if piece:
-                    outbox.append((job, ("piece", piece)))
-                if done is not None:
-                    outbox.append((job, ("done", done)))
-                    del live[seq.handle]
-                    self._release()
+                self._hand_over(batch, seq, tokens, finished, outbox)
             _deliver(outbox)
         self._refuse_queued()
+
+    def _hand_over(self, batch: ContinuousBatch, seq: BatchSequence, tokens: list[int], finished: bool,
+                   outbox: list[tuple[Job, tuple[str, Any]]]) -> None:
+        """One sequence's step: its scores, its new text, and its end, as events for its job. A failure here is
+        this request's alone (its text, its stop strings): it gets the error and leaves the batch; the others go
+        on."""
+        job, text = self.live[seq.handle]
+        try:
+            if seq.logprobs is not None and tokens:  # this step's tokens are the last of seq.scores
+                outbox.append((job, ("scores", [(t, lp, alts) for t, (lp, alts)
+                                                in zip(tokens, seq.scores[len(seq.scores) - len(tokens):])])))
+            piece, done = self.llm.batch_feed(batch, seq, tokens, finished, text)
+        except Exception as e:
+            batch.cancel(seq.handle)
+            outbox.append((job, ("error", f"{type(e).__name__}: {e}")))
+        else:
+            if piece:
+                outbox.append((job, ("piece", piece)))
+            if done is None:
+                return
+            outbox.append((job, ("done", done)))
+        del self.live[seq.handle]
+        self._release()
 
     def _refuse_unseated(self, batch: ContinuousBatch, live: dict[int, tuple[Job, TextStream]]) -> None:
         """After stop: the admitted requests that hold no row yet are queued ones, answered with an error (they ran
@@ -666,9 +701,12 @@ def create_app(llm: LLM, model_name: str, *, max_queue: int = 16, max_body: int 
                 "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "queued_or_running": engine.active,
-                "batching": engine.max_batch if engine.batched else 1}
+    async def health() -> Any:
+        state = {"status": "ok", "model": model_name, "queued_or_running": engine.active,
+                 "batching": engine.max_batch if engine.batched else 1}
+        if engine.failure is not None:  # (503: a load balancer's health check takes this server out)
+            return JSONResponse({**state, "status": "error", "error": engine.failure}, status_code=503)
+        return state
 
     # the tokenizer, as vLLM's server exposes it: lm-eval's remote tokenizer reads these (no hub download)
     @app.get("/tokenizer_info")

@@ -394,6 +394,73 @@ class Held:
         return batch
 
 
+
+class FailingText:
+    """The tiny LLM, whose batch fails to hand over the text of one prompt's tokens (as a tokenizer that cannot
+    decode a token would), every time."""
+
+    def __init__(self, llm, bad: str) -> None:  # noqa: F811
+        self.llm, self.bad = llm, llm.encode(bad)
+
+    def __getattr__(self, name: str):
+        return getattr(self.llm, name)
+
+    def batch_feed(self, batch, seq, tokens, finished, text):
+        if text.ids == self.bad:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return self.llm.batch_feed(batch, seq, tokens, finished, text)
+
+
+def test_a_request_whose_text_fails_gets_its_error_and_the_others_their_output(llm):  # noqa: F811
+    """A failure in one row's text (its decoding, its stop strings) is that request's: it gets a 500 naming the
+    error and leaves the batch, while the requests stepped beside it get their single-request output and the
+    server goes on serving (before, the error escaped the engine thread, which died: every request hung)."""
+    prompts = [f"To be, or not {'to be ' * i}" for i in range(4)]
+    refs = {p: llm.generate(p, max_tokens=12).text for p in prompts}
+    running = Running(create_app(FailingText(llm, prompts[2]), NAME, max_queue=16))
+    url = f"{running.url}/v1/completions"
+    try:
+        def ask(p: str) -> httpx.Response:
+            return httpx.post(url, json={"model": NAME, "prompt": p, "max_tokens": 12, "temperature": 0},
+                              timeout=60)
+        with ThreadPoolExecutor(4) as pool:
+            answers = dict(zip(prompts * 2, pool.map(ask, prompts * 2)))
+        for p, r in answers.items():
+            if p == prompts[2]:
+                assert r.status_code == 500 and "UnicodeDecodeError" in r.json()["error"]["message"], r.text
+            else:
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == refs[p]
+        health = httpx.get(f"{running.url}/health")
+        assert health.status_code == 200 and health.json()["queued_or_running"] == 0
+        assert ask(prompts[0]).json()["choices"][0]["text"] == refs[prompts[0]]
+    finally:
+        running.stop()
+
+
+def test_an_engine_that_fails_answers_every_request_and_health_says_so(llm, monkeypatch):  # noqa: F811
+    """An error the engine thread does not expect (here: handing a step's events to the event loop) stops it.
+    The running request gets the error, the next ones a 503 at once, and /health a 503 naming the error:
+    never a client left waiting for a thread that is gone."""
+    import midlayer.server as server_module
+
+    def broken(outbox):
+        raise RuntimeError("the event loop is gone")
+    monkeypatch.setattr(server_module, "_deliver", broken)
+    running = Running(create_app(llm, NAME, max_queue=16))
+    url = f"{running.url}/v1/completions"
+    body = {"model": NAME, "prompt": "To be", "max_tokens": 8, "temperature": 0}
+    try:
+        first = httpx.post(url, json=body, timeout=30)
+        assert first.status_code == 500 and "the event loop is gone" in first.json()["error"]["message"]
+        again = httpx.post(url, json=body, timeout=30)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_failed"
+        assert "the event loop is gone" in again.json()["error"]["message"]
+        health = httpx.get(f"{running.url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert health.json()["queued_or_running"] == 0
+    finally:
+        running.stop()
+
 @pytest.mark.parametrize("max_batch", [1, 16])
 def test_a_full_queue_answers_503_and_a_disconnect_frees_the_slot(llm, max_batch):  # noqa: F811
     held = Held(llm)
