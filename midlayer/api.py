@@ -44,7 +44,7 @@ from midlayer.speculative.skip_gates import SkipGates, gated_twin
 from midlayer.speculative.static import static_speculative_generate
 from midlayer.speculative.tree import DraftTree
 from midlayer.speculative.tree_cost import check_tree_spec, select_tree
-from midlayer.speculative.verify import SpecStats, speculative_generate
+from midlayer.speculative.verify import SpecStats, check_draftable, speculative_generate
 from midlayer.train.checkpoint import load_model
 from midlayer.train.distributed import resolve_device
 
@@ -143,6 +143,7 @@ class LLM:
         if draft is None:
             self.drafter, self.draft_name, self._acc = None, "", None
             return self
+        check_draftable(self.model)  # (before a draft loads or a row cost is measured)
         if isinstance(draft, Drafter):
             new = (draft, type(draft).__name__, None)
         elif str(draft) == "lookup":

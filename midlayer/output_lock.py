@@ -7,11 +7,15 @@ A second writer is refused with one line naming the holder's pid, before it writ
 its process ends, however it ends, so a lock left by a killed run never blocks the next one; the pid
 written in the file is only what the refusal names. Advisory: it binds midlayer's commands, not other
 programs. On a system without `fcntl` (Windows) it does nothing.
+
+`refuse_overwrite` is the other half: a results file (`--output`, `distill --out`) never takes the name of a
+file that a run, a draft or a sweep keeps.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 try:
@@ -22,6 +26,27 @@ except ImportError:  # pragma: no cover - not POSIX
 
 class OutputBusy(ValueError):
     """Another midlayer process is writing this output."""
+
+
+# The files a run, a draft or a sweep keeps (train, train-draft / train-gates, sweep): never a results file.
+RUN_FILES = ("metrics.jsonl", "config.json", "eval.json", "draft.json", "draft.safetensors", "history.jsonl",
+             "metrics.json", "train_state.pt", "sweep.json", ".midlayer.lock",
+             "extrapolation.json", "throughput.json")  # (a run's, a sweep's: plot reads them back)
+
+
+def refuse_overwrite(flag: str, path: str | Path) -> None:
+    """Refuse (ValueError naming `flag`) a results file named as a checkpoint, or as a file that a run, a draft
+    or a sweep keeps in a folder that holds one (`RUN_FILES`; issue 43: `eval RUN --output RUN/metrics.jsonl`
+    replaced the training log)."""
+    p = Path(path)
+    if re.fullmatch(r"ckpt_\d+\.pt", p.name):
+        raise ValueError(f"{flag} {path}: that is a checkpoint's name; the results would overwrite it")
+    d = p.parent
+    holds_run = any((d / n).exists() for n in ("config.json", "draft.json", "train_state.pt", "sweep.json",
+                                               ".midlayer.lock")) or any(d.glob("ckpt_*.pt"))
+    if p.name in RUN_FILES and holds_run:
+        raise ValueError(f"{flag} {path}: {p.name} is a file of the run in {d}; the results would overwrite it, "
+                         "so give another name")
 
 
 def lock_path(target: Path, is_dir: bool) -> Path:
@@ -64,4 +89,4 @@ class OutputLock:
             self.fd = None
 
 
-__all__ = ["OutputLock", "OutputBusy", "lock_path"]
+__all__ = ["OutputLock", "OutputBusy", "RUN_FILES", "lock_path", "refuse_overwrite"]

@@ -147,6 +147,27 @@ def test_a_drafter_changes_no_greedy_token(llm):
     assert llm._completion(ids, past, None, [stop]).token_ids == plain_cut.token_ids
 
 
+def test_a_model_with_state_space_mixers_refuses_a_drafter_when_it_is_attached(llm, monkeypatch):
+    """A state-space mixer's state cannot be rolled back to the accepted tokens, so no drafter can decode such a
+    model: `attach` refuses it before any draft loads or any row cost is measured (`serve --draft` started, then
+    answered every request with a 500), and `speculative_generate` before its prefill."""
+    from midlayer.speculative import verify
+    from midlayer.speculative.lookup import PromptLookupDrafter
+    from midlayer.speculative.tree import DraftTree
+
+    model = make_tiny(dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=128,
+                           multiple_of=32), False, ssm_layers=(1,))
+    hybrid = LLM(model, llm.tokenizer, "hybrid")
+    monkeypatch.setattr(verify, "prefill_round", lambda *a, **kw: pytest.fail("the refusal comes first"))
+    for tree in ("auto", "chain"):
+        with pytest.raises(ValueError, match=r"state-space mixers \(ssm_layers=\[1\]\).*without a drafter"):
+            hybrid.attach("lookup", tree=tree)
+        assert hybrid.drafter is None
+    with pytest.raises(ValueError, match="state-space mixers"):
+        verify.speculative_generate(model, [1, 2, 3], PromptLookupDrafter(VOCAB), DraftTree.chain(2), 4)
+    assert len(hybrid.generate("To be", max_tokens=4).token_ids) == 4  # plain decoding is fine
+
+
 def test_lookup_with_tree_auto_drafts_step_by_step_in_a_one_row_batch(llm, monkeypatch):
     """Prompt lookup with tree auto decodes one prompt in a one-row continuous batch, whose per-step rule drafts
     as deep as the acceptance seen so far pays (the up-front tree could only price it from the prompt): the

@@ -203,6 +203,36 @@ def test_resolve_device():
             resolve_device(f"cuda:{n}")
 
 
+def test_a_run_given_as_a_model_or_with_a_bad_train_config_is_refused_naming_it(healthy_ckpt, tmp_path, work, capsys):
+    """Our own run where a Hugging Face folder is expected (`--model RUN`) is named as a run, with the flag that
+    loads it; a checkpoint whose stored train config is not valid (checksum intact) names the checkpoint. Both
+    said "config model_type=None is not supported" and "steps: must be ..." before, naming no file."""
+    from midlayer.train.checkpoint import save_checkpoint
+
+    refused(capsys, ["generate", "--model", str(healthy_ckpt), "--prompt", "hi"], str(healthy_ckpt),
+            "midlayer training run", f"--checkpoint {healthy_ckpt}", roots=(healthy_ckpt, work))
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "gpt2"}')
+    refused(capsys, ["generate", "--model", str(other), "--prompt", "hi"], str(other / "config.json"),
+            "model_type='gpt2' is not supported", roots=(other, work))
+    run = tmp_path / "bad-train"
+    m, s, t = get_preset("debug")
+    save_checkpoint(run, 1, {"model": Transformer(m).state_dict()},
+                    {"model": to_dict(m), "sparsity": to_dict(s), "train": {**to_dict(t), "steps": -1}}, keep_last=1)
+    for argv in (["eval", str(run)], ["generate", "--checkpoint", str(run), "--prompt", "hi"]):
+        refused(capsys, argv, str(run / "ckpt_0000001.pt"), "train config is not valid", "steps",
+                roots=(run, work))
+
+
+def test_distill_out_on_a_checkpoint_or_a_runs_file_is_refused_before_loading(healthy_ckpt, work, capsys):
+    """`distill --out` naming a checkpoint or a run's log is refused at once, nothing written beside it (it was
+    read as a damaged distillation file: "delete it to start over", with lock files left in the run)."""
+    for name in ("ckpt_0000001.pt", "metrics.jsonl"):
+        refused(capsys, ["distill", "--model", "no-such-model", "--out", str(healthy_ckpt / name)], "--out",
+                "overwrite", roots=(healthy_ckpt, work))
+
+
 # ------------------------------------------------------------------------------ 3. corrupt drafts
 @pytest.fixture
 def draft_dir(tiny, tmp_path) -> Path:

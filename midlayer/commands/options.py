@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from midlayer.common import atomic_write
 from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
+from midlayer.output_lock import refuse_overwrite
 from midlayer.speculative.draft_training import DraftTrainConfig
 
 
@@ -93,20 +94,11 @@ def check_stop_after(args: argparse.Namespace) -> None:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
 
 
-# The files a run, a draft or a sweep keeps (train, train-draft / train-gates, sweep): never a results file.
-RUN_FILES = ("metrics.jsonl", "config.json", "eval.json", "draft.json", "draft.safetensors", "history.jsonl",
-             "metrics.json", "train_state.pt", "sweep.json", ".midlayer.lock",
-             "extrapolation.json", "throughput.json")  # (a run's, a sweep's: plot reads them back)
-
-
 def check_output(flag: str, path: str | None, inputs: dict[str, str | None] | None = None) -> None:
     """A results file that can be written without overwriting work: checked before the work whose result it
-    would hold. Refused: a folder, a missing folder, a checkpoint's name, a file that a run, a draft or a
-    sweep keeps in a folder that holds one (`RUN_FILES`; issue 43: `eval RUN --output RUN/metrics.jsonl`
-    replaced the training log), and the command's own input files (`inputs`, flag -> path: `bench gates
-    --output` on its --data replaced the distillation data with its table)."""
-    import re
-
+    would hold. Refused: a folder, a missing folder, what `output_lock.refuse_overwrite` refuses (a
+    checkpoint's name, a file of a run), and the command's own input files (`inputs`, flag -> path: `bench
+    gates --output` on its --data replaced the distillation data with its table)."""
     if path is None:
         return
     p = Path(path)
@@ -118,14 +110,7 @@ def check_output(flag: str, path: str | None, inputs: dict[str, str | None] | No
         raise ValueError(f"{flag} {path}: is a directory; give a file name")
     if not p.parent.is_dir():
         raise ValueError(f"{flag} {path}: folder {p.parent} does not exist")
-    if re.fullmatch(r"ckpt_\d+\.pt", p.name):
-        raise ValueError(f"{flag} {path}: that is a checkpoint's name; the results would overwrite it")
-    d = p.parent
-    holds_run = any((d / n).exists() for n in ("config.json", "draft.json", "train_state.pt", "sweep.json",
-                                               ".midlayer.lock")) or any(d.glob("ckpt_*.pt"))
-    if p.name in RUN_FILES and holds_run:
-        raise ValueError(f"{flag} {path}: {p.name} is a file of the run in {d}; the results would overwrite it, "
-                         "so give another name")
+    refuse_overwrite(flag, path)
 
 
 def write_output(path: str | None, text: str) -> None:

@@ -374,6 +374,9 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{f}: not valid JSON ({e})") from e
     if not isinstance(cfg, dict):
         raise ValueError(f"{f}: expected a JSON object")
+    if "model_type" not in cfg and {"model", "train"} <= set(cfg):  # (train's config.json: train/loop.py)
+        raise ValueError(f"{path} is a midlayer training run, not a Hugging Face model folder: load it with "
+                         f"--checkpoint {path}")
     return cfg
 
 
@@ -433,7 +436,10 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, *, max_seq
     if not path.is_dir():
         raise ValueError(f"{path}: not a directory")
     hf_config = _read_config(path)
-    cfg = config_from_hf(hf_config, max_seq_len=max_seq_len)
+    try:
+        cfg = config_from_hf(hf_config, max_seq_len=max_seq_len)
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from None
     model_type = hf_config.get("model_type")
     shapes = _expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}

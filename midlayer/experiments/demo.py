@@ -12,6 +12,7 @@ import json
 import time
 from pathlib import Path
 
+from midlayer.common import atomic_write
 from midlayer.train.checkpoint import list_checkpoints
 from midlayer.config import get_preset
 from midlayer.train.loop import train
@@ -24,14 +25,18 @@ def run_one(preset: str, out_dir: Path, steps: int | None, progress: bool = True
         train_over["steps"] = steps
     model_cfg, sparsity_cfg, train_cfg = get_preset(preset, train=train_over)
     if done.exists():
-        res = json.loads(done.read_text())
-        if res.get("step") == train_cfg.steps:
+        try:
+            res = json.loads(done.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:  # (not the demo's own: it writes whole or not at all)
+            print(f"note: {done} is not valid JSON ({e}); the run is taken as unfinished")
+            res = None
+        if isinstance(res, dict) and res.get("step") == train_cfg.steps:
             print(f"{out_dir}: finished earlier, reusing {done}")
             return res
     t0 = time.perf_counter()
     res = train(model_cfg, sparsity_cfg, train_cfg, resume=bool(list_checkpoints(out_dir)), progress=progress)
     res["wall_s"] = time.perf_counter() - t0
-    done.write_text(json.dumps(res, indent=2))
+    atomic_write(done, json.dumps(res, indent=2).encode("utf-8"))
     return res
 
 

@@ -45,7 +45,7 @@ from midlayer.engine.generate import generate, GenerationConfig
 from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import compress_weights
 from midlayer.model.transformer import Transformer
-from midlayer.output_lock import OutputBusy, OutputLock
+from midlayer.output_lock import OutputBusy, OutputLock, refuse_overwrite
 from .registry import base_signature, check_base, DraftMismatchError
 from midlayer.train.distributed import resolve_device
 
@@ -406,6 +406,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out!r}: give a .jsonl file path, not a folder")
     if Path(args.out).parent.exists() and not Path(args.out).parent.is_dir():
         raise ValueError(f"--out {args.out}: {Path(args.out).parent} is a file, not a folder")
+    refuse_overwrite("--out", args.out)  # (a checkpoint, a run's log: not a distillation file to resume)
     dev = resolve_device(args.device)
     args.device = str(dev)
     if args.weights == "q4" and dev.type != "cpu":

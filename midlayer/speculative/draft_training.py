@@ -483,7 +483,7 @@ def _save(cfg: DraftTrainConfig, out: Path, model: Transformer, module: nn.Modul
     """The draft (weights + JSON with the training settings and held-out metrics) and metrics.json."""
     save_draft(out, module, {"train": dataclasses.asdict(cfg), "heldout": metrics}, base=model,
                base_name=cfg.model if not Path(cfg.model).exists() else None)
-    (out / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=2))  # NaN -> null: strict JSON
+    atomic_write(out / "metrics.json", json.dumps(json_safe(metrics), indent=2).encode("utf-8"))  # NaN -> null
 
 
 @torch.no_grad()
@@ -800,7 +800,8 @@ class _Run:
                        else int(draft_vocab(module).numel()),
                        data_header={k: ds.header.get(k) for k in ("model_name", "max_new_tokens")})
         _save(cfg, self.out, self.model, module, metrics)
-        (self.out / "history.jsonl").write_text("".join(json.dumps(json_safe(h)) + "\n" for h in self.history))
+        atomic_write(self.out / "history.jsonl",
+                     "".join(json.dumps(json_safe(h)) + "\n" for h in self.history).encode("utf-8"))
         self.log(f"{cfg.method}: held-out top-1 per step {metrics['top1']}; saved to {self.out}")
         return DraftRun(module, metrics, self.history, self.out)
 

@@ -357,6 +357,15 @@ class SpecStats:
 
 
 @torch.no_grad()
+def check_draftable(model: Transformer) -> None:
+    """Refuse, before any work, a model that no drafter can decode: every round rolls the cache back to the
+    accepted tokens, and a state-space mixer's state cannot be rolled back (ssm.py)."""
+    if model.cfg.ssm_layers:
+        raise ValueError(f"speculative decoding needs a cache that rolls back to the accepted tokens, and this "
+                         f"model's state-space mixers (ssm_layers={list(model.cfg.ssm_layers)}) keep a state that "
+                         "cannot: decode it without a drafter")
+
+
 def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.Tensor, drafter: Drafter,
                          tree: DraftTree, max_new_tokens: int, stop_tokens: Sequence[int] = (),
                          temperature: float = 0.0, seed: int | None = None, *, skip: bool = True,
@@ -372,6 +381,7 @@ def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.T
     (forward, accept, commit). `on_round(cache, tokens)` (optional, for tests and tracing) is called after
     every round with all committed tokens; the cache then holds tokens[:-1].
     """
+    check_draftable(model)
     # the settings checked by generation's one rule (budget, temperature, seed), kept as Python numbers
     settings = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                 stop_tokens=tuple(stop_tokens), skip=skip)

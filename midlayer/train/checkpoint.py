@@ -226,4 +226,8 @@ def load_model(checkpoint: str | Path, device: str | torch.device | None = None
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path}: its model config is not valid ({e})") from None
     load_weights(model, ckpt, path)
-    return model, ckpt, from_dict(TrainConfig, ckpt["configs"]["train"])
+    try:
+        train_cfg = from_dict(TrainConfig, ckpt["configs"]["train"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path}: its train config is not valid ({e})") from None
+    return model, ckpt, train_cfg

@@ -39,7 +39,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from midlayer.common import autocast_context, cache_dir as default_cache_dir, json_safe, resolve_dtype
+from midlayer.common import atomic_write, autocast_context, cache_dir as default_cache_dir, json_safe, resolve_dtype
 from midlayer.config import ModelConfig, SparsityConfig, TrainConfig
 from midlayer.data.shards import check_vocabulary, resolve_data, TokenWindows
 from midlayer.model.attention import FLEX_MIN_HEAD_DIM
@@ -219,19 +219,45 @@ def train(model_cfg: ModelConfig, sparsity_cfg: SparsityConfig, train_cfg: Train
         dist_utils.teardown()
 
 
-def _set_aside_log(run_dir: Path) -> None:
-    """A fresh run starts its log fresh: the metrics.jsonl of an earlier run that was killed before its first
-    checkpoint (it left no ckpt_*.pt, so nothing resumes it) moves aside, named, so no plot reads it as this
-    run's."""
-    log = run_dir / "metrics.jsonl"
-    if log.is_file() and log.stat().st_size:
-        n = 1
-        while (run_dir / f"metrics.earlier-{n}.jsonl").exists():
-            n += 1
-        aside = run_dir / f"metrics.earlier-{n}.jsonl"
-        os.replace(log, aside)
-        print(f"note: {log} held the log of an earlier run that left no checkpoint; moved it to {aside.name}",
-              file=sys.stderr)
+# what a run writes beside its checkpoints (checkpoint.py, Trainer.finish, evaluate.py): a fresh run sets them aside
+EARLIER_RUN_FILES = ("metrics.jsonl", "config.json", "eval.json", "extrapolation.json", "throughput.json")
+
+
+def _refuse_foreign(run_dir: Path) -> None:
+    """A fresh run goes only where a run of ours is, or nothing: a folder that holds a Hugging Face model, a
+    draft or a sweep is refused before anything is written there (its config.json was replaced by ours)."""
+    if not run_dir.is_dir():
+        return
+    theirs = sorted(p.name for p in run_dir.iterdir() if p.suffix == ".safetensors"
+                    or p.name in ("draft.json", "train_state.pt", "sweep.json", "tokenizer.json"))
+    config = run_dir / "config.json"
+    if config.is_file():
+        try:
+            doc = json.loads(config.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            doc = None
+        if not (isinstance(doc, dict) and isinstance(doc.get("model"), dict) and isinstance(doc.get("train"), dict)):
+            theirs.insert(0, "config.json (not a midlayer run's)")
+    if theirs:
+        raise ValueError(f"--out-dir {run_dir} holds files that are not a training run's ({', '.join(theirs)}); "
+                         "a run would overwrite them: choose another --out-dir")
+
+
+def _set_aside_earlier(run_dir: Path) -> None:
+    """A fresh run starts fresh: the files of an earlier run that left no checkpoint to resume (killed before its
+    first, or finished and its checkpoints deleted) move aside as NAME.earlier-N.EXT, one N for them all, so that
+    no plot or sweep reads its log or results as this run's, and nothing of it is lost."""
+    found = [run_dir / name for name in EARLIER_RUN_FILES
+             if (run_dir / name).is_file() and (run_dir / name).stat().st_size]
+    if not found:
+        return
+    n = 1
+    while any((run_dir / f"{p.stem}.earlier-{n}{p.suffix}").exists() for p in found):
+        n += 1
+    for p in found:
+        os.replace(p, run_dir / f"{p.stem}.earlier-{n}{p.suffix}")
+    print(f"note: {run_dir} held the files of an earlier run that left no checkpoint "
+          f"({', '.join(p.name for p in found)}); moved them to *.earlier-{n}.*", file=sys.stderr)
 
 
 def _check_resume(ckpt: dict[str, Any], path: Path, configs: dict[str, dict]) -> dict[str, tuple[Any, Any]]:
@@ -382,10 +408,12 @@ class Trainer:
         elif self.existing:
             raise CheckpointError(f"{run_dir} already holds checkpoints ({self.existing[-1].name}); pass --resume to "
                                   "continue that run or choose another --out-dir")
+        else:
+            _refuse_foreign(run_dir)
         if self.info.is_main:  # one writer per run folder, from before anything is written in it
             self.cleanup.enter_context(OutputLock(run_dir, "train"))
             if self.ckpt is None:
-                _set_aside_log(run_dir)
+                _set_aside_earlier(run_dir)
 
     def load_data(self, cache_dir: Path) -> None:
         """The token windows; rank 0 builds the caches first so that ranks never race on them."""
@@ -695,7 +723,8 @@ class Trainer:
             result = {**self.evaluate(end), **result}
             if self.info.is_main:
                 result["flops_per_token_train_est"] = 3 * forward_flops(self.model_cfg, cfg.seq_len).total / cfg.seq_len
-                (self.run_dir / "eval.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False))
+                atomic_write(self.run_dir / "eval.json",  # (whole or not at all: sweeps and plots read it back)
+                             json.dumps(json_safe(result), indent=2, allow_nan=False).encode("utf-8"))
                 self.logger.log({"event": "final", **result})
         self.logger.close()
         return result
