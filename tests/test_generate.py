@@ -115,6 +115,12 @@ def test_top_k_top_p_filter_by_hand():
     draws = torch.stack([sample_next(logits, 1.0, top_p=0.85, generator=torch.Generator().manual_seed(i))
                          for i in range(300)])
     assert set(draws.flatten().tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.85: the third token is still needed
+    # the smallest prefix that reaches p, at the boundary itself: two tokens of exactly 0.5 each and top_p 0.5
+    # keep one of them (which one is the sort's choice among ties), never both
+    tie = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]])
+    draws = torch.stack([sample_next(tie, 1.0, top_p=0.5, generator=torch.Generator().manual_seed(i))
+                         for i in range(200)])
+    assert len(set(draws.flatten().tolist())) == 1 and set(draws.flatten().tolist()) <= {0, 1}
 
 
 def test_sampled_frequencies_match_the_filtered_tempered_softmax_by_hand():

@@ -133,15 +133,41 @@ def test_flex_score_mod_equals_sdpa_key_bias(n_kv):
                                atol=1e-5, rtol=1e-5)
 
 
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.skipif(not HAS_FLEX, reason="FlexAttention needs torch >= 2.5")
+@pytest.mark.parametrize("window", [1, 3, 5])
+def test_flex_sliding_window_by_hand(window):
+    """Flex's block mask with a window against the loop: query i sees keys j with i - window < j <= i, each
+    weighted by its gate (eq. 3). On CUDA `auto` trains windowed blocks through Flex (`use_flex`), so a window
+    one key too wide there would change every windowed layer."""
+    torch.manual_seed(0)
+    B, H, T, d = 2, 2, 12, 8
+    q, k, v = torch.randn(B, H, T, d), torch.randn(B, H, T, d), torch.randn(B, H, T, d)
+    g = torch.rand(B, T) + 0.1
+    out = flex_gated_attention(q, k, v, key_gate_bias(g, 1e-6), window=window)
+    ref = torch.zeros_like(out)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                js = range(max(0, i - window + 1), i + 1)
+                w = torch.stack([g[b, j] * torch.exp(q[b, h, i] @ k[b, h, j] / math.sqrt(d)) for j in js])
+                ref[b, h, i] = (w[:, None] * v[b, h, js.start:i + 1]).sum(0) / w.sum()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sdpa_attention(q, k, v, key_gate_bias(g, 1e-6), window=window), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_model_flex_backend_equals_sdpa_backend():
     if not HAS_FLEX:
         pytest.skip("FlexAttention needs torch >= 2.5")
-    a = make(attn_backend="sdpa")
-    b = make(attn_backend="flex")
     x = torch.randint(0, 64, (2, 16))
-    with torch.no_grad():  # FlexAttention has no backward on CPU; this checks the forward only
-        torch.testing.assert_close(a(x).logits, b(x).logits, atol=1e-4, rtol=1e-4)
+    for window in (0, 4):  # (a window shorter than the sequence: the block mask's windowed rule)
+        a = make(attn_backend="sdpa", sliding_window=window)
+        b = make(attn_backend="flex", sliding_window=window)
+        with torch.no_grad():  # FlexAttention has no backward on CPU; this checks the forward only
+            torch.testing.assert_close(a(x).logits, b(x).logits, atol=1e-4, rtol=1e-4)
 
 
 # -------------------------------------------------------------------------------------- skip-middle

@@ -60,6 +60,20 @@ def test_proportional_update_two_sided_dead_band() -> None:
     assert _list(c.beta) == pytest.approx([0, -1e-4, 1e-3, 0, 0, 0], abs=1e-9)
 
 
+
+@pytest.mark.parametrize("kind", ["proportional", "adaptive"])
+def test_the_dead_band_holds_a_difference_of_exactly_delta(kind: str) -> None:
+    """|diff| <= delta changes nothing, on both sides, at the boundary itself (every number exact in fp32):
+    delta 0.25, mean - mu* = [-.25, +.25, +.25, 0, -.25, +.25], var - sigma2* = [0, -.25, 0, 0, +.25, 0]; a
+    difference of 0.5 moves the coefficient."""
+    c = make_controller(SparsityConfig(controller=kind, mu0=1.0, mu_final=0.0, gamma=1e-3, delta=0.25), 6)
+    c.update(torch.tensor([0.75, 0.75, 0.25, 0.0, 0.25, 1.25]), torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5, 0.0]))
+    assert _list(c.alpha) == [0.0] * 6 and _list(c.beta) == [0.0] * 6
+    c.update(torch.tensor([1.0, 0.5, 0.0, 0.0, 0.5, 1.0]), torch.tensor([0.0, 0.75, 0.0, 0.0, 0.25, 0.0]))
+    assert _list(c.alpha) == [0.0] * 6
+    assert _list(c.beta) == pytest.approx([0, 5e-4 if kind == "proportional" else 1e-3, 0, 0, 0, 0], abs=1e-9)
+
+
 def test_proportional_term_by_hand() -> None:
     """kp > 0 (beyond the paper): the loss coefficient is alpha + kp * e, with e the last update's error
     outside the dead band (0 inside it), so a step after an update the loss reacts to the error itself."""
@@ -104,6 +118,12 @@ def test_beta_max_clamps_the_variance_integrator_by_hand() -> None:
     for _ in range(3):
         free.update(MEAN, VAR)
     assert float(free.beta[2]) == pytest.approx(1.5e-3)  # beta_max = 0: eq. 6 unbounded
+    # the bound holds below zero too (the windup it prevents is downward: soft gates keep the variance under
+    # its target): var - sigma2* = -0.25 at blocks 1 and 4 adds -2.5e-4 a step, held at -6e-4 from the third
+    low = make_controller(_cfg("proportional", beta_max=6e-4), 6)
+    for _ in range(3):
+        low.update(torch.tensor([1.0, 0.5, 0.0, 0.0, 0.5, 1.0]), torch.zeros(6))
+    assert _list(low.beta) == pytest.approx([0, -6e-4, 0, 0, -6e-4, 0], abs=1e-9)
     with pytest.raises(ValueError, match="beta_max"):
         SparsityConfig(beta_max=-1.0)
     with pytest.raises(ValueError, match="beta_max"):

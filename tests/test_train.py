@@ -102,6 +102,28 @@ def test_same_command_seed_and_machine_give_identical_weights(tmp_path, gating):
         assert torch.equal(a["controller"]["alpha"], b["controller"]["alpha"])
 
 
+
+def test_micro_batches_change_neither_the_logged_numbers_nor_the_weights(tmp_path):
+    """Gradient accumulation (module docstring, step 2): each micro-batch's loss is divided by their number, so
+    4 micro-batches of 1 sequence give the gradient, its norm (which --grad-clip compares), the logged losses and
+    the weights that one micro-batch of 4 gives, up to float rounding. Without the division the norm was 4x and
+    the clip point moved. A gated model, so the controller's regulariser is in the sum too."""
+    logs, weights = [], []
+    for micro in (4, 1):
+        m, s, t = debug_configs(tmp_path, {"gating": True}, steps=3, batch_size=4, micro_batch_size=micro,
+                                log_every=1)
+        t = TrainConfig(**{**t.__dict__, "out_dir": str(tmp_path / f"mb{micro}")})
+        train(m, s, t, progress=False)
+        rows = [json.loads(line) for line in (tmp_path / f"mb{micro}" / "metrics.jsonl").read_text().splitlines()]
+        logs.append([(r["step"], r["ce"], r["reg_loss"], r["grad_norm"]) for r in rows if "grad_norm" in r])
+        weights.append(load_checkpoint(list_checkpoints(tmp_path / f"mb{micro}")[-1])["model"])
+    assert [r[0] for r in logs[0]] == [r[0] for r in logs[1]] == [1, 2, 3]
+    for a, b in zip(*logs):
+        assert a[1:] == pytest.approx(b[1:], rel=1e-4, abs=1e-6), (a, b)
+    for k in weights[0]:
+        torch.testing.assert_close(weights[0][k], weights[1][k], atol=1e-5, rtol=1e-4)
+
+
 def test_init_perturb_moves_weights_by_the_relative_amount_and_keeps_the_data_order():
     from midlayer.model.transformer import Transformer
     from midlayer.train.loop import perturb_weights
@@ -229,6 +251,31 @@ def test_resuming_a_finished_run_only_evaluates_and_writes_eval_json(tmp_path):
     res = train(m, s, t, progress=False, resume=True)
     assert res["finished"] and (tmp_path / "run" / "eval.json").exists()
     assert [p.read_bytes() for p in list_checkpoints(tmp_path / "run")] == before
+
+
+def test_a_torn_eval_json_is_an_unfinished_run_and_eval_json_is_written_whole(tmp_path, monkeypatch, capsys):
+    """eval.json says a run is finished (sweep, demo, plot read it). A torn one (a write cut short) made every
+    later `demo` fail on its JSON; it is now taken as unfinished, and the run resumes to evaluate it again.
+    And it is written whole or not at all: a write that fails leaves the earlier file."""
+    import midlayer.common as common
+    from midlayer.experiments.demo import run_one
+
+    out = tmp_path / "demo"
+    first = run_one("debug", out, steps=2, progress=False)
+    good = (out / "eval.json").read_text()
+    (out / "eval.json").write_text(good[: len(good) // 2])
+    again = run_one("debug", out, steps=2, progress=False)
+    assert "is not valid JSON" in capsys.readouterr().out
+    assert again["val_ce"] == first["val_ce"] and json.loads((out / "eval.json").read_text())["step"] == 2
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(common.os, "fsync", full_disk)
+    before = (out / "eval.json").read_text()
+    m, s, t = get_preset("debug", train={"out_dir": str(out), "ckpt_every": 50, "steps": 2})
+    with pytest.raises(OSError, match="No space left"):
+        train(m, s, t, progress=False, resume=True)  # a finished run: evaluates and writes eval.json again
+    assert (out / "eval.json").read_text() == before and not list(out.glob("*.tmp*"))
 
 
 def test_fresh_run_refuses_to_overwrite_existing_checkpoints(tmp_path):
