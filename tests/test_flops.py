@@ -113,12 +113,36 @@ def test_sparsity_scales_block_terms_only() -> None:
 
 
 def test_forward_equals_sum_of_decode_steps() -> None:
+    windowed = dataclasses.replace(TINY, sliding_window=6)  # (steps at contexts shorter than the window, and longer)
     for cfg, seq, z in ((TINY, 4, None), (TINY, 9, [0.3]), (get_preset("paper-12l")[0], 33, [0, 0.1, .2, .5, .5, 1]),
-                        (get_preset("paper-dense-4")[0], 17, None)):
+                        (get_preset("paper-dense-4")[0], 17, None), (windowed, 4, None), (windowed, 9, [0.5])):
         fwd = forward_flops(cfg, seq, z)
         steps = [decode_flops(cfg, t, z) for t in range(1, seq + 1)]
         for name, v in fwd.as_rows():
             assert sum(dict(s.as_rows())[name] for s in steps) == pytest.approx(v, rel=1e-12), name
+
+
+
+def test_each_part_of_the_menu_by_hand() -> None:
+    """The terms each setting changes, in TINY at T = 4 (2 gated blocks of 4 norms, P = 10 pairs, h = 16), by hand
+    (the tests above pin only RMSNorm, RoPE, SwiGLU, no experts)."""
+    def f(**kw):
+        return forward_flops(dataclasses.replace(TINY, **kw), T)
+    ln = f(norm_type="layernorm")  # 4 as RMSNorm + subtract the mean + add the bias: 6 a normalised element
+    assert (ln.norms, ln.embed_norm, ln.final_norm) == (2 * 4 * 6 * T * 8, 6 * T * 8, 6 * T * 8)
+    alibi = f(pos_encoding="alibi")  # no rotation; + a position bias on each of H P scores beside the gate's
+    assert (alibi.rope, alibi.key_bias) == (0, 2 * ((2 * P + 2 * T) + 2 * P))
+    qk = f(qk_norm=True)  # + RMSNorm over q's 2 heads and k's 1 head of 4: T (H + K) hd elements a block
+    assert qk.norms == 2 * (4 * 4 * T * 8 + 4 * T * 3 * 4)
+    mlp = f(ffn_type="relu")  # two matrices, and the activation without the GLU's product: 4 a hidden unit
+    assert (mlp.ffn_proj, mlp.swiglu) == (2 * 2 * (2 * T * 8 * 16), 2 * 4 * T * 16)
+    moe = f(moe_experts=4, moe_top_k=2)  # k = 2 experts' FFNs, + router 2 T d E, its softmax 5 T E, sum 2 k T d
+    assert moe.ffn_proj == 2 * (2 * 3 * 2 * T * 8 * 16 + 2 * T * 8 * 4 + 5 * T * 4 + 2 * 2 * T * 8)
+    assert moe.swiglu == 2 * (2 * 5 * T * 16)
+    hybrid_cfg = dataclasses.replace(TINY, ssm_layers=(1,), gating=False, qk_norm=True)
+    hybrid = forward_flops(hybrid_cfg, T)  # block 1 mixes by state space: no attention terms, no QK-norm
+    assert hybrid.norms == 4 * 4 * T * 8 * 2 + 4 * T * 3 * 4 and hybrid.attn_scores == 2 * 4 * 2 * P
+    assert kv_bytes_per_token(hybrid_cfg) == kv_bytes_per_token(TINY) / 2  # K/V in one block of two
 
 
 def test_decode_step_by_hand() -> None:

@@ -648,6 +648,8 @@ def test_equal_flops_gap_pairs_seeds_by_hand(tmp_path):
     assert dense_at(125.0, [(100.0, 5.1), (200.0, 4.2), (300.0, 4.0)]) == pytest.approx(4.875)
     assert dense_at(250.0, [(100.0, 5.1), (200.0, 4.2), (300.0, 4.0)]) == pytest.approx(4.1)
     assert dense_at(99.0, [(100.0, 5.1), (200.0, 4.2)]) is None and dense_at(150.0, []) is None
+    # both ends of the dense range are in it: a gated run at exactly the cheapest or the deepest depth's FLOPs
+    assert dense_at(100.0, [(100.0, 5.0), (200.0, 4.0)]) == 5.0 and dense_at(200.0, [(100.0, 5.0), (200.0, 4.0)]) == 4.0
 
     def run(name, kind, seed, flops, ce):
         return {"run": name, "kind": kind, "n_layers": 6, "seed": seed, "flops_per_seq": flops, "val_ce": ce,
@@ -679,6 +681,9 @@ def test_equal_flops_gap_pairs_seeds_by_hand(tmp_path):
     # gaps -0.2, -0.2, -0.25: mean -0.21667, std 0.028868, half-width 4.303 * 0.028868 / sqrt(3) = 0.0717
     assert tight[0]["gap_ci95"] == pytest.approx(4.303 * 0.028868 / math.sqrt(3), rel=1e-4)
     assert tight[0]["verdict"] == "gated lower"
+    # a gap of exactly 0 (seed 1 at the cheapest depth, equal CE) is not "gated lower"; seed 0 at the deepest is
+    tie = equal_flops_gaps([*rows[:4], run("t-s0", "gated", 0, 200.0, 3.9), run("t-s1", "gated", 1, 100.0, 5.1)])
+    assert tie[0]["gaps"] == pytest.approx([-0.1, 0.0]) and tie[0]["gated_lower"] == 1
     write_table(rows, tmp_path / "t.csv", tmp_path / "t.md")
     md = (tmp_path / "t.md").read_text()
     assert "| g | 2 | 0.0 | 4.6500 | 4.6875 | -0.0375 ± 0.0884 | [-0.8316, +0.7566] | 1/2 | within noise |" in md

@@ -308,6 +308,30 @@ def test_corrupt_or_mismatched_checkpoint_is_refused_and_nothing_overwritten(tmp
         load_checkpoint(ckpt)
 
 
+
+def test_the_checksum_covers_names_and_places_not_only_bytes(tmp_path):
+    """A checkpoint whose bytes all survive but whose names or places changed is damaged too: a tensor's key
+    renamed (its sorted place kept, so only the name differs), two tensors of one shape swapped, the old
+    `model_sha256` of the weights alone (files before "sha256") with a name changed."""
+    from midlayer.train.checkpoint import save_checkpoint, state_digest, weights_digest
+
+    torch.manual_seed(0)
+    state = {"model": {"a.weight": torch.randn(3, 2), "b.weight": torch.randn(3, 2)}, "step_extra": [1, 2]}
+    path = save_checkpoint(tmp_path / "run", 1, state, {"model": {}, "sparsity": {}, "train": {}}, keep_last=1)
+    good = torch.load(path, weights_only=False)
+    load_checkpoint(path)
+    renamed = {**good, "model": {"a.weight": good["model"]["a.weight"], "bz.weight": good["model"]["b.weight"]}}
+    swapped = {**good, "model": {"a.weight": good["model"]["b.weight"], "b.weight": good["model"]["a.weight"]}}
+    for bad in (renamed, swapped):
+        torch.save(bad, path)
+        with pytest.raises(CheckpointError, match="do not match their checksum"):
+            load_checkpoint(path)
+    assert state_digest({"m": {"w": 1}}) != state_digest({"m": {"v": 1}})
+    w = {"a": torch.ones(2), "b": torch.zeros(2)}
+    assert weights_digest(w) != weights_digest({"a": torch.ones(2), "c": torch.zeros(2)})
+    assert weights_digest(w) != weights_digest({"a": torch.zeros(2), "b": torch.ones(2)})
+
+
 def test_non_finite_loss_stops_without_saving(tmp_path, monkeypatch):
     import midlayer.train.loop as train_mod
 
