@@ -361,9 +361,9 @@ def check_draftable(model: Transformer) -> None:
     """Refuse, before any work, a model that no drafter can decode: every round rolls the cache back to the
     accepted tokens, and a state-space mixer's state cannot be rolled back (ssm.py)."""
     if model.cfg.ssm_layers:
-        raise ValueError(f"speculative decoding needs a cache that rolls back to the accepted tokens, and this "
-                         f"model's state-space mixers (ssm_layers={list(model.cfg.ssm_layers)}) keep a state that "
-                         "cannot: decode it without a drafter")
+        raise ValueError("speculative decoding rolls the cache back to the accepted tokens, and a state-space mixer's "
+                         f"state cannot be rolled back (this model's ssm_layers={list(model.cfg.ssm_layers)}): "
+                         "decode it without a drafter")
 
 
 def speculative_generate(model: Transformer, prompt_ids: Sequence[int] | torch.Tensor, drafter: Drafter,
