@@ -169,11 +169,15 @@ class Engine:
             with self.lock:
                 self.failure, self.stopping = f"{type(e).__name__}: {e}", True
             message = f"the engine stopped after an internal error ({self.failure})"
-            for job, _ in self.live.values():
-                job.put(("error", message))
-            self._release(len(self.live))
-            self.live.clear()
+            self._fail_running(message)
             self._refuse_queued(message)
+
+    def _fail_running(self, message: str) -> None:
+        """Every running request of the batch (`live`) gets `message` as its error, and leaves the count."""
+        for job, _ in self.live.values():
+            job.put(("error", message))
+        self._release(len(self.live))
+        self.live.clear()
 
     def _run(self) -> None:
         while True:
@@ -238,11 +242,9 @@ class Engine:
             try:
                 events = batch.step()
             except Exception as e:  # an engine failure fails the running requests, not the server
-                for handle, (job, _) in live.items():
+                for handle in live:
                     batch.cancel(handle)
-                    job.put(("error", f"{type(e).__name__}: {e}"))
-                self._release(len(live))
-                live.clear()
+                self._fail_running(f"{type(e).__name__}: {e}")
                 continue
             outbox: list[tuple[Job, tuple[str, Any]]] = []
             for seq, tokens, finished in events:

@@ -437,6 +437,46 @@ def test_a_request_whose_text_fails_gets_its_error_and_the_others_their_output(l
         running.stop()
 
 
+class FailingStep:
+    """The tiny LLM, whose batch's first step fails (as a forward that runs out of memory would)."""
+
+    def __init__(self, llm) -> None:  # noqa: F811
+        self.llm = llm
+
+    def __getattr__(self, name: str):
+        return getattr(self.llm, name)
+
+    def batch(self, max_rows, **kw):
+        batch = self.llm.batch(max_rows, **kw)
+        step, calls = batch.step, [0]
+
+        def failing():
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("out of memory")
+            return step()
+        batch.step = failing
+        return batch
+
+
+def test_a_failed_batch_step_fails_its_requests_and_the_server_goes_on(llm):  # noqa: F811
+    """A step's forward is shared: its failure is answered to the requests in it (a 500 naming the error), their
+    rows are freed, and the engine serves the next request as before."""
+    running = Running(create_app(FailingStep(llm), NAME, max_queue=16))
+    url = f"{running.url}/v1/completions"
+    body = {"model": NAME, "prompt": "To be", "max_tokens": 8, "temperature": 0}
+    try:
+        first = httpx.post(url, json=body, timeout=30)
+        assert first.status_code == 500 and "RuntimeError: out of memory" in first.json()["error"]["message"]
+        health = httpx.get(f"{running.url}/health")
+        assert health.status_code == 200 and health.json()["queued_or_running"] == 0
+        again = httpx.post(url, json=body, timeout=30)
+        want = llm.generate("To be", max_tokens=8).text
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == want
+    finally:
+        running.stop()
+
+
 def test_an_engine_that_fails_answers_every_request_and_health_says_so(llm, monkeypatch):  # noqa: F811
     """An error the engine thread does not expect (here: handing a step's events to the event loop) stops it.
     The running request gets the error, the next ones a 503 at once, and /health a 503 naming the error:
