@@ -67,6 +67,7 @@ from midlayer.common import atomic_write, cache_dir
 from midlayer.config import ModelConfig
 from midlayer.data.pretrained_tokenizer import gguf_field, TextTokenizer
 from midlayer.model.transformer import nonfinite_tensors, position_tables, sinusoidal_table, Transformer
+from midlayer.train.checkpoint import is_run_config
 
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
@@ -374,7 +375,7 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{f}: not valid JSON ({e})") from e
     if not isinstance(cfg, dict):
         raise ValueError(f"{f}: expected a JSON object")
-    if "model_type" not in cfg and {"model", "train"} <= set(cfg):  # (train's config.json: train/loop.py)
+    if "model_type" not in cfg and is_run_config(cfg):
         raise ValueError(f"{path} is a midlayer training run, not a Hugging Face model folder: load it with "
                          f"--checkpoint {path}")
     return cfg

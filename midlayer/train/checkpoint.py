@@ -92,6 +92,12 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], configs: di
     return path
 
 
+def is_run_config(doc: Any) -> bool:
+    """Whether a parsed config.json is the one `save_checkpoint` writes beside a run's checkpoints (its model and
+    train sections), not a Hugging Face model's or anything else's."""
+    return isinstance(doc, dict) and isinstance(doc.get("model"), dict) and isinstance(doc.get("train"), dict)
+
+
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load and sanity-check a checkpoint; raise CheckpointError with the reason on any problem."""
     path = Path(path)

@@ -48,8 +48,8 @@ from midlayer.model.sparsity import ADAPTIVE_KINDS, GateStatsAccumulator, make_c
 from midlayer.model.transformer import Transformer
 from midlayer.output_lock import OutputLock
 from midlayer.train import distributed as dist_utils
-from .checkpoint import (CheckpointError, config_mismatch, list_checkpoints, load_newest_checkpoint, load_weights,
-                         remove_stale_temp_files, save_checkpoint)
+from .checkpoint import (CheckpointError, config_mismatch, is_run_config, list_checkpoints, load_newest_checkpoint,
+                         load_weights, remove_stale_temp_files, save_checkpoint)
 from .evaluate import evaluate
 
 
@@ -236,7 +236,7 @@ def _refuse_foreign(run_dir: Path) -> None:
             doc = json.loads(config.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError):
             doc = None
-        if not (isinstance(doc, dict) and isinstance(doc.get("model"), dict) and isinstance(doc.get("train"), dict)):
+        if not is_run_config(doc):
             theirs.insert(0, "config.json (not a midlayer run's)")
     if theirs:
         raise ValueError(f"--out-dir {run_dir} holds files that are not a training run's ({', '.join(theirs)}); "
