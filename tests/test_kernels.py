@@ -283,7 +283,7 @@ def test_attention_matches_reference_and_rows_are_invariant(simd):
     assert torch.equal(alone, out[:, :, :1])
 
 
-@pytest.mark.parametrize("D", [16, 64, 80])
+@pytest.mark.parametrize("D", [16, 20, 64, 80])
 def test_attention_depends_on_the_keys_seen_not_on_their_slots(simd, D):
     """A draft-tree node sees the context and its ancestors, with its siblings' rows masked in between; plain
     decoding sees the same keys side by side. Both must give the same bits, or tree verification is not
@@ -316,7 +316,8 @@ def _scalar_attention(q, k, v, mask):
         kernels.set_simd(True)
 
 
-@pytest.mark.parametrize("D", [16, 64, 80])  # the AVX2 path takes 64 columns at a time, then 8
+# the AVX2 path takes 64 columns at a time, then 8; a head width not a multiple of 8 (20) takes the scalar path
+@pytest.mark.parametrize("D", [16, 20, 64, 80])
 def test_attention_avx2_equals_scalar(D):
     q, k, v, mask = _attention_inputs(5, 70, seed=3, D=D)
     fast = kernels.attention(q, k, v, mask)
@@ -325,7 +326,7 @@ def test_attention_avx2_equals_scalar(D):
 
 
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["kv32", "kv16"])
-@pytest.mark.parametrize("rep,D", [(2, 64), (3, 64), (3, 80), (4, 16), (4, 256)])  # 256: wide heads, 2 per item
+@pytest.mark.parametrize("rep,D", [(2, 64), (3, 64), (3, 80), (4, 16), (4, 256), (2, 20)])  # 256: 2 per item
 def test_ragged_batch_attention_equals_scalar_and_each_row_alone(rep, D, kv):
     """A continuous batch's decode step: 16 sequences of different lengths read up to the longest one's
     length, their unused slots masked -inf (the AVX2 path skips whole masked 4-key blocks). Each sequence alone
@@ -371,15 +372,16 @@ def test_rmsnorm_and_rope_store_match_pytorch():
     assert float(kc[:, :, 6].abs().sum()) == 0.0
 
 
+@pytest.mark.parametrize("D", [32, 20])  # 20: rows that end in a tail shorter than F16C's 8 lanes
 @pytest.mark.parametrize("level", [0, 1, -1], ids=["scalar", "avx2", "best"])
-def test_fp16_kv_cache_stores_torchs_half_and_attends_over_the_widened_values(level):
+def test_fp16_kv_cache_stores_torchs_half_and_attends_over_the_widened_values(level, D):
     """An fp16 KV cache: rope_store rounds K and V to nearest even, as torch's .half() does -- ties, values
     below half's range (subnormals, underflow to +-0), overflow to infinity -- at every SIMD level (the scalar
     converter and F16C's); attention over it gives the bits of fp32 attention over the same values widened."""
     kernels.set_simd(level)
     try:
         g = torch.Generator().manual_seed(11)
-        B, T, H, Hk, D = 2, 4, 4, 2, 32
+        B, T, H, Hk = 2, 4, 4, 2
         qkv = torch.randn(B, T, (H + 2 * Hk) * D, generator=g)
         edge = torch.tensor([0.0, -0.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 65504.0, 65520.0, -1e6, 2.0 ** -24,
                              2.0 ** -25, 2.0 ** -25 * 1.5, -(2.0 ** -26), 6.1e-5, 3.0e-5, 1.0e-7, 2.0 ** -14 * 0.999,
@@ -632,6 +634,28 @@ def test_topk_and_argmax_match_torch_with_ties_nan_and_every_simd_level():
     assert torch.allclose(lse[finite], torch.logsumexp(x[finite], -1), atol=1e-5) and torch.isnan(lse[2])
     assert kernels.topk(x, 1001) is None and kernels.topk(x.double(), 2) is None and kernels.topk(x, 0) is None
     assert torch.equal(kernels.argmax(x.double()), x.double().argmax(-1))  # the torch fallback
+
+
+def test_topk_lse_over_a_row_length_not_a_multiple_of_8():
+    """The SIMD logsumexp runs 8 lanes, then a scalar tail: 1003 logits whose maximum (20) is in that tail, a
+    row holding +inf (lse +inf, not NaN: exp(x - max) is NaN there), and a plain row: torch's logsumexp, and the
+    same bits at every SIMD level."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 1003, generator=g)
+    x[0, 1002] = 20.0
+    x[1, 1000] = float("inf")
+    out = {}
+    try:
+        for level in kernels.simd_levels():
+            kernels.set_simd(level)
+            out[level] = kernels.topk(x, 4, with_lse=True)
+    finally:
+        kernels.set_simd(True)
+    vals, idx, lse = out[0]
+    for v, i, lv in out.values():
+        assert torch.equal(i, idx) and torch.equal(v, vals) and torch.equal(lv, lse)
+    torch.testing.assert_close(lse[[0, 2]], torch.logsumexp(x[[0, 2]], -1), rtol=1e-6, atol=1e-5)
+    assert lse[1] == float("inf") and idx[0, 0] == 1002 and idx[1, 0] == 1000
 
 
 def test_two_threads_get_their_own_results_and_build_the_library_once(tmp_path):

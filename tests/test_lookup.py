@@ -27,6 +27,7 @@ def test_continuations_longest_ngram_first_then_most_recent():
     assert continuations(toks, 2, max_ngram=3) == [[2, 9], [1, 6]]  # (9, 6, 7) never occurred before
     assert continuations([1, 2, 3], 2) == []  # no earlier occurrence of any suffix
     assert continuations(toks, 2, max_ngram=2, limit=1) == [[2, 9]]
+    assert continuations([5, 6, 5], 2) == [[6, 5]]  # the only occurrence starts the text (index 0 is searched)
 
 
 def test_fill_tree_ranks_distinct_next_tokens_along_each_path():
@@ -34,6 +35,9 @@ def test_fill_tree_ranks_distinct_next_tokens_along_each_path():
     conts = [[4, 5], [4, 8], [3, 1], [4, 5]]  # after 4: 5 (twice) and 8; after 3: 1; no third first token
     assert fill_tree(tree, conts, placeholder=0) == [4, 3, 0, 5, 8, 1]  # breadth-first: (0,) (1,) (2,) (0,0) ...
     assert list(tree.paths[:3]) == [(0,), (1,), (2,)]
+    # a child of a placeholder node is a placeholder too, even where the placeholder is a real candidate's token
+    # (0 here, whose continuation goes on with 7): no continuation agrees with a path through a placeholder
+    assert fill_tree(DraftTree([(0,), (1,), (2,), (2, 0)]), [[4, 5], [0, 7]], placeholder=0) == [4, 0, 0, 0]
 
 
 def test_self_accuracies_on_a_periodic_text():
@@ -45,6 +49,23 @@ def test_self_accuracies_on_a_periodic_text():
     assert max(max(row) for row in d.self_accuracies(noise)) < 0.2
 
 
+def test_self_accuracies_by_hand():
+    """acc[d][r] counts depth d + 1 only where the lookup's depth-d prefix was right, and the rank among the
+    distinct candidates of the continuations that agree with that prefix. The continuations at positions 2..10
+    (`continuations(text[:i + 1], 2)`; their truths are the next two tokens):
+        i=2 []  (7, 1)             miss                  i=7 [3 7] [2 7]  (2, 7)   rank 1, then rank 0
+        i=3 [1 2]  (1, 3)          rank 0, then miss     i=8 [7 1]  (7, 1)        rank 0, then rank 0
+        i=4 [2 7]  (3, 7)          miss                  i=9 [1 3] [1 2] [1 2]  (1, 3)  rank 0, then rank 0
+        i=5 []  (7, 1)             miss                  i=10 [3 7] [2 7] [2 7]  (3,)   rank 0
+        i=6 [1 3] [1 2]  (1, 2)    rank 0, then rank 1
+    Depth 1: 9 positions, rank 0 at i = 3, 6, 8, 9, 10, rank 1 at i = 7. Depth 2: counted at the 5 positions
+    whose first token was right (i = 3, 6, 7, 8, 9): rank 0 at 7, 8, 9, rank 1 at 6 (at i = 4 the lookup's 7 would
+    have matched, but its first token was wrong)."""
+    text = [7, 1, 2, 7, 1, 3, 7, 1, 2, 7, 1, 3]
+    acc = PromptLookupDrafter(V, k=2).self_accuracies(text, ranks=2, start=2)
+    assert acc == [[5 / 9, 1 / 9], [3 / 5, 1 / 5]]
+
+
 def test_prompt_prior_is_the_hit_rate_of_the_prompts_last_32_positions():
     """The batch's starting acceptance for a lookup row: depth-1 hits over the prompt's last 32 positions, by
     hand. A prompt whose start repeats and whose end is fresh text has a prior of 0 (an even spread over the
@@ -54,6 +75,12 @@ def test_prompt_prior_is_the_hit_rate_of_the_prompts_last_32_positions():
     assert d.prompt_prior([1, 2, 3, 4] * 42 + fresh) == 0.0
     assert d.prompt_prior(fresh + [1, 2, 3, 4] * 42) == 1.0
     assert d.prompt_prior(fresh[:23]) is None
+    assert d.prompt_prior(fresh[:24]) == 0.0  # 24 tokens are enough
+    # 45 tokens: positions 12..43 are the last 32; the one hit is at the first of them (token 12 = token 0, and
+    # the lookup proposes token 1, which follows both)
+    one_hit = list(range(1000, 1045))
+    one_hit[12:14] = one_hit[0:2]
+    assert d.prompt_prior(one_hit) == 1 / 32
 
 
 def test_lookup_rounds_run_no_draft_forward():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from midlayer.speculative import tree_cost as tc
+from midlayer.speculative.eagle import EagleDrafter, EagleHead
 from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
 from midlayer.speculative.layer_skip import LayerSkipDrafter
 from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
@@ -59,12 +60,42 @@ def test_every_forward_call_pays_the_fixed_cost_once():
         tc.RowCosts(rows=(1, 4), total_ms=(10.0, 16.0), head_ms=(2.0, 5.0), n_layers=4, call_ms=9.0)
 
 
+class ScriptedClock:
+    """A fake clock for `measure_row_costs`: per repeat and row count, a forward "takes" 10 ms and the head
+    2 ms; the one-block one-row call 3 ms (the warm-up pass, repeat 0, reads the clock once fewer after it)."""
+
+    def __init__(self, rows: tuple[int, ...], repeats: int) -> None:
+        steps = []
+        for rep in range(repeats + 1):
+            steps += [0.0, 0.010, 0.002] * len(rows) + ([0.0] if rep == 0 else [0.0, 0.003])
+        self.steps, self.t, self.i = steps, 0.0, 0
+
+    def __call__(self) -> float:
+        self.t += self.steps[self.i]
+        self.i += 1
+        return self.t
+
+
+def test_call_ms_prices_the_measured_one_block_call_at_what_it_took():
+    """blocks_ms(1) = 10 - 2 = 8 ms over L = 4 blocks; the one-block call took t_1 = 3 ms. call_ms c solves
+    c + (8 - c) / 4 = 3: c = (3 - 2) * 4 / 3 = 4/3 ms, and the cost model then prices that call at 3 ms."""
+    model = make_tiny(TINY, False)
+    rows = (1, 2, 4)
+    costs = tc.measure_row_costs(model, rows=rows, context=8, repeats=2, timer=ScriptedClock(rows, 2))
+    assert costs.total_ms == pytest.approx((10.0,) * 3) and costs.head_ms == pytest.approx((2.0,) * 3)
+    assert costs.call_ms == pytest.approx(4 / 3)
+    assert tc.forward_ms(costs, ([1, 0, 0, 0], 0)) == pytest.approx(3.0)
+    assert tc.forward_ms(costs, ([1] * 4, 1)) == pytest.approx(10.0)  # a whole forward: still blocks + head
+
+
 def test_expected_tokens_hand_computation():
     acc = [[0.5, 0.2], [0.4]]
     assert tc.expected_tokens(DraftTree.chain(2), acc) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
     tree = DraftTree([(0,), (1,), (0, 0), (1, 0)])
     assert tc.expected_tokens(tree, acc) == pytest.approx(1 + 0.5 + 0.2 + 0.2 + 0.08)
     assert tc.expected_tokens(DraftTree([(0,), (0, 1)]), acc) == pytest.approx(1.5)  # rank 1 at depth 2: never
+    # one row of accuracies (early exit measures depth 1 only) serves every depth: 1 + 0.5 + 0.25 + 0.125
+    assert tc.expected_tokens(DraftTree.chain(3), [[0.5]]) == pytest.approx(1.875)
 
 
 def test_choose_tree_finds_the_known_optimum():
@@ -79,6 +110,18 @@ def test_choose_tree_finds_the_known_optimum():
     assert len(tc.choose_tree(ACC, lambda t: tc.round_ms(steep, FREE, t))[0]) == 0
     flat = tc.RowCosts(rows=(1, 2), total_ms=(12.0, 12.0), head_ms=(0.0, 0.0), n_layers=1)
     assert len(tc.choose_tree(ACC, lambda t: tc.round_ms(flat, FREE, t), max_nodes=100)[0]) == 2 + 4 + 8
+    # a node never accepted adds no token: at no cost it ties, and a tie keeps the smaller tree
+    assert tc.choose_tree([[0.9, 0.0]], lambda t: tc.round_ms(flat, FREE, t))[0] == DraftTree.chain(1)
+
+
+def test_choose_tree_repeats_a_one_row_table_down_to_max_depth():
+    """Early exit measures depth 1 only (acc = [[0.9]]): deeper depths are assumed as accurate. Rows cost
+    11.5 + 0.5 T ms for T rows: chain n gives (1 + 0.9 + ... + 0.9^n) / (12 + 0.5 n), which grows up to n = 3
+    (3.439 tokens in 13.5 ms), the deepest allowed."""
+    lin = tc.RowCosts(rows=(1, 2, 4, 8), total_ms=(12.0, 12.5, 13.5, 15.5), head_ms=(0.0,) * 4, n_layers=2)
+    tree, table = tc.choose_tree([[0.9]], lambda t: tc.round_ms(lin, FREE, t), max_depth=3)
+    assert tree == DraftTree.chain(3)
+    assert table[3]["tokens"] == pytest.approx(3.439) and table[3]["ms"] == pytest.approx(13.5)
 
 
 def test_round_forwards_per_drafter():
@@ -98,6 +141,41 @@ def test_round_forwards_per_drafter():
     ls = LayerSkipDrafter(model, [1, 2])
     assert tc.round_forwards(ls, chain, 4)[1:] == [([1, 0, 0, 1], 1)] * 3
     assert tc.round_forwards(ht, DraftTree.chain(0), 4) == [([1] * 4, 1)]
+    # trees shallower than the drafter's k steps: the fused pass still decodes the anchor's k = 3 pseudo rows
+    # (`fused_draft`); the separate pass runs the tree's depth of steps (step 1 joins at block 1); Medusa runs
+    # the tree's depth of heads
+    assert tc.round_forwards(ht, DraftTree.chain(2), 4)[1:] == [([0] * 4, 3, 1.0)]
+    assert tc.round_forwards(sep, DraftTree.chain(1), 4)[1:] == [([0, 1, 1, 1], 1, 1.0)]
+    assert tc.round_forwards(MedusaDrafter(model, MedusaHeads(D, 3)), DraftTree.chain(1), 4)[1:] == [([0] * 4, 1, 1.0)]
+    # EAGLE: the root row rides the commit call; then one draft-layer call per level after the root: the static
+    # tree's level sizes, or EAGLE-2's k expanded nodes at each depth but the last
+    eagle = EagleHead.for_model(model)
+    root = ([1, 0, 0, 0], 1, 1.0)
+    assert EagleDrafter(model, eagle).draft_forwards(tree, 4) == [root, ([2, 0, 0, 0], 2, 1.0), ([3, 0, 0, 0], 3, 1.0)]
+    assert EagleDrafter(model, eagle, dynamic_k=2).draft_forwards(chain, 4) == [root, *[([2, 0, 0, 0], 2, 1.0)] * 2]
+
+
+def test_medusa_runs_the_heads_its_tree_prices():
+    """A tree of depth 1 prices one head row (above) and runs head 0 only: it ran all k = 3 heads, 3x the head
+    cost that `--tree auto` counted. The output stays plain greedy decoding's."""
+    torch.manual_seed(0)
+    model = make_tiny(TINY, False)
+    heads = MedusaHeads(D, 3)
+    for lin in heads.heads:  # trained-looking heads, so that the heads' proposals differ
+        torch.nn.init.normal_(lin.weight, std=0.2)
+    calls = [0, 0, 0]
+    for i, lin in enumerate(heads.heads):
+        lin.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    prompt = [3, 9, 27, 17, 51]
+    out, _ = speculative_generate(model, prompt, MedusaDrafter(model, heads), DraftTree.chain(1), 10)
+    assert calls[0] > 0 and calls[1:] == [0, 0]
+    assert out == generate(model, [prompt], GenerationConfig(max_new_tokens=10))[0]
+
+
+def test_single_point_curve_is_proportional_to_rows():
+    """A curve measured at one row count (T = 1) prices T rows at T times it: head 2 ms, blocks 8 ms a row."""
+    c = tc.RowCosts((1,), (10.0,), (2.0,), 4)
+    assert c.blocks(4) == 32.0 and c.head(3) == 6.0
 
 
 def test_measured_costs_are_cached_per_machine_and_damage_is_remeasured(tmp_path, monkeypatch):

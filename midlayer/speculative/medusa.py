@@ -46,11 +46,15 @@ class MedusaHeads(nn.Module):
     def config(self) -> dict[str, Any]:
         return {"dim": self.dim, "k": self.k}
 
-    def logits(self, model: Transformer, hidden: torch.Tensor, head: int | None = None) -> torch.Tensor:
-        """hidden [..., d]: final residual (before the last norm). Returns [..., k, V] (all heads) or
-        [..., V] (one head); V is the draft vocabulary's size when the heads have one (draft_vocab.py)."""
+    def logits(self, model: Transformer, hidden: torch.Tensor, head: int | None = None, depth: int | None = None
+               ) -> torch.Tensor:
+        """hidden [..., d]: final residual (before the last norm). Returns [..., depth, V] (the first `depth`
+        heads, all k by default: a tree of depth D needs heads 0..D-1 only) or [..., V] (head `head`); V is
+        the draft vocabulary's size when the heads have one (draft_vocab.py)."""
+        if depth is not None and not 0 < depth <= self.k:
+            raise ValueError(f"{depth} heads asked of {self.k} Medusa heads")
         x = model.norm(hidden)
-        heads = range(self.k) if head is None else [head]
+        heads = range(self.k if depth is None else depth) if head is None else [head]
         outs = [head_logits(self, model, x + F.silu(apply_linear(self.heads[i], x))) for i in heads]
         return torch.stack(outs, -2) if head is None else outs[0]
 
@@ -71,7 +75,8 @@ class MedusaDrafter(Drafter):
         return self.heads.k
 
     def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[Forward]:
-        """k heads over the last row, each through the LM head (its draft vocabulary's share)."""
+        """The tree's depth in heads over the last row, each through the LM head (its draft vocabulary's share):
+        `propose` and the device draft run heads 0..D-1 only."""
         return [([0] * n_layers, tree.max_depth, head_share(self.heads, self.model.cfg.vocab_size))]
 
     def device_draft(self, step, tree: DraftTree) -> TopkTreeDraft | None:
@@ -80,7 +85,7 @@ class MedusaDrafter(Drafter):
         if not 0 < tree.max_depth <= self.heads.k:
             return None
         return TopkTreeDraft(step, tree, candidate_counts(tree, self.topk_per_depth), draft_vocab(self.heads),
-                             lambda h: self.heads.logits(self.model, h),
+                             lambda h: self.heads.logits(self.model, h, depth=tree.max_depth),
                              lambda packed, rows, hidden, draft: (last_accepted(packed, rows, hidden),),
                              lambda tokens, hidden, draft_logits: (hidden[-1],) if hidden.shape[0] else None)
 
@@ -90,9 +95,9 @@ class MedusaDrafter(Drafter):
         if tree.max_depth > self.heads.k:
             raise ValueError(f"the tree has depth {tree.max_depth} but there are only {self.heads.k} Medusa heads")
         need = candidate_counts(tree, self.topk_per_depth)
-        if ctx.hidden.shape[0] == 0:
+        if ctx.hidden.shape[0] == 0 or not need:
             return placeholder_candidates(need, self.model.cfg.vocab_size)
-        logits = self.heads.logits(self.model, ctx.hidden[-1])  # [k, V]
+        logits = self.heads.logits(self.model, ctx.hidden[-1], depth=tree.max_depth)  # [D, V]
         return topk_lists(logits, need, draft_vocab(self.heads))
 
     # -------------------------------------------------------------------- in a continuous batch (`RowDrafter`)
@@ -106,7 +111,7 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"a chain of {k} tokens from {self.heads.k} Medusa heads")
         if not rows:
             return []
-        logits = self.heads.logits(self.model, torch.stack([h[-1] for h in hidden]))[:, :k]  # [n, k, V]
+        logits = self.heads.logits(self.model, torch.stack([h[-1] for h in hidden]), depth=k)  # [n, k, V]
         return to_token_ids(teacher_logits(logits, self.heads).argmax(-1), draft_vocab(self.heads)).tolist()
 
     def move(self, src: int, dst: int, length: int) -> None:

@@ -19,7 +19,8 @@ Speculative decoding's speed is (tokens per round) / (time per round). Both depe
 
   with blocks_ms(T) and head_ms(T) the measured cost of a forward over T rows of all L blocks and of the
   head, and call_ms what any forward call costs before its rows' work (embedding, RoPE tables, the cache
-  step, dispatch: a one-block one-row call minus a block's share of blocks_ms(1)); a full forward costs
+  step, dispatch: what makes this formula price a measured one-block one-row call at what it took,
+  call_ms = (t_1 - blocks_ms(1) / L) L / (L - 1)); a full forward costs
   blocks_ms + head_ms exactly (`RowCosts`, `measure_row_costs`: measured once per model, weight format and
   CPU and cached). Rows that join mid-network (hidden transfer's fused pass) or drafts that run only some
   blocks (early exit, layer skip, an EAGLE layer) are thereby costed by the blocks they actually run, and
@@ -292,7 +293,8 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
                       timer: Callable[[], float] = time.perf_counter) -> RowCosts:
     """Median ms of a cached forward over T new rows after `context` tokens, and of the final norm + head
     over T rows, for each T (T values interleaved per repeat, so drift hits all alike); and call_ms, from
-    the median of a one-row call through the first block alone."""
+    the median t_1 of a one-row call through the first block alone: the fixed cost c for which `forward_ms`
+    prices that call at t_1, c + (blocks_ms(1) - c) / L = t_1 (module docstring; L = 1 leaves c unknown: 0)."""
 
     cfg = model.cfg
     # the row counts that fit the context after at least one token (a model of a short context prices its larger
@@ -339,7 +341,9 @@ def measure_row_costs(model, rows: Sequence[int] = DEFAULT_ROWS, context: int = 
     hd = tuple(statistics.median(head[T]) for T in rows)
     blocks = [max(t - h, 0.0) for t, h in zip(tot, hd)]
     blocks1 = RowCosts._interp(rows, blocks, 1)
-    call = min(max(statistics.median(one_block) - blocks1 / cfg.n_layers, 0.0), blocks[0])
+    L = cfg.n_layers
+    call = (statistics.median(one_block) - blocks1 / L) * L / (L - 1) if L > 1 else 0.0
+    call = min(max(call, 0.0), blocks[0])
     return RowCosts(tuple(rows), tot, hd, cfg.n_layers, call)
 
 
