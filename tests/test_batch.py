@@ -996,6 +996,27 @@ def test_the_context_bounds_every_row(drafter):
     assert len(out[0]) == 1 and len(out[1]) == 7 and len(out[2]) == 10
 
 
+def test_a_decode_forward_holds_at_most_max_step_rows_rows():
+    """`max_step_rows` caps a decode forward: 2 rows drafting k = 4 tokens each would be 2 x (1 + 4) = 10 rows;
+    under a cap of 4, each row drafts at most (4 - 2) // 2 = 1 token, so 2 x 2 rows. The tokens stay plain
+    greedy decoding's."""
+    model = make_tiny(DIMS, False)
+    batch = ContinuousBatch(model, max_rows=2, max_step_rows=4, propose=lambda tokens, k: [tokens[-1]] * k, k=4)
+    batch._pays = lambda lengths: max(lengths)  # draft as deep as each row allows
+    rows, drafts = [], batch._drafts
+
+    def spy():
+        out = drafts()
+        rows.append(len(out[0]) * (1 + max(map(len, out[0]))))  # the decode forward's n x M rows
+        return out
+    batch._drafts = spy
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]]
+    cfg = GenerationConfig(max_new_tokens=8)
+    out, _ = _run(batch, prompts, [cfg] * 2, join_p=1.0)
+    assert out == [generate(model, [p], cfg)[0] for p in prompts]
+    assert max(rows) == 4
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="sliding-window"):
         ContinuousBatch(make_tiny({**DIMS, "sliding_window": 8}, False))

@@ -1070,6 +1070,22 @@ def test_the_steps_calls_refuse_positions_past_the_context_before_writing():
     st.decode(torch.tensor([6]), 31)  # the context's last position
 
 
+def test_prefill_takes_exactly_the_slots_the_step_holds():
+    """A step of 8 slots (and its scratch slot, where padding rows write) within a context of 32: 8 prompt
+    tokens fit, in one call or two; a 9th is refused by name with nothing written. Taken, it would have been
+    written to the scratch slot and marked held, where every padding row writes."""
+    model = make_tiny({**DIMS, "max_seq_len": 32}, False)
+    st = DecodeStep(model, max_len=8, buckets=(4, 8))
+    with pytest.raises(ValueError, match="9 slots needed, the step holds 8"):
+        st.prefill(torch.arange(9)[None] % V)
+    assert not st.held.any()
+    st.prefill(torch.arange(4)[None] % V)
+    with pytest.raises(ValueError, match="9 slots needed, the step holds 8"):
+        st.prefill(torch.arange(5)[None] % V, start=4)
+    st.prefill(torch.arange(4)[None] % V, start=4)
+    assert st.held[0, :8].all() and not st.held[0, st.scratch]
+
+
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_a_step_of_the_whole_context_serves_generations_that_reach_its_end(run_ahead):
     """A step of the default size (the model's context) reused by static_generate: a generation that ends at the
