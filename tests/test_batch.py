@@ -996,6 +996,19 @@ def test_the_context_bounds_every_row(drafter):
     assert len(out[0]) == 1 and len(out[1]) == 7 and len(out[2]) == 10
 
 
+def test_keep_memory_moves_a_memory_over_the_oldest_one_but_never_over_the_donor():
+    """`_keep_memory` with no free row left: the memory of the row a prompt is about to overwrite (row 0) replaces
+    the oldest memory among the rows the join leaves alone (rows 1, 2: dict order, row 1 the oldest), unless that
+    row is the joiner's donor (its K/V are read by this join): then the next oldest."""
+    model = make_tiny(DIMS, False)
+    for donor, target, kept in ((-1, 1, 2), (1, 2, 1)):
+        batch = ContinuousBatch(model, max_rows=1, memory_rows=2)
+        batch.memory = {1: ([1, 2, 3], 0), 2: ([4, 5, 6], 0), 0: ([7, 8, 9], 0)}
+        batch._keep_memory(0, 1, donor)
+        assert batch.memory == {kept: batch.memory[kept], target: ([7, 8, 9], 0)}
+        assert batch.memory[kept][0] == ([1, 2, 3] if kept == 1 else [4, 5, 6])
+
+
 def test_a_decode_forward_holds_at_most_max_step_rows_rows():
     """`max_step_rows` caps a decode forward: 2 rows drafting k = 4 tokens each would be 2 x (1 + 4) = 10 rows;
     under a cap of 4, each row drafts at most (4 - 2) // 2 = 1 token, so 2 x 2 rows. The tokens stay plain
