@@ -854,6 +854,8 @@ def test_finish_reason_names_why_generation_ended(models):
     cfg = GenerationConfig(max_new_tokens=50)
     out = static_generate(model, [near], cfg)[0]
     assert len(out) == 4 and finish_reason(model, near, out, cfg) == "context"
+    # cut before the context is full (a stop string, say): one more token would still have fit
+    assert finish_reason(model, near, out[:3], cfg) == "stop"
 
 
 def test_device_rounds_refuse_a_tree_deeper_than_the_attention_window(models):

@@ -125,6 +125,17 @@ def test_windowed_layers_keep_a_bounded_cache(tiny, weights):
         assert torch.equal(lb, lf)
     else:
         torch.testing.assert_close(lb, lf, rtol=1e-4, atol=1e-4)
+    # grown (a sequence that goes on in a larger cache) keeps the windowed layers' offset: the next step agrees
+    grown = bounded.grown(80, keep_length=True)
+    assert (grown.local_off, grown.length) == (bounded.local_off, bounded.length)
+    tok, pos = lf.argmax(-1), torch.tensor([len(prompt) + 31])
+    lf, lg = decode_one_token(model, full, tok, pos), decode_one_token(model, grown, tok, pos)
+    if weights == "q4":
+        assert torch.equal(lg, lf)
+    else:
+        torch.testing.assert_close(lg, lf, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="truncate"):  # slots it never filled
+        bounded.truncate(bounded.length + 1)
     with pytest.raises(ValueError, match="dropped"):
         bounded.keep(torch.tensor([[bounded.length - 1]]), bounded.local_off - 1)
     with pytest.raises(ValueError, match="bounded"):  # (it would drop keys from every layer)

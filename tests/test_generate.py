@@ -199,6 +199,24 @@ def test_bad_prompts_are_refused_clearly():
         GenerationConfig(temperature=-1)
 
 
+def test_a_row_that_stops_early_leaves_the_other_rows_their_tokens():
+    """Two prompts decoded together, a stop token that only the first row emits (at its second step): the
+    second row still gets the tokens it gets alone, and the stream's `done` flag, once set for a row, stays set
+    (consumers drop a finished row's later tokens by it)."""
+    model = make(False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 9)]
+    alone = [generate(model, [p], GenerationConfig(max_new_tokens=12))[0] for p in prompts]
+    stop = alone[0][1]
+    assert stop not in alone[0][:1] + alone[1]  # (this model's text: the test's premise)
+    cfg = GenerationConfig(max_new_tokens=12, stop_tokens=(stop,))
+    singles = [generate(model, [p], cfg)[0] for p in prompts]
+    assert len(singles[0]) == 2 and singles[1] == alone[1]
+    assert generate(model, prompts, cfg) == singles
+    flags = [bool(done[0]) for _, done in generate_stream(model, prompts, cfg)]
+    assert flags == [False] + [True] * (len(flags) - 1) and len(flags) == 12
+
+
 def test_cache_keep_compacts_to_the_accepted_path():
     """Verify-then-keep: a cache that saw a rejected branch, compacted, equals one that never saw it."""
     model = make(False)
