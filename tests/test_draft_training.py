@@ -185,6 +185,66 @@ def test_heldout_metrics_count_only_response_drafts(tmp_path):
     assert again["acc"] == run.metrics["acc"] and again["steps"] == run.metrics["steps"]
 
 
+def test_heldout_metrics_equal_a_loop_over_anchors():
+    """heldout_metrics against the definition, anchor by anchor: Medusa's acc[d][r] is the share of counted
+    anchors a (those whose target position a + 1 + d is a response position) whose rank-r candidate of head d is
+    the base's argmax there, each rank on its own (not top-(r+1)); EAGLE's depth d + 1 counts the anchors whose
+    target position a + d + 1 is masked in; hidden transfer's cosine[i][l] averages cos(step-i pseudo row of anchor
+    j, the real row j + i) entering block l. Untrained modules, perturbed so that some ranks hit."""
+    from midlayer.speculative.draft_training import heldout_metrics, response_batches
+    from midlayer.speculative.drafting import base_states
+    from midlayer.speculative.hidden_transfer import transfer_forward
+
+    model, batches = tiny_base(), response_batches(tiny_data(), 32)
+
+    def module(method):
+        c = DraftTrainConfig(method=method, layers=(1, 2, 2), exit_layer=2, k=3, bf16=False, seq_len=32)
+        torch.manual_seed(0)
+        m = build_module(c, model)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        return c, m.eval()
+
+    c, medusa = module("medusa")
+    hits, counts = torch.zeros(3, 4), torch.zeros(3)
+    with torch.no_grad():
+        for tokens, mask in batches:
+            logits, hs = base_states(model, tokens)
+            target = logits.argmax(-1)[0]
+            for d in range(3):
+                for a in range(tokens.shape[1] - 1 - d):
+                    if mask[0, a + 1 + d]:
+                        counts[d] += 1
+                        hits[d] += (medusa.logits(model, hs[-1][:, a], d)[0].topk(4).indices == target[a + 1 + d])
+    got = heldout_metrics(c, model, medusa, batches)
+    assert got["anchors"] == counts.tolist()
+    assert got["acc"] == [[round(float(h) / float(n), 4) for h in row] for row, n in zip(hits, counts)]
+    assert any(row[r] > 0 for row in got["acc"] for r in (1, 2, 3))  # (ranks below the first hit too)
+
+    c, eagle = module("eagle")
+    assert heldout_metrics(c, model, eagle, batches)["anchors"] == [
+        sum(float(mask[:, d:].sum()) for _, mask in batches) for d in (1, 2, 3)]
+
+    c, transfer = module("hidden-transfer")
+    num, den = {}, {}
+    with torch.no_grad():
+        for tokens, mask in batches:
+            states = {}
+            transfer_forward(model, transfer, tokens, collect=states, full=True)
+            T = tokens.shape[1]
+            for r in range(T, states["anchor"].numel()):
+                j, i = int(states["anchor"][r]), int(states["step"][r])
+                if j + i < T and mask[0, j + i]:
+                    for layer in range(transfer.layers[i - 1], model.cfg.n_layers + 1):
+                        cos = float(torch.cosine_similarity(states[layer][0, r], states[layer][0, j + i], dim=0))
+                        num[i, layer] = num.get((i, layer), 0.0) + cos
+                        den[i, layer] = den.get((i, layer), 0) + 1
+    want = {str(i): {str(layer): round(num[s, layer] / den[s, layer], 4) for s, layer in sorted(num) if s == i}
+            for i in (1, 2, 3)}
+    assert heldout_metrics(c, model, transfer, batches)["cosine"] == want
+
+
 @pytest.mark.parametrize("method", ["hidden-transfer", "medusa", "early-exit", "eagle"])
 def test_cached_frozen_states_give_the_same_loss(tmp_path, method):
     """Reusing the frozen base's states (FrozenStates) changes only the cost and fp16 rounding: the loss and
