@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -250,6 +251,22 @@ def test_export_to_a_hugging_face_folder_loads_back_in_transformers(tiny, tmp_pa
     assert (our_logits(model, x) - hf_logits(back, x)).abs().max().item() < TOL
     again, _ = load_hf_dir(out)
     assert again.cfg == model.cfg
+    # the transformers-4 key says what rope_parameters says (a reader of that version reads only the former)
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert hf_cfg["rope_local_base_freq"] == hf_cfg["rope_parameters"]["sliding_attention"]["rope_theta"] == 1e4
+
+
+def test_a_transformers_4_gemma3_config_is_read_by_its_own_keys():
+    """Google's Gemma 3 config.json of transformers 4's time: no layer_types, no rope_parameters, but
+    sliding_window_pattern and rope_local_base_freq. By transformers' rule, layer i is global iff
+    (i + 1) % pattern == 0: (5, 11) of 12; the windowed blocks' RoPE base is rope_local_base_freq."""
+    v4 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 12, "num_attention_heads": 4,
+          "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 96, "vocab_size": 128,
+          "max_position_embeddings": 256, "sliding_window": 8, "sliding_window_pattern": 6,
+          "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 16}
+    c = config_from_hf(v4)
+    assert c.full_attention_layers == (5, 11) and c.sliding_window == 8
+    assert (c.rope_theta, c.rope_theta_local) == (1_000_000.0, 10_000.0)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler: the q4 kernels are not built")

@@ -376,7 +376,7 @@ def test_load_hf_bad_checkpoints(tmp_path):
 def test_export_hf_loads_in_transformers_with_equal_logits(tmp_path, tie, qkv_bias):
     cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_hidden=80, max_seq_len=32,
                       norm_placement="pre", gating=False, embed_norm=False, tie_embeddings=tie, qkv_bias=qkv_bias,
-                      rope_theta=2000.0, norm_eps=1e-6)
+                      rope_theta=2000.0, norm_eps=1e-5)  # (not transformers' default 1e-6: the file must say it)
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
     randomize_(model, seed=3)
@@ -430,6 +430,27 @@ def test_tokenizer_export_and_hf_dir_round_trip(tmp_path):
     for s in STRINGS:
         assert back.encode(s) == bos_first.encode(s) == ref.encode(s) == [ours.bos_id] + ours.encode(s), s
     assert back.add_bos and tok.encode("a").ids[:1] != [ours.bos_id]  # (the tokenizer itself is not changed)
+    # two end tokens (the text's and the chat turn's) and no special-token strings: generation_config lists
+    # both, so transformers' generate stops at either; config.json and the reloaded tokenizer keep the BOS
+    eot, start = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_start|>")
+    two = TextTokenizer(tok, bos_id=start, eos_ids=[eot, eos], chat_template=CHATML)
+    export_hf(Transformer(cfg), tmp_path / "two", tokenizer=two)
+    assert json.loads((tmp_path / "two" / "generation_config.json").read_text())["eos_token_id"] == [eot, eos]
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["bos_token_id"] == start
+    back = TextTokenizer.from_hf_dir(tmp_path / "two")
+    assert back.bos_id == start and back.eos_ids == {eot, eos}
+
+
+def test_llama_cpps_qk_permutation_is_undone_by_the_loader():
+    """GGUF stores q and k rows permuted for its RoPE (`permute_qk_like_llama_cpp`, for writing test files);
+    the loader's `_unpermute_qk` undoes it: 4 heads of 8 rows come back in place, and the permutation moves rows."""
+    from midlayer.engine import pretrained
+
+    w = torch.arange(32 * 3, dtype=torch.float32).reshape(32, 3)
+    permuted = pretrained.permute_qk_like_llama_cpp(w, 4)
+    assert not torch.equal(permuted, w) and torch.equal(pretrained._unpermute_qk(permuted, 4), w)
+    # by hand, head 0's 8 rows: llama.cpp interleaves the two rotary halves (rows 0-3 and 4-7)
+    assert permuted[:8, 0].tolist() == [0.0, 12.0, 3.0, 15.0, 6.0, 18.0, 9.0, 21.0]
 
 
 def test_hf_dir_tokenizer_config_variants(tmp_path):
