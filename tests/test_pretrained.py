@@ -488,6 +488,11 @@ def test_hf_dir_tokenizer_config_variants(tmp_path):
     msgs = [{"role": "user", "content": "  hi  "}]
     text = ours.apply_chat_template(msgs)
     assert text == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    # generation_config listing the end-of-turn token first: the eos (also the padding id) is still the
+    # tokenizer's own eos_token, as transformers reads it
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id("<|eot_id|>"),
+                                                                                   tok.token_to_id("<|end_of_text|>")]}))
+    assert TextTokenizer.from_hf_dir(tmp_path).eos_id == tok.token_to_id("<|end_of_text|>") == ref.eos_token_id
     assert ours.encode_chat(msgs) == list(ref.apply_chat_template(msgs, add_generation_prompt=True,
                                                                   return_dict=True)["input_ids"])
     assert ours.encode_chat(msgs).count(bos) == 1
@@ -671,6 +676,38 @@ def test_gguf_metadata_of_the_wrong_type_is_refused_naming_the_file_and_key():
             TextTokenizer.from_gguf_metadata(_Meta(**{**spec, key: bad}), "t.gguf")
     with pytest.warns(UserWarning, match="t.gguf: tokenizer.ggml.eos_token_id=1000000 is outside the vocabulary"):
         TextTokenizer.from_gguf_metadata(_Meta(**{**spec, "tokenizer__ggml__eos_token_id": 10 ** 6}), "t.gguf")
+    with pytest.warns(UserWarning, match=f"eos_token_id={len(tokens)} is outside the vocabulary"):  # one past it
+        TextTokenizer.from_gguf_metadata(_Meta(**{**spec, "tokenizer__ggml__eos_token_id": len(tokens)}), "t.gguf")
+
+
+def test_gguf_tokenizer_defaults_end_markers_and_user_tokens():
+    """A byte-level GGUF tokenizer: without tokenizer.ggml.add_bos_token no BOS is added (llama.cpp's default
+    for BPE vocabularies); a ChatML template's <|im_end|> ends generation beside the file's eos <|endoftext|>;
+    a user-defined token (type 4) is ordinary text, kept by decode(skip_special_tokens=True)."""
+    tok = train_tiny_bpe()
+    tokens, merges = bpe_vocab_and_merges(tok)
+    tokens = tokens + ["<tool>"]
+    types = [3 if t in SPECIALS else 4 if t == "<tool>" else 1 for t in tokens]
+    ours = TextTokenizer.from_gguf_metadata(_Meta(
+        tokenizer__ggml__model="gpt2", tokenizer__ggml__pre="gpt2", tokenizer__ggml__tokens=tokens,
+        tokenizer__ggml__merges=merges, tokenizer__ggml__token_type=types,
+        tokenizer__ggml__bos_token_id=tokens.index("<|im_start|>"),
+        tokenizer__ggml__eos_token_id=tokens.index("<|endoftext|>"), tokenizer__chat_template=CHATML), "t.gguf")
+    assert not ours.add_bos and ours.encode("hello") == tok.encode("hello").ids
+    assert ours.eos_ids == {tokens.index("<|endoftext|>"), tokens.index("<|im_end|>")}
+    assert ours.decode([tokens.index("<tool>"), *tok.encode("hello").ids], skip_special_tokens=True) == "<tool>hello"
+
+
+def test_byte_level_pre_tokenizers_split_as_llama_cpps_regexes():
+    """qwen2 splits digits one by one (\\p{N}); llama3 in groups of up to 3 (\\p{N}{1,3}) with contractions in
+    any case ('S stays whole); GPT-2's own regex knows lower-case contractions only, and keeps digits whole."""
+    from midlayer.data.pretrained_tokenizer import byte_level_pre_tokenizer
+
+    def pieces(pre: str, text: str) -> list[str]:
+        return [p for p, _ in byte_level_pre_tokenizer(pre).pre_tokenize_str(text)]
+    assert pieces("qwen2", "x 12345") == ["x", "Ġ", "1", "2", "3", "4", "5"]
+    assert pieces("llama3", "HE'S 12345") == ["HE", "'S", "Ġ", "123", "45"]
+    assert pieces("gpt2", "HE'S 12345") == ["HE", "'", "S", "Ġ12345"]
 
 
 def test_gguf_index_is_cached_on_disk_and_reads_back_the_same_model(tmp_path, monkeypatch):
