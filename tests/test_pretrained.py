@@ -490,8 +490,8 @@ def test_hf_dir_tokenizer_config_variants(tmp_path):
     assert text == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     # generation_config listing the end-of-turn token first: the eos (also the padding id) is still the
     # tokenizer's own eos_token, as transformers reads it
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id("<|eot_id|>"),
-                                                                                   tok.token_to_id("<|end_of_text|>")]}))
+    eot_first = [tok.token_to_id("<|eot_id|>"), tok.token_to_id("<|end_of_text|>")]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eot_first}))
     assert TextTokenizer.from_hf_dir(tmp_path).eos_id == tok.token_to_id("<|end_of_text|>") == ref.eos_token_id
     assert ours.encode_chat(msgs) == list(ref.apply_chat_template(msgs, add_generation_prompt=True,
                                                                   return_dict=True)["input_ids"])
