@@ -107,11 +107,14 @@ def test_windowed_layers_keep_a_bounded_cache(tiny, weights):
     prompt = list(range(1, 24))  # longer than 2 W - 1: prefilled W tokens at a time
     lf, _ = prefill(model, [prompt], full)
     lb, _ = prefill(model, [prompt], bounded)
-    for i in range(30):
+
+    def agree(got: torch.Tensor, want: torch.Tensor) -> None:
         if weights == "q4":
-            assert torch.equal(lb, lf)
+            assert torch.equal(got, want)
         else:
-            torch.testing.assert_close(lb, lf, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for i in range(30):
+        agree(lb, lf)
         tok, pos = lf.argmax(-1), torch.tensor([len(prompt) + i])
         lf, lb = decode_one_token(model, full, tok, pos), decode_one_token(model, bounded, tok, pos)
     assert bounded.local_off > len(prompt) and bounded.length - bounded.local_off <= 2 * W - 1  # it dropped keys
@@ -122,19 +125,13 @@ def test_windowed_layers_keep_a_bounded_cache(tiny, weights):
         c.keep(torch.tensor([[L - 1]]), L - 2)
     tok, pos = lf.argmax(-1), torch.tensor([len(prompt) + 30])
     lf, lb = decode_one_token(model, full, tok, pos), decode_one_token(model, bounded, tok, pos)
-    if weights == "q4":
-        assert torch.equal(lb, lf)
-    else:
-        torch.testing.assert_close(lb, lf, rtol=1e-4, atol=1e-4)
+    agree(lb, lf)
     # grown (a sequence that goes on in a larger cache) keeps the windowed layers' offset: the next step agrees
     grown = bounded.grown(80, keep_length=True)
     assert (grown.local_off, grown.length) == (bounded.local_off, bounded.length)
     tok, pos = lf.argmax(-1), torch.tensor([len(prompt) + 31])
     lf, lg = decode_one_token(model, full, tok, pos), decode_one_token(model, grown, tok, pos)
-    if weights == "q4":
-        assert torch.equal(lg, lf)
-    else:
-        torch.testing.assert_close(lg, lf, rtol=1e-4, atol=1e-4)
+    agree(lg, lf)
     with pytest.raises(ValueError, match="truncate"):  # slots it never filled
         bounded.truncate(bounded.length + 1)
     with pytest.raises(ValueError, match="dropped"):

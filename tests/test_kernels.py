@@ -604,6 +604,18 @@ def test_kv_cache_dtype_per_format_and_its_choice():
             assert spec == plain
 
 
+def _topk_at_every_level(x: torch.Tensor, k: int) -> dict:
+    """kernels.topk(x, k, with_lse=True) at each SIMD level the machine has (the best one restored after)."""
+    out = {}
+    try:
+        for level in kernels.simd_levels():
+            kernels.set_simd(level)
+            out[level] = kernels.topk(x, k, with_lse=True)
+    finally:
+        kernels.set_simd(True)
+    return out
+
+
 def test_topk_and_argmax_match_torch_with_ties_nan_and_every_simd_level():
     """kernels.topk: the k largest per row, largest first, equal values in index order (torch.argmax's first
     maximum), NaN above every number; lse = logsumexp per row. The same bits at every SIMD level (only the
@@ -615,13 +627,7 @@ def test_topk_and_argmax_match_torch_with_ties_nan_and_every_simd_level():
     x[3] = float("-inf")
     x[3, 999] = 0.0
     x[4, 3:900:7] = 5.0  # many equal values: index order
-    out = {}
-    try:
-        for level in kernels.simd_levels():
-            kernels.set_simd(level)
-            out[level] = kernels.topk(x, 6, with_lse=True)
-    finally:
-        kernels.set_simd(True)
+    out = _topk_at_every_level(x, 6)
     vals, idx, lse = out[0]
     for level, (v, i, l) in out.items():
         assert torch.equal(i, idx) and torch.equal(v.nan_to_num(), vals.nan_to_num()) and torch.equal(l.nan_to_num(), lse.nan_to_num()), level
@@ -644,13 +650,7 @@ def test_topk_lse_over_a_row_length_not_a_multiple_of_8():
     x = torch.randn(3, 1003, generator=g)
     x[0, 1002] = 20.0
     x[1, 1000] = float("inf")
-    out = {}
-    try:
-        for level in kernels.simd_levels():
-            kernels.set_simd(level)
-            out[level] = kernels.topk(x, 4, with_lse=True)
-    finally:
-        kernels.set_simd(True)
+    out = _topk_at_every_level(x, 4)
     vals, idx, lse = out[0]
     for v, i, lv in out.values():
         assert torch.equal(i, idx) and torch.equal(v, vals) and torch.equal(lv, lse)
