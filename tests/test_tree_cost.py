@@ -170,6 +170,9 @@ def test_medusa_runs_the_heads_its_tree_prices():
     out, _ = speculative_generate(model, prompt, MedusaDrafter(model, heads), DraftTree.chain(1), 10)
     assert calls[0] > 0 and calls[1:] == [0, 0]
     assert out == generate(model, [prompt], GenerationConfig(max_new_tokens=10))[0]
+    for bad in (dict(depth=0), dict(depth=4), dict(head=0, depth=1)):
+        with pytest.raises(ValueError, match="heads asked of 3 Medusa heads"):
+            heads.logits(model, torch.zeros(D), **bad)
 
 
 def test_single_point_curve_is_proportional_to_rows():

@@ -51,8 +51,8 @@ class MedusaHeads(nn.Module):
         """hidden [..., d]: final residual (before the last norm). Returns [..., depth, V] (the first `depth`
         heads, all k by default: a tree of depth D needs heads 0..D-1 only) or [..., V] (head `head`); V is
         the draft vocabulary's size when the heads have one (draft_vocab.py)."""
-        if depth is not None and not 0 < depth <= self.k:
-            raise ValueError(f"{depth} heads asked of {self.k} Medusa heads")
+        if depth is not None and (head is not None or not 0 < depth <= self.k):
+            raise ValueError(f"heads asked of {self.k} Medusa heads: head={head}, depth={depth} (one, within k)")
         x = model.norm(hidden)
         heads = range(self.k if depth is None else depth) if head is None else [head]
         outs = [head_logits(self, model, x + F.silu(apply_linear(self.heads[i], x))) for i in heads]
