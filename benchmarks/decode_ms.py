@@ -24,9 +24,14 @@ sys.path.insert(0, ROOT)
 import midlayer  # noqa: E402
 
 assert os.path.realpath(midlayer.__file__).startswith(ROOT + os.sep), midlayer.__file__
-from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
-from midlayer.engine.pretrained import load_pretrained  # noqa: E402
-from midlayer.engine.quantization import compress_weights  # noqa: E402
+try:
+    from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
+    from midlayer.engine.pretrained import load_pretrained  # noqa: E402
+    from midlayer.engine.quantization import compress_weights  # noqa: E402
+except ModuleNotFoundError:  # a commit before the package split (5f373cf): the flat layout
+    from midlayer.generate import GenerationConfig, generate  # noqa: E402
+    from midlayer.pretrained import load_pretrained  # noqa: E402
+    from midlayer.quantization import compress_weights  # noqa: E402
 
 fmt = _args.format
 m, tok = load_pretrained("smollm2-135m")
