@@ -18,7 +18,7 @@ from midlayer.engine.generate import GenerationConfig, generate
 from midlayer.engine.quantization import compress_weights
 from midlayer.ops import kernels
 from midlayer.speculative.lookup import PromptLookupDrafter
-from tiny_models import make_tiny
+from tiny_models import make_tiny, RowWiseBLAS
 
 V = 97
 DIMS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=96, multiple_of=32)
@@ -701,19 +701,23 @@ def _transfer(model, layers, seed: int = 0, vocab: torch.Tensor | None = None):
 
 @needs_kernels
 @pytest.mark.parametrize("vocab", [False, True])
-def test_hidden_transfer_drafts_in_the_batch_the_chains_it_drafts_alone(vocab):
+def test_hidden_transfer_drafts_in_the_batch_the_chains_it_drafts_alone(vocab, monkeypatch):
     """Hidden transfer in the batch (`HiddenTransferRows`, the fused pass of arXiv 2404.12022 sec. 3.4): each
     step's forward carries the pseudo rows of every column of every row, and the rows of each row's anchor (its
     last accepted token) are its next chain. Every chain equals, bit for bit, the top-1 chain the one-sequence
     drafter's separate pass (`pseudo_logits_cached`) drafts from a fresh prefill of the same tokens (full
     vocabulary and a draft vocabulary); every output equals single-request greedy decoding, with rows joining,
-    leaving and moving, drafts of different lengths (padding columns) and the cache growing."""
+    leaving and moving, drafts of different lengths (padding columns) and the cache growing. The transfer's
+    maps are fp32 products, whose rounding a BLAS may choose by the row count (an AVX-512 Xeon's MKL flipped a
+    near-tie of the draft-vocabulary chain): they run on RowWiseBLAS, so that the fused pass's own
+    arithmetic is what is compared."""
     from midlayer.engine.draft_vocab import draft_vocab
     from midlayer.engine.generate import forward_cached
     from midlayer.model.kv_cache import KVCache, kv_dtype
     from midlayer.speculative.drafting import topk_lists
     from midlayer.speculative.hidden_transfer import HiddenTransferRows, pseudo_logits_cached
 
+    RowWiseBLAS().install(monkeypatch)
     model = _q4()
     drafter = _transfer(model, [1, 2, 2], vocab=torch.arange(0, V, 3) if vocab else None)
     prompts, cfgs = _workload(seed=2, n=8)

@@ -9,10 +9,11 @@ import functools
 
 import pytest
 import torch
-from tiny_models import device_drafters, make_tiny, noisy_transfer, NoisyOracle, OracleDrafter, RandomDrafter
+from tiny_models import (device_drafters, make_tiny, noisy_transfer, NoisyOracle, OracleDrafter, RandomDrafter,
+                         RowWiseBLAS)
 
-from midlayer.engine.decode_step import (ATTN_ROWS, BUCKET_CANDIDATES, DecodeStep, StepKernels, bucket_for,
-                                        invariant_buckets, static_generate)
+from midlayer.engine.decode_step import (any_round_slots, ATTN_ROWS, BUCKET_CANDIDATES, DecodeStep, STEP_CANDIDATES,
+                                        StepKernels, bucket_for, invariant_buckets, static_generate)
 from midlayer.speculative.static import static_speculative_generate
 from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
 from midlayer.speculative.eagle import EagleDrafter, EagleHead
@@ -35,6 +36,15 @@ TREES = [DraftTree.chain(3), DraftTree.greedy_from_accuracies([[0.6, 0.2, 0.1], 
 def models() -> dict:
     base = make_tiny(DIMS, False)
     return {"fp32": compress_weights(copy.deepcopy(base), "fp32"), "q4": compress_weights(copy.deepcopy(base), "q4")}
+
+
+def _room(drafter, tree: DraftTree) -> int:
+    """The slots past the committed text that a round of `drafter` on `tree` needs under any bucket set the probe
+    may choose: its buckets depend on the machine's BLAS (from 8 rows on an AMD EPYC, from 32 on an AVX-512
+    Xeon, where hidden transfer's rounds then take more slots)."""
+    from midlayer.speculative.static import fused_steps, round_nodes
+
+    return any_round_slots(round_nodes(drafter, tree), fused_steps(drafter))
 
 
 def _prompts(seed: int = 1) -> list[list[int]]:
@@ -161,7 +171,7 @@ def test_device_rounds_draft_what_the_host_drafts(models, fmt, kind):
         trees: dict[bool, list] = {}
         for device in (False, True):
             seen, pruned = trees[device] = [], []
-            step = DecodeStep(model, max_len=len(prompt) + 40 + 64)
+            step = DecodeStep(model, max_len=len(prompt) + 40 + _room(drafter, tree))
             propose = drafter.propose
 
             def host(ctx):
@@ -215,7 +225,7 @@ def test_run_ahead_gives_the_same_tokens_and_cache(models, kind):
     for stop in [(), (ref[9],), (ref[0],)]:
         res, calls = [], []
         for ahead in (False, True):
-            st = DecodeStep(model, max_len=len(prompt) + n + 64)
+            st = DecodeStep(model, max_len=len(prompt) + n + (_room(drafter, TREES[1]) if drafter else 64))
             st.run_ahead = ahead
             count = [0]
             if drafter is None:
@@ -312,15 +322,27 @@ def test_device_rounds_through_the_triton_kernels_are_lossless(models, kind, mon
 # ------------------------------------------------------------------------------------ row invariance
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
 def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):
-    """In fp32 and q4 the default CPU buckets are row-invariant here: a row's logits do not depend on how many
-    rows share its forward or where it sits (the probe runs each bucket with the row at its start, middle and
-    end, beside random rows). q4's kernels are row-invariant at any row count, so plain decoding runs one
-    row; the CPU's fp32 GEMV at one row rounds otherwise than 8 rows, so fp32 runs 8."""
-    (buckets, rows, attention, linear), ok = invariant_buckets(models[fmt])
-    assert ok and buckets == BUCKET_CANDIDATES[0 if fmt == "q4" else 1] and rows is None
-    assert attention == linear == "torch"
-    assert buckets[0] == (1 if fmt == "q4" else 8)
-    st = DecodeStep(models[fmt], max_len=32, buckets=buckets)
+    """In fp32 and q4 the CPU's buckets chosen by the probe are row-invariant here: a row's logits do not depend
+    on how many rows share its forward or where it sits (the probe runs each bucket with the row at its start,
+    middle and end, beside random rows), also at another cache size. q4's kernels are row-invariant at any row
+    count, so plain decoding runs one row. In fp32 the choice is the machine BLAS's: the CPU's fp32 GEMV at one
+    row rounds otherwise than 8 rows (on every CPU seen), so fp32 never runs one row; an AMD EPYC's MKL gave the
+    tiny model's rows the same bits from 8 rows up, an AVX-512 Xeon's only in groups of ATTN_ROWS (32) rows.
+    Every cheaper candidate fails the probe."""
+    model = models[fmt]
+    (buckets, rows, attention, linear), ok = invariant_buckets(model)
+    assert ok and attention == linear == "torch"
+    cpu = [c for c in STEP_CANDIDATES if c.attention == c.linear == "torch"]
+    chosen = StepKernels(buckets, rows)
+    assert chosen in cpu
+    if fmt == "q4":
+        assert chosen == cpu[0] and buckets[0] == 1
+    else:
+        assert buckets[0] >= 8
+        for c in cpu[:cpu.index(chosen)]:
+            assert not DecodeStep(model, max_len=model.cfg.max_seq_len, buckets=c.buckets,
+                                  attn_rows=c.attn_rows).row_invariant()
+    st = DecodeStep(model, max_len=32, buckets=buckets, attn_rows=rows)
     assert st.invariant is None and st.row_invariant()
 
 
@@ -424,10 +446,12 @@ def test_the_window_products_run_in_chunks_of_window_rows(monkeypatch):
     """The window's products (one per row and kv head: 128 in a 64-row bucket of the tiny model) in chunks of
     WINDOW_ROWS = 32 rows (64 products) each: under _ByCount the probe passes the buckets 8 .. 64, and hidden
     transfer's 64-row rounds (a 12-node tree with 3 steps of pseudo rows) give plain greedy output. With the
-    chunks as large as the bucket (one batched GEMM, as before), the probe fails the same buckets."""
+    chunks as large as the bucket (one batched GEMM, as before), the probe fails the same buckets. (_ByCount
+    over RowWiseBLAS: the products by count are the only rounding that depends on the bucket.)"""
     from midlayer.engine import decode_step
     from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
 
+    RowWiseBLAS().install(monkeypatch)
     monkeypatch.setattr(torch, "bmm", _ByCount().product)
     model, buckets = make_tiny(DIMS, False), (8, 16, 32, 64)  # (unfused: attention runs `attend`)
     step = DecodeStep(model, max_len=220, buckets=buckets)
@@ -447,7 +471,8 @@ def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch, whe
     and fails its second, which verifies a chain of plain decoding's own tokens in every bucket, also with
     hidden transfer's pseudo rows in the round (more rows than the tree's). Either way the buckets (8, 16)
     pass (no round of 32 rows, none with pseudo rows, fits them) and (8, 16, 32) fail (a 32-row round; a tree
-    of 8 rows with 3 steps of pseudo rows); with no candidate left, `invariant_buckets` says so."""
+    of 8 rows with 3 steps of pseudo rows); with no candidate left, `invariant_buckets` says so. (The q4
+    model: its kernels give a row the same bits at any row count, on every CPU, so the nudge alone decides.)"""
     verify_round = DecodeStep.verify_round
 
     def off(self, tokens, *args, **kw):
@@ -457,7 +482,7 @@ def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch, whe
         return packed, rows, logits + 1e-6 * moved, hidden, draft
 
     monkeypatch.setattr(DecodeStep, "verify_round", off)
-    model = copy.deepcopy(models["fp32"])
+    model = copy.deepcopy(models["q4"])
     assert DecodeStep(model, max_len=300, buckets=(8, 16)).row_invariant()  # (no pseudo-row round fits)
     assert not DecodeStep(model, max_len=300, buckets=(8, 16, 32)).row_invariant()  # (8 tree rows + 24 pseudo)
     assert invariant_buckets(model, 300) == (StepKernels(BUCKET_CANDIDATES[-1]), False)
@@ -467,7 +492,9 @@ def test_the_probe_compares_a_round_with_plain_decoding(models, monkeypatch, whe
 def test_the_probes_rounds_reach_the_attentions_gemm_over_the_cache(monkeypatch):
     """The rounds run after random keys committed as deep as each round leaves room for, so their rows have
     keys below `attend`'s window (the GEMM over the cache, which a small-row probe near position 0 never
-    feeds), in plain decoding and in the rounds with and without pseudo rows."""
+    feeds), in plain decoding and in the rounds with and without pseudo rows. (On RowWiseBLAS: the buckets
+    8 .. 64 are then row-invariant on every CPU.)"""
+    RowWiseBLAS().install(monkeypatch)
     seen = []
     attend = DecodeStep.attend
 
@@ -491,11 +518,54 @@ def test_the_probe_runs_in_the_steps_mode_where_it_can(models, monkeypatch):
     probe = DecodeStep.row_invariant
     monkeypatch.setattr(DecodeStep, "row_invariant", lambda self: (seen.append(self.graphs), probe(self))[1])
     model = copy.deepcopy(models["fp32"])
-    # (two candidates probed: the CPU's fp32 GEMV at one row is not the bits of 8 rows)
-    assert DecodeStep(model, max_len=40, graphs="compile").invariant and seen == ["eager", "eager"]
-    assert DecodeStep(model, max_len=40).invariant and seen == ["eager", "eager"]  # (memoised: no new probe)
+    # (candidates probed until one passes: two or more, as the CPU's fp32 GEMV at one row is not the bits of 8
+    # rows, and an AVX-512 Xeon's MKL fails the next one too)
+    assert DecodeStep(model, max_len=40, graphs="compile").invariant
+    n = len(seen)
+    assert n >= 2 and seen == ["eager"] * n
+    assert DecodeStep(model, max_len=40).invariant and len(seen) == n  # (memoised: no new probe)
     with pytest.raises(ValueError, match="needs the model on CUDA"):  # a captured step's probe is captured
         invariant_buckets(model, 40, "cudagraph")
+
+
+@pytest.mark.parametrize("buckets,attn_rows,max_len", [((4, 8, 16), 4, 40), ((4, 8, 16), None, 12),
+                                                       ((8, 48), None, 60)])
+def test_attend_is_the_formula_below_and_in_the_window(monkeypatch, buckets, attn_rows, max_len):
+    """`attend`'s PyTorch ops (an unfused model) against the naive formula (row_attention.reference, fp64) at
+    every call, and the step's logits against the cache-free forward: W = 16 (the largest bucket), so rows at
+    positions past W have keys below the window (the GEMM over the cache, split at position - (W - 1)); groups
+    of 4 rows; a cache smaller than the window (12 slots: the window's clamp); a bucket of 48 rows, no multiple
+    of WINDOW_ROWS (the chunks' rule); and a round whose accepted branch sits at rows 2 and 5. (A split one key
+    lower, or the queries' heads mapped to kv heads h % Hk, stayed within every other test's tolerance; the
+    48-row bucket crashed without the chunk rule.)"""
+    from midlayer.ops import row_attention
+
+    model = make_tiny(DIMS, False)
+    errs = []
+    attend_ops = DecodeStep._attend_ops
+
+    def spy(self, q, kl, vl):
+        out = attend_ops(self, q, kl, vl)
+        want = row_attention.reference(q, kl, vl, self.cur_keys, self.cur_kmask)
+        real = self.cur_keys[:, :, 0] != self.scratch  # [B, N]: padding rows see the scratch slot alone
+        errs.append(float((out.double() - want.reshape(out.shape)).abs().amax(-1)[real].max()))
+        return out
+
+    monkeypatch.setattr(DecodeStep, "_attend_ops", spy)
+    st = DecodeStep(model, max_len=max_len, buckets=buckets, attn_rows=attn_rows)
+    P = max_len - 8
+    seq = torch.randint(0, V, (P + 3,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, _ = st.prefill(torch.tensor([seq[:P]]))
+    steps = [st.decode(torch.tensor([t]), P + i)[0] for i, t in enumerate(seq[P:P + 2])]
+    ref = model(torch.tensor([seq[:P + 2]])).logits[0]
+    torch.testing.assert_close(a[0], ref[:P], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps), ref[P:], atol=2e-5, rtol=1e-5)
+    st.reset()
+    st.prefill(torch.tensor([seq[:P - 2]]))
+    tree = DraftTree([(0,), (1,), (2,), (1, 0), (1, 1)])
+    tt = st.tree_tensors(tree.parent.tolist(), tree.depth.tolist())
+    st.verify(seq[P - 2], [1, seq[P - 1], 2, 3, seq[P]], tt, P - 2, P - 2)
+    assert errs and max(errs) < 1e-5, max(errs)
 
 
 @pytest.mark.parametrize("attn_rows", [8, ATTN_ROWS])
@@ -695,10 +765,11 @@ def test_a_tree_row_has_plain_decodings_bits(models, dtype):
     prompt = _prompts()[2][:20]
     P = len(prompt)
     ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=3))[0]
-    plain = DecodeStep(model, max_len=48)
+    room = P + any_round_slots(5, 0)  # (the probe's buckets: a 5-node round may take a bucket of 32 rows)
+    plain = DecodeStep(model, max_len=room)
     want = [plain.prefill(torch.tensor([prompt]))[0][0, -1]]
     want += [plain.decode(torch.tensor([ref[i]]), P + i)[0][0] for i in range(2)]
-    spec = DecodeStep(model, max_len=48)
+    spec = DecodeStep(model, max_len=room)
     spec.prefill(torch.tensor([prompt[:-1]]))
     tree = DraftTree([(0,), (1,), (2,), (1, 0), (1, 1)])  # rows: root 0, then (0,) (1,) (2,) (1,0) (1,1)
     junk = [(t + 1) % V for t in ref]
@@ -727,7 +798,7 @@ def test_fused_pass_drafts_what_the_dynamic_engine_drafts(models, masked):
     ht = _transfer([1, 2, 3], masked)
     prompt = _prompts()[2][:30]
     P = len(prompt)
-    st = DecodeStep(model, max_len=80)
+    st = DecodeStep(model, max_len=P + any_round_slots(0, 3))
     st.attach(type("D", (), {"transfer": ht})())
     st.prefill(torch.tensor([prompt[:-1]]))
     tt = st.tree_tensors([], [], k=3, masked=masked)
@@ -794,7 +865,7 @@ def test_fused_hidden_transfer_in_one_bucket_near_the_context_and_after_on_a_sha
     ref = static_generate(model, [near], cfg)[0]
     out, _ = static_speculative_generate(model, near, drafter, TREES[1], 30)
     assert out == ref and len(ref) == 7
-    step = DecodeStep(model, max_len=120)
+    step = DecodeStep(model, max_len=len(prompt) + 20 + _room(drafter, TREES[1]))
     static_speculative_generate(model, prompt, drafter, TREES[1], 20, step=step)
     assert step.transfer is not None
     seen = []
@@ -810,6 +881,8 @@ def test_round_layout_and_slots():
     from midlayer.engine.decode_step import round_layout, round_slots
 
     assert round_layout(5, 0, (8, 16, 32, 64)) == (8, 8, 8)
+    assert round_layout(7, 0, (8, 16)) == (8, 8, 8)  # a tree that fills a bucket exactly (root + 7 nodes) takes it
+    assert round_layout(15, 0, (8, 16, 32)) == (16, 16, 16)
     assert round_layout(12, 3, (8, 16, 32, 64, 128, 256)) == (16, 64, 16)
     assert round_layout(12, 3, (64,)) == (16, 64, 64)  # one bucket: the head reads all 64 rows
     assert round_slots(12, 3, (64,)) == 16 * 3 + 13

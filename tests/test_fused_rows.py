@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import assert_drafts_lossless, make_tiny
+from tiny_models import assert_drafts_lossless, make_tiny, RowWiseBLAS
 
 pytest.importorskip("triton")
 
@@ -174,10 +174,12 @@ def test_the_step_takes_them_with_the_row_attention_kernel_and_nothing_else_does
 def test_a_row_kernel_off_the_formula_takes_the_attention_kernel_down_with_it(monkeypatch):
     """The row-wise kernels run wherever the row-attention kernel does, so the probe's self-check covers them:
     one that is 1% off (row-invariant, so the probe alone would pass it) is reported, and the step attends in
-    PyTorch ops. (The kernels tried on this CPU by pretending, as on CUDA with Triton.)"""
+    PyTorch ops. (The kernels tried on this CPU by pretending, as on CUDA with Triton; on RowWiseBLAS, where the
+    buckets (8, 16) in PyTorch ops are row-invariant on every CPU.)"""
     from midlayer.engine import decode_step
     from midlayer.engine.decode_step import StepKernels, invariant_buckets
 
+    RowWiseBLAS().install(monkeypatch)
     monkeypatch.setattr(decode_step, "triton_kernels", lambda mdl: True)
     monkeypatch.setattr(decode_step, "STEP_CANDIDATES", (StepKernels((8, 16), attention="triton"),
                                                          StepKernels((8, 16))))

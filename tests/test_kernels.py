@@ -5,6 +5,10 @@ rows share its forward, and speculative output equals plain greedy output token 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +73,54 @@ def test_every_simd_level_gives_the_same_gemm_bits():
                 assert torch.equal(a4, b4) and torch.equal(a8, b8), (N, level)
         assert torch.equal(out[0][3][0], kernels.gemm_q4_1_reference(x[:4], packed, scales, N))
         assert torch.equal(out[0][3][1], kernels.gemm_q8_0_reference(x[:4], codes, d, N))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through ctypes: Linux")
+def test_no_simd_level_reads_a_weight_byte_past_the_last_group():
+    """Codes and scales end at an unreadable (PROT_NONE) page, as the last tensor of a memory-mapped weight file
+    may: no SIMD level reads past the last output group. The 512-bit tiles take groups in pairs, and a lone last
+    group must go to the 256-bit tile (a pair tile over it read a group that is not there: the bits were right,
+    the lanes past the end being never stored, but the read crosses the page). N = 8, 40, 101: 1, 5 and 13
+    groups; M = 1, 8, 9 (the 8-row tile and the one-row tile after it). A read past the end is a SIGSEGV, so
+    the check runs in a child process; every level must also give the scalar bits."""
+    code = textwrap.dedent("""
+        import ctypes, mmap
+        import torch
+        from midlayer.ops import kernels
+        PAGE, keep = mmap.PAGESIZE, []
+        libc = ctypes.CDLL(None)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+        def at_page_end(t):
+            n = t.numel() * t.element_size()
+            size = -(-n // PAGE) * PAGE + PAGE
+            buf = mmap.mmap(-1, size)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            assert libc.mprotect(base + size - PAGE, PAGE, 0) == 0  # the page after the tensor: no access
+            out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=size - PAGE - n).view(t.shape)
+            out.copy_(t)
+            keep.append(buf)
+            return out
+
+        g = torch.Generator().manual_seed(0)
+        for N in (8, 40, 101):
+            w, x = torch.randn(N, 64, generator=g), torch.randn(9, 64, generator=g)
+            p, s = (at_page_end(t) for t in kernels.quantize_q4_1(w))
+            c, d = (at_page_end(t) for t in kernels.quantize_q8_0(w))
+            out = {}
+            for level in kernels.simd_levels():
+                kernels.set_simd(level)
+                out[level] = [(kernels.gemm_q4_1(x[:M], p, s, N), kernels.gemm_q8_0(x[:M], c, d, N))
+                              for M in (1, 8, 9)]
+            for level in out:
+                for (a4, a8), (b4, b8) in zip(out[0], out[level]):
+                    assert torch.equal(a4, b4) and torch.equal(a8, b8), (N, level)
+        print("ok")
+    """)
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0 and res.stdout.strip() == "ok", (res.returncode, res.stderr[-2000:])
 
 
 def _weights(N: int, K: int, seed: int = 0):

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import assert_drafts_lossless, make_tiny
+from tiny_models import assert_drafts_lossless, make_tiny, RowWiseBLAS
 
 pytest.importorskip("triton")
 
@@ -409,7 +409,10 @@ def test_the_probe_takes_the_linear_kernel_where_the_blas_fails_and_passes_over_
     BLAS rounds by M fails with PyTorch's linears and passes with the row-linear kernel, which the probe then
     chooses before any bucket set without one row, under graphs="compile" too (which probes eagerly: the same
     verdict, taken from the eager probe's memo: no step is built again). A linear kernel that is off the formula
-    (row-invariant, so the probe alone would pass it) is passed over with a warning."""
+    (row-invariant, so the probe alone would pass it) is passed over with a warning. (On RowWiseBLAS with a lone
+    row rounded otherwise, as the CPU's fp32 GEMV does: the buckets (8, 16) in PyTorch ops are then
+    row-invariant on every CPU.)"""
+    RowWiseBLAS(lone_row=True).install(monkeypatch)
     monkeypatch.setattr(decode_step, "triton_kernels", lambda mdl: True)
     monkeypatch.setattr(decode_step, "STEP_CANDIDATES", (
         StepKernels((1, 8, 16), attention="triton"), StepKernels((1, 8, 16), attention="triton", linear="triton"),

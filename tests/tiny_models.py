@@ -147,3 +147,36 @@ def device_drafters(model: Transformer) -> dict:
             "medusa": MedusaDrafter(model, heads),
             "hidden-transfer": HiddenTransferDrafter(model, noisy_transfer(dim, [1, 2, 3], False)),
             "early-exit": EarlyExitDrafter(model, exit_head), "layer-skip": LayerSkipDrafter(model, [1])}
+
+
+class RowWiseBLAS:
+    """A stand-in BLAS that gives every row of a product the bits it has alone, whatever the row count M: F.linear
+    and torch.bmm computed one row at a time (each a fresh contiguous one-row product). Why: the probe's verdicts
+    depend on the machine's BLAS. An AMD EPYC's MKL (AVX2) gave the tiny models' rows the same bits from 8 rows
+    up, and an AVX-512 Xeon's does not: there fp32 GEMMs of 8, 16 and 32 rows round a row three ways, and the
+    probe chooses larger buckets. Tests of the probe's logic and of a step on given buckets install this, so
+    that they hold on every machine; tests of the real BLAS take the probe's own choice. `install` patches
+    torch.nn.functional.linear and torch.bmm (through pytest's monkeypatch: undone after the test).
+    lone_row: a linear of one row rounds an ulp otherwise (up), as every CPU's fp32 GEMV seen here does against
+    its GEMM of 8 rows."""
+
+    def __init__(self, lone_row: bool = False) -> None:
+        self._linear, self._bmm, self.lone_row = torch.nn.functional.linear, torch.bmm, lone_row
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if torch._C._is_torch_function_mode_enabled():  # a mode (RowLinears) sees this stand-in as F.linear
+            return torch.overrides.handle_torch_function(torch.nn.functional.linear, (x, w), x, w, b)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.cat([self._linear(rows[i:i + 1].contiguous(), w, b) for i in range(rows.shape[0])])
+        if self.lone_row and rows.shape[0] == 1 and out.dtype == torch.float32:
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    def bmm(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        r = torch.cat([self._bmm(a[:, i:i + 1].contiguous(), b) for i in range(a.shape[1])], 1)
+        return r if out is None else out.copy_(r)
+
+    def install(self, monkeypatch) -> "RowWiseBLAS":
+        monkeypatch.setattr(torch.nn.functional, "linear", self.linear)
+        monkeypatch.setattr(torch, "bmm", self.bmm)
+        return self
