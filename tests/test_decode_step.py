@@ -327,7 +327,7 @@ def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):
     middle and end, beside random rows), also at another cache size. q4's kernels are row-invariant at any row
     count, so plain decoding runs one row. In fp32 the choice is the machine BLAS's: the CPU's fp32 GEMV at one
     row rounds otherwise than 8 rows (on every CPU seen), so fp32 never runs one row; an AMD EPYC's MKL gave the
-    tiny model's rows the same bits from 8 rows up, an AVX-512 Xeon's only in groups of ATTN_ROWS (32) rows.
+    tiny model's rows the same bits from 8 rows up, an AVX-512 Xeon's from 16 (the candidate from 32 rows).
     Every cheaper candidate fails the probe."""
     model = models[fmt]
     (buckets, rows, attention, linear), ok = invariant_buckets(model)
