@@ -154,8 +154,9 @@ class RowWiseBLAS:
     and torch.bmm computed one row at a time (each a fresh contiguous one-row product). Why: the probe's verdicts
     depend on the machine's BLAS. An AMD EPYC's MKL (AVX2) gave the tiny models' rows the same bits from 8 rows
     up, and an AVX-512 Xeon's does not: there the FFN's down projection rounds a row one way at 2..8 rows and
-    another from 16 up, and the probe chooses larger buckets. Tests of the probe's logic and of a step on given buckets install this, so
-    that they hold on every machine; tests of the real BLAS take the probe's own choice. `install` patches
+    another from 16 up, and the probe chooses larger buckets. Tests of the probe's logic and of a step on given
+    buckets install this, so that they hold on every machine; tests of the real BLAS take the probe's own
+    choice. `install` patches
     torch.nn.functional.linear and torch.bmm (through pytest's monkeypatch: undone after the test).
     lone_row: a linear of one row rounds an ulp otherwise (up), as every CPU's fp32 GEMV seen here does against
     its GEMM of 8 rows."""
