@@ -47,7 +47,8 @@ def test_every_simd_level_gives_the_same_gemm_bits():
     the same bits, for 1..9 rows (tiles of 4, 2, 1) and outputs that are not a multiple of 8 or 16: N = 101
     is 13 groups of 8 (the 512-bit level's last work item has one group: the 256-bit tile), N = 90 is 12
     (its last pair of groups holds 10 outputs: a masked 16-lane store). K = 256 and 1536: the 512-bit
-    tiles' prefetch runs past a pair's end into the next pair's groups."""
+    tiles' prefetch runs past a pair's end into the next pair's groups. Each level runs its own tiles
+    (`qk_gemm_tiles`): a level sent to another's would give the same bits and test nothing."""
     info = kernels.cpu_info()
     levels = kernels.simd_levels()
     assert levels[:2] == [0, 1] or not info.has("avx2")
@@ -63,6 +64,7 @@ def test_every_simd_level_gives_the_same_gemm_bits():
                 kernels.set_simd(level)
                 assert simd_level() == level
                 assert kernels.simd_levels() == levels and simd_level() == level  # asking changes nothing
+                assert kernels.library().qk_gemm_tiles() == level | level << 8  # this level's own tiles run
                 out[level] = [(kernels.gemm_q4_1(x[:M], packed, scales, N), kernels.gemm_q8_0(x[:M], codes, d, N))
                               for M in range(1, 10)]
         finally:

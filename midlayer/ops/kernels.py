@@ -246,6 +246,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qk_block_q4.argtypes = [P, P, I, I, I, I, I, I, I, F, F] + [P] * 14 + [P, P, L, L, L, P, P, I, I, P, I]
     lib.qk_has_avx2.restype = I
     lib.qk_simd_level.restype = I
+    lib.qk_gemm_tiles.restype = I
     lib.qk_set_simd.argtypes = [I]
     lib.qk_set_avx2.argtypes = [I]
     for f in ("qk_quantize_q8", "qk_gemm_q4_1", "qk_gemm_q8_0", "qk_attention", "qk_set_avx2", "qk_set_simd", "qk_linear_q4_1",

@@ -800,7 +800,8 @@ DEFINE_ATTENTION_HEADS(4, 2, 2)
 
 /* ======================================================================================= dispatch */
 /* The instruction set the kernels use: 0 portable scalar, 1 AVX2 (+FMA, F16C), 2 AVX2 with the AVX512-VNNI
- * GEMM tiles. Every level gives the same bits; the best one the CPU has is the default. */
+ * GEMM tiles, 3 those tiles on 512-bit registers (AVX512-BW too). Every level gives the same bits; the best
+ * one the CPU has is the default. */
 static int simd_level = -1;
 
 static int detect_simd(void) {
@@ -832,33 +833,48 @@ void qk_quantize_q8(const float *x, long ldx, int M, int K, int8_t *q, float *d,
     else quantize_q8_scalar(x, ldx, M, K, q, d, s);
 }
 
+/* The GEMM tiles of each SIMD level, in one table: the dispatch and `qk_gemm_tiles` read the same entry
+ * (q4_gemm, q8_gemm). Every level gives the same bits, so a level sent to another level's tiles would pass
+ * the tests that compare the levels' bits while testing nothing; `qk_gemm_tiles` names the tiles a level
+ * runs, for the tests. */
+typedef void (*gemm_q4_fn)(GEMM_Q4_ARGS);
+typedef void (*gemm_q8_fn)(GEMM_Q8_ARGS);
+static const gemm_q4_fn GEMM_Q4[4] = {gemm_q4_1_scalar, gemm_q4_1_avx2, gemm_q4_1_vnni, gemm_q4_1_zmm};
+static const gemm_q8_fn GEMM_Q8[4] = {gemm_q8_0_scalar, gemm_q8_0_avx2, gemm_q8_0_vnni, gemm_q8_0_zmm};
+static gemm_q4_fn q4_gemm(void) { return GEMM_Q4[qk_simd_level()]; }
+static gemm_q8_fn q8_gemm(void) { return GEMM_Q8[qk_simd_level()]; }
+
+/* The tiles the GEMMs run at the SIMD level in use, named by function (not by place in the tables): 0 scalar,
+ * 1 AVX2, 2 VNNI on 256-bit registers, 3 on 512-bit ones; q4 in the low byte, q8 in the next. */
+int qk_gemm_tiles(void) {
+    gemm_q4_fn f4 = q4_gemm();
+    gemm_q8_fn f8 = q8_gemm();
+    int q4 = f4 == gemm_q4_1_zmm ? 3 : f4 == gemm_q4_1_vnni ? 2 : f4 == gemm_q4_1_avx2 ? 1 : 0;
+    int q8 = f8 == gemm_q8_0_zmm ? 3 : f8 == gemm_q8_0_vnni ? 2 : f8 == gemm_q8_0_avx2 ? 1 : 0;
+    return q4 | (q8 << 8);
+}
+
 /* Output groups are split between threads, two groups (16 outputs) per work item; each output's arithmetic
  * is the same whoever computes it. N = the real number of outputs (the layout holds ceil(N / 8) groups). */
 void qk_gemm_q4_1(const int8_t *xq, const float *xd, const float *xs, int M, int K, const uint8_t *wq,
                   const uint16_t *wdm, int N, float *y, long ldy) {
     int groups = (N + 7) / 8, items = (groups + 1) / 2;
-    int level = qk_simd_level();
+    gemm_q4_fn gemm = q4_gemm();
 #pragma omp parallel for schedule(static)
     for (int c = 0; c < items; c++) {
         int o0 = 2 * c, o1 = o0 + 2 < groups ? o0 + 2 : groups;
-        if (level >= 3) gemm_q4_1_zmm(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
-        else if (level == 2) gemm_q4_1_vnni(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
-        else if (level) gemm_q4_1_avx2(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
-        else gemm_q4_1_scalar(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
+        gemm(xq, xd, xs, M, K, wq, wdm, o0, o1, N, y, ldy);
     }
 }
 
 void qk_gemm_q8_0(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq, const uint16_t *wd, int N,
                   float *y, long ldy) {
     int groups = (N + 7) / 8, items = (groups + 1) / 2;
-    int level = qk_simd_level();
+    gemm_q8_fn gemm = q8_gemm();
 #pragma omp parallel for schedule(static)
     for (int c = 0; c < items; c++) {
         int o0 = 2 * c, o1 = o0 + 2 < groups ? o0 + 2 : groups;
-        if (level >= 3) gemm_q8_0_zmm(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
-        else if (level == 2) gemm_q8_0_vnni(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
-        else if (level) gemm_q8_0_avx2(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
-        else gemm_q8_0_scalar(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
+        gemm(xq, xd, M, K, wq, wd, o0, o1, N, y, ldy);
     }
 }
 
