@@ -156,10 +156,9 @@ class RowWiseBLAS:
     up, and an AVX-512 Xeon's does not: there the FFN's down projection rounds a row one way at 2..8 rows and
     another from 16 up, and the probe chooses larger buckets. Tests of the probe's logic and of a step on given
     buckets install this, so that they hold on every machine; tests of the real BLAS take the probe's own
-    choice. `install` patches
-    torch.nn.functional.linear and torch.bmm (through pytest's monkeypatch: undone after the test).
-    lone_row: a linear of one row rounds an ulp otherwise (up), as every CPU's fp32 GEMV seen here does against
-    its GEMM of 8 rows."""
+    choice. `install` patches torch.nn.functional.linear and torch.bmm (through pytest's monkeypatch: undone
+    after the test). lone_row: a linear of one row rounds an ulp otherwise (up), as every CPU's fp32 GEMV seen
+    here does against its GEMM of 8 rows."""
 
     def __init__(self, lone_row: bool = False) -> None:
         self._linear, self._bmm, self.lone_row = torch.nn.functional.linear, torch.bmm, lone_row
