@@ -4,7 +4,7 @@ M = 1..256 and at each place in the batch, SDPA over a fixed key length, and the
 moved to another slot (a tree node's ancestor that is not adjacent). Prints one line per case: the M (and
 places) whose row differs from the reference.
 
-    python benchmarks/row_invariance.py [--device cuda] [--linear-only] [--dtypes fp32] [--blas cublaslt|triton]
+    python benchmarks/row_invariance.py [--device cuda] [--linear-only] [--dtypes fp32] [--blas cublaslt|triton|c]
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--linear-only", action="store_true", help="only the linears' GEMMs (the fp32 question below)")
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt", "triton"],
+    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt", "triton", "c"],
                     help="CUDA: torch.backends.cuda.preferred_blas_library before any GEMM; triton: the linears "
-                         "through the static step's row-linear kernel (midlayer/ops/row_linear.py)")
+                         "through the static step's row-linear kernel (midlayer/ops/row_linear.py); c: through "
+                         "the CPU's C kernel (kernels.linear_rows)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[x] for x in args.dtypes.split(",")]
@@ -98,6 +99,8 @@ def main() -> None:
     linear = F.linear
     if args.blas == "triton":
         from midlayer.ops.row_linear import row_linear as linear
+    elif args.blas == "c":
+        from midlayer.ops.kernels import linear_rows as linear
     elif args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     import os

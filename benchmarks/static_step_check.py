@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny  # noqa: E402
 
-from midlayer.engine.decode_step import (STEP_CANDIDATES, DecodeStep, any_round_slots, static_generate,
+from midlayer.engine.decode_step import (STEP_CANDIDATES, DecodeStep, any_round_slots, c_linear_runs, static_generate,
                                         triton_kernels)
 from midlayer.speculative.static import fused_steps, round_kinds, static_speculative_generate
 from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
@@ -45,7 +45,8 @@ def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: i
     V = model.cfg.vocab_size
     # (at 200 slots: keys below the attention's window exercise its GEMM)
     for cand in STEP_CANDIDATES:
-        if "triton" in (cand.attention, cand.linear) and not triton_kernels(model):
+        if "triton" in (cand.attention, cand.linear) and not triton_kernels(model) or (
+                cand.linear == "c" and not c_linear_runs(model)):
             continue
         try:
             ok = DecodeStep(model, max_len=min(200, model.cfg.max_seq_len), buckets=cand.buckets,
@@ -98,7 +99,7 @@ def first_difference(model, step: DecodeStep, prompt: list[int], drafter, tree, 
     whether the row's final residual differs too (if not: the last norm or the LM head), the first slot and
     layer whose K or V differ before it, and where the tokens part."""
     twin = DecodeStep(model, max_len=step.max_len, buckets=step.buckets, graphs=step.graphs,
-                      attn_rows=step.attn_rows)
+                      attn_rows=step.attn_rows, attention=step.attention, linear=step.linear)
     P = len(prompt)
     # plain greedy decoding, once, keeping what each step gave: `static_generate`'s tokens (the argmax of the
     # same step's logits), with no stop token, as many as it makes

@@ -56,18 +56,19 @@ def _prompts(seed: int = 1) -> list[list[int]]:
 SIXTEEN = [-1, -1, -1, 0, 0, 1, 2, 3, 5, 6]
 
 
-@pytest.mark.parametrize("parents,attn_rows", [([-1, -1, 0, 1, 2], None), (SIXTEEN, None), (SIXTEEN, 8)],
-                         ids=["N8", "N16", "N16-grouped"])
-def test_step_and_round_trace_without_graph_breaks(models, parents, attn_rows):
+@pytest.mark.parametrize("parents,attn_rows,linear", [([-1, -1, 0, 1, 2], None, "torch"), (SIXTEEN, None, "torch"),
+                                                      (SIXTEEN, 8, "torch"), (SIXTEEN, None, "c")],
+                         ids=["N8", "N16", "N16-grouped", "N16-c-linear"])
+def test_step_and_round_trace_without_graph_breaks(models, parents, attn_rows, linear):
     """The proxy for CUDA-graph capture: torch.compile(fullgraph=True) fails on any graph break (a host read,
     a data-dependent branch, a ctypes call). Dynamo's own tracing decides that; the eager backend keeps the
     test fast. The traced round returns what the eager round returns: the same decisions, and logits and K/V
     to float rounding (on the CPU the eager step's RMSNorm and SwiGLU are C calls; traced, they are PyTorch's
-    ops: kernels._eligible)."""
+    ops: kernels._eligible). linear="c": the C linear is a custom op in the trace (kernels.linear_rows)."""
     model = models["fp32"]
     res = []
     for compiled in (False, True):
-        st = DecodeStep(model, max_len=64, buckets=(8, 16), attn_rows=attn_rows)
+        st = DecodeStep(model, max_len=64, buckets=(8, 16), attn_rows=attn_rows, linear=linear)
         st.prefill(torch.arange(10)[None] % V)
         depth = []
         for p in parents:
@@ -326,23 +327,24 @@ def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):
     on how many rows share its forward or where it sits (the probe runs each bucket with the row at its start,
     middle and end, beside random rows), also at another cache size. q4's kernels are row-invariant at any row
     count, so plain decoding runs one row. In fp32 the choice is the machine BLAS's: the CPU's fp32 GEMV at one
-    row rounds otherwise than 8 rows (on every CPU seen), so fp32 never runs one row; an AMD EPYC's MKL gave the
-    tiny model's rows the same bits from 8 rows up, an AVX-512 Xeon's from 16 (the candidate from 32 rows).
-    Every cheaper candidate fails the probe."""
+    row rounds otherwise than 8 rows (on every CPU seen), so fp32 never runs one row through the BLAS; an AMD
+    EPYC's MKL gave the tiny model's rows the same bits from 8 rows up, an AVX-512 Xeon's from 16, where the C
+    fp32 linear (linear="c", from one row) is chosen. Every cheaper candidate fails the probe."""
     model = models[fmt]
-    (buckets, rows, attention, linear), ok = invariant_buckets(model)
-    assert ok and attention == linear == "torch"
-    cpu = [c for c in STEP_CANDIDATES if c.attention == c.linear == "torch"]
-    chosen = StepKernels(buckets, rows)
+    chosen, ok = invariant_buckets(model)
+    assert ok and chosen.attention == "torch"
+    cpu = [c for c in STEP_CANDIDATES if c.attention == "torch" and (c.linear == "torch" or fmt == "fp32" and
+                                                                    c.linear == "c")]
     assert chosen in cpu
     if fmt == "q4":
-        assert chosen == cpu[0] and buckets[0] == 1
+        assert chosen == cpu[0] and chosen.buckets[0] == 1
     else:
-        assert buckets[0] >= 8
+        assert chosen.buckets[0] >= 8 or chosen.linear == "c"
         for c in cpu[:cpu.index(chosen)]:
             assert not DecodeStep(model, max_len=model.cfg.max_seq_len, buckets=c.buckets,
-                                  attn_rows=c.attn_rows).row_invariant()
-    st = DecodeStep(model, max_len=32, buckets=buckets, attn_rows=rows)
+                                  attn_rows=c.attn_rows, linear=c.linear).row_invariant()
+    buckets, rows = chosen.buckets, chosen.attn_rows
+    st = DecodeStep(model, max_len=32, buckets=buckets, attn_rows=rows, linear=chosen.linear)
     assert st.invariant is None and st.row_invariant()
 
 
@@ -351,6 +353,50 @@ def test_the_probe_catches_a_bucket_that_is_not_row_invariant(models):
     with buckets (1, 2, 8) is not row-invariant, and the probe says so. (If a BLAS ever made them agree this
     test would tell us the probe has nothing to catch.)"""
     assert not DecodeStep(models["fp32"], max_len=32, buckets=(1, 2, 8)).row_invariant()
+
+
+class _LinearsByCount:
+    """A stand-in BLAS (over RowWiseBLAS) whose fp32 linears round a row an ulp otherwise from 16 rows up: an
+    AVX-512 Xeon's MKL gave SmolLM2's fp32 rows one set of bits at 2..8 rows and another from 16 (issue 42,
+    57th session). Inside a TorchFunctionMode (the step's RowLinears) it is seen as F.linear."""
+
+    def __init__(self) -> None:
+        self.linear = torch.nn.functional.linear
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if torch._C._is_torch_function_mode_enabled():
+            return torch.overrides.handle_torch_function(torch.nn.functional.linear, (x, w), x, w, b)
+        y = self.linear(x, w, b)
+        if y.dtype == torch.float32 and x.reshape(-1, x.shape[-1]).shape[0] >= 16:
+            y = torch.nextafter(y, torch.full_like(y, float("inf")))
+        return y
+
+
+def test_the_c_linear_mends_a_blas_that_rounds_rows_by_count(monkeypatch):
+    """Under a BLAS whose fp32 linears round a row by the row count (_LinearsByCount) the probe fails PyTorch's
+    linears from one row and from 8, and chooses the CPU's C fp32 linear from one row (linear="c":
+    kernels.linear_rows, row-invariant by construction), before the buckets of 32 rows and up; through that step
+    every drafter's rounds give plain greedy output, token for token. A step asked for the C linear where it
+    cannot run (a q4 model) is refused."""
+    from midlayer.engine.decode_step import c_linear_runs
+
+    RowWiseBLAS().install(monkeypatch)
+    monkeypatch.setattr(torch.nn.functional, "linear", _LinearsByCount())
+    model = make_tiny(DIMS, False)
+    assert c_linear_runs(model)
+    assert not DecodeStep(model, max_len=150, buckets=BUCKET_CANDIDATES[1]).row_invariant()
+    assert invariant_buckets(model, 150) == (StepKernels(BUCKET_CANDIDATES[0], linear="c"), True)
+    prompt = _prompts()[2]
+    plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=24))[0]
+    for kind, drafter in device_drafters(model).items():
+        step = DecodeStep(model, max_len=len(prompt) + 24 + _room(drafter, TREES[1]), buckets=BUCKET_CANDIDATES[0],
+                          linear="c")
+        if kind == "hidden-transfer":
+            step.attach(drafter)
+        out, stats = static_speculative_generate(model, prompt, drafter, TREES[1], 24, step=step)
+        assert out == plain, kind
+    with pytest.raises(ValueError, match="linear='c'"):
+        DecodeStep(compress_weights(copy.deepcopy(model), "q4"), max_len=32, buckets=(8,), linear="c")
 
 
 class _SplitK:

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,8 +84,9 @@ def test_no_simd_level_reads_a_weight_byte_past_the_last_group():
     may: no SIMD level reads past the last output group. The 512-bit tiles take groups in pairs, and a lone last
     group must go to the 256-bit tile (a pair tile over it read a group that is not there: the bits were right,
     the lanes past the end being never stored, but the read crosses the page). N = 8, 40, 101: 1, 5 and 13
-    groups; M = 1, 8, 9 (the 8-row tile and the one-row tile after it). A read past the end is a SIGSEGV, so
-    the check runs in a child process; every level must also give the scalar bits."""
+    groups; M = 1, 8, 9 (the 8-row tile and the one-row tile after it). Likewise the fp32 linear's weight and
+    activations, whose K tail is a masked load. A read past the end is a SIGSEGV, so the check runs in a child
+    process; every level must also give the scalar bits."""
     code = textwrap.dedent("""
         import ctypes, mmap
         import torch
@@ -117,12 +119,104 @@ def test_no_simd_level_reads_a_weight_byte_past_the_last_group():
             for level in out:
                 for (a4, a8), (b4, b8) in zip(out[0], out[level]):
                     assert torch.equal(a4, b4) and torch.equal(a8, b8), (N, level)
+            # the fp32 linear: its weight and its last row end at the page (K = 70: a K tail of 6 lanes)
+            wf, xf = at_page_end(torch.randn(N, 70, generator=g)), at_page_end(torch.randn(9, 70, generator=g))
+            bf, bx = at_page_end(wf.to(torch.bfloat16)), at_page_end(xf.to(torch.bfloat16))
+            lin = {}
+            for level in kernels.simd_levels():
+                kernels.set_simd(level)
+                lin[level] = (kernels.linear_rows(xf, wf), kernels.linear_rows(bx, bf))
+            assert all(torch.equal(lin[0][i], y[i]) for y in lin.values() for i in (0, 1)), N
         print("ok")
     """)
     root = Path(__file__).resolve().parents[1]
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
                          env={**os.environ, "PYTHONPATH": str(root)})
     assert res.returncode == 0 and res.stdout.strip() == "ok", (res.returncode, res.stderr[-2000:])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values as their bit patterns (torch.equal calls -0 and +0 equal and NaN unequal to itself)."""
+    return t.contiguous().view(torch.int32)
+
+
+def _lane_order_by_hand(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The fp32 linear's formula (qkernels.c) one scalar at a time in numpy float32: lane j sums x[k] w[k] for
+    k = j, j + 16, ... in order, then s_j = L_j + L_(j+8) and ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))."""
+    y = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for m in range(x.shape[0]):
+        for n in range(w.shape[0]):
+            lanes = [np.float32(0)] * 16
+            for k in range(x.shape[1]):
+                lanes[k % 16] = np.float32(lanes[k % 16] + np.float32(x[m, k] * w[n, k]))
+            s = [np.float32(lanes[j] + lanes[j + 8]) for j in range(8)]
+            y[m, n] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]))
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_is_its_formula_at_every_simd_level(dtype):
+    """The fp32 and bf16 linear (csrc/qkernels.c) equals its formula computed by hand, and its PyTorch reference,
+    bit for bit, at every SIMD level, each level running its own tiles (`qk_linear_tiles`: scalar, AVX2's
+    2 x 2, AVX-512F's 4 x 4): 1..9 rows (a last row tile of 1..3), N = 1, 7, 33 (a last output tile of 1..3),
+    K with and without a tail of 16 lanes. bf16 operands are widened to fp32 and the fp32 result rounded to
+    bf16 once. The special values pass through as IEEE arithmetic gives them: a NaN, an inf against a zero
+    weight (NaN) and a row of -0.0 (sums of -0.0 and +0.0 products: +0.0)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 37, generator=g).to(dtype), torch.randn(3, 37, generator=g).to(dtype)
+    hand = torch.from_numpy(_lane_order_by_hand(x.float().numpy(), w.float().numpy()))
+    assert torch.equal(_bits(kernels.linear_rows_reference(x, w)), _bits(hand))
+    assert not torch.equal(hand, (x.double() @ w.double().T).float())  # (another order: the test can tell)
+    assert torch.equal(kernels.linear_rows(x, w), hand.to(dtype))
+    levels = kernels.simd_levels()
+    try:
+        for K in (5, 16, 37, 70):
+            x, w = torch.randn(9, K, generator=g), torch.randn(33, K, generator=g)
+            x[2, 1], x[3, 0], x[4] = float("nan"), float("inf"), -0.0
+            w[:, 0] = torch.where(torch.arange(33) % 2 == 0, 0.0, w[:, 0])
+            x, w = x.to(dtype), w.to(dtype)
+            for level in levels:
+                kernels.set_simd(level)
+                assert kernels.library().qk_linear_tiles() == min(level, 2) * 0x101
+                for M in range(1, 10):
+                    for N in (1, 7, 33):
+                        got = kernels.linear_rows(x[:M], w[:N])
+                        want = kernels.linear_rows_reference(x[:M], w[:N])
+                        assert got.dtype == dtype and torch.equal(_bits(got.float()), _bits(want.to(dtype).float()))
+    finally:
+        kernels.set_simd(True)
+    assert torch.isnan(want[2]).all() and torch.isnan(want[3, ::2]).all() and (_bits(want[4]) == 0).all()
+
+
+def test_linear_rows_gives_a_row_its_bits_whatever_shares_the_call():
+    """A row's outputs are the same bits alone, among 1..20 rows at any place, in a 3-D batch, from strided
+    activations and a transposed weight (copied), with a bias added after; and they are the product within
+    fp32's rounding. Under torch.compile(fullgraph=True) the kernel is a custom op: the same bits, no graph
+    break. Shapes that do not fit are refused with a message."""
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(20, 70, generator=g), torch.randn(40, 70, generator=g), torch.randn(40, generator=g)
+    full = kernels.linear_rows(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    assert float((full.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    for i in (0, 7, 19):
+        assert torch.equal(kernels.linear_rows(x[i:i + 1], w, b), full[i:i + 1])
+        for M in (2, 5, 9):
+            rows = torch.randn(M, 70, generator=g)
+            at = int(torch.randint(M, (1,), generator=g))
+            rows[at] = x[i]
+            assert torch.equal(kernels.linear_rows(rows, w, b)[at], full[i])
+    wide = torch.randn(20, 96, generator=g)
+    wide[:, :70] = x
+    assert torch.equal(kernels.linear_rows(wide[:, :70], w, b), full)  # rows at stride 96
+    assert torch.equal(kernels.linear_rows(x.view(4, 5, 70), w.T.contiguous().T, b), full.view(4, 5, 40))
+    traced = torch.compile(kernels.linear_rows, backend="eager", fullgraph=True)
+    assert torch.equal(traced(x, w, b), full) and torch.equal(traced(x[:3], w, b), full[:3])
+    with pytest.raises(ValueError, match="want weight"):
+        kernels.linear_rows(x, w[:, :69])
+    with pytest.raises(ValueError, match="bias"):
+        kernels.linear_rows(x, w, b[:39])
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.linear_rows(x, w.to(torch.bfloat16))
 
 
 def _weights(N: int, K: int, seed: int = 0):

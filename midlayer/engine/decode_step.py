@@ -28,7 +28,8 @@ smallest bucket (8 rows; 1 in q4; 32 under the grouped candidate below) and gets
 does the attention's split (`attend`), as long as both use the same buckets (its window is the largest). In
 the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks its kernel by M
 (split-K for small M), so a row may differ between buckets. What holds is measured, not assumed:
-`buckets="auto"` takes the first of STEP_CANDIDATES (StepKernels: the buckets 1, 8 .. 256; 8 .. 256; 32 .. 256
+`buckets="auto"` takes the first of STEP_CANDIDATES (StepKernels: the buckets 1, 8 .. 256; 8 .. 256; on a CPU
+the same two with the linears in a C kernel that is row-invariant by construction, kernels.linear_rows; 32 .. 256
 with the attention's GEMMs in fixed groups, ATTN_ROWS; then the single bucket 256, where no kernel choice can
 depend on M) that the probe `DecodeStep.row_invariant` passes at the step's own cache size and in its mode
 (`invariant_buckets`), once per model, size, mode and process, and `DecodeStep.invariant` says whether one
@@ -60,6 +61,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from midlayer.ops import acceptance, fused_rows, row_attention, row_linear, tree_layout, triton_build
+from midlayer.ops import kernels as c_kernels
 from .draft_vocab import head_logits
 from .generate import GenerationConfig, sample_next, validate_prompts
 from midlayer.model.kv_cache import CacheView, kv_dtype
@@ -80,7 +82,8 @@ class StepKernels(NamedTuple):
     """What a static step runs its forwards with: the row counts of its forwards, `attend`'s row groups (None:
     one group), its attention ("torch": `attend` in PyTorch ops; "triton": ops/row_attention.py, and with it
     the row-wise kernels of ops/fused_rows.py: RMSNorm, SwiGLU's product, RoPE with the K/V store) and its
-    linears ("torch": F.linear, i.e. the BLAS; "triton": ops/row_linear.py)."""
+    linears ("torch": F.linear, i.e. the BLAS; "triton": ops/row_linear.py; "c": the CPU's C kernel,
+    kernels.linear_rows, for fp32 and bf16 linears)."""
 
     buckets: tuple[int, ...]
     attn_rows: int | None = None
@@ -95,18 +98,23 @@ class StepKernels(NamedTuple):
 # rounds a row by M: an H200's fp32 cuBLAS, where no candidate below but the single bucket passed). Then
 # `attend` in PyTorch ops: several sizes with one GEMM each, plain decoding in one row (where every kernel gives
 # a row at M = 1 its bits at M = 8: the q4 format's; on an AMD EPYC it made the q4 static step's plain decoding
-# 1.1-1.4x faster than in 8 rows), then from 8 rows (a CPU's fp32 GEMV at one row rounds otherwise); several
-# sizes from ATTN_ROWS up with attention in groups (at batch 1 a linear's cost is reading its weights, the same
+# 1.1-1.4x faster than in 8 rows), then from 8 rows (a CPU's fp32 GEMV at one row rounds otherwise); the same two
+# with the linears in the CPU's C kernel (kernels.linear_rows, fp32 and bf16: row-invariant by construction, for a
+# BLAS that rounds a row by M at every size, an AVX-512 Xeon's MKL, where SmolLM2's fp32 static step otherwise ran
+# 256 rows a token: 731 against 68 ms/token; docs/results/static-step.md); several sizes from ATTN_ROWS up with
+# attention in groups (at batch 1 a linear's cost is reading its weights, the same
 # for 32 rows as for 8: reasoned, not measured); one size for every forward (no kernel choice can then depend
 # on M).
 _ALL = (1, 8, 16, 32, 64, 128, 256)
 STEP_CANDIDATES: tuple[StepKernels, ...] = (
     StepKernels(_ALL, attention="triton"), StepKernels(_ALL[1:], attention="triton"),
     StepKernels(_ALL, attention="triton", linear="triton"),
-    StepKernels(_ALL), StepKernels(_ALL[1:]), StepKernels(_ALL[3:], ATTN_ROWS), StepKernels((256,)))
+    StepKernels(_ALL), StepKernels(_ALL[1:]), StepKernels(_ALL, linear="c"), StepKernels(_ALL[1:], linear="c"),
+    StepKernels(_ALL[3:], ATTN_ROWS), StepKernels((256,)))
 BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(c.buckets for c in STEP_CANDIDATES))
 ATTENTIONS = ("torch", "triton")  # `DecodeStep.attention`: `attend` in PyTorch ops, or the row-attention kernel
-LINEARS = ("torch", "triton")  # `DecodeStep.linear`: F.linear as PyTorch runs it, or the row-linear kernel
+# `DecodeStep.linear`: F.linear as PyTorch runs it, the row-linear kernel, or the CPU's C kernel (fp32, bf16)
+LINEARS = ("torch", "triton", "c")
 # The Triton kernels' self-checks (their value against the formula, which the probe, comparing bits, does not
 # see), run before the probe tries them: (the candidates' field they serve, the kernels' name, the check, the
 # most it may be off, relative to the output's scale: fp32 rounding, or a bf16 output's own, 2^-8).
@@ -140,7 +148,7 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     memo = _probed.setdefault(model, {})
     dev = model.tok_embeddings.weight.device
     dtype = model.tok_embeddings.weight.dtype
-    kernels = triton_kernels(model)
+    kernels, c_linear = triton_kernels(model), c_linear_runs(model)
     key = (dtype, str(dev), getattr(model, "weight_format", None), int(max_len), kv_dtype(model), mode)
     if key not in memo:
         usable = {"attention": kernels, "linear": kernels}
@@ -154,7 +162,7 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
         found = None
         for cand in STEP_CANDIDATES:
             tried = [n for n in ("attention", "linear") if getattr(cand, n) == "triton"]
-            if not all(usable[n] for n in tried):
+            if not all(usable[n] for n in tried) or (cand.linear == "c" and not c_linear):
                 continue
             try:
                 ok = DecodeStep(model, max_len=max_len, buckets=cand.buckets, attn_rows=cand.attn_rows, graphs=mode,
@@ -187,6 +195,35 @@ def triton_kernels(model: Transformer) -> bool:
     w = model.tok_embeddings.weight
     return (w.device.type == "cuda" and w.dtype in triton_build.TYPES and _attention_kernels()
             and getattr(model, "weight_format", None) != "q4")
+
+
+def _check_kernels(model: Transformer, attention: str, linear: str) -> tuple[str, str]:
+    """(attention, linear) of a step for `model`, refused with a clear message where a kernel cannot run it."""
+    dev = model.tok_embeddings.weight.device
+    # (the kernels' availability makes them: torch.compile traces their launches, not their making)
+    for name, value, values, ok in (("attention", attention, ATTENTIONS, _attention_kernels),
+                                    ("linear", linear, LINEARS, row_linear.available)):
+        if value not in values:
+            raise ValueError(f"{name} must be one of {', '.join(values)}, got {value!r}")
+        if value == "triton" and not ok(dev):
+            raise ValueError(f"{name}='triton': {triton_build.NEEDS}")
+        if value == "triton" and model.tok_embeddings.weight.dtype not in triton_build.TYPES:
+            raise ValueError(f"{name}='triton' runs fp32 or bf16 models, not {model.tok_embeddings.weight.dtype}")
+    if linear == "c" and not c_linear_runs(model):
+        why = "" if c_kernels.available() else f" (the kernels: {c_kernels.unavailable_reason()})"
+        raise ValueError("linear='c' (the C linear) runs an fp32 or bf16 model on the CPU, its linears F.linear's "
+                         f"(not int4's or q4's), with the kernels built{why}")
+    return attention, linear
+
+
+def c_linear_runs(model: Transformer) -> bool:
+    """Whether the step's linears can run the CPU's C kernel (linear="c", kernels.linear_rows) for `model`: an
+    fp32 or bf16 model on the CPU whose linears are F.linear's (as loaded, or in the fp32 or bf16 weight
+    format; not int4's or q4's own kernels), the library built. (Under torch.compile the kernel is a custom
+    op: the compiled step runs it too.)"""
+    w = model.tok_embeddings.weight
+    return (w.device.type == "cpu" and w.dtype in c_kernels.LINEAR_DTYPES
+            and getattr(model, "weight_format", None) in (None, "fp32", "bf16") and c_kernels.available())
 
 
 def _attention_kernels(device: torch.device | None = None) -> bool:
@@ -385,18 +422,7 @@ class DecodeStep:
                 model, model.cfg.max_seq_len if max_len is None else max_len, graphs)
         elif isinstance(buckets, str):
             raise ValueError(f"buckets: 'auto' or a sequence of row counts, got {buckets!r}")
-        attention, linear = attention or "torch", linear or "torch"
-        # (the kernels' availability makes them: torch.compile traces their launches, not their making)
-        for name, value, values, ok in (("attention", attention, ATTENTIONS, _attention_kernels),
-                                        ("linear", linear, LINEARS, row_linear.available)):
-            if value not in values:
-                raise ValueError(f"{name} must be one of {', '.join(values)}, got {value!r}")
-            if value == "triton" and not ok(dev):
-                raise ValueError(f"{name}='triton': {triton_build.NEEDS}")
-            if value == "triton" and model.tok_embeddings.weight.dtype not in triton_build.TYPES:
-                raise ValueError(f"{name}='triton' runs fp32 or bf16 models, not "
-                                 f"{model.tok_embeddings.weight.dtype}")
-        self.attention, self.linear = attention, linear
+        self.attention, self.linear = _check_kernels(model, attention or "torch", linear or "torch")
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"buckets must be positive row counts, got {buckets}")
@@ -520,12 +546,16 @@ class DecodeStep:
         product, RoPE with the store); with linear="triton", every F.linear goes to the row-linear kernel
         (ops/row_linear.py: a TorchFunctionMode), and with both, each norm (with the residual add before it)
         and SwiGLU's product are the next projection's prologue (fused_rows.fuses_linear: Block.forward,
-        FeedForward.down). The model's own code runs unchanged but for asking where those apply."""
+        FeedForward.down); with linear="c", every fp32 or bf16 F.linear goes to the CPU's C kernel
+        (kernels.linear_rows, through the same mode). The model's own code runs unchanged but for asking where
+        those apply."""
         stack = contextlib.ExitStack()  # (empty: the PyTorch ops, nothing entered)
         if self.attention == "triton":
             stack.enter_context(fused_rows.active(linear=self.linear == "triton"))
         if self.linear == "triton":
             stack.enter_context(row_linear.RowLinears())
+        elif self.linear == "c":
+            stack.enter_context(row_linear.RowLinears(c_kernels.linear_rows, c_kernels.takes_linear))
         return stack
 
     def slot_mask(self) -> torch.Tensor:

@@ -18,6 +18,9 @@ docs/results/decode-cpu.md). The kernels in `csrc/qkernels.c` give both properti
   * a whole block (`block_q4`): RMSNorm, the fused q|k|v projection, RoPE + cache store, attention, the
     output projection, the SwiGLU FFN and both residual adds in ONE call -- the same functions in the same
     order as the module-by-module path, so the same bits, without ~15 Python calls per block.
+  * an fp32 and bf16 linear (`linear_rows`): each output summed in fp32 in 16 lanes in a fixed order that
+    depends on K alone, for fp32 and bf16 models in the static decode step on a CPU whose BLAS rounds a row
+    by M (an AVX-512 Xeon's MKL); `linear_rows_reference` is the same formula in PyTorch, bit for bit.
 
 The kernels are plain C compiled by the machine's C compiler on first use (or by `midlayer kernels`,
 which `scripts/setup.sh` runs, or `python -m midlayer.ops.kernels`) into a cache directory, and loaded with ctypes; AVX2
@@ -247,11 +250,14 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qk_has_avx2.restype = I
     lib.qk_simd_level.restype = I
     lib.qk_gemm_tiles.restype = I
+    lib.qk_linear_tiles.restype = I
+    lib.qk_linear_f32.argtypes = lib.qk_linear_bf16.argtypes = [P, L, I, I, P, L, I, P, L]
     lib.qk_set_simd.argtypes = [I]
     lib.qk_set_avx2.argtypes = [I]
     for f in ("qk_quantize_q8", "qk_gemm_q4_1", "qk_gemm_q8_0", "qk_attention", "qk_set_avx2", "qk_set_simd", "qk_linear_q4_1",
               "qk_linear_q8_0", "qk_rmsnorm", "qk_rope_store", "qk_silu_mul", "qk_block_q4", "qk_topk",
-              "qk_blocks_q4"):
+              "qk_blocks_q4", "qk_linear_f32",
+              "qk_linear_bf16"):
         getattr(lib, f).restype = None
     return lib
 
@@ -558,6 +564,83 @@ def gemm_q4_1(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: in
 def gemm_q8_0(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """x [M, K] fp32 (CPU) -> [M, n]; bit-identical to `gemm_q8_0_reference` (one C call)."""
     return _linear("qk_linear_q8_0", gemm_q8_0_reference, x, codes, scales, n)
+
+
+# ====================================================================================== fp32 and bf16 linears
+LANES = 16  # the row linear's lanes (qkernels.c, "fp32 and bf16 linears, row-invariant")
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T in fp32 in the C kernel's lane order, in PyTorch, bit for bit: lane j sums the
+    products of k = j, j + 16, ... in increasing k (x and w widened to fp32 and padded with +0 to a multiple of
+    16; each product and sum rounded, no fused multiply-add), then s_j = L_j + L_(j+8) and hsum8's tree
+    ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7)). Returns fp32. Slow (K / 16 elementwise steps over [M, N, 16]): the
+    tests' reference, and the path where the library is missing."""
+    M, K = x.shape
+    pad = -K % LANES
+    xp, wp = (torch.nn.functional.pad(t.float(), (0, pad)) for t in (x, weight))
+    lanes = torch.zeros(M, weight.shape[0], LANES, dtype=torch.float32, device=x.device)
+    for k in range(0, K + pad, LANES):
+        lanes = lanes + xp[:, None, k:k + LANES] * wp[None, :, k:k + LANES]
+    s = lanes[..., :8] + lanes[..., 8:]
+    t = s[..., :4] + s[..., 4:]  # (s0+s4, s1+s5, s2+s6, s3+s7)
+    u = t[..., :2] + t[..., 2:]  # ((s0+s4)+(s2+s6), (s1+s5)+(s3+s7))
+    return u[..., 0] + u[..., 1]
+
+
+def takes_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear_rows` runs the C kernel for these operands: x and weight of one dtype, fp32 or bf16, on the
+    CPU, no autograd, the library built."""
+    return (x.device.type == "cpu" and x.dtype in LINEAR_DTYPES and weight.dtype == x.dtype
+            and weight.device.type == "cpu" and not x.requires_grad
+            and not (weight.requires_grad and torch.is_grad_enabled()) and available())
+
+
+def _linear_rows_2d(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T in fp32, in the lane order: the C kernel where `takes_linear`, else the
+    reference (the same bits)."""
+    if not takes_linear(x, weight):
+        return linear_rows_reference(x, weight)
+    K, N = x.shape[1], weight.shape[0]
+    if x.stride(1) != 1 or x.stride(0) < K:
+        x = x.contiguous()
+    w = weight if weight.stride(1) == 1 and weight.stride(0) >= K else weight.contiguous()
+    y = torch.empty(x.shape[0], N)
+    if y.numel():
+        fn = library().qk_linear_f32 if x.dtype == torch.float32 else library().qk_linear_bf16
+        fn(_ptr(x), x.stride(0), x.shape[0], K, _ptr(w), w.stride(0), N, _ptr(y), N)
+    return y
+
+
+# `_linear_rows_2d` as a PyTorch custom op: what a torch.compile trace calls (a ctypes call there would break the
+# graph), so a compiled step runs the very kernel of the eager one. Registered at import (once a process): dynamo
+# cannot trace a registration made inside a trace.
+if not hasattr(torch.ops.midlayer, "linear_rows"):
+    torch.library.custom_op("midlayer::linear_rows", _linear_rows_2d, mutates_args=(),
+                            schema="(Tensor x, Tensor weight) -> Tensor").register_fake(
+        lambda x, weight: x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32))
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] and weight [N, K] of one dtype, fp32 or bf16, each row's bits
+    independent of the rows that share the call (qkernels.c: a fixed lane order that depends on K alone, the
+    same on every SIMD level; bf16 operands widened to fp32, exactly): one C call where `takes_linear` (in a
+    torch.compile trace through the custom op midlayer::linear_rows), else `linear_rows_reference` (the same
+    bits, slowly). The fp32 result plus the bias is rounded to x's dtype once.
+    What the static decode step's linears run with linear="c" on a CPU whose BLAS rounds a row by M
+    (engine/decode_step.py)."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != K or (bias is not None and bias.shape != (N,)):
+        raise ValueError(f"linear_rows: x [..., {K}], weight {tuple(weight.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}: want weight [N, {K}] and bias [N]")
+    if x.dtype not in LINEAR_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"linear_rows: x {x.dtype} and weight {weight.dtype}: want one dtype, fp32 or bf16")
+    x2 = x.reshape(-1, K)
+    y = torch.ops.midlayer.linear_rows(x2, weight) if torch.compiler.is_compiling() else _linear_rows_2d(x2, weight)
+    y = y.view(*x.shape[:-1], N)
+    return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 def _eligible(x: torch.Tensor) -> bool:

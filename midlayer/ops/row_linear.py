@@ -38,6 +38,7 @@ session and 318 with cuBLAS's linears (benchmarks/step_kernels.py --rounds both)
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -348,18 +349,28 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     return y.view(*x.shape[:-1], N), h
 
 
+def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `row_linear` takes these operands: one dtype it stores, on a device where the kernel runs."""
+    return x.dtype == w.dtype and x.dtype in triton_build.TYPES and available(x.device)
+
+
 class RowLinears(TorchFunctionMode):
-    """Inside it, every F.linear (an nn.Linear's forward included) of a floating x on a device where the kernel
-    runs goes through `row_linear`. What `DecodeStep(linear="triton")` runs its forwards under: the model's
-    code is unchanged, and a captured graph records the kernel's launches."""
+    """Inside it, every F.linear (an nn.Linear's forward included) whose operands `takes` goes through `linear`
+    (by default `row_linear`, where its kernel runs; the static step's linear="c" passes the CPU's C kernel,
+    kernels.linear_rows and kernels.takes_linear). What `DecodeStep(linear=...)` runs its forwards under: the
+    model's code is unchanged, and a captured graph records the kernel's launches."""
+
+    def __init__(self, linear: Callable | None = None, takes: Callable = _takes) -> None:
+        super().__init__()
+        self.linear, self.takes = linear, takes  # (linear None: this module's row_linear, looked up at the call)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
             x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
-            if x.dtype == w.dtype and x.dtype in triton_build.TYPES and available(x.device):
-                return row_linear(x, w, b)
+            if self.takes(x, w):
+                return (self.linear or row_linear)(x, w, b)
         return func(*args, **kwargs)
 
 

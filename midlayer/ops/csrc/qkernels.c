@@ -878,6 +878,190 @@ void qk_gemm_q8_0(const int8_t *xq, const float *xd, int M, int K, const int8_t 
     }
 }
 
+/* ===================================================================== fp32 and bf16 linears, row-invariant
+ * y[m, n] = sum_k x[m, k] w[n, k] for fp32 x [M, K] and W [N, K], or bf16 ones widened to fp32 (qk_linear_bf16;
+ * y is fp32 either way, the caller rounds it) (the static decode step's linears in fp32 or bf16 on
+ * a CPU whose BLAS rounds a row by M: an AVX-512 Xeon's MKL gave a row other bits at M = 1, 2..8 and 16+, and
+ * the step's probe then passed only one bucket of 256 rows; docs/results/static-step.md). The order of the sum
+ * depends on K alone ("lane order"):
+ *   L_j = sum over i = 0, 1, ... of x[m, 16 i + j] * w[n, 16 i + j], j = 0..15, in increasing i, x and w taken
+ *         as +0 past K; every product and every sum a separately rounded fp32 operation (no fused
+ *         multiply-add: the PyTorch reference, kernels.linear_rows_reference, then rounds the same);
+ *   s_j = L_j + L_{j+8} (j < 8);  y = hsum8(s), hsum8_scalar's tree.
+ * A row's result then depends on its own x and W: not on M, the row's place in the call or the thread that
+ * computes it. Nor on the SIMD level: the 16 lanes are independent, so 16 scalar lanes, two 8-lane registers
+ * (AVX2) and one 16-lane register (AVX-512F) compute the same sums. A tile is R rows x C outputs (each loaded
+ * once for the tile): the tiles differ by level in size, not in arithmetic. */
+typedef struct { float v[16]; } f32x16_scalar;
+INLINE f32x16_scalar f32_zero_scalar(void) { f32x16_scalar r; for (int j = 0; j < 16; j++) r.v[j] = 0.0f; return r; }
+INLINE f32x16_scalar f32_load_scalar(const float *p, int n) { /* n < 16: the lanes past n are +0 */
+    f32x16_scalar r;
+    for (int j = 0; j < 16; j++) r.v[j] = j < n ? p[j] : 0.0f;
+    return r;
+}
+INLINE float bf16_to_f32(uint16_t h) { /* exact: a bf16 is an fp32's top half */
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+INLINE f32x16_scalar bf16_load_scalar(const uint16_t *p, int n) {
+    f32x16_scalar r;
+    for (int j = 0; j < 16; j++) r.v[j] = j < n ? bf16_to_f32(p[j]) : 0.0f;
+    return r;
+}
+INLINE f32x16_scalar f32_muladd_scalar(f32x16_scalar a, f32x16_scalar x, f32x16_scalar w) {
+    for (int j = 0; j < 16; j++) a.v[j] = a.v[j] + x.v[j] * w.v[j];
+    return a;
+}
+INLINE float f32_tree_scalar(f32x16_scalar a) {
+    float s[8];
+    for (int j = 0; j < 8; j++) s[j] = a.v[j] + a.v[j + 8];
+    return hsum8_scalar(s);
+}
+
+typedef struct { __m256 lo, hi; } f32x16_avx2; /* lanes 0-7, 8-15 */
+AVX2 INLINE f32x16_avx2 f32_zero_avx2(void) { f32x16_avx2 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+AVX2 INLINE f32x16_avx2 f32_load_avx2(const float *p, int n) {
+    f32x16_avx2 r;
+    if (n >= 16) {
+        r.lo = _mm256_loadu_ps(p);
+        r.hi = _mm256_loadu_ps(p + 8);
+        return r;
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    r.lo = _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+    r.hi = _mm256_maskload_ps(p + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane));
+    return r;
+}
+AVX2 INLINE __m256 bf16x8_avx2(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+AVX2 INLINE f32x16_avx2 bf16_load_avx2(const uint16_t *p, int n) {
+    uint16_t tail[16] = {0}; /* a K tail: the lanes past n are +0, and nothing past the row is read */
+    if (n < 16) {
+        memcpy(tail, p, 2 * (size_t)n);
+        p = tail;
+    }
+    f32x16_avx2 r = {bf16x8_avx2(p), bf16x8_avx2(p + 8)};
+    return r;
+}
+AVX2 INLINE f32x16_avx2 f32_muladd_avx2(f32x16_avx2 a, f32x16_avx2 x, f32x16_avx2 w) {
+    a.lo = _mm256_add_ps(a.lo, _mm256_mul_ps(x.lo, w.lo));
+    a.hi = _mm256_add_ps(a.hi, _mm256_mul_ps(x.hi, w.hi));
+    return a;
+}
+AVX2 INLINE float f32_tree_avx2(f32x16_avx2 a) { return hsum8_avx2(_mm256_add_ps(a.lo, a.hi)); }
+
+#define AVX512F_ __attribute__((target("avx2,fma,f16c,avx512f")))
+typedef __m512 f32x16_zmm;
+AVX512F_ INLINE f32x16_zmm f32_zero_zmm(void) { return _mm512_setzero_ps(); }
+AVX512F_ INLINE f32x16_zmm f32_load_zmm(const float *p, int n) {
+    return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
+}
+AVX512F_ INLINE f32x16_zmm bf16_load_zmm(const uint16_t *p, int n) {
+    uint16_t tail[16] = {0};
+    if (n < 16) {
+        memcpy(tail, p, 2 * (size_t)n);
+        p = tail;
+    }
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+AVX512F_ INLINE f32x16_zmm f32_muladd_zmm(f32x16_zmm a, f32x16_zmm x, f32x16_zmm w) {
+    return _mm512_add_ps(a, _mm512_mul_ps(x, w));
+}
+AVX512F_ INLINE float f32_tree_zmm(f32x16_zmm a) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return hsum8_avx2(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
+}
+
+/* One tile, R rows (stride ldx) x C outputs (weight rows, stride ldw), into y (row stride ldy), of operands of
+ * type T: f32, or bf16 (widened to fp32 as they are loaded: exact; the products of two bf16 are exact in fp32,
+ * so the bf16 linear is the f32 formula of the widened operands). */
+typedef float f32_elem;
+typedef uint16_t bf16_elem;
+#define LIN_TILE_ARGS(T) const T##_elem *x, long ldx, const T##_elem *w, long ldw, int K, float *y, long ldy
+#define DEFINE_LIN_TILE(ATTR, T, ISA, R, C)                                                                  \
+    ATTR NOINLINE void T##_tile_##ISA##_##R##_##C(LIN_TILE_ARGS(T)) {                                        \
+        f32x16_##ISA acc[R][C], wv[C];                                                                       \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int c = 0; c < C; c++) acc[r][c] = f32_zero_##ISA();                                        \
+        for (int k = 0; k < K; k += 16) {                                                                    \
+            int n = K - k < 16 ? K - k : 16;                                                                 \
+            for (int c = 0; c < C; c++) wv[c] = T##_load_##ISA(w + c * ldw + k, n);                          \
+            for (int r = 0; r < R; r++) {                                                                    \
+                f32x16_##ISA xv = T##_load_##ISA(x + r * ldx + k, n);                                        \
+                for (int c = 0; c < C; c++) acc[r][c] = f32_muladd_##ISA(acc[r][c], xv, wv[c]);              \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int c = 0; c < C; c++) y[r * ldy + c] = f32_tree_##ISA(acc[r][c]);                          \
+    }
+#define DEFINE_LIN_TILE_ROW(ATTR, T, ISA, R)                                                                 \
+    DEFINE_LIN_TILE(ATTR, T, ISA, R, 1) DEFINE_LIN_TILE(ATTR, T, ISA, R, 2) DEFINE_LIN_TILE(ATTR, T, ISA, R, 3) \
+    DEFINE_LIN_TILE(ATTR, T, ISA, R, 4)
+#define DEFINE_LIN_TILES(ATTR, T, ISA)                                                                       \
+    DEFINE_LIN_TILE_ROW(ATTR, T, ISA, 1) DEFINE_LIN_TILE_ROW(ATTR, T, ISA, 2)                                \
+    DEFINE_LIN_TILE_ROW(ATTR, T, ISA, 3) DEFINE_LIN_TILE_ROW(ATTR, T, ISA, 4)
+#define LIN_TILE_ROW(T, ISA, R) {T##_tile_##ISA##_##R##_1, T##_tile_##ISA##_##R##_2, T##_tile_##ISA##_##R##_3,  \
+                                 T##_tile_##ISA##_##R##_4}
+#define LIN_TILE_TABLE(T, ISA) {LIN_TILE_ROW(T, ISA, 1), LIN_TILE_ROW(T, ISA, 2), LIN_TILE_ROW(T, ISA, 3),      \
+                                LIN_TILE_ROW(T, ISA, 4)}
+DEFINE_LIN_TILES(, f32, scalar)
+DEFINE_LIN_TILES(AVX2, f32, avx2)
+DEFINE_LIN_TILES(AVX512F_, f32, zmm)
+DEFINE_LIN_TILES(, bf16, scalar)
+DEFINE_LIN_TILES(AVX2, bf16, avx2)
+DEFINE_LIN_TILES(AVX512F_, bf16, zmm)
+
+typedef void (*f32_tile_fn)(LIN_TILE_ARGS(f32));
+typedef void (*bf16_tile_fn)(LIN_TILE_ARGS(bf16));
+/* the largest tile (rows, outputs), then the tiles [R - 1][C - 1] */
+typedef struct { int rows, cols; f32_tile_fn tile[4][4]; } f32_tiles;
+typedef struct { int rows, cols; bf16_tile_fn tile[4][4]; } bf16_tiles;
+/* Per SIMD level (levels 2 and 3 have AVX-512F): AVX2 has 16 ymm registers, so 2 x 2 tiles (8 pairs of
+ * accumulators); AVX-512 32 zmm, so 4 x 4 (16 accumulators, 4 weight vectors, a row's x). */
+static const f32_tiles F32_LINEAR[4] = {{4, 4, LIN_TILE_TABLE(f32, scalar)}, {2, 2, LIN_TILE_TABLE(f32, avx2)},
+                                        {4, 4, LIN_TILE_TABLE(f32, zmm)}, {4, 4, LIN_TILE_TABLE(f32, zmm)}};
+static const bf16_tiles BF16_LINEAR[4] = {{4, 4, LIN_TILE_TABLE(bf16, scalar)}, {2, 2, LIN_TILE_TABLE(bf16, avx2)},
+                                          {4, 4, LIN_TILE_TABLE(bf16, zmm)}, {4, 4, LIN_TILE_TABLE(bf16, zmm)}};
+
+/* The tiles the SIMD level in use runs, named by their tables' first tile: 0 scalar, 1 AVX2, 2 AVX-512F; f32 in
+ * the low byte, bf16 in the next. */
+int qk_linear_tiles(void) {
+    f32_tile_fn f = F32_LINEAR[qk_simd_level()].tile[0][0];
+    bf16_tile_fn b = BF16_LINEAR[qk_simd_level()].tile[0][0];
+    int f32 = f == f32_tile_zmm_1_1 ? 2 : f == f32_tile_avx2_1_1 ? 1 : 0;
+    int bf16 = b == bf16_tile_zmm_1_1 ? 2 : b == bf16_tile_avx2_1_1 ? 1 : 0;
+    return f32 | bf16 << 8;
+}
+
+/* Work items of 16 outputs split between threads; in an item, outputs in tiles of t->cols, rows in tiles of
+ * t->rows (the last of each as many as are left). y is fp32 for either operand type. */
+#define LINEAR_ROWS(t)                                                                                       \
+    int items = (N + 15) / 16;                                                                               \
+    _Pragma("omp parallel for schedule(static)")                                                             \
+    for (int it = 0; it < items; it++) {                                                                     \
+        int n1 = 16 * it + 16 < N ? 16 * it + 16 : N;                                                        \
+        for (int n = 16 * it; n < n1; n += t->cols) {                                                        \
+            int C = n1 - n < t->cols ? n1 - n : t->cols;                                                     \
+            for (int m = 0; m < M; m += t->rows) {                                                           \
+                int R = M - m < t->rows ? M - m : t->rows;                                                   \
+                t->tile[R - 1][C - 1](x + (long)m * ldx, ldx, w + (long)n * ldw, ldw, K, y + (long)m * ldy + n, \
+                                      ldy);                                                                  \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+void qk_linear_f32(const float *x, long ldx, int M, int K, const float *w, long ldw, int N, float *y, long ldy) {
+    const f32_tiles *t = &F32_LINEAR[qk_simd_level()];
+    LINEAR_ROWS(t)
+}
+void qk_linear_bf16(const uint16_t *x, long ldx, int M, int K, const uint16_t *w, long ldw, int N, float *y,
+                    long ldy) {
+    const bf16_tiles *t = &BF16_LINEAR[qk_simd_level()];
+    LINEAR_ROWS(t)
+}
+
 /* Attention of T query rows over S keys, batch B, H query heads sharing Hk key/value heads (GQA).
  * q: row (b, t) head h at q + b*qb + t*qt + h*D.  k, v: (b, hk, s) at k + b*kb + hk*kh + s*ks.
  * mask: additive [B, T, S] fp32 (row stride S, batch stride T*S), or NULL (every key visible).
