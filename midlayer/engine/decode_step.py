@@ -136,9 +136,9 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     at a cache of `max_len` slots (a kernel may choose by the key count too: split-K on a GPU); once per model,
     size, mode and process (`DecodeStep.row_invariant` is the probe). When none passes: the last candidate, and
     False (speculative output may then differ from plain output at near-ties).
-    The Triton kernels' candidates are tried on CUDA with Triton only (`triton_kernels`); a kernel that fails
-    to build or its self-check (its value against the formula, which the probe does not see) is passed over
-    with a warning. Under graphs="compile" they are tried too: dynamo traces each launch into the graph, and the
+    The C linear's candidates are tried on the CPU only (`c_linear_runs`), the Triton kernels' on CUDA with
+    Triton only (`triton_kernels`); a Triton kernel that fails to build or its self-check (its value against
+    the formula, which the probe does not see) is passed over with a warning. Under graphs="compile" they are tried too: dynamo traces each launch into the graph, and the
     TorchFunctionMode that routes the linears to the row-linear kernel (tests/test_fused_rows.py, as on a GPU).
     graphs: the mode the probe runs in. "cudagraph" probes captured graphs: on an H200 in bf16 the eager
     probe passed several buckets and the captured rounds on them still left plain output (issue 42), so a
