@@ -168,6 +168,8 @@ def test_linear_rows_is_its_formula_at_every_simd_level(dtype):
     assert torch.equal(_bits(kernels.linear_rows_reference(x, w)), _bits(hand))
     assert not torch.equal(hand, (x.double() @ w.double().T).float())  # (another order: the test can tell)
     assert torch.equal(kernels.linear_rows(x, w), hand.to(dtype))
+    b = torch.randn(3, generator=g).to(dtype)  # the bias joins the fp32 sum, rounded to the dtype once
+    assert torch.equal(kernels.linear_rows(x, w, b), (hand + b.float()).to(dtype))
     levels = kernels.simd_levels()
     try:
         for K in (5, 16, 37, 70):
@@ -188,11 +190,13 @@ def test_linear_rows_is_its_formula_at_every_simd_level(dtype):
     assert torch.isnan(want[2]).all() and torch.isnan(want[3, ::2]).all() and (_bits(want[4]) == 0).all()
 
 
-def test_linear_rows_gives_a_row_its_bits_whatever_shares_the_call():
+def test_linear_rows_gives_a_row_its_bits_whatever_shares_the_call(monkeypatch):
     """A row's outputs are the same bits alone, among 1..20 rows at any place, in a 3-D batch, from strided
     activations and a transposed weight (copied), with a bias added after; and they are the product within
-    fp32's rounding. Under torch.compile(fullgraph=True) the kernel is a custom op: the same bits, no graph
-    break. Shapes that do not fit are refused with a message."""
+    fp32's rounding. All of it in C (the slow reference is never called). Under torch.compile(fullgraph=True)
+    the kernel is a custom op: the same bits, no graph break. Shapes that do not fit are refused with a
+    message."""
+    monkeypatch.setattr(kernels, "linear_rows_reference", lambda *a: pytest.fail("the reference ran, not the kernel"))
     g = torch.Generator().manual_seed(4)
     x, w, b = torch.randn(20, 70, generator=g), torch.randn(40, 70, generator=g), torch.randn(40, generator=g)
     full = kernels.linear_rows(x, w, b)
