@@ -102,9 +102,8 @@ class StepKernels(NamedTuple):
 # with the linears in the CPU's C kernel (kernels.linear_rows, fp32 and bf16: row-invariant by construction, for a
 # BLAS that rounds a row by M at every size, an AVX-512 Xeon's MKL, where SmolLM2's fp32 static step otherwise ran
 # 256 rows a token: 731 against 68 ms/token; docs/results/static-step.md); several sizes from ATTN_ROWS up with
-# attention in groups (at batch 1 a linear's cost is reading its weights, the same
-# for 32 rows as for 8: reasoned, not measured); one size for every forward (no kernel choice can then depend
-# on M).
+# attention in groups (at batch 1 a linear's cost is reading its weights, the same for 32 rows as for 8:
+# reasoned, not measured); one size for every forward (no kernel choice can then depend on M).
 _ALL = (1, 8, 16, 32, 64, 128, 256)
 STEP_CANDIDATES: tuple[StepKernels, ...] = (
     StepKernels(_ALL, attention="triton"), StepKernels(_ALL[1:], attention="triton"),
@@ -138,8 +137,9 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     False (speculative output may then differ from plain output at near-ties).
     The C linear's candidates are tried on the CPU only (`c_linear_runs`), the Triton kernels' on CUDA with
     Triton only (`triton_kernels`); a Triton kernel that fails to build or its self-check (its value against
-    the formula, which the probe does not see) is passed over with a warning. Under graphs="compile" they are tried too: dynamo traces each launch into the graph, and the
-    TorchFunctionMode that routes the linears to the row-linear kernel (tests/test_fused_rows.py, as on a GPU).
+    the formula, which the probe does not see) is passed over with a warning. Under graphs="compile" they are
+    tried too: dynamo traces each launch into the graph, and the TorchFunctionMode that routes the linears to
+    the row-linear kernel (tests/test_fused_rows.py, as on a GPU), or to the C linear's custom op.
     graphs: the mode the probe runs in. "cudagraph" probes captured graphs: on an H200 in bf16 the eager
     probe passed several buckets and the captured rounds on them still left plain output (issue 42), so a
     captured step is not assumed to replay the eager step's kernel choices. torch.compile's own kernels are not

@@ -1,4 +1,5 @@
-/* Batch-invariant CPU kernels for midlayer's `q4` inference format (see midlayer/kernels.py).
+/* Batch-invariant CPU kernels for midlayer's `q4` inference format (see midlayer/kernels.py), and the static
+ * decode step's fp32 and bf16 linear (qk_linear_f32 / qk_linear_bf16, "fp32 and bf16 linears" below).
  *
  * Each computation has a portable scalar version and an AVX2 version that return bit-identical results,
  * the GEMMs also an AVX512-VNNI version (the functions are compiled with target attributes and picked at run
