@@ -445,3 +445,31 @@ def test_a_stream_spells_smollm2s_text_token_by_token():
     from midlayer.engine.pretrained import resolve_pretrained
     reader = gguf.GGUFReader(str(resolve_pretrained("smollm2-135m").path))
     _stream_spells_the_full_decode(TextTokenizer.from_gguf_metadata(reader), 1)
+
+
+def test_the_first_of_several_stop_strings_cuts_the_text(llm):
+    """Two stop strings that complete in the same token: the text ends before the one that starts first (not
+    the one that starts last), in generate and in stream."""
+    p = "To be, or not to be"
+    full = llm.generate(p, max_tokens=30)
+    ids = full.token_ids
+    for k in range(1, len(ids)):  # a token of 2+ characters with 2+ characters before it
+        a, e = len(llm.tokenizer.decode(ids[:k])), len(llm.tokenizer.decode(ids[:k + 1]))
+        if e - a >= 2 and a >= 2:
+            break
+    else:
+        pytest.skip("no multi-character token")
+    early, late = full.text[a - 2:e], full.text[e - 1:e]  # both complete at token k; `early` starts first
+    want = full.text[:min(full.text.index(early), full.text.index(late))]
+    for stop in ([early, late], [late, early]):
+        assert llm.generate(p, max_tokens=30, stop=stop).text == want
+        assert "".join(llm.stream(p, max_tokens=30, stop=stop)) == want
+
+
+def test_bools_are_no_token_ids(llm):
+    """[True, False] is no list of token ids (JSON's true/false reach the server as bools): refused by name."""
+    from midlayer.api import is_token_ids
+    assert is_token_ids([3, 4]) and not is_token_ids([True, 4]) and not is_token_ids([3, False])
+    for bad in ([True, 4], [[True, False]]):
+        with pytest.raises(ValueError, match="a prompt is a str"):
+            llm.generate(bad, max_tokens=2)

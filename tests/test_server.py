@@ -684,3 +684,33 @@ def test_bench_serve_quantiles_are_interpolated_and_a_short_prompt_set_is_refuse
     n = len(heldout_texts(10_000, "base"))
     with pytest.raises(ValueError, match=f"need {n + 1} prompts; the base prompt set holds {n} held-out ones"):
         serve_bench.bench_serve(model="no-such-model", clients=(1, n + 1), requests_per_client=1, prompts="base")
+
+
+def test_whole_answers_count_total_tokens(server, llm):  # noqa: F811
+    """A completion answered whole (several prompts, echo, logprobs): total_tokens = prompt + completion."""
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": ["To be", "whether"],
+                                                          "max_tokens": 3, "temperature": 0})
+    u = r.json()["usage"]
+    n_prompt = len(llm.encode("To be")) + len(llm.encode("whether"))
+    assert u["prompt_tokens"] == n_prompt and u["completion_tokens"] > 0
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"], u
+
+
+def test_stop_takes_up_to_four_strings_and_a_zero_top_p_is_named(server):
+    url = f"{server.url}/v1/completions"
+    body = {"model": NAME, "prompt": "To be", "max_tokens": 1, "temperature": 0}
+    assert httpx.post(url, json={**body, "stop": ["a1", "b2", "c3", "d4"]}).status_code == 200
+    r = httpx.post(url, json={**body, "stop": ["a1", "b2", "c3", "d4", "e5"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    r = httpx.post(url, json={**body, "top_p": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
+
+
+def test_a_seeded_sample_is_the_apis(client, llm):  # noqa: F811
+    """temperature 1 with a seed: the server's sample is the API's sample alone with that seed."""
+    ref = llm.generate("To be", max_tokens=12, temperature=1.0, seed=11)
+    for stream in (False, True):
+        out = client.completions.create(model=NAME, prompt="To be", max_tokens=12, temperature=1.0, seed=11,
+                                        stream=stream)
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert text == ref.text, stream

@@ -375,13 +375,41 @@ def _spawn_two(worker, *args) -> None:
 
 
 _DROPOUT = dict(dropout=0.1, attn_dropout=0.1)
+# every step logged, and a held-out control batch for the sparsity controller (each rank reads its half of it)
+_DDP_TRAIN = dict(steps=4, batch_size=8, micro_batch_size=2, log_every=1, control_holdout=0.1, control_batch_size=4)
+
+
+def test_setup_takes_rank_local_rank_and_world_from_torchrun(monkeypatch):
+    """RANK is the global rank (rank 0 alone logs and writes checkpoints); LOCAL_RANK only picks the device. On a
+    second node (RANK 3, LOCAL_RANK 1 of 4) the process is not the main one."""
+    import torch.distributed as dist
+
+    from midlayer.train import distributed as dist_utils
+    calls = []
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
+    info = dist_utils.setup("cpu")
+    assert (info.rank, info.local_rank, info.world_size) == (3, 1, 4)
+    assert not info.is_main and info.enabled and calls == [{"backend": "gloo"}]
 
 
 def _ddp_worker(rank: int, world: int, port: int, tmp: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    m, s, t = debug_configs(Path(tmp), _DROPOUT, steps=4, batch_size=8, micro_batch_size=2)
+    import midlayer.train.loop as loop
+    save = loop.save_checkpoint
+
+    def spy(run_dir, step, *a, **kw):  # which ranks write checkpoints
+        with open(Path(tmp) / f"saved-by-rank{rank}", "a") as f:
+            f.write(f"{step}\n")
+        return save(run_dir, step, *a, **kw)
+
+    loop.save_checkpoint = spy
+    m, s, t = debug_configs(Path(tmp), _DROPOUT, **_DDP_TRAIN)
     train(m, s, t, progress=False, device="cpu")
 
 
@@ -389,14 +417,26 @@ def _ddp_worker(rank: int, world: int, port: int, tmp: str) -> None:
 def test_ddp_two_gloo_processes_equal_single_process(tmp_path):
     """Two gloo ranks end where one process ends, with dropout too: each micro-batch's random draws are seeded by
     its place in the global batch (`micro_batch_seed`), so each rank draws its own masks (the same masks on every
-    rank would differ from the one process's), and the one process draws the very masks of the two ranks."""
+    rank would differ from the one process's), and the one process draws the very masks of the two ranks. They
+    log what one process logs: each step once (rank 0 alone), its CE the mean over both ranks, the control
+    batch's statistics over both halves; and rank 0 alone writes checkpoints."""
     ddp_dir = tmp_path / "ddp"
     ddp_dir.mkdir()
     _spawn_two(_ddp_worker, str(ddp_dir))
     single_dir = tmp_path / "single"
     single_dir.mkdir()
-    m, s, t = debug_configs(single_dir, _DROPOUT, steps=4, batch_size=8, micro_batch_size=2)
+    m, s, t = debug_configs(single_dir, _DROPOUT, **_DDP_TRAIN)
     train(m, s, t, progress=False, device="cpu")
+    assert (ddp_dir / "saved-by-rank0").read_text() == "4\n" and not (ddp_dir / "saved-by-rank1").exists()
+
+    def records(run):
+        return [r for r in map(json.loads, (run / "run" / "metrics.jsonl").open()) if "ce" in r]
+
+    got, ref = records(ddp_dir), records(single_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4]  # each step logged once
+    for x, y in zip(got, ref):
+        assert x["ce"] == pytest.approx(y["ce"], rel=1e-5), x["step"]
+        assert x["control_gate_mean/0"] == pytest.approx(y["control_gate_mean/0"], rel=1e-4), x["step"]
     a = load_checkpoint(list_checkpoints(ddp_dir / "run")[-1])
     b = load_checkpoint(list_checkpoints(single_dir / "run")[-1])
     for k in a["model"]:
@@ -409,7 +449,7 @@ def _fsdp_worker(rank: int, world: int, port: int, tmp: str, phase: str) -> None
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    m, s, t = debug_configs(Path(tmp), **_FSDP_TRAIN)
+    m, s, t = debug_configs(Path(tmp), _T5, **_FSDP_TRAIN)
     if phase == "first":
         from torch.distributed.tensor import DTensor, Shard
 
@@ -423,6 +463,12 @@ def _fsdp_worker(rank: int, world: int, port: int, tmp: str, phase: str) -> None
             assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.shape == full[n], n
             chunk = -(-full[n][0] // world)  # torch.chunk's split: ceil(n / world) rows a rank, the last ones fewer
             assert p.to_local().shape[0] == max(0, min(full[n][0], (rank + 1) * chunk) - rank * chunk), n
+        x = torch.randint(0, m.vocab_size, (2, 16))
+        loss = model(x, x, return_logits=False).loss
+        for i, block in enumerate(model.layers):  # between forward and backward a block holds its shard only
+            for n, p in block.named_parameters():  # (reshard_after_forward: not the whole model's full weights)
+                assert isinstance(p, DTensor), f"block {i} {n} still unsharded after its forward"
+        loss.backward()
         train(m, s, t, progress=False, device="cpu", stop_after=2)  # "killed" after step 2
     else:
         train(m, s, t, progress=False, device="cpu", resume=True)
@@ -432,13 +478,17 @@ def _fsdp_worker(rank: int, world: int, port: int, tmp: str, phase: str) -> None
 # grad_clip 0.05 clips every step (the debug model's gradient norm is above 1), so the norm over shards must be right
 _FSDP_TRAIN = dict(steps=4, batch_size=8, micro_batch_size=2, ckpt_every=1, keep_last=10, eval_tokens=5 * 32,
                    router_lr_floor=0.5, grad_clip=0.05, parallel="fsdp")
+# T5's position bias is registered after the routers, which router_lr_floor puts in a parameter group of their
+# own: the sharded checkpoint must number Adam's moments group by group, as the unsharded optimizer does
+_T5 = dict(pos_encoding="t5")
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_fsdp_two_gloo_processes_killed_and_resumed_equal_one_process(tmp_path):
     """--parallel fsdp (FSDP2) on 2 gloo processes, stopped after step 2 and resumed to step 4: weights, Adam
-    moments (two parameter groups) and validation CE equal one process's run of the same configs; its step-2
-    checkpoint (full tensors) resumes in one process to the same result."""
+    moments (two parameter groups, a parameter registered after the second's: T5's position bias) and
+    validation CE equal one process's run of the same configs; its step-2 checkpoint (full tensors) resumes in
+    one process to the same result. Each block is resharded after its forward."""
     import shutil
     fsdp_dir = tmp_path / "fsdp"
     fsdp_dir.mkdir()
@@ -447,12 +497,12 @@ def test_fsdp_two_gloo_processes_killed_and_resumed_equal_one_process(tmp_path):
     one_dir = tmp_path / "one-resumed"  # the sharded run's checkpoint, continued by a single process
     shutil.copytree(fsdp_dir, one_dir)
     _spawn_two(_fsdp_worker, str(fsdp_dir), "resume")
-    m, s, t = debug_configs(one_dir, **_FSDP_TRAIN)
+    m, s, t = debug_configs(one_dir, _T5, **_FSDP_TRAIN)
     train(m, s, dataclasses.replace(t, data=str(fsdp_dir / "shards" / "*.bin")), progress=False, device="cpu",
           resume=True)
     single_dir = tmp_path / "single"
     single_dir.mkdir()
-    m, s, t = debug_configs(single_dir, **_FSDP_TRAIN)
+    m, s, t = debug_configs(single_dir, _T5, **_FSDP_TRAIN)
     train(m, s, t, progress=False, device="cpu")
     ref = load_checkpoint(list_checkpoints(single_dir / "run")[-1])
     ref_ce = json.loads((single_dir / "run" / "eval.json").read_text())["val_ce"]
