@@ -355,33 +355,16 @@ def test_the_probe_catches_a_bucket_that_is_not_row_invariant(models):
     assert not DecodeStep(models["fp32"], max_len=32, buckets=(1, 2, 8)).row_invariant()
 
 
-class _LinearsByCount:
-    """A stand-in BLAS (over RowWiseBLAS) whose fp32 linears round a row an ulp otherwise from 16 rows up: an
-    AVX-512 Xeon's MKL gave SmolLM2's fp32 rows one set of bits at 2..8 rows and another from 16 (issue 42,
-    57th session). Inside a TorchFunctionMode (the step's RowLinears) it is seen as F.linear."""
-
-    def __init__(self) -> None:
-        self.linear = torch.nn.functional.linear
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if torch._C._is_torch_function_mode_enabled():
-            return torch.overrides.handle_torch_function(torch.nn.functional.linear, (x, w), x, w, b)
-        y = self.linear(x, w, b)
-        if y.dtype == torch.float32 and x.reshape(-1, x.shape[-1]).shape[0] >= 16:
-            y = torch.nextafter(y, torch.full_like(y, float("inf")))
-        return y
-
-
 def test_the_c_linear_mends_a_blas_that_rounds_rows_by_count(monkeypatch):
-    """Under a BLAS whose fp32 linears round a row by the row count (_LinearsByCount) the probe fails PyTorch's
-    linears from one row and from 8, and chooses the CPU's C fp32 linear from one row (linear="c":
-    kernels.linear_rows, row-invariant by construction), before the buckets of 32 rows and up; through that step
-    every drafter's rounds give plain greedy output, token for token. A step asked for the C linear where it
+    """Under a BLAS whose fp32 linears round a row otherwise from 16 rows (RowWiseBLAS(from_rows=16)), as an
+    AVX-512 Xeon's MKL does, the probe fails PyTorch's linears from one row and from 8, and chooses the CPU's C
+    fp32 linear from one row (linear="c": kernels.linear_rows, row-invariant by construction), before the
+    buckets of 32 rows and up; through that step every drafter's rounds give plain greedy output, token for
+    token. A step asked for the C linear where it
     cannot run (a q4 model) is refused."""
     from midlayer.engine.decode_step import c_linear_runs
 
-    RowWiseBLAS().install(monkeypatch)
-    monkeypatch.setattr(torch.nn.functional, "linear", _LinearsByCount())
+    RowWiseBLAS(from_rows=16).install(monkeypatch)
     model = make_tiny(DIMS, False)
     assert c_linear_runs(model)
     assert not DecodeStep(model, max_len=150, buckets=BUCKET_CANDIDATES[1]).row_invariant()

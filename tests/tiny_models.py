@@ -158,17 +158,21 @@ class RowWiseBLAS:
     buckets install this, so that they hold on every machine; tests of the real BLAS take the probe's own
     choice. `install` patches torch.nn.functional.linear and torch.bmm (through pytest's monkeypatch: undone
     after the test). lone_row: a linear of one row rounds an ulp otherwise (up), as every CPU's fp32 GEMV seen
-    here does against its GEMM of 8 rows."""
+    here does against its GEMM of 8 rows. from_rows: so does a linear of that many rows or more, as an AVX-512
+    Xeon's MKL gave SmolLM2's fp32 rows one set of bits at 2..8 rows and another from 16 (issue 42)."""
 
-    def __init__(self, lone_row: bool = False) -> None:
-        self._linear, self._bmm, self.lone_row = torch.nn.functional.linear, torch.bmm, lone_row
+    def __init__(self, lone_row: bool = False, from_rows: int | None = None) -> None:
+        self._linear, self._bmm = torch.nn.functional.linear, torch.bmm
+        self.lone_row, self.from_rows = lone_row, from_rows
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if torch._C._is_torch_function_mode_enabled():  # a mode (RowLinears) sees this stand-in as F.linear
             return torch.overrides.handle_torch_function(torch.nn.functional.linear, (x, w), x, w, b)
         rows = x.reshape(-1, x.shape[-1])
         out = torch.cat([self._linear(rows[i:i + 1].contiguous(), w, b) for i in range(rows.shape[0])])
-        if self.lone_row and rows.shape[0] == 1 and out.dtype == torch.float32:
+        M = rows.shape[0]
+        nudged = self.lone_row and M == 1 or self.from_rows is not None and M >= self.from_rows
+        if nudged and out.dtype == torch.float32:
             out = torch.nextafter(out, torch.full_like(out, float("inf")))
         return out.view(*x.shape[:-1], w.shape[0])
 
