@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import NoisyOracle, OracleDrafter, RandomDrafter, make_tiny  # noqa: E402
 
-from midlayer.engine.decode_step import (STEP_CANDIDATES, DecodeStep, any_round_slots, c_linear_runs, static_generate,
-                                        triton_kernels)
+from midlayer.engine.decode_step import (STEP_CANDIDATES, DecodeStep, any_round_slots, kernels_run,
+                                        static_generate)
 from midlayer.speculative.static import fused_steps, round_kinds, static_speculative_generate
 from midlayer.engine.generate import GenerationConfig, generate  # noqa: E402
 from midlayer.speculative.layer_skip import LayerSkipDrafter  # noqa: E402
@@ -45,8 +45,7 @@ def check(model, prompts: list[list[int]], modes: tuple[str, ...], new_tokens: i
     V = model.cfg.vocab_size
     # (at 200 slots: keys below the attention's window exercise its GEMM)
     for cand in STEP_CANDIDATES:
-        if "triton" in (cand.attention, cand.linear) and not triton_kernels(model) or (
-                cand.linear == "c" and not c_linear_runs(model)):
+        if not kernels_run(cand, model):
             continue
         try:
             ok = DecodeStep(model, max_len=min(200, model.cfg.max_seq_len), buckets=cand.buckets,

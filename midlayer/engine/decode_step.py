@@ -148,7 +148,7 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
     memo = _probed.setdefault(model, {})
     dev = model.tok_embeddings.weight.device
     dtype = model.tok_embeddings.weight.dtype
-    kernels, c_linear = triton_kernels(model), c_linear_runs(model)
+    kernels = triton_kernels(model)
     key = (dtype, str(dev), getattr(model, "weight_format", None), int(max_len), kv_dtype(model), mode)
     if key not in memo:
         usable = {"attention": kernels, "linear": kernels}
@@ -162,7 +162,7 @@ def invariant_buckets(model: Transformer, max_len: int = 16, graphs: str = "eage
         found = None
         for cand in STEP_CANDIDATES:
             tried = [n for n in ("attention", "linear") if getattr(cand, n) == "triton"]
-            if not all(usable[n] for n in tried) or (cand.linear == "c" and not c_linear):
+            if not all(usable[n] for n in tried) or not kernels_run(cand, model):
                 continue
             try:
                 ok = DecodeStep(model, max_len=max_len, buckets=cand.buckets, attn_rows=cand.attn_rows, graphs=mode,
@@ -214,6 +214,13 @@ def _check_kernels(model: Transformer, attention: str, linear: str) -> tuple[str
         raise ValueError("linear='c' (the C linear) runs an fp32 or bf16 model on the CPU, its linears F.linear's "
                          f"(not int4's or q4's), with the kernels built{why}")
     return attention, linear
+
+
+def kernels_run(cand: StepKernels, model: Transformer) -> bool:
+    """Whether the kernels `cand` names can run `model` here: Triton's on CUDA with Triton (`triton_kernels`),
+    the C linear on the CPU (`c_linear_runs`); PyTorch's ops everywhere."""
+    return (("triton" not in (cand.attention, cand.linear) or triton_kernels(model))
+            and (cand.linear != "c" or c_linear_runs(model)))
 
 
 def c_linear_runs(model: Transformer) -> bool:
