@@ -906,6 +906,13 @@ INLINE float bf16_to_f32(uint16_t h) { /* exact: a bf16 is an fp32's top half */
     memcpy(&f, &u, 4);
     return f;
 }
+/* 16 bf16 from p, or where n < 16 its n copied into `tail` (zeroed by the caller) and the rest +0: a K tail
+ * reads nothing past the row. The SIMD loads read 16 from what this returns. */
+INLINE const uint16_t *bf16_padded(const uint16_t *p, int n, uint16_t *tail) {
+    if (n >= 16) return p;
+    memcpy(tail, p, 2 * (size_t)n);
+    return tail;
+}
 INLINE f32x16_scalar bf16_load_scalar(const uint16_t *p, int n) {
     f32x16_scalar r;
     for (int j = 0; j < 16; j++) r.v[j] = j < n ? bf16_to_f32(p[j]) : 0.0f;
@@ -939,11 +946,8 @@ AVX2 INLINE __m256 bf16x8_avx2(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 AVX2 INLINE f32x16_avx2 bf16_load_avx2(const uint16_t *p, int n) {
-    uint16_t tail[16] = {0}; /* a K tail: the lanes past n are +0, and nothing past the row is read */
-    if (n < 16) {
-        memcpy(tail, p, 2 * (size_t)n);
-        p = tail;
-    }
+    uint16_t tail[16] = {0};
+    p = bf16_padded(p, n, tail);
     f32x16_avx2 r = {bf16x8_avx2(p), bf16x8_avx2(p + 8)};
     return r;
 }
@@ -962,10 +966,7 @@ AVX512F_ INLINE f32x16_zmm f32_load_zmm(const float *p, int n) {
 }
 AVX512F_ INLINE f32x16_zmm bf16_load_zmm(const uint16_t *p, int n) {
     uint16_t tail[16] = {0};
-    if (n < 16) {
-        memcpy(tail, p, 2 * (size_t)n);
-        p = tail;
-    }
+    p = bf16_padded(p, n, tail);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 AVX512F_ INLINE f32x16_zmm f32_muladd_zmm(f32x16_zmm a, f32x16_zmm x, f32x16_zmm w) {
