@@ -256,8 +256,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qk_set_avx2.argtypes = [I]
     for f in ("qk_quantize_q8", "qk_gemm_q4_1", "qk_gemm_q8_0", "qk_attention", "qk_set_avx2", "qk_set_simd", "qk_linear_q4_1",
               "qk_linear_q8_0", "qk_rmsnorm", "qk_rope_store", "qk_silu_mul", "qk_block_q4", "qk_topk",
-              "qk_blocks_q4", "qk_linear_f32",
-              "qk_linear_bf16"):
+              "qk_blocks_q4", "qk_linear_f32", "qk_linear_bf16"):
         getattr(lib, f).restype = None
     return lib
 
