@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= {"fp32", "bf16"} or args.rounds < 1:
+        ap.error(f"--dtypes takes fp32 and/or bf16 (got {args.dtypes!r}) and --rounds at least 1 (got {args.rounds})")
     if not kernels.available():
         raise SystemExit(f"the C kernels are not built here: {kernels.unavailable_reason()}")
     info = kernels.cpu_info()
@@ -46,7 +49,7 @@ def main() -> None:
     print("\n| dtype | N x K | M | C linear us | F.linear us | C / F.linear | C rows = alone |")
     print("|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
-    for name in args.dtypes.split(","):
+    for name in dtypes:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
         for N, K in SHAPES:
             w = torch.randn(N, K, generator=g).to(dtype) * 0.05
