@@ -150,11 +150,12 @@ def permute_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Tokenizer, arch: str = "llama",
+def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Tokenizer | None, arch: str = "llama",
                     tokenizer_model: str = "gpt2", pre: str = "gpt2", drop: tuple[str, ...] = (),
-                    store=None) -> None:
-    """A llama GGUF of `hf_model` with `tok`'s vocabulary. `store(gguf_name, fp32 array)` -> (raw array, GGML
-    type) or None: how a tensor is written (default: float32)."""
+                    store=None, vocab=None) -> None:
+    """A llama GGUF of `hf_model` with `tok`'s vocabulary, or the one `vocab(writer)` writes (then tok is
+    None). `store(gguf_name, fp32 array)` -> (raw array, GGML type) or None: how a tensor is written (default:
+    float32)."""
     c = hf_model.config
     sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     w = gguf.GGUFWriter(str(path), arch)
@@ -167,16 +168,19 @@ def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Tokenizer, arch:
     w.add_rope_freq_base(5000.0)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
-    tokens, merges = bpe_vocab_and_merges(tok)
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_bos_token_id(tokens.index("<|im_start|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    if vocab is not None:
+        vocab(w)
+    else:
+        tokens, merges = bpe_vocab_and_merges(tok)
+        w.add_tokenizer_model(tokenizer_model)
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        w.add_bos_token_id(tokens.index("<|im_start|>"))
+        w.add_eos_token_id(tokens.index("<|im_end|>"))
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHATML)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -611,6 +615,49 @@ def test_gguf_bad_files(tmp_path):
     with pytest.raises(ValueError, match=r"alias\.gguf: corrupt GGUF file: tensor blk\.0\.attn_(q|output)\.weight's "
                                          r"data overlaps blk\.0\.attn_(q|output)\.weight's"):
         load_gguf(tmp_path / "alias.gguf")
+
+
+# A sentencepiece vocabulary as llama.cpp's converter writes one (tokenizer.ggml.model "llama"): <unk>, <s>, </s>,
+# the 256 byte-fallback pieces, then pieces with their scores (a higher score merges first)
+SPM_PIECES = [("\u2581", -1), ("h", -2), ("e", -3), ("l", -4), ("o", -5), ("w", -6), ("r", -7), ("d", -8), ("ll", -9),
+              ("\u2581h", -10), ("he", -11), ("llo", -12), ("\u2581w", -13), ("or", -14), ("\u2581he", -15),
+              ("\u2581hello", -16)]
+SPM_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [t for t, _ in SPM_PIECES]
+
+
+def spm_vocab(add_bos: bool | None):
+    """`write_tiny_gguf`'s vocab= for SPM_TOKENS, with tokenizer.ggml.add_bos_token = add_bos (None: absent)."""
+    def write(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(SPM_TOKENS)
+        w.add_token_scores([0.0] * 259 + [float(s) for _, s in SPM_PIECES])
+        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))  # unknown, control, byte, normal
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
+    return write
+
+
+@pytest.mark.parametrize("add_bos", [None, True, False], ids=["no-flag", "bos", "no-bos"])
+def test_a_sentencepiece_gguf_adds_bos_unless_its_file_says_not(tmp_path, add_bos):
+    """A sentencepiece GGUF (Gemma, Llama 2) without tokenizer.ggml.add_bos_token gets BOS, as llama.cpp gives it;
+    with the flag, the flag decides. Its pieces, merged by score, and byte fallback, by hand: "hello world é" is
+    "\u2581hello" (ll, \u2581h, llo, \u2581he, \u2581hello), "\u2581w" "or" "l" "d", then "\u2581" and
+    é's two UTF-8 bytes."""
+    pytest.importorskip("transformers")
+    _, ref = tiny_hf_llama(tmp_path / "hf", tie=True, vocab=len(SPM_TOKENS))
+    f = tmp_path / "spm.gguf"
+    write_tiny_gguf(f, ref, None, vocab=spm_vocab(add_bos))
+    model, tok = load_gguf(f)
+    assert model.cfg.vocab_size == tok.vocab_size == len(SPM_TOKENS)
+    assert tok.add_bos is (add_bos is not False) and tok.bos_id == 1 and tok.eos_ids == {2}
+    pieces = ["\u2581hello", "\u2581w", "or", "l", "d", "\u2581", "<0xC3>", "<0xA9>"]
+    text = [SPM_TOKENS.index(p) for p in pieces]
+    assert tok.encode("hello world é") == ([1] if add_bos is not False else []) + text
+    assert tok.encode("hello world é", add_bos=False) == text
+    assert tok.decode(text) == "hello world é"
 
 
 class _Meta:
