@@ -175,8 +175,7 @@ def main() -> None:
             drafters = {}
             for label, path in (("eagle-2", args.eagle), ("hidden-transfer", args.hidden_transfer)):
                 if path:
-                    drafter, module, meta = load_drafter(path, model)
-                    module.to(dev, dtype)
+                    drafter, module, meta = load_drafter(path, model, dtype=dtype)
                     if label == "eagle-2":
                         drafter.dynamic_k = 4
                     drafters[label] = (lambda d: lambda p, r: d)(drafter)

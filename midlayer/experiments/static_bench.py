@@ -195,11 +195,10 @@ def static_methods(model: Transformer, drafts: dict[str, str], nodes: int, eagle
     """label -> (drafter, tree): a drafter with an expansion width (EAGLE) runs EAGLE-2's dynamic tree of `nodes`
     nodes, expanding the `eagle_k` best at each of `eagle_depth` depths (0: as many as its held-out accuracies
     have, else 5); the others the `nodes` nodes their held-out accuracies rank first (else a 3-chain)."""
-    dev, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    dtype = model.tok_embeddings.weight.dtype
     methods = {}
     for label, path in drafts.items():
-        drafter, module, meta = load_drafter(path, model)
-        module.to(dev, dtype)
+        drafter, module, meta = load_drafter(path, model, dtype=dtype)
         acc = heldout_accuracies(meta, str(path))
         if drafter.dynamic_k is not None:
             drafter.dynamic_k = k = min(eagle_k, nodes)

@@ -280,12 +280,17 @@ def heldout_accuracies(meta: dict[str, Any], where: str = "") -> list[list[float
     return [[float(a) for a in row] for row in acc]
 
 
-def load_drafter(path: str | Path, model: Transformer, base_name: str | None = None, **kw: Any
-                 ) -> tuple[Any, nn.Module, dict[str, Any]]:
-    """(drafter, module, meta) for a saved draft directory (refused if written for another base). `kw` go to
-    the drafter (e.g. fused=False for hidden transfer)."""
+def load_drafter(path: str | Path, model: Transformer, base_name: str | None = None,
+                 dtype: torch.dtype | None = None, **kw: Any) -> tuple[Any, nn.Module, dict[str, Any]]:
+    """(drafter, module, meta) for a saved draft directory (refused if written for another base). `dtype`: the
+    draft module's (None: its own, fp32, which a bf16 base's drafters keep: drafting.apply_linear). It is cast
+    before the drafter is built, because a drafter may copy from it then: EAGLE's draft layer in the base's
+    weight format (a module cast afterwards left that copy in fp32 beside a bf16 fc). `kw` go to the drafter
+    (e.g. fused=False for hidden transfer)."""
     module, meta = load_draft(path, model, base_name)
     module.eval()
+    if dtype is not None:
+        module.to(dtype)
     return KINDS[module.KIND][1](model, module, **kw), module, meta
 
 
