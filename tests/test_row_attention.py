@@ -60,6 +60,31 @@ def test_the_kernel_is_the_naive_formula(H, Hk, d, dtype):
     torch.testing.assert_close(out.double(), reference(q, kl, vl, keys, kmask), atol=2e-6, rtol=2e-6)
 
 
+def test_large_scores_seen_or_hidden_are_the_formula():
+    """Scores of a few hundred (q x 40): every exp has its max subtracted, pass 1's and the chunks' combine's,
+    or fp32 overflows to inf / inf. Keys the rows do not see (positions 100..109, masked), scaled by 1e4: their
+    huge scores stay out of the running max, or every visible weight underflows to 0 and the row is 0 / 0.
+    (Two survivors of the 59th session's mutation review; the other tests' scores are a few units.)"""
+    q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
+    loud = row_attention(q * 40, kl, vl, keys, kmask, pos)
+    assert torch.isfinite(loud).all()
+    torch.testing.assert_close(loud.double(), reference(q * 40, kl, vl, keys, kmask), atol=1e-4, rtol=1e-4)
+    kl, kmask = kl.clone(), kmask.clone()
+    kl[:, :, 100:110] *= 1e4
+    kmask[:, :4, 100:110] = float("-inf")
+    hidden = row_attention(q, kl, vl, keys, kmask, pos)
+    torch.testing.assert_close(hidden.double(), reference(q, kl, vl, keys, kmask), atol=2e-6, rtol=2e-6)
+
+
+def test_a_row_at_the_caches_last_positions_reads_nothing_past_its_own_keys():
+    """A cache of 180 slots, not a multiple of the chunk: the rows at positions 176..179 read the chunk from
+    128 on, whose positions from 180 lie past their keys (the next row's, in memory). Only keys up to the row's
+    own position enter (a mutant bounding the chunk at its end instead gave row 179 an error of 2e-2)."""
+    q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32, at=176))
+    out = row_attention(q, kl, vl, keys, kmask, pos)
+    torch.testing.assert_close(out.double(), reference(q, kl, vl, keys, kmask), atol=2e-6, rtol=2e-6)
+
+
 def test_a_bf16_output_is_the_fp32_result_rounded_once():
     """Stored in bf16 (the step's output when the probe's tap is off), the result is the fp32 result as
     PyTorch's cast rounds it (to nearest even), bit for bit: the probe's fp32 tap and generation agree."""

@@ -107,6 +107,9 @@ def test_the_norms_prologue_is_the_residual_add_then_rmsnorm_then_the_kernel(dty
     hn = (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()).to(dtype).double()
     want = hn @ w.double().T
     assert ((y.double() - want).abs().max() / want.abs().max()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    if dtype == torch.bfloat16:  # and the operand rounded: y the nearest bf16 of that product but for near-ties
+        # (a mutant that kept the operand in fp32 was within 1e-2 and matched 59% of y; 59th session's review)
+        assert float((y == want.to(dtype)).float().mean()) > 0.98
     h7, y7 = rl.norm_linear(x[7:8], a[7:8], norm_w, 1e-5, w)
     assert torch.equal(h7[0], h[7]) and torch.equal(y7[0], y[7])
     x_only, y_only = rl.norm_linear(h, None, norm_w, 1e-5, w)
