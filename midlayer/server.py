@@ -40,6 +40,7 @@ import importlib.util
 import json
 import math
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -839,6 +840,22 @@ def require_serve_extra() -> None:
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"serving needs the serve extra ({', '.join(missing)} missing): pip install 'midlayer[serve]'")
+
+
+def require_free_address(host: str, port: int) -> None:
+    """Refuse, before any model is loaded, an address the server could not listen on (a port another server
+    holds, a host that is not this machine's): the command loaded the model, printed uvicorn's start-up lines
+    and then stopped on "[Errno 98] ... address already in use", exit 3. Bound as uvicorn binds (SO_REUSEADDR)
+    and let go at once; a server that takes the port in between still fails in uvicorn."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}): is another server using it? "
+                         "Choose another --port or --host") from None
 
 
 def serve(llm: LLM, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,

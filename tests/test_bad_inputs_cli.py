@@ -634,6 +634,23 @@ def test_serve_flags_are_refused_before_any_model_is_loaded(flag, value, capsys)
     refused(capsys, ["serve", "--model", "no-such-model", flag, value], flag)
 
 
+def test_serve_on_a_port_in_use_is_refused_before_any_model_is_loaded(capsys):
+    """Another server on the port: one line, exit 2, before the model loads (the command loaded it, printed
+    uvicorn's start-up lines and stopped on "[Errno 98] ... address already in use", exit 3; 59th session's
+    walkthrough). A host that is not this machine's is refused the same way."""
+    pytest.importorskip("fastapi")
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        refused(capsys, ["serve", "--model", "no-such-model", "--port", port], f"cannot listen on 127.0.0.1:{port}",
+                "another server")
+    refused(capsys, ["serve", "--model", "no-such-model", "--host", "192.0.2.1", "--port", "8000"],
+            "cannot listen on 192.0.2.1:8000")
+
+
 def test_bench_static_checks_its_counts_with_or_without_extra_tree_sizes():
     """`bench_static`'s own check of its counts, before any model is loaded: a tree of 0 nodes is refused by
     name, given alone or among extra sizes, and valid counts without extra sizes get as far as the model's

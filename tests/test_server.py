@@ -650,8 +650,10 @@ def test_bench_serves_client_rows_count_tokens_and_reused_prompt_tokens(llm):  #
     """`midlayer bench serve`'s client side (experiments/serve_bench.py) against a real server: one streamed
     request gives the greedy text, its token count and the prompt tokens the server reused; a row of 2 clients
     over 4 requests (one prompt asked four times) finds every answer equal to its single-request text and part
-    of the prompts reused (the server's prefix reuse)."""
-    from midlayer.experiments.serve_bench import _clients, _one_request, serve_table
+    of the prompts reused (the server's prefix reuse). Each row has a fresh server: a second row of the same
+    requests reuses what the first did, not the first row's prompts whole (59th session: the rows shared one
+    server, and its warm-up asked the first measured prompt)."""
+    from midlayer.experiments.serve_bench import _clients, _one_request, serve_table, serving
 
     q4 = LLM(compress_weights(copy.deepcopy(llm.model), "q4"), llm.tokenizer, "tiny", "q4")
     q4.prefix_reuse = 4
@@ -662,11 +664,13 @@ def test_bench_serves_client_rows_count_tokens_and_reused_prompt_tokens(llm):  #
     try:
         got, ttft, tpot, n, prompt, cached = _one_request(running.url, NAME, text, 6)
         assert (got, n, prompt) == (ref.text, len(ref.token_ids), len(q4.encode(messages))) and cached >= 0
-        rows = _clients(running.url, NAME, [text] * 4, [2], 6, "tiny", {text: ref.text})
     finally:
         running.stop()
-    (row,) = rows
+    rows = _clients(lambda: serving(create_app(q4, NAME, max_queue=8)), NAME, [text] * 4, [2, 2], 6, "tiny",
+                    {text: ref.text})
+    row, again = rows
     assert row["equal"] == 4 and row["tokens"] == 4 * len(ref.token_ids) and 0 < row["reused"] < 1
+    assert again["reused"] == row["reused"] and again["equal"] == 4
     table = serve_table(dict(model="tiny", weights="q4", max_tokens=6, rows=[dict(row, vs_one_client=None)]))
     assert f"{100 * row['reused']:.0f}%" in table.splitlines()[-1]
 

@@ -290,7 +290,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     # needs fastapi and uvicorn (the serve extra): loaded by this command only, not at start-up
-    from midlayer.server import require_serve_extra, serve
+    from midlayer.server import require_free_address, require_serve_extra, serve
 
     require_serve_extra()
     if not 0 < args.port < 65536:
@@ -304,6 +304,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.draft is not None and args.draft != LOOKUP and not Path(args.draft).is_dir():
         raise ValueError(f"--draft {args.draft}: no such directory (expected a train-draft output, or lookup)")
     tree_nodes(args.tree)  # a bad --tree is refused before any model is loaded
+    require_free_address(args.host, args.port)
     llm = LLM.load(args.model, weights=args.weights, device=args.device, kv_cache=args.kv_cache) if args.model \
         else LLM.from_run(args.checkpoint, weights=args.weights, device=args.device, kv_cache=args.kv_cache)
     if args.draft:

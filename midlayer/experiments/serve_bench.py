@@ -1,7 +1,8 @@
 """`midlayer bench serve`: the server under concurrent clients (issue 45). A real `midlayer serve` runs in this
 process on a free localhost port; for each concurrency c, c client threads stream chat completions of
 held-out prompts (the same max(clients) x requests_per_client requests at every concurrency, shared out
-among the c clients; greedy, `max_tokens` each) through the OpenAI-compatible endpoint. Reported per row:
+among the c clients; greedy, `max_tokens` each) through the OpenAI-compatible endpoint, each row against a fresh
+server warmed up by a prompt of its own (`_clients`). Reported per row:
 aggregate output tokens/s over the wall time, time to first token and time per output token (p50 / p90 over
 requests), and that every output equals the API's single-request output. Plain and speculative (`--draft`,
 default prompt lookup) run one after the other on the same prompts, each with its continuous batch.
@@ -14,6 +15,7 @@ stream (one chunk per token) when it reports no usage.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -22,7 +24,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 from midlayer.api import LLM
 from midlayer.engine.pretrained import resolve_pretrained
@@ -30,10 +32,34 @@ from midlayer.experiments.bench import heldout_texts, machine_line, probe_llama_
 from midlayer.server import create_app
 
 
+# Each row's warm-up request: a prompt outside every held-out set, so that no measured request finds its own
+# prompt held by the server (beyond the chat template's start, which a running server has always seen)
+WARM_UP = "Say hello in one word."
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """A uvicorn server of the ASGI `app` in a thread on a port the OS picks; yields its URL, stops it after."""
+    import uvicorn  # the serve extra
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -87,16 +113,22 @@ def _one_request(url: str, name: str, text: str, max_tokens: int
     return "".join(pieces), first - t0, (end - first) / max(n - 1, 1), n, (usage or {}).get("prompt_tokens"), cached
 
 
-def _clients(url: str, name: str, texts: list[str], clients: Sequence[int], max_tokens: int, label: str,
-             ref: dict[str, str] | None) -> list[dict[str, Any]]:
-    """One row per concurrency: the same requests, shared out among c client threads."""
-    _one_request(url, name, texts[0], 4)  # warm-up
+def _clients(serve: Callable[[], ContextManager[str]], name: str, texts: list[str], clients: Sequence[int],
+             max_tokens: int, label: str, ref: dict[str, str] | None) -> list[dict[str, Any]]:
+    """One row per concurrency c: the same requests, shared out among c client threads, each row against a fresh
+    server (`serve()`: a context that yields its URL) warmed up by one request of WARM_UP. Fresh, because a
+    server keeps finished requests' K/V for their follow-ups (prefix reuse): a row asking the previous row's
+    prompts again found them whole and skipped their prefill, and the warm-up's prompt was the first measured
+    one (a 98% reused share where a new server reuses the chat template's start), which flattered the rows'
+    time to first token and throughput."""
     rows = []
     for c in clients:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(c) as pool:
-            results = list(pool.map(lambda t: (t, *_one_request(url, name, t, max_tokens)), texts))
-        wall = time.perf_counter() - t0
+        with serve() as url:
+            _one_request(url, name, WARM_UP, 4)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                results = list(pool.map(lambda t: (t, *_one_request(url, name, t, max_tokens)), texts))
+            wall = time.perf_counter() - t0
         tokens = sum(r[4] for r in results)
         known = [r for r in results if r[5] and r[6] is not None]
         reused = sum(r[6] for r in known) / sum(r[5] for r in known) if known else None
@@ -107,15 +139,9 @@ def _clients(url: str, name: str, texts: list[str], clients: Sequence[int], max_
     return rows
 
 
-def _llama_cpp_rows(gguf: str, texts: list[str], clients: Sequence[int], max_tokens: int, threads: int
-                    ) -> list[dict[str, Any]]:
-    """llama.cpp's own server on the GGUF, in a child process (module docstring); [] when it cannot run."""
-    try:
-        import llama_cpp.server  # noqa: F401  (the optional extra: only its presence is checked here)
-        probe_llama_cpp(gguf, threads)
-    except ImportError as e:
-        print(f"no llama.cpp server rows: {e}", file=sys.stderr)
-        return []
+@contextlib.contextmanager
+def _llama_cpp_server(gguf: str, threads: int) -> Iterator[str]:
+    """llama.cpp's server on the GGUF in a child process; yields its URL once it answers, stops it after."""
     import httpx
 
     port = _free_port()
@@ -133,17 +159,33 @@ def _llama_cpp_rows(gguf: str, texts: list[str], clients: Sequence[int], max_tok
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.time() - t0 > 300:
-                print("no llama.cpp server rows: the server did not start", file=sys.stderr)
-                return []
+                raise RuntimeError("the server did not start")
             time.sleep(0.5)
-        version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
-        return _clients(url, "llama.cpp", texts, clients, max_tokens, f"llama.cpp server {version}", None)
-    except httpx.HTTPError as e:  # its failure costs its rows, not midlayer's
-        print(f"no llama.cpp server rows: {type(e).__name__}: {e}", file=sys.stderr)
-        return []
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def _llama_cpp_rows(gguf: str, texts: list[str], clients: Sequence[int], max_tokens: int, threads: int
+                    ) -> list[dict[str, Any]]:
+    """llama.cpp's own server on the GGUF, in a child process (module docstring), started anew for each row as
+    ours is; [] when it cannot run."""
+    try:
+        import llama_cpp.server  # noqa: F401  (the optional extra: only its presence is checked here)
+        probe_llama_cpp(gguf, threads)
+    except ImportError as e:
+        print(f"no llama.cpp server rows: {e}", file=sys.stderr)
+        return []
+    import httpx
+
+    version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
+    try:
+        return _clients(lambda: _llama_cpp_server(gguf, threads), "llama.cpp", texts, clients, max_tokens,
+                        f"llama.cpp server {version}", None)
+    except (httpx.HTTPError, RuntimeError) as e:  # its failure costs its rows, not midlayer's
+        print(f"no llama.cpp server rows: {type(e).__name__}: {e}", file=sys.stderr)
+        return []
 
 
 def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | None = "lookup",
@@ -152,7 +194,7 @@ def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | N
     """Rows of the module docstring, for plain decoding, (with `draft`) speculative decoding, and (with
     `llama_cpp`, where it is installed) llama.cpp's server."""
     import torch
-    import uvicorn  # the serve extra
+    import uvicorn  # noqa: F401  (the serve extra: refused here, before the model loads, where it is missing)
 
     if not clients or min(clients) < 1 or requests_per_client < 1 or max_tokens < 1:
         raise ValueError("clients, requests per client and max_tokens must be >= 1")
@@ -166,18 +208,8 @@ def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | N
     for mode in ["plain"] + ([f"draft {draft}"] if draft else []):
         llm.attach(draft if mode != "plain" else None, tree="auto")
         ref = {t: llm.generate([{"role": "user", "content": t}], max_tokens=max_tokens).text for t in texts}
-        port = _free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(llm, model, max_queue=max(clients) * 2), host="127.0.0.1",
-                                               port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.02)
-        try:
-            rows += _clients(f"http://127.0.0.1:{port}", model, texts, clients, max_tokens, f"midlayer {mode}", ref)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=60)
+        rows += _clients(lambda: serving(create_app(llm, model, max_queue=max(clients) * 2)), model, texts, clients,
+                         max_tokens, f"midlayer {mode}", ref)
     gguf = str(resolve_pretrained(model).path)
     if llama_cpp and gguf.endswith(".gguf"):
         rows += _llama_cpp_rows(gguf, texts, clients, max_tokens, torch.get_num_threads())
