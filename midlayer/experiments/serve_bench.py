@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 from midlayer.api import LLM
 from midlayer.engine.pretrained import resolve_pretrained
 from midlayer.experiments.bench import heldout_texts, machine_line, probe_llama_cpp
-from midlayer.server import create_app
+from midlayer.server import create_app, require_serve_extra
 
 
 # Each row's warm-up request: a prompt outside every held-out set, so that no measured request finds its own
@@ -194,8 +194,8 @@ def bench_serve(model: str = "smollm2-135m", weights: str = "q4", draft: str | N
     """Rows of the module docstring, for plain decoding, (with `draft`) speculative decoding, and (with
     `llama_cpp`, where it is installed) llama.cpp's server."""
     import torch
-    import uvicorn  # noqa: F401  (the serve extra: refused here, before the model loads, where it is missing)
 
+    require_serve_extra()  # (before the model loads; `serving` imports uvicorn when a row starts)
     if not clients or min(clients) < 1 or requests_per_client < 1 or max_tokens < 1:
         raise ValueError("clients, requests per client and max_tokens must be >= 1")
     texts = heldout_texts(max(clients) * requests_per_client, prompts)
