@@ -56,19 +56,21 @@ def _prompts(seed: int = 1) -> list[list[int]]:
 SIXTEEN = [-1, -1, -1, 0, 0, 1, 2, 3, 5, 6]
 
 
-@pytest.mark.parametrize("parents,attn_rows,linear", [([-1, -1, 0, 1, 2], None, "torch"), (SIXTEEN, None, "torch"),
-                                                      (SIXTEEN, 8, "torch"), (SIXTEEN, None, "c")],
-                         ids=["N8", "N16", "N16-grouped", "N16-c-linear"])
-def test_step_and_round_trace_without_graph_breaks(models, parents, attn_rows, linear):
+@pytest.mark.parametrize("parents,attn_rows,linear,attention", [
+    ([-1, -1, 0, 1, 2], None, "torch", "torch"), (SIXTEEN, None, "torch", "torch"), (SIXTEEN, 8, "torch", "torch"),
+    (SIXTEEN, None, "c", "torch"), (SIXTEEN, None, "c", "c")],
+    ids=["N8", "N16", "N16-grouped", "N16-c-linear", "N16-c-attention"])
+def test_step_and_round_trace_without_graph_breaks(models, parents, attn_rows, linear, attention):
     """The proxy for CUDA-graph capture: torch.compile(fullgraph=True) fails on any graph break (a host read,
     a data-dependent branch, a ctypes call). Dynamo's own tracing decides that; the eager backend keeps the
     test fast. The traced round returns what the eager round returns: the same decisions, and logits and K/V
     to float rounding (on the CPU the eager step's RMSNorm and SwiGLU are C calls; traced, they are PyTorch's
-    ops: kernels._eligible). linear="c": the C linear is a custom op in the trace (kernels.linear_rows)."""
+    ops: kernels._eligible). linear="c": the C linear is a custom op in the trace (kernels.linear_rows);
+    attention="c": so are RoPE with the store and the attention (kernels.rope_store, attention_fused)."""
     model = models["fp32"]
     res = []
     for compiled in (False, True):
-        st = DecodeStep(model, max_len=64, buckets=(8, 16), attn_rows=attn_rows, linear=linear)
+        st = DecodeStep(model, max_len=64, buckets=(8, 16), attn_rows=attn_rows, linear=linear, attention=attention)
         st.prefill(torch.arange(10)[None] % V)
         depth = []
         for p in parents:
@@ -329,22 +331,26 @@ def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):
     count, so plain decoding runs one row. In fp32 the choice is the machine BLAS's: the CPU's fp32 GEMV at one
     row rounds otherwise than 8 rows (on every CPU seen), so fp32 never runs one row through the BLAS; an AMD
     EPYC's MKL gave the tiny model's rows the same bits from 8 rows up, an AVX-512 Xeon's from 16, where the C
-    fp32 linear (linear="c", from one row) is chosen. Every cheaper candidate fails the probe."""
+    fp32 linear (linear="c", from one row) is chosen. In fp32 the attention is the C kernels' where they are
+    built (attention="c"; q4 attends through them in any case). Every cheaper candidate fails the probe."""
+    from midlayer.engine.decode_step import c_attention_runs, kernels_run
+
     model = models[fmt]
     chosen, ok = invariant_buckets(model)
-    assert ok and chosen.attention == "torch"
-    cpu = [c for c in STEP_CANDIDATES if c.attention == "torch" and (c.linear == "torch" or fmt == "fp32" and
-                                                                    c.linear == "c")]
+    assert ok
+    cpu = [c for c in STEP_CANDIDATES if kernels_run(c, model)]  # (what the probe tries here)
     assert chosen in cpu
     if fmt == "q4":
-        assert chosen == cpu[0] and chosen.buckets[0] == 1
+        assert chosen == cpu[0] and chosen.buckets[0] == 1 and chosen.attention == "torch"
     else:
+        assert chosen.attention == ("c" if c_attention_runs(model) else "torch")
         assert chosen.buckets[0] >= 8 or chosen.linear == "c"
         for c in cpu[:cpu.index(chosen)]:
-            assert not DecodeStep(model, max_len=model.cfg.max_seq_len, buckets=c.buckets,
-                                  attn_rows=c.attn_rows, linear=c.linear).row_invariant()
+            assert not DecodeStep(model, max_len=model.cfg.max_seq_len, buckets=c.buckets, attn_rows=c.attn_rows,
+                                  attention=c.attention, linear=c.linear).row_invariant()
     buckets, rows = chosen.buckets, chosen.attn_rows
-    st = DecodeStep(model, max_len=32, buckets=buckets, attn_rows=rows, linear=chosen.linear)
+    st = DecodeStep(model, max_len=32, buckets=buckets, attn_rows=rows, attention=chosen.attention,
+                    linear=chosen.linear)
     assert st.invariant is None and st.row_invariant()
 
 
@@ -380,6 +386,58 @@ def test_the_c_linear_mends_a_blas_that_rounds_rows_by_count(monkeypatch):
         assert out == plain, kind
     with pytest.raises(ValueError, match="linear='c'"):
         DecodeStep(compress_weights(copy.deepcopy(model), "q4"), max_len=32, buckets=(8,), linear="c")
+
+
+def test_the_c_attention_replaces_attends_ops_and_stays_lossless(models, monkeypatch):
+    """attention="c" runs the step's attention through the q4 format's C calls (Attention._forward_kernels: RoPE
+    with the store, then the attention over the visible keys in slot order) for an fp32 model: `attend`'s
+    PyTorch ops never run; the logits of a prompt and of plain decoding are `attend`'s, the naive reference, to
+    fp32 rounding (the same formula, its sums in another order). Under a BLAS that rounds a row otherwise from
+    16 rows the probe chooses it with the C linear from one row, and every drafter's rounds through that step
+    give plain greedy output, token for token. A model whose K/V the kernels do not hold (bf16) or whose
+    projections are not fused is refused by name."""
+    from midlayer.engine.decode_step import c_attention_runs
+    from midlayer.ops import kernels
+
+    if not kernels.available():
+        pytest.skip(f"the C kernels are not built here: {kernels.unavailable_reason()}")
+    model = models["fp32"]
+    assert c_attention_runs(model)
+    prompt = _prompts()[2]
+
+    def decode(attention: str) -> tuple[list[torch.Tensor], list[int]]:
+        st = DecodeStep(model, max_len=100, buckets=(8, 16), attention=attention)
+        logits = [st.prefill(torch.tensor([prompt]))[0][0]]
+        toks = [int(logits[0][-1].argmax())]
+        for i in range(6):
+            logits.append(st.decode(torch.tensor([toks[-1]]), len(prompt) + i)[0][0])
+            toks.append(int(logits[-1].argmax()))
+        return logits, toks
+
+    ref, ref_toks = decode("torch")
+
+    def attend_ran(*args):
+        raise AssertionError("attend's PyTorch ops ran in a step with attention='c'")
+
+    monkeypatch.setattr(DecodeStep, "_attend_ops", attend_ran)
+    got, toks = decode("c")
+    assert toks == ref_toks
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    RowWiseBLAS(from_rows=16).install(monkeypatch)
+    assert invariant_buckets(copy.deepcopy(model), 150) == (StepKernels(BUCKET_CANDIDATES[0], attention="c",
+                                                                        linear="c"), True)
+    kw = dict(buckets=BUCKET_CANDIDATES[0], attention="c", linear="c")
+    plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=24), **kw)[0]
+    for kind, drafter in device_drafters(model).items():
+        step = DecodeStep(model, max_len=len(prompt) + 24 + _room(drafter, TREES[1]), **kw)
+        if kind == "hidden-transfer":
+            step.attach(drafter)
+        assert static_speculative_generate(model, prompt, drafter, TREES[1], 24, step=step)[0] == plain, kind
+    for other in (make_tiny(DIMS, False), copy.deepcopy(model).to(torch.bfloat16)):
+        assert not c_attention_runs(other)
+        with pytest.raises(ValueError, match="attention='c'"):
+            DecodeStep(other, max_len=32, buckets=(8,), attention="c")
 
 
 class _SplitK:

@@ -28,8 +28,9 @@ smallest bucket (8 rows; 1 in q4; 32 under the grouped candidate below) and gets
 does the attention's split (`attend`), as long as both use the same buckets (its window is the largest). In
 the q4 format every kernel is row-invariant at any M (kernels.py). On CUDA, cuBLAS picks its kernel by M
 (split-K for small M), so a row may differ between buckets. What holds is measured, not assumed:
-`buckets="auto"` takes the first of STEP_CANDIDATES (StepKernels: the buckets 1, 8 .. 256; 8 .. 256; on a CPU
-the same two with the linears in a C kernel that is row-invariant by construction, kernels.linear_rows; 32 .. 256
+`buckets="auto"` takes the first of STEP_CANDIDATES (StepKernels: on a CPU first with the attention in the q4
+format's C kernels, attention="c"; the buckets 1, 8 .. 256; 8 .. 256; on a CPU the same two with the linears in
+a C kernel that is row-invariant by construction, kernels.linear_rows; 32 .. 256
 with the attention's GEMMs in fixed groups, ATTN_ROWS; then the single bucket 256, where no kernel choice can
 depend on M) that the probe `DecodeStep.row_invariant` passes at the step's own cache size and in its mode
 (`invariant_buckets`), once per model, size, mode and process, and `DecodeStep.invariant` says whether one
@@ -81,7 +82,9 @@ WINDOW_ROWS = 32
 class StepKernels(NamedTuple):
     """What a static step runs its forwards with: the row counts of its forwards, `attend`'s row groups (None:
     one group), its attention ("torch": `attend` in PyTorch ops; "triton": ops/row_attention.py, and with it
-    the row-wise kernels of ops/fused_rows.py: RMSNorm, SwiGLU's product, RoPE with the K/V store) and its
+    the row-wise kernels of ops/fused_rows.py: RMSNorm, SwiGLU's product, RoPE with the K/V store; "c": the
+    CPU's C kernels of the q4 format, RoPE with the store and the attention over the visible keys in slot
+    order, row-invariant by construction: Attention._forward_kernels) and its
     linears ("torch": F.linear, i.e. the BLAS; "triton": ops/row_linear.py; "c": the CPU's C kernel,
     kernels.linear_rows, for fp32 and bf16 linears)."""
 
@@ -103,15 +106,21 @@ class StepKernels(NamedTuple):
 # BLAS that rounds a row by M at every size, an AVX-512 Xeon's MKL, where SmolLM2's fp32 static step otherwise ran
 # 256 rows a token: 731 against 68 ms/token; docs/results/static-step.md); several sizes from ATTN_ROWS up with
 # attention in groups (at batch 1 a linear's cost is reading its weights, the same for 32 rows as for 8:
-# reasoned, not measured); one size for every forward (no kernel choice can then depend on M).
+# reasoned, not measured); one size for every forward (no kernel choice can then depend on M). On a CPU with the
+# C kernels built, the attention's C kernels come first (`c_attention_runs`: three C calls a layer where
+# `attend` is ~60 PyTorch ops; SmolLM2's fp32 plain step 89 -> 59 ms on an AVX-512 Xeon), with PyTorch's
+# linears from one row and from 8, then with the C linear (which with them is row-invariant at every M).
 _ALL = (1, 8, 16, 32, 64, 128, 256)
 STEP_CANDIDATES: tuple[StepKernels, ...] = (
     StepKernels(_ALL, attention="triton"), StepKernels(_ALL[1:], attention="triton"),
     StepKernels(_ALL, attention="triton", linear="triton"),
+    StepKernels(_ALL, attention="c"), StepKernels(_ALL[1:], attention="c"),
+    StepKernels(_ALL, attention="c", linear="c"),
     StepKernels(_ALL), StepKernels(_ALL[1:]), StepKernels(_ALL, linear="c"), StepKernels(_ALL[1:], linear="c"),
     StepKernels(_ALL[3:], ATTN_ROWS), StepKernels((256,)))
 BUCKET_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(dict.fromkeys(c.buckets for c in STEP_CANDIDATES))
-ATTENTIONS = ("torch", "triton")  # `DecodeStep.attention`: `attend` in PyTorch ops, or the row-attention kernel
+# `DecodeStep.attention`: `attend` in PyTorch ops, the row-attention kernel, or the CPU's C kernels
+ATTENTIONS = ("torch", "triton", "c")
 # `DecodeStep.linear`: F.linear as PyTorch runs it, the row-linear kernel, or the CPU's C kernel (fp32, bf16)
 LINEARS = ("torch", "triton", "c")
 # The Triton kernels' self-checks (their value against the formula, which the probe, comparing bits, does not
@@ -209,10 +218,15 @@ def _check_kernels(model: Transformer, attention: str, linear: str) -> tuple[str
             raise ValueError(f"{name}='triton': {triton_build.NEEDS}")
         if value == "triton" and model.tok_embeddings.weight.dtype not in triton_build.TYPES:
             raise ValueError(f"{name}='triton' runs fp32 or bf16 models, not {model.tok_embeddings.weight.dtype}")
+    why = "" if dev.type != "cpu" or c_kernels.available() else f" (the kernels: {c_kernels.unavailable_reason()})"
     if linear == "c" and not c_linear_runs(model):
-        why = "" if c_kernels.available() else f" (the kernels: {c_kernels.unavailable_reason()})"
         raise ValueError("linear='c' (the C linear) runs an fp32 or bf16 model on the CPU, its linears F.linear's "
                          f"(not int4's or q4's), with the kernels built{why}")
+    if attention == "c" and not c_attention_runs(model):
+        raise ValueError("attention='c' (the C attention) runs a model on the CPU whose K/V the kernels hold "
+                         f"({' or '.join(str(t).split('.')[-1] for t in c_kernels.KV_DTYPES)}; this one's "
+                         f"{str(kv_dtype(model)).split('.')[-1]}), its q|k|v fused (fuse_projections), without "
+                         f"q/k norms, not in the q4 format (whose own C path attends), with the kernels built{why}")
     return attention, linear
 
 
@@ -220,7 +234,7 @@ def kernels_run(cand: StepKernels, model: Transformer) -> bool:
     """Whether the kernels `cand` names can run `model` here: Triton's on CUDA with Triton (`triton_kernels`),
     the C linear on the CPU (`c_linear_runs`); PyTorch's ops everywhere."""
     return (("triton" not in (cand.attention, cand.linear) or triton_kernels(model))
-            and (cand.linear != "c" or c_linear_runs(model)))
+            and (cand.linear != "c" or c_linear_runs(model)) and (cand.attention != "c" or c_attention_runs(model)))
 
 
 def c_linear_runs(model: Transformer) -> bool:
@@ -231,6 +245,19 @@ def c_linear_runs(model: Transformer) -> bool:
     w = model.tok_embeddings.weight
     return (w.device.type == "cpu" and w.dtype in c_kernels.LINEAR_DTYPES
             and getattr(model, "weight_format", None) in (None, "fp32", "bf16") and c_kernels.available())
+
+
+def c_attention_runs(model: Transformer) -> bool:
+    """Whether the step's attention can run the CPU's C kernels (attention="c": Attention._forward_kernels, the
+    q4 format's RoPE with the store and its attention) for `model`: on the CPU, a KV cache of fp32 or fp16 (a
+    bf16 model's is bf16, which they do not read), every block's q|k|v fused and without q/k norms (what
+    `_forward_kernels` takes), not in the q4 format (which attends through them already), the library built."""
+    w = model.tok_embeddings.weight
+    return (w.device.type == "cpu" and kv_dtype(model) in c_kernels.KV_DTYPES
+            and getattr(model, "weight_format", None) != "q4"
+            and all(getattr(b, "attention", None) is not None and b.attention.wqkv is not None
+                    and b.attention.q_norm is None for b in model.layers)
+            and c_kernels.available())
 
 
 def _attention_kernels(device: torch.device | None = None) -> bool:
@@ -325,6 +352,10 @@ class StaticView(CacheView):
     calls of the dynamic engine, so the two give the same bits."""
 
     direct = True
+
+    @property
+    def c_attention(self) -> bool:
+        return self.step.attention == "c"  # (Attention._forward_kernels: the q4 format's C calls, any format)
 
     def __init__(self, step: "DecodeStep", layer: int) -> None:
         self.step, self.layer = step, layer

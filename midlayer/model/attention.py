@@ -223,7 +223,8 @@ def flex_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class Attention(nn.Module):
     """GQA self-attention. Projection names follow the Llama reference (wq, wk, wv, wo); no biases unless
     `qkv_bias` (Qwen2). `fuse()` (inference) joins q|k|v into one projection `wqkv`; `row_invariant` (set by
-    the q4 weight format) routes cached attention through the row-invariant kernel (kernels.attention)."""
+    the q4 weight format) routes cached attention through the row-invariant kernel (kernels.attention), as a
+    cache view's `c_attention` does for any format."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -325,9 +326,9 @@ class Attention(nn.Module):
                 raise ValueError("Attention.forward takes queries made by `project` only where `projects` says so")
             return self.wo(cache.attend_rotated(self, q).transpose(1, 2).reshape(B, T, -1))
         cos, sin = self.rope_tables(cos, sin)
-        if (cache is not None and cache.direct and self.row_invariant and self.wqkv is not None
-                and x.device.type == "cpu" and cache.k_buffer.dtype in kernels.KV_DTYPES and kernels.available()
-                and self.q_norm is None):
+        if (cache is not None and cache.direct and (self.row_invariant or cache.c_attention)
+                and self.wqkv is not None and x.device.type == "cpu" and cache.k_buffer.dtype in kernels.KV_DTYPES
+                and kernels.available() and self.q_norm is None):
             return self._forward_kernels(x, cos, sin, cache)
         if cache is not None and self.wqkv is not None and self.q_norm is None and cache.fuses_rope(x):
             # RoPE, the K/V store and the attention in the view's own kernels (decode_step.StaticView)
@@ -357,8 +358,10 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
     def _forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
-        """The cached step of the q4 format: projection, RoPE + cache store and attention in three C calls,
-        every one row-invariant (kernels.py). Same result as the PyTorch path up to float rounding."""
+        """The cached step of the q4 format, and of any format in a static step with attention="c"
+        (cache.c_attention): projection, RoPE + cache store and attention in three C calls, every one
+        row-invariant (kernels.py; the projection through the step's linear). Same result as the PyTorch path
+        up to float rounding."""
         B, T, _ = x.shape
         H, Hk, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).float()

@@ -430,9 +430,12 @@ class CacheView:
     A `direct` view lets the q4 C kernels store the new rows' K/V and attend in place (attention.Attention.
     _forward_kernels, model.Block._forward_fused), through: `k_buffer` / `v_buffer`, this layer's cache
     [B, Hk, S_max, d]; `query_slots` [B, M], where the rows go; `finish(M, device)`, which records what the
-    forward commits and returns the additive mask [B, 1, M, length]; and `length`, the slots read."""
+    forward commits and returns the additive mask [B, 1, M, length]; and `length`, the slots read. The q4
+    format's attention takes them wherever the view is direct; another model's where the view's `c_attention`
+    says so (decode_step.StaticView, a step with attention="c")."""
 
     direct = False
+    c_attention = False
     query_slots: torch.Tensor
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -34,6 +34,7 @@ then False and the engine stops calling the format lossless).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import platform
@@ -55,6 +56,24 @@ from midlayer.common import cache_dir, file_sha256
 
 QK = 32  # elements per quantisation block (Q4_1, Q8_0, Q8 activations)
 _SRC = Path(__file__).with_name("csrc") / "qkernels.c"
+
+
+def _unintercepted(fn: Callable) -> Callable:
+    """`fn` run with PyTorch's torch-function handling off: its shape checks, strides and pointers are then
+    C++ calls, not Python dispatches of a TorchFunctionMode. Inside the static step's forward
+    (row_linear.RowLinears, which sends the linears to the C kernel) every tensor call of a wrapper below would
+    otherwise cross Python: ~3,000 a SmolLM2 step, 10 ms of a 45 ms fp32 step on an AVX-512 Xeon
+    (docs/results/static-step.md). With no mode active (the dynamic engine) or inside a torch.compile trace
+    (dynamo traces `fn`) it changes nothing."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch._C._is_torch_function_mode_enabled() or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 # ============================================================================================ the CPU
@@ -651,6 +670,7 @@ def _eligible(x: torch.Tensor) -> bool:
 
 
 # ====================================================================================== RMSNorm
+@_unintercepted
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim in one C call (fp32 CPU, no autograd);
     None where that does not apply (the caller computes it in PyTorch)."""
@@ -667,6 +687,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor |
 
 
 # ======================================================================================== SwiGLU
+@_unintercepted
 def silu_mul(ab: torch.Tensor) -> torch.Tensor | None:
     """silu(a) * b for ab = [a | b] [..., 2h] (a GLU's fused w1|w3 output) -> [..., h] in one C call (fp32 CPU,
     no autograd), row-invariant; None where that does not apply (the caller computes it in PyTorch). Its
@@ -711,10 +732,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 # ========================================================================== RoPE + KV-cache store
+@_unintercepted
 def rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """For a fused projection qkv [B, T, (H + 2 Hk) d] (contiguous fp32): rotate q in place (RoPE,
-    rotate-half), and write rotated k and v to k_cache/v_cache [B, Hk, S_max, d] at slots [B, T]."""
+    rotate-half), and write rotated k and v to k_cache/v_cache [B, Hk, S_max, d] at slots [B, T]. In a
+    torch.compile trace, the custom op midlayer::rope_store (the same C call)."""
     B, T, _ = qkv.shape
     D = k_cache.shape[-1]
     # reshape/convert only when needed: each costs ~2 us, and this runs once per layer per decode step
@@ -726,9 +749,20 @@ def rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tens
         raise ValueError(f"{slots.numel()} slots for {B} x {T} rows")
     if slots.dtype != torch.long or not slots.is_contiguous():
         slots = slots.to(torch.long).contiguous()
-    library().qk_rope_store(qkv.data_ptr(), qkv.stride(0), B, T, n_heads, n_kv_heads, D, cos.data_ptr(),
-                            sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                            k_cache.stride(1), slots.data_ptr(), _kv16(k_cache))
+    _kv16(k_cache)  # (a cache the kernels cannot hold is refused here, in a trace too)
+    if torch.compiler.is_compiling():
+        torch.ops.midlayer.rope_store(qkv, n_heads, n_kv_heads, cos, sin, k_cache, v_cache, slots)
+    else:
+        _rope_store_c(qkv, n_heads, n_kv_heads, cos, sin, k_cache, v_cache, slots)
+
+
+def _rope_store_c(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """`rope_store`'s C call, its operands checked and laid out."""
+    B, T, _ = qkv.shape
+    library().qk_rope_store(qkv.data_ptr(), qkv.stride(0), B, T, n_heads, n_kv_heads, k_cache.shape[-1],
+                            cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                            k_cache.stride(0), k_cache.stride(1), slots.data_ptr(), _kv16(k_cache))
 
 
 # ===================================================================================== attention
@@ -791,23 +825,48 @@ def _mask_for_kernel(mask: torch.Tensor | None, B: int, H: int, T: int, S: int) 
     return mask.float().expand(B, mh, T, S).contiguous(), mh
 
 
+@_unintercepted
 def attention_fused(qkv: torch.Tensor, n_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     mask: torch.Tensor | None, n_keys: int) -> torch.Tensor:
     """`attention` for the cached step, straight from the fused projection: the queries are the first
     n_heads * d columns of qkv [B, T, (H + 2 Hk) d] (contiguous fp32, RoPE applied), keys/values the first
     n_keys slots of the cache layers [B, Hk, S_max, d]; mask [B, 1 or H, T, n_keys] or None.
     Returns [B, T, H d]. The same C call and bits as `attention`, without its views and copies (one
-    tensor allocated): the decode step calls this once per layer."""
+    tensor allocated): the decode step calls this once per layer. In a torch.compile trace, the custom op
+    midlayer::attention_fused (the same C call: the static step's attention="c" traces whole)."""
+    mask, mh = _mask_for_kernel(mask, qkv.shape[0], n_heads, qkv.shape[1], n_keys)
+    _kv16(k_cache)
+    if torch.compiler.is_compiling():
+        return torch.ops.midlayer.attention_fused(qkv, n_heads, k_cache, v_cache, mask, n_keys, mh)
+    return _attention_fused_c(qkv, n_heads, k_cache, v_cache, mask, n_keys, mh)
+
+
+def _attention_fused_c(qkv: torch.Tensor, n_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       mask: torch.Tensor | None, n_keys: int, mh: int) -> torch.Tensor:
+    """`attention_fused`'s C call, the mask laid out for it (`_mask_for_kernel`)."""
     B, T, _ = qkv.shape
     Hk, D = k_cache.shape[1], k_cache.shape[3]
-    mask, mh = _mask_for_kernel(mask, B, n_heads, T, n_keys)
     out = torch.empty(B, T, n_heads * D)
     ks = k_cache.stride()
     library().qk_attention(qkv.data_ptr(), qkv.stride(0), qkv.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                            ks[0], ks[1], ks[2], None if mask is None else mask.data_ptr(), B, T, n_heads, Hk,
-                           n_keys, D, float(D ** -0.5), out.data_ptr(), _workspace(8 * B * T * n_heads * n_keys).data_ptr(),
-                           mh, _kv16(k_cache))
+                           n_keys, D, float(D ** -0.5), out.data_ptr(),
+                           _workspace(8 * B * T * n_heads * n_keys).data_ptr(), mh, _kv16(k_cache))
     return out
+
+
+# The C calls of RoPE with the store and of the cached attention as PyTorch custom ops, as `linear_rows`'s: what
+# a torch.compile trace of the static step with attention="c" calls. Registered at import, once a process.
+if not hasattr(torch.ops.midlayer, "rope_store"):
+    torch.library.custom_op(
+        "midlayer::rope_store", _rope_store_c, mutates_args=("qkv", "k_cache", "v_cache"),
+        schema="(Tensor(a!) qkv, int n_heads, int n_kv_heads, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+               "Tensor(c!) v_cache, Tensor slots) -> ()").register_fake(lambda *args: None)
+    torch.library.custom_op(
+        "midlayer::attention_fused", _attention_fused_c, mutates_args=(),
+        schema="(Tensor qkv, int n_heads, Tensor k_cache, Tensor v_cache, Tensor? mask, int n_keys, int mh) -> Tensor"
+    ).register_fake(lambda qkv, n_heads, k_cache, v_cache, mask, n_keys, mh: qkv.new_empty(
+        (qkv.shape[0], qkv.shape[1], n_heads * k_cache.shape[3]), dtype=torch.float32))
 
 
 # ================================================================================ a whole block
