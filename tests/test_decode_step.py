@@ -1203,6 +1203,9 @@ def test_bench_statics_table_by_hand():
     table = static_table(dict(tables={"bf16": dict(rows=[], **inv)}), header=False)
     assert "bf16 (buckets cudagraph: (1, 8) row-invariant, cudagraph, both kernels: (1, 8) row-linear kernel " \
            "not probed)" in table
+    cpu = dict(invariant={"eager": True}, buckets={"eager": (1, 8)}, attention={"eager": "c"}, linear={"eager": "c"})
+    assert "fp32 (buckets eager: (1, 8) C attention C linear row-invariant)" in static_table(
+        dict(tables={"fp32": dict(rows=[], **cpu)}), header=False)
 
 
 def test_the_bench_times_the_linear_kernel_beside_a_chosen_cublas_step(monkeypatch):

@@ -373,6 +373,7 @@ def static_table(r: dict, dtypes: Sequence[str] | None = None, header: bool = Tr
         grouped, kernel, lin = t.get("attn_rows", {}), t.get("attention", {}), t.get("linear", {})
         inv = ", ".join(f"{g}: {t['buckets'][g]}{f' attention in groups of {grouped[g]}' if grouped.get(g) else ''}"
                         f"{' row-attention kernel' if kernel.get(g) == 'triton' else ''}"
+                        f"{' C attention' if kernel.get(g) == 'c' else ''}"
                         f"{' row-linear kernel' if lin.get(g) == 'triton' else ''}"
                         f"{' C linear' if lin.get(g) == 'c' else ''} "
                         f"{'row-invariant' if ok else 'not probed' if ok is None else 'NOT row-invariant'}"
