@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from fractions import Fraction
 import sys
 import textwrap
 from pathlib import Path
@@ -140,15 +141,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-def _lane_order_by_hand(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def _fma_by_hand(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """fma(a, b, c) of finite fp32: a b + c exactly (fractions), then the nearest fp32, a tie to the even one."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = np.float32(float(exact))
+    cands = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    return min(cands, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.array(v).view(np.uint32)) & 1))
+
+
+def _lane_order_by_hand(x: np.ndarray, w: np.ndarray, fused: bool = True) -> np.ndarray:
     """The fp32 linear's formula (qkernels.c) one scalar at a time in numpy float32: lane j sums x[k] w[k] for
-    k = j, j + 16, ... in order, then s_j = L_j + L_(j+8) and ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))."""
+    k = j, j + 16, ... in order, each a fused multiply-add (`fused`; else a rounded product, then a rounded
+    sum), then s_j = L_j + L_(j+8) and ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))."""
     y = np.zeros((x.shape[0], w.shape[0]), np.float32)
     for m in range(x.shape[0]):
         for n in range(w.shape[0]):
             lanes = [np.float32(0)] * 16
             for k in range(x.shape[1]):
-                lanes[k % 16] = np.float32(lanes[k % 16] + np.float32(x[m, k] * w[n, k]))
+                lanes[k % 16] = (_fma_by_hand(x[m, k], w[n, k], lanes[k % 16]) if fused else
+                                 np.float32(lanes[k % 16] + np.float32(x[m, k] * w[n, k])))
             s = [np.float32(lanes[j] + lanes[j + 8]) for j in range(8)]
             y[m, n] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]))
     return y
@@ -167,6 +178,8 @@ def test_linear_rows_is_its_formula_at_every_simd_level(dtype):
     hand = torch.from_numpy(_lane_order_by_hand(x.float().numpy(), w.float().numpy()))
     assert torch.equal(_bits(kernels.linear_rows_reference(x, w)), _bits(hand))
     assert not torch.equal(hand, (x.double() @ w.double().T).float())  # (another order: the test can tell)
+    if dtype == torch.float32:  # (a bf16 product is exact in fp32: fused or not, the same sums)
+        assert not torch.equal(hand, torch.from_numpy(_lane_order_by_hand(x.numpy(), w.numpy(), fused=False)))
     assert torch.equal(kernels.linear_rows(x, w), hand.to(dtype))
     b = torch.randn(3, generator=g).to(dtype)  # the bias joins the fp32 sum, rounded to the dtype once
     assert torch.equal(kernels.linear_rows(x, w, b), (hand + b.float()).to(dtype))
@@ -188,6 +201,35 @@ def test_linear_rows_is_its_formula_at_every_simd_level(dtype):
     finally:
         kernels.set_simd(True)
     assert torch.isnan(want[2]).all() and torch.isnan(want[3, ::2]).all() and (_bits(want[4]) == 0).all()
+
+
+def test_the_fma_reference_rounds_once_where_fp64_would_round_twice():
+    """`fma_reference` (the C linear's fmaf / vfmadd in PyTorch) against the exact sum: a b + c = 1 + 2^-23 +
+    2^-24 - 2^-54, just below the tie between 1 + 2^-23 and 1 + 2^-22. Its fp64 sum is the tie itself, which
+    rounds to the even 1 + 2^-22; fma rounds the exact sum once, to 1 + 2^-23. A rounded product then a rounded
+    sum gives 1 + 2^-22 too. The C linear at every SIMD level (K = 17: lane 0 sums c * 1, then a * b) gives
+    fma's, as does its reference; and random values (subnormal products among them) give the hand formula's
+    bits."""
+    a, b, c = (torch.tensor([v], dtype=torch.float32) for v in (2.0 ** -24 * (1 + 2.0 ** -15), 1 - 2.0 ** -15,
+                                                                  1 + 2.0 ** -23))
+    assert float((a.double() * b.double() + c.double()).float()) == 1 + 2.0 ** -22  # (the double rounding)
+    assert float(c + a * b) == 1 + 2.0 ** -22  # (unfused)
+    assert float(kernels.fma_reference(a, b, c)) == 1 + 2.0 ** -23
+    x, w = torch.zeros(1, 17), torch.zeros(1, 17)
+    x[0, 0], w[0, 0], x[0, 16], w[0, 16] = c, 1.0, a, b
+    assert float(kernels.linear_rows_reference(x, w)) == 1 + 2.0 ** -23
+    try:
+        for level in kernels.simd_levels():
+            kernels.set_simd(level)
+            assert float(kernels.linear_rows(x, w)) == 1 + 2.0 ** -23, level
+    finally:
+        kernels.set_simd(True)
+    g = torch.Generator().manual_seed(9)
+    a, b, c = (torch.randn(300, generator=g) * torch.logspace(-18, 18, 300)[torch.randperm(300, generator=g)]
+               for _ in range(3))
+    a[:20] = 2.0 ** -140  # subnormal products and sums
+    want = [_fma_by_hand(*(np.float32(t[i]) for t in (a, b, c))) for i in range(300)]
+    assert torch.equal(_bits(kernels.fma_reference(a, b, c)), _bits(torch.tensor(np.array(want))))
 
 
 def test_linear_rows_gives_a_row_its_bits_whatever_shares_the_call(monkeypatch):

@@ -589,18 +589,37 @@ LANES = 16  # the row linear's lanes (qkernels.c, "fp32 and bf16 linears, row-in
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def fma_reference(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c for fp32 tensors, rounded once to fp32 (IEEE 754's fusedMultiplyAdd, C's fmaf), elementwise, in
+    fp64 arithmetic. The product of two fp32 is exact in fp64 (48 significant bits). Its sum with c rounds to
+    fp64, and Knuth's TwoSum recovers that rounding's error exactly. Rounding the fp64 sum to fp32 then gives
+    the exact sum's rounding except where the sum landed on a tie between two fp32 that the exact sum was not
+    on; the error's sign says which side the exact sum lies."""
+    p, cd = a.double() * b.double(), c.double()
+    s = p + cd
+    bb = s - p
+    err = (p - (s - bb)) + (cd - bb)  # s + err == p + c exactly (TwoSum)
+    r = s.float()
+    inf = torch.tensor(float("inf"), dtype=torch.float32, device=r.device)
+    other = torch.nextafter(r, torch.where(s > r.double(), inf, -inf))  # r's neighbour on s's side
+    tie = (r.double() + other.double()) * 0.5 == s  # (exact: two adjacent fp32 and their half in fp64)
+    up = torch.where(err > 0, torch.maximum(r, other), torch.minimum(r, other))
+    return torch.where(tie & (err != 0) & err.isfinite(), up, r)  # (inf, NaN: err is NaN, and r is fma's)
+
+
 def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in fp32 in the C kernel's lane order, in PyTorch, bit for bit: lane j sums the
-    products of k = j, j + 16, ... in increasing k (x and w widened to fp32 and padded with +0 to a multiple of
-    16; each product and sum rounded, no fused multiply-add), then s_j = L_j + L_(j+8) and hsum8's tree
-    ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7)). Returns fp32. Slow (K / 16 elementwise steps over [M, N, 16]): the
-    tests' reference, and the path where the library is missing."""
+    products of k = j, j + 16, ... in increasing k, each a fused multiply-add L_j <- fma(x_k, w_k, L_j) (x and w
+    widened to fp32 and padded with +0 to a multiple of 16; `fma_reference`; a bf16 product is exact in fp32, so
+    there fused and unfused agree), then s_j = L_j + L_(j+8) and hsum8's tree ((s0+s4)+(s2+s6)) +
+    ((s1+s5)+(s3+s7)). Returns fp32. Slow (K / 16 elementwise steps over [M, N, 16]): the tests' reference, and
+    the path where the library is missing."""
     M, K = x.shape
     pad = -K % LANES
     xp, wp = (torch.nn.functional.pad(t.float(), (0, pad)) for t in (x, weight))
     lanes = torch.zeros(M, weight.shape[0], LANES, dtype=torch.float32, device=x.device)
     for k in range(0, K + pad, LANES):
-        lanes = lanes + xp[:, None, k:k + LANES] * wp[None, :, k:k + LANES]
+        lanes = fma_reference(xp[:, None, k:k + LANES], wp[None, :, k:k + LANES], lanes)
     s = lanes[..., :8] + lanes[..., 8:]
     t = s[..., :4] + s[..., 4:]  # (s0+s4, s1+s5, s2+s6, s3+s7)
     u = t[..., :2] + t[..., 2:]  # ((s0+s4)+(s2+s6), (s1+s5)+(s3+s7))
