@@ -15,12 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import uvicorn
+import uvicorn  # noqa: F401  (the serve extra, which every test here needs)
 import torch
 
 from midlayer.api import LLM
 from midlayer.engine.quantization import compress_weights
 from midlayer.ops import kernels
+from midlayer.experiments.serve_bench import serving
 from midlayer.server import create_app
 from test_api import llm  # noqa: F401  (the tiny model with a tiny ChatML tokenizer, a fixture)
 
@@ -28,22 +29,15 @@ NAME = "tiny"
 
 
 class Running:
+    """`app` served now (serve_bench.serving, the bench's server: a port the OS picks, so parallel test workers
+    cannot race for one), until `stop`; either fails the test past 30 s (RuntimeError)."""
+
     def __init__(self, app) -> None:
-        # port 0: the server binds a port the OS picks, so parallel test workers cannot race for one
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        t = time.time()
-        while not self.server.started:
-            assert time.time() - t < 30, "the server did not start"
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._serving = serving(app, timeout=30)
+        self.url = self._serving.__enter__()
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the server did not stop"
+        self._serving.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -653,7 +647,7 @@ def test_bench_serves_client_rows_count_tokens_and_reused_prompt_tokens(llm):  #
     of the prompts reused (the server's prefix reuse). Each row has a fresh server: a second row of the same
     requests reuses what the first did, not the first row's prompts whole (59th session: the rows shared one
     server, and its warm-up asked the first measured prompt)."""
-    from midlayer.experiments.serve_bench import _clients, _one_request, serve_table, serving
+    from midlayer.experiments.serve_bench import _clients, _one_request, serve_table
 
     q4 = LLM(compress_weights(copy.deepcopy(llm.model), "q4"), llm.tokenizer, "tiny", "q4")
     q4.prefix_reuse = 4

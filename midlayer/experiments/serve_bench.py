@@ -44,22 +44,28 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """A uvicorn server of the ASGI `app` in a thread on a port the OS picks; yields its URL, stops it after."""
+def serving(app: Any, timeout: float = 60.0) -> Iterator[str]:
+    """A uvicorn server of the ASGI `app` in a thread on a port the OS picks; yields its URL, stops it after.
+    RuntimeError if it has not started within `timeout` seconds, or has not stopped within them once asked.
+    (Also the tests' server: tests/test_server.Running.)"""
     import uvicorn  # the serve extra
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    t0 = time.perf_counter()
     while not server.started:
-        if not thread.is_alive():
+        if not thread.is_alive() or time.perf_counter() - t0 > timeout:
+            server.should_exit = True
             raise RuntimeError("the server did not start")
         time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
         server.should_exit = True
-        thread.join(timeout=60)
+        thread.join(timeout=timeout)
+    if thread.is_alive():
+        raise RuntimeError("the server did not stop")
 
 
 def _pct(values: list[float], q: float) -> float:
