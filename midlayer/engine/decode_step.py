@@ -255,12 +255,10 @@ def c_attention_runs(model: Transformer) -> bool:
     q4 format's RoPE with the store and its attention) for `model`: on the CPU, a KV cache of fp32 or fp16 (a
     bf16 model's is bf16, which they do not read), every block's q|k|v fused and without q/k norms (what
     `_forward_kernels` takes), not in the q4 format (which attends through them already), the library built."""
-    w = model.tok_embeddings.weight
-    return (w.device.type == "cpu" and kv_dtype(model) in c_kernels.KV_DTYPES
-            and getattr(model, "weight_format", None) != "q4"
-            and all(getattr(b, "attention", None) is not None and b.attention.wqkv is not None
-                    and b.attention.q_norm is None for b in model.layers)
-            and c_kernels.available())
+    dev, kv = model.tok_embeddings.weight.device, kv_dtype(model)
+    return (getattr(model, "weight_format", None) != "q4"
+            and all(getattr(b, "attention", None) is not None and b.attention.kernels_take(dev, kv)
+                    for b in model.layers))
 
 
 def _attention_kernels(device: torch.device | None = None) -> bool:

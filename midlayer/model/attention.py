@@ -327,8 +327,7 @@ class Attention(nn.Module):
             return self.wo(cache.attend_rotated(self, q).transpose(1, 2).reshape(B, T, -1))
         cos, sin = self.rope_tables(cos, sin)
         if (cache is not None and cache.direct and (self.row_invariant or cache.c_attention)
-                and self.wqkv is not None and x.device.type == "cpu" and cache.k_buffer.dtype in kernels.KV_DTYPES
-                and kernels.available() and self.q_norm is None):
+                and self.kernels_take(x.device, cache.k_buffer.dtype)):
             return self._forward_kernels(x, cos, sin, cache)
         if cache is not None and self.wqkv is not None and self.q_norm is None and cache.fuses_rope(x):
             # RoPE, the K/V store and the attention in the view's own kernels (decode_step.StaticView)
@@ -356,6 +355,13 @@ class Attention(nn.Module):
         else:
             out = cache.attention(self, q, k, v)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def kernels_take(self, device: torch.device, kv: torch.dtype) -> bool:
+        """Whether `_forward_kernels` can run this attention with activations on `device` over K/V of dtype `kv`:
+        on the CPU, q|k|v fused, no q/k norms, K/V the kernels hold, the library built. (What a static step's
+        attention="c" is allowed on: decode_step.c_attention_runs.)"""
+        return (self.wqkv is not None and self.q_norm is None and device.type == "cpu" and kv in kernels.KV_DTYPES
+                and kernels.available())
 
     def _forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         """The cached step of the q4 format, and of any format in a static step with attention="c"
