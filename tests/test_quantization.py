@@ -65,16 +65,20 @@ def test_int4_kernel_equals_its_reference():
     no_bias.weight.data.copy_(w)
     bare = Int4Linear(no_bias)
     assert layer.packed is not None and bare.packed is not None
+    gen = torch.Generator().manual_seed(222)  # (with the global RNG at seed 222 the old bound, 2^-8, failed)
     for shape in [(1, 160), (3, 7, 160)]:
-        x = torch.randn(*shape)
+        x = torch.randn(*shape, generator=gen)
         fast, ref = layer(x), layer.reference(x)
         assert fast.dtype == torch.float32 and fast.shape == (*shape[:-1], 96)
         assert torch.allclose(fast, ref, atol=2e-2, rtol=1e-2), (fast - ref).abs().max()
         # Both multiply bf16 activations by the same bf16-exact weights and round to bf16 (the bias is added
-        # after, in fp32); only the fp32 accumulation's order differs: at most the last bf16 bit (2^-8)
+        # after, in fp32); only the fp32 accumulation's order differs: at most the last bf16 bit, one unit in
+        # the last place of the reference's value, 2^(e - 8) for |value| in [2^(e-1), 2^e) (up to 2^-7 of it:
+        # a relative bound of 2^-8 failed 1 draw in 300, -0.014404 against -0.014343)
         mm_fast, mm_ref = bare(x), bare.reference(x)
         assert torch.equal(mm_ref, mm_ref.bfloat16().float())
-        assert torch.allclose(mm_fast, mm_ref, atol=0, rtol=2 ** -8), ((mm_fast - mm_ref) / mm_ref).abs().max()
+        ulp = torch.ldexp(torch.ones_like(mm_ref), torch.frexp(mm_ref).exponent - 8)
+        assert ((mm_fast - mm_ref).abs() <= ulp).all(), ((mm_fast - mm_ref).abs() / ulp).max()
         exact = x.bfloat16().float() @ layer.dequantized().float().t() + lin.bias
         assert torch.allclose(fast, exact, atol=2e-2, rtol=1e-2)
 
