@@ -890,3 +890,83 @@ def test_two_threads_get_their_own_results_and_build_the_library_once(tmp_path):
     os.umask(umask)
     built = [p for p in (tmp_path / "cache").rglob("*.so")]
     assert len(built) == 1 and built[0].stat().st_mode & 0o777 == 0o777 & ~umask  # as the compiler makes it
+
+
+def test_the_portable_build_gives_the_bits_of_this_one(tmp_path, monkeypatch):
+    """A CPU other than x86-64 (arm64: Apple silicon, Graviton) compiles the scalar versions alone, which is what
+    -DQK_PORTABLE builds here. That build has no SIMD level above 0, and every kernel it holds gives the bits of
+    this machine's build at its best level: the GEMMs, the fp32 and bf16 linears, top-k with its logsumexp,
+    RMSNorm, SwiGLU, RoPE with the store into fp32 and fp16 caches, attention over both, and a q4 model's
+    verification forward (one C call for its blocks) and its tree's logits. (An aarch64 build run under qemu
+    gave these bits too: docs/results/decode-cpu.md, 61st session.)"""
+    kernels.compile_library(kernels._SRC, tmp_path / "portable.so", portable=True)
+    portable, shipped = kernels.open_library(tmp_path / "portable.so"), kernels.library()
+    portable.qk_set_simd(3)
+    assert portable.qk_simd_level() == 0 and portable.qk_gemm_tiles() == 0 and portable.qk_linear_tiles() == 0
+    g = torch.Generator().manual_seed(21)
+    w, x = _weights(101, 256, seed=4)
+    packed, scales = kernels.quantize_q4_1(w)
+    codes, d = kernels.quantize_q8_0(w)
+    wf, xf = torch.randn(37, 200, generator=g), torch.randn(9, 200, generator=g)
+    logits = torch.randn(5, 300, generator=g)
+    logits[1, 7] = float("nan")
+    ab = torch.randn(6, 2 * 48, generator=g)
+    nw = torch.randn(64, generator=g)
+    B, T, H, Hk, D = 1, 5, 4, 2, 32
+    qkv = torch.randn(B, T, (H + 2 * Hk) * D, generator=g)
+    cos, sin = torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
+    slots = torch.tensor([[6, 0, 3, 7, 2]])
+    mask = torch.zeros(B, 1, T, 9)
+    mask[0, 0, :, 4] = float("-inf")
+    model = _q4(seed=2)
+    ids = torch.randint(0, V, (1, 16), generator=g)
+    tree = DraftTree([(0,), (1,), (0, 0), (1, 0)])
+
+    def outputs() -> list[torch.Tensor]:
+        out = [kernels.gemm_q4_1(x[:M], packed, scales, 101) for M in (1, 4, 9)]
+        out += [kernels.gemm_q8_0(x[:M], codes, d, 101) for M in (1, 4, 9)]
+        out += [kernels.linear_rows(xf, wf), kernels.linear_rows(xf.bfloat16(), wf.bfloat16())]
+        out += list(kernels.topk(logits, 8, with_lse=True))
+        out += [kernels.silu_mul(ab), kernels.rmsnorm(xf[:, :64].contiguous(), nw, 1e-5)]
+        for kv in (torch.float32, torch.float16):
+            k, v = torch.zeros(B, Hk, 9, D, dtype=kv), torch.zeros(B, Hk, 9, D, dtype=kv)
+            q = qkv.clone()
+            kernels.rope_store(q, H, Hk, cos, sin, k, v, slots)
+            qh = q.view(B, T, H + 2 * Hk, D)[:, :, :H].transpose(1, 2)
+            out += [q, k.float(), v.float(), kernels.attention(qh, k, v, mask)]
+        cache = KVCache.for_model(model.cfg, 1, 40)
+        forward_cached(model, ids[:, :11], cache, torch.arange(11)[None])
+        out.append(forward_cached(model, ids[:, 11:16], cache, (11 + torch.tensor([0, 1, 1, 2, 2]))[None],
+                                  extra_mask=tree.verify_mask(cache.length, "cpu")))
+        return out
+
+    here = outputs()
+    monkeypatch.setattr(kernels, "_lib", portable)
+    there = outputs()
+    monkeypatch.setattr(kernels, "_lib", shipped)
+    assert len(here) == len(there) == 22
+    for i, (a, b) in enumerate(zip(here, there)):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
+
+
+def test_a_compiler_without_openmp_builds_a_one_thread_library(tmp_path, monkeypatch):
+    """Apple's clang refuses -fopenmp: the library is then built without it (its parallel loops run on one
+    thread) and gives the same bits, rather than leaving q4 to the PyTorch reference. A compiler that fails
+    otherwise still fails with its message."""
+    cc = kernels._compiler()
+    fake = tmp_path / "cc"
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "clang: error: unsupported option '
+                    f"'-fopenmp'\" >&2; exit 1; }}; done\nexec {cc} \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    cmd = kernels.compile_library(kernels._SRC, tmp_path / "one.so", portable=True)
+    assert cmd[0] == str(fake) and "-fopenmp" not in cmd and "-ffp-contract=off" in cmd
+    lib = kernels.open_library(tmp_path / "one.so")
+    w, x = _weights(40, 256, seed=6)
+    packed, scales = kernels.quantize_q4_1(w)
+    want = kernels.gemm_q4_1(x[:5], packed, scales, 40)
+    monkeypatch.setattr(kernels, "_lib", lib)
+    assert torch.equal(kernels.gemm_q4_1(x[:5], packed, scales, 40), want)
+    fake.write_text("#!/bin/sh\necho 'cc: error: no space left on device' >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="no space left on device"):
+        kernels.compile_library(kernels._SRC, tmp_path / "none.so", portable=True)

@@ -24,8 +24,10 @@ docs/results/decode-cpu.md). The kernels in `csrc/qkernels.c` give both properti
 
 The kernels are plain C compiled by the machine's C compiler on first use (or by `midlayer kernels`,
 which `scripts/setup.sh` runs, or `python -m midlayer.ops.kernels`) into a cache directory, and loaded with ctypes; AVX2
-versions (and AVX512-VNNI GEMM tiles, `set_simd`) are selected at run time, with a portable scalar
-version that gives the same bits. Where no
+versions (and AVX512-VNNI GEMM tiles, `set_simd`) are selected at run time on x86-64, with a portable scalar
+version that gives the same bits. Other CPUs (arm64: Apple silicon, Graviton) compile the portable version
+alone, so their q4 decoding is lossless too and gives x86's bits (docs/results/decode-cpu.md, 61st session);
+a compiler without OpenMP (Apple's clang) builds a one-thread library. Where no
 compiler is available, `*_reference` (pure PyTorch) computes the same GEMM results bit for bit -- slowly
 -- and attention falls back to SDPA, which is correct but *not* row-invariant (`batch_invariant()` is
 then False and the engine stops calling the format lossless).
@@ -164,20 +166,25 @@ def cached_library_problem(out: Path) -> str | None:
     return None
 
 
-def compile_library(src: Path, out: Path) -> list[str]:
+def compile_library(src: Path, out: Path, portable: bool = False) -> list[str]:
     """Compile the kernel source `src` into the shared library `out` (the one compile command: `build` uses it,
-    and benchmarks/kernel_variant.py for a changed copy of the source); returns the command. RuntimeError with
-    the compiler's message, or where no compiler or no x86-64."""
+    and benchmarks/kernel_variant.py for a changed copy of the source); returns the command. `portable`: the
+    scalar versions alone, as a CPU other than x86-64 builds them (-DQK_PORTABLE; the tests' check of that
+    build). A compiler that refuses -fopenmp (Apple's clang) builds without it: one thread, the same bits.
+    RuntimeError with the compiler's message, or where no compiler."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc): the q4 kernels fall back to PyTorch")
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"the q4 kernels are written for x86-64, not {platform.machine()}")
     # -ffp-contract=off: no fused multiply-adds the source does not write, so the scalar and AVX2 paths (and
-    # the PyTorch reference) round identically (the attention's are explicit in both: fmaf, vfmadd). OpenMP:
-    # the library joins the libgomp pool torch itself uses (same soname).
-    cmd = [cc, "-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-o", str(out), str(src), "-lm"]
+    # the PyTorch reference) round identically (the attention's are explicit in both: fmaf, vfmadd); gcc on
+    # arm64 would fuse by default. OpenMP: the library joins the libgomp pool torch itself uses (same soname).
+    flags = ["-O3", "-shared", "-fPIC", "-ffp-contract=off"] + (["-DQK_PORTABLE"] if portable else [])
+    tail = ["-o", str(out), str(src), "-lm"]
+    cmd = [cc, *flags, "-fopenmp", *tail]
     res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 and "openmp" in res.stderr.lower():
+        cmd = [cc, *flags, "-Wno-unknown-pragmas", *tail]  # (the pragmas then do nothing: one thread)
+        res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
     return cmd

@@ -49,9 +49,24 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* The SIMD versions are x86-64's. Any other CPU (arm64: Apple silicon, Graviton, ...) builds the portable
+ * scalar versions alone, and so does an x86-64 build with -DQK_PORTABLE (how the tests check that build, and
+ * `midlayer kernels --portable`): the same bits either way, the scalar versions being the reference order. */
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(QK_PORTABLE)
+#define QK_X86 1
 #include <immintrin.h>
+#else
+#define QK_X86 0
+#endif
 
 #define QK 32
+#define INLINE static inline __attribute__((always_inline))
+#define NOINLINE static __attribute__((noinline))
+#define GEMM_Q4_ARGS const int8_t *xq, const float *xd, const float *xs, int M, int K, const uint8_t *wq, \
+                     const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy
+#define GEMM_Q8_ARGS const int8_t *xq, const float *xd, int M, int K, const int8_t *wq, const uint16_t *wd, \
+                     int o0, int o1, int N, float *y, long ldy
 
 static float f16_to_f32(uint16_t h) {
     /* IEEE half -> single, exact (every half is a float). */
@@ -276,6 +291,7 @@ static void attention_row_scalar(const float *q, const void *k, const void *v, l
 }
 
 /* ==================================================================================== AVX2 versions */
+#if QK_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 AVX2 static inline float hsum8_avx2(__m256 a) {
@@ -324,9 +340,6 @@ AVX2 static void quantize_q8_avx2(const float *x, long ldx, int M, int K, int8_t
         }
     }
 }
-
-#define INLINE static inline __attribute__((always_inline))
-#define NOINLINE static __attribute__((noinline))
 
 /* 4 activation bytes (one chunk of 4 consecutive elements) broadcast to all 8 int32 lanes */
 AVX2 INLINE __m256i bcast4(const int8_t *p) {
@@ -605,11 +618,6 @@ DEFINE_Q8_TILE_ZMM(1)
         if (m0 + 2 <= M) { tile##_2(__VA_ARGS__); m0 += 2; }                                                 \
         if (m0 < M) tile##_1(__VA_ARGS__);                                                                   \
     }
-#define GEMM_Q4_ARGS const int8_t *xq, const float *xd, const float *xs, int M, int K, const uint8_t *wq, \
-                     const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy
-#define GEMM_Q8_ARGS const int8_t *xq, const float *xd, int M, int K, const int8_t *wq, const uint16_t *wd, \
-                     int o0, int o1, int N, float *y, long ldy
-
 AVX2 static void gemm_q4_1_avx2(GEMM_Q4_ARGS) { ROW_TILES(q4_tile, xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy) }
 AVX2 static void gemm_q8_0_avx2(GEMM_Q8_ARGS) { ROW_TILES(q8_tile, xq, xd, K, wq, wd, o, m0, N, y, ldy) }
 VNNI static void gemm_q4_1_vnni(GEMM_Q4_ARGS) { ROW_TILES(q4_tile_vnni, xq, xd, xs, K, wq, wdm, o, m0, N, y, ldy) }
@@ -800,6 +808,8 @@ DEFINE_ATTENTION_HEADS(2, 4, 4)
 DEFINE_ATTENTION_HEADS(3, 4, 4)
 DEFINE_ATTENTION_HEADS(4, 2, 2)
 
+#endif /* QK_X86 */
+
 /* ======================================================================================= dispatch */
 /* The instruction set the kernels use: 0 portable scalar, 1 AVX2 (+FMA, F16C), 2 AVX2 with the AVX512-VNNI
  * GEMM tiles, 3 those tiles on 512-bit registers (AVX512-BW too). Every level gives the same bits; the best
@@ -807,11 +817,15 @@ DEFINE_ATTENTION_HEADS(4, 2, 2)
 static int simd_level = -1;
 
 static int detect_simd(void) {
+#if !QK_X86
+    return 0;
+#else
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))
         return __builtin_cpu_supports("avx512bw") ? 3 : 2;
     return 1;
+#endif
 }
 
 int qk_simd_level(void) {
@@ -831,8 +845,10 @@ void qk_set_simd(int level) {
 void qk_set_avx2(int on) { qk_set_simd(on ? -1 : 0); }
 
 void qk_quantize_q8(const float *x, long ldx, int M, int K, int8_t *q, float *d, float *s) {
-    if (qk_has_avx2()) quantize_q8_avx2(x, ldx, M, K, q, d, s);
-    else quantize_q8_scalar(x, ldx, M, K, q, d, s);
+#if QK_X86
+    if (qk_has_avx2()) { quantize_q8_avx2(x, ldx, M, K, q, d, s); return; }
+#endif
+    quantize_q8_scalar(x, ldx, M, K, q, d, s);
 }
 
 /* The GEMM tiles of each SIMD level, in one table: the dispatch and `qk_gemm_tiles` read the same entry
@@ -841,19 +857,28 @@ void qk_quantize_q8(const float *x, long ldx, int M, int K, int8_t *q, float *d,
  * runs, for the tests. */
 typedef void (*gemm_q4_fn)(GEMM_Q4_ARGS);
 typedef void (*gemm_q8_fn)(GEMM_Q8_ARGS);
+#if QK_X86
 static const gemm_q4_fn GEMM_Q4[4] = {gemm_q4_1_scalar, gemm_q4_1_avx2, gemm_q4_1_vnni, gemm_q4_1_zmm};
 static const gemm_q8_fn GEMM_Q8[4] = {gemm_q8_0_scalar, gemm_q8_0_avx2, gemm_q8_0_vnni, gemm_q8_0_zmm};
+#else /* (level 0 only: detect_simd) */
+static const gemm_q4_fn GEMM_Q4[1] = {gemm_q4_1_scalar};
+static const gemm_q8_fn GEMM_Q8[1] = {gemm_q8_0_scalar};
+#endif
 static gemm_q4_fn q4_gemm(void) { return GEMM_Q4[qk_simd_level()]; }
 static gemm_q8_fn q8_gemm(void) { return GEMM_Q8[qk_simd_level()]; }
 
 /* The tiles the GEMMs run at the SIMD level in use, named by function (not by place in the tables): 0 scalar,
  * 1 AVX2, 2 VNNI on 256-bit registers, 3 on 512-bit ones; q4 in the low byte, q8 in the next. */
 int qk_gemm_tiles(void) {
+#if QK_X86
     gemm_q4_fn f4 = q4_gemm();
     gemm_q8_fn f8 = q8_gemm();
     int q4 = f4 == gemm_q4_1_zmm ? 3 : f4 == gemm_q4_1_vnni ? 2 : f4 == gemm_q4_1_avx2 ? 1 : 0;
     int q8 = f8 == gemm_q8_0_zmm ? 3 : f8 == gemm_q8_0_vnni ? 2 : f8 == gemm_q8_0_avx2 ? 1 : 0;
     return q4 | (q8 << 8);
+#else
+    return 0;
+#endif
 }
 
 /* Output groups are split between threads, two groups (16 outputs) per work item; each output's arithmetic
@@ -931,6 +956,7 @@ INLINE float f32_tree_scalar(f32x16_scalar a) {
     return hsum8_scalar(s);
 }
 
+#if QK_X86
 typedef struct { __m256 lo, hi; } f32x16_avx2; /* lanes 0-7, 8-15 */
 AVX2 INLINE f32x16_avx2 f32_zero_avx2(void) { f32x16_avx2 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
 AVX2 INLINE f32x16_avx2 f32_load_avx2(const float *p, int n) {
@@ -979,6 +1005,7 @@ AVX512F_ INLINE float f32_tree_zmm(f32x16_zmm a) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
     return hsum8_avx2(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
 }
+#endif /* QK_X86 */
 
 /* One tile, R rows (stride ldx) x C outputs (weight rows, stride ldw), into y (row stride ldy), of operands of
  * type T: f32, or bf16 (widened to fp32 as they are loaded: exact; the products of two bf16 are exact in fp32,
@@ -1020,11 +1047,13 @@ typedef uint16_t bf16_elem;
 #define LIN_TILE_TABLE(T, ISA) {LIN_TILE_ROW(T, ISA, 1), LIN_TILE_ROW(T, ISA, 2), LIN_TILE_ROW(T, ISA, 3),      \
                                 LIN_TILE_ROW(T, ISA, 4)}
 DEFINE_LIN_TILES(, f32, scalar)
+DEFINE_LIN_TILES(, bf16, scalar)
+#if QK_X86
 DEFINE_LIN_TILES(AVX2, f32, avx2)
 DEFINE_LIN_TILES(AVX512F_, f32, zmm)
-DEFINE_LIN_TILES(, bf16, scalar)
 DEFINE_LIN_TILES(AVX2, bf16, avx2)
 DEFINE_LIN_TILES(AVX512F_, bf16, zmm)
+#endif
 
 typedef void (*f32_tile_fn)(LIN_TILE_ARGS(f32));
 typedef void (*bf16_tile_fn)(LIN_TILE_ARGS(bf16));
@@ -1033,19 +1062,28 @@ typedef struct { int rows, cols; f32_tile_fn tile[4][4]; } f32_tiles;
 typedef struct { int rows, cols; bf16_tile_fn tile[4][4]; } bf16_tiles;
 /* Per SIMD level (levels 2 and 3 have AVX-512F): AVX2 has 16 ymm registers, so 2 x 2 tiles (8 pairs of
  * accumulators); AVX-512 32 zmm, so 4 x 4 (16 accumulators, 4 weight vectors, a row's x). */
+#if QK_X86
 static const f32_tiles F32_LINEAR[4] = {{4, 4, LIN_TILE_TABLE(f32, scalar)}, {2, 2, LIN_TILE_TABLE(f32, avx2)},
                                         {4, 4, LIN_TILE_TABLE(f32, zmm)}, {4, 4, LIN_TILE_TABLE(f32, zmm)}};
 static const bf16_tiles BF16_LINEAR[4] = {{4, 4, LIN_TILE_TABLE(bf16, scalar)}, {2, 2, LIN_TILE_TABLE(bf16, avx2)},
                                           {4, 4, LIN_TILE_TABLE(bf16, zmm)}, {4, 4, LIN_TILE_TABLE(bf16, zmm)}};
+#else
+static const f32_tiles F32_LINEAR[1] = {{4, 4, LIN_TILE_TABLE(f32, scalar)}};
+static const bf16_tiles BF16_LINEAR[1] = {{4, 4, LIN_TILE_TABLE(bf16, scalar)}};
+#endif
 
 /* The tiles the SIMD level in use runs, named by their tables' first tile: 0 scalar, 1 AVX2, 2 AVX-512F; f32 in
  * the low byte, bf16 in the next. */
 int qk_linear_tiles(void) {
+#if QK_X86
     f32_tile_fn f = F32_LINEAR[qk_simd_level()].tile[0][0];
     bf16_tile_fn b = BF16_LINEAR[qk_simd_level()].tile[0][0];
     int f32 = f == f32_tile_zmm_1_1 ? 2 : f == f32_tile_avx2_1_1 ? 1 : 0;
     int bf16 = b == bf16_tile_zmm_1_1 ? 2 : b == bf16_tile_avx2_1_1 ? 1 : 0;
     return f32 | bf16 << 8;
+#else
+    return 0;
+#endif
 }
 
 /* Work items of 16 outputs split between threads; in an item, outputs in tiles of t->cols, rows in tiles of
@@ -1113,11 +1151,16 @@ void qk_attention(const float *q, long qb, long qt, const void *k, const void *v
             if (r == 0) keys = (int *)(sc[r] + S);
         }
         const float *mm = mask ? mask + (((long)b * MH + (MH > 1 ? h0 : 0)) * T + t) * S : 0;
-        if (!avx2) attention_row_scalar(qq[0], kk, vv, ks, mm, S, D, scale, sc[0], keys, oo[0], kv16);
-        else if (G == 1) attention_heads1_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
-        else if (G == 2) attention_heads2_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
-        else if (G == 3) attention_heads3_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
-        else attention_heads4_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+#if QK_X86
+        if (avx2) {
+            if (G == 1) attention_heads1_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+            else if (G == 2) attention_heads2_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+            else if (G == 3) attention_heads3_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+            else attention_heads4_avx2(qq, kk, vv, ks, mm, S, D, scale, sc, keys, oo, kv16);
+            continue;
+        }
+#endif
+        attention_row_scalar(qq[0], kk, vv, ks, mm, S, D, scale, sc[0], keys, oo[0], kv16);
     }
 }
 
@@ -1162,17 +1205,21 @@ void qk_rmsnorm(const float *x, const float *w, int M, int K, float eps, float *
 
 /* Row n of fp32 values into a KV cache buffer at element i: copied (kv16 = 0) or rounded to fp16 (f32_to_f16's
  * rule; F16C's vcvtps2ph where the CPU has it, the same bits). */
+#if QK_X86
 AVX2 static void kv_put_f16c(uint16_t *dst, const float *src, int n) {
     int j = 0;
     for (; j + 8 <= n; j += 8)
         _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
     for (; j < n; j++) dst[j] = f32_to_f16(src[j]);
 }
+#endif
 
 static void kv_put(void *base, long i, const float *src, int n, int kv16) {
     if (!kv16) { memcpy((float *)base + i, src, n * sizeof(float)); return; }
     uint16_t *dst = (uint16_t *)base + i;
+#if QK_X86
     if (qk_has_avx2()) { kv_put_f16c(dst, src, n); return; }
+#endif
     for (int j = 0; j < n; j++) dst[j] = f32_to_f16(src[j]);
 }
 
@@ -1220,6 +1267,7 @@ static inline float silu_mul_scalar(float a, float b) {
     return (num / (1.0f + e)) * b;
 }
 
+#if QK_X86
 AVX2 static void silu_mul_avx2(const float *a, const float *b, int n, float *y) {
     const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     int j = 0;
@@ -1233,14 +1281,18 @@ AVX2 static void silu_mul_avx2(const float *a, const float *b, int n, float *y) 
     }
     for (; j < n; j++) y[j] = silu_mul_scalar(a[j], b[j]);
 }
+#endif
 
 void qk_silu_mul(const float *ab, int M, int h, float *y) {
     int avx2 = qk_has_avx2();
+    (void)avx2; /* (read on x86-64 only) */
     for (int m = 0; m < M; m++) {
         const float *a = ab + (long)m * 2 * h, *b = a + h;
         float *yy = y + (long)m * h;
-        if (avx2) silu_mul_avx2(a, b, h, yy);
-        else for (int j = 0; j < h; j++) yy[j] = silu_mul_scalar(a[j], b[j]);
+#if QK_X86
+        if (avx2) { silu_mul_avx2(a, b, h, yy); continue; }
+#endif
+        for (int j = 0; j < h; j++) yy[j] = silu_mul_scalar(a[j], b[j]);
     }
 }
 
@@ -1265,6 +1317,7 @@ INLINE void topk_insert(float v, int64_t j, int k, int *n, float *bv, int64_t *b
     if (*n < k) (*n)++;
 }
 
+#if QK_X86
 AVX2 static void topk_row_avx2(const float *x, int N, int k, float *bv, int64_t *bi) {
     int n = 0, j = 0;
     for (; j < N && n < k; j++) topk_insert(x[j], j, k, &n, bv, bi);
@@ -1286,6 +1339,7 @@ AVX2 static float lse_row_avx2(const float *x, int N, float mx) {
     for (; j < N; j++) ln[j & 7] = ln[j & 7] + exp_scalar(x[j] - mx);
     return mx + logf(hsum8_scalar(ln));
 }
+#endif
 
 static float lse_row_scalar(const float *x, int N, float mx) {
     float ln[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -1295,19 +1349,26 @@ static float lse_row_scalar(const float *x, int N, float mx) {
 
 void qk_topk(const float *x, int M, int N, long ld, int k, float *vals, int64_t *idx, float *lse) {
     int avx2 = qk_has_avx2();
+    (void)avx2; /* (read on x86-64 only) */
     for (int m = 0; m < M; m++) {
         const float *r = x + m * ld;
         float *bv = vals + (long)m * k;
         int64_t *bi = idx + (long)m * k;
+#if QK_X86
         if (avx2) topk_row_avx2(r, N, k, bv, bi);
-        else {
+        else
+#endif
+        {
             int n = 0;
             for (int j = 0; j < N; j++) topk_insert(r[j], j, k, &n, bv, bi);
         }
         if (lse) {
             float mx = bv[0];
             if (mx != mx || isinf(mx)) { lse[m] = mx; continue; } /* a NaN row; +inf dominates; -inf: all -inf */
-            lse[m] = avx2 ? lse_row_avx2(r, N, mx) : lse_row_scalar(r, N, mx);
+#if QK_X86
+            if (avx2) { lse[m] = lse_row_avx2(r, N, mx); continue; }
+#endif
+            lse[m] = lse_row_scalar(r, N, mx);
         }
     }
 }

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The q4 kernels on a CPU that is not x86-64: midlayer/ops/csrc/qkernels.c cross-compiled for arm64 (aarch64),
+# run under qemu, must give every kernel's bits that the x86-64 build gives at its best SIMD level and at the
+# scalar level, and that the -DQK_PORTABLE build (the scalar versions alone) gives here (scripts/portable_check.c
+# hashes each kernel's output). Needs the Debian packages gcc-aarch64-linux-gnu and qemu-user; about 30 s.
+#   bash scripts/portable_check.sh      # prints the four columns' lines and "same bits", or fails
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SRC=midlayer/ops/csrc/qkernels.c
+FLAGS=(-O3 -shared -fPIC -fopenmp -ffp-contract=off)  # kernels.compile_library's
+for tool in "${CC:-cc}" aarch64-linux-gnu-gcc qemu-aarch64; do
+  command -v "$tool" >/dev/null || { echo "needs $tool (apt-get install gcc-aarch64-linux-gnu qemu-user)"; exit 2; }
+done
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+"${CC:-cc}" "${FLAGS[@]}" -o "$T/x86.so" "$SRC" -lm
+"${CC:-cc}" "${FLAGS[@]}" -DQK_PORTABLE -o "$T/portable.so" "$SRC" -lm
+aarch64-linux-gnu-gcc "${FLAGS[@]}" -o "$T/arm64.so" "$SRC" -lm
+"${CC:-cc}" -O1 -o "$T/check" scripts/portable_check.c -ldl -lm
+aarch64-linux-gnu-gcc -O1 -o "$T/check-arm64" scripts/portable_check.c -ldl -lm
+"$T/check" "$T/x86.so" -1 > "$T/best.txt"
+"$T/check" "$T/x86.so" 0 > "$T/scalar.txt"
+"$T/check" "$T/portable.so" > "$T/portable.txt"
+qemu-aarch64 -L /usr/aarch64-linux-gnu "$T/check-arm64" "$T/arm64.so" > "$T/arm64.txt"
+paste -d'|' "$T/best.txt" "$T/scalar.txt" "$T/portable.txt" "$T/arm64.txt"
+for f in scalar portable arm64; do
+  tail -n +2 "$T/$f.txt" | cmp -s - <(tail -n +2 "$T/best.txt") || { echo "$f: other bits than x86-64's best level"; exit 1; }
+done
+echo "same bits: x86-64 at its best SIMD level and its scalar level, the portable build, arm64 under qemu"
