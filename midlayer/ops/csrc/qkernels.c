@@ -171,51 +171,61 @@ static void quantize_q8_scalar(const float *x, long ldx, int M, int K, int8_t *q
     }
 }
 
-/* Code of output n, element e of block g in the interleaved layouts (see the header). */
-static inline int q4_code(const uint8_t *wq, int G, int n, int g, int e) {
-    int c = e >> 2, byte = wq[((long)(n >> 3) * G + g) * 128 + 32 * (c & 3) + 4 * (n & 7) + (e & 3)];
-    return c < 4 ? (byte & 0xf) : (byte >> 4);
-}
-
-static inline int q8_code(const int8_t *wq, int G, int n, int g, int e) {
-    return wq[((long)(n >> 3) * G + g) * 256 + 32 * (e >> 2) + 4 * (n & 7) + (e & 3)];
-}
-
-/* Output groups [o0, o1) (outputs 8 o0 .. min(8 o1, N) - 1) of all M rows, in the canonical order. */
+/* Output groups [o0, o1) (outputs 8 o0 .. min(8 o1, N) - 1) of all M rows, in the canonical order: the 8
+ * outputs of a group side by side (the header's layout, chunk by chunk), each one's block sum an exact int32
+ * and its float work the canonical sequence. (On arm64 these are the kernels that run. Output by output, with
+ * each code's address computed alone, SmolLM2's block linears took 2.5x this time; in 32 lanes, one per code
+ * byte, which gcc vectorises, 2.1x: x86-64 builds with -DQK_PORTABLE, docs/results/decode-cpu.md, 61st session.) */
 static void gemm_q4_1_scalar(const int8_t *xq, const float *xd, const float *xs, int M, int K,
                              const uint8_t *wq, const uint16_t *wdm, int o0, int o1, int N, float *y, long ldy) {
-    int G = K / QK, n1 = 8 * o1 < N ? 8 * o1 : N;
-    for (int n = 8 * o0; n < n1; n++) {
+    int G = K / QK;
+    for (int o = o0; o < o1; o++) {
+        int nv = N - 8 * o < 8 ? N - 8 * o : 8;
         for (int m = 0; m < M; m++) {
-            float acc = 0.0f;
+            const int8_t *a = xq + (long)m * K;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int g = 0; g < G; g++) {
-                const int8_t *a = xq + (long)m * K + g * QK;
-                const uint16_t *sc = wdm + ((long)(n >> 3) * G + g) * 16;
-                float dw = f16_to_f32(sc[n & 7]), mw = f16_to_f32(sc[8 + (n & 7)]);
-                int isum = 0;
-                for (int e = 0; e < QK; e++) isum += q4_code(wq, G, n, g, e) * a[e];
-                acc = acc + (dw * xd[(long)m * G + g]) * (float)isum;
-                acc = acc + mw * xs[(long)m * G + g];
+                const uint8_t *wb = wq + ((long)o * G + g) * 128; /* byte 32 c + 4 j + i, c = 0..3 */
+                const uint16_t *sc = wdm + ((long)o * G + g) * 16;
+                const int8_t *ag = a + g * QK;
+                int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int c = 0; c < 4; c++)
+                    for (int j = 0; j < 8; j++)
+                        for (int i = 0; i < 4; i++) {
+                            int b = wb[32 * c + 4 * j + i];
+                            isum[j] += (b & 0xf) * ag[4 * c + i] + (b >> 4) * ag[16 + 4 * c + i];
+                        }
+                float dx = xd[(long)m * G + g], sx = xs[(long)m * G + g];
+                for (int j = 0; j < 8; j++) {
+                    acc[j] = acc[j] + (f16_to_f32(sc[j]) * dx) * (float)isum[j];
+                    acc[j] = acc[j] + f16_to_f32(sc[8 + j]) * sx;
+                }
             }
-            y[(long)m * ldy + n] = acc;
+            for (int j = 0; j < nv; j++) y[(long)m * ldy + 8 * o + j] = acc[j];
         }
     }
 }
 
 static void gemm_q8_0_scalar(const int8_t *xq, const float *xd, int M, int K, const int8_t *wq,
                              const uint16_t *wd, int o0, int o1, int N, float *y, long ldy) {
-    int G = K / QK, n1 = 8 * o1 < N ? 8 * o1 : N;
-    for (int n = 8 * o0; n < n1; n++) {
+    int G = K / QK;
+    for (int o = o0; o < o1; o++) {
+        int nv = N - 8 * o < 8 ? N - 8 * o : 8;
         for (int m = 0; m < M; m++) {
-            float acc = 0.0f;
+            const int8_t *a = xq + (long)m * K;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int g = 0; g < G; g++) {
-                const int8_t *a = xq + (long)m * K + g * QK;
-                float dw = f16_to_f32(wd[((long)(n >> 3) * G + g) * 8 + (n & 7)]);
-                int isum = 0;
-                for (int e = 0; e < QK; e++) isum += q8_code(wq, G, n, g, e) * a[e];
-                acc = acc + (dw * xd[(long)m * G + g]) * (float)isum;
+                const int8_t *wb = wq + ((long)o * G + g) * 256; /* byte 32 c + 4 j + i, c = 0..7 */
+                const uint16_t *sc = wd + ((long)o * G + g) * 8;
+                const int8_t *ag = a + g * QK;
+                int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int c = 0; c < 8; c++)
+                    for (int j = 0; j < 8; j++)
+                        for (int i = 0; i < 4; i++) isum[j] += wb[32 * c + 4 * j + i] * ag[4 * c + i];
+                float dx = xd[(long)m * G + g];
+                for (int j = 0; j < 8; j++) acc[j] = acc[j] + (f16_to_f32(sc[j]) * dx) * (float)isum[j];
             }
-            y[(long)m * ldy + n] = acc;
+            for (int j = 0; j < nv; j++) y[(long)m * ldy + 8 * o + j] = acc[j];
         }
     }
 }
