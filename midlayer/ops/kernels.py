@@ -100,8 +100,9 @@ class CpuInfo:
         return [k for k in keys if self.has(k)]
 
     def summary(self) -> str:
-        have = self.vector_flags()
-        return (f"{self.model}; {', '.join(have) or 'no AVX2'}; torch {torch.__version__} "
+        have = self.vector_flags() or (["no AVX2"] if platform.machine() in ("x86_64", "AMD64") else
+                                       [f"{platform.machine()}: the kernels' portable versions"])
+        return (f"{self.model}; {', '.join(have)}; torch {torch.__version__} "
                 f"({self.torch_capability}), {self.threads} threads")
 
 
