@@ -394,8 +394,9 @@ def test_the_c_attention_replaces_attends_ops_and_stays_lossless(models, monkeyp
     PyTorch ops never run; the logits of a prompt and of plain decoding are `attend`'s, the naive reference, to
     fp32 rounding (the same formula, its sums in another order). Under a BLAS that rounds a row otherwise from
     16 rows the probe chooses it with the C linear from one row, and every drafter's rounds through that step
-    give plain greedy output, token for token. A model whose K/V the kernels do not hold (bf16) or whose
-    projections are not fused is refused by name."""
+    give plain greedy output, token for token. A bf16 model's bf16 K/V too (the kernels round its stores to
+    bf16 as torch does, and widen its reads exactly): its logits are `attend`'s to bf16 rounding, and its rounds
+    give plain greedy output. A model whose projections are not fused is refused by name."""
     from midlayer.engine.decode_step import c_attention_runs
     from midlayer.ops import kernels
 
@@ -434,10 +435,25 @@ def test_the_c_attention_replaces_attends_ops_and_stays_lossless(models, monkeyp
         if kind == "hidden-transfer":
             step.attach(drafter)
         assert static_speculative_generate(model, prompt, drafter, TREES[1], 24, step=step)[0] == plain, kind
-    for other in (make_tiny(DIMS, False), copy.deepcopy(model).to(torch.bfloat16)):
-        assert not c_attention_runs(other)
-        with pytest.raises(ValueError, match="attention='c'"):
-            DecodeStep(other, max_len=32, buckets=(8,), attention="c")
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert c_attention_runs(bf16)
+    monkeypatch.undo()
+    model = bf16
+    ref, _ = decode("torch")
+    monkeypatch.setattr(DecodeStep, "_attend_ops", attend_ran)
+    got, _ = decode("c")
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    kw = dict(buckets=BUCKET_CANDIDATES[0], attention="c")
+    plain = static_generate(bf16, [prompt], GenerationConfig(max_new_tokens=24), **kw)[0]
+    drafter = device_drafters(bf16)["eagle-2"]
+    step = DecodeStep(bf16, max_len=len(prompt) + 24 + _room(drafter, TREES[1]), **kw)
+    assert static_speculative_generate(bf16, prompt, drafter, TREES[1], 24, step=step)[0] == plain
+    other = make_tiny(DIMS, False)
+    assert not c_attention_runs(other)
+    with pytest.raises(ValueError, match="attention='c'"):
+        DecodeStep(other, max_len=32, buckets=(8,), attention="c")
 
 
 class _SplitK:

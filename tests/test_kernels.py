@@ -970,3 +970,44 @@ def test_a_compiler_without_openmp_builds_a_one_thread_library(tmp_path, monkeyp
     fake.write_text("#!/bin/sh\necho 'cc: error: no space left on device' >&2\nexit 1\n")
     with pytest.raises(RuntimeError, match="no space left on device"):
         kernels.compile_library(kernels._SRC, tmp_path / "none.so", portable=True)
+
+
+@pytest.mark.parametrize("level", [0, 1, -1], ids=["scalar", "avx2", "best"])
+def test_a_bf16_kv_cache_stores_torchs_bfloat16_and_attends_over_the_widened_values(level):
+    """A bf16 KV cache (a bf16 model's, in the static step's C attention): rope_store rounds K and V to nearest
+    even, as torch's .to(torch.bfloat16) does -- ties both ways, overflow to infinity, subnormals, signed zeros
+    -- and keeps a NaN a NaN, at every SIMD level; attention over it gives the bits of fp32 attention over the
+    same values widened, at every level."""
+    kernels.set_simd(level)
+    try:
+        g = torch.Generator().manual_seed(12)
+        B, T, H, Hk, D = 2, 4, 4, 2, 24  # D = 24: a row of 8-lane chunks, as the AVX2 path reads it
+        qkv = torch.randn(B, T, (H + 2 * Hk) * D, generator=g)
+        edge = torch.tensor([0.0, -0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -8 + 2.0 ** -20,
+                             3.3961e38, 3.4e38, -3.4e38, float("inf"), -float("inf"), 1e-40, -1e-41, 9.2e-41,
+                             float("nan"), 2.0 ** -126 * (1 - 2.0 ** -9)])
+        vals = torch.randn(B * T * Hk * D, generator=g) * torch.logspace(-30, 30, B * T * Hk * D)
+        vals[:len(edge)] = edge
+        qkv.view(B, T, H + 2 * Hk, D)[:, :, H + Hk:] = vals.view(B, T, Hk, D)  # V is stored as it is: rounded
+        cos, sin = torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
+        k32, v32 = torch.zeros(B, Hk, 9, D), torch.zeros(B, Hk, 9, D)
+        kb, vb = torch.zeros(B, Hk, 9, D, dtype=torch.bfloat16), torch.zeros(B, Hk, 9, D, dtype=torch.bfloat16)
+        slots = torch.tensor([[1, 2, 3, 5], [0, 4, 6, 8]])
+        kernels.rope_store(qkv.clone(), H, Hk, cos, sin, k32, v32, slots)
+        kernels.rope_store(qkv, H, Hk, cos, sin, kb, vb, slots)
+        for got, full in ((vb, v32), (kb, k32)):
+            want = full.to(torch.bfloat16)
+            nan = full.isnan()
+            assert torch.equal(got.isnan(), nan) and bool(nan.any()) == (full is v32)
+            assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))  # signed zeros too
+        q = torch.randn(B, H, T, D, generator=g)
+        mask = torch.zeros(B, 1, T, 9)
+        mask[0, ..., 4] = float("-inf")
+        mask[1, ..., 7] = -1.5
+        kk, vv = torch.randn(B, Hk, 9, D, generator=g).bfloat16(), torch.randn(B, Hk, 9, D, generator=g).bfloat16()
+        got = kernels.attention(q, kk, vv, mask)
+        assert torch.equal(got, kernels.attention(q, kk.float(), vv.float(), mask))
+        torch.testing.assert_close(got, kernels.attention_reference(q, kk.float(), vv.float(), mask), rtol=1e-5,
+                                   atol=1e-6)
+    finally:
+        kernels.set_simd(True)

@@ -252,9 +252,9 @@ def c_linear_runs(model: Transformer) -> bool:
 
 def c_attention_runs(model: Transformer) -> bool:
     """Whether the step's attention can run the CPU's C kernels (attention="c": Attention._forward_kernels, the
-    q4 format's RoPE with the store and its attention) for `model`: on the CPU, a KV cache of fp32 or fp16 (a
-    bf16 model's is bf16, which they do not read), every block's q|k|v fused and without q/k norms (what
-    `_forward_kernels` takes), not in the q4 format (which attends through them already), the library built."""
+    q4 format's RoPE with the store and its attention) for `model`: on the CPU, a KV cache of fp32, fp16 or bf16
+    (kernels.KV_DTYPES), every block's q|k|v fused and without q/k norms (what `_forward_kernels` takes), not in
+    the q4 format (which attends through them already), the library built."""
     dev, kv = model.tok_embeddings.weight.device, kv_dtype(model)
     return (getattr(model, "weight_format", None) != "q4"
             and all(getattr(b, "attention", None) is not None and b.attention.kernels_take(dev, kv)

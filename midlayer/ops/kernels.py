@@ -767,13 +767,16 @@ def rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tens
     torch.compile trace, the custom op midlayer::rope_store (the same C call)."""
     B, T, _ = qkv.shape
     D = k_cache.shape[-1]
-    # reshape/convert only when needed: each costs ~2 us, and this runs once per layer per decode step
-    if cos.shape != (B, T, D) or not cos.is_contiguous():
-        cos = cos.reshape(B, T, D).contiguous()
-    if sin.shape != (B, T, D) or not sin.is_contiguous():
-        sin = sin.reshape(B, T, D).contiguous()
+    # reshape/convert only when needed: each costs ~2 us, and this runs once per layer per decode step (a bf16
+    # model's tables are bf16: widened exactly, as the kernel reads fp32)
+    if cos.shape != (B, T, D) or not cos.is_contiguous() or cos.dtype != torch.float32:
+        cos = cos.reshape(B, T, D).float().contiguous()
+    if sin.shape != (B, T, D) or not sin.is_contiguous() or sin.dtype != torch.float32:
+        sin = sin.reshape(B, T, D).float().contiguous()
     if slots.numel() != B * T:
         raise ValueError(f"{slots.numel()} slots for {B} x {T} rows")
+    if qkv.dtype != torch.float32 or not qkv.is_contiguous():
+        raise ValueError(f"rope_store rotates a contiguous fp32 qkv in place, not a {qkv.dtype} one")
     if slots.dtype != torch.long or not slots.is_contiguous():
         slots = slots.to(torch.long).contiguous()
     _kv16(k_cache)  # (a cache the kernels cannot hold is refused here, in a trace too)
@@ -793,14 +796,15 @@ def _rope_store_c(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.T
 
 
 # ===================================================================================== attention
-KV_DTYPES = (torch.float32, torch.float16)  # what a KV cache the kernels read and write may hold
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what a KV cache the kernels read and write may hold
 
 
 def _kv16(k_cache: torch.Tensor) -> int:
-    """1 for an fp16 KV cache (the kernels round stores to fp16 and widen reads exactly), 0 for fp32."""
+    """The C calls' `kv16`: 1 for an fp16 KV cache, 2 for a bf16 one (the kernels round stores to nearest even,
+    as torch's casts do, and widen reads exactly), 0 for fp32."""
     if k_cache.dtype not in KV_DTYPES:
-        raise ValueError(f"the q4 kernels keep K/V in fp32 or fp16, not {k_cache.dtype}")
-    return int(k_cache.dtype == torch.float16)
+        raise ValueError(f"the C kernels keep K/V in fp32, fp16 or bf16, not {k_cache.dtype}")
+    return KV_DTYPES.index(k_cache.dtype)
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -861,6 +865,8 @@ def attention_fused(qkv: torch.Tensor, n_heads: int, k_cache: torch.Tensor, v_ca
     Returns [B, T, H d]. The same C call and bits as `attention`, without its views and copies (one
     tensor allocated): the decode step calls this once per layer. In a torch.compile trace, the custom op
     midlayer::attention_fused (the same C call: the static step's attention="c" traces whole)."""
+    if qkv.dtype != torch.float32 or not qkv.is_contiguous():
+        raise ValueError(f"attention_fused reads a contiguous fp32 qkv, not a {qkv.dtype} one")
     mask, mh = _mask_for_kernel(mask, qkv.shape[0], n_heads, qkv.shape[1], n_keys)
     _kv16(k_cache)
     if torch.compiler.is_compiling():

@@ -111,10 +111,30 @@ static uint16_t f32_to_f16(float f) {
     return sign | (uint16_t)(((uint32_t)(e + 15) << 10) + q - 0x400u);
 }
 
-/* Element i of a KV cache buffer that holds fp32 (kv16 = 0) or fp16 (kv16 = 1) values: an fp16 value widens
- * exactly, so the attention's arithmetic is the same fp32 arithmetic either way. */
+static inline float bf16_to_f32(uint16_t h) { /* exact: a bf16 is an fp32's top half */
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE single -> bfloat16, rounded to nearest even (torch's .to(torch.bfloat16) for every non-NaN value;
+ * overflow rounds to infinity); a NaN stays a quiet NaN of its sign. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The KV cache's element type, `kv16`: 0 fp32, 1 fp16 (KV_F16), 2 bf16 (KV_BF16). A 16-bit value widens to fp32
+ * exactly, so the attention's arithmetic is the same fp32 arithmetic whatever the cache holds. */
+#define KV_F16 1
+#define KV_BF16 2
 static inline float kv_at(const void *p, long i, int kv16) {
-    return kv16 ? f16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    if (kv16 == KV_F16) return f16_to_f32(((const uint16_t *)p)[i]);
+    if (kv16 == KV_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
 }
 
 static float hsum8_scalar(const float *a) {
@@ -674,6 +694,9 @@ AVX2 static inline __m256 exp_avx2(__m256 x) {
 
 /* 8 consecutive cache values from element i, as fp32 (kv_at's rule) */
 AVX2 static inline __m256 kv8(const void *p, long i, int kv16) {
+    if (kv16 == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
     return kv16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
                 : _mm256_loadu_ps((const float *)p + i);
 }
@@ -938,12 +961,6 @@ INLINE f32x16_scalar f32_load_scalar(const float *p, int n) { /* n < 16: the lan
     for (int j = 0; j < 16; j++) r.v[j] = j < n ? p[j] : 0.0f;
     return r;
 }
-INLINE float bf16_to_f32(uint16_t h) { /* exact: a bf16 is an fp32's top half */
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 /* 16 bf16 from p, or where n < 16 its n copied into `tail` (zeroed by the caller) and the rest +0: a K tail
  * reads nothing past the row. The SIMD loads read 16 from what this returns. */
 INLINE const uint16_t *bf16_padded(const uint16_t *p, int n, uint16_t *tail) {
@@ -1127,7 +1144,7 @@ void qk_linear_bf16(const uint16_t *x, long ldx, int M, int K, const uint16_t *w
  * mask: additive [B, T, S] fp32 (row stride S, batch stride T*S), or NULL (every key visible).
  * out: (b, t, h) at out + (b*T + t)*H*D + h*D.  scratch: 2*B*T*H*S floats. */
 /* mask: [B, MH, T, S] additive, MH = 1 (shared by the heads) or H (per-head position biases: ALiBi, T5). */
-/* kv16: k and v hold fp16 values (else fp32); kb, kh, ks count elements either way. */
+/* kv16: k and v hold fp16 or bf16 values (else fp32: kv_at); kb, kh, ks count elements either way. */
 void qk_attention(const float *q, long qb, long qt, const void *k, const void *v, long kb, long kh, long ks,
                   const float *mask, int B, int T, int H, int Hk, int S, int D, float scale, float *out,
                   float *scratch, int MH, int kv16) {
@@ -1213,8 +1230,8 @@ void qk_rmsnorm(const float *x, const float *w, int M, int K, float eps, float *
     }
 }
 
-/* Row n of fp32 values into a KV cache buffer at element i: copied (kv16 = 0) or rounded to fp16 (f32_to_f16's
- * rule; F16C's vcvtps2ph where the CPU has it, the same bits). */
+/* Row n of fp32 values into a KV cache buffer at element i: copied (kv16 = 0), rounded to fp16 (f32_to_f16's
+ * rule; F16C's vcvtps2ph where the CPU has it, the same bits) or to bf16 (f32_to_bf16). */
 #if QK_X86
 AVX2 static void kv_put_f16c(uint16_t *dst, const float *src, int n) {
     int j = 0;
@@ -1227,6 +1244,7 @@ AVX2 static void kv_put_f16c(uint16_t *dst, const float *src, int n) {
 static void kv_put(void *base, long i, const float *src, int n, int kv16) {
     if (!kv16) { memcpy((float *)base + i, src, n * sizeof(float)); return; }
     uint16_t *dst = (uint16_t *)base + i;
+    if (kv16 == KV_BF16) { for (int j = 0; j < n; j++) dst[j] = f32_to_bf16(src[j]); return; }
 #if QK_X86
     if (qk_has_avx2()) { kv_put_f16c(dst, src, n); return; }
 #endif
@@ -1238,7 +1256,7 @@ static void kv_put(void *base, long i, const float *src, int n, int kv16) {
  * rotate-half convention (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) on the two halves of each head.
  * q is rotated in place; k (rotated) and v go to kc/vc at slot slots[b*T + t] (head stride ch, slot
  * stride D, batch stride cb). */
-/* kv16: the cache holds fp16 (else fp32); cb, ch count elements. */
+/* kv16: the cache holds fp16 or bf16 (else fp32: kv_at); cb, ch count elements. */
 void qk_rope_store(float *qkv, long qkv_b, int B, int T, int H, int Hk, int D, const float *cos,
                    const float *sin, void *kc, void *vc, long cb, long ch, const long *slots, int kv16) {
     int half = D / 2;
