@@ -566,36 +566,48 @@ def test_rmsnorm_and_rope_store_match_pytorch():
     assert float(kc[:, :, 6].abs().sum()) == 0.0
 
 
+# Edge values of each 16-bit format for the stores: ties both ways, values below its range (subnormals, underflow
+# to +-0), overflow to infinity, signed zeros, a NaN
+KV_EDGES = {torch.float16: [0.0, -0.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 65504.0, 65520.0, -1e6, 2.0 ** -24,
+                            2.0 ** -25, 2.0 ** -25 * 1.5, -(2.0 ** -26), 6.1e-5, 3.0e-5, 1.0e-7, 2.0 ** -14 * 0.999,
+                            float("inf"), -float("inf"), float("nan")],
+            torch.bfloat16: [0.0, -0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -8 + 2.0 ** -20, 3.3961e38,
+                             3.4e38, -3.4e38, float("inf"), -float("inf"), 1e-40, -1e-41, 9.2e-41,
+                             2.0 ** -126 * (1 - 2.0 ** -9), float("nan")]}
+
+
+@pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [32, 20])  # 20: rows that end in a tail shorter than F16C's 8 lanes
 @pytest.mark.parametrize("level", [0, 1, -1], ids=["scalar", "avx2", "best"])
-def test_fp16_kv_cache_stores_torchs_half_and_attends_over_the_widened_values(level, D):
-    """An fp16 KV cache: rope_store rounds K and V to nearest even, as torch's .half() does -- ties, values
-    below half's range (subnormals, underflow to +-0), overflow to infinity -- at every SIMD level (the scalar
-    converter and F16C's); attention over it gives the bits of fp32 attention over the same values widened."""
+def test_a_16_bit_kv_cache_stores_torchs_rounding_and_attends_over_the_widened_values(level, D, kv):
+    """An fp16 or bf16 KV cache (bf16: a bf16 model's, in the static step's C attention): rope_store rounds K and V
+    to nearest even, as torch's .half() and .to(torch.bfloat16) do (KV_EDGES), and keeps a NaN a NaN, at every
+    SIMD level (the scalar converters and F16C's); attention over it gives the bits of fp32 attention over the
+    same values widened."""
     kernels.set_simd(level)
     try:
         g = torch.Generator().manual_seed(11)
         B, T, H, Hk = 2, 4, 4, 2
         qkv = torch.randn(B, T, (H + 2 * Hk) * D, generator=g)
-        edge = torch.tensor([0.0, -0.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 65504.0, 65520.0, -1e6, 2.0 ** -24,
-                             2.0 ** -25, 2.0 ** -25 * 1.5, -(2.0 ** -26), 6.1e-5, 3.0e-5, 1.0e-7, 2.0 ** -14 * 0.999,
-                             float("inf"), -float("inf")])
+        edge = torch.tensor(KV_EDGES[kv])
         vals = torch.randn(B * T * Hk * D, generator=g) * torch.logspace(-9, 5, B * T * Hk * D)
         vals[:len(edge)] = edge
         qkv.view(B, T, H + 2 * Hk, D)[:, :, H + Hk:] = vals.view(B, T, Hk, D)  # V is stored as it is: rounded
         cos, sin = torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
         k32, v32 = torch.zeros(B, Hk, 9, D), torch.zeros(B, Hk, 9, D)
-        k16, v16 = torch.zeros(B, Hk, 9, D, dtype=torch.float16), torch.zeros(B, Hk, 9, D, dtype=torch.float16)
+        k16, v16 = torch.zeros(B, Hk, 9, D, dtype=kv), torch.zeros(B, Hk, 9, D, dtype=kv)
         slots = torch.tensor([[1, 2, 3, 5], [0, 4, 6, 8]])
         kernels.rope_store(qkv.clone(), H, Hk, cos, sin, k32, v32, slots)
         kernels.rope_store(qkv, H, Hk, cos, sin, k16, v16, slots)
-        assert torch.equal(v16.view(torch.int16), v32.half().view(torch.int16))  # bit for bit, signed zeros too
-        assert torch.equal(k16.view(torch.int16), k32.half().view(torch.int16))
+        for got, full in ((v16, v32), (k16, k32)):
+            nan = full.isnan()
+            assert torch.equal(got.isnan(), nan) and bool(nan.any()) == (full is v32)
+            assert torch.equal(got[~nan].view(torch.int16), full[~nan].to(kv).view(torch.int16))  # signed zeros too
         q = torch.randn(B, H, T, D, generator=g)
         mask = torch.zeros(B, 1, T, 9)
         mask[0, ..., 4] = float("-inf")
         mask[1, ..., 7] = -1.5
-        kf, vf = k16.float(), torch.randn(B, Hk, 9, D, generator=g).half()
+        kf, vf = k16.float(), torch.randn(B, Hk, 9, D, generator=g).to(kv)  # (K holds no NaN: asserted above)
         got = kernels.attention(q, k16, vf, mask)
         assert torch.equal(got, kernels.attention(q, kf, vf.float(), mask))
         torch.testing.assert_close(got, kernels.attention_reference(q, kf, vf.float(), mask), rtol=1e-5, atol=1e-6)
@@ -971,43 +983,3 @@ def test_a_compiler_without_openmp_builds_a_one_thread_library(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match="no space left on device"):
         kernels.compile_library(kernels._SRC, tmp_path / "none.so", portable=True)
 
-
-@pytest.mark.parametrize("level", [0, 1, -1], ids=["scalar", "avx2", "best"])
-def test_a_bf16_kv_cache_stores_torchs_bfloat16_and_attends_over_the_widened_values(level):
-    """A bf16 KV cache (a bf16 model's, in the static step's C attention): rope_store rounds K and V to nearest
-    even, as torch's .to(torch.bfloat16) does -- ties both ways, overflow to infinity, subnormals, signed zeros
-    -- and keeps a NaN a NaN, at every SIMD level; attention over it gives the bits of fp32 attention over the
-    same values widened, at every level."""
-    kernels.set_simd(level)
-    try:
-        g = torch.Generator().manual_seed(12)
-        B, T, H, Hk, D = 2, 4, 4, 2, 24  # D = 24: a row of 8-lane chunks, as the AVX2 path reads it
-        qkv = torch.randn(B, T, (H + 2 * Hk) * D, generator=g)
-        edge = torch.tensor([0.0, -0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -8 + 2.0 ** -20,
-                             3.3961e38, 3.4e38, -3.4e38, float("inf"), -float("inf"), 1e-40, -1e-41, 9.2e-41,
-                             float("nan"), 2.0 ** -126 * (1 - 2.0 ** -9)])
-        vals = torch.randn(B * T * Hk * D, generator=g) * torch.logspace(-30, 30, B * T * Hk * D)
-        vals[:len(edge)] = edge
-        qkv.view(B, T, H + 2 * Hk, D)[:, :, H + Hk:] = vals.view(B, T, Hk, D)  # V is stored as it is: rounded
-        cos, sin = torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
-        k32, v32 = torch.zeros(B, Hk, 9, D), torch.zeros(B, Hk, 9, D)
-        kb, vb = torch.zeros(B, Hk, 9, D, dtype=torch.bfloat16), torch.zeros(B, Hk, 9, D, dtype=torch.bfloat16)
-        slots = torch.tensor([[1, 2, 3, 5], [0, 4, 6, 8]])
-        kernels.rope_store(qkv.clone(), H, Hk, cos, sin, k32, v32, slots)
-        kernels.rope_store(qkv, H, Hk, cos, sin, kb, vb, slots)
-        for got, full in ((vb, v32), (kb, k32)):
-            want = full.to(torch.bfloat16)
-            nan = full.isnan()
-            assert torch.equal(got.isnan(), nan) and bool(nan.any()) == (full is v32)
-            assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))  # signed zeros too
-        q = torch.randn(B, H, T, D, generator=g)
-        mask = torch.zeros(B, 1, T, 9)
-        mask[0, ..., 4] = float("-inf")
-        mask[1, ..., 7] = -1.5
-        kk, vv = torch.randn(B, Hk, 9, D, generator=g).bfloat16(), torch.randn(B, Hk, 9, D, generator=g).bfloat16()
-        got = kernels.attention(q, kk, vv, mask)
-        assert torch.equal(got, kernels.attention(q, kk.float(), vv.float(), mask))
-        torch.testing.assert_close(got, kernels.attention_reference(q, kk.float(), vv.float(), mask), rtol=1e-5,
-                                   atol=1e-6)
-    finally:
-        kernels.set_simd(True)
