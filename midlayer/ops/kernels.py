@@ -776,7 +776,8 @@ def rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tens
     if slots.numel() != B * T:
         raise ValueError(f"{slots.numel()} slots for {B} x {T} rows")
     if qkv.dtype != torch.float32 or not qkv.is_contiguous():
-        raise ValueError(f"rope_store rotates a contiguous fp32 qkv in place, not a {qkv.dtype} one")
+        raise ValueError(f"rope_store rotates a contiguous fp32 qkv in place (got {qkv.dtype}, "
+                         f"contiguous={qkv.is_contiguous()})")
     if slots.dtype != torch.long or not slots.is_contiguous():
         slots = slots.to(torch.long).contiguous()
     _kv16(k_cache)  # (a cache the kernels cannot hold is refused here, in a trace too)
@@ -796,7 +797,8 @@ def _rope_store_c(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.T
 
 
 # ===================================================================================== attention
-KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what a KV cache the kernels read and write may hold
+# What a KV cache the kernels read and write may hold, in the order of the C calls' `kv16` (its index here)
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _kv16(k_cache: torch.Tensor) -> int:
@@ -866,7 +868,8 @@ def attention_fused(qkv: torch.Tensor, n_heads: int, k_cache: torch.Tensor, v_ca
     tensor allocated): the decode step calls this once per layer. In a torch.compile trace, the custom op
     midlayer::attention_fused (the same C call: the static step's attention="c" traces whole)."""
     if qkv.dtype != torch.float32 or not qkv.is_contiguous():
-        raise ValueError(f"attention_fused reads a contiguous fp32 qkv, not a {qkv.dtype} one")
+        raise ValueError(f"attention_fused reads a contiguous fp32 qkv (got {qkv.dtype}, "
+                         f"contiguous={qkv.is_contiguous()})")
     mask, mh = _mask_for_kernel(mask, qkv.shape[0], n_heads, qkv.shape[1], n_keys)
     _kv16(k_cache)
     if torch.compiler.is_compiling():

@@ -51,8 +51,8 @@
 #include <string.h>
 
 /* The SIMD versions are x86-64's. Any other CPU (arm64: Apple silicon, Graviton, ...) builds the portable
- * scalar versions alone, and so does an x86-64 build with -DQK_PORTABLE (how the tests check that build, and
- * `midlayer kernels --portable`): the same bits either way, the scalar versions being the reference order. */
+ * scalar versions alone, and so does an x86-64 build with -DQK_PORTABLE (kernels.compile_library(portable=True):
+ * how the tests check that build): the same bits either way, the scalar versions being the reference order. */
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(QK_PORTABLE)
 #define QK_X86 1
 #include <immintrin.h>
