@@ -31,7 +31,10 @@ static void *fn(const char *name) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 2 || !(lib = dlopen(argv[1], RTLD_NOW))) { printf("usage: portable_check LIB [LEVEL] (%s)\n", dlerror()); return 1; }
+    if (argc < 2 || !(lib = dlopen(argv[1], RTLD_NOW))) {
+        printf("usage: portable_check LIB [LEVEL] (%s)\n", argc < 2 ? "no LIB" : dlerror());
+        return 1;
+    }
     ((void (*)(int))fn("qk_set_simd"))(argc > 2 ? atoi(argv[2]) : -1);
     printf("simd level %d\n", ((int (*)(void))fn("qk_simd_level"))());
     const int M = 7, K = 576, N = 200, G = K / 32, NG = (N + 7) / 8;
@@ -39,7 +42,8 @@ int main(int argc, char **argv) {
     float *yn = malloc(4 * M * K);
     uint8_t *w4 = malloc(NG * G * 128);
     int8_t *w8 = malloc(NG * G * 256);
-    uint16_t *s4 = malloc(2 * NG * G * 16), *s8 = malloc(2 * NG * G * 8), *xb = malloc(2 * M * K), *wb = malloc(2 * N * K);
+    uint16_t *s4 = malloc(2 * NG * G * 16), *s8 = malloc(2 * NG * G * 8);
+    uint16_t *xb = malloc(2 * M * K), *wb = malloc(2 * N * K);
     void *work = calloc(1, 1 << 20);
     for (int i = 0; i < M * K; i++) x[i] = uniform();
     for (int i = 0; i < NG * G * 128; i++) w4[i] = (uint8_t)next();
@@ -69,15 +73,19 @@ int main(int argc, char **argv) {
     say("silu_mul", yn, 4 * M * K / 2);
     float vals[7 * 8], lse[7];
     int64_t idx[7 * 8];
-    ((void (*)(const float *, int, int, long, int, float *, int64_t *, float *))fn("qk_topk"))(x, M, K, K, 8, vals, idx, lse);
+    ((void (*)(const float *, int, int, long, int, float *, int64_t *, float *))fn("qk_topk"))(
+        x, M, K, K, 8, vals, idx, lse);
     say("topk values", vals, sizeof vals);
     say("topk indices", idx, sizeof idx);
     say("topk logsumexp", lse, sizeof lse);
 
-    /* RoPE with the store into an fp32 and an fp16 cache, then attention over it: one sequence of T = 3 rows
+    /* RoPE with the store into an fp32, an fp16 and a bf16 cache, then attention over it: one sequence of T = 3 rows
      * at scattered slots, H = 9 query heads on Hk = 3 KV heads of D = 64, S = 40 slots, a random mask */
     const int T = 3, H = 9, Hk = 3, D = 64, S = 40, W = (H + 2 * Hk) * D;
-    for (int kv16 = 0; kv16 < 2; kv16++) {
+    const char *names[3][4] = {{"rope_store fp32: q", "rope_store fp32: k", "rope_store fp32: v", "attention fp32"},
+                               {"rope_store fp16: q", "rope_store fp16: k", "rope_store fp16: v", "attention fp16"},
+                               {"rope_store bf16: q", "rope_store bf16: k", "rope_store bf16: v", "attention bf16"}};
+    for (int kv16 = 0; kv16 < 3; kv16++) {
         size_t esz = kv16 ? 2 : 4, n = (size_t)Hk * S * D;
         float *qkv = malloc(4 * T * W), *cs = malloc(4 * T * D), *sn = malloc(4 * T * D), *mask = malloc(4 * T * S);
         float *out = malloc(4 * T * H * D), *scratch = malloc(4 * 2 * T * H * S);
@@ -86,20 +94,27 @@ int main(int argc, char **argv) {
         for (int i = 0; i < T * W; i++) qkv[i] = uniform();
         for (int i = 0; i < T * D; i++) { cs[i] = uniform() / 2; sn[i] = uniform() / 2; }
         for (size_t i = 0; i < n; i++) {
-            if (kv16) { ((uint16_t *)kc)[i] = small_half(); ((uint16_t *)vc)[i] = small_half(); }
-            else { ((float *)kc)[i] = uniform(); ((float *)vc)[i] = uniform(); }
+            if (kv16 == 1) { ((uint16_t *)kc)[i] = small_half(); ((uint16_t *)vc)[i] = small_half(); }
+            else if (kv16 == 2) { /* a bf16: the top half of an fp32 */
+                float a = uniform(), b = uniform();
+                uint32_t ua, ub;
+                memcpy(&ua, &a, 4);
+                memcpy(&ub, &b, 4);
+                ((uint16_t *)kc)[i] = (uint16_t)(ua >> 16);
+                ((uint16_t *)vc)[i] = (uint16_t)(ub >> 16);
+            } else { ((float *)kc)[i] = uniform(); ((float *)vc)[i] = uniform(); }
         }
         for (int i = 0; i < T * S; i++) mask[i] = next() % 4 ? 0.0f : -INFINITY;
         ((void (*)(float *, long, int, int, int, int, int, const float *, const float *, void *, void *, long, long,
                    const long *, int))fn("qk_rope_store"))(qkv, T * W, 1, T, H, Hk, D, cs, sn, kc, vc, (long)n,
                                                            (long)S * D, slots, kv16);
-        say(kv16 ? "rope_store fp16: q" : "rope_store fp32: q", qkv, 4 * T * W);
-        say(kv16 ? "rope_store fp16: k" : "rope_store fp32: k", kc, n * esz);
-        say(kv16 ? "rope_store fp16: v" : "rope_store fp32: v", vc, n * esz);
+        say(names[kv16][0], qkv, 4 * T * W);
+        say(names[kv16][1], kc, n * esz);
+        say(names[kv16][2], vc, n * esz);
         ((void (*)(const float *, long, long, const void *, const void *, long, long, long, const float *, int, int,
                    int, int, int, int, float, float *, float *, int, int))fn("qk_attention"))(
             qkv, T * W, W, kc, vc, (long)n, (long)S * D, D, mask, 1, T, H, Hk, S, D, 0.125f, out, scratch, 1, kv16);
-        say(kv16 ? "attention fp16" : "attention fp32", out, 4 * T * H * D);
+        say(names[kv16][3], out, 4 * T * H * D);
     }
     return 0;
 }
