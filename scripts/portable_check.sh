@@ -29,6 +29,9 @@ aarch64-linux-gnu-gcc -O1 -o "$T/check-arm64" scripts/portable_check.c -ldl -lm
 qemu-aarch64 -L /usr/aarch64-linux-gnu "$T/check-arm64" "$T/arm64.so" > "$T/arm64.txt"
 paste -d'|' "$T/best.txt" "$T/scalar.txt" "$T/portable.txt" "$T/arm64.txt"
 for f in scalar portable arm64; do
-  tail -n +2 "$T/$f.txt" | cmp -s - <(tail -n +2 "$T/best.txt") || { echo "$f: other bits than x86-64's best level"; exit 1; }
+  if ! tail -n +2 "$T/$f.txt" | cmp -s - <(tail -n +2 "$T/best.txt"); then
+    echo "$f: other bits than x86-64's best level"
+    exit 1
+  fi
 done
 echo "same bits: x86-64 at its best SIMD level and its scalar level, the portable build, arm64 under qemu"
