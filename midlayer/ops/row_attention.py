@@ -47,7 +47,7 @@ BLOCK_POSITIONS = 32  # BS: positions per step of a program's loop (a [rep, BS, 
 CHUNK = 64  # positions per program of pass 1: a row at position p is split over p // CHUNK + 1 programs
 TOLERANCE = 1e-4  # `self_check`'s: a correct kernel is about 1e-6 from the formula (the probe's, decode_step)
 ONE_PASS = True  # pass 2 inside pass 1's launch (`_attend_chunks`); False where `self_check` finds it off
-tl = to_bf16 = combine = None  # triton.language and the kernels' helpers, set when a kernel is first made
+tl = to_bf16 = None  # triton.language and the shared helper, set when a kernel is first made
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -125,7 +125,7 @@ def _combine_chunks(pm, pl, pacc, last, out, sob, son, soh, N, Hk, NC, rep, d,
             rep, d, REP, D, CHUNK, BF16)
 
 
-def _combine(pm, pl, pacc, out, row, hk, hi, sob, son, soh, N, Hk, NC, rep, d, REP: tl.constexpr,
+def combine(pm, pl, pacc, out, row, hk, hi, sob, son, soh, N, Hk, NC, rep, d, REP: tl.constexpr,
              D: tl.constexpr, CHUNK: tl.constexpr, BF16: tl.constexpr):
     """A device helper (`combine`), pass 2 for one (row, kv head): the row's chunks 0 .. position // CHUNK
     combined in that order, the largest running max first, then each chunk's sum and weighted sum rescaled to
@@ -177,7 +177,7 @@ def _row_keys(path_slots, depth, real, held, start, keys, kmask, N, S, Wp, scrat
 
 
 KERNELS = (_attend_chunks, _combine_chunks, _row_keys)  # (made together by `available`, before any trace)
-HELPERS = {"combine": _combine}  # (bound by triton_build.kernel)
+HELPERS = {"combine": combine}  # (bound by triton_build.kernel)
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,

@@ -52,7 +52,6 @@ BN, BK = 32, 64  # the default tile's outputs a program (BN) and its blocks over
 # (benchmarks/triton_kernels.py --tiles), given as MIDLAYER_ROW_TILES="NxK=BNxBK,..." or set here
 TILES: dict[tuple[int, int], tuple[int, int]] = {}
 tl = to_bf16 = swiglu = rope = None  # triton.language and the kernels' helpers, set when first made
-row_block = norm_scale = operand = accumulate = None
 
 
 def parse_tiles(spec: str) -> dict[tuple[int, int], tuple[int, int]]:
@@ -184,7 +183,7 @@ def _qkv_rope_rows(x, w, a2, g, h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d
     tl.store(vo + half, out2, mask=ok & (head >= H + Hk))
 
 
-def _norm_scale(x, a2, h, rm, rk, col, sxm, sam, shm, M, K, eps, ADD: tl.constexpr, BF16: tl.constexpr,
+def norm_scale(x, a2, h, rm, rk, col, sxm, sam, shm, M, K, eps, ADD: tl.constexpr, BF16: tl.constexpr,
                 BM: tl.constexpr, BK: tl.constexpr):
     """A device helper (`norm_scale`): RMSNorm's 1 / sqrt(mean(v^2) + eps) for rows rm, v each row (x + a2 with
     ADD, rounded as `row_block`), summed over K in blocks of BK in order. With ADD the programs of column
@@ -203,7 +202,7 @@ def _norm_scale(x, a2, h, rm, rk, col, sxm, sam, shm, M, K, eps, ADD: tl.constex
     return 1.0 / tl.sqrt(ss / K + eps)
 
 
-def _operand(x, a2, g, r, rm, kk, sxm, sam, M, K, NORM: tl.constexpr, ADD: tl.constexpr, SWIGLU: tl.constexpr,
+def operand(x, a2, g, r, rm, kk, sxm, sam, M, K, NORM: tl.constexpr, ADD: tl.constexpr, SWIGLU: tl.constexpr,
              BF16: tl.constexpr):
     """A device helper (`operand`): the kernel's operand at rows rm, columns kk, in fp32 (`_linear_rows`'s
     prologues): the norm of the rows (r: `norm_scale`) times g, SwiGLU's product, or the rows themselves."""
@@ -223,7 +222,7 @@ def _operand(x, a2, g, r, rm, kk, sxm, sam, M, K, NORM: tl.constexpr, ADD: tl.co
     return a
 
 
-def _row_block(x, a2, rm, kk, sxm, sam, M, K, ADD: tl.constexpr, BF16: tl.constexpr):
+def row_block(x, a2, rm, kk, sxm, sam, M, K, ADD: tl.constexpr, BF16: tl.constexpr):
     """A device helper (`row_block`): rows rm of x at columns kk, in fp32, zero outside [M, K]; with ADD, x + a2
     rounded to the dtype as PyTorch's add rounds it (the residual sum of Block.forward)."""
     mx = (rm[:, None] < M) & (kk[None, :] < K)
@@ -235,7 +234,7 @@ def _row_block(x, a2, rm, kk, sxm, sam, M, K, ADD: tl.constexpr, BF16: tl.conste
     return v
 
 
-def _accumulate(acc, a, w, rn, cm, kk, swn, K, DOT: tl.constexpr):
+def accumulate(acc, a, w, rn, cm, kk, swn, K, DOT: tl.constexpr):
     """A device helper (`accumulate`): acc + a W[rn, kk]^T for the operand block a [BM, BK], the columns rn
     where cm holds: one FMA chain per output over k in order (module docstring), a K tail's zeros exact."""
     wt = tl.load(w + rn[None, :] * swn + kk[:, None], mask=cm[None, :] & (kk[:, None] < K), other=0.0).to(tl.float32)
@@ -245,8 +244,8 @@ def _accumulate(acc, a, w, rn, cm, kk, swn, K, DOT: tl.constexpr):
 
 
 KERNELS = (_linear_rows, _qkv_rope_rows)
-HELPERS = {"row_block": _row_block, "norm_scale": _norm_scale, "operand": _operand,
-           "accumulate": _accumulate}  # (bound by triton_build.kernel)
+HELPERS = {"row_block": row_block, "norm_scale": norm_scale, "operand": operand,
+           "accumulate": accumulate}  # (bound by triton_build.kernel)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -315,7 +314,7 @@ def _qkv_rope(x: torch.Tensor, a: torch.Tensor | None, g: torch.Tensor, eps: flo
         x2, w, a2, g.contiguous(), h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d, P, x2.stride(0), w.stride(0),
         a2.stride(0), h.stride(0), float(eps), cos.stride(0), cos.stride(1), q.stride(0), q.stride(1),
         *kc.stride()[:3], *vc.stride()[:3], slots.stride(0), BF16=x.dtype == torch.bfloat16,
-        DOT=not triton_build.interpreted(kernel), BM=BM, BH=BH, BK=bk, ADD=a is not None)
+        DOT=not triton_build.interpreted(_qkv_rope_rows), BM=BM, BH=BH, BK=bk, ADD=a is not None)
     return (x if a is None else h.view(x.shape)), q.view(B, R, H, d)
 
 
@@ -344,7 +343,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
         x2, w, w if bias is None else bias, y, x2 if a2 is None else a2, w if g is None else g, y if h is None else h,
         M, N, K, x2.stride(0), w.stride(0), y.stride(0), x2.stride(0) if a2 is None else a2.stride(0),
         y.stride(0) if h is None else h.stride(0), float(eps), HAS_BIAS=bias is not None,
-        BF16=x.dtype == torch.bfloat16, DOT=not triton_build.interpreted(kernel), BM=BM, BN=bn, BK=bk, SWIGLU=gated,
+        BF16=x.dtype == torch.bfloat16, DOT=not triton_build.interpreted(_linear_rows), BM=BM, BN=bn, BK=bk, SWIGLU=gated,
         NORM=norm is not None, ADD=a is not None)
     return y.view(*x.shape[:-1], N), h
 

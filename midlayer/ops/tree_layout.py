@@ -19,7 +19,7 @@ import torch
 from . import triton_build
 from .triton_build import NEEDS, pow2
 
-tl = to_bf16 = ahead = None  # triton.language and the kernels' helpers, set when a kernel is first made
+tl = to_bf16 = None  # triton.language and triton_build's helper, set when a kernel is first made
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -87,7 +87,7 @@ def _rows(score, tok, par, cdepth, nodes, parent, depth, C, n, N, CC: tl.constex
     tl.store(depth + i, tl.zeros([NN], dtype=tl.int64), mask=rest)
 
 
-def _ahead(x, y, first):
+def ahead(x, y, first):
     """A device helper (`ahead`): whether score x comes before score y in a stable descending sort, as
     torch.sort orders them: NaN above all, then the higher; ties (NaN with NaN too) by `first`, x's candidate
     being the earlier."""
@@ -96,7 +96,7 @@ def _ahead(x, y, first):
 
 
 KERNELS = (_layout, _rows)
-HELPERS = {"ahead": _ahead}  # (bound by triton_build.kernel)
+HELPERS = {"ahead": ahead}  # (bound by triton_build.kernel)
 MAX_CANDIDATES = 2048  # `rows`' C: EAGLE-2's k + (D - 1) k^2 up to k = 16 at depth 8 (bench static's limits)
 
 

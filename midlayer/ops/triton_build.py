@@ -20,6 +20,7 @@ NEEDS = ("the static step's Triton kernels need Triton, and on a CPU Triton's in
 _modules: tuple | None = None
 _loaded = False
 _kernels: dict[Callable, object] = {}
+_interpreted: dict[Callable, bool] = {}  # fn -> whether its kernel runs in the interpreter (`interpreted`)
 
 
 def load() -> tuple | None:
@@ -61,25 +62,28 @@ def kernel(fn: Callable):
         for space in (fn.__globals__, globals()):  # (the kernel's module, and this one's for the helpers)
             space["tl"] = lang
         for name, helper in helpers(fn).items():
+            if helper.__name__ != name:  # (Inductor re-emits a helper's source: its `def` must name what is called)
+                raise RuntimeError(f"the kernels' helper {helper.__name__} is called {name}: name its def so")
             if helper not in _kernels:
                 _kernels[helper] = triton.jit(helper)
-            if fn.__globals__.get(name) not in (None, _kernels[helper]):  # (it would replace the module's own)
+            if fn.__globals__.get(name) not in (None, helper, _kernels[helper]):  # (or it replaces the module's own)
                 raise RuntimeError(f"{fn.__module__}.{name} is not free for the kernels' helper of that name")
             fn.__globals__[name] = _kernels[helper]
         _kernels[fn] = triton.jit(fn, **getattr(fn, "triton_jit", {}))
+        _interpreted[fn] = not isinstance(_kernels[fn], triton.runtime.jit.JITFunction)
     return _kernels[fn]
 
 
 def helpers(fn: Callable) -> dict[str, Callable]:
     """The device helpers a kernel's body calls, by the names it calls them: the shared ones below (`to_bf16`,
     `swiglu`, `rope`), and those its module declares (`HELPERS`: name -> function)."""
-    return {"to_bf16": _to_bf16, "swiglu": _swiglu, "rope": _rope, **fn.__globals__.get("HELPERS", {})}
+    return {"to_bf16": to_bf16, "swiglu": swiglu, "rope": rope, **fn.__globals__.get("HELPERS", {})}
 
 
 tl = None  # triton.language once loaded (for the helpers below)
 
 
-def _to_bf16(x):
+def to_bf16(x):
     """A kernels' helper (bound as `to_bf16` in each kernel's module): fp32 -> bf16 to nearest, ties to even,
     in integer ops, the same bits compiled and in Triton's interpreter (whose own cast truncates). (Not for
     NaN: none of the kernels makes one from finite inputs.)"""
@@ -88,14 +92,14 @@ def _to_bf16(x):
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-def _swiglu(a, b):
+def swiglu(a, b):
     """A kernels' helper (bound as `swiglu`): SwiGLU's silu(a) * b in fp32 (FeedForward's formula), one
     formula for the SwiGLU kernel (fused_rows) and the row-linear kernel's SwiGLU prologue (row_linear), so the
     fused down projection reads the very values the separate kernel would have stored."""
     return a / (1.0 + tl.exp(-a)) * b
 
 
-def _rope(x, p, c, s):
+def rope(x, p, c, s):
     """A kernels' helper (bound as `rope`): one rotated element x cos + p sin in fp32, p its partner in
     rotate_half(x) = [-x2, x1] (attention.apply_rope; Su et al. 2021, arXiv 2104.09864), one formula
     for the RoPE kernel (fused_rows.rope_store) and the row-linear kernel's RoPE epilogue (row_linear), so the
@@ -107,14 +111,14 @@ def runs_on(fns: tuple[Callable, ...], device: torch.device | None = None) -> bo
     """Whether the kernels made from `fns` (a kernel file's KERNELS, made here all at once) run here: Triton
     imports, and for `device` (when given) they run there (CUDA compiled; a CPU only under the interpreter)."""
     ks = [kernel(fn) for fn in fns]
-    return all(k is not None for k in ks) and (device is None or device.type == "cuda" or interpreted(ks[0]))
+    return all(k is not None for k in ks) and (device is None or device.type == "cuda" or interpreted(fns[0]))
 
 
-def interpreted(k) -> bool:
-    """Whether the kernel `k` (from `kernel`) runs in Triton's interpreter."""
-    from triton.runtime.jit import JITFunction
-
-    return not isinstance(k, JITFunction)
+def interpreted(fn: Callable) -> bool:
+    """Whether the kernel made from `fn` runs in Triton's interpreter: a flag kept when `kernel` made it, so that a
+    launch traced by torch.compile reads a Python bool (Dynamo in torch 2.11 cannot evaluate an isinstance of a
+    Triton kernel: the H200 run's compile rows, 62nd session). False for a kernel not made."""
+    return _interpreted.get(fn, False)
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
