@@ -361,6 +361,54 @@ def test_the_probe_catches_a_bucket_that_is_not_row_invariant(models):
     assert not DecodeStep(models["fp32"], max_len=32, buckets=(1, 2, 8)).row_invariant()
 
 
+class OrderByCount:
+    """A stand-in bf16 BLAS whose linear sums a row's products in fp32 in the order of k, then rounds to bf16,
+    except at one row, where it sums them in the reverse order: the same terms, another order, as PyTorch's bf16
+    linear on an AMX Xeon at one row against three or more (62nd session). On random rows the two orders are an
+    fp32 ulp or two apart, which the bf16 rounding hides nearly always."""
+
+    def __init__(self) -> None:
+        self._linear = torch.nn.functional.linear
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if torch._C._is_torch_function_mode_enabled():  # (a mode that routes F.linear sees the stand-in as it)
+            return torch.overrides.handle_torch_function(torch.nn.functional.linear, (x, w), x, w, b)
+        rows = x.reshape(-1, x.shape[-1])
+        terms = rows.float()[:, None, :] * w.float()[None]  # [M, N, K]: each product exact in fp32
+        out = torch.zeros(terms.shape[:2])
+        for k in range(terms.shape[-1]) if rows.shape[0] > 1 else reversed(range(terms.shape[-1])):
+            out = out + terms[..., k]  # (one fp32 add after another: PyTorch's cumsum adds in double on a CPU)
+        out = out + (0 if b is None else b.float())
+        return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def test_the_probe_sees_a_bf16_linear_that_sums_one_row_in_another_order(monkeypatch):
+    """A bf16 linear that sums a lone row in another order than a bucket of rows (`OrderByCount`) passes the
+    probe's forwards (logits and the attention's fp32 tap) in buckets from one row: the bf16 rounding hides
+    the order. On rows built to cancel (`DecodeStep._linears_match`: two products of about 2^26 that cancel
+    exactly beside terms of about 1), the two orders differ by units, and the probe fails those buckets and
+    takes those from 8 rows. The tiny model's speculative output then equals plain output, token for token,
+    where on the one-row buckets it need not."""
+    monkeypatch.setattr(torch.nn.functional, "linear", OrderByCount().linear)
+    model = make_tiny(DIMS, False).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    lone = DecodeStep(model, max_len=150, buckets=(1, 8, 16), attention="torch", linear="torch")
+    lone._tap(True)  # (as `row_invariant` runs it)
+    assert lone._forwards_match(g, 3)  # (what the probe was: blind to it)
+    lone.reset()
+    lone._tap(False)
+    assert not lone._linears_match(g) and not lone.row_invariant()
+    assert DecodeStep(model, max_len=150, buckets=(8, 16), attention="torch", linear="torch").row_invariant()
+    kernels, ok = invariant_buckets(model, 150)
+    assert ok and 1 not in kernels.buckets
+    prompt = _prompts()[2]
+    step = DecodeStep(model, max_len=150)
+    plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=24), step=step)[0]
+    for tree in TREES:
+        out, _ = static_speculative_generate(model, prompt, NoisyOracle(prompt + plain, V), tree, 24, step=step)
+        assert out == plain
+
+
 def test_the_c_linear_mends_a_blas_that_rounds_rows_by_count(monkeypatch):
     """Under a BLAS whose fp32 linears round a row otherwise from 16 rows (RowWiseBLAS(from_rows=16)), as an
     AVX-512 Xeon's MKL does, the probe fails PyTorch's linears from one row and from 8, and chooses the CPU's C

@@ -1005,14 +1005,16 @@ class DecodeStep:
         every slot before the row's (restores nothing: call before use, or `reset` after). Every slot, because a
         kernel that splits the reduction over the keys (split-K) rounds differently only where more than one of
         its parts holds nonzero terms: with 8 committed keys and zeros after them, as this probe had, such a
-        split is invisible. Places: the row at the start, middle and end of each bucket beside random padding
+        split is invisible. First each linear's rows on cancelling operands (`_linears_match`), where the logits
+        hide a bf16 GEMM's order. Places: the row at the start, middle and end of each bucket beside random padding
         rows, then N copies of it filling the bucket (every place at once). Then, at batch 1, verification
         rounds against plain decoding in every bucket (`_rounds_match_plain`); a step of several sequences
         (batch > 1) runs no rounds, so its verdict covers forwards alone."""
         g = torch.Generator().manual_seed(seed)
         self._tap(True)
         try:
-            ok = self._forwards_match(g, n_probe) and (self.batch != 1 or self._rounds_match_plain(g))
+            ok = (self._linears_match(g) and self._forwards_match(g, n_probe)
+                  and (self.batch != 1 or self._rounds_match_plain(g)))
         finally:
             self.reset()
             self._tap(False)
@@ -1029,6 +1031,53 @@ class DecodeStep:
         self.tap = torch.zeros(cfg.n_layers, self.batch, max(self.buckets), cfg.n_heads * cfg.head_dim,
                                device=self.device) if on else None
         self._runners.clear()
+
+    def _linears_match(self, g: torch.Generator, rows: int = 64) -> bool:
+        """Whether each of the model's linears (one per weight shape; as the step runs them, `kernels`) gives a
+        row the same bits in every bucket as in the first, on rows built so that the order of the sum shows.
+        Row r aims at output column j = r mod N: two of its inputs are w[j, k2] 2^a and -w[j, k1] 2^a (bf16 and
+        fp32 hold them exactly), whose products with w[j, k1] and w[j, k2] cancel exactly, each about 2^26,
+        beside terms of about 1. A sum that adds the small terms after both large ones keeps them; one that adds
+        some to a partial sum holding one large term loses them in its rounding (an fp32 ulp at 2^26 is 8). So
+        two orders of the sum give column j results apart by several units, where on random rows they are apart
+        by an fp32 ulp or two, which a bf16 output's rounding hides nearly always. Seen on an AMX Xeon: PyTorch's
+        bf16 linear at one row and at three or more gave other bf16 bits on about 1 element in 40,000 of random
+        rows (64 x 32 and 64 x 64 weights), which the logits and the attention's fp32 tap did not show, and the
+        tiny model's speculative output left plain output on 1 of 3 prompts (62nd session)."""
+        seen: set[tuple] = set()
+        mods = []
+        for mod in self.model.modules():
+            w = getattr(mod, "weight", None)
+            if (isinstance(mod, torch.nn.Linear) and w is not None and w.dtype in (torch.float32, torch.bfloat16)
+                    and w.dim() == 2 and (tuple(w.shape), w.dtype) not in seen):
+                seen.add((tuple(w.shape), w.dtype))
+                mods.append(mod)
+        M = max(self.buckets)
+        with torch.no_grad(), self.kernels():
+            for mod in mods:
+                w = mod.weight.detach()
+                N, K = w.shape
+                x = torch.randn(M, K, generator=g).to(w.dtype)
+                if K >= 2:
+                    j = torch.arange(M) % N
+                    k1 = torch.randint(0, K, (M,), generator=g)
+                    k2 = (k1 + 1 + torch.randint(0, K - 1, (M,), generator=g)) % K
+                    wc = w.cpu().float()
+                    w1, w2 = wc[j, k1], wc[j, k2]
+                    big = (w1 * w2).abs().clamp_min(2.0 ** -60)
+                    scale = torch.exp2(26 - torch.floor(torch.log2(big)))
+                    ok = (w1 != 0) & (w2 != 0)
+                    r = torch.arange(M)
+                    x[r[ok], k1[ok]] = (w2 * scale)[ok].to(w.dtype)
+                    x[r[ok], k2[ok]] = (-w1 * scale)[ok].to(w.dtype)
+                x = x.to(w.device)[None]  # [1, M, K]: a forward's rows
+                b0 = self.buckets[0]
+                n = min(rows, M)
+                ref = torch.cat([mod(x[:, i:i + b0]) for i in range(0, n, b0)], 1)[:, :n]
+                for m in self.buckets[1:]:
+                    if not torch.equal(mod(x[:, :m])[:, :min(m, n)], ref[:, :min(m, n)]):
+                        return False
+        return True
 
     def _forwards_match(self, g: torch.Generator, n_probe: int) -> bool:
         """The probe's first half (`row_invariant`): one random row's logits and tapped attention in every
