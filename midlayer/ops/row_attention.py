@@ -126,7 +126,7 @@ def _combine_chunks(pm, pl, pacc, last, out, sob, son, soh, N, Hk, NC, rep, d,
 
 
 def combine(pm, pl, pacc, out, row, hk, hi, sob, son, soh, N, Hk, NC, rep, d, REP: tl.constexpr,
-             D: tl.constexpr, CHUNK: tl.constexpr, BF16: tl.constexpr):
+            D: tl.constexpr, CHUNK: tl.constexpr, BF16: tl.constexpr):
     """A device helper (`combine`), pass 2 for one (row, kv head): the row's chunks 0 .. position // CHUNK
     combined in that order, the largest running max first, then each chunk's sum and weighted sum rescaled to
     it. (Loads past the L1 cache, ".cg": partials another program stored in this launch.)"""

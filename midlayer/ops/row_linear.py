@@ -184,7 +184,7 @@ def _qkv_rope_rows(x, w, a2, g, h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d
 
 
 def norm_scale(x, a2, h, rm, rk, col, sxm, sam, shm, M, K, eps, ADD: tl.constexpr, BF16: tl.constexpr,
-                BM: tl.constexpr, BK: tl.constexpr):
+               BM: tl.constexpr, BK: tl.constexpr):
     """A device helper (`norm_scale`): RMSNorm's 1 / sqrt(mean(v^2) + eps) for rows rm, v each row (x + a2 with
     ADD, rounded as `row_block`), summed over K in blocks of BK in order. With ADD the programs of column
     `col` 0 store v to h, the residual sum, once."""
@@ -203,7 +203,7 @@ def norm_scale(x, a2, h, rm, rk, col, sxm, sam, shm, M, K, eps, ADD: tl.constexp
 
 
 def operand(x, a2, g, r, rm, kk, sxm, sam, M, K, NORM: tl.constexpr, ADD: tl.constexpr, SWIGLU: tl.constexpr,
-             BF16: tl.constexpr):
+            BF16: tl.constexpr):
     """A device helper (`operand`): the kernel's operand at rows rm, columns kk, in fp32 (`_linear_rows`'s
     prologues): the norm of the rows (r: `norm_scale`) times g, SwiGLU's product, or the rows themselves."""
     if NORM:
@@ -343,8 +343,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
         x2, w, w if bias is None else bias, y, x2 if a2 is None else a2, w if g is None else g, y if h is None else h,
         M, N, K, x2.stride(0), w.stride(0), y.stride(0), x2.stride(0) if a2 is None else a2.stride(0),
         y.stride(0) if h is None else h.stride(0), float(eps), HAS_BIAS=bias is not None,
-        BF16=x.dtype == torch.bfloat16, DOT=not triton_build.interpreted(_linear_rows), BM=BM, BN=bn, BK=bk, SWIGLU=gated,
-        NORM=norm is not None, ADD=a is not None)
+        BF16=x.dtype == torch.bfloat16, DOT=not triton_build.interpreted(_linear_rows), BM=BM, BN=bn, BK=bk,
+        SWIGLU=gated, NORM=norm is not None, ADD=a is not None)
     return y.view(*x.shape[:-1], N), h
 
 
