@@ -178,6 +178,7 @@ def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str
     for shape in calls[dtypes[0], rows[0]]:
         name = calls[dtypes[0], rows[0]][shape][0]
         rel, us, want = {}, {}, {}
+        kept = row_linear.TILES.get(shape)  # (a tile MIDLAYER_ROW_TILES or row_linear.MEASURED gave it)
         for t in TILE_CANDIDATES:
             row_linear.TILES[shape] = t
             with torch.no_grad():
@@ -192,9 +193,10 @@ def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str
             if off > 1:
                 del rel[t]
         del row_linear.TILES[shape]
+        if kept is not None:
+            row_linear.TILES[shape] = kept
         best = min(rel, key=rel.get)
-        if best != TILE_CANDIDATES[0]:
-            chosen[shape] = best
+        chosen[shape] = best  # (the default too: it must win over a MEASURED tile where the run sets these)
         spec = row_linear.format_tiles(chosen)
         with open(path, "w") as f:
             f.write(spec)

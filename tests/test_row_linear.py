@@ -287,6 +287,22 @@ def test_the_mode_routes_every_linear_and_nothing_else(monkeypatch):
     assert len(calls) == 3
 
 
+def test_a_gpus_measured_tiles_fill_what_the_environment_leaves(monkeypatch):
+    """On a CUDA device of compute capability 9.0 (H100, H200) `available` fills TILES with the tiles the H200's
+    sweep chose (`MEASURED`), once per device, where MIDLAYER_ROW_TILES (here: TILES already holding 576 x 1536)
+    gave none; a CPU, or a GPU of another capability, gets none. (The device is faked: `available` asks only
+    whether the kernels run there, which on CUDA it takes for granted, and the device's capability.)"""
+    monkeypatch.setattr(rl, "TILES", {(576, 1536): (32, 64)})
+    monkeypatch.setattr(rl, "_measured_for", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if device.index else (9, 0))
+    assert rl.available(torch.device("cpu")) and rl.TILES == {(576, 1536): (32, 64)}
+    assert rl.available(torch.device("cuda", 1)) and rl.TILES == {(576, 1536): (32, 64)}  # (an A100: none)
+    assert rl.available(torch.device("cuda", 0))
+    assert rl.TILES == {**rl.MEASURED[9, 0], (576, 1536): (32, 64)} and rl.tile(960, 576) == (16, 64)
+    rl.TILES.pop((960, 576))
+    assert rl.available(torch.device("cuda", 0)) and rl.tile(960, 576) == (rl.BN, rl.BK)  # (once a device)
+
+
 def test_bad_operands_are_refused():
     x, w, _ = _operands(2, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="want weight"):
@@ -441,8 +457,8 @@ def test_the_tile_sweep_keeps_each_shapes_fastest_tile_relative_to_the_default(t
     faked device clock: each shape keeps the tile with the least time relative to the default's, summed over
     dtypes and row counts (576 x 1536's 16 x 128 wins on the ratios, where 64 x 64 would win on the summed
     microseconds); a tile whose output is off the default's is not taken however fast; a shape where the
-    default wins is left out; the file holds MIDLAYER_ROW_TILES's value, which parse_tiles reads back; the table
-    is left as it was."""
+    default wins is written as the default (so that it wins over row_linear.MEASURED's); the file holds
+    MIDLAYER_ROW_TILES's value, which parse_tiles reads back; the table is left as it was."""
     import importlib.util
     from pathlib import Path
 
@@ -476,7 +492,7 @@ def test_the_tile_sweep_keeps_each_shapes_fastest_tile_relative_to_the_default(t
     tk.sweep_tiles(torch.device("cpu"), ["fp32"], [1, 64], str(out))
     # (960, 576): 16 x 64's ratios sum to 0.5 + 1.1 < 2; (576, 1536): 16 x 128's 0.5 + 1.2 = 1.7 against 64 x 64's
     # 1 + 0.9 = 1.9, though 16 x 128 takes 5 + 120 us and 64 x 64 10 + 90; (49152, 576): 16 x 64 is off
-    assert rl.parse_tiles(out.read_text()) == {(960, 576): (16, 64), (576, 1536): (16, 128)}
+    assert rl.parse_tiles(out.read_text()) == {(960, 576): (16, 64), (576, 1536): (16, 128), (49152, 576): (32, 64)}
     assert rl.TILES == before
     printed = capsys.readouterr().out
     row = next(line for line in printed.splitlines() if "49152 x 576" in line and "| 16 x 64 |" in line)

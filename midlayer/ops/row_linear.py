@@ -49,7 +49,7 @@ from .triton_build import NEEDS, as_rows, pow2
 BM = 16  # the tile's rows (tl.dot's least)
 BN, BK = 32, 64  # the default tile's outputs a program (BN) and its blocks over K (BK): `tile`
 # per weight shape (N, K), a tile (BN, BK) other than the default: a choice measured on the device
-# (benchmarks/triton_kernels.py --tiles), given as MIDLAYER_ROW_TILES="NxK=BNxBK,..." or set here
+# (benchmarks/triton_kernels.py --tiles), given as MIDLAYER_ROW_TILES="NxK=BNxBK,...", set here, or `MEASURED`'s
 TILES: dict[tuple[int, int], tuple[int, int]] = {}
 tl = to_bf16 = swiglu = rope = None  # triton.language and the kernels' helpers, set when first made
 
@@ -81,6 +81,14 @@ try:
     TILES.update(parse_tiles(os.environ.get("MIDLAYER_ROW_TILES", "")))
 except ValueError as e:
     _TILES_ERROR = f"MIDLAYER_ROW_TILES: {e}"
+# Tiles measured on a GPU, by its compute capability: what `available` fills TILES with for a shape that
+# MIDLAYER_ROW_TILES leaves out. (9, 0): the H200's sweep of SmolLM2's shapes (62nd session, docs/results/
+# static-step-h200/run5/kernels.txt; H100 and H200 alike have 132 SMs): q|k|v at 0.58 of the default's time,
+# the head at 0.55, wo 0.81, w2 0.83, w1|w3 0.92. Without them SmolLM2's fp32 step there would take about 5.4 ms
+# a token where it took 3.79 (the sweep's one-row times, summed over a step's linears), the recipe 3.53.
+MEASURED: dict[tuple[int, int], dict[tuple[int, int], tuple[int, int]]] = {
+    (9, 0): parse_tiles("960x576=16x64,576x576=16x64,3072x576=64x64,576x1536=16x128,49152x576=64x64")}
+_measured_for: set = set()  # the CUDA devices whose MEASURED tiles are in TILES (once: a process's TILES is one)
 
 
 def tile(N: int, K: int) -> tuple[int, int]:
@@ -95,8 +103,15 @@ def tile(N: int, K: int) -> tuple[int, int]:
 
 
 def available(device: torch.device | None = None) -> bool:
-    """Whether the kernel runs here (triton_build.runs_on; made here, before any forward is traced)."""
-    return triton_build.runs_on(KERNELS, device)
+    """Whether the kernel runs here (triton_build.runs_on; made here, before any forward is traced). On a CUDA
+    device seen the first time, `MEASURED`'s tiles for its compute capability join TILES where it has none for
+    that shape (the step's construction asks first, outside any trace)."""
+    ok = triton_build.runs_on(KERNELS, device)
+    if ok and device is not None and device.type == "cuda" and device.index not in _measured_for:
+        _measured_for.add(device.index)
+        for shape, t in MEASURED.get(tuple(torch.cuda.get_device_capability(device)), {}).items():
+            TILES.setdefault(shape, t)
+    return ok
 
 
 @triton_build.options(do_not_specialize=["M"])  # (one compiled program at every row count: module docstring)
