@@ -12,7 +12,7 @@ import torch
 
 from midlayer.speculative.static import static_speculative_generate
 from midlayer.engine.draft_vocab import (draft_vocab, frequent_tokens, head_logits, restrict_logits, set_draft_vocab,
-                                  teacher_logits, to_token_ids)
+                                  teacher_logits, to_token_ids, vocab_topk)
 from midlayer.speculative.registry import DraftMismatchError, load_draft, save_draft
 from midlayer.speculative.early_exit import EarlyExitDrafter, EarlyExitHead
 from midlayer.speculative.medusa import MedusaDrafter, MedusaHeads
@@ -36,6 +36,28 @@ def test_frequent_tokens_by_hand():
         frequent_tokens([[3, 16]], 4, 16)
     with pytest.raises(ValueError, match="no response tokens"):
         frequent_tokens([[], []], 4, 16)
+
+
+@pytest.mark.parametrize("V", [49152, 5000])
+def test_the_two_pass_top_k_gives_topks_values_and_indices_that_hold_them(V):
+    """`vocab_topk` in two passes (the k best of each 1,024 entries, then of those; the GPU's way) against
+    torch.topk: the same values, largest first, and indices that hold them, distinct, within the vocabulary.
+    Rows with the best entries in one segment, spread over several, and in the last, padded segment; rows of
+    bf16 values with ties; a batch dimension; k from 1 to 8."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, V, generator=g)
+    x[0, 2048:2056] += 10  # (the 8 best in one segment)
+    x[1, torch.arange(8) * 600] += 10  # (in 5 segments)
+    x[2, V - 5:] += 10  # (at the end: the padded segment where V is no multiple of 1,024)
+    x[3] = -x[3].abs() - 1  # (every entry below 0: no padding may win)
+    for rows in (x, x.bfloat16(), x.view(2, 3, V)):
+        for k in (1, 4, 8):
+            v, i = vocab_topk(rows, k, split=True)
+            want = rows.topk(k, -1)
+            assert torch.equal(v, want.values) and i.shape == want.indices.shape
+            assert torch.equal(rows.gather(-1, i), v) and int(i.max()) < V
+            assert all(len(set(r)) == k for r in i.reshape(-1, k).tolist())
+    assert torch.equal(vocab_topk(x, 4)[1], x.topk(4, -1).indices)  # (on a CPU: torch.topk itself)
 
 
 def test_restrict_map_and_teacher():

@@ -84,6 +84,32 @@ def teacher_logits(logits: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return logits if vocab is None or logits.shape[-1] == vocab.numel() else restrict_logits(logits, vocab)
 
 
+SEGMENT = 1024  # `vocab_topk`'s first pass: the k best of each SEGMENT entries
+
+
+def vocab_topk(x: torch.Tensor, k: int, split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest entries of each row of x [..., V], largest first, as torch.topk gives
+    them. split (None: where x is on CUDA): in two passes, the k best of each segment of SEGMENT entries (the
+    last padded with -inf), then the k best of those. Why: torch.topk runs a row in one thread block, and on an
+    H200 a top-4 over SmolLM2's vocabulary took 49-66 us (`gatherTopK`): an EAGLE-2 round of 1.68 ms ran three,
+    182 us, and a Medusa or hidden-transfer round one (docs/results/static-step-h200/run5/profile.md); the
+    segments run in parallel. The k largest of a row are among the k largest of their segments, so the values
+    are topk's; where values tie, the indices may be other tied ones (torch.topk does not fix their order either).
+    A draft's candidates only (verification decides what is committed)."""
+    V = x.shape[-1]
+    k = min(k, V)
+    S = -(-V // SEGMENT)
+    if not (x.is_cuda if split is None else split) or S < 4 or k > SEGMENT:
+        return x.topk(k, -1)
+    rows = x.reshape(-1, V)
+    if V % SEGMENT:
+        rows = torch.nn.functional.pad(rows, (0, S * SEGMENT - V), value=float("-inf"))
+    v1, i1 = rows.view(rows.shape[0], S, SEGMENT).topk(k, -1)  # [M, S, k]
+    v, j = v1.reshape(rows.shape[0], S * k).topk(k, -1)  # [M, k]: j indexes the segments' candidates
+    idx = i1.reshape(rows.shape[0], S * k).gather(1, j) + torch.div(j, k, rounding_mode="floor") * SEGMENT
+    return v.view(*x.shape[:-1], k), idx.view(*x.shape[:-1], k)
+
+
 def to_token_ids(indices: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
     """Indices into the subset (e.g. a topk of restricted logits) -> token ids."""
     return indices if vocab is None else vocab.to(indices.device)[indices]

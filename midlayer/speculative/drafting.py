@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from midlayer.engine.draft_vocab import restrict_logits, to_token_ids
+from midlayer.engine.draft_vocab import restrict_logits, to_token_ids, vocab_topk
 from midlayer.engine.generate import CachedStep
 from midlayer.model.kv_cache import KVCache
 from midlayer.model.transformer import Transformer
@@ -75,7 +75,7 @@ def topk_lists(logits: torch.Tensor, need: Sequence[int], vocab: torch.Tensor | 
     kmax = max(need)
     if vocab is not None and logits.shape[-1] != vocab.numel():
         logits = restrict_logits(logits, vocab)
-    idx = to_token_ids(logits[:len(need)].topk(min(kmax, logits.shape[-1]), -1).indices, vocab).tolist()
+    idx = to_token_ids(vocab_topk(logits[:len(need)], kmax)[1], vocab).tolist()
     return [row[:k] for row, k in zip(idx, need)]
 
 
@@ -160,7 +160,7 @@ def draft_tree_autoregressive(ctx: DraftContext, step: Callable[[torch.Tensor, t
                 logits = step(tok_t, pos_t, first + a, mask[:, :, a:b])  # [M, V]
             k = min(max(rank) + 1, logits.shape[-1])
             fast = kernels.topk(logits, k)  # one C pass where it applies (torch.topk: 40-78 us a level here)
-            top = to_token_ids(fast[1] if fast is not None else logits.topk(k, -1).indices, vocab).tolist()
+            top = to_token_ids(fast[1] if fast is not None else vocab_topk(logits, k)[1], vocab).tolist()
             for i, p, r in zip(range(ka, kb), parent, rank):
                 node_tok[i] = top[p][r]
     finally:

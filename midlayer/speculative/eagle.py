@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from midlayer.config import ModelConfig
-from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids
+from midlayer.engine.draft_vocab import draft_vocab, head_logits, teacher_logits, to_token_ids, vocab_topk
 from midlayer.engine.decode_step import DecodeStep, round_layout
 from midlayer.engine.generate import CachedStep
 from midlayer.engine.quantization import compress_block, Q8Linear
@@ -287,13 +287,12 @@ def train_eagle(model: Transformer, head: EagleHead, batches: Any, steps: int, l
 # ============================================================================================ inference
 def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest log-probabilities of each row of `logits` [M, V] and their indices: one C pass (top k
-    and logsumexp, kernels.topk) where it applies, else log_softmax + topk."""
+    and logsumexp, kernels.topk) where it applies, else log_softmax + `vocab_topk`."""
     out = kernels.topk(logits, k, with_lse=True)
     if out is not None:
         vals, idx, lse = out
         return vals - lse[:, None], idx
-    top = torch.log_softmax(logits, -1).topk(k, -1)
-    return top.values, top.indices
+    return vocab_topk(torch.log_softmax(logits, -1), k)
 
 
 class EagleDrafter(Drafter):

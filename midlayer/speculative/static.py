@@ -27,7 +27,7 @@ import torch
 
 from midlayer.engine.decode_step import (any_round_slots, BUCKET_CANDIDATES, DecodeStep, round_slots, step_for,
                                         TreeTensors)
-from midlayer.engine.draft_vocab import restrict_logits, to_token_ids
+from midlayer.engine.draft_vocab import restrict_logits, to_token_ids, vocab_topk
 from midlayer.engine.generate import check_max_new_tokens, validate_prompts
 from midlayer.model.transformer import Transformer
 from .protocol import DraftContext, Drafter
@@ -201,7 +201,7 @@ class TopkTreeDraft:
         logits = self.logits_of(*carry)[:self.D]
         if self.vocab is not None and logits.shape[-1] != self.vocab.numel():
             logits = restrict_logits(logits, self.vocab)
-        ids = to_token_ids(logits.topk(min(self.kmax, logits.shape[-1]), -1).indices, self.vocab)  # [D, kmax]
+        ids = to_token_ids(vocab_topk(logits, self.kmax)[1], self.vocab)  # [D, kmax]
         return ids[self.depth_ix, self.rank_ix], self.fields
 
     def after(self, packed, rows, hidden, draft, last_pos):
@@ -254,7 +254,7 @@ class LevelTreeDraft:
             logits = self.head(h[0, :m])
             if self.vocab is not None and logits.shape[-1] != self.vocab.numel():
                 logits = restrict_logits(logits, self.vocab)
-            top = to_token_ids(logits.topk(min(k, logits.shape[-1]), -1).indices, self.vocab)  # [m, k]
+            top = to_token_ids(vocab_topk(logits, k)[1], self.vocab)  # [m, k]
             toks = toks.index_copy(0, kid_rows, top[kid_src, kid_rank])
         return toks[1:], self.fields
 
