@@ -157,4 +157,5 @@ def _sub_head(head: nn.Module, vocab: torch.Tensor) -> nn.Module | torch.Tensor:
     raise ValueError(f"no draft-vocabulary head for an LM head of type {type(head).__name__}")
 
 
-__all__ = ["frequent_tokens", "draft_vocab", "set_draft_vocab", "restrict_logits", "teacher_logits", "to_token_ids", "head_logits"]
+__all__ = ["frequent_tokens", "draft_vocab", "set_draft_vocab", "restrict_logits", "teacher_logits", "to_token_ids",
+           "head_logits", "vocab_topk"]
