@@ -12,7 +12,12 @@ keeps for each shape the tile with the least time relative to the default tile's
 row counts; FILE gets their MIDLAYER_ROW_TILES value (written after each shape: a run cut short keeps what it
 measured). scripts/static_check.sh runs the step's bench at it.
 
+With --attention FILE it times the row-attention kernel's shapes (`row_attention.parse_shape`: positions per
+block, per program, and warps) over 512 slots for the given row counts, and keeps the shape with the least
+time relative to the default's (FILE: its MIDLAYER_ROW_ATTENTION value, rewritten after each shape).
+
     python benchmarks/triton_kernels.py [--device cuda] [--dtypes fp32,bf16] [--rows 1,8,64] [--tiles FILE]
+        [--attention FILE]
 """
 
 from __future__ import annotations
@@ -203,6 +208,55 @@ def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str
     print(f"\nMIDLAYER_ROW_TILES={spec}")
 
 
+# the row-attention kernel's shapes (BLOCK_POSITIONS, CHUNK, WARPS) tried, the default first (each builds for
+# sm_90 without local memory: a one-off compile, 62nd session)
+ATTENTION_CANDIDATES = ((row_attention.BLOCK_POSITIONS, row_attention.CHUNK, row_attention.WARPS), (16, 64, 4),
+                        (64, 64, 4), (32, 32, 4), (16, 32, 4), (32, 128, 4), (64, 128, 4), (32, 64, 8), (64, 64, 8))
+
+
+def attention_call(dev: torch.device, dtype: torch.dtype, n: int, S: int = 512):
+    """The step's attention call for n rows at positions 300.. (each seeing every position up to its own) over
+    a cache layer of S slots, SmolLM2's heads: a plain step (n = 1) to a hidden-transfer round (n = 128)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, n, H, HD, generator=g).to(dev, dtype).transpose(1, 2)
+    kc, vc = (torch.randn(1, HK, S, HD, generator=g).to(dev, dtype) for _ in range(2))
+    pos = torch.arange(300, 300 + n, device=dev)[None]
+    keys = torch.arange(S, device=dev).expand(1, n, S).contiguous()
+    kmask = torch.where(torch.arange(S, device=dev)[None, None] <= pos[..., None], 0.0, float("-inf"))
+    counts = torch.zeros(n * HK, dtype=torch.int32, device=dev)
+    return lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts)
+
+
+def sweep_attention(dev: torch.device, dtypes: list[str], rows: list[int], path: str) -> None:
+    """--attention (module docstring): a table of each shape's device time, and path's MIDLAYER_ROW_ATTENTION
+    value. A shape whose output is off the default's by more than its dtype's rounding is not taken. The module's
+    shape is left as it was."""
+    print("\n| attention shape (BS x CHUNK x WARPS) | " + " | ".join(f"{d} {n} us" for d in dtypes for n in rows)
+          + " | / default |\n|---|" + "---|" * (len(dtypes) * len(rows) + 1))
+    calls = {(d, n): attention_call(dev, DTYPES[d], n) for d in dtypes for n in rows}
+    saved = (row_attention.BLOCK_POSITIONS, row_attention.CHUNK, row_attention.WARPS)
+    rel, want, base = {}, {}, None
+    try:
+        for shape in ATTENTION_CANDIDATES:
+            row_attention.BLOCK_POSITIONS, row_attention.CHUNK, row_attention.WARPS = shape
+            with torch.no_grad():
+                outs = {k: c().clone() for k, c in calls.items()}
+                want = want or outs  # (the first shape is the default)
+                off = max(_off(outs[d, n], want[d, n]) / ROUNDING[DTYPES[d]] for d, n in outs)
+                us = [device_us(calls[d, n]) for d in dtypes for n in rows]
+            base = base or us
+            name, r = "x".join(map(str, shape)), sum(u / b for u, b in zip(us, base)) / len(us)
+            print(f"| {name} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {r:.2f}"
+                  f"{'' if off <= 1 else f' (off the default by {off:.1f} roundings: not taken)'} |", flush=True)
+            if off <= 1:
+                rel[name] = r
+            with open(path, "w") as f:
+                f.write(min(rel, key=rel.get))
+    finally:
+        row_attention.BLOCK_POSITIONS, row_attention.CHUNK, row_attention.WARPS = saved
+    print(f"\nMIDLAYER_ROW_ATTENTION={min(rel, key=rel.get)}")
+
+
 def _off(got, want) -> float:
     """The largest difference of a call's outputs (a tensor, or a tuple of them) from another's, relative to the
     other's largest magnitude."""
@@ -228,6 +282,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,64", help="comma-separated row counts to time")
     ap.add_argument("--tiles", metavar="FILE", help="time the row-linear kernel's tiles instead, and write the "
                     "best as MIDLAYER_ROW_TILES's value to FILE (CUDA only)")
+    ap.add_argument("--attention", metavar="FILE", help="time the row-attention kernel's shapes instead, and "
+                    "write the best as MIDLAYER_ROW_ATTENTION's value to FILE (CUDA only)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     bad = [d for d in args.dtypes.split(",") if d not in DTYPES]
@@ -242,10 +298,13 @@ def main() -> None:
           f"{'available' if row_attention.available(dev) else 'not available here'}")
     if not row_attention.available(dev):
         return
-    if args.tiles:
+    if args.tiles or args.attention:
         if dev.type != "cuda":
-            ap.error("--tiles times on CUDA only")
-        sweep_tiles(dev, args.dtypes.split(","), rows, args.tiles)
+            ap.error("--tiles and --attention time on CUDA only")
+        if args.tiles:
+            sweep_tiles(dev, args.dtypes.split(","), rows, args.tiles)
+        if args.attention:
+            sweep_attention(dev, args.dtypes.split(","), rows, args.attention)
         return
     for d in args.dtypes.split(","):
         dtype = DTYPES[d]

@@ -27,8 +27,11 @@
 # row-linear kernel in fp32 and bf16, about 40 s; 9 files with ROWS=1, one more than come back; and with TILES=1
 # benchmarks/triton_kernels.py --tiles, the row-linear kernel's tiles at each weight shape: the check and the
 # bench then run at the tiles it chose, MIDLAYER_ROW_TILES, which env.txt names).
-# Budget: call 2 at most 70 (KERNELS) + TILES_S (75) + CHECK_S (120) + BENCH_S (230) s plus the set-up, then the
-# compile rows in what is left of CALL_S (550) s; bf16 runs first. PROFILE=1 adds PROFILE_S (120) before the bench
+# Budget: call 2 at most 70 (KERNELS) + TILES_S (75) + ATTN_S (60) + CHECK_S (120) + BENCH_S (230) s plus the
+# set-up, then the compile rows in what is left of CALL_S (550) s; bf16 runs first. (The 62nd session's call 2:
+# kernels, tiles and set-up 91 s, the bench 164 s, the check 114 s; ATTN=1, the attention's shapes
+# (benchmarks/triton_kernels.py --attention, MIDLAYER_ROW_ATTENTION, which env.txt names), and the 4-node trees
+# are new since, so the compile rows may get about 100 s.) PROFILE=1 adds PROFILE_S (120) before the bench
 # and leaves no time for the compile rows. GRAPHS: the step's modes of the main bench (default
 # cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
 # COMPILE_DRAFTS=1: the compile rows run the drafters too (their device rounds compiled; more compile time).
@@ -45,7 +48,7 @@ DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/static-check}
 PART=62000000  # bytes of the GGUF in call 1 (the tree, ~4.2 MB, travels with each call: 64 MiB in all)
 BENCH_S=${BENCH_S:-230}
-ALSO_NODES=${ALSO_NODES:-12}  # every drafter also at these tree sizes (device rounds): its best tree
+ALSO_NODES=${ALSO_NODES:-12,4}  # every drafter also at these tree sizes (device rounds): its best tree
 # EAGLE-2's tree: k expanded a depth, and its depth (0: the draft's, 3). On the CPU (46th session, SmolLM2 fp32, 4
 # held-out prompts) k = 8 at depth 4 raised tau from 3.12 to 3.46 (24 nodes) for 31 more kernels a round: a rerun
 # may try EAGLE_K=8 EAGLE_DEPTH=4
@@ -63,6 +66,8 @@ FP32_ROWS=${FP32_ROWS:-0}
 KERNELS=${KERNELS:-1}  # 1: the Triton kernels one by one (benchmarks/triton_kernels.py, at most 70 s)
 TILES=${TILES:-1}  # 1: choose the row-linear kernel's tiles on the device first (at most TILES_S; CUDA only)
 TILES_S=${TILES_S:-75}
+ATTN=${ATTN:-1}  # 1: then choose the row-attention kernel's shape on the device (at most ATTN_S; CUDA only)
+ATTN_S=${ATTN_S:-60}
 PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 75 s took its time)
 PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
@@ -128,6 +133,14 @@ run)
     [ -s /tmp/row-tiles.txt ] && export MIDLAYER_ROW_TILES=$(cat /tmp/row-tiles.txt)
   fi
   echo "row-linear tiles: ${MIDLAYER_ROW_TILES:-the default}" >> "$OUT/env.txt"
+  if [ "$ATTN" = 1 ] && [ "$DEVICE" != cpu ]; then  # (62nd session: the attention was 46% of a hidden-transfer round)
+    rm -f /tmp/row-attention.txt
+    timeout "$ATTN_S" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,128 \
+      --attention /tmp/row-attention.txt >> "$OUT/kernels.txt" 2>&1
+    echo "attention shapes: exit $?" >> "$OUT/kernels.txt"
+    [ -s /tmp/row-attention.txt ] && export MIDLAYER_ROW_ATTENTION=$(cat /tmp/row-attention.txt)
+  fi
+  echo "row-attention shape: ${MIDLAYER_ROW_ATTENTION:-the default}" >> "$OUT/env.txt"
   if [ "$FP32_ROWS" = 1 ]; then  # fp32's linears without cuBLAS's split-K workspace, and through cuBLASLt
     CUBLAS_WORKSPACE_CONFIG=:0:0 timeout 30 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" --linear-only \
       --dtypes fp32 >> "$OUT/kernels.txt" 2>&1

@@ -112,6 +112,89 @@ def test_a_rows_bits_depend_on_no_other_row():
     assert torch.equal(alone, moved)
 
 
+@pytest.mark.parametrize("shape", [(16, 32, 2), (64, 128, 8), (8, 256, 4)], ids=str)
+def test_every_shape_of_the_kernel_is_the_formula_and_keeps_a_rows_bits(shape, monkeypatch):
+    """The kernel's shape (positions per block, per program, warps: MIDLAYER_ROW_ATTENTION, which the device
+    sweep chooses) changes which program sums which positions, not what is summed: at each, the formula to 2e-6
+    (at 126..129 the rows' keys span 4, 1 and 1 programs), and a row's bits the same alone and among others."""
+    import midlayer.ops.row_attention as ra
+
+    for name, v in zip(("BLOCK_POSITIONS", "CHUNK", "WARPS"), shape):
+        monkeypatch.setattr(ra, name, v)
+    q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
+    out = row_attention(q, kl, vl, keys, kmask, pos)
+    torch.testing.assert_close(out.double(), reference(q, kl, vl, keys, kmask), atol=2e-6, rtol=2e-6)
+    order = [5, 1, 3, 0, 2, 4]
+    mixed = row_attention(q[:, :, order], kl, vl, keys[:, order], kmask[:, order], pos[:, order])
+    assert torch.equal(mixed, out[:, order])
+    alone = row_attention(q[:, :, 3:4], kl, vl, keys[:, 3:4], kmask[:, 3:4], pos[:, 3:4])
+    assert torch.equal(alone[0, 0], out[0, 3])
+
+
+def test_the_kernels_shape_is_read_from_the_environment_and_a_bad_one_refused():
+    """MIDLAYER_ROW_ATTENTION="BSxCHUNKxWARPS" sets the shape when the module is imported; a malformed one, or
+    one that is not powers of two with 8 <= BS <= CHUNK, is refused by the first launch with the form it wants,
+    not at import (which every command does)."""
+    import subprocess
+    import sys
+
+    from midlayer.ops.row_attention import parse_shape
+
+    assert parse_shape("16x128x8") == (16, 128, 8)
+    for bad in ("16x128", "24x64x4", "128x64x4", "4x64x4", "16x64x32", "axbxc"):
+        with pytest.raises(ValueError, match="row attention"):
+            parse_shape(bad)
+    show = ("from midlayer.ops import row_attention as r; "
+            "print(r.BLOCK_POSITIONS, r.CHUNK, r.WARPS); import torch; q = torch.zeros(1, 2, 1, 4); "
+            "kv = torch.zeros(1, 1, 8, 4); keys = torch.arange(8).view(1, 1, 8); m = torch.zeros(1, 1, 8); "
+            "r.row_attention(q, kv, kv, keys, m, torch.tensor([[7]]))")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    got = subprocess.run([sys.executable, "-c", show], env={**env, "MIDLAYER_ROW_ATTENTION": "16x32x2"},
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0 and got.stdout.split() == ["16", "32", "2"], got.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-c", show], env={**env, "MIDLAYER_ROW_ATTENTION": "64x32x4"},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.stdout.split() == ["32", "64", "4"]  # (imported: the defaults)
+    assert "ValueError: MIDLAYER_ROW_ATTENTION: row attention: '64x32x4'" in bad.stderr
+
+
+def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_values(tmp_path, monkeypatch, capsys):
+    """benchmarks/triton_kernels.py --attention (what scripts/static_check.sh runs the check and bench at), with a
+    faked device clock: the shape with the least time relative to the default's, averaged over dtypes and row
+    counts, is written (as MIDLAYER_ROW_ATTENTION's value); a faster shape whose output is off the default's is
+    not taken; the module's shape is left as it was."""
+    import importlib.util
+    from pathlib import Path
+
+    import midlayer.ops.row_attention as ra
+
+    spec = importlib.util.spec_from_file_location(
+        "triton_kernels", Path(__file__).resolve().parents[1] / "benchmarks" / "triton_kernels.py")
+    tk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tk)
+    # relative times by shape and row count (1 where not given); 16x32x2 is fastest but its output is 1% off
+    times = {(16, 64, 4): {1: 0.7, 8: 1.2}, (64, 64, 8): {1: 0.9, 8: 0.8}, (16, 32, 4): {1: 0.5, 8: 0.5}}
+    off = (16, 32, 4)
+    last = []
+
+    def call(n):
+        last[:] = [n]
+        shape = (ra.BLOCK_POSITIONS, ra.CHUNK, ra.WARPS)
+        return torch.full((2,), 1.01 if shape == off else 1.0)
+
+    monkeypatch.setattr(tk, "attention_call", lambda dev, dtype, n: lambda n=n: call(n))
+    monkeypatch.setattr(tk, "device_us", lambda fn: (fn(), 10.0 * times.get(
+        (ra.BLOCK_POSITIONS, ra.CHUNK, ra.WARPS), {}).get(last[0], 1.0))[1])
+    before = (ra.BLOCK_POSITIONS, ra.CHUNK, ra.WARPS)
+    out = tmp_path / "attention.txt"
+    tk.sweep_attention(torch.device("cpu"), ["fp32"], [1, 8], str(out))
+    # 16x64x4: (0.7 + 1.2) / 2 = 0.95; 64x64x8: 0.85, the least of those taken
+    assert out.read_text() == "64x64x8" and ra.parse_shape(out.read_text()) == (64, 64, 8)
+    assert (ra.BLOCK_POSITIONS, ra.CHUNK, ra.WARPS) == before
+    printed = capsys.readouterr().out
+    assert "| 16x32x4 |" in printed and printed.count("not taken") == 1 and "MIDLAYER_ROW_ATTENTION=64x64x8" in printed
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_launch_gives_the_bits_of_two_and_leaves_its_counters_zero(dtype, monkeypatch):
     """Pass 2 inside pass 1's launch (the row's last chunk to count combines) gives the bits of the two

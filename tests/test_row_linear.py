@@ -516,7 +516,7 @@ from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitiv
 from midlayer.ops import triton_build
 from midlayer.ops.{module} import compile_for
 made, tmp = triton_build.compile_for, tempfile.mkdtemp()
-def as_emitted(fn, capability, kinds, constexprs):
+def as_emitted(fn, capability, kinds, constexprs, **options):
     path = os.path.join(tmp, 'emitted_' + fn.__name__ + '.py')
     with open(path, 'w') as f:
         f.write('import triton\\nimport triton.language as tl\\n@triton.jit\\n' + closure(triton_build.kernel(fn)))
@@ -525,7 +525,7 @@ def as_emitted(fn, capability, kinds, constexprs):
     spec.loader.exec_module(mod)
     k = getattr(mod, fn.__name__)
     triton_build._kernels[k.fn] = k  # (made already: nothing bound into the emitted module)
-    return made(k.fn, capability, kinds, constexprs)
+    return made(k.fn, capability, kinds, constexprs, **options)
 triton_build.compile_for = as_emitted
 ks = compile_for(90, torch.bfloat16)
 print(all(len(k.asm['cubin']) > 0 for k in (ks if isinstance(ks, list) else [ks])))

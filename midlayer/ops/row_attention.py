@@ -36,6 +36,7 @@ attention on CUDA only.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import torch
@@ -45,9 +46,33 @@ from .triton_build import NEEDS, pow2
 
 BLOCK_POSITIONS = 32  # BS: positions per step of a program's loop (a [rep, BS, d] product lives in registers)
 CHUNK = 64  # positions per program of pass 1: a row at position p is split over p // CHUNK + 1 programs
+WARPS = 4  # pass 1's num_warps (Triton's default)
 TOLERANCE = 1e-4  # `self_check`'s: a correct kernel is about 1e-6 from the formula (the probe's, decode_step)
 ONE_PASS = True  # pass 2 inside pass 1's launch (`_attend_chunks`); False where `self_check` finds it off
 tl = to_bf16 = None  # triton.language and the shared helper, set when a kernel is first made
+
+
+def parse_shape(spec: str) -> tuple[int, int, int]:
+    """MIDLAYER_ROW_ATTENTION's form, "BSxCHUNKxWARPS" (e.g. 32x64x4: the defaults), as (BLOCK_POSITIONS, CHUNK,
+    WARPS): powers of two, BS at least 8 and at most CHUNK, WARPS 1 to 16. Any of them gives each row the bits of
+    its own (the same kernel at every bucket); they change which program sums which positions, and its speed.
+    benchmarks/triton_kernels.py --attention FILE chooses one on the device. A clear error for anything else."""
+    try:
+        bs, chunk, warps = (int(v) for v in spec.strip().split("x"))
+    except ValueError:
+        raise ValueError(f"row attention: {spec!r} is not BSxCHUNKxWARPS (e.g. 32x64x4)") from None
+    if any(v < 1 or v & (v - 1) for v in (bs, chunk, warps)) or not 8 <= bs <= chunk or warps > 16:
+        raise ValueError(f"row attention: {spec!r}: powers of two, 8 <= BS <= CHUNK, WARPS at most 16")
+    return bs, chunk, warps
+
+
+# a malformed MIDLAYER_ROW_ATTENTION is refused by the first launch (`row_attention`), not at import
+_SHAPE_ERROR = ""
+try:
+    if os.environ.get("MIDLAYER_ROW_ATTENTION", "").strip():
+        BLOCK_POSITIONS, CHUNK, WARPS = parse_shape(os.environ["MIDLAYER_ROW_ATTENTION"])
+except ValueError as e:
+    _SHAPE_ERROR = f"MIDLAYER_ROW_ATTENTION: {e}"
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -200,6 +225,8 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
         out = torch.empty(B, N, H, d, device=q.device, dtype=dtype)
     if out.dtype not in triton_build.TYPES:
         raise ValueError(f"row_attention stores fp32 or bf16, not {out.dtype}")
+    if _SHAPE_ERROR:
+        raise ValueError(_SHAPE_ERROR)
     if not available(q.device):
         raise RuntimeError(NEEDS)
     sq, sk, sv, sx, sm, so = q.stride(), kl.stride(), vl.stride(), keys.stride(), kmask.stride(), out.stride()
@@ -217,7 +244,8 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
     triton_build.kernel(_attend_chunks)[(B * N, Hk, NC)](
         q, kl, vl, keys, kmask, last, pm, pl, pacc, counts if ONE_PASS else pm, out, sq[0], sq[2], sq[1], sk[0],
         sk[1], sk[2], sv[0], sv[1], sv[2], sx[0], sx[1], sm[0], sm[1], so[0], so[1], so[2], N, Hk, NC, rep, d,
-        1.0 / math.sqrt(d), REP=REP, D=D, BS=BLOCK_POSITIONS, CHUNK=CHUNK, ONE_PASS=ONE_PASS, BF16=bf16)
+        1.0 / math.sqrt(d), REP=REP, D=D, BS=BLOCK_POSITIONS, CHUNK=CHUNK, ONE_PASS=ONE_PASS, BF16=bf16,
+        num_warps=WARPS)
     if not ONE_PASS:
         triton_build.kernel(_combine_chunks)[(B * N, Hk)](
             pm, pl, pacc, last, out, so[0], so[1], so[2], N, Hk, NC, rep, d, REP=REP, D=D, CHUNK=CHUNK, BF16=bf16)
@@ -299,9 +327,10 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
 
 
 def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64) -> list:
-    """The two passes, pass 1 with pass 2 in it and without (and the keys' kernel), compiled ahead of time for
-    an NVIDIA GPU of compute capability `capability` with `dtype` operands and output (triton_build.compile_for:
-    no GPU needed; tests/test_row_linear.py)."""
+    """The two passes, pass 1 with pass 2 in it and without (and the keys' kernel), at this module's shape
+    (BLOCK_POSITIONS, CHUNK, WARPS), compiled ahead of time for an NVIDIA GPU of compute capability
+    `capability` with `dtype` operands and output (triton_build.compile_for: no GPU needed;
+    tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
     kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out=f"*{t}",
                  pm="*fp32", pl="*fp32", pacc="*fp32", counts="*i32", scale="fp32", REP="constexpr", D="constexpr",
@@ -310,7 +339,7 @@ def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64) 
     shape = dict(REP=max(pow2(rep), 2), D=pow2(d), CHUNK=CHUNK)
     bf16 = dtype == torch.bfloat16
     return [*(triton_build.compile_for(_attend_chunks, capability, kinds,
-                                       dict(shape, BS=BLOCK_POSITIONS, ONE_PASS=one, BF16=bf16))
+                                       dict(shape, BS=BLOCK_POSITIONS, ONE_PASS=one, BF16=bf16), num_warps=WARPS)
               for one in (True, False)),
             triton_build.compile_for(_combine_chunks, capability, kinds, dict(shape, BF16=bf16)),
             triton_build.compile_for(_row_keys, capability, kinds, dict(BS=1024))]

@@ -137,12 +137,13 @@ def pow2(n: int) -> int:
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
-def compile_for(fn: Callable, capability: int, kinds: dict[str, str], constexprs: dict[str, object]):
+def compile_for(fn: Callable, capability: int, kinds: dict[str, str], constexprs: dict[str, object],
+                **options):
     """The kernel of `fn` compiled ahead of time for an NVIDIA GPU of compute capability `capability` (80: A100,
     90: H100 / H200) by Triton's compiler and the ptxas it ships: no GPU needed, so a CPU machine checks that a
     kernel builds for the GPUs it is meant for. kinds: Triton's type of each argument not a 32-bit integer
-    ("*fp32", "fp32", "*i64", ...; "constexpr" for those in `constexprs`). Returns Triton's compiled kernel (its
-    `asm` holds the PTX and the cubin)."""
+    ("*fp32", "fp32", "*i64", ...; "constexpr" for those in `constexprs`); options: the launch's (num_warps).
+    Returns Triton's compiled kernel (its `asm` holds the PTX and the cubin)."""
     kernel(fn)  # (its module's `tl` set)
     import triton
     from triton.backends.compiler import GPUTarget
@@ -153,7 +154,7 @@ def compile_for(fn: Callable, capability: int, kinds: dict[str, str], constexprs
     jitted = JITFunction(fn, **getattr(fn, "triton_jit", {}))
     src = ASTSource(fn=jitted, signature={n: kinds.get(n, "i32") for n in names},
                     constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32))
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options or None)
 
 
 def cdiv(a: int, b: int) -> int:
