@@ -239,13 +239,20 @@ def sweep_attention(dev: torch.device, dtypes: list[str], rows: list[int], path:
     try:
         for shape in ATTENTION_CANDIDATES:
             row_attention.BLOCK_POSITIONS, row_attention.CHUNK, row_attention.WARPS = shape
-            with torch.no_grad():
-                outs = {k: c().clone() for k, c in calls.items()}
-                want = want or outs  # (the first shape is the default)
-                off = max(_off(outs[d, n], want[d, n]) / ROUNDING[DTYPES[d]] for d, n in outs)
-                us = [device_us(calls[d, n]) for d in dtypes for n in rows]
+            name = "x".join(map(str, shape))
+            try:  # (a shape that fails to build or launch there is passed over; the default must not)
+                with torch.no_grad():
+                    outs = {k: c().clone() for k, c in calls.items()}
+                    want = want or outs  # (the first shape is the default)
+                    off = max(_off(outs[d, n], want[d, n]) / ROUNDING[DTYPES[d]] for d, n in outs)
+                    us = [device_us(calls[d, n]) for d in dtypes for n in rows]
+            except Exception as e:
+                if base is None:
+                    raise
+                print(f"| {name} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
+                continue
             base = base or us
-            name, r = "x".join(map(str, shape)), sum(u / b for u, b in zip(us, base)) / len(us)
+            r = sum(u / b for u, b in zip(us, base)) / len(us)
             print(f"| {name} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {r:.2f}"
                   f"{'' if off <= 1 else f' (off the default by {off:.1f} roundings: not taken)'} |", flush=True)
             if off <= 1:

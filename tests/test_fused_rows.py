@@ -5,6 +5,7 @@ interpreter (tests/conftest.py); without Triton these skip. (Their build for GPU
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -274,8 +275,12 @@ class _TracedAsOnAGpu:
 
 
 def _kernel_fn(k):
-    """The Python function a kernel (a JITFunction, or `_Logged` around one) was made from."""
-    return k.kernel.fn if isinstance(k, _Logged) else k.fn
+    """The Python function a kernel (a JITFunction, `_Logged` around one, or the one-config autotuner dynamo
+    wraps a launch with num_warps in) was made from."""
+    k = k.kernel if isinstance(k, _Logged) else k
+    while not inspect.isfunction(k):
+        k = k.fn
+    return k
 
 
 @on_cpu

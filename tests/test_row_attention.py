@@ -162,7 +162,7 @@ def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_val
     """benchmarks/triton_kernels.py --attention (what scripts/static_check.sh runs the check and bench at), with a
     faked device clock: the shape with the least time relative to the default's, averaged over dtypes and row
     counts, is written (as MIDLAYER_ROW_ATTENTION's value); a faster shape whose output is off the default's is
-    not taken; the module's shape is left as it was."""
+    not taken, one that fails is passed over; the module's shape is left as it was."""
     import importlib.util
     from pathlib import Path
 
@@ -180,6 +180,8 @@ def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_val
     def call(n):
         last[:] = [n]
         shape = (ra.BLOCK_POSITIONS, ra.CHUNK, ra.WARPS)
+        if shape == (32, 128, 4):
+            raise RuntimeError("out of resources")  # (a shape that fails to build there: passed over)
         return torch.full((2,), 1.01 if shape == off else 1.0)
 
     monkeypatch.setattr(tk, "attention_call", lambda dev, dtype, n: lambda n=n: call(n))
@@ -193,6 +195,7 @@ def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_val
     assert (ra.BLOCK_POSITIONS, ra.CHUNK, ra.WARPS) == before
     printed = capsys.readouterr().out
     assert "| 16x32x4 |" in printed and printed.count("not taken") == 1 and "MIDLAYER_ROW_ATTENTION=64x64x8" in printed
+    assert "| 32x128x4 | failed: RuntimeError: out of resources |" in printed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

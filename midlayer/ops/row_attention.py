@@ -245,7 +245,7 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
         q, kl, vl, keys, kmask, last, pm, pl, pacc, counts if ONE_PASS else pm, out, sq[0], sq[2], sq[1], sk[0],
         sk[1], sk[2], sv[0], sv[1], sv[2], sx[0], sx[1], sm[0], sm[1], so[0], so[1], so[2], N, Hk, NC, rep, d,
         1.0 / math.sqrt(d), REP=REP, D=D, BS=BLOCK_POSITIONS, CHUNK=CHUNK, ONE_PASS=ONE_PASS, BF16=bf16,
-        num_warps=WARPS)
+        **({} if WARPS == 4 else {"num_warps": WARPS}))  # (Triton's default unsaid: the launch dynamo traced)
     if not ONE_PASS:
         triton_build.kernel(_combine_chunks)[(B * N, Hk)](
             pm, pl, pacc, last, out, so[0], so[1], so[2], N, Hk, NC, rep, d, REP=REP, D=D, CHUNK=CHUNK, BF16=bf16)
