@@ -1062,8 +1062,7 @@ class DecodeStep:
                     j = torch.arange(M) % N
                     k1 = torch.randint(0, K, (M,), generator=g)
                     k2 = (k1 + 1 + torch.randint(0, K - 1, (M,), generator=g)) % K
-                    wc = w.cpu().float()
-                    w1, w2 = wc[j, k1], wc[j, k2]
+                    w1, w2 = (w[j.to(w.device), kk.to(w.device)].float().cpu() for kk in (k1, k2))  # (not all of w)
                     big = (w1 * w2).abs().clamp_min(2.0 ** -60)
                     scale = torch.exp2(26 - torch.floor(torch.log2(big)))
                     ok = (w1 != 0) & (w2 != 0)
