@@ -1044,17 +1044,13 @@ class DecodeStep:
         bf16 linear at one row and at three or more gave other bf16 bits on about 1 element in 40,000 of random
         rows (64 x 32 and 64 x 64 weights), which the logits and the attention's fp32 tap did not show, and the
         tiny model's speculative output left plain output on 1 of 3 prompts (62nd session)."""
-        seen: set[tuple] = set()
-        mods = []
+        mods: dict[tuple, torch.nn.Linear] = {}  # (shape, dtype) -> the first linear of it
         for mod in self.model.modules():
-            w = getattr(mod, "weight", None)
-            if (isinstance(mod, torch.nn.Linear) and w is not None and w.dtype in (torch.float32, torch.bfloat16)
-                    and w.dim() == 2 and (tuple(w.shape), w.dtype) not in seen):
-                seen.add((tuple(w.shape), w.dtype))
-                mods.append(mod)
+            if isinstance(mod, torch.nn.Linear) and mod.weight.dtype in (torch.float32, torch.bfloat16):
+                mods.setdefault((tuple(mod.weight.shape), mod.weight.dtype), mod)
         M = max(self.buckets)
         with torch.no_grad(), self.kernels():
-            for mod in mods:
+            for mod in mods.values():
                 w = mod.weight.detach()
                 N, K = w.shape
                 x = torch.randn(M, K, generator=g).to(w.dtype)
