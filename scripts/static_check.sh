@@ -27,12 +27,12 @@
 # row-linear kernel in fp32 and bf16, about 40 s; 9 files with ROWS=1, one more than come back; and with TILES=1
 # benchmarks/triton_kernels.py --tiles, the row-linear kernel's tiles at each weight shape: the check and the
 # bench then run at the tiles it chose, MIDLAYER_ROW_TILES, which env.txt names).
-# Budget: call 2 at most 70 (KERNELS) + TILES_S (75) + ATTN_S (60) + CHECK_S (120) + BENCH_S (230) s plus the
+# Budget: call 2 at most 70 (KERNELS) + TILES_S (75) + ATTN_S (90) + CHECK_S (120) + BENCH_S (230) s plus the
 # set-up, then the compile rows in what is left of CALL_S (550) s; bf16 runs first. (The 62nd session's call 2:
 # kernels, tiles and set-up 91 s, the bench 164 s, the check 114 s; ATTN=1, the attention's shapes
 # (benchmarks/triton_kernels.py --attention, MIDLAYER_ROW_ATTENTION, which env.txt names), and the 4-node trees
-# are new since, so the compile rows may get about 100 s.) PROFILE=1 adds PROFILE_S (120) before the bench
-# and leaves no time for the compile rows. GRAPHS: the step's modes of the main bench (default
+# are new since: with the sweep at its 90 s, the compile rows may get about 90 s.) PROFILE=1 adds PROFILE_S (120)
+# before the bench and leaves no time for the compile rows. GRAPHS: the step's modes of the main bench (default
 # cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
 # COMPILE_DRAFTS=1: the compile rows run the drafters too (their device rounds compiled; more compile time).
 # A short rerun: BENCH_FIRST=1, DTYPES, CHECK_S; TILES=0 with MIDLAYER_ROW_TILES set to the first run's (env.txt).
@@ -67,7 +67,7 @@ KERNELS=${KERNELS:-1}  # 1: the Triton kernels one by one (benchmarks/triton_ker
 TILES=${TILES:-1}  # 1: choose the row-linear kernel's tiles on the device first (at most TILES_S; CUDA only)
 TILES_S=${TILES_S:-75}
 ATTN=${ATTN:-1}  # 1: then choose the row-attention kernel's shape on the device (at most ATTN_S; CUDA only)
-ATTN_S=${ATTN_S:-60}
+ATTN_S=${ATTN_S:-90}  # (16 shapes since the 63rd session: a cut sweep keeps the best it timed)
 PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 75 s took its time)
 PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}

@@ -193,10 +193,14 @@ def test_a_row_kernel_off_the_formula_takes_the_attention_kernel_down_with_it(mo
 
 
 @on_cpu
-def test_a_bf16_step_through_every_kernel_is_row_invariant_and_lossless():
+@pytest.mark.parametrize("rows", [0, 4], ids=["row", "rows4"])
+def test_a_bf16_step_through_every_kernel_is_row_invariant_and_lossless(rows, monkeypatch):
     """bf16, where every kernel rounds its output to bf16 itself (the norms, SwiGLU, RoPE, the attention when
     the probe's tap is off): the probe passes, and speculative decoding gives plain decoding's tokens exactly
-    with noisy and random drafts."""
+    with noisy and random drafts. The attention one row a program, and 4 rows a program (tl.dot)."""
+    from midlayer.ops import row_attention
+
+    monkeypatch.setattr(row_attention, "ROWS", rows)
     model = fuse_projections(make_tiny(DIMS, False)).to(torch.bfloat16)
     step = DecodeStep(model, max_len=48, buckets=(8, 16), attention="triton")
     assert step.row_invariant()
@@ -284,13 +288,14 @@ def _kernel_fn(k):
 
 
 @on_cpu
-@pytest.mark.parametrize("kind", ["eagle-2", "hidden-transfer"])
-def test_the_step_through_every_kernel_traces_without_graph_breaks(monkeypatch, kind):
+@pytest.mark.parametrize("kind,rows", [("eagle-2", 0), ("hidden-transfer", 0), ("hidden-transfer", 4)])
+def test_the_step_through_every_kernel_traces_without_graph_breaks(monkeypatch, kind, rows):
     """Issue 42's proxy for capture, with the Triton kernels (attention, row-wise and linear): EAGLE-2's and
     hidden transfer's device rounds (the draft, the verification forward, the acceptance, the compaction)
     trace under torch.compile(fullgraph=True) as they would on a GPU (`_TracedAsOnAGpu`), each kernel launch
     one node of the graph and no F.linear left. The traced graph launches the very kernels the eager round
-    launches, in order, and gives its very bits: the outputs, the K/V cache and the held slots."""
+    launches, in order, and gives its very bits: the outputs, the K/V cache and the held slots. The attention
+    one row a program, and (hidden transfer's round of many rows) 4 rows a program."""
     from midlayer.ops import acceptance, row_attention, row_linear, tree_layout
     from midlayer.speculative.static import DeviceRounds
     from tiny_models import device_drafters
@@ -298,6 +303,7 @@ def test_the_step_through_every_kernel_traces_without_graph_breaks(monkeypatch, 
 
     torch._dynamo.reset()
     kernel_side_table.reset_table()  # (its launches run the logged kernels: this test's own, none before or after)
+    monkeypatch.setattr(row_attention, "ROWS", rows)
     model = fuse_projections(make_tiny({**DIMS, "n_layers": 3, "max_seq_len": 160}, False))
     drafter = device_drafters(model)[kind]
     tree = DraftTree.greedy_from_accuracies([[0.6, 0.2], [0.5]], 4)
@@ -327,7 +333,7 @@ def test_the_step_through_every_kernel_traces_without_graph_breaks(monkeypatch, 
     # product and each norm with the residual add before it are the linears' prologues, RoPE and the K/V store
     # q|k|v's epilogue; pass 2 runs in pass 1's launch)
     assert set(log_e) == {f.__name__ for f in fns} - {"_silu_mul_rows", "_add_rms_norm_rows", "_rope_store_rows",
-                                                      "_combine_chunks"}
+                                                      "_combine_chunks", "_attend_chunks" if rows else "_attend_rows"}
     for a, b in zip((*eager, *state_e), (*comp, *state_c)):
         assert torch.equal(a, b)
     torch._dynamo.reset()

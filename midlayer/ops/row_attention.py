@@ -24,6 +24,20 @@ programs per kv head, each at most CHUNK / BS blocks, and pass 2 reads p // CHUN
 Exactness: blocks and chunks past a row's position are not visited. A visited block whose keys are all
 masked adds exact zeros and rescales by exp(0) = 1.
 
+Rows a program (ROWS > 0, `_attend_rows`; 63rd session, not yet timed on a GPU). On the H200 (62nd session) the
+kernel took 12.0 us a layer for one bf16 row against SDPA's 6.9, and 44.1 against 12.8 for 64 rows, where a
+hidden-transfer round's attention was 46% of its time: one program per (row, kv head, chunk) is thousands of short
+programs at 128 rows, each a chain of dependent loads, their products reduced across threads. `_attend_rows` runs
+the same online softmax, in the same chunks and blocks of positions, for ROWS rows a program, each row a batch of
+its own in a batched tl.dot (IEEE fp32: on a GPU one FMA chain per output over the block's positions in order);
+the weights' sum is such a product too. A row's arithmetic is then the same whichever rows share its program and
+however many (Triton's tile layout, which ROWS changes, decides which thread computes an output, not the order of
+its sum), so a forward of n rows runs n (to a power of two) a program where that is fewer than ROWS: one
+at a plain step. Its bits differ from
+`_attend_chunks`' (another order of sums), so the choice of kernel is global, as the shape is; the device sweep
+(benchmarks/triton_kernels.py --attention) passes over a shape that gives a row other bits in a call of other
+rows, and the step's probe measures it again.
+
 The keys themselves (`keys`, and the mask `kmask`: which positions a row sees) are one more kernel a forward,
 `row_keys`: the formula of `reference_keys` (which the PyTorch attention uses), in integer ops, where PyTorch
 launches about 20 small kernels for it.
@@ -47,30 +61,54 @@ from .triton_build import NEEDS, pow2
 BLOCK_POSITIONS = 32  # BS: positions per step of a program's loop (a [rep, BS, d] product lives in registers)
 CHUNK = 64  # positions per program of pass 1: a row at position p is split over p // CHUNK + 1 programs
 WARPS = 4  # pass 1's num_warps (Triton's default)
+ROWS = 0  # 0: one row a program, products summed by `tl.sum` (`_attend_chunks`); n: n rows a program by tl.dot
 TOLERANCE = 1e-4  # `self_check`'s: a correct kernel is about 1e-6 from the formula (the probe's, decode_step)
 ONE_PASS = True  # pass 2 inside pass 1's launch (`_attend_chunks`); False where `self_check` finds it off
 tl = to_bf16 = None  # triton.language and the shared helper, set when a kernel is first made
 
 
-def parse_shape(spec: str) -> tuple[int, int, int]:
-    """MIDLAYER_ROW_ATTENTION's form, "BSxCHUNKxWARPS" (e.g. 32x64x4: the defaults), as (BLOCK_POSITIONS, CHUNK,
-    WARPS): powers of two, BS at least 8 and at most CHUNK, WARPS 1 to 16. Any of them gives each row the bits of
-    its own (the same kernel at every bucket); they change which program sums which positions, and its speed.
-    benchmarks/triton_kernels.py --attention FILE chooses one on the device. A clear error for anything else."""
+def parse_shape(spec: str) -> tuple[int, int, int, int]:
+    """MIDLAYER_ROW_ATTENTION's form, "BSxCHUNKxWARPS" (e.g. 32x64x4: the defaults) or "BSxCHUNKxWARPSxROWS", as
+    (BLOCK_POSITIONS, CHUNK, WARPS, ROWS), ROWS 0 where not given: powers of two, BS at least 8 and at most CHUNK
+    (at least 16 with ROWS: tl.dot's least), WARPS 1 to 16, ROWS at most 16. Any of them gives each row the bits
+    of its own (the same kernel at every bucket); they change which program sums which positions and how, and its
+    speed. benchmarks/triton_kernels.py --attention FILE chooses one on the device. A clear error otherwise."""
     try:
-        bs, chunk, warps = (int(v) for v in spec.strip().split("x"))
+        bs, chunk, warps, *rows = (int(v) for v in spec.strip().split("x"))
+        if len(rows) > 1:
+            raise ValueError
     except ValueError:
-        raise ValueError(f"row attention: {spec!r} is not BSxCHUNKxWARPS (e.g. 32x64x4)") from None
-    if any(v < 1 or v & (v - 1) for v in (bs, chunk, warps)) or not 8 <= bs <= chunk or warps > 16:
-        raise ValueError(f"row attention: {spec!r}: powers of two, 8 <= BS <= CHUNK, WARPS at most 16")
-    return bs, chunk, warps
+        raise ValueError(f"row attention: {spec!r} is not BSxCHUNKxWARPS[xROWS] (e.g. 32x64x4)") from None
+    rows = rows[0] if rows else 0
+    if (any(v < 1 or v & (v - 1) for v in (bs, chunk, warps, rows or 1)) or not 8 <= bs <= chunk or warps > 16
+            or rows > 16 or (rows and bs < 16)):
+        raise ValueError(f"row attention: {spec!r}: powers of two, 8 <= BS <= CHUNK (16 <= BS with ROWS), WARPS "
+                         "and ROWS at most 16")
+    return bs, chunk, warps, rows
+
+
+def format_shape(shape: tuple[int, int, int, int]) -> str:
+    """(BLOCK_POSITIONS, CHUNK, WARPS, ROWS) in MIDLAYER_ROW_ATTENTION's form, what `parse_shape` reads back (ROWS
+    left out where 0)."""
+    return "x".join(map(str, shape if shape[3] else shape[:3]))
+
+
+def shape() -> tuple[int, int, int, int]:
+    """The kernel's shape now: (BLOCK_POSITIONS, CHUNK, WARPS, ROWS)."""
+    return BLOCK_POSITIONS, CHUNK, WARPS, ROWS
+
+
+def set_shape(shape: tuple[int, int, int, int]) -> None:
+    """Sets the kernel's shape (what the device sweep tries; the environment's is set at import)."""
+    global BLOCK_POSITIONS, CHUNK, WARPS, ROWS
+    BLOCK_POSITIONS, CHUNK, WARPS, ROWS = shape
 
 
 # a malformed MIDLAYER_ROW_ATTENTION is refused by the first launch (`row_attention`), not at import
 _SHAPE_ERROR = ""
 try:
     if os.environ.get("MIDLAYER_ROW_ATTENTION", "").strip():
-        BLOCK_POSITIONS, CHUNK, WARPS = parse_shape(os.environ["MIDLAYER_ROW_ATTENTION"])
+        BLOCK_POSITIONS, CHUNK, WARPS, ROWS = parse_shape(os.environ["MIDLAYER_ROW_ATTENTION"])
 except ValueError as e:
     _SHAPE_ERROR = f"MIDLAYER_ROW_ATTENTION: {e}"
 
@@ -142,6 +180,79 @@ def _attend_chunks(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
                 combine(pm, pl, pacc, out, row, hk, hi, sob, son, soh, N, Hk, NC, rep, d, REP, D, CHUNK, BF16)
 
 
+def _attend_rows(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
+                 sqb, sqn, sqh, skb, skh, sks, svb, svh, svs, sxb, sxn, smb, smn, sob, son, soh,
+                 R, N, Hk, NC, rep, d, scale, ROWS: tl.constexpr, RP: tl.constexpr, REP: tl.constexpr,
+                 D: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr,
+                 BF16: tl.constexpr):
+    """Pass 1 for ROWS rows a program (ROWS > 0); grid (cdiv(B * N, ROWS), Hk, NC). `_attend_chunks`' online
+    softmax, in the same blocks of BS positions and chunks of CHUNK, for each of the block's rows alone: its
+    query heads (padded to RP >= 16 rows, tl.dot's least) against its own keys in position order, a batched
+    tl.dot [ROWS, RP, D] x [ROWS, D, BS] and then the weights' [ROWS, RP, BS] x [ROWS, BS, D], IEEE fp32
+    products (bf16 operands widened, exact) accumulated in fp32 (module docstring: why, and a row's bits at any
+    ROWS). Blocks past a row's own position (another row's) are masked for it: rescaled by exp(0) = 1, exact
+    zeros added. Partials [.., REP, D] as `_attend_chunks`' (the heads past rep are not stored); one count per
+    (block of rows, kv head): the block's last chunk to count combines its rows."""
+    blk = tl.program_id(0)
+    hk = tl.program_id(1)
+    c = tl.program_id(2)
+    rows = blk * ROWS + tl.arange(0, ROWS)
+    here = rows < R
+    b = tl.minimum(rows, R - 1) // N  # (a block's rows past the last: the last row's operands, all masked)
+    n = tl.minimum(rows, R - 1) % N
+    r = tl.arange(0, RP)
+    dd = tl.arange(0, D)
+    j_ = tl.arange(0, BS)
+    dm = dd < d
+    heads = hk * rep + r
+    qv = tl.load(q + b[:, None, None] * sqb + n[:, None, None] * sqn + heads[None, :, None] * sqh
+                 + dd[None, None, :], mask=here[:, None, None] & (r < rep)[None, :, None] & dm[None, None, :],
+                 other=0.0).to(tl.float32)  # [ROWS, RP, D]
+    m = tl.full([ROWS, RP], -1.0e30, tl.float32)
+    total = tl.zeros([ROWS, RP], tl.float32)
+    acc = tl.zeros([ROWS, RP, D], tl.float32)
+    ones = tl.full([ROWS, BS, 16], 1.0, tl.float32)
+    zeros = tl.zeros([ROWS, RP, 16], tl.float32)
+    hi = tl.load(last + rows, mask=here, other=-1).to(tl.int32)  # [ROWS]: each row's position (-1: no row)
+    top = tl.max(hi, axis=0)
+    lo = c * CHUNK
+    for j0 in range(lo, tl.minimum(lo + CHUNK, top + 1), BS):
+        j = j0 + j_
+        jm = j[None, :] <= hi[:, None]  # [ROWS, BS]
+        slot = tl.load(keys + b[:, None] * sxb + n[:, None] * sxn + j[None, :], mask=jm, other=0)
+        km = tl.load(kmask + b[:, None] * smb + n[:, None] * smn + j[None, :], mask=jm, other=float("-inf"))
+        kd = tl.load(k + b[:, None, None] * skb + hk * skh + slot[:, :, None] * sks + dd[None, None, :],
+                     mask=dm[None, None, :], other=0.0).to(tl.float32)  # [ROWS, BS, D]
+        s = tl.dot(qv, tl.permute(kd, (0, 2, 1)), input_precision="ieee") * scale + km[:, None, :]  # [ROWS, RP, BS]
+        m_new = tl.maximum(m, tl.max(s, axis=2))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, :, None])
+        # the weights' sum as a product with ones: one FMA chain over the block's positions in order, where a
+        # tl.sum's order would follow the tile's layout, which ROWS changes (every column of the product is it)
+        total = tl.max(tl.dot(p, ones, (total * alpha)[:, :, None] + zeros, input_precision="ieee"), axis=2)
+        vd = tl.load(v + b[:, None, None] * svb + hk * svh + slot[:, :, None] * svs + dd[None, None, :],
+                     mask=dm[None, None, :], other=0.0).to(tl.float32)  # [ROWS, BS, D]
+        acc = tl.dot(p, vd, acc * alpha[:, :, None], input_precision="ieee")
+        m = m_new
+    at = (rows * Hk + hk) * NC + c  # [ROWS]
+    live = (lo <= hi)[:, None] & (r < REP)[None, :]  # [ROWS, RP]: the chunk holds positions the row sees
+    tl.store(pm + at[:, None] * REP + r[None, :], m, mask=live)
+    tl.store(pl + at[:, None] * REP + r[None, :], total, mask=live)
+    tl.store(pacc + ((at[:, None] * REP + r[None, :]) * D)[:, :, None] + dd[None, None, :], acc,
+             mask=live[:, :, None])
+    if ONE_PASS:
+        if lo <= top:
+            tl.debug_barrier()
+            done = tl.atomic_add(counts + blk * Hk + hk, 1, sem="acq_rel", scope="gpu")
+            if done == top // CHUNK:  # (the block's chunks are 0 .. top // CHUNK: this one is the last to count)
+                tl.store(counts + blk * Hk + hk, 0)
+                for i in tl.static_range(ROWS):
+                    row = blk * ROWS + i
+                    if row < R:
+                        combine(pm, pl, pacc, out, row, hk, tl.load(last + row).to(tl.int32), sob, son, soh, N, Hk,
+                                NC, rep, d, REP, D, CHUNK, BF16)
+
+
 def _combine_chunks(pm, pl, pacc, last, out, sob, son, soh, N, Hk, NC, rep, d,
                     REP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BF16: tl.constexpr):
     """Pass 2 as a launch of its own (where ONE_PASS is off); grid (B * N, Hk): `combine` for each."""
@@ -201,7 +312,7 @@ def _row_keys(path_slots, depth, real, held, start, keys, kmask, N, S, Wp, scrat
     tl.store(kmask + b * smb + n * smn + p, tl.where(visible, 0.0, float("-inf")), mask=inside)
 
 
-KERNELS = (_attend_chunks, _combine_chunks, _row_keys)  # (made together by `available`, before any trace)
+KERNELS = (_attend_chunks, _attend_rows, _combine_chunks, _row_keys)  # (made together by `available`, before any trace)
 HELPERS = {"combine": combine}  # (bound by triton_build.kernel)
 
 
@@ -232,7 +343,8 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
     sq, sk, sv, sx, sm, so = q.stride(), kl.stride(), vl.stride(), keys.stride(), kmask.stride(), out.stride()
     if min(sq[3], sk[3], sv[3], sx[2], sm[2], so[3]) != 1 or max(sq[3], sk[3], sv[3], sx[2], sm[2], so[3]) != 1:
         raise ValueError("row_attention needs the last dimension of every operand contiguous")
-    REP, D, NC = max(pow2(rep), 2), pow2(d), triton_build.cdiv(keys.shape[2], CHUNK)
+    # (with ROWS, D at least tl.dot's 16: the partials' layout is the kernel's, and pass 2 reads it so)
+    REP, D, NC = max(pow2(rep), 2), max(pow2(d), 16 if ROWS else 1), triton_build.cdiv(keys.shape[2], CHUNK)
     pm = torch.empty(B * N, Hk, NC, REP, device=q.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(B * N, Hk, NC, REP, D, device=q.device, dtype=torch.float32)
@@ -241,11 +353,16 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
         counts = torch.zeros(B * N * Hk, device=q.device, dtype=torch.int32)
     if ONE_PASS and (counts.dtype != torch.int32 or counts.numel() < B * N * Hk):
         raise ValueError(f"row_attention: counts {counts.dtype} [{counts.numel()}], want int32 [>= {B * N * Hk}]")
-    triton_build.kernel(_attend_chunks)[(B * N, Hk, NC)](
-        q, kl, vl, keys, kmask, last, pm, pl, pacc, counts if ONE_PASS else pm, out, sq[0], sq[2], sq[1], sk[0],
-        sk[1], sk[2], sv[0], sv[1], sv[2], sx[0], sx[1], sm[0], sm[1], so[0], so[1], so[2], N, Hk, NC, rep, d,
-        1.0 / math.sqrt(d), REP=REP, D=D, BS=BLOCK_POSITIONS, CHUNK=CHUNK, ONE_PASS=ONE_PASS, BF16=bf16,
-        **({} if WARPS == 4 else {"num_warps": WARPS}))  # (Triton's default unsaid: the launch dynamo traced)
+    args = (q, kl, vl, keys, kmask, last, pm, pl, pacc, counts if ONE_PASS else pm, out, sq[0], sq[2], sq[1], sk[0],
+            sk[1], sk[2], sv[0], sv[1], sv[2], sx[0], sx[1], sm[0], sm[1], so[0], so[1], so[2])
+    shape = dict(REP=REP, D=D, BS=BLOCK_POSITIONS, CHUNK=CHUNK, ONE_PASS=ONE_PASS, BF16=bf16,
+                 **({} if WARPS == 4 else {"num_warps": WARPS}))  # (Triton's default unsaid: the launch dynamo traced)
+    if ROWS:  # (a forward of fewer rows, a plain step's one: as many a program; `_attend_rows`: the same bits)
+        rows = min(ROWS, pow2(B * N))
+        triton_build.kernel(_attend_rows)[(triton_build.cdiv(B * N, rows), Hk, NC)](
+            *args, B * N, N, Hk, NC, rep, d, 1.0 / math.sqrt(d), ROWS=rows, RP=max(pow2(rep), 16), **shape)
+    else:
+        triton_build.kernel(_attend_chunks)[(B * N, Hk, NC)](*args, N, Hk, NC, rep, d, 1.0 / math.sqrt(d), **shape)
     if not ONE_PASS:
         triton_build.kernel(_combine_chunks)[(B * N, Hk)](
             pm, pl, pacc, last, out, so[0], so[1], so[2], N, Hk, NC, rep, d, REP=REP, D=D, CHUNK=CHUNK, BF16=bf16)
@@ -326,20 +443,24 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
     return errs[ONE_PASS]
 
 
-def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64) -> list:
+def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64, rows: int = 4) -> list:
     """The two passes, pass 1 with pass 2 in it and without (and the keys' kernel), at this module's shape
-    (BLOCK_POSITIONS, CHUNK, WARPS), compiled ahead of time for an NVIDIA GPU of compute capability
-    `capability` with `dtype` operands and output (triton_build.compile_for: no GPU needed;
-    tests/test_row_linear.py)."""
+    (BLOCK_POSITIONS, CHUNK, WARPS), and pass 1 of `rows` rows a program (`_attend_rows`, in both ways, at
+    BLOCK_POSITIONS of at least 16), compiled ahead of time for an NVIDIA GPU of compute capability `capability`
+    with `dtype` operands and output (triton_build.compile_for: no GPU needed; tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
     kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out=f"*{t}",
                  pm="*fp32", pl="*fp32", pacc="*fp32", counts="*i32", scale="fp32", REP="constexpr", D="constexpr",
                  BS="constexpr", CHUNK="constexpr", ONE_PASS="constexpr", BF16="constexpr", path_slots="*i64",
-                 depth="*i64", real="*i1", held="*i1", start="*i64")
+                 depth="*i64", real="*i1", held="*i1", start="*i64", ROWS="constexpr", RP="constexpr")
     shape = dict(REP=max(pow2(rep), 2), D=pow2(d), CHUNK=CHUNK)
     bf16 = dtype == torch.bfloat16
     return [*(triton_build.compile_for(_attend_chunks, capability, kinds,
                                        dict(shape, BS=BLOCK_POSITIONS, ONE_PASS=one, BF16=bf16), num_warps=WARPS)
+              for one in (True, False)),
+            *(triton_build.compile_for(_attend_rows, capability, kinds,
+                                       dict(shape, D=max(pow2(d), 16), BS=max(BLOCK_POSITIONS, 16), ONE_PASS=one,
+                                            BF16=bf16, ROWS=rows, RP=max(pow2(rep), 16)), num_warps=WARPS)
               for one in (True, False)),
             triton_build.compile_for(_combine_chunks, capability, kinds, dict(shape, BF16=bf16)),
             triton_build.compile_for(_row_keys, capability, kinds, dict(BS=1024))]
