@@ -209,14 +209,15 @@ def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str
     print(f"\nMIDLAYER_ROW_TILES={spec}")
 
 
-# the row-attention kernel's shapes (BLOCK_POSITIONS, CHUNK, WARPS, ROWS) tried, the default first, then rows a
-# program by tl.dot (63rd session: not yet timed on a GPU), then one row a program (each builds for sm_90 without
-# local memory: tests/test_row_linear.py, and a one-off compile of these, 62nd and 63rd sessions). A run cut short
-# (ATTN_S) keeps the best of those it timed.
-ATTENTION_CANDIDATES = (row_attention.shape(), (32, 64, 4, 4), (32, 64, 4, 8), (16, 64, 4, 8), (32, 64, 4, 2),
-                        (64, 64, 8, 4), (32, 128, 4, 8), (32, 64, 4, 1), (16, 64, 4, 0), (64, 64, 4, 0),
-                        (32, 32, 4, 0), (32, 64, 8, 0), (64, 64, 8, 0), (16, 32, 4, 0), (32, 128, 4, 0),
-                        (64, 128, 4, 0))
+# the row-attention kernel's shapes (`row_attention.parse_shape`) tried, the default first, then rows a program by
+# tl.dot, in tensor cores ("t") or FMAs (63rd session: not yet timed on a GPU), then one row a program. Each builds
+# for sm_90 in bf16 and fp32 without local memory (tests/test_row_linear.py, and a one-off compile of these, 62nd
+# and 63rd sessions); 8 rows a program take the most shared memory: 32x64x4x8 in fp32 227 KB, an H100's or H200's
+# most a block can have. A run cut short (ATTN_S) keeps the best of those it timed.
+ATTENTION_CANDIDATES = tuple(row_attention.parse_shape(c) for c in (
+    row_attention.format_shape(row_attention.shape()), "32x64x4x4t", "32x64x4x8t", "32x64x4x4", "32x64x4x8",
+    "16x64x4x8t", "64x64x8x4t", "32x128x4x8t", "32x64x4x2t", "32x64x4x1t", "16x64x4", "64x64x4", "32x32x4",
+    "32x64x8", "64x64x8", "16x32x4", "32x128x4", "64x128x4"))
 
 
 def attention_call(dev: torch.device, dtype: torch.dtype, n: int, S: int = 512):

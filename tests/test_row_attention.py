@@ -112,8 +112,8 @@ def test_a_rows_bits_depend_on_no_other_row():
     assert torch.equal(alone, moved)
 
 
-@pytest.mark.parametrize("shape", [(16, 32, 2, 0), (64, 128, 8, 0), (8, 256, 4, 0), (16, 32, 4, 4), (32, 64, 4, 1),
-                                   (64, 128, 8, 8), (32, 64, 4, 2)], ids=str)
+@pytest.mark.parametrize("shape", ["16x32x2", "64x128x8", "8x256x4", "16x32x4x4", "32x64x4x1", "64x128x8x8t",
+                                   "32x64x4x2"])
 def test_every_shape_of_the_kernel_is_the_formula_and_keeps_a_rows_bits(shape, monkeypatch):
     """The kernel's shape (positions per block, per program, warps, rows a program: MIDLAYER_ROW_ATTENTION, which
     the device sweep chooses) changes which program sums which positions and how, not what is summed: at each, the
@@ -122,9 +122,10 @@ def test_every_shape_of_the_kernel_is_the_formula_and_keeps_a_rows_bits(shape, m
     padding at position 0 beside rows at 126..129: a row's blocks past its own position are another's."""
     import midlayer.ops.row_attention as ra
 
-    monkeypatch.setattr(ra, "BLOCK_POSITIONS", shape[0])
-    for name, v in zip(("CHUNK", "WARPS", "ROWS"), shape[1:]):
-        monkeypatch.setattr(ra, name, v)
+    monkeypatch.setattr(ra, "set_shape", ra.set_shape)  # (what it sets is restored after the test)
+    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES"):
+        monkeypatch.setattr(ra, name, getattr(ra, name))
+    ra.set_shape(ra.parse_shape(shape))
     q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
     out = row_attention(q, kl, vl, keys, kmask, pos)
     torch.testing.assert_close(out.double(), reference(q, kl, vl, keys, kmask), atol=2e-6, rtol=2e-6)
@@ -144,23 +145,24 @@ def test_the_kernels_shape_is_read_from_the_environment_and_a_bad_one_refused():
 
     from midlayer.ops.row_attention import parse_shape
 
-    assert parse_shape("16x128x8") == (16, 128, 8, 0) and parse_shape(" 32x64x4x8") == (32, 64, 4, 8)
+    assert parse_shape("16x128x8") == (16, 128, 8, 0, False)
+    assert parse_shape(" 32x64x4x8") == (32, 64, 4, 8, False) and parse_shape("32x64x4x8t") == (32, 64, 4, 8, True)
     for bad in ("16x128", "24x64x4", "128x64x4", "4x64x4", "16x64x32", "axbxc", "8x64x4x4", "32x64x4x32",
-                "32x64x4x3", "32x64x4x4x1"):
+                "32x64x4x3", "32x64x4x4x1", "32x64x4t", "32x64x4x8tt"):
         with pytest.raises(ValueError, match="row attention"):
             parse_shape(bad)
     show = ("from midlayer.ops import row_attention as r; "
-            "print(r.BLOCK_POSITIONS, r.CHUNK, r.WARPS, r.ROWS); import torch; q = torch.zeros(1, 2, 1, 4); "
-            "kv = torch.zeros(1, 1, 8, 4); keys = torch.arange(8).view(1, 1, 8); m = torch.zeros(1, 1, 8); "
-            "r.row_attention(q, kv, kv, keys, m, torch.tensor([[7]]))")
+            "print(r.BLOCK_POSITIONS, r.CHUNK, r.WARPS, r.ROWS, r.TENSOR_CORES); import torch; "
+            "q = torch.zeros(1, 2, 1, 4); kv = torch.zeros(1, 1, 8, 4); keys = torch.arange(8).view(1, 1, 8); "
+            "m = torch.zeros(1, 1, 8); r.row_attention(q, kv, kv, keys, m, torch.tensor([[7]]))")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    for spec, want in (("16x32x2", ["16", "32", "2", "0"]), ("16x32x2x4", ["16", "32", "2", "4"])):
+    for spec, want in (("16x32x2", ["16", "32", "2", "0", "False"]), ("16x32x2x4t", ["16", "32", "2", "4", "True"])):
         got = subprocess.run([sys.executable, "-c", show], env={**env, "MIDLAYER_ROW_ATTENTION": spec},
                              capture_output=True, text=True, timeout=120)
         assert got.returncode == 0 and got.stdout.split() == want, got.stderr[-2000:]
     bad = subprocess.run([sys.executable, "-c", show], env={**env, "MIDLAYER_ROW_ATTENTION": "64x32x4"},
                          capture_output=True, text=True, timeout=120)
-    assert bad.stdout.split() == ["32", "64", "4", "0"]  # (imported: the defaults)
+    assert bad.stdout.split() == ["32", "64", "4", "0", "False"]  # (imported: the defaults)
     assert "ValueError: MIDLAYER_ROW_ATTENTION: row attention: '64x32x4'" in bad.stderr
 
 
@@ -181,32 +183,33 @@ def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_val
     # relative times by shape and row count (1 where not given); 16x32x4 is fastest but its output is 1% off, and
     # 32x64x4x4 gives row 0 a unit in the last place more with 8 rows than alone (within fp32's rounding of the
     # default's values, but not row-invariant)
-    times = {(16, 64, 4, 0): {1: 0.7, 8: 1.2}, (64, 64, 8, 0): {1: 0.9, 8: 0.8}, (16, 32, 4, 0): {1: 0.5, 8: 0.5},
-             (32, 64, 4, 8): {1: 1.1, 8: 0.5}, (32, 64, 4, 4): {1: 0.3, 8: 0.3}}
-    off, moved = (16, 32, 4, 0), (32, 64, 4, 4)
+    times = {"16x64x4": {1: 0.7, 8: 1.2}, "64x64x8": {1: 0.9, 8: 0.8}, "16x32x4": {1: 0.5, 8: 0.5},
+             "32x64x4x8t": {1: 1.1, 8: 0.5}, "32x64x4x4": {1: 0.3, 8: 0.3}}
+    off, moved = "16x32x4", "32x64x4x4"
+    now = lambda: ra.format_shape(ra.shape())  # noqa: E731
     last = []
 
     def call(n):
         last[:] = [n]
-        if ra.shape() == (32, 128, 4, 0):
+        if now() == "32x128x4":
             raise RuntimeError("out of resources")  # (a shape that fails to build there: passed over)
-        out = torch.full((1, n, 2), 1.01 if ra.shape() == off else 1.0)
-        if ra.shape() == moved and n == 8:
+        out = torch.full((1, n, 2), 1.01 if now() == off else 1.0)
+        if now() == moved and n == 8:
             out[0, 0, 1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
         return out
 
     monkeypatch.setattr(tk, "attention_call", lambda dev, dtype, n: lambda n=n: call(n))
-    monkeypatch.setattr(tk, "device_us", lambda fn: (fn(), 10.0 * times.get(ra.shape(), {}).get(last[0], 1.0))[1])
+    monkeypatch.setattr(tk, "device_us", lambda fn: (fn(), 10.0 * times.get(now(), {}).get(last[0], 1.0))[1])
     before = ra.shape()
     out = tmp_path / "attention.txt"
     tk.sweep_attention(torch.device("cpu"), ["fp32"], [1, 8], str(out))
-    # 16x64x4: (0.7 + 1.2) / 2 = 0.95; 64x64x8: 0.85; 8 rows a program 32x64x4x8: 0.8, the least of those taken
-    assert out.read_text() == "32x64x4x8" and ra.parse_shape(out.read_text()) == (32, 64, 4, 8)
+    # 16x64x4: (0.7 + 1.2) / 2 = 0.95; 64x64x8: 0.85; 8 rows a program in tensor cores: 0.8, the least taken
+    assert out.read_text() == "32x64x4x8t" and ra.parse_shape(out.read_text()) == (32, 64, 4, 8, True)
     assert ra.shape() == before
     printed = capsys.readouterr().out
     assert "| 16x32x4 |" in printed and printed.count("not taken") == 2
     assert "| 32x64x4x4 | 3.0 | 3.0 | 0.30 (row 0's bits differ at fp32 8 rows: not taken) |" in printed
-    assert "MIDLAYER_ROW_ATTENTION=32x64x4x8" in printed
+    assert "MIDLAYER_ROW_ATTENTION=32x64x4x8t" in printed
     assert "| 32x128x4 | failed: RuntimeError: out of resources |" in printed
 
 

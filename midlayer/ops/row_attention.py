@@ -33,7 +33,10 @@ its own in a batched tl.dot (IEEE fp32: on a GPU one FMA chain per output over t
 the weights' sum is such a product too. A row's arithmetic is then the same whichever rows share its program and
 however many (Triton's tile layout, which ROWS changes, decides which thread computes an output, not the order of
 its sum), so a forward of n rows runs n (to a power of two) a program where that is fewer than ROWS: one
-at a plain step. Its bits differ from
+at a plain step. TENSOR_CORES (a "t" after ROWS) runs the three products in tensor cores as tf32x3 (each fp32
+operand a TF32 part and a TF32 remainder, three products of them: about fp32's accuracy, and for the bf16 query
+and keys exact products), where the FMA path pads the 3 query heads a kv head has in SmolLM2 to tl.dot's 16 rows:
+5.3 times the products a row needs, which tensor cores take at several times the rate. Its bits differ from
 `_attend_chunks`' (another order of sums), so the choice of kernel is global, as the shape is; the device sweep
 (benchmarks/triton_kernels.py --attention) passes over a shape that gives a row other bits in a call of other
 rows, and the step's probe measures it again.
@@ -62,53 +65,58 @@ BLOCK_POSITIONS = 32  # BS: positions per step of a program's loop (a [rep, BS, 
 CHUNK = 64  # positions per program of pass 1: a row at position p is split over p // CHUNK + 1 programs
 WARPS = 4  # pass 1's num_warps (Triton's default)
 ROWS = 0  # 0: one row a program, products summed by `tl.sum` (`_attend_chunks`); n: n rows a program by tl.dot
+TENSOR_CORES = False  # with ROWS: tl.dot's products in IEEE fp32 FMAs (False) or in tensor cores, as tf32x3 (True)
 TOLERANCE = 1e-4  # `self_check`'s: a correct kernel is about 1e-6 from the formula (the probe's, decode_step)
 ONE_PASS = True  # pass 2 inside pass 1's launch (`_attend_chunks`); False where `self_check` finds it off
 tl = to_bf16 = None  # triton.language and the shared helper, set when a kernel is first made
 
 
-def parse_shape(spec: str) -> tuple[int, int, int, int]:
-    """MIDLAYER_ROW_ATTENTION's form, "BSxCHUNKxWARPS" (e.g. 32x64x4: the defaults) or "BSxCHUNKxWARPSxROWS", as
-    (BLOCK_POSITIONS, CHUNK, WARPS, ROWS), ROWS 0 where not given: powers of two, BS at least 8 and at most CHUNK
-    (at least 16 with ROWS: tl.dot's least), WARPS 1 to 16, ROWS at most 16. Any of them gives each row the bits
-    of its own (the same kernel at every bucket); they change which program sums which positions and how, and its
-    speed. benchmarks/triton_kernels.py --attention FILE chooses one on the device. A clear error otherwise."""
+def parse_shape(spec: str) -> tuple[int, int, int, int, bool]:
+    """MIDLAYER_ROW_ATTENTION's form, "BSxCHUNKxWARPS" (e.g. 32x64x4: the defaults) or "BSxCHUNKxWARPSxROWS[t]", as
+    (BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES), ROWS 0 where not given and TENSOR_CORES where "t" ends it:
+    powers of two, BS at least 8 and at most CHUNK (at least 16 with ROWS: tl.dot's least), WARPS 1 to 16, ROWS at
+    most 16. Any of them gives each row the bits of its own (the same kernel at every bucket); they change which
+    program sums which positions and how, and its speed. benchmarks/triton_kernels.py --attention FILE chooses one
+    on the device. A clear error otherwise."""
+    spec = spec.strip()
+    tc = spec.endswith("t")
     try:
-        bs, chunk, warps, *rows = (int(v) for v in spec.strip().split("x"))
-        if len(rows) > 1:
+        bs, chunk, warps, *rows = (int(v) for v in spec.removesuffix("t").split("x"))
+        if len(rows) > 1 or tc and not rows:
             raise ValueError
     except ValueError:
-        raise ValueError(f"row attention: {spec!r} is not BSxCHUNKxWARPS[xROWS] (e.g. 32x64x4)") from None
+        raise ValueError(f"row attention: {spec!r} is not BSxCHUNKxWARPS[xROWS[t]] (e.g. 32x64x4, 32x64x4x8t)"
+                         ) from None
     rows = rows[0] if rows else 0
     if (any(v < 1 or v & (v - 1) for v in (bs, chunk, warps, rows or 1)) or not 8 <= bs <= chunk or warps > 16
             or rows > 16 or (rows and bs < 16)):
         raise ValueError(f"row attention: {spec!r}: powers of two, 8 <= BS <= CHUNK (16 <= BS with ROWS), WARPS "
                          "and ROWS at most 16")
-    return bs, chunk, warps, rows
+    return bs, chunk, warps, rows, tc
 
 
-def format_shape(shape: tuple[int, int, int, int]) -> str:
-    """(BLOCK_POSITIONS, CHUNK, WARPS, ROWS) in MIDLAYER_ROW_ATTENTION's form, what `parse_shape` reads back (ROWS
-    left out where 0)."""
-    return "x".join(map(str, shape if shape[3] else shape[:3]))
+def format_shape(shape: tuple[int, int, int, int, bool]) -> str:
+    """(BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES) in MIDLAYER_ROW_ATTENTION's form, what `parse_shape`
+    reads back (ROWS left out where 0)."""
+    return "x".join(map(str, shape[:4] if shape[3] else shape[:3])) + ("t" if shape[3] and shape[4] else "")
 
 
-def shape() -> tuple[int, int, int, int]:
-    """The kernel's shape now: (BLOCK_POSITIONS, CHUNK, WARPS, ROWS)."""
-    return BLOCK_POSITIONS, CHUNK, WARPS, ROWS
+def shape() -> tuple[int, int, int, int, bool]:
+    """The kernel's shape now: (BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES)."""
+    return BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES
 
 
-def set_shape(shape: tuple[int, int, int, int]) -> None:
+def set_shape(shape: tuple[int, int, int, int, bool]) -> None:
     """Sets the kernel's shape (what the device sweep tries; the environment's is set at import)."""
-    global BLOCK_POSITIONS, CHUNK, WARPS, ROWS
-    BLOCK_POSITIONS, CHUNK, WARPS, ROWS = shape
+    global BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES
+    BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES = shape
 
 
 # a malformed MIDLAYER_ROW_ATTENTION is refused by the first launch (`row_attention`), not at import
 _SHAPE_ERROR = ""
 try:
     if os.environ.get("MIDLAYER_ROW_ATTENTION", "").strip():
-        BLOCK_POSITIONS, CHUNK, WARPS, ROWS = parse_shape(os.environ["MIDLAYER_ROW_ATTENTION"])
+        BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES = parse_shape(os.environ["MIDLAYER_ROW_ATTENTION"])
 except ValueError as e:
     _SHAPE_ERROR = f"MIDLAYER_ROW_ATTENTION: {e}"
 
@@ -184,15 +192,16 @@ def _attend_rows(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
                  sqb, sqn, sqh, skb, skh, sks, svb, svh, svs, sxb, sxn, smb, smn, sob, son, soh,
                  R, N, Hk, NC, rep, d, scale, ROWS: tl.constexpr, RP: tl.constexpr, REP: tl.constexpr,
                  D: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr,
-                 BF16: tl.constexpr):
+                 BF16: tl.constexpr, PREC: tl.constexpr):
     """Pass 1 for ROWS rows a program (ROWS > 0); grid (cdiv(B * N, ROWS), Hk, NC). `_attend_chunks`' online
     softmax, in the same blocks of BS positions and chunks of CHUNK, for each of the block's rows alone: its
     query heads (padded to RP >= 16 rows, tl.dot's least) against its own keys in position order, a batched
-    tl.dot [ROWS, RP, D] x [ROWS, D, BS] and then the weights' [ROWS, RP, BS] x [ROWS, BS, D], IEEE fp32
-    products (bf16 operands widened, exact) accumulated in fp32 (module docstring: why, and a row's bits at any
-    ROWS). Blocks past a row's own position (another row's) are masked for it: rescaled by exp(0) = 1, exact
-    zeros added. Partials [.., REP, D] as `_attend_chunks`' (the heads past rep are not stored); one count per
-    (block of rows, kv head): the block's last chunk to count combines its rows."""
+    tl.dot [ROWS, RP, D] x [ROWS, D, BS], then the weights' [ROWS, RP, BS] x [ROWS, BS, D], in fp32 (bf16
+    operands widened, exact). PREC: "ieee", products and sums in FMAs; or "tf32x3", in tensor cores (module
+    docstring: why, and a row's bits at any ROWS). Blocks past a row's own position (another row's) are masked
+    for it: rescaled by exp(0) = 1, exact zeros added. Partials [.., REP, D] as `_attend_chunks`' (the heads
+    past rep are not stored); one count per (block of rows, kv head): the block's last chunk to count combines
+    its rows."""
     blk = tl.program_id(0)
     hk = tl.program_id(1)
     c = tl.program_id(2)
@@ -223,16 +232,16 @@ def _attend_rows(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
         km = tl.load(kmask + b[:, None] * smb + n[:, None] * smn + j[None, :], mask=jm, other=float("-inf"))
         kd = tl.load(k + b[:, None, None] * skb + hk * skh + slot[:, :, None] * sks + dd[None, None, :],
                      mask=dm[None, None, :], other=0.0).to(tl.float32)  # [ROWS, BS, D]
-        s = tl.dot(qv, tl.permute(kd, (0, 2, 1)), input_precision="ieee") * scale + km[:, None, :]  # [ROWS, RP, BS]
+        s = tl.dot(qv, tl.permute(kd, (0, 2, 1)), input_precision=PREC) * scale + km[:, None, :]  # [ROWS, RP, BS]
         m_new = tl.maximum(m, tl.max(s, axis=2))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, :, None])
         # the weights' sum as a product with ones: one FMA chain over the block's positions in order, where a
         # tl.sum's order would follow the tile's layout, which ROWS changes (every column of the product is it)
-        total = tl.max(tl.dot(p, ones, (total * alpha)[:, :, None] + zeros, input_precision="ieee"), axis=2)
+        total = tl.max(tl.dot(p, ones, (total * alpha)[:, :, None] + zeros, input_precision=PREC), axis=2)
         vd = tl.load(v + b[:, None, None] * svb + hk * svh + slot[:, :, None] * svs + dd[None, None, :],
                      mask=dm[None, None, :], other=0.0).to(tl.float32)  # [ROWS, BS, D]
-        acc = tl.dot(p, vd, acc * alpha[:, :, None], input_precision="ieee")
+        acc = tl.dot(p, vd, acc * alpha[:, :, None], input_precision=PREC)
         m = m_new
     at = (rows * Hk + hk) * NC + c  # [ROWS]
     live = (lo <= hi)[:, None] & (r < REP)[None, :]  # [ROWS, RP]: the chunk holds positions the row sees
@@ -360,7 +369,8 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
     if ROWS:  # (a forward of fewer rows, a plain step's one: as many a program; `_attend_rows`: the same bits)
         rows = min(ROWS, pow2(B * N))
         triton_build.kernel(_attend_rows)[(triton_build.cdiv(B * N, rows), Hk, NC)](
-            *args, B * N, N, Hk, NC, rep, d, 1.0 / math.sqrt(d), ROWS=rows, RP=max(pow2(rep), 16), **shape)
+            *args, B * N, N, Hk, NC, rep, d, 1.0 / math.sqrt(d), ROWS=rows, RP=max(pow2(rep), 16),
+            PREC="tf32x3" if TENSOR_CORES else "ieee", **shape)
     else:
         triton_build.kernel(_attend_chunks)[(B * N, Hk, NC)](*args, N, Hk, NC, rep, d, 1.0 / math.sqrt(d), **shape)
     if not ONE_PASS:
@@ -445,14 +455,16 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
 
 def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64, rows: int = 4) -> list:
     """The two passes, pass 1 with pass 2 in it and without (and the keys' kernel), at this module's shape
-    (BLOCK_POSITIONS, CHUNK, WARPS), and pass 1 of `rows` rows a program (`_attend_rows`, in both ways, at
-    BLOCK_POSITIONS of at least 16), compiled ahead of time for an NVIDIA GPU of compute capability `capability`
-    with `dtype` operands and output (triton_build.compile_for: no GPU needed; tests/test_row_linear.py)."""
+    (BLOCK_POSITIONS, CHUNK, WARPS), and pass 1 of `rows` rows a program (`_attend_rows`, in both ways, and in
+    tensor cores, at BLOCK_POSITIONS of at least 16), compiled ahead of time for an NVIDIA GPU of compute capability
+    `capability` with `dtype` operands and output (triton_build.compile_for: no GPU needed;
+    tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
     kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out=f"*{t}",
                  pm="*fp32", pl="*fp32", pacc="*fp32", counts="*i32", scale="fp32", REP="constexpr", D="constexpr",
                  BS="constexpr", CHUNK="constexpr", ONE_PASS="constexpr", BF16="constexpr", path_slots="*i64",
-                 depth="*i64", real="*i1", held="*i1", start="*i64", ROWS="constexpr", RP="constexpr")
+                 depth="*i64", real="*i1", held="*i1", start="*i64", ROWS="constexpr", RP="constexpr",
+                 PREC="constexpr")
     shape = dict(REP=max(pow2(rep), 2), D=pow2(d), CHUNK=CHUNK)
     bf16 = dtype == torch.bfloat16
     return [*(triton_build.compile_for(_attend_chunks, capability, kinds,
@@ -460,8 +472,8 @@ def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64, 
               for one in (True, False)),
             *(triton_build.compile_for(_attend_rows, capability, kinds,
                                        dict(shape, D=max(pow2(d), 16), BS=max(BLOCK_POSITIONS, 16), ONE_PASS=one,
-                                            BF16=bf16, ROWS=rows, RP=max(pow2(rep), 16)), num_warps=WARPS)
-              for one in (True, False)),
+                                            BF16=bf16, ROWS=rows, RP=max(pow2(rep), 16), PREC=prec), num_warps=WARPS)
+              for one, prec in ((True, "ieee"), (False, "ieee"), (True, "tf32x3"))),
             triton_build.compile_for(_combine_chunks, capability, kinds, dict(shape, BF16=bf16)),
             triton_build.compile_for(_row_keys, capability, kinds, dict(BS=1024))]
 
