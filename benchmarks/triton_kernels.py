@@ -26,6 +26,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
+import sys
+import time
 
 import torch
 
@@ -233,15 +236,59 @@ def attention_call(dev: torch.device, dtype: torch.dtype, n: int, S: int = 512):
     return lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts)
 
 
-def sweep_attention(dev: torch.device, dtypes: list[str], rows: list[int], path: str) -> None:
+def warm_attention(dev: torch.device, dtypes: list[str], rows: list[int], shapes: list[tuple]) -> None:
+    """Each shape's calls made once (Triton compiles a kernel at its first launch, into its cache on disk, which
+    other processes then read), a shape that fails passed over; the module's shape is left as it was. What
+    --warm-attention runs in each of the sweep's helper processes (`sweep_attention`'s workers)."""
+    calls = [attention_call(dev, DTYPES[d], n) for d in dtypes for n in rows]
+    saved = row_attention.shape()
+    try:
+        for shape in shapes:
+            row_attention.set_shape(shape)
+            try:
+                with torch.no_grad():
+                    for c in calls:
+                        c()
+            except Exception as e:  # (the sweep itself reports it)
+                print(f"warm {row_attention.format_shape(shape)}: {type(e).__name__}", flush=True)
+    finally:
+        row_attention.set_shape(saved)
+
+
+def compile_ahead(dev: torch.device, dtypes: list[str], rows: list[int], shapes: list[tuple], workers: int,
+                  limit_s: float) -> None:
+    """The shapes' kernels compiled in `workers` processes at once, each making a share of them (round robin,
+    `warm_attention`), for at most limit_s seconds: the timed loop then finds them in Triton's cache. Why: a
+    kernel of rows a program takes up to 11 s to compile (63rd session, this repository's CPU), two dtypes and two
+    row counts a shape, and the sweep has ATTN_S (90 s) for 18 shapes; a GPU machine has 16 CPUs."""
+    start = time.time()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--device", str(dev), "--dtypes",
+                               ",".join(dtypes), "--rows", ",".join(map(str, rows)), "--warm-attention",
+                               ",".join(row_attention.format_shape(sh) for sh in shapes[i::workers])],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # (their failures: the sweep's)
+             for i in range(min(workers, len(shapes)))]
+    for pr in procs:
+        try:
+            pr.wait(timeout=max(limit_s - (time.time() - start), 0.1))
+        except subprocess.TimeoutExpired:
+            pr.kill()
+            pr.wait()
+    print(f"(compiled ahead in {len(procs)} processes: {time.time() - start:.0f} s)", flush=True)
+
+
+def sweep_attention(dev: torch.device, dtypes: list[str], rows: list[int], path: str, workers: int = 0,
+                    ahead_s: float = 40.0) -> None:
     """--attention (module docstring): a table of each shape's device time, and path's MIDLAYER_ROW_ATTENTION
-    value. A shape whose output is off the default's by more than its dtype's rounding is not taken, nor one that
-    gives row 0 (the same query and keys at every row count) other bits in a call of other rows: the device's own
-    word on a shape's row invariance, which the step's probe would otherwise first find, and then run the PyTorch
-    attention. The module's shape is left as it was."""
+    value. With workers (--workers), the shapes after the default are compiled first in that many processes at
+    once (`compile_ahead`, at most ahead_s). A shape whose output is off the default's by more than its dtype's
+    rounding is not taken, nor one that gives row 0 (the same query and keys at every row count) other bits in a
+    call of other rows: the device's own word on a shape's row invariance, which the step's probe would otherwise
+    first find, and then run the PyTorch attention. The module's shape is left as it was."""
     print("\n| attention shape (BS x CHUNK x WARPS [x ROWS]) | "
           + " | ".join(f"{d} {n} us" for d in dtypes for n in rows) + " | / default |\n|---|"
           + "---|" * (len(dtypes) * len(rows) + 1))
+    if workers > 1:
+        compile_ahead(dev, dtypes, rows, list(ATTENTION_CANDIDATES[1:]), workers, ahead_s)
     calls = {(d, n): attention_call(dev, DTYPES[d], n) for d in dtypes for n in rows}
     saved = row_attention.shape()
     rel, want, base = {}, {}, None
@@ -302,6 +349,10 @@ def main() -> None:
                     "best as MIDLAYER_ROW_TILES's value to FILE (CUDA only)")
     ap.add_argument("--attention", metavar="FILE", help="time the row-attention kernel's shapes instead, and "
                     "write the best as MIDLAYER_ROW_ATTENTION's value to FILE (CUDA only)")
+    ap.add_argument("--workers", type=int, default=0, help="with --attention: compile its shapes first in this "
+                    "many processes at once")
+    ap.add_argument("--warm-attention", metavar="SHAPES", help="make these row-attention shapes' calls once "
+                    "(comma-separated, MIDLAYER_ROW_ATTENTION's form): --workers' helper processes")
     args = ap.parse_args()
     dev = torch.device(args.device)
     bad = [d for d in args.dtypes.split(",") if d not in DTYPES]
@@ -316,13 +367,17 @@ def main() -> None:
           f"{'available' if row_attention.available(dev) else 'not available here'}")
     if not row_attention.available(dev):
         return
+    if args.warm_attention:
+        warm_attention(dev, args.dtypes.split(","), rows,
+                       [row_attention.parse_shape(sh) for sh in args.warm_attention.split(",")])
+        return
     if args.tiles or args.attention:
         if dev.type != "cuda":
             ap.error("--tiles and --attention time on CUDA only")
         if args.tiles:
             sweep_tiles(dev, args.dtypes.split(","), rows, args.tiles)
         if args.attention:
-            sweep_attention(dev, args.dtypes.split(","), rows, args.attention)
+            sweep_attention(dev, args.dtypes.split(","), rows, args.attention, args.workers)
         return
     for d in args.dtypes.split(","):
         dtype = DTYPES[d]

@@ -27,11 +27,11 @@
 # row-linear kernel in fp32 and bf16, about 40 s; 9 files with ROWS=1, one more than come back; and with TILES=1
 # benchmarks/triton_kernels.py --tiles, the row-linear kernel's tiles at each weight shape: the check and the
 # bench then run at the tiles it chose, MIDLAYER_ROW_TILES, which env.txt names).
-# Budget: call 2 at most 70 (KERNELS) + TILES_S (75) + ATTN_S (90) + CHECK_S (120) + BENCH_S (230) s plus the
+# Budget: call 2 at most 70 (KERNELS) + TILES_S (75) + ATTN_S (100) + CHECK_S (120) + BENCH_S (230) s plus the
 # set-up, then the compile rows in what is left of CALL_S (550) s; bf16 runs first. (The 62nd session's call 2:
 # kernels, tiles and set-up 91 s, the bench 164 s, the check 114 s; ATTN=1, the attention's shapes
 # (benchmarks/triton_kernels.py --attention, MIDLAYER_ROW_ATTENTION, which env.txt names), and the 4-node trees
-# are new since: with the sweep at its 90 s, the compile rows may get about 90 s.) PROFILE=1 adds PROFILE_S (120)
+# are new since: with the sweep at its 100 s, the compile rows may get about 80 s.) PROFILE=1 adds PROFILE_S (120)
 # before the bench and leaves no time for the compile rows. GRAPHS: the step's modes of the main bench (default
 # cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
 # COMPILE_DRAFTS=1: the compile rows run the drafters too (their device rounds compiled; more compile time).
@@ -67,7 +67,8 @@ KERNELS=${KERNELS:-1}  # 1: the Triton kernels one by one (benchmarks/triton_ker
 TILES=${TILES:-1}  # 1: choose the row-linear kernel's tiles on the device first (at most TILES_S; CUDA only)
 TILES_S=${TILES_S:-75}
 ATTN=${ATTN:-1}  # 1: then choose the row-attention kernel's shape on the device (at most ATTN_S; CUDA only)
-ATTN_S=${ATTN_S:-90}  # (16 shapes since the 63rd session: a cut sweep keeps the best it timed)
+ATTN_S=${ATTN_S:-100}  # (18 shapes since the 63rd session, compiled in 8 processes first, at most 40 s;
+# a cut sweep keeps the best it timed)
 PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 75 s took its time)
 PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
@@ -136,7 +137,7 @@ run)
   if [ "$ATTN" = 1 ] && [ "$DEVICE" != cpu ]; then  # (62nd session: the attention was 46% of a hidden-transfer round)
     rm -f /tmp/row-attention.txt
     timeout "$ATTN_S" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,128 \
-      --attention /tmp/row-attention.txt >> "$OUT/kernels.txt" 2>&1
+      --attention /tmp/row-attention.txt --workers 8 >> "$OUT/kernels.txt" 2>&1
     echo "attention shapes: exit $?" >> "$OUT/kernels.txt"
     [ -s /tmp/row-attention.txt ] && export MIDLAYER_ROW_ATTENTION=$(cat /tmp/row-attention.txt)
   fi

@@ -166,20 +166,26 @@ def test_the_kernels_shape_is_read_from_the_environment_and_a_bad_one_refused():
     assert "ValueError: MIDLAYER_ROW_ATTENTION: row attention: '64x32x4'" in bad.stderr
 
 
-def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_values(tmp_path, monkeypatch, capsys):
-    """benchmarks/triton_kernels.py --attention (what scripts/static_check.sh runs the check and bench at), with a
-    faked device clock: the shape with the least time relative to the default's, averaged over dtypes and row
-    counts, is written (as MIDLAYER_ROW_ATTENTION's value); a faster shape whose output is off the default's is
-    not taken, one that fails is passed over; the module's shape is left as it was."""
+def _triton_kernels():
+    """benchmarks/triton_kernels.py as a module."""
     import importlib.util
     from pathlib import Path
-
-    import midlayer.ops.row_attention as ra
 
     spec = importlib.util.spec_from_file_location(
         "triton_kernels", Path(__file__).resolve().parents[1] / "benchmarks" / "triton_kernels.py")
     tk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tk)
+    return tk
+
+
+def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_values(tmp_path, monkeypatch, capsys):
+    """benchmarks/triton_kernels.py --attention (what scripts/static_check.sh runs the check and bench at), with a
+    faked device clock: the shape with the least time relative to the default's, averaged over dtypes and row
+    counts, is written (as MIDLAYER_ROW_ATTENTION's value); a faster shape whose output is off the default's is
+    not taken, one that fails is passed over; the module's shape is left as it was."""
+    import midlayer.ops.row_attention as ra
+
+    tk = _triton_kernels()
     # relative times by shape and row count (1 where not given); 16x32x4 is fastest but its output is 1% off, and
     # 32x64x4x4 gives row 0 a unit in the last place more with 8 rows than alone (within fp32's rounding of the
     # default's values, but not row-invariant)
@@ -211,6 +217,52 @@ def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_val
     assert "| 32x64x4x4 | 3.0 | 3.0 | 0.30 (row 0's bits differ at fp32 8 rows: not taken) |" in printed
     assert "MIDLAYER_ROW_ATTENTION=32x64x4x8t" in printed
     assert "| 32x128x4 | failed: RuntimeError: out of resources |" in printed
+
+
+def test_the_sweeps_shapes_are_compiled_ahead_in_shares_and_a_late_helper_is_stopped(monkeypatch):
+    """--workers: the shapes after the default go to that many helper processes, round robin, each a share in
+    MIDLAYER_ROW_ATTENTION's form (`compile_ahead`); a helper still at work when the time is up is killed. A
+    helper (--warm-attention) makes each of its shapes' calls once, passes over one that fails, and leaves the
+    module's shape as it was."""
+    import subprocess
+
+    import midlayer.ops.row_attention as ra
+
+    tk = _triton_kernels()
+    started, killed = [], []
+
+    class Helper:
+        def __init__(self, cmd, **kw):
+            self.share = cmd[cmd.index("--warm-attention") + 1]
+            started.append(self)
+
+        def wait(self, timeout=None):
+            if self.share.startswith("32x64x4x8t") and timeout is not None:
+                raise subprocess.TimeoutExpired("helper", timeout)
+
+        def kill(self):
+            killed.append(self.share)
+
+    monkeypatch.setattr(tk.subprocess, "Popen", Helper)
+    shapes = list(tk.ATTENTION_CANDIDATES[1:])
+    tk.compile_ahead(torch.device("cpu"), ["fp32", "bf16"], [1, 128], shapes, 8, 1.0)
+    shares = [h.share.split(",") for h in started]
+    assert len(shares) == 8
+    assert sorted(ra.parse_shape(x) for sh in shares for x in sh) == sorted(shapes)
+    assert shares[1][:2] == [ra.format_shape(shapes[1]), ra.format_shape(shapes[9])]  # (round robin)
+    assert killed == [started[1].share]
+    made = []
+
+    def call(n):
+        if ra.shape()[3] == 2:
+            raise RuntimeError("out of resources")
+        made.append((ra.format_shape(ra.shape()), n))
+
+    monkeypatch.setattr(tk, "attention_call", lambda dev, dtype, n: lambda: call(n))
+    before = ra.shape()
+    tk.warm_attention(torch.device("cpu"), ["fp32"], [1, 128], [ra.parse_shape(x) for x in ("32x64x4x2t",
+                                                                                              "16x64x4x8t")])
+    assert made == [("16x64x4x8t", 1), ("16x64x4x8t", 128)] and ra.shape() == before
 
 
 @pytest.mark.parametrize("rows", [0, 4], ids=["row", "rows4"])

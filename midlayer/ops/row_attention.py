@@ -201,7 +201,7 @@ def _attend_rows(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
     docstring: why, and a row's bits at any ROWS). Blocks past a row's own position (another row's) are masked
     for it: rescaled by exp(0) = 1, exact zeros added. Partials [.., REP, D] as `_attend_chunks`' (the heads
     past rep are not stored); one count per (block of rows, kv head): the block's last chunk to count combines
-    its rows."""
+    its rows (`combine_rows`)."""
     blk = tl.program_id(0)
     hk = tl.program_id(1)
     c = tl.program_id(2)
@@ -255,11 +255,8 @@ def _attend_rows(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
             done = tl.atomic_add(counts + blk * Hk + hk, 1, sem="acq_rel", scope="gpu")
             if done == top // CHUNK:  # (the block's chunks are 0 .. top // CHUNK: this one is the last to count)
                 tl.store(counts + blk * Hk + hk, 0)
-                for i in tl.static_range(ROWS):
-                    row = blk * ROWS + i
-                    if row < R:
-                        combine(pm, pl, pacc, out, row, hk, tl.load(last + row).to(tl.int32), sob, son, soh, N, Hk,
-                                NC, rep, d, REP, D, CHUNK, BF16)
+                combine_rows(pm, pl, pacc, out, rows, here, hi, top, b, n, hk, sob, son, soh, Hk, NC, rep, d, ROWS,
+                             REP, D, CHUNK, BF16)
 
 
 def _combine_chunks(pm, pl, pacc, last, out, sob, son, soh, N, Hk, NC, rep, d,
@@ -298,6 +295,37 @@ def combine(pm, pl, pacc, out, row, hk, hi, sob, son, soh, N, Hk, NC, rep, d, RE
              mask=(r[:, None] < rep) & (dd[None, :] < d))
 
 
+def combine_rows(pm, pl, pacc, out, rows, here, hi, top, b, n, hk, sob, son, soh, Hk, NC, rep, d,
+                 ROWS: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BF16: tl.constexpr):
+    """A device helper (`combine_rows`): `combine` for a block's rows at once ([ROWS, REP, D]), the rows' chunks
+    0 .. top // CHUNK in that order, a row's chunks past its own last masked: the largest running max unmoved by
+    them (-inf), and exact zeros added (weight exp(-inf) = 0), so each row gets `combine`'s bits, in one loop over
+    the chunks where ROWS calls of `combine` would be ROWS loops one after another."""
+    r = tl.arange(0, REP)
+    dd = tl.arange(0, D)
+    base = (rows * Hk + hk) * NC  # [ROWS]
+    big = tl.full([ROWS, REP], -1.0e30, tl.float32)
+    for c in range(0, top // CHUNK + 1):
+        cm = (here & (c <= hi // CHUNK))[:, None]  # [ROWS, 1]: the row has chunk c
+        big = tl.maximum(big, tl.load(pm + (base + c)[:, None] * REP + r[None, :], mask=cm, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    total = tl.zeros([ROWS, REP], tl.float32)
+    acc = tl.zeros([ROWS, REP, D], tl.float32)
+    for c in range(0, top // CHUNK + 1):
+        cm = (here & (c <= hi // CHUNK))[:, None]
+        at = (base + c)[:, None] * REP + r[None, :]  # [ROWS, REP]
+        w = tl.exp(tl.load(pm + at, mask=cm, other=float("-inf"), cache_modifier=".cg") - big)
+        total += tl.load(pl + at, mask=cm, other=0.0, cache_modifier=".cg") * w
+        acc += tl.load(pacc + (at * D)[:, :, None] + dd[None, None, :], mask=cm[:, :, None], other=0.0,
+                       cache_modifier=".cg") * w[:, :, None]
+    res = acc / tl.where(here[:, None], total, 1.0)[:, :, None]  # (a block's rows past the last: not stored)
+    if BF16:
+        res = to_bf16(res)
+    heads = hk * rep + r
+    tl.store(out + (b * sob + n * son)[:, None, None] + heads[None, :, None] * soh + dd[None, None, :], res,
+             mask=here[:, None, None] & (r < rep)[None, :, None] & (dd < d)[None, None, :])
+
+
 def _row_keys(path_slots, depth, real, held, start, keys, kmask, N, S, Wp, scratch,
               spb, spn, sd, sr, shb, skb, skn, smb, smn, BS: tl.constexpr):
     """`reference_keys`' formula for BS positions of one row; grid (B * N, cdiv(S, BS)). Integers and a
@@ -322,7 +350,7 @@ def _row_keys(path_slots, depth, real, held, start, keys, kmask, N, S, Wp, scrat
 
 
 KERNELS = (_attend_chunks, _attend_rows, _combine_chunks, _row_keys)  # (made together by `available`, before any trace)
-HELPERS = {"combine": combine}  # (bound by triton_build.kernel)
+HELPERS = {"combine": combine, "combine_rows": combine_rows}  # (bound by triton_build.kernel)
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,
