@@ -259,7 +259,7 @@ def compile_ahead(dev: torch.device, dtypes: list[str], rows: list[int], shapes:
                   limit_s: float) -> None:
     """The shapes' kernels compiled in `workers` processes at once, each making a share of them (round robin,
     `warm_attention`), for at most limit_s seconds: the timed loop then finds them in Triton's cache. Why: a
-    kernel of rows a program takes up to 11 s to compile (63rd session, this repository's CPU), two dtypes and two
+    kernel of rows a program takes up to 9 s to compile (63rd session, on an Intel Xeon), two dtypes and two
     row counts a shape, and the sweep has ATTN_S (90 s) for 18 shapes; a GPU machine has 16 CPUs."""
     start = time.time()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--device", str(dev), "--dtypes",
