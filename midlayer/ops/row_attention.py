@@ -135,10 +135,9 @@ def _attend_chunks(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
     of one (row, kv head), in blocks of BS positions, into pm, pl [B * N, Hk, NC, REP] (running max and sum)
     and pacc [B * N, Hk, NC, REP, D]. A chunk past the row's position writes nothing (pass 2 does not read it).
     ONE_PASS: pass 2 is this launch's too. Each chunk counts itself done in counts [B * N * Hk] (int32, zero
-    before the launch) after its partials are stored, and the row's last chunk to count combines them (`combine`)
-    and sets the count back to zero: the partials are the same, and so are the combine's order and its bits.
-    The count's add is acquire-release at GPU scope: the partials stored before it (by all the program's
-    threads: the barrier) are seen by the loads after it in the program that combines.
+    before the launch) after its partials are stored (`last_to_count`: the memory order), and the row's last
+    chunk to count combines them (`combine`) and sets the count back to zero: the partials are the same, and so
+    are the combine's order and its bits.
     (At module level: Triton resolves `tl` through the function's globals, and the interpreter swaps in its
     own there.)"""
     row = tl.program_id(0)  # b * N + n
@@ -181,10 +180,7 @@ def _attend_chunks(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
     tl.store(pacc + (at * REP + r[:, None]) * D + dd[None, :], acc, mask=live[:, None] & (dd[None, :] < D))
     if ONE_PASS:
         if lo <= hi:
-            tl.debug_barrier()
-            done = tl.atomic_add(counts + row * Hk + hk, 1, sem="acq_rel", scope="gpu")
-            if done == hi // CHUNK:  # (the row's chunks are 0 .. hi // CHUNK: this one is the last to count)
-                tl.store(counts + row * Hk + hk, 0)
+            if last_to_count(counts + row * Hk + hk, hi // CHUNK):  # (the row's chunks are 0 .. hi // CHUNK)
                 combine(pm, pl, pacc, out, row, hk, hi, sob, son, soh, N, Hk, NC, rep, d, REP, D, CHUNK, BF16)
 
 
@@ -251,12 +247,21 @@ def _attend_rows(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
              mask=live[:, :, None])
     if ONE_PASS:
         if lo <= top:
-            tl.debug_barrier()
-            done = tl.atomic_add(counts + blk * Hk + hk, 1, sem="acq_rel", scope="gpu")
-            if done == top // CHUNK:  # (the block's chunks are 0 .. top // CHUNK: this one is the last to count)
-                tl.store(counts + blk * Hk + hk, 0)
+            if last_to_count(counts + blk * Hk + hk, top // CHUNK):  # (the block's chunks are 0 .. top // CHUNK)
                 combine_rows(pm, pl, pacc, out, rows, here, hi, top, b, n, hk, sob, son, soh, Hk, NC, rep, d, ROWS,
                              REP, D, CHUNK, BF16)
+
+
+def last_to_count(count, last):
+    """A device helper (`last_to_count`): counts the program's chunk done at `count` (int32) and says whether it
+    was the last of chunks 0 .. last to count, which sets the count back to zero. Called after the program's
+    partials are stored: the barrier makes all its threads' stores come first, and the add is acquire-release at
+    GPU scope, so the program that counts last sees every chunk's partials."""
+    tl.debug_barrier()
+    done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+    if done == last:
+        tl.store(count, 0)
+    return done == last
 
 
 def _combine_chunks(pm, pl, pacc, last, out, sob, son, soh, N, Hk, NC, rep, d,
@@ -350,7 +355,8 @@ def _row_keys(path_slots, depth, real, held, start, keys, kmask, N, S, Wp, scrat
 
 
 KERNELS = (_attend_chunks, _attend_rows, _combine_chunks, _row_keys)  # (made together by `available`, before any trace)
-HELPERS = {"combine": combine, "combine_rows": combine_rows}  # (bound by triton_build.kernel)
+# (bound by triton_build.kernel)
+HELPERS = {"combine": combine, "combine_rows": combine_rows, "last_to_count": last_to_count}
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,
