@@ -136,6 +136,35 @@ def test_every_shape_of_the_kernel_is_the_formula_and_keeps_a_rows_bits(shape, m
     assert torch.equal(alone[0, 0], out[0, 3])
 
 
+def test_tensor_cores_serve_a_bf16_model_and_an_fp32_one_stays_in_ieee_fp32(monkeypatch):
+    """A "t" shape (rows a program in tensor cores) launches the kernel with tf32x3 for bf16 operands and IEEE fp32
+    for fp32 ones: the fp32 recipe we are measured against computes at PyTorch's default fp32 precision. (The
+    interpreter ignores the precision, so the launch's argument is what is checked.)"""
+    from midlayer.ops import row_attention as ra
+    from midlayer.ops import triton_build
+
+    made, seen = triton_build.kernel, []
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["PREC"])
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(triton_build, "kernel", lambda fn: Recorded(made(fn)) if fn is ra._attend_rows else made(fn))
+    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES"):
+        monkeypatch.setattr(ra, name, getattr(ra, name))
+    for spec, dtype in (("32x64x4x4t", torch.float32), ("32x64x4x4t", torch.bfloat16), ("32x64x4x4", torch.bfloat16)):
+        ra.set_shape(ra.parse_shape(spec))
+        q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, dtype))
+        row_attention(q, kl, vl, keys, kmask, pos)
+    assert seen == ["ieee", "tf32x3", "ieee"]
+
+
 def test_the_kernels_shape_is_read_from_the_environment_and_a_bad_one_refused():
     """MIDLAYER_ROW_ATTENTION="BSxCHUNKxWARPS" sets the shape when the module is imported; a malformed one, or
     one that is not powers of two with 8 <= BS <= CHUNK, is refused by the first launch with the form it wants,
