@@ -18,12 +18,15 @@ so M = 1 and M = 16 run one compiled program.
     on this CPU, so there the kernel multiplies and sums explicitly (DOT false): the same formula,
     row-invariant in numpy, and what the CPU's tests check.
 
-Arithmetic. IEEE fp32 products (no TF32, as PyTorch's default for fp32 matmuls), accumulated in fp32. bf16
-operands are widened to fp32 first (exact) and the result rounded to bf16 once, to nearest even, as cuBLAS
-does; not bf16 tensor-core MMAs: on the H200 cuBLAS's bf16 GEMMs already gave a row the same bits at every M,
-so the kernel is for fp32, and one arithmetic for both dtypes is the one the interpreter (which cannot
-multiply bf16) checks. `RowLinears` routes a forward's `F.linear` calls (every nn.Linear's) here;
-`DecodeStep(linear="triton")` runs its forwards under it.
+Arithmetic. fp32: IEEE fp32 products (no TF32, as PyTorch's default for fp32 matmuls), accumulated in fp32.
+bf16: on a GPU, bf16 tensor-core MMAs accumulating in fp32, the arithmetic of cuBLAS's bf16 GEMMs (63rd session:
+the 62nd session's bf16 step through this kernel with fp32 FMAs took 4.02 ms a token on the H200 against 1.24 with
+cuBLAS's linears, and the kernel is the probe's fallback where cuBLAS's bf16 linear sums a lone row in another
+order); the operand is bf16 already (each prologue rounds it), so nothing is rounded on the way in. A row's bits
+stay its own: the tile is the same at every M, and each output's MMAs run over K in order. Under the interpreter
+(which cannot multiply bf16) both dtypes are multiplied in fp32 and summed explicitly, the same products (bf16's
+are exact in fp32). The result is rounded to bf16 once, to nearest even, as cuBLAS does. `RowLinears` routes a
+forward's `F.linear` calls (every nn.Linear's) here; `DecodeStep(linear="triton")` runs its forwards under it.
 
 Prologues and an epilogue. A captured step pays per kernel, so what comes before a projection is the kernel's
 prologue where the model asks (`fused_rows.fuses_linear`): SwiGLU's product before the down projection
@@ -94,9 +97,9 @@ _measured_for: set = set()  # the CUDA devices whose MEASURED tiles are in TILES
 def tile(N: int, K: int) -> tuple[int, int]:
     """The tile (BN, BK) of a weight [N, K]: `TILES`'s, else the default. Which tile changes which program
     computes an output and how the kernel walks K, never M's part: a row's bits stay its own at any tile
-    (and on a GPU, whose tl.dot is one FMA chain per output over k in order, the product's bits are the same at
-    every tile; the norm prologue's mean square is summed in blocks of BK). A malformed MIDLAYER_ROW_TILES is
-    refused here, naming the variable."""
+    (and on a GPU in fp32, whose tl.dot is one FMA chain per output over k in order, the product's bits are the
+    same at every tile; bf16's MMAs may group the sum by the tile; the norm prologue's mean square is summed in
+    blocks of BK). A malformed MIDLAYER_ROW_TILES is refused here, naming the variable."""
     if _TILES_ERROR:
         raise ValueError(_TILES_ERROR)
     return TILES.get((N, K), (BN, BK))
@@ -135,7 +138,7 @@ def _linear_rows(x, w, b, y, a2, g, h, M, N, K, sxm, swn, sym, sam, shm, eps, HA
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         a = operand(x, a2, g, r, rm, k0 + rk, sxm, sam, M, K, NORM, ADD, SWIGLU, BF16)
-        acc = accumulate(acc, a, w, rn, rn < N, k0 + rk, swn, K, DOT)
+        acc = accumulate(acc, a, w, rn, rn < N, k0 + rk, swn, K, DOT, BF16)
     if HAS_BIAS:
         acc += tl.load(b + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = acc
@@ -166,8 +169,8 @@ def _qkv_rope_rows(x, w, a2, g, h, cos, sin, q, kc, vc, slots, M, R, K, H, Hk, d
     acc2 = tl.zeros([BM, BH], tl.float32)
     for k0 in range(0, K, BK):
         a = operand(x, a2, g, r, rm, k0 + rk, sxm, sam, M, K, True, ADD, False, BF16)
-        acc1 = accumulate(acc1, a, w, lo, j < half, k0 + rk, swn, K, DOT)
-        acc2 = accumulate(acc2, a, w, lo + half, j < half, k0 + rk, swn, K, DOT)
+        acc1 = accumulate(acc1, a, w, lo, j < half, k0 + rk, swn, K, DOT, BF16)
+        acc2 = accumulate(acc2, a, w, lo + half, j < half, k0 + rk, swn, K, DOT, BF16)
     if BF16:  # (the projection's own rounding: what rope_store reads from the stored q|k|v)
         acc1 = to_bf16(acc1).to(tl.float32)
         acc2 = to_bf16(acc2).to(tl.float32)
@@ -249,13 +252,16 @@ def row_block(x, a2, rm, kk, sxm, sam, M, K, ADD: tl.constexpr, BF16: tl.constex
     return v
 
 
-def accumulate(acc, a, w, rn, cm, kk, swn, K, DOT: tl.constexpr):
-    """A device helper (`accumulate`): acc + a W[rn, kk]^T for the operand block a [BM, BK], the columns rn
-    where cm holds: one FMA chain per output over k in order (module docstring), a K tail's zeros exact."""
-    wt = tl.load(w + rn[None, :] * swn + kk[:, None], mask=cm[None, :] & (kk[:, None] < K), other=0.0).to(tl.float32)
+def accumulate(acc, a, w, rn, cm, kk, swn, K, DOT: tl.constexpr, BF16: tl.constexpr):
+    """A device helper (`accumulate`): acc + a W[rn, kk]^T for the operand block a [BM, BK] (fp32 values, bf16
+    ones where BF16), the columns rn where cm holds, a K tail's zeros exact: on a GPU one FMA chain per output
+    over k in order, or with BF16 bf16 MMAs (module docstring); under the interpreter products and sums."""
+    wt = tl.load(w + rn[None, :] * swn + kk[:, None], mask=cm[None, :] & (kk[:, None] < K), other=0.0)
     if DOT:
-        return tl.dot(a, wt, acc, input_precision="ieee")
-    return acc + tl.sum(a[:, :, None] * wt[None, :, :], axis=1)
+        if BF16:  # (the operand's values are bf16's: exact)
+            return tl.dot(a.to(tl.bfloat16), wt.to(tl.bfloat16), acc)
+        return tl.dot(a, wt.to(tl.float32), acc, input_precision="ieee")
+    return acc + tl.sum(a[:, :, None] * wt.to(tl.float32)[None, :, :], axis=1)
 
 
 KERNELS = (_linear_rows, _qkv_rope_rows)
