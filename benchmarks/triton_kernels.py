@@ -215,7 +215,7 @@ def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str
 # the row-attention kernel's shapes (`row_attention.parse_shape`) tried, the default first, then rows a program by
 # tl.dot, in tensor cores ("t") or FMAs (63rd session: not yet timed on a GPU), then one row a program. Each builds
 # for sm_90 in bf16 and fp32 without local memory (tests/test_row_linear.py, and a one-off compile of these, 62nd
-# and 63rd sessions); 8 rows a program take the most shared memory: 32x64x4x8 in fp32 227 KB, an H100's or H200's
+# and 63rd sessions); 8 rows a program take the most shared memory: 32x64x4x8 in fp32 227 KiB, an H100's or H200's
 # most a block can have. A run cut short (ATTN_S) keeps the best of those it timed.
 ATTENTION_CANDIDATES = tuple(row_attention.parse_shape(c) for c in (
     row_attention.format_shape(row_attention.shape()), "32x64x4x4t", "32x64x4x8t", "32x64x4x4", "32x64x4x8",
