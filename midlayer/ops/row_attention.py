@@ -29,20 +29,19 @@ kernel took 12.0 us a layer for one bf16 row against SDPA's 6.9, and 44.1 agains
 hidden-transfer round's attention was 46% of its time: one program per (row, kv head, chunk) is thousands of short
 programs at 128 rows, each a chain of dependent loads, their products reduced across threads. `_attend_rows` runs
 the same online softmax, in the same chunks and blocks of positions, for ROWS rows a program, each row a batch of
-its own in a batched tl.dot (IEEE fp32: on a GPU one FMA chain per output over the block's positions in order);
-the weights' sum is such a product too. A row's arithmetic is then the same whichever rows share its program and
-however many (Triton's tile layout, which ROWS changes, decides which thread computes an output, not the order of
-its sum), so a forward of n rows runs n (to a power of two) a program where that is fewer than ROWS: one
-at a plain step. TENSOR_CORES (a "t" after ROWS) runs a bf16 model's three products in tensor cores as tf32x3
-(each fp32 operand a TF32 part and a TF32 remainder, three products of them): the bf16 query and keys' products
-exact, the weights within about 2^-21 of theirs, far under the bf16 output's rounding (2^-9). The FMA path pads
-the 3 query heads a kv head has in SmolLM2 to tl.dot's 16 rows: 5.3 times the products a row needs, which tensor
-cores take at several times the rate. An fp32 model's products stay IEEE fp32 (FMAs) with TENSOR_CORES too: the
-fp32 recipe we are measured against computes at PyTorch's default float32 matmul precision ("highest", IEEE
-fp32), and tf32x3 is below it. Its bits differ from
-`_attend_chunks`' (another order of sums), so the choice of kernel is global, as the shape is; the device sweep
-(benchmarks/triton_kernels.py --attention) passes over a shape that gives a row other bits in a call of other
-rows, and the step's probe measures it again.
+its own in a batched tl.dot (IEEE fp32: on a GPU one FMA chain per output over the block's positions in order); the
+weights' sum is such a product too. A row's arithmetic is then the same whichever rows share its program and however
+many (Triton's tile layout, which ROWS changes, decides which thread computes an output, not the order of its sum),
+so a forward of n rows runs n (to a power of two) a program where that is fewer than ROWS: one at a plain step.
+TENSOR_CORES (a "t" after ROWS) runs a bf16 model's three products in tensor cores as tf32x3 (each fp32 operand a
+TF32 part and a TF32 remainder, three products of them): the bf16 query and keys' products exact, the weights within
+about 2^-21 of theirs, far under the bf16 output's rounding (2^-9). The FMA path pads the 3 query heads a kv head
+has in SmolLM2 to tl.dot's 16 rows: 5.3 times the products a row needs, which tensor cores take at several times the
+rate. An fp32 model's products stay IEEE fp32 (FMAs) with TENSOR_CORES too: the fp32 recipe we are measured against
+computes at PyTorch's default float32 matmul precision ("highest", IEEE fp32), and tf32x3 is below it.
+`_attend_rows`' bits differ from `_attend_chunks`' (another order of sums), so the choice of kernel is global, as
+the shape is; the device sweep (benchmarks/triton_kernels.py --attention) passes over a shape that gives a row other
+bits in a call of other rows, and the step's probe measures it again.
 
 The keys themselves (`keys`, and the mask `kmask`: which positions a row sees) are one more kernel a forward,
 `row_keys`: the formula of `reference_keys` (which the PyTorch attention uses), in integer ops, where PyTorch
