@@ -260,7 +260,7 @@ def compile_ahead(dev: torch.device, dtypes: list[str], rows: list[int], shapes:
     """The shapes' kernels compiled in `workers` processes at once, each making a share of them (round robin,
     `warm_attention`), for at most limit_s seconds: the timed loop then finds them in Triton's cache. Why: a
     kernel of rows a program takes up to 9 s to compile (63rd session, on an Intel Xeon), two dtypes and two
-    row counts a shape, and the sweep has ATTN_S (90 s) for 18 shapes; a GPU machine has 16 CPUs."""
+    row counts a shape, and the sweep has ATTN_S (100 s) for 18 shapes; a GPU machine has 16 CPUs."""
     start = time.time()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--device", str(dev), "--dtypes",
                                ",".join(dtypes), "--rows", ",".join(map(str, rows)), "--warm-attention",
@@ -284,11 +284,11 @@ def sweep_attention(dev: torch.device, dtypes: list[str], rows: list[int], path:
     rounding is not taken, nor one that gives row 0 (the same query and keys at every row count) other bits in a
     call of other rows: the device's own word on a shape's row invariance, which the step's probe would otherwise
     first find, and then run the PyTorch attention. The module's shape is left as it was."""
+    if workers > 1:
+        compile_ahead(dev, dtypes, rows, list(ATTENTION_CANDIDATES[1:]), workers, ahead_s)
     print("\n| attention shape (BS x CHUNK x WARPS [x ROWS]) | "
           + " | ".join(f"{d} {n} us" for d in dtypes for n in rows) + " | / default |\n|---|"
           + "---|" * (len(dtypes) * len(rows) + 1))
-    if workers > 1:
-        compile_ahead(dev, dtypes, rows, list(ATTENTION_CANDIDATES[1:]), workers, ahead_s)
     calls = {(d, n): attention_call(dev, DTYPES[d], n) for d in dtypes for n in rows}
     saved = row_attention.shape()
     rel, want, base = {}, {}, None

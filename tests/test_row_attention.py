@@ -237,7 +237,11 @@ def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_val
     monkeypatch.setattr(tk, "device_us", lambda fn: (fn(), 10.0 * times.get(now(), {}).get(last[0], 1.0))[1])
     before = ra.shape()
     out = tmp_path / "attention.txt"
-    tk.sweep_attention(torch.device("cpu"), ["fp32"], [1, 8], str(out))
+    ahead = []  # (with workers, the shapes after the default are compiled ahead first: test_the_sweeps_shapes_...)
+    monkeypatch.setattr(tk, "compile_ahead", lambda dev, dtypes, rows, shapes, workers, limit: ahead.append(
+        (shapes, workers, limit, len(capsys.readouterr().out))))
+    tk.sweep_attention(torch.device("cpu"), ["fp32"], [1, 8], str(out), workers=8)
+    assert ahead == [(list(tk.ATTENTION_CANDIDATES[1:]), 8, 40.0, 0)]  # (before the table's first line)
     # 16x64x4: (0.7 + 1.2) / 2 = 0.95; 64x64x8: 0.85; 8 rows a program in tensor cores: 0.8, the least taken
     assert out.read_text() == "32x64x4x8t" and ra.parse_shape(out.read_text()) == (32, 64, 4, 8, True)
     assert ra.shape() == before
