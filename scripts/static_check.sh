@@ -127,9 +127,11 @@ run)
     echo "triton_kernels: exit $?" >> "$OUT/kernels.txt"
   fi
   if [ "$TILES" = 1 ] && [ "$DEVICE" != cpu ]; then  # (written after each weight shape: a cut run keeps some)
+    # fp32's times alone (63rd session): fp32 is the dtype whose step runs this kernel, and bf16's MMAs since then
+    # rank the tiles otherwise than fp32's FMAs, where both dtypes ran one arithmetic before (a tile is per shape)
     rm -f /tmp/row-tiles.txt
-    timeout "$TILES_S" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 --tiles /tmp/row-tiles.txt \
-      >> "$OUT/kernels.txt" 2>&1
+    timeout "$TILES_S" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 --dtypes fp32 \
+      --tiles /tmp/row-tiles.txt >> "$OUT/kernels.txt" 2>&1
     echo "tiles: exit $?" >> "$OUT/kernels.txt"
     [ -s /tmp/row-tiles.txt ] && export MIDLAYER_ROW_TILES=$(cat /tmp/row-tiles.txt)
   fi
