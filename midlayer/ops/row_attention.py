@@ -276,38 +276,23 @@ def _combine_chunks(pm, pl, pacc, last, out, sob, son, soh, N, Hk, NC, rep, d,
 
 def combine(pm, pl, pacc, out, row, hk, hi, sob, son, soh, N, Hk, NC, rep, d, REP: tl.constexpr,
             D: tl.constexpr, CHUNK: tl.constexpr, BF16: tl.constexpr):
-    """A device helper (`combine`), pass 2 for one (row, kv head): the row's chunks 0 .. position // CHUNK
-    combined in that order, the largest running max first, then each chunk's sum and weighted sum rescaled to
-    it. (Loads past the L1 cache, ".cg": partials another program stored in this launch.)"""
-    b = row // N
-    n = row % N
-    r = tl.arange(0, REP)
-    dd = tl.arange(0, D)
-    top = hi // CHUNK + 1
-    base = (row * Hk + hk) * NC
-    big = tl.full([REP], -1.0e30, tl.float32)
-    for c in range(0, top):
-        big = tl.maximum(big, tl.load(pm + (base + c) * REP + r, cache_modifier=".cg"))
-    total = tl.zeros([REP], tl.float32)
-    acc = tl.zeros([REP, D], tl.float32)
-    for c in range(0, top):
-        w = tl.exp(tl.load(pm + (base + c) * REP + r, cache_modifier=".cg") - big)
-        total += tl.load(pl + (base + c) * REP + r, cache_modifier=".cg") * w
-        acc += tl.load(pacc + ((base + c) * REP + r[:, None]) * D + dd[None, :], cache_modifier=".cg") * w[:, None]
-    res = acc / total[:, None]
-    if BF16:  # (the output in bf16, rounded once: the bits of the fp32 result cast by PyTorch)
-        res = to_bf16(res)
-    heads = hk * rep + r
-    tl.store(out + b * sob + n * son + heads[:, None] * soh + dd[None, :], res,
-             mask=(r[:, None] < rep) & (dd[None, :] < d))
+    """A device helper (`combine`), pass 2 for one (row, kv head) at position hi: `combine_rows` for a block of
+    that row alone."""
+    rows = row + tl.arange(0, 1)
+    combine_rows(pm, pl, pacc, out, rows, rows == row, rows * 0 + hi, hi, rows // N, rows % N, hk, sob, son, soh, Hk,
+                 NC, rep, d, 1, REP, D, CHUNK, BF16)
 
 
 def combine_rows(pm, pl, pacc, out, rows, here, hi, top, b, n, hk, sob, son, soh, Hk, NC, rep, d,
                  ROWS: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BF16: tl.constexpr):
-    """A device helper (`combine_rows`): `combine` for a block's rows at once ([ROWS, REP, D]), the rows' chunks
-    0 .. top // CHUNK in that order, a row's chunks past its own last masked: the largest running max unmoved by
-    them (-inf), and exact zeros added (weight exp(-inf) = 0), so each row gets `combine`'s bits, in one loop over
-    the chunks where ROWS calls of `combine` would be ROWS loops one after another."""
+    """A device helper (`combine_rows`), pass 2 for a block's rows at once ([ROWS, REP, D]; `combine`: one row):
+    each row's chunks 0 .. its position // CHUNK combined in that order, the largest running max first, then each
+    chunk's sum and weighted sum rescaled to it. One loop over the block's chunks 0 .. top // CHUNK, a row's
+    chunks past its own last masked: the running max unmoved by them (-inf), and exact zeros added (weight
+    exp(-inf) = 0), so a row gets the bits it gets in a block of its own, where ROWS one-row combines would be
+    ROWS loops one after another. hi [ROWS]: the rows' positions; here: the block's real rows (the others are
+    not stored). (Loads past the L1 cache, ".cg": partials another program stored in this launch. The output in
+    bf16 is rounded once: the bits of the fp32 result cast by PyTorch.)"""
     r = tl.arange(0, REP)
     dd = tl.arange(0, D)
     base = (rows * Hk + hk) * NC  # [ROWS]
