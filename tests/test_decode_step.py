@@ -1134,13 +1134,9 @@ def test_the_checks_diagnosis_names_the_first_difference(models):
     losslessness: on a sound step it finds none; when a round's logits are moved it names that round's row
     with an equal final residual (the head's side); when a committed key is moved mid-run it names the slot
     and layer."""
-    import importlib.util
-    from pathlib import Path
+    from tiny_models import benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "static_step_check.py"
-    spec = importlib.util.spec_from_file_location("static_step_check", path)
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = benchmark("static_step_check")
     model = models["fp32"]
     prompt = _prompts()[2]
     ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=30))[0]

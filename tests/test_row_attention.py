@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import make_tiny, RowWiseBLAS
+from tiny_models import benchmark, make_tiny, RowWiseBLAS
 
 pytest.importorskip("triton")
 
@@ -195,18 +195,6 @@ def test_the_kernels_shape_is_read_from_the_environment_and_a_bad_one_refused():
     assert "ValueError: MIDLAYER_ROW_ATTENTION: row attention: '64x32x4'" in bad.stderr
 
 
-def _triton_kernels():
-    """benchmarks/triton_kernels.py as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "triton_kernels", Path(__file__).resolve().parents[1] / "benchmarks" / "triton_kernels.py")
-    tk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tk)
-    return tk
-
-
 def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_values(tmp_path, monkeypatch, capsys):
     """benchmarks/triton_kernels.py --attention (what scripts/static_check.sh runs the check and bench at), with a
     faked device clock: the shape with the least time relative to the default's, averaged over dtypes and row
@@ -214,7 +202,7 @@ def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_val
     not taken, one that fails is passed over; the module's shape is left as it was."""
     import midlayer.ops.row_attention as ra
 
-    tk = _triton_kernels()
+    tk = benchmark("triton_kernels")
     # relative times by shape and row count (1 where not given); 16x32x4 is fastest but its output is 1% off, and
     # 32x64x4x4 gives row 0 a unit in the last place more with 8 rows than alone (within fp32's rounding of the
     # default's values, but not row-invariant)
@@ -261,7 +249,7 @@ def test_the_sweeps_shapes_are_compiled_ahead_in_shares_and_a_late_helper_is_sto
 
     import midlayer.ops.row_attention as ra
 
-    tk = _triton_kernels()
+    tk = benchmark("triton_kernels")
     started, killed = [], []
 
     class Helper:

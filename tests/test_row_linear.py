@@ -459,13 +459,9 @@ def test_the_tile_sweep_keeps_each_shapes_fastest_tile_relative_to_the_default(t
     microseconds); a tile whose output is off the default's is not taken however fast; a shape where the
     default wins is written as the default (so that it wins over row_linear.MEASURED's); the file holds
     MIDLAYER_ROW_TILES's value, which parse_tiles reads back; the table is left as it was."""
-    import importlib.util
-    from pathlib import Path
+    from tiny_models import benchmark
 
-    spec = importlib.util.spec_from_file_location(
-        "triton_kernels", Path(__file__).resolve().parents[1] / "benchmarks" / "triton_kernels.py")
-    tk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tk)
+    tk = benchmark("triton_kernels")
     # each shape's time at each row count and tile, as a fraction of the default tile's (1 where not given)
     shapes = {(960, 576): {1: {(16, 64): 0.5}, 64: {(16, 64): 1.1}},
               (576, 1536): {1: {(16, 128): 0.5}, 64: {(16, 128): 1.2, (64, 64): 0.9}},

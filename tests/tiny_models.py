@@ -1,5 +1,6 @@
-"""The tiny random models the engine, speculative and drafter tests share, and the drafters made for tests
-(an oracle, a noisy oracle, random drafts): test code, kept out of the library (issue 44)."""
+"""The tiny random models the engine, speculative and drafter tests share, the drafters made for tests
+(an oracle, a noisy oracle, random drafts), and a benchmark script loaded as a module: test code, kept out of
+the library (issue 44)."""
 
 from __future__ import annotations
 
@@ -184,3 +185,15 @@ class RowWiseBLAS:
         monkeypatch.setattr(torch.nn.functional, "linear", self.linear)
         monkeypatch.setattr(torch, "bmm", self.bmm)
         return self
+
+
+def benchmark(name: str):
+    """benchmarks/<name>.py loaded as a module (the scripts are not a package), for the tests of its functions."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
