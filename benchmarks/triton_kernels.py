@@ -368,8 +368,11 @@ def main() -> None:
     if not row_attention.available(dev):
         return
     if args.warm_attention:
-        warm_attention(dev, args.dtypes.split(","), rows,
-                       [row_attention.parse_shape(sh) for sh in args.warm_attention.split(",")])
+        try:
+            shapes = [row_attention.parse_shape(sh) for sh in args.warm_attention.split(",")]
+        except ValueError as e:
+            ap.error(f"--warm-attention: {e}")
+        warm_attention(dev, args.dtypes.split(","), rows, shapes)
         return
     if args.tiles or args.attention:
         if dev.type != "cuda":

@@ -240,7 +240,7 @@ def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_val
     assert "| 32x128x4 | failed: RuntimeError: out of resources |" in printed
 
 
-def test_the_sweeps_shapes_are_compiled_ahead_in_shares_and_a_late_helper_is_stopped(monkeypatch):
+def test_the_sweeps_shapes_are_compiled_ahead_in_shares_and_a_late_helper_is_stopped(monkeypatch, capsys):
     """--workers: the shapes after the default go to that many helper processes, round robin, each a share in
     MIDLAYER_ROW_ATTENTION's form (`compile_ahead`); a helper still at work when the time is up is killed. A
     helper (--warm-attention) makes each of its shapes' calls once, passes over one that fails, and leaves the
@@ -284,6 +284,11 @@ def test_the_sweeps_shapes_are_compiled_ahead_in_shares_and_a_late_helper_is_sto
     tk.warm_attention(torch.device("cpu"), ["fp32"], [1, 128], [ra.parse_shape(x) for x in ("32x64x4x2t",
                                                                                               "16x64x4x8t")])
     assert made == [("16x64x4x8t", 1), ("16x64x4x8t", 128)] and ra.shape() == before
+    monkeypatch.setattr("sys.argv", ["triton_kernels.py", "--device", "cpu", "--warm-attention", "32x64x4,32x64"])
+    with pytest.raises(SystemExit) as exit_:  # (a malformed share: one line naming the flag, exit 2, nothing made)
+        tk.main()
+    assert exit_.value.code == 2 and made == [("16x64x4x8t", 1), ("16x64x4x8t", 128)]
+    assert "--warm-attention: row attention: '32x64' is not BSxCHUNKxWARPS" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("rows", [0, 4], ids=["row", "rows4"])
