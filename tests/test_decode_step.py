@@ -1071,6 +1071,68 @@ def test_round_layout_and_slots():
         round_layout(40, 3, (64,))
 
 
+def test_live_rows_by_hand():
+    """The rows present at each block of a hidden-transfer round (arXiv 2404.12022 sec. 3.4: step i's pseudo rows
+    enter at block t_i), a prefix of the round's bucket rounded up to a bucket, then every row after the last."""
+    from midlayer.engine.decode_step import live_rows
+
+    every = (1, 8, 16, 32, 64, 128, 256)
+    smol = {14: [1], 19: [2, 3]}  # SmolLM2's transfer: t = 14, 19, 19 of 30 blocks
+    assert live_rows(32, 128, smol, 30, every) == (32,) * 14 + (64,) * 5 + (128,) * 12  # a 24-node tree
+    assert live_rows(16, 64, smol, 30, every) == (16,) * 14 + (32,) * 5 + (64,) * 12  # 12 nodes
+    assert live_rows(1, 8, smol, 30, every) == (1,) * 14 + (8,) * 17  # the first round: the root alone below 14
+    # two steps laid out (near the context's end) of a three-step transfer: 3 x 16 rows in the bucket of 64
+    assert live_rows(16, 64, smol, 30, every) == live_rows(16, 64, {14: [1], 19: [2]}, 30, every)
+    assert live_rows(8, 16, {0: [1]}, 2, every) == (16, 16, 16)  # a step joining at block 0
+    assert live_rows(8, 16, {2: [1]}, 2, every) == (8, 8, 16)  # ... and after the last block (t = L)
+    assert live_rows(16, 64, smol, 30, (64,)) == (64,) * 31  # one bucket: every row at every block
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+def test_a_fused_round_runs_each_block_on_the_rows_present_there(models, fmt, monkeypatch):
+    """A round of hidden transfer's fused pass runs block l on the rows present there (`live_rows`: the tree's
+    16 rows at block 0, with step 1's at block 1, all 64 at block 2 for t = 1, 2, 2), and gives the bits of
+    the same round with every row at every block: the accepted tokens, their logits and residuals, and the
+    next draft from the anchor's pseudo rows."""
+    from midlayer.engine import decode_step
+
+    model = models[fmt]
+    prompt = _prompts()[2][:40]
+    P = len(prompt)
+    # (the C kernels, and the q4 format's: row-invariant by construction, at every row count)
+    kernels = dict(attention="c", linear="c") if fmt == "fp32" else {}
+    st = DecodeStep(model, max_len=P + 80, buckets=(1, 8, 16, 32, 64), **kernels)
+    assert st.row_invariant()
+    st.attach(type("D", (), {"transfer": _transfer([1, 2, 2], False)})())
+    parents = [-1, -1, -1, 0, 0, 1, 2, 3, 3, 4, 5, 6]
+    tt = st.tree_tensors(parents, [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3], k=3)
+    assert (tt.tree_rows, tt.vis.shape[0]) == (16, 64)
+    nodes = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain = [int(t) for t in static_generate(model, [prompt], GenerationConfig(max_new_tokens=2))[0]]
+    nodes[0], nodes[3] = plain  # (a path of two accepted nodes: node 0, then its child node 3)
+
+    def round_() -> tuple:
+        st.reset()
+        st.prefill(torch.tensor([prompt[:-1]]))
+        return st.verify(prompt[-1], nodes, tt, P - 1, P - 1)
+
+    rows: list[int] = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[1])) for b in model.layers]
+    try:
+        got = round_()
+        assert rows[-3:] == [16, 32, 64]
+        monkeypatch.setattr(decode_step, "live_rows", lambda T, N, join_at, L, buckets: (N,) * (L + 1))
+        rows.clear()
+        want = round_()
+        assert rows[-3:] == [64, 64, 64]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert got[:2] == want[:2] and got[0] == plain[:2]
+    for a, b in zip(got[2:], want[2:]):
+        assert torch.equal(a, b)
+
+
 def test_a_step_is_sized_by_the_round_its_drafter_runs(models):
     """EAGLE-2 asked for a dynamic tree larger than any bucket runs the round it really verifies (its best
     min(N, k + (D - 1) k^2) candidates), losslessly: the step was sized for no round at all and the round wrote

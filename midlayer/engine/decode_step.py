@@ -296,6 +296,23 @@ def round_layout(n_nodes: int, k: int, buckets: Sequence[int]) -> tuple[int, int
     return T, N, N
 
 
+def live_rows(tree_rows: int, n_rows: int, join_at: dict[int, list[int]], n_layers: int,
+              buckets: Sequence[int]) -> tuple[int, ...]:
+    """The rows present at each block l = 0..L-1 of a hidden-transfer round, then after the last (entry L): the
+    round's first rows up to the smallest bucket that holds the T tree rows and the pseudo rows of every step
+    joined by then (arXiv 2404.12022 sec. 3.4: the pseudo states of step i enter at block t_i, so the blocks
+    below it run without them; `verify_forward` counts the same rows). The rows are laid out step-major
+    (TreeTensors), so these are a prefix. A row's bits do not depend on the bucket it runs in (the probe), so a
+    tree row below t_1 is computed as in the full bucket, at a fraction of the rows: for SmolLM2's transfer
+    (t = 14, 19, 19 of 30 blocks) and a 24-node tree, 32 rows at blocks 0-13, 64 at 14-18 and 128 at 19-29 where
+    every block ran 128. Entry L is n_rows: the forward returns every row."""
+    out, joined = [], 0
+    for layer in range(n_layers):
+        joined += len(join_at.get(layer, ()))
+        out.append(min(n_rows, bucket_for(min(n_rows, tree_rows * (1 + joined)), buckets)))
+    return (*out, n_rows)
+
+
 def any_round_slots(n_nodes: int, k: int, bucket_sets: Sequence[Sequence[int]] = BUCKET_CANDIDATES) -> int:
     """The most slots a round needs (`round_slots`) under any of these bucket sets (those that can hold it):
     what a step must add to the committed text before `buckets="auto"` has chosen. A round that no set holds
@@ -488,6 +505,8 @@ class DecodeStep:
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
         self.cur_keys = self.cur_kmask = self.cur_split = self.cur_pos = self.cur_carry = None  # (carry: `_settle`)
+        self._rows_state: tuple | None = None  # every row's state (`blocks`), of which cur_* hold the present rows
+        self.cur_live: tuple[int, ...] | None = None  # the rows present at each block (`live_rows`), or None: all
         self._trees: dict[tuple, TreeTensors] = {}
         self._runners: dict[tuple, object] = {}
         self.device_rounds: dict[tuple, tuple] = {}  # speculative.static.DeviceRounds built on this step (memo)
@@ -514,7 +533,7 @@ class DecodeStep:
     @torch.no_grad()  # (inference only; `attend` writes its GEMMs with out=, which autograd refuses)
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                 path: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, join_src: torch.Tensor | None = None,
-                join_step: torch.Tensor | None = None, head_rows: int | None = None
+                join_step: torch.Tensor | None = None, head_rows: int | None = None, tree_rows: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The capturable step. tokens, positions, slots [B, N] (long); start (a long scalar): the first slot of
         this forward, every held slot before it being committed text at the position of its index; the rows'
@@ -523,7 +542,9 @@ class DecodeStep:
         (False: padding); path entries -1 are positions the row does not see. Hidden transfer's fused pass
         (`attach`): join_src, join_step [N]: at block t_i, the rows of step i (join_step == i) take W_i of the
         residual of row join_src. head_rows (a Python int, static): only the first head_rows rows go through
-        the LM head. Returns (logits [B, head_rows or N, V], the final residual before the last norm [B, N, d]).
+        the LM head. tree_rows (a Python int, static; 0: none): with hidden transfer's rows, the first
+        tree_rows rows are the tree's, and each block runs the rows present there (`live_rows`). Returns
+        (logits [B, head_rows or N, V], the final residual before the last norm [B, N, d]).
         Writes the rows' K/V at their slots; `held` is left as it is (what a forward commits is the caller's:
         `decode`, `verify`). No host read, no data-dependent branch. A call depends on the held slots before
         `start` only, so running it twice gives the same result (a CUDA graph's warm-up does)."""
@@ -531,7 +552,7 @@ class DecodeStep:
         # row i's key at position start + j sits at the slot of row path[i, j] of this forward
         path_slots = slots.gather(1, path.clamp_min(0).reshape(1, N * N).expand(B, N * N)).view(B, N, N)
         h = self.blocks(tokens, positions, slots, start, torch.where(path >= 0, path_slots, self.none), depth, real,
-                        join_src, join_step)
+                        join_src, join_step, tree_rows=tree_rows)
         m = self.model
         with self.kernels():
             return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
@@ -539,12 +560,14 @@ class DecodeStep:
     @torch.no_grad()
     def blocks(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                path_slots: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, join_src: torch.Tensor | None = None,
-               join_step: torch.Tensor | None = None, *, stop: int | None = None, run=None) -> torch.Tensor:
+               join_step: torch.Tensor | None = None, *, stop: int | None = None, run=None, tree_rows: int = 0
+               ) -> torch.Tensor:
         """`forward`'s blocks, with the rows' keys given by slot: path_slots [B, N, Wp] (long), the slot holding
         row i's key at position start + j for j <= depth[i] (-1: it sees none there), so a row may see keys
         that no row of this forward wrote (a drafter's level reads the levels before it: speculative/static.py).
         stop, run (static): only blocks l < stop with run(l) run (`Transformer.run_blocks`; skipped blocks pass
-        the residual on). Returns the residual leaving the last block run [B, N, d], before the final norm."""
+        the residual on). tree_rows: `forward`'s. Returns the residual leaving the last block run [B, N, d], before
+        the final norm."""
         m = self.model
         B, N = tokens.shape
         S = self.slot_ids.shape[0]
@@ -556,28 +579,40 @@ class DecodeStep:
             keys, kmask = row_attention.row_keys(path_slots, depth, real, self.held, start, self.scratch)
         else:
             keys, kmask = row_attention.reference_keys(path_slots, depth, real, self.held, start, self.scratch, p)
-        self.cur_keys = keys
         # `attend`'s split of the values, the same at every layer (built once per forward, not once per layer):
         # below s0 = position - (W - 1) the shared GEMM, from s0 on a W-key window per row in position order
         # (the row-attention kernel reads `keys` itself, and no split: none of its kernels are launched there)
-        self.cur_split = None
+        split = None
         if self.attention != "triton":
             s0 = (positions - (self.window - 1)).clamp_min(0)  # [B, N]
             W = self.window  # (<= the largest bucket: row_ids holds 0..W-1)
             wpos = (s0[..., None] + self.row_ids[:W]).clamp_max(S - 1)  # [B, N, W]: positions s0 .. s0 + W - 1
-            self.cur_split = (p < s0[..., None], wpos, keys.gather(2, wpos))  # (below [B, N, S], the window's keys)
-        self.cur_kmask = kmask
-        self.cur_pos = positions  # (the row-attention kernel reads each row's keys up to its own position)
-        self.cur_mask = None  # the same by slot: built on first use (`slot_mask`; only q4's C kernels read it)
-        self.rows_b = self.batch_ids[:B].expand_as(slots)
-        self.cur_slots = slots
-        self.cur_cos, self.cur_sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]
+            split = (p < s0[..., None], wpos, keys.gather(2, wpos))  # (below [B, N, S], the window's keys)
         # (join_src first: a plain forward never reads the transfer, so a compiled one does not guard on it)
-        self.cur_join = None if join_src is None or self.transfer is None else (join_src, join_step)
+        join = None if join_src is None or self.transfer is None else (join_src, join_step)
+        # every row's state, of which `_present` gives the blocks the rows present (cur_pos: the row-attention
+        # kernel reads each row's keys up to its own position)
+        self._rows_state = (m.rope_cos[positions][:, None], m.rope_sin[positions][:, None], keys, kmask, positions,
+                            slots, self.batch_ids[:B].expand_as(slots), split, join)
+        self.cur_live = None if join is None or not tree_rows else live_rows(
+            tree_rows, N, self.join_at, m.cfg.n_layers, self.buckets)
+        R = N if self.cur_live is None else self.cur_live[0]
+        self._present(R)
         self.cur_carry = None
         with self.kernels():
-            h = self._settle(m.run_blocks(m.embed(tokens, positions), self._block, stop=stop, run=run))
+            h = self._settle(m.run_blocks(m.embed(tokens[:, :R], positions[:, :R]), self._block, stop=stop, run=run))
             return h if stop is not None else self._join(m.cfg.n_layers, h)  # rows that join after the last block
+
+    def _present(self, R: int) -> None:
+        """The forward's per-row state (`blocks`) for its first R rows, the rows present at the next block
+        (`live_rows`); the mask by slot, if a kernel reads it, is built again for them (`slot_mask`)."""
+        cos, sin, keys, kmask, pos, slots, rows_b, split, join = self._rows_state
+        self.cur_cos, self.cur_sin = cos[:, :, :R], sin[:, :, :R]
+        self.cur_keys, self.cur_kmask, self.cur_pos, self.cur_slots, self.rows_b = (
+            t[:, :R] for t in (keys, kmask, pos, slots, rows_b))
+        self.cur_split = None if split is None else tuple(t[:, :R] for t in split)
+        self.cur_join = None if join is None else (join[0][:R], join[1][:R])
+        self.cur_mask = None  # (built on first use: only q4's C kernels read it)
 
     def kernels(self) -> contextlib.ExitStack:
         """The context a forward runs in (and a device round, speculative/static.py, whose draft modules then
@@ -713,10 +748,19 @@ class DecodeStep:
         """Hidden transfer (arXiv 2404.12022 sec. 3.4): entering block t_i, the pseudo rows of step i become
         W_i h of their anchor row. Before it they are placeholders that no other row reads (a tree row never
         sees a pseudo row; a pseudo row sees its anchor's earlier steps, which exist wherever it does, as
-        t_1 <= t_2 <= ...), so the static shape costs compute there, not correctness."""
-        if self.cur_join is None or layer not in self.join_at:
+        t_1 <= t_2 <= ...), so the static shape costs compute there, not correctness. With `tree_rows` given,
+        the forward runs only the rows present at each block (`live_rows`): here the next bucket's rows join, as
+        placeholders (zeros) that the joining steps' rows then fill."""
+        grow = self.cur_live is not None and self.cur_live[layer] > h.shape[1]
+        if self.cur_join is None or (layer not in self.join_at and not grow):
             return h
         h = self._settle(h)  # (the anchors' residual)
+        if grow:
+            B, R, d = h.shape
+            h = torch.cat([h, h.new_zeros(B, self.cur_live[layer] - R, d)], 1)
+            self._present(self.cur_live[layer])
+        if layer not in self.join_at:
+            return h
         src, step = self.cur_join
         anchors = h.index_select(1, src)
         for i in self.join_at[layer]:
@@ -760,7 +804,7 @@ class DecodeStep:
         [k, V'] from the pseudo rows of the last accepted row, or an empty tensor)."""
         T = tree_rows or tokens.shape[1]
         logits, hidden = self.forward(tokens, positions, slots, start, path, depth, real, join_src, join_step,
-                                      head_rows=head_rows or T)
+                                      head_rows=head_rows or T, tree_rows=T)
         logits = logits[:, :T]
         target = logits[0].argmax(-1)  # [T]: torch's first-maximum rule, as generate's greedy choice
         # the acceptance (ops/acceptance.py: one kernel where the step runs its kernels, else its PyTorch formula)
@@ -1294,5 +1338,6 @@ class _CudaGraph:
         return self.outputs
 
 
-__all__ = ["DecodeStep", "bucket_for", "round_layout", "round_slots", "any_round_slots", "StaticView", "static_stream", "static_generate",
-           "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "StepKernels", "invariant_buckets", "unsupported"]
+__all__ = ["DecodeStep", "bucket_for", "round_layout", "live_rows", "round_slots", "any_round_slots", "StaticView",
+           "static_stream", "static_generate", "TreeTensors", "BUCKET_CANDIDATES", "GRAPH_MODES", "StepKernels",
+           "invariant_buckets", "unsupported"]
