@@ -116,12 +116,15 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
     kmask = torch.where(torch.arange(S, device=dev)[None, None] <= pos[..., None], 0.0, float("-inf"))
     mask = kmask[:, None].to(dtype)
     counts = torch.zeros(n * HK, dtype=torch.int32, device=dev)  # (the step's one buffer of counters)
+    first = torch.tensor(300, device=dev)  # (the committed text's end, as the step gives it)
     out.append((f"row_attention ({S} slots) | SDPA",
-                lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts),
+                lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts,
+                                                    start=first),
                 lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)))
     out.append((f"row_attention ({S} slots): one launch | two",
-                lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts),
-                lambda: _two_launches(q, kc, vc, keys, kmask, pos, dtype)))
+                lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts,
+                                                    start=first),
+                lambda: _two_launches(q, kc, vc, keys, kmask, pos, dtype, first)))
     # the forward's keys and a round's acceptance (integers: the same at every dtype): n rows of a chain at
     # slots 300.. after 300 committed ones, every draft accepted
     i = torch.arange(n, device=dev)
@@ -233,7 +236,8 @@ def attention_call(dev: torch.device, dtype: torch.dtype, n: int, S: int = 512):
     keys = torch.arange(S, device=dev).expand(1, n, S).contiguous()
     kmask = torch.where(torch.arange(S, device=dev)[None, None] <= pos[..., None], 0.0, float("-inf"))
     counts = torch.zeros(n * HK, dtype=torch.int32, device=dev)
-    return lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts)
+    first = torch.tensor(300, device=dev)  # (the committed text's end, as the step gives it)
+    return lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts, start=first)
 
 
 def warm_attention(dev: torch.device, dtypes: list[str], rows: list[int], shapes: list[tuple]) -> None:
@@ -335,7 +339,7 @@ def _two_launches(*args) -> torch.Tensor:
     captured graph keeps the two launches)."""
     saved, row_attention.ONE_PASS = row_attention.ONE_PASS, False
     try:
-        return row_attention.row_attention(*args[:6], dtype=args[6])
+        return row_attention.row_attention(*args[:6], dtype=args[6], start=args[7])
     finally:
         row_attention.ONE_PASS = saved
 

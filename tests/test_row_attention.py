@@ -112,6 +112,46 @@ def test_a_rows_bits_depend_on_no_other_row():
     assert torch.equal(alone, moved)
 
 
+@pytest.mark.parametrize("shape", ["32x64x4", "16x32x4x4", "32x64x4x2t"])
+def test_committed_text_is_read_at_its_own_slots_with_the_same_bits(shape, monkeypatch):
+    """Given the committed text's end (`start`: 126 here, the branch's root), a row at or past it reads the
+    positions before it at their own slots without loading `keys` there: the same slots, so the same bits as
+    through `keys`, and the formula. Padding rows (at position 0, before it) see the scratch slot through `keys`
+    as the step's do (a kernel that took slot 0 for them too would give them other values)."""
+    import midlayer.ops.row_attention as ra
+
+    monkeypatch.setattr(ra, "set_shape", ra.set_shape)  # (what it sets is restored after the test)
+    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES"):
+        monkeypatch.setattr(ra, name, getattr(ra, name))
+    ra.set_shape(ra.parse_shape(shape))
+    q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
+    keys[0, 4:, 0] = keys.shape[2] - 1  # (the padding rows' scratch slot)
+    want = reference(q, kl, vl, keys, kmask)
+    through_keys = row_attention(q, kl, vl, keys, kmask, pos)
+    direct = row_attention(q, kl, vl, keys, kmask, pos, start=torch.tensor(126, device=DEV))
+    assert torch.equal(direct, through_keys)
+    torch.testing.assert_close(direct.double(), want, atol=2e-6, rtol=2e-6)
+
+
+@on_cpu
+def test_the_step_gives_the_kernel_its_committed_texts_end(model, monkeypatch):
+    """`DecodeStep.attend` passes the forward's start to the kernel (the committed text read at its own
+    slots): a plain step at position 5 after a prompt of 5 tokens, a prefill chunk from 0."""
+    seen = []
+    real = decode_step.row_attention.row_attention
+
+    def spy(*a, **k):
+        seen.append(int(k["start"]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(decode_step.row_attention, "row_attention", spy)
+    st = decode_step.DecodeStep(model, max_len=16, buckets=(8,), attention="triton")
+    st.prefill(torch.tensor([[1, 2, 3, 4, 5]]))
+    st.decode(torch.tensor([6]), 5)
+    L = DIMS["n_layers"]
+    assert seen == [0] * L + [5] * L
+
+
 @pytest.mark.parametrize("shape", ["16x32x2", "64x128x8", "8x256x4", "16x32x4x4", "32x64x4x1", "64x128x8x8t",
                                    "32x64x4x2"])
 def test_every_shape_of_the_kernel_is_the_formula_and_keeps_a_rows_bits(shape, monkeypatch):

@@ -505,6 +505,7 @@ class DecodeStep:
         # set by each forward, read by the views (tensors, not host values)
         self.rows_b = self.cur_slots = self.cur_mask = self.cur_cos = self.cur_sin = None
         self.cur_keys = self.cur_kmask = self.cur_split = self.cur_pos = self.cur_carry = None  # (carry: `_settle`)
+        self.cur_start: torch.Tensor | None = None  # (`blocks`' start)
         self._rows_state: tuple | None = None  # every row's state (`blocks`), of which cur_* hold the present rows
         self.cur_live: tuple[int, ...] | None = None  # the rows present at each block (`live_rows`), or None: all
         self._trees: dict[tuple, TreeTensors] = {}
@@ -598,6 +599,7 @@ class DecodeStep:
             tree_rows, N, self.join_at, m.cfg.n_layers, self.buckets)
         R = N if self.cur_live is None else self.cur_live[0]
         self._present(R)
+        self.cur_start = start  # (the row-attention kernel reads committed text at its own slots)
         self.cur_carry = None
         with self.kernels():
             h = self._settle(m.run_blocks(m.embed(tokens[:, :R], positions[:, :R]), self._block, stop=stop, run=run))
@@ -669,7 +671,8 @@ class DecodeStep:
         if self.attention == "triton":  # the same formula as one kernel, each row reduced alone (ops/row_attention.py)
             # (stored in q's dtype unless tapped: one rounding, the bits of the cast below, one kernel fewer)
             out = row_attention.row_attention(q, kl, vl, self.cur_keys, self.cur_kmask, self.cur_pos,
-                                              dtype=torch.float32 if tapped else q.dtype, counts=self.attn_counts)
+                                              dtype=torch.float32 if tapped else q.dtype, counts=self.attn_counts,
+                                              start=self.cur_start)
         else:
             out = self._attend_ops(q, kl, vl)
         out = out.view(B, N, H * d)

@@ -10,6 +10,9 @@ counter per (row, kv head), the pattern of CUDA's threadFenceReduction sample), 
 result then depends on its query, its position and the keys it sees, and on no other row: not on how many rows
 share the forward nor on where it sits among them, and not on where its keys sit in the cache (a tree node's
 ancestors need not be adjacent).
+Positions before the forward's start (`row_attention`'s start: the committed text, at slot = position) are read
+at their own slots, without the load of `keys` that each block's key and value loads otherwise wait for (64th
+session; the same slots, so the same bits; not yet timed on a GPU).
 The chunks' bounds are multiples of CHUNK, fixed by position, and the same compiled kernels run at every
 bucket size, so this holds by construction on any GPU; the step's probe still measures it
 (`DecodeStep.row_invariant`).
@@ -129,7 +132,7 @@ def available(device: torch.device | None = None) -> bool:
     return triton_build.runs_on(KERNELS, device)
 
 
-def _attend_chunks(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
+def _attend_chunks(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
                    sqb, sqn, sqh, skb, skh, sks, svb, svh, svs, sxb, sxn, smb, smn, sob, son, soh,
                    N, Hk, NC, rep, d, scale, REP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    CHUNK: tl.constexpr, ONE_PASS: tl.constexpr, BF16: tl.constexpr):
@@ -139,7 +142,8 @@ def _attend_chunks(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
     ONE_PASS: pass 2 is this launch's too. Each chunk counts itself done in counts [B * N * Hk] (int32, zero
     before the launch) after its partials are stored (`last_to_count`: the memory order), and the row's last
     chunk to count combines them (`combine`) and sets the count back to zero: the partials are the same, and so
-    are the combine's order and its bits.
+    are the combine's order and its bits. first (int64 [1]): the committed text's end (`row_attention`'s start):
+    a row at or past it reads a position before it at its own slot, without the load of `keys` there.
     (At module level: Triton resolves `tl` through the function's globals, and the interpreter swaps in its
     own there.)"""
     row = tl.program_id(0)  # b * N + n
@@ -158,11 +162,15 @@ def _attend_chunks(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
     total = tl.zeros([REP], tl.float32)
     acc = tl.zeros([REP, D], tl.float32)
     hi = tl.load(last + row).to(tl.int32)  # the row's position: every later position is masked for it
+    committed = tl.load(first).to(tl.int32)
     lo = c * CHUNK
     for j0 in range(lo, tl.minimum(lo + CHUNK, hi + 1), BS):
         j = j0 + tl.arange(0, BS)
         jm = j <= hi
-        slot = tl.load(keys + b * sxb + n * sxn + j, mask=jm, other=0)
+        at = j * 0 + hi  # (the row's position, [BS]: the interpreter masks by tensors only)
+        direct = (j < committed) & (at >= committed)  # (keys there is j itself: one dependent load fewer)
+        read = jm & ((j >= committed) | (at < committed))  # (the others)
+        slot = tl.where(direct, j, tl.load(keys + b * sxb + n * sxn + j, mask=read, other=0))
         km = tl.load(kmask + b * smb + n * smn + j, mask=jm, other=float("-inf"))
         kd = tl.load(k + b * skb + hk * skh + slot[:, None] * sks + dd[None, :], mask=dm[None, :],
                      other=0.0).to(tl.float32)  # [BS, D]
@@ -186,7 +194,7 @@ def _attend_chunks(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
                 combine(pm, pl, pacc, out, row, hk, hi, sob, son, soh, N, Hk, NC, rep, d, REP, D, CHUNK, BF16)
 
 
-def _attend_rows(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
+def _attend_rows(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
                  sqb, sqn, sqh, skb, skh, sks, svb, svh, svs, sxb, sxn, smb, smn, sob, son, soh,
                  R, N, Hk, NC, rep, d, scale, ROWS: tl.constexpr, RP: tl.constexpr, REP: tl.constexpr,
                  D: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -221,12 +229,16 @@ def _attend_rows(q, k, v, keys, kmask, last, pm, pl, pacc, counts, out,
     ones = tl.full([ROWS, BS, 16], 1.0, tl.float32)
     zeros = tl.zeros([ROWS, RP, 16], tl.float32)
     hi = tl.load(last + rows, mask=here, other=-1).to(tl.int32)  # [ROWS]: each row's position (-1: no row)
+    committed = tl.load(first).to(tl.int32)
     top = tl.max(hi, axis=0)
     lo = c * CHUNK
     for j0 in range(lo, tl.minimum(lo + CHUNK, top + 1), BS):
         j = j0 + j_
         jm = j[None, :] <= hi[:, None]  # [ROWS, BS]
-        slot = tl.load(keys + b[:, None] * sxb + n[:, None] * sxn + j[None, :], mask=jm, other=0)
+        direct = (j[None, :] < committed) & (hi >= committed)[:, None]  # (`_attend_chunks`' first)
+        read = jm & ((j[None, :] >= committed) | (hi < committed)[:, None])
+        slot = tl.where(direct, j[None, :], tl.load(keys + b[:, None] * sxb + n[:, None] * sxn + j[None, :],
+                                                      mask=read, other=0))
         km = tl.load(kmask + b[:, None] * smb + n[:, None] * smn + j[None, :], mask=jm, other=float("-inf"))
         kd = tl.load(k + b[:, None, None] * skb + hk * skh + slot[:, :, None] * sks + dd[None, None, :],
                      mask=dm[None, None, :], other=0.0).to(tl.float32)  # [ROWS, BS, D]
@@ -348,7 +360,7 @@ HELPERS = {"combine": combine, "combine_rows": combine_rows, "last_to_count": la
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,
                   positions: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                  counts: torch.Tensor | None = None) -> torch.Tensor:
+                  counts: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v per row, over its keys in position order (module docstring).
 
     q [B, H, N, d] (any strides with d contiguous), kl, vl [B, Hk, S, d] the cache layer, keys [B, N, S]
@@ -358,7 +370,11 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
 
     One launch where ONE_PASS (the combine in pass 1's last chunk of a row), two otherwise. counts: the
     one-pass launch's counters, int32, at least B N Hk of them, zero (and left zero): a step keeps one buffer
-    for all its launches (`DecodeStep`), where a fresh one would be one more kernel, its zeroing."""
+    for all its launches (`DecodeStep`), where a fresh one would be one more kernel, its zeroing.
+    start (a long scalar on the device, the step's `start`): the committed text's end. Where `keys` are the
+    step's (`reference_keys`), a row at or past it sees position p < start at slot p, so the kernel reads
+    slot p there without loading `keys` (a load each block's key and value loads waited for); the same slots, so
+    the same bits. None: `keys` everywhere (operands built otherwise)."""
     B, H, N, d = q.shape
     Hk = kl.shape[1]
     rep = H // Hk
@@ -383,8 +399,10 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
         counts = torch.zeros(B * N * Hk, device=q.device, dtype=torch.int32)
     if ONE_PASS and (counts.dtype != torch.int32 or counts.numel() < B * N * Hk):
         raise ValueError(f"row_attention: counts {counts.dtype} [{counts.numel()}], want int32 [>= {B * N * Hk}]")
-    args = (q, kl, vl, keys, kmask, last, pm, pl, pacc, counts if ONE_PASS else pm, out, sq[0], sq[2], sq[1], sk[0],
-            sk[1], sk[2], sv[0], sv[1], sv[2], sx[0], sx[1], sm[0], sm[1], so[0], so[1], so[2])
+    if start is None:
+        start = torch.zeros((), dtype=torch.long, device=q.device)  # (no position is before it: `keys` everywhere)
+    args = (q, kl, vl, keys, kmask, last, start, pm, pl, pacc, counts if ONE_PASS else pm, out, sq[0], sq[2], sq[1],
+            sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sx[0], sx[1], sm[0], sm[1], so[0], so[1], so[2])
     shape = dict(REP=REP, D=D, BS=BLOCK_POSITIONS, CHUNK=CHUNK, ONE_PASS=ONE_PASS, BF16=bf16,
                  **({} if WARPS == 4 else {"num_warps": WARPS}))  # (Triton's default unsaid: the launch dynamo traced)
     if ROWS:  # (a forward of fewer rows, a plain step's one: as many a program; `_attend_rows`: the same bits)
@@ -464,7 +482,8 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
     for one in (True, False):
         ONE_PASS = one
         try:
-            errs[one] = float((row_attention(q, kl, vl, keys, kmask, pos).double() - want).abs().max())
+            got = row_attention(q, kl, vl, keys, kmask, pos, start=torch.tensor(126, device=device))
+            errs[one] = float((got.double() - want).abs().max())
         finally:
             ONE_PASS = chosen
     if ONE_PASS and errs[True] > TOLERANCE >= errs[False]:
@@ -481,7 +500,7 @@ def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64, 
     `capability` with `dtype` operands and output (triton_build.compile_for: no GPU needed;
     tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
-    kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", out=f"*{t}",
+    kinds = dict(q=f"*{t}", k=f"*{t}", v=f"*{t}", keys="*i64", kmask="*fp32", last="*i64", first="*i64", out=f"*{t}",
                  pm="*fp32", pl="*fp32", pacc="*fp32", counts="*i32", scale="fp32", REP="constexpr", D="constexpr",
                  BS="constexpr", CHUNK="constexpr", ONE_PASS="constexpr", BF16="constexpr", path_slots="*i64",
                  depth="*i64", real="*i1", held="*i1", start="*i64", ROWS="constexpr", RP="constexpr",
