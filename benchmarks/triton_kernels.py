@@ -216,14 +216,16 @@ def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str
 
 
 # the row-attention kernel's shapes (`row_attention.parse_shape`) tried, the default first, then rows a program by
-# tl.dot, in tensor cores ("t") or FMAs (63rd session: not yet timed on a GPU), then one row a program. Each builds
-# for sm_90 in bf16 and fp32 without local memory (tests/test_row_linear.py, and a one-off compile of these, 62nd
-# and 63rd sessions); 8 rows a program take the most shared memory: 32x64x4x8 in fp32 227 KiB, an H100's or H200's
-# most a block can have. A run cut short (ATTN_S) keeps the best of those it timed.
+# tl.dot, in tensor cores ("t") or FMAs (63rd session: not yet timed on a GPU; since the 64th the committed keys are
+# loaded once for a program's rows, and the first two shapes are also tried with each row gathering its own, "g"),
+# then one row a program. Each builds for sm_90 in bf16 and fp32 without local memory (tests/test_row_linear.py, and a
+# one-off compile of these, 62nd to 64th sessions); the most shared memory a shape took at 64th session's commit was
+# 198 KiB (32x64x4x8t in bf16), under the 227 KiB an H100's or H200's block can have. A run cut short (ATTN_S) keeps
+# the best of those it timed.
 ATTENTION_CANDIDATES = tuple(row_attention.parse_shape(c) for c in (
-    row_attention.format_shape(row_attention.shape()), "32x64x4x4t", "32x64x4x8t", "32x64x4x4", "32x64x4x8",
-    "16x64x4x8t", "64x64x8x4t", "32x128x4x8t", "32x64x4x2t", "32x64x4x1t", "16x64x4", "64x64x4", "32x32x4",
-    "32x64x8", "64x64x8", "16x32x4", "32x128x4", "64x128x4"))
+    row_attention.format_shape(row_attention.shape()), "32x64x4x4t", "32x64x4x4tg", "32x64x4x8t", "32x64x4x8tg",
+    "32x64x4x4", "32x64x4x8", "16x64x4x8t", "64x64x8x4t", "32x128x4x8t", "32x64x4x2t", "32x64x4x1t", "16x64x4",
+    "64x64x4", "32x32x4", "32x64x8", "64x64x8", "16x32x4", "32x128x4", "64x128x4"))
 
 
 def attention_call(dev: torch.device, dtype: torch.dtype, n: int, S: int = 512):
@@ -264,7 +266,7 @@ def compile_ahead(dev: torch.device, dtypes: list[str], rows: list[int], shapes:
     """The shapes' kernels compiled in `workers` processes at once, each making a share of them (round robin,
     `warm_attention`), for at most limit_s seconds: the timed loop then finds them in Triton's cache. Why: a
     kernel of rows a program takes up to 9 s to compile (63rd session, on an Intel Xeon), two dtypes and two
-    row counts a shape, and the sweep has ATTN_S (100 s) for 18 shapes; a GPU machine has 16 CPUs."""
+    row counts a shape, and the sweep has ATTN_S (100 s) for 20 shapes; a GPU machine has 16 CPUs."""
     start = time.time()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--device", str(dev), "--dtypes",
                                ",".join(dtypes), "--rows", ",".join(map(str, rows)), "--warm-attention",

@@ -67,7 +67,7 @@ KERNELS=${KERNELS:-1}  # 1: the Triton kernels one by one (benchmarks/triton_ker
 TILES=${TILES:-1}  # 1: choose the row-linear kernel's tiles on the device first (at most TILES_S; CUDA only)
 TILES_S=${TILES_S:-75}
 ATTN=${ATTN:-1}  # 1: then choose the row-attention kernel's shape on the device (at most ATTN_S; CUDA only)
-ATTN_S=${ATTN_S:-100}  # (18 shapes since the 63rd session, compiled in 8 processes first, at most 40 s;
+ATTN_S=${ATTN_S:-100}  # (20 shapes since the 64th session, compiled in 8 processes first, at most 40 s;
 # a cut sweep keeps the best it timed)
 PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 75 s took its time)
 PROFILE_S=${PROFILE_S:-120}

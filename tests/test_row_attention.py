@@ -112,16 +112,18 @@ def test_a_rows_bits_depend_on_no_other_row():
     assert torch.equal(alone, moved)
 
 
-@pytest.mark.parametrize("shape", ["32x64x4", "16x32x4x4", "32x64x4x2t"])
+@pytest.mark.parametrize("shape", ["32x64x4", "16x32x4x4", "32x64x4x2t", "16x32x4x4g"])
 def test_committed_text_is_read_at_its_own_slots_with_the_same_bits(shape, monkeypatch):
     """Given the committed text's end (`start`: 126 here, the branch's root), a row at or past it reads the
     positions before it at their own slots without loading `keys` there: the same slots, so the same bits as
     through `keys`, and the formula. Padding rows (at position 0, before it) see the scratch slot through `keys`
-    as the step's do (a kernel that took slot 0 for them too would give them other values)."""
+    as the step's do (a kernel that took slot 0 for them too would give them other values). With rows a program,
+    a program of rows all past it (rows 0..3) loads each block before it once for them all (SHARED), or, with
+    "g", each row its own: the same values."""
     import midlayer.ops.row_attention as ra
 
     monkeypatch.setattr(ra, "set_shape", ra.set_shape)  # (what it sets is restored after the test)
-    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES"):
+    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES", "SHARED"):
         monkeypatch.setattr(ra, name, getattr(ra, name))
     ra.set_shape(ra.parse_shape(shape))
     q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
@@ -131,6 +133,14 @@ def test_committed_text_is_read_at_its_own_slots_with_the_same_bits(shape, monke
     direct = row_attention(q, kl, vl, keys, kmask, pos, start=torch.tensor(126, device=DEV))
     assert torch.equal(direct, through_keys)
     torch.testing.assert_close(direct.double(), want, atol=2e-6, rtol=2e-6)
+    # two sequences of two rows each: a program of 4 rows holds both, whose committed texts differ
+    two = [[t[:, :2] for t in (keys, kmask, pos)] for _ in range(2)]
+    q2 = torch.cat([q[:, :, :2], _case(4, 2, 16, torch.float32, seed=1)[0].to(DEV)[:, :, :2]])
+    kl2, vl2 = (torch.cat([t, torch.randn_like(t)]) for t in (kl, vl))
+    keys2, kmask2, pos2 = (torch.cat([a, b]) for a, b in zip(*two))
+    direct = row_attention(q2, kl2, vl2, keys2, kmask2, pos2, start=torch.tensor(126, device=DEV))
+    assert torch.equal(direct, row_attention(q2, kl2, vl2, keys2, kmask2, pos2))
+    torch.testing.assert_close(direct.double(), reference(q2, kl2, vl2, keys2, kmask2), atol=2e-6, rtol=2e-6)
 
 
 @on_cpu
@@ -163,7 +173,7 @@ def test_every_shape_of_the_kernel_is_the_formula_and_keeps_a_rows_bits(shape, m
     import midlayer.ops.row_attention as ra
 
     monkeypatch.setattr(ra, "set_shape", ra.set_shape)  # (what it sets is restored after the test)
-    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES"):
+    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES", "SHARED"):
         monkeypatch.setattr(ra, name, getattr(ra, name))
     ra.set_shape(ra.parse_shape(shape))
     q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
@@ -196,7 +206,7 @@ def test_tensor_cores_serve_a_bf16_model_and_an_fp32_one_stays_in_ieee_fp32(monk
             return launch
 
     monkeypatch.setattr(triton_build, "kernel", lambda fn: Recorded(made(fn)) if fn is ra._attend_rows else made(fn))
-    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES"):
+    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES", "SHARED"):
         monkeypatch.setattr(ra, name, getattr(ra, name))
     for spec, dtype in (("32x64x4x4t", torch.float32), ("32x64x4x4t", torch.bfloat16), ("32x64x4x4", torch.bfloat16)):
         ra.set_shape(ra.parse_shape(spec))
@@ -212,26 +222,33 @@ def test_the_kernels_shape_is_read_from_the_environment_and_a_bad_one_refused():
     import subprocess
     import sys
 
+    import midlayer.ops.row_attention as ra
     from midlayer.ops.row_attention import parse_shape
 
-    assert parse_shape("16x128x8") == (16, 128, 8, 0, False)
-    assert parse_shape(" 32x64x4x8") == (32, 64, 4, 8, False) and parse_shape("32x64x4x8t") == (32, 64, 4, 8, True)
+    assert parse_shape("16x128x8") == (16, 128, 8, 0, False, True)
+    assert parse_shape(" 32x64x4x8") == (32, 64, 4, 8, False, True)
+    assert parse_shape("32x64x4x8t") == (32, 64, 4, 8, True, True)
+    assert parse_shape("32x64x4x8g") == (32, 64, 4, 8, False, False)
+    assert parse_shape("32x64x4x8tg") == (32, 64, 4, 8, True, False)
+    for spec in ("32x64x4", "32x64x4x8", "32x64x4x8t", "32x64x4x8g", "32x64x4x8tg"):
+        assert ra.format_shape(parse_shape(spec)) == spec
     for bad in ("16x128", "24x64x4", "128x64x4", "4x64x4", "16x64x32", "axbxc", "8x64x4x4", "32x64x4x32",
-                "32x64x4x3", "32x64x4x4x1", "32x64x4t", "32x64x4x8tt"):
+                "32x64x4x3", "32x64x4x4x1", "32x64x4t", "32x64x4x8tt", "32x64x4g", "32x64x4x8gt", "32x64x4x8gg"):
         with pytest.raises(ValueError, match="row attention"):
             parse_shape(bad)
     show = ("from midlayer.ops import row_attention as r; "
-            "print(r.BLOCK_POSITIONS, r.CHUNK, r.WARPS, r.ROWS, r.TENSOR_CORES); import torch; "
+            "print(r.BLOCK_POSITIONS, r.CHUNK, r.WARPS, r.ROWS, r.TENSOR_CORES, r.SHARED); import torch; "
             "q = torch.zeros(1, 2, 1, 4); kv = torch.zeros(1, 1, 8, 4); keys = torch.arange(8).view(1, 1, 8); "
             "m = torch.zeros(1, 1, 8); r.row_attention(q, kv, kv, keys, m, torch.tensor([[7]]))")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    for spec, want in (("16x32x2", ["16", "32", "2", "0", "False"]), ("16x32x2x4t", ["16", "32", "2", "4", "True"])):
+    for spec, want in (("16x32x2", ["16", "32", "2", "0", "False", "True"]),
+                       ("16x32x2x4tg", ["16", "32", "2", "4", "True", "False"])):
         got = subprocess.run([sys.executable, "-c", show], env={**env, "MIDLAYER_ROW_ATTENTION": spec},
                              capture_output=True, text=True, timeout=120)
         assert got.returncode == 0 and got.stdout.split() == want, got.stderr[-2000:]
     bad = subprocess.run([sys.executable, "-c", show], env={**env, "MIDLAYER_ROW_ATTENTION": "64x32x4"},
                          capture_output=True, text=True, timeout=120)
-    assert bad.stdout.split() == ["32", "64", "4", "0", "False"]  # (imported: the defaults)
+    assert bad.stdout.split() == ["32", "64", "4", "0", "False", "True"]  # (imported: the defaults)
     assert "ValueError: MIDLAYER_ROW_ATTENTION: row attention: '64x32x4'" in bad.stderr
 
 
@@ -271,7 +288,7 @@ def test_the_attention_sweep_keeps_the_fastest_shape_that_gives_the_defaults_val
     tk.sweep_attention(torch.device("cpu"), ["fp32"], [1, 8], str(out), workers=8)
     assert ahead == [(list(tk.ATTENTION_CANDIDATES[1:]), 8, 40.0, 0)]  # (before the table's first line)
     # 16x64x4: (0.7 + 1.2) / 2 = 0.95; 64x64x8: 0.85; 8 rows a program in tensor cores: 0.8, the least taken
-    assert out.read_text() == "32x64x4x8t" and ra.parse_shape(out.read_text()) == (32, 64, 4, 8, True)
+    assert out.read_text() == "32x64x4x8t" and ra.parse_shape(out.read_text()) == (32, 64, 4, 8, True, True)
     assert ra.shape() == before
     printed = capsys.readouterr().out
     assert "| 16x32x4 |" in printed and printed.count("not taken") == 2
@@ -298,7 +315,7 @@ def test_the_sweeps_shapes_are_compiled_ahead_in_shares_and_a_late_helper_is_sto
             started.append(self)
 
         def wait(self, timeout=None):
-            if self.share.startswith("32x64x4x8t") and timeout is not None:
+            if self.share.split(",")[0] == ra.format_shape(shapes[1]) and timeout is not None:  # (helper 1: late)
                 raise subprocess.TimeoutExpired("helper", timeout)
 
         def kill(self):

@@ -71,57 +71,65 @@ CHUNK = 64  # positions per program of pass 1: a row at position p is split over
 WARPS = 4  # pass 1's num_warps (Triton's default)
 ROWS = 0  # 0: one row a program, products summed by `tl.sum` (`_attend_chunks`); n: n rows a program by tl.dot
 TENSOR_CORES = False  # with ROWS: a bf16 model's products in FMAs (False) or in tensor cores, as tf32x3 (True)
+# with ROWS: a block of positions before the committed text's end, the same for all of a program's rows, is loaded
+# once and broadcast to them (True), or each row gathers its own ("g" in the shape, False; the 63rd session's)
+SHARED = True
 TOLERANCE = 1e-4  # `self_check`'s: a correct kernel is about 1e-6 from the formula (the probe's, decode_step)
 ONE_PASS = True  # pass 2 inside pass 1's launch (`_attend_chunks`); False where `self_check` finds it off
 tl = to_bf16 = None  # triton.language and the shared helper, set when a kernel is first made
 
 
-def parse_shape(spec: str) -> tuple[int, int, int, int, bool]:
-    """MIDLAYER_ROW_ATTENTION's form, "BSxCHUNKxWARPS" (e.g. 32x64x4: the defaults) or "BSxCHUNKxWARPSxROWS[t]", as
-    (BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES), ROWS 0 where not given and TENSOR_CORES where "t" ends it:
-    powers of two, BS at least 8 and at most CHUNK (at least 16 with ROWS: tl.dot's least), WARPS 1 to 16, ROWS at
-    most 16. Any of them gives each row the bits of its own (the same kernel at every bucket); they change which
-    program sums which positions and how, and its speed. benchmarks/triton_kernels.py --attention FILE chooses one
+def parse_shape(spec: str) -> tuple[int, int, int, int, bool, bool]:
+    """MIDLAYER_ROW_ATTENTION's form, "BSxCHUNKxWARPS" (e.g. 32x64x4: the defaults) or "BSxCHUNKxWARPSxROWS[t][g]",
+    as (BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES, SHARED), ROWS 0 where not given, TENSOR_CORES where "t"
+    follows it, SHARED unless "g" ends it (each row gathers its committed keys too): powers of two, BS at least 8
+    and at most CHUNK (at least 16 with ROWS: tl.dot's least), WARPS 1 to 16, ROWS at most 16. Any of them gives
+    each row the bits of its own (the same kernel at every bucket); they change which program sums which positions
+    and how, and its speed. benchmarks/triton_kernels.py --attention FILE chooses one
     on the device. A clear error otherwise."""
     spec = spec.strip()
-    tc = spec.endswith("t")
+    gathered = spec.endswith("g")
+    tc = spec.removesuffix("g").endswith("t")
     try:
-        bs, chunk, warps, *rows = (int(v) for v in spec.removesuffix("t").split("x"))
-        if len(rows) > 1 or tc and not rows:
+        bs, chunk, warps, *rows = (int(v) for v in spec.removesuffix("g").removesuffix("t").split("x"))
+        if len(rows) > 1 or (tc or gathered) and not rows:
             raise ValueError
     except ValueError:
-        raise ValueError(f"row attention: {spec!r} is not BSxCHUNKxWARPS[xROWS[t]] (e.g. 32x64x4, 32x64x4x8t)"
+        raise ValueError(f"row attention: {spec!r} is not BSxCHUNKxWARPS[xROWS[t][g]] (e.g. 32x64x4, 32x64x4x8t)"
                          ) from None
     rows = rows[0] if rows else 0
     if (any(v < 1 or v & (v - 1) for v in (bs, chunk, warps, rows or 1)) or not 8 <= bs <= chunk or warps > 16
             or rows > 16 or (rows and bs < 16)):
         raise ValueError(f"row attention: {spec!r}: powers of two, 8 <= BS <= CHUNK (16 <= BS with ROWS), WARPS "
                          "and ROWS at most 16")
-    return bs, chunk, warps, rows, tc
+    return bs, chunk, warps, rows, tc, not gathered
 
 
-def format_shape(shape: tuple[int, int, int, int, bool]) -> str:
-    """(BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES) in MIDLAYER_ROW_ATTENTION's form, what `parse_shape`
-    reads back (ROWS left out where 0)."""
-    return "x".join(map(str, shape[:4] if shape[3] else shape[:3])) + ("t" if shape[3] and shape[4] else "")
+def format_shape(shape: tuple[int, int, int, int, bool, bool]) -> str:
+    """(BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES, SHARED) in MIDLAYER_ROW_ATTENTION's form, what
+    `parse_shape` reads back (ROWS and its letters left out where 0)."""
+    if not shape[3]:
+        return "x".join(map(str, shape[:3]))
+    return "x".join(map(str, shape[:4])) + ("t" if shape[4] else "") + ("" if shape[5] else "g")
 
 
-def shape() -> tuple[int, int, int, int, bool]:
-    """The kernel's shape now: (BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES)."""
-    return BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES
+def shape() -> tuple[int, int, int, int, bool, bool]:
+    """The kernel's shape now: (BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES, SHARED)."""
+    return BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES, SHARED
 
 
-def set_shape(shape: tuple[int, int, int, int, bool]) -> None:
+def set_shape(shape: tuple[int, int, int, int, bool, bool]) -> None:
     """Sets the kernel's shape (what the device sweep tries; the environment's is set at import)."""
-    global BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES
-    BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES = shape
+    global BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES, SHARED
+    BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES, SHARED = shape
 
 
 # a malformed MIDLAYER_ROW_ATTENTION is refused by the first launch (`row_attention`), not at import
 _SHAPE_ERROR = ""
 try:
     if os.environ.get("MIDLAYER_ROW_ATTENTION", "").strip():
-        BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES = parse_shape(os.environ["MIDLAYER_ROW_ATTENTION"])
+        BLOCK_POSITIONS, CHUNK, WARPS, ROWS, TENSOR_CORES, SHARED = parse_shape(
+            os.environ["MIDLAYER_ROW_ATTENTION"])
 except ValueError as e:
     _SHAPE_ERROR = f"MIDLAYER_ROW_ATTENTION: {e}"
 
@@ -198,7 +206,7 @@ def _attend_rows(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
                  sqb, sqn, sqh, skb, skh, sks, svb, svh, svs, sxb, sxn, smb, smn, sob, son, soh,
                  R, N, Hk, NC, rep, d, scale, ROWS: tl.constexpr, RP: tl.constexpr, REP: tl.constexpr,
                  D: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr,
-                 BF16: tl.constexpr, PREC: tl.constexpr):
+                 BF16: tl.constexpr, PREC: tl.constexpr, SHARED: tl.constexpr):
     """Pass 1 for ROWS rows a program (ROWS > 0); grid (cdiv(B * N, ROWS), Hk, NC). `_attend_chunks`' online
     softmax, in the same blocks of BS positions and chunks of CHUNK, for each of the block's rows alone: its
     query heads (padded to RP >= 16 rows, tl.dot's least) against its own keys in position order, a batched
@@ -207,7 +215,9 @@ def _attend_rows(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
     docstring: why, and a row's bits at any ROWS). Blocks past a row's own position (another row's) are masked
     for it: rescaled by exp(0) = 1, exact zeros added. Partials [.., REP, D] as `_attend_chunks`' (the heads
     past rep are not stored); one count per (block of rows, kv head): the block's last chunk to count combines
-    its rows (`combine_rows`)."""
+    its rows (`combine_rows`). SHARED: a block of positions before the committed text's end (`first`) is loaded
+    once for the program's rows where all of them are past it and of one sequence (the same slots: the same
+    values, so the same bits), broadcast to them; else each row gathers its own keys and values."""
     blk = tl.program_id(0)
     hk = tl.program_id(1)
     c = tl.program_id(2)
@@ -231,6 +241,10 @@ def _attend_rows(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
     hi = tl.load(last + rows, mask=here, other=-1).to(tl.int32)  # [ROWS]: each row's position (-1: no row)
     committed = tl.load(first).to(tl.int32)
     top = tl.max(hi, axis=0)
+    # every row of the block past the committed text, of one sequence: a block of positions before it is the same
+    # keys and values for all of them, loaded once and broadcast (the same values: the same bits)
+    b0 = tl.min(b, axis=0)
+    alike = (tl.min(tl.where(here, hi, 2147483647), axis=0) >= committed) & (b0 == tl.max(b, axis=0))
     lo = c * CHUNK
     for j0 in range(lo, tl.minimum(lo + CHUNK, top + 1), BS):
         j = j0 + j_
@@ -240,8 +254,11 @@ def _attend_rows(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
         slot = tl.where(direct, j[None, :], tl.load(keys + b[:, None] * sxb + n[:, None] * sxn + j[None, :],
                                                       mask=read, other=0))
         km = tl.load(kmask + b[:, None] * smb + n[:, None] * smn + j[None, :], mask=jm, other=float("-inf"))
-        kd = tl.load(k + b[:, None, None] * skb + hk * skh + slot[:, :, None] * sks + dd[None, None, :],
-                     mask=dm[None, None, :], other=0.0).to(tl.float32)  # [ROWS, BS, D]
+        if SHARED:
+            shared = alike & (j0 + BS <= committed)
+        else:
+            shared = False
+        kd = block_rows(k, b, b0, hk, slot, j, dd, dm, skb, skh, sks, shared, ROWS, BS, D)  # [ROWS, BS, D]
         s = tl.dot(qv, tl.permute(kd, (0, 2, 1)), input_precision=PREC) * scale + km[:, None, :]  # [ROWS, RP, BS]
         m_new = tl.maximum(m, tl.max(s, axis=2))
         alpha = tl.exp(m - m_new)
@@ -249,8 +266,7 @@ def _attend_rows(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
         # the weights' sum as a product with ones: one FMA chain over the block's positions in order, where a
         # tl.sum's order would follow the tile's layout, which ROWS changes (every column of the product is it)
         total = tl.max(tl.dot(p, ones, (total * alpha)[:, :, None] + zeros, input_precision=PREC), axis=2)
-        vd = tl.load(v + b[:, None, None] * svb + hk * svh + slot[:, :, None] * svs + dd[None, None, :],
-                     mask=dm[None, None, :], other=0.0).to(tl.float32)  # [ROWS, BS, D]
+        vd = block_rows(v, b, b0, hk, slot, j, dd, dm, svb, svh, svs, shared, ROWS, BS, D)
         acc = tl.dot(p, vd, acc * alpha[:, :, None], input_precision=PREC)
         m = m_new
     at = (rows * Hk + hk) * NC + c  # [ROWS]
@@ -264,6 +280,20 @@ def _attend_rows(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
             if last_to_count(counts + blk * Hk + hk, top // CHUNK):  # (the block's chunks are 0 .. top // CHUNK)
                 combine_rows(pm, pl, pacc, out, rows, here, hi, top, b, n, hk, sob, son, soh, Hk, NC, rep, d, ROWS,
                              REP, D, CHUNK, BF16)
+
+
+def block_rows(x, b, b0, hk, slot, j, dd, dm, sb, sh, ss, shared, ROWS: tl.constexpr, BS: tl.constexpr,
+               D: tl.constexpr):
+    """A device helper (`block_rows`): a block's keys or values for a program's rows, [ROWS, BS, D] in fp32, of the
+    cache layer x (strides sb, sh, ss by sequence, kv head, slot): loaded once at slots j (sequence b0) and
+    broadcast where `shared`, else each row's at its own slots `slot` [ROWS, BS] (sequences b [ROWS])."""
+    if shared:
+        out = tl.broadcast_to(tl.load(x + b0 * sb + hk * sh + j[:, None] * ss + dd[None, :], mask=dm[None, :],
+                                      other=0.0).to(tl.float32)[None, :, :], (ROWS, BS, D))
+    else:
+        out = tl.load(x + b[:, None, None] * sb + hk * sh + slot[:, :, None] * ss + dd[None, None, :],
+                      mask=dm[None, None, :], other=0.0).to(tl.float32)
+    return out
 
 
 def last_to_count(count, last):
@@ -355,7 +385,8 @@ def _row_keys(path_slots, depth, real, held, start, keys, kmask, N, S, Wp, scrat
 
 KERNELS = (_attend_chunks, _attend_rows, _combine_chunks, _row_keys)  # (made together by `available`, before any trace)
 # (bound by triton_build.kernel)
-HELPERS = {"combine": combine, "combine_rows": combine_rows, "last_to_count": last_to_count}
+HELPERS = {"combine": combine, "combine_rows": combine_rows, "last_to_count": last_to_count,
+           "block_rows": block_rows}
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,
@@ -409,7 +440,7 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
         rows = min(ROWS, pow2(B * N))
         triton_build.kernel(_attend_rows)[(triton_build.cdiv(B * N, rows), Hk, NC)](
             *args, B * N, N, Hk, NC, rep, d, 1.0 / math.sqrt(d), ROWS=rows, RP=max(pow2(rep), 16),
-            PREC="tf32x3" if TENSOR_CORES and q.dtype == torch.bfloat16 else "ieee", **shape)
+            PREC="tf32x3" if TENSOR_CORES and q.dtype == torch.bfloat16 else "ieee", SHARED=SHARED, **shape)
     else:
         triton_build.kernel(_attend_chunks)[(B * N, Hk, NC)](*args, N, Hk, NC, rep, d, 1.0 / math.sqrt(d), **shape)
     if not ONE_PASS:
@@ -496,7 +527,8 @@ def self_check(device: torch.device, dtype: torch.dtype, H: int = 9, Hk: int = 3
 def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64, rows: int = 4) -> list:
     """The two passes, pass 1 with pass 2 in it and without (and the keys' kernel), at this module's shape
     (BLOCK_POSITIONS, CHUNK, WARPS), and pass 1 of `rows` rows a program (`_attend_rows`, in both ways, and in
-    tensor cores, at BLOCK_POSITIONS of at least 16), compiled ahead of time for an NVIDIA GPU of compute capability
+    tensor cores, at BLOCK_POSITIONS of at least 16; the two-launch one with each row's keys gathered, the others
+    with the committed ones shared), compiled ahead of time for an NVIDIA GPU of compute capability
     `capability` with `dtype` operands and output (triton_build.compile_for: no GPU needed;
     tests/test_row_linear.py)."""
     t = triton_build.TYPES[dtype]
@@ -504,7 +536,7 @@ def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64, 
                  pm="*fp32", pl="*fp32", pacc="*fp32", counts="*i32", scale="fp32", REP="constexpr", D="constexpr",
                  BS="constexpr", CHUNK="constexpr", ONE_PASS="constexpr", BF16="constexpr", path_slots="*i64",
                  depth="*i64", real="*i1", held="*i1", start="*i64", ROWS="constexpr", RP="constexpr",
-                 PREC="constexpr")
+                 PREC="constexpr", SHARED="constexpr")
     shape = dict(REP=max(pow2(rep), 2), D=pow2(d), CHUNK=CHUNK)
     bf16 = dtype == torch.bfloat16
     return [*(triton_build.compile_for(_attend_chunks, capability, kinds,
@@ -512,8 +544,9 @@ def compile_for(capability: int, dtype: torch.dtype, rep: int = 3, d: int = 64, 
               for one in (True, False)),
             *(triton_build.compile_for(_attend_rows, capability, kinds,
                                        dict(shape, D=max(pow2(d), 16), BS=max(BLOCK_POSITIONS, 16), ONE_PASS=one,
-                                            BF16=bf16, ROWS=rows, RP=max(pow2(rep), 16), PREC=prec), num_warps=WARPS)
-              for one, prec in ((True, "ieee"), (False, "ieee"), (True, "tf32x3"))),
+                                            BF16=bf16, ROWS=rows, RP=max(pow2(rep), 16), PREC=prec, SHARED=shared),
+                                       num_warps=WARPS)
+              for one, prec, shared in ((True, "ieee", True), (False, "ieee", False), (True, "tf32x3", True))),
             triton_build.compile_for(_combine_chunks, capability, kinds, dict(shape, BF16=bf16)),
             triton_build.compile_for(_row_keys, capability, kinds, dict(BS=1024))]
 
