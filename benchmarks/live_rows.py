@@ -52,7 +52,8 @@ def main() -> None:
     prompts = heldout_chats(tok, a.max_prompts)
     methods = {n: static_methods(model, {"ht": a.draft}, n)["ht"] for n in sizes}
     room = max(any_round_slots(len(t), fused_steps(d)) for d, t in methods.values())
-    step = DecodeStep(model, max_len=max(map(len, prompts)) + a.new_tokens + room, graphs=a.graphs)
+    max_len = max(map(len, prompts)) + a.new_tokens + room
+    step = DecodeStep(model, max_len=max_len, graphs=a.graphs)
     print("\n".join(machine_lines(step.device)))
     print(f"{a.model} {a.dtype}, {a.graphs} step: buckets {step.buckets}, attention {step.attention}, linears "
           f"{step.linear}; {len(prompts)} held-out prompts ({min(map(len, prompts))}-{max(map(len, prompts))} "
@@ -66,10 +67,13 @@ def main() -> None:
     print(f"plain decoding through the step: {1e3 * plain_s:.2f} ms/token (the mean over prompts)")
     kinds = {"rows present": contextlib.nullcontext, "every row": lambda: mock.patch.object(
         decode_step, "live_rows", every_row)}
+    # a step each (the probe's choice is the model's, the same): a captured round is kept per step, so each
+    # schedule replays its own graphs under graphs="cudagraph"
+    steps = {"rows present": step, "every row": DecodeStep(model, max_len=max_len, graphs=a.graphs)}
     for n, (drafter, tree) in methods.items():
-        for kind in kinds.values():  # (warm-up: each kind's first round)
+        for name, kind in kinds.items():  # (warm-up: each kind's first round; in CUDA graphs, their capture)
             with kind():
-                static_speculative_generate(model, prompts[0], drafter, tree, 4, step=step)
+                static_speculative_generate(model, prompts[0], drafter, tree, 4, step=steps[name])
         secs = dict.fromkeys(kinds, 0.0)
         toks = dict.fromkeys(kinds, 0)
         rounds = dict.fromkeys(kinds, 0)
@@ -77,12 +81,13 @@ def main() -> None:
         for i, p in enumerate(prompts):
             order = list(kinds) if i % 2 == 0 else list(kinds)[::-1]  # (alternating which goes first)
             for name in order:
+                st = steps[name]
                 with kinds[name]():
-                    pre = _prefill_s(step, p[:-1]) if len(p) > 1 else 0.0  # (subtracted: the same for both)
-                    device_sync(step.device)
+                    pre = _prefill_s(st, p[:-1]) if len(p) > 1 else 0.0  # (subtracted: the same for both)
+                    device_sync(st.device)
                     t = time.perf_counter()
-                    out, stats = static_speculative_generate(model, p, drafter, tree, a.new_tokens, step=step)
-                    device_sync(step.device)
+                    out, stats = static_speculative_generate(model, p, drafter, tree, a.new_tokens, step=st)
+                    device_sync(st.device)
                     secs[name] += time.perf_counter() - t - pre
                 toks[name] += len(out)
                 rounds[name] += stats.base_forwards

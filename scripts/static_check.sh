@@ -72,6 +72,12 @@ ATTN_S=${ATTN_S:-100}  # (20 shapes since the 64th session, compiled in 8 proces
 PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 75 s took its time)
 PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
+# 1: after the bench, hidden transfer's rounds with each block on the rows present there against every row at
+# every block (benchmarks/live_rows.py, 64th session; bf16, 24 and 12 nodes, in the bench's last step mode):
+# live.md, at most LIVE_S, taken from the compile rows' time; off by default (the bench's rows measure the new
+# rounds as they are)
+LIVE=${LIVE:-0}
+LIVE_S=${LIVE_S:-120}
 BENCH_FIRST=${BENCH_FIRST:-0}  # 1: the bench before the check (a short rerun that needs the bench's table most)
 
 case ${1:-} in
@@ -171,6 +177,14 @@ run)
     --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
   echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   [ "$BENCH_FIRST" = 1 ] && check
+  if [ "$LIVE" = 1 ]; then
+    s=$SECONDS
+    g=${GRAPHS:-cudagraph}
+    timeout "$LIVE_S" $PYBIN benchmarks/live_rows.py --device "$DEVICE" --graphs "${g##*,}" --dtype bf16 \
+      --nodes 24,12 --new-tokens "$NEW" --max-prompts "$PROMPTS" --draft "$DR/hidden-transfer" \
+      > "$OUT/live.md" 2>> "$OUT/bench.log"
+    echo "live rows: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
+  fi
   # then, in what is left of the call (it must end within CALL_S), plain decoding through torch.compile
   # (Inductor's fused kernels, CUDA graphs; prefill eager) beside the recipe, bf16 then fp32, and with
   # COMPILE_DRAFTS=1 the drafters' compiled rounds: appended to bench.md
@@ -193,6 +207,7 @@ run)
   tail -c 20000 "$OUT/bench.log" > "$OUT/bench.log.tail" && mv "$OUT/bench.log.tail" "$OUT/bench.log"
   cat "$OUT/env.txt" "$OUT/check.txt" "$OUT/bench.md"
   if [ -f "$OUT/profile.md" ]; then cat "$OUT/profile.md"; fi
+  if [ -f "$OUT/live.md" ]; then cat "$OUT/live.md"; fi
   if [ -f "$OUT/rows.txt" ]; then cat "$OUT/rows.txt"; fi
   ;;
 *)
