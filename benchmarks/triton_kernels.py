@@ -111,12 +111,8 @@ def cases(dev: torch.device, dtype: torch.dtype, n: int) -> list[tuple[str, obje
                 lambda: fused_rows.rope_store(row_linear.norm_linear(x, a, norm.weight, norm.eps, wqkv)[1].view(
                     1, n, H + 2 * HK, HD), cos, sin, H, kc, vc, slots)))
     q = rand(1, n, H, HD).transpose(1, 2)
-    pos = torch.arange(300, 300 + n, device=dev)[None]
-    keys = torch.arange(S, device=dev).expand(1, n, S).contiguous()
-    kmask = torch.where(torch.arange(S, device=dev)[None, None] <= pos[..., None], 0.0, float("-inf"))
+    pos, keys, kmask, counts, first = attention_operands(dev, n, S)
     mask = kmask[:, None].to(dtype)
-    counts = torch.zeros(n * HK, dtype=torch.int32, device=dev)  # (the step's one buffer of counters)
-    first = torch.tensor(300, device=dev)  # (the committed text's end, as the step gives it)
     out.append((f"row_attention ({S} slots) | SDPA",
                 lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts,
                                                     start=first),
@@ -228,17 +224,24 @@ ATTENTION_CANDIDATES = tuple(row_attention.parse_shape(c) for c in (
     "64x64x4", "32x32x4", "32x64x8", "64x64x8", "16x32x4", "32x128x4", "64x128x4"))
 
 
+def attention_operands(dev: torch.device, n: int, S: int) -> tuple[torch.Tensor, ...]:
+    """What the step gives the attention kernel besides q, K and V, for n rows at positions 300.. (a chain, each
+    seeing every position up to its own) after 300 committed ones, over S slots: (positions, keys, kmask, the
+    counters, the committed text's end)."""
+    pos = torch.arange(300, 300 + n, device=dev)[None]
+    keys = torch.arange(S, device=dev).expand(1, n, S).contiguous()
+    kmask = torch.where(torch.arange(S, device=dev)[None, None] <= pos[..., None], 0.0, float("-inf"))
+    counts = torch.zeros(n * HK, dtype=torch.int32, device=dev)  # (the step's one buffer of counters)
+    return pos, keys, kmask, counts, torch.tensor(300, device=dev)
+
+
 def attention_call(dev: torch.device, dtype: torch.dtype, n: int, S: int = 512):
     """The step's attention call for n rows at positions 300.. (each seeing every position up to its own) over
     a cache layer of S slots, SmolLM2's heads: a plain step (n = 1) to a hidden-transfer round (n = 128)."""
     g = torch.Generator().manual_seed(0)
     kc, vc = (torch.randn(1, HK, S, HD, generator=g).to(dev, dtype) for _ in range(2))
     q = torch.randn(1, n, H, HD, generator=g).to(dev, dtype).transpose(1, 2)  # (row 0 the same at every n)
-    pos = torch.arange(300, 300 + n, device=dev)[None]
-    keys = torch.arange(S, device=dev).expand(1, n, S).contiguous()
-    kmask = torch.where(torch.arange(S, device=dev)[None, None] <= pos[..., None], 0.0, float("-inf"))
-    counts = torch.zeros(n * HK, dtype=torch.int32, device=dev)
-    first = torch.tensor(300, device=dev)  # (the committed text's end, as the step gives it)
+    pos, keys, kmask, counts, first = attention_operands(dev, n, S)
     return lambda: row_attention.row_attention(q, kc, vc, keys, kmask, pos, dtype=dtype, counts=counts, start=first)
 
 

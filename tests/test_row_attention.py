@@ -48,6 +48,15 @@ def _case(H: int, Hk: int, d: int, dtype: torch.dtype, N: int = 6, S: int = 180,
     return q, kl, vl, keys, kmask, pos
 
 
+def _use_shape(monkeypatch, spec: str) -> None:
+    """The kernel's shape for this test (MIDLAYER_ROW_ATTENTION's form); the module's own is restored after it."""
+    import midlayer.ops.row_attention as ra
+
+    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES", "SHARED"):
+        monkeypatch.setattr(ra, name, getattr(ra, name))
+    ra.set_shape(ra.parse_shape(spec))
+
+
 @pytest.mark.parametrize("H,Hk,d", [(4, 2, 16), (9, 3, 24), (4, 4, 32)], ids=["gqa", "rep3-d24", "mha"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_kernel_is_the_naive_formula(H, Hk, d, dtype):
@@ -120,12 +129,7 @@ def test_committed_text_is_read_at_its_own_slots_with_the_same_bits(shape, monke
     as the step's do (a kernel that took slot 0 for them too would give them other values). With rows a program,
     a program of rows all past it (rows 0..3) loads each block before it once for them all (SHARED), or, with
     "g", each row its own: the same values."""
-    import midlayer.ops.row_attention as ra
-
-    monkeypatch.setattr(ra, "set_shape", ra.set_shape)  # (what it sets is restored after the test)
-    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES", "SHARED"):
-        monkeypatch.setattr(ra, name, getattr(ra, name))
-    ra.set_shape(ra.parse_shape(shape))
+    _use_shape(monkeypatch, shape)
     q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
     keys[0, 4:, 0] = keys.shape[2] - 1  # (the padding rows' scratch slot)
     want = reference(q, kl, vl, keys, kmask)
@@ -170,12 +174,7 @@ def test_every_shape_of_the_kernel_is_the_formula_and_keeps_a_rows_bits(shape, m
     formula to 2e-6 (at 126..129 the rows' keys span 4, 1 and 1 programs), and a row's bits the same alone and
     among others. With rows a program (`_attend_rows`, tl.dot) the 6 rows fill 6, 3, 2 and 1 blocks of them,
     padding at position 0 beside rows at 126..129: a row's blocks past its own position are another's."""
-    import midlayer.ops.row_attention as ra
-
-    monkeypatch.setattr(ra, "set_shape", ra.set_shape)  # (what it sets is restored after the test)
-    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES", "SHARED"):
-        monkeypatch.setattr(ra, name, getattr(ra, name))
-    ra.set_shape(ra.parse_shape(shape))
+    _use_shape(monkeypatch, shape)
     q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, torch.float32))
     out = row_attention(q, kl, vl, keys, kmask, pos)
     torch.testing.assert_close(out.double(), reference(q, kl, vl, keys, kmask), atol=2e-6, rtol=2e-6)
@@ -206,10 +205,8 @@ def test_tensor_cores_serve_a_bf16_model_and_an_fp32_one_stays_in_ieee_fp32(monk
             return launch
 
     monkeypatch.setattr(triton_build, "kernel", lambda fn: Recorded(made(fn)) if fn is ra._attend_rows else made(fn))
-    for name in ("BLOCK_POSITIONS", "CHUNK", "WARPS", "ROWS", "TENSOR_CORES", "SHARED"):
-        monkeypatch.setattr(ra, name, getattr(ra, name))
     for spec, dtype in (("32x64x4x4t", torch.float32), ("32x64x4x4t", torch.bfloat16), ("32x64x4x4", torch.bfloat16)):
-        ra.set_shape(ra.parse_shape(spec))
+        _use_shape(monkeypatch, spec)
         q, kl, vl, keys, kmask, pos = (t.to(DEV) for t in _case(4, 2, 16, dtype))
         row_attention(q, kl, vl, keys, kmask, pos)
     assert seen == ["ieee", "tf32x3", "ieee"]

@@ -175,10 +175,8 @@ def _attend_chunks(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
     for j0 in range(lo, tl.minimum(lo + CHUNK, hi + 1), BS):
         j = j0 + tl.arange(0, BS)
         jm = j <= hi
-        at = j * 0 + hi  # (the row's position, [BS]: the interpreter masks by tensors only)
-        direct = (j < committed) & (at >= committed)  # (keys there is j itself: one dependent load fewer)
-        read = jm & ((j >= committed) | (at < committed))  # (the others)
-        slot = tl.where(direct, j, tl.load(keys + b * sxb + n * sxn + j, mask=read, other=0))
+        # (the row's position as a tensor of j's shape: the interpreter masks by tensors only)
+        slot = key_slots(keys + b * sxb + n * sxn, j, j * 0 + hi, committed, jm)
         km = tl.load(kmask + b * smb + n * smn + j, mask=jm, other=float("-inf"))
         kd = tl.load(k + b * skb + hk * skh + slot[:, None] * sks + dd[None, :], mask=dm[None, :],
                      other=0.0).to(tl.float32)  # [BS, D]
@@ -249,10 +247,7 @@ def _attend_rows(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
     for j0 in range(lo, tl.minimum(lo + CHUNK, top + 1), BS):
         j = j0 + j_
         jm = j[None, :] <= hi[:, None]  # [ROWS, BS]
-        direct = (j[None, :] < committed) & (hi >= committed)[:, None]  # (`_attend_chunks`' first)
-        read = jm & ((j[None, :] >= committed) | (hi < committed)[:, None])
-        slot = tl.where(direct, j[None, :], tl.load(keys + b[:, None] * sxb + n[:, None] * sxn + j[None, :],
-                                                      mask=read, other=0))
+        slot = key_slots(keys + (b * sxb + n * sxn)[:, None], j[None, :], hi[:, None], committed, jm)  # [ROWS, BS]
         km = tl.load(kmask + b[:, None] * smb + n[:, None] * smn + j[None, :], mask=jm, other=float("-inf"))
         if SHARED:
             shared = alike & (j0 + BS <= committed)
@@ -280,6 +275,16 @@ def _attend_rows(q, k, v, keys, kmask, last, first, pm, pl, pacc, counts, out,
             if last_to_count(counts + blk * Hk + hk, top // CHUNK):  # (the block's chunks are 0 .. top // CHUNK)
                 combine_rows(pm, pl, pacc, out, rows, here, hi, top, b, n, hk, sob, son, soh, Hk, NC, rep, d, ROWS,
                              REP, D, CHUNK, BF16)
+
+
+def key_slots(keys, j, hi, committed, jm):
+    """A device helper (`key_slots`): the slots of a row's keys at positions j (`keys`: the row's map at position
+    0; hi: its position, broadcast with j; jm: the positions it sees, 0 elsewhere). A row at or past the committed
+    text's end (`row_attention`'s start) sees a position j before it at slot j, so it is not loaded from `keys`
+    there (a load each block's key and value loads would wait for); the others are `keys`' own."""
+    direct = (j < committed) & (hi >= committed)
+    read = jm & ((j >= committed) | (hi < committed))
+    return tl.where(direct, j, tl.load(keys + j, mask=read, other=0))
 
 
 def block_rows(x, b, b0, hk, slot, j, dd, dm, sb, sh, ss, shared, ROWS: tl.constexpr, BS: tl.constexpr,
@@ -386,7 +391,7 @@ def _row_keys(path_slots, depth, real, held, start, keys, kmask, N, S, Wp, scrat
 KERNELS = (_attend_chunks, _attend_rows, _combine_chunks, _row_keys)  # (made together by `available`, before any trace)
 # (bound by triton_build.kernel)
 HELPERS = {"combine": combine, "combine_rows": combine_rows, "last_to_count": last_to_count,
-           "block_rows": block_rows}
+           "block_rows": block_rows, "key_slots": key_slots}
 
 
 def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: torch.Tensor, kmask: torch.Tensor,
