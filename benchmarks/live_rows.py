@@ -27,6 +27,7 @@ from midlayer.engine.pretrained import load_pretrained
 from midlayer.engine.quantization import fuse_projections
 from midlayer.experiments.bench import heldout_chats
 from midlayer.experiments.static_bench import _decode_timed, _prefill_s, DTYPES, machine_lines, static_methods
+from midlayer.speculative.registry import DraftMismatchError
 from midlayer.speculative.static import fused_steps, static_speculative_generate
 
 
@@ -46,11 +47,20 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-prompts", type=int, default=4)
     a = ap.parse_args()
-    sizes = [int(n) for n in a.nodes.split(",")]
+    try:
+        sizes = [int(n) for n in a.nodes.split(",")]
+    except ValueError:
+        ap.error(f"--nodes: comma-separated tree sizes, got {a.nodes!r}")
+    if min(sizes) < 1 or a.new_tokens < 2 or a.max_prompts < 1:
+        ap.error(f"tree sizes >= 1, --new-tokens >= 2, --max-prompts >= 1; got {a.nodes}, {a.new_tokens}, "
+                 f"{a.max_prompts}")
     base, tok = load_pretrained(a.model)
     model = fuse_projections(base.to(a.device, DTYPES[a.dtype]).eval())
     prompts = heldout_chats(tok, a.max_prompts)
-    methods = {n: static_methods(model, {"ht": a.draft}, n)["ht"] for n in sizes}
+    try:
+        methods = {n: static_methods(model, {"ht": a.draft}, n)["ht"] for n in sizes}
+    except DraftMismatchError as e:
+        ap.error(f"--draft: {e}")
     room = max(any_round_slots(len(t), fused_steps(d)) for d, t in methods.values())
     max_len = max(map(len, prompts)) + a.new_tokens + room
     step = DecodeStep(model, max_len=max_len, graphs=a.graphs)
