@@ -31,7 +31,7 @@ from midlayer.speculative.registry import DraftMismatchError
 from midlayer.speculative.static import fused_steps, static_speculative_generate
 
 
-def every_row(tree_rows: int, n_rows: int, join_at: dict, n_layers: int, buckets) -> tuple[int, ...]:
+def every_row(first: int, per_step: int, n_rows: int, join_at: dict, n_layers: int, buckets) -> tuple[int, ...]:
     """The schedule before `live_rows`: every row of the round at every block."""
     return (n_rows,) * (n_layers + 1)
 

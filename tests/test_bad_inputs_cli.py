@@ -434,6 +434,13 @@ def test_bench_static_also_nodes(value, why, work, capsys):
             roots=(work,))
 
 
+@pytest.mark.parametrize("value,why", [("4,x", "comma-separated counts"), ("0", "from 1 to 64"),
+                                       ("4,65", "from 1 to 64")])
+def test_bench_static_anchors(value, why, work, capsys):
+    refused(capsys, ["bench", "static", "--model", "no-such-model", f"--anchors={value}"], "--anchors", why,
+            roots=(work,))
+
+
 @pytest.mark.parametrize("flags", [["--eagle-k", "0"], ["--eagle-k", "17"], ["--eagle-depth", "-1"],
                                    ["--eagle-depth", "9"]], ids=["k0", "k17", "depth-1", "depth9"])
 def test_bench_static_eagle_tree(flags, work, capsys):
@@ -657,7 +664,7 @@ def test_bench_static_checks_its_counts_with_or_without_extra_tree_sizes():
     name (a regression: `min(nodes, *())` raised a TypeError whenever --also-nodes was not given)."""
     from midlayer.experiments.static_bench import bench_static
 
-    for kw in (dict(nodes=0), dict(also_nodes=(12, 0))):
+    for kw in (dict(nodes=0), dict(also_nodes=(12, 0)), dict(anchors=(2, 0))):
         with pytest.raises(ValueError, match="nodes >= 1"):
             bench_static(model_name="no-such-model", **kw)
     with pytest.raises(ValueError, match="neither a known model name"):

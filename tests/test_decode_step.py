@@ -1066,7 +1066,12 @@ def test_round_layout_and_slots():
     assert round_layout(15, 0, (8, 16, 32)) == (16, 16, 16)
     assert round_layout(12, 3, (8, 16, 32, 64, 128, 256)) == (16, 64, 16)
     assert round_layout(12, 3, (64,)) == (16, 64, 64)  # one bucket: the head reads all 64 rows
-    assert round_slots(12, 3, (64,)) == 16 * 3 + 13
+    assert round_slots(12, 3, (64,)) == 13 * 4  # the root and 12 nodes, then 3 steps of 13 pseudo rows
+    # pseudo rows for some anchors only: right after the tree's 25 rows, so 2 anchors x 3 steps fit its bucket
+    assert round_layout(24, 3, (8, 16, 32, 64, 128, 256), 2) == (32, 32, 32)
+    assert round_layout(24, 3, (8, 16, 32, 64, 128, 256)) == (32, 128, 32)
+    assert round_layout(12, 3, (8, 16, 32, 64, 128, 256), 4) == (16, 32, 16)
+    assert round_layout(12, 3, (32,), 4) == (16, 32, 32)  # (16 + 12 rows would pass the one bucket)
     with pytest.raises(ValueError, match="largest bucket"):
         round_layout(40, 3, (64,))
 
@@ -1078,14 +1083,156 @@ def test_live_rows_by_hand():
 
     every = (1, 8, 16, 32, 64, 128, 256)
     smol = {14: [1], 19: [2, 3]}  # SmolLM2's transfer: t = 14, 19, 19 of 30 blocks
-    assert live_rows(32, 128, smol, 30, every) == (32,) * 14 + (64,) * 5 + (128,) * 12  # a 24-node tree
-    assert live_rows(16, 64, smol, 30, every) == (16,) * 14 + (32,) * 5 + (64,) * 12  # 12 nodes
-    assert live_rows(1, 8, smol, 30, every) == (1,) * 14 + (8,) * 17  # the first round: the root alone below 14
-    # two steps laid out (near the context's end) of a three-step transfer: 3 x 16 rows in the bucket of 64
-    assert live_rows(16, 64, smol, 30, every) == live_rows(16, 64, {14: [1], 19: [2]}, 30, every)
-    assert live_rows(8, 16, {0: [1]}, 2, every) == (16, 16, 16)  # a step joining at block 0
-    assert live_rows(8, 16, {2: [1]}, 2, every) == (8, 8, 16)  # ... and after the last block (t = L)
-    assert live_rows(16, 64, smol, 30, (64,)) == (64,) * 31  # one bucket: every row at every block
+    # a 24-node tree, pseudo rows for all 25 tree rows: 25, 50 and 100 rows present
+    assert live_rows(25, 25, 128, smol, 30, every) == (32,) * 14 + (64,) * 5 + (128,) * 12
+    assert live_rows(13, 13, 64, smol, 30, every) == (16,) * 14 + (32,) * 5 + (64,) * 12  # 12 nodes
+    assert live_rows(1, 1, 8, smol, 30, every) == (1,) * 14 + (8,) * 17  # the first round: the root alone below 14
+    # anchors: 24 nodes with 2 (25, 27, 31 rows), 12 nodes with 4 (13, 17, 25)
+    assert live_rows(25, 2, 32, smol, 30, every) == (32,) * 31
+    assert live_rows(13, 4, 32, smol, 30, every) == (16,) * 14 + (32,) * 17
+    # two steps laid out (near the context's end) of a three-step transfer: 3 x 13 rows in the bucket of 64
+    assert live_rows(13, 13, 64, smol, 30, every) == live_rows(13, 13, 64, {14: [1], 19: [2]}, 30, every)
+    assert live_rows(8, 8, 16, {0: [1]}, 2, every) == (16, 16, 16)  # a step joining at block 0
+    assert live_rows(8, 8, 16, {2: [1]}, 2, every) == (8, 8, 16)  # ... and after the last block (t = L)
+    assert live_rows(13, 13, 64, smol, 30, (64,)) == (64,) * 31  # one bucket: every row at every block
+
+
+def test_anchors_end_probabilities_and_shifts_by_hand():
+    """Hidden transfer's anchors (the rows whose pseudo rows ride a round): where a round's accepted path ends,
+    under the accuracies' model (P(end = r) = P(r accepted) (1 - the sum of its children's accuracies)), and which
+    anchor, how many depths up, a row drafts from when it is none."""
+    from midlayer.engine.decode_step import anchor_shifts
+
+    tree = DraftTree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])  # rows 1..5 in this order
+    acc = [[0.5, 0.2], [0.4, 0.1], [0.3]]
+    # root 1 - .5 - .2; (0,) .5 (1 - .4 - .1); (1,) .2; (0, 0) .5 .4 (1 - .3); (0, 1) .5 .1; (0, 0, 0) .5 .4 .3
+    want = [0.3, 0.25, 0.2, 0.14, 0.05, 0.06]
+    got = tree.end_probabilities(acc)
+    assert got == pytest.approx(want, abs=1e-12) and sum(got) == pytest.approx(1.0)
+    assert tree.likeliest_ends(acc, 3) == (0, 1, 2) and tree.likeliest_ends(acc, 4) == (0, 1, 2, 3)
+    assert tree.likeliest_ends(acc, 1) == (0,)
+    parent, depth = tree.parent.tolist(), tree.depth.tolist()
+    assert parent == [-1, -1, 0, 0, 2] and depth == [1, 1, 2, 2, 3]
+    assert anchor_shifts(parent, depth, (0, 1)) == [(0, 0), (1, 0), (0, 1), (1, 1), (1, 1), (1, 2)]
+    assert anchor_shifts(parent, depth, (0, 3)) == [(0, 0), (0, 1), (0, 1), (1, 0), (0, 2), (1, 1)]
+    assert anchor_shifts(parent, depth, range(6)) == [(r, 0) for r in range(6)]
+    for bad in ((1, 2), (0, 0, 1), (0, 2, 1), (0, 6)):
+        with pytest.raises(ValueError, match="anchors must be sorted distinct rows"):
+            anchor_shifts(parent, depth, bad)
+    with pytest.raises(ValueError, match="at least the root"):
+        tree.likeliest_ends(acc, 0)
+
+
+def test_a_round_with_anchors_is_laid_out_by_hand(models):
+    """A chain of 2 nodes with 2 steps of pseudo rows for the root and node 0 (rows 0, 1): the pseudo rows follow
+    the tree's 3 rows step by step, (anchor, step) (0, 1), (1, 1), (0, 2), (1, 2) at rows 3-6, in the bucket of 8
+    (4 tree rows for the acceptance). Node 1 (row 2) is no anchor: it drafts depth 1 and 2 from row 1's step 2."""
+    st = DecodeStep(models["fp32"], max_len=64, buckets=(1, 4, 8, 16))
+    tt = st.tree_tensors([-1, 0], [1, 2], k=2, anchors=(0, 1))
+    assert (tt.tree_rows, tt.vis.shape[0], tt.head_rows, tt.pseudo, tt.rows_used) == (4, 8, 4, (3, 2), 7)
+    assert tt.join_src.tolist() == [0, 0, 0, 0, 1, 0, 1, 0] and tt.join_step.tolist() == [0, 0, 0, 1, 1, 2, 2, 0]
+    assert tt.prow[:3].tolist() == [[3, 5], [4, 6], [6, 6]]
+    assert tt.depth.tolist() == [0, 1, 2, 1, 2, 2, 3, 0] and tt.reach == 3
+    assert tt.real.tolist() == [True] * 7 + [False] and tt.is_node.tolist() == [False, True, True] + [False] * 5
+    assert tt.path[6, :4].tolist() == [0, 1, 4, 6] and tt.path[5, :3].tolist() == [0, 3, 5]
+    every = st.tree_tensors([-1, 0], [1, 2], k=2)
+    assert every.pseudo == (3, 3) and every.prow[:3].tolist() == [[3, 6], [4, 7], [5, 8]]
+    assert every.join_src[3:9].tolist() == [0, 1, 2, 0, 1, 2] and every.vis.shape[0] == 16
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+def test_a_round_past_its_anchors_drafts_from_its_anchors_later_steps(models, fmt):
+    """With pseudo rows for the root and node 0 only (rows 0, 1), a round whose accepted path ends at node 3
+    (row 4, a child of node 0) drafts depths 1, 2, 3 from row 1's steps 2, 3, 3: bit for bit the logits of the
+    same pseudo rows in a round with every row an anchor. The round's accepted tokens, logits and residuals are
+    those of that round too, in a bucket of 32 rows where it took 64."""
+    model = models[fmt]
+    prompt = _prompts()[2][:40]
+    P = len(prompt)
+    kernels = dict(attention="c", linear="c") if fmt == "fp32" else {}  # (row-invariant at every row count)
+    st = DecodeStep(model, max_len=P + 80, buckets=(1, 8, 16, 32, 64), **kernels)
+    assert st.row_invariant()
+    st.attach(type("D", (), {"transfer": _transfer([1, 2, 2], False)})())
+    parents = [-1, -1, -1, 0, 0, 1, 2, 3, 3, 4, 5, 6]
+    depths = [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3]
+    few, every = st.tree_tensors(parents, depths, k=3, anchors=(0, 1)), st.tree_tensors(parents, depths, k=3)
+    assert (few.vis.shape[0], every.vis.shape[0]) == (32, 64)
+    plain = [int(t) for t in static_generate(model, [prompt], GenerationConfig(max_new_tokens=3))[0]]
+    nodes = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def round_(tt, path: list[int]) -> tuple:
+        nodes[0], nodes[3] = path + [(plain[1] + 1) % V] * (2 - len(path))  # (a wrong token ends the path)
+        st.reset()
+        st.prefill(torch.tensor([prompt[:-1]]))
+        return st.verify(prompt[-1], nodes, tt, P - 1, P - 1)
+
+    got = round_(few, plain[:2])  # ends at node 3
+    want = round_(every, plain[:2])
+    assert got[:2] == want[:2] == (plain[:2], plain[2])
+    for a, b in zip(got[2:5], want[2:5]):
+        assert torch.equal(a, b)
+    anchor = round_(every, plain[:1])[5]  # ends at node 0: row 1's own steps
+    assert torch.equal(got[5], anchor[[1, 2, 2]])
+    assert not torch.equal(want[5], anchor[[1, 2, 2]])  # (the round with every anchor drafts from row 4's own)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+def test_hidden_transfer_with_anchors_is_lossless(models, fmt):
+    """Hidden transfer with pseudo rows for 1 or 3 of a 12-node tree's rows: plain greedy output, token for token,
+    through the static step (device rounds and host rounds) and the dynamic engine's fused pass. The cost model
+    counts the rows the round runs."""
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+
+    model = models[fmt]
+    tree = TREES[1]
+    cfg = GenerationConfig(max_new_tokens=40)
+    for m in (1, 3):
+        drafter = HiddenTransferDrafter(model, _transfer([1, 1, 2], False), anchors=m)
+        assert drafter.anchor_rows(tree) == tree.likeliest_ends(drafter.PRIOR_ACC, m)
+        assert drafter.extra_slots(tree) == 3 * m  # (steps joining at blocks 1, 1 and 2)
+        assert drafter.verify_forward(tree, 3) == ([13, 13 + 2 * m, 13 + 3 * m], 13)
+        for prompt in _prompts():
+            ref = static_generate(model, [prompt], cfg)[0]
+            assert speculative_generate(model, prompt, drafter, tree, 40)[0] == ref
+            for device in (False, True):
+                assert static_speculative_generate(model, prompt, drafter, tree, 40, device_rounds=device)[0] == ref
+    with pytest.raises(ValueError, match="anchors must be 0"):
+        HiddenTransferDrafter(model, _transfer([1, 2], False), fused=False, anchors=2)
+
+
+@pytest.mark.parametrize("m", [2, 3], ids=["ends-past-its-anchors", "ends-at-an-anchor"])
+def test_the_dynamic_engines_fused_pass_with_anchors_drafts_the_steps_bits(models, m, monkeypatch):
+    """The dynamic engine lays a round's pseudo rows out on its own (`fused_rows`: the anchors' rows and mask;
+    `fused_draft`: the rows the last accepted row drafts from). In q4, whose kernels give both engines the same
+    bits, a round accepted down to row 4 drafts what the static step's round drafts, bit for bit: with anchors
+    (0, 1), from row 1's later steps; with (0, 1, 4), from row 4's own, whose rows see its path (root, rows 1
+    and 4) and not row 2's. (The transfer's fp32 maps run on RowWiseBLAS: the dynamic engine maps the A anchors'
+    rows, the step every row present, and this CPU's BLAS may round a row by the row count.)"""
+    from midlayer.speculative.hidden_transfer import HiddenTransferDrafter
+    from midlayer.speculative.verify import verify_tree
+
+    RowWiseBLAS().install(monkeypatch)
+    model = models["q4"]
+    tree = TREES[1]
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2], [0.4]]  # (the tree's own: its likeliest ends are rows 0, 1, 4, 10)
+    drafter = HiddenTransferDrafter(model, _transfer([1, 1, 2], False), anchors=m, acc=acc)
+    anchors = drafter.anchor_rows(tree)
+    assert anchors == (0, 1, 4)[:m] and tree.paths[3] == (0, 0)
+    prompt = _prompts()[2][:40]
+    P = len(prompt)
+    plain = [int(t) for t in static_generate(model, [prompt], GenerationConfig(max_new_tokens=3))[0]]
+    nodes = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    nodes[0], nodes[3] = plain[:2]  # (node 0, then its child node 3: row 4)
+    st = DecodeStep(model, max_len=P + 80)
+    st.attach(drafter)
+    st.prefill(torch.tensor([prompt[:-1]]))
+    tt = st.tree_tensors(tree.parent.tolist(), tree.depth.tolist(), 3, False, anchors)
+    accepted, bonus, *_, draft = st.verify(prompt[-1], nodes, tt, P - 1, P - 1)
+    cache = KVCache.for_model(model.cfg, 1, P + 80, dtype=kv_dtype(model))
+    forward_cached(model, torch.tensor([prompt[:-1]]), cache, torch.arange(P - 1)[None])
+    r = verify_tree(model, cache, prompt[-1], P - 1, tree, nodes, fused=drafter)
+    assert accepted == r.accepted == plain[:2] and bonus == r.bonus == plain[2]
+    assert torch.equal(draft, r.draft_logits)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
@@ -1121,7 +1268,7 @@ def test_a_fused_round_runs_each_block_on_the_rows_present_there(models, fmt, mo
     try:
         got = round_()
         assert rows[-3:] == [16, 32, 64]
-        monkeypatch.setattr(decode_step, "live_rows", lambda T, N, join_at, L, buckets: (N,) * (L + 1))
+        monkeypatch.setattr(decode_step, "live_rows", lambda first, per, N, join_at, L, buckets: (N,) * (L + 1))
         rows.clear()
         want = round_()
         assert rows[-3:] == [64, 64, 64]
@@ -1149,7 +1296,7 @@ def test_a_step_is_sized_by_the_round_its_drafter_runs(models):
     prompt = _prompts()[1]
     ref = static_generate(model, [prompt], GenerationConfig(max_new_tokens=12))[0]
     assert static_speculative_generate(model, prompt, eagle, big, 12)[0] == ref
-    with pytest.raises(ValueError, match="needs 416 rows, more than the largest bucket"):
+    with pytest.raises(ValueError, match="needs 404 rows, more than the largest bucket"):
         any_round_slots(100, 3)
     deep = DraftTree.greedy_from_accuracies([[0.9, 0.5]] * 6, 100)
     with pytest.raises(ValueError, match="more than the largest bucket"):

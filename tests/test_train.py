@@ -610,6 +610,7 @@ def test_cli_surface_is_frozen():
     assert sorted(o for a in bench["static"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", *CONFIG, "--model", "--device", "--dtypes", "--graphs", "--drafts", "--nodes", "--also-nodes",
          "--eagle-k", "--eagle-depth",  # EAGLE-2's tree shape (46th session)
+         "--anchors",  # hidden transfer's pseudo rows for some of the tree's rows only (65th session)
          "--new-tokens", "--max-prompts", "--no-transformers", "--no-dynamic", "--output"])
     assert sorted(o for a in bench["gates"]._actions for o in a.option_strings) == sorted(
         ["-h", "--help", *CONFIG, "--model", "--gates", "--data", "--static", "--prompts", "--records", "--new-tokens",

@@ -84,6 +84,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="a CUDA device runs `bench static` there instead (EAGLE and Medusa through the static step, "
                         "beside transformers' CUDA-graph recipe; a --drafts given replaces its drafts); default: this "
                         "CPU benchmark")
+    _add_bench_static(bsub)
+
+
+def _add_bench_static(bsub: argparse._SubParsersAction) -> None:
     b = bsub.add_parser("static", help="the static decode step (eager / CUDA graphs / compile), plain and speculative, "
                                        "vs the dynamic engine and transformers' static cache + CUDA-graph recipe")
     b.add_argument("--model", default="smollm2-135m")
@@ -98,6 +102,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--nodes", type=int, default=24, help="tree nodes (EAGLE: EAGLE-2's dynamic tree)")
     b.add_argument("--also-nodes", default="", help="comma-separated tree sizes each drafter also runs at, in device "
                                                   "rounds (a drafter's best tree need not be --nodes')")
+    b.add_argument("--anchors", default="", help="comma-separated counts: hidden transfer also with pseudo rows for "
+                                               "that many rows of its tree only, at each tree size, in device rounds")
     b.add_argument("--eagle-k", type=int, default=4, help="EAGLE-2's tree: the candidates expanded at each depth")
     b.add_argument("--eagle-depth", type=int, default=0, help="EAGLE-2's tree: its depth (0: the draft's own)")
     b.add_argument("--new-tokens", type=int, default=128)
@@ -237,11 +243,19 @@ def check_bench_static_args(args: argparse.Namespace) -> dict:
         raise ValueError(f"--also-nodes: comma-separated tree sizes, got {args.also_nodes!r}") from None
     if any(not 1 <= n <= 63 for n in also):
         raise ValueError(f"--also-nodes {args.also_nodes}: each from 1 to 63 (as --nodes)")
+    try:
+        anchors = tuple(int(x) for x in args.anchors.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--anchors: comma-separated counts, got {args.anchors!r}") from None
+    if any(not 1 <= a <= 64 for a in anchors):
+        raise ValueError(f"--anchors {args.anchors}: each from 1 to 64 (the root and the rows likeliest to end a "
+                         "round)")
     if not 1 <= args.eagle_k <= 16 or not 0 <= args.eagle_depth <= 8:
         raise ValueError(f"--eagle-k {args.eagle_k} --eagle-depth {args.eagle_depth}: k from 1 to 16, the depth from "
                          "1 to 8 (0: the draft's own)")
     kw.update(dtypes=dtypes, graphs=graphs, drafts=label_dirs("--drafts", args.drafts, "a train-draft output"),
-              dynamic=not args.no_dynamic, also_nodes=also, eagle_k=args.eagle_k, eagle_depth=args.eagle_depth)
+              dynamic=not args.no_dynamic, also_nodes=also, eagle_k=args.eagle_k, eagle_depth=args.eagle_depth,
+              anchors=anchors)
     return kw
 
 

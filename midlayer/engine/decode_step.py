@@ -277,39 +277,43 @@ def _transfer_key(transfer) -> tuple | None:
             tuple((p.data_ptr(), p.dtype) for p in transfer.parameters()))
 
 
-def round_layout(n_nodes: int, k: int, buckets: Sequence[int]) -> tuple[int, int, int]:
+def round_layout(n_nodes: int, k: int, buckets: Sequence[int], per_step: int | None = None) -> tuple[int, int, int]:
     """(T, N, head_rows) of a verification round over n_nodes nodes with k steps of hidden transfer's pseudo
-    rows: T tree rows (the root, the nodes, padding) in a bucket of N rows, of which the LM head reads the
-    first head_rows. T is the smallest bucket that holds the tree and leaves room for the k pseudo blocks;
-    when no bucket does (one bucket only), the tree rows rounded up to 8, and the head then reads all N rows,
-    so that every GEMM of the round has one of the probed row counts."""
+    rows, per_step rows a step (its anchors; None: every tree row), laid out right after the root and the
+    nodes (`TreeTensors`): T tree rows (the root, the nodes, then pseudo rows or padding) in a bucket of N
+    rows, of which the LM head reads the first head_rows. T is the smallest bucket that holds the tree and,
+    past it, the pseudo rows; when no bucket does (one bucket only), the tree rows rounded up to 8, and the
+    head then reads all N rows, so that every GEMM of the round has one of the probed row counts."""
     top = max(buckets)
-    fits = [b for b in sorted(buckets) if b >= n_nodes + 1 and b * (k + 1) <= top]
+    pseudo = (n_nodes + 1 if per_step is None else per_step) * k
+    rows = n_nodes + 1 + pseudo
+    fits = [b for b in sorted(buckets) if b >= n_nodes + 1 and b + pseudo <= top]
     if fits:
         T = fits[0]
-        return T, bucket_for(T * (k + 1), buckets), T
+        return T, bucket_for(max(T, rows), buckets), T
     T = -(-(n_nodes + 1) // 8) * 8
-    if T * (k + 1) > top:
-        raise ValueError(f"a tree of {n_nodes} nodes with {k} steps of pseudo rows needs {T * (k + 1)} rows, more "
+    if max(T, rows) > top:
+        raise ValueError(f"a tree of {n_nodes} nodes with {k} steps of pseudo rows needs {max(T, rows)} rows, more "
                          f"than the largest bucket ({top}): give a smaller tree")
-    N = bucket_for(T * (k + 1), buckets)
+    N = bucket_for(max(T, rows), buckets)
     return T, N, N
 
 
-def live_rows(tree_rows: int, n_rows: int, join_at: dict[int, list[int]], n_layers: int,
+def live_rows(first: int, per_step: int, n_rows: int, join_at: dict[int, list[int]], n_layers: int,
               buckets: Sequence[int]) -> tuple[int, ...]:
     """The rows present at each block l = 0..L-1 of a hidden-transfer round, then after the last (entry L): the
-    round's first rows up to the smallest bucket that holds the T tree rows and the pseudo rows of every step
-    joined by then (arXiv 2404.12022 sec. 3.4: the pseudo states of step i enter at block t_i, so the blocks
-    below it run without them; `verify_forward` counts the same rows). The rows are laid out step-major
-    (TreeTensors), so these are a prefix. A row's bits do not depend on the bucket it runs in (the probe), so a
-    tree row below t_1 is computed as in the full bucket, at a fraction of the rows: for SmolLM2's transfer
-    (t = 14, 19, 19 of 30 blocks) and a 24-node tree, 32 rows at blocks 0-13, 64 at 14-18 and 128 at 19-29 where
-    every block ran 128. Entry L is n_rows: the forward returns every row."""
+    round's first rows up to the smallest bucket that holds the tree's `first` rows (the root and the nodes)
+    and the pseudo rows, `per_step` a step, of every step joined by then (arXiv 2404.12022 sec. 3.4: the pseudo
+    states of step i enter at block t_i, so the blocks below it run without them; `verify_forward` counts the
+    same rows). The rows are laid out step-major after the tree's (TreeTensors), so these are a prefix. A row's
+    bits do not depend on the bucket it runs in (the probe), so a tree row below t_1 is computed as in the full
+    bucket, at a fraction of the rows: for SmolLM2's transfer (t = 14, 19, 19 of 30 blocks) and a 24-node tree,
+    32 rows at blocks 0-13, 64 at 14-18 and 128 at 19-29 where every block ran 128; with pseudo rows for 2
+    anchors only, 32 rows at every block. Entry L is n_rows: the forward returns every row."""
     out, joined = [], 0
     for layer in range(n_layers):
         joined += len(join_at.get(layer, ()))
-        out.append(min(n_rows, bucket_for(min(n_rows, tree_rows * (1 + joined)), buckets)))
+        out.append(min(n_rows, bucket_for(min(n_rows, first + per_step * joined), buckets)))
     return (*out, n_rows)
 
 
@@ -329,10 +333,36 @@ def any_round_slots(n_nodes: int, k: int, bucket_sets: Sequence[Sequence[int]] =
 
 
 def round_slots(n_nodes: int, k: int, buckets: Sequence[int]) -> int:
-    """Cache slots a round needs past its root's slot: its real rows (the pseudo rows too) and the T slots
-    its compaction writes. Padding rows use the scratch slot."""
+    """Cache slots a round needs past its root's slot: its real rows (the pseudo rows of every tree row too: a
+    round with fewer anchors needs fewer) and the T slots its compaction writes. Padding rows use the scratch
+    slot."""
     T, _, _ = round_layout(n_nodes, k, buckets)
-    return max(T, T * k + n_nodes + 1)
+    return max(T, (n_nodes + 1) * (k + 1))
+
+
+def anchor_shifts(parent: Sequence[int], depth: Sequence[int], anchors: Sequence[int]) -> list[tuple[int, int]]:
+    """Where each tree row takes its next draft from, when hidden transfer's pseudo rows ride a round for some
+    rows only (`anchors`, row indices, sorted, the root 0 among them; rows as `DecodeStep.tree_tensors`': 0 the
+    root, i + 1 node i of the given parents, -1 the root, and depths). For each row, (j, delta): anchors[j] is
+    its deepest ancestor-or-self that carries pseudo rows, delta its depth below it. A round whose accepted
+    path ends at that row drafts depth i of the next round from the anchor's step i + delta (the last step
+    where that passes k): pseudo step s of an anchor at position p predicts the token at p + 1 + s, blind to
+    the tokens between (every pseudo row is, arXiv 2404.12022 sec. 3.2), so it predicts the same position the
+    row's own step i would, from an earlier residual. Every row an anchor: (its own index, 0)."""
+    rows = len(parent) + 1
+    if list(anchors) != sorted(set(anchors)) or not anchors or anchors[0] != 0 or anchors[-1] >= rows:
+        raise ValueError(f"anchors must be sorted distinct rows of the tree (0..{rows - 1}), the root 0 first; "
+                         f"got {list(anchors)}")
+    index = {a: j for j, a in enumerate(anchors)}
+    par = [-1] + [p + 1 for p in parent]
+    dep = [0] + list(depth)
+    out = []
+    for r in range(rows):
+        b = r
+        while b not in index:  # (the root is an anchor, so the walk ends)
+            b = par[b]
+        out.append((index[b], dep[r] - dep[b]))
+    return out
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
@@ -430,9 +460,11 @@ class StaticView(CacheView):
 @dataclass
 class TreeTensors:
     """A draft tree laid out for a bucket of N rows, as the device tensors `DecodeStep.verify` reads. Row 0 is
-    the root, row i + 1 node i; with hidden transfer's fused pass (k steps), the T = `tree_rows` tree rows
-    (padded) are followed by k blocks of T pseudo rows, pseudo row (anchor a, step i) at row T * i + a; then
-    padding. Built once per tree shape (`DecodeStep.tree_tensors`)."""
+    the root, row i + 1 node i; with hidden transfer's fused pass (k steps of A anchors' pseudo rows: every
+    tree row's, or the `anchors` given), the n + 1 tree rows are followed by k blocks of A pseudo rows, the
+    pseudo row of anchor j, step i at row n + 1 + (i - 1) A + j; then padding. The first T = `tree_rows` rows
+    are what the acceptance reads (pseudo rows among them are never nodes). Built once per tree shape
+    (`DecodeStep.tree_tensors`)."""
 
     n_nodes: int
     tree_rows: int  # T
@@ -440,6 +472,7 @@ class TreeTensors:
     head_rows: int  # rows the LM head reads (round_layout)
     rows_used: int  # slots past the root's the round writes, compaction included (round_slots)
     reach: int  # the largest position offset of a row from the root
+    pseudo: tuple[int, int]  # (n + 1, A): the first pseudo row and the pseudo rows a step (live_rows); (0, 0): none
     vis: torch.Tensor  # [N, N] bool: row i sees row j (the tree's ancestors-or-self; the root)
     parent: torch.Tensor  # [N] long: parent row (root and others: 0)
     depth: torch.Tensor  # [N] long: position offset from the root (pseudo (a, i): depth of a + i)
@@ -448,7 +481,7 @@ class TreeTensors:
     path: torch.Tensor  # [N, N] long: rows at positions root.., -1 where none (past the depth, a masked step)
     join_src: torch.Tensor  # [N] long: a pseudo row's anchor row (others 0)
     join_step: torch.Tensor  # [N] long: a pseudo row's step (others 0)
-    prow: torch.Tensor  # [N, max(k, 1)] long: tree row a's pseudo rows of steps 1..k
+    prow: torch.Tensor  # [N, max(k, 1)] long: the pseudo rows tree row a drafts depths 1..k from (anchor_shifts)
 
 
 class DecodeStep:
@@ -534,7 +567,7 @@ class DecodeStep:
     @torch.no_grad()  # (inference only; `attend` writes its GEMMs with out=, which autograd refuses)
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                 path: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, join_src: torch.Tensor | None = None,
-                join_step: torch.Tensor | None = None, head_rows: int | None = None, tree_rows: int = 0
+                join_step: torch.Tensor | None = None, head_rows: int | None = None, pseudo: tuple[int, int] = (0, 0)
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The capturable step. tokens, positions, slots [B, N] (long); start (a long scalar): the first slot of
         this forward, every held slot before it being committed text at the position of its index; the rows'
@@ -543,8 +576,9 @@ class DecodeStep:
         (False: padding); path entries -1 are positions the row does not see. Hidden transfer's fused pass
         (`attach`): join_src, join_step [N]: at block t_i, the rows of step i (join_step == i) take W_i of the
         residual of row join_src. head_rows (a Python int, static): only the first head_rows rows go through
-        the LM head. tree_rows (a Python int, static; 0: none): with hidden transfer's rows, the first
-        tree_rows rows are the tree's, and each block runs the rows present there (`live_rows`). Returns
+        the LM head. pseudo (Python ints, static; (0, 0): none): with hidden transfer's rows, the first pseudo
+        row and the pseudo rows a step (`TreeTensors.pseudo`), and each block runs the rows present there
+        (`live_rows`). Returns
         (logits [B, head_rows or N, V], the final residual before the last norm [B, N, d]).
         Writes the rows' K/V at their slots; `held` is left as it is (what a forward commits is the caller's:
         `decode`, `verify`). No host read, no data-dependent branch. A call depends on the held slots before
@@ -553,7 +587,7 @@ class DecodeStep:
         # row i's key at position start + j sits at the slot of row path[i, j] of this forward
         path_slots = slots.gather(1, path.clamp_min(0).reshape(1, N * N).expand(B, N * N)).view(B, N, N)
         h = self.blocks(tokens, positions, slots, start, torch.where(path >= 0, path_slots, self.none), depth, real,
-                        join_src, join_step, tree_rows=tree_rows)
+                        join_src, join_step, pseudo=pseudo)
         m = self.model
         with self.kernels():
             return m.output(m.norm(h if head_rows is None else h[:, :head_rows])), h
@@ -561,13 +595,13 @@ class DecodeStep:
     @torch.no_grad()
     def blocks(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                path_slots: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, join_src: torch.Tensor | None = None,
-               join_step: torch.Tensor | None = None, *, stop: int | None = None, run=None, tree_rows: int = 0
-               ) -> torch.Tensor:
+               join_step: torch.Tensor | None = None, *, stop: int | None = None, run=None,
+               pseudo: tuple[int, int] = (0, 0)) -> torch.Tensor:
         """`forward`'s blocks, with the rows' keys given by slot: path_slots [B, N, Wp] (long), the slot holding
         row i's key at position start + j for j <= depth[i] (-1: it sees none there), so a row may see keys
         that no row of this forward wrote (a drafter's level reads the levels before it: speculative/static.py).
         stop, run (static): only blocks l < stop with run(l) run (`Transformer.run_blocks`; skipped blocks pass
-        the residual on). tree_rows: `forward`'s. Returns the residual leaving the last block run [B, N, d], before
+        the residual on). pseudo: `forward`'s. Returns the residual leaving the last block run [B, N, d], before
         the final norm."""
         m = self.model
         B, N = tokens.shape
@@ -595,8 +629,8 @@ class DecodeStep:
         # kernel reads each row's keys up to its own position)
         self._rows_state = (m.rope_cos[positions][:, None], m.rope_sin[positions][:, None], keys, kmask, positions,
                             slots, self.batch_ids[:B].expand_as(slots), split, join)
-        self.cur_live = None if join is None or not tree_rows else live_rows(
-            tree_rows, N, self.join_at, m.cfg.n_layers, self.buckets)
+        self.cur_live = None if join is None or not pseudo[1] else live_rows(
+            *pseudo, N, self.join_at, m.cfg.n_layers, self.buckets)
         R = N if self.cur_live is None else self.cur_live[0]
         self._present(R)
         self.cur_start = start  # (the row-attention kernel reads committed text at its own slots)
@@ -751,7 +785,7 @@ class DecodeStep:
         """Hidden transfer (arXiv 2404.12022 sec. 3.4): entering block t_i, the pseudo rows of step i become
         W_i h of their anchor row. Before it they are placeholders that no other row reads (a tree row never
         sees a pseudo row; a pseudo row sees its anchor's earlier steps, which exist wherever it does, as
-        t_1 <= t_2 <= ...), so the static shape costs compute there, not correctness. With `tree_rows` given,
+        t_1 <= t_2 <= ...), so the static shape costs compute there, not correctness. With `pseudo` given,
         the forward runs only the rows present at each block (`live_rows`): here the next bucket's rows join, as
         placeholders (zeros) that the joining steps' rows then fill."""
         grow = self.cur_live is not None and self.cur_live[layer] > h.shape[1]
@@ -794,7 +828,7 @@ class DecodeStep:
     def verify_round(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                      vis: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, real: torch.Tensor,
                      is_node: torch.Tensor, path: torch.Tensor, join_src: torch.Tensor, join_step: torch.Tensor,
-                     prow: torch.Tensor, tree_rows: int = 0, head_rows: int = 0
+                     prow: torch.Tensor, tree_rows: int = 0, head_rows: int = 0, pseudo: tuple[int, int] = (0, 0)
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One speculative round at batch 1, all on the device: the forward over [root, nodes, padding] (and,
         with hidden transfer attached, the pseudo rows of every tree row), the greedy acceptance of the
@@ -802,12 +836,13 @@ class DecodeStep:
         ops/acceptance.py), the compaction of the root and that path to slots start.., and their `held`.
         tree_rows (static): the first T rows are the tree's (the rest, pseudo rows and padding, are never
         accepted); vis, parent and is_node describe them; head_rows (static, >= T): the rows the LM head reads
-        (`round_layout`). Returns (packed [T + 1] = [accepted count a, path tokens (T - 1, the first a real),
-        bonus], path rows [T] (-1 beyond a), logits [1, T, V], hidden [1, N, d], and the next draft's logits
-        [k, V'] from the pseudo rows of the last accepted row, or an empty tensor)."""
+        (`round_layout`); pseudo (static): `TreeTensors.pseudo`. Returns (packed [T + 1] = [accepted count a, path
+        tokens (T - 1, the first a real), bonus], path rows [T] (-1 beyond a), logits [1, T, V], hidden [1, N, d],
+        and the next draft's logits [k, V'] from the pseudo rows the last accepted row drafts from (`prow`), or an
+        empty tensor)."""
         T = tree_rows or tokens.shape[1]
         logits, hidden = self.forward(tokens, positions, slots, start, path, depth, real, join_src, join_step,
-                                      head_rows=head_rows or T, tree_rows=T)
+                                      head_rows=head_rows or T, pseudo=pseudo)
         logits = logits[:, :T]
         target = logits[0].argmax(-1)  # [T]: torch's first-maximum rule, as generate's greedy choice
         # the acceptance (ops/acceptance.py: one kernel where the step runs its kernels, else its PyTorch formula)
@@ -820,7 +855,7 @@ class DecodeStep:
         self.v.index_copy_(3, dst, self.v.index_select(3, src))
         self.held[0].index_copy_(0, dst, keep)
         draft = hidden.new_empty(0)  # (no kernel)
-        if self.transfer is not None:  # the next draft: the pseudo rows of the anchor, the last accepted row
+        if self.transfer is not None:  # the next draft: the pseudo rows of the last accepted row's anchor
 
             anchor_rows = hidden[0].index_select(0, prow.index_select(0, best)[0])  # [k, d]
             draft = head_logits(self.transfer, self.model, self.model.norm(anchor_rows))
@@ -830,14 +865,15 @@ class DecodeStep:
     def bucket_for(self, n: int) -> int:
         return bucket_for(n, self.buckets)
 
-    def _runner(self, kind: str, N: int, tree_rows: int = 0, head_rows: int = 0):
+    def _runner(self, kind: str, N: int, tree_rows: int = 0, head_rows: int = 0, pseudo: tuple[int, int] = (0, 0)):
         """The callable that runs `kind` ("forward" / "decode" / "verify") at bucket N (and, for "verify",
-        with the first `tree_rows` rows the tree's and the LM head over the first `head_rows`), per `graphs`."""
-        key = (kind, N, tree_rows, head_rows, _transfer_key(self.transfer) if kind == "verify" else None)
+        with the first `tree_rows` rows the tree's, the LM head over the first `head_rows`, and hidden transfer's
+        rows laid out as `pseudo` says), per `graphs`."""
+        key = (kind, N, tree_rows, head_rows, pseudo, _transfer_key(self.transfer) if kind == "verify" else None)
         fn = self._runners.get(key)
         if fn is None:
             base = {"forward": self.forward, "decode": self.decode_fn}.get(kind) or functools.partial(
-                self.verify_round, tree_rows=tree_rows, head_rows=head_rows)
+                self.verify_round, tree_rows=tree_rows, head_rows=head_rows, pseudo=pseudo)
             fn = self._runners[key] = self.capture(base)
         return fn
 
@@ -965,13 +1001,17 @@ class DecodeStep:
         the caller can queue the next step before it reads this one's token (`static_stream`)."""
         return self._decode(tokens, pos)[2].clone()
 
-    def tree_tensors(self, parent: Sequence[int], depth: Sequence[int], k: int = 0, masked: bool = False
-                     ) -> TreeTensors:
+    def tree_tensors(self, parent: Sequence[int], depth: Sequence[int], k: int = 0, masked: bool = False,
+                     anchors: Sequence[int] | None = None) -> TreeTensors:
         """The device layout of a tree given by its nodes' parents (-1: the root) and depths, with k steps of
-        hidden transfer's pseudo rows per tree row (`masked`: a pseudo row does not see its earlier steps)."""
+        hidden transfer's pseudo rows for each of the `anchors` (tree rows; None: every one; `masked`: a pseudo
+        row does not see its earlier steps). A row that is no anchor drafts from its anchor (`anchor_shifts`)."""
         n = len(parent)
-        T, N, head_rows = round_layout(n, k, self.buckets)
-        key = ("tree", tuple(parent), k, masked, N)
+        anchors = tuple(range(n + 1)) if anchors is None or not k else tuple(anchors)
+        shifts = anchor_shifts(parent, depth, anchors)
+        A = len(anchors)
+        T, N, head_rows = round_layout(n, k, self.buckets, A)
+        key = ("tree", tuple(parent), k, masked, N, anchors)
         t = self._trees.get(key)
         if t is not None:
             return t
@@ -996,18 +1036,24 @@ class DecodeStep:
         join_src = torch.zeros(N, dtype=torch.long)
         join_step = torch.zeros(N, dtype=torch.long)
         prow = torch.zeros(N, max(k, 1), dtype=torch.long)
+
+        def row(j: int, i: int) -> int:  # anchor j's pseudo row of step i
+            return n + 1 + (i - 1) * A + j
+
         for i in range(1, k + 1):
-            for a in range(n + 1):
-                r = T * i + a
-                real[r], join_src[r], join_step[r], prow[a, i - 1] = True, a, i, r
+            for j, a in enumerate(anchors):
+                r = row(j, i)
+                real[r], join_src[r], join_step[r] = True, a, i
                 da = int(dep[a])
                 dep[r] = da + i
                 path[r] = -1
                 path[r, :da + 1] = path[a, :da + 1]
-                for j in range(1 if not masked else i, i + 1):  # its anchor's earlier steps, then itself
-                    path[r, da + j] = T * j + a
+                for s in range(1 if not masked else i, i + 1):  # its anchor's earlier steps, then itself
+                    path[r, da + s] = row(j, s)
+        for a, (j, delta) in enumerate(shifts if k else ()):
+            prow[a] = torch.tensor([row(j, min(i + delta, k)) for i in range(1, k + 1)])
         dev = self.device
-        t = TreeTensors(n, T, k, head_rows, max(T, T * k + n + 1), int(dep.max()),
+        t = TreeTensors(n, T, k, head_rows, max(T, n + 1 + A * k), int(dep.max()), (n + 1, A) if k else (0, 0),
                         vis.to(dev), parent_t.to(dev), dep.to(dev), real.to(dev), is_node.to(dev), path.to(dev),
                         join_src.to(dev), join_step.to(dev), prow.to(dev))
         if len(self._trees) > 256:  # dynamic trees change every round: keep the memo bounded
@@ -1036,7 +1082,7 @@ class DecodeStep:
         tokens[0, 1:n + 1] = torch.as_tensor(list(nodes), dtype=torch.long)
         positions = (last_pos + tree.depth).masked_fill(~tree.real, 0)[None]
         slots = torch.where(tree.real, start + torch.arange(N, device=dev), self.scratch)[None]
-        packed, rows, logits, hidden, draft = self._runner("verify", N, T, tree.head_rows)(
+        packed, rows, logits, hidden, draft = self._runner("verify", N, T, tree.head_rows, tree.pseudo)(
             tokens.to(dev), positions, slots, self._scalar(start), tree.vis, tree.parent, tree.depth,
             tree.real, tree.is_node, tree.path, tree.join_src, tree.join_step, tree.prow)
         host = packed.tolist()  # the one read of the round

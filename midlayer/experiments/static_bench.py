@@ -142,7 +142,7 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
                  drafts: dict[str, str] | None = None, nodes: int = 24, graphs: Sequence[str] | None = None,
                  new_tokens: int = 128, max_prompts: int = 7, compare_transformers: bool = True,
                  dynamic: bool = True, progress: bool = True, on_table=None, also_nodes: Sequence[int] = (),
-                 eagle_k: int = 4, eagle_depth: int = 0) -> dict:
+                 eagle_k: int = 4, eagle_depth: int = 0, anchors: Sequence[int] = ()) -> dict:
     """The rows of the module docstring, per dtype. `graphs`: the step's modes to time (default: eager and
     cudagraph on CUDA, eager on a CPU); speculative rows run in the last of them. `drafts` (label -> a
     train-draft directory; default EAGLE, Medusa and hidden transfer of drafts/smollm2-135m-scale): EAGLE
@@ -150,7 +150,9 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     first (hidden transfer fused: its pseudo rows ride every verification round); `also_nodes`: every
     drafter also at these tree sizes, in device rounds only (the issue asks for each drafter's best tree, and
     a smaller one may win where a round's cost grows with its rows: hidden transfer's 24-node tree with its
-    3 pseudo blocks is a 128-row round); `eagle_k`, `eagle_depth`: EAGLE-2's tree (`static_methods`). `dynamic`:
+    3 pseudo blocks is a 128-row round); `anchors`: hidden transfer also with pseudo rows for this many rows of
+    its tree only, at every tree size, in device rounds (`HiddenTransferDrafter`'s anchors: a 24-node tree with
+    2 is a 32-row round); `eagle_k`, `eagle_depth`: EAGLE-2's tree (`static_methods`). `dynamic`:
     also time the dynamic engine (`generate`), the path this step replaces on a GPU. `on_table(result,
     dtype)`: called as each dtype's table is done (a run cut short keeps what it finished)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -158,9 +160,11 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
     if bad or not dtypes:
         raise ValueError(f"dtypes: choose from {', '.join(DTYPES)}, got {list(dtypes)}")
     graphs = tuple(graphs or (("eager", "cudagraph") if dev.type == "cuda" else ("eager",)))
-    if new_tokens < 2 or max_prompts < 1 or min((nodes, *also_nodes)) < 1 or eagle_k < 1 or eagle_depth < 0:
-        raise ValueError(f"new_tokens >= 2, max_prompts >= 1, nodes >= 1, eagle_k >= 1, eagle_depth >= 0; got "
-                         f"{new_tokens}, {max_prompts}, {nodes} {tuple(also_nodes)}, {eagle_k}, {eagle_depth}")
+    if (new_tokens < 2 or max_prompts < 1 or min((nodes, *also_nodes)) < 1 or eagle_k < 1 or eagle_depth < 0
+            or min(anchors, default=1) < 1):
+        raise ValueError(f"new_tokens >= 2, max_prompts >= 1, nodes >= 1, eagle_k >= 1, eagle_depth >= 0, anchors "
+                         f">= 1; got {new_tokens}, {max_prompts}, {nodes} {tuple(also_nodes)}, {eagle_k}, "
+                         f"{eagle_depth}, {tuple(anchors)}")
     drafts = DEFAULT_DRAFTS if drafts is None else drafts
     base, tok = load_pretrained(model_name)
     encoded = heldout_chats(tok, max_prompts)
@@ -172,7 +176,8 @@ def bench_static(model_name: str = "smollm2-135m", device: str | None = None, dt
         # (the fp32 original stays on the CPU); fused as `generate` runs a model (quantization.fuse_projections)
         model: Transformer = fuse_projections(copy.deepcopy(base).to(dev, DTYPES[dname]).eval())
         result["tables"][dname] = _bench_dtype(model, dname, drafts, (nodes, *also_nodes), graphs, encoded,
-                                               new_tokens, hf_cpu, dynamic, progress, errors, (eagle_k, eagle_depth))
+                                               new_tokens, hf_cpu, dynamic, progress, errors, (eagle_k, eagle_depth),
+                                               tuple(anchors))
         if on_table is not None:
             on_table(result, dname)
         del model
@@ -190,15 +195,19 @@ def _cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
-def static_methods(model: Transformer, drafts: dict[str, str], nodes: int, eagle_k: int = 4, eagle_depth: int = 0
-                   ) -> dict[str, tuple]:
+def static_methods(model: Transformer, drafts: dict[str, str], nodes: int, eagle_k: int = 4, eagle_depth: int = 0,
+                   anchors: int = 0) -> dict[str, tuple]:
     """label -> (drafter, tree): a drafter with an expansion width (EAGLE) runs EAGLE-2's dynamic tree of `nodes`
     nodes, expanding the `eagle_k` best at each of `eagle_depth` depths (0: as many as its held-out accuracies
-    have, else 5); the others the `nodes` nodes their held-out accuracies rank first (else a 3-chain)."""
+    have, else 5); the others the `nodes` nodes their held-out accuracies rank first (else a 3-chain). With
+    `anchors`, only the drafters with a fused pass (hidden transfer), their pseudo rows for that many rows."""
     dtype = model.tok_embeddings.weight.dtype
     methods = {}
     for label, path in drafts.items():
         drafter, module, meta = load_drafter(path, model, dtype=dtype)
+        if anchors and not drafter.fused:
+            continue
+        drafter.anchors = anchors
         acc = heldout_accuracies(meta, str(path))
         if drafter.dynamic_k is not None:
             drafter.dynamic_k = k = min(eagle_k, nodes)
@@ -216,7 +225,7 @@ def static_methods(model: Transformer, drafts: dict[str, str], nodes: int, eagle
 def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: tuple[int, ...],
                  graphs: tuple[str, ...],
                  encoded: list[list[int]], new_tokens: int, hf_cpu, dynamic: bool, progress: bool,
-                 errors: dict[str, str], eagle: tuple[int, int] = (4, 0)) -> dict:
+                 errors: dict[str, str], eagle: tuple[int, int] = (4, 0), anchors: tuple[int, ...] = ()) -> dict:
     """One dtype's table: the steps and the recipe built and warmed up, every prompt through every row."""
     dev, dtype = model.tok_embeddings.weight.device, DTYPES[dname]
     cfg = GenerationConfig(max_new_tokens=new_tokens)
@@ -224,6 +233,10 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
     for n in dict.fromkeys(sizes):  # (a size that gives a tree already listed, e.g. a fallback chain, adds none)
         for label, (drafter, tree) in static_methods(model, drafts, n, *eagle).items():
             methods.setdefault(f"{label} ({len(tree)}-node tree)", (drafter, tree, n == sizes[0]))
+        for a in anchors:  # (hidden transfer's pseudo rows for `a` of the tree's rows; device rounds only)
+            for label, (drafter, tree) in static_methods(model, drafts, n, *eagle, anchors=a).items():
+                if a <= len(tree):
+                    methods.setdefault(f"{label} ({len(tree)}-node tree, {a} anchors)", (drafter, tree, False))
     # the committed text, then the largest round of any drafter under any bucket set the probe may choose
     rounds = [any_round_slots(len(t), fused_steps(d)) for d, t, _ in methods.values()]
     max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])

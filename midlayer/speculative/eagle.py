@@ -544,7 +544,7 @@ class EagleRounds:
         self.d, self.step = drafter, step
         self.k, self.D = k, D = drafter.dynamic_k, tree.max_depth
         self.dynamic = k > 0
-        self.reach = D
+        self.reach, self.pseudo = D, (0, 0)  # (no hidden-transfer rows)
         self.ctx = step.max_len
         dev = step.device
         if self.dynamic:

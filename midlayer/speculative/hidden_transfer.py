@@ -82,6 +82,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from midlayer.engine.decode_step import anchor_shifts
 from midlayer.engine.draft_vocab import draft_vocab, head_logits, restrict_logits, to_token_ids
 from midlayer.engine.generate import forward_cached, JoinedRows
 from midlayer.model.attention import window_mask
@@ -109,18 +110,22 @@ def visible(q_anchor: torch.Tensor, q_step: torch.Tensor, k_anchor: torch.Tensor
     return real_key | same_anchor
 
 
-def tree_visible(ancestor: torch.Tensor, k: int, masked: bool) -> torch.Tensor:
-    """`visible` for the fused verify-and-draft pass over a draft tree: bool [R, R], R = N(1 + k).
+def tree_visible(ancestor: torch.Tensor, k: int, masked: bool, anchors: torch.Tensor | None = None) -> torch.Tensor:
+    """`visible` for the fused verify-and-draft pass over a draft tree: bool [R, R], R = N + A k.
 
     Rows: the N tree rows (root = 0, then the nodes in tree order) followed by the pseudo rows of step 1
-    for anchors 0..N-1, then step 2, ... (row N*i + a is (anchor a, step i)). ancestor [N, N]: [a, b] True
-    iff row b is row a or one of its ancestors (the root is everyone's). This is `visible` with "real key
-    at a position <= the anchor" read as "real key on the anchor's root path": along a chain the two are
-    the same rule (tested), and in a tree a node's path is exactly the real context it stands on."""
+    for the A anchors (tree rows, `anchors`; None: all N), then step 2, ... (row N + (i - 1) A + j is (anchor j,
+    step i)). ancestor [N, N]: [a, b] True iff row b is row a or one of its ancestors (the root is
+    everyone's). This is `visible` with "real key at a position <= the anchor" read as "real key on the
+    anchor's root path": along a chain the two are the same rule (tested), and in a tree a node's path is
+    exactly the real context it stands on."""
     N = ancestor.shape[0]
     dev = ancestor.device
-    anchor = torch.arange(N, device=dev).repeat(k + 1)
-    step = torch.arange(k + 1, device=dev).repeat_interleave(N)
+    rows = torch.arange(N, device=dev) if anchors is None else anchors.to(dev)
+    A = rows.shape[0]
+    anchor = torch.cat([torch.arange(N, device=dev), rows.repeat(k)])
+    step = torch.cat([torch.zeros(N, dtype=torch.long, device=dev),
+                      torch.arange(1, k + 1, device=dev).repeat_interleave(A)])
     qa, qs, ka, ks = anchor[:, None], step[:, None], anchor[None, :], step[None, :]
     real_key = (ks == 0) & ancestor[qa, ka]
     earlier = torch.zeros_like(real_key) if masked else ks < qs
@@ -450,17 +455,50 @@ class HiddenTransferDrafter(Drafter):
     anchor that verification actually stops at are the next draft; only the first round, right after the
     prefill, drafts with a separate partial forward (`pseudo_logits_cached`). fused=False drafts every
     round with that separate forward. Both see the same mask, so they propose the same tokens (tested).
+
+    anchors = m >= 1 (fused only; 0: every tree row): only the root and the m - 1 rows where the accepted path
+    most likely ends (`DraftTree.likeliest_ends`, from `acc`, the draft's held-out accuracies, or without them
+    the prior `PRIOR_ACC`) carry pseudo rows. A round that ends elsewhere drafts from its deepest anchor's later
+    steps (`decode_step.anchor_shifts`): fewer rows a round (3 per anchor for k = 3), a weaker draft after
+    such a round. Any draft is verified, so the output is the same.
     """
 
+    # (a rank's accuracy halving with the rank: the guess behind the anchors when the draft gives none)
+    PRIOR_ACC = [[0.5 ** (r + 1) for r in range(8)]] * 8
+
     def __init__(self, model: Transformer, transfer: HiddenTransfer, topk_per_depth: Sequence[int] | None = None,
-                 fused: bool = True) -> None:
+                 fused: bool = True, anchors: int = 0, acc: Sequence[Sequence[float]] | None = None) -> None:
+        if anchors < 0 or (anchors and not fused):
+            raise ValueError(f"anchors must be 0 (every tree row) or a count >= 1 of a fused drafter's, got {anchors}")
         transfer.check_model(model)
         self.model, self.transfer = model, transfer.to(model_device(model)).eval()
         self.topk_per_depth = None if topk_per_depth is None else [int(k) for k in topk_per_depth]
         self.hidden_layers = tuple(sorted(set(transfer.layers)))  # what speculative_generate captures for us
         self.last_logits: torch.Tensor | None = None  # the last round's pseudo logits (for analysis)
         self.fused = bool(fused)
+        self.anchors, self.acc = int(anchors), acc
         self._mask_memo: dict[tuple, torch.Tensor] = {}
+        self._anchor_memo: dict[tuple, Any] = {}
+
+    def anchor_rows(self, tree: DraftTree) -> tuple[int, ...] | None:
+        """The tree rows whose pseudo rows ride a round (`anchors`), or None: every row."""
+        if not self.anchors or self.anchors > len(tree):
+            return None
+        key = (tree, self.anchors)
+        if key not in self._anchor_memo:  # (asked every round)
+            self._anchor_memo[key] = tree.likeliest_ends(self.acc or self.PRIOR_ACC, self.anchors)
+        return self._anchor_memo[key]
+
+    def _shifts(self, tree: DraftTree, anchors: tuple[int, ...]) -> list[tuple[int, int]]:
+        key = ("shifts", tree, anchors)
+        if key not in self._anchor_memo:
+            self._anchor_memo[key] = anchor_shifts(tree.parent.tolist(), tree.depth.tolist(), anchors)
+        return self._anchor_memo[key]
+
+    def _per_step(self, tree: DraftTree) -> int:
+        """Pseudo rows a step in a round on `tree`."""
+        anchors = self.anchor_rows(tree)
+        return len(tree) + 1 if anchors is None else len(anchors)
 
     @property
     def static_step(self) -> bool:
@@ -478,7 +516,7 @@ class HiddenTransferDrafter(Drafter):
         return TopkTreeDraft(step, tree, candidate_counts(tree, self.topk_per_depth), draft_vocab(self.transfer),
                              lambda logits: logits, lambda packed, rows, hidden, draft: (draft,),
                              lambda tokens, hidden, dl: (dl,) if dl is not None and dl.shape[0] >= D else None,
-                             k_steps=self.transfer.k, masked=self.transfer.masked)
+                             k_steps=self.transfer.k, masked=self.transfer.masked, anchors=self.anchor_rows(tree))
 
     def draft_steps(self) -> int:
         return self.transfer.k
@@ -488,8 +526,8 @@ class HiddenTransferDrafter(Drafter):
         N = len(tree) + 1
         if not self.fused:
             return ([N] * n_layers, N)
-        layers, k = self.transfer.layers, self.transfer.k
-        return ([N + N * sum(1 for t in layers[:k] if t <= b) for b in range(n_layers)], N)
+        layers, k, A = self.transfer.layers, self.transfer.k, self._per_step(tree)
+        return ([N + A * sum(1 for t in layers[:k] if t <= b) for b in range(n_layers)], N)
 
     def draft_forwards(self, tree: DraftTree, n_layers: int) -> list[Forward]:
         """Fused: the LM head reads the k rows of the accepted anchor on the draft vocabulary (`fused_draft`).
@@ -502,37 +540,46 @@ class HiddenTransferDrafter(Drafter):
 
     # ------------------------------------------------------------------------------ fused pass
     def extra_slots(self, tree: DraftTree) -> int:
-        return (len(tree) + 1) * self.transfer.k
+        return self._per_step(tree) * self.transfer.k
 
     def fused_rows(self, tree: DraftTree, last_pos: int, start: int
                    ) -> tuple[JoinedRows, torch.Tensor, torch.Tensor] | None:
-        """JoinedRows (W_i of every tree row at block t_i), their positions and the tree+pseudo mask."""
+        """JoinedRows (W_i of every anchor at block t_i), their positions and the tree+pseudo mask."""
         N, k = len(tree) + 1, self.transfer.k
         # Pseudo positions reach last_pos + depth + k: stay inside the RoPE table / context.
         k = min(k, self.model.cfg.max_seq_len - 1 - last_pos - tree.max_depth)
         if k < 1:
             return None
-        depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])  # [N], root at depth 0
+        anchors = self.anchor_rows(tree)
+        rows = torch.arange(N) if anchors is None else torch.tensor(anchors)
+        depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])[rows]  # root at depth 0
         positions = torch.cat([last_pos + depth + i for i in range(1, k + 1)])  # step-major, like the rows
-        block = self._mask_memo.get((tree, k))  # the tree + pseudo block depends on the tree only
+        block = self._mask_memo.get((tree, k, anchors))  # the tree + pseudo block depends on the tree only
         if block is None:
             anc = torch.ones(N, N, dtype=torch.bool)
             anc[0, 1:] = False
             anc[1:, 1:] = tree.ancestor_mask
-            block = self._mask_memo[(tree, k)] = additive_mask(tree_visible(anc, k, self.transfer.masked))
+            block = self._mask_memo[(tree, k, anchors)] = additive_mask(
+                tree_visible(anc, k, self.transfer.masked, None if anchors is None else rows))
         extra = torch.cat([block.new_zeros(block.shape[0], start), block], 1)[None, None]  # + every context key
         # The tree rows are the first N rows present at every block.
-        at = {t: (lambda h, steps=steps: torch.cat([self.transfer.transfer(h[:, :N], i) for i in steps], 1))
+        pick = (lambda h: h[:, :N]) if anchors is None else (lambda h: h.index_select(1, rows.to(h.device)))
+        at = {t: (lambda h, steps=steps: torch.cat([self.transfer.transfer(pick(h), i) for i in steps], 1))
               for t, steps in self.transfer.steps_at(k).items()}
-        return JoinedRows(at, N * k), positions, extra.to(model_device(self.model))
+        return JoinedRows(at, rows.numel() * k), positions, extra.to(model_device(self.model))
 
     def fused_draft(self, join_hidden: torch.Tensor, tree: DraftTree, anchor_row: int) -> torch.Tensor:
-        """Rows (anchor_row, step 1..k) of the joined rows' final residuals [N*k, d] -> their logits [k, V']
-        (V': the draft vocabulary's tokens, or all). Only these k rows are decoded: the LM head over all N*k
-        pseudo rows was most of the fused pass's cost beyond verification (docs/results/hidden-transfer-cpu.md,
-        28th session)."""
-        N = len(tree) + 1
-        rows = join_hidden.reshape(-1, N, join_hidden.shape[-1])[:, anchor_row]
+        """The pseudo rows the round's last accepted row `anchor_row` drafts from (its own steps 1..k, or its
+        anchor's, `anchor_shifts`) of the joined rows' final residuals [A*k, d] -> their logits [k, V'] (V': the
+        draft vocabulary's tokens, or all). Only these k rows are decoded: the LM head over all A*k pseudo rows
+        was most of the fused pass's cost beyond verification (docs/results/hidden-transfer-cpu.md, 28th
+        session)."""
+        anchors = self.anchor_rows(tree)
+        A = len(tree) + 1 if anchors is None else len(anchors)
+        joined = join_hidden.reshape(-1, A, join_hidden.shape[-1])  # [k, A, d]
+        k = joined.shape[0]
+        j, delta = (anchor_row, 0) if anchors is None else self._shifts(tree, anchors)[anchor_row]
+        rows = joined[[min(i + delta, k) - 1 for i in range(1, k + 1)], j]
         return head_logits(self.transfer, self.model, self.model.norm(rows))
 
     def pseudo_logits(self, ctx: DraftContext, n_steps: int | None = None) -> torch.Tensor:

@@ -102,6 +102,8 @@ class Drafter(Protocol):
     - `fused`: None for a drafter without a fused pass; True / False for one that has it (hidden transfer):
       when True it also implements `FusedDrafter` and its next draft rides the verification forward.
     - `dynamic_k`: an EAGLE-2 style expansion width, None where the drafter has none (part of the cost key).
+    - `anchors`: the tree rows a round carries hidden transfer's pseudo rows for (its fused pass), 0: every
+      row (part of the cost key, and of a step's device rounds).
     - `draft_steps()`: the depth it drafts at most (k heads or steps), None if unbounded.
     - `verify_forward(tree, n_layers)` and `draft_forwards(tree, n_layers)`: the forwards one round runs, as
       the cost model's `Forward` tuples (rows per block, head rows[, share of the head read]): the
@@ -114,6 +116,7 @@ class Drafter(Protocol):
     reads_cache: bool = False
     fused: bool | None = None
     dynamic_k: int | None = None
+    anchors: int = 0
 
     def propose(self, ctx: DraftContext) -> Sequence[Sequence[int]] | Draft: ...
 

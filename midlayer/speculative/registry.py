@@ -291,7 +291,10 @@ def load_drafter(path: str | Path, model: Transformer, base_name: str | None = N
     module.eval()
     if dtype is not None:
         module.to(dtype)
-    return KINDS[module.KIND][1](model, module, **kw), module, meta
+    drafter = KINDS[module.KIND][1](model, module, **kw)
+    if isinstance(drafter, HiddenTransferDrafter):  # (its anchors are the rows its accuracies rank likeliest)
+        drafter.acc = heldout_accuracies(meta, str(path))
+    return drafter, module, meta
 
 
 # the longest chain an autoregressive drafter (EAGLE, early exit, layer skip) drafts in a continuous batch (each

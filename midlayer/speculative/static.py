@@ -126,7 +126,8 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
         nodes, _ = draft_node_tokens(draft, t)
         # pseudo positions reach the root's + depth + k: inside the context, or no pseudo rows this round
         steps = k if len(tokens) - 1 + t.max_depth + k < model.cfg.max_seq_len else 0
-        tt = st.tree_tensors(t.parent.tolist(), t.depth.tolist(), steps, masked)
+        tt = st.tree_tensors(t.parent.tolist(), t.depth.tolist(), steps, masked,
+                             drafter.anchor_rows(t) if fused else None)
         accepted, bonus, _, logits, hidden, draft_logits = st.verify(tokens[-1], nodes.tolist(), tt, len(tokens) - 1,
                                                                      len(tokens) - 1)
         tokens += accepted + [bonus]
@@ -139,8 +140,9 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
 class DeviceDraft(Protocol):
     """What a drafter gives `DeviceRounds` (its `device_draft(step, tree)`): a draft made on the device.
 
-    `tree_rows`, `head_rows`: the round's layout (`round_layout`); `reach`: how far past the root a round's
-    positions go (its depth, plus hidden transfer's pseudo steps). `first(tokens, hidden, draft_logits)`
+    `tree_rows`, `head_rows`: the round's layout (`round_layout`); `pseudo`: its hidden-transfer rows
+    (`TreeTensors.pseudo`; (0, 0): none); `reach`: how far past the root a round's positions go (its depth,
+    plus hidden transfer's pseudo steps). `first(tokens, hidden, draft_logits)`
     (eager, once): what the first device round drafts from, given the host loop's state after the prefill or
     a round (hidden: the final residuals of the rows committed last, draft_logits: hidden transfer's), or
     None when that is not enough yet (the host loop runs one more round). `draft(root, last_pos, *carry)`
@@ -149,6 +151,7 @@ class DeviceDraft(Protocol):
 
     tree_rows: int
     head_rows: int
+    pseudo: tuple[int, int]
     reach: int
 
     def first(self, tokens: list[int], hidden: torch.Tensor, draft_logits: torch.Tensor | None
@@ -180,13 +183,15 @@ class TopkTreeDraft:
     rows): node (r_1..r_d) takes the rank-r_d candidate of depth d (`tree.candidates_from_topk`), the top-k
     of `drafting.topk_lists` gathered by index tensors. `logits_of(*carry)` gives the [depth, V'] logits,
     `carry_after(packed, rows, hidden, draft)` the next carry; `start(tokens, hidden, draft_logits)` the
-    first carry or None. `need`: the candidates per depth the host path takes (the same top-k call)."""
+    first carry or None. `need`: the candidates per depth the host path takes (the same top-k call). k_steps,
+    masked, anchors: hidden transfer's pseudo rows (`DecodeStep.tree_tensors`)."""
 
     def __init__(self, step: DecodeStep, tree: DraftTree, need: Sequence[int], vocab: torch.Tensor | None,
-                 logits_of, carry_after, start, k_steps: int = 0, masked: bool = False) -> None:
-        self.layout = step.tree_tensors(tree.parent.tolist(), tree.depth.tolist(), k_steps, masked)
+                 logits_of, carry_after, start, k_steps: int = 0, masked: bool = False,
+                 anchors: Sequence[int] | None = None) -> None:
+        self.layout = step.tree_tensors(tree.parent.tolist(), tree.depth.tolist(), k_steps, masked, anchors)
         self.fields = tree_fields(self.layout)
-        self.tree_rows, self.head_rows = self.layout.tree_rows, self.layout.head_rows
+        self.tree_rows, self.head_rows, self.pseudo = self.layout.tree_rows, self.layout.head_rows, self.layout.pseudo
         self.reach = self.layout.reach
         self.D, self.kmax, self.vocab = tree.max_depth, max(need), vocab
         dev = step.device
@@ -223,6 +228,7 @@ class LevelTreeDraft:
         self.layout = step.tree_tensors(tree.parent.tolist(), tree.depth.tolist())
         self.fields = tree_fields(self.layout)
         self.tree_rows, self.head_rows, self.reach = self.layout.tree_rows, self.layout.head_rows, self.layout.reach
+        self.pseudo = self.layout.pseudo
         self.step, self.stop, self.run, self.head, self.vocab = step, stop, run, head, vocab
         D, dev = tree.max_depth, step.device
         path = self.layout.path.cpu()
@@ -288,7 +294,8 @@ class DeviceRounds:
         if make is None:
             return None
         memo = step.device_rounds
-        key = (id(drafter), tree.paths, drafter.dynamic_k)  # (an EAGLE drafter's width may be set between calls)
+        # (an EAGLE drafter's width, hidden transfer's anchors may be set between calls)
+        key = (id(drafter), tree.paths, drafter.dynamic_k, drafter.anchors)
         hit = memo.get(key)
         if hit is None or hit[0] is not drafter:
             draft = make(step, tree)
@@ -312,7 +319,8 @@ class DeviceRounds:
         positions = torch.where(real, last_pos + depth, st.zero)[None]
         slots = torch.where(real, last_pos + st.row_ids[:N], st.scratch_at)[None]
         packed, rows, _, hidden, draft = st.verify_round(tokens, positions, slots, last_pos, *fields,
-                                                         tree_rows=dd.tree_rows, head_rows=dd.head_rows)
+                                                         tree_rows=dd.tree_rows, head_rows=dd.head_rows,
+                                                         pseudo=dd.pseudo)
         nxt = last_pos + packed[0]
         return (packed, packed[-1], nxt + 1, *dd.after(packed, rows, hidden, draft, last_pos))
 

@@ -197,6 +197,34 @@ class DraftTree:
             memo[key] = self if len(keep) == len(self) else DraftTree(keep)
         return memo[key]
 
+    def end_probabilities(self, acc: Sequence[Sequence[float]]) -> list[float]:
+        """P(a round's accepted path ends at row r), r = 0 the root and i + 1 node i, under
+        `greedy_from_accuracies`' model (depths independent; acc[d][r] the rank-r candidate's accuracy at depth
+        d + 1; a rank or depth past acc counts 0): the path to r is accepted and none of r's children is. At
+        most one child can be (one token is the base's), so
+
+            P(end = r) = P(r accepted) (1 - sum over r's children c of acc[depth(c) - 1][rank(c)]).
+
+        They sum to 1 over the rows."""
+        def a(d: int, r: int) -> float:
+            return acc[d][r] if d < len(acc) and r < len(acc[d]) else 0.0
+
+        reach = [1.0]  # P(row accepted), the root's 1
+        for p in self.paths:
+            reach.append(reach[self.parent[len(reach) - 1].item() + 1] * a(len(p) - 1, p[-1]))
+        return [reach[r] * (1.0 - sum(a(len(self.paths[c - 1]) - 1, self.paths[c - 1][-1])
+                                      for c in self._children[r])) for r in range(len(self) + 1)]
+
+    def likeliest_ends(self, acc: Sequence[Sequence[float]], m: int) -> tuple[int, ...]:
+        """The root and the m - 1 other rows where a round's accepted path most likely ends
+        (`end_probabilities`; ties: the earlier row), sorted: hidden transfer's anchors when only m rows of a
+        round carry pseudo rows (`decode_step.anchor_shifts`)."""
+        if m < 1:
+            raise ValueError(f"anchors: at least the root (m >= 1), got {m}")
+        p = self.end_probabilities(acc)
+        rest = sorted(range(1, len(p)), key=lambda r: (-p[r], r))[:m - 1]
+        return tuple(sorted([0, *rest]))
+
     def verify_mask(self, start: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Additive extra_mask [1, 1, n+1, start+n+1] for `forward_cached` over [root, nodes] written at slots
         start..start+n: every row sees all committed slots < start; among the new rows a node sees only its

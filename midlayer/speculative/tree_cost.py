@@ -435,7 +435,7 @@ def drafter_key(drafter: object, draft_dir: str | Path | None = None) -> str:
             pass
     h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16] if arch else ""
     return (f"{type(drafter).__name__}|{h}|dynamic_k={drafter.dynamic_k}"
-            f"|fused={drafter.fused}")
+            f"|fused={drafter.fused}" + (f"|anchors={drafter.anchors}" if drafter.anchors else ""))
 
 
 def cached_overhead(model, drafter: object, costs: RowCosts, prompt_ids: Sequence[int], key: str, *,
