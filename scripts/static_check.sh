@@ -47,8 +47,11 @@ PYBIN=${PYBIN:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/static-check}
 PART=62000000  # bytes of the GGUF in call 1 (the tree, ~4.2 MB, travels with each call: 64 MiB in all)
-BENCH_S=${BENCH_S:-230}
+BENCH_S=${BENCH_S:-260}  # (run 5's bench took 164 s of 230; the anchors' rows add 3 a dtype since the 65th session)
 ALSO_NODES=${ALSO_NODES:-12,4}  # every drafter also at these tree sizes (device rounds): its best tree
+# hidden transfer also with pseudo rows for the root and the ANCHORS - 1 likeliest ends of its tree only, at every
+# tree size (65th session; a 24-node round of 128 rows becomes one of 32 with 2): e.g. ANCHORS=2,4 for two counts
+ANCHORS=${ANCHORS:-2}
 # EAGLE-2's tree: k expanded a depth, and its depth (0: the draft's, 3). On the CPU (46th session, SmolLM2 fp32, 4
 # held-out prompts) k = 8 at depth 4 raised tau from 3.12 to 3.46 (24 nodes) for 31 more kernels a round: a rerun
 # may try EAGLE_K=8 EAGLE_DEPTH=4
@@ -171,7 +174,7 @@ run)
   # the eager step, measured in docs/results), bf16 then fp32; the dynamic engine's row is left out (issue 42's
   # table has it)
   timeout "$BENCH_S" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
-    --graphs "${GRAPHS:-cudagraph}" --no-dynamic --dtypes "$DTYPES" --also-nodes "$ALSO_NODES" \
+    --graphs "${GRAPHS:-cudagraph}" --no-dynamic --dtypes "$DTYPES" --also-nodes "$ALSO_NODES" --anchors "$ANCHORS" \
     --eagle-k "$EAGLE_K" --eagle-depth "$EAGLE_DEPTH" \
     --drafts "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer" \
     --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
