@@ -98,6 +98,50 @@ def test_expected_tokens_hand_computation():
     assert tc.expected_tokens(DraftTree.chain(3), [[0.5]]) == pytest.approx(1.875)
 
 
+def test_expected_tokens_with_anchors_by_hand():
+    """A chain of 2 with pseudo rows for the root only: a round that ends at depth delta drafts depth j from the
+    root's step j + delta. delta 0: ends at the root, row 1, row 2 with .5, .5 x .6, .5 x .4, 1.7 tokens; delta
+    1 (depth 1 as accurate as depth 2, depth 2 never): .6, .4, 1.4 tokens; delta 2: 1 token. The chain over
+    delta stays at pi = (1, .5, .2) / 1.7, so a round makes (1.7 + .7 + .2) / 1.7 tokens. Every row an anchor:
+    the formula without anchors."""
+    acc = [[0.5], [0.4]]
+    chain = DraftTree.chain(2)
+    assert tc.expected_tokens(chain, acc, (0,)) == pytest.approx(2.6 / 1.7)
+    assert tc.expected_tokens(chain, acc, (0, 1, 2)) == pytest.approx(tc.expected_tokens(chain, acc)) == 1.7
+    tree = DraftTree.greedy_from_accuracies(ACC, 6)
+    assert tc.expected_tokens(tree, ACC, range(7)) == pytest.approx(tc.expected_tokens(tree, ACC))
+    assert tc.expected_tokens(tree, ACC, (0, 1)) < tc.expected_tokens(tree, ACC, (0, 1, 3)) < tc.expected_tokens(
+        tree, ACC)
+
+
+def test_auto_prices_hidden_transfers_anchors_and_takes_the_count_it_chose():
+    """`auto` also prices a hidden-transfer tree with pseudo rows for 1, 2, 4, ... of its rows (the rows each
+    forward then runs), and sets the drafter's anchors to the chosen count. Rows dear (a forward's cost grows with
+    its rows): fewer anchors win; rows free: every row's (anchors 0). A drafter without a fused pass is priced as
+    before, one row per tree size. A static tree asked for afterwards carries every row's pseudo rows again."""
+    model = make_tiny(TINY, False)
+    ht = HiddenTransferDrafter(model, HiddenTransfer(D, [1, 2, 2]))
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2], [0.4]]
+    dear = tc.RowCosts(rows=(1, 64), total_ms=(10.0, 22.6), head_ms=(0.0, 0.0), n_layers=4)  # 0.2 ms a row
+    tree, table = tc.auto_tree(model, ht, acc, dear, max_nodes=12)
+    chosen = [r for r in table if r.get("chosen")]
+    assert len(chosen) == 1 and chosen[0]["nodes"] == len(tree) and chosen[0]["anchors"] == ht.anchors >= 1
+    assert {r["anchors"] for r in table if r["nodes"] == 12} == {0, 1, 2, 4, 8}
+    row = next(r for r in table if r["nodes"] == 12 and r["anchors"] == 2)
+    twelve = DraftTree.greedy_from_accuracies(acc, 12)
+    assert row["tokens"] == pytest.approx(tc.expected_tokens(twelve, acc, twelve.likeliest_ends(acc, 2)))
+    priced = HiddenTransferDrafter(model, HiddenTransfer(D, [1, 2, 2]), anchors=2)
+    assert row["ms"] == pytest.approx(tc.round_ms(dear, priced, twelve))
+    assert "| 12 | 3 | 2 |" in tc.table_text(table, tree) and tc.table_text(table, tree).count("**<-**") == 1
+    free = tc.RowCosts(rows=(1, 64), total_ms=(10.0, 10.0), head_ms=(0.0, 0.0), n_layers=4)
+    assert tc.auto_tree(model, ht, acc, free, max_nodes=12)[1] and ht.anchors == 0
+    medusa = MedusaDrafter(model, MedusaHeads(D, 3))
+    assert all(r["anchors"] == 0 for r in tc.auto_tree(model, medusa, acc, dear, max_nodes=12)[1])
+    ht.anchors = 4
+    tc.select_tree(model, ht, acc, "sparse:6", model_name="tiny", weights="fp32", prompt_ids=[1, 2, 3])
+    assert ht.anchors == 0
+
+
 def test_choose_tree_finds_the_known_optimum():
     # verification only (an unknown drafter drafts for free): round = total(n + 1) = 10 + 2 (n + 1) ms.
     # By hand: n=0 1/12, n=1 1.9/14, n=2 2.62/16, n=3 3.124/18 = 0.1736 (best), n=4 adds (1,) 0.05: 3.174/20.

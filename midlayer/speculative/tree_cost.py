@@ -40,6 +40,7 @@ its own predicted features but the true tokens above (draft_training.heldout_met
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import statistics
@@ -52,6 +53,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from midlayer.common import atomic_write, cache_dir, device_sync
+from midlayer.engine.decode_step import anchor_shifts
 from midlayer.engine.draft_vocab import draft_vocab
 from midlayer.engine.generate import forward_cached, generate_stream, GenerationConfig
 from midlayer.model.kv_cache import KVCache, kv_dtype
@@ -241,9 +243,18 @@ def split_excess(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
 
 # ================================================================================== choosing the tree
-def expected_tokens(tree: DraftTree, acc: Sequence[Sequence[float]]) -> float:
+def expected_tokens(tree: DraftTree, acc: Sequence[Sequence[float]], anchors: Sequence[int] | None = None) -> float:
     """1 + sum over nodes of prod_d acc[d-1][r_d]; ranks or depths beyond acc count as never accepted,
-    and an autoregressive draft's single row is used at every depth (module docstring)."""
+    and an autoregressive draft's single row is used at every depth (module docstring).
+
+    `anchors` (hidden transfer's pseudo rows for these tree rows only, `decode_step.anchor_shifts`): a round
+    that ended `delta` depths below its anchor drafts depth j from the anchor's step j + delta, as accurate as
+    the draft's depth j + delta (never, past the last), and where that round ends sets the next one's delta.
+    The tokens a round are then the mean of each delta's, E_delta = sum over rows r of P_delta(end = r)
+    (depth(r) + 1) (`DraftTree.end_probabilities`), weighted by the chain's stationary distribution over delta
+    (power iteration from delta = 0). Every row an anchor: the formula above."""
+    if anchors is not None:
+        return _anchored_tokens(tree, acc, anchors)
     total = 1.0
     for path in tree.paths:
         p = 1.0
@@ -254,11 +265,37 @@ def expected_tokens(tree: DraftTree, acc: Sequence[Sequence[float]]) -> float:
     return total
 
 
+def _anchored_tokens(tree: DraftTree, acc: Sequence[Sequence[float]], anchors: Sequence[int]) -> float:
+    """`expected_tokens` with anchors (its docstring)."""
+    shifts = [delta for _, delta in anchor_shifts(tree.parent.tolist(), tree.depth.tolist(), anchors)]
+    D = max(shifts) + 1
+    ends = [tree.end_probabilities([acc[j + d] if j + d < len(acc) else [] for j in range(len(acc))])
+            for d in range(D)]  # P(end = r | the round's delta is d)
+    depth = [0] + tree.depth.tolist()
+    tokens = [sum(p * (depth[r] + 1) for r, p in enumerate(e)) for e in ends]
+    pi = [1.0] + [0.0] * (D - 1)
+    for _ in range(200):
+        nxt = [0.0] * D
+        for d in range(D):
+            for r, p in enumerate(ends[d]):
+                nxt[shifts[r]] += pi[d] * p
+        pi = nxt
+    return sum(w * t for w, t in zip(pi, tokens))
+
+
+# hidden transfer's anchor counts `auto` tries beside every row (`choose_tree`'s anchor_cost)
+ANCHOR_COUNTS = (1, 2, 4, 8, 16)
+
+
 def choose_tree(acc: Sequence[Sequence[float]], round_cost: Callable[[DraftTree], float], max_nodes: int = 64,
-                max_depth: int | None = None) -> tuple[DraftTree, list[dict]]:
+                max_depth: int | None = None, anchor_cost: Callable[[DraftTree, int], float] | None = None
+                ) -> tuple[DraftTree, list[dict]]:
     """The tree of highest expected tokens per ms among `greedy_from_accuracies(acc', n)` for n = 0..max_nodes
     (acc' = acc repeated down to max_depth when it has fewer rows: autoregressive drafters). Returns
-    (tree, table) with one row {nodes, depth, tokens, ms, tok_per_s} per candidate."""
+    (tree, table) with one row {nodes, depth, anchors, tokens, ms, tok_per_s} per candidate, the chosen one's
+    with chosen=True. With `anchor_cost(tree, m)` (hidden transfer's fused pass), each tree is also priced with
+    pseudo rows for m of its rows only, m in ANCHOR_COUNTS below its rows (`DraftTree.likeliest_ends`; anchors
+    0: every row)."""
     if not acc:
         raise ValueError("choose_tree needs held-out per-rank accuracies (acc[d][r]) of the draft")
     depth = max_depth if max_depth is not None else len(acc)
@@ -268,11 +305,18 @@ def choose_tree(acc: Sequence[Sequence[float]], round_cost: Callable[[DraftTree]
         tree = DraftTree.greedy_from_accuracies(full, n)
         if len(tree) < n:
             break  # every path of the accuracy table is already in: nothing new beyond here
-        tokens, ms = expected_tokens(tree, full), round_cost(tree)
-        row = dict(nodes=len(tree), depth=tree.max_depth, tokens=tokens, ms=ms, tok_per_s=1e3 * tokens / ms)
-        table.append(row)
-        if best is None or row["tok_per_s"] > best[1]["tok_per_s"]:
-            best = (tree, row)
+        counts = [m for m in ANCHOR_COUNTS if m <= n] if anchor_cost is not None else []
+        for m in [0, *counts]:
+            if m:
+                tokens, ms = expected_tokens(tree, full, tree.likeliest_ends(full, m)), anchor_cost(tree, m)
+            else:
+                tokens, ms = expected_tokens(tree, full), round_cost(tree)
+            row = dict(nodes=len(tree), depth=tree.max_depth, anchors=m, tokens=tokens, ms=ms,
+                       tok_per_s=1e3 * tokens / ms)
+            table.append(row)
+            if best is None or row["tok_per_s"] > best[1]["tok_per_s"]:
+                best = (tree, row)
+    best[1]["chosen"] = True
     return best[0], table
 
 
@@ -280,12 +324,23 @@ def auto_tree(model, drafter: object, acc: Sequence[Sequence[float]], costs: Row
               max_depth: int | None = None, overhead: Overhead | None = None) -> tuple[DraftTree, list[dict]]:
     """`choose_tree` with the round cost of `drafter` on `model` from the measured `costs` (and `overhead`,
     `measure_overhead`, when given); depth limited to what the drafter can draft (hidden transfer and
-    Medusa: k steps)."""
+    Medusa: k steps). A drafter with a fused pass (hidden transfer) is priced with fewer anchors too, and
+    takes the chosen count (its `anchors`, 0: every row)."""
     k = drafter.draft_steps()
     depth = min(x for x in (max_depth, k) if x is not None) if (max_depth or k) else None
     # a round's root and nodes after at least one token of text: no larger tree ever fits the context
     max_nodes = max(1, min(max_nodes, model.cfg.max_seq_len - 2))
-    return choose_tree(acc, lambda t: total_round_ms(costs, drafter, t, overhead), max_nodes, depth)
+
+    def anchored(tree: DraftTree, m: int) -> float:  # (a copy of the drafter with m anchors prices their rows)
+        priced = copy.copy(drafter)
+        priced.anchors = m
+        return total_round_ms(costs, priced, tree, overhead)
+
+    tree, table = choose_tree(acc, lambda t: total_round_ms(costs, drafter, t, overhead), max_nodes, depth,
+                              anchored if drafter.fused else None)
+    if drafter.fused:
+        drafter.anchors = next(r["anchors"] for r in table if r.get("chosen"))
+    return tree, table
 
 
 # ============================================================================= measuring (and caching) it
@@ -490,11 +545,13 @@ def _prices(model, drafter: Drafter, prompt_ids: Sequence[int], model_name: str,
 
 
 def table_text(table: list[dict], chosen: DraftTree) -> str:
-    """The candidates of `choose_tree` as a Markdown table, the chosen one marked."""
-    out = ["| nodes | depth | E[tokens/round] | ms/round | E[tok/s] |", "|---|---|---|---|---|"]
+    """The candidates of `choose_tree` as a Markdown table, the chosen one marked (anchors: hidden transfer's
+    pseudo rows for that many rows of the tree, "all": every row)."""
+    out = ["| nodes | depth | anchors | E[tokens/round] | ms/round | E[tok/s] |", "|---|---|---|---|---|---|"]
     for r in table:
-        mark = " **<-**" if r["nodes"] == len(chosen) else ""
-        out.append(f"| {r['nodes']} | {r['depth']} | {r['tokens']:.2f} | {r['ms']:.1f} | {r['tok_per_s']:.1f}{mark} |")
+        mark = " **<-**" if r.get("chosen") else ""
+        out.append(f"| {r['nodes']} | {r['depth']} | {r.get('anchors') or 'all'} | {r['tokens']:.2f} | {r['ms']:.1f} "
+                   f"| {r['tok_per_s']:.1f}{mark} |")
     return "\n".join(out)
 
 
@@ -533,7 +590,8 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
                 progress: bool = False) -> tuple[DraftTree, str | None]:
     """The tree a generation drafts with, from a spec: "auto" (the tree of highest expected tokens/s from
     `acc` and this machine's measured row costs and overheads, cached per model, weights, machine and
-    drafter; the top-1 chain when there are no accuracies), "chain", "sparse:N" (the N nodes most likely
+    drafter, and for hidden transfer's fused pass how many of its rows carry pseudo rows, set on the drafter;
+    the top-1 chain when there are no accuracies), "chain", "sparse:N" (the N nodes most likely
     accepted) or "dynamic:N" (EAGLE-2's dynamic tree of N nodes, for a drafter with an expansion width).
     Returns (tree, a text report of the choice for auto). The one implementation behind `generate` and the
     Python API."""
@@ -542,6 +600,7 @@ def select_tree(model, drafter: Drafter, acc: Sequence[Sequence[float]] | None, 
     kind, nodes = check_tree_spec(drafter, spec, acc)
     if kind != "dynamic" and drafter.dynamic_k:  # a static tree asked for: the width an earlier dynamic:N call
         drafter.dynamic_k = 0                      # set would expand it (it did: a width-3 tree, not the chain)
+    drafter.anchors = 0  # (auto sets its own; any other tree carries every row's pseudo rows)
     if kind == "auto" and acc:
         costs, overhead, again = _prices(model, drafter, prompt_ids, model_name, weights, draft_key, refresh, progress)
         tree, table = auto_tree(model, drafter, acc, costs, max_depth=k, overhead=overhead)
