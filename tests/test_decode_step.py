@@ -108,29 +108,33 @@ def test_medusa_draft_step_traces_without_graph_breaks(models):
 DEVICE_KINDS = ["eagle-2", "eagle", "medusa", "hidden-transfer", "early-exit", "layer-skip"]
 
 
-@pytest.mark.parametrize("kind", DEVICE_KINDS)
+@pytest.mark.parametrize("kind", DEVICE_KINDS + ["hidden-transfer, 2 anchors"])
 def test_a_device_round_traces_without_graph_breaks(models, kind):
     """A whole device round (speculative/static.py: the draft, the verification, the acceptance, the
     compaction and what the next round drafts from) under torch.compile(fullgraph=True): the same round as
-    eagerly, from the same state."""
+    eagerly, from the same state. (Hidden transfer with 2 anchors: 32 rows at every block where every row's
+    pseudo rows take 16, 32 and 64.)"""
     from midlayer.speculative.static import DeviceRounds
 
     model = models["fp32"]
-    drafter = device_drafters(model)[kind]
+    ht = kind.startswith("hidden-transfer")
+    drafter = device_drafters(model)["hidden-transfer" if ht else kind]
+    drafter.anchors = 2 if kind.endswith("anchors") else 0
     tree = TREES[1]
     prompt = _prompts()[2][:20]
     res = []
     for compiled in (False, True):
         step = DecodeStep(model, max_len=96, buckets=(8, 16, 32, 64))
-        if kind == "hidden-transfer":
+        if ht:
             step.attach(drafter)
         rounds = DeviceRounds.for_step(step, drafter, tree)
+        assert not ht or rounds.draft.pseudo == (13, 13 if not drafter.anchors else 2)
         _, hidden = step.prefill(torch.tensor([prompt[:-1]]))
         draft = None
-        if kind == "hidden-transfer":  # the first round: the root alone, whose pseudo rows are the first draft
+        if ht:  # the first round: the root alone, whose pseudo rows are the first draft
             *_, draft = step.verify(prompt[-1], [], step.tree_tensors([], [], 3), len(prompt) - 1, len(prompt) - 1)
             hidden = hidden[0]
-        carry = rounds.draft.first(list(prompt), hidden[0] if kind != "hidden-transfer" else hidden, draft)
+        carry = rounds.draft.first(list(prompt), hidden if ht else hidden[0], draft)
         fn = torch.compile(rounds.round, backend="eager", fullgraph=True) if compiled else rounds.round
         with torch.no_grad():
             out = fn(step._scalar(prompt[-1]), step._scalar(len(prompt) - 1), *carry)
