@@ -831,11 +831,11 @@ class DecodeStep:
                      prow: torch.Tensor, tree_rows: int = 0, head_rows: int = 0, pseudo: tuple[int, int] = (0, 0)
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One speculative round at batch 1, all on the device: the forward over [root, nodes, padding] (and,
-        with hidden transfer attached, the pseudo rows of every tree row), the greedy acceptance of the
+        with hidden transfer attached, the pseudo rows of its anchors), the greedy acceptance of the
         deepest path whose every node is the base's argmax at its parent (ties: the first in row order;
         ops/acceptance.py), the compaction of the root and that path to slots start.., and their `held`.
-        tree_rows (static): the first T rows are the tree's (the rest, pseudo rows and padding, are never
-        accepted); vis, parent and is_node describe them; head_rows (static, >= T): the rows the LM head reads
+        tree_rows (static): the first T rows hold the tree's (past its root and nodes, and after them, pseudo rows
+        and padding, never accepted); vis, parent and is_node describe them; head_rows (static, >= T): the rows the LM head reads
         (`round_layout`); pseudo (static): `TreeTensors.pseudo`. Returns (packed [T + 1] = [accepted count a, path
         tokens (T - 1, the first a real), bonus], path rows [T] (-1 beyond a), logits [1, T, V], hidden [1, N, d],
         and the next draft's logits [k, V'] from the pseudo rows the last accepted row drafts from (`prow`), or an
