@@ -132,7 +132,9 @@ def test_auto_prices_hidden_transfers_anchors_and_takes_the_count_it_chose():
     assert row["tokens"] == pytest.approx(tc.expected_tokens(twelve, acc, twelve.likeliest_ends(acc, 2)))
     priced = HiddenTransferDrafter(model, HiddenTransfer(D, [1, 2, 2]), anchors=2)
     assert row["ms"] == pytest.approx(tc.round_ms(dear, priced, twelve))
-    assert "| 12 | 3 | 2 |" in tc.table_text(table, tree) and tc.table_text(table, tree).count("**<-**") == 1
+    text = tc.table_text(table, tree)  # (per tree: every row's pseudo rows, and the fastest anchor count)
+    fastest = max((r for r in table if r["nodes"] == 12 and r["anchors"]), key=lambda r: r["tok_per_s"])
+    assert f"| 12 | 3 | {fastest['anchors']} |" in text and text.count("| 12 | 3 |") == 2 and text.count("**<-**") == 1
     free = tc.RowCosts(rows=(1, 64), total_ms=(10.0, 10.0), head_ms=(0.0, 0.0), n_layers=4)
     assert tc.auto_tree(model, ht, acc, free, max_nodes=12)[1] and ht.anchors == 0
     medusa = MedusaDrafter(model, MedusaHeads(D, 3))

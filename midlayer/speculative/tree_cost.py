@@ -546,9 +546,16 @@ def _prices(model, drafter: Drafter, prompt_ids: Sequence[int], model_name: str,
 
 def table_text(table: list[dict], chosen: DraftTree) -> str:
     """The candidates of `choose_tree` as a Markdown table, the chosen one marked (anchors: hidden transfer's
-    pseudo rows for that many rows of the tree, "all": every row)."""
+    pseudo rows for that many rows of the tree, "all": every row; of a tree's anchored rows only the fastest,
+    and the chosen one, are shown)."""
     out = ["| nodes | depth | anchors | E[tokens/round] | ms/round | E[tok/s] |", "|---|---|---|---|---|---|"]
+    best: dict[int, dict] = {}  # nodes -> its fastest anchored row
     for r in table:
+        if r.get("anchors") and r["tok_per_s"] > best.get(r["nodes"], {"tok_per_s": -1.0})["tok_per_s"]:
+            best[r["nodes"]] = r
+    for r in table:
+        if r.get("anchors") and r is not best[r["nodes"]] and not r.get("chosen"):
+            continue
         mark = " **<-**" if r.get("chosen") else ""
         out.append(f"| {r['nodes']} | {r['depth']} | {r.get('anchors') or 'all'} | {r['tokens']:.2f} | {r['ms']:.1f} "
                    f"| {r['tok_per_s']:.1f}{mark} |")
