@@ -7,7 +7,7 @@ prompt, is subtracted. Prints a table per tree size: ms/token, the speed-up over
 round runs at the last block, and the outputs equal to plain decoding's. (The static step's rows are `midlayer
 bench static --anchors`.)
 
-    python benchmarks/anchors.py [--dtype fp32] [--nodes 24,12] [--anchors 2,4] [--new-tokens 64] [--max-prompts 4]
+    python benchmarks/anchors.py [--weights fp32] [--nodes 24,12] [--anchors 2,4] [--new-tokens 64] [--max-prompts 4]
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 
 from midlayer.engine.generate import forward_cached, generate, GenerationConfig
 from midlayer.engine.pretrained import load_pretrained
-from midlayer.engine.quantization import fuse_projections
+from midlayer.engine.quantization import compress_weights, WEIGHT_FORMATS
 from midlayer.experiments.bench import heldout_chats
-from midlayer.experiments.static_bench import DTYPES, machine_lines, static_methods
+from midlayer.experiments.static_bench import machine_lines, static_methods
 from midlayer.model.kv_cache import KVCache, kv_dtype
 from midlayer.speculative.registry import DraftMismatchError
 from midlayer.speculative.verify import speculative_generate
@@ -48,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", default="drafts/smollm2-135m-scale/hidden-transfer")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--weights", default="fp32", choices=WEIGHT_FORMATS, help="the base's weight format")
     ap.add_argument("--nodes", default="24,12", help="comma-separated tree sizes")
     ap.add_argument("--anchors", default="2,4", help="comma-separated anchor counts (beside every row's)")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -58,14 +58,14 @@ def main() -> None:
     if a.new_tokens < 2 or a.max_prompts < 1:
         ap.error(f"--new-tokens >= 2, --max-prompts >= 1; got {a.new_tokens}, {a.max_prompts}")
     base, tok = load_pretrained(a.model)
-    model = fuse_projections(base.to("cpu", DTYPES[a.dtype]).eval())
+    model = compress_weights(base.float(), a.weights).eval()  # (as `generate --weights` runs it)
     prompts = heldout_chats(tok, a.max_prompts)
     try:
         methods = {n: static_methods(model, {"ht": a.draft}, n)["ht"] for n in sizes}
     except DraftMismatchError as e:
         ap.error(f"--draft: {e}")
     print("\n".join(machine_lines(torch.device("cpu"))))
-    print(f"{a.model} {a.dtype}, the dynamic engine; {len(prompts)} held-out prompts ({min(map(len, prompts))}-"
+    print(f"{a.model} {a.weights}, the dynamic engine; {len(prompts)} held-out prompts ({min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens), {a.new_tokens} new tokens each, decode only")
     cfg = GenerationConfig(max_new_tokens=a.new_tokens)
     pre = []  # each prompt's prefill (the same forward every row's call starts with)
