@@ -460,7 +460,8 @@ class HiddenTransferDrafter(Drafter):
     most likely ends (`DraftTree.likeliest_ends`, from `acc`, the draft's held-out accuracies, or without them
     the prior `PRIOR_ACC`) carry pseudo rows. A round that ends elsewhere drafts from its deepest anchor's later
     steps (`decode_step.anchor_shifts`): fewer rows a round (3 per anchor for k = 3), a weaker draft after
-    such a round. Any draft is verified, so the output is the same.
+    such a round. Any draft is verified, so the output is the same. (`--tree auto` chooses m; a continuous
+    batch's chains, `HiddenTransferRows`, carry every column's rows.)
     """
 
     # (a rank's accuracy halving with the rank: the guess behind the anchors when the draft gives none)
