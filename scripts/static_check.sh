@@ -72,6 +72,9 @@ TILES_S=${TILES_S:-75}
 ATTN=${ATTN:-1}  # 1: then choose the row-attention kernel's shape on the device (at most ATTN_S; CUDA only)
 ATTN_S=${ATTN_S:-100}  # (20 shapes since the 64th session, compiled in 8 processes first, at most 40 s;
 # a cut sweep keeps the best it timed)
+# the rows the sweep times at: plain decoding, a 32-row round (EAGLE-2's 24 nodes, hidden transfer with 2 anchors:
+# 65th session) and a 128-row one (hidden transfer's 24 nodes with every row's pseudo rows)
+ATTN_ROWS=${ATTN_ROWS:-1,32,128}
 PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 75 s took its time)
 PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
@@ -147,7 +150,7 @@ run)
   echo "row-linear tiles: ${MIDLAYER_ROW_TILES:-the default}" >> "$OUT/env.txt"
   if [ "$ATTN" = 1 ] && [ "$DEVICE" != cpu ]; then  # (62nd session: the attention was 46% of a hidden-transfer round)
     rm -f /tmp/row-attention.txt
-    timeout "$ATTN_S" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,128 \
+    timeout "$ATTN_S" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows "$ATTN_ROWS" \
       --attention /tmp/row-attention.txt --workers 8 >> "$OUT/kernels.txt" 2>&1
     echo "attention shapes: exit $?" >> "$OUT/kernels.txt"
     [ -s /tmp/row-attention.txt ] && export MIDLAYER_ROW_ATTENTION=$(cat /tmp/row-attention.txt)
