@@ -1075,7 +1075,12 @@ def test_round_layout_and_slots():
     assert round_layout(24, 3, (8, 16, 32, 64, 128, 256), 2) == (32, 32, 32)
     assert round_layout(24, 3, (8, 16, 32, 64, 128, 256)) == (32, 128, 32)
     assert round_layout(12, 3, (8, 16, 32, 64, 128, 256), 4) == (16, 32, 16)
-    assert round_layout(12, 3, (32,), 4) == (16, 32, 32)  # (16 + 12 rows would pass the one bucket)
+    assert round_layout(12, 3, (32,), 4) == (16, 32, 32)  # (one bucket: the tree rows rounded up to 8)
+    # the tree's rows do not depend on the anchors, so fewer anchors never need more rows or slots
+    assert round_slots(24, 3, (8, 16, 32, 64, 128, 256), 2) == 32 and round_slots(19, 3, (8, 200, 256), 2) == 200
+    assert round_layout(64, 3, (1, 8, 16, 32, 64, 128, 256), 2) == (128, 128, 128)  # 65 + 6 rows
+    with pytest.raises(ValueError, match="needs 260 rows"):  # (every row's pseudo rows: 65 x 4)
+        round_layout(64, 3, (1, 8, 16, 32, 64, 128, 256))
     with pytest.raises(ValueError, match="largest bucket"):
         round_layout(40, 3, (64,))
 
@@ -1450,6 +1455,38 @@ def test_verification_rounds_are_kept_per_transfer(models, monkeypatch):
     third = HiddenTransferDrafter(model, _transfer([1, 1, 2], False, 2))
     static_speculative_generate(model, prompt, third, TREES[1], 30, step=step, device_rounds=False)
     assert {k[-1][0] for k in step._runners if k[0] == "verify"} == {drafters[0].transfer, third.transfer}
+
+
+def test_a_drafts_bench_rows_share_its_transfer_and_capture_once(tmp_path, models, monkeypatch):
+    """`bench static` runs hidden transfer at several tree sizes and anchor counts, prompt after prompt, between
+    other drafters' rows, on one step. A draft's rows share its transfer (`static_methods(loaded=)`), so the step's
+    rounds, captured once, are replayed. When each row loaded a transfer of its own, the step (which keeps the
+    rounds of two transfers) captured hidden transfer's first round again inside every timed generation."""
+    from midlayer.experiments.static_bench import static_methods
+    from midlayer.speculative.registry import save_draft
+
+    model = models["fp32"]
+    path = str(save_draft(tmp_path / "ht", _transfer([1, 1, 2], False), base=make_tiny(DIMS, False)))
+    prompt = _prompts()[1][:30]
+    plain = static_generate(model, [prompt], GenerationConfig(max_new_tokens=12))[0]
+    medusa = MedusaDrafter(model, MedusaHeads(DIMS["dim"], 3))
+    captured = []
+    capture = DecodeStep.capture
+    monkeypatch.setattr(DecodeStep, "capture", lambda self, fn: (captured.append(fn), capture(self, fn))[1])
+    counts = {}
+    for loaded in ({}, None):
+        rows = [static_methods(model, {"ht": path}, n, anchors=a, loaded=loaded)["ht"]
+                for n, a in ((12, 0), (4, 0), (12, 2))]
+        assert [d.anchors for d, _ in rows] == [0, 0, 2] and len({id(d) for d, _ in rows}) == 3
+        assert len({id(d.transfer) for d, _ in rows}) == (1 if loaded is not None else 3)
+        step = DecodeStep(model, max_len=len(prompt) + 12 + any_round_slots(12, 3))
+        captured.clear()
+        for n in range(2):
+            for drafter, tree in rows + [(medusa, TREES[1])]:
+                assert static_speculative_generate(model, prompt, drafter, tree, 12, step=step)[0] == plain
+            counts[loaded is not None, n] = len(captured)
+    assert counts[True, 1] == counts[True, 0] > 0  # shared: the second pass captures nothing
+    assert counts[False, 1] > counts[False, 0]  # a transfer a row: its first round captured again
 
 
 def test_bench_statics_table_by_hand():

@@ -281,14 +281,14 @@ def round_layout(n_nodes: int, k: int, buckets: Sequence[int], per_step: int | N
     """(T, N, head_rows) of a verification round over n_nodes nodes with k steps of hidden transfer's pseudo
     rows, per_step rows a step (its anchors; None: every tree row), laid out right after the root and the
     nodes (`TreeTensors`): T tree rows (the root, the nodes, then pseudo rows or padding) in a bucket of N
-    rows, of which the LM head reads the first head_rows. T is the smallest bucket that holds the tree and,
-    past it, the pseudo rows; when no bucket does (one bucket only), the tree rows rounded up to 8, and the
-    head then reads all N rows, so that every GEMM of the round has one of the probed row counts."""
+    rows, of which the LM head reads the first head_rows. T is the smallest bucket that holds the tree, or,
+    where that is the largest and pseudo rows ride the round (one bucket only), the tree rows rounded up to 8,
+    and the head then reads all N rows, so that every GEMM of the round has one of the probed row counts. T
+    does not depend on per_step, so a round with fewer anchors never needs more rows or slots."""
     top = max(buckets)
-    pseudo = (n_nodes + 1 if per_step is None else per_step) * k
-    rows = n_nodes + 1 + pseudo
-    fits = [b for b in sorted(buckets) if b >= n_nodes + 1 and b + pseudo <= top]
-    if fits:
+    rows = n_nodes + 1 + (n_nodes + 1 if per_step is None else per_step) * k
+    fits = [b for b in sorted(buckets) if b >= n_nodes + 1 and (b < top or not k)]
+    if fits and rows <= top:
         T = fits[0]
         return T, bucket_for(max(T, rows), buckets), T
     T = -(-(n_nodes + 1) // 8) * 8
@@ -317,14 +317,15 @@ def live_rows(first: int, per_step: int, n_rows: int, join_at: dict[int, list[in
     return (*out, n_rows)
 
 
-def any_round_slots(n_nodes: int, k: int, bucket_sets: Sequence[Sequence[int]] = BUCKET_CANDIDATES) -> int:
+def any_round_slots(n_nodes: int, k: int, bucket_sets: Sequence[Sequence[int]] = BUCKET_CANDIDATES,
+                    per_step: int | None = None) -> int:
     """The most slots a round needs (`round_slots`) under any of these bucket sets (those that can hold it):
     what a step must add to the committed text before `buckets="auto"` has chosen. A round that no set holds
     is round_layout's ValueError (it sized a step for no round, and the round then wrote past the cache)."""
     out, first = 0, None
     for b in bucket_sets:
         try:
-            out = max(out, round_slots(n_nodes, k, b))
+            out = max(out, round_slots(n_nodes, k, b, per_step))
         except ValueError as e:  # this set cannot hold the round (the step refuses it if the probe chooses it)
             first = first or e
     if not out and first is not None:
@@ -332,12 +333,12 @@ def any_round_slots(n_nodes: int, k: int, bucket_sets: Sequence[Sequence[int]] =
     return out
 
 
-def round_slots(n_nodes: int, k: int, buckets: Sequence[int]) -> int:
-    """Cache slots a round needs past its root's slot: its real rows (the pseudo rows of every tree row too: a
-    round with fewer anchors needs fewer) and the T slots its compaction writes. Padding rows use the scratch
-    slot."""
-    T, _, _ = round_layout(n_nodes, k, buckets)
-    return max(T, (n_nodes + 1) * (k + 1))
+def round_slots(n_nodes: int, k: int, buckets: Sequence[int], per_step: int | None = None) -> int:
+    """Cache slots a round needs past its root's slot: its real rows (the pseudo rows too, per_step a step as
+    `round_layout`'s; None, every tree row's, is the most) and the T slots its compaction writes. Padding rows
+    use the scratch slot."""
+    T, _, _ = round_layout(n_nodes, k, buckets, per_step)
+    return max(T, n_nodes + 1 + (n_nodes + 1 if per_step is None else per_step) * k)
 
 
 def anchor_shifts(parent: Sequence[int], depth: Sequence[int], anchors: Sequence[int]) -> list[tuple[int, int]]:

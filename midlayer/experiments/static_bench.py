@@ -31,7 +31,7 @@ from .bench import heldout_chats, load_hf_same_weights
 from midlayer.model.transformer import Transformer
 from midlayer.ops.kernels import cpu_info
 from midlayer.speculative.registry import heldout_accuracies, load_drafter
-from midlayer.speculative.static import fused_steps, round_kinds, static_speculative_generate
+from midlayer.speculative.static import fused_per_step, fused_steps, round_kinds, static_speculative_generate
 from midlayer.speculative.tree import DraftTree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -196,15 +196,25 @@ def _cudagraph_skips() -> int:
 
 
 def static_methods(model: Transformer, drafts: dict[str, str], nodes: int, eagle_k: int = 4, eagle_depth: int = 0,
-                   anchors: int = 0) -> dict[str, tuple]:
+                   anchors: int = 0, loaded: dict | None = None) -> dict[str, tuple]:
     """label -> (drafter, tree): a drafter with an expansion width (EAGLE) runs EAGLE-2's dynamic tree of `nodes`
     nodes, expanding the `eagle_k` best at each of `eagle_depth` depths (0: as many as its held-out accuracies
     have, else 5); the others the `nodes` nodes their held-out accuracies rank first (else a 3-chain). With
-    `anchors`, only the drafters with a fused pass (hidden transfer), their pseudo rows for that many rows."""
+    `anchors`, only the drafters with a fused pass (hidden transfer), their pseudo rows for that many rows.
+    `loaded` (path -> (drafter, meta), kept between calls): a drafter with a fused pass is loaded once, and each
+    call's is a copy of it, so all of a draft's rows share one transfer. A step keeps the captured rounds of two
+    transfers only (`DecodeStep._use_transfer`): a bench whose rows of one draft each loaded their own
+    transfer captured a round again inside its timed generations, prompt after prompt."""
     dtype = model.tok_embeddings.weight.dtype
     methods = {}
     for label, path in drafts.items():
-        drafter, module, meta = load_drafter(path, model, dtype=dtype)
+        hit = None if loaded is None else loaded.get(path)
+        if hit is None:
+            drafter, _, meta = load_drafter(path, model, dtype=dtype)
+            if loaded is not None and drafter.fused:
+                loaded[path] = (drafter, meta)
+        else:
+            drafter, meta = copy.copy(hit[0]), hit[1]
         if anchors and not drafter.fused:
             continue
         drafter.anchors = anchors
@@ -230,15 +240,16 @@ def _bench_dtype(model: Transformer, dname: str, drafts: dict[str, str], sizes: 
     dev, dtype = model.tok_embeddings.weight.device, DTYPES[dname]
     cfg = GenerationConfig(max_new_tokens=new_tokens)
     methods = {}  # "label (n-node tree)" -> (drafter, tree, whether its host-drafted reference row runs too)
+    loaded: dict = {}  # (a draft's rows share its transfer: `static_methods`)
     for n in dict.fromkeys(sizes):  # (a size that gives a tree already listed, e.g. a fallback chain, adds none)
-        for label, (drafter, tree) in static_methods(model, drafts, n, *eagle).items():
+        for label, (drafter, tree) in static_methods(model, drafts, n, *eagle, loaded=loaded).items():
             methods.setdefault(f"{label} ({len(tree)}-node tree)", (drafter, tree, n == sizes[0]))
         for a in anchors:  # (hidden transfer's pseudo rows for `a` of the tree's rows; device rounds only)
-            for label, (drafter, tree) in static_methods(model, drafts, n, *eagle, anchors=a).items():
+            for label, (drafter, tree) in static_methods(model, drafts, n, *eagle, anchors=a, loaded=loaded).items():
                 if a <= len(tree):
                     methods.setdefault(f"{label} ({len(tree)}-node tree, {a} anchors)", (drafter, tree, False))
     # the committed text, then the largest round of any drafter under any bucket set the probe may choose
-    rounds = [any_round_slots(len(t), fused_steps(d)) for d, t, _ in methods.values()]
+    rounds = [any_round_slots(len(t), fused_steps(d), per_step=fused_per_step(d, t)) for d, t, _ in methods.values()]
     max_len = max(len(p) for p in encoded) + new_tokens + max(rounds + [max(BUCKET_CANDIDATES[0])])
     steps = {g: DecodeStep(model, max_len=max_len, graphs=g) for g in graphs}
     spec_step = steps[graphs[-1]]

@@ -485,9 +485,10 @@ class HiddenTransferDrafter(Drafter):
         """The tree rows whose pseudo rows ride a round (`anchors`), or None: every row."""
         if not self.anchors or self.anchors > len(tree):
             return None
-        key = (tree, self.anchors)
+        acc = self.acc or self.PRIOR_ACC
+        key = (tree, self.anchors, tuple(map(tuple, acc)))
         if key not in self._anchor_memo:  # (asked every round)
-            self._anchor_memo[key] = tree.likeliest_ends(self.acc or self.PRIOR_ACC, self.anchors)
+            self._anchor_memo[key] = tree.likeliest_ends(acc, self.anchors)
         return self._anchor_memo[key]
 
     def _shifts(self, tree: DraftTree, anchors: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -55,6 +55,13 @@ def fused_steps(drafter: Drafter) -> int:
     return drafter.draft_steps() if drafter.fused else 0
 
 
+def fused_per_step(drafter: Drafter, tree: DraftTree) -> int | None:
+    """The pseudo rows a step of a round of `drafter` on `tree` carries: its anchors' count, or None for every
+    tree row's (or no pseudo rows). With `fused_steps`, what sizes the round (`round_slots`)."""
+    rows = drafter.anchor_rows(tree) if fused_steps(drafter) else None
+    return None if rows is None else len(rows)
+
+
 @torch.no_grad()
 def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], drafter: Drafter, tree,
                                 max_new_tokens: int, stop_tokens: Sequence[int] = (), *,
@@ -89,9 +96,11 @@ def static_speculative_generate(model: Transformer, prompt_ids: Sequence[int], d
     fused = k > 0
     if step is None:  # sized to the call: the committed text, then the largest round of any bucket set
         sets = [step_kw["buckets"]] if step_kw.get("buckets", "auto") != "auto" else BUCKET_CANDIDATES
-        st = DecodeStep(model, max_len=P + budget + any_round_slots(round_nodes(drafter, tree), k, sets), **step_kw)
+        room = any_round_slots(round_nodes(drafter, tree), k, sets, fused_per_step(drafter, tree))
+        st = DecodeStep(model, max_len=P + budget + room, **step_kw)
     else:
-        st = step_for(model, P + budget + round_slots(round_nodes(drafter, tree), k, step.buckets), step)
+        room = round_slots(round_nodes(drafter, tree), k, step.buckets, fused_per_step(drafter, tree))
+        st = step_for(model, P + budget + room, step)
     stats.row_invariant = st.invariant
     if fused:
         st.attach(drafter)

@@ -273,13 +273,17 @@ def _anchored_tokens(tree: DraftTree, acc: Sequence[Sequence[float]], anchors: S
             for d in range(D)]  # P(end = r | the round's delta is d)
     depth = [0] + tree.depth.tolist()
     tokens = [sum(p * (depth[r] + 1) for r, p in enumerate(e)) for e in ends]
+    move = [[0.0] * D for _ in range(D)]  # P(next delta | this delta): at most k + 1 states
+    for d in range(D):
+        for r, p in enumerate(ends[d]):
+            move[d][shifts[r]] += p
     pi = [1.0] + [0.0] * (D - 1)
-    for _ in range(200):
-        nxt = [0.0] * D
-        for d in range(D):
-            for r, p in enumerate(ends[d]):
-                nxt[shifts[r]] += pi[d] * p
+    for _ in range(1000):  # (power iteration, until it settles: a few dozen steps)
+        nxt = [sum(pi[d] * move[d][e] for d in range(D)) for e in range(D)]
+        done = max(abs(a - b) for a, b in zip(nxt, pi)) < 1e-12
         pi = nxt
+        if done:
+            break
     return sum(w * t for w, t in zip(pi, tokens))
 
 
@@ -338,8 +342,9 @@ def auto_tree(model, drafter: object, acc: Sequence[Sequence[float]], costs: Row
 
     tree, table = choose_tree(acc, lambda t: total_round_ms(costs, drafter, t, overhead), max_nodes, depth,
                               anchored if drafter.fused else None)
-    if drafter.fused:
+    if drafter.fused:  # (the anchors priced are the ones it runs: chosen from the same accuracies)
         drafter.anchors = next(r["anchors"] for r in table if r.get("chosen"))
+        drafter.acc = [list(acc[min(d, len(acc) - 1)]) for d in range(depth or len(acc))]
     return tree, table
 
 
