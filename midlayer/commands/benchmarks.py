@@ -237,19 +237,8 @@ def check_bench_static_args(args: argparse.Namespace) -> dict:
             raise ValueError(f"--graphs: comma-separated, from {', '.join(GRAPH_MODES)}; got {args.graphs!r}")
         if "cudagraph" in graphs and (dev is None and not _cuda() or dev is not None and dev.type != "cuda"):
             raise ValueError("--graphs cudagraph needs a CUDA device")
-    try:
-        also = tuple(int(x) for x in args.also_nodes.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--also-nodes: comma-separated tree sizes, got {args.also_nodes!r}") from None
-    if any(not 1 <= n <= 63 for n in also):
-        raise ValueError(f"--also-nodes {args.also_nodes}: each from 1 to 63 (as --nodes)")
-    try:
-        anchors = tuple(int(x) for x in args.anchors.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--anchors: comma-separated counts, got {args.anchors!r}") from None
-    if any(not 1 <= a <= 64 for a in anchors):
-        raise ValueError(f"--anchors {args.anchors}: each from 1 to 64 (the root and the rows likeliest to end a "
-                         "round)")
+    also = _int_list("--also-nodes", args.also_nodes, "tree sizes", 63, "as --nodes")
+    anchors = _int_list("--anchors", args.anchors, "counts", 64, "the root and the rows likeliest to end a round")
     if not 1 <= args.eagle_k <= 16 or not 0 <= args.eagle_depth <= 8:
         raise ValueError(f"--eagle-k {args.eagle_k} --eagle-depth {args.eagle_depth}: k from 1 to 16, the depth from "
                          "1 to 8 (0: the draft's own)")
@@ -257,6 +246,17 @@ def check_bench_static_args(args: argparse.Namespace) -> dict:
               dynamic=not args.no_dynamic, also_nodes=also, eagle_k=args.eagle_k, eagle_depth=args.eagle_depth,
               anchors=anchors)
     return kw
+
+
+def _int_list(flag: str, text: str, what: str, top: int, why: str) -> tuple[int, ...]:
+    """A flag's comma-separated integers, each from 1 to `top`, or the ValueError naming the flag."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: comma-separated {what}, got {text!r}") from None
+    if any(not 1 <= n <= top for n in out):
+        raise ValueError(f"{flag} {text}: each from 1 to {top} ({why})")
+    return out
 
 
 def _cuda() -> bool:

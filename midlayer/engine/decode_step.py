@@ -1009,13 +1009,13 @@ class DecodeStep:
         row does not see its earlier steps). A row that is no anchor drafts from its anchor (`anchor_shifts`)."""
         n = len(parent)
         anchors = tuple(range(n + 1)) if anchors is None or not k else tuple(anchors)
-        shifts = anchor_shifts(parent, depth, anchors)
         A = len(anchors)
         T, N, head_rows = round_layout(n, k, self.buckets, A)
         key = ("tree", tuple(parent), k, masked, N, anchors)
         t = self._trees.get(key)
-        if t is not None:
+        if t is not None:  # (a host round asks every round: the layout, and its shifts, are built once)
             return t
+        shifts = anchor_shifts(parent, depth, anchors)
         par = [0] + [p + 1 for p in parent]
         dep = torch.zeros(N, dtype=torch.long)
         dep[1:n + 1] = torch.as_tensor(list(depth), dtype=torch.long)

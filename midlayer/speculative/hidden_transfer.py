@@ -91,7 +91,7 @@ from midlayer.model.transformer import Transformer
 from .drafting import (apply_linear, batch_stream, candidate_counts, FrozenBase, kl_to_base, model_device, optimise,
                        placeholder_candidates, split_batch, topk_lists)
 from .protocol import DraftContext, Drafter, Forward
-from .static import TopkTreeDraft
+from .static import fused_per_step, TopkTreeDraft
 from .tree import DraftTree
 from .tree_cost import head_share
 
@@ -498,9 +498,8 @@ class HiddenTransferDrafter(Drafter):
         return self._anchor_memo[key]
 
     def _per_step(self, tree: DraftTree) -> int:
-        """Pseudo rows a step in a round on `tree`."""
-        anchors = self.anchor_rows(tree)
-        return len(tree) + 1 if anchors is None else len(anchors)
+        """Pseudo rows a step in a round on `tree` (`fused_per_step`, which is None for every tree row's)."""
+        return fused_per_step(self, tree) or len(tree) + 1
 
     @property
     def static_step(self) -> bool:

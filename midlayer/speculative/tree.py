@@ -210,8 +210,8 @@ class DraftTree:
             return acc[d][r] if d < len(acc) and r < len(acc[d]) else 0.0
 
         reach = [1.0]  # P(row accepted), the root's 1
-        for p in self.paths:
-            reach.append(reach[self.parent[len(reach) - 1].item() + 1] * a(len(p) - 1, p[-1]))
+        for p, up in zip(self.paths, self.parent.tolist()):
+            reach.append(reach[up + 1] * a(len(p) - 1, p[-1]))
         return [reach[r] * (1.0 - sum(a(len(self.paths[c - 1]) - 1, self.paths[c - 1][-1])
                                       for c in self._children[r])) for r in range(len(self) + 1)]
 

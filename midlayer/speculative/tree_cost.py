@@ -291,6 +291,12 @@ def _anchored_tokens(tree: DraftTree, acc: Sequence[Sequence[float]], anchors: S
 ANCHOR_COUNTS = (1, 2, 4, 8, 16)
 
 
+def depth_rows(acc: Sequence[Sequence[float]], depth: int | None) -> list[list[float]]:
+    """acc with `depth` rows (None: its own), its last row repeated below it: what `choose_tree` prices an
+    autoregressive drafter's deeper depths with (module docstring)."""
+    return [list(acc[min(d, len(acc) - 1)]) for d in range(len(acc) if depth is None else depth)]
+
+
 def choose_tree(acc: Sequence[Sequence[float]], round_cost: Callable[[DraftTree], float], max_nodes: int = 64,
                 max_depth: int | None = None, anchor_cost: Callable[[DraftTree, int], float] | None = None
                 ) -> tuple[DraftTree, list[dict]]:
@@ -302,8 +308,7 @@ def choose_tree(acc: Sequence[Sequence[float]], round_cost: Callable[[DraftTree]
     0: every row)."""
     if not acc:
         raise ValueError("choose_tree needs held-out per-rank accuracies (acc[d][r]) of the draft")
-    depth = max_depth if max_depth is not None else len(acc)
-    full = [list(acc[min(d, len(acc) - 1)]) for d in range(depth)]
+    full = depth_rows(acc, max_depth)
     best, table = None, []
     for n in range(max_nodes + 1):
         tree = DraftTree.greedy_from_accuracies(full, n)
@@ -344,7 +349,7 @@ def auto_tree(model, drafter: object, acc: Sequence[Sequence[float]], costs: Row
                               anchored if drafter.fused else None)
     if drafter.fused:  # (the anchors priced are the ones it runs: chosen from the same accuracies)
         drafter.anchors = next(r["anchors"] for r in table if r.get("chosen"))
-        drafter.acc = [list(acc[min(d, len(acc) - 1)]) for d in range(depth or len(acc))]
+        drafter.acc = depth_rows(acc, depth)
     return tree, table
 
 
