@@ -122,7 +122,7 @@ def stand_ins() -> dict:
     def rms_norm(x, w, eps):  # (layers.RMSNorm's formula, as it runs on CUDA)
         return F.rms_norm(x.float(), x.shape[-1:], w.float(), eps).to(x.dtype)
 
-    def attention(q, kl, vl, keys, kmask, positions, out=None, dtype=torch.float32, counts=None):
+    def attention(q, kl, vl, keys, kmask, positions, out=None, dtype=torch.float32, counts=None, start=None):
         o = row_attention.reference(q, kl, vl, keys, kmask).to(dtype).contiguous()
         return o if out is None else out.copy_(o)
 
