@@ -326,6 +326,57 @@ def test_device_rounds_through_the_triton_kernels_are_lossless(models, kind, mon
                                                           (model.cfg.n_layers + levels) * calls[0])
 
 
+@pytest.mark.parametrize("kind", ["eagle-2", "eagle"])
+def test_eagles_draft_layer_attends_through_the_row_kernel_as_through_its_mask(models, kind, monkeypatch):
+    """Where the step attends through its kernel, EAGLE's draft layer does too (`EagleRounds._keys`: each row's
+    positions in order, a committed entry at its own slot, its ancestors-or-self at theirs): every round, the
+    dynamic tree (EAGLE-2) or the static tree's tokens drafted so equal those drafted through the slot mask (the
+    attention's other way) from the same state, and the kernel ran on the draft cache at every level. (Triton's
+    interpreter on a CPU; `test_device_rounds_through_the_triton_kernels_are_lossless`: EAGLE-2's output so.)"""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter")
+    from midlayer.ops import row_attention
+    from midlayer.speculative.static import DeviceRounds
+
+    model = models["fp32"]
+    drafter = device_drafters(model)[kind]
+    tree = TREES[1]
+    assert DeviceRounds.for_step(DecodeStep(model, max_len=40, buckets=(16,), attention="triton"), drafter,
+                                 tree).draft.kernel
+    # (the verifications through PyTorch's ops, which the draft does not read: the interpreter's time on the draft)
+    st = DecodeStep(model, max_len=40, buckets=(16,))  # (a 12-node round: 13 rows)
+    rounds = DeviceRounds.for_step(st, drafter, tree)
+    draft, real_attention, launches, compared = rounds.draft, row_attention.row_attention, [], []
+    assert not draft.kernel
+
+    def counting(q, kl, *a, **kw):
+        launches.append(kl.shape[2])
+        return real_attention(q, kl, *a, **kw)
+
+    monkeypatch.setattr(row_attention, "row_attention", counting)
+    real_draft = type(draft).draft
+
+    def both(self, *args):  # the mask's way first (the reference), then the kernel's, whose draft the round takes
+        self.kernel = False
+        try:
+            ref = real_draft(self, *args)
+        finally:
+            self.kernel = True
+        n = len(launches)
+        out = real_draft(self, *args)
+        assert launches[n:] == [self.kc.shape[2]] * tree.max_depth  # (the committed rows, then each level)
+        assert torch.equal(out[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(out[1], ref[1]))
+        compared.append(out[0].tolist())
+        return out
+
+    monkeypatch.setattr(type(draft), "draft", both)
+    static_speculative_generate(model, _prompts()[2][:12], drafter, tree, 6, step=st)  # (lossless: the test above)
+    assert len(compared) >= 2 and len(set(map(tuple, compared))) > 1
+
+
 # ------------------------------------------------------------------------------------ row invariance
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
 def test_a_row_is_the_same_bits_in_every_bucket_and_place(models, fmt):

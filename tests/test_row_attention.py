@@ -121,6 +121,20 @@ def test_a_rows_bits_depend_on_no_other_row():
     assert torch.equal(alone, moved)
 
 
+def test_operands_in_any_strides_give_the_same_bits():
+    """Positions, keys and the mask as views (a broadcast: one row's value for every row, stride 0; a slice of a
+    wider buffer) give the bits of the same values laid out densely: the kernel is handed dense positions (EAGLE's
+    draft layer passes one position, broadcast to its rows: read as dense, every row but the first took memory past
+    it, 0.3 apart from the formula)."""
+    q, kl, vl, keys, kmask, _ = (t.to(DEV) for t in _case(4, 2, 16, torch.float32, N=3))
+    pos = torch.tensor(128, device=DEV).expand(1, 3)  # every row at one position (stride 0)
+    dense = row_attention(q, kl, vl, keys.contiguous(), kmask.contiguous(), pos.contiguous())
+    wide = torch.zeros(1, 3, 2 * keys.shape[2], dtype=keys.dtype, device=DEV)
+    wide[..., :keys.shape[2]] = keys
+    assert torch.equal(row_attention(q, kl, vl, wide[..., :keys.shape[2]], kmask, pos), dense)
+    torch.testing.assert_close(dense.double(), reference(q, kl, vl, keys, kmask), atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("shape", ["32x64x4", "16x32x4x4", "32x64x4x2t", "16x32x4x4g"])
 def test_committed_text_is_read_at_its_own_slots_with_the_same_bits(shape, monkeypatch):
     """Given the committed text's end (`start`: 126 here, the branch's root), a row at or past it reads the

@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from midlayer.ops import fused_rows
+from midlayer.ops import fused_rows, row_attention
 from .attention import window_mask
 
 
@@ -500,10 +500,14 @@ class SlotView(CacheView):
     """A view over preallocated buffers k, v [B, Hk, S, d] that writes the rows' K/V at `slots` [M] (device
     indices; any padding rows all at one spare slot) and reads every slot through the additive `mask`
     [B, 1, M, S]: static shapes, no host read (speculative/eagle.py's draft cache in the static step's device
-    rounds)."""
+    rounds). `rows` = (keys [B, M, S], kmask [B, M, S], positions [B, M], start, counts): the rows attend instead
+    through the static step's attention kernel (ops/row_attention.py), each over the positions up to its own in
+    position order (`keys`: the slot of each), where the step runs its kernels: one launch, fp32 inside, where
+    `attend_masked` on a GPU is PyTorch's fp32 attention and the casts around it."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> None:
-        self.k, self.v, self.slots, self.mask = k, v, slots, mask
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+                 rows: tuple | None = None) -> None:
+        self.k, self.v, self.slots, self.mask, self.rows = k, v, slots, mask, rows
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.k.index_copy_(2, self.slots, k.to(self.k.dtype))
@@ -518,8 +522,22 @@ class SlotView(CacheView):
     def rope_targets(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.k, self.v, self.slots.view(1, -1).expand(batch, -1)
 
+    def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return super().attention(module, q, k, v)
+        self.update(k, v)
+        return self._attend_rows(q)
+
     def attend_rotated(self, module, q: torch.Tensor) -> torch.Tensor:
-        return module.attend_masked(q.transpose(1, 2), self.k, self.v, self.mask)
+        if self.rows is None:
+            return module.attend_masked(q.transpose(1, 2), self.k, self.v, self.mask)
+        return self._attend_rows(q.transpose(1, 2))
+
+    def _attend_rows(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, H, M, d] over the buffers through the row attention (`rows`): [B, H, M, d], attend_masked's."""
+        keys, kmask, positions, start, counts = self.rows
+        return row_attention.row_attention(q, self.k, self.v, keys, kmask, positions, dtype=q.dtype, counts=counts,
+                                           start=start).transpose(1, 2)
 
 
 @dataclass

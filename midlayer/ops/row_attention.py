@@ -430,7 +430,7 @@ def row_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, keys: tor
     pm = torch.empty(B * N, Hk, NC, REP, device=q.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(B * N, Hk, NC, REP, D, device=q.device, dtype=torch.float32)
-    last, bf16 = positions.reshape(B * N), out.dtype == torch.bfloat16
+    last, bf16 = positions.reshape(B * N).contiguous(), out.dtype == torch.bfloat16  # (the kernel reads it densely)
     if ONE_PASS and counts is None:
         counts = torch.zeros(B * N * Hk, device=q.device, dtype=torch.int32)
     if ONE_PASS and (counts.dtype != torch.int32 or counts.numel() < B * N * Hk):

@@ -538,7 +538,13 @@ class EagleRounds:
     all k + (D - 1) k^2 candidates (stable: a child, never above its parent, comes after it) are the tree, in
     candidate order, which is by depth, so parents come first. (4) Its layout (`TreeTensors`' fields)
     follows from the parent of each node by D index steps. Ties aside, it is the host drafter's tree
-    (tests/test_decode_step.py)."""
+    (tests/test_decode_step.py).
+
+    Where the step attends through its kernel (attention="triton": a GPU), the draft layer's rows do too
+    (`SlotView(rows=)`), each over the positions up to its own in position order: a committed entry at its own
+    slot, a tree row's ancestors-or-self at their slots (`_keys`), the same keys as the slot mask names. On the
+    H200 (62nd session, run 5) the mask's way was PyTorch's attention in fp32 with its casts: two fp32 GEMMs, a
+    softmax and four copies a call, three calls a round."""
 
     def __init__(self, drafter: EagleDrafter, step: DecodeStep, tree: DraftTree) -> None:
         self.d, self.step = drafter, step
@@ -574,6 +580,13 @@ class EagleRounds:
             anc[:, self.ctx:self.ctx + self.n] = tree.ancestor_mask
             self.anc = anc.to(dev)
             self.slots_at = [self.ctx + torch.arange(a, b, device=dev) for a, b in self.levels]  # node i's: ctx + i
+            # depth d's nodes' ancestors-or-self by depth, as slots [b - a, d] (the row attention's keys, `_keys`)
+            par = tree.parent.tolist()
+            chains = [[i] for i in range(self.n)]
+            for i in range(self.n):
+                if par[i] >= 0:
+                    chains[i] = chains[par[i]] + [i]
+            self.path_at = [self.ctx + torch.tensor(chains[a:b], device=dev) for a, b in self.levels]
         c, w = drafter.head.block_cfg, drafter.head.fc.weight
         self.kc = torch.zeros(1, c.n_kv_heads, S, c.head_dim, device=dev, dtype=w.dtype)
         self.vc = torch.zeros_like(self.kc)
@@ -587,6 +600,15 @@ class EagleRounds:
         self.rows = torch.arange(D + 1, device=dev)
         self.pad_t = torch.tensor(self.pad, device=dev)  # (0: the step's own, `step.zero`)
         self.open, self.shut = torch.tensor(0.0, device=dev), torch.tensor(float("-inf"), device=dev)
+        # the draft layer attends through the step's attention kernel where the step does (class docstring); its
+        # operands' constants: every position up to a row's own is seen, so its kmask is all 0
+        self.kernel = step.attention == "triton"
+        rows = max([D + 1, k] + [b - a for a, b in getattr(self, "levels", [])])
+        self.ident = self.slot_ids[None, None].expand(1, rows, S)  # keys: position p at slot p
+        self.kzero = torch.zeros(1, rows, S, device=dev)
+        self.cols = torch.arange(D, device=dev)
+        # the launch's counters (row_attention): the step's, zero between launches, where they are enough
+        self.counts = step.attn_counts if step.attn_counts.numel() >= rows * c.n_kv_heads else None
         if self.dynamic:
             ar = torch.arange(k, device=dev)
             self.no_parent = torch.full((k,), -1, dtype=torch.long, device=dev)
@@ -596,16 +618,27 @@ class EagleRounds:
             self.own_hot = [self.slot_ids[None, :] == own[:, None] for own in self.own]
 
     def _run(self, feats: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-             visible: torch.Tensor) -> torch.Tensor:
+             visible: torch.Tensor | None, rows: tuple | None = None) -> torch.Tensor:
         """The draft layer over M rows: input features [M, d] (already in feature space), tokens, RoPE
-        positions and slots [M], visible [M, S] bool. Returns the predicted features [M, d]."""
+        positions and slots [M], and the keys each row sees: visible [M, S] bool over the slots, or (with the
+        step's kernel) `rows`, the row attention's operands (`_keys`). Returns the predicted features [M, d]."""
         model = self.d.model
         cos, sin = rope_rows(model, pos)
         cos, sin = cos[None, None], sin[None, None]
-        view = SlotView(self.kc, self.vc, slots, torch.where(visible, self.open, self.shut)[None, None])
+        mask = None if rows is not None else torch.where(visible, self.open, self.shut)[None, None]
+        view = SlotView(self.kc, self.vc, slots, mask, rows)
         return self.d.head(feats[None], embed(model, toks[None], pos[None]),
                            lambda i, block, h, gate, kb: block(h, cos, sin, None, None, view), self.d.layer,
                            self.d.fc)[0]
+
+    def _keys(self, last_pos: torch.Tensor, d: int, path: torch.Tensor) -> tuple:
+        """The row attention's operands for m tree rows of depth d (RoPE position last_pos + d): a row sees the
+        committed entries, position p < last_pos at slot p (read there directly: `start`), then its
+        ancestors-or-self, position last_pos + j at slot path[:, j] (j < d), up to its own, last_pos + d - 1.
+        (The entry of position p has RoPE position p + 1: class docstring.)"""
+        m = path.shape[0]
+        keys = self.ident[0, :m].scatter(1, (last_pos + self.cols[:d])[None].expand(m, d), path)
+        return keys[None], self.kzero[:, :m], (last_pos + (d - 1)).expand(1, m), last_pos, self.counts
 
     def _top(self, out: torch.Tensor, k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The k (default: the expansion width) best (log-probability, token id) of each predicted feature [m, d]."""
@@ -640,8 +673,11 @@ class EagleRounds:
         # (1) the committed rows; row `last_row` (the entry of position last_pos - 1) predicts the root's feature
         at = first + self.rows  # their slots, and RoPE positions one on
         real = self.rows <= last_row
+        M = self.D + 1  # (a padding row reads the positions up to its place among them, harmlessly)
+        seen = (None, (self.ident[:, :M], self.kzero[:, :M], at[None], self.step.zero, self.counts)) if self.kernel else (
+            self.slot_ids[None, :] <= at[:, None], None)  # (the slot mask, or the row attention's operands)
         out = self._run(feature(self.d.model, feats), toks, torch.where(real, at + 1, self.step.zero),
-                        torch.where(real, at, self.pad_t), self.slot_ids[None, :] <= at[:, None])
+                        torch.where(real, at, self.pad_t), *seen)
         root_out = out.index_select(0, last_row.view(1))
         if not self.dynamic:
             return self._static_tree(root_out, last_pos), self.fields
@@ -649,19 +685,24 @@ class EagleRounds:
         lp, ids = self._top(root_out)
         toks_all, scores, parents = [ids[0]], [lp[0]], [self.no_parent]
         # (2) expansion: the k best of each depth run, each proposes its k best
-        committed = (self.slot_ids < last_pos)[None, :]
-        anc, base = None, 0
+        committed = None if self.kernel else (self.slot_ids < last_pos)[None, :]
+        anc, base = None, 0  # the run rows' ancestors-or-self: a slot mask, or with the kernel their slots by depth
         for d in range(1, D):
             last = scores[-1]
             if d == 1:  # depth 1's k candidates all run, each from the root: nothing to select
-                anc, x, t, picked, par = self.own_hot[0], prev, toks_all[-1], last, self.first_parents
+                x, t, picked, par = prev, toks_all[-1], last, self.first_parents
+                anc = self.own[0][:, None] if self.kernel else self.own_hot[0]
             else:
                 picked, sel = (v[:k] for v in torch.sort(last, descending=True, stable=True))  # (scores, candidates)
                 src = sel // k  # the previous level's run row of each
-                anc = anc.index_select(0, src) | self.own_hot[d - 1]
+                if self.kernel:
+                    anc = torch.cat([anc.index_select(0, src), self.own[d - 1][:, None]], 1)
+                else:
+                    anc = anc.index_select(0, src) | self.own_hot[d - 1]
                 x, t = prev.index_select(0, src), toks_all[-1].index_select(0, sel)
                 par = (base + sel)[:, None].expand(k, k).reshape(-1)  # (no repeat_interleave: no host read)
-            prev = self._run(x, t, (last_pos + d).expand(k), self.own[d - 1], committed | anc)
+            prev = self._run(x, t, (last_pos + d).expand(k), self.own[d - 1], None if self.kernel else committed | anc,
+                             self._keys(last_pos, d, anc) if self.kernel else None)
             lp, ids = self._top(prev)
             toks_all.append(ids.reshape(-1))
             scores.append((picked[:, None] + lp).reshape(-1))
@@ -682,14 +723,15 @@ class EagleRounds:
         (r_1..r_d) takes the rank-r_d token of its parent's draft distribution, and every node above the last
         depth runs the draft layer (its parent's predicted feature and its own token), seeing the context and its
         ancestors-or-self."""
-        committed = (self.slot_ids < last_pos)[None, :]
+        committed = None if self.kernel else (self.slot_ids < last_pos)[None, :]
         _, ids = self._top(root_out, self.kmax[0])
         toks = [ids[0].index_select(0, self.rank_at[0])]  # depth 1
         prev = root_out
         for d in range(1, self.D):
             a, b = self.levels[d - 1]  # depth d's nodes: run; their top tokens are depth d + 1's
             prev = self._run(prev.index_select(0, self.parent_at[d - 1]), toks[-1], (last_pos + d).expand(b - a),
-                             self.slots_at[d - 1], committed | self.anc[a:b])
+                             self.slots_at[d - 1], None if self.kernel else committed | self.anc[a:b],
+                             self._keys(last_pos, d, self.path_at[d - 1]) if self.kernel else None)
             _, ids = self._top(prev, self.kmax[d])
             toks.append(ids[self.parent_at[d], self.rank_at[d]])
         return torch.cat(toks)
