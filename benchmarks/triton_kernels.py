@@ -214,10 +214,11 @@ def sweep_tiles(dev: torch.device, dtypes: list[str], rows: list[int], path: str
 # the row-attention kernel's shapes (`row_attention.parse_shape`) tried, the default first, then rows a program by
 # tl.dot, in tensor cores ("t") or FMAs (63rd session: not yet timed on a GPU; since the 64th the committed keys are
 # loaded once for a program's rows, and the first two shapes are also tried with each row gathering its own, "g"),
-# then one row a program. Each builds for sm_90 in bf16 and fp32 without local memory (tests/test_row_linear.py, and a
-# one-off compile of these, 62nd to 64th sessions); the most shared memory a shape took at 64th session's commit was
-# 198 KiB (32x64x4x8t in bf16), under the 227 KiB an H100's or H200's block can have. A run cut short (ATTN_S) keeps
-# the best of those it timed.
+# then one row a program. Each builds for sm_90 in bf16 and fp32 (tests/test_row_linear.py, and a one-off compile of
+# these, 62nd to 64th sessions). A review's compile under Triton 3.6 (66th session) found register spills (a stack of
+# 0.8-14 KB a thread at 4 and 8 rows a program), which the PTX's text does not show, and 32x64x4x8tg in fp32 taking
+# 227 KiB of shared memory, the most an H100's or H200's block can have, besides 1 KiB of static shared memory: its
+# launch may be refused, and the sweep then passes over it. A run cut short (ATTN_S) keeps the best of those it timed.
 ATTENTION_CANDIDATES = tuple(row_attention.parse_shape(c) for c in (
     row_attention.format_shape(row_attention.shape()), "32x64x4x4t", "32x64x4x4tg", "32x64x4x8t", "32x64x4x8tg",
     "32x64x4x4", "32x64x4x8", "16x64x4x8t", "64x64x8x4t", "32x128x4x8t", "32x64x4x2t", "32x64x4x1t", "16x64x4",

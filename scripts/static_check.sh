@@ -27,12 +27,18 @@
 # row-linear kernel in fp32 and bf16, about 40 s; 9 files with ROWS=1, one more than come back; and with TILES=1
 # benchmarks/triton_kernels.py --tiles, the row-linear kernel's tiles at each weight shape: the check and the
 # bench then run at the tiles it chose, MIDLAYER_ROW_TILES, which env.txt names).
-# Budget: call 2 at most 70 (KERNELS) + TILES_S (75) + ATTN_S (100) + CHECK_S (120) + BENCH_S (230) s plus the
-# set-up, then the compile rows in what is left of CALL_S (550) s; bf16 runs first. (The 62nd session's call 2:
-# kernels, tiles and set-up 91 s, the bench 164 s, the check 114 s; ATTN=1, the attention's shapes
-# (benchmarks/triton_kernels.py --attention, MIDLAYER_ROW_ATTENTION, which env.txt names), and the 4-node trees
-# are new since: with the sweep at its 100 s, the compile rows may get about 80 s.) PROFILE=1 adds PROFILE_S (120)
-# before the bench and leaves no time for the compile rows. GRAPHS: the step's modes of the main bench (default
+# Budget: call 2 runs 70 (KERNELS) + TILES_S (75) + ATTN_S (100) s at most, then the bench (BENCH_S, 260), then the
+# check (CHECK_S, 120), then the compile rows in what is left; every stage is cut to what is left of CALL_S (550 s),
+# and one with under 20 s left is skipped (`cap`; env.txt says so), so the call ends inside the device's 570 s with
+# its files written. bf16 runs first in the bench. (The 62nd session's call 2: kernels, tiles and set-up 91 s, the
+# bench 164 s, the check 114 s. New since: the attention's shapes (ATTN=1, benchmarks/triton_kernels.py
+# --attention, MIDLAYER_ROW_ATTENTION, which env.txt names), the 4-node trees and the anchors' rows. A shape of
+# rows a program compiles its kernel for each bucket's row count and dtype in the first process that runs it:
+# about 6-7 s a variant in bf16 and 23-30 s in fp32 under Triton 3.6 for sm_90, a review's compile here (66th
+# session), where the default shape's took about 1 s. So the bench runs first since the 66th session: its rows are
+# what issue 42's targets read, and each row's "= plain" counts speculative output against plain decoding; the
+# check, which run 5 passed whole, takes what is left, its lines written as they come; BENCH_FIRST=0 puts it first
+# again.) PROFILE=1 adds PROFILE_S (120) before the bench. GRAPHS: the step's modes of the main bench (default
 # cudagraph; a CPU dry run: GRAPHS=eager, as cudagraph needs CUDA).
 # COMPILE_DRAFTS=1: the compile rows run the drafters too (their device rounds compiled; more compile time).
 # A short rerun: BENCH_FIRST=1, DTYPES, CHECK_S; TILES=0 with MIDLAYER_ROW_TILES set to the first run's (env.txt).
@@ -78,13 +84,14 @@ ATTN_ROWS=${ATTN_ROWS:-1,32,128}
 PROFILE=${PROFILE:-0}  # 1: benchmarks/step_profile.py too (off since the 49th session: the tiles' 75 s took its time)
 PROFILE_S=${PROFILE_S:-120}
 COMPILE_DRAFTS=${COMPILE_DRAFTS:-0}
+COMPILE=${COMPILE:-1}  # 0: no compile rows (a CPU dry run, where Inductor's compile takes minutes)
 # 1: after the bench, hidden transfer's rounds with each block on the rows present there against every row at
 # every block (benchmarks/live_rows.py, 64th session; bf16, 24 and 12 nodes, in the bench's last step mode):
 # live.md, at most LIVE_S, taken from the compile rows' time; off by default (the bench's rows measure the new
 # rounds as they are)
 LIVE=${LIVE:-0}
 LIVE_S=${LIVE_S:-120}
-BENCH_FIRST=${BENCH_FIRST:-0}  # 1: the bench before the check (a short rerun that needs the bench's table most)
+BENCH_FIRST=${BENCH_FIRST:-1}  # 1: the bench before the check (its rows are the targets'); 0: the check first
 
 case ${1:-} in
 prepare)
@@ -126,31 +133,40 @@ run)
     $PYBIN -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__)"
     $PYBIN -c "import triton; print('triton', triton.__version__)" || echo "no triton: the row-attention kernel is not tried"
   } > "$OUT/env.txt" 2>&1
-  check() {
-    s=$SECONDS
-    timeout "$CHECK_S" $PYBIN benchmarks/static_step_check.py --device "$DEVICE" --eagle "$DR/eagle" \
-      --hidden-transfer "$DR/hidden-transfer" > "$OUT/check.txt" 2> "$OUT/check.log"
-    echo "check: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
+  cap() {  # a stage's timeout: $2 s, or what is left of CALL_S (10 s kept for the end) if less; 1: skip it
+    local left=$((CALL_S - 10 - SECONDS))
+    if [ "$left" -lt 20 ]; then echo "$1: skipped, ${left} s left of the call" >> "$OUT/env.txt"; return 1; fi
+    t=$(( left < $2 ? left : $2 ))
   }
-  [ "$ROWS" = 1 ] && timeout 40 $PYBIN benchmarks/row_invariance.py --device "$DEVICE" > "$OUT/rows.txt" 2>&1
+  check() {
+    cap check "$CHECK_S" || return 0
+    s=$SECONDS
+    timeout "$t" $PYBIN benchmarks/static_step_check.py --device "$DEVICE" --eagle "$DR/eagle" \
+      --hidden-transfer "$DR/hidden-transfer" > "$OUT/check.txt" 2> "$OUT/check.log"
+    echo "check: exit $?, $((SECONDS - s)) s of $t" >> "$OUT/env.txt"
+  }
+  [ "$ROWS" = 1 ] && cap rows 40 && timeout "$t" $PYBIN benchmarks/row_invariance.py --device "$DEVICE" \
+    > "$OUT/rows.txt" 2>&1
   : > "$OUT/kernels.txt"
-  if [ "$KERNELS" = 1 ]; then  # the Triton kernels one by one: self-checks, device time against PyTorch's ops
-    timeout 70 $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 >> "$OUT/kernels.txt" 2>&1
+  if [ "$KERNELS" = 1 ] && cap kernels 70; then  # the Triton kernels one by one: self-checks, device time against
+    timeout "$t" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 >> "$OUT/kernels.txt" 2>&1
     echo "triton_kernels: exit $?" >> "$OUT/kernels.txt"
   fi
-  if [ "$TILES" = 1 ] && [ "$DEVICE" != cpu ]; then  # (written after each weight shape: a cut run keeps some)
+  if [ "$TILES" = 1 ] && [ "$DEVICE" != cpu ] && cap tiles "$TILES_S"; then  # (written after each weight shape: a
+    # cut run keeps some)
     # fp32's times alone (63rd session): fp32 is the dtype whose step runs this kernel, and bf16's MMAs since then
     # rank the tiles otherwise than fp32's FMAs, where both dtypes ran one arithmetic before (a tile is per shape)
     rm -f /tmp/row-tiles.txt
-    timeout "$TILES_S" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 --dtypes fp32 \
+    timeout "$t" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows 1,64 --dtypes fp32 \
       --tiles /tmp/row-tiles.txt >> "$OUT/kernels.txt" 2>&1
     echo "tiles: exit $?" >> "$OUT/kernels.txt"
     [ -s /tmp/row-tiles.txt ] && export MIDLAYER_ROW_TILES=$(cat /tmp/row-tiles.txt)
   fi
   echo "row-linear tiles: ${MIDLAYER_ROW_TILES:-the default}" >> "$OUT/env.txt"
-  if [ "$ATTN" = 1 ] && [ "$DEVICE" != cpu ]; then  # (62nd session: the attention was 46% of a hidden-transfer round)
+  if [ "$ATTN" = 1 ] && [ "$DEVICE" != cpu ] && cap attention "$ATTN_S"; then  # (62nd session: the attention was
+    # 46% of a hidden-transfer round)
     rm -f /tmp/row-attention.txt
-    timeout "$ATTN_S" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows "$ATTN_ROWS" \
+    timeout "$t" $PYBIN benchmarks/triton_kernels.py --device "$DEVICE" --rows "$ATTN_ROWS" \
       --attention /tmp/row-attention.txt --workers 8 >> "$OUT/kernels.txt" 2>&1
     echo "attention shapes: exit $?" >> "$OUT/kernels.txt"
     [ -s /tmp/row-attention.txt ] && export MIDLAYER_ROW_ATTENTION=$(cat /tmp/row-attention.txt)
@@ -166,9 +182,9 @@ run)
       --blas triton >> "$OUT/kernels.txt" 2>&1
   fi
   [ "$BENCH_FIRST" = 1 ] || check
-  if [ "$PROFILE" = 1 ]; then
+  if [ "$PROFILE" = 1 ] && cap profile "$PROFILE_S"; then
     s=$SECONDS
-    timeout "$PROFILE_S" $PYBIN benchmarks/step_profile.py --device "$DEVICE" --dtype bf16 --steps 20 \
+    timeout "$t" $PYBIN benchmarks/step_profile.py --device "$DEVICE" --dtype bf16 --steps 20 \
       --drafts "eagle=$DR/eagle,hidden-transfer=$DR/hidden-transfer" > "$OUT/profile.md" 2>> "$OUT/check.log"
     echo "profile: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
   fi
@@ -176,17 +192,18 @@ run)
   # the step in CUDA graphs of its eager kernels (the speculative rows run there; GRAPHS=eager,cudagraph adds
   # the eager step, measured in docs/results), bf16 then fp32; the dynamic engine's row is left out (issue 42's
   # table has it)
-  timeout "$BENCH_S" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" --max-prompts "$PROMPTS" \
+  cap bench "$BENCH_S" && timeout "$t" $PYBIN -m midlayer bench static --device "$DEVICE" --new-tokens "$NEW" \
+    --max-prompts "$PROMPTS" \
     --graphs "${GRAPHS:-cudagraph}" --no-dynamic --dtypes "$DTYPES" --also-nodes "$ALSO_NODES" --anchors "$ANCHORS" \
     --eagle-k "$EAGLE_K" --eagle-depth "$EAGLE_DEPTH" \
     --drafts "eagle=$DR/eagle,medusa=$DR/medusa,hidden-transfer=$DR/hidden-transfer" \
     --output "$OUT/bench.json" > "$OUT/bench.md" 2> "$OUT/bench.log"
-  echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
+  echo "bench: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"  # (124: cut at its cap; bench.md has each dtype done)
   [ "$BENCH_FIRST" = 1 ] && check
-  if [ "$LIVE" = 1 ]; then
+  if [ "$LIVE" = 1 ] && cap live "$LIVE_S"; then
     s=$SECONDS
     g=${GRAPHS:-cudagraph}
-    timeout "$LIVE_S" $PYBIN benchmarks/live_rows.py --device "$DEVICE" --graphs "${g##*,}" --dtype bf16 \
+    timeout "$t" $PYBIN benchmarks/live_rows.py --device "$DEVICE" --graphs "${g##*,}" --dtype bf16 \
       --nodes 24,12 --new-tokens "$NEW" --max-prompts "$PROMPTS" --draft "$DR/hidden-transfer" \
       > "$OUT/live.md" 2>> "$OUT/bench.log"
     echo "live rows: exit $?, $((SECONDS - s)) s" >> "$OUT/env.txt"
@@ -195,7 +212,7 @@ run)
   # (Inductor's fused kernels, CUDA graphs; prefill eager) beside the recipe, bf16 then fp32, and with
   # COMPILE_DRAFTS=1 the drafters' compiled rounds: appended to bench.md
   left=$((CALL_S - SECONDS))
-  if [ "$left" -gt 60 ]; then
+  if [ "$COMPILE" = 1 ] && [ "$left" -gt 60 ]; then
     s=$SECONDS
     echo -e "\n### torch.compile (the rest of the call: ${left} s)\n" >> "$OUT/bench.md"
     cdrafts=""
