@@ -674,8 +674,10 @@ class EagleRounds:
         at = first + self.rows  # their slots, and RoPE positions one on
         real = self.rows <= last_row
         M = self.D + 1  # (a padding row reads the positions up to its place among them, harmlessly)
-        seen = (None, (self.ident[:, :M], self.kzero[:, :M], at[None], self.step.zero, self.counts)) if self.kernel else (
-            self.slot_ids[None, :] <= at[:, None], None)  # (the slot mask, or the row attention's operands)
+        if self.kernel:  # (the row attention's operands: each row over the positions up to its own slot)
+            seen = (None, (self.ident[:, :M], self.kzero[:, :M], at[None], self.step.zero, self.counts))
+        else:  # (the slot mask)
+            seen = (self.slot_ids[None, :] <= at[:, None], None)
         out = self._run(feature(self.d.model, feats), toks, torch.where(real, at + 1, self.step.zero),
                         torch.where(real, at, self.pad_t), *seen)
         root_out = out.index_select(0, last_row.view(1))
